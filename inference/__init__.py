@@ -1,0 +1,9 @@
+"""odmoe runtime: serve a Mixtral-family MoE with on-demand expert loading (OD-MoE).
+
+The model is split over separate processes that talk over ZeroMQ: *main* (attention,
+norms, routers, LM head, KV cache), a quantized *shadow* that predicts routing ahead of
+main, and *workers* that copy the predicted experts to their compute device just in time,
+compute, and free them at once. ``python -m inference --help`` lists the commands.
+"""
+
+__version__ = "0.1.0"
