@@ -1,0 +1,233 @@
+"""``python -m inference``: make a tiny model, shard a checkpoint, generate, serve a role."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from inference.constants import SHADOW_DTYPES
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except _user_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from inference.checkpoint import CheckpointError
+    from inference.launcher import ClusterError
+    from inference.sharding import ShardError
+    from inference.spec import SpecError
+
+    return (CheckpointError, ClusterError, ShardError, SpecError, ValueError, FileNotFoundError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m inference", description=__doc__)
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    tiny = sub.add_parser("make-tiny", help="write a small random Mixtral checkpoint (with a tokenizer)")
+    tiny.add_argument("out_dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    for name, default in (
+        ("layers", 4),
+        ("hidden", 64),
+        ("intermediate", 128),
+        ("experts", 8),
+        ("top-k", 2),
+        ("heads", 4),
+        ("kv-heads", 2),
+        ("shards", 1),
+    ):
+        tiny.add_argument(f"--{name}", type=int, default=default)
+    tiny.add_argument("--head-dim", type=int, default=None)
+    tiny.set_defaults(run=_make_tiny)
+
+    shard = sub.add_parser("shard", help="split a checkpoint into main, shadow and worker shards")
+    shard.add_argument("model_dir", type=Path)
+    shard.add_argument("out_dir", type=Path)
+    shard.add_argument("--workers", type=int, required=True)
+    shard.add_argument("--max-file-mb", type=int, default=2048, help="largest weights file to write (MiB)")
+    shard.set_defaults(run=_shard)
+
+    gen = sub.add_parser("generate", help="run main, shadow and N workers on 127.0.0.1 and generate")
+    gen.add_argument("--model", type=Path, required=True, help="a Hugging Face Mixtral checkpoint directory")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--workers", type=int, default=8)
+    gen.add_argument("--shadow-dtype", choices=SHADOW_DTYPES, default="fp32")
+    gen.add_argument("--no-shadow", action="store_true", help="no prediction: workers load on demand")
+    gen.add_argument(
+        "--token-period", type=int, default=1, help="align the shadow's token every P steps (0 never)"
+    )
+    gen.add_argument(
+        "--kv-period", type=int, default=1, help="align the shadow's KV cache every P steps (0 never)"
+    )
+    gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    gen.add_argument("--timeout", type=float, default=60.0, help="seconds any role waits for a peer")
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object with tokens, text and metrics"
+    )
+    gen.set_defaults(run=_generate)
+
+    role = sub.add_parser("serve-role", help="run one role from a spec file (what an agent launches)")
+    role.add_argument("--role", choices=("main", "shadow", "worker"), required=True)
+    role.add_argument("--spec", type=Path, required=True)
+    role.set_defaults(run=_serve_role)
+    return parser
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from inference.tiny import make_tiny
+
+    out = make_tiny(
+        args.out_dir,
+        seed=args.seed,
+        layers=args.layers,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        experts=args.experts,
+        top_k=args.top_k,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        shards=args.shards,
+    )
+    print(f"wrote a tiny Mixtral checkpoint to {out}")
+    return 0
+
+
+def _shard(args: argparse.Namespace) -> int:
+    from inference.sharding import build_shards
+
+    def progress(done: int, total: int) -> None:
+        width = 30
+        filled = int(width * done / total) if total else width
+        print(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {done / 2**20:8.1f} / {total / 2**20:.1f} MiB",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    shard_set = build_shards(
+        args.model_dir,
+        args.out_dir,
+        workers=args.workers,
+        max_file_bytes=args.max_file_mb * 2**20,
+        progress=progress,
+    )
+    print(file=sys.stderr)
+    print(f"wrote shards for main, shadow and {args.workers} workers to {shard_set.root}")
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError("--prompt-ids is empty")
+    return ids
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from inference.checkpoint import Checkpoint
+    from inference.launcher import ClusterOptions, LocalCluster
+    from inference.schedule import validate_periods
+    from inference.spec import Settings
+    from inference.textstream import TextStream, load_tokenizer
+
+    validate_periods(args.token_period, args.kv_period)
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    Checkpoint(args.model)  # a bad model dir is reported before anything starts
+    tokenizer = load_tokenizer(args.model)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer; pass --prompt-ids instead of --prompt")
+        prompt_ids = tokenizer(args.prompt)["input_ids"]
+    else:
+        prompt_ids = _parse_ids(args.prompt_ids)
+    settings = Settings(
+        shadow_dtype=args.shadow_dtype,
+        token_period=args.token_period,
+        kv_period=args.kv_period,
+        device=args.device,
+        timeout_s=args.timeout,
+    )
+    options = ClusterOptions(workers=args.workers, shadow=not args.no_shadow, settings=settings)
+    say = (lambda line: print(line, file=sys.stderr)) if not args.json else (lambda line: None)
+    stream = TextStream(tokenizer, sys.stdout if not args.json else None)
+    with LocalCluster(args.model, options, progress=say) as cluster:
+        say("cluster ready; generating")
+        done = cluster.generate(
+            prompt_ids,
+            args.max_new_tokens,
+            on_token=stream.add,
+            do_sample=args.sample,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    stream.finish()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "token_ids": done.token_ids,
+                    "text": stream.text(done.token_ids),
+                    "finish_reason": done.finish_reason,
+                    "metrics": done.metrics,
+                }
+            )
+        )
+    else:
+        m = done.metrics
+        recall = "n/a" if m["recall"] is None else f"{m['recall']:.1%}"
+        peak = max(m["worker_peak_expert_bytes"].values(), default=0)
+        say(
+            f"\n{len(done.token_ids)} tokens; TTFT {m['ttft_ms']:.0f} ms; "
+            f"decode {m['decode_tok_s']:.1f} tok/s; recall {recall}; peak expert bytes per worker {peak}"
+        )
+    return 0
+
+
+def _serve_role(args: argparse.Namespace) -> int:
+    from inference.spec import SpecError, load_spec
+
+    spec = load_spec(args.spec)
+    if spec.role != args.role:
+        raise SpecError(f"--role {args.role} but the spec is for role {spec.role}")
+    if spec.role == "main":
+        from inference.roles.main import serve
+    elif spec.role == "shadow":
+        from inference.roles.shadow import serve
+    else:
+        from inference.roles.worker import serve
+    serve(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

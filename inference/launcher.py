@@ -1,0 +1,270 @@
+"""Run a whole OD-MoE cluster on this machine: main, shadow and N workers on 127.0.0.1.
+
+``LocalCluster`` builds the role shards, writes one spec per role, starts each role as
+its own OS process (``python -m inference serve-role``), waits until main reports every
+peer ready, and then talks to main as a client. Every wait is bounded, a role process
+that dies is reported with the tail of its log, and closing the cluster (also on Ctrl-C)
+stops every process it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from inference.checkpoint import Checkpoint
+from inference.protocol import (
+    Cancel,
+    GenerateDone,
+    GenerateError,
+    GenerateRequest,
+    Ping,
+    Pong,
+    SetAlignment,
+    Shutdown,
+    TokenEvent,
+)
+from inference.sharding import build_shards
+from inference.spec import Addresses, RoleSpec, Settings
+from inference.transport import Endpoint
+
+
+class ClusterError(RuntimeError):
+    """The local cluster could not start or a generation failed; the message says why."""
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    workers: int = 8
+    shadow: bool = True  # without a shadow, workers load reactively (no prediction)
+    settings: Settings = field(default_factory=Settings)
+    startup_timeout_s: float = 180.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if the launcher dies, so no role outlives its cluster."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        options: ClusterOptions | None = None,
+        *,
+        work_dir: str | Path | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.options = options = options or ClusterOptions()
+        if options.workers < 1:
+            raise ClusterError(f"at least one worker is needed, got {options.workers}")
+        self._own_work_dir = work_dir is None
+        self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="odmoe-"))
+        self.progress = progress or (lambda line: None)
+        self.deployment = f"local-{uuid.uuid4().hex[:8]}"
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.client: Endpoint | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        checkpoint = Checkpoint(self.model_dir)  # a bad model dir fails here, clearly
+        shard_dir = self.work_dir / "shards"
+        if not (shard_dir / "shards.json").exists():
+            self.progress(f"building shards for {self.options.workers} workers in {shard_dir}")
+            build_shards(checkpoint.path, shard_dir, workers=self.options.workers)
+        self.shard_dir = shard_dir
+        addresses = Addresses(
+            main=f"tcp://127.0.0.1:{free_port()}",
+            workers=[f"tcp://127.0.0.1:{free_port()}" for _ in range(self.options.workers)],
+            shadow=f"tcp://127.0.0.1:{free_port()}" if self.options.shadow else None,
+        )
+        self.addresses = addresses
+        roles: list[tuple[str, str, int | None, Path]] = [("main", "main", None, shard_dir / "main")]
+        if self.options.shadow:
+            roles.append(("shadow", "shadow", None, shard_dir / "shadow"))
+        roles += [
+            (f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)
+        ]
+        for name, role, worker, role_dir in roles:
+            spec = RoleSpec(self.deployment, role, str(role_dir), addresses, worker, self.options.settings)
+            spec_path = self.work_dir / f"{name}.spec.json"
+            spec_path.write_text(spec.to_json())
+            self._spawn(name, role, spec_path)
+        self.client = Endpoint(f"client-{uuid.uuid4().hex[:8]}", self.deployment)
+        self.client.connect("main", addresses.main)
+        self.progress(f"started {len(roles)} role processes; waiting for them to be ready")
+        self._wait_ready()
+
+    def _spawn(self, name: str, role: str, spec_path: Path) -> None:
+        log_file = open(self.work_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "inference", "serve-role", "--role", role, "--spec", str(spec_path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        log_file.close()
+
+    def _wait_ready(self) -> None:
+        assert self.client is not None
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        detail = "no answer from main yet"
+        while time.monotonic() < deadline:
+            self.check_processes()
+            self.client.send("main", Ping())
+            received = self.client.recv(timeout_s=0.5)
+            if received is not None and isinstance(received.msg, Pong):
+                if received.msg.ready:
+                    return
+                detail = received.msg.detail
+        raise ClusterError(
+            f"the cluster was not ready within {self.options.startup_timeout_s:.0f} s: {detail}"
+        )
+
+    def check_processes(self) -> None:
+        """Raise ClusterError if any role process has exited."""
+        for name, proc in self.processes.items():
+            code = proc.poll()
+            if code is not None:
+                raise ClusterError(f"{name} exited with code {code}:\n{self.log_tail(name)}")
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.work_dir / f"{name}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join("    " + line for line in path.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.send("main", Shutdown())
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(p.poll() is None for p in self.processes.values()):
+                time.sleep(0.05)
+            self.client.close()
+            self.client = None
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._own_work_dir and not os.environ.get("ODMOE_KEEP_WORK_DIR"):
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    # --- talking to main ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        on_token: Callable[[int], None] | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        timeout_s: float | None = None,
+        during: Callable[[int], None] | None = None,
+    ) -> GenerateDone:
+        """Generate through the cluster; ``during(n)`` runs after the n-th token arrives."""
+        assert self.client is not None, "the cluster is not started"
+        request_id = uuid.uuid4().hex[:12]
+        self.client.send(
+            "main",
+            GenerateRequest(
+                request_id=request_id,
+                prompt_ids=list(prompt_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+            ),
+        )
+        limit = timeout_s or (self.options.settings.timeout_s * 2 + max_new_tokens * 5)
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            received = self.client.recv(timeout_s=0.5)
+            if received is None:
+                self.check_processes()
+                continue
+            msg = received.msg
+            if getattr(msg, "request_id", None) != request_id:
+                continue
+            if isinstance(msg, TokenEvent):
+                if on_token is not None:
+                    on_token(msg.token_id)
+                if during is not None:
+                    during(msg.index + 1)
+            elif isinstance(msg, GenerateDone):
+                return msg
+            elif isinstance(msg, GenerateError):
+                self.check_processes()
+                raise ClusterError(f"generation failed: {msg.error}")
+        self.check_processes()
+        raise ClusterError(f"generation did not finish within {limit:.0f} s")
+
+    def set_alignment(self, token_period: int, kv_period: int) -> None:
+        assert self.client is not None
+        self.client.send("main", SetAlignment(token_period=token_period, kv_period=kv_period))
+
+    def cancel(self, request_id: str) -> None:
+        assert self.client is not None
+        self.client.send("main", Cancel(request_id=request_id))
+
+    def describe(self) -> dict:
+        return {
+            "deployment": self.deployment,
+            "work_dir": str(self.work_dir),
+            "addresses": asdict(self.addresses),
+            "settings": asdict(self.options.settings),
+        }
+
+
+def options_with(options: ClusterOptions, **settings: object) -> ClusterOptions:
+    return replace(options, settings=replace(options.settings, **settings))
+
+
+def dump_json(obj: object) -> str:
+    return json.dumps(obj, indent=None, separators=(",", ":"))

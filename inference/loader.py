@@ -1,0 +1,250 @@
+"""Just-in-time expert loading: copy an expert to the compute device, use it, free it.
+
+``ExpertLoader`` owns one background thread that copies experts from a store to the
+compute device in the order they will be needed, never holding more than
+``max_resident`` experts on the device (the one being computed plus the next one). A
+request for an expert that was never predicted jumps the queue and, if the device is
+full, pushes out the prefetch needed furthest in the future: a wrong prediction costs a
+load on the critical path, never a wrong result.
+
+On CUDA the copies come from pinned host memory on a side stream and the resident bytes
+are read from ``torch.cuda.memory_allocated``; on CPU a copy is a fresh buffer (what a
+GPU would hold) and the bytes are counted from the tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.experts import ExpertWeights
+from inference.store import ExpertStore
+
+Key = tuple[int, int, int]  # (step, layer, expert)
+
+
+@dataclass
+class Resident:
+    weights: ExpertWeights
+    nbytes: int
+    ready: torch.cuda.Event | None = None
+
+
+@dataclass
+class LoaderStats:
+    loads: int = 0
+    hits: int = 0
+    misses: int = 0
+    wasted_loads: int = 0
+    load_ms: float = 0.0
+    peak_bytes: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+
+
+def pick_victim(resident: list[Key], in_use: set[Key]) -> Key | None:
+    """The resident expert to push out for a critical load: the one needed last."""
+    candidates = [k for k in resident if k not in in_use]
+    return max(candidates) if candidates else None
+
+
+class ExpertLoader:
+    def __init__(
+        self,
+        store: ExpertStore,
+        device: torch.device,
+        *,
+        max_resident: int = 2,
+        copy_bytes_per_s: float | None = None,
+    ) -> None:
+        if max_resident < 1:
+            raise ValueError("max_resident must be >= 1")
+        self.store = store
+        self.device = device
+        self.max_resident = max_resident
+        # Emulated host->device bandwidth (bytes/s) for benchmarks on machines without PCIe.
+        self.copy_bytes_per_s = copy_bytes_per_s
+        self.stats = LoaderStats()
+        self._cond = threading.Condition()
+        self._queue: list[Key] = []  # prefetches, in the order they will be needed
+        self._urgent: list[Key] = []  # keys a computation is already waiting for
+        self._loading: Key | None = None
+        self._drop_when_loaded = False
+        self._ready: dict[Key, Resident] = {}
+        self._in_use: set[Key] = set()
+        self._prefetched: set[Key] = set()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._cuda = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._cuda_baseline = torch.cuda.memory_allocated(device) if self._cuda else 0
+        self._thread = threading.Thread(target=self._run, name="expert-loader", daemon=True)
+        self._thread.start()
+
+    # --- what the worker loop calls ---------------------------------------------------
+
+    def prefetch(self, key: Key) -> None:
+        """Load ``key`` ahead of need, in (step, layer) order, when a device slot frees."""
+        with self._cond:
+            if key in self._ready or key == self._loading or key in self._queue or key in self._urgent:
+                return
+            self._prefetched.add(key)
+            self._queue.append(key)
+            self._queue.sort()
+            self._cond.notify_all()
+
+    def acquire(self, key: Key, timeout_s: float = 60.0) -> tuple[Resident, bool, float]:
+        """Block until ``key`` is on the device; returns (expert, was_predicted, wait_ms)."""
+        start = time.perf_counter()
+        with self._cond:
+            predicted = key in self._prefetched
+            if key not in self._ready and key != self._loading and key not in self._urgent:
+                if key in self._queue:
+                    self._queue.remove(key)
+                self._urgent.append(key)
+                self._make_room_for_critical()
+                self._cond.notify_all()
+            deadline = time.monotonic() + timeout_s
+            while key not in self._ready:
+                self._raise_if_failed()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"expert {key} was not loaded within {timeout_s:.0f} s")
+                self._cond.wait(remaining)
+            self._in_use.add(key)
+            resident = self._ready[key]
+            if predicted:
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
+        if resident.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(resident.ready)
+        return resident, predicted, (time.perf_counter() - start) * 1000
+
+    def release(self, key: Key) -> None:
+        """Free ``key`` from the device at once: nothing is cached."""
+        with self._cond:
+            self._in_use.discard(key)
+            self._prefetched.discard(key)
+            resident = self._ready.pop(key, None)
+            if resident is not None and self._cuda:
+                for t in (resident.weights.gate_up, resident.weights.down):
+                    t.record_stream(torch.cuda.current_stream(self.device))
+            self._cond.notify_all()
+
+    def discard(self, keep: Callable[[Key], bool]) -> None:
+        """Drop every queued or idle resident prefetch for which ``keep`` is false."""
+        with self._cond:
+            self._queue = [k for k in self._queue if keep(k)]
+            for key in [k for k in self._ready if not keep(k) and k not in self._in_use]:
+                del self._ready[key]
+                self.stats.wasted_loads += 1
+            if self._loading is not None and not keep(self._loading):
+                self._drop_when_loaded = True
+            self._prefetched = {k for k in self._prefetched if keep(k)}
+            self._cond.notify_all()
+
+    def reset_stats(self) -> None:
+        with self._cond:
+            self.stats = LoaderStats()
+
+    def resident_bytes(self) -> int:
+        with self._cond:
+            return self._resident_bytes_locked()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    # --- the copy thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and not self._can_start_load():
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    key = self._urgent.pop(0) if self._urgent else self._queue.pop(0)
+                    self._loading = key
+                    self._drop_when_loaded = False
+                resident = self._copy(key)
+                with self._cond:
+                    self._loading = None
+                    self.stats.loads += 1
+                    if self._drop_when_loaded:
+                        self.stats.wasted_loads += 1
+                    else:
+                        self._ready[key] = resident
+                        self._note_peak(key)
+                    self._cond.notify_all()
+        except BaseException as exc:  # surfaced to the worker loop by acquire()
+            with self._cond:
+                self._error = exc
+                self._loading = None
+                self._cond.notify_all()
+
+    def _copy(self, key: Key) -> Resident:
+        _, layer, expert = key
+        host = self.store.get(layer, expert)
+        start = time.perf_counter()
+        if self._cuda:
+            assert self._copy_stream is not None
+            with torch.cuda.stream(self._copy_stream):
+                weights = ExpertWeights(
+                    host.gate_up.to(self.device, non_blocking=True),
+                    host.down.to(self.device, non_blocking=True),
+                )
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            event.synchronize()
+        else:
+            # A fresh buffer, as the device copy would be: the store's tensors stay untouched.
+            weights = ExpertWeights(host.gate_up.clone(), host.down.clone())
+            event = None
+        if self.copy_bytes_per_s:
+            floor = host.nbytes / self.copy_bytes_per_s
+            elapsed = time.perf_counter() - start
+            if floor > elapsed:
+                time.sleep(floor - elapsed)
+        self.stats.load_ms += (time.perf_counter() - start) * 1000
+        return Resident(weights, host.nbytes, event)
+
+    # --- decisions under the lock -------------------------------------------------------
+
+    def _slots_used(self) -> int:
+        return len(self._ready) + (1 if self._loading is not None else 0)
+
+    def _can_start_load(self) -> bool:
+        pending = bool(self._urgent or self._queue)
+        return pending and self._loading is None and self._slots_used() < self.max_resident
+
+    def _make_room_for_critical(self) -> None:
+        while self._slots_used() >= self.max_resident:
+            victim = pick_victim(list(self._ready), self._in_use)
+            if victim is None:
+                return  # everything resident is being computed; the load waits for a release
+            del self._ready[victim]
+            self.stats.wasted_loads += 1
+            # Its prediction still stands: load it again once there is room.
+            self._queue.append(victim)
+            self._queue.sort()
+
+    def _resident_bytes_locked(self) -> int:
+        if self._cuda:
+            return max(0, torch.cuda.memory_allocated(self.device) - self._cuda_baseline)
+        return sum(r.nbytes for r in self._ready.values())
+
+    def _note_peak(self, key: Key) -> None:
+        phase = "prefill" if key[0] == 0 else "decode"
+        current = self._resident_bytes_locked()
+        self.stats.peak_bytes[phase] = max(self.stats.peak_bytes[phase], current)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"expert loader failed: {self._error}") from self._error

@@ -1,0 +1,106 @@
+"""The figures a generation reports: speed, prediction recall, expert memory, overhead.
+
+Recall is the share of really-routed experts that the shadow had named for that
+(step, layer); a decode layer with no prediction counts as 0. It is reported overall,
+per layer and per step. Peak expert bytes are what each worker had resident on its
+compute device, during prefill and during decode.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from inference.placement import Placement
+from inference.protocol import ShadowStats, WorkerStats
+from inference.schedule import recall
+
+if TYPE_CHECKING:
+    from inference.roles.main import RequestState
+
+
+def build_metrics(
+    state: RequestState,
+    worker_stats: dict[int, WorkerStats],
+    shadow_stats: ShadowStats | None,
+    placement: Placement,
+    *,
+    token_period: int,
+    kv_period: int,
+) -> dict:
+    times = state.token_times
+    ttft_ms = (times[0] - state.started) * 1000 if times else 0.0
+    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    decode_tok_s = (len(times) - 1) / decode_s if decode_s > 0 else 0.0
+    total_s = times[-1] - state.started if times else 0.0
+    per_layer: dict[int, list[float]] = {}
+    per_step = []
+    all_recalls: list[float] = []
+    covered = 0
+    decode_dispatch: list[float] = []
+    decode_wait: list[float] = []
+    for step in state.steps:
+        layers = []
+        step_recalls = []
+        for rec in step.layers:
+            entry = {
+                "layer": rec.layer,
+                "real": rec.real,
+                "wait_ms": round(rec.wait_ms, 3),
+                "dispatch_ms": round(rec.dispatch_ms, 3),
+                "hits": rec.hits,
+                "misses": rec.misses,
+            }
+            if step.step > 0:
+                predicted = state.predictions.get((step.step, rec.layer))
+                covered += predicted is not None
+                r = recall(predicted, rec.real)
+                entry.update(predicted=predicted, predicted_in_time=rec.predicted is not None, recall=r)
+                step_recalls.append(r)
+                per_layer.setdefault(rec.layer, []).append(r)
+                decode_dispatch.append(rec.dispatch_ms)
+                decode_wait.append(rec.wait_ms)
+            layers.append(entry)
+        all_recalls.extend(step_recalls)
+        per_step.append(
+            {
+                "step": step.step,
+                "tokens": step.tokens,
+                "ms": round((step.finished - step.started) * 1000, 3) if step.finished else None,
+                "recall": statistics.fmean(step_recalls) if step_recalls else None,
+                "layers": layers,
+            }
+        )
+    decode_layers = len(all_recalls)
+    return {
+        "recall": statistics.fmean(all_recalls) if all_recalls else None,
+        "recall_per_layer": [statistics.fmean(per_layer[k]) for k in sorted(per_layer)],
+        "prediction_coverage": covered / decode_layers if decode_layers else None,
+        "ttft_ms": ttft_ms,
+        "decode_tok_s": decode_tok_s,
+        "e2e_tok_s": len(times) / total_s if total_s > 0 else 0.0,
+        "prompt_tokens": state.prompt_len,
+        "generated_tokens": len(times),
+        "token_period": token_period,
+        "kv_period": kv_period,
+        "alignment_changes": state.alignment_log,
+        "expert_bytes": max((s.expert_bytes for s in worker_stats.values()), default=0),
+        "worker_peak_expert_bytes": {str(w): s.peak_decode_bytes for w, s in sorted(worker_stats.items())},
+        "worker_peak_prefill_bytes": {str(w): s.peak_prefill_bytes for w, s in sorted(worker_stats.items())},
+        "expert_loads": sum(s.loads for s in worker_stats.values()),
+        "prefetch_hits": sum(s.hits for s in worker_stats.values()),
+        "prefetch_misses": sum(s.misses for s in worker_stats.values()),
+        "wasted_loads": sum(s.wasted_loads for s in worker_stats.values()),
+        "decode_layer_dispatch_ms_median": statistics.median(decode_dispatch) if decode_dispatch else None,
+        "decode_layer_load_wait_ms_median": statistics.median(decode_wait) if decode_wait else None,
+        "shadow": None
+        if shadow_stats is None
+        else {
+            "steps_done": shadow_stats.steps_done,
+            "rewinds": shadow_stats.rewinds,
+            "token_aligns": shadow_stats.token_aligns,
+            "kv_aligns": shadow_stats.kv_aligns,
+        },
+        "groups": [list(g) for g in placement.groups],
+        "per_step": per_step,
+    }

@@ -1,0 +1,1 @@
+"""The three runtime roles, one module each: main, shadow and worker."""

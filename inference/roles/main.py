@@ -1,0 +1,489 @@
+"""The main role: attention, norms, routers, LM head and KV cache; experts are remote.
+
+Main runs Transformers' own ``generate`` on a model whose experts implementation hands
+every layer's routed rows to ``ExpertDispatch.moe``: it sorts the (token, expert) pairs
+exactly as the reference grouped implementation does, sends each worker of the layer's
+group the rows of the experts assigned to it, and puts the weighted answers back in the
+reference order before summing, so the output is the full-precision model's bit for bit.
+Between steps it streams the token to the client and aligns the shadow.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from inference import schedule
+from inference.metrics import build_metrics
+from inference.model import build_main_model
+from inference.placement import Placement, placement_from_dict
+from inference.protocol import (
+    Align,
+    Begin,
+    Cancel,
+    End,
+    ExpertRequest,
+    ExpertResult,
+    GenerateDone,
+    GenerateError,
+    GenerateRequest,
+    Ping,
+    Prediction,
+    SetAlignment,
+    ShadowBegin,
+    ShadowStats,
+    Shutdown,
+    TokenEvent,
+    WorkerStats,
+)
+from inference.roles.common import PeerHealth, answer_ping, connect_peers, setup_process
+from inference.sharding import verify_shard
+from inference.spec import RoleSpec
+from inference.transport import Endpoint, Received
+
+log = logging.getLogger(__name__)
+
+
+class GenerationAborted(RuntimeError):
+    """A peer failed or timed out during a generation."""
+
+
+@dataclass
+class LayerRecord:
+    layer: int
+    real: list[int]
+    predicted: list[int] | None
+    wait_ms: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    dispatch_ms: float = 0.0  # main's own time for this layer's expert round trip
+
+
+@dataclass
+class StepRecord:
+    step: int
+    tokens: int
+    started: float
+    finished: float = 0.0
+    layers: list[LayerRecord] = field(default_factory=list)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    client: bytes
+    prompt_len: int
+    max_new_tokens: int
+    token_period: int
+    kv_period: int
+    started: float
+    steps: list[StepRecord] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    predictions: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    kv_synced: int = 0  # positions of main's KV cache the shadow already holds
+    cancelled: bool = False
+    cache: DynamicCache | None = None
+    alignment_log: list[dict] = field(default_factory=list)
+
+
+class MainRole:
+    def __init__(self, spec: RoleSpec) -> None:
+        self.spec = spec
+        self.device = setup_process(spec)
+        manifest = verify_shard(spec.shard_dir, expect_role="main")
+        self.placement: Placement = placement_from_dict(manifest["placement"])
+        if self.placement.n_workers != len(spec.addresses.workers):
+            raise RuntimeError(
+                f"shards were built for {self.placement.n_workers} workers but the peer table lists "
+                f"{len(spec.addresses.workers)}"
+            )
+        self.model = build_main_model(spec.shard_dir, self)
+        self.model.to(self.device)
+        self.endpoint = Endpoint(spec.name, spec.deployment, bind=spec.bind_address)
+        connect_peers(self.endpoint, spec, workers=True, shadow=True, main=False)
+        self.has_shadow = spec.addresses.shadow is not None
+        self.health = PeerHealth(self.endpoint, self.endpoint.peers)
+        self.token_period = spec.settings.token_period
+        self.kv_period = spec.settings.kv_period
+        self.request: RequestState | None = None
+        self.step = -1
+        self.pending_results: dict[str, ExpertResult] = {}
+        self.worker_stats: dict[int, WorkerStats] = {}
+        self.shadow_stats: ShadowStats | None = None
+        log.info(
+            "main ready to connect: %d workers in groups %s, shadow %s",
+            self.placement.n_workers,
+            self.placement.groups,
+            "yes" if self.has_shadow else "no",
+        )
+
+    # --- idle loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                self.health.tick()
+                received = self.endpoint.recv(timeout_s=0.1)
+                if received is None:
+                    continue
+                if isinstance(received.msg, Shutdown):
+                    for peer in self.endpoint.peers:
+                        self.endpoint.send(peer, Shutdown())
+                    return
+                if isinstance(received.msg, GenerateRequest):
+                    self.serve_request(received.msg, received.identity)
+                else:
+                    self.handle_side_message(received)
+        finally:
+            time.sleep(0.2)  # let the Shutdown messages leave
+            self.endpoint.close()
+
+    def handle_side_message(self, received: Received) -> None:
+        """Everything that may arrive at any time, also while a generation runs."""
+        msg = received.msg
+        if self.health.observe(received):
+            return
+        if isinstance(msg, Ping):
+            detail = "" if self.health.ready else f"waiting for {', '.join(sorted(self.health.waiting))}"
+            answer_ping(self.endpoint, received, "main", self.health.ready, detail)
+        elif isinstance(msg, Prediction):
+            if self.request is not None and msg.request_id == self.request.request_id:
+                self.request.predictions[(msg.step, msg.layer)] = msg.experts
+        elif isinstance(msg, SetAlignment):
+            self.set_alignment(msg)
+        elif isinstance(msg, Cancel):
+            if self.request is not None and msg.request_id == self.request.request_id:
+                self.request.cancelled = True
+        elif isinstance(msg, ExpertResult):
+            self.pending_results[received.via] = msg
+        elif isinstance(msg, WorkerStats):
+            self.worker_stats[msg.worker] = msg
+        elif isinstance(msg, ShadowStats):
+            self.shadow_stats = msg
+        elif isinstance(msg, GenerateRequest):
+            self.endpoint.reply(
+                received.identity,
+                GenerateError(
+                    request_id=msg.request_id,
+                    error="main is busy with another generation; try again when it ends",
+                ),
+            )
+        else:
+            log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
+
+    def set_alignment(self, msg: SetAlignment) -> None:
+        try:
+            schedule.validate_periods(msg.token_period, msg.kv_period)
+        except ValueError as exc:
+            log.warning("ignored alignment change: %s", exc)
+            return
+        self.token_period, self.kv_period = msg.token_period, msg.kv_period
+        from_step = self.step + 1
+        if self.request is not None:
+            self.request.alignment_log.append(
+                {"from_step": from_step, "token_period": msg.token_period, "kv_period": msg.kv_period}
+            )
+            if self.has_shadow:
+                self.endpoint.send(
+                    "shadow",
+                    SetAlignment(token_period=msg.token_period, kv_period=msg.kv_period, from_step=from_step),
+                )
+        log.info("alignment periods now token=%d kv=%d", msg.token_period, msg.kv_period)
+
+    # --- one generation -------------------------------------------------------------------
+
+    def serve_request(self, msg: GenerateRequest, client: bytes) -> None:
+        error = self._check_request(msg)
+        if error:
+            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=error))
+            return
+        state = RequestState(
+            msg.request_id,
+            client,
+            len(msg.prompt_ids),
+            msg.max_new_tokens,
+            self.token_period,
+            self.kv_period,
+            time.perf_counter(),
+        )
+        self.request = state
+        self.step = -1
+        self.worker_stats.clear()
+        self.shadow_stats = None
+        prompt = torch.tensor([msg.prompt_ids], dtype=torch.long)
+        for w in range(self.placement.n_workers):
+            self.endpoint.send(
+                f"worker-{w}",
+                Begin(
+                    request_id=msg.request_id, prompt_len=state.prompt_len, max_new_tokens=msg.max_new_tokens
+                ),
+            )
+        if self.has_shadow:
+            self.endpoint.send(
+                "shadow",
+                ShadowBegin(
+                    request_id=msg.request_id,
+                    max_new_tokens=msg.max_new_tokens,
+                    token_period=self.token_period,
+                    kv_period=self.kv_period,
+                    prompt_ids=prompt[0],
+                ),
+            )
+        finish_reason = "length"
+        try:
+            output = self._generate(msg, prompt, state)
+            generated = output[0, state.prompt_len :].tolist()
+            if state.cancelled:
+                finish_reason = "cancelled"
+            elif len(generated) < msg.max_new_tokens:
+                finish_reason = "stop"
+            self._end_request(state)
+            metrics = build_metrics(
+                state,
+                self.worker_stats,
+                self.shadow_stats,
+                self.placement,
+                token_period=self.token_period,
+                kv_period=self.kv_period,
+            )
+            self.endpoint.reply(
+                client,
+                GenerateDone(
+                    request_id=msg.request_id,
+                    token_ids=generated,
+                    finish_reason=finish_reason,
+                    metrics=metrics,
+                ),
+            )
+        except GenerationAborted as exc:
+            log.error("generation %s failed: %s", msg.request_id, exc)
+            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=str(exc)))
+        finally:
+            self.request = None
+
+    def _check_request(self, msg: GenerateRequest) -> str:
+        if not self.health.ready:
+            return f"the cluster is not ready: waiting for {', '.join(sorted(self.health.waiting))}"
+        if not msg.prompt_ids:
+            return "the prompt is empty"
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in msg.prompt_ids):
+            return f"prompt token ids must be in [0, {vocab})"
+        if msg.max_new_tokens < 1:
+            return "max_new_tokens must be >= 1"
+        limit = self.model.config.max_position_embeddings
+        if len(msg.prompt_ids) + msg.max_new_tokens > limit:
+            return (
+                f"prompt ({len(msg.prompt_ids)} tokens) + max_new_tokens ({msg.max_new_tokens}) exceeds "
+                f"the model's context of {limit} tokens"
+            )
+        return ""
+
+    @torch.inference_mode()
+    def _generate(self, msg: GenerateRequest, prompt: torch.Tensor, state: RequestState) -> torch.Tensor:
+        state.cache = DynamicCache(config=self.model.config)
+        kwargs: dict = {"do_sample": msg.do_sample}
+        if msg.do_sample:
+            kwargs.update(temperature=msg.temperature, top_p=msg.top_p)
+            if msg.seed is not None:
+                torch.manual_seed(msg.seed)
+        return self.model.generate(
+            prompt.to(self.device),
+            attention_mask=torch.ones_like(prompt, device=self.device),
+            max_new_tokens=msg.max_new_tokens,
+            cache=state.cache,
+            streamer=_TokenStreamer(self, state),
+            stopping_criteria=StoppingCriteriaList([_CancelCriterion(state)]),
+            **kwargs,
+        )
+
+    def on_token(self, state: RequestState, token: int) -> None:
+        """Called by ``generate`` after each step: stream the token, then align the shadow."""
+        now = time.perf_counter()
+        state.steps[-1].finished = now
+        state.token_times.append(now)
+        state.generated.append(token)
+        self.endpoint.reply(
+            state.client,
+            TokenEvent(request_id=state.request_id, index=len(state.generated) - 1, token_id=token),
+        )
+        next_step = len(state.generated)
+        if self.has_shadow and next_step < state.max_new_tokens:
+            self.endpoint.send("shadow", self._align_message(state, next_step, token))
+
+    def _align_message(self, state: RequestState, step: int, token: int) -> Align:
+        token_due, kv_due = schedule.alignment_due(step, self.token_period, self.kv_period)
+        keys = values = None
+        kv_from = kv_to = 0
+        if kv_due and state.cache is not None:
+            # The shadow gets main's cache for the positions it has not been given yet.
+            kv_from, kv_to = state.kv_synced, state.cache.get_seq_length()
+            keys = torch.stack([layer.keys[:, :, kv_from:kv_to] for layer in state.cache.layers])
+            values = torch.stack([layer.values[:, :, kv_from:kv_to] for layer in state.cache.layers])
+            state.kv_synced = kv_to
+        return Align(
+            request_id=state.request_id,
+            step=step,
+            token=token if token_due else None,
+            kv_from=kv_from,
+            kv_to=kv_to,
+            keys=keys,
+            values=values,
+        )
+
+    # --- the experts of one layer -----------------------------------------------------------
+
+    def moe(
+        self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Sum of the routed experts' weighted outputs for [T, H] ``hidden_states``."""
+        state = self.request
+        if state is None:
+            raise GenerationAborted("experts were called outside a generation")
+        if layer == 0:
+            self.step += 1
+            state.steps.append(StepRecord(self.step, hidden_states.shape[0], time.perf_counter()))
+        started = time.perf_counter()
+        num_tokens, top_k = top_k_index.shape
+        # Same ordering as Transformers' grouped experts: pairs sorted by expert id.
+        expert_ids = top_k_index.reshape(-1)  # [T*K]
+        sorted_ids, perm = torch.sort(expert_ids)
+        rows = hidden_states[perm // top_k]  # [T*K, H]
+        weights = top_k_weights.reshape(-1)[perm]  # [T*K]
+        counts = torch.bincount(sorted_ids, minlength=self.placement.n_experts).tolist()
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        real = [e for e, c in enumerate(counts) if c]
+        if self.step == 0:
+            predicted = None
+            assignment = schedule.assign_prefill(real, self.placement)
+            candidates = schedule.prefill_candidates(self.placement)
+        else:
+            predicted = state.predictions.get((self.step, layer))
+            candidates = list(self.placement.workers_for_layer(layer))
+            assignment = schedule.assign_experts(real, predicted, candidates)
+        record = LayerRecord(layer, real, predicted)
+        state.steps[-1].layers.append(record)
+        out_sorted = torch.empty_like(rows)  # [T*K, H] weighted outputs in sorted order
+        waiting: dict[str, list[int]] = {}
+        for worker in candidates:
+            experts = assignment.get(worker, [])
+            peer = f"worker-{worker}"
+            segments = [rows[offsets[e] : offsets[e + 1]] for e in experts]
+            wsegs = [weights[offsets[e] : offsets[e + 1]] for e in experts]
+            self.endpoint.send(
+                peer,
+                ExpertRequest(
+                    request_id=state.request_id,
+                    step=self.step,
+                    layer=layer,
+                    experts=experts,
+                    counts=[counts[e] for e in experts],
+                    rows=torch.cat(segments) if segments else None,
+                    weights=torch.cat(wsegs) if wsegs else None,
+                ),
+            )
+            if experts:
+                waiting[peer] = experts
+        for peer, result in self._collect(waiting, self.step, layer).items():
+            start = 0
+            for expert in waiting[peer]:
+                n = counts[expert]
+                out_sorted[offsets[expert] : offsets[expert] + n] = result.output[start : start + n]
+                start += n
+            record.wait_ms += result.wait_ms
+            record.hits += result.hits
+            record.misses += result.misses
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+        final = out_sorted[inv_perm].view(num_tokens, top_k, -1).sum(dim=1)  # [T, H]
+        record.dispatch_ms = (time.perf_counter() - started) * 1000
+        return final.to(hidden_states.dtype)
+
+    def _collect(self, waiting: dict[str, list[int]], step: int, layer: int) -> dict[str, ExpertResult]:
+        """Wait for every worker in ``waiting`` to answer (step, layer), within the timeout."""
+        results: dict[str, ExpertResult] = {}
+        deadline = time.monotonic() + self.spec.settings.timeout_s
+        self.pending_results.clear()
+        while len(results) < len(waiting):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(waiting) - set(results))
+                raise GenerationAborted(
+                    f"{', '.join(missing)} did not answer layer {layer} of step {step} within "
+                    f"{self.spec.settings.timeout_s:.0f} s (is the process alive?)"
+                )
+            received = self.endpoint.recv(timeout_s=remaining)
+            if received is None:
+                continue
+            self.handle_side_message(received)
+            for peer, result in list(self.pending_results.items()):
+                if peer in waiting and (result.step, result.layer) == (step, layer):
+                    results[peer] = result
+                else:
+                    log.warning(
+                        "dropped a stale result from %s for step %d layer %d", peer, result.step, result.layer
+                    )
+            self.pending_results.clear()
+        return results
+
+    def _end_request(self, state: RequestState) -> None:
+        """Tell every role the request is over and gather their statistics (bounded)."""
+        for w in range(self.placement.n_workers):
+            self.endpoint.send(f"worker-{w}", End(request_id=state.request_id))
+        if self.has_shadow:
+            self.endpoint.send("shadow", End(request_id=state.request_id))
+        deadline = time.monotonic() + self.spec.settings.timeout_s
+        while time.monotonic() < deadline:
+            workers_done = len(self.worker_stats) == self.placement.n_workers
+            shadow_done = not self.has_shadow or self.shadow_stats is not None
+            if workers_done and shadow_done:
+                return
+            received = self.endpoint.recv(timeout_s=deadline - time.monotonic())
+            if received is not None:
+                self.handle_side_message(received)
+        log.warning("some roles did not report statistics in time; metrics are partial")
+
+
+class _TokenStreamer(BaseStreamer):
+    """Receives each new token from ``generate``; the first call carries the prompt."""
+
+    def __init__(self, role: MainRole, state: RequestState) -> None:
+        self.role = role
+        self.state = state
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.role.on_token(self.state, int(value.reshape(-1)[0]))
+
+    def end(self) -> None:
+        pass
+
+
+class _CancelCriterion(StoppingCriteria):
+    def __init__(self, state: RequestState) -> None:
+        self.state = state
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
+        return torch.full(
+            (input_ids.shape[0],), self.state.cancelled, dtype=torch.bool, device=input_ids.device
+        )
+
+
+def serve(spec: RoleSpec) -> None:
+    MainRole(spec).run()
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:12]

@@ -1,0 +1,236 @@
+"""The shadow role: a quantized copy of the whole model that emulates main a step ahead.
+
+For each decode step the shadow runs its copy on main's token (when tokens are aligned)
+or on its own guess, and its router decisions at every layer are sent at once to the
+workers that serve that layer, and to main, as the prediction of main's routing
+(Scaled Emulative Prediction). Main's ``Align`` messages bring its token and KV cache
+every ``token_period`` / ``kv_period`` steps; if the shadow had already run a step that
+main then aligns, it rewinds its cache and runs the step again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from inference import schedule
+from inference.model import build_full_model
+from inference.placement import placement_from_dict
+from inference.protocol import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
+from inference.quant import quantize_shadow_
+from inference.roles.common import answer_ping, connect_peers, setup_process
+from inference.sharding import verify_shard
+from inference.spec import RoleSpec
+from inference.transport import Endpoint, Received
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Emulation:
+    """The shadow's state for one request."""
+
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+    token_period: int
+    kv_period: int
+    cache: DynamicCache
+    next_step: int = 1
+    own_next: int = 0  # the shadow's own greedy token after its last step
+    main_step: int = 0  # the newest step main has announced
+    inputs: dict[int, int] = field(default_factory=dict)
+    aligns: dict[int, Align] = field(default_factory=dict)
+    ending: bool = False
+    rewinds: int = 0
+    token_aligns: int = 0
+    kv_aligns: int = 0
+    version: int = 0
+    end_identity: bytes = b""
+
+
+class ShadowRole:
+    def __init__(self, spec: RoleSpec) -> None:
+        self.spec = spec
+        self.device = setup_process(spec)
+        manifest = verify_shard(spec.shard_dir, expect_role="shadow")
+        self.placement = placement_from_dict(manifest["placement"])
+        self.model = build_full_model(spec.shard_dir)
+        self.report = quantize_shadow_(self.model, spec.settings.shadow_dtype)
+        self.model.to(self.device)
+        self.kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed_tokens" in n)
+        self.endpoint = Endpoint(spec.name, spec.deployment, bind=spec.bind_address)
+        connect_peers(self.endpoint, spec, workers=True, shadow=False, main=True)
+        self.run_state: Emulation | None = None
+        self.layer_step = 0
+        for layer, decoder in enumerate(self.model.model.layers):
+            decoder.mlp.gate.register_forward_hook(self._router_hook(layer))
+        log.info("shadow ready: %s on %s (%s)", spec.settings.shadow_dtype, self.device, self.report)
+
+    # --- message loop -------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                received = self.endpoint.recv(timeout_s=0.0 if self._can_step() else 1.0)
+                if received is not None:
+                    if isinstance(received.msg, Shutdown):
+                        return
+                    self.handle(received)
+                    continue
+                if self._can_step():
+                    self.step()
+                elif self.run_state is not None and self.run_state.ending:
+                    self.finish()
+        finally:
+            self.endpoint.close()
+
+    def handle(self, received: Received) -> None:
+        msg = received.msg
+        if answer_ping(self.endpoint, received, self.spec.name, ready=True):
+            return
+        state = self.run_state
+        if isinstance(msg, ShadowBegin):
+            self.begin(msg)
+        elif state is None or getattr(msg, "request_id", None) != state.request_id:
+            log.warning("dropped %s for a request that is not running", msg.TYPE)
+        elif isinstance(msg, Align):
+            self.on_align(state, msg)
+        elif isinstance(msg, SetAlignment):
+            state.token_period, state.kv_period = msg.token_period, msg.kv_period
+            log.info(
+                "alignment periods now token=%d kv=%d from step %d",
+                msg.token_period,
+                msg.kv_period,
+                msg.from_step,
+            )
+        elif isinstance(msg, End):
+            state.ending = True
+            state.end_identity = received.identity
+        else:
+            log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
+
+    # --- one request ----------------------------------------------------------------------
+
+    def begin(self, msg: ShadowBegin) -> None:
+        cache = DynamicCache(config=self.model.config)
+        state = Emulation(
+            msg.request_id,
+            int(msg.prompt_ids.numel()),
+            msg.max_new_tokens,
+            msg.token_period,
+            msg.kv_period,
+            cache,
+        )
+        self.run_state = state
+        self.layer_step = 0  # prefill: no predictions are sent
+        logits = self._forward(msg.prompt_ids.view(1, -1), cache)
+        state.own_next = int(logits.argmax())
+
+    def on_align(self, state: Emulation, msg: Align) -> None:
+        state.aligns[msg.step] = msg
+        state.main_step = max(state.main_step, msg.step)
+        if msg.step >= state.next_step:
+            return
+        # Already ran this step on a guess: redo it if main's data differs from what we used.
+        wrong_token = msg.token is not None and state.inputs.get(msg.step) != msg.token
+        if wrong_token or msg.keys is not None:
+            truncate_cache(state.cache, state.prompt_len + msg.step - 1)
+            state.next_step = msg.step
+            state.rewinds += 1
+
+    def _can_step(self) -> bool:
+        state = self.run_state
+        if state is None or state.next_step >= state.max_new_tokens:
+            return False
+        s = state.next_step
+        if s > state.main_step + self.spec.settings.lookahead and not state.ending:
+            return False
+        token_due, kv_due = schedule.alignment_due(s, state.token_period, state.kv_period)
+        if (token_due or kv_due) and s not in state.aligns:
+            return False
+        return not (state.ending and s > state.main_step)
+
+    def step(self) -> None:
+        state = self.run_state
+        assert state is not None
+        s = state.next_step
+        align = state.aligns.get(s)
+        if align is not None and align.keys is not None and align.values is not None:
+            self._apply_kv(state, align)
+            state.kv_aligns += 1
+        token = state.own_next
+        if align is not None and align.token is not None:
+            token = align.token
+            state.token_aligns += 1
+        state.inputs[s] = token
+        state.version += 1
+        self.layer_step = s
+        logits = self._forward(torch.tensor([[token]], device=self.device), state.cache)
+        state.own_next = int(logits.argmax())
+        state.next_step = s + 1
+
+    def finish(self) -> None:
+        state = self.run_state
+        assert state is not None
+        self.endpoint.reply(
+            state.end_identity,
+            ShadowStats(
+                request_id=state.request_id,
+                steps_done=state.next_step - 1,
+                rewinds=state.rewinds,
+                token_aligns=state.token_aligns,
+                kv_aligns=state.kv_aligns,
+            ),
+        )
+        self.run_state = None
+
+    # --- model plumbing -----------------------------------------------------------------
+
+    def _apply_kv(self, state: Emulation, align: Align) -> None:
+        """Replace positions [kv_from, kv_to) of every layer's cache with main's."""
+        assert align.keys is not None and align.values is not None
+        truncate_cache(state.cache, align.kv_from)
+        keys = align.keys.to(self.device, self.kv_dtype)  # [L, B, kvH, P, D]
+        values = align.values.to(self.device, self.kv_dtype)
+        for layer in range(keys.shape[0]):
+            state.cache.update(keys[layer], values[layer], layer)
+
+    @torch.inference_mode()
+    def _forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    def _router_hook(self, layer: int):
+        def hook(module, args, output) -> None:
+            state = self.run_state
+            if state is None or self.layer_step == 0:
+                return
+            _, _, indices = output  # [T, K]
+            experts = sorted(int(e) for e in indices[-1].tolist())
+            msg = Prediction(
+                request_id=state.request_id,
+                step=self.layer_step,
+                layer=layer,
+                experts=experts,
+                version=state.version,
+            )
+            self.endpoint.send("main", msg)
+            for worker in self.placement.workers_for_layer(layer):
+                self.endpoint.send(f"worker-{worker}", msg)
+
+        return hook
+
+
+def truncate_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def serve(spec: RoleSpec) -> None:
+    ShadowRole(spec).run()

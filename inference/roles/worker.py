@@ -1,0 +1,201 @@
+"""The worker role: keep owned experts in host memory, load the predicted ones just in time.
+
+Predictions from the shadow queue loads; main's requests name the experts really routed
+to this worker, whose rows are computed as soon as each expert is on the device, after
+which it is freed. Stale prefetches (a layer already served, a wrong prediction) are
+dropped when main's request for that layer shows what was really needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from inference import schedule
+from inference.experts import activation, expert_forward
+from inference.loader import ExpertLoader, Key
+from inference.placement import placement_from_dict
+from inference.protocol import (
+    Begin,
+    End,
+    ExpertRequest,
+    ExpertResult,
+    Prediction,
+    Shutdown,
+    WorkerStats,
+)
+from inference.roles.common import answer_ping, setup_process
+from inference.sharding import verify_shard
+from inference.spec import RoleSpec
+from inference.store import HostMemoryStore
+from inference.transport import Endpoint, Received
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRole:
+    def __init__(self, spec: RoleSpec) -> None:
+        self.spec = spec
+        self.device = setup_process(spec)
+        manifest = verify_shard(spec.shard_dir, expect_role="worker", expect_worker=spec.worker)
+        self.index: int = spec.worker  # type: ignore[assignment]
+        self.placement = placement_from_dict(manifest["placement"])
+        if self.placement.n_workers != len(spec.addresses.workers):
+            raise RuntimeError(
+                f"shard was built for {self.placement.n_workers} workers, the peer table has "
+                f"{len(spec.addresses.workers)}"
+            )
+        self.members = self.placement.groups[self.placement.group_of_worker(self.index)]
+        self.decode_layers = set(self.placement.decode_layers(self.index))
+        self.act_fn = activation(_read_config(spec.shard_dir).get("hidden_act", "silu"))
+        self.store = HostMemoryStore.from_shard(spec.shard_dir, pin=self.device.type == "cuda")
+        any_key = next(iter(self.store.keys()))
+        self.expert_bytes = self.store.nbytes(*any_key)
+        self.loader = ExpertLoader(
+            self.store,
+            self.device,
+            max_resident=spec.settings.max_resident_experts,
+            copy_bytes_per_s=spec.settings.copy_bytes_per_s,
+        )
+        self.endpoint = Endpoint(spec.name, spec.deployment, bind=spec.bind_address)
+        self.request_id = ""
+        self.served: tuple[int, int] = (-1, -1)  # the last (step, layer) main asked for
+        log.info(
+            "worker %d ready: %d experts in host memory on %s, decode layers %s",
+            self.index,
+            len(self.store.keys()),
+            self.device,
+            sorted(self.decode_layers),
+        )
+
+    def run(self) -> None:
+        try:
+            while True:
+                received = self.endpoint.recv(timeout_s=1.0)
+                if received is None:
+                    continue
+                if isinstance(received.msg, Shutdown):
+                    return
+                self.handle(received)
+        finally:
+            self.loader.close()
+            self.endpoint.close()
+
+    def handle(self, received: Received) -> None:
+        msg = received.msg
+        if answer_ping(self.endpoint, received, self.spec.name, ready=True):
+            return
+        if isinstance(msg, Begin):
+            self.begin(msg)
+        elif isinstance(msg, Prediction):
+            self.on_prediction(msg)
+        elif isinstance(msg, ExpertRequest):
+            self.on_request(msg, received.identity)
+        elif isinstance(msg, End):
+            self.end(msg, received.identity)
+        else:
+            log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
+
+    def begin(self, msg: Begin) -> None:
+        self.loader.discard(lambda key: False)
+        self.loader.reset_stats()
+        self.request_id = msg.request_id
+        self.served = (-1, -1)
+        for layer, expert in schedule.prefill_prefetch_order(self.placement, self.index):
+            self.loader.prefetch((0, layer, expert))
+
+    def on_prediction(self, msg: Prediction) -> None:
+        if msg.request_id != self.request_id or msg.layer not in self.decode_layers:
+            return
+        if (msg.step, msg.layer) <= self.served:
+            return  # main has already served that layer: the prediction came too late
+        mine = set(schedule.prefetch_assignment(msg.experts, self.members).get(self.index, []))
+        # A newer prediction for the same layer replaces the older one.
+        self.loader.discard(lambda key: (key[0], key[1]) != (msg.step, msg.layer) or key[2] in mine)
+        for expert in sorted(mine):
+            self.loader.prefetch((msg.step, msg.layer, expert))
+
+    def on_request(self, msg: ExpertRequest, identity: bytes) -> None:
+        if msg.request_id != self.request_id:
+            log.warning("dropped a request for %s while serving %s", msg.request_id, self.request_id)
+            return
+        here = (msg.step, msg.layer)
+        self.served = max(self.served, here)
+        wanted = set(msg.experts)
+        self.loader.discard(
+            lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted)
+        )
+        if not msg.experts:
+            return
+        assert msg.rows is not None and msg.weights is not None
+        rows = msg.rows.to(self.device)
+        weights = msg.weights.to(self.device)
+        outputs: list[torch.Tensor] = []
+        wait_ms = 0.0
+        hits = misses = 0
+        start = 0
+        for expert, count in zip(msg.experts, msg.counts, strict=True):
+            key: Key = (msg.step, msg.layer, expert)
+            resident, predicted, waited = self.loader.acquire(key, timeout_s=self.spec.settings.timeout_s)
+            wait_ms += waited
+            hits += predicted
+            misses += not predicted
+            try:
+                outputs.append(
+                    expert_forward(
+                        rows[start : start + count],
+                        weights[start : start + count],
+                        resident.weights,
+                        self.act_fn,
+                    )
+                )
+            finally:
+                del resident
+                self.loader.release(key)
+            start += count
+        output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        self.endpoint.reply(
+            identity,
+            ExpertResult(
+                request_id=msg.request_id,
+                step=msg.step,
+                layer=msg.layer,
+                experts=msg.experts,
+                output=output,
+                wait_ms=wait_ms,
+                hits=hits,
+                misses=misses,
+            ),
+        )
+
+    def end(self, msg: End, identity: bytes) -> None:
+        self.loader.discard(lambda key: False)
+        stats = self.loader.stats
+        self.endpoint.reply(
+            identity,
+            WorkerStats(
+                request_id=msg.request_id,
+                worker=self.index,
+                expert_bytes=self.expert_bytes,
+                peak_decode_bytes=stats.peak_bytes["decode"],
+                peak_prefill_bytes=stats.peak_bytes["prefill"],
+                loads=stats.loads,
+                hits=stats.hits,
+                misses=stats.misses,
+                wasted_loads=stats.wasted_loads,
+                load_ms=stats.load_ms,
+            ),
+        )
+        self.request_id = ""
+
+
+def _read_config(shard_dir: str) -> dict:
+    with open(Path(shard_dir) / "config.json") as f:
+        return json.load(f)
+
+
+def serve(spec: RoleSpec) -> None:
+    WorkerRole(spec).run()

@@ -1,0 +1,321 @@
+"""Write a tiny random Mixtral checkpoint in the exact on-disk layout of the real release.
+
+Tests, demos and CI need a model that loads in milliseconds yet exercises every code path
+the 90 GB Mixtral-8x7B does: per-expert ``w1``/``w2``/``w3`` tensors under
+``block_sparse_moe``, a router per layer, grouped-query attention, sharded safetensors
+with an index, a ``config.json`` that ``transformers`` accepts, and a tokenizer that
+``AutoTokenizer`` loads offline. ``make_tiny`` writes such a directory; its weights are a
+deterministic function of ``seed`` (and of the shape arguments), independent of
+``shards``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from inference.checkpoint import EXPERT_PROJS, INDEX_FILE, SINGLE_WEIGHTS_FILE, expert_key_name
+
+BOS, EOS, UNK = "<s>", "</s>", "<unk>"
+# Same ids as the real Mixtral tokenizer, so code that hard-codes them behaves the same.
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+TARGET_TOKENIZER_VOCAB = 512
+
+WEIGHT_STD = 0.02
+# Routers get a much larger spread so that each token's top-k experts win clearly:
+# near-ties would make routing flip on rounding noise and tests on routing flaky.
+ROUTER_STD = 0.5
+
+TRAINING_TEXT = """\
+A mixture of experts is a neural network layer that holds many feed-forward blocks, the
+experts, and a small router that decides which of them should process each token. The
+router reads the hidden state of a token, scores every expert, and keeps only the best
+few. Only those experts run, so the model can store far more parameters than it spends
+on any single token. Mixtral uses eight experts in every layer and sends each token to
+two of them, which means that most of its weights sit idle at any given moment.
+
+That idle majority is the problem this project solves. A server with modest graphics
+cards cannot hold all of the experts at once, but it does not need to: it only needs the
+experts that the router is about to choose. A small shadow model runs ahead of the main
+model and predicts the routing of the next layers. Workers then copy the predicted
+experts into device memory just in time, compute their part of the layer, and free the
+memory again before the next experts arrive.
+
+The main process keeps attention, the norms, the routers, the embedding table and the
+language modelling head, together with the key and value cache. It sends the hidden
+states of the current tokens to the workers that hold the chosen experts and adds up
+their weighted answers. When the prediction of the shadow model is wrong, the worker
+loads the expert that was really chosen and the step takes a little longer, but the
+answer is still exactly what the full model would have produced.
+
+During prefill a prompt touches almost every expert, so the experts are spread evenly
+over the workers. During decoding one token at a time visits only two experts per
+layer, and groups of workers take turns with the layers so that loading and computing
+overlap. The network carries small messages between the processes, and every message
+says which layer, which tokens and which experts it is about. Good systems measure
+before they optimize, keep their promises simple, and explain their errors clearly.
+"""
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One tensor to generate: its name, shape, and how to fill it."""
+
+    name: str
+    shape: tuple[int, ...]
+    std: float | None  # None: a norm weight, filled with ones
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * 4  # float32
+
+
+def make_tiny(
+    out_dir: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    layers: int = 4,
+    hidden: int = 64,
+    intermediate: int = 128,
+    experts: int = 8,
+    top_k: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
+    vocab: int | None = None,
+    shards: int = 1,
+    max_position: int = 1024,
+) -> Path:
+    """Write a random Mixtral checkpoint (weights, config, tokenizer) to ``out_dir``.
+
+    ``vocab`` defaults to the trained tokenizer's size (about 512); a larger value pads
+    the embedding table with ids the tokenizer never produces. ``head_dim`` defaults to
+    ``hidden // heads``; give it explicitly for a hidden size that heads don't divide.
+    Returns ``out_dir`` as a ``Path``.
+    """
+    head_dim = _check_shape(layers, hidden, intermediate, experts, top_k, heads, kv_heads, head_dim, shards)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer_size = _write_tokenizer(out, max_position)
+    if vocab is None:
+        vocab = tokenizer_size
+    elif vocab < tokenizer_size:
+        raise ValueError(f"vocab ({vocab}) must be at least the tokenizer's size ({tokenizer_size})")
+
+    specs = _tensor_specs(layers, hidden, intermediate, experts, heads, kv_heads, head_dim, vocab)
+    if shards > len(specs):
+        raise ValueError(f"shards ({shards}) cannot exceed the number of tensors ({len(specs)})")
+    _write_weights(out, specs, seed, shards)
+    _write_json(
+        out / "config.json",
+        _config(layers, hidden, intermediate, experts, top_k, heads, kv_heads, head_dim, vocab, max_position),
+    )
+    _write_json(out / "generation_config.json", _generation_config())
+    return out
+
+
+# -- validation and layout ------------------------------------------------------------
+
+
+def _check_shape(
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    experts: int,
+    top_k: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int | None,
+    shards: int,
+) -> int:
+    """Reject shapes the model can't have; return the effective head_dim."""
+    sizes = {"layers": layers, "hidden": hidden, "intermediate": intermediate, "experts": experts}
+    sizes |= {"top_k": top_k, "heads": heads, "kv_heads": kv_heads, "shards": shards}
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if top_k > experts:
+        raise ValueError(f"top_k ({top_k}) cannot exceed experts ({experts})")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) is not divisible by heads ({heads}); pass head_dim")
+        head_dim = hidden // heads
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be even (rotary embeddings rotate pairs), got {head_dim}")
+    return head_dim
+
+
+def _tensor_specs(
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    experts: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+) -> list[_Spec]:
+    """Every tensor of the model, in generation order (which fixes the random values)."""
+    specs = [_Spec("model.embed_tokens.weight", (vocab, hidden), WEIGHT_STD)]
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}"
+        specs += [
+            _Spec(f"{prefix}.input_layernorm.weight", (hidden,), None),
+            _Spec(f"{prefix}.self_attn.q_proj.weight", (heads * head_dim, hidden), WEIGHT_STD),
+            _Spec(f"{prefix}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden), WEIGHT_STD),
+            _Spec(f"{prefix}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden), WEIGHT_STD),
+            _Spec(f"{prefix}.self_attn.o_proj.weight", (hidden, heads * head_dim), WEIGHT_STD),
+            _Spec(f"{prefix}.post_attention_layernorm.weight", (hidden,), None),
+            _Spec(f"{prefix}.block_sparse_moe.gate.weight", (experts, hidden), ROUTER_STD),
+        ]
+        # w1 (gate) and w3 (up) map hidden -> intermediate; w2 (down) maps back.
+        shapes = {"w1": (intermediate, hidden), "w2": (hidden, intermediate), "w3": (intermediate, hidden)}
+        for expert in range(experts):
+            specs += [_Spec(expert_key_name(layer, expert, p), shapes[p], WEIGHT_STD) for p in EXPERT_PROJS]
+    specs += [
+        _Spec("model.norm.weight", (hidden,), None),
+        _Spec("lm_head.weight", (vocab, hidden), WEIGHT_STD),
+    ]
+    return specs
+
+
+def _split(specs: list[_Spec], shards: int) -> list[list[_Spec]]:
+    """Cut ``specs`` into ``shards`` contiguous, non-empty runs of roughly equal bytes."""
+    runs: list[list[_Spec]] = []
+    start, remaining = 0, sum(s.nbytes for s in specs)
+    for left in range(shards, 1, -1):  # runs still to fill, this one included
+        target = remaining / left
+        end, size = start + 1, specs[start].nbytes
+        # Take tensors while that brings the run closer to its share, leaving at least
+        # one tensor for each later run.
+        while end < len(specs) - (left - 1) and size + specs[end].nbytes / 2 <= target:
+            size += specs[end].nbytes
+            end += 1
+        runs.append(specs[start:end])
+        start, remaining = end, remaining - size
+    runs.append(specs[start:])
+    return runs
+
+
+# -- writing --------------------------------------------------------------------------
+
+
+def _generate(specs: list[_Spec], seed: int) -> Iterator[tuple[_Spec, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    for spec in specs:
+        if spec.std is None:
+            yield spec, torch.ones(spec.shape)
+        else:
+            yield spec, torch.randn(spec.shape, generator=generator) * spec.std
+
+
+def _write_weights(out: Path, specs: list[_Spec], seed: int, shards: int) -> None:
+    # One generator over all specs in a fixed order, so the values do not depend on how
+    # the tensors are split into files; only one file's tensors are held at a time.
+    tensors = _generate(specs, seed)
+    metadata = {"format": "pt"}
+    if shards == 1:
+        save_file(dict((s.name, t) for s, t in tensors), out / SINGLE_WEIGHTS_FILE, metadata=metadata)
+        return
+    weight_map: dict[str, str] = {}
+    for number, run in enumerate(_split(specs, shards), start=1):
+        file_name = f"model-{number:05d}-of-{shards:05d}.safetensors"
+        batch = {spec.name: tensor for spec, tensor in (next(tensors) for _ in run)}
+        save_file(batch, out / file_name, metadata=metadata)
+        weight_map |= dict.fromkeys(batch, file_name)
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
+    _write_json(out / INDEX_FILE, index)
+
+
+def _config(
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    experts: int,
+    top_k: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    max_position: int,
+) -> dict:
+    """The fields of the real release's config.json, with the tiny shape."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": WEIGHT_STD,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": max_position,
+        "model_type": "mixtral",
+        "num_attention_heads": heads,
+        "num_experts_per_tok": top_k,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv_heads,
+        "num_local_experts": experts,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "router_aux_loss_coef": 0.02,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        "use_cache": True,
+        "vocab_size": vocab,
+    }
+
+
+def _generation_config() -> dict:
+    # No do_sample/temperature/top_p: generate() then decodes greedily, which is what
+    # reproducible tests and the bit-exactness checks rely on.
+    return {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID, "do_sample": False}
+
+
+def _write_tokenizer(out: Path, max_position: int) -> int:
+    """Train and save a byte-level BPE tokenizer; return its vocabulary size."""
+    # Imported here: only tokenizer writing needs them, and transformers is slow to import.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TARGET_TOKENIZER_VOCAB,
+        special_tokens=[UNK, BOS, EOS],  # in id order: 0, 1, 2 as in Mixtral
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no <unk>
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TRAINING_TEXT.split("\n\n"), trainer)
+    # Like Mixtral's tokenizer, prepend <s> to every encoded text.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    assert [tokenizer.token_to_id(t) for t in (UNK, BOS, EOS)] == [UNK_ID, BOS_ID, EOS_ID]
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, unk_token=UNK, model_max_length=max_position
+    )
+    wrapped.save_pretrained(out)
+    return tokenizer.get_vocab_size()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
