@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from inference.constants import SHADOW_DTYPES
+from inference.routing import ARITHMETICS
 
 ROLES = ("main", "shadow", "worker")
 
@@ -30,6 +31,9 @@ class Settings:
     lookahead: int = 2  # how many steps the shadow may run ahead of main
     threads: int = 1  # torch intra-op threads per role process
     copy_bytes_per_s: float | None = None  # emulated host->device bandwidth, None = real copies
+    # How main sums expert outputs: as Transformers' grouped (default) or eager experts do;
+    # "auto" picks grouped unless torch's grouped GEMM cannot run the model's shapes.
+    experts_arithmetic: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,10 @@ def validate_spec(spec: RoleSpec) -> RoleSpec:
             raise SpecError(f"{name} must be >= 0 (0 = never align)")
     if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0:
         raise SpecError("max_resident_experts, threads >= 1, timeout_s > 0 and lookahead >= 0 are required")
+    if s.experts_arithmetic not in ARITHMETICS:
+        raise SpecError(
+            f"experts_arithmetic must be one of {', '.join(ARITHMETICS)}, got {s.experts_arithmetic!r}"
+        )
     if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):
         raise SpecError(f"device must be auto, cpu or cuda[:N], got {s.device!r}")
     if not Path(spec.shard_dir).is_dir():

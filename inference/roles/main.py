@@ -43,6 +43,7 @@ from inference.protocol import (
     WorkerStats,
 )
 from inference.roles.common import PeerHealth, answer_ping, connect_peers, setup_process
+from inference.routing import Routing, resolve_arithmetic
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec
 from inference.transport import Endpoint, Received
@@ -106,6 +107,16 @@ class MainRole:
             )
         self.model = build_main_model(spec.shard_dir, self)
         self.model.to(self.device)
+        config = self.model.config
+        self.routing = Routing(
+            resolve_arithmetic(
+                spec.settings.experts_arithmetic,
+                config.hidden_size,
+                config.intermediate_size,
+                self.model.dtype,
+                self.device,
+            )
+        )
         self.endpoint = Endpoint(spec.name, spec.deployment, bind=spec.bind_address)
         connect_peers(self.endpoint, spec, workers=True, shadow=True, main=False)
         self.has_shadow = spec.addresses.shadow is not None
@@ -351,62 +362,45 @@ class MainRole:
             self.step += 1
             state.steps.append(StepRecord(self.step, hidden_states.shape[0], time.perf_counter()))
         started = time.perf_counter()
-        num_tokens, top_k = top_k_index.shape
-        # Same ordering as Transformers' grouped experts: pairs sorted by expert id.
-        expert_ids = top_k_index.reshape(-1)  # [T*K]
-        sorted_ids, perm = torch.sort(expert_ids)
-        rows = hidden_states[perm // top_k]  # [T*K, H]
-        weights = top_k_weights.reshape(-1)[perm]  # [T*K]
-        counts = torch.bincount(sorted_ids, minlength=self.placement.n_experts).tolist()
-        offsets = [0]
-        for c in counts:
-            offsets.append(offsets[-1] + c)
-        real = [e for e, c in enumerate(counts) if c]
+        routed = self.routing.split(hidden_states, top_k_index, top_k_weights)
         if self.step == 0:
             predicted = None
-            assignment = schedule.assign_prefill(real, self.placement)
+            assignment = schedule.assign_prefill(routed.experts, self.placement)
             candidates = schedule.prefill_candidates(self.placement)
         else:
             predicted = state.predictions.get((self.step, layer))
             candidates = list(self.placement.workers_for_layer(layer))
-            assignment = schedule.assign_experts(real, predicted, candidates)
-        record = LayerRecord(layer, real, predicted)
+            assignment = schedule.assign_experts(routed.experts, predicted, candidates)
+        record = LayerRecord(layer, routed.experts, predicted)
         state.steps[-1].layers.append(record)
-        out_sorted = torch.empty_like(rows)  # [T*K, H] weighted outputs in sorted order
         waiting: dict[str, list[int]] = {}
         for worker in candidates:
             experts = assignment.get(worker, [])
             peer = f"worker-{worker}"
-            segments = [rows[offsets[e] : offsets[e + 1]] for e in experts]
-            wsegs = [weights[offsets[e] : offsets[e + 1]] for e in experts]
-            self.endpoint.send(
-                peer,
-                ExpertRequest(
-                    request_id=state.request_id,
-                    step=self.step,
-                    layer=layer,
-                    experts=experts,
-                    counts=[counts[e] for e in experts],
-                    rows=torch.cat(segments) if segments else None,
-                    weights=torch.cat(wsegs) if wsegs else None,
-                ),
+            request = ExpertRequest(
+                request_id=state.request_id,
+                step=self.step,
+                layer=layer,
+                experts=experts,
+                counts=[routed.count(e) for e in experts],
+                rows=torch.cat([routed.rows[e] for e in experts]) if experts else None,
+                weights=torch.cat([routed.weights[e] for e in experts]) if experts else None,
             )
+            self.endpoint.send(peer, request)  # an empty one releases the worker's prefetch
             if experts:
                 waiting[peer] = experts
+        outputs: dict[int, torch.Tensor] = {}
         for peer, result in self._collect(waiting, self.step, layer).items():
             start = 0
             for expert in waiting[peer]:
-                n = counts[expert]
-                out_sorted[offsets[expert] : offsets[expert] + n] = result.output[start : start + n]
-                start += n
+                outputs[expert] = result.output[start : start + routed.count(expert)]
+                start += routed.count(expert)
             record.wait_ms += result.wait_ms
             record.hits += result.hits
             record.misses += result.misses
-        inv_perm = torch.empty_like(perm)
-        inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
-        final = out_sorted[inv_perm].view(num_tokens, top_k, -1).sum(dim=1)  # [T, H]
+        final = self.routing.combine(routed, outputs, hidden_states.dtype)  # [T, H]
         record.dispatch_ms = (time.perf_counter() - started) * 1000
-        return final.to(hidden_states.dtype)
+        return final
 
     def _collect(self, waiting: dict[str, list[int]], step: int, layer: int) -> dict[str, ExpertResult]:
         """Wait for every worker in ``waiting`` to answer (step, layer), within the timeout."""

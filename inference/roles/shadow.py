@@ -22,6 +22,7 @@ from inference.placement import placement_from_dict
 from inference.protocol import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
 from inference.quant import quantize_shadow_
 from inference.roles.common import answer_ping, connect_peers, setup_process
+from inference.routing import resolve_arithmetic
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec
 from inference.transport import Endpoint, Received
@@ -59,6 +60,16 @@ class ShadowRole:
         manifest = verify_shard(spec.shard_dir, expect_role="shadow")
         self.placement = placement_from_dict(manifest["placement"])
         self.model = build_full_model(spec.shard_dir)
+        config = self.model.config
+        arithmetic = resolve_arithmetic(
+            spec.settings.experts_arithmetic,
+            config.hidden_size,
+            config.intermediate_size,
+            self.model.dtype,
+            self.device,
+        )
+        if arithmetic == "eager":
+            self.model.set_experts_implementation("eager")  # the grouped GEMM cannot run these shapes
         self.report = quantize_shadow_(self.model, spec.settings.shadow_dtype)
         self.model.to(self.device)
         self.kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed_tokens" in n)

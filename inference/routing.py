@@ -1,0 +1,125 @@
+"""Split a layer's routed rows per expert, and sum the experts' answers back, bit-exactly.
+
+Transformers computes a Mixtral MoE layer in one of two ways, and each sums the experts'
+weighted outputs in its own order: *grouped* (its default: (token, expert) pairs sorted
+by expert, one GEMM per expert, then a sum over the top-k slots) and *eager* (a loop over
+the hit experts in ascending order, each ``index_add_``-ed into zeros). Floating-point
+sums depend on order, so main mirrors the reference's way: the same rows per expert, in
+the same order, and the same summation. Workers compute each expert's rows with the same
+operations, so the layer output is the reference's to the last bit.
+
+Shape legend: ``T`` tokens, ``K`` top-k, ``H`` hidden, ``E`` experts, ``S = T*K`` pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ARITHMETICS = ("auto", "grouped", "eager")
+
+
+@dataclass
+class RoutedRows:
+    """Per expert (ascending), the hidden rows routed to it and their routing weights."""
+
+    experts: list[int]
+    rows: dict[int, torch.Tensor]  # expert -> [M, H]
+    weights: dict[int, torch.Tensor]  # expert -> [M]
+    num_tokens: int
+    top_k: int
+    perm: torch.Tensor | None = None  # grouped: the sort permutation of the S pairs
+    token_index: dict[int, torch.Tensor] | None = None  # eager: expert -> token of each row
+
+    def count(self, expert: int) -> int:
+        return self.rows[expert].shape[0]
+
+
+def split_grouped(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> RoutedRows:
+    num_tokens, top_k = top_k_index.shape
+    expert_ids = top_k_index.reshape(-1)  # [S]
+    sorted_ids, perm = torch.sort(expert_ids)
+    rows = hidden[perm // top_k]  # [S, H]
+    weights = top_k_weights.reshape(-1)[perm]  # [S]
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    out = RoutedRows([], {}, {}, num_tokens, top_k, perm=perm)
+    start = 0
+    for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+        out.experts.append(expert)
+        out.rows[expert] = rows[start : start + count]
+        out.weights[expert] = weights[start : start + count]
+        start += count
+    return out
+
+
+def split_eager(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> RoutedRows:
+    num_tokens, top_k = top_k_index.shape
+    out = RoutedRows([], {}, {}, num_tokens, top_k, token_index={})
+    for expert in torch.unique(top_k_index).tolist():  # ascending
+        # [K, T] mask -> rows in (slot, token) order, as the eager reference gathers them
+        top_k_pos, token_idx = torch.where((top_k_index == expert).T)
+        out.experts.append(expert)
+        out.rows[expert] = hidden[token_idx]
+        out.weights[expert] = top_k_weights[token_idx, top_k_pos]
+        out.token_index[expert] = token_idx  # type: ignore[index]
+    return out
+
+
+def combine_grouped(routed: RoutedRows, outputs: dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    assert routed.perm is not None
+    out_sorted = torch.cat([outputs[e] for e in routed.experts])  # [S, H] in sorted order
+    inv_perm = torch.empty_like(routed.perm)
+    inv_perm[routed.perm] = torch.arange(routed.perm.numel(), device=routed.perm.device)
+    return out_sorted[inv_perm].view(routed.num_tokens, routed.top_k, -1).sum(dim=1).to(dtype)  # [T, H]
+
+
+def combine_eager(routed: RoutedRows, outputs: dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    assert routed.token_index is not None
+    first = outputs[routed.experts[0]]
+    final = torch.zeros(routed.num_tokens, first.shape[-1], dtype=dtype, device=first.device)  # [T, H]
+    for expert in routed.experts:
+        final.index_add_(0, routed.token_index[expert], outputs[expert].to(dtype))
+    return final
+
+
+class Routing:
+    """The split/combine pair of one arithmetic."""
+
+    def __init__(self, arithmetic: str) -> None:
+        if arithmetic not in ("grouped", "eager"):
+            raise ValueError(f"arithmetic must be grouped or eager, got {arithmetic!r}")
+        self.arithmetic = arithmetic
+        self.split = split_grouped if arithmetic == "grouped" else split_eager
+        self.combine = combine_grouped if arithmetic == "grouped" else combine_eager
+
+
+def grouped_mm_works(hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's grouped GEMM (Transformers' default experts path) runs these shapes.
+
+    It needs 16-byte aligned strides, so e.g. an odd hidden size makes Transformers'
+    default path fail; such a model's reference is the eager implementation.
+    """
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        x = torch.zeros(2, hidden, dtype=dtype, device=device)
+        w = torch.zeros(1, 2 * intermediate, hidden, dtype=dtype, device=device)
+        offs = torch.tensor([2], dtype=torch.int32, device=device)
+        h = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)[:, :intermediate]
+        d = torch.zeros(1, hidden, intermediate, dtype=dtype, device=device)
+        F.grouped_mm(h.contiguous(), d.transpose(-2, -1), offs=offs)
+        return True
+    except RuntimeError:
+        return False
+
+
+def resolve_arithmetic(
+    setting: str, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device
+) -> str:
+    if setting not in ARITHMETICS:
+        raise ValueError(f"experts arithmetic must be one of {', '.join(ARITHMETICS)}, got {setting!r}")
+    if setting != "auto":
+        return setting
+    return "grouped" if grouped_mm_works(hidden, intermediate, dtype, device) else "eager"
