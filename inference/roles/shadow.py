@@ -93,7 +93,7 @@ class ShadowRole:
                     self.handle(received)
                     continue
                 if self._can_step():
-                    self.step()
+                    self._guarded(self.step)
                 elif self.run_state is not None and self.run_state.ending:
                     self.finish()
         finally:
@@ -105,7 +105,13 @@ class ShadowRole:
             return
         state = self.run_state
         if isinstance(msg, ShadowBegin):
-            self.begin(msg)
+            self._guarded(lambda: self.begin(msg))
+        elif isinstance(msg, End) and (state is None or msg.request_id != state.request_id):
+            # Nothing to finish (the request failed here, or never reached us): say so at once.
+            self.endpoint.reply(
+                received.identity,
+                ShadowStats(request_id=msg.request_id, steps_done=0, rewinds=0, token_aligns=0, kv_aligns=0),
+            )
         elif state is None or getattr(msg, "request_id", None) != state.request_id:
             log.warning("dropped %s for a request that is not running", msg.TYPE)
         elif isinstance(msg, Align):
@@ -123,6 +129,17 @@ class ShadowRole:
             state.end_identity = received.identity
         else:
             log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
+
+    def _guarded(self, action) -> None:
+        """Run ``action``; if it fails, give up this request: main goes on without predictions."""
+        try:
+            action()
+        except Exception:
+            log.exception(
+                "shadow failed on request %s; workers fall back to on-demand loading",
+                self.run_state.request_id if self.run_state else "?",
+            )
+            self.run_state = None
 
     # --- one request ----------------------------------------------------------------------
 

@@ -1,0 +1,95 @@
+"""End to end: real main, shadow and worker processes on 127.0.0.1 against Transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inference.launcher import ClusterOptions, LocalCluster
+from inference.spec import Settings
+from tests.reference import PROMPTS, reference_generate
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+
+
+@pytest.mark.parametrize("workers", [8, 3, 1])
+@pytest.mark.parametrize("model_name", ["tiny_model", "odd_model"])
+def test_greedy_output_is_token_identical_to_transformers(model_name: str, workers: int, request) -> None:
+    model: Path = request.getfixturevalue(model_name)
+    expected = [reference_generate(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    with LocalCluster(model, ClusterOptions(workers=workers)) as cluster:
+        results = [cluster.generate(prompt, NEW_TOKENS) for prompt in PROMPTS]
+    for prompt, want, got in zip(PROMPTS, expected, results, strict=True):
+        assert got.token_ids == want, f"prompt {prompt}: tokens differ from Transformers"
+        metrics = got.metrics
+        # An fp32 shadow aligned every step routes exactly as main does.
+        assert metrics["recall"] == 1.0
+        assert metrics["prediction_coverage"] == 1.0
+        assert len(metrics["recall_per_layer"]) == len(
+            {layer for layer in range(len(metrics["recall_per_layer"]))}
+        )
+        decode_steps = [s for s in metrics["per_step"] if s["step"] > 0]
+        assert len(decode_steps) == NEW_TOKENS - 1
+        assert all(s["recall"] == 1.0 for s in decode_steps)
+
+
+def test_workers_never_hold_more_than_two_experts_during_decode(tiny_model: Path) -> None:
+    # 8 workers, top-2: groups of exactly top-k workers, the paper's configuration.
+    with LocalCluster(tiny_model, ClusterOptions(workers=8)) as cluster:
+        done = cluster.generate(PROMPTS[3], 48)
+    metrics = done.metrics
+    expert_bytes = metrics["expert_bytes"]
+    assert expert_bytes > 0
+    peaks = metrics["worker_peak_expert_bytes"]
+    assert len(peaks) == 8
+    assert all(0 < peak <= 2 * expert_bytes for peak in peaks.values()), peaks
+    assert all(p <= 2 * expert_bytes for p in metrics["worker_peak_prefill_bytes"].values())
+    assert metrics["expert_loads"] >= metrics["prefetch_hits"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["int8", "nf4", "bf16"])
+def test_quantized_shadows_run_and_report_recall(tiny_model: Path, dtype: str) -> None:
+    options = ClusterOptions(workers=4, settings=Settings(shadow_dtype=dtype))
+    with LocalCluster(tiny_model, options) as cluster:
+        done = cluster.generate(PROMPTS[0], 32)
+    # Predictions never change the output, only where experts are loaded from.
+    assert done.token_ids == reference_generate(tiny_model, PROMPTS[0], 32)
+    metrics = done.metrics
+    print(f"{dtype} shadow recall {metrics['recall']:.3f} per layer {metrics['recall_per_layer']}")
+    assert 0.5 <= metrics["recall"] <= 1.0
+    assert len(metrics["recall_per_layer"]) == 4
+    assert all(0.0 <= s["recall"] <= 1.0 for s in metrics["per_step"] if s["step"] > 0)
+
+
+def test_alignment_periods_change_while_generating(tiny_model: Path) -> None:
+    with LocalCluster(tiny_model, ClusterOptions(workers=4)) as cluster:
+
+        def slow_down_alignment(tokens_so_far: int) -> None:
+            if tokens_so_far == 8:
+                cluster.set_alignment(token_period=4, kv_period=0)
+
+        done = cluster.generate(PROMPTS[1], 40, during=slow_down_alignment)
+        again = cluster.generate(PROMPTS[1], 8)
+    metrics = done.metrics
+    assert done.token_ids == reference_generate(tiny_model, PROMPTS[1], 40)
+    (change,) = metrics["alignment_changes"]
+    assert change["token_period"] == 4 and change["kv_period"] == 0
+    assert 8 <= change["from_step"] < 40
+    shadow = metrics["shadow"]
+    # Every step was aligned before the change, only every 4th token (and no KV) after it.
+    assert shadow["kv_aligns"] < change["from_step"]
+    assert shadow["token_aligns"] < 39
+    assert (metrics["token_period"], metrics["kv_period"]) == (4, 0)
+    # The new periods stay in force for the next request, without a restart.
+    assert (again.metrics["token_period"], again.metrics["kv_period"]) == (4, 0)
+
+
+def test_without_a_shadow_workers_load_on_demand_and_stay_exact(tiny_model: Path) -> None:
+    with LocalCluster(tiny_model, ClusterOptions(workers=8, shadow=False)) as cluster:
+        done = cluster.generate(PROMPTS[2], 24)
+    assert done.token_ids == reference_generate(tiny_model, PROMPTS[2], 24)
+    assert done.metrics["recall"] == 0.0
+    assert done.metrics["prediction_coverage"] == 0.0
