@@ -72,21 +72,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--workers", type=int, default=8)
     gen.add_argument("--shadow-dtype", choices=SHADOW_DTYPES, default="fp32")
     gen.add_argument("--no-shadow", action="store_true", help="no prediction: workers load on demand")
-    gen.add_argument(
-        "--token-period", type=int, default=1, help="align the shadow's token every P steps (0 never)"
-    )
-    gen.add_argument(
-        "--kv-period", type=int, default=1, help="align the shadow's KV cache every P steps (0 never)"
-    )
+    gen.add_argument("--token-period", type=int, default=1, help="align the shadow's token every P steps (0 never)")
+    gen.add_argument("--kv-period", type=int, default=1, help="align the shadow's KV cache every P steps (0 never)")
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     gen.add_argument("--timeout", type=float, default=60.0, help="seconds any role waits for a peer")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument(
-        "--json", action="store_true", help="print one JSON object with tokens, text and metrics"
-    )
+    gen.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and metrics")
     gen.set_defaults(run=_generate)
 
     role = sub.add_parser("serve-role", help="run one role from a spec file (what an agent launches)")

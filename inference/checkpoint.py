@@ -289,8 +289,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
     model_type = config.get("model_type")
     if model_type != "mixtral":
         raise CheckpointError(
-            f"{file}: model_type is {model_type!r}, but only Mixtral checkpoints "
-            "(model_type 'mixtral') are supported"
+            f"{file}: model_type is {model_type!r}, but only Mixtral checkpoints (model_type 'mixtral') are supported"
         )
     return config
 
@@ -328,9 +327,7 @@ def _open(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="pt")
     except Exception as exc:  # SafetensorError or OSError
-        raise CheckpointError(
-            f"cannot read weights file {file}: {exc}; the file is damaged or incomplete"
-        ) from exc
+        raise CheckpointError(f"cannot read weights file {file}: {exc}; the file is damaged or incomplete") from exc
 
 
 def _get(handle: Any, file: Path, key: str) -> torch.Tensor:

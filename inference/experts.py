@@ -28,9 +28,7 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return _ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(
-            f"unsupported expert activation {name!r}; known: {', '.join(_ACTIVATIONS)}"
-        ) from None
+        raise ValueError(f"unsupported expert activation {name!r}; known: {', '.join(_ACTIVATIONS)}") from None
 
 
 @dataclass
@@ -40,9 +38,7 @@ class ExpertWeights:
 
     @property
     def nbytes(self) -> int:
-        return (
-            self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
-        )
+        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
 
 
 def fuse_expert(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> ExpertWeights:

@@ -116,9 +116,7 @@ class LocalCluster:
         roles: list[tuple[str, str, int | None, Path]] = [("main", "main", None, shard_dir / "main")]
         if self.options.shadow:
             roles.append(("shadow", "shadow", None, shard_dir / "shadow"))
-        roles += [
-            (f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)
-        ]
+        roles += [(f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)]
         for name, role, worker, role_dir in roles:
             spec = RoleSpec(self.deployment, role, str(role_dir), addresses, worker, self.options.settings)
             spec_path = self.work_dir / f"{name}.spec.json"
@@ -154,9 +152,7 @@ class LocalCluster:
                 if received.msg.ready:
                     return
                 detail = received.msg.detail
-        raise ClusterError(
-            f"the cluster was not ready within {self.options.startup_timeout_s:.0f} s: {detail}"
-        )
+        raise ClusterError(f"the cluster was not ready within {self.options.startup_timeout_s:.0f} s: {detail}")
 
     def check_processes(self) -> None:
         """Raise ClusterError if any role process has exited."""

@@ -39,6 +39,8 @@ def build_metrics(
     covered = 0
     decode_dispatch: list[float] = []
     decode_wait: list[float] = []
+    decode_coordination: list[float] = []
+    decode_worker: list[float] = []
     for step in state.steps:
         layers = []
         step_recalls = []
@@ -60,6 +62,9 @@ def build_metrics(
                 per_layer.setdefault(rec.layer, []).append(r)
                 decode_dispatch.append(rec.dispatch_ms)
                 decode_wait.append(rec.wait_ms)
+                # What the layer cost beyond loading and computing: message hops and scheduling.
+                decode_coordination.append(max(0.0, rec.dispatch_ms - rec.worker_ms))
+                decode_worker.append(rec.worker_ms)
             layers.append(entry)
         all_recalls.extend(step_recalls)
         per_step.append(
@@ -93,6 +98,10 @@ def build_metrics(
         "wasted_loads": sum(s.wasted_loads for s in worker_stats.values()),
         "decode_layer_dispatch_ms_median": statistics.median(decode_dispatch) if decode_dispatch else None,
         "decode_layer_load_wait_ms_median": statistics.median(decode_wait) if decode_wait else None,
+        "decode_layer_worker_ms_median": statistics.median(decode_worker) if decode_worker else None,
+        "decode_layer_coordination_ms_median": (
+            statistics.median(decode_coordination) if decode_coordination else None
+        ),
         "shadow": None
         if shadow_stats is None
         else {

@@ -96,6 +96,4 @@ def placement(n_layers: int, n_experts: int, top_k: int, n_workers: int) -> Plac
 
 def placement_from_dict(data: dict) -> Placement:
     groups = tuple(tuple(int(w) for w in g) for g in data["groups"])
-    return Placement(
-        int(data["n_layers"]), int(data["n_experts"]), int(data["top_k"]), int(data["n_workers"]), groups
-    )
+    return Placement(int(data["n_layers"]), int(data["n_experts"]), int(data["top_k"]), int(data["n_workers"]), groups)

@@ -245,7 +245,8 @@ class ExpertResult(Message):
     layer: int
     experts: list[int]
     output: torch.Tensor
-    wait_ms: float
+    wait_ms: float  # time spent waiting for experts to reach the device
+    compute_ms: float  # time spent computing the experts
     hits: int
     misses: int
 
@@ -359,11 +360,7 @@ def decode(frames: list[Any]) -> Message:
 
 
 def _tensor(type_name: str, name: str, desc: Any, frame: Any) -> torch.Tensor:
-    if (
-        not isinstance(desc, dict)
-        or desc.get("dtype") not in _DTYPES
-        or not isinstance(desc.get("shape"), list)
-    ):
+    if not isinstance(desc, dict) or desc.get("dtype") not in _DTYPES or not isinstance(desc.get("shape"), list):
         raise ProtocolError(f"{type_name}.{name}: bad tensor descriptor {desc!r:.80}")
     dtype = _DTYPES[desc["dtype"]]
     shape = desc["shape"]
@@ -426,7 +423,5 @@ def with_envelope(msg: Message, *, deployment: str, sender: str, seq: int) -> Me
     return dataclasses.replace(msg, deployment=deployment, sender=sender, seq=seq)
 
 
-__all__ = [
-    name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Message)
-]
+__all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Message)]
 __all__ += ["PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "with_envelope"]

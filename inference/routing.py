@@ -115,9 +115,7 @@ def grouped_mm_works(hidden: int, intermediate: int, dtype: torch.dtype, device:
         return False
 
 
-def resolve_arithmetic(
-    setting: str, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device
-) -> str:
+def resolve_arithmetic(setting: str, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> str:
     if setting not in ARITHMETICS:
         raise ValueError(f"experts arithmetic must be one of {', '.join(ARITHMETICS)}, got {setting!r}")
     if setting != "auto":

@@ -314,9 +314,7 @@ def _set_index(shard_set: ShardSet) -> dict[str, Any]:
         "format": SET_FORMAT,
         "model": shard_set.model,
         "placement": shard_set.placement.to_dict(),
-        "roles": [
-            {"role": role.role, "worker": role.worker, "dir": role.dirname} for role in shard_set.roles()
-        ],
+        "roles": [{"role": role.role, "worker": role.worker, "dir": role.dirname} for role in shard_set.roles()],
     }
 
 
@@ -361,8 +359,7 @@ def _check_free_space(out: Path, needed: int) -> None:
     free = shutil.disk_usage(out).free
     if free < needed:
         raise ShardError(
-            f"not enough disk space in {out}: the shards need {needed / 1e9:.1f} GB, "
-            f"{free / 1e9:.1f} GB are free"
+            f"not enough disk space in {out}: the shards need {needed / 1e9:.1f} GB, {free / 1e9:.1f} GB are free"
         )
 
 
@@ -435,9 +432,7 @@ def role_experts(manifest: dict[str, Any]) -> list[LayerExpert]:
     return [(int(layer), int(expert)) for layer, expert in manifest.get("experts") or []]
 
 
-def _iter_parts(
-    directory: Path, parts: list[str], wanted: set[str] | None
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_parts(directory: Path, parts: list[str], wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
     found: set[str] = set()
     for part in parts:
         file = directory / part

@@ -76,9 +76,7 @@ def validate_spec(spec: RoleSpec) -> RoleSpec:
     if not spec.addresses.workers:
         raise SpecError("the peer table lists no workers; at least one is needed")
     if spec.role == "worker" and (spec.worker is None or not 0 <= spec.worker < len(spec.addresses.workers)):
-        raise SpecError(
-            f"worker index {spec.worker!r} is not in the peer table (0..{len(spec.addresses.workers) - 1})"
-        )
+        raise SpecError(f"worker index {spec.worker!r} is not in the peer table (0..{len(spec.addresses.workers) - 1})")
     if spec.role == "shadow" and spec.addresses.shadow is None:
         raise SpecError("role is shadow but the peer table has no shadow address")
     s = spec.settings
@@ -90,9 +88,7 @@ def validate_spec(spec: RoleSpec) -> RoleSpec:
     if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0:
         raise SpecError("max_resident_experts, threads >= 1, timeout_s > 0 and lookahead >= 0 are required")
     if s.experts_arithmetic not in ARITHMETICS:
-        raise SpecError(
-            f"experts_arithmetic must be one of {', '.join(ARITHMETICS)}, got {s.experts_arithmetic!r}"
-        )
+        raise SpecError(f"experts_arithmetic must be one of {', '.join(ARITHMETICS)}, got {s.experts_arithmetic!r}")
     if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):
         raise SpecError(f"device must be auto, cpu or cuda[:N], got {s.device!r}")
     if not Path(spec.shard_dir).is_dir():

@@ -119,9 +119,7 @@ class Endpoint:
         key = (msg.sender, via)
         last = self._last_seq.get(key, -1)
         if msg.seq <= last:
-            log.warning(
-                "%s: dropped stale %s from %s (seq %d <= %d)", self.name, msg.TYPE, msg.sender, msg.seq, last
-            )
+            log.warning("%s: dropped stale %s from %s (seq %d <= %d)", self.name, msg.TYPE, msg.sender, msg.seq, last)
             return None
         self._last_seq[key] = msg.seq
         return Received(msg, via, identity)

@@ -31,9 +31,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_bad_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     started = time.monotonic()
-    result = run_cli(
-        "generate", "--model", str(tmp_path / "nope"), "--prompt-ids", "1,2", "--max-new-tokens", "4"
-    )
+    result = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt-ids", "1,2", "--max-new-tokens", "4")
     assert result.returncode == 1
     assert "error:" in result.stderr and "nope" in result.stderr
     assert "Traceback" not in result.stderr

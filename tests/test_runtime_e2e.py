@@ -28,9 +28,7 @@ def test_greedy_output_is_token_identical_to_transformers(model_name: str, worke
         # An fp32 shadow aligned every step routes exactly as main does.
         assert metrics["recall"] == 1.0
         assert metrics["prediction_coverage"] == 1.0
-        assert len(metrics["recall_per_layer"]) == len(
-            {layer for layer in range(len(metrics["recall_per_layer"]))}
-        )
+        assert len(metrics["recall_per_layer"]) == len({layer for layer in range(len(metrics["recall_per_layer"]))})
         decode_steps = [s for s in metrics["per_step"] if s["step"] > 0]
         assert len(decode_steps) == NEW_TOKENS - 1
         assert all(s["recall"] == 1.0 for s in decode_steps)

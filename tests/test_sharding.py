@@ -162,9 +162,7 @@ def test_flipped_byte(copy: Path) -> None:
     data = bytearray(part.read_bytes())
     data[-7] ^= 0x01
     part.write_bytes(bytes(data))
-    with pytest.raises(
-        ShardError, match=r"part-00003\.safetensors sha256 mismatch: expected [0-9a-f]{64}, got"
-    ):
+    with pytest.raises(ShardError, match=r"part-00003\.safetensors sha256 mismatch: expected [0-9a-f]{64}, got"):
         verify_shard(copy)
     with pytest.raises(ShardError, match="corrupted"):
         load_role_tensors(copy)  # refuses at once, before the first tensor is read
@@ -255,9 +253,7 @@ def test_never_deletes_user_files(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(
-        ShardError, match=r"not empty and is not a shard set.*notes\.txt.*Nothing was deleted"
-    ):
+    with pytest.raises(ShardError, match=r"not empty and is not a shard set.*notes\.txt.*Nothing was deleted"):
         build_shards(model, out, workers=1)
     assert (out / "notes.txt").read_text() == "mine"
     (tmp_path / "file").write_text("x")

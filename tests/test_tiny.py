@@ -64,9 +64,7 @@ def test_odd_config(odd: Path) -> None:
     assert config.num_experts_per_tok == 3 and config.sliding_window is None
     assert config.rope_parameters["rope_theta"] == 1e6
     index = json.loads((odd / "model.safetensors.index.json").read_text())
-    assert sorted(set(index["weight_map"].values())) == [
-        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)
-    ]
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     ckpt = Checkpoint(odd)
     assert index["metadata"]["total_size"] == sum(ckpt.nbytes(k) for k in ckpt)
 

@@ -61,6 +61,8 @@ class LayerRecord:
     real: list[int]
     predicted: list[int] | None
     wait_ms: float = 0.0
+    compute_ms: float = 0.0  # summed over the layer's workers
+    worker_ms: float = 0.0  # the busiest worker's load wait + compute: the layer's critical path
     hits: int = 0
     misses: int = 0
     dispatch_ms: float = 0.0  # main's own time for this layer's expert round trip
@@ -232,9 +234,7 @@ class MainRole:
         for w in range(self.placement.n_workers):
             self.endpoint.send(
                 f"worker-{w}",
-                Begin(
-                    request_id=msg.request_id, prompt_len=state.prompt_len, max_new_tokens=msg.max_new_tokens
-                ),
+                Begin(request_id=msg.request_id, prompt_len=state.prompt_len, max_new_tokens=msg.max_new_tokens),
             )
         if self.has_shadow:
             self.endpoint.send(
@@ -396,6 +396,8 @@ class MainRole:
                 outputs[expert] = result.output[start : start + routed.count(expert)]
                 start += routed.count(expert)
             record.wait_ms += result.wait_ms
+            record.compute_ms += result.compute_ms
+            record.worker_ms = max(record.worker_ms, result.wait_ms + result.compute_ms)
             record.hits += result.hits
             record.misses += result.misses
         final = self.routing.combine(routed, outputs, hidden_states.dtype)  # [T, H]
@@ -423,9 +425,7 @@ class MainRole:
                 if peer in waiting and (result.step, result.layer) == (step, layer):
                     results[peer] = result
                 else:
-                    log.warning(
-                        "dropped a stale result from %s for step %d layer %d", peer, result.step, result.layer
-                    )
+                    log.warning("dropped a stale result from %s for step %d layer %d", peer, result.step, result.layer)
             self.pending_results.clear()
         return results
 
@@ -470,9 +470,7 @@ class _CancelCriterion(StoppingCriteria):
         self.state = state
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
-        return torch.full(
-            (input_ids.shape[0],), self.state.cancelled, dtype=torch.bool, device=input_ids.device
-        )
+        return torch.full((input_ids.shape[0],), self.state.cancelled, dtype=torch.bool, device=input_ids.device)
 
 
 def serve(spec: RoleSpec) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -125,16 +126,14 @@ class WorkerRole:
         here = (msg.step, msg.layer)
         self.served = max(self.served, here)
         wanted = set(msg.experts)
-        self.loader.discard(
-            lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted)
-        )
+        self.loader.discard(lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted))
         if not msg.experts:
             return
         assert msg.rows is not None and msg.weights is not None
         rows = msg.rows.to(self.device)
         weights = msg.weights.to(self.device)
         outputs: list[torch.Tensor] = []
-        wait_ms = 0.0
+        wait_ms = compute_ms = 0.0
         hits = misses = 0
         start = 0
         for expert, count in zip(msg.experts, msg.counts, strict=True):
@@ -143,6 +142,7 @@ class WorkerRole:
             wait_ms += waited
             hits += predicted
             misses += not predicted
+            computing = time.perf_counter()
             try:
                 outputs.append(
                     expert_forward(
@@ -155,6 +155,7 @@ class WorkerRole:
             finally:
                 del resident
                 self.loader.release(key)
+            compute_ms += (time.perf_counter() - computing) * 1000
             start += count
         output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         self.endpoint.reply(
@@ -166,6 +167,7 @@ class WorkerRole:
                 experts=msg.experts,
                 output=output,
                 wait_ms=wait_ms,
+                compute_ms=compute_ms,
                 hits=hits,
                 misses=misses,
             ),

@@ -1,0 +1,41 @@
+# Two entry points (see README.md): `make run` and `make test`. Both create .venv on
+# first use and install the pinned versions from constraints.txt into it.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+DEMO_MODEL := var/demo-model
+PROMPT ?= Mixture of experts models route every token to a few experts
+TOKENS ?= 48
+WORKERS ?= 8
+
+.PHONY: run test check lint install bench clean
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+$(DEMO_MODEL)/config.json: | $(STAMP)
+	$(PY) -m inference make-tiny $(DEMO_MODEL)
+
+# The main job: a local cluster (main, shadow, $(WORKERS) workers on 127.0.0.1) serving the demo model.
+run: $(STAMP) $(DEMO_MODEL)/config.json
+	$(PY) -m inference generate --model $(DEMO_MODEL) --prompt "$(PROMPT)" --max-new-tokens $(TOKENS) --workers $(WORKERS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.decode
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .ruff_cache

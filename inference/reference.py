@@ -1,0 +1,49 @@
+"""Transformers' own single-process run of a checkpoint: the correctness reference and
+the *full cache* baseline (every expert resident) that benchmarks compare against.
+
+Transformers' default experts path (torch's grouped GEMM) refuses shapes whose strides
+are not 16-byte aligned, such as an odd hidden size; for those its eager experts
+implementation is what any user of the checkpoint would run, so it is the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from transformers import MixtralForCausalLM
+
+
+@functools.cache
+def _load(model_dir: str, experts_implementation: str | None) -> MixtralForCausalLM:
+    kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    return MixtralForCausalLM.from_pretrained(model_dir, **kwargs).eval()
+
+
+def _unaligned(exc: RuntimeError) -> bool:
+    return "multiple of 16 bytes" in str(exc)
+
+
+def reference_generate(
+    model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int, *, streamer: object | None = None
+) -> list[int]:
+    """Greedy new tokens from ``generate`` on the checkpoint, prompt excluded."""
+    prompt = torch.tensor([prompt_ids])
+    for implementation in (None, "eager"):
+        model = _load(str(model_dir), implementation)
+        try:
+            with torch.inference_mode():
+                out = model.generate(
+                    prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    streamer=streamer,
+                )
+        except RuntimeError as exc:
+            if implementation is None and _unaligned(exc):
+                continue
+            raise
+        return out[0, len(prompt_ids) :].tolist()
+    raise AssertionError("unreachable")
