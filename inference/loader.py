@@ -88,6 +88,8 @@ class ExpertLoader:
     def prefetch(self, key: Key) -> None:
         """Load ``key`` ahead of need, in (step, layer) order, when a device slot frees."""
         with self._cond:
+            if key == self._loading and self._drop_when_loaded:
+                self._drop_when_loaded = False  # wanted again while its copy was being dropped
             if key in self._ready or key == self._loading or key in self._queue or key in self._urgent:
                 return
             self._prefetched.add(key)
@@ -100,6 +102,8 @@ class ExpertLoader:
         start = time.perf_counter()
         with self._cond:
             predicted = key in self._prefetched
+            if key == self._loading and self._drop_when_loaded:
+                self._drop_when_loaded = False  # wanted after all: keep the copy in flight
             if key not in self._ready and key != self._loading and key not in self._urgent:
                 if key in self._queue:
                     self._queue.remove(key)
@@ -167,6 +171,11 @@ class ExpertLoader:
             while True:
                 with self._cond:
                     while not self._closed and not self._can_start_load():
+                        if self._urgent:
+                            # A computation waits: push out an idle prefetch if one holds its slot.
+                            self._make_room_for_critical()
+                            if self._can_start_load():
+                                break
                         self._cond.wait()
                     if self._closed:
                         return

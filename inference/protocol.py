@@ -33,6 +33,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_MAX_DIMS = 8
+_MAX_DIM = 2**40  # far beyond any real tensor; rejects shapes whose size would overflow
 
 
 class ProtocolError(ValueError):
@@ -206,8 +208,11 @@ class Align(Message):
 class ExpertRequest(Message):
     """Compute these experts for (step, layer); an empty list releases any prefetch.
 
-    ``rows`` holds, expert after expert, the hidden-state rows routed to each expert
-    (``counts[i]`` rows for ``experts[i]``), ``weights`` their routing weights.
+    ``rows`` holds, segment after segment, hidden-state rows routed to ``experts[i]``:
+    ``counts[i]`` rows starting at row ``offsets[i]`` of that expert's rows, and
+    ``weights`` their routing weights. A long prefill arrives as several such requests
+    (mini-batches); the worker keeps an expert on the device until a ``final`` request
+    for it, the one carrying its last rows.
     """
 
     TYPE = "expert_request"
@@ -217,6 +222,8 @@ class ExpertRequest(Message):
     layer: int
     experts: list[int]
     counts: list[int]
+    offsets: list[int]
+    final: bool = True
     rows: torch.Tensor | None = None
     weights: torch.Tensor | None = None
 
@@ -236,7 +243,7 @@ class End(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class ExpertResult(Message):
-    """Weighted expert outputs, in the order of the request's rows."""
+    """Weighted expert outputs for the request's segments, in the order of its rows."""
 
     TYPE = "expert_result"
     TENSORS = ("output",)
@@ -244,6 +251,8 @@ class ExpertResult(Message):
     step: int
     layer: int
     experts: list[int]
+    counts: list[int]
+    offsets: list[int]
     output: torch.Tensor
     wait_ms: float  # time spent waiting for experts to reach the device
     compute_ms: float  # time spent computing the experts
@@ -328,14 +337,19 @@ def decode(frames: list[Any]) -> Message:
         raise ProtocolError(f"header is not msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
-    if header.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}")
-    cls = _REGISTRY.get(header.get("t"))  # type: ignore[arg-type]
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r:.40}, expected {PROTOCOL_VERSION}")
+    type_name = header.get("t")
+    cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {header.get('t')!r}")
+        raise ProtocolError(f"unknown message type {type_name!r:.40}")
     described = header.get("tensors")
     if not isinstance(described, dict):
         raise ProtocolError(f"{cls.TYPE}: tensor descriptors missing")
+    unknown = set(described) - set(cls.TENSORS)
+    if unknown:
+        raise ProtocolError(f"{cls.TYPE}: carries no tensor named {sorted(map(str, unknown))[0]!r:.40}")
     if len(frames) - 1 != len(described):
         raise ProtocolError(f"{cls.TYPE}: {len(described)} tensors described, {len(frames) - 1} frames sent")
     hints = _hints(cls)
@@ -360,11 +374,16 @@ def decode(frames: list[Any]) -> Message:
 
 
 def _tensor(type_name: str, name: str, desc: Any, frame: Any) -> torch.Tensor:
-    if not isinstance(desc, dict) or desc.get("dtype") not in _DTYPES or not isinstance(desc.get("shape"), list):
+    if (
+        not isinstance(desc, dict)
+        or not isinstance(desc.get("dtype"), str)
+        or desc["dtype"] not in _DTYPES
+        or not isinstance(desc.get("shape"), list)
+    ):
         raise ProtocolError(f"{type_name}.{name}: bad tensor descriptor {desc!r:.80}")
     dtype = _DTYPES[desc["dtype"]]
     shape = desc["shape"]
-    if not all(isinstance(d, int) and d >= 0 for d in shape):
+    if len(shape) > _MAX_DIMS or not all(type(d) is int and 0 <= d < _MAX_DIM for d in shape):
         raise ProtocolError(f"{type_name}.{name}: bad shape {shape!r:.80}")
     buffer = frame.buffer if hasattr(frame, "buffer") else frame
     numel = 1

@@ -71,6 +71,23 @@ def prefill_prefetch_order(placement: Placement, worker: int) -> list[tuple[int,
     ]
 
 
+MIN_CHUNK_ROWS = 16
+
+
+def chunk_sizes(rows: int, chunk: int) -> list[int]:
+    """Split one expert's ``rows`` into prefill mini-batches of about ``chunk`` rows.
+
+    Chunks are as even as possible and never smaller than ``MIN_CHUNK_ROWS`` (a GEMM over
+    very few rows takes another kernel path, whose rounding would differ from the
+    reference's single GEMM); ``chunk <= 0`` disables splitting.
+    """
+    if chunk <= 0 or rows < 2 * max(chunk, MIN_CHUNK_ROWS):
+        return [rows] if rows else []
+    n = rows // max(chunk, MIN_CHUNK_ROWS)
+    base, extra = divmod(rows, n)
+    return [base + 1] * extra + [base] * (n - extra)
+
+
 def alignment_due(step: int, token_period: int, kv_period: int) -> tuple[bool, bool]:
     """Whether decode ``step`` (>= 1) aligns the shadow's token and its KV cache to main.
 
@@ -90,7 +107,10 @@ def validate_periods(token_period: int, kv_period: int) -> None:
 
 
 def recall(predicted: Iterable[int] | None, real: Iterable[int]) -> float:
-    """Share of the really-routed experts that the prediction named (0 when none)."""
+    """Share of the really-routed experts that the prediction named (0 without a prediction).
+
+    A layer that routed nothing has nothing to miss and scores 1.
+    """
     real_set = set(real)
     if not real_set:
         return 1.0

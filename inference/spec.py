@@ -6,7 +6,10 @@ runtime settings. It is JSON on disk; ``load_spec`` validates it and says what i
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,6 +37,8 @@ class Settings:
     # How main sums expert outputs: as Transformers' grouped (default) or eager experts do;
     # "auto" picks grouped unless torch's grouped GEMM cannot run the model's shapes.
     experts_arithmetic: str = "auto"
+    # Prefill rows per expert per message (mini-batches overlap transfer and compute); 0 = whole.
+    prefill_chunk: int = 64
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,35 @@ class RoleSpec:
         return json.dumps(asdict(self), indent=2)
 
 
+def _type_ok(value: object, hint: object) -> bool:
+    if isinstance(hint, types.UnionType):
+        return any(_type_ok(value, arm) for arm in hint.__args__)
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return type(value) is int
+    if hint is float:
+        return type(value) in (int, float)
+    if hint is str:
+        return isinstance(value, str)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    return True  # nested dataclasses are checked on their own
+
+
+def _check_types(obj: object, where: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if not _type_ok(value, hints[f.name]):
+            raise SpecError(f"{where}{f.name} has the wrong type: {value!r:.60} (expected {hints[f.name]})")
+
+
 def validate_spec(spec: RoleSpec) -> RoleSpec:
+    _check_types(spec, "")
+    _check_types(spec.addresses, "addresses.")
+    _check_types(spec.settings, "settings.")
     if spec.role not in ROLES:
         raise SpecError(f"role must be one of {', '.join(ROLES)}, got {spec.role!r}")
     if not spec.addresses.workers:
@@ -85,6 +118,8 @@ def validate_spec(spec: RoleSpec) -> RoleSpec:
     for name in ("token_period", "kv_period"):
         if getattr(s, name) < 0:
             raise SpecError(f"{name} must be >= 0 (0 = never align)")
+    if s.prefill_chunk < 0:
+        raise SpecError("prefill_chunk must be >= 0 (0 = no mini-batches)")
     if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0:
         raise SpecError("max_resident_experts, threads >= 1, timeout_s > 0 and lookahead >= 0 are required")
     if s.experts_arithmetic not in ARITHMETICS:
@@ -103,6 +138,11 @@ def load_spec(path: str | Path) -> RoleSpec:
         raise SpecError(f"spec file {path} does not exist") from None
     except json.JSONDecodeError as exc:
         raise SpecError(f"spec file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"spec file {path} must hold a JSON object")
+    unknown = set(data) - {f.name for f in dataclasses.fields(RoleSpec)}
+    if unknown:
+        raise SpecError(f"spec file {path} has unknown fields: {', '.join(sorted(unknown))}")
     try:
         spec = RoleSpec(
             deployment=str(data["deployment"]),
@@ -112,6 +152,8 @@ def load_spec(path: str | Path) -> RoleSpec:
             worker=data.get("worker"),
             settings=Settings(**data.get("settings", {})),
         )
-    except (KeyError, TypeError) as exc:
-        raise SpecError(f"spec file {path} is missing or has an unknown field: {exc}") from None
+    except KeyError as exc:
+        raise SpecError(f"spec file {path} lacks the field {exc}") from None
+    except TypeError as exc:
+        raise SpecError(f"spec file {path} has an unknown or misplaced field: {exc}") from None
     return validate_spec(spec)

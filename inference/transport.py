@@ -105,6 +105,9 @@ class Endpoint:
         except ProtocolError as exc:
             log.warning("%s: dropped a malformed message via %s: %s", self.name, via, exc)
             return None
+        except Exception as exc:  # a peer's bytes must never take this role down
+            log.warning("%s: dropped an undecodable message via %s: %r", self.name, via, exc)
+            return None
         if msg.deployment and msg.deployment != self.deployment:
             log.warning(
                 "%s: dropped %s from %s for deployment %r (serving %r)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,14 @@ def test_without_a_shadow_workers_load_on_demand_and_stay_exact(tiny_model: Path
     assert done.token_ids == reference_generate(tiny_model, PROMPTS[2], 24)
     assert done.metrics["recall"] == 0.0
     assert done.metrics["prediction_coverage"] == 0.0
+
+
+@pytest.mark.parametrize("workers", [8, 1])
+def test_long_prompts_prefilled_in_mini_batches_stay_exact(tiny_model: Path, workers: int) -> None:
+    generator = random.Random(7)
+    prompts = [[1] + [generator.randrange(3, 500) for _ in range(n)] for n in (180, 333)]
+    options = ClusterOptions(workers=workers, settings=Settings(prefill_chunk=16))
+    with LocalCluster(tiny_model, options) as cluster:
+        results = [cluster.generate(prompt, 16) for prompt in prompts]
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == reference_generate(tiny_model, prompt, 16)

@@ -179,3 +179,16 @@ def test_validate_periods_rejects(bad: tuple, match: str) -> None:
 )
 def test_recall(predicted: list[int] | None, real: list[int], expected: float) -> None:
     assert schedule.recall(predicted, real) == expected
+
+
+@pytest.mark.parametrize("rows", [0, 1, 15, 16, 31, 32, 33, 64, 70, 200, 1000])
+@pytest.mark.parametrize("chunk", [0, 8, 16, 32, 64])
+def test_prefill_chunks_cover_the_rows_and_are_never_tiny(rows: int, chunk: int) -> None:
+    sizes = schedule.chunk_sizes(rows, chunk)
+    assert sum(sizes) == rows
+    assert all(size > 0 for size in sizes)
+    if len(sizes) > 1:
+        assert min(sizes) >= schedule.MIN_CHUNK_ROWS
+        assert max(sizes) - min(sizes) <= 1
+    if chunk <= 0:
+        assert len(sizes) <= 1

@@ -43,7 +43,7 @@ from inference.protocol import (
     WorkerStats,
 )
 from inference.roles.common import PeerHealth, answer_ping, connect_peers, setup_process
-from inference.routing import Routing, resolve_arithmetic
+from inference.routing import RoutedRows, Routing, resolve_arithmetic
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec
 from inference.transport import Endpoint, Received
@@ -127,7 +127,7 @@ class MainRole:
         self.kv_period = spec.settings.kv_period
         self.request: RequestState | None = None
         self.step = -1
-        self.pending_results: dict[str, ExpertResult] = {}
+        self.pending_results: list[tuple[str, ExpertResult]] = []
         self.worker_stats: dict[int, WorkerStats] = {}
         self.shadow_stats: ShadowStats | None = None
         log.info(
@@ -175,7 +175,7 @@ class MainRole:
             if self.request is not None and msg.request_id == self.request.request_id:
                 self.request.cancelled = True
         elif isinstance(msg, ExpertResult):
-            self.pending_results[received.via] = msg
+            self.pending_results.append((received.via, msg))
         elif isinstance(msg, WorkerStats):
             self.worker_stats[msg.worker] = msg
         elif isinstance(msg, ShadowStats):
@@ -373,46 +373,53 @@ class MainRole:
             assignment = schedule.assign_experts(routed.experts, predicted, candidates)
         record = LayerRecord(layer, routed.experts, predicted)
         state.steps[-1].layers.append(record)
-        waiting: dict[str, list[int]] = {}
+        expected: dict[str, int] = {}
+        chunk = self.spec.settings.prefill_chunk if self.step == 0 else 0
         for worker in candidates:
-            experts = assignment.get(worker, [])
             peer = f"worker-{worker}"
-            request = ExpertRequest(
-                request_id=state.request_id,
-                step=self.step,
-                layer=layer,
-                experts=experts,
-                counts=[routed.count(e) for e in experts],
-                rows=torch.cat([routed.rows[e] for e in experts]) if experts else None,
-                weights=torch.cat([routed.weights[e] for e in experts]) if experts else None,
-            )
-            self.endpoint.send(peer, request)  # an empty one releases the worker's prefetch
-            if experts:
-                waiting[peer] = experts
-        outputs: dict[int, torch.Tensor] = {}
-        for peer, result in self._collect(waiting, self.step, layer).items():
+            batches = _batches(routed, assignment.get(worker, []), chunk)
+            for segments, final in batches or [([], True)]:
+                request = ExpertRequest(
+                    request_id=state.request_id,
+                    step=self.step,
+                    layer=layer,
+                    experts=[e for e, _, _ in segments],
+                    counts=[n for _, _, n in segments],
+                    offsets=[o for _, o, _ in segments],
+                    final=final,
+                    rows=torch.cat([routed.rows[e][o : o + n] for e, o, n in segments]) if segments else None,
+                    weights=torch.cat([routed.weights[e][o : o + n] for e, o, n in segments]) if segments else None,
+                )
+                self.endpoint.send(peer, request)  # an empty one releases the worker's prefetch
+            if batches:
+                expected[peer] = len(batches)
+        outputs = {e: torch.empty_like(routed.rows[e]) for e in routed.experts}
+        busy: dict[str, float] = {}
+        for peer, result in self._collect(expected, self.step, layer):
             start = 0
-            for expert in waiting[peer]:
-                outputs[expert] = result.output[start : start + routed.count(expert)]
-                start += routed.count(expert)
+            for expert, count, offset in zip(result.experts, result.counts, result.offsets, strict=True):
+                outputs[expert][offset : offset + count] = result.output[start : start + count]
+                start += count
             record.wait_ms += result.wait_ms
             record.compute_ms += result.compute_ms
-            record.worker_ms = max(record.worker_ms, result.wait_ms + result.compute_ms)
+            busy[peer] = busy.get(peer, 0.0) + result.wait_ms + result.compute_ms
             record.hits += result.hits
             record.misses += result.misses
+        record.worker_ms = max(busy.values(), default=0.0)
         final = self.routing.combine(routed, outputs, hidden_states.dtype)  # [T, H]
         record.dispatch_ms = (time.perf_counter() - started) * 1000
         return final
 
-    def _collect(self, waiting: dict[str, list[int]], step: int, layer: int) -> dict[str, ExpertResult]:
-        """Wait for every worker in ``waiting`` to answer (step, layer), within the timeout."""
-        results: dict[str, ExpertResult] = {}
+    def _collect(self, expected: dict[str, int], step: int, layer: int) -> list[tuple[str, ExpertResult]]:
+        """Wait for every worker's ``expected`` answers to (step, layer), within the timeout."""
+        results: list[tuple[str, ExpertResult]] = []
+        remaining_by_peer = dict(expected)
         deadline = time.monotonic() + self.spec.settings.timeout_s
         self.pending_results.clear()
-        while len(results) < len(waiting):
+        while any(remaining_by_peer.values()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(waiting) - set(results))
+                missing = sorted(peer for peer, n in remaining_by_peer.items() if n)
                 raise GenerationAborted(
                     f"{', '.join(missing)} did not answer layer {layer} of step {step} within "
                     f"{self.spec.settings.timeout_s:.0f} s (is the process alive?)"
@@ -421,9 +428,10 @@ class MainRole:
             if received is None:
                 continue
             self.handle_side_message(received)
-            for peer, result in list(self.pending_results.items()):
-                if peer in waiting and (result.step, result.layer) == (step, layer):
-                    results[peer] = result
+            for peer, result in self.pending_results:
+                if remaining_by_peer.get(peer) and (result.step, result.layer) == (step, layer):
+                    results.append((peer, result))
+                    remaining_by_peer[peer] -= 1
                 else:
                     log.warning("dropped a stale result from %s for step %d layer %d", peer, result.step, result.layer)
             self.pending_results.clear()
@@ -445,6 +453,28 @@ class MainRole:
             if received is not None:
                 self.handle_side_message(received)
         log.warning("some roles did not report statistics in time; metrics are partial")
+
+
+Segment = tuple[int, int, int]  # (expert, first row, rows)
+
+
+def _batches(routed: RoutedRows, experts: list[int], chunk: int) -> list[tuple[list[Segment], bool]]:
+    """The requests one worker gets for a layer: (segments, final) pairs.
+
+    Decode (``chunk`` 0) sends all of a worker's experts in one request; a long prefill
+    sends each expert's rows as mini-batches so the worker computes one while the next
+    is in flight, ``final`` on an expert's last one so the worker frees it at once.
+    """
+    if chunk <= 0:
+        return [([(e, 0, routed.count(e)) for e in experts], True)] if experts else []
+    batches: list[tuple[list[Segment], bool]] = []
+    for expert in experts:
+        sizes = schedule.chunk_sizes(routed.count(expert), chunk)
+        offset = 0
+        for i, size in enumerate(sizes):
+            batches.append(([(expert, offset, size)], i == len(sizes) - 1))
+            offset += size
+    return batches
 
 
 class _TokenStreamer(BaseStreamer):

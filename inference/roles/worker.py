@@ -17,7 +17,7 @@ import torch
 
 from inference import schedule
 from inference.experts import activation, expert_forward
-from inference.loader import ExpertLoader, Key
+from inference.loader import ExpertLoader, Key, Resident
 from inference.placement import placement_from_dict
 from inference.protocol import (
     Begin,
@@ -64,6 +64,7 @@ class WorkerRole:
         self.endpoint = Endpoint(spec.name, spec.deployment, bind=spec.bind_address)
         self.request_id = ""
         self.served: tuple[int, int] = (-1, -1)  # the last (step, layer) main asked for
+        self.held: dict[Key, Resident] = {}  # experts on the device until the layer's final request
         log.info(
             "worker %d ready: %d experts in host memory on %s, decode layers %s",
             self.index,
@@ -101,6 +102,7 @@ class WorkerRole:
             log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
 
     def begin(self, msg: Begin) -> None:
+        self._release_held()
         self.loader.discard(lambda key: False)
         self.loader.reset_stats()
         self.request_id = msg.request_id
@@ -124,11 +126,15 @@ class WorkerRole:
             log.warning("dropped a request for %s while serving %s", msg.request_id, self.request_id)
             return
         here = (msg.step, msg.layer)
-        self.served = max(self.served, here)
+        if here > self.served:
+            self._release_held()  # a new layer: nothing of the previous one stays on the device
+            self.served = here
         wanted = set(msg.experts)
         self.loader.discard(lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted))
-        if not msg.experts:
-            return
+        if msg.experts:
+            self._compute(msg, identity)
+
+    def _compute(self, msg: ExpertRequest, identity: bytes) -> None:
         assert msg.rows is not None and msg.weights is not None
         rows = msg.rows.to(self.device)
         weights = msg.weights.to(self.device)
@@ -136,44 +142,44 @@ class WorkerRole:
         wait_ms = compute_ms = 0.0
         hits = misses = 0
         start = 0
-        for expert, count in zip(msg.experts, msg.counts, strict=True):
+        for i, (expert, count) in enumerate(zip(msg.experts, msg.counts, strict=True)):
             key: Key = (msg.step, msg.layer, expert)
-            resident, predicted, waited = self.loader.acquire(key, timeout_s=self.spec.settings.timeout_s)
-            wait_ms += waited
-            hits += predicted
-            misses += not predicted
+            if key not in self.held:
+                resident, predicted, waited = self.loader.acquire(key, timeout_s=self.spec.settings.timeout_s)
+                self.held[key] = resident
+                wait_ms += waited
+                hits += predicted
+                misses += not predicted
             computing = time.perf_counter()
-            try:
-                outputs.append(
-                    expert_forward(
-                        rows[start : start + count],
-                        weights[start : start + count],
-                        resident.weights,
-                        self.act_fn,
-                    )
-                )
-            finally:
-                del resident
-                self.loader.release(key)
+            rows_here = slice(start, start + count)
+            outputs.append(expert_forward(rows[rows_here], weights[rows_here], self.held[key].weights, self.act_fn))
             compute_ms += (time.perf_counter() - computing) * 1000
             start += count
-        output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-        self.endpoint.reply(
-            identity,
-            ExpertResult(
-                request_id=msg.request_id,
-                step=msg.step,
-                layer=msg.layer,
-                experts=msg.experts,
-                output=output,
-                wait_ms=wait_ms,
-                compute_ms=compute_ms,
-                hits=hits,
-                misses=misses,
-            ),
+            if msg.final and expert not in msg.experts[i + 1 :]:
+                self._release_held({key})  # its last rows are done: free it before loading the next
+        result = ExpertResult(
+            request_id=msg.request_id,
+            step=msg.step,
+            layer=msg.layer,
+            experts=msg.experts,
+            counts=msg.counts,
+            offsets=msg.offsets,
+            output=torch.cat(outputs) if len(outputs) > 1 else outputs[0],
+            wait_ms=wait_ms,
+            compute_ms=compute_ms,
+            hits=hits,
+            misses=misses,
         )
+        self.endpoint.reply(identity, result)
+
+    def _release_held(self, keys: set[Key] | None = None) -> None:
+        for key in list(self.held):
+            if keys is None or key in keys:
+                del self.held[key]
+                self.loader.release(key)
 
     def end(self, msg: End, identity: bytes) -> None:
+        self._release_held()
         self.loader.discard(lambda key: False)
         stats = self.loader.stats
         self.endpoint.reply(

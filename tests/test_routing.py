@@ -1,0 +1,152 @@
+"""Split/compute/combine per expert gives the same bits as Transformers' MixtralExperts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MixtralConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+from inference.experts import ExpertWeights, activation, expert_forward
+from inference.routing import (
+    Routing,
+    combine_eager,
+    combine_grouped,
+    grouped_mm_works,
+    resolve_arithmetic,
+    split_eager,
+    split_grouped,
+)
+
+CPU = torch.device("cpu")
+
+SHAPES = [
+    # (hidden, intermediate, experts, top_k)
+    (64, 96, 8, 2),
+    (64, 96, 8, 3),
+    (75, 97, 8, 2),
+]
+ALIGNED = [s for s in SHAPES if s[0] % 4 == 0 and s[1] % 4 == 0]  # 16-byte fp32 strides
+TOKENS = (1, 5, 40)
+
+
+def _experts(hidden: int, intermediate: int, n_experts: int, top_k: int, dtype: torch.dtype, seed: int):
+    config = MixtralConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_local_experts=n_experts,
+        num_experts_per_tok=top_k,
+    )
+    module = MixtralExperts(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=g) * 0.1)
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=g) * 0.1)
+    return config, module.to(dtype).eval()
+
+
+def _routing(num_tokens: int, hidden: int, n_experts: int, top_k: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=g) + 0.05
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(torch.float32)
+    return states, index, weights
+
+
+def _distributed(module: MixtralExperts, states, index, weights, split, combine) -> torch.Tensor:
+    """What main and the workers compute: each expert's rows alone, then main's sum."""
+    routed = split(states, index, weights)
+    act_fn = activation(module.config.hidden_act)
+    outputs = {}
+    for e in routed.experts:
+        expert = ExpertWeights(gate_up=module.gate_up_proj[e].detach(), down=module.down_proj[e].detach())
+        outputs[e] = expert_forward(routed.rows[e], routed.weights[e], expert, act_fn)
+    return combine(routed, outputs, states.dtype)
+
+
+def _reference(config, module, implementation: str, states, index, weights) -> torch.Tensor:
+    config._experts_implementation = implementation
+    with torch.no_grad():
+        return module(states, index, weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-i{}-e{}-k{}".format(*s))
+def test_eager_arithmetic_is_bit_identical(shape, dtype: torch.dtype) -> None:
+    hidden, _, n_experts, top_k = shape
+    config, module = _experts(*shape, dtype=dtype, seed=hidden + top_k)
+    for seed, num_tokens in enumerate(TOKENS):
+        states, index, weights = _routing(num_tokens, hidden, n_experts, top_k, dtype, seed)
+        want = _reference(config, module, "eager", states, index, weights)
+        with torch.no_grad():
+            got = _distributed(module, states, index, weights, split_eager, combine_eager)
+        assert got.dtype == want.dtype and got.shape == (num_tokens, hidden)
+        assert torch.equal(got, want), (shape, num_tokens, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", ALIGNED, ids=lambda s: "h{}-i{}-e{}-k{}".format(*s))
+def test_grouped_arithmetic_is_bit_identical(shape, dtype: torch.dtype) -> None:
+    hidden, intermediate, n_experts, top_k = shape
+    if not grouped_mm_works(hidden, intermediate, dtype, CPU):
+        pytest.skip("torch's grouped GEMM cannot run these shapes; eager is the reference")
+    config, module = _experts(*shape, dtype=dtype, seed=hidden + top_k)
+    for seed, num_tokens in enumerate(TOKENS):
+        states, index, weights = _routing(num_tokens, hidden, n_experts, top_k, dtype, seed)
+        want = _reference(config, module, "grouped_mm", states, index, weights)
+        with torch.no_grad():
+            got = _distributed(module, states, index, weights, split_grouped, combine_grouped)
+        assert got.dtype == want.dtype and got.shape == (num_tokens, hidden)
+        assert torch.equal(got, want), (shape, num_tokens, (got - want).abs().max())
+
+
+def test_odd_shape_really_cannot_use_grouped_mm() -> None:
+    """The reason the eager arithmetic exists: Transformers' default path refuses odd strides."""
+    config, module = _experts(75, 97, 8, 2, dtype=torch.float32, seed=0)
+    states, index, weights = _routing(5, 75, 8, 2, torch.float32, 0)
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        _reference(config, module, "grouped_mm", states, index, weights)
+
+
+@pytest.mark.parametrize("split", [split_grouped, split_eager])
+def test_split_gives_every_pair_once(split) -> None:
+    states, index, weights = _routing(40, 16, 8, 3, torch.float32, 3)
+    routed = split(states, index, weights)
+    assert routed.experts == sorted(set(index.flatten().tolist()))
+    assert sum(routed.count(e) for e in routed.experts) == 40 * 3
+    for e in routed.experts:
+        assert routed.count(e) == int((index == e).sum())
+        assert routed.weights[e].shape == (routed.count(e),)
+        assert routed.rows[e].shape == (routed.count(e), 16)
+    assert (routed.num_tokens, routed.top_k) == (40, 3)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "intermediate", "expected"),
+    [(64, 96, "grouped"), (75, 97, "eager"), (64, 97, "eager"), (128, 256, "grouped")],
+)
+def test_resolve_auto(hidden: int, intermediate: int, expected: str) -> None:
+    assert grouped_mm_works(hidden, intermediate, torch.float32, CPU) == (expected == "grouped")
+    assert resolve_arithmetic("auto", hidden, intermediate, torch.float32, CPU) == expected
+
+
+@pytest.mark.parametrize("setting", ["grouped", "eager"])
+def test_explicit_setting_wins(setting: str) -> None:
+    assert resolve_arithmetic(setting, 75, 97, torch.float32, CPU) == setting
+    assert resolve_arithmetic(setting, 64, 96, torch.float32, CPU) == setting
+
+
+@pytest.mark.parametrize("bad", ["", "Grouped", "grouped_mm", "fast", None])
+def test_bad_setting(bad) -> None:
+    with pytest.raises(ValueError, match="experts arithmetic"):
+        resolve_arithmetic(bad, 64, 96, torch.float32, CPU)
+
+
+def test_routing_pairs() -> None:
+    assert Routing("grouped").split is split_grouped
+    assert Routing("grouped").combine is combine_grouped
+    assert Routing("eager").split is split_eager
+    assert Routing("eager").combine is combine_eager
+    with pytest.raises(ValueError, match="grouped or eager"):
+        Routing("auto")

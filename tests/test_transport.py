@@ -1,0 +1,197 @@
+"""Endpoints on loopback: links, replies, and what the inbox drops."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from inference.launcher import free_port
+from inference.protocol import Align, Ping, Pong, TokenEvent, encode, with_envelope
+from inference.transport import Endpoint
+
+DEPLOYMENT = "dep-test"
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Endpoint, Endpoint, str]]:
+    """``server`` binds an inbox; ``client`` has a link named "server" to it."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = Endpoint("server", DEPLOYMENT, bind=address)
+    client = Endpoint("client", DEPLOYMENT)
+    client.connect("server", address)
+    try:
+        yield server, client, address
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.fixture
+def raw_dealer() -> Iterator[zmq.Socket]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, b"raw")
+    try:
+        yield sock
+    finally:
+        sock.close(0)
+
+
+def _stamped(msg, *, deployment: str = DEPLOYMENT, sender: str = "raw", seq: int) -> list:
+    return encode(with_envelope(msg, deployment=deployment, sender=sender, seq=seq))
+
+
+def _roundtrip_works(server: Endpoint, client: Endpoint) -> None:
+    client.send("server", TokenEvent(request_id="probe", index=1, token_id=2))
+    got = server.recv(5.0)
+    assert got is not None and isinstance(got.msg, TokenEvent) and got.msg.request_id == "probe"
+
+
+def test_send_and_reply(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    server, client, _ = pair
+    keys = torch.randn(2, 1, 2, 3, 4)
+    client.send("server", Align(request_id="r", step=3, token=7, kv_from=0, kv_to=3, keys=keys))
+    got = server.recv(5.0)
+    assert got is not None
+    assert got.via == "inbox"
+    assert got.identity == b"client"
+    assert isinstance(got.msg, Align)
+    assert (got.msg.deployment, got.msg.sender) == (DEPLOYMENT, "client")
+    assert got.msg.seq > 0
+    assert torch.equal(got.msg.keys, keys) and got.msg.values is None
+
+    server.reply(got.identity, Pong(role="server", ready=True))
+    answer = client.recv(5.0)
+    assert answer is not None
+    assert answer.via == "server"  # the link's name
+    assert isinstance(answer.msg, Pong) and answer.msg.ready
+    assert answer.msg.sender == "server"
+    assert client.peers == ["server"]
+
+
+def test_order_is_kept_and_seq_increases(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    server, client, _ = pair
+    for i in range(20):
+        client.send("server", TokenEvent(request_id="r", index=i, token_id=i))
+    got = [server.recv(5.0) for _ in range(20)]
+    assert [g.msg.index for g in got] == list(range(20))  # type: ignore[union-attr]
+    seqs = [g.msg.seq for g in got]  # type: ignore[union-attr]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 20
+
+
+def test_other_deployment_is_dropped(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    server, _, address = pair
+    intruder = Endpoint("client", "another-deployment")
+    intruder.connect("server", address)
+    try:
+        intruder.send("server", Ping())
+        start = time.monotonic()
+        assert server.recv(0.3) is None
+        assert time.monotonic() - start < 2.0
+    finally:
+        intruder.close()
+
+
+def test_other_deployment_is_dropped_before_later_messages(
+    pair: tuple[Endpoint, Endpoint, str], raw_dealer: zmq.Socket
+) -> None:
+    server, _, address = pair
+    raw_dealer.connect(address)
+    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="x", index=0, token_id=0), deployment="other", seq=1))
+    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="ok", index=1, token_id=1), seq=2))
+    # Order is kept on the connection, so the first message served is the second one sent.
+    got = server.recv(5.0)
+    assert got is not None and got.msg.request_id == "ok"  # type: ignore[union-attr]
+    assert server.recv(0.05) is None
+
+
+def test_replayed_message_is_dropped(pair: tuple[Endpoint, Endpoint, str], raw_dealer: zmq.Socket) -> None:
+    server, client, address = pair
+    raw_dealer.connect(address)
+    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="r", index=0, token_id=0), seq=10))
+    first = server.recv(5.0)
+    assert first is not None and first.msg.seq == 10
+    # The same frames again, then an older one: both stale.
+    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="r", index=0, token_id=0), seq=10))
+    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="r", index=1, token_id=1), seq=3))
+    assert server.recv(0.3) is None
+    # A newer one passes again.
+    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="r", index=2, token_id=2), seq=11))
+    fresh = server.recv(5.0)
+    assert fresh is not None and fresh.msg.index == 2  # type: ignore[union-attr]
+    # Staleness is per sender: another sender's low numbers are fine.
+    raw_dealer.send_multipart(_stamped(Ping(), sender="someone-else", seq=1))
+    other = server.recv(5.0)
+    assert other is not None and other.msg.sender == "someone-else"
+    _roundtrip_works(server, client)
+
+
+def test_replayed_reply_is_dropped_on_a_link(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    server, client, _ = pair
+    client.send("server", Ping())
+    got = server.recv(5.0)
+    assert got is not None
+    stale = _stamped(Pong(role="server", ready=True), sender="server", seq=5)
+    fresh = _stamped(Pong(role="server", ready=True, detail="fresh"), sender="server", seq=6)
+    assert server.inbox is not None
+    server.inbox.send_multipart([got.identity, *fresh])
+    answer = client.recv(5.0)
+    assert answer is not None and answer.msg.detail == "fresh"  # type: ignore[union-attr]
+    server.inbox.send_multipart([got.identity, *stale])
+    assert client.recv(0.3) is None
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"not msgpack \xc1"],
+        [b""],
+        [msgpack.packb({"v": 1, "t": "ping"})],  # no tensor descriptors
+        [msgpack.packb({"v": 99, "t": "ping", "tensors": {}})],
+        [msgpack.packb({"v": 1, "t": "token", "tensors": {}, "request_id": "r"})],  # fields missing
+        [msgpack.packb({"v": 1, "t": "ping", "tensors": {}}), b"extra frame"],
+        [b"a", b"b", b"c"],
+    ],
+    ids=["garbage", "empty", "no-descriptors", "version", "missing-fields", "extra-frame", "three-frames"],
+)
+def test_malformed_message_is_dropped_and_endpoint_keeps_working(
+    pair: tuple[Endpoint, Endpoint, str], raw_dealer: zmq.Socket, frames: list[bytes]
+) -> None:
+    server, client, address = pair
+    raw_dealer.connect(address)
+    raw_dealer.send_multipart(frames)
+    assert server.recv(0.3) is None
+    _roundtrip_works(server, client)
+
+
+def test_unhashable_type_does_not_crash_recv(pair: tuple[Endpoint, Endpoint, str], raw_dealer: zmq.Socket) -> None:
+    server, client, address = pair
+    raw_dealer.connect(address)
+    raw_dealer.send_multipart([msgpack.packb({"v": 1, "t": ["ping"], "tensors": {}})])
+    assert server.recv(0.5) is None
+    _roundtrip_works(server, client)
+
+
+def test_recv_timeout_returns_none_promptly(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    server, client, _ = pair
+    for timeout in (0.0, 0.05, 0.2):
+        start = time.monotonic()
+        assert server.recv(timeout) is None
+        assert client.recv(timeout) is None
+        elapsed = time.monotonic() - start
+        assert elapsed < 2 * timeout + 0.2, (timeout, elapsed)
+    start = time.monotonic()
+    assert server.recv(-1.0) is None  # a negative timeout is a poll
+    assert time.monotonic() - start < 0.2
+
+
+def test_endpoint_without_inbox_can_only_send(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    _, client, _ = pair
+    assert client.inbox is None
+    with pytest.raises(AssertionError):
+        client.reply(b"x", Ping())
