@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import shutil
 import signal
@@ -22,7 +21,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference.checkpoint import Checkpoint
@@ -202,10 +201,11 @@ class LocalCluster:
         seed: int | None = None,
         timeout_s: float | None = None,
         during: Callable[[int], None] | None = None,
+        request_id: str | None = None,
     ) -> GenerateDone:
         """Generate through the cluster; ``during(n)`` runs after the n-th token arrives."""
         assert self.client is not None, "the cluster is not started"
-        request_id = uuid.uuid4().hex[:12]
+        request_id = request_id or uuid.uuid4().hex[:12]
         self.client.send(
             "main",
             GenerateRequest(
@@ -246,21 +246,6 @@ class LocalCluster:
         self.client.send("main", SetAlignment(token_period=token_period, kv_period=kv_period))
 
     def cancel(self, request_id: str) -> None:
+        """Stop a running generation after its current step (finish_reason "cancelled")."""
         assert self.client is not None
         self.client.send("main", Cancel(request_id=request_id))
-
-    def describe(self) -> dict:
-        return {
-            "deployment": self.deployment,
-            "work_dir": str(self.work_dir),
-            "addresses": asdict(self.addresses),
-            "settings": asdict(self.options.settings),
-        }
-
-
-def options_with(options: ClusterOptions, **settings: object) -> ClusterOptions:
-    return replace(options, settings=replace(options.settings, **settings))
-
-
-def dump_json(obj: object) -> str:
-    return json.dumps(obj, indent=None, separators=(",", ":"))

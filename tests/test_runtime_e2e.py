@@ -103,3 +103,41 @@ def test_long_prompts_prefilled_in_mini_batches_stay_exact(tiny_model: Path, wor
         results = [cluster.generate(prompt, 16) for prompt in prompts]
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == reference_generate(tiny_model, prompt, 16)
+
+
+def test_a_cancelled_generation_stops_and_the_cluster_serves_the_next(tiny_model: Path) -> None:
+    with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
+
+        def stop_early(tokens_so_far: int) -> None:
+            if tokens_so_far == 5:
+                cluster.cancel("stop-me")
+
+        stopped = cluster.generate(PROMPTS[0], 200, during=stop_early, request_id="stop-me")
+        after = cluster.generate(PROMPTS[0], 8)
+    assert stopped.finish_reason == "cancelled"
+    assert 5 <= len(stopped.token_ids) < 200
+    assert stopped.token_ids == reference_generate(tiny_model, PROMPTS[0], len(stopped.token_ids))
+    assert after.token_ids == reference_generate(tiny_model, PROMPTS[0], 8)
+
+
+def test_sampling_with_a_seed_matches_transformers(tiny_model: Path) -> None:
+    import torch
+    from transformers import MixtralForCausalLM
+
+    reference = MixtralForCausalLM.from_pretrained(tiny_model).eval()
+    prompt = torch.tensor([PROMPTS[4]])
+    torch.manual_seed(1234)
+    with torch.inference_mode():
+        expected = reference.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=24,
+            do_sample=True,
+            temperature=0.8,
+            top_p=0.9,
+        )
+    with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
+        sampled = cluster.generate(PROMPTS[4], 24, do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
+        again = cluster.generate(PROMPTS[4], 24, do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
+    assert sampled.token_ids == expected[0, prompt.shape[1] :].tolist()
+    assert again.token_ids == sampled.token_ids

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -505,7 +504,3 @@ class _CancelCriterion(StoppingCriteria):
 
 def serve(spec: RoleSpec) -> None:
     MainRole(spec).run()
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:12]
