@@ -74,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-shadow", action="store_true", help="no prediction: workers load on demand")
     gen.add_argument("--token-period", type=int, default=1, help="align the shadow's token every P steps (0 never)")
     gen.add_argument("--kv-period", type=int, default=1, help="align the shadow's KV cache every P steps (0 never)")
+    gen.add_argument("--no-speculate", action="store_true", help="the shadow waits for main's token every step")
     gen.add_argument("--prefill-chunk", type=int, default=64, help="prefill rows per expert per message (0 = whole)")
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     gen.add_argument("--timeout", type=float, default=60.0, help="seconds any role waits for a peer")
@@ -170,6 +171,7 @@ def _generate(args: argparse.Namespace) -> int:
         kv_period=args.kv_period,
         device=args.device,
         prefill_chunk=args.prefill_chunk,
+        speculate=not args.no_speculate,
         timeout_s=args.timeout,
     )
     options = ClusterOptions(workers=args.workers, shadow=not args.no_shadow, settings=settings)

@@ -37,6 +37,7 @@ def build_metrics(
     per_step = []
     all_recalls: list[float] = []
     covered = 0
+    in_time = 0
     decode_dispatch: list[float] = []
     decode_wait: list[float] = []
     decode_coordination: list[float] = []
@@ -56,6 +57,7 @@ def build_metrics(
             if step.step > 0:
                 predicted = state.predictions.get((step.step, rec.layer))
                 covered += predicted is not None
+                in_time += rec.predicted is not None
                 r = recall(predicted, rec.real)
                 entry.update(predicted=predicted, predicted_in_time=rec.predicted is not None, recall=r)
                 step_recalls.append(r)
@@ -81,6 +83,8 @@ def build_metrics(
         "recall": statistics.fmean(all_recalls) if all_recalls else None,
         "recall_per_layer": [statistics.fmean(per_layer[k]) for k in sorted(per_layer)],
         "prediction_coverage": covered / decode_layers if decode_layers else None,
+        # Share of decode layers whose prediction had reached main when it dispatched the layer.
+        "prediction_in_time": in_time / decode_layers if decode_layers else None,
         "ttft_ms": ttft_ms,
         "decode_tok_s": decode_tok_s,
         "e2e_tok_s": len(times) / total_s if total_s > 0 else 0.0,
@@ -109,6 +113,8 @@ def build_metrics(
             "rewinds": shadow_stats.rewinds,
             "token_aligns": shadow_stats.token_aligns,
             "kv_aligns": shadow_stats.kv_aligns,
+            "speculations": shadow_stats.speculations,
+            "speculation_misses": shadow_stats.speculation_misses,
         },
         "groups": [list(g) for g in placement.groups],
         "per_step": per_step,

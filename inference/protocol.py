@@ -298,6 +298,8 @@ class ShadowStats(Message):
     rewinds: int
     token_aligns: int
     kv_aligns: int
+    speculations: int = 0  # steps run ahead of main on the shadow's own guess of main's token
+    speculation_misses: int = 0  # ... of which the guess was wrong and the step was redone
 
 
 # --- framing ----------------------------------------------------------------------------------

@@ -32,6 +32,9 @@ class Settings:
     max_resident_experts: int = 2
     timeout_s: float = 60.0  # the longest any role waits for a peer before failing
     lookahead: int = 2  # how many steps the shadow may run ahead of main
+    # When aligned every step, the shadow runs the next step on its own guess of main's token
+    # before main's alignment arrives, so early layers' predictions are out in time.
+    speculate: bool = True
     threads: int = 1  # torch intra-op threads per role process
     copy_bytes_per_s: float | None = None  # emulated host->device bandwidth, None = real copies
     # How main sums expert outputs: as Transformers' grouped (default) or eager experts do;
@@ -80,6 +83,8 @@ def _type_ok(value: object, hint: object) -> bool:
         return any(_type_ok(value, arm) for arm in hint.__args__)
     if hint is type(None):
         return value is None
+    if hint is bool:
+        return type(value) is bool
     if hint is int:
         return type(value) is int
     if hint is float:

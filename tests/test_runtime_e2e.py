@@ -141,3 +141,23 @@ def test_sampling_with_a_seed_matches_transformers(tiny_model: Path) -> None:
         again = cluster.generate(PROMPTS[4], 24, do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     assert sampled.token_ids == expected[0, prompt.shape[1] :].tolist()
     assert again.token_ids == sampled.token_ids
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+def test_shadow_with_and_without_speculation(tiny_model: Path, speculate: bool) -> None:
+    # Slow expert copies (20 MB/s, ~5 ms an expert) keep main behind the shadow, as on real
+    # hardware, so the shadow has steps to run ahead of main.
+    settings = Settings(shadow_dtype="int8", speculate=speculate, copy_bytes_per_s=2e7)
+    options = ClusterOptions(workers=2, settings=settings)
+    with LocalCluster(tiny_model, options) as cluster:
+        done = cluster.generate(PROMPTS[3], 32)
+    assert done.token_ids == reference_generate(tiny_model, PROMPTS[3], 32)
+    shadow = done.metrics["shadow"]
+    if speculate:
+        # It guesses main's token for every step it runs ahead; a wrong guess is redone.
+        assert shadow["speculations"] > 0
+        assert shadow["speculation_misses"] <= shadow["speculations"]
+    else:
+        assert shadow["speculations"] == 0
+    assert 0.0 <= done.metrics["prediction_in_time"] <= 1.0
+    assert done.metrics["recall"] >= 0.5

@@ -46,6 +46,9 @@ class Emulation:
     inputs: dict[int, int] = field(default_factory=dict)
     aligns: dict[int, Align] = field(default_factory=dict)
     ending: bool = False
+    speculated: set[int] = field(default_factory=set)  # steps run on a guess, not yet checked
+    speculations: int = 0
+    speculation_misses: int = 0
     rewinds: int = 0
     token_aligns: int = 0
     kv_aligns: int = 0
@@ -163,8 +166,20 @@ class ShadowRole:
         state.main_step = max(state.main_step, msg.step)
         if msg.step >= state.next_step:
             return
-        # Already ran this step on a guess: redo it if main's data differs from what we used.
         wrong_token = msg.token is not None and state.inputs.get(msg.step) != msg.token
+        if msg.step in state.speculated:
+            # We ran this step ahead of main on our own guess of its token.
+            state.speculated.discard(msg.step)
+            if not wrong_token:
+                # The guess was main's token: keep the predictions already sent and only take
+                # main's KV for the positions before this step.
+                state.token_aligns += msg.token is not None
+                if msg.keys is not None:
+                    self._splice_kv(state, msg)
+                    state.kv_aligns += 1
+                return
+            state.speculation_misses += 1
+        # Already ran this step: redo it if main's data differs from what we used.
         if wrong_token or msg.keys is not None:
             truncate_cache(state.cache, state.prompt_len + msg.step - 1)
             state.next_step = msg.step
@@ -178,7 +193,10 @@ class ShadowRole:
         if s > state.main_step + self.spec.settings.lookahead and not state.ending:
             return False
         token_due, kv_due = schedule.alignment_due(s, state.token_period, state.kv_period)
-        if (token_due or kv_due) and s not in state.aligns:
+        waiting_for_main = (token_due or kv_due) and s not in state.aligns
+        # Main's data for this step is not here yet: we may guess it and run one step ahead.
+        may_guess = self.spec.settings.speculate and s == state.main_step + 1 and not state.ending
+        if waiting_for_main and not may_guess:
             return False
         return not (state.ending and s > state.main_step)
 
@@ -194,6 +212,9 @@ class ShadowRole:
         if align is not None and align.token is not None:
             token = align.token
             state.token_aligns += 1
+        if align is None and any(schedule.alignment_due(s, state.token_period, state.kv_period)):
+            state.speculated.add(s)
+            state.speculations += 1
         state.inputs[s] = token
         state.version += 1
         self.layer_step = s
@@ -212,6 +233,8 @@ class ShadowRole:
                 rewinds=state.rewinds,
                 token_aligns=state.token_aligns,
                 kv_aligns=state.kv_aligns,
+                speculations=state.speculations,
+                speculation_misses=state.speculation_misses,
             ),
         )
         self.run_state = None
@@ -226,6 +249,16 @@ class ShadowRole:
         values = align.values.to(self.device, self.kv_dtype)
         for layer in range(keys.shape[0]):
             state.cache.update(keys[layer], values[layer], layer)
+
+    def _splice_kv(self, state: Emulation, align: Align) -> None:
+        """Put main's KV at positions [kv_from, kv_to), keeping our entries after them."""
+        assert align.keys is not None and align.values is not None
+        keys = align.keys.to(self.device, self.kv_dtype)  # [L, B, kvH, P, D]
+        values = align.values.to(self.device, self.kv_dtype)
+        start, stop = align.kv_from, align.kv_to
+        for layer, cached in enumerate(state.cache.layers):
+            cached.keys = torch.cat([cached.keys[:, :, :start], keys[layer], cached.keys[:, :, stop:]], dim=2)
+            cached.values = torch.cat([cached.values[:, :, :start], values[layer], cached.values[:, :, stop:]], dim=2)
 
     @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
