@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.launcher import ClusterOptions, LocalCluster
+from inference.launcher import ClusterError, ClusterOptions, LocalCluster
 from inference.spec import Settings
 from tests.reference import PROMPTS, reference_generate
 
@@ -161,3 +161,18 @@ def test_shadow_with_and_without_speculation(tiny_model: Path, speculate: bool) 
         assert shadow["speculations"] == 0
     assert 0.0 <= done.metrics["prediction_in_time"] <= 1.0
     assert done.metrics["recall"] >= 0.5
+
+
+def test_bad_requests_get_a_clear_error_and_the_cluster_keeps_serving(tiny_model: Path) -> None:
+    with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
+        for kwargs, reason in [
+            (dict(prompt_ids=[], max_new_tokens=4), "prompt is empty"),
+            (dict(prompt_ids=[1, 10**6], max_new_tokens=4), "token ids must be in"),
+            (dict(prompt_ids=[1, 2], max_new_tokens=0), "max_new_tokens"),
+            (dict(prompt_ids=[1, 2], max_new_tokens=10**5), "context"),
+            (dict(prompt_ids=[1, 2], max_new_tokens=4, do_sample=True, temperature=0.0), "temperature"),
+            (dict(prompt_ids=[1, 2], max_new_tokens=4, do_sample=True, top_p=1.5), "top_p"),
+        ]:
+            with pytest.raises(ClusterError, match=reason):
+                cluster.generate(**kwargs)
+        assert cluster.generate([1, 2], 4).token_ids == reference_generate(tiny_model, [1, 2], 4)

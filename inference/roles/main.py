@@ -275,6 +275,9 @@ class MainRole:
         except GenerationAborted as exc:
             log.error("generation %s failed: %s", msg.request_id, exc)
             self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=str(exc)))
+        except Exception as exc:  # main keeps serving; the client learns what went wrong
+            log.exception("generation %s failed", msg.request_id)
+            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=f"{type(exc).__name__}: {exc}"))
         finally:
             self.request = None
 
@@ -288,6 +291,10 @@ class MainRole:
             return f"prompt token ids must be in [0, {vocab})"
         if msg.max_new_tokens < 1:
             return "max_new_tokens must be >= 1"
+        if msg.do_sample and not msg.temperature > 0:
+            return f"temperature must be > 0 when sampling, got {msg.temperature}"
+        if msg.do_sample and not 0 < msg.top_p <= 1:
+            return f"top_p must be in (0, 1], got {msg.top_p}"
         limit = self.model.config.max_position_embeddings
         if len(msg.prompt_ids) + msg.max_new_tokens > limit:
             return (
