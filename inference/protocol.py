@@ -13,8 +13,10 @@ receiver can log and drop it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -304,27 +306,45 @@ class ShadowStats(Message):
 
 # --- framing ----------------------------------------------------------------------------------
 
+_ENVELOPE = ("deployment", "sender", "seq")
+_ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
+Checker = Callable[[Any], bool]
 
-def encode(msg: Message) -> list[Any]:
-    """Frames for ``msg``: the msgpack header, then one raw buffer per present tensor."""
+
+@dataclass(frozen=True)
+class _FieldSpec:
+    name: str
+    check: Checker
+    required: bool
+    tensor: bool
+
+
+def encode(msg: Message, *, deployment: str | None = None, sender: str | None = None, seq: int | None = None) -> list:
+    """Frames for ``msg``: the msgpack header, then one raw buffer per present tensor.
+
+    ``deployment``, ``sender`` and ``seq``, when given, stamp the envelope instead of the
+    message's own values (what a transport does on every send, without copying ``msg``).
+    """
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
     frames: list[Any] = []
     tensors: dict[str, Any] = {}
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        if f.name in msg.TENSORS:
-            if value is None:
-                continue
-            tensor = value.detach().contiguous()
+    for spec in _specs(type(msg)):
+        value = getattr(msg, spec.name)
+        if not spec.tensor:
+            header[spec.name] = value
+        elif value is not None:
+            tensor = value.detach()
             if tensor.device.type != "cpu":
                 tensor = tensor.cpu()
+            tensor = tensor.contiguous()
             if tensor.dtype not in _DTYPE_NAMES:
-                raise ProtocolError(f"{msg.TYPE}.{f.name}: dtype {tensor.dtype} cannot be sent")
-            tensors[f.name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
+                raise ProtocolError(f"{msg.TYPE}.{spec.name}: dtype {tensor.dtype} cannot be sent")
+            tensors[spec.name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
             # A uint8 view shares memory with the tensor: zmq sends it without a copy.
             frames.append(tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else b"")
-        else:
-            header[f.name] = value
+    for name, value in zip(_ENVELOPE, (deployment, sender, seq), strict=True):
+        if value is not None:
+            header[name] = value
     header["tensors"] = tensors
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
@@ -354,24 +374,23 @@ def decode(frames: list[Any]) -> Message:
         raise ProtocolError(f"{cls.TYPE}: carries no tensor named {sorted(map(str, unknown))[0]!r:.40}")
     if len(frames) - 1 != len(described):
         raise ProtocolError(f"{cls.TYPE}: {len(described)} tensors described, {len(frames) - 1} frames sent")
-    hints = _hints(cls)
     values: dict[str, Any] = {}
     frame_iter = iter(frames[1:])
-    for f in dataclasses.fields(cls):
-        if f.name in cls.TENSORS:
-            if f.name in described:
-                values[f.name] = _tensor(cls.TYPE, f.name, described[f.name], next(frame_iter))
-            elif not _optional(hints[f.name]):
-                raise ProtocolError(f"{cls.TYPE}: tensor {f.name!r} missing")
+    for spec in _specs(cls):
+        if spec.tensor:
+            if spec.name in described:
+                values[spec.name] = _tensor(cls.TYPE, spec.name, described[spec.name], next(frame_iter))
+            elif spec.required:
+                raise ProtocolError(f"{cls.TYPE}: tensor {spec.name!r} missing")
             continue
-        if f.name not in header:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{cls.TYPE}: field {f.name!r} missing")
+        if spec.name not in header:
+            if spec.required:
+                raise ProtocolError(f"{cls.TYPE}: field {spec.name!r} missing")
             continue
-        value = header[f.name]
-        if not _conforms(value, hints[f.name]):
-            raise ProtocolError(f"{cls.TYPE}: field {f.name!r} has a bad value {value!r:.80}")
-        values[f.name] = value
+        value = header[spec.name]
+        if not spec.check(value):
+            raise ProtocolError(f"{cls.TYPE}: field {spec.name!r} has a bad value {value!r:.80}")
+        values[spec.name] = value
     return cls(**values)
 
 
@@ -391,12 +410,11 @@ def _tensor(type_name: str, name: str, desc: Any, frame: Any) -> torch.Tensor:
     numel = 1
     for d in shape:
         numel *= d
-    expected = numel * torch.empty((), dtype=dtype).element_size()
-    if len(buffer) != expected:
+    if len(buffer) != numel * _ELEMENT_SIZE[dtype]:
         raise ProtocolError(f"{type_name}.{name}: {len(buffer)} bytes for shape {shape} {desc['dtype']}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    # The frame's memory is read-only and owned by zmq; clone so receivers may write.
+    # The frame's memory is read-only and owned by zmq; copy it so receivers may write.
     return torch.frombuffer(bytearray(buffer), dtype=dtype).reshape(shape)
 
 
@@ -404,43 +422,51 @@ def _as_bytes(frame: Any) -> bytes:
     return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
-_HINT_CACHE: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINT_CACHE:
-        _HINT_CACHE[cls] = typing.get_type_hints(cls, globalns={**globals(), "torch": torch})
-    return _HINT_CACHE[cls]
+@functools.cache
+def _specs(cls: type[Message]) -> tuple[_FieldSpec, ...]:
+    """Each field's validator, compiled once per message class from its type hints."""
+    hints = typing.get_type_hints(cls, globalns={**globals(), "torch": torch})
+    specs = []
+    for f in dataclasses.fields(cls):
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        tensor = f.name in cls.TENSORS
+        required = not _optional(hints[f.name]) if tensor else not has_default
+        specs.append(_FieldSpec(f.name, _checker(hints[f.name]), required, tensor))
+    return tuple(specs)
 
 
 def _optional(hint: Any) -> bool:
     return isinstance(hint, types.UnionType) and type(None) in hint.__args__
 
 
-def _conforms(value: Any, hint: Any) -> bool:
+def _checker(hint: Any) -> Checker:
+    """A fast predicate for values of type ``hint`` as msgpack delivers them."""
     if isinstance(hint, types.UnionType):
-        return any(_conforms(value, arm) for arm in hint.__args__)
+        arms = [_checker(arm) for arm in hint.__args__]
+        return lambda v: any(arm(v) for arm in arms)
     if hint is type(None):
-        return value is None
+        return lambda v: v is None
     if hint is bool:
-        return isinstance(value, bool)
+        return lambda v: v is True or v is False
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: type(v) is int
     if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+        return lambda v: type(v) is float or type(v) is int
     if hint is str:
-        return isinstance(value, str)
+        return lambda v: type(v) is str
     if hint is dict:
-        return isinstance(value, dict)
-    origin = typing.get_origin(hint)
-    if origin is list:
+        return lambda v: type(v) is dict
+    if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_conforms(v, item) for v in value)
-    return False
+        if item is int:
+            return lambda v: type(v) is list and all(type(x) is int for x in v)
+        check_item = _checker(item)
+        return lambda v: type(v) is list and all(check_item(x) for x in v)
+    return lambda v: False  # tensors: validated by _tensor
 
 
 def with_envelope(msg: Message, *, deployment: str, sender: str, seq: int) -> Message:
-    """``msg`` stamped with the sending endpoint's deployment, name and sequence number."""
+    """``msg`` stamped with a deployment, a sender and a sequence number."""
     return dataclasses.replace(msg, deployment=deployment, sender=sender, seq=seq)
 
 

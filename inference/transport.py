@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from inference.protocol import Message, ProtocolError, decode, encode, with_envelope
+from inference.protocol import Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +65,12 @@ class Endpoint:
 
     def send(self, peer: str, msg: Message) -> None:
         """Send over the link to ``peer``'s inbox."""
-        self._links[peer].send_multipart(encode(self._stamp(msg)), copy=False)
+        self._links[peer].send_multipart(self._frames(msg), copy=False)
 
     def reply(self, identity: bytes, msg: Message) -> None:
         """Answer whoever sent ``identity`` a message on this role's inbox."""
         assert self.inbox is not None
-        self.inbox.send_multipart([identity, *encode(self._stamp(msg))], copy=False)
+        self.inbox.send_multipart([identity, *self._frames(msg)], copy=False)
 
     def recv(self, timeout_s: float) -> Received | None:
         """The next valid message within ``timeout_s`` seconds, or None."""
@@ -127,6 +127,6 @@ class Endpoint:
         self._last_seq[key] = msg.seq
         return Received(msg, via, identity)
 
-    def _stamp(self, msg: Message) -> Message:
+    def _frames(self, msg: Message) -> list:
         self._seq += 1
-        return with_envelope(msg, deployment=self.deployment, sender=self.name, seq=self._seq)
+        return encode(msg, deployment=self.deployment, sender=self.name, seq=self._seq)
