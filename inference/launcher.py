@@ -25,20 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference.checkpoint import Checkpoint
-from inference.protocol import (
-    Cancel,
-    GenerateDone,
-    GenerateError,
-    GenerateRequest,
-    Ping,
-    Pong,
-    SetAlignment,
-    Shutdown,
-    TokenEvent,
-)
+from inference.client import GenerationFailed, RuntimeClient
+from inference.protocol import GenerateDone
 from inference.sharding import build_shards
 from inference.spec import Addresses, RoleSpec, Settings
-from inference.transport import Endpoint
 
 
 class ClusterError(RuntimeError):
@@ -84,7 +74,7 @@ class LocalCluster:
         self.progress = progress or (lambda line: None)
         self.deployment = f"local-{uuid.uuid4().hex[:8]}"
         self.processes: dict[str, subprocess.Popen] = {}
-        self.client: Endpoint | None = None
+        self.client: RuntimeClient | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -121,8 +111,7 @@ class LocalCluster:
             spec_path = self.work_dir / f"{name}.spec.json"
             spec_path.write_text(spec.to_json())
             self._spawn(name, role, spec_path)
-        self.client = Endpoint(f"client-{uuid.uuid4().hex[:8]}", self.deployment)
-        self.client.connect("main", addresses.main)
+        self.client = RuntimeClient(addresses.main, self.deployment)
         self.progress(f"started {len(roles)} role processes; waiting for them to be ready")
         self._wait_ready()
 
@@ -141,17 +130,10 @@ class LocalCluster:
 
     def _wait_ready(self) -> None:
         assert self.client is not None
-        deadline = time.monotonic() + self.options.startup_timeout_s
-        detail = "no answer from main yet"
-        while time.monotonic() < deadline:
-            self.check_processes()
-            self.client.send("main", Ping())
-            received = self.client.recv(timeout_s=0.5)
-            if received is not None and isinstance(received.msg, Pong):
-                if received.msg.ready:
-                    return
-                detail = received.msg.detail
-        raise ClusterError(f"the cluster was not ready within {self.options.startup_timeout_s:.0f} s: {detail}")
+        try:
+            self.client.wait_ready(self.options.startup_timeout_s, check=self.check_processes)
+        except TimeoutError as exc:
+            raise ClusterError(str(exc)) from None
 
     def check_processes(self) -> None:
         """Raise ClusterError if any role process has exited."""
@@ -169,7 +151,7 @@ class LocalCluster:
     def close(self) -> None:
         if self.client is not None:
             with contextlib.suppress(Exception):
-                self.client.send("main", Shutdown())
+                self.client.shutdown()
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and any(p.poll() is None for p in self.processes.values()):
                 time.sleep(0.05)
@@ -194,58 +176,25 @@ class LocalCluster:
         prompt_ids: list[int],
         max_new_tokens: int,
         *,
-        on_token: Callable[[int], None] | None = None,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
         timeout_s: float | None = None,
-        during: Callable[[int], None] | None = None,
-        request_id: str | None = None,
+        **kwargs,
     ) -> GenerateDone:
-        """Generate through the cluster; ``during(n)`` runs after the n-th token arrives."""
+        """Generate through the cluster (see ``RuntimeClient.generate`` for the options)."""
         assert self.client is not None, "the cluster is not started"
-        request_id = request_id or uuid.uuid4().hex[:12]
-        self.client.send(
-            "main",
-            GenerateRequest(
-                request_id=request_id,
-                prompt_ids=list(prompt_ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-            ),
-        )
         limit = timeout_s or (self.options.settings.timeout_s * 2 + max_new_tokens * 5)
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            received = self.client.recv(timeout_s=0.5)
-            if received is None:
-                self.check_processes()
-                continue
-            msg = received.msg
-            if getattr(msg, "request_id", None) != request_id:
-                continue
-            if isinstance(msg, TokenEvent):
-                if on_token is not None:
-                    on_token(msg.token_id)
-                if during is not None:
-                    during(msg.index + 1)
-            elif isinstance(msg, GenerateDone):
-                return msg
-            elif isinstance(msg, GenerateError):
-                self.check_processes()
-                raise ClusterError(f"generation failed: {msg.error}")
-        self.check_processes()
-        raise ClusterError(f"generation did not finish within {limit:.0f} s")
+        try:
+            return self.client.generate(
+                prompt_ids, max_new_tokens, timeout_s=limit, idle=self.check_processes, **kwargs
+            )
+        except GenerationFailed as exc:
+            self.check_processes()  # a dead role is the better explanation
+            raise ClusterError(f"generation failed: {exc}") from None
 
     def set_alignment(self, token_period: int, kv_period: int) -> None:
         assert self.client is not None
-        self.client.send("main", SetAlignment(token_period=token_period, kv_period=kv_period))
+        self.client.set_alignment(token_period, kv_period)
 
     def cancel(self, request_id: str) -> None:
         """Stop a running generation after its current step (finish_reason "cancelled")."""
         assert self.client is not None
-        self.client.send("main", Cancel(request_id=request_id))
+        self.client.cancel(request_id)

@@ -1,0 +1,141 @@
+"""A client of a running main role: health, streamed generation, alignment, cancel, stop.
+
+This is how anything outside the runtime talks to it — the local launcher, and the agent
+that runs main on a box. It connects one DEALER link to main's inbox and speaks the
+messages of ``inference.protocol``; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+from inference.protocol import (
+    Cancel,
+    GenerateDone,
+    GenerateError,
+    GenerateRequest,
+    Ping,
+    Pong,
+    SetAlignment,
+    Shutdown,
+    TokenEvent,
+)
+from inference.transport import Endpoint
+
+
+class GenerationFailed(RuntimeError):
+    """Main refused or could not finish a generation; the message is main's reason."""
+
+
+class RuntimeClient:
+    def __init__(self, main_address: str, deployment: str, *, name: str | None = None) -> None:
+        self.endpoint = Endpoint(name or f"client-{uuid.uuid4().hex[:8]}", deployment)
+        self.endpoint.connect("main", main_address)
+
+    def ping(self, timeout_s: float = 0.5) -> Pong | None:
+        """Main's health answer, or None if it did not answer in time."""
+        self.endpoint.send("main", Ping())
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            received = self.endpoint.recv(timeout_s=remaining)
+            if received is not None and isinstance(received.msg, Pong):
+                return received.msg
+        return None
+
+    def wait_ready(self, timeout_s: float, *, check: Callable[[], None] | None = None) -> None:
+        """Block until main reports every peer ready; ``check`` runs between tries."""
+        deadline = time.monotonic() + timeout_s
+        detail = "no answer from main yet"
+        while time.monotonic() < deadline:
+            if check is not None:
+                check()
+            pong = self.ping()
+            if pong is not None:
+                if pong.ready:
+                    return
+                detail = pong.detail
+        raise TimeoutError(f"the runtime was not ready within {timeout_s:.0f} s: {detail}")
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        request_id: str | None = None,
+        timeout_s: float = 600.0,
+        idle: Callable[[], None] | None = None,
+    ) -> Iterator[TokenEvent | GenerateDone]:
+        """Send a generation and yield its tokens as they come, then the final result.
+
+        ``idle`` runs whenever nothing arrived for half a second (e.g. to check that the
+        role processes are alive). Raises GenerationFailed with main's reason.
+        """
+        request_id = request_id or uuid.uuid4().hex[:12]
+        request = GenerateRequest(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+        )
+        self.endpoint.send("main", request)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            received = self.endpoint.recv(timeout_s=0.5)
+            if received is None:
+                if idle is not None:
+                    idle()
+                continue
+            msg = received.msg
+            if getattr(msg, "request_id", None) != request_id:
+                continue  # a late answer to an earlier request
+            if isinstance(msg, TokenEvent):
+                yield msg
+            elif isinstance(msg, GenerateDone):
+                yield msg
+                return
+            elif isinstance(msg, GenerateError):
+                raise GenerationFailed(msg.error)
+        raise GenerationFailed(f"the generation did not finish within {timeout_s:.0f} s")
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        on_token: Callable[[int], None] | None = None,
+        during: Callable[[int], None] | None = None,
+        **kwargs,
+    ) -> GenerateDone:
+        """Generate and return the result; ``during(n)`` runs after the n-th token arrives."""
+        for event in self.stream(prompt_ids, max_new_tokens, **kwargs):
+            if isinstance(event, GenerateDone):
+                return event
+            if on_token is not None:
+                on_token(event.token_id)
+            if during is not None:
+                during(event.index + 1)
+        raise AssertionError("unreachable: stream ends with GenerateDone or raises")
+
+    def set_alignment(self, token_period: int, kv_period: int) -> None:
+        """New shadow alignment periods, from main's next step on (also mid-generation)."""
+        self.endpoint.send("main", SetAlignment(token_period=token_period, kv_period=kv_period))
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a running generation after its current step (finish_reason "cancelled")."""
+        self.endpoint.send("main", Cancel(request_id=request_id))
+
+    def shutdown(self) -> None:
+        """Ask main to stop, and with it every role it is linked to."""
+        self.endpoint.send("main", Shutdown())
+
+    def close(self) -> None:
+        self.endpoint.close()

@@ -1,0 +1,41 @@
+"""RuntimeClient against a running cluster: what an agent on main's box will use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inference.client import GenerationFailed, RuntimeClient
+from inference.launcher import ClusterOptions, LocalCluster
+from inference.protocol import GenerateDone, TokenEvent
+from tests.reference import PROMPTS, reference_generate
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_second_client_streams_tokens_then_the_result(tiny_model: Path) -> None:
+    with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
+        client = RuntimeClient(cluster.addresses.main, cluster.deployment)
+        try:
+            pong = client.ping(timeout_s=5)
+            assert pong is not None and pong.ready and pong.role == "main"
+            events = list(client.stream(PROMPTS[1], 12))
+            with pytest.raises(GenerationFailed, match="prompt is empty"):
+                client.generate([], 4)
+        finally:
+            client.close()
+    tokens, done = events[:-1], events[-1]
+    assert all(isinstance(e, TokenEvent) for e in tokens)
+    assert isinstance(done, GenerateDone)
+    assert [e.index for e in tokens] == list(range(12))
+    assert [e.token_id for e in tokens] == done.token_ids == reference_generate(tiny_model, PROMPTS[1], 12)
+
+
+def test_a_client_of_another_deployment_is_ignored(tiny_model: Path) -> None:
+    with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
+        stranger = RuntimeClient(cluster.addresses.main, "some-other-deployment")
+        try:
+            assert stranger.ping(timeout_s=1) is None
+        finally:
+            stranger.close()
