@@ -130,10 +130,11 @@ class MainRole:
         self.worker_stats: dict[int, WorkerStats] = {}
         self.shadow_stats: ShadowStats | None = None
         log.info(
-            "main ready to connect: %d workers in groups %s, shadow %s",
+            "main ready to connect: %d workers in groups %s, shadow %s, %s experts arithmetic",
             self.placement.n_workers,
             self.placement.groups,
             "yes" if self.has_shadow else "no",
+            self.routing.arithmetic,
         )
 
     # --- idle loop ------------------------------------------------------------------------
