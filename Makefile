@@ -30,6 +30,8 @@ run: $(STAMP) $(DEMO_MODEL)/config.json
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) manage.py check
+	$(PY) manage.py makemigrations --check --dry-run
 
 test: lint
 	$(PY) -m pytest -q

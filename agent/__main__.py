@@ -1,0 +1,60 @@
+"""``python -m agent --server URL --token T [--name N] [--state-dir DIR]``: enroll this box.
+
+The first run spends the join token and stores the node credential (mode 0600) in the
+state directory; later runs use the stored credential and need no token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+from agent import credentials, inventory
+from agent.http import ControlPlaneError, request_json
+
+DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "odmoe-agent"
+
+
+def enroll_or_resume(server: str, token: str | None, name: str, state_dir: Path) -> credentials.NodeCredential:
+    server = server.rstrip("/")
+    stored = credentials.load(state_dir)
+    if stored is not None:
+        if stored.server != server:
+            raise ValueError(f"{state_dir} holds a credential for {stored.server}, not {server}")
+        # The credential stands in for the token from now on; check the control plane knows it.
+        request_json("GET", f"{server}/api/agents/me", authorization=stored.authorization)
+        return stored
+    if not token:
+        raise ValueError(f"no node credential in {state_dir}: pass --token to enroll this box")
+    host = urlparse(server).hostname or "127.0.0.1"
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    body = {"token": token, "name": name, "inventory": inventory.collect(state_dir, host)}
+    body["address"] = body["inventory"]["address"]
+    answer = request_json("POST", f"{server}/api/agents/enroll", body)
+    credential = credentials.NodeCredential(server, answer["node_id"], answer["node_secret"], answer["name"])
+    credentials.save(state_dir, credential)
+    return credential
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--server", required=True, help="the control plane's URL, e.g. http://10.0.0.1:8000")
+    parser.add_argument("--token", help="a join token from the console (first run only)")
+    parser.add_argument("--name", default=socket.gethostname(), help="this node's name (default: host name)")
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    args = parser.parse_args(argv)
+    try:
+        credential = enroll_or_resume(args.server, args.token, args.name, args.state_dir)
+    except (ControlPlaneError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"node {credential.name} ({credential.node_id}) is enrolled with {credential.server}")
+    print("the agent link (heartbeats, commands, running roles) is not built yet; nothing more to do")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""What this box offers: CPU, RAM, disk, GPUs and the address peers should use."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+
+def gpus() -> list[dict]:
+    """GPUs with name and memory, via torch.cuda when torch and a GPU are present."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        found.append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory)})
+    return found
+
+
+def ram_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def peer_address(server_host: str) -> str:
+    """The local address that routes to the control plane: what peers should dial."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((server_host, 9))  # no packet is sent for a UDP connect
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def collect(state_dir: Path, server_host: str) -> dict:
+    disk = shutil.disk_usage(state_dir)
+    return {
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count() or 1,
+        "ram_bytes": ram_bytes(),
+        "disk_free_bytes": disk.free,
+        "gpus": gpus(),
+        "address": peer_address(server_host),
+    }

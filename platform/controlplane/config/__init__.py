@@ -1,0 +1,1 @@
+"""Project configuration: settings per purpose, URLs, ASGI/WSGI entry points."""

@@ -1,0 +1,1 @@
+"""Settings split by purpose: base (shared), local (a laptop), test, production."""

@@ -1,0 +1,1 @@
+"""Nodes: the GPU boxes of the cluster — join tokens, enrollment, node credentials."""

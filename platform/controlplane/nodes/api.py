@@ -1,0 +1,103 @@
+"""REST endpoints of the nodes app: enrollment for agents, join tokens and nodes for staff."""
+
+from __future__ import annotations
+
+from rest_framework import serializers, status
+from rest_framework.permissions import AllowAny, IsAdminUser
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from . import selectors, services
+from .authentication import IsNode, NodeCredentialAuthentication
+from .models import JoinToken, Node
+
+
+class NodeOutput(serializers.ModelSerializer):
+    class Meta:
+        model = Node
+        fields = ["id", "name", "status", "address", "inventory", "enrolled_at", "last_seen"]
+
+
+class EnrollApi(APIView):
+    """POST /api/agents/enroll: a box spends a join token and gets its node credential."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+
+    class InputSerializer(serializers.Serializer):
+        token = serializers.CharField(max_length=200)
+        name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", max_length=100)
+        inventory = serializers.DictField(required=False, default=dict)
+        address = serializers.CharField(max_length=255, required=False, allow_blank=True, default="")
+
+    def post(self, request: Request) -> Response:
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            node, secret = services.enroll_node(**data.validated_data)
+        except services.EnrollmentError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
+        return Response(
+            {"node_id": str(node.id), "node_secret": secret, "name": node.name}, status=status.HTTP_201_CREATED
+        )
+
+
+class AgentMeApi(APIView):
+    """GET /api/agents/me: the node an agent's credential belongs to."""
+
+    authentication_classes = [NodeCredentialAuthentication]
+    permission_classes = [IsNode]
+
+    def get(self, request: Request) -> Response:
+        services.touch_node(node=request.auth)
+        return Response(NodeOutput(request.auth).data)
+
+
+class JoinTokenApi(APIView):
+    """GET/POST /api/join-tokens: staff list tokens (never their values) and create new ones."""
+
+    permission_classes = [IsAdminUser]
+
+    class InputSerializer(serializers.Serializer):
+        name = serializers.CharField(max_length=100, required=False, allow_blank=True, default="")
+        ttl_s = serializers.IntegerField(min_value=60, max_value=services.MAX_TOKEN_TTL_S, required=False)
+        max_uses = serializers.IntegerField(min_value=1, max_value=1000, required=False, default=1)
+
+    class OutputSerializer(serializers.ModelSerializer):
+        created_by = serializers.CharField(source="created_by.username", default=None)
+
+        class Meta:
+            model = JoinToken
+            fields = ["id", "name", "prefix", "created_by", "created_at", "expires_at", "max_uses", "uses", "revoked"]
+
+    def get(self, request: Request) -> Response:
+        return Response(self.OutputSerializer(selectors.join_token_list(), many=True).data)
+
+    def post(self, request: Request) -> Response:
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        token, clear = services.create_join_token(created_by=request.user, **data.validated_data)
+        server = request.build_absolute_uri("/").rstrip("/")
+        body = dict(self.OutputSerializer(token).data)
+        body["token"] = clear  # shown once: only its digest is stored
+        body["install_command"] = f"curl -fsSL {server}/agent/install.sh | sh -s -- --server {server} --token {clear}"
+        body["agent_command"] = f"python -m agent --server {server} --token {clear}"
+        return Response(body, status=status.HTTP_201_CREATED)
+
+
+class NodeListApi(APIView):
+    permission_classes = [IsAdminUser]
+
+    def get(self, request: Request) -> Response:
+        return Response(NodeOutput(selectors.node_list(), many=True).data)
+
+
+class NodeDetailApi(APIView):
+    permission_classes = [IsAdminUser]
+
+    def get(self, request: Request, node_id: str) -> Response:
+        node = selectors.node_list().filter(pk=node_id).first()
+        if node is None:
+            return Response({"detail": f"no node {node_id}"}, status=status.HTTP_404_NOT_FOUND)
+        return Response(NodeOutput(node).data)

@@ -1,0 +1,83 @@
+"""Writes of the nodes app: join tokens and enrollment."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
+from .models import JoinToken, Node, NodeStatus
+
+MAX_TOKEN_TTL_S = 30 * 24 * 3600
+
+
+class EnrollmentError(ValueError):
+    """A node could not enroll; the message says why, for the person at the box."""
+
+
+def create_join_token(
+    *, created_by: AbstractBaseUser | None, name: str = "", ttl_s: int | None = None, max_uses: int = 1
+) -> tuple[JoinToken, str]:
+    """A new join token and its clear value, which is shown once and never stored."""
+    ttl_s = settings.JOIN_TOKEN_TTL_S if ttl_s is None else ttl_s
+    if not 60 <= ttl_s <= MAX_TOKEN_TTL_S:
+        raise ValueError(f"a join token lives between 60 s and {MAX_TOKEN_TTL_S} s, got {ttl_s}")
+    if not 1 <= max_uses <= 1000:
+        raise ValueError(f"max_uses must be between 1 and 1000, got {max_uses}")
+    clear = new_secret(JOIN_TOKEN_PREFIX)
+    token = JoinToken.objects.create(
+        name=name,
+        token_hash=digest(clear),
+        prefix=clear[len(JOIN_TOKEN_PREFIX) : len(JOIN_TOKEN_PREFIX) + 6],
+        created_by=created_by,
+        expires_at=timezone.now() + timedelta(seconds=ttl_s),
+        max_uses=max_uses,
+    )
+    return token, clear
+
+
+@transaction.atomic
+def enroll_node(*, token: str, name: str, inventory: dict, address: str = "") -> tuple[Node, str]:
+    """Spend one use of ``token`` on a new node; returns the node and its clear credential."""
+    join_token = JoinToken.objects.select_for_update().filter(token_hash=digest(token)).first()
+    if join_token is None:
+        raise EnrollmentError("unknown join token; check it was copied whole, or create a new one")
+    reason = join_token.unusable_reason()
+    if reason:
+        raise EnrollmentError(reason)
+    secret = new_secret(NODE_SECRET_PREFIX)
+    try:
+        with transaction.atomic():
+            node = Node.objects.create(
+                name=name, secret_hash=digest(secret), inventory=inventory, address=address, join_token=join_token
+            )
+    except IntegrityError:
+        raise EnrollmentError(f"a node named {name!r} is already enrolled; pick another --name") from None
+    join_token.uses += 1
+    join_token.save(update_fields=["uses"])
+    return node, secret
+
+
+def authenticate_node(*, node_id: str, secret: str) -> Node | None:
+    """The node whose credential this is, or None."""
+    node = Node.objects.filter(pk=node_id).first()
+    if node is None or not matches(secret, node.secret_hash):
+        return None
+    return node
+
+
+def touch_node(*, node: Node) -> None:
+    node.last_seen = timezone.now()
+    node.save(update_fields=["last_seen"])
+
+
+def revoke_join_token(*, token: JoinToken) -> None:
+    token.revoked = True
+    token.save(update_fields=["revoked"])
+
+
+__all__ = ["EnrollmentError", "NodeStatus", "authenticate_node", "create_join_token", "enroll_node"]

@@ -1,0 +1,11 @@
+from django.urls import path
+
+from . import api
+
+urlpatterns = [
+    path("agents/enroll", api.EnrollApi.as_view(), name="agent-enroll"),
+    path("agents/me", api.AgentMeApi.as_view(), name="agent-me"),
+    path("join-tokens", api.JoinTokenApi.as_view(), name="join-tokens"),
+    path("nodes", api.NodeListApi.as_view(), name="nodes"),
+    path("nodes/<uuid:node_id>", api.NodeDetailApi.as_view(), name="node-detail"),
+]
