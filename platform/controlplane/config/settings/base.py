@@ -34,6 +34,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "controlplane.nodes",
+    "controlplane.artifacts",
 ]
 
 MIDDLEWARE = [

@@ -1,0 +1,1 @@
+"""Deployments: which nodes run a model, in which roles, with which settings."""
