@@ -8,6 +8,7 @@
 | ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` | SQLite under ``ODMOE_VAR_DIR`` |
 | ``ODMOE_VAR_DIR`` | where the control plane keeps its data | ``var/`` in the checkout |
 | ``ODMOE_JOIN_TOKEN_TTL_S`` | default lifetime of a join token | 86400 |
+| ``REDIS_URL`` | Redis for Celery (and the Channels layer) | ``redis://127.0.0.1:6379/0`` |
 """
 
 from __future__ import annotations
@@ -94,3 +95,11 @@ REST_FRAMEWORK = {
 }
 
 JOIN_TOKEN_TTL_S = int(os.environ.get("ODMOE_JOIN_TOKEN_TTL_S", "86400"))
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+CELERY_BROKER_URL = REDIS_URL
+CELERY_TASK_ACKS_LATE = True  # a task survives a worker that dies mid-way: it runs again
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_IGNORE_RESULT = True  # results live in the database, not in Redis
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -1,9 +1,23 @@
-"""The test suite: fast password hashing, an in-memory SQLite unless DATABASE_URL is set."""
+"""The test suite: fast password hashing and a file-backed SQLite test database.
+
+The database is a file (not in memory) so that a real Celery worker process started by
+the tests sees what the tests write. ``DATABASE_URL`` overrides it (e.g. PostgreSQL).
+"""
 
 import os
 
 from .base import *  # noqa: F403
+from .base import VAR_DIR
 
 if "DATABASE_URL" not in os.environ:
-    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+    (VAR_DIR / "test").mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(VAR_DIR / "test" / "unused.sqlite3"),
+            # One file per test run, so that two runs on one machine never share it.
+            "TEST": {"NAME": str(VAR_DIR / "test" / f"db-{os.getpid()}.sqlite3")},
+            "OPTIONS": {"timeout": 20},
+        }
+    }
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -1,0 +1,106 @@
+"""Real services for control-plane tests: a Redis server and a Celery worker process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from inference.launcher import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``REDIS_URL`` if set, else a private redis-server on a free port for this session."""
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("these tests need Redis: install redis-server or set REDIS_URL")
+    port = free_port()
+    data = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(data)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def celery_worker(transactional_db, redis_url: str, settings, tmp_path: Path) -> Iterator[subprocess.Popen]:
+    """A real Celery worker process on the test database (a file) and the test Redis."""
+    from django.db import connection
+
+    settings.CELERY_BROKER_URL = redis_url  # what this process enqueues with
+    settings.VAR_DIR = tmp_path / "var"  # shards land here, not in the checkout
+    from controlplane import celery_app
+
+    celery_app.conf.broker_url = redis_url
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "controlplane.config.settings.test",
+        "DATABASE_URL": f"sqlite:///{connection.settings_dict['NAME']}",
+        "REDIS_URL": redis_url,
+        "ODMOE_VAR_DIR": str(settings.VAR_DIR),
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
+    }
+    log = open(tmp_path / "celery.log", "wb")  # noqa: SIM115 - owned by the worker process
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "controlplane",
+            "worker",
+            "--pool=solo",
+            "--concurrency=1",
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    log.close()
+    deadline = time.monotonic() + 60
+    while b"ready." not in (tmp_path / "celery.log").read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the Celery worker did not start:\n" + (tmp_path / "celery.log").read_text()[-3000:])
+        time.sleep(0.2)
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
