@@ -1,0 +1,1 @@
+"""Artifacts: model checkpoints registered with the control plane, and their role shards."""

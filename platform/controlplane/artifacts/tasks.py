@@ -1,0 +1,21 @@
+"""Celery tasks of the artifacts app: thin wrappers that call one service."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from . import services
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(acks_late=True)
+def build_model_shards_task(artifact_id: int, workers: int) -> None:
+    """Build the role shards; idempotent (a rerun rebuilds into the same folder)."""
+    try:
+        services.build_model_shards(artifact_id=artifact_id, workers=workers)
+    except services.ModelError as exc:
+        # Recorded on the model by the service; retrying would fail the same way.
+        log.warning("%s", exc)
