@@ -1,12 +1,16 @@
-"""``python -m agent --server URL --token T [--name N] [--state-dir DIR]``: enroll this box.
+"""``python -m agent --server URL [--token T] [--name N] [--state-dir DIR]``: run this box's agent.
 
 The first run spends the join token and stores the node credential (mode 0600) in the
-state directory; later runs use the stored credential and need no token.
+state directory; later runs use the stored credential and need no token. Then the agent
+keeps its link to the control plane up until it is stopped (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -14,18 +18,26 @@ from urllib.parse import urlparse
 
 from agent import credentials, inventory
 from agent.http import ControlPlaneError, request_json
+from agent.link import LinkRefused, run_link
 
 DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "odmoe-agent"
 
 
-def enroll_or_resume(server: str, token: str | None, name: str, state_dir: Path) -> credentials.NodeCredential:
+def enroll_or_resume(
+    server: str, token: str | None, name: str, state_dir: Path, *, offline_ok: bool = False
+) -> credentials.NodeCredential:
     server = server.rstrip("/")
     stored = credentials.load(state_dir)
     if stored is not None:
         if stored.server != server:
             raise ValueError(f"{state_dir} holds a credential for {stored.server}, not {server}")
         # The credential stands in for the token from now on; check the control plane knows it.
-        request_json("GET", f"{server}/api/agents/me", authorization=stored.authorization)
+        try:
+            request_json("GET", f"{server}/api/agents/me", authorization=stored.authorization)
+        except ControlPlaneError as exc:
+            if not (offline_ok and exc.unreachable):
+                raise
+            logging.getLogger(__name__).warning("%s; the link will keep trying", exc)
         return stored
     if not token:
         raise ValueError(f"no node credential in {state_dir}: pass --token to enroll this box")
@@ -45,15 +57,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", help="a join token from the console (first run only)")
     parser.add_argument("--name", default=socket.gethostname(), help="this node's name (default: host name)")
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    parser.add_argument("--enroll-only", action="store_true", help="enroll (or check the credential) and exit")
+    parser.add_argument("--heartbeat", type=float, default=5.0, help="seconds between heartbeats")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        credential = enroll_or_resume(args.server, args.token, args.name, args.state_dir)
+        credential = enroll_or_resume(
+            args.server, args.token, args.name, args.state_dir, offline_ok=not args.enroll_only
+        )
     except (ControlPlaneError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"node {credential.name} ({credential.node_id}) is enrolled with {credential.server}")
-    print("the agent link (heartbeats, commands, running roles) is not built yet; nothing more to do")
+    print(f"node {credential.name} ({credential.node_id}) is enrolled with {credential.server}", flush=True)
+    if args.enroll_only:
+        return 0
+    try:
+        asyncio.run(_run_until_signalled(credential, args.state_dir, args.heartbeat))
+    except LinkRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+async def _run_until_signalled(credential, state_dir: Path, heartbeat_s: float) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await run_link(credential, state_dir, heartbeat_s=heartbeat_s, stop=stop)
 
 
 if __name__ == "__main__":

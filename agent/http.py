@@ -10,6 +10,14 @@ import urllib.request
 class ControlPlaneError(RuntimeError):
     """The control plane refused a request or could not be reached; the message says why."""
 
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status of a refusal; None when unreachable
+
+    @property
+    def unreachable(self) -> bool:
+        return self.status is None
+
 
 def request_json(
     method: str, url: str, body: dict | None = None, *, authorization: str = "", timeout_s: float = 30
@@ -25,7 +33,7 @@ def request_json(
         with urllib.request.urlopen(req, timeout=timeout_s) as response:
             return json.loads(response.read() or b"{}")
     except urllib.error.HTTPError as exc:
-        raise ControlPlaneError(f"{method} {url}: {exc.code} {_reason(exc)}") from None
+        raise ControlPlaneError(f"{method} {url}: {exc.code} {_reason(exc)}", status=exc.code) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise ControlPlaneError(f"cannot reach the control plane at {url}: {reason}") from None

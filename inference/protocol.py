@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
 import torch
+
+from inference.typecheck import Checker, checker, is_optional
 
 PROTOCOL_VERSION = 1
 
@@ -308,7 +308,6 @@ class ShadowStats(Message):
 
 _ENVELOPE = ("deployment", "sender", "seq")
 _ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
-Checker = Callable[[Any], bool]
 
 
 @dataclass(frozen=True)
@@ -430,39 +429,9 @@ def _specs(cls: type[Message]) -> tuple[_FieldSpec, ...]:
     for f in dataclasses.fields(cls):
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         tensor = f.name in cls.TENSORS
-        required = not _optional(hints[f.name]) if tensor else not has_default
-        specs.append(_FieldSpec(f.name, _checker(hints[f.name]), required, tensor))
+        required = not is_optional(hints[f.name]) if tensor else not has_default
+        specs.append(_FieldSpec(f.name, checker(hints[f.name]), required, tensor))
     return tuple(specs)
-
-
-def _optional(hint: Any) -> bool:
-    return isinstance(hint, types.UnionType) and type(None) in hint.__args__
-
-
-def _checker(hint: Any) -> Checker:
-    """A fast predicate for values of type ``hint`` as msgpack delivers them."""
-    if isinstance(hint, types.UnionType):
-        arms = [_checker(arm) for arm in hint.__args__]
-        return lambda v: any(arm(v) for arm in arms)
-    if hint is type(None):
-        return lambda v: v is None
-    if hint is bool:
-        return lambda v: v is True or v is False
-    if hint is int:
-        return lambda v: type(v) is int
-    if hint is float:
-        return lambda v: type(v) is float or type(v) is int
-    if hint is str:
-        return lambda v: type(v) is str
-    if hint is dict:
-        return lambda v: type(v) is dict
-    if typing.get_origin(hint) is list:
-        (item,) = typing.get_args(hint)
-        if item is int:
-            return lambda v: type(v) is list and all(type(x) is int for x in v)
-        check_item = _checker(item)
-        return lambda v: type(v) is list and all(check_item(x) for x in v)
-    return lambda v: False  # tensors: validated by _tensor
 
 
 def with_envelope(msg: Message, *, deployment: str, sender: str, seq: int) -> Message:

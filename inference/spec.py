@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from inference.constants import SHADOW_DTYPES
 from inference.routing import ARITHMETICS
+from inference.typecheck import checker
 
 ROLES = ("main", "shadow", "worker")
 
@@ -78,30 +78,12 @@ class RoleSpec:
         return json.dumps(asdict(self), indent=2)
 
 
-def _type_ok(value: object, hint: object) -> bool:
-    if isinstance(hint, types.UnionType):
-        return any(_type_ok(value, arm) for arm in hint.__args__)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return type(value) is bool
-    if hint is int:
-        return type(value) is int
-    if hint is float:
-        return type(value) in (int, float)
-    if hint is str:
-        return isinstance(value, str)
-    if typing.get_origin(hint) is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
-    return True  # nested dataclasses are checked on their own
-
-
 def _check_types(obj: object, where: str) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
-        if not _type_ok(value, hints[f.name]):
+        nested = dataclasses.is_dataclass(hints[f.name])
+        if not nested and not checker(hints[f.name])(value):
             raise SpecError(f"{where}{f.name} has the wrong type: {value!r:.60} (expected {hints[f.name]})")
 
 

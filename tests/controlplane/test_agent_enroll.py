@@ -25,7 +25,9 @@ def run_agent(*args: str) -> subprocess.CompletedProcess:
 def test_agent_enrolls_once_and_then_uses_its_credential(live_server, tmp_path: Path) -> None:
     _, token = create_join_token(created_by=None, name="test")
     state = tmp_path / "state"
-    first = run_agent("--server", live_server.url, "--token", token, "--name", "box-a", "--state-dir", str(state))
+    first = run_agent(
+        "--server", live_server.url, "--token", token, "--name", "box-a", "--state-dir", str(state), "--enroll-only"
+    )
     assert first.returncode == 0, first.stderr
     assert "box-a" in first.stdout
     node = Node.objects.get(name="box-a")
@@ -34,7 +36,7 @@ def test_agent_enrolls_once_and_then_uses_its_credential(live_server, tmp_path: 
     assert stat.S_IMODE(credential.stat().st_mode) == 0o600
     assert token not in credential.read_text()
 
-    again = run_agent("--server", live_server.url, "--state-dir", str(state))
+    again = run_agent("--server", live_server.url, "--state-dir", str(state), "--enroll-only")
     assert again.returncode == 0, again.stderr
     node.refresh_from_db()
     assert node.last_seen is not None

@@ -16,8 +16,18 @@ class ModelOutput(serializers.ModelSerializer):
     class Meta:
         model = ModelArtifact
         fields = [
-            "id", "name", "path", "summary", "total_bytes", "created_at", "shard_status", "shard_workers",
-            "shard_done_bytes", "shard_total_bytes", "shard_progress", "shard_error",
+            "id",
+            "name",
+            "path",
+            "summary",
+            "total_bytes",
+            "created_at",
+            "shard_status",
+            "shard_workers",
+            "shard_done_bytes",
+            "shard_total_bytes",
+            "shard_progress",
+            "shard_error",
         ]
 
 

@@ -35,7 +35,7 @@ def register_model(*, name: str, path: str) -> ModelArtifact:
             "max_position_embeddings": config.get("max_position_embeddings"),
             "files": len(checkpoint.files()),
         }
-        total = sum(checkpoint.nbytes(key) for key in checkpoint.keys())
+        total = sum(checkpoint.nbytes(key) for key in checkpoint)
     except CheckpointError as exc:
         raise ModelError(str(exc)) from None
     try:
@@ -81,8 +81,12 @@ def build_model_shards(*, artifact_id: int, workers: int) -> ModelArtifact:
     artifact = ModelArtifact.objects.get(pk=artifact_id)
     out = shard_dir_for(artifact, workers)
     ModelArtifact.objects.filter(pk=artifact.pk).update(
-        shard_status=ShardStatus.BUILDING, shard_workers=workers, shard_dir=str(out), shard_done_bytes=0,
-        shard_total_bytes=0, shard_error="",
+        shard_status=ShardStatus.BUILDING,
+        shard_workers=workers,
+        shard_dir=str(out),
+        shard_done_bytes=0,
+        shard_total_bytes=0,
+        shard_error="",
     )
     last_write = 0.0
 

@@ -75,6 +75,30 @@ def touch_node(*, node: Node) -> None:
     node.save(update_fields=["last_seen"])
 
 
+def record_heartbeat(*, node_id: str, inventory: dict) -> None:
+    """An agent is alive: note when, what the box offers, and bring the node online."""
+    address = inventory.get("address", "")
+    updates = {"last_seen": timezone.now(), "inventory": inventory}
+    if isinstance(address, str) and address:
+        updates["address"] = address
+    Node.objects.filter(pk=node_id).update(**updates)
+    # A draining node stays draining; any other comes (back) online.
+    Node.objects.filter(pk=node_id).exclude(status=NodeStatus.DRAINING).update(status=NodeStatus.ONLINE)
+
+
+def mark_offline(*, node_id: str) -> None:
+    Node.objects.filter(pk=node_id).exclude(status=NodeStatus.DRAINING).update(status=NodeStatus.OFFLINE)
+
+
+def expire_silent_nodes(*, timeout_s: float) -> list[str]:
+    """Turn offline every online node not heard from for ``timeout_s``; returns their names."""
+    cutoff = timezone.now() - timedelta(seconds=timeout_s)
+    silent = Node.objects.filter(status=NodeStatus.ONLINE, last_seen__lt=cutoff)
+    names = list(silent.values_list("name", flat=True))
+    silent.update(status=NodeStatus.OFFLINE)
+    return names
+
+
 def revoke_join_token(*, token: JoinToken) -> None:
     token.revoked = True
     token.save(update_fields=["revoked"])

@@ -8,7 +8,8 @@
 | ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` | SQLite under ``ODMOE_VAR_DIR`` |
 | ``ODMOE_VAR_DIR`` | where the control plane keeps its data | ``var/`` in the checkout |
 | ``ODMOE_JOIN_TOKEN_TTL_S`` | default lifetime of a join token | 86400 |
-| ``REDIS_URL`` | Redis for Celery (and the Channels layer) | ``redis://127.0.0.1:6379/0`` |
+| ``REDIS_URL`` | Redis for Celery and the Channels layer | ``redis://127.0.0.1:6379/0`` |
+| ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "channels",
     "rest_framework",
     "controlplane.nodes",
     "controlplane.artifacts",
@@ -103,3 +105,13 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True  # results live in the database, not in Redis
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+
+NODE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("ODMOE_NODE_HEARTBEAT_TIMEOUT_S", "15"))
+CELERY_BEAT_SCHEDULE = {
+    "expire-silent-nodes": {
+        "task": "controlplane.nodes.tasks.expire_silent_nodes_task",
+        "schedule": max(1.0, NODE_HEARTBEAT_TIMEOUT_S / 3),
+    }
+}

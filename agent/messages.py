@@ -1,0 +1,108 @@
+"""What travels on the agent link: events up (agent to control plane), commands down.
+
+One module that both sides import. Every message is a frozen dataclass with a ``TYPE``;
+on the wire it is a JSON object ``{"type": TYPE, ...fields}``. ``parse`` validates an
+arriving object against the declared field types and raises ``MessageError`` with the
+reason, so a receiver never acts on a malformed message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from inference.typecheck import checker
+
+LINK_PATH = "/ws/agent"
+
+
+class MessageError(ValueError):
+    """An object that is not a valid agent-link message."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkMessage:
+    TYPE: ClassVar[str] = ""
+
+    def to_json(self) -> dict:
+        return {"type": self.TYPE, **dataclasses.asdict(self)}
+
+
+_REGISTRY: dict[str, type[LinkMessage]] = {}
+
+
+def _register(cls: type[LinkMessage]) -> type[LinkMessage]:
+    assert cls.TYPE and cls.TYPE not in _REGISTRY, cls
+    _REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+# --- events: agent -> control plane ---------------------------------------------------
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(LinkMessage):
+    """Sent on connect and every few seconds: the box's inventory and its runtime's state."""
+
+    TYPE = "heartbeat"
+    inventory: dict
+    runtime: dict = field(default_factory=dict)
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class Pong(LinkMessage):
+    TYPE = "pong"
+    nonce: str
+
+
+# --- commands: control plane -> agent ---------------------------------------------------
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class Ping(LinkMessage):
+    TYPE = "ping"
+    nonce: str
+
+
+EVENTS = (Heartbeat, Pong)
+COMMANDS = (Ping,)
+
+
+def parse(obj: Any, *, allowed: tuple[type[LinkMessage], ...]) -> LinkMessage:
+    """The message ``obj`` encodes, if it is one of ``allowed``; else MessageError."""
+    if not isinstance(obj, dict):
+        raise MessageError("a message must be a JSON object")
+    cls = _REGISTRY.get(obj.get("type")) if isinstance(obj.get("type"), str) else None
+    if cls is None or cls not in allowed:
+        raise MessageError(f"unexpected message type {obj.get('type')!r:.40}")
+    values = {}
+    for name, (check, required) in _fields(cls).items():
+        if name not in obj:
+            if required:
+                raise MessageError(f"{cls.TYPE}: field {name!r} missing")
+            continue
+        if not check(obj[name]):
+            raise MessageError(f"{cls.TYPE}: field {name!r} has a bad value {obj[name]!r:.60}")
+        values[name] = obj[name]
+    unknown = set(obj) - set(values) - {"type"} - set(_fields(cls))
+    if unknown:
+        raise MessageError(f"{cls.TYPE}: unknown field {sorted(unknown)[0]!r:.40}")
+    return cls(**values)
+
+
+@functools.cache
+def _fields(cls: type[LinkMessage]) -> dict[str, tuple]:
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: (
+            checker(hints[f.name]),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+    }

@@ -1,0 +1,68 @@
+"""The agent link on the control plane's side: one websocket per enrolled agent.
+
+The agent opens it with its node credential in the ``Authorization`` header; anything
+else is refused before the socket is accepted. Events are validated with
+``agent.messages`` and each calls one service; commands for a node reach its socket
+through the channel-layer group ``node.<id>`` (a ``{"type": "agent.command", ...}`` event).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from agent.messages import EVENTS, Heartbeat, MessageError, parse
+
+from . import services
+
+log = logging.getLogger(__name__)
+
+CLOSE_UNAUTHENTICATED = 4401
+
+
+def node_group(node_id: str) -> str:
+    return f"node.{node_id}"
+
+
+class AgentConsumer(AsyncJsonWebsocketConsumer):
+    node_id: str | None = None
+
+    async def connect(self) -> None:
+        node = await database_sync_to_async(self._authenticate)()
+        if node is None:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        self.node_id = str(node.pk)
+        await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
+        await self.accept()
+        log.info("agent of node %s connected", node.name)
+
+    async def disconnect(self, code: int) -> None:
+        if self.node_id is None:
+            return
+        await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
+        await database_sync_to_async(services.mark_offline)(node_id=self.node_id)
+
+    async def receive_json(self, content, **kwargs) -> None:
+        try:
+            event = parse(content, allowed=EVENTS)
+        except MessageError as exc:
+            log.warning("node %s sent a bad message: %s", self.node_id, exc)
+            await self.send_json({"type": "error", "detail": str(exc)})
+            return
+        if isinstance(event, Heartbeat):
+            await database_sync_to_async(services.record_heartbeat)(node_id=self.node_id, inventory=event.inventory)
+
+    async def agent_command(self, event: dict) -> None:
+        """A command for this node from a service or task: forward it to the agent."""
+        await self.send_json(event["command"])
+
+    def _authenticate(self):
+        headers = dict(self.scope.get("headers", []))
+        scheme, _, value = headers.get(b"authorization", b"").decode(errors="replace").partition(" ")
+        node_id, _, secret = value.strip().partition(":")
+        if scheme != "Node" or not node_id or not secret:
+            return None
+        return services.authenticate_node(node_id=node_id, secret=secret)

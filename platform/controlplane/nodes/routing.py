@@ -1,0 +1,7 @@
+from django.urls import path
+
+from agent.messages import LINK_PATH
+
+from . import consumers
+
+websocket_urlpatterns = [path(LINK_PATH.lstrip("/"), consumers.AgentConsumer.as_asgi())]

@@ -1,0 +1,199 @@
+"""The agent link: websocket consumer tests, and a real agent against a real ASGI server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.utils import timezone
+
+from agent.backoff import reconnect_delay
+from agent.messages import LINK_PATH, Heartbeat, MessageError, Ping, parse
+from controlplane.config.asgi import application
+from controlplane.nodes.models import Node, NodeStatus
+from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes
+from inference.launcher import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def enrolled(name: str = "box") -> tuple[Node, str]:
+    _, token = create_join_token(created_by=None)
+    return enroll_node(token=token, name=name, inventory={})
+
+
+def communicator(authorization: str | None) -> WebsocketCommunicator:
+    headers = [(b"authorization", authorization.encode())] if authorization else []
+    return WebsocketCommunicator(application, LINK_PATH, headers=headers)
+
+
+@pytest.fixture
+def channel_layer_on_test_redis(settings, redis_url: str) -> None:
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_unauthenticated_and_forged_sockets_are_refused(channel_layer_on_test_redis) -> None:
+    node, _ = enrolled()
+
+    async def attempt(authorization: str | None) -> bool:
+        comm = communicator(authorization)
+        connected, _ = await comm.connect()
+        await comm.disconnect()
+        return connected
+
+    from asgiref.sync import async_to_sync
+
+    assert async_to_sync(attempt)(None) is False
+    assert async_to_sync(attempt)(f"Node {node.pk}:odmoe-node-forged") is False
+    assert async_to_sync(attempt)("Bearer something") is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_heartbeats_bring_a_node_online_and_a_closed_link_takes_it_offline(channel_layer_on_test_redis) -> None:
+    from asgiref.sync import async_to_sync
+
+    node, secret = enrolled()
+
+    async def session() -> dict:
+        comm = communicator(f"Node {node.pk}:{secret}")
+        connected, _ = await comm.connect()
+        assert connected
+        await comm.send_json_to(Heartbeat(inventory={"cpu_count": 4, "address": "10.0.0.9"}).to_json())
+        await comm.send_json_to({"type": "heartbeat"})  # malformed: no inventory
+        error = await comm.receive_json_from(timeout=5)
+        online = await sync_to_async(lambda: Node.objects.get(pk=node.pk).status)()
+        await comm.disconnect()
+        return {"error": error, "online": online}
+
+    result = async_to_sync(session)()
+    assert result["online"] == NodeStatus.ONLINE
+    assert result["error"]["type"] == "error" and "inventory" in result["error"]["detail"]
+    node.refresh_from_db()
+    assert node.status == NodeStatus.OFFLINE
+    assert node.inventory["cpu_count"] == 4 and node.address == "10.0.0.9"
+
+
+@pytest.mark.django_db
+def test_silent_online_nodes_expire_and_others_stay() -> None:
+    quiet, _ = enrolled("quiet")
+    chatty, _ = enrolled("chatty")
+    now = timezone.now()
+    Node.objects.filter(pk=quiet.pk).update(status=NodeStatus.ONLINE, last_seen=now - timedelta(seconds=60))
+    Node.objects.filter(pk=chatty.pk).update(status=NodeStatus.ONLINE, last_seen=now)
+    assert expire_silent_nodes(timeout_s=15) == ["quiet"]
+    assert Node.objects.get(pk=quiet.pk).status == NodeStatus.OFFLINE
+    assert Node.objects.get(pk=chatty.pk).status == NodeStatus.ONLINE
+
+
+def test_link_messages_are_validated_on_arrival() -> None:
+    assert parse({"type": "ping", "nonce": "n1"}, allowed=(Ping,)) == Ping(nonce="n1")
+    for bad in [[], {"type": "ping"}, {"type": "ping", "nonce": 3}, {"type": "nope"}, {"type": "heartbeat"}]:
+        with pytest.raises(MessageError):
+            parse(bad, allowed=(Ping,))
+    with pytest.raises(MessageError, match="unknown field"):
+        parse({"type": "ping", "nonce": "x", "extra": 1}, allowed=(Ping,))
+
+
+def test_reconnect_delays_grow_are_capped_and_jittered() -> None:
+    import random
+
+    rng = random.Random(0)
+    delays = [reconnect_delay(n, base_s=0.5, cap_s=30, rng=rng) for n in range(12)]
+    assert all(0.25 <= d <= 30 for d in delays)
+    assert delays[-1] >= 15 and delays[0] <= 0.5
+    assert len(set(delays)) == len(delays)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_real_agent_keeps_its_node_online_and_reconnects(redis_url: str, tmp_path: Path) -> None:
+    from django.db import connection
+
+    node, secret = enrolled("real-box")
+    port = free_port()
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "controlplane.config.settings.test",
+        "DATABASE_URL": f"sqlite:///{connection.settings_dict['NAME']}",
+        "REDIS_URL": redis_url,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
+    }
+
+    def start_server() -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "controlplane.config.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "server.log", "ab"),
+        )
+
+    state = tmp_path / "state"
+    state.mkdir()
+    credential = {"server": f"http://127.0.0.1:{port}", "node_id": str(node.pk), "node_secret": secret}
+    (state / "node.json").write_text(json.dumps({**credential, "name": "real-box"}))
+    server = start_server()
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agent",
+            "--server",
+            f"http://127.0.0.1:{port}",
+            "--state-dir",
+            str(state),
+            "--heartbeat",
+            "0.3",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "agent.log", "ab"),  # noqa: SIM115
+    )
+    try:
+        wait_for_status(node, NodeStatus.ONLINE, timeout_s=40)
+        server.send_signal(signal.SIGTERM)  # the control plane restarts: the link drops
+        server.wait(timeout=20)
+        wait_for_status(node, NodeStatus.OFFLINE, timeout_s=20)
+        server = start_server()
+        wait_for_status(node, NodeStatus.ONLINE, timeout_s=60)  # the agent reconnected by itself
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=20) == 0
+        wait_for_status(node, NodeStatus.OFFLINE, timeout_s=20)
+    finally:
+        for proc in (agent, server):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def wait_for_status(node: Node, status: str, *, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        node.refresh_from_db()
+        if node.status == status:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"node {node.name} is {node.status}, expected {status} within {timeout_s} s")
