@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -30,6 +31,8 @@ from inference.protocol import GenerateDone
 from inference.sharding import build_shards
 from inference.spec import Addresses, RoleSpec, Settings
 
+BIND_ATTEMPTS = 3
+
 
 class ClusterError(RuntimeError):
     """The local cluster could not start or a generation failed; the message says why."""
@@ -43,7 +46,32 @@ class ClusterOptions:
     startup_timeout_s: float = 180.0
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A port free to listen on, chosen below the kernel's ephemeral range.
+
+    A port picked from the ephemeral range (what binding port 0 gives) can be taken by any
+    outgoing connection between the pick and the role's own bind; below that range only
+    another listener can take it.
+    """
+    low, _ = _ephemeral_range()
+    top = max(low - 1, 2048)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(max(1024, top - 12000), top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -79,12 +107,20 @@ class LocalCluster:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def __enter__(self) -> LocalCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
+        for attempt in range(BIND_ATTEMPTS):
+            try:
+                self.start()
+                return self
+            except ClusterError as exc:
+                self.close(keep_work_dir=True)
+                # Another program took a port between our pick and the role's bind: pick again.
+                if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS - 1:
+                    self.close()
+                    raise
+            except BaseException:
+                self.close()
+                raise
+        raise AssertionError("unreachable")
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -148,7 +184,7 @@ class LocalCluster:
             return "(no log)"
         return "\n".join("    " + line for line in path.read_text(errors="replace").splitlines()[-lines:])
 
-    def close(self) -> None:
+    def close(self, *, keep_work_dir: bool = False) -> None:
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.shutdown()
@@ -166,7 +202,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self._own_work_dir and not os.environ.get("ODMOE_KEEP_WORK_DIR"):
+        self.processes = {}
+        if self._own_work_dir and not keep_work_dir and not os.environ.get("ODMOE_KEEP_WORK_DIR"):
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
     # --- talking to main ----------------------------------------------------------------------

@@ -102,7 +102,7 @@ def test_a_forged_node_credential_is_refused(staff: APIClient) -> None:
 def test_only_staff_manage_tokens_and_see_nodes() -> None:
     user = get_user_model().objects.create_user("alice", password="x" * 12)
     client = APIClient()
-    assert client.post("/api/join-tokens", {}, format="json").status_code == 403
+    assert client.post("/api/join-tokens", {}, format="json").status_code == 401  # who are you?
     client.force_authenticate(user)
     assert client.post("/api/join-tokens", {}, format="json").status_code == 403
     assert client.get("/api/nodes").status_code == 403

@@ -8,6 +8,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.names import name_field
+
 from . import services
 from .models import ModelArtifact
 
@@ -37,7 +39,7 @@ class ModelListApi(APIView):
     permission_classes = [IsAdminUser]
 
     class InputSerializer(serializers.Serializer):
-        name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", max_length=100)
+        name = name_field()
         path = serializers.CharField(max_length=1024)
 
     def get(self, request: Request) -> Response:

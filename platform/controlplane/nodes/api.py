@@ -8,6 +8,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.names import name_field
+
 from . import selectors, services
 from .authentication import IsNode, NodeCredentialAuthentication
 from .models import JoinToken, Node
@@ -27,7 +29,7 @@ class EnrollApi(APIView):
 
     class InputSerializer(serializers.Serializer):
         token = serializers.CharField(max_length=200)
-        name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", max_length=100)
+        name = name_field()
         inventory = serializers.DictField(required=False, default=dict)
         address = serializers.CharField(max_length=255, required=False, allow_blank=True, default="")
 
@@ -94,10 +96,61 @@ class NodeListApi(APIView):
 
 
 class NodeDetailApi(APIView):
+    """GET/PATCH/DELETE /api/nodes/<id>: see, rename or remove a node."""
+
     permission_classes = [IsAdminUser]
 
+    class InputSerializer(serializers.Serializer):
+        name = name_field()
+
     def get(self, request: Request, node_id: str) -> Response:
-        node = selectors.node_list().filter(pk=node_id).first()
+        node = _node_or_none(node_id)
         if node is None:
-            return Response({"detail": f"no node {node_id}"}, status=status.HTTP_404_NOT_FOUND)
+            return _no_node(node_id)
         return Response(NodeOutput(node).data)
+
+    def patch(self, request: Request, node_id: str) -> Response:
+        node = _node_or_none(node_id)
+        if node is None:
+            return _no_node(node_id)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            node = services.rename_node(node=node, **data.validated_data)
+        except services.NodeError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
+        return Response(NodeOutput(node).data)
+
+    def delete(self, request: Request, node_id: str) -> Response:
+        node = _node_or_none(node_id)
+        if node is None:
+            return _no_node(node_id)
+        services.remove_node(node=node)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class NodeDrainApi(APIView):
+    """POST /api/nodes/<id>/drain {"drain": true|false}: take a node out of service, or back."""
+
+    permission_classes = [IsAdminUser]
+
+    class InputSerializer(serializers.Serializer):
+        drain = serializers.BooleanField(default=True)
+
+    def post(self, request: Request, node_id: str) -> Response:
+        node = _node_or_none(node_id)
+        if node is None:
+            return _no_node(node_id)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        drain = data.validated_data["drain"]
+        node = services.drain_node(node=node) if drain else services.undrain_node(node=node)
+        return Response(NodeOutput(node).data)
+
+
+def _node_or_none(node_id: str):
+    return selectors.node_list().filter(pk=node_id).first()
+
+
+def _no_node(node_id: str) -> Response:
+    return Response({"detail": f"no node {node_id}"}, status=status.HTTP_404_NOT_FOUND)

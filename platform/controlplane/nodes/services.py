@@ -99,6 +99,38 @@ def expire_silent_nodes(*, timeout_s: float) -> list[str]:
     return names
 
 
+class NodeError(ValueError):
+    """A change to a node that cannot be made; the message says why."""
+
+
+def rename_node(*, node: Node, name: str) -> Node:
+    if Node.objects.exclude(pk=node.pk).filter(name=name).exists():
+        raise NodeError(f"a node named {name!r} already exists")
+    node.name = name
+    node.save(update_fields=["name"])
+    return node
+
+
+def drain_node(*, node: Node) -> Node:
+    """Take the node out of new deployments; it stays enrolled and keeps its link."""
+    node.status = NodeStatus.DRAINING
+    node.save(update_fields=["status"])
+    return node
+
+
+def undrain_node(*, node: Node) -> Node:
+    """Back into service: online if its agent was heard from within the timeout, else offline."""
+    recent = node.last_seen and (timezone.now() - node.last_seen).total_seconds() < settings.NODE_HEARTBEAT_TIMEOUT_S
+    node.status = NodeStatus.ONLINE if recent else NodeStatus.OFFLINE
+    node.save(update_fields=["status"])
+    return node
+
+
+def remove_node(*, node: Node) -> None:
+    """Forget the node: its credential stops working at once; the box must enroll again."""
+    node.delete()
+
+
 def revoke_join_token(*, token: JoinToken) -> None:
     token.revoked = True
     token.save(update_fields=["revoked"])

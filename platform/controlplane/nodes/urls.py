@@ -8,4 +8,5 @@ urlpatterns = [
     path("join-tokens", api.JoinTokenApi.as_view(), name="join-tokens"),
     path("nodes", api.NodeListApi.as_view(), name="nodes"),
     path("nodes/<uuid:node_id>", api.NodeDetailApi.as_view(), name="node-detail"),
+    path("nodes/<uuid:node_id>/drain", api.NodeDrainApi.as_view(), name="node-drain"),
 ]

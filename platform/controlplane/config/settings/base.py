@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "rest_framework",
+    "controlplane.accounts",
     "controlplane.nodes",
     "controlplane.artifacts",
 ]
@@ -90,7 +91,11 @@ STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 
 REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.SessionAuthentication"],
+    # API keys first: a bad key is then a 401 with "WWW-Authenticate: Bearer", not a 403.
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "controlplane.accounts.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,

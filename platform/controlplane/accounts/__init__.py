@@ -1,0 +1,1 @@
+"""Accounts: API keys for programs (``Authorization: Bearer KEY``), beside Django's users."""
