@@ -285,7 +285,7 @@ def _build_role(
 def _manifest(directory: Path, role: Role, plan: Placement) -> dict[str, Any]:
     experts = sorted(plan.owned(role.worker)) if role.worker is not None else None
     files = [
-        {"path": path.name, "size": path.stat().st_size, "sha256": _sha256(path)}
+        {"path": path.name, "size": path.stat().st_size, "sha256": file_sha256(path)}
         for path in sorted(directory.iterdir())
         if path.name != MANIFEST_FILE
     ]
@@ -399,7 +399,7 @@ def verify_shard(
                 "the file is truncated or was modified — fetch or build it again"
             )
     for path, _, digest in entries:
-        actual_digest = _sha256(directory / path)
+        actual_digest = file_sha256(directory / path)
         if actual_digest != digest:
             raise ShardError(
                 f"shard {directory}: file {path} sha256 mismatch: expected {digest}, got {actual_digest}; "
@@ -505,7 +505,8 @@ def _file_entry(directory: Path, entry: Any) -> tuple[str, int, str]:
 # -- small helpers ----------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in chunks (never whole into memory)."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while chunk := handle.read(_HASH_CHUNK):

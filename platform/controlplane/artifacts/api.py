@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from django.http import StreamingHttpResponse
 from rest_framework import serializers, status
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
@@ -9,9 +15,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.names import name_field
+from controlplane.nodes.authentication import IsNode, NodeCredentialAuthentication
+from inference.sharding import MANIFEST_FILE
 
 from . import services
-from .models import ModelArtifact
+from .models import ModelArtifact, ShardStatus
+from .ranges import RangeNotSatisfiable, parse_range
 
 
 class ModelOutput(serializers.ModelSerializer):
@@ -84,3 +93,64 @@ class ModelShardsApi(APIView):
         except services.ModelError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         return Response(ModelOutput(artifact).data, status=status.HTTP_202_ACCEPTED)
+
+
+ROLE_DIR = re.compile(r"^(main|shadow|worker-\d{1,4})$")
+CHUNK = 1 << 20
+
+
+class ShardFileApi(APIView):
+    """GET /api/models/<id>/shards/<role>/<file>: a shard file for an enrolled agent.
+
+    Only files the role's manifest lists (and the manifest itself) are served, so no path
+    can reach outside the shard; single byte ranges are honoured so an interrupted download
+    resumes where it stopped.
+    """
+
+    authentication_classes = [NodeCredentialAuthentication]
+    permission_classes = [IsNode]
+
+    def get(self, request: Request, model_id: int, role: str, name: str):
+        artifact = ModelArtifact.objects.filter(pk=model_id, shard_status=ShardStatus.READY).first()
+        if artifact is None or not ROLE_DIR.match(role):
+            return Response({"detail": f"no ready shards for model {model_id} and role {role}"}, status=404)
+        role_dir = Path(artifact.shard_dir) / role
+        listed = _listed_files(role_dir)
+        if name not in listed:
+            return Response({"detail": f"{name} is not a file of shard {role}"}, status=404)
+        path = role_dir / name
+        size = path.stat().st_size
+        try:
+            wanted = parse_range(request.headers.get("Range"), size)
+        except RangeNotSatisfiable as exc:
+            response = Response({"detail": str(exc)}, status=416)
+            response["Content-Range"] = f"bytes */{size}"
+            return response
+        first, last = wanted if wanted is not None else (0, size - 1)
+        kind = "application/json" if name == MANIFEST_FILE else "application/octet-stream"
+        response = StreamingHttpResponse(_read(path, first, last), status=206 if wanted else 200, content_type=kind)
+        response["Content-Length"] = str(max(0, last - first + 1))
+        response["Accept-Ranges"] = "bytes"
+        if wanted is not None:
+            response["Content-Range"] = f"bytes {first}-{last}/{size}"
+        return response
+
+
+def _listed_files(role_dir: Path) -> set[str]:
+    try:
+        manifest = json.loads((role_dir / MANIFEST_FILE).read_text())
+        return {MANIFEST_FILE, *(entry["path"] for entry in manifest["files"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _read(path: Path, first: int, last: int) -> Iterator[bytes]:
+    with path.open("rb") as handle:
+        handle.seek(first)
+        remaining = last - first + 1
+        while remaining > 0:
+            chunk = handle.read(min(CHUNK, remaining))
+            if not chunk:
+                return
+            remaining -= len(chunk)
+            yield chunk

@@ -1,0 +1,107 @@
+"""Fetch a role shard from the control plane: resumable, verified, never half-trusted.
+
+Each file listed by the role's manifest is downloaded to ``NAME.part`` and continued with
+an HTTP Range request if a previous attempt stopped; a finished file is checked against
+the manifest's sha256 before it takes its real name. A file that fails the check is
+fetched once more from scratch; if it fails again the shard is refused. The runtime
+verifies the whole shard again before it loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from agent.credentials import NodeCredential
+from agent.http import ControlPlaneError
+from inference.sharding import MANIFEST_FILE, ShardError, file_sha256, verify_shard
+
+CHUNK = 1 << 20
+Progress = Callable[[int, int], None]
+
+
+def shard_url(credential: NodeCredential, model_id: int, role: str, name: str) -> str:
+    return f"{credential.server}/api/models/{model_id}/shards/{role}/{name}"
+
+
+def fetch_shard(
+    credential: NodeCredential, model_id: int, role: str, dest: Path, *, progress: Progress | None = None
+) -> dict:
+    """Download role ``role`` of model ``model_id`` into ``dest``; returns its manifest."""
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest_bytes = _get(credential, shard_url(credential, model_id, role, MANIFEST_FILE), offset=0)
+    manifest = json.loads(manifest_bytes)
+    files = manifest["files"]
+    total = sum(int(entry["size"]) for entry in files)
+    done = 0
+    for entry in files:
+        name, size, digest = entry["path"], int(entry["size"]), entry["sha256"]
+        target = dest / name
+        already = target.exists() and target.stat().st_size == size and file_sha256(target) == digest
+
+        def report(received: int, base: int = done) -> None:
+            if progress is not None:
+                progress(base + received, total)
+
+        for attempt in range(0 if already else 2):
+            _download(credential, shard_url(credential, model_id, role, name), _part(target), size, report)
+            if file_sha256(_part(target)) == digest:
+                _part(target).replace(target)
+                break
+            _part(target).unlink()  # corrupted: fetch it whole once more
+            if attempt == 1:
+                raise ShardError(f"{name} of shard {role} failed its sha256 check twice; not using it")
+        done += size
+        if progress is not None:
+            progress(done, total)
+    (dest / MANIFEST_FILE).write_bytes(manifest_bytes)
+    verify_shard(dest, expect_role=manifest["role"], expect_worker=manifest.get("worker"))
+    return manifest
+
+
+def _part(target: Path) -> Path:
+    return target.with_name(target.name + ".part")
+
+
+def _download(credential: NodeCredential, url: str, part: Path, size: int, progress: Callable[[int], None]) -> None:
+    """Continue the partial file ``part`` up to ``size`` bytes."""
+    have = part.stat().st_size if part.exists() else 0
+    if have > size:
+        part.unlink()
+        have = 0
+    if have == size:
+        return
+    request = _request(credential, url, offset=have)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response, part.open("ab" if have else "wb") as out:
+            if have and response.status != 206:  # the server ignored the range: start over
+                out.truncate(0)
+                have = 0
+            while chunk := response.read(CHUNK):
+                out.write(chunk)
+                have += len(chunk)
+                progress(have)
+    except urllib.error.HTTPError as exc:
+        raise ControlPlaneError(f"GET {url}: {exc.code} {exc.reason}", status=exc.code) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ControlPlaneError(f"download of {url} stopped: {getattr(exc, 'reason', exc)}") from None
+
+
+def _get(credential: NodeCredential, url: str, *, offset: int) -> bytes:
+    try:
+        with urllib.request.urlopen(_request(credential, url, offset=offset), timeout=60) as response:
+            return response.read()
+    except urllib.error.HTTPError as exc:
+        raise ControlPlaneError(f"GET {url}: {exc.code} {exc.reason}", status=exc.code) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ControlPlaneError(f"cannot reach the control plane at {url}: {getattr(exc, 'reason', exc)}") from None
+
+
+def _request(credential: NodeCredential, url: str, *, offset: int) -> urllib.request.Request:
+    headers = {"Authorization": credential.authorization}
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+    return urllib.request.Request(url, headers=headers)
