@@ -7,4 +7,5 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include("controlplane.nodes.urls")),
     path("api/", include("controlplane.artifacts.urls")),
+    path("api/", include("controlplane.deployments.urls")),
 ]

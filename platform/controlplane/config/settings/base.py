@@ -39,6 +39,7 @@ INSTALLED_APPS = [
     "controlplane.accounts",
     "controlplane.nodes",
     "controlplane.artifacts",
+    "controlplane.deployments",
 ]
 
 MIDDLEWARE = [

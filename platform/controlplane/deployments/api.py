@@ -1,0 +1,150 @@
+"""REST endpoints of the deployments app (staff only)."""
+
+from __future__ import annotations
+
+from rest_framework import serializers, status
+from rest_framework.permissions import IsAdminUser
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.artifacts.models import ModelArtifact
+from controlplane.names import name_field
+from inference.constants import SHADOW_DTYPES
+
+from . import services
+from .models import Deployment, DeploymentNode
+from .roles import RoleMap
+
+
+class MemberOutput(serializers.ModelSerializer):
+    node_name = serializers.CharField(source="node.name")
+    node_status = serializers.CharField(source="node.status")
+
+    class Meta:
+        model = DeploymentNode
+        fields = ["node", "node_name", "node_status", "role", "worker_index"]
+
+
+class DeploymentOutput(serializers.ModelSerializer):
+    members = MemberOutput(many=True)
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "name",
+            "model",
+            "status",
+            "status_reason",
+            "shadow_dtype",
+            "token_period",
+            "kv_period",
+            "created_at",
+            "updated_at",
+            "members",
+        ]
+
+
+class RolesInput(serializers.Serializer):
+    main = serializers.UUIDField()
+    shadow = serializers.UUIDField()
+    workers = serializers.ListField(child=serializers.UUIDField(), min_length=1)
+
+
+class SuggestApi(APIView):
+    """POST /api/deployments/suggest {model, nodes}: the role map a deployment would get."""
+
+    permission_classes = [IsAdminUser]
+
+    class InputSerializer(serializers.Serializer):
+        model = serializers.PrimaryKeyRelatedField(queryset=ModelArtifact.objects.all())
+        nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
+
+    def post(self, request: Request) -> Response:
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            roles = services.suggest_for(
+                model=data.validated_data["model"], node_ids=[str(n) for n in data.validated_data["nodes"]]
+            )
+        except services.DeploymentError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
+        return Response(roles.as_dict())
+
+
+class DeploymentListApi(APIView):
+    """GET/POST /api/deployments: list deployments, create one (roles suggested unless given)."""
+
+    permission_classes = [IsAdminUser]
+
+    class InputSerializer(serializers.Serializer):
+        name = name_field()
+        model = serializers.PrimaryKeyRelatedField(queryset=ModelArtifact.objects.all())
+        nodes = serializers.ListField(child=serializers.UUIDField(), min_length=3)
+        roles = RolesInput(required=False)
+        shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
+        token_period = serializers.IntegerField(min_value=0, default=1)
+        kv_period = serializers.IntegerField(min_value=0, default=1)
+
+    def get(self, request: Request) -> Response:
+        deployments = Deployment.objects.prefetch_related("members__node")
+        return Response(DeploymentOutput(deployments, many=True).data)
+
+    def post(self, request: Request) -> Response:
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = dict(data.validated_data)
+        roles = values.pop("roles", None)
+        role_map = None
+        if roles is not None:
+            role_map = RoleMap(str(roles["main"]), str(roles["shadow"]), tuple(str(w) for w in roles["workers"]))
+        try:
+            deployment = services.create_deployment(
+                node_ids=[str(n) for n in values.pop("nodes")], roles=role_map, created_by=request.user, **values
+            )
+        except services.DeploymentError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
+        return Response(DeploymentOutput(deployment).data, status=status.HTTP_201_CREATED)
+
+
+class DeploymentDetailApi(APIView):
+    permission_classes = [IsAdminUser]
+
+    def get(self, request: Request, deployment_id: int) -> Response:
+        deployment = Deployment.objects.filter(pk=deployment_id).first()
+        if deployment is None:
+            return Response({"detail": f"no deployment {deployment_id}"}, status=status.HTTP_404_NOT_FOUND)
+        return Response(DeploymentOutput(deployment).data)
+
+
+class DeploymentSettingsApi(APIView):
+    """PATCH /api/deployments/<id>/settings {token_period, kv_period}: change alignment."""
+
+    permission_classes = [IsAdminUser]
+
+    class InputSerializer(serializers.Serializer):
+        token_period = serializers.IntegerField(min_value=0)
+        kv_period = serializers.IntegerField(min_value=0)
+
+    def patch(self, request: Request, deployment_id: int) -> Response:
+        deployment = Deployment.objects.filter(pk=deployment_id).first()
+        if deployment is None:
+            return Response({"detail": f"no deployment {deployment_id}"}, status=status.HTTP_404_NOT_FOUND)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            deployment = services.change_alignment(deployment=deployment, **data.validated_data)
+        except services.DeploymentError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(DeploymentOutput(deployment).data)
+
+
+class DeploymentStopApi(APIView):
+    permission_classes = [IsAdminUser]
+
+    def post(self, request: Request, deployment_id: int) -> Response:
+        deployment = Deployment.objects.filter(pk=deployment_id).first()
+        if deployment is None:
+            return Response({"detail": f"no deployment {deployment_id}"}, status=status.HTTP_404_NOT_FOUND)
+        return Response(DeploymentOutput(services.stop_deployment(deployment=deployment)).data)

@@ -1,0 +1,58 @@
+"""A deployment: one model served by a set of nodes in main / shadow / worker roles."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+from controlplane.artifacts.models import ModelArtifact
+from controlplane.nodes.models import Node
+from inference.constants import SHADOW_DTYPES
+
+
+class DeploymentStatus(models.TextChoices):
+    DRAFT = "draft", "draft (not started)"
+    DEPLOYING = "deploying", "deploying"
+    READY = "ready", "ready"
+    DEGRADED = "degraded", "degraded"
+    STOPPED = "stopped", "stopped"
+    FAILED = "failed", "failed"
+
+
+ACTIVE = (DeploymentStatus.DRAFT, DeploymentStatus.DEPLOYING, DeploymentStatus.READY, DeploymentStatus.DEGRADED)
+
+
+class Role(models.TextChoices):
+    MAIN = "main", "main"
+    SHADOW = "shadow", "shadow"
+    WORKER = "worker", "worker"
+
+
+class Deployment(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    model = models.ForeignKey(ModelArtifact, on_delete=models.PROTECT, related_name="deployments")
+    status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.DRAFT)
+    status_reason = models.TextField(blank=True)
+    shadow_dtype = models.CharField(max_length=8, choices=[(d, d) for d in SHADOW_DTYPES], default="fp32")
+    token_period = models.PositiveIntegerField(default=1, help_text="align the shadow's token every N steps (0 never)")
+    kv_period = models.PositiveIntegerField(default=1, help_text="align the shadow's KV cache every N steps (0 never)")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class DeploymentNode(models.Model):
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="members")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="memberships")
+    role = models.CharField(max_length=8, choices=Role.choices)
+    worker_index = models.PositiveIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["role", "worker_index"]
+        constraints = [models.UniqueConstraint(fields=["deployment", "node"], name="one_role_per_node")]

@@ -1,0 +1,117 @@
+"""Writes of the deployments app: create a deployment with its role map, change its settings, stop it."""
+
+from __future__ import annotations
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+
+from controlplane.artifacts.models import ModelArtifact
+from controlplane.nodes.models import Node, NodeStatus
+from inference.schedule import validate_periods
+
+from .models import ACTIVE, Deployment, DeploymentNode, DeploymentStatus, Role
+from .roles import RoleError, RoleMap, check_roles, suggest_roles
+
+
+class DeploymentError(ValueError):
+    """A deployment cannot be created or changed as asked; the message says why."""
+
+
+def suggest_for(*, model: ModelArtifact, node_ids: list[str]) -> RoleMap:
+    nodes = _nodes(node_ids)
+    try:
+        return suggest_roles({str(n.pk): n.inventory for n in nodes}, top_k=int(model.summary.get("top_k", 2)))
+    except (RoleError, ValueError) as exc:
+        raise DeploymentError(str(exc)) from None
+
+
+@transaction.atomic
+def create_deployment(
+    *,
+    name: str,
+    model: ModelArtifact,
+    node_ids: list[str],
+    roles: RoleMap | None = None,
+    shadow_dtype: str = "fp32",
+    token_period: int = 1,
+    kv_period: int = 1,
+    created_by: AbstractBaseUser | None = None,
+) -> Deployment:
+    """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given."""
+    try:
+        validate_periods(token_period, kv_period)
+    except ValueError as exc:
+        raise DeploymentError(str(exc)) from None
+    nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
+    _check_nodes(nodes, node_ids)
+    roles = roles or suggest_for(model=model, node_ids=node_ids)
+    try:
+        check_roles(roles, [str(n.pk) for n in nodes])
+    except RoleError as exc:
+        raise DeploymentError(str(exc)) from None
+    try:
+        with transaction.atomic():
+            deployment = Deployment.objects.create(
+                name=name,
+                model=model,
+                shadow_dtype=shadow_dtype,
+                token_period=token_period,
+                kv_period=kv_period,
+                created_by=created_by,
+            )
+    except IntegrityError:
+        raise DeploymentError(f"a deployment named {name!r} already exists") from None
+    members = [
+        DeploymentNode(deployment=deployment, node_id=roles.main, role=Role.MAIN),
+        DeploymentNode(deployment=deployment, node_id=roles.shadow, role=Role.SHADOW),
+    ]
+    members += [
+        DeploymentNode(deployment=deployment, node_id=node, role=Role.WORKER, worker_index=i)
+        for i, node in enumerate(roles.workers)
+    ]
+    DeploymentNode.objects.bulk_create(members)
+    return deployment
+
+
+def change_alignment(*, deployment: Deployment, token_period: int, kv_period: int) -> Deployment:
+    try:
+        validate_periods(token_period, kv_period)
+    except ValueError as exc:
+        raise DeploymentError(str(exc)) from None
+    if deployment.status not in ACTIVE:
+        raise DeploymentError(f"deployment {deployment.name} is {deployment.status}; start it again to change it")
+    deployment.token_period, deployment.kv_period = token_period, kv_period
+    deployment.save(update_fields=["token_period", "kv_period", "updated_at"])
+    return deployment
+
+
+def stop_deployment(*, deployment: Deployment) -> Deployment:
+    """Stopped: its nodes are free for another deployment."""
+    deployment.status = DeploymentStatus.STOPPED
+    deployment.status_reason = "stopped by an administrator"
+    deployment.save(update_fields=["status", "status_reason", "updated_at"])
+    return deployment
+
+
+def _nodes(node_ids: list[str]) -> list[Node]:
+    nodes = list(Node.objects.filter(pk__in=node_ids))
+    _check_nodes(nodes, node_ids)
+    return nodes
+
+
+def _check_nodes(nodes: list[Node], node_ids: list[str]) -> None:
+    if len(set(node_ids)) != len(node_ids):
+        raise DeploymentError("a node is listed twice")
+    missing = set(node_ids) - {str(n.pk) for n in nodes}
+    if missing:
+        raise DeploymentError(f"unknown nodes: {', '.join(sorted(missing))}")
+    draining = [n.name for n in nodes if n.status == NodeStatus.DRAINING]
+    if draining:
+        raise DeploymentError(f"draining nodes cannot join a deployment: {', '.join(draining)}")
+    busy = (
+        DeploymentNode.objects.filter(node__in=nodes, deployment__status__in=ACTIVE)
+        .select_related("node", "deployment")
+        .first()
+    )
+    if busy is not None:
+        raise DeploymentError(f"node {busy.node.name} is already in active deployment {busy.deployment.name}")

@@ -1,0 +1,11 @@
+from django.urls import path
+
+from . import api
+
+urlpatterns = [
+    path("deployments", api.DeploymentListApi.as_view(), name="deployments"),
+    path("deployments/suggest", api.SuggestApi.as_view(), name="deployment-suggest"),
+    path("deployments/<int:deployment_id>", api.DeploymentDetailApi.as_view(), name="deployment-detail"),
+    path("deployments/<int:deployment_id>/settings", api.DeploymentSettingsApi.as_view(), name="deployment-settings"),
+    path("deployments/<int:deployment_id>/stop", api.DeploymentStopApi.as_view(), name="deployment-stop"),
+]
