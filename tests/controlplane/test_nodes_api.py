@@ -73,3 +73,12 @@ def test_create_api_key_for_an_unknown_user_is_a_clear_error() -> None:
     with pytest.raises(CommandError, match="no user named 'ghost'"):
         call_command("create_api_key", "ghost")
     assert ApiKey.objects.count() == 0
+
+
+def test_lists_are_paginated(staff: APIClient) -> None:
+    for i in range(5):
+        enrolled(f"box-{i}")
+    page = staff.get("/api/nodes?limit=2&offset=2").json()
+    assert page["count"] == 5
+    assert [n["name"] for n in page["results"]] == ["box-2", "box-3"]
+    assert "offset=4" in page["next"]

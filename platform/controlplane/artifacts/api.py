@@ -16,6 +16,7 @@ from rest_framework.views import APIView
 
 from controlplane.names import name_field
 from controlplane.nodes.authentication import IsNode, NodeCredentialAuthentication
+from controlplane.pagination import paginated
 from inference.sharding import MANIFEST_FILE
 
 from . import services
@@ -52,7 +53,7 @@ class ModelListApi(APIView):
         path = serializers.CharField(max_length=1024)
 
     def get(self, request: Request) -> Response:
-        return Response(ModelOutput(ModelArtifact.objects.all(), many=True).data)
+        return paginated(request, ModelArtifact.objects.all(), ModelOutput)
 
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)

@@ -10,6 +10,7 @@ from rest_framework.views import APIView
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.names import name_field
+from controlplane.pagination import paginated
 from inference.constants import SHADOW_DTYPES
 
 from . import services
@@ -89,7 +90,7 @@ class DeploymentListApi(APIView):
 
     def get(self, request: Request) -> Response:
         deployments = Deployment.objects.prefetch_related("members__node")
-        return Response(DeploymentOutput(deployments, many=True).data)
+        return paginated(request, deployments, DeploymentOutput)
 
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)

@@ -9,6 +9,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.names import name_field
+from controlplane.pagination import paginated
 
 from . import selectors, services
 from .authentication import IsNode, NodeCredentialAuthentication
@@ -74,7 +75,7 @@ class JoinTokenApi(APIView):
             fields = ["id", "name", "prefix", "created_by", "created_at", "expires_at", "max_uses", "uses", "revoked"]
 
     def get(self, request: Request) -> Response:
-        return Response(self.OutputSerializer(selectors.join_token_list(), many=True).data)
+        return paginated(request, selectors.join_token_list(), self.OutputSerializer)
 
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)
@@ -92,7 +93,7 @@ class NodeListApi(APIView):
     permission_classes = [IsAdminUser]
 
     def get(self, request: Request) -> Response:
-        return Response(NodeOutput(selectors.node_list(), many=True).data)
+        return paginated(request, selectors.node_list(), NodeOutput)
 
 
 class NodeDetailApi(APIView):
