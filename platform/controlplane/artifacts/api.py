@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from django.http import StreamingHttpResponse
+from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
@@ -48,13 +49,16 @@ class ModelListApi(APIView):
 
     permission_classes = [IsAdminUser]
 
+    @extend_schema_serializer(component_name="ModelListInput")
     class InputSerializer(serializers.Serializer):
         name = name_field()
         path = serializers.CharField(max_length=1024)
 
+    @extend_schema(responses=ModelOutput(many=True))
     def get(self, request: Request) -> Response:
         return paginated(request, ModelArtifact.objects.all(), ModelOutput)
 
+    @extend_schema(request=InputSerializer, responses={201: ModelOutput})
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -68,6 +72,7 @@ class ModelListApi(APIView):
 class ModelDetailApi(APIView):
     permission_classes = [IsAdminUser]
 
+    @extend_schema(responses=ModelOutput)
     def get(self, request: Request, model_id: int) -> Response:
         artifact = ModelArtifact.objects.filter(pk=model_id).first()
         if artifact is None:
@@ -80,9 +85,11 @@ class ModelShardsApi(APIView):
 
     permission_classes = [IsAdminUser]
 
+    @extend_schema_serializer(component_name="ModelShardsInput")
     class InputSerializer(serializers.Serializer):
         workers = serializers.IntegerField(min_value=1, max_value=1024)
 
+    @extend_schema(request=InputSerializer, responses={202: ModelOutput})
     def post(self, request: Request, model_id: int) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -111,6 +118,7 @@ class ShardFileApi(APIView):
     authentication_classes = [NodeCredentialAuthentication]
     permission_classes = [IsNode]
 
+    @extend_schema(responses={(200, "application/octet-stream"): bytes, (206, "application/octet-stream"): bytes})
     def get(self, request: Request, model_id: int, role: str, name: str):
         artifact = ModelArtifact.objects.filter(pk=model_id, shard_status=ShardStatus.READY).first()
         if artifact is None or not ROLE_DIR.match(role):

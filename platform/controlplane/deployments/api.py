@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
@@ -58,10 +59,12 @@ class SuggestApi(APIView):
 
     permission_classes = [IsAdminUser]
 
+    @extend_schema_serializer(component_name="SuggestInput")
     class InputSerializer(serializers.Serializer):
         model = serializers.PrimaryKeyRelatedField(queryset=ModelArtifact.objects.all())
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
 
+    @extend_schema(request=InputSerializer, responses=RolesInput)
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -79,6 +82,7 @@ class DeploymentListApi(APIView):
 
     permission_classes = [IsAdminUser]
 
+    @extend_schema_serializer(component_name="DeploymentListInput")
     class InputSerializer(serializers.Serializer):
         name = name_field()
         model = serializers.PrimaryKeyRelatedField(queryset=ModelArtifact.objects.all())
@@ -88,10 +92,12 @@ class DeploymentListApi(APIView):
         token_period = serializers.IntegerField(min_value=0, default=1)
         kv_period = serializers.IntegerField(min_value=0, default=1)
 
+    @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:
         deployments = Deployment.objects.prefetch_related("members__node")
         return paginated(request, deployments, DeploymentOutput)
 
+    @extend_schema(request=InputSerializer, responses={201: DeploymentOutput})
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -112,6 +118,7 @@ class DeploymentListApi(APIView):
 class DeploymentDetailApi(APIView):
     permission_classes = [IsAdminUser]
 
+    @extend_schema(responses=DeploymentOutput)
     def get(self, request: Request, deployment_id: int) -> Response:
         deployment = Deployment.objects.filter(pk=deployment_id).first()
         if deployment is None:
@@ -124,10 +131,12 @@ class DeploymentSettingsApi(APIView):
 
     permission_classes = [IsAdminUser]
 
+    @extend_schema_serializer(component_name="DeploymentSettingsInput")
     class InputSerializer(serializers.Serializer):
         token_period = serializers.IntegerField(min_value=0)
         kv_period = serializers.IntegerField(min_value=0)
 
+    @extend_schema(request=InputSerializer, responses=DeploymentOutput)
     def patch(self, request: Request, deployment_id: int) -> Response:
         deployment = Deployment.objects.filter(pk=deployment_id).first()
         if deployment is None:
@@ -144,6 +153,7 @@ class DeploymentSettingsApi(APIView):
 class DeploymentStopApi(APIView):
     permission_classes = [IsAdminUser]
 
+    @extend_schema(request=None, responses=DeploymentOutput)
     def post(self, request: Request, deployment_id: int) -> Response:
         deployment = Deployment.objects.filter(pk=deployment_id).first()
         if deployment is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.permissions import AllowAny, IsAdminUser
 from rest_framework.request import Request
@@ -22,18 +23,26 @@ class NodeOutput(serializers.ModelSerializer):
         fields = ["id", "name", "status", "address", "inventory", "enrolled_at", "last_seen"]
 
 
+class EnrollOutput(serializers.Serializer):
+    node_id = serializers.UUIDField()
+    node_secret = serializers.CharField(help_text="the node credential: shown once, stored only hashed")
+    name = serializers.CharField()
+
+
 class EnrollApi(APIView):
     """POST /api/agents/enroll: a box spends a join token and gets its node credential."""
 
     authentication_classes: list = []
     permission_classes = [AllowAny]
 
+    @extend_schema_serializer(component_name="EnrollInput")
     class InputSerializer(serializers.Serializer):
         token = serializers.CharField(max_length=200)
         name = name_field()
         inventory = serializers.DictField(required=False, default=dict)
         address = serializers.CharField(max_length=255, required=False, allow_blank=True, default="")
 
+    @extend_schema(request=InputSerializer, responses={201: EnrollOutput})
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -52,6 +61,7 @@ class AgentMeApi(APIView):
     authentication_classes = [NodeCredentialAuthentication]
     permission_classes = [IsNode]
 
+    @extend_schema(responses=NodeOutput)
     def get(self, request: Request) -> Response:
         services.touch_node(node=request.auth)
         return Response(NodeOutput(request.auth).data)
@@ -62,11 +72,13 @@ class JoinTokenApi(APIView):
 
     permission_classes = [IsAdminUser]
 
+    @extend_schema_serializer(component_name="JoinTokenInput")
     class InputSerializer(serializers.Serializer):
         name = serializers.CharField(max_length=100, required=False, allow_blank=True, default="")
         ttl_s = serializers.IntegerField(min_value=60, max_value=services.MAX_TOKEN_TTL_S, required=False)
         max_uses = serializers.IntegerField(min_value=1, max_value=1000, required=False, default=1)
 
+    @extend_schema_serializer(component_name="JoinTokenOutput")
     class OutputSerializer(serializers.ModelSerializer):
         created_by = serializers.CharField(source="created_by.username", default=None)
 
@@ -74,9 +86,11 @@ class JoinTokenApi(APIView):
             model = JoinToken
             fields = ["id", "name", "prefix", "created_by", "created_at", "expires_at", "max_uses", "uses", "revoked"]
 
+    @extend_schema(responses=OutputSerializer(many=True))
     def get(self, request: Request) -> Response:
         return paginated(request, selectors.join_token_list(), self.OutputSerializer)
 
+    @extend_schema(request=InputSerializer, responses={201: OutputSerializer})
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -92,6 +106,7 @@ class JoinTokenApi(APIView):
 class NodeListApi(APIView):
     permission_classes = [IsAdminUser]
 
+    @extend_schema(responses=NodeOutput(many=True))
     def get(self, request: Request) -> Response:
         return paginated(request, selectors.node_list(), NodeOutput)
 
@@ -101,15 +116,18 @@ class NodeDetailApi(APIView):
 
     permission_classes = [IsAdminUser]
 
+    @extend_schema_serializer(component_name="NodeDetailInput")
     class InputSerializer(serializers.Serializer):
         name = name_field()
 
+    @extend_schema(responses=NodeOutput)
     def get(self, request: Request, node_id: str) -> Response:
         node = _node_or_none(node_id)
         if node is None:
             return _no_node(node_id)
         return Response(NodeOutput(node).data)
 
+    @extend_schema(request=InputSerializer, responses=NodeOutput)
     def patch(self, request: Request, node_id: str) -> Response:
         node = _node_or_none(node_id)
         if node is None:
@@ -122,6 +140,7 @@ class NodeDetailApi(APIView):
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
         return Response(NodeOutput(node).data)
 
+    @extend_schema(responses={204: None})
     def delete(self, request: Request, node_id: str) -> Response:
         node = _node_or_none(node_id)
         if node is None:
@@ -135,9 +154,11 @@ class NodeDrainApi(APIView):
 
     permission_classes = [IsAdminUser]
 
+    @extend_schema_serializer(component_name="NodeDrainInput")
     class InputSerializer(serializers.Serializer):
         drain = serializers.BooleanField(default=True)
 
+    @extend_schema(request=InputSerializer, responses=NodeOutput)
     def post(self, request: Request, node_id: str) -> Response:
         node = _node_or_none(node_id)
         if node is None:

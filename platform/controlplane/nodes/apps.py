@@ -5,3 +5,6 @@ class NodesConfig(AppConfig):
     name = "controlplane.nodes"
     label = "nodes"
     verbose_name = "Nodes"
+
+    def ready(self) -> None:
+        from controlplane import schema  # noqa: F401 - registers the OpenAPI auth schemes
