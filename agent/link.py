@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
@@ -21,11 +22,26 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from agent import inventory
 from agent.backoff import reconnect_delay
 from agent.credentials import NodeCredential
-from agent.messages import COMMANDS, LINK_PATH, Heartbeat, MessageError, Ping, Pong, parse
+from agent.download import fetch_shard
+from agent.http import ControlPlaneError
+from agent.messages import (
+    COMMANDS,
+    LINK_PATH,
+    FetchShard,
+    Heartbeat,
+    MessageError,
+    Ping,
+    Pong,
+    TaskDone,
+    TaskProgress,
+    parse,
+)
+from inference.sharding import ShardError
 
 log = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
+PROGRESS_EVERY_S = 0.5
 
 
 class LinkRefused(RuntimeError):
@@ -62,7 +78,7 @@ async def run_link(
                 log.info("link to %s is up", credential.server)
                 if on_connect is not None:
                     on_connect()
-                await _serve(ws, state_dir, host, heartbeat_s, stop)
+                await _serve(ws, credential, state_dir, host, heartbeat_s, stop)
         except InvalidStatus as exc:
             if exc.response.status_code in (401, 403):
                 raise LinkRefused("the control plane refused this node's credential") from None
@@ -81,7 +97,19 @@ async def run_link(
             await asyncio.wait_for(stop.wait(), timeout=delay)
 
 
-async def _serve(ws: ClientConnection, state_dir: Path, host: str, heartbeat_s: float, stop: asyncio.Event) -> None:
+async def _serve(
+    ws: ClientConnection,
+    credential: NodeCredential,
+    state_dir: Path,
+    host: str,
+    heartbeat_s: float,
+    stop: asyncio.Event,
+) -> None:
+    running: set[str] = set()  # task ids in progress: a repeated command is not run twice
+
+    async def send(message) -> None:
+        await ws.send(json.dumps(message.to_json()))
+
     async def beat() -> None:
         while True:
             await ws.send(json.dumps(Heartbeat(inventory=inventory.collect(state_dir, host)).to_json()))
@@ -95,7 +123,34 @@ async def _serve(ws: ClientConnection, state_dir: Path, host: str, heartbeat_s: 
                 log.warning("ignored a bad command: %s", exc)
                 continue
             if isinstance(command, Ping):
-                await ws.send(json.dumps(Pong(nonce=command.nonce).to_json()))
+                await send(Pong(nonce=command.nonce))
+            elif isinstance(command, FetchShard) and command.task_id not in running:
+                running.add(command.task_id)
+                background.add(asyncio.create_task(fetch(command)))
+
+    async def fetch(command: FetchShard) -> None:
+        loop = asyncio.get_running_loop()
+        last = 0.0
+
+        def progress(done: int, total: int) -> None:  # runs in the download thread
+            nonlocal last
+            now = time.monotonic()
+            if now - last >= PROGRESS_EVERY_S or done >= total:
+                last = now
+                event = TaskProgress(task_id=command.task_id, done=done, total=total)
+                asyncio.run_coroutine_threadsafe(send(event), loop)
+
+        dest = shard_dir(state_dir, command.model_id, command.role)
+        try:
+            await asyncio.to_thread(fetch_shard, credential, command.model_id, command.role, dest, progress=progress)
+            await send(TaskDone(task_id=command.task_id, ok=True, detail=str(dest)))
+        except (ControlPlaneError, ShardError, OSError, ValueError, KeyError) as exc:
+            log.warning("fetching %s of model %s failed: %s", command.role, command.model_id, exc)
+            await send(TaskDone(task_id=command.task_id, ok=False, detail=str(exc)))
+        finally:
+            running.discard(command.task_id)
+
+    background: set[asyncio.Task] = set()
 
     tasks = [asyncio.create_task(beat()), asyncio.create_task(listen()), asyncio.create_task(stop.wait())]
     try:
@@ -103,5 +158,10 @@ async def _serve(ws: ClientConnection, state_dir: Path, host: str, heartbeat_s: 
         for task in done:
             task.result()  # re-raise ConnectionClosed and friends
     finally:
-        for task in tasks:
+        for task in [*tasks, *background]:
             task.cancel()
+
+
+def shard_dir(state_dir: Path, model_id: int, role: str) -> Path:
+    """Where this box keeps role ``role`` of model ``model_id``."""
+    return state_dir / "shards" / str(model_id) / role

@@ -60,6 +60,28 @@ class Pong(LinkMessage):
     nonce: str
 
 
+@_register
+@dataclass(frozen=True, kw_only=True)
+class TaskProgress(LinkMessage):
+    """How far a command's work has come (e.g. bytes of a shard downloaded)."""
+
+    TYPE = "task_progress"
+    task_id: str
+    done: int
+    total: int
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class TaskDone(LinkMessage):
+    """A command's work ended: ``ok`` or not, with the reason."""
+
+    TYPE = "task_done"
+    task_id: str
+    ok: bool
+    detail: str = ""
+
+
 # --- commands: control plane -> agent ---------------------------------------------------
 
 
@@ -70,8 +92,19 @@ class Ping(LinkMessage):
     nonce: str
 
 
-EVENTS = (Heartbeat, Pong)
-COMMANDS = (Ping,)
+@_register
+@dataclass(frozen=True, kw_only=True)
+class FetchShard(LinkMessage):
+    """Download (or resume) role ``role`` of model ``model_id``; idempotent per ``task_id``."""
+
+    TYPE = "fetch_shard"
+    task_id: str
+    model_id: int
+    role: str
+
+
+EVENTS = (Heartbeat, Pong, TaskProgress, TaskDone)
+COMMANDS = (Ping, FetchShard)
 
 
 def parse(obj: Any, *, allowed: tuple[type[LinkMessage], ...]) -> LinkMessage:

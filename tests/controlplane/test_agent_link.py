@@ -123,40 +123,63 @@ def test_a_real_agent_keeps_its_node_online_and_reconnects(redis_url: str, tmp_p
 
     node, secret = enrolled("real-box")
     port = free_port()
-    env = {
+    env = service_env(connection.settings_dict["NAME"], redis_url)
+    server = start_server(port, env, tmp_path)
+    agent = start_agent(port, node, secret, tmp_path / "state", env, tmp_path)
+    try:
+        wait_for_status(node, NodeStatus.ONLINE, timeout_s=40)
+        server.send_signal(signal.SIGTERM)  # the control plane restarts: the link drops
+        server.wait(timeout=20)
+        wait_for_status(node, NodeStatus.OFFLINE, timeout_s=20)
+        server = start_server(port, env, tmp_path)
+        wait_for_status(node, NodeStatus.ONLINE, timeout_s=60)  # the agent reconnected by itself
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=20) == 0
+        wait_for_status(node, NodeStatus.OFFLINE, timeout_s=20)
+    finally:
+        for proc in (agent, server):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def service_env(database: str, redis_url: str) -> dict:
+    return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "controlplane.config.settings.test",
-        "DATABASE_URL": f"sqlite:///{connection.settings_dict['NAME']}",
+        "DATABASE_URL": f"sqlite:///{database}",
         "REDIS_URL": redis_url,
         "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
     }
 
-    def start_server() -> subprocess.Popen:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "controlplane.config.asgi:application",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-            ],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=open(tmp_path / "server.log", "ab"),
-        )
 
-    state = tmp_path / "state"
-    state.mkdir()
+def start_server(port: int, env: dict, logs: Path) -> subprocess.Popen:
+    """The control plane's ASGI app under a real uvicorn."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "controlplane.config.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=open(logs / "server.log", "ab"),
+    )
+
+
+def start_agent(port: int, node: Node, secret: str, state: Path, env: dict, logs: Path) -> subprocess.Popen:
+    """A real agent process holding ``node``'s credential."""
+    state.mkdir(exist_ok=True)
     credential = {"server": f"http://127.0.0.1:{port}", "node_id": str(node.pk), "node_secret": secret}
-    (state / "node.json").write_text(json.dumps({**credential, "name": "real-box"}))
-    server = start_server()
-    agent = subprocess.Popen(
+    (state / "node.json").write_text(json.dumps({**credential, "name": node.name}))
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -171,22 +194,8 @@ def test_a_real_agent_keeps_its_node_online_and_reconnects(redis_url: str, tmp_p
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "agent.log", "ab"),  # noqa: SIM115
+        stderr=open(logs / "agent.log", "ab"),
     )
-    try:
-        wait_for_status(node, NodeStatus.ONLINE, timeout_s=40)
-        server.send_signal(signal.SIGTERM)  # the control plane restarts: the link drops
-        server.wait(timeout=20)
-        wait_for_status(node, NodeStatus.OFFLINE, timeout_s=20)
-        server = start_server()
-        wait_for_status(node, NodeStatus.ONLINE, timeout_s=60)  # the agent reconnected by itself
-        agent.send_signal(signal.SIGTERM)
-        assert agent.wait(timeout=20) == 0
-        wait_for_status(node, NodeStatus.OFFLINE, timeout_s=20)
-    finally:
-        for proc in (agent, server):
-            if proc.poll() is None:
-                proc.kill()
 
 
 def wait_for_status(node: Node, status: str, *, timeout_s: float) -> None:
@@ -197,3 +206,61 @@ def wait_for_status(node: Node, status: str, *, timeout_s: float) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"node {node.name} is {node.status}, expected {status} within {timeout_s} s")
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_fetch_command_reaches_the_agent_which_downloads_the_shard(
+    redis_url: str, channel_layer_on_test_redis, settings, tmp_path: Path, tiny_model: Path
+) -> None:
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+    from rest_framework.test import APIClient
+
+    from controlplane.artifacts.services import build_model_shards, register_model
+    from controlplane.nodes.models import NodeTask, TaskState
+    from inference.sharding import verify_shard
+
+    settings.VAR_DIR = tmp_path / "var"
+    artifact = build_model_shards(artifact_id=register_model(name="tiny", path=str(tiny_model)).pk, workers=2)
+    node, secret = enrolled("fetcher")
+    port = free_port()
+    env = service_env(connection.settings_dict["NAME"], redis_url)
+    state = tmp_path / "state"
+    server = start_server(port, env, tmp_path)
+    agent = start_agent(port, node, secret, state, env, tmp_path)
+    staff = APIClient()
+    staff.force_authenticate(get_user_model().objects.create_user("admin", is_staff=True))
+    try:
+        wait_for_status(node, NodeStatus.ONLINE, timeout_s=40)
+        sent = staff.post(f"/api/nodes/{node.pk}/fetch", {"model": artifact.pk, "role": "worker-1"}, format="json")
+        assert sent.status_code == 202, sent.content
+        task = NodeTask.objects.get(pk=sent.json()["id"])
+        deadline = time.monotonic() + 60
+        while task.state not in (TaskState.DONE, TaskState.FAILED) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            task.refresh_from_db()
+        assert task.state == TaskState.DONE, task.detail
+        assert task.total > 0 and task.done == task.total
+        verify_shard(Path(task.detail), expect_role="worker", expect_worker=1)
+        assert Path(task.detail).is_relative_to(state)
+        tasks = staff.get(f"/api/nodes/{node.pk}/tasks").json()
+        assert tasks["results"][0]["state"] == "done"
+    finally:
+        for proc in (agent, server):
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.mark.django_db
+def test_fetch_needs_a_connected_agent() -> None:
+    from django.contrib.auth import get_user_model
+    from rest_framework.test import APIClient
+
+    node, _ = enrolled("offline-box")
+    staff = APIClient()
+    staff.force_authenticate(get_user_model().objects.create_user("admin", is_staff=True))
+    refused = staff.post(f"/api/nodes/{node.pk}/fetch", {"model": 1, "role": "main"}, format="json")
+    assert refused.status_code == 409 and "must be connected" in refused.json()["detail"]
+    bad_role = staff.post(f"/api/nodes/{node.pk}/fetch", {"model": 1, "role": "../etc"}, format="json")
+    assert bad_role.status_code == 400

@@ -14,7 +14,7 @@ from controlplane.pagination import paginated
 
 from . import selectors, services
 from .authentication import IsNode, NodeCredentialAuthentication
-from .models import JoinToken, Node
+from .models import JoinToken, Node, NodeTask
 
 
 class NodeOutput(serializers.ModelSerializer):
@@ -176,3 +176,48 @@ def _node_or_none(node_id: str):
 
 def _no_node(node_id: str) -> Response:
     return Response({"detail": f"no node {node_id}"}, status=status.HTTP_404_NOT_FOUND)
+
+
+class TaskOutput(serializers.ModelSerializer):
+    class Meta:
+        model = NodeTask
+        fields = ["id", "kind", "params", "state", "done", "total", "detail", "created_at", "updated_at"]
+
+
+class NodeFetchApi(APIView):
+    """POST /api/nodes/<id>/fetch {model, role}: the node's agent downloads a role shard."""
+
+    permission_classes = [IsAdminUser]
+
+    @extend_schema_serializer(component_name="NodeFetchInput")
+    class InputSerializer(serializers.Serializer):
+        model = serializers.IntegerField(min_value=1)
+        role = serializers.RegexField(r"^(main|shadow|worker-\d{1,4})$")
+
+    @extend_schema(request=InputSerializer, responses={202: TaskOutput})
+    def post(self, request: Request, node_id: str) -> Response:
+        node = _node_or_none(node_id)
+        if node is None:
+            return _no_node(node_id)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            task = services.request_fetch(
+                node=node, model_id=data.validated_data["model"], role=data.validated_data["role"]
+            )
+        except services.NodeError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(TaskOutput(task).data, status=status.HTTP_202_ACCEPTED)
+
+
+class NodeTasksApi(APIView):
+    """GET /api/nodes/<id>/tasks: what the node's agent was asked to do, and how it went."""
+
+    permission_classes = [IsAdminUser]
+
+    @extend_schema(responses=TaskOutput(many=True))
+    def get(self, request: Request, node_id: str) -> Response:
+        node = _node_or_none(node_id)
+        if node is None:
+            return _no_node(node_id)
+        return paginated(request, node.tasks.all(), TaskOutput)

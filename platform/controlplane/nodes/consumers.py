@@ -13,7 +13,7 @@ import logging
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from agent.messages import EVENTS, Heartbeat, MessageError, parse
+from agent.messages import EVENTS, Heartbeat, MessageError, TaskDone, TaskProgress, parse
 
 from . import services
 
@@ -54,6 +54,14 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             return
         if isinstance(event, Heartbeat):
             await database_sync_to_async(services.record_heartbeat)(node_id=self.node_id, inventory=event.inventory)
+        elif isinstance(event, TaskProgress):
+            await database_sync_to_async(services.record_task_progress)(
+                node_id=self.node_id, task_id=event.task_id, done=event.done, total=event.total
+            )
+        elif isinstance(event, TaskDone):
+            await database_sync_to_async(services.record_task_done)(
+                node_id=self.node_id, task_id=event.task_id, ok=event.ok, detail=event.detail
+            )
 
     async def agent_command(self, event: dict) -> None:
         """A command for this node from a service or task: forward it to the agent."""

@@ -66,3 +66,28 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class TaskState(models.TextChoices):
+    SENT = "sent", "sent to the agent"
+    RUNNING = "running", "running"
+    DONE = "done", "done"
+    FAILED = "failed", "failed"
+
+
+class NodeTask(models.Model):
+    """Work the control plane asked a node's agent to do (today: fetch a shard), and how it went."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="tasks")
+    kind = models.CharField(max_length=32)
+    params = models.JSONField(default=dict)
+    state = models.CharField(max_length=16, choices=TaskState.choices, default=TaskState.SENT)
+    done = models.BigIntegerField(default=0)
+    total = models.BigIntegerField(default=0)
+    detail = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]

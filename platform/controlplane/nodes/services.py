@@ -10,7 +10,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
-from .models import JoinToken, Node, NodeStatus
+from .models import JoinToken, Node, NodeStatus, NodeTask, TaskState
 
 MAX_TOKEN_TTL_S = 30 * 24 * 3600
 
@@ -129,6 +129,41 @@ def undrain_node(*, node: Node) -> Node:
 def remove_node(*, node: Node) -> None:
     """Forget the node: its credential stops working at once; the box must enroll again."""
     node.delete()
+
+
+def send_command(*, node_id: str, command: dict) -> None:
+    """Hand a command to the node's agent link (through the channel layer)."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    from .consumers import node_group
+
+    async_to_sync(get_channel_layer().group_send)(node_group(node_id), {"type": "agent.command", "command": command})
+
+
+def request_fetch(*, node: Node, model_id: int, role: str) -> NodeTask:
+    """Ask ``node``'s agent to download a role shard; progress comes back on the link."""
+    from agent.messages import FetchShard
+
+    if node.status != NodeStatus.ONLINE:
+        raise NodeError(f"node {node.name} is {node.status}: its agent must be connected to fetch shards")
+    task = NodeTask.objects.create(node=node, kind="fetch_shard", params={"model_id": model_id, "role": role})
+    command = FetchShard(task_id=str(task.pk), model_id=model_id, role=role).to_json()
+    transaction.on_commit(lambda: send_command(node_id=str(node.pk), command=command))
+    return task
+
+
+def record_task_progress(*, node_id: str, task_id: str, done: int, total: int) -> None:
+    # Only the node's own tasks: a node's credential acts for that node alone.
+    NodeTask.objects.filter(pk=task_id, node_id=node_id).exclude(state__in=[TaskState.DONE, TaskState.FAILED]).update(
+        state=TaskState.RUNNING, done=done, total=total
+    )
+
+
+def record_task_done(*, node_id: str, task_id: str, ok: bool, detail: str) -> None:
+    NodeTask.objects.filter(pk=task_id, node_id=node_id).update(
+        state=TaskState.DONE if ok else TaskState.FAILED, detail=detail
+    )
 
 
 def revoke_join_token(*, token: JoinToken) -> None:
