@@ -10,6 +10,7 @@ from pathlib import Path
 from django.http import StreamingHttpResponse
 from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
+from rest_framework.exceptions import NotFound
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -74,9 +75,7 @@ class ModelDetailApi(APIView):
 
     @extend_schema(responses=ModelOutput)
     def get(self, request: Request, model_id: int) -> Response:
-        artifact = ModelArtifact.objects.filter(pk=model_id).first()
-        if artifact is None:
-            return Response({"detail": f"no model {model_id}"}, status=status.HTTP_404_NOT_FOUND)
+        artifact = _model(model_id)
         return Response(ModelOutput(artifact).data)
 
 
@@ -93,9 +92,7 @@ class ModelShardsApi(APIView):
     def post(self, request: Request, model_id: int) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        artifact = ModelArtifact.objects.filter(pk=model_id).first()
-        if artifact is None:
-            return Response({"detail": f"no model {model_id}"}, status=status.HTTP_404_NOT_FOUND)
+        artifact = _model(model_id)
         try:
             artifact = services.request_shard_build(artifact=artifact, **data.validated_data)
         except services.ModelError as exc:
@@ -143,6 +140,13 @@ class ShardFileApi(APIView):
         if wanted is not None:
             response["Content-Range"] = f"bytes {first}-{last}/{size}"
         return response
+
+
+def _model(model_id: int) -> ModelArtifact:
+    artifact = ModelArtifact.objects.filter(pk=model_id).first()
+    if artifact is None:
+        raise NotFound(f"no model {model_id}")
+    return artifact
 
 
 def _listed_files(role_dir: Path) -> set[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
+from rest_framework.exceptions import NotFound
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -120,9 +121,7 @@ class DeploymentDetailApi(APIView):
 
     @extend_schema(responses=DeploymentOutput)
     def get(self, request: Request, deployment_id: int) -> Response:
-        deployment = Deployment.objects.filter(pk=deployment_id).first()
-        if deployment is None:
-            return Response({"detail": f"no deployment {deployment_id}"}, status=status.HTTP_404_NOT_FOUND)
+        deployment = _deployment(deployment_id)
         return Response(DeploymentOutput(deployment).data)
 
 
@@ -138,9 +137,7 @@ class DeploymentSettingsApi(APIView):
 
     @extend_schema(request=InputSerializer, responses=DeploymentOutput)
     def patch(self, request: Request, deployment_id: int) -> Response:
-        deployment = Deployment.objects.filter(pk=deployment_id).first()
-        if deployment is None:
-            return Response({"detail": f"no deployment {deployment_id}"}, status=status.HTTP_404_NOT_FOUND)
+        deployment = _deployment(deployment_id)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         try:
@@ -155,7 +152,12 @@ class DeploymentStopApi(APIView):
 
     @extend_schema(request=None, responses=DeploymentOutput)
     def post(self, request: Request, deployment_id: int) -> Response:
-        deployment = Deployment.objects.filter(pk=deployment_id).first()
-        if deployment is None:
-            return Response({"detail": f"no deployment {deployment_id}"}, status=status.HTTP_404_NOT_FOUND)
+        deployment = _deployment(deployment_id)
         return Response(DeploymentOutput(services.stop_deployment(deployment=deployment)).data)
+
+
+def _deployment(deployment_id: int) -> Deployment:
+    deployment = Deployment.objects.prefetch_related("members__node").filter(pk=deployment_id).first()
+    if deployment is None:
+        raise NotFound(f"no deployment {deployment_id}")
+    return deployment

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
+from rest_framework.exceptions import NotFound
 from rest_framework.permissions import AllowAny, IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -122,16 +123,12 @@ class NodeDetailApi(APIView):
 
     @extend_schema(responses=NodeOutput)
     def get(self, request: Request, node_id: str) -> Response:
-        node = _node_or_none(node_id)
-        if node is None:
-            return _no_node(node_id)
+        node = _node(node_id)
         return Response(NodeOutput(node).data)
 
     @extend_schema(request=InputSerializer, responses=NodeOutput)
     def patch(self, request: Request, node_id: str) -> Response:
-        node = _node_or_none(node_id)
-        if node is None:
-            return _no_node(node_id)
+        node = _node(node_id)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         try:
@@ -142,9 +139,7 @@ class NodeDetailApi(APIView):
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, node_id: str) -> Response:
-        node = _node_or_none(node_id)
-        if node is None:
-            return _no_node(node_id)
+        node = _node(node_id)
         services.remove_node(node=node)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -160,9 +155,7 @@ class NodeDrainApi(APIView):
 
     @extend_schema(request=InputSerializer, responses=NodeOutput)
     def post(self, request: Request, node_id: str) -> Response:
-        node = _node_or_none(node_id)
-        if node is None:
-            return _no_node(node_id)
+        node = _node(node_id)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         drain = data.validated_data["drain"]
@@ -170,12 +163,11 @@ class NodeDrainApi(APIView):
         return Response(NodeOutput(node).data)
 
 
-def _node_or_none(node_id: str):
-    return selectors.node_list().filter(pk=node_id).first()
-
-
-def _no_node(node_id: str) -> Response:
-    return Response({"detail": f"no node {node_id}"}, status=status.HTTP_404_NOT_FOUND)
+def _node(node_id: str) -> Node:
+    node = selectors.node_list().filter(pk=node_id).first()
+    if node is None:
+        raise NotFound(f"no node {node_id}")
+    return node
 
 
 class TaskOutput(serializers.ModelSerializer):
@@ -196,9 +188,7 @@ class NodeFetchApi(APIView):
 
     @extend_schema(request=InputSerializer, responses={202: TaskOutput})
     def post(self, request: Request, node_id: str) -> Response:
-        node = _node_or_none(node_id)
-        if node is None:
-            return _no_node(node_id)
+        node = _node(node_id)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         try:
@@ -217,7 +207,5 @@ class NodeTasksApi(APIView):
 
     @extend_schema(responses=TaskOutput(many=True))
     def get(self, request: Request, node_id: str) -> Response:
-        node = _node_or_none(node_id)
-        if node is None:
-            return _no_node(node_id)
+        node = _node(node_id)
         return paginated(request, node.tasks.all(), TaskOutput)
