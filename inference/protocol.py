@@ -434,10 +434,5 @@ def _specs(cls: type[Message]) -> tuple[_FieldSpec, ...]:
     return tuple(specs)
 
 
-def with_envelope(msg: Message, *, deployment: str, sender: str, seq: int) -> Message:
-    """``msg`` stamped with a deployment, a sender and a sequence number."""
-    return dataclasses.replace(msg, deployment=deployment, sender=sender, seq=seq)
-
-
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Message)]
-__all__ += ["PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "with_envelope"]
+__all__ += ["PROTOCOL_VERSION", "ProtocolError", "decode", "encode"]

@@ -243,9 +243,9 @@ def test_unsendable_dtype_is_a_protocol_error() -> None:
         encode(msg)
 
 
-def test_with_envelope_stamps_and_keeps_fields() -> None:
+def test_encode_stamps_the_envelope_and_keeps_fields() -> None:
     msg = _make(P.TokenEvent, request_id="r", index=1, token_id=2)
-    stamped = P.with_envelope(msg, deployment="d", sender="main", seq=9)
+    stamped = decode(encode(msg, deployment="d", sender="main", seq=9))
     assert (stamped.deployment, stamped.sender, stamped.seq) == ("d", "main", 9)
     assert (stamped.request_id, stamped.index, stamped.token_id) == ("r", 1, 2)
     assert msg.seq == 0  # the original is untouched

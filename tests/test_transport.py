@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from inference.launcher import free_port
-from inference.protocol import Align, Ping, Pong, TokenEvent, encode, with_envelope
+from inference.protocol import Align, Ping, Pong, TokenEvent, encode
 from inference.transport import Endpoint
 
 DEPLOYMENT = "dep-test"
@@ -43,7 +43,7 @@ def raw_dealer() -> Iterator[zmq.Socket]:
 
 
 def _stamped(msg, *, deployment: str = DEPLOYMENT, sender: str = "raw", seq: int) -> list:
-    return encode(with_envelope(msg, deployment=deployment, sender=sender, seq=seq))
+    return encode(msg, deployment=deployment, sender=sender, seq=seq)
 
 
 def _roundtrip_works(server: Endpoint, client: Endpoint) -> None:

@@ -164,11 +164,3 @@ def record_task_done(*, node_id: str, task_id: str, ok: bool, detail: str) -> No
     NodeTask.objects.filter(pk=task_id, node_id=node_id).update(
         state=TaskState.DONE if ok else TaskState.FAILED, detail=detail
     )
-
-
-def revoke_join_token(*, token: JoinToken) -> None:
-    token.revoked = True
-    token.save(update_fields=["revoked"])
-
-
-__all__ = ["EnrollmentError", "NodeStatus", "authenticate_node", "create_join_token", "enroll_node"]
