@@ -1,4 +1,4 @@
-"""What this box offers: CPU, RAM, disk, GPUs and the address peers should use."""
+"""What this box offers: CPU, RAM, disk, GPUs, the address peers should use and ports free on it."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ import os
 import shutil
 import socket
 from pathlib import Path
+
+from inference.launcher import free_port
+
+FREE_PORTS = 4  # offered per heartbeat; the control plane picks a role's inbox port among them
 
 
 def gpus() -> list[dict]:
@@ -52,4 +56,5 @@ def collect(state_dir: Path, server_host: str) -> dict:
         "disk_free_bytes": disk.free,
         "gpus": gpus(),
         "address": peer_address(server_host),
+        "free_ports": sorted({free_port() for _ in range(FREE_PORTS)}),
     }

@@ -3,6 +3,8 @@
 Connects with the node credential, sends a heartbeat at once and then every few seconds,
 answers commands, and reconnects with backoff whenever the link drops (a control-plane
 restart, a network blip). A refused credential is final: the agent stops with the reason.
+The runtime role (``agent.runtime.RoleRunner``) lives across reconnections; what it sends
+while the link is down is dropped, and the next heartbeat carries its state again.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -27,15 +30,22 @@ from agent.http import ControlPlaneError
 from agent.messages import (
     COMMANDS,
     LINK_PATH,
+    ApplyAlignment,
+    CancelGeneration,
     FetchShard,
+    Generate,
     Heartbeat,
+    LinkMessage,
     MessageError,
     Ping,
     Pong,
+    StartRole,
+    StopRole,
     TaskDone,
     TaskProgress,
     parse,
 )
+from agent.runtime import RoleRunner, shard_dir
 from inference.sharding import ShardError
 
 log = logging.getLogger(__name__)
@@ -63,8 +73,52 @@ async def run_link(
     on_connect: Callable[[], None] | None = None,
 ) -> None:
     """Keep the link up until ``stop`` is set; raises LinkRefused if the credential is refused."""
-    stop = stop or asyncio.Event()
-    host = urlparse(credential.server).hostname or "127.0.0.1"
+    uplink = Uplink()
+    link = Link(
+        credential=credential,
+        state_dir=state_dir,
+        host=urlparse(credential.server).hostname or "127.0.0.1",
+        heartbeat_s=heartbeat_s,
+        stop=stop or asyncio.Event(),
+        uplink=uplink,
+        runner=RoleRunner(credential, state_dir, uplink.send),
+    )
+    try:
+        await _keep_up(link, on_connect)
+    finally:
+        await link.runner.close()
+
+
+class Uplink:
+    """Sends events on whichever websocket is up now; drops them while none is."""
+
+    def __init__(self) -> None:
+        self.ws: ClientConnection | None = None
+
+    async def send(self, message: LinkMessage) -> None:
+        ws = self.ws
+        if ws is None:
+            log.debug("link down: dropped %s", message.TYPE)
+            return
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(json.dumps(message.to_json()))
+
+
+@dataclass
+class Link:
+    """What the link needs across reconnections."""
+
+    credential: NodeCredential
+    state_dir: Path
+    host: str  # the control plane's host: the inventory reports the local address that routes to it
+    heartbeat_s: float
+    stop: asyncio.Event
+    uplink: Uplink
+    runner: RoleRunner
+
+
+async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
+    credential, stop = link.credential, link.stop
     attempt = 0
     while not stop.is_set():
         try:
@@ -78,7 +132,11 @@ async def run_link(
                 log.info("link to %s is up", credential.server)
                 if on_connect is not None:
                     on_connect()
-                await _serve(ws, credential, state_dir, host, heartbeat_s, stop)
+                link.uplink.ws = ws
+                try:
+                    await _serve(ws, link)
+                finally:
+                    link.uplink.ws = None
         except InvalidStatus as exc:
             if exc.response.status_code in (401, 403):
                 raise LinkRefused("the control plane refused this node's credential") from None
@@ -97,23 +155,14 @@ async def run_link(
             await asyncio.wait_for(stop.wait(), timeout=delay)
 
 
-async def _serve(
-    ws: ClientConnection,
-    credential: NodeCredential,
-    state_dir: Path,
-    host: str,
-    heartbeat_s: float,
-    stop: asyncio.Event,
-) -> None:
+async def _serve(ws: ClientConnection, link: Link) -> None:
     running: set[str] = set()  # task ids in progress: a repeated command is not run twice
-
-    async def send(message) -> None:
-        await ws.send(json.dumps(message.to_json()))
+    runner, send = link.runner, link.uplink.send
 
     async def beat() -> None:
         while True:
-            await ws.send(json.dumps(Heartbeat(inventory=inventory.collect(state_dir, host)).to_json()))
-            await asyncio.sleep(heartbeat_s)
+            await send(Heartbeat(inventory=inventory.collect(link.state_dir, link.host), runtime=runner.snapshot()))
+            await asyncio.sleep(link.heartbeat_s)
 
     async def listen() -> None:
         async for raw in ws:
@@ -126,7 +175,22 @@ async def _serve(
                 await send(Pong(nonce=command.nonce))
             elif isinstance(command, FetchShard) and command.task_id not in running:
                 running.add(command.task_id)
-                background.add(asyncio.create_task(fetch(command)))
+                spawn(fetch(command))
+            elif isinstance(command, StartRole):
+                await runner.start(command)
+            elif isinstance(command, StopRole):
+                await runner.stop(command.deployment)
+            elif isinstance(command, ApplyAlignment):
+                spawn(runner.apply_alignment(command))
+            elif isinstance(command, Generate):
+                spawn(runner.generate(command))
+            elif isinstance(command, CancelGeneration):
+                spawn(runner.cancel(command))
+
+    def spawn(coro) -> None:
+        task = asyncio.create_task(coro)
+        background.add(task)
+        task.add_done_callback(background.discard)
 
     async def fetch(command: FetchShard) -> None:
         loop = asyncio.get_running_loop()
@@ -140,9 +204,11 @@ async def _serve(
                 event = TaskProgress(task_id=command.task_id, done=done, total=total)
                 asyncio.run_coroutine_threadsafe(send(event), loop)
 
-        dest = shard_dir(state_dir, command.model_id, command.role)
+        dest = shard_dir(link.state_dir, command.model_id, command.role)
         try:
-            await asyncio.to_thread(fetch_shard, credential, command.model_id, command.role, dest, progress=progress)
+            await asyncio.to_thread(
+                fetch_shard, link.credential, command.model_id, command.role, dest, progress=progress
+            )
             await send(TaskDone(task_id=command.task_id, ok=True, detail=str(dest)))
         except (ControlPlaneError, ShardError, OSError, ValueError, KeyError) as exc:
             log.warning("fetching %s of model %s failed: %s", command.role, command.model_id, exc)
@@ -152,7 +218,7 @@ async def _serve(
 
     background: set[asyncio.Task] = set()
 
-    tasks = [asyncio.create_task(beat()), asyncio.create_task(listen()), asyncio.create_task(stop.wait())]
+    tasks = [asyncio.create_task(beat()), asyncio.create_task(listen()), asyncio.create_task(link.stop.wait())]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -160,8 +226,3 @@ async def _serve(
     finally:
         for task in [*tasks, *background]:
             task.cancel()
-
-
-def shard_dir(state_dir: Path, model_id: int, role: str) -> Path:
-    """Where this box keeps role ``role`` of model ``model_id``."""
-    return state_dir / "shards" / str(model_id) / role

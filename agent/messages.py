@@ -82,6 +82,49 @@ class TaskDone(LinkMessage):
     detail: str = ""
 
 
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RoleState(LinkMessage):
+    """The runtime role this box runs changed state (also sent in every heartbeat).
+
+    ``state`` is one of ``ROLE_STATES``; ``detail`` says why for ``failed``, and what is
+    being waited for otherwise.
+    """
+
+    TYPE = "role_state"
+    deployment: str
+    role: str
+    state: str
+    detail: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class GenerationToken(LinkMessage):
+    TYPE = "generation_token"
+    request_id: str
+    index: int
+    token_id: int
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class GenerationDone(LinkMessage):
+    TYPE = "generation_done"
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: dict
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class GenerationFailed(LinkMessage):
+    TYPE = "generation_failed"
+    request_id: str
+    error: str
+
+
 # --- commands: control plane -> agent ---------------------------------------------------
 
 
@@ -103,8 +146,71 @@ class FetchShard(LinkMessage):
     role: str
 
 
-EVENTS = (Heartbeat, Pong, TaskProgress, TaskDone)
-COMMANDS = (Ping, FetchShard)
+@_register
+@dataclass(frozen=True, kw_only=True)
+class StartRole(LinkMessage):
+    """Fetch shard ``shard`` of model ``model_id`` (progress under ``task_id``), then run the role.
+
+    ``spec`` is the role's ``inference.spec.RoleSpec`` as JSON, without ``shard_dir``: the
+    agent fills in where it keeps the shard. Idempotent: a box already running (or starting)
+    this role of this deployment ignores the repeat.
+    """
+
+    TYPE = "start_role"
+    task_id: str
+    deployment: str
+    model_id: int
+    shard: str
+    spec: dict
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class StopRole(LinkMessage):
+    """Stop the role of ``deployment`` if this box runs it; idempotent."""
+
+    TYPE = "stop_role"
+    deployment: str
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class ApplyAlignment(LinkMessage):
+    """New alignment periods for the running main of ``deployment``: no restart."""
+
+    TYPE = "apply_alignment"
+    deployment: str
+    token_period: int
+    kv_period: int
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class Generate(LinkMessage):
+    """Run a generation on this box's main role; tokens come back as GenerationToken events."""
+
+    TYPE = "generate"
+    request_id: str
+    deployment: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class CancelGeneration(LinkMessage):
+    TYPE = "cancel_generation"
+    request_id: str
+
+
+ROLE_STATES = ("fetching", "starting", "ready", "failed", "stopped")
+GENERATION_EVENTS = (GenerationToken, GenerationDone, GenerationFailed)
+EVENTS = (Heartbeat, Pong, TaskProgress, TaskDone, RoleState, *GENERATION_EVENTS)
+COMMANDS = (Ping, FetchShard, StartRole, StopRole, ApplyAlignment, Generate, CancelGeneration)
 
 
 def parse(obj: Any, *, allowed: tuple[type[LinkMessage], ...]) -> LinkMessage:

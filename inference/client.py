@@ -137,5 +137,6 @@ class RuntimeClient:
         """Ask main to stop, and with it every role it is linked to."""
         self.endpoint.send("main", Shutdown())
 
-    def close(self) -> None:
-        self.endpoint.close()
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the link; ``linger_ms`` gives messages still queued (a cancel) time to leave."""
+        self.endpoint.close(linger_ms)

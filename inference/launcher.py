@@ -77,7 +77,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Children get SIGTERM if the launcher dies, so no role outlives its cluster."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -160,7 +160,7 @@ class LocalCluster:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         log_file.close()
 

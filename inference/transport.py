@@ -87,9 +87,10 @@ class Endpoint:
             if time.monotonic() >= deadline:
                 return None
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket; ``linger_ms`` lets queued messages out first (0 drops them)."""
         for sock in [*self._links.values(), *([self.inbox] if self.inbox is not None else [])]:
-            sock.close(0)
+            sock.close(linger_ms)
         self._links.clear()
 
     def _read(self, sock: zmq.Socket) -> Received | None:

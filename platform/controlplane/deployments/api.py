@@ -15,7 +15,7 @@ from controlplane.names import name_field
 from controlplane.pagination import paginated
 from inference.constants import SHADOW_DTYPES
 
-from . import services
+from . import generation, lifecycle, services
 from .models import Deployment, DeploymentNode
 from .roles import RoleMap
 
@@ -26,7 +26,7 @@ class MemberOutput(serializers.ModelSerializer):
 
     class Meta:
         model = DeploymentNode
-        fields = ["node", "node_name", "node_status", "role", "worker_index"]
+        fields = ["node", "node_name", "node_status", "role", "worker_index", "port", "state", "detail"]
 
 
 class DeploymentOutput(serializers.ModelSerializer):
@@ -147,13 +147,69 @@ class DeploymentSettingsApi(APIView):
         return Response(DeploymentOutput(deployment).data)
 
 
+class DeploymentStartApi(APIView):
+    """POST /api/deployments/<id>/start: deploy (or redeploy) it; progress shows in its members."""
+
+    permission_classes = [IsAdminUser]
+
+    @extend_schema(request=None, responses={202: DeploymentOutput})
+    def post(self, request: Request, deployment_id: int) -> Response:
+        deployment = _deployment(deployment_id)
+        try:
+            lifecycle.start_deployment(deployment=deployment)
+        except services.DeploymentError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(DeploymentOutput(_deployment(deployment_id)).data, status=status.HTTP_202_ACCEPTED)
+
+
 class DeploymentStopApi(APIView):
+    """POST /api/deployments/<id>/stop: stop every role; its nodes are free again."""
+
     permission_classes = [IsAdminUser]
 
     @extend_schema(request=None, responses=DeploymentOutput)
     def post(self, request: Request, deployment_id: int) -> Response:
-        deployment = _deployment(deployment_id)
-        return Response(DeploymentOutput(services.stop_deployment(deployment=deployment)).data)
+        lifecycle.stop_deployment(deployment=_deployment(deployment_id))
+        return Response(DeploymentOutput(_deployment(deployment_id)).data)
+
+
+class DeploymentGenerateApi(APIView):
+    """POST /api/deployments/<id>/generate: token ids in, token ids and metrics out (an operator's check).
+
+    Greedy unless ``do_sample``. Chat, jobs and the OpenAI-compatible API build on the
+    same service with text in and out.
+    """
+
+    permission_classes = [IsAdminUser]
+
+    @extend_schema_serializer(component_name="DeploymentGenerateInput")
+    class InputSerializer(serializers.Serializer):
+        prompt_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), min_length=1, max_length=8192)
+        max_new_tokens = serializers.IntegerField(min_value=1, max_value=4096, default=16)
+        do_sample = serializers.BooleanField(default=False)
+        temperature = serializers.FloatField(min_value=0.0, max_value=10.0, default=1.0)
+        top_p = serializers.FloatField(min_value=0.0, max_value=1.0, default=1.0)
+        seed = serializers.IntegerField(required=False, allow_null=True, default=None)
+
+    @extend_schema_serializer(component_name="DeploymentGenerateOutput")
+    class OutputSerializer(serializers.Serializer):
+        request_id = serializers.CharField()
+        token_ids = serializers.ListField(child=serializers.IntegerField())
+        finish_reason = serializers.CharField()
+        metrics = serializers.DictField()
+
+    @extend_schema(request=InputSerializer, responses=OutputSerializer)
+    def post(self, request: Request, deployment_id: int) -> Response:
+        _deployment(deployment_id)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            done = generation.generate(deployment_id, generation.GenerationRequest(**data.validated_data))
+        except generation.ClusterUnavailable as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        except generation.ClusterGenerationError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_502_BAD_GATEWAY)
+        return Response(self.OutputSerializer(done).data)
 
 
 def _deployment(deployment_id: int) -> Deployment:

@@ -5,3 +5,17 @@ class DeploymentsConfig(AppConfig):
     name = "controlplane.deployments"
     label = "deployments"
     verbose_name = "Deployments"
+
+    def ready(self) -> None:
+        from controlplane.nodes import signals
+
+        from . import lifecycle
+
+        def on_runtime(sender, *, node_id: str, report: dict, **kwargs) -> None:
+            lifecycle.reconcile(node_id=node_id, report=report)
+
+        def on_offline(sender, *, node_ids: list[str], **kwargs) -> None:
+            lifecycle.nodes_went_offline(node_ids=node_ids)
+
+        signals.runtime_reported.connect(on_runtime, weak=False, dispatch_uid="deployments.reconcile")
+        signals.nodes_went_offline.connect(on_offline, weak=False, dispatch_uid="deployments.offline")

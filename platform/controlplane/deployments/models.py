@@ -20,6 +20,19 @@ class DeploymentStatus(models.TextChoices):
 
 
 ACTIVE = (DeploymentStatus.DRAFT, DeploymentStatus.DEPLOYING, DeploymentStatus.READY, DeploymentStatus.DEGRADED)
+RUNNING = (DeploymentStatus.DEPLOYING, DeploymentStatus.READY, DeploymentStatus.DEGRADED)
+
+
+class MemberState(models.TextChoices):
+    """How one node's role is doing, as its agent reports it (``agent.messages.ROLE_STATES``)."""
+
+    PENDING = "pending", "pending"
+    FETCHING = "fetching", "fetching its shard"
+    STARTING = "starting", "starting"
+    READY = "ready", "ready"
+    FAILED = "failed", "failed"
+    STOPPED = "stopped", "stopped"
+    OFFLINE = "offline", "node offline"
 
 
 class Role(models.TextChoices):
@@ -36,6 +49,7 @@ class Deployment(models.Model):
     shadow_dtype = models.CharField(max_length=8, choices=[(d, d) for d in SHADOW_DTYPES], default="fp32")
     token_period = models.PositiveIntegerField(default=1, help_text="align the shadow's token every N steps (0 never)")
     kv_period = models.PositiveIntegerField(default=1, help_text="align the shadow's KV cache every N steps (0 never)")
+    epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -46,13 +60,31 @@ class Deployment(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def runtime_key(self) -> str:
+        """The name its runtime processes know it by; new on every start, so stale roles never mix in."""
+        return f"dep{self.pk}-{self.epoch}"
+
 
 class DeploymentNode(models.Model):
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="members")
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="memberships")
     role = models.CharField(max_length=8, choices=Role.choices)
     worker_index = models.PositiveIntegerField(null=True, blank=True)
+    port = models.PositiveIntegerField(null=True, blank=True, help_text="the role's inbox port on the node")
+    state = models.CharField(max_length=16, choices=MemberState.choices, default=MemberState.PENDING)
+    detail = models.TextField(blank=True)
+    start_sent_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["role", "worker_index"]
         constraints = [models.UniqueConstraint(fields=["deployment", "node"], name="one_role_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.role_name} of {self.deployment_id} on {self.node_id}"
+
+    @property
+    def role_name(self) -> str:
+        """main, shadow or worker-N: also the name of the role's shard."""
+        return f"worker-{self.worker_index}" if self.role == Role.WORKER else self.role

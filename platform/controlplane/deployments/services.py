@@ -1,4 +1,7 @@
-"""Writes of the deployments app: create a deployment with its role map, change its settings, stop it."""
+"""Writes of the deployments app: create a deployment with its role map, change its settings.
+
+Starting, stopping and following a running deployment live in ``lifecycle``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node, NodeStatus
 from inference.schedule import validate_periods
 
-from .models import ACTIVE, Deployment, DeploymentNode, DeploymentStatus, Role
+from .models import ACTIVE, Deployment, DeploymentNode, Role
 from .roles import RoleError, RoleMap, check_roles, suggest_roles
 
 
@@ -80,16 +83,12 @@ def change_alignment(*, deployment: Deployment, token_period: int, kv_period: in
         raise DeploymentError(str(exc)) from None
     if deployment.status not in ACTIVE:
         raise DeploymentError(f"deployment {deployment.name} is {deployment.status}; start it again to change it")
-    deployment.token_period, deployment.kv_period = token_period, kv_period
-    deployment.save(update_fields=["token_period", "kv_period", "updated_at"])
-    return deployment
+    from .lifecycle import send_alignment
 
-
-def stop_deployment(*, deployment: Deployment) -> Deployment:
-    """Stopped: its nodes are free for another deployment."""
-    deployment.status = DeploymentStatus.STOPPED
-    deployment.status_reason = "stopped by an administrator"
-    deployment.save(update_fields=["status", "status_reason", "updated_at"])
+    with transaction.atomic():
+        deployment.token_period, deployment.kv_period = token_period, kv_period
+        deployment.save(update_fields=["token_period", "kv_period", "updated_at"])
+        send_alignment(deployment=deployment)  # a running main takes it at its next step
     return deployment
 
 
@@ -108,10 +107,14 @@ def _check_nodes(nodes: list[Node], node_ids: list[str]) -> None:
     draining = [n.name for n in nodes if n.status == NodeStatus.DRAINING]
     if draining:
         raise DeploymentError(f"draining nodes cannot join a deployment: {', '.join(draining)}")
-    busy = (
-        DeploymentNode.objects.filter(node__in=nodes, deployment__status__in=ACTIVE)
-        .select_related("node", "deployment")
-        .first()
-    )
+    check_nodes_free(nodes)
+
+
+def check_nodes_free(nodes: list[Node], *, exclude: Deployment | None = None) -> None:
+    """Refuse nodes that already serve another active deployment: one deployment per node."""
+    others = DeploymentNode.objects.filter(node__in=nodes, deployment__status__in=ACTIVE)
+    if exclude is not None:
+        others = others.exclude(deployment=exclude)
+    busy = others.select_related("node", "deployment").first()
     if busy is not None:
         raise DeploymentError(f"node {busy.node.name} is already in active deployment {busy.deployment.name}")

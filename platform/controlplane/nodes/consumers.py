@@ -4,6 +4,10 @@ The agent opens it with its node credential in the ``Authorization`` header; any
 else is refused before the socket is accepted. Events are validated with
 ``agent.messages`` and each calls one service; commands for a node reach its socket
 through the channel-layer group ``node.<id>`` (a ``{"type": "agent.command", ...}`` event).
+
+Generation events are relayed to the group ``generation.<request_id>``, where the caller
+of the generation service listens — and only for requests that went down this very socket,
+so a node cannot speak for a generation it was not given.
 """
 
 from __future__ import annotations
@@ -13,7 +17,18 @@ import logging
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from agent.messages import EVENTS, Heartbeat, MessageError, TaskDone, TaskProgress, parse
+from agent.messages import (
+    EVENTS,
+    GENERATION_EVENTS,
+    Generate,
+    GenerationToken,
+    Heartbeat,
+    MessageError,
+    RoleState,
+    TaskDone,
+    TaskProgress,
+    parse,
+)
 
 from . import services
 
@@ -26,8 +41,16 @@ def node_group(node_id: str) -> str:
     return f"node.{node_id}"
 
 
+def generation_group(request_id: str) -> str:
+    return f"generation.{request_id}"
+
+
 class AgentConsumer(AsyncJsonWebsocketConsumer):
     node_id: str | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.generations: set[str] = set()  # request ids sent down this socket, not yet finished
 
     async def connect(self) -> None:
         node = await database_sync_to_async(self._authenticate)()
@@ -52,8 +75,14 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             log.warning("node %s sent a bad message: %s", self.node_id, exc)
             await self.send_json({"type": "error", "detail": str(exc)})
             return
-        if isinstance(event, Heartbeat):
-            await database_sync_to_async(services.record_heartbeat)(node_id=self.node_id, inventory=event.inventory)
+        if isinstance(event, GENERATION_EVENTS):
+            await self._relay_generation(event)
+        elif isinstance(event, Heartbeat):
+            await database_sync_to_async(services.record_heartbeat)(
+                node_id=self.node_id, inventory=event.inventory, runtime=event.runtime
+            )
+        elif isinstance(event, RoleState):
+            await database_sync_to_async(services.record_runtime)(node_id=self.node_id, report=event.to_json())
         elif isinstance(event, TaskProgress):
             await database_sync_to_async(services.record_task_progress)(
                 node_id=self.node_id, task_id=event.task_id, done=event.done, total=event.total
@@ -65,7 +94,20 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
 
     async def agent_command(self, event: dict) -> None:
         """A command for this node from a service or task: forward it to the agent."""
-        await self.send_json(event["command"])
+        command = event["command"]
+        if command.get("type") == Generate.TYPE:
+            self.generations.add(command["request_id"])
+        await self.send_json(command)
+
+    async def _relay_generation(self, event) -> None:
+        if event.request_id not in self.generations:
+            log.warning("node %s sent an event for a generation it was not given", self.node_id)
+            return
+        if not isinstance(event, GenerationToken):
+            self.generations.discard(event.request_id)
+        await self.channel_layer.group_send(
+            generation_group(event.request_id), {"type": "generation.event", "event": event.to_json()}
+        )
 
     def _authenticate(self):
         headers = dict(self.scope.get("headers", []))

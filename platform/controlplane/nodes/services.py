@@ -9,6 +9,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from . import signals
 from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
 from .models import JoinToken, Node, NodeStatus, NodeTask, TaskState
 
@@ -75,8 +76,8 @@ def touch_node(*, node: Node) -> None:
     node.save(update_fields=["last_seen"])
 
 
-def record_heartbeat(*, node_id: str, inventory: dict) -> None:
-    """An agent is alive: note when, what the box offers, and bring the node online."""
+def record_heartbeat(*, node_id: str, inventory: dict, runtime: dict | None = None) -> None:
+    """An agent is alive: note when, what the box offers, bring the node online, pass on its runtime."""
     address = inventory.get("address", "")
     updates = {"last_seen": timezone.now(), "inventory": inventory}
     if isinstance(address, str) and address:
@@ -84,19 +85,29 @@ def record_heartbeat(*, node_id: str, inventory: dict) -> None:
     Node.objects.filter(pk=node_id).update(**updates)
     # A draining node stays draining; any other comes (back) online.
     Node.objects.filter(pk=node_id).exclude(status=NodeStatus.DRAINING).update(status=NodeStatus.ONLINE)
+    if runtime is not None:
+        record_runtime(node_id=node_id, report=runtime)
 
 
 def mark_offline(*, node_id: str) -> None:
     Node.objects.filter(pk=node_id).exclude(status=NodeStatus.DRAINING).update(status=NodeStatus.OFFLINE)
+    signals.nodes_went_offline.send(sender=Node, node_ids=[str(node_id)])
+
+
+def record_runtime(*, node_id: str, report: dict) -> None:
+    """What the node's runtime role is doing; the deployments app acts on it."""
+    signals.runtime_reported.send(sender=Node, node_id=str(node_id), report=report)
 
 
 def expire_silent_nodes(*, timeout_s: float) -> list[str]:
     """Turn offline every online node not heard from for ``timeout_s``; returns their names."""
     cutoff = timezone.now() - timedelta(seconds=timeout_s)
     silent = Node.objects.filter(status=NodeStatus.ONLINE, last_seen__lt=cutoff)
-    names = list(silent.values_list("name", flat=True))
-    silent.update(status=NodeStatus.OFFLINE)
-    return names
+    found = list(silent.values_list("pk", "name"))
+    Node.objects.filter(pk__in=[pk for pk, _ in found]).update(status=NodeStatus.OFFLINE)
+    if found:
+        signals.nodes_went_offline.send(sender=Node, node_ids=[str(pk) for pk, _ in found])
+    return [name for _, name in found]
 
 
 class NodeError(ValueError):

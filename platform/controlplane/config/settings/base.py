@@ -41,6 +41,7 @@ INSTALLED_APPS = [
     "controlplane.nodes",
     "controlplane.artifacts",
     "controlplane.deployments",
+    "controlplane.ops",
 ]
 
 MIDDLEWARE = [
@@ -77,6 +78,17 @@ DATABASES = {
         os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}"), conn_max_age=60
     )
 }
+# SQLite serves several processes here (ASGI server, Celery, ``manage.py``): write-ahead
+# logging lets readers and a writer overlap, and transactions that take the write lock at
+# their start wait their turn instead of failing with "database is locked" mid-way.
+SQLITE_OPTIONS = {
+    "timeout": 30,
+    "transaction_mode": "IMMEDIATE",
+    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"]["OPTIONS"] = {**SQLITE_OPTIONS, **DATABASES["default"].get("OPTIONS", {})}
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -121,7 +133,10 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True  # results live in the database, not in Redis
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
-CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+# Room for a whole answer's tokens in a channel whose reader is briefly busy (the default is 100).
+CHANNEL_LAYERS = {
+    "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000}}
+}
 
 NODE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("ODMOE_NODE_HEARTBEAT_TIMEOUT_S", "15"))
 CELERY_BEAT_SCHEDULE = {
@@ -129,4 +144,14 @@ CELERY_BEAT_SCHEDULE = {
         "task": "controlplane.nodes.tasks.expire_silent_nodes_task",
         "schedule": max(1.0, NODE_HEARTBEAT_TIMEOUT_S / 3),
     }
+}
+
+# Everything to stderr, where a process supervisor (systemd, ``manage.py up``) keeps it.
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["stderr"], "level": os.environ.get("ODMOE_LOG_LEVEL", "INFO")},
+    "loggers": {"django.request": {"handlers": ["stderr"], "level": "WARNING", "propagate": False}},
 }

@@ -7,7 +7,7 @@ the tests sees what the tests write. ``DATABASE_URL`` overrides it (e.g. Postgre
 import os
 
 from .base import *  # noqa: F403
-from .base import VAR_DIR
+from .base import SQLITE_OPTIONS, VAR_DIR
 
 if "DATABASE_URL" not in os.environ:
     (VAR_DIR / "test").mkdir(parents=True, exist_ok=True)
@@ -17,7 +17,7 @@ if "DATABASE_URL" not in os.environ:
             "NAME": str(VAR_DIR / "test" / "unused.sqlite3"),
             # One file per test run, so that two runs on one machine never share it.
             "TEST": {"NAME": str(VAR_DIR / "test" / f"db-{os.getpid()}.sqlite3")},
-            "OPTIONS": {"timeout": 20},
+            "OPTIONS": SQLITE_OPTIONS,
         }
     }
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

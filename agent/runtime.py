@@ -1,0 +1,313 @@
+"""The runtime role this box runs for a deployment: fetch its shard, start it, watch it, stop it.
+
+``RoleRunner`` holds at most one role process (``python -m inference serve-role``). It
+outlives the websocket: a link that drops and comes back finds the role still running and
+reports it in the next heartbeat. Every change of state is sent up as a ``RoleState``
+event; a role whose shard fails verification is never started, and a role that exits on
+its own is reported ``failed`` with the tail of its log.
+
+On the box that runs main, the runner also carries the control plane's generations to main
+(``RuntimeClient``), one at a time in arrival order, and applies new alignment periods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from agent.credentials import NodeCredential
+from agent.download import fetch_shard
+from agent.http import ControlPlaneError
+from agent.messages import (
+    ApplyAlignment,
+    CancelGeneration,
+    Generate,
+    GenerationDone,
+    GenerationFailed,
+    GenerationToken,
+    LinkMessage,
+    RoleState,
+    StartRole,
+    TaskDone,
+    TaskProgress,
+)
+from inference.client import GenerationFailed as RuntimeGenerationFailed
+from inference.client import RuntimeClient
+from inference.launcher import die_with_parent
+from inference.protocol import GenerateDone
+from inference.sharding import ShardError
+from inference.spec import SpecError, load_spec
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[LinkMessage], Awaitable[None]]
+WATCH_EVERY_S = 0.5
+STOP_GRACE_S = 5.0
+LOG_TAIL_LINES = 12
+HANDOVER_MS = 2000  # how long a one-message client may take to hand its message to main
+
+
+def shard_dir(state_dir: Path, model_id: int, shard: str) -> Path:
+    """Where this box keeps shard ``shard`` (main, shadow, worker-N) of model ``model_id``."""
+    return state_dir / "shards" / str(model_id) / shard
+
+
+class RoleRunner:
+    def __init__(self, credential: NodeCredential, state_dir: Path, send: Send) -> None:
+        self.credential = credential
+        self.state_dir = state_dir
+        self.send = send  # to the control plane; drops messages while the link is down
+        self.state: RoleState | None = None
+        self.command: StartRole | None = None
+        self.process: asyncio.subprocess.Process | None = None
+        self._work: asyncio.Task | None = None
+        self._generation_lock = asyncio.Lock()
+        self._cancelled: set[str] = set()
+        self._running_generations: set[str] = set()
+
+    # --- what the heartbeat reports ------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        return self.state.to_json() if self.state is not None else {}
+
+    async def _set(self, state: str, detail: str = "") -> None:
+        assert self.command is not None
+        role = self.command.spec.get("role", "?")
+        self.state = RoleState(deployment=self.command.deployment, role=str(role), state=state, detail=detail)
+        log.info("role %s of %s: %s %s", role, self.command.deployment, state, detail)
+        await self.send(self.state)
+
+    # --- start and stop ------------------------------------------------------------------------
+
+    async def start(self, command: StartRole) -> None:
+        """Fetch the shard and start the role; a repeat of the current command is ignored."""
+        if (
+            self.command is not None
+            and self.command.deployment == command.deployment
+            and self.state is not None
+            and self.state.state in ("fetching", "starting", "ready")
+        ):
+            return
+        await self.stop()
+        self.command = command
+        self._work = asyncio.create_task(self._run(command))
+
+    async def stop(self, deployment: str | None = None) -> None:
+        """Stop the role (only if it belongs to ``deployment``, when given)."""
+        if self.command is None or (deployment is not None and self.command.deployment != deployment):
+            return
+        if self._work is not None:
+            self._work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._work
+            self._work = None
+        await self._terminate()
+        await self._set("stopped")
+
+    async def close(self) -> None:
+        """The agent is stopping: so does its role (and the role process with it)."""
+        if self._work is not None:
+            self._work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._work
+        await self._terminate()
+
+    async def _terminate(self) -> None:
+        proc, self.process = self.process, None
+        if proc is None or proc.returncode is not None:
+            return
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=STOP_GRACE_S)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+    async def _run(self, command: StartRole) -> None:
+        try:
+            dest = await self._fetch(command)
+            if dest is None:
+                return
+            spec_path = self._run_dir(command) / f"{command.shard}.spec.json"
+            spec_path.write_text(json.dumps({**command.spec, "shard_dir": str(dest)}, indent=2))
+            try:
+                load_spec(spec_path)  # the runtime checks it again; a bad spec is reported here, clearly
+            except SpecError as exc:
+                await self._set("failed", f"bad role spec: {exc}")
+                return
+            await self._set("starting", "waiting for the role to answer")
+            await self._spawn(command, spec_path)
+            await self._watch(command)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must show up as a failed role, not a silent agent
+            log.exception("role of %s failed", command.deployment)
+            await self._set("failed", f"agent error: {exc}")
+
+    async def _fetch(self, command: StartRole) -> Path | None:
+        await self._set("fetching", f"shard {command.shard}")
+        loop = asyncio.get_running_loop()
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:  # runs in the download thread
+            now = loop.time()
+            if now - last[0] >= 0.5 or done >= total:
+                last[0] = now
+                event = TaskProgress(task_id=command.task_id, done=done, total=total)
+                asyncio.run_coroutine_threadsafe(self.send(event), loop)
+
+        dest = shard_dir(self.state_dir, command.model_id, command.shard)
+        try:
+            await asyncio.to_thread(
+                fetch_shard, self.credential, command.model_id, command.shard, dest, progress=progress
+            )
+        except (ControlPlaneError, ShardError, OSError, ValueError, KeyError) as exc:
+            await self.send(TaskDone(task_id=command.task_id, ok=False, detail=str(exc)))
+            await self._set("failed", f"shard {command.shard}: {exc}")
+            return None
+        await self.send(TaskDone(task_id=command.task_id, ok=True, detail=str(dest)))
+        return dest
+
+    def _run_dir(self, command: StartRole) -> Path:
+        path = self.state_dir / "runtime" / command.deployment
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    async def _spawn(self, command: StartRole, spec_path: Path) -> None:
+        log_path = self._run_dir(command) / f"{command.shard}.log"
+        with log_path.open("ab") as log_file:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "inference",
+                "serve-role",
+                "--role",
+                str(command.spec["role"]),
+                "--spec",
+                str(spec_path),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+            )
+
+    async def _watch(self, command: StartRole) -> None:
+        """Ping the role until it is ready, then keep checking that its process lives."""
+        spec = load_spec(self._run_dir(command) / f"{command.shard}.spec.json")
+        probe = RuntimeClient(spec.bind_address, spec.deployment, name=f"agent-probe-{command.shard}")
+        try:
+            ready = False
+            while True:
+                proc = self.process
+                if proc is None or proc.returncode is not None:
+                    code = proc.returncode if proc is not None else "?"
+                    await self._set("failed", f"the role process exited with code {code}:\n{self._log_tail(command)}")
+                    return
+                if not ready:
+                    pong = await asyncio.to_thread(probe.ping, 0.5)
+                    if pong is not None and pong.ready:
+                        ready = True
+                        await self._set("ready")
+                    elif pong is not None and pong.detail and self.state and pong.detail != self.state.detail:
+                        await self._set("starting", pong.detail)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), timeout=WATCH_EVERY_S)
+        finally:
+            probe.close()
+
+    def _log_tail(self, command: StartRole) -> str:
+        path = self._run_dir(command) / f"{command.shard}.log"
+        with contextlib.suppress(OSError):
+            return "\n".join(path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+        return "(no log)"
+
+    # --- main's work: alignment and generations ------------------------------------------------
+
+    def _main_client(self, deployment: str) -> RuntimeClient | None:
+        command = self.command
+        if command is None or command.deployment != deployment or command.spec.get("role") != "main":
+            return None
+        if self.state is None or self.state.state != "ready":
+            return None
+        return RuntimeClient(command.spec["addresses"]["main"], deployment)
+
+    async def apply_alignment(self, command: ApplyAlignment) -> None:
+        client = self._main_client(command.deployment)
+        if client is None:
+            log.warning("alignment for %s ignored: this box does not run its main", command.deployment)
+            return
+        try:
+            client.set_alignment(command.token_period, command.kv_period)
+        finally:
+            await asyncio.to_thread(client.close, HANDOVER_MS)
+
+    async def generate(self, command: Generate) -> None:
+        """Run one generation on main after those before it; events go to the control plane."""
+        async with self._generation_lock:
+            if command.request_id in self._cancelled:
+                self._cancelled.discard(command.request_id)
+                done = GenerationDone(
+                    request_id=command.request_id, token_ids=[], finish_reason="cancelled", metrics={}
+                )
+                await self.send(done)
+                return
+            client = self._main_client(command.deployment)
+            if client is None:
+                error = f"this box does not run a ready main for deployment {command.deployment}"
+                await self.send(GenerationFailed(request_id=command.request_id, error=error))
+                return
+            self._running_generations.add(command.request_id)
+            try:
+                await asyncio.to_thread(self._stream, client, command, asyncio.get_running_loop())
+            finally:
+                self._running_generations.discard(command.request_id)
+                client.close()
+
+    def _stream(self, client: RuntimeClient, command: Generate, loop: asyncio.AbstractEventLoop) -> None:
+        def post(message: LinkMessage) -> None:
+            asyncio.run_coroutine_threadsafe(self.send(message), loop).result(timeout=30)
+
+        try:
+            for event in client.stream(
+                command.prompt_ids,
+                command.max_new_tokens,
+                do_sample=command.do_sample,
+                temperature=command.temperature,
+                top_p=command.top_p,
+                seed=command.seed,
+                request_id=command.request_id,
+                timeout_s=600.0,
+            ):
+                if isinstance(event, GenerateDone):
+                    post(
+                        GenerationDone(
+                            request_id=event.request_id,
+                            token_ids=list(event.token_ids),
+                            finish_reason=event.finish_reason,
+                            metrics=event.metrics,
+                        )
+                    )
+                else:
+                    post(GenerationToken(request_id=event.request_id, index=event.index, token_id=event.token_id))
+        except RuntimeGenerationFailed as exc:
+            post(GenerationFailed(request_id=command.request_id, error=str(exc)))
+
+    async def cancel(self, command: CancelGeneration) -> None:
+        if command.request_id not in self._running_generations:
+            if len(self._cancelled) > 1000:
+                self._cancelled.clear()
+            self._cancelled.add(command.request_id)  # still queued: it ends before it starts
+            return
+        if self.command is None:
+            return
+        client = RuntimeClient(self.command.spec["addresses"]["main"], self.command.deployment)
+        try:
+            client.cancel(command.request_id)
+        finally:
+            await asyncio.to_thread(client.close, HANDOVER_MS)

@@ -1,0 +1,152 @@
+"""Generate through the cluster: send a request to a deployment's main node, yield tokens as they come.
+
+The request goes down the main node's agent link (``Generate``); the agent runs it on main
+and sends tokens back up, and the link's consumer relays them to the channel-layer group
+``generation.<request_id>``, where ``astream`` listens. ``stream`` is the same for
+synchronous callers (Celery tasks, views): it runs ``astream`` on its own event loop in a
+thread and hands events over through a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+from channels import DEFAULT_CHANNEL_LAYER
+from channels.db import database_sync_to_async
+from channels.layers import BaseChannelLayer, channel_layers, get_channel_layer
+
+from agent.messages import (
+    GENERATION_EVENTS,
+    CancelGeneration,
+    Generate,
+    GenerationDone,
+    GenerationFailed,
+    GenerationToken,
+    parse,
+)
+from controlplane.nodes.consumers import generation_group, node_group
+
+from .models import Deployment, DeploymentStatus, Role
+
+FIRST_EVENT_TIMEOUT_S = 120.0  # prefill and a queue behind other generations
+NEXT_EVENT_TIMEOUT_S = 60.0
+
+
+class ClusterUnavailable(RuntimeError):
+    """No ready deployment can take the request; the message says why."""
+
+
+class ClusterGenerationError(RuntimeError):
+    """The cluster could not finish the generation; the message is the runtime's reason."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+def _target(deployment_id: int) -> tuple[str, str]:
+    """(main's node id, the runtime key) of a deployment that can serve now."""
+    deployment = Deployment.objects.filter(pk=deployment_id).first()
+    if deployment is None:
+        raise ClusterUnavailable(f"no deployment {deployment_id}")
+    if deployment.status != DeploymentStatus.READY:
+        reason = f": {deployment.status_reason}" if deployment.status_reason else ""
+        raise ClusterUnavailable(f"deployment {deployment.name} is {deployment.status}{reason}")
+    main = deployment.members.get(role=Role.MAIN)
+    return str(main.node_id), deployment.runtime_key
+
+
+async def astream(
+    deployment_id: int, request: GenerationRequest, *, layer: BaseChannelLayer | None = None
+) -> AsyncIterator[GenerationToken | GenerationDone]:
+    """Tokens as main produces them, then the result with its metrics; raises on failure."""
+    node_id, key = await database_sync_to_async(_target, thread_sensitive=False)(deployment_id)
+    layer = layer or get_channel_layer()
+    channel = await layer.new_channel()
+    group = generation_group(request.request_id)
+    await layer.group_add(group, channel)
+    command = Generate(
+        request_id=request.request_id,
+        deployment=key,
+        prompt_ids=list(request.prompt_ids),
+        max_new_tokens=request.max_new_tokens,
+        do_sample=request.do_sample,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+    )
+    try:
+        await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
+        timeout = FIRST_EVENT_TIMEOUT_S
+        while True:
+            try:
+                message = await asyncio.wait_for(layer.receive(channel), timeout=timeout)
+            except TimeoutError:
+                raise ClusterGenerationError(f"no answer from the cluster within {timeout:.0f} s") from None
+            timeout = NEXT_EVENT_TIMEOUT_S
+            event = parse(message["event"], allowed=GENERATION_EVENTS)
+            if isinstance(event, GenerationFailed):
+                raise ClusterGenerationError(event.error)
+            yield event
+            if isinstance(event, GenerationDone):
+                return
+    finally:
+        await layer.group_discard(group, channel)
+
+
+async def acancel(deployment_id: int, request_id: str) -> None:
+    """Stop a generation after its current step; it ends with finish_reason "cancelled"."""
+    node_id, _ = await database_sync_to_async(_target, thread_sensitive=False)(deployment_id)
+    command = CancelGeneration(request_id=request_id).to_json()
+    await get_channel_layer().group_send(node_group(node_id), {"type": "agent.command", "command": command})
+
+
+def stream(deployment_id: int, request: GenerationRequest) -> Iterator[GenerationToken | GenerationDone]:
+    """``astream`` for synchronous code."""
+    events: queue.Queue = queue.Queue()
+    end = object()
+
+    async def pump() -> None:
+        # A layer of its own: one channel layer cannot receive on two event loops.
+        layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
+        try:
+            async for event in astream(deployment_id, request, layer=layer):
+                events.put(event)
+        except Exception as exc:  # handed to the caller's thread, re-raised there
+            events.put(exc)
+        finally:
+            events.put(end)
+            if hasattr(layer, "close_pools"):
+                await layer.close_pools()
+
+    thread = threading.Thread(target=asyncio.run, args=(pump(),), name=f"generation-{request.request_id}", daemon=True)
+    thread.start()
+    while (item := events.get()) is not end:
+        if isinstance(item, Exception):
+            raise item
+        yield item
+    thread.join()
+
+
+def generate(deployment_id: int, request: GenerationRequest) -> GenerationDone:
+    """The whole generation (synchronous)."""
+    for event in stream(deployment_id, request):
+        if isinstance(event, GenerationDone):
+            return event
+    raise ClusterGenerationError("the cluster ended the generation without a result")
+
+
+def cancel(deployment_id: int, request_id: str) -> None:
+    asyncio.run(acancel(deployment_id, request_id))

@@ -1,0 +1,255 @@
+"""Running a deployment: start it, push it to its agents, follow what they report, stop it.
+
+The database says what should run (the *desired* state); agents say what does run (every
+heartbeat and every role-state event carries it). ``reconcile`` closes the gap for one node
+at a time: it (re)sends the role a node should run, stops a role nobody wants any more,
+and sets the deployment's status from its members' states. So a restarted agent, a
+control-plane restart or a lost command all heal the same way, and every command sent
+is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+from django.db import transaction
+from django.utils import timezone
+
+from agent.messages import ApplyAlignment, StartRole, StopRole
+from controlplane.artifacts.models import ShardStatus
+from controlplane.artifacts.services import ModelError, build_model_shards
+from controlplane.nodes.models import Node, NodeStatus, NodeTask
+from controlplane.nodes.services import send_command
+from inference.spec import Settings
+
+from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
+from .peers import PeerError, Seat, peer_table, pick_ports
+from .services import DeploymentError, check_nodes_free
+
+log = logging.getLogger(__name__)
+
+RESEND_AFTER_S = 15.0  # a start command not acted on within this long is sent again
+UNAVAILABLE = (NodeStatus.OFFLINE, NodeStatus.ENROLLED)
+
+
+# --- start, push, stop ---------------------------------------------------------------------
+
+
+def start_deployment(*, deployment: Deployment) -> Deployment:
+    """Deploy: shards are built if needed and each agent told what to fetch and run (in Celery)."""
+    from .tasks import push_deployment_task
+
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        if locked.status in RUNNING:
+            raise DeploymentError(f"deployment {locked.name} is already {locked.status}; stop it first")
+        members = list(locked.members.select_related("node"))
+        check_nodes_free([m.node for m in members], exclude=locked)
+        down = [m.node.name for m in members if m.node.status != NodeStatus.ONLINE]
+        if down:
+            raise DeploymentError(f"these nodes' agents are not connected: {', '.join(down)}")
+        locked.epoch += 1
+        locked.status = DeploymentStatus.DEPLOYING
+        locked.status_reason = "queued"
+        locked.save(update_fields=["epoch", "status", "status_reason", "updated_at"])
+        locked.members.update(state=MemberState.PENDING, detail="", port=None, start_sent_at=None)
+        epoch = locked.epoch
+        transaction.on_commit(lambda: push_deployment_task.delay(locked.pk, epoch))
+    return locked
+
+
+def push_deployment(*, deployment_id: int, epoch: int) -> None:
+    """Build the shards if needed, choose ports, and send every node its role (a Celery task)."""
+    deployment = Deployment.objects.select_related("model").get(pk=deployment_id)
+    if deployment.epoch != epoch or deployment.status != DeploymentStatus.DEPLOYING:
+        return  # stopped or started again since: that run pushes itself
+    members = list(deployment.members.select_related("node"))
+    workers = sum(1 for m in members if m.role == Role.WORKER)
+    artifact = deployment.model
+    if not (
+        artifact.shard_status == ShardStatus.READY
+        and artifact.shard_workers == workers
+        and Path(artifact.shard_dir).is_dir()
+    ):
+        _set_status(deployment, DeploymentStatus.DEPLOYING, f"building shards of {artifact.name} for {workers} workers")
+        try:
+            build_model_shards(artifact_id=artifact.pk, workers=workers)
+        except ModelError as exc:
+            _set_status(deployment, DeploymentStatus.FAILED, str(exc))
+            return
+    seats = [Seat(m.role_name, m.node.name, m.node.address, _free_ports(m.node)) for m in members]
+    try:
+        ports = pick_ports(seats)
+    except PeerError as exc:
+        _set_status(deployment, DeploymentStatus.FAILED, str(exc))
+        return
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=deployment_id)
+        if locked.epoch != epoch or locked.status != DeploymentStatus.DEPLOYING:
+            return
+        for member in members:
+            member.port = ports[member.role_name]
+            member.save(update_fields=["port", "updated_at"])
+        _set_status(locked, DeploymentStatus.DEPLOYING, "starting roles")
+        for member in members:
+            _send_start(locked, member, members)
+
+
+def stop_deployment(*, deployment: Deployment) -> Deployment:
+    """Stopped: every role is told to stop and its nodes are free for another deployment."""
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        was_running = locked.status in RUNNING
+        locked.status = DeploymentStatus.STOPPED
+        locked.status_reason = "stopped by an administrator"
+        locked.save(update_fields=["status", "status_reason", "updated_at"])
+        locked.members.exclude(state=MemberState.OFFLINE).update(state=MemberState.STOPPED)
+        if was_running:
+            key = locked.runtime_key
+            nodes = list(locked.members.values_list("node_id", flat=True))
+            transaction.on_commit(lambda: _broadcast_stop(nodes, key))
+    return locked
+
+
+def send_alignment(*, deployment: Deployment) -> None:
+    """Hand the deployment's current alignment periods to its running main (no restart)."""
+    if deployment.status not in RUNNING:
+        return
+    main = deployment.members.filter(role=Role.MAIN).first()
+    if main is None:
+        return
+    command = ApplyAlignment(
+        deployment=deployment.runtime_key, token_period=deployment.token_period, kv_period=deployment.kv_period
+    ).to_json()
+    transaction.on_commit(lambda: send_command(node_id=str(main.node_id), command=command))
+
+
+def _broadcast_stop(node_ids: list, key: str) -> None:
+    for node_id in node_ids:
+        send_command(node_id=str(node_id), command=StopRole(deployment=key).to_json())
+
+
+def _free_ports(node: Node) -> list[int]:
+    ports = node.inventory.get("free_ports", [])
+    return [p for p in ports if isinstance(p, int) and 1024 <= p <= 65535] if isinstance(ports, list) else []
+
+
+def _send_start(deployment: Deployment, member: DeploymentNode, members: list[DeploymentNode]) -> None:
+    task = NodeTask.objects.create(
+        node_id=member.node_id,
+        kind="start_role",
+        params={"deployment": deployment.pk, "model_id": deployment.model_id, "role": member.role_name},
+    )
+    command = StartRole(
+        task_id=str(task.pk),
+        deployment=deployment.runtime_key,
+        model_id=deployment.model_id,
+        shard=member.role_name,
+        spec=role_spec(deployment, member, members),
+    ).to_json()
+    DeploymentNode.objects.filter(pk=member.pk).update(start_sent_at=timezone.now())
+    transaction.on_commit(lambda: send_command(node_id=str(member.node_id), command=command))
+
+
+def role_spec(deployment: Deployment, member: DeploymentNode, members: list[DeploymentNode]) -> dict:
+    """``inference.spec.RoleSpec`` as JSON, less ``shard_dir`` (the agent knows where its shard is)."""
+    workers = sum(1 for m in members if m.role == Role.WORKER)
+    table = peer_table({m.role_name: m.node.address for m in members}, {m.role_name: m.port for m in members}, workers)
+    settings = Settings(
+        shadow_dtype=deployment.shadow_dtype, token_period=deployment.token_period, kv_period=deployment.kv_period
+    )
+    return {
+        "deployment": deployment.runtime_key,
+        "role": member.role,
+        "addresses": table,
+        "worker": member.worker_index,
+        "settings": asdict(settings),
+    }
+
+
+# --- following what agents report ----------------------------------------------------------
+
+
+def reconcile(*, node_id: str, report: dict) -> None:
+    """Act on what node ``node_id`` runs (``report``: a RoleState as JSON, or {} for nothing)."""
+    member = (
+        DeploymentNode.objects.select_related("deployment", "node")
+        .filter(node_id=node_id, deployment__status__in=RUNNING)
+        .first()
+    )
+    reported = report.get("deployment") if isinstance(report.get("deployment"), str) else None
+    state = report.get("state")
+    if member is None or member.port is None:
+        if reported and state not in (MemberState.STOPPED, MemberState.FAILED):
+            send_command(node_id=node_id, command=StopRole(deployment=reported).to_json())  # nobody wants it
+        return
+    deployment = member.deployment
+    if reported == deployment.runtime_key and state in MemberState.values:
+        if member.state != state or member.detail != report.get("detail", ""):
+            member.state, member.detail = state, str(report.get("detail", ""))[:4000]
+            member.save(update_fields=["state", "detail", "updated_at"])
+    elif member.state != MemberState.FAILED and _start_due(member):
+        # The box runs something else, or nothing (its agent restarted): start its role again.
+        member.state, member.detail = MemberState.PENDING, "role sent again"
+        member.save(update_fields=["state", "detail", "updated_at"])
+        with transaction.atomic():
+            _send_start(deployment, member, list(deployment.members.select_related("node")))
+    refresh_status(deployment)
+
+
+def nodes_went_offline(*, node_ids: list[str]) -> None:
+    members = DeploymentNode.objects.filter(node_id__in=node_ids, deployment__status__in=RUNNING)
+    deployments = {m.deployment_id for m in members}
+    members.update(state=MemberState.OFFLINE, detail="the node's agent is not connected", start_sent_at=None)
+    for deployment in Deployment.objects.filter(pk__in=deployments):
+        refresh_status(deployment)
+
+
+def _start_due(member: DeploymentNode) -> bool:
+    sent = member.start_sent_at
+    return sent is None or timezone.now() - sent > timedelta(seconds=RESEND_AFTER_S) or member.state == "offline"
+
+
+def refresh_status(deployment: Deployment) -> None:
+    """The deployment's status from its members': ready only when every role is."""
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        if locked.status not in RUNNING:
+            return
+        members = list(locked.members.select_related("node"))
+        status, reason = _status_from(locked, members)
+        if (status, reason) != (locked.status, locked.status_reason):
+            _set_status(locked, status, reason)
+        if status == DeploymentStatus.FAILED:
+            key, nodes = locked.runtime_key, [m.node_id for m in members]
+            transaction.on_commit(lambda: _broadcast_stop(nodes, key))
+
+
+def _status_from(deployment: Deployment, members: list[DeploymentNode]) -> tuple[str, str]:
+    failed = [m for m in members if m.state == MemberState.FAILED]
+    if failed:
+        m = failed[0]
+        return DeploymentStatus.FAILED, f"{m.role_name} on {m.node.name} failed: {m.detail}"
+    offline = [m for m in members if m.node.status in UNAVAILABLE or m.state == MemberState.OFFLINE]
+    if offline:
+        names = ", ".join(f"{m.node.name} ({m.role_name})" for m in offline)
+        return DeploymentStatus.DEGRADED, f"offline: {names}"
+    waiting = [m for m in members if m.state != MemberState.READY]
+    if not waiting:
+        return DeploymentStatus.READY, ""
+    if deployment.status == DeploymentStatus.DEPLOYING and deployment.status_reason.startswith("building"):
+        return deployment.status, deployment.status_reason
+    names = ", ".join(f"{m.role_name} ({m.state})" for m in waiting[:4]) + (" …" if len(waiting) > 4 else "")
+    status = (
+        DeploymentStatus.DEPLOYING if deployment.status == DeploymentStatus.DEPLOYING else DeploymentStatus.DEGRADED
+    )
+    return status, f"waiting for {names}"
+
+
+def _set_status(deployment: Deployment, status: str, reason: str) -> None:
+    Deployment.objects.filter(pk=deployment.pk).update(status=status, status_reason=reason, updated_at=timezone.now())
+    deployment.status, deployment.status_reason = status, reason
+    log.info("deployment %s: %s %s", deployment.name, status, reason)

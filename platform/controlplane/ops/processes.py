@@ -1,0 +1,167 @@
+"""Child processes of ``manage.py up`` and of the end-to-end tests: Redis, ASGI server, Celery, agents.
+
+``ProcessGroup`` starts each child with its output in its own log file, tells which one
+died (with the tail of its log), and stops them all — last started first — on close,
+also when the parent is interrupted. The ``*_argv`` helpers say how each part is run,
+in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from inference.launcher import die_with_parent
+
+REPO_DIR = Path(__file__).resolve().parents[3]
+STOP_GRACE_S = 10.0
+
+
+class ChildFailed(RuntimeError):
+    """A child process exited, or did not come up in time; the message has its log tail."""
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "(no log)"
+
+
+class ProcessGroup:
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.children: list[Child] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def start(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                list(argv),
+                cwd=REPO_DIR,
+                env={**self.env, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        child = Child(name, process, log_path)
+        self.children.append(child)
+        return child
+
+    def check(self) -> None:
+        """Raise ChildFailed if any child has exited."""
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise ChildFailed(
+                    f"{child.name} exited with code {code}; the end of {child.log_path}:\n{child.log_tail()}"
+                )
+
+    def stop(self, child: Child, *, kill: bool = False) -> None:
+        if child.process.poll() is None:
+            if kill:
+                child.process.kill()
+            else:
+                child.process.terminate()
+        try:
+            child.process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+        with contextlib.suppress(ValueError):
+            self.children.remove(child)
+
+    def stop_all(self) -> None:
+        for child in reversed(list(self.children)):
+            self.stop(child)
+
+
+def wait_until(what: str, ready: Callable[[], bool], *, timeout_s: float, check: Callable[[], None]) -> None:
+    """Poll ``ready`` until it is true; ``check`` raises if a child died meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        check()
+        if time.monotonic() > deadline:
+            raise ChildFailed(f"{what} did not happen within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+# --- how each part runs --------------------------------------------------------------------
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment of a child that imports the control plane, the agent or the runtime."""
+    path = os.pathsep.join([str(REPO_DIR), str(REPO_DIR / "platform")])
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def redis_argv(port: int, data_dir: Path) -> list[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ChildFailed("Redis is needed: install redis-server (Debian: apt install redis-server) or set REDIS_URL")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir), "--save", "60 1"]
+
+
+def redis_up(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+def asgi_argv(port: int, host: str = "127.0.0.1") -> list[str]:
+    app = "controlplane.config.asgi:application"
+    return [sys.executable, "-m", "uvicorn", app, "--host", host, "--port", str(port), "--log-level", "warning"]
+
+
+def celery_argv(*, beat_schedule: Path | None, concurrency: int = 4) -> list[str]:
+    """A worker (threads: shard builds and pushes wait on I/O); with beat when a schedule file is given."""
+    argv = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--loglevel=INFO"]
+    argv += [f"--concurrency={concurrency}", "--pool=threads", "--without-gossip", "--without-mingle"]
+    if beat_schedule:
+        beat_schedule.parent.mkdir(parents=True, exist_ok=True)
+    return [*argv, "--beat", f"--schedule={beat_schedule}"] if beat_schedule else argv
+
+
+def agent_argv(
+    server: str, state_dir: Path, *, name: str, token: str | None = None, heartbeat_s: float = 2.0
+) -> list[str]:
+    argv = [sys.executable, "-m", "agent", "--server", server, "--state-dir", str(state_dir), "--name", name]
+    argv += ["--heartbeat", str(heartbeat_s)]
+    return [*argv, "--token", token] if token else argv
+
+
+def http_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered
+    except (urllib.error.URLError, OSError):
+        return False

@@ -1,0 +1,137 @@
+"""The whole platform for real: Redis, Celery worker and beat, the ASGI server and ten agents.
+
+Enroll the agents with a join token through the API, deploy the tiny model on them (1 main,
+1 shadow, 8 workers), wait until every role reports ready, generate through the control
+plane and get Transformers' tokens; change the alignment periods on the running deployment;
+kill a worker's agent and see the node offline and the deployment degraded, then back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.ops.processes import ProcessGroup, python_env
+from inference.launcher import free_port
+from tests.controlplane.live import Api, LiveControlPlane
+from tests.reference import PROMPTS, reference_generate
+
+AGENTS = 10
+HEARTBEAT_TIMEOUT_S = 4
+NEW_TOKENS = 10
+
+
+@pytest.fixture
+def live(transactional_db, redis_url: str, settings, tmp_path: Path) -> Iterator[LiveControlPlane]:
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+
+    from controlplane import celery_app
+    from controlplane.accounts.services import create_api_key
+
+    settings.CELERY_BROKER_URL = redis_url
+    celery_app.conf.broker_url = redis_url
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}
+    }
+    env = python_env(
+        DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
+        DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+        REDIS_URL=redis_url,
+        ODMOE_VAR_DIR=str(tmp_path / "var"),
+        ODMOE_NODE_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S),
+    )
+    admin = get_user_model().objects.create_user("admin", is_staff=True)
+    _, key = create_api_key(user=admin)
+    port = free_port()
+    with ProcessGroup(tmp_path / "logs", env) as group:
+        plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", key), tmp_path / "agents")
+        plane.start_server()
+        plane.start_celery()
+        yield plane
+
+
+def deployment_status(live: LiveControlPlane, deployment_id: int) -> dict:
+    return live.api.get(f"/api/deployments/{deployment_id}")
+
+
+def wait_status(live: LiveControlPlane, deployment_id: int, status: str, timeout_s: float) -> dict:
+    seen: dict = {}
+
+    def reached() -> bool:
+        seen.update(deployment_status(live, deployment_id))
+        assert seen["status"] != "failed" or status == "failed", seen["status_reason"]
+        return seen["status"] == status
+
+    live.wait_for(f"deployment {status} (last: {seen.get('status')} {seen.get('status_reason')})", reached, timeout_s)
+    return seen
+
+
+@pytest.mark.slow
+def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPlane, tiny_model: Path) -> None:
+    api = live.api
+    token = api.post("/api/join-tokens", {"name": "rack", "max_uses": AGENTS}, expect=201)["token"]
+    agents = {f"box-{i}": live.start_agent(f"box-{i}", token) for i in range(AGENTS)}
+
+    def all_online() -> bool:
+        nodes = api.get("/api/nodes?limit=100")["results"]
+        return len(nodes) == AGENTS and all(n["status"] == "online" for n in nodes)
+
+    live.wait_for("ten nodes online", all_online, timeout_s=120)
+    nodes = {n["name"]: n["id"] for n in api.get("/api/nodes?limit=100")["results"]}
+    model = api.post("/api/models", {"name": "tiny", "path": str(tiny_model)}, expect=201)
+    created = api.post(
+        "/api/deployments", {"name": "rack", "model": model["id"], "nodes": list(nodes.values())}, expect=201
+    )
+    roles = sorted(m["role"] for m in created["members"])
+    assert roles == ["main"] + ["shadow"] + ["worker"] * 8
+    deployment = created["id"]
+
+    api.post(f"/api/deployments/{deployment}/start", expect=202)
+    ready = wait_status(live, deployment, "ready", timeout_s=300)
+    assert all(m["state"] == "ready" and m["port"] for m in ready["members"])
+
+    # 1. Generation through the control plane is token-identical to Transformers.
+    for prompt in PROMPTS[:2]:
+        answer = api.post(
+            f"/api/deployments/{deployment}/generate", {"prompt_ids": prompt, "max_new_tokens": NEW_TOKENS}
+        )
+        assert answer["token_ids"] == reference_generate(tiny_model, prompt, NEW_TOKENS)
+        assert answer["metrics"]["token_period"] == 1 and answer["metrics"]["kv_period"] == 1
+
+    # 2. New alignment periods reach the running runtime: no restart, same tokens.
+    pids_before = {name: child.process.pid for name, child in agents.items()}
+    api.call("PATCH", f"/api/deployments/{deployment}/settings", {"token_period": 3, "kv_period": 2}, expect=200)
+    answer = api.post(
+        f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[0], "max_new_tokens": NEW_TOKENS}
+    )
+    assert (answer["metrics"]["token_period"], answer["metrics"]["kv_period"]) == (3, 2)
+    assert answer["token_ids"] == reference_generate(tiny_model, PROMPTS[0], NEW_TOKENS)
+    assert deployment_status(live, deployment)["status"] == "ready"
+    assert {name: child.process.pid for name, child in agents.items()} == pids_before
+
+    # 3. A worker's agent dies: its node goes offline and the deployment degraded; back when it returns.
+    victim = next(m for m in ready["members"] if m["role"] == "worker")
+    live.group.stop(agents[victim["node_name"]], kill=True)
+    degraded = wait_status(live, deployment, "degraded", timeout_s=HEARTBEAT_TIMEOUT_S * 3)
+    assert victim["node_name"] in degraded["status_reason"]
+    assert api.get(f"/api/nodes/{victim['node']}")["status"] == "offline"
+    agents[victim["node_name"]] = live.start_agent(victim["node_name"])  # its stored credential, no token
+    wait_status(live, deployment, "ready", timeout_s=120)
+    assert api.get(f"/api/nodes/{victim['node']}")["status"] == "online"
+    answer = api.post(
+        f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[1], "max_new_tokens": NEW_TOKENS}
+    )
+    assert answer["token_ids"] == reference_generate(tiny_model, PROMPTS[1], NEW_TOKENS)
+
+    # Stop frees the nodes; every role reports stopped.
+    api.post(f"/api/deployments/{deployment}/stop")
+
+    def all_stopped() -> bool:
+        return all(m["state"] == "stopped" for m in deployment_status(live, deployment)["members"])
+
+    live.wait_for("every role stopped", all_stopped, timeout_s=30)
+    code, refused = api.call("POST", f"/api/deployments/{deployment}/generate", {"prompt_ids": [1, 2]})
+    assert code == 409 and "stopped" in refused["detail"]
