@@ -67,6 +67,7 @@ class ProcessGroup:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C reaches the parent only, which stops children in order
                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
             )
         child = Child(name, process, log_path)
