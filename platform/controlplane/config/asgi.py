@@ -1,4 +1,8 @@
-"""ASGI entry point of the control plane: HTTP through Django, websockets through Channels."""
+"""ASGI entry point of the control plane: HTTP through Django, websockets through Channels.
+
+Static files (the admin's and Swagger UI's) are served by the app itself, so the platform
+needs no separate web server; a large deployment may put one in front for ``/static/``.
+"""
 
 import os
 
@@ -8,7 +12,10 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.config.settings.lo
 django_application = get_asgi_application()  # sets Django up before the routes import models
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from controlplane.nodes.routing import websocket_urlpatterns as agent_routes  # noqa: E402
 
-application = ProtocolTypeRouter({"http": django_application, "websocket": URLRouter(agent_routes)})
+application = ProtocolTypeRouter(
+    {"http": ASGIStaticFilesHandler(django_application), "websocket": URLRouter(agent_routes)}
+)

@@ -2,11 +2,19 @@
 
 from django.contrib import admin
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView
+from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from controlplane.nodes import install
 
 urlpatterns = [
+    # Until the console exists, the front page is Django's admin (nodes, models, deployments).
+    path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
+    path("agent/install.sh", install.install_script, name="agent-install"),
+    path("agent/odmoe-agent.tar.gz", install.agent_package, name="agent-package"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/", include("controlplane.nodes.urls")),
     path("api/", include("controlplane.artifacts.urls")),
     path("api/", include("controlplane.deployments.urls")),

@@ -37,6 +37,7 @@ INSTALLED_APPS = [
     "channels",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "controlplane.accounts",
     "controlplane.nodes",
     "controlplane.artifacts",
@@ -121,6 +122,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Enroll GPU boxes, register models, build shards and deploy them.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI's files come from drf-spectacular-sidecar: the docs page works offline.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
 }
 
 JOIN_TOKEN_TTL_S = int(os.environ.get("ODMOE_JOIN_TOKEN_TTL_S", "86400"))
