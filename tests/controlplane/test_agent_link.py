@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -264,3 +266,41 @@ def test_fetch_needs_a_connected_agent() -> None:
     assert refused.status_code == 409 and "must be connected" in refused.json()["detail"]
     bad_role = staff.post(f"/api/nodes/{node.pk}/fetch", {"model": 1, "role": "../etc"}, format="json")
     assert bad_role.status_code == 400
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_relays_only_generations_it_was_given(channel_layer_on_test_redis) -> None:
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    from agent.messages import Generate, GenerationDone, GenerationToken
+    from controlplane.nodes.consumers import generation_group, node_group
+
+    node, secret = enrolled()
+
+    async def session() -> list:
+        layer = get_channel_layer()
+        listener = await layer.new_channel()
+        await layer.group_add(generation_group("r1"), listener)
+        await layer.group_add(generation_group("r2"), listener)
+        comm = communicator(f"Node {node.pk}:{secret}")
+        assert (await comm.connect())[0]
+        # Not given r2: its "tokens" are dropped.
+        await comm.send_json_to(GenerationToken(request_id="r2", index=0, token_id=7).to_json())
+        command = Generate(request_id="r1", deployment="dep1-1", prompt_ids=[1, 2], max_new_tokens=2).to_json()
+        await layer.group_send(node_group(str(node.pk)), {"type": "agent.command", "command": command})
+        assert await comm.receive_json_from(timeout=5) == command
+        await comm.send_json_to(GenerationToken(request_id="r1", index=0, token_id=5).to_json())
+        done = GenerationDone(request_id="r1", token_ids=[5, 6], finish_reason="length", metrics={})
+        await comm.send_json_to(done.to_json())
+        await comm.send_json_to(GenerationToken(request_id="r1", index=2, token_id=9).to_json())  # after done
+        relayed = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                relayed.append((await asyncio.wait_for(layer.receive(listener), timeout=1))["event"])
+        await comm.disconnect()
+        return relayed
+
+    relayed = async_to_sync(session)()
+    assert [e["type"] for e in relayed] == ["generation_token", "generation_done"]
+    assert all(e["request_id"] == "r1" for e in relayed)

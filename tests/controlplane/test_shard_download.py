@@ -101,3 +101,38 @@ def test_a_forged_agent_cannot_download(live_server, shards, node_auth, tmp_path
     forged = NodeCredential(live_server.url, str(node.pk), "odmoe-node-forged", node.name)
     with pytest.raises(ControlPlaneError, match="401"):
         fetch_shard(forged, shards.pk, "main", tmp_path / "x")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_the_agent_never_starts_a_role_on_a_shard_that_fails_verification(
+    live_server, shards, node_auth, tmp_path: Path, damage: str
+) -> None:
+    import asyncio
+
+    from agent.messages import RoleState, StartRole, TaskDone
+    from agent.runtime import RoleRunner
+
+    node, secret = node_auth
+    served = next((Path(shards.shard_dir) / "worker-0").glob("*.safetensors"))
+    data = served.read_bytes()
+    served.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00" * len(data))
+    sent: list = []
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    async def run() -> RoleRunner:
+        runner = RoleRunner(NodeCredential(live_server.url, str(node.pk), secret, node.name), tmp_path, send)
+        spec = {"deployment": "dep1-1", "role": "worker", "worker": 0, "addresses": {}, "settings": {}}
+        await runner.start(
+            StartRole(task_id="t1", deployment="dep1-1", model_id=shards.pk, shard="worker-0", spec=spec)
+        )
+        await asyncio.wait_for(runner._work, timeout=60)
+        return runner
+
+    runner = asyncio.run(run())
+    assert runner.process is None  # nothing was started
+    assert sent[-1] == RoleState(deployment="dep1-1", role="worker", state="failed", detail=sent[-1].detail)
+    assert "worker-0" in sent[-1].detail
+    assert any(isinstance(m, TaskDone) and not m.ok for m in sent)

@@ -1,0 +1,265 @@
+"""Running deployments without processes: what the control plane sends agents and how it reads their reports.
+
+Commands travel on the real channel layer (the test Redis); each test listens on the node
+groups the way an agent's socket would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels import DEFAULT_CHANNEL_LAYER
+from channels.layers import channel_layers
+from django.contrib.auth import get_user_model
+from rest_framework.test import APIClient
+
+from agent.messages import COMMANDS, StartRole, StopRole, parse
+from controlplane.artifacts.services import register_model
+from controlplane.deployments import lifecycle
+from controlplane.deployments.models import Deployment, DeploymentStatus, MemberState
+from controlplane.deployments.peers import PeerError, Seat, peer_table, pick_ports
+from controlplane.deployments.services import DeploymentError, create_deployment
+from controlplane.nodes.consumers import node_group
+from controlplane.nodes.models import Node, NodeStatus
+from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes, record_heartbeat
+from inference.spec import RoleSpec, validate_spec
+
+# --- the peer table: pure decisions ----------------------------------------------------------
+
+
+def test_ports_come_from_what_each_node_offered_and_never_collide() -> None:
+    seats = [Seat("main", "a", "10.0.0.1", [7000, 7001]), Seat("worker-0", "b", "10.0.0.1", [7000, 7002])]
+    assert pick_ports(seats) == {"main": 7000, "worker-0": 7002}  # same host: the second takes another port
+    seats = [Seat("main", "a", "10.0.0.1", [7000]), Seat("worker-0", "b", "10.0.0.2", [7000])]
+    assert pick_ports(seats) == {"main": 7000, "worker-0": 7000}  # different hosts may share a number
+
+
+@pytest.mark.parametrize(
+    "seat, reason",
+    [
+        (Seat("main", "a", "", [7000]), "has not reported the address"),
+        (Seat("main", "a", "10.0.0.1", []), "reported no free port"),
+    ],
+)
+def test_a_node_without_address_or_ports_is_a_clear_error(seat: Seat, reason: str) -> None:
+    with pytest.raises(PeerError, match=reason):
+        pick_ports([seat])
+
+
+def test_the_peer_table_lists_workers_in_index_order() -> None:
+    hosts = {"main": "h0", "shadow": "h1", "worker-0": "h2", "worker-1": "h3"}
+    ports = {"main": 1, "shadow": 2, "worker-0": 3, "worker-1": 4}
+    assert peer_table(hosts, ports, 2) == {
+        "main": "tcp://h0:1",
+        "shadow": "tcp://h1:2",
+        "workers": ["tcp://h2:3", "tcp://h3:4"],
+    }
+
+
+# --- the lifecycle, against the database and the channel layer --------------------------------
+
+
+class Inbox:
+    """What an agent's socket would receive: a channel in each node's group.
+
+    Each call uses a layer of its own: a channel layer is bound to one event loop, and every
+    ``async_to_sync`` call runs on a new one.
+    """
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self.channels = {str(node.pk): f"test-inbox-{uuid.uuid4().hex}" for node in nodes}
+        for node_id, channel in self.channels.items():
+            self._with_layer(lambda layer, n=node_id, c=channel: layer.group_add(node_group(n), c))
+
+    def take(self, node: Node) -> list:
+        channel = self.channels[str(node.pk)]
+
+        async def drain(layer) -> list:
+            got = []
+            while True:
+                try:
+                    message = await asyncio.wait_for(layer.receive(channel), timeout=0.3)
+                except TimeoutError:
+                    return got
+                got.append(parse(message["command"], allowed=COMMANDS))
+
+        return self._with_layer(drain)
+
+    @staticmethod
+    def _with_layer(use):
+        async def run():
+            layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
+            try:
+                return await use(layer)
+            finally:
+                await layer.close_pools()
+
+        return async_to_sync(run)()
+
+
+@pytest.fixture
+def cluster(transactional_db, channel_layer_on_test_redis, settings, tmp_path: Path, tiny_model: Path):
+    """Four online nodes (main, shadow, two workers) in a draft deployment of the tiny model."""
+    settings.VAR_DIR = tmp_path / "var"
+    nodes = []
+    for i in range(4):
+        _, token = create_join_token(created_by=None)
+        node, _ = enroll_node(token=token, name=f"n{i}", inventory={})
+        record_heartbeat(node_id=str(node.pk), inventory={"address": "127.0.0.1", "free_ports": [9100 + i, 9200 + i]})
+        nodes.append(Node.objects.get(pk=node.pk))
+    model = register_model(name="tiny", path=str(tiny_model))
+    deployment = create_deployment(name="d", model=model, node_ids=[str(n.pk) for n in nodes], kv_period=2)
+    return deployment, nodes, Inbox(nodes)
+
+
+@pytest.fixture
+def channel_layer_on_test_redis(settings, redis_url: str) -> None:
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}
+    }
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+
+
+def pushed(deployment: Deployment) -> Deployment:
+    """Start it and run the push the Celery task would run."""
+    started = lifecycle.start_deployment(deployment=deployment)
+    lifecycle.push_deployment(deployment_id=started.pk, epoch=started.epoch)
+    return Deployment.objects.get(pk=deployment.pk)
+
+
+def report(node: Node, deployment: Deployment, state: str, detail: str = "") -> None:
+    role = deployment.members.get(node=node).role
+    lifecycle.reconcile(
+        node_id=str(node.pk),
+        report={"deployment": deployment.runtime_key, "role": role, "state": state, "detail": detail},
+    )
+
+
+def test_starting_sends_each_node_a_valid_role_spec_with_one_peer_table(cluster, tmp_path: Path) -> None:
+    deployment, nodes, inbox = cluster
+    deployment = pushed(deployment)
+    assert deployment.status == DeploymentStatus.DEPLOYING and deployment.epoch == 1
+    specs = []
+    for node in nodes:
+        (command,) = inbox.take(node)
+        assert isinstance(command, StartRole) and command.deployment == deployment.runtime_key
+        shard = tmp_path / command.shard
+        shard.mkdir()
+        spec = command.spec
+        specs.append(spec)
+        validate_spec(
+            RoleSpec(spec["deployment"], spec["role"], str(shard), _addresses(spec), spec["worker"], _settings(spec))
+        )
+        assert spec["settings"]["kv_period"] == 2
+    assert len({str(s["addresses"]) for s in specs}) == 1  # everyone shares one peer table
+    assert sorted(s["role"] for s in specs) == ["main", "shadow", "worker", "worker"]
+
+
+def _addresses(spec: dict):
+    from inference.spec import Addresses
+
+    return Addresses(**spec["addresses"])
+
+
+def _settings(spec: dict):
+    from inference.spec import Settings
+
+    return Settings(**spec["settings"])
+
+
+def test_ready_only_when_every_role_is_and_a_failed_role_fails_the_deployment(cluster) -> None:
+    deployment, nodes, inbox = cluster
+    deployment = pushed(deployment)
+    for node in nodes[:-1]:
+        report(node, deployment, "ready")
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.DEPLOYING and "starting" not in deployment.status_reason
+    report(nodes[-1], deployment, "ready")
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.READY
+    for node in nodes:
+        inbox.take(node)
+    report(nodes[2], deployment, "failed", "shard worker-0: sha256 mismatch")
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.FAILED and "sha256 mismatch" in deployment.status_reason
+    assert all(isinstance(c, StopRole) for node in nodes for c in inbox.take(node))
+
+
+def test_an_offline_node_degrades_the_deployment_and_its_return_restarts_its_role(cluster) -> None:
+    deployment, nodes, inbox = cluster
+    deployment = pushed(deployment)
+    for node in nodes:
+        report(node, deployment, "ready")
+        inbox.take(node)
+    victim = nodes[3]
+    Node.objects.filter(pk=victim.pk).update(last_seen=victim.last_seen.replace(year=2000))
+    assert expire_silent_nodes(timeout_s=15) == [victim.name]  # what the beat task does
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.DEGRADED and victim.name in deployment.status_reason
+    # The agent comes back without its role (it restarted): the control plane sends the role again.
+    record_heartbeat(node_id=str(victim.pk), inventory={"address": "127.0.0.1"}, runtime={})
+    (command,) = inbox.take(victim)
+    assert isinstance(command, StartRole) and command.deployment == deployment.runtime_key
+    assert deployment.members.get(node=victim).state == MemberState.PENDING
+    # A second heartbeat before the agent acted on it does not send it twice.
+    record_heartbeat(node_id=str(victim.pk), inventory={"address": "127.0.0.1"}, runtime={})
+    assert inbox.take(victim) == []
+    report(victim, deployment, "ready")
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.READY
+
+
+def test_stop_tells_every_role_to_stop_and_a_stale_role_is_stopped_when_reported(cluster) -> None:
+    deployment, nodes, inbox = cluster
+    deployment = pushed(deployment)
+    old_key = deployment.runtime_key
+    for node in nodes:
+        inbox.take(node)
+    lifecycle.stop_deployment(deployment=deployment)
+    for node in nodes:
+        assert inbox.take(node) == [StopRole(deployment=old_key)]
+    # A box that missed the stop and still runs the role is told again when it reports it.
+    lifecycle.reconcile(node_id=str(nodes[0].pk), report={"deployment": old_key, "role": "main", "state": "ready"})
+    assert inbox.take(nodes[0]) == [StopRole(deployment=old_key)]
+    # Redeploy: a new epoch, so roles of the old run can never be mistaken for the new one.
+    again = pushed(Deployment.objects.get(pk=deployment.pk))
+    assert again.epoch == 2 and again.runtime_key != old_key
+
+
+def test_starting_needs_every_agent_connected_and_changes_nothing_otherwise(cluster) -> None:
+    deployment, nodes, _ = cluster
+    Node.objects.filter(pk=nodes[1].pk).update(status=NodeStatus.OFFLINE)
+    with pytest.raises(DeploymentError, match="not connected: n1"):
+        lifecycle.start_deployment(deployment=deployment)
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.DRAFT and deployment.epoch == 0
+
+
+def test_only_staff_start_stop_change_or_generate(cluster) -> None:
+    deployment, _, _ = cluster
+    user = APIClient()
+    user.force_authenticate(get_user_model().objects.create_user("someone"))
+    base = f"/api/deployments/{deployment.pk}"
+    assert user.post(f"{base}/start").status_code == 403
+    assert user.post(f"{base}/stop").status_code == 403
+    assert user.patch(f"{base}/settings", {"token_period": 4, "kv_period": 4}, format="json").status_code == 403
+    assert user.post(f"{base}/generate", {"prompt_ids": [1]}, format="json").status_code == 403
+    assert APIClient().post(f"{base}/start").status_code in (401, 403)
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.DRAFT and deployment.kv_period == 2
+
+
+def test_generating_on_a_deployment_that_is_not_ready_says_why(cluster) -> None:
+    deployment, _, _ = cluster
+    staff = APIClient()
+    staff.force_authenticate(get_user_model().objects.create_user("admin", is_staff=True))
+    answer = staff.post(f"/api/deployments/{deployment.pk}/generate", {"prompt_ids": [1, 2]}, format="json")
+    assert answer.status_code == 409 and "draft" in answer.json()["detail"]
+    bad = staff.post(f"/api/deployments/{deployment.pk}/generate", {"prompt_ids": []}, format="json")
+    assert bad.status_code == 400 and "prompt_ids" in bad.json()
