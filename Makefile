@@ -9,8 +9,10 @@ DEMO_MODEL := var/demo-model
 PROMPT ?= Mixture of experts models route every token to a few experts
 TOKENS ?= 48
 WORKERS ?= 8
+PORT ?= 8000
+AGENTS ?= 10
 
-.PHONY: run test check lint install bench clean
+.PHONY: run runtime test check lint install bench clean
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +25,13 @@ install: $(STAMP)
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(PY) -m inference make-tiny $(DEMO_MODEL)
 
-# The main job: a local cluster (main, shadow, $(WORKERS) workers on 127.0.0.1) serving the demo model.
-run: $(STAMP) $(DEMO_MODEL)/config.json
+# The main job: the control plane (private Redis unless REDIS_URL, SQLite under var/) with
+# $(AGENTS) local agents on 127.0.0.1 serving the demo model; Ctrl-C stops everything.
+run: $(STAMP)
+	$(PY) manage.py up --port $(PORT) --agents $(AGENTS)
+
+# The runtime alone, without the control plane: main, shadow and $(WORKERS) workers, one generation.
+runtime: $(STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m inference generate --model $(DEMO_MODEL) --prompt "$(PROMPT)" --max-new-tokens $(TOKENS) --workers $(WORKERS)
 
 lint: $(STAMP)
