@@ -61,7 +61,9 @@ class Command(BaseCommand):
             stopping["signal"] = signum
             raise KeyboardInterrupt
 
+        # Both explicitly: a shell that starts ``up`` in the background leaves SIGINT ignored.
         signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
         group = ProcessGroup(var / "logs", python_env())
         try:
             self._run(group, var, options)
