@@ -96,6 +96,7 @@ class RoleState(LinkMessage):
     role: str
     state: str
     detail: str = ""
+    metrics: dict = field(default_factory=dict)  # main: figures of its last generation (RUNTIME_METRICS)
 
 
 @_register
@@ -207,6 +208,21 @@ class CancelGeneration(LinkMessage):
     request_id: str
 
 
+# The figures of a generation that main's agent reports with its role state (the rest,
+# per step and per layer, stays with the caller of that generation).
+RUNTIME_METRICS = (
+    "ttft_ms",
+    "decode_tok_s",
+    "e2e_tok_s",
+    "recall",
+    "prediction_in_time",
+    "prompt_tokens",
+    "generated_tokens",
+    "token_period",
+    "kv_period",
+    "expert_bytes",
+    "decode_layer_coordination_ms_median",
+)
 ROLE_STATES = ("fetching", "starting", "ready", "failed", "stopped")
 GENERATION_EVENTS = (GenerationToken, GenerationDone, GenerationFailed)
 EVENTS = (Heartbeat, Pong, TaskProgress, TaskDone, RoleState, *GENERATION_EVENTS)

@@ -25,6 +25,7 @@ from agent.credentials import NodeCredential
 from agent.download import fetch_shard
 from agent.http import ControlPlaneError
 from agent.messages import (
+    RUNTIME_METRICS,
     ApplyAlignment,
     CancelGeneration,
     Generate,
@@ -76,10 +77,14 @@ class RoleRunner:
     def snapshot(self) -> dict:
         return self.state.to_json() if self.state is not None else {}
 
-    async def _set(self, state: str, detail: str = "") -> None:
+    async def _set(self, state: str, detail: str = "", metrics: dict | None = None) -> None:
         assert self.command is not None
         role = self.command.spec.get("role", "?")
-        self.state = RoleState(deployment=self.command.deployment, role=str(role), state=state, detail=detail)
+        if metrics is None:
+            metrics = self.state.metrics if self.state is not None and state == "ready" else {}
+        self.state = RoleState(
+            deployment=self.command.deployment, role=str(role), state=state, detail=detail, metrics=metrics
+        )
         log.info("role %s of %s: %s %s", role, self.command.deployment, state, detail)
         await self.send(self.state)
 
@@ -264,12 +269,16 @@ class RoleRunner:
                 return
             self._running_generations.add(command.request_id)
             try:
-                await asyncio.to_thread(self._stream, client, command, asyncio.get_running_loop())
+                metrics = await asyncio.to_thread(self._stream, client, command, asyncio.get_running_loop())
             finally:
                 self._running_generations.discard(command.request_id)
                 client.close()
+            if metrics is not None and self.state is not None and self.state.state == "ready":
+                await self._set("ready", metrics={k: metrics.get(k) for k in RUNTIME_METRICS})
 
-    def _stream(self, client: RuntimeClient, command: Generate, loop: asyncio.AbstractEventLoop) -> None:
+    def _stream(self, client: RuntimeClient, command: Generate, loop: asyncio.AbstractEventLoop) -> dict | None:
+        """Relay one generation's events; returns its metrics when it finished."""
+
         def post(message: LinkMessage) -> None:
             asyncio.run_coroutine_threadsafe(self.send(message), loop).result(timeout=30)
 
@@ -293,10 +302,11 @@ class RoleRunner:
                             metrics=event.metrics,
                         )
                     )
-                else:
-                    post(GenerationToken(request_id=event.request_id, index=event.index, token_id=event.token_id))
+                    return event.metrics
+                post(GenerationToken(request_id=event.request_id, index=event.index, token_id=event.token_id))
         except RuntimeGenerationFailed as exc:
             post(GenerationFailed(request_id=command.request_id, error=str(exc)))
+        return None
 
     async def cancel(self, command: CancelGeneration) -> None:
         if command.request_id not in self._running_generations:

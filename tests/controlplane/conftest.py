@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from inference.launcher import free_port
+from tests.controlplane.live import purge_stale_tasks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,16 +52,29 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def celery_on_test_redis(redis_url: str) -> None:
+    """Every task the tests enqueue goes to the test Redis, from the first one on.
+
+    Set once for the session: Celery keeps its producer connections, so a broker changed
+    after the first task was sent would not be used.
+    """
+    from django.conf import settings
+
+    from controlplane import celery_app
+
+    settings.CELERY_BROKER_URL = redis_url  # for the whole session, on purpose
+    celery_app.conf.broker_url  # noqa: B018 - loads the configuration now, so the next line is not overridden
+    celery_app.conf.broker_url = redis_url
+
+
 @pytest.fixture
 def celery_worker(transactional_db, redis_url: str, settings, tmp_path: Path) -> Iterator[subprocess.Popen]:
     """A real Celery worker process on the test database (a file) and the test Redis."""
     from django.db import connection
 
-    settings.CELERY_BROKER_URL = redis_url  # what this process enqueues with
     settings.VAR_DIR = tmp_path / "var"  # shards land here, not in the checkout
-    from controlplane import celery_app
-
-    celery_app.conf.broker_url = redis_url
+    purge_stale_tasks()
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "controlplane.config.settings.test",

@@ -14,6 +14,13 @@ from typing import Any
 from controlplane.ops.processes import Child, ProcessGroup, agent_argv, asgi_argv, celery_argv, http_up, wait_until
 
 
+def purge_stale_tasks() -> None:
+    """Drop tasks earlier tests enqueued with no worker running: the ids they name are reused."""
+    from controlplane import celery_app
+
+    celery_app.control.purge()
+
+
 class Api:
     """JSON over HTTP with an API key, as any client of the REST API would call it."""
 

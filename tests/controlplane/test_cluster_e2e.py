@@ -15,7 +15,7 @@ import pytest
 
 from controlplane.ops.processes import ProcessGroup, python_env
 from inference.launcher import free_port
-from tests.controlplane.live import Api, LiveControlPlane
+from tests.controlplane.live import Api, LiveControlPlane, purge_stale_tasks
 from tests.reference import PROMPTS, reference_generate
 
 AGENTS = 10
@@ -28,11 +28,9 @@ def live(transactional_db, redis_url: str, settings, tmp_path: Path) -> Iterator
     from django.contrib.auth import get_user_model
     from django.db import connection
 
-    from controlplane import celery_app
     from controlplane.accounts.services import create_api_key
 
-    settings.CELERY_BROKER_URL = redis_url
-    celery_app.conf.broker_url = redis_url
+    purge_stale_tasks()
     settings.CHANNEL_LAYERS = {
         "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}
     }
@@ -111,6 +109,12 @@ def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPl
     assert answer["token_ids"] == reference_generate(tiny_model, PROMPTS[0], NEW_TOKENS)
     assert deployment_status(live, deployment)["status"] == "ready"
     assert {name: child.process.pid for name, child in agents.items()} == pids_before
+
+    def main_reports_new_periods() -> bool:  # main's agent reports its last generation's figures
+        main = next(m for m in deployment_status(live, deployment)["members"] if m["role"] == "main")
+        return main["metrics"].get("token_period") == 3 and main["metrics"].get("kv_period") == 2
+
+    live.wait_for("main's reported metrics", main_reports_new_periods, timeout_s=10)
 
     # 3. A worker's agent dies: its node goes offline and the deployment degraded; back when it returns.
     victim = next(m for m in ready["members"] if m["role"] == "worker")

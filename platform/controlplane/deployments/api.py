@@ -26,7 +26,7 @@ class MemberOutput(serializers.ModelSerializer):
 
     class Meta:
         model = DeploymentNode
-        fields = ["node", "node_name", "node_status", "role", "worker_index", "port", "state", "detail"]
+        fields = ["node", "node_name", "node_status", "role", "worker_index", "port", "state", "detail", "metrics"]
 
 
 class DeploymentOutput(serializers.ModelSerializer):

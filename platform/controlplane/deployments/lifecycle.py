@@ -188,9 +188,11 @@ def reconcile(*, node_id: str, report: dict) -> None:
         return
     deployment = member.deployment
     if reported == deployment.runtime_key and state in MemberState.values:
-        if member.state != state or member.detail != report.get("detail", ""):
-            member.state, member.detail = state, str(report.get("detail", ""))[:4000]
-            member.save(update_fields=["state", "detail", "updated_at"])
+        detail = str(report.get("detail", ""))[:4000]
+        metrics = report.get("metrics") if isinstance(report.get("metrics"), dict) else member.metrics
+        if (member.state, member.detail, member.metrics) != (state, detail, metrics):
+            member.state, member.detail, member.metrics = state, detail, metrics
+            member.save(update_fields=["state", "detail", "metrics", "updated_at"])
     elif member.state != MemberState.FAILED and _start_due(member):
         # The box runs something else, or nothing (its agent restarted): start its role again.
         member.state, member.detail = MemberState.PENDING, "role sent again"

@@ -74,6 +74,9 @@ class DeploymentNode(models.Model):
     port = models.PositiveIntegerField(null=True, blank=True, help_text="the role's inbox port on the node")
     state = models.CharField(max_length=16, choices=MemberState.choices, default=MemberState.PENDING)
     detail = models.TextField(blank=True)
+    metrics = models.JSONField(
+        default=dict, blank=True, help_text="what the role last reported (main: its last generation)"
+    )
     start_sent_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
