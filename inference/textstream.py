@@ -16,14 +16,41 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(directory)
 
 
+class IncrementalDecoder:
+    """Text of a growing list of token ids, handed out as the new part after each token."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """The text this token adds ("" while it ends inside a multi-byte character)."""
+        self.ids.append(token_id)
+        text = self.text()
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        delta, self.emitted = text[len(self.emitted) :], text
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is left at the end (an incomplete character decodes as U+FFFD)."""
+        text = self.text()
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta
+
+
 class TextStream:
     """Prints only the new part of the decoded text after each token."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, out: TextIO | None) -> None:
         self.tokenizer = tokenizer
         self.out = out
-        self.ids: list[int] = []
-        self.printed = ""
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
 
     def text(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -31,17 +58,14 @@ class TextStream:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> None:
-        self.ids.append(token_id)
-        if self.out is None or self.tokenizer is None:
+        if self.out is None or self.decoder is None:
             return
-        text = self.text(self.ids)
-        # A token can end inside a multi-byte character: wait until it decodes cleanly.
-        if text.startswith(self.printed) and not text.endswith("\ufffd"):
-            self.out.write(text[len(self.printed) :])
+        delta = self.decoder.add(token_id)
+        if delta:
+            self.out.write(delta)
             self.out.flush()
-            self.printed = text
 
     def finish(self) -> None:
-        if self.out is not None and self.tokenizer is not None:
-            self.out.write("\n")
+        if self.out is not None and self.decoder is not None:
+            self.out.write(self.decoder.flush() + "\n")
             self.out.flush()

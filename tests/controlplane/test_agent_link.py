@@ -304,3 +304,25 @@ def test_a_node_relays_only_generations_it_was_given(channel_layer_on_test_redis
     relayed = async_to_sync(session)()
     assert [e["type"] for e in relayed] == ["generation_token", "generation_done"]
     assert all(e["request_id"] == "r1" for e in relayed)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_chat_sockets_need_a_logged_in_user(channel_layer_on_test_redis) -> None:
+    from asgiref.sync import async_to_sync
+
+    async def attempt(headers: list) -> bool:
+        comm = WebsocketCommunicator(application, "/ws/chat/", headers=headers)
+        connected, _ = await comm.connect()
+        await comm.disconnect()
+        return connected
+
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    same_site = [(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")]
+    assert async_to_sync(attempt)(same_site) is False  # no session
+    browser = Client()
+    browser.force_login(get_user_model().objects.create_user("reader"))
+    cookie = [(b"cookie", f"sessionid={browser.cookies['sessionid'].value}".encode())]
+    assert async_to_sync(attempt)(same_site + cookie) is True
+    assert async_to_sync(attempt)([(b"origin", b"http://evil.example"), (b"host", b"127.0.0.1"), *cookie]) is False

@@ -14,8 +14,14 @@ django_application = get_asgi_application()  # sets Django up before the routes 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
+from controlplane.chat.routing import websocket_urlpatterns as chat_routes  # noqa: E402
 from controlplane.nodes.routing import websocket_urlpatterns as agent_routes  # noqa: E402
 
 application = ProtocolTypeRouter(
-    {"http": ASGIStaticFilesHandler(django_application), "websocket": URLRouter(agent_routes)}
+    {
+        "http": ASGIStaticFilesHandler(django_application),
+        # Agents authenticate with their node credential; the chat routes carry their own
+        # session and origin checks.
+        "websocket": URLRouter([*agent_routes, *chat_routes]),
+    }
 )

@@ -8,8 +8,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from controlplane.nodes import install
 
 urlpatterns = [
-    # Until the console exists, the front page is Django's admin (nodes, models, deployments).
-    path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    # The front page is the chat; staff reach the admin (nodes, models, deployments) from its bar.
+    path("", RedirectView.as_view(url="/chat/", permanent=False)),
     path("admin/", admin.site.urls),
     path("agent/install.sh", install.install_script, name="agent-install"),
     path("agent/odmoe-agent.tar.gz", install.agent_package, name="agent-package"),
@@ -18,4 +18,7 @@ urlpatterns = [
     path("api/", include("controlplane.nodes.urls")),
     path("api/", include("controlplane.artifacts.urls")),
     path("api/", include("controlplane.deployments.urls")),
+    path("", include("controlplane.serving.urls")),
+    path("", include("controlplane.chat.urls")),
+    path("accounts/", include("django.contrib.auth.urls")),
 ]

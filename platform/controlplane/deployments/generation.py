@@ -31,7 +31,7 @@ from agent.messages import (
 )
 from controlplane.nodes.consumers import generation_group, node_group
 
-from .models import Deployment, DeploymentStatus, Role
+from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, Role
 
 FIRST_EVENT_TIMEOUT_S = 120.0  # prefill and a queue behind other generations
 NEXT_EVENT_TIMEOUT_S = 60.0
@@ -66,6 +66,16 @@ def _target(deployment_id: int) -> tuple[str, str]:
         raise ClusterUnavailable(f"deployment {deployment.name} is {deployment.status}{reason}")
     main = deployment.members.get(role=Role.MAIN)
     return str(main.node_id), deployment.runtime_key
+
+
+def _main_node(deployment_id: int) -> str:
+    """Main's node of a running deployment (ready or not: a cancel must get through a degraded one)."""
+    member = DeploymentNode.objects.filter(
+        deployment_id=deployment_id, deployment__status__in=RUNNING, role=Role.MAIN
+    ).first()
+    if member is None:
+        raise ClusterUnavailable(f"deployment {deployment_id} is not running")
+    return str(member.node_id)
 
 
 async def astream(
@@ -108,7 +118,7 @@ async def astream(
 
 async def acancel(deployment_id: int, request_id: str) -> None:
     """Stop a generation after its current step; it ends with finish_reason "cancelled"."""
-    node_id, _ = await database_sync_to_async(_target, thread_sensitive=False)(deployment_id)
+    node_id = await database_sync_to_async(_main_node, thread_sensitive=False)(deployment_id)
     command = CancelGeneration(request_id=request_id).to_json()
     await get_channel_layer().group_send(node_group(node_id), {"type": "agent.command", "command": command})
 

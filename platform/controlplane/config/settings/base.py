@@ -10,6 +10,8 @@
 | ``ODMOE_JOIN_TOKEN_TTL_S`` | default lifetime of a join token | 86400 |
 | ``REDIS_URL`` | Redis for Celery and the Channels layer | ``redis://127.0.0.1:6379/0`` |
 | ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
+| ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
+| ``ODMOE_LOG_LEVEL`` | log level of every process | INFO |
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ INSTALLED_APPS = [
     "controlplane.artifacts",
     "controlplane.deployments",
     "controlplane.ops",
+    "controlplane.serving",
+    "controlplane.chat",
 ]
 
 MIDDLEWARE = [
@@ -104,6 +108,10 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+STATICFILES_DIRS = [REPO_DIR / "frontend" / "static"]
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
 
 REST_FRAMEWORK = {
     # API keys first: a bad key is then a 401 with "WWW-Authenticate: Bearer", not a 403.
@@ -136,6 +144,8 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True  # results live in the database, not in Redis
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A task whose worker died without acknowledging it runs again after this long (Redis broker).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": float(os.environ.get("ODMOE_TASK_REDELIVERY_S", "3600"))}
 
 # Room for a whole answer's tokens in a channel whose reader is briefly busy (the default is 100).
 CHANNEL_LAYERS = {

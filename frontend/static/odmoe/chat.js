@@ -1,0 +1,103 @@
+// The chat page: send a message over the chat websocket, show the answer's tokens as they arrive,
+// stop it on demand. The protocol is described in platform/controlplane/chat/protocol.py.
+(function () {
+  "use strict";
+  const list = document.getElementById("messages");
+  const form = document.getElementById("composer");
+  const prompt = document.getElementById("prompt");
+  const sendButton = document.getElementById("send");
+  const stopButton = document.getElementById("stop");
+  const status = document.getElementById("status");
+  let conversation = list.dataset.conversation ? Number(list.dataset.conversation) : null;
+  let answer = null; // the <li> being written
+  let socket = null;
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    socket = new WebSocket(`${scheme}://${location.host}/ws/chat/`);
+    socket.addEventListener("message", (event) => handle(JSON.parse(event.data)));
+    socket.addEventListener("close", () => {
+      setBusy(false);
+      status.textContent = "disconnected; reconnecting…";
+      setTimeout(connect, 1000);
+    });
+    socket.addEventListener("open", () => { status.textContent = ""; });
+  }
+
+  function bubble(role, text, extra) {
+    const item = document.createElement("li");
+    item.className = `message ${role} ${extra || ""}`;
+    const content = document.createElement("div");
+    content.className = "content";
+    content.textContent = text;
+    item.appendChild(content);
+    if (role === "assistant") {
+      const figures = document.createElement("div");
+      figures.className = "figures";
+      item.appendChild(figures);
+    }
+    list.appendChild(item);
+    item.scrollIntoView({ block: "end" });
+    return item;
+  }
+
+  function setBusy(busy) {
+    sendButton.disabled = busy;
+    stopButton.disabled = !busy;
+  }
+
+  function figures(metrics, state) {
+    const parts = [];
+    if (metrics.ttft_ms != null) parts.push(`TTFT ${Math.round(metrics.ttft_ms)} ms`);
+    if (metrics.decode_tok_s != null) parts.push(`${metrics.decode_tok_s.toFixed(1)} tok/s`);
+    if (metrics.recall != null) parts.push(`recall ${Math.round(metrics.recall * 100)}%`);
+    if (state === "stopped") parts.push("stopped");
+    return parts.join(" · ");
+  }
+
+  function handle(message) {
+    if (message.type === "conversation") {
+      if (conversation !== message.id) {
+        conversation = message.id;
+        history.replaceState(null, "", `/chat/${conversation}/`);
+      }
+    } else if (message.type === "token" && answer) {
+      answer.querySelector(".content").textContent += message.text;
+      answer.dataset.tokens = String(Number(answer.dataset.tokens || 0) + 1);
+      answer.scrollIntoView({ block: "end" });
+    } else if (message.type === "done" && answer) {
+      answer.querySelector(".content").textContent = message.content;
+      answer.querySelector(".figures").textContent = figures(message.metrics, message.status);
+      answer.classList.remove("streaming");
+      answer.classList.add(message.status);
+      answer.dataset.id = message.message_id;
+      answer = null;
+      setBusy(false);
+    } else if (message.type === "error") {
+      status.textContent = message.detail;
+      status.className = "error";
+      if (answer) answer.querySelector(".figures").textContent = message.detail;
+    }
+  }
+
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = prompt.value;
+    if (!text.trim() || !socket || socket.readyState !== WebSocket.OPEN) return;
+    status.textContent = "";
+    status.className = "";
+    bubble("user", text);
+    answer = bubble("assistant", "", "streaming");
+    setBusy(true);
+    socket.send(JSON.stringify({ type: "send", conversation: conversation, content: text }));
+    prompt.value = "";
+  });
+  prompt.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault();
+      form.requestSubmit();
+    }
+  });
+  stopButton.addEventListener("click", () => socket.send(JSON.stringify({ type: "stop" })));
+  connect();
+})();

@@ -1,0 +1,114 @@
+"""The chat websocket: a user's message in, the answer's tokens out as the cluster makes them.
+
+Only logged-in users connect (the session cookie); one answer at a time per socket; a
+``stop`` message really stops the generation on the cluster, and so does closing the page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from controlplane.deployments import generation
+from controlplane.serving import completions
+from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, TextDelta
+from controlplane.serving.text import InputError, Sampling, check_lengths, encode_chat
+
+from . import protocol, services
+from .models import MessageStatus
+
+log = logging.getLogger(__name__)
+
+CLOSE_UNAUTHENTICATED = 4401
+GREEDY = Sampling(temperature=0.0)
+
+
+class ChatConsumer(AsyncJsonWebsocketConsumer):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.answering: asyncio.Task | None = None
+        self.running: tuple[int, str] | None = None  # (deployment id, request id) of the generation in flight
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        await self._stop_generation()
+        if self.answering is not None:
+            self.answering.cancel()
+
+    async def receive_json(self, content, **kwargs) -> None:
+        try:
+            message = protocol.parse_client(content)
+        except protocol.ProtocolError as exc:
+            await self.send_json(protocol.error(str(exc)))
+            return
+        if isinstance(message, protocol.Stop):
+            await self._stop_generation()
+        elif self.answering is not None and not self.answering.done():
+            await self.send_json(protocol.error("an answer is still being written: wait for it or stop it"))
+        else:
+            self.answering = asyncio.create_task(self._answer(message))
+
+    async def _stop_generation(self) -> None:
+        if self.running is not None:
+            with contextlib.suppress(ClusterUnavailable):
+                await generation.acancel(*self.running)
+
+    async def _answer(self, send: protocol.Send) -> None:
+        user = self.scope["user"]
+        try:
+            conversation, answer, history = await database_sync_to_async(services.start_turn)(
+                user=user, conversation_id=send.conversation, content=send.content
+            )
+        except services.ChatError as exc:
+            await self.send_json(protocol.error(str(exc)))
+            return
+        await self.send_json(protocol.conversation(conversation.pk, conversation.title))
+        text, status, metrics, error = "", MessageStatus.FAILED, {}, ""
+        try:
+            target, prompt_ids = await database_sync_to_async(_prepare, thread_sensitive=False)(
+                history, send.max_tokens
+            )
+            await database_sync_to_async(services.set_model)(answer_id=answer.pk, model_name=target.name)
+            request_id = completions.new_request_id()
+            self.running = (target.deployment_id, request_id)
+            async for item in completions.astream(target, prompt_ids, send.max_tokens, GREEDY, request_id=request_id):
+                if isinstance(item, TextDelta):
+                    text += item.text
+                    await self.send_json(protocol.token(item.text))
+                elif isinstance(item, CompletionResult):
+                    text, metrics = item.text, item.metrics
+                    status = MessageStatus.STOPPED if item.finish_reason == "cancelled" else MessageStatus.COMPLETE
+        except (ClusterUnavailable, ClusterGenerationError, InputError) as exc:
+            error = str(exc)
+        except asyncio.CancelledError:
+            status, error = MessageStatus.STOPPED, "the page was closed"
+            raise
+        finally:
+            self.running = None
+            await database_sync_to_async(services.finish_turn)(
+                answer_id=answer.pk, content=text, status=status, metrics=metrics, error=error
+            )
+        if error:
+            await self.send_json(protocol.error(error))
+        shown = {k: metrics.get(k) for k in services.SHOWN_METRICS if metrics.get(k) is not None}
+        await self.send_json(protocol.done(answer.pk, text, status, shown))
+
+
+def _prepare(history: list[dict], max_tokens: int):
+    target = completions.find_target()
+    prompt_ids = encode_chat(target.tokenizer, history)
+    try:
+        check_lengths(len(prompt_ids), max_tokens, target.context)
+    except InputError as exc:
+        raise InputError(f"{exc}; start a new conversation") from None
+    return target, prompt_ids

@@ -1,0 +1,68 @@
+"""What travels on the chat websocket (``/ws/chat``), both ways, as JSON objects with a ``type``.
+
+Browser → server: ``{"type": "send", "conversation": ID | null, "content": TEXT, "max_tokens": N?}``
+and ``{"type": "stop"}``. Server → browser: ``conversation`` (the conversation the answer
+belongs to), ``token`` (a piece of text), ``done`` (the saved answer with its figures) and
+``error`` (a reason to show). ``parse_client`` validates what arrives and says what is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_CONTENT_CHARS = 20_000
+DEFAULT_MAX_TOKENS = 128
+MAX_TOKENS = 1024
+
+
+class ProtocolError(ValueError):
+    """A browser message that is not valid; the message says why."""
+
+
+@dataclass(frozen=True)
+class Send:
+    conversation: int | None
+    content: str
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+def parse_client(obj: object) -> Send | Stop:
+    if not isinstance(obj, dict):
+        raise ProtocolError("a message must be a JSON object")
+    kind = obj.get("type")
+    if kind == "stop":
+        return Stop()
+    if kind != "send":
+        raise ProtocolError(f"unknown message type {kind!r:.40}")
+    content, conversation = obj.get("content"), obj.get("conversation")
+    max_tokens = obj.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if not isinstance(content, str) or not content.strip():
+        raise ProtocolError("write a message first")
+    if len(content) > MAX_CONTENT_CHARS:
+        raise ProtocolError(f"a message is at most {MAX_CONTENT_CHARS} characters")
+    if conversation is not None and (not isinstance(conversation, int) or isinstance(conversation, bool)):
+        raise ProtocolError("conversation must be an id or null")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS:
+        raise ProtocolError(f"max_tokens must be between 1 and {MAX_TOKENS}")
+    return Send(conversation, content, max_tokens)
+
+
+def token(text: str) -> dict:
+    return {"type": "token", "text": text}
+
+
+def conversation(conversation_id: int, title: str) -> dict:
+    return {"type": "conversation", "id": conversation_id, "title": title}
+
+
+def done(message_id: int, content: str, status: str, metrics: dict) -> dict:
+    return {"type": "done", "message_id": message_id, "content": content, "status": status, "metrics": metrics}
+
+
+def error(detail: str) -> dict:
+    return {"type": "error", "detail": detail}

@@ -1,0 +1,49 @@
+"""Writes of the chat: a turn starts with the user's message saved, and ends with the answer saved.
+
+The user's words are stored before anything can fail, so nothing they wrote is ever lost;
+the answer is stored as it ended (complete, stopped, or failed with the reason).
+"""
+
+from __future__ import annotations
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+
+from .models import TITLE_CHARS, Conversation, Message, MessageStatus
+
+SHOWN_METRICS = ("ttft_ms", "decode_tok_s", "recall", "generated_tokens")
+
+
+class ChatError(ValueError):
+    """A chat action that cannot be done; the message says why."""
+
+
+@transaction.atomic
+def start_turn(
+    *, user: AbstractBaseUser, conversation_id: int | None, content: str
+) -> tuple[Conversation, Message, list]:
+    """Save the user's message (in a new conversation if none is given) and an empty answer."""
+    if conversation_id is None:
+        title = content.strip().splitlines()[0][:TITLE_CHARS]
+        conversation = Conversation.objects.create(owner=user, title=title)
+    else:
+        conversation = Conversation.objects.filter(pk=conversation_id, owner=user).first()
+        if conversation is None:
+            raise ChatError(f"no conversation {conversation_id}")
+        conversation.save(update_fields=["updated_at"])
+    Message.objects.create(conversation=conversation, role="user", content=content)
+    history = [
+        {"role": m.role, "content": m.content}
+        for m in conversation.messages.exclude(role="assistant", status=MessageStatus.FAILED)
+    ]
+    answer = Message.objects.create(conversation=conversation, role="assistant", status=MessageStatus.STREAMING)
+    return conversation, answer, history
+
+
+def finish_turn(*, answer_id: int, content: str, status: str, metrics: dict | None = None, error: str = "") -> None:
+    shown = {k: (metrics or {}).get(k) for k in SHOWN_METRICS if (metrics or {}).get(k) is not None}
+    Message.objects.filter(pk=answer_id).update(content=content, status=status, metrics=shown, error=error)
+
+
+def set_model(*, answer_id: int, model_name: str) -> None:
+    Message.objects.filter(pk=answer_id).update(model_name=model_name)

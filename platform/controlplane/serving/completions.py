@@ -1,0 +1,130 @@
+"""A completion through the cluster, in text: find the deployment, stream text deltas, count usage.
+
+``Assembler`` turns the cluster's token events into text deltas and a final result (pure);
+``astream`` and ``complete`` drive it from the generation service, for async consumers
+(chat, streamed OpenAI responses) and for sync code (jobs, plain OpenAI responses).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from channels.db import database_sync_to_async
+
+from agent.messages import GenerationDone, GenerationToken
+from controlplane.deployments import generation
+from controlplane.deployments.generation import ClusterGenerationError, ClusterUnavailable, GenerationRequest
+from controlplane.deployments.models import Deployment, DeploymentStatus
+from inference.textstream import IncrementalDecoder
+
+from .text import Sampling, tokenizer_for
+
+__all__ = ["ClusterGenerationError", "ClusterUnavailable", "ModelNotFound", "Target", "find_target"]
+
+
+class ModelNotFound(LookupError):
+    """No deployment by that name."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A deployment that serves text: its id, name, checkpoint and context length."""
+
+    deployment_id: int
+    name: str
+    model_path: str
+    context: int | None
+
+    @property
+    def tokenizer(self):
+        return tokenizer_for(self.model_path)
+
+
+def find_target(name: str | None = None) -> Target:
+    """The deployment called ``name``; without a name, the ready one (the newest if several)."""
+    deployments = Deployment.objects.select_related("model")
+    if name is not None:
+        deployment = deployments.filter(name=name).first()
+        if deployment is None:
+            raise ModelNotFound(f"no deployment named {name!r}; GET /v1/models lists them")
+    else:
+        deployment = deployments.filter(status=DeploymentStatus.READY).order_by("-updated_at").first()
+        if deployment is None:
+            raise ClusterUnavailable("no deployment is ready: deploy a model in the console first")
+    if deployment.status != DeploymentStatus.READY:
+        reason = f" ({deployment.status_reason})" if deployment.status_reason else ""
+        raise ClusterUnavailable(f"deployment {deployment.name} is {deployment.status}{reason}; try again when ready")
+    context = deployment.model.summary.get("max_position_embeddings")
+    return Target(deployment.pk, deployment.name, deployment.model.path, context if isinstance(context, int) else None)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    token_id: int
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop, length or cancelled
+    prompt_tokens: int
+    metrics: dict = field(default_factory=dict)
+
+
+class Assembler:
+    """Token events in; text deltas and, at the end, the whole result out."""
+
+    def __init__(self, tokenizer, prompt_tokens: int) -> None:
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.prompt_tokens = prompt_tokens
+
+    def feed(self, event: GenerationToken | GenerationDone) -> list[TextDelta | CompletionResult]:
+        if isinstance(event, GenerationToken):
+            delta = self.decoder.add(event.token_id)
+            return [TextDelta(delta, event.token_id)] if delta else []
+        tail = self.decoder.flush()  # a last incomplete character, if any
+        result = CompletionResult(
+            text=self.decoder.emitted,
+            token_ids=list(event.token_ids),
+            finish_reason=event.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            metrics=event.metrics,
+        )
+        return [TextDelta(tail, -1), result] if tail else [result]
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+async def astream(
+    target: Target, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, *, request_id: str | None = None
+) -> AsyncIterator[TextDelta | CompletionResult]:
+    """Text deltas as the cluster produces tokens, then the result (its text is the whole answer)."""
+    tokenizer = await database_sync_to_async(lambda: target.tokenizer, thread_sensitive=False)()
+    assembler = Assembler(tokenizer, len(prompt_ids))
+    request = GenerationRequest(
+        prompt_ids, max_new_tokens, request_id=request_id or new_request_id(), **sampling.request_fields()
+    )
+    async for event in generation.astream(target.deployment_id, request):
+        for item in assembler.feed(event):
+            yield item
+
+
+def complete(
+    target: Target, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, *, request_id: str | None = None
+) -> CompletionResult:
+    """The whole completion (synchronous)."""
+    assembler = Assembler(target.tokenizer, len(prompt_ids))
+    request = GenerationRequest(
+        prompt_ids, max_new_tokens, request_id=request_id or new_request_id(), **sampling.request_fields()
+    )
+    for event in generation.stream(target.deployment_id, request):
+        for item in assembler.feed(event):
+            if isinstance(item, CompletionResult):
+                return item
+    raise ClusterGenerationError("the cluster ended the generation without a result")

@@ -1,0 +1,132 @@
+"""Writes of jobs: submit, run one output (from a Celery task), cancel.
+
+Each output is its own Celery task, acknowledged late and idempotent: a worker that stops
+mid-job leaves the remaining outputs queued in Redis, and a task that runs twice finds its
+output already done (or re-runs it from scratch: outputs are written only when finished).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.deployments import generation
+
+from .completions import ClusterGenerationError, ClusterUnavailable, complete, find_target
+from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
+from .text import InputError, Sampling, check_lengths, encode_prompt
+
+MAX_PROMPTS = 100
+
+
+def submit_job(
+    *,
+    owner: AbstractBaseUser,
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    sampling: Sampling,
+) -> Job:
+    """Check every prompt against the model now (clear errors, nothing stored), then queue them."""
+    from .tasks import run_job_output_task
+
+    if not 1 <= len(prompts) <= MAX_PROMPTS:
+        raise InputError(f"a job takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompts")
+    target = find_target(model)
+    lengths = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids = encode_prompt(target.tokenizer, prompt)
+            check_lengths(len(ids), max_tokens, target.context)
+        except InputError as exc:
+            raise InputError(f"prompts[{i}]: {exc}", param=f"prompts[{i}]", code=exc.code) from None
+        lengths.append(len(ids))
+    with transaction.atomic():
+        job = Job.objects.create(
+            owner=owner,
+            deployment_id=target.deployment_id,
+            model_name=target.name,
+            max_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+        )
+        outputs = JobOutput.objects.bulk_create(
+            JobOutput(job=job, index=i, prompt=p, prompt_tokens=n)
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+        )
+        ids = [o.pk for o in outputs]
+        transaction.on_commit(lambda: [run_job_output_task.delay(pk) for pk in ids])
+    return job
+
+
+def run_output(*, output_id: int) -> None:
+    """Generate one output of a job (what the Celery task does); a finished one is left as it is."""
+    with transaction.atomic():
+        output = JobOutput.objects.select_for_update().select_related("job").filter(pk=output_id).first()
+        if output is None or output.status in (OutputStatus.DONE, OutputStatus.CANCELLED):
+            return
+        job = output.job
+        if job.status in ENDED:
+            return
+        output.status, output.request_id = OutputStatus.RUNNING, uuid.uuid4().hex
+        output.save(update_fields=["status", "request_id"])
+        Job.objects.filter(pk=job.pk, status=JobStatus.QUEUED).update(
+            status=JobStatus.RUNNING, started_at=timezone.now()
+        )
+    sampling = Sampling(job.temperature, job.top_p, job.seed)
+    try:
+        target = find_target(job.model_name)
+        ids = encode_prompt(target.tokenizer, output.prompt)
+        result = complete(target, ids, job.max_tokens, sampling, request_id=output.request_id)
+    except (ClusterUnavailable, ClusterGenerationError, InputError, LookupError) as exc:
+        JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
+            status=OutputStatus.FAILED, error=str(exc), finished_at=timezone.now()
+        )
+    else:
+        status = OutputStatus.CANCELLED if result.finish_reason == "cancelled" else OutputStatus.DONE
+        JobOutput.objects.filter(pk=output.pk).update(
+            status=status,
+            text=result.text,
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            metrics=result.metrics,
+            error="",
+            finished_at=timezone.now(),
+        )
+    _finish_if_done(job.pk)
+
+
+def cancel_job(*, job: Job) -> Job:
+    """Cancel what has not run; a running output stops on the cluster after its current step."""
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        if locked.status in ENDED:
+            return locked
+        locked.outputs.filter(status=OutputStatus.QUEUED).update(status=OutputStatus.CANCELLED)
+        running = list(locked.outputs.filter(status=OutputStatus.RUNNING).values_list("request_id", flat=True))
+        locked.status, locked.finished_at = JobStatus.CANCELLED, timezone.now()
+        locked.save(update_fields=["status", "finished_at"])
+        deployment_id = locked.deployment_id
+    for request_id in running:
+        if deployment_id is not None and request_id:
+            with contextlib.suppress(ClusterUnavailable):  # the deployment is gone: nothing runs there
+                generation.cancel(deployment_id, request_id)
+    return locked
+
+
+def _finish_if_done(job_id: uuid.UUID) -> None:
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_id)
+        if job.status in ENDED:
+            return
+        states = set(job.outputs.values_list("status", flat=True))
+        if states & {OutputStatus.QUEUED, OutputStatus.RUNNING}:
+            return
+        job.status = JobStatus.FAILED if OutputStatus.FAILED in states else JobStatus.SUCCEEDED
+        job.finished_at = timezone.now()
+        job.save(update_fields=["status", "finished_at"])

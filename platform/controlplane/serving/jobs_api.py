@@ -1,0 +1,145 @@
+"""Jobs REST API: ``POST /api/jobs``, ``GET /api/jobs``, ``GET /api/jobs/<id>``, ``POST /api/jobs/<id>/cancel``.
+
+Any logged-in user or API key may submit jobs; each sees their own, staff see all.
+"""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema, extend_schema_serializer
+from rest_framework import serializers, status
+from rest_framework.exceptions import NotFound
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.pagination import paginated
+
+from . import jobs
+from .completions import ClusterUnavailable, ModelNotFound
+from .models import Job, JobOutput
+from .text import MAX_NEW_TOKENS, InputError, Sampling
+
+
+class JobOutputSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = JobOutput
+        fields = [
+            "index",
+            "prompt",
+            "prompt_tokens",
+            "status",
+            "text",
+            "token_ids",
+            "finish_reason",
+            "metrics",
+            "error",
+            "finished_at",
+        ]
+
+
+class JobSerializer(serializers.ModelSerializer):
+    outputs = JobOutputSerializer(many=True)
+    owner = serializers.CharField(source="owner.username")
+    model = serializers.CharField(source="model_name")
+
+    class Meta:
+        model = Job
+        fields = [
+            "id",
+            "owner",
+            "model",
+            "status",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "outputs",
+        ]
+
+
+class JobSummarySerializer(JobSerializer):
+    class Meta(JobSerializer.Meta):
+        fields = [f for f in JobSerializer.Meta.fields if f != "outputs"]
+
+
+class JobListApi(APIView):
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema_serializer(component_name="JobInput")
+    class InputSerializer(serializers.Serializer):
+        model = serializers.CharField(help_text="a ready deployment's name")
+        prompts = serializers.ListField(
+            child=serializers.CharField(trim_whitespace=False),
+            required=False,
+            min_length=1,
+            max_length=jobs.MAX_PROMPTS,
+        )
+        prompt = serializers.CharField(required=False, trim_whitespace=False, help_text="one prompt (or use prompts)")
+        max_tokens = serializers.IntegerField(min_value=1, max_value=MAX_NEW_TOKENS, default=64)
+        temperature = serializers.FloatField(min_value=0.0, max_value=2.0, default=1.0, help_text="0 is greedy")
+        top_p = serializers.FloatField(min_value=0.0, max_value=1.0, default=1.0)
+        seed = serializers.IntegerField(min_value=0, required=False, allow_null=True, default=None)
+
+        def validate(self, data: dict) -> dict:
+            if ("prompts" in data) == ("prompt" in data):
+                raise serializers.ValidationError("give either prompt or prompts")
+            if data["top_p"] == 0:
+                raise serializers.ValidationError({"top_p": "top_p must be above 0"})
+            return data
+
+    @extend_schema(responses=JobSummarySerializer(many=True))
+    def get(self, request: Request) -> Response:
+        visible = Job.objects.select_related("owner")
+        if not request.user.is_staff:
+            visible = visible.filter(owner=request.user)
+        return paginated(request, visible, JobSummarySerializer)
+
+    @extend_schema(request=InputSerializer, responses={201: JobSerializer})
+    def post(self, request: Request) -> Response:
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = data.validated_data
+        prompts = values.get("prompts") or [values["prompt"]]
+        try:
+            job = jobs.submit_job(
+                owner=request.user,
+                model=values["model"],
+                prompts=prompts,
+                max_tokens=values["max_tokens"],
+                sampling=Sampling(values["temperature"], values["top_p"], values["seed"]),
+            )
+        except InputError as exc:
+            return Response({"detail": str(exc), "param": exc.param}, status=status.HTTP_400_BAD_REQUEST)
+        except ModelNotFound as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_404_NOT_FOUND)
+        except ClusterUnavailable as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(JobSerializer(_job(request, job.pk)).data, status=status.HTTP_201_CREATED)
+
+
+class JobDetailApi(APIView):
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(responses=JobSerializer)
+    def get(self, request: Request, job_id) -> Response:
+        return Response(JobSerializer(_job(request, job_id)).data)
+
+
+class JobCancelApi(APIView):
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(request=None, responses=JobSerializer)
+    def post(self, request: Request, job_id) -> Response:
+        jobs.cancel_job(job=_job(request, job_id))
+        return Response(JobSerializer(_job(request, job_id)).data)
+
+
+def _job(request: Request, job_id) -> Job:
+    found = Job.objects.select_related("owner").prefetch_related("outputs").filter(pk=job_id).first()
+    if found is None or (found.owner_id != request.user.pk and not request.user.is_staff):
+        raise NotFound(f"no job {job_id}")
+    return found

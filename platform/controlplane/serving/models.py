@@ -1,0 +1,72 @@
+"""Jobs: batches of prompts run by Celery on a deployment, with every output and its metrics stored."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class JobStatus(models.TextChoices):
+    QUEUED = "queued", "queued"
+    RUNNING = "running", "running"
+    SUCCEEDED = "succeeded", "succeeded"
+    FAILED = "failed", "failed (see its outputs)"
+    CANCELLED = "cancelled", "cancelled"
+
+
+ENDED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class Job(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
+    deployment = models.ForeignKey("deployments.Deployment", null=True, on_delete=models.SET_NULL, related_name="jobs")
+    model_name = models.CharField(max_length=100, help_text="the deployment's name when the job was submitted")
+    status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED)
+    max_tokens = models.PositiveIntegerField()
+    temperature = models.FloatField(default=1.0)
+    top_p = models.FloatField(default=1.0)
+    seed = models.BigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} ({self.status})"
+
+
+class OutputStatus(models.TextChoices):
+    QUEUED = "queued", "queued"
+    RUNNING = "running", "running"
+    DONE = "done", "done"
+    FAILED = "failed", "failed"
+    CANCELLED = "cancelled", "cancelled"
+
+
+class JobOutput(models.Model):
+    """One prompt of a job and what the cluster answered."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="outputs")
+    index = models.PositiveIntegerField()
+    prompt = models.TextField()
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    status = models.CharField(max_length=16, choices=OutputStatus.choices, default=OutputStatus.QUEUED)
+    request_id = models.CharField(max_length=64, blank=True, help_text="the cluster generation running it")
+    text = models.TextField(blank=True)
+    token_ids = models.JSONField(default=list, blank=True)
+    finish_reason = models.CharField(max_length=16, blank=True)
+    metrics = models.JSONField(default=dict, blank=True, help_text="the runtime's figures, per step included")
+    error = models.TextField(blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "index"]
+        constraints = [models.UniqueConstraint(fields=["job", "index"], name="one_output_per_index")]
+
+    def __str__(self) -> str:
+        return f"output {self.index} of {self.job_id}"

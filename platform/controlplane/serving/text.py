@@ -1,0 +1,101 @@
+"""Text in, text out for a deployment: the model's tokenizer, chat prompts, and input limits.
+
+Pure decisions plus a small tokenizer cache; nothing here talks to the cluster.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from inference.textstream import load_tokenizer
+
+MAX_NEW_TOKENS = 4096
+# Without a chat template in the tokenizer, conversations are laid out like this.
+FALLBACK_TEMPLATE = "{role}: {content}\n"
+FALLBACK_ASSISTANT = "assistant:"
+
+
+class InputError(ValueError):
+    """A request the model cannot take; ``param`` names the field, ``code`` the kind of error."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 means greedy; a seed makes sampling repeatable."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def request_fields(self) -> dict:
+        greedy = self.temperature == 0
+        return {
+            "do_sample": not greedy,
+            "temperature": 1.0 if greedy else self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_for(model_path: str) -> PreTrainedTokenizerBase:
+    tokenizer = load_tokenizer(model_path)
+    if tokenizer is None:
+        raise InputError(f"the model at {model_path} ships no tokenizer, so it cannot take text", code="no_tokenizer")
+    return tokenizer
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    if not isinstance(prompt, str) or not prompt:
+        raise InputError("prompt must be a non-empty string", param="prompt")
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """The prompt ids of a conversation, with the tokenizer's chat template when it has one."""
+    check_messages(messages)
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    text = "".join(FALLBACK_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
+    return list(tokenizer(text + FALLBACK_ASSISTANT)["input_ids"])
+
+
+def check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InputError("messages must be a non-empty list", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+            raise InputError(f"messages[{i}] needs a role of system, user or assistant", param=f"messages[{i}]")
+        if not isinstance(message.get("content"), str):
+            raise InputError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+
+
+def check_lengths(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
+    """Refuse a request that cannot fit the model's context, with the numbers."""
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise InputError(f"max_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}", param="max_tokens")
+    if context and prompt_tokens + max_new_tokens > context:
+        raise InputError(
+            f"this model's context is {context} tokens; the prompt has {prompt_tokens} and "
+            f"max_tokens asks for {max_new_tokens} more",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
+def check_sampling(temperature: object, top_p: object, seed: object) -> Sampling:
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
+        raise InputError("temperature must be a number between 0 and 2", param="temperature")
+    if not isinstance(top_p, int | float) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+        raise InputError("top_p must be a number in (0, 1]", param="top_p")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise InputError("seed must be a non-negative integer", param="seed")
+    return Sampling(float(temperature), float(top_p), seed)

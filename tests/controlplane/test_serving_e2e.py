@@ -1,0 +1,287 @@
+"""What users touch, against a real cluster: the OpenAI-compatible API with the official client,
+and the jobs API run by a real Celery worker that restarts mid-job.
+
+Each test starts its own small cluster (uvicorn, a Celery worker, 3 agents: main, shadow,
+one worker) serving the tiny model, and runs several checks against it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from django.test import override_settings
+
+from controlplane.ops.processes import ProcessGroup, python_env
+from inference.launcher import free_port
+from inference.textstream import load_tokenizer
+from tests.controlplane.live import Api, LiveControlPlane, purge_stale_tasks
+from tests.reference import reference_generate
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-cluster"
+
+
+@dataclass
+class Served:
+    plane: LiveControlPlane
+    staff_key: str
+    user_key: str
+    other_key: str
+    model_dir: Path
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.plane.server}/v1", api_key=key or self.user_key, max_retries=0)
+
+    def api(self, key: str) -> Api:
+        return Api(self.plane.server, key)
+
+
+@pytest.fixture
+def served(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -> Iterator[Served]:
+    from channels.layers import channel_layers
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+
+    from controlplane.accounts.services import create_api_key
+    from controlplane.artifacts.services import register_model
+    from controlplane.deployments import lifecycle
+    from controlplane.deployments.models import Deployment
+    from controlplane.deployments.services import create_deployment
+    from controlplane.nodes.models import Node, NodeStatus
+    from controlplane.nodes.services import create_join_token
+
+    tmp = tmp_path
+    layers = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}}
+    with override_settings(CHANNEL_LAYERS=layers, VAR_DIR=tmp / "var"):
+        channel_layers.backends.clear()
+        purge_stale_tasks()
+        users = get_user_model().objects
+        keys = [
+            create_api_key(user=users.create_user("staff", is_staff=True))[1],
+            create_api_key(user=users.create_user("alice"))[1],
+            create_api_key(user=users.create_user("bob"))[1],
+        ]
+        env = python_env(
+            DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
+            DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+            REDIS_URL=redis_url,
+            ODMOE_VAR_DIR=str(tmp / "var"),
+            ODMOE_TASK_REDELIVERY_S="5",
+        )
+        port = free_port()
+        with ProcessGroup(tmp / "logs", env) as group:
+            plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", keys[0]), tmp / "agents")
+            plane.start_server()
+            plane.start_celery()
+            _, token = create_join_token(created_by=None, max_uses=3)
+            for i in range(3):
+                plane.start_agent(f"s{i}", token)
+            plane.wait_for("3 agents", lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == 3, 90)
+            model = register_model(name="tiny", path=str(tiny_model))
+            deployment = create_deployment(
+                name=MODEL, model=model, node_ids=[str(pk) for pk in Node.objects.values_list("pk", flat=True)]
+            )
+            lifecycle.start_deployment(deployment=deployment)
+            plane.wait_for("ready", lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", 180)
+            yield Served(plane, *keys, tiny_model)
+        channel_layers.backends.clear()
+
+
+def reference_text(served: Served, prompt_ids: list[int], tokens: int) -> str:
+    tokenizer = load_tokenizer(served.model_dir)
+    return tokenizer.decode(reference_generate(served.model_dir, prompt_ids, tokens), skip_special_tokens=True)
+
+
+def chat_prompt_ids(served: Served, messages: list[dict]) -> list[int]:
+    from controlplane.serving.text import encode_chat
+
+    return encode_chat(load_tokenizer(served.model_dir), messages)
+
+
+MESSAGES = [{"role": "user", "content": "Which experts does this token need?"}]
+
+
+def check_openai_text(served: Served) -> None:
+    client = served.client()
+    assert [m.id for m in client.models.list()] == [MODEL]
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    expected = reference_text(served, chat_prompt_ids(served, MESSAGES), 12)
+    assert whole.choices[0].message.content == streamed == expected
+    assert whole.choices[0].finish_reason == "length"
+    prompt_tokens = len(chat_prompt_ids(served, MESSAGES))
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 12)
+    assert chunks[-1].usage.total_tokens == prompt_tokens + 12
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # it really streamed
+
+    text = client.completions.create(model=MODEL, prompt="Mixture of experts", max_tokens=8, temperature=0)
+    tokenizer = load_tokenizer(served.model_dir)
+    assert text.choices[0].text == reference_text(served, tokenizer("Mixture of experts")["input_ids"], 8)
+
+
+def check_sampling_and_stop(served: Served) -> None:
+    client = served.client()
+    ask = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0.9, top_p=0.95, seed=7)
+    first = client.chat.completions.create(**ask).choices[0].message.content
+    assert client.chat.completions.create(**ask).choices[0].message.content == first
+    greedy = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    full = greedy.choices[0].message.content
+    stop = full[4:7]
+    cut = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def check_openai_errors(served: Served) -> None:
+    client = served.client()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=5)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as long:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 5000}], max_tokens=5)
+    assert long.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=100000)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert missing.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        served.client("odmoe-key-forged").models.list()
+    request = urllib.request.Request(
+        f"{served.plane.server}/v1/chat/completions",
+        data=b"{not json",
+        method="POST",
+        headers={"Authorization": f"Bearer {served.user_key}", "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(request)
+    body = json.loads(raw.value.read())
+    assert raw.value.code == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def wait_job(api: Api, job_id: str, done, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = api.get(f"/api/jobs/{job_id}")
+        if done(job):
+            return job
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} did not get there: {job['status']}, {[o['status'] for o in job['outputs']]}")
+
+
+def check_job_survives_its_worker_killed(served: Served) -> None:
+    alice = served.api(served.user_key)
+    prompts = ["Mixture of experts", "Route every token", "to a few experts", "on demand", "and evict them"]
+    job = alice.post("/api/jobs", {"model": MODEL, "prompts": prompts, "max_tokens": 10, "temperature": 0}, expect=201)
+    assert job["status"] in ("queued", "running") and len(job["outputs"]) == 5
+    wait_job(alice, job["id"], lambda j: any(o["status"] == "done" for o in j["outputs"]))
+    celery = next(c for c in served.plane.group.children if c.name == "celery")
+    served.plane.group.stop(celery, kill=True)  # mid-job, without a chance to hand back its tasks
+    served.plane.start_celery()
+    finished = wait_job(alice, job["id"], lambda j: j["status"] in ("succeeded", "failed"), timeout_s=180)
+    assert finished["status"] == "succeeded", finished
+    tokenizer = load_tokenizer(served.model_dir)
+    for output, prompt in zip(finished["outputs"], prompts, strict=True):
+        assert output["status"] == "done" and output["finish_reason"] == "length"
+        assert output["text"] == reference_text(served, tokenizer(prompt)["input_ids"], 10)
+        assert output["metrics"]["generated_tokens"] == 10 and output["metrics"]["per_step"]
+    # Jobs are private to their owner; staff see them all.
+    assert served.api(served.other_key).call("GET", f"/api/jobs/{job['id']}")[0] == 404
+    assert served.api(served.staff_key).get(f"/api/jobs/{job['id']}")["owner"] == "alice"
+    assert [j["id"] for j in alice.get("/api/jobs")["results"]] == [job["id"]]
+
+
+def check_job_cancel(served: Served) -> None:
+    alice = served.api(served.user_key)
+    job = alice.post(
+        "/api/jobs", {"model": MODEL, "prompts": ["a b c"] * 6, "max_tokens": 200, "temperature": 0}, expect=201
+    )
+    wait_job(alice, job["id"], lambda j: j["status"] == "running")
+    cancelled = alice.post(f"/api/jobs/{job['id']}/cancel")
+    assert cancelled["status"] == "cancelled"
+    final = wait_job(alice, job["id"], lambda j: all(o["status"] not in ("queued", "running") for o in j["outputs"]))
+    assert {o["status"] for o in final["outputs"]} <= {"cancelled", "done"}
+    assert sum(o["status"] == "cancelled" for o in final["outputs"]) >= 5
+    bad = alice.call("POST", "/api/jobs", {"model": MODEL, "prompt": "x", "max_tokens": 0})
+    assert bad[0] == 400 and "max_tokens" in bad[1]
+
+
+def check_chat(served: Served) -> None:
+    from asgiref.sync import async_to_sync
+    from channels.testing import WebsocketCommunicator
+    from django.contrib.auth import get_user_model
+
+    from controlplane.chat.consumers import ChatConsumer
+    from controlplane.chat.models import Message
+
+    alice = get_user_model().objects.get(username="alice")
+
+    async def talk(messages: list[dict]) -> list[dict]:
+        comm = WebsocketCommunicator(ChatConsumer.as_asgi(), "/ws/chat/")
+        comm.scope["user"] = alice
+        assert (await comm.connect())[0]
+        received = []
+        for message in messages:
+            await comm.send_json_to(message)
+            while True:
+                event = await comm.receive_json_from(timeout=120)
+                received.append(event)
+                if event["type"] == "token" and message.get("stop_after") == sum(
+                    e["type"] == "token" for e in received
+                ):
+                    await comm.send_json_to({"type": "stop"})
+                if event["type"] in ("done", "error") and (event["type"] == "done" or "still" not in event["detail"]):
+                    break
+        await comm.disconnect()
+        return received
+
+    content = "Which experts does this token need?"
+    events = async_to_sync(talk)([{"type": "send", "conversation": None, "content": content, "max_tokens": 12}])
+    tokens = [e["text"] for e in events if e["type"] == "token"]
+    done = events[-1]
+    assert done["type"] == "done" and done["status"] == "complete" and len(tokens) > 1
+    rest = served.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert "".join(tokens) == done["content"] == rest.choices[0].message.content
+    assert done["metrics"]["decode_tok_s"] > 0 and "ttft_ms" in done["metrics"]
+    conversation = events[0]["id"]
+
+    # A long answer stopped after a few tokens ends on the cluster and is saved as stopped.
+    ask = {"type": "send", "conversation": conversation, "content": "Go on", "max_tokens": 400, "stop_after": 3}
+    events = async_to_sync(talk)([ask])
+    stopped = events[-1]
+    assert stopped["type"] == "done" and stopped["status"] == "stopped"
+    assert sum(e["type"] == "token" for e in events) < 400
+    saved = list(Message.objects.filter(conversation_id=conversation).values_list("role", "status"))
+    assert saved == [("user", "complete"), ("assistant", "complete"), ("user", "complete"), ("assistant", "stopped")]
+    # The cluster is free again: the next request is served at once.
+    again = served.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert again.choices[0].finish_reason == "length"
+
+
+def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
+    check_openai_text(served)
+    check_sampling_and_stop(served)
+    check_openai_errors(served)
+    check_chat(served)
+
+
+def test_jobs_on_a_live_cluster(served: Served) -> None:
+    check_job_survives_its_worker_killed(served)
+    check_job_cancel(served)
