@@ -12,7 +12,7 @@ WORKERS ?= 8
 PORT ?= 8000
 AGENTS ?= 10
 
-.PHONY: run runtime test check lint install bench clean
+.PHONY: run runtime test check lint install bench clean chromium
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,7 +40,16 @@ lint: $(STAMP)
 	$(PY) manage.py check
 	$(PY) manage.py makemigrations --check --dry-run
 
-test: lint
+# The browser tests drive Debian's Chromium; install it where it is missing (needs root or sudo).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the browser tests"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; } || \
+	  { echo "error: could not install chromium; install the Debian packages chromium and chromium-driver" >&2; exit 1; }; }
+
+test: lint chromium
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

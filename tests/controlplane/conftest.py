@@ -1,4 +1,4 @@
-"""Real services for control-plane tests: a Redis server and a Celery worker process."""
+"""Real services for control-plane tests: a Redis server, a Celery worker process, a small served cluster."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from django.test import override_settings
 
+from controlplane.ops.processes import ProcessGroup, python_env
 from inference.launcher import free_port
-from tests.controlplane.live import purge_stale_tasks
+from tests.controlplane.live import SERVED_MODEL, Api, LiveControlPlane, Served, purge_stale_tasks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,3 +120,54 @@ def celery_worker(transactional_db, redis_url: str, settings, tmp_path: Path) ->
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture
+def served(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -> Iterator[Served]:
+    from channels.layers import channel_layers
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+
+    from controlplane.accounts.services import create_api_key
+    from controlplane.artifacts.services import register_model
+    from controlplane.deployments import lifecycle
+    from controlplane.deployments.models import Deployment
+    from controlplane.deployments.services import create_deployment
+    from controlplane.nodes.models import Node, NodeStatus
+    from controlplane.nodes.services import create_join_token
+
+    tmp = tmp_path
+    layers = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}}
+    with override_settings(CHANNEL_LAYERS=layers, VAR_DIR=tmp / "var"):
+        channel_layers.backends.clear()
+        purge_stale_tasks()
+        users = get_user_model().objects
+        keys = [
+            create_api_key(user=users.create_user("staff", is_staff=True))[1],
+            create_api_key(user=users.create_user("alice"))[1],
+            create_api_key(user=users.create_user("bob"))[1],
+        ]
+        env = python_env(
+            DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
+            DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+            REDIS_URL=redis_url,
+            ODMOE_VAR_DIR=str(tmp / "var"),
+            ODMOE_TASK_REDELIVERY_S="5",
+        )
+        port = free_port()
+        with ProcessGroup(tmp / "logs", env) as group:
+            plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", keys[0]), tmp / "agents")
+            plane.start_server()
+            plane.start_celery()
+            _, token = create_join_token(created_by=None, max_uses=3)
+            for i in range(3):
+                plane.start_agent(f"s{i}", token)
+            plane.wait_for("3 agents", lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == 3, 90)
+            model = register_model(name="tiny", path=str(tiny_model))
+            deployment = create_deployment(
+                name=SERVED_MODEL, model=model, node_ids=[str(pk) for pk in Node.objects.values_list("pk", flat=True)]
+            )
+            lifecycle.start_deployment(deployment=deployment)
+            plane.wait_for("ready", lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", 180)
+            yield Served(plane, *keys, tiny_model)
+        channel_layers.backends.clear()

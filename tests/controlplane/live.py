@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
+
 from controlplane.ops.processes import Child, ProcessGroup, agent_argv, asgi_argv, celery_argv, http_up, wait_until
 
 
@@ -83,3 +85,21 @@ class LiveControlPlane:
 
     def wait_for(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
         wait_until(what, ready, timeout_s=timeout_s, check=self.group.check)
+
+
+SERVED_MODEL = "tiny-cluster"
+
+
+@dataclass
+class Served:
+    plane: LiveControlPlane
+    staff_key: str
+    user_key: str
+    other_key: str
+    model_dir: Path
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.plane.server}/v1", api_key=key or self.user_key, max_retries=0)
+
+    def api(self, key: str) -> Api:
+        return Api(self.plane.server, key)

@@ -1,0 +1,101 @@
+"""The chat page in a real browser (Debian's headless Chromium driven by Playwright) against a live cluster.
+
+Log in, send a message and watch the answer arrive token by token, compare it with the
+API's greedy answer, reload and find the history, stop a long answer mid-way. Screenshots
+go to ``artifacts/screenshots/`` (``ODMOE_SCREENSHOTS`` overrides), kept by CI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.controlplane.live import SERVED_MODEL, Served
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+SHOTS = Path(os.environ.get("ODMOE_SCREENSHOTS", REPO / "artifacts" / "screenshots"))
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+PASSWORD = "a-long-test-password"
+
+
+@pytest.fixture
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    executable = shutil.which("chromium") or shutil.which("chromium-browser")
+    if executable is None:
+        pytest.fail("browser tests need Chromium: apt install chromium chromium-driver (make test does)")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def alice_can_log_in(served: Served) -> None:
+    """Before the browser starts: Playwright's event loop forbids the ORM in the test's thread."""
+    from django.contrib.auth import get_user_model
+
+    alice = get_user_model().objects.get(username="alice")
+    alice.set_password(PASSWORD)
+    alice.save()
+
+
+def test_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, alice_can_log_in, browser) -> None:
+    page = browser.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(f"{served.plane.server}/")
+    page.fill("input[name=username]", "alice")
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    page.wait_for_url("**/chat/")
+    page.screenshot(path=SHOTS / "chat-empty.png")
+
+    question = "Which experts does this token need?"
+    page.fill("#prompt", question)
+    # Count how often the answer's text changes while it is written: tokens arrive one by one.
+    page.evaluate("""() => {
+        window.__changes = 0;
+        new MutationObserver(() => { window.__changes += 1; })
+            .observe(document.getElementById('messages'), {subtree: true, characterData: true, childList: true});
+    }""")
+    page.click("#send")
+    page.wait_for_selector("li.message.assistant.complete")
+    answer = page.inner_text("li.message.assistant.complete .content")
+    changes = page.evaluate("window.__changes")
+    page.screenshot(path=SHOTS / "chat-answered.png")
+    api = served.client().chat.completions.create(
+        model=SERVED_MODEL, messages=[{"role": "user", "content": question}], max_tokens=128, temperature=0
+    )
+    assert answer == api.choices[0].message.content.strip() or answer == api.choices[0].message.content
+    assert changes > 5
+    assert "tok/s" in page.inner_text("li.message.assistant.complete .figures")
+
+    page.reload()
+    assert page.inner_text("li.message.user .content") == question
+    assert page.inner_text("li.message.assistant .content") in (answer, api.choices[0].message.content)
+
+    page.fill("#prompt", "Tell me more, at length")
+    page.evaluate("document.getElementById('send').click()")
+    page.wait_for_function("document.querySelectorAll('li.message.assistant')[1].innerText.length > 3")
+    page.click("#stop")
+    page.wait_for_selector("li.message.assistant.stopped")
+    page.screenshot(path=SHOTS / "chat-stopped.png")
+    assert "stopped" in page.inner_text("li.message.assistant.stopped .figures")
+    # The cluster is free: the API answers at once.
+    quick = served.client().chat.completions.create(
+        model=SERVED_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
+    )
+    assert quick.choices[0].finish_reason == "length"
