@@ -222,6 +222,8 @@ RUNTIME_METRICS = (
     "kv_period",
     "expert_bytes",
     "decode_layer_coordination_ms_median",
+    "recall_per_layer",
+    "groups",
 )
 ROLE_STATES = ("fetching", "starting", "ready", "failed", "stopped")
 GENERATION_EVENTS = (GenerationToken, GenerationDone, GenerationFailed)

@@ -44,23 +44,51 @@ def browser():
 
 
 @pytest.fixture
-def alice_can_log_in(served: Served) -> None:
+def passwords(served: Served) -> None:
     """Before the browser starts: Playwright's event loop forbids the ORM in the test's thread."""
     from django.contrib.auth import get_user_model
 
-    alice = get_user_model().objects.get(username="alice")
-    alice.set_password(PASSWORD)
-    alice.save()
+    for name in ("alice", "staff"):
+        user = get_user_model().objects.get(username=name)
+        user.set_password(PASSWORD)
+        user.save()
 
 
-def test_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, alice_can_log_in, browser) -> None:
-    page = browser.new_page()
-    page.set_default_timeout(60_000)
-    page.goto(f"{served.plane.server}/")
-    page.fill("input[name=username]", "alice")
+def log_in(page, served: Served, username: str) -> None:
+    page.goto(f"{served.plane.server}/accounts/login/")
+    page.fill("input[name=username]", username)
     page.fill("input[name=password]", PASSWORD)
     page.click("button[type=submit]")
     page.wait_for_url("**/chat/")
+
+
+def test_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Served, passwords, browser) -> None:
+    page = browser.new_page()
+    page.set_default_timeout(60_000)
+    log_in(page, served, "staff")
+    page.click("text=Console")
+    page.wait_for_selector("#live:has-text('live')")
+    page.wait_for_selector("tr[data-node] >> nth=2")  # three nodes, from the websocket
+    assert page.locator("tr[data-node]").count() == 3
+    assert page.locator(f"[data-deployment='{SERVED_MODEL}'] h3 .badge.ready").count() == 1
+    page.fill("#token-form input[name=max_uses]", "2")
+    page.click("#token-form button[type=submit]")
+    page.wait_for_selector("#token-result:not([hidden])")
+    command = page.inner_text("#install-command")
+    assert command.startswith(f"curl -fsSL {served.plane.server}/agent/install.sh | sh -s -- --server ")
+    assert "--token odmoe-join-" in command
+    page.screenshot(path=SHOTS / "console-enroll.png", full_page=True)
+    # A node drained from the console shows as draining without a reload.
+    page.locator("tr[data-node] button").first.click()
+    page.wait_for_selector("tr[data-node] .badge.draining")
+    page.locator("tr[data-node] button").first.click()
+    page.wait_for_selector("tr[data-node] .badge.draining", state="detached")
+
+
+def test_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, passwords, browser) -> None:
+    page = browser.new_page()
+    page.set_default_timeout(60_000)
+    log_in(page, served, "alice")
     page.screenshot(path=SHOTS / "chat-empty.png")
 
     question = "Which experts does this token need?"

@@ -15,13 +15,14 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from controlplane.chat.routing import websocket_urlpatterns as chat_routes  # noqa: E402
+from controlplane.console.routing import websocket_urlpatterns as console_routes  # noqa: E402
 from controlplane.nodes.routing import websocket_urlpatterns as agent_routes  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         "http": ASGIStaticFilesHandler(django_application),
-        # Agents authenticate with their node credential; the chat routes carry their own
-        # session and origin checks.
-        "websocket": URLRouter([*agent_routes, *chat_routes]),
+        # Agents authenticate with their node credential; the chat and console routes carry
+        # their own session and origin checks.
+        "websocket": URLRouter([*agent_routes, *chat_routes, *console_routes]),
     }
 )

@@ -20,5 +20,6 @@ urlpatterns = [
     path("api/", include("controlplane.deployments.urls")),
     path("", include("controlplane.serving.urls")),
     path("", include("controlplane.chat.urls")),
+    path("", include("controlplane.console.urls")),
     path("accounts/", include("django.contrib.auth.urls")),
 ]

@@ -47,6 +47,7 @@ INSTALLED_APPS = [
     "controlplane.ops",
     "controlplane.serving",
     "controlplane.chat",
+    "controlplane.console",
 ]
 
 MIDDLEWARE = [

@@ -1,0 +1,207 @@
+// The admin console: renders the snapshot the console websocket sends (no reload), and acts through
+// the REST API with the session's CSRF token. Server side: platform/controlplane/console/.
+(function () {
+  "use strict";
+  const $ = (id) => document.getElementById(id);
+  const errorLine = $("console-error");
+  let state = { nodes: [], models: [], deployments: [], transfers: [] };
+  const rates = []; // (time, decode tok/s) of the ready deployment's generations, for the chart
+  let lastRate = null;
+
+  function csrf() {
+    const match = document.cookie.match(/(?:^|; )csrftoken=([^;]+)/);
+    return match ? decodeURIComponent(match[1]) : "";
+  }
+
+  async function api(method, path, body) {
+    const response = await fetch(path, {
+      method,
+      headers: { "Content-Type": "application/json", "X-CSRFToken": csrf() },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    const data = response.status === 204 ? null : await response.json();
+    if (!response.ok) {
+      const message = data && (data.detail || JSON.stringify(data));
+      errorLine.textContent = `${method} ${path}: ${message}`;
+      throw new Error(message);
+    }
+    errorLine.textContent = "";
+    return data;
+  }
+
+  const el = (tag, attrs, ...children) => {
+    const node = document.createElement(tag);
+    Object.entries(attrs || {}).forEach(([k, v]) => {
+      if (k === "class") node.className = v; else if (k.startsWith("on")) node.addEventListener(k.slice(2), v); else node.setAttribute(k, v);
+    });
+    children.flat().forEach((c) => node.append(c instanceof Node ? c : document.createTextNode(String(c ?? ""))));
+    return node;
+  };
+  const badge = (text) => el("span", { class: `badge ${text}` }, text);
+  const gib = (bytes) => (!bytes ? "–" : bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(1)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`);
+  const ago = (iso) => (iso ? `${Math.max(0, Math.round((Date.now() - Date.parse(iso)) / 1000))} s ago` : "never");
+
+  function roleOf(nodeId) {
+    for (const d of state.deployments) {
+      if (!["deploying", "ready", "degraded"].includes(d.status)) continue;
+      const m = d.members.find((x) => x.node === nodeId);
+      if (m) return { deployment: d, member: m };
+    }
+    return null;
+  }
+
+  function transferOf(nodeName) {
+    return state.transfers.find((t) => t.node_name === nodeName && !t.finished && t.total > 0);
+  }
+
+  function renderNodes() {
+    $("node-rows").replaceChildren(...state.nodes.map((n) => {
+      const seat = roleOf(n.id);
+      const transfer = transferOf(n.name);
+      const activity = transfer
+        ? el("span", {}, `fetching ${transfer.role} `, el("progress", { max: transfer.total, value: transfer.done }))
+        : seat ? `${seat.member.state} (${seat.deployment.name})` : "idle";
+      const gpus = n.gpus.length ? n.gpus.map((g) => `${g.name} ${gib(g.memory_bytes)}`).join(", ") : "none";
+      return el("tr", { "data-node": n.name },
+        el("td", {}, n.name), el("td", {}, badge(n.status)), el("td", {}, seat ? seat.member.role : "–"),
+        el("td", {}, gpus), el("td", {}, `${n.cpu_count ?? "?"} cores / ${gib(n.ram_bytes)}`),
+        el("td", {}, ago(n.last_seen)), el("td", {}, activity),
+        el("td", {}, el("button", { onclick: () => api("POST", `/api/nodes/${n.id}/drain`, { drain: n.status !== "draining" }) },
+          n.status === "draining" ? "Undrain" : "Drain")));
+    }));
+    const chosen = new Set([...document.querySelectorAll("#node-choices input:checked")].map((i) => i.value));
+    $("node-choices").replaceChildren(...state.nodes.filter((n) => n.status === "online").map((n) =>
+      el("label", { class: "inline" }, el("input", Object.assign({ type: "checkbox", value: n.id, name: "nodes" },
+        chosen.has(n.id) ? { checked: "" } : {})), ` ${n.name} `)));
+  }
+
+  function renderModels() {
+    $("model-rows").replaceChildren(...state.models.map((m) => {
+      const s = m.summary || {};
+      const shards = m.shard_status === "building"
+        ? el("span", {}, badge("building"), " ", el("progress", { max: 1, value: m.shard_progress }))
+        : el("span", {}, badge(m.shard_status), m.shard_workers ? ` for ${m.shard_workers} workers` : "", m.shard_error ? ` ${m.shard_error}` : "");
+      const workers = el("input", { type: "number", min: 1, value: m.shard_workers || 8, style: "width:4rem" });
+      return el("tr", {}, el("td", {}, m.name), el("td", {}, `${s.layers} layers, ${s.experts} experts, top-${s.top_k}`),
+        el("td", {}, gib(m.total_bytes)), el("td", {}, shards),
+        el("td", {}, workers, el("button", { onclick: () => api("POST", `/api/models/${m.id}/shards`, { workers: Number(workers.value) }) }, "Build shards")));
+    }));
+    const select = $("model-select");
+    const keep = select.value;
+    select.replaceChildren(...state.models.map((m) => el("option", { value: m.id }, m.name)));
+    if (keep) select.value = keep;
+  }
+
+  function renderDeployments() {
+    $("deployment-list").replaceChildren(...state.deployments.map((d) => {
+      const running = ["deploying", "ready", "degraded"].includes(d.status);
+      const token = el("input", { type: "number", min: 0, value: d.token_period, style: "width:4rem" });
+      const kv = el("input", { type: "number", min: 0, value: d.kv_period, style: "width:4rem" });
+      const members = d.members.map((m) => {
+        const transfer = state.transfers.find((t) => t.node_name === m.node_name && t.deployment === d.id && !t.finished);
+        return el("li", { "data-role": m.role }, `${m.role} on ${m.node_name} `, badge(m.state),
+          transfer && transfer.total ? el("progress", { max: transfer.total, value: transfer.done }) : "",
+          m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
+      });
+      return el("div", { class: "deployment", "data-deployment": d.name },
+        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.status_reason}`)),
+        el("div", { class: "row" },
+          running ? el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/stop`) }, "Stop")
+                  : el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/start`) }, "Start"),
+          el("label", {}, "Token period", token), el("label", {}, "KV period", kv),
+          el("button", { onclick: () => api("PATCH", `/api/deployments/${d.id}/settings`, { token_period: Number(token.value), kv_period: Number(kv.value) }) }, "Apply")),
+        el("ul", { class: "members" }, members));
+    }));
+  }
+
+  function renderCluster() {
+    const d = state.deployments.find((x) => x.status === "ready" || x.status === "degraded");
+    const main = d && d.members.find((m) => m.role === "main");
+    const m = main ? main.metrics : null;
+    if (!d || !m || m.decode_tok_s == null) {
+      $("cluster-view").replaceChildren(el("p", { class: "muted" }, d ? `${d.name}: no generation yet.` : "No deployment is ready."));
+      return;
+    }
+    if (m.decode_tok_s !== lastRate) { rates.push([Date.now(), m.decode_tok_s]); lastRate = m.decode_tok_s; }
+    const perLayer = m.recall_per_layer || [];
+    const groups = (m.groups || []).map((g, i) => `group ${i}: workers ${g.join(", ")}`).join(" · ");
+    $("cluster-view").replaceChildren(
+      el("p", {}, `${d.name} — last generation: ${m.generated_tokens} tokens, TTFT ${Math.round(m.ttft_ms)} ms, `,
+        `decode ${m.decode_tok_s.toFixed(1)} tok/s, recall ${m.recall == null ? "n/a" : (m.recall * 100).toFixed(1) + "%"}, `,
+        `predictions in time ${m.prediction_in_time == null ? "n/a" : Math.round(m.prediction_in_time * 100) + "%"}, `,
+        `coordination ${m.decode_layer_coordination_ms_median == null ? "n/a" : m.decode_layer_coordination_ms_median.toFixed(2) + " ms"}/layer`),
+      el("p", { class: "muted" }, groups),
+      el("div", { class: "bars", title: "recall per layer" }, perLayer.map((r, i) => el("div", { style: `height:${Math.max(2, r * 60)}px`, title: `layer ${i}: ${(r * 100).toFixed(1)}%` }))));
+    drawRates();
+  }
+
+  function drawRates() {
+    const canvas = $("toks-chart");
+    const ctx = canvas.getContext("2d");
+    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    if (rates.length < 1) return;
+    const top = Math.max(...rates.map((r) => r[1])) * 1.2 || 1;
+    ctx.strokeStyle = "#2f6feb";
+    ctx.beginPath();
+    rates.slice(-60).forEach(([, v], i, all) => {
+      const x = (i / Math.max(1, all.length - 1)) * (canvas.width - 20) + 10;
+      const y = canvas.height - 10 - (v / top) * (canvas.height - 20);
+      if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+    });
+    ctx.stroke();
+    ctx.fillStyle = "#6b7280";
+    ctx.fillText(`decode tok/s per generation (max ${top / 1.2 | 0})`, 10, 12);
+  }
+
+  function render() { renderNodes(); renderModels(); renderDeployments(); renderCluster(); }
+
+  $("token-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const form = new FormData(event.target);
+    const token = await api("POST", "/api/join-tokens", { name: form.get("name"), max_uses: Number(form.get("max_uses")) });
+    $("install-command").textContent = token.install_command;
+    $("agent-command").textContent = token.agent_command;
+    $("token-result").hidden = false;
+  });
+  $("model-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const form = new FormData(event.target);
+    await api("POST", "/api/models", { name: form.get("name"), path: form.get("path") });
+    event.target.reset();
+  });
+  function deploymentBody() {
+    const form = new FormData($("deployment-form"));
+    return {
+      name: form.get("name"), model: Number(form.get("model")), nodes: form.getAll("nodes"),
+      shadow_dtype: form.get("shadow_dtype"), token_period: Number(form.get("token_period")), kv_period: Number(form.get("kv_period")),
+    };
+  }
+  let suggested = null;
+  $("suggest").addEventListener("click", async () => {
+    const body = deploymentBody();
+    suggested = await api("POST", "/api/deployments/suggest", { model: body.model, nodes: body.nodes });
+    const name = (id) => (state.nodes.find((n) => n.id === id) || { name: id }).name;
+    $("role-map").replaceChildren(el("p", {}, `main: ${name(suggested.main)} · shadow: ${name(suggested.shadow)} · workers: ${suggested.workers.map(name).join(", ")}`));
+    $("create-deployment").disabled = false;
+  });
+  $("deployment-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const created = await api("POST", "/api/deployments", Object.assign(deploymentBody(), suggested ? { roles: suggested } : {}));
+    await api("POST", `/api/deployments/${created.id}/start`);
+    $("create-deployment").disabled = true;
+    $("role-map").replaceChildren();
+    suggested = null;
+  });
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    const socket = new WebSocket(`${scheme}://${location.host}/ws/console/`);
+    socket.addEventListener("open", () => { $("live").textContent = "live"; });
+    socket.addEventListener("message", (event) => {
+      const message = JSON.parse(event.data);
+      if (message.type === "snapshot") { state = message; render(); }
+    });
+    socket.addEventListener("close", () => { $("live").textContent = "reconnecting…"; setTimeout(connect, 1000); });
+  }
+  connect();
+})();

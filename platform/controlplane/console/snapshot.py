@@ -1,0 +1,90 @@
+"""What the console shows, read from the database in one go: nodes, models, deployments, transfers.
+
+The console's websocket sends this whenever it changes; ``GET /console/state.json`` gives
+the same for a first render or a script.
+"""
+
+from __future__ import annotations
+
+from controlplane.artifacts.models import ModelArtifact
+from controlplane.deployments.models import Deployment
+from controlplane.nodes.models import Node, NodeTask, TaskState
+
+RECENT_TASKS = 50
+
+
+def snapshot() -> dict:
+    return {
+        "nodes": [_node(n) for n in Node.objects.all()],
+        "models": [_model(m) for m in ModelArtifact.objects.all()],
+        "deployments": [_deployment(d) for d in Deployment.objects.prefetch_related("members__node")[:50]],
+        "transfers": [_task(t) for t in NodeTask.objects.select_related("node")[:RECENT_TASKS]],
+    }
+
+
+def _node(node: Node) -> dict:
+    inventory = node.inventory or {}
+    return {
+        "id": str(node.pk),
+        "name": node.name,
+        "status": node.status,
+        "address": node.address,
+        "last_seen": node.last_seen.isoformat() if node.last_seen else None,
+        "cpu_count": inventory.get("cpu_count"),
+        "ram_bytes": inventory.get("ram_bytes"),
+        "gpus": [{"name": g.get("name"), "memory_bytes": g.get("memory_bytes")} for g in inventory.get("gpus", [])],
+    }
+
+
+def _model(model: ModelArtifact) -> dict:
+    return {
+        "id": model.pk,
+        "name": model.name,
+        "path": model.path,
+        "summary": model.summary,
+        "total_bytes": model.total_bytes,
+        "shard_status": model.shard_status,
+        "shard_workers": model.shard_workers,
+        "shard_progress": model.shard_progress,
+        "shard_error": model.shard_error,
+    }
+
+
+def _deployment(deployment: Deployment) -> dict:
+    return {
+        "id": deployment.pk,
+        "name": deployment.name,
+        "model": deployment.model_id,
+        "status": deployment.status,
+        "status_reason": deployment.status_reason,
+        "shadow_dtype": deployment.shadow_dtype,
+        "token_period": deployment.token_period,
+        "kv_period": deployment.kv_period,
+        "members": [
+            {
+                "node": str(m.node_id),
+                "node_name": m.node.name,
+                "node_status": m.node.status,
+                "role": m.role_name,
+                "state": m.state,
+                "detail": m.detail[:300],
+                "metrics": m.metrics,
+            }
+            for m in deployment.members.all()
+        ],
+    }
+
+
+def _task(task: NodeTask) -> dict:
+    return {
+        "id": str(task.pk),
+        "node_name": task.node.name,
+        "kind": task.kind,
+        "role": task.params.get("role"),
+        "deployment": task.params.get("deployment"),
+        "state": task.state,
+        "done": task.done,
+        "total": task.total,
+        "finished": task.state in (TaskState.DONE, TaskState.FAILED),
+        "detail": task.detail[:300] if task.state == TaskState.FAILED else "",
+    }

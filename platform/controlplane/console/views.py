@@ -1,0 +1,23 @@
+"""The admin console page (staff only) and its state as JSON."""
+
+from __future__ import annotations
+
+from django.contrib.admin.views.decorators import staff_member_required
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
+from django.views.decorators.csrf import ensure_csrf_cookie
+
+from inference.constants import SHADOW_DTYPES
+
+from .snapshot import snapshot
+
+
+@staff_member_required
+@ensure_csrf_cookie  # the page's script sends the cookie's token with its API calls
+def console(request: HttpRequest) -> HttpResponse:
+    return render(request, "console/console.html", {"shadow_dtypes": SHADOW_DTYPES})
+
+
+@staff_member_required
+def state(request: HttpRequest) -> JsonResponse:
+    return JsonResponse(snapshot())

@@ -1,0 +1,53 @@
+"""The console: staff only, and its websocket sends the cluster's state as it changes."""
+
+from __future__ import annotations
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth import get_user_model
+from django.test import Client
+
+from controlplane.console.consumers import ConsoleConsumer
+from controlplane.nodes.models import Node
+from controlplane.nodes.services import create_join_token, enroll_node
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_console_socket_is_for_staff_and_sends_changes() -> None:
+    users = get_user_model().objects
+    staff, reader = users.create_user("boss", is_staff=True), users.create_user("reader")
+    _, token = create_join_token(created_by=None)
+    enroll_node(token=token, name="box-1", inventory={"gpus": [{"name": "RTX 3090", "memory_bytes": 24 * 2**30}]})
+
+    async def session(user) -> list[dict]:
+        comm = WebsocketCommunicator(ConsoleConsumer.as_asgi(), "/ws/console/")
+        comm.scope["user"] = user
+        connected, code = await comm.connect()
+        if not connected:
+            return [{"refused": code}]
+        first = await comm.receive_json_from(timeout=5)
+        await database_sync_to_async(Node.objects.filter(name="box-1").update)(name="box-renamed")
+        second = await comm.receive_json_from(timeout=5)
+        await comm.disconnect()
+        return [first, second]
+
+    assert async_to_sync(session)(reader) == [{"refused": 4403}]
+    first, second = async_to_sync(session)(staff)
+    assert first["type"] == "snapshot" and first["nodes"][0]["name"] == "box-1"
+    assert first["nodes"][0]["gpus"] == [{"name": "RTX 3090", "memory_bytes": 24 * 2**30}]
+    assert second["nodes"][0]["name"] == "box-renamed"
+
+
+@pytest.mark.django_db
+def test_the_console_pages_are_for_staff() -> None:
+    users = get_user_model().objects
+    browser = Client()
+    assert browser.get("/console/").status_code == 302  # to the login page
+    browser.force_login(users.create_user("reader"))
+    assert browser.get("/console/").status_code == 302
+    browser.force_login(users.create_user("boss", is_staff=True))
+    page = browser.get("/console/")
+    assert page.status_code == 200 and b"Create join token" in page.content and "csrftoken" in page.cookies
+    assert browser.get("/console/state.json").json()["nodes"] == []
