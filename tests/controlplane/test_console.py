@@ -51,3 +51,48 @@ def test_the_console_pages_are_for_staff() -> None:
     page = browser.get("/console/")
     assert page.status_code == 200 and b"Create join token" in page.content and "csrftoken" in page.cookies
     assert browser.get("/console/state.json").json()["nodes"] == []
+
+
+@pytest.mark.django_db
+def test_metrics_are_in_prometheus_format_for_staff_only() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from controlplane.accounts.services import create_api_key
+    from controlplane.serving import metrics
+
+    users = get_user_model().objects
+    _, staff_key = create_api_key(user=users.create_user("ops", is_staff=True))
+    _, user_key = create_api_key(user=users.create_user("someone"))
+    metrics.record(
+        "openai_chat",
+        ok=True,
+        prompt_tokens=5,
+        metrics={
+            "generated_tokens": 9,
+            "ttft_ms": 40.0,
+            "decode_tok_s": 20.0,
+            "recall": 0.98,
+            "decode_layer_load_wait_ms_median": 0.4,
+        },
+    )
+    client = Client()
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {user_key}").status_code == 401
+    answer = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {staff_key}")
+    assert answer.status_code == 200 and answer["Content-Type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(answer.content.decode())}
+    requests = {
+        tuple(s.labels.values()): s.value for s in families["odmoe_requests"].samples if s.name.endswith("_total")
+    }
+    assert requests[("openai_chat", "ok")] >= 1
+    assert {
+        "odmoe_time_to_first_token_seconds",
+        "odmoe_decode_seconds",
+        "odmoe_routing_recall_ratio",
+        "odmoe_expert_load_wait_seconds",
+        "odmoe_generated_tokens",
+        "odmoe_nodes",
+        "odmoe_jobs",
+    } <= set(families)
+    nodes = {s.labels["status"]: s.value for s in families["odmoe_nodes"].samples}
+    assert nodes == {"enrolled": 0, "online": 0, "offline": 0, "draining": 0}

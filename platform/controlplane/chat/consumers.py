@@ -15,6 +15,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from controlplane.deployments import generation
 from controlplane.serving import completions
+from controlplane.serving import metrics as served
 from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, TextDelta
 from controlplane.serving.text import InputError, Sampling, check_lengths, encode_chat
 
@@ -88,8 +89,10 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 elif isinstance(item, CompletionResult):
                     text, metrics = item.text, item.metrics
                     status = MessageStatus.STOPPED if item.finish_reason == "cancelled" else MessageStatus.COMPLETE
+                    served.record("chat", ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
         except (ClusterUnavailable, ClusterGenerationError, InputError) as exc:
             error = str(exc)
+            served.record("chat", ok=False)
         except asyncio.CancelledError:
             status, error = MessageStatus.STOPPED, "the page was closed"
             raise

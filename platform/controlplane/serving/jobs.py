@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from controlplane.deployments import generation
 
+from . import metrics
 from .completions import ClusterGenerationError, ClusterUnavailable, complete, find_target
 from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
 from .text import InputError, Sampling, check_lengths, encode_prompt
@@ -84,10 +85,12 @@ def run_output(*, output_id: int) -> None:
         ids = encode_prompt(target.tokenizer, output.prompt)
         result = complete(target, ids, job.max_tokens, sampling, request_id=output.request_id)
     except (ClusterUnavailable, ClusterGenerationError, InputError, LookupError) as exc:
+        metrics.record("jobs", ok=False)
         JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
             status=OutputStatus.FAILED, error=str(exc), finished_at=timezone.now()
         )
     else:
+        metrics.record("jobs", ok=True, prompt_tokens=result.prompt_tokens, metrics=result.metrics)
         status = OutputStatus.CANCELLED if result.finish_reason == "cancelled" else OutputStatus.DONE
         JobOutput.objects.filter(pk=output.pk).update(
             status=status,

@@ -26,6 +26,7 @@ from controlplane.accounts.services import authenticate_api_key
 from controlplane.deployments import generation
 from controlplane.deployments.models import Deployment, DeploymentStatus
 
+from . import metrics
 from .completions import (
     ClusterGenerationError,
     ClusterUnavailable,
@@ -184,6 +185,7 @@ class _Answer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.request_id = new_request_id()
+        self.api = "openai_chat" if chat else "openai_completions"
 
     async def run(self) -> AsyncIterator[tuple[str, CompletionResult | None]]:
         """Visible text pieces, then ("", result) at the end; stops the cluster on a stop sequence."""
@@ -206,11 +208,15 @@ class _Answer:
                     if tail:
                         yield tail, None
                     finished = True
+                    metrics.record(self.api, ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
                     reason = "stop" if scanner.stopped or item.finish_reason != "length" else "length"
                     yield (
                         "",
                         CompletionResult(scanner.visible, item.token_ids, reason, item.prompt_tokens, item.metrics),
                     )
+        except (ClusterUnavailable, ClusterGenerationError):
+            metrics.record(self.api, ok=False)
+            raise
         finally:
             if not finished:  # the client went away (or a failure): stop the work on the cluster
                 with contextlib.suppress(Exception):  # best effort on the way out

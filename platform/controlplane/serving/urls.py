@@ -1,8 +1,9 @@
 from django.urls import path
 
-from . import jobs_api, openai_api
+from . import jobs_api, metrics, openai_api
 
 urlpatterns = [
+    path("metrics", metrics.metrics_view, name="metrics"),
     path("v1/models", openai_api.models, name="openai-models"),
     path("v1/chat/completions", openai_api.chat_completions, name="openai-chat-completions"),
     path("v1/completions", openai_api.completions, name="openai-completions"),

@@ -134,6 +134,16 @@ SPECTACULAR_SETTINGS = {
     # Swagger UI's files come from drf-spectacular-sidecar: the docs page works offline.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    # Several models have a "status": name each choice set after its model.
+    "ENUM_NAME_OVERRIDES": {
+        "NodeStatusEnum": "controlplane.nodes.models.NodeStatus",
+        "DeploymentStatusEnum": "controlplane.deployments.models.DeploymentStatus",
+        "MemberStateEnum": "controlplane.deployments.models.MemberState",
+        "ShardStatusEnum": "controlplane.artifacts.models.ShardStatus",
+        "TaskStateEnum": "controlplane.nodes.models.TaskState",
+        "JobStatusEnum": "controlplane.serving.models.JobStatus",
+        "JobOutputStatusEnum": "controlplane.serving.models.OutputStatus",
+    },
 }
 
 JOIN_TOKEN_TTL_S = int(os.environ.get("ODMOE_JOIN_TOKEN_TTL_S", "86400"))

@@ -1,0 +1,105 @@
+"""``/metrics`` in Prometheus' text format: what was served, how fast, and the cluster's state.
+
+Per-request figures (requests, tokens, TTFT, decode time, routing recall, expert load waits)
+are counted in the process that served the request: the web process for the OpenAI API and
+the chat. Cluster state (nodes, deployments, jobs by status) is read from the database at
+each scrape, so it is the same whichever process answers. Scraping needs a staff user's API
+key (``bearer_token`` in Prometheus' scrape config) or a staff session.
+"""
+
+from __future__ import annotations
+
+from django.db.models import Count
+from django.http import HttpRequest, HttpResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from controlplane.accounts.services import authenticate_api_key
+
+REGISTRY = CollectorRegistry()
+REQUESTS = Counter("odmoe_requests", "Generations served, by API and outcome", ["api", "outcome"], registry=REGISTRY)
+PROMPT_TOKENS = Counter("odmoe_prompt_tokens", "Prompt tokens of served generations", ["api"], registry=REGISTRY)
+GENERATED_TOKENS = Counter("odmoe_generated_tokens", "Tokens generated", ["api"], registry=REGISTRY)
+TTFT = Histogram(
+    "odmoe_time_to_first_token_seconds",
+    "Time to the first token",
+    ["api"],
+    registry=REGISTRY,
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+DECODE = Histogram(
+    "odmoe_decode_seconds",
+    "Decode time of a generation, first token excluded",
+    ["api"],
+    registry=REGISTRY,
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+RECALL = Histogram(
+    "odmoe_routing_recall_ratio",
+    "Share of routed experts the shadow predicted, per generation",
+    registry=REGISTRY,
+    buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.99, 0.999, 1.0),
+)
+LOAD_WAIT = Histogram(
+    "odmoe_expert_load_wait_seconds",
+    "Median wait for an expert's weights per decode layer, per generation",
+    registry=REGISTRY,
+    buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+)
+
+
+def record(api: str, *, ok: bool, prompt_tokens: int = 0, metrics: dict | None = None) -> None:
+    """Count one generation served through ``api`` (its runtime ``metrics`` when it finished)."""
+    REQUESTS.labels(api, "ok" if ok else "error").inc()
+    if not ok or metrics is None:
+        return
+    PROMPT_TOKENS.labels(api).inc(prompt_tokens)
+    generated = metrics.get("generated_tokens") or 0
+    GENERATED_TOKENS.labels(api).inc(generated)
+    if metrics.get("ttft_ms") is not None:
+        TTFT.labels(api).observe(metrics["ttft_ms"] / 1000)
+    rate = metrics.get("decode_tok_s")
+    if rate and generated > 1:
+        DECODE.labels(api).observe((generated - 1) / rate)
+    if metrics.get("recall") is not None:
+        RECALL.observe(metrics["recall"])
+    if metrics.get("decode_layer_load_wait_ms_median") is not None:
+        LOAD_WAIT.observe(metrics["decode_layer_load_wait_ms_median"] / 1000)
+
+
+class ClusterCollector:
+    """Gauges read from the database at scrape time."""
+
+    def describe(self) -> list:
+        return []  # not at registration: the database may not exist yet (e.g. before migrate)
+
+    def collect(self):
+        from controlplane.deployments.models import Deployment, DeploymentStatus
+        from controlplane.nodes.models import Node, NodeStatus
+
+        from .models import Job, JobStatus
+
+        for name, doc, model, choices in (
+            ("odmoe_nodes", "Enrolled nodes by status", Node, NodeStatus),
+            ("odmoe_deployments", "Deployments by status", Deployment, DeploymentStatus),
+            ("odmoe_jobs", "Jobs by status", Job, JobStatus),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["status"])
+            counts = dict(model.objects.values_list("status").annotate(n=Count("pk")))
+            for status in choices.values:
+                family.add_metric([status], counts.get(status, 0))
+            yield family
+
+
+REGISTRY.register(ClusterCollector())
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    found = authenticate_api_key(key=key.strip()) if scheme.lower() == "bearer" and key.strip() else None
+    user = found.user if found is not None else request.user
+    if not (user.is_authenticated and user.is_staff):
+        response = HttpResponse("a staff user's API key is needed (Authorization: Bearer KEY)\n", status=401)
+        response["WWW-Authenticate"] = "Bearer"
+        return response
+    return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
