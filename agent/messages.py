@@ -106,6 +106,7 @@ class GenerationToken(LinkMessage):
     request_id: str
     index: int
     token_id: int
+    step: dict | None = None  # what the step did per layer (inference.metrics.step_report)
 
 
 @_register

@@ -303,7 +303,11 @@ class RoleRunner:
                         )
                     )
                     return event.metrics
-                post(GenerationToken(request_id=event.request_id, index=event.index, token_id=event.token_id))
+                post(
+                    GenerationToken(
+                        request_id=event.request_id, index=event.index, token_id=event.token_id, step=event.step
+                    )
+                )
         except RuntimeGenerationFailed as exc:
             post(GenerationFailed(request_id=command.request_id, error=str(exc)))
         return None

@@ -16,7 +16,35 @@ from inference.protocol import ShadowStats, WorkerStats
 from inference.schedule import recall
 
 if TYPE_CHECKING:
-    from inference.roles.main import RequestState
+    from inference.roles.main import RequestState, StepRecord
+
+
+def step_report(step: StepRecord, placement: Placement) -> dict:
+    """One step as it happened, sent with its token: per layer the worker group, the experts
+    really routed and those predicted when main dispatched the layer, and where the time went."""
+    decode = step.step > 0
+    layers = []
+    for rec in step.layers:
+        entry = {
+            "layer": rec.layer,
+            "group": placement.group_of_layer(rec.layer) if decode else None,
+            "real": list(rec.real),
+            "wait_ms": round(rec.wait_ms, 3),
+            "worker_ms": round(rec.worker_ms, 3),
+            "dispatch_ms": round(rec.dispatch_ms, 3),
+        }
+        if decode:
+            entry["predicted"] = list(rec.predicted) if rec.predicted is not None else None
+            entry["recall"] = recall(rec.predicted, rec.real)
+        layers.append(entry)
+    recalls = [entry["recall"] for entry in layers if "recall" in entry]
+    return {
+        "step": step.step,
+        "tokens": step.tokens,
+        "ms": round((step.finished - step.started) * 1000, 3) if step.finished else None,
+        "recall": statistics.fmean(recalls) if recalls else None,
+        "layers": layers,
+    }
 
 
 def build_metrics(

@@ -110,10 +110,13 @@ class GenerateRequest(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class TokenEvent(Message):
+    """A generated token, with what the step that made it did per layer (``metrics.step_report``)."""
+
     TYPE = "token"
     request_id: str
     index: int
     token_id: int
+    step: dict | None = None
 
 
 @message

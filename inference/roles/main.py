@@ -19,7 +19,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from inference import schedule
-from inference.metrics import build_metrics
+from inference.metrics import build_metrics, step_report
 from inference.model import build_main_model
 from inference.placement import Placement, placement_from_dict
 from inference.protocol import (
@@ -328,9 +328,10 @@ class MainRole:
         state.steps[-1].finished = now
         state.token_times.append(now)
         state.generated.append(token)
+        report = step_report(state.steps[-1], self.placement) if state.steps else None
         self.endpoint.reply(
             state.client,
-            TokenEvent(request_id=state.request_id, index=len(state.generated) - 1, token_id=token),
+            TokenEvent(request_id=state.request_id, index=len(state.generated) - 1, token_id=token, step=report),
         )
         next_step = len(state.generated)
         if self.has_shadow and next_step < state.max_new_tokens:

@@ -78,6 +78,12 @@ def test_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Serve
     assert command.startswith(f"curl -fsSL {served.plane.server}/agent/install.sh | sh -s -- --server ")
     assert "--token odmoe-join-" in command
     page.screenshot(path=SHOTS / "console-enroll.png", full_page=True)
+    # A generation shows in the live pipeline: one row per layer, with its group and experts.
+    served.client().completions.create(model=SERVED_MODEL, prompt="Mixture of experts", max_tokens=16, temperature=0)
+    page.wait_for_selector("#pipeline-rows tr[data-layer='3']")
+    assert "group 0" in page.inner_text("#pipeline-rows")
+    page.wait_for_selector("#cluster-view:has-text('last generation')")
+    page.screenshot(path=SHOTS / "console-cluster.png", full_page=True)
     # A node drained from the console shows as draining without a reload.
     page.locator("tr[data-node] button").first.click()
     page.wait_for_selector("tr[data-node] .badge.draining")

@@ -5,8 +5,6 @@
   const $ = (id) => document.getElementById(id);
   const errorLine = $("console-error");
   let state = { nodes: [], models: [], deployments: [], transfers: [] };
-  const rates = []; // (time, decode tok/s) of the ready deployment's generations, for the chart
-  let lastRate = null;
 
   function csrf() {
     const match = document.cookie.match(/(?:^|; )csrftoken=([^;]+)/);
@@ -114,43 +112,79 @@
     }));
   }
 
+  function shownDeployment() {
+    return state.deployments.find((x) => x.status === "ready" || x.status === "degraded");
+  }
+
   function renderCluster() {
-    const d = state.deployments.find((x) => x.status === "ready" || x.status === "degraded");
+    const d = shownDeployment();
     const main = d && d.members.find((m) => m.role === "main");
     const m = main ? main.metrics : null;
     if (!d || !m || m.decode_tok_s == null) {
       $("cluster-view").replaceChildren(el("p", { class: "muted" }, d ? `${d.name}: no generation yet.` : "No deployment is ready."));
       return;
     }
-    if (m.decode_tok_s !== lastRate) { rates.push([Date.now(), m.decode_tok_s]); lastRate = m.decode_tok_s; }
-    const perLayer = m.recall_per_layer || [];
     const groups = (m.groups || []).map((g, i) => `group ${i}: workers ${g.join(", ")}`).join(" · ");
     $("cluster-view").replaceChildren(
       el("p", {}, `${d.name} — last generation: ${m.generated_tokens} tokens, TTFT ${Math.round(m.ttft_ms)} ms, `,
         `decode ${m.decode_tok_s.toFixed(1)} tok/s, recall ${m.recall == null ? "n/a" : (m.recall * 100).toFixed(1) + "%"}, `,
         `predictions in time ${m.prediction_in_time == null ? "n/a" : Math.round(m.prediction_in_time * 100) + "%"}, `,
         `coordination ${m.decode_layer_coordination_ms_median == null ? "n/a" : m.decode_layer_coordination_ms_median.toFixed(2) + " ms"}/layer`),
-      el("p", { class: "muted" }, groups),
-      el("div", { class: "bars", title: "recall per layer" }, perLayer.map((r, i) => el("div", { style: `height:${Math.max(2, r * 60)}px`, title: `layer ${i}: ${(r * 100).toFixed(1)}%` }))));
-    drawRates();
+      el("p", { class: "muted" }, groups));
   }
 
-  function drawRates() {
-    const canvas = $("toks-chart");
+  // Live steps: one message per generated token, from the agent of main (see agent/runtime.py).
+  const steps = [];
+  let drawPending = false;
+
+  function onStep(message) {
+    const d = shownDeployment();
+    if (!d || message.deployment !== d.runtime_key) return;
+    steps.push(message);
+    if (steps.length > 200) steps.shift();
+    if (!drawPending) { drawPending = true; requestAnimationFrame(drawSteps); }
+  }
+
+  function drawSteps() {
+    drawPending = false;
+    const last = steps[steps.length - 1];
+    if (!last) return;
+    const step = last.step;
+    $("live-step").textContent = `request ${last.request_id.slice(0, 8)}, token ${last.index + 1}, step ${step.step}` +
+      (step.ms ? ` (${step.ms.toFixed(1)} ms)` : "");
+    $("pipeline-rows").replaceChildren(...step.layers.map((l) => {
+      const predicted = l.predicted === undefined ? "prefill" : l.predicted === null ? "none in time" : l.predicted.join(", ");
+      const computing = Math.max(0, l.worker_ms - l.wait_ms);
+      return el("tr", { "data-layer": l.layer },
+        el("td", {}, l.layer), el("td", {}, l.group === null ? "all (prefill)" : `group ${l.group}`),
+        el("td", {}, l.real.join(", ")),
+        el("td", { class: l.recall !== undefined && l.recall < 1 ? "miss" : "" }, predicted),
+        el("td", {}, l.recall === undefined ? "–" : `${Math.round(l.recall * 100)}%`),
+        el("td", {}, el("span", { class: "phase loading", style: `width:${Math.min(120, l.wait_ms * 20)}px` }), ` ${l.wait_ms.toFixed(2)}`),
+        el("td", {}, el("span", { class: "phase computing", style: `width:${Math.min(120, computing * 20)}px` }), ` ${computing.toFixed(2)}`),
+        el("td", {}, l.dispatch_ms.toFixed(2)));
+    }));
+    const decode = steps.filter((s) => s.step.step > 0 && s.step.ms);
+    chart("toks-chart", decode.map((s) => 1000 / s.step.ms), "#2f6feb");
+    chart("recall-chart", decode.map((s) => s.step.recall ?? 0), "#16a34a", 1);
+  }
+
+  function chart(id, values, color, fixedTop) {
+    const canvas = $(id);
     const ctx = canvas.getContext("2d");
     ctx.clearRect(0, 0, canvas.width, canvas.height);
-    if (rates.length < 1) return;
-    const top = Math.max(...rates.map((r) => r[1])) * 1.2 || 1;
-    ctx.strokeStyle = "#2f6feb";
+    if (!values.length) return;
+    const top = fixedTop || Math.max(...values) * 1.2 || 1;
+    ctx.strokeStyle = color;
     ctx.beginPath();
-    rates.slice(-60).forEach(([, v], i, all) => {
+    values.slice(-120).forEach((v, i, all) => {
       const x = (i / Math.max(1, all.length - 1)) * (canvas.width - 20) + 10;
-      const y = canvas.height - 10 - (v / top) * (canvas.height - 20);
+      const y = canvas.height - 10 - (v / top) * (canvas.height - 25);
       if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
     });
     ctx.stroke();
     ctx.fillStyle = "#6b7280";
-    ctx.fillText(`decode tok/s per generation (max ${top / 1.2 | 0})`, 10, 12);
+    ctx.fillText(`last ${values[values.length - 1].toFixed(2)} · max ${Math.max(...values).toFixed(2)}`, 10, 12);
   }
 
   function render() { renderNodes(); renderModels(); renderDeployments(); renderCluster(); }
@@ -200,6 +234,7 @@
     socket.addEventListener("message", (event) => {
       const message = JSON.parse(event.data);
       if (message.type === "snapshot") { state = message; render(); }
+      else if (message.type === "step") onStep(message);
     });
     socket.addEventListener("close", () => { $("live").textContent = "reconnecting…"; setTimeout(connect, 1000); });
   }

@@ -1,4 +1,5 @@
-"""The console's websocket: staff only; sends the cluster's snapshot whenever it changes."""
+"""The console's websocket: staff only; sends the cluster's snapshot whenever it changes, and
+every generation step as it happens (``{"type": "step", ...}``) for the live pipeline view."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import contextlib
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from controlplane.nodes.consumers import STEPS_GROUP
 
 from .snapshot import snapshot
 
@@ -21,14 +24,20 @@ class ConsoleConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_FORBIDDEN)
             return
         await self.accept()
+        await self.channel_layer.group_add(STEPS_GROUP, self.channel_name)
         self.watcher = asyncio.create_task(self._watch())
 
     async def disconnect(self, code: int) -> None:
+        await self.channel_layer.group_discard(STEPS_GROUP, self.channel_name)
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+
+    async def cluster_step(self, event: dict) -> None:
+        """A step of a generation somewhere in the cluster (from an agent link)."""
+        await self.send_json({**event, "type": "step"})
 
     async def _watch(self) -> None:
         last = None

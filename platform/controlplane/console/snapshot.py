@@ -54,6 +54,7 @@ def _deployment(deployment: Deployment) -> dict:
     return {
         "id": deployment.pk,
         "name": deployment.name,
+        "runtime_key": deployment.runtime_key,
         "model": deployment.model_id,
         "status": deployment.status,
         "status_reason": deployment.status_reason,

@@ -45,12 +45,16 @@ def generation_group(request_id: str) -> str:
     return f"generation.{request_id}"
 
 
+# Every step of every generation, for live views of the pipeline (the console).
+STEPS_GROUP = "cluster.steps"
+
+
 class AgentConsumer(AsyncJsonWebsocketConsumer):
     node_id: str | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.generations: set[str] = set()  # request ids sent down this socket, not yet finished
+        self.generations: dict[str, str] = {}  # request id -> deployment, sent down this socket, not finished
 
     async def connect(self) -> None:
         node = await database_sync_to_async(self._authenticate)()
@@ -96,18 +100,22 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         """A command for this node from a service or task: forward it to the agent."""
         command = event["command"]
         if command.get("type") == Generate.TYPE:
-            self.generations.add(command["request_id"])
+            self.generations[command["request_id"]] = command["deployment"]
         await self.send_json(command)
 
     async def _relay_generation(self, event) -> None:
         if event.request_id not in self.generations:
             log.warning("node %s sent an event for a generation it was not given", self.node_id)
             return
+        deployment = self.generations[event.request_id]
         if not isinstance(event, GenerationToken):
-            self.generations.discard(event.request_id)
+            del self.generations[event.request_id]
         await self.channel_layer.group_send(
             generation_group(event.request_id), {"type": "generation.event", "event": event.to_json()}
         )
+        if isinstance(event, GenerationToken) and event.step is not None:
+            step = {"deployment": deployment, "request_id": event.request_id, "index": event.index, "step": event.step}
+            await self.channel_layer.group_send(STEPS_GROUP, {"type": "cluster.step", **step})
 
     def _authenticate(self):
         headers = dict(self.scope.get("headers", []))
