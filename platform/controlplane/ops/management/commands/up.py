@@ -99,7 +99,8 @@ class Command(BaseCommand):
         self.stdout.write(self.style.SUCCESS(f"odmoe ready: {url}/"))
         if password:
             self.stdout.write(f"admin account (shown once): user {demo.ADMIN_NAME}, password {password}")
-        self.stdout.write(f"API schema: {url}/api/schema/ · logs: {group.log_dir} · Ctrl-C stops everything")
+        self.stdout.write(f"chat {url}/chat/ · console {url}/console/ · API docs {url}/api/docs/ · OpenAI API {url}/v1")
+        self.stdout.write(f"logs in {group.log_dir} · Ctrl-C stops everything")
 
     def _redis(self, group: ProcessGroup, var: Path) -> None:
         if os.environ.get("REDIS_URL"):
