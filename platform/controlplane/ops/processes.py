@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -84,22 +85,25 @@ class ProcessGroup:
                 )
 
     def stop(self, child: Child, *, kill: bool = False) -> None:
-        if child.process.poll() is None:
-            if kill:
-                child.process.kill()
-            else:
-                child.process.terminate()
+        """Stop a child and whatever it started (each child leads its own process group)."""
+        _signal_group(child.process, signal.SIGKILL if kill else signal.SIGTERM)
         try:
             child.process.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
-            child.process.kill()
+            _signal_group(child.process, signal.SIGKILL)
             child.process.wait()
+        _signal_group(child.process, signal.SIGKILL)  # a grandchild left behind (Celery's beat)
         with contextlib.suppress(ValueError):
             self.children.remove(child)
 
     def stop_all(self) -> None:
         for child in reversed(list(self.children)):
             self.stop(child)
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signum)
 
 
 def wait_until(what: str, ready: Callable[[], bool], *, timeout_s: float, check: Callable[[], None]) -> None:
