@@ -32,7 +32,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from inference.sharding import ShardError
     from inference.spec import SpecError
 
-    return (CheckpointError, ClusterError, ShardError, SpecError, ValueError, FileNotFoundError)
+    return (CheckpointError, ClusterError, ShardError, SpecError, ValueError, FileNotFoundError)  # CorpusError is one
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,6 +84,18 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and metrics")
     gen.set_defaults(run=_generate)
+
+    train = sub.add_parser("train-demo", help="train the demo model on Python's HTML documentation")
+    train.add_argument("out_dir", type=Path)
+    train.add_argument(
+        "--corpus",
+        type=Path,
+        default=Path("/usr/share/doc/python3.11/html"),
+        help="a folder of HTML pages (default: Debian's python3.11-doc)",
+    )
+    train.add_argument("--steps", type=int, default=1500)
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(run=_train_demo)
 
     role = sub.add_parser("serve-role", help="run one role from a spec file (what an agent launches)")
     role.add_argument("--role", choices=("main", "shadow", "worker"), required=True)
@@ -208,6 +220,15 @@ def _generate(args: argparse.Namespace) -> int:
             f"\n{len(done.token_ids)} tokens; TTFT {m['ttft_ms']:.0f} ms; "
             f"decode {m['decode_tok_s']:.1f} tok/s; recall {recall}; peak expert bytes per worker {peak}"
         )
+    return 0
+
+
+def _train_demo(args: argparse.Namespace) -> int:
+    from inference.train_demo import Recipe, train_demo
+
+    if args.steps < 1:
+        raise ValueError("--steps must be >= 1")
+    train_demo(args.out_dir, args.corpus, recipe=Recipe(steps=args.steps, seed=args.seed))
     return 0
 
 

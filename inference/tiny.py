@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,7 +290,11 @@ def _generation_config() -> dict:
 
 
 def _write_tokenizer(out: Path, max_position: int) -> int:
-    """Train and save a byte-level BPE tokenizer; return its vocabulary size."""
+    return write_tokenizer(out, max_position, TRAINING_TEXT.split("\n\n"), TARGET_TOKENIZER_VOCAB)
+
+
+def write_tokenizer(out: Path, max_position: int, texts: Iterable[str], vocab_size: int) -> int:
+    """Train a byte-level BPE tokenizer on ``texts`` and save it; return its vocabulary size."""
     # Imported here: only tokenizer writing needs them, and transformers is slow to import.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -299,12 +303,12 @@ def _write_tokenizer(out: Path, max_position: int) -> int:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TARGET_TOKENIZER_VOCAB,
+        vocab_size=vocab_size,
         special_tokens=[UNK, BOS, EOS],  # in id order: 0, 1, 2 as in Mixtral
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no <unk>
         show_progress=False,
     )
-    tokenizer.train_from_iterator(TRAINING_TEXT.split("\n\n"), trainer)
+    tokenizer.train_from_iterator(texts, trainer)
     # Like Mixtral's tokenizer, prepend <s> to every encoded text.
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]

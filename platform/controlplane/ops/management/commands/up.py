@@ -35,7 +35,9 @@ from controlplane.ops.processes import (
 )
 from inference.launcher import free_port
 
-DEMO_PROMPT = "Mixture of experts models route every token to a few experts"
+# The demo model: a small Mixtral trained on Python's documentation (python -m inference train-demo).
+SHIPPED_DEMO_MODEL = Path(settings.REPO_DIR) / "platform" / "demo-model"
+DEMO_PROMPT = "In Python, a dictionary"
 DEMO_TOKENS = 24
 
 
@@ -46,7 +48,9 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=8000, help="the web and API port (default 8000)")
         parser.add_argument("--agents", type=int, default=10, help="local agents: 1 main, 1 shadow, the rest workers")
         parser.add_argument("--no-demo", action="store_true", help="only the control plane: no local agents or demo")
-        parser.add_argument("--model", type=Path, default=None, help="the demo checkpoint (default: var/demo-model)")
+        parser.add_argument(
+            "--model", type=Path, default=None, help="the demo checkpoint (default: platform/demo-model)"
+        )
         parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for the demo deployment")
 
     def handle(self, *args, **options) -> None:
@@ -122,11 +126,14 @@ class Command(BaseCommand):
         from controlplane.deployments.models import Deployment, DeploymentStatus
         from controlplane.nodes.models import Node, NodeStatus
 
-        model_dir = options["model"] or var / "demo-model"
+        model_dir = options["model"] or SHIPPED_DEMO_MODEL
         if not (model_dir / "config.json").exists():
+            if options["model"] is not None:
+                raise CommandError(f"{model_dir} is not a checkpoint directory (no config.json)")
             from inference.tiny import make_tiny
 
-            self.step(f"writing the demo model to {model_dir}")
+            model_dir = var / "demo-model"
+            self.step(f"the shipped demo model is missing; writing a random one to {model_dir}")
             make_tiny(model_dir, seed=0)
         agents = options["agents"]
         self.step(f"starting {agents} local agents")
