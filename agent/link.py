@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,6 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from agent import inventory
 from agent.backoff import reconnect_delay
 from agent.credentials import NodeCredential
-from agent.download import fetch_shard
-from agent.http import ControlPlaneError
 from agent.messages import (
     COMMANDS,
     LINK_PATH,
@@ -41,17 +38,13 @@ from agent.messages import (
     Pong,
     StartRole,
     StopRole,
-    TaskDone,
-    TaskProgress,
     parse,
 )
-from agent.runtime import RoleRunner, shard_dir
-from inference.sharding import ShardError
+from agent.runtime import RoleRunner, fetch_with_progress, shard_dir
 
 log = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
-PROGRESS_EVERY_S = 0.5
 
 
 class LinkRefused(RuntimeError):
@@ -193,26 +186,13 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
         task.add_done_callback(background.discard)
 
     async def fetch(command: FetchShard) -> None:
-        loop = asyncio.get_running_loop()
-        last = 0.0
-
-        def progress(done: int, total: int) -> None:  # runs in the download thread
-            nonlocal last
-            now = time.monotonic()
-            if now - last >= PROGRESS_EVERY_S or done >= total:
-                last = now
-                event = TaskProgress(task_id=command.task_id, done=done, total=total)
-                asyncio.run_coroutine_threadsafe(send(event), loop)
-
         dest = shard_dir(link.state_dir, command.model_id, command.role)
         try:
-            await asyncio.to_thread(
-                fetch_shard, link.credential, command.model_id, command.role, dest, progress=progress
+            reason = await fetch_with_progress(
+                link.credential, command.model_id, command.role, dest, task_id=command.task_id, send=send
             )
-            await send(TaskDone(task_id=command.task_id, ok=True, detail=str(dest)))
-        except (ControlPlaneError, ShardError, OSError, ValueError, KeyError) as exc:
-            log.warning("fetching %s of model %s failed: %s", command.role, command.model_id, exc)
-            await send(TaskDone(task_id=command.task_id, ok=False, detail=str(exc)))
+            if reason:
+                log.warning("fetching %s of model %s failed: %s", command.role, command.model_id, reason)
         finally:
             running.discard(command.task_id)
 

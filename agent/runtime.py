@@ -51,12 +51,36 @@ Send = Callable[[LinkMessage], Awaitable[None]]
 WATCH_EVERY_S = 0.5
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 12
+PROGRESS_EVERY_S = 0.5  # how often a download reports its progress
 HANDOVER_MS = 2000  # how long a one-message client may take to hand its message to main
 
 
 def shard_dir(state_dir: Path, model_id: int, shard: str) -> Path:
     """Where this box keeps shard ``shard`` (main, shadow, worker-N) of model ``model_id``."""
     return state_dir / "shards" / str(model_id) / shard
+
+
+async def fetch_with_progress(
+    credential: NodeCredential, model_id: int, shard: str, dest: Path, *, task_id: str, send: Send
+) -> str:
+    """Download and verify a shard into ``dest``, reporting TaskProgress and then TaskDone for
+    ``task_id``; returns "" when it is there, else the reason it is not."""
+    loop = asyncio.get_running_loop()
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:  # runs in the download thread
+        now = loop.time()
+        if now - last[0] >= PROGRESS_EVERY_S or done >= total:
+            last[0] = now
+            asyncio.run_coroutine_threadsafe(send(TaskProgress(task_id=task_id, done=done, total=total)), loop)
+
+    try:
+        await asyncio.to_thread(fetch_shard, credential, model_id, shard, dest, progress=progress)
+    except (ControlPlaneError, ShardError, OSError, ValueError, KeyError) as exc:
+        await send(TaskDone(task_id=task_id, ok=False, detail=str(exc)))
+        return str(exc)
+    await send(TaskDone(task_id=task_id, ok=True, detail=str(dest)))
+    return ""
 
 
 class RoleRunner:
@@ -157,26 +181,13 @@ class RoleRunner:
 
     async def _fetch(self, command: StartRole) -> Path | None:
         await self._set("fetching", f"shard {command.shard}")
-        loop = asyncio.get_running_loop()
-        last = [0.0]
-
-        def progress(done: int, total: int) -> None:  # runs in the download thread
-            now = loop.time()
-            if now - last[0] >= 0.5 or done >= total:
-                last[0] = now
-                event = TaskProgress(task_id=command.task_id, done=done, total=total)
-                asyncio.run_coroutine_threadsafe(self.send(event), loop)
-
         dest = shard_dir(self.state_dir, command.model_id, command.shard)
-        try:
-            await asyncio.to_thread(
-                fetch_shard, self.credential, command.model_id, command.shard, dest, progress=progress
-            )
-        except (ControlPlaneError, ShardError, OSError, ValueError, KeyError) as exc:
-            await self.send(TaskDone(task_id=command.task_id, ok=False, detail=str(exc)))
-            await self._set("failed", f"shard {command.shard}: {exc}")
+        reason = await fetch_with_progress(
+            self.credential, command.model_id, command.shard, dest, task_id=command.task_id, send=self.send
+        )
+        if reason:
+            await self._set("failed", f"shard {command.shard}: {reason}")
             return None
-        await self.send(TaskDone(task_id=command.task_id, ok=True, detail=str(dest)))
         return dest
 
     def _run_dir(self, command: StartRole) -> Path:

@@ -70,6 +70,22 @@ def celery_on_test_redis(redis_url: str) -> None:
     celery_app.conf.broker_url = redis_url
 
 
+def redis_channel_layers(redis_url: str) -> dict:
+    """``CHANNEL_LAYERS`` on the test Redis."""
+    return {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}}
+
+
+@pytest.fixture
+def channel_layer_on_test_redis(settings, redis_url: str) -> Iterator[None]:
+    """This process's channel layer on the test Redis (layers are cached: dropped before and after)."""
+    from channels.layers import channel_layers
+
+    settings.CHANNEL_LAYERS = redis_channel_layers(redis_url)
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()
+
+
 @pytest.fixture
 def celery_worker(transactional_db, redis_url: str, settings, tmp_path: Path) -> Iterator[subprocess.Popen]:
     """A real Celery worker process on the test database (a file) and the test Redis."""
@@ -137,8 +153,7 @@ def served(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -
     from controlplane.nodes.services import create_join_token
 
     tmp = tmp_path
-    layers = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}}
-    with override_settings(CHANNEL_LAYERS=layers, VAR_DIR=tmp / "var"):
+    with override_settings(CHANNEL_LAYERS=redis_channel_layers(redis_url), VAR_DIR=tmp / "var"):
         channel_layers.backends.clear()
         purge_stale_tasks()
         users = get_user_model().objects

@@ -38,13 +38,6 @@ def communicator(authorization: str | None) -> WebsocketCommunicator:
     return WebsocketCommunicator(application, LINK_PATH, headers=headers)
 
 
-@pytest.fixture
-def channel_layer_on_test_redis(settings, redis_url: str) -> None:
-    settings.CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}
-    }
-
-
 @pytest.mark.django_db(transaction=True)
 def test_unauthenticated_and_forged_sockets_are_refused(channel_layer_on_test_redis) -> None:
     node, _ = enrolled()

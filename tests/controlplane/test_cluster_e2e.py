@@ -24,16 +24,13 @@ NEW_TOKENS = 10
 
 
 @pytest.fixture
-def live(transactional_db, redis_url: str, settings, tmp_path: Path) -> Iterator[LiveControlPlane]:
+def live(transactional_db, redis_url: str, channel_layer_on_test_redis, tmp_path: Path) -> Iterator[LiveControlPlane]:
     from django.contrib.auth import get_user_model
     from django.db import connection
 
     from controlplane.accounts.services import create_api_key
 
     purge_stale_tasks()
-    settings.CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}
-    }
     env = python_env(
         DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
         DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",

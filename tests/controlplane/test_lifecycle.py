@@ -116,16 +116,6 @@ def cluster(transactional_db, channel_layer_on_test_redis, settings, tmp_path: P
     return deployment, nodes, Inbox(nodes)
 
 
-@pytest.fixture
-def channel_layer_on_test_redis(settings, redis_url: str) -> None:
-    settings.CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}
-    }
-    from channels.layers import channel_layers
-
-    channel_layers.backends.clear()
-
-
 def pushed(deployment: Deployment) -> Deployment:
     """Start it and run the push the Celery task would run."""
     started = lifecycle.start_deployment(deployment=deployment)

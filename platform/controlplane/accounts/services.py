@@ -21,6 +21,14 @@ def create_api_key(*, user: AbstractBaseUser, name: str = "") -> tuple[ApiKey, s
     return key, clear
 
 
+def bearer_key(authorization: str) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header, or None for any other header."""
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return key.strip() or None
+
+
 def authenticate_api_key(*, key: str) -> ApiKey | None:
     """The live key ``key`` stands for (its user active), or None."""
     found = ApiKey.objects.select_related("user").filter(key_hash=digest(key), revoked=False).first()

@@ -14,7 +14,7 @@ from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from controlplane.accounts.services import authenticate_api_key
+from controlplane.accounts.services import authenticate_api_key, bearer_key
 
 REGISTRY = CollectorRegistry()
 REQUESTS = Counter("odmoe_requests", "Generations served, by API and outcome", ["api", "outcome"], registry=REGISTRY)
@@ -95,8 +95,8 @@ REGISTRY.register(ClusterCollector())
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    found = authenticate_api_key(key=key.strip()) if scheme.lower() == "bearer" and key.strip() else None
+    key = bearer_key(request.headers.get("Authorization", ""))
+    found = authenticate_api_key(key=key) if key else None
     user = found.user if found is not None else request.user
     if not (user.is_authenticated and user.is_staff):
         response = HttpResponse("a staff user's API key is needed (Authorization: Bearer KEY)\n", status=401)

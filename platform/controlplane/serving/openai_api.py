@@ -22,7 +22,7 @@ from channels.db import database_sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from controlplane.accounts.services import authenticate_api_key
+from controlplane.accounts.services import authenticate_api_key, bearer_key
 from controlplane.deployments import generation
 from controlplane.deployments.models import Deployment, DeploymentStatus
 
@@ -52,9 +52,9 @@ def error(status: int, message: str, *, kind: str = "invalid_request_error", par
 
 async def _user(request: HttpRequest):
     """The caller: an API key's user, or a logged-in browser session; None if neither."""
-    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and key.strip():
-        found = await database_sync_to_async(authenticate_api_key)(key=key.strip())
+    key = bearer_key(request.headers.get("Authorization", ""))
+    if key:
+        found = await database_sync_to_async(authenticate_api_key)(key=key)
         return found.user if found is not None else None
     user = await request.auser()
     return user if user.is_authenticated else None
