@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from inference.constants import SHADOW_DTYPES
+from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -71,7 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, required=True)
     gen.add_argument("--workers", type=int, default=8)
     gen.add_argument("--shadow-dtype", choices=SHADOW_DTYPES, default="fp32")
-    gen.add_argument("--no-shadow", action="store_true", help="no prediction: workers load on demand")
+    gen.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=DEFAULT_STRATEGY,
+        help="what workers keep on the device: odmoe (shadow-predicted, cacheless), full-cache, reactive, lru-offload",
+    )
+    gen.add_argument("--cache-experts", type=int, default=2, help="lru-offload: experts cached per layer per worker")
+    gen.add_argument("--no-shadow", action="store_true", help="same as --strategy reactive")
     gen.add_argument("--token-period", type=int, default=1, help="align the shadow's token every P steps (0 never)")
     gen.add_argument("--kv-period", type=int, default=1, help="align the shadow's KV cache every P steps (0 never)")
     gen.add_argument("--no-speculate", action="store_true", help="the shadow waits for main's token every step")
@@ -163,7 +171,7 @@ def _generate(args: argparse.Namespace) -> int:
     from inference.checkpoint import Checkpoint
     from inference.launcher import ClusterOptions, LocalCluster
     from inference.schedule import validate_periods
-    from inference.spec import Settings
+    from inference.spec import Settings, validate_settings
     from inference.textstream import TextStream, load_tokenizer
 
     validate_periods(args.token_period, args.kv_period)
@@ -185,8 +193,11 @@ def _generate(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         speculate=not args.no_speculate,
         timeout_s=args.timeout,
+        strategy="reactive" if args.no_shadow else args.strategy,
+        cache_experts=args.cache_experts,
     )
-    options = ClusterOptions(workers=args.workers, shadow=not args.no_shadow, settings=settings)
+    validate_settings(settings)
+    options = ClusterOptions(workers=args.workers, settings=settings)
     say = (lambda line: print(line, file=sys.stderr)) if not args.json else (lambda line: None)
     stream = TextStream(tokenizer, sys.stdout if not args.json else None)
     with LocalCluster(args.model, options, progress=say) as cluster:

@@ -30,6 +30,7 @@ from inference.client import GenerationFailed, RuntimeClient
 from inference.protocol import GenerateDone
 from inference.sharding import build_shards
 from inference.spec import Addresses, RoleSpec, Settings
+from inference.strategies import get_strategy
 
 BIND_ATTEMPTS = 3
 
@@ -44,6 +45,11 @@ class ClusterOptions:
     shadow: bool = True  # without a shadow, workers load reactively (no prediction)
     settings: Settings = field(default_factory=Settings)
     startup_timeout_s: float = 180.0
+
+    @property
+    def runs_shadow(self) -> bool:
+        """A shadow process only where it is wanted and the strategy uses its predictions."""
+        return self.shadow and get_strategy(self.settings.strategy).uses_shadow
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -135,11 +141,11 @@ class LocalCluster:
         addresses = Addresses(
             main=f"tcp://127.0.0.1:{free_port()}",
             workers=[f"tcp://127.0.0.1:{free_port()}" for _ in range(self.options.workers)],
-            shadow=f"tcp://127.0.0.1:{free_port()}" if self.options.shadow else None,
+            shadow=f"tcp://127.0.0.1:{free_port()}" if self.options.runs_shadow else None,
         )
         self.addresses = addresses
         roles: list[tuple[str, str, int | None, Path]] = [("main", "main", None, shard_dir / "main")]
-        if self.options.shadow:
+        if self.options.runs_shadow:
             roles.append(("shadow", "shadow", None, shard_dir / "shadow"))
         roles += [(f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)]
         for name, role, worker, role_dir in roles:

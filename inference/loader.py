@@ -7,6 +7,10 @@ request for an expert that was never predicted jumps the queue and, if the devic
 full, pushes out the prefetch needed furthest in the future: a wrong prediction costs a
 load on the critical path, never a wrong result.
 
+With a ``DeviceCache`` (the strategies that cache) a released expert stays on the device
+in the cache, a cached expert is served without a load and never prefetched again, and
+``preload`` fills the cache up front (``full-cache``).
+
 On CUDA the copies come from pinned host memory on a side stream and the resident bytes
 are read from ``torch.cuda.memory_allocated``; on CPU a copy is a fresh buffer (what a
 GPU would hold) and the bytes are counted from the tensors.
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference.cache import DeviceCache
 from inference.experts import ExpertWeights
 from inference.store import ExpertStore
 
@@ -58,6 +63,7 @@ class ExpertLoader:
         *,
         max_resident: int = 2,
         copy_bytes_per_s: float | None = None,
+        cache: DeviceCache[Resident] | None = None,
     ) -> None:
         if max_resident < 1:
             raise ValueError("max_resident must be >= 1")
@@ -66,6 +72,7 @@ class ExpertLoader:
         self.max_resident = max_resident
         # Emulated host->device bandwidth (bytes/s) for benchmarks on machines without PCIe.
         self.copy_bytes_per_s = copy_bytes_per_s
+        self.cache = cache
         self.stats = LoaderStats()
         self._cond = threading.Condition()
         self._queue: list[Key] = []  # prefetches, in the order they will be needed
@@ -92,6 +99,8 @@ class ExpertLoader:
                 self._drop_when_loaded = False  # wanted again while its copy was being dropped
             if key in self._ready or key == self._loading or key in self._queue or key in self._urgent:
                 return
+            if self.cache is not None and key[1:] in self.cache:
+                return
             self._prefetched.add(key)
             self._queue.append(key)
             self._queue.sort()
@@ -101,6 +110,12 @@ class ExpertLoader:
         """Block until ``key`` is on the device; returns (expert, was_predicted, wait_ms)."""
         start = time.perf_counter()
         with self._cond:
+            cached = self.cache.get(key[1:]) if self.cache is not None and key not in self._ready else None
+            if cached is not None:
+                self._in_use.add(key)
+                self.stats.hits += 1
+                self._note_peak(key)
+                return cached, True, (time.perf_counter() - start) * 1000
             predicted = key in self._prefetched
             if key == self._loading and self._drop_when_loaded:
                 self._drop_when_loaded = False  # wanted after all: keep the copy in flight
@@ -123,17 +138,20 @@ class ExpertLoader:
                 self.stats.hits += 1
             else:
                 self.stats.misses += 1
+            self._note_peak(key)
         if resident.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(resident.ready)
         return resident, predicted, (time.perf_counter() - start) * 1000
 
     def release(self, key: Key) -> None:
-        """Free ``key`` from the device at once: nothing is cached."""
+        """Done with ``key``: free it from the device at once, or keep it in the cache if any."""
         with self._cond:
             self._in_use.discard(key)
             self._prefetched.discard(key)
             resident = self._ready.pop(key, None)
-            if resident is not None and self._cuda:
+            if resident is not None and self.cache is not None:
+                self.cache.admit(key[1:], resident, resident.nbytes)
+            elif resident is not None and self._cuda:
                 for t in (resident.weights.gate_up, resident.weights.down):
                     t.record_stream(torch.cuda.current_stream(self.device))
             self._cond.notify_all()
@@ -149,6 +167,15 @@ class ExpertLoader:
                 self._drop_when_loaded = True
             self._prefetched = {k for k in self._prefetched if keep(k)}
             self._cond.notify_all()
+
+    def preload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every (layer, expert) of ``pairs`` into the cache now (``full-cache``)."""
+        if self.cache is None:
+            raise RuntimeError("preload needs a device cache")
+        for layer, expert in pairs:
+            resident = self._copy((0, layer, expert))
+            with self._cond:
+                self.cache.admit((layer, expert), resident, resident.nbytes)
 
     def reset_stats(self) -> None:
         with self._cond:
@@ -247,7 +274,8 @@ class ExpertLoader:
     def _resident_bytes_locked(self) -> int:
         if self._cuda:
             return max(0, torch.cuda.memory_allocated(self.device) - self._cuda_baseline)
-        return sum(r.nbytes for r in self._ready.values())
+        cached = self.cache.nbytes() if self.cache is not None else 0
+        return cached + sum(r.nbytes for r in self._ready.values())
 
     def _note_peak(self, key: Key) -> None:
         phase = "prefill" if key[0] == 0 else "decode"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from inference.constants import SHADOW_DTYPES
 from inference.routing import ARITHMETICS
+from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
 from inference.typecheck import checker
 
 ROLES = ("main", "shadow", "worker")
@@ -42,6 +43,12 @@ class Settings:
     experts_arithmetic: str = "auto"
     # Prefill rows per expert per message (mini-batches overlap transfer and compute); 0 = whole.
     prefill_chunk: int = 64
+    # What workers keep on the device and who predicts: see inference/strategies.py.
+    strategy: str = DEFAULT_STRATEGY
+    cache_experts: int = 2  # lru-offload: experts each worker keeps per layer
+    # Emulated network uplink of every role (bytes/s and one-way latency); None = the real one.
+    link_bytes_per_s: float | None = None
+    link_latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -87,19 +94,9 @@ def _check_types(obj: object, where: str) -> None:
             raise SpecError(f"{where}{f.name} has the wrong type: {value!r:.60} (expected {hints[f.name]})")
 
 
-def validate_spec(spec: RoleSpec) -> RoleSpec:
-    _check_types(spec, "")
-    _check_types(spec.addresses, "addresses.")
-    _check_types(spec.settings, "settings.")
-    if spec.role not in ROLES:
-        raise SpecError(f"role must be one of {', '.join(ROLES)}, got {spec.role!r}")
-    if not spec.addresses.workers:
-        raise SpecError("the peer table lists no workers; at least one is needed")
-    if spec.role == "worker" and (spec.worker is None or not 0 <= spec.worker < len(spec.addresses.workers)):
-        raise SpecError(f"worker index {spec.worker!r} is not in the peer table (0..{len(spec.addresses.workers) - 1})")
-    if spec.role == "shadow" and spec.addresses.shadow is None:
-        raise SpecError("role is shadow but the peer table has no shadow address")
-    s = spec.settings
+def validate_settings(s: Settings) -> Settings:
+    """Raise ``SpecError`` saying what is wrong with the runtime settings ``s``."""
+    _check_types(s, "settings.")
     if s.shadow_dtype not in SHADOW_DTYPES:
         raise SpecError(f"shadow_dtype must be one of {', '.join(SHADOW_DTYPES)}, got {s.shadow_dtype!r}")
     for name in ("token_period", "kv_period"):
@@ -109,10 +106,35 @@ def validate_spec(spec: RoleSpec) -> RoleSpec:
         raise SpecError("prefill_chunk must be >= 0 (0 = no mini-batches)")
     if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0:
         raise SpecError("max_resident_experts, threads >= 1, timeout_s > 0 and lookahead >= 0 are required")
+    if s.strategy not in STRATEGIES:
+        raise SpecError(f"strategy must be one of {', '.join(STRATEGIES)}, got {s.strategy!r}")
+    if s.cache_experts < 0:
+        raise SpecError("cache_experts must be >= 0")
+    for name in ("copy_bytes_per_s", "link_bytes_per_s"):
+        value = getattr(s, name)
+        if value is not None and value <= 0:
+            raise SpecError(f"{name} must be > 0 (or null for no emulation), got {value}")
+    if s.link_latency_s < 0:
+        raise SpecError("link_latency_s must be >= 0")
     if s.experts_arithmetic not in ARITHMETICS:
         raise SpecError(f"experts_arithmetic must be one of {', '.join(ARITHMETICS)}, got {s.experts_arithmetic!r}")
     if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):
         raise SpecError(f"device must be auto, cpu or cuda[:N], got {s.device!r}")
+    return s
+
+
+def validate_spec(spec: RoleSpec) -> RoleSpec:
+    _check_types(spec, "")
+    _check_types(spec.addresses, "addresses.")
+    if spec.role not in ROLES:
+        raise SpecError(f"role must be one of {', '.join(ROLES)}, got {spec.role!r}")
+    if not spec.addresses.workers:
+        raise SpecError("the peer table lists no workers; at least one is needed")
+    if spec.role == "worker" and (spec.worker is None or not 0 <= spec.worker < len(spec.addresses.workers)):
+        raise SpecError(f"worker index {spec.worker!r} is not in the peer table (0..{len(spec.addresses.workers) - 1})")
+    if spec.role == "shadow" and spec.addresses.shadow is None:
+        raise SpecError("role is shadow but the peer table has no shadow address")
+    validate_settings(spec.settings)
     if not Path(spec.shard_dir).is_dir():
         raise SpecError(f"shard directory {spec.shard_dir} does not exist")
     return spec

@@ -5,7 +5,9 @@ every layer's routed rows to ``ExpertDispatch.moe``: it sorts the (token, expert
 exactly as the reference grouped implementation does, sends each worker of the layer's
 group the rows of the experts assigned to it, and puts the weighted answers back in the
 reference order before summing, so the output is the full-precision model's bit for bit.
-Between steps it streams the token to the client and aligns the shadow.
+Between steps it streams the token to the client and aligns the shadow. Which worker gets
+which expert, and whether main itself guesses the next layer's experts, is the
+deployment's strategy (``inference.strategies``).
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from inference.protocol import (
     TokenEvent,
     WorkerStats,
 )
-from inference.roles.common import PeerHealth, answer_ping, connect_peers, setup_process
+from inference.roles.common import PeerHealth, answer_ping, connect_peers, open_endpoint, setup_process
 from inference.routing import RoutedRows, Routing, resolve_arithmetic
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec
-from inference.transport import Endpoint, Received
+from inference.strategies import dispatch_plan, get_strategy
+from inference.transport import Received
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +121,10 @@ class MainRole:
                 self.device,
             )
         )
-        self.endpoint = Endpoint(spec.name, spec.deployment, bind=spec.bind_address)
-        connect_peers(self.endpoint, spec, workers=True, shadow=True, main=False)
-        self.has_shadow = spec.addresses.shadow is not None
+        self.strategy = get_strategy(spec.settings.strategy)
+        self.has_shadow = spec.addresses.shadow is not None and self.strategy.uses_shadow
+        self.endpoint = open_endpoint(spec)
+        connect_peers(self.endpoint, spec, workers=True, shadow=self.has_shadow, main=False)
         self.health = PeerHealth(self.endpoint, self.endpoint.peers)
         self.token_period = spec.settings.token_period
         self.kv_period = spec.settings.kv_period
@@ -130,11 +134,12 @@ class MainRole:
         self.worker_stats: dict[int, WorkerStats] = {}
         self.shadow_stats: ShadowStats | None = None
         log.info(
-            "main ready to connect: %d workers in groups %s, shadow %s, %s experts arithmetic",
+            "main ready to connect: %d workers in groups %s, shadow %s, %s experts arithmetic, strategy %s",
             self.placement.n_workers,
             self.placement.groups,
             "yes" if self.has_shadow else "no",
             self.routing.arithmetic,
+            self.strategy.name,
         )
 
     # --- idle loop ------------------------------------------------------------------------
@@ -371,14 +376,12 @@ class MainRole:
             state.steps.append(StepRecord(self.step, hidden_states.shape[0], time.perf_counter()))
         started = time.perf_counter()
         routed = self.routing.split(hidden_states, top_k_index, top_k_weights)
-        if self.step == 0:
-            predicted = None
-            assignment = schedule.assign_prefill(routed.experts, self.placement)
-            candidates = schedule.prefill_candidates(self.placement)
-        else:
-            predicted = state.predictions.get((self.step, layer))
-            candidates = list(self.placement.workers_for_layer(layer))
-            assignment = schedule.assign_experts(routed.experts, predicted, candidates)
+        predicted = state.predictions.get((self.step, layer)) if self.step > 0 else None
+        if self.strategy.main_predicts and self.step > 0:
+            self._predict_next_layer(state, layer, hidden_states)
+        assignment, candidates = dispatch_plan(
+            self.strategy, self.placement, self.step, layer, routed.experts, predicted
+        )
         record = LayerRecord(layer, routed.experts, predicted)
         state.steps[-1].layers.append(record)
         expected: dict[str, int] = {}
@@ -417,6 +420,24 @@ class MainRole:
         final = self.routing.combine(routed, outputs, hidden_states.dtype)  # [T, H]
         record.dispatch_ms = (time.perf_counter() - started) * 1000
         return final
+
+    def _predict_next_layer(self, state: RequestState, layer: int, hidden_states: torch.Tensor) -> None:
+        """Speculative prefetch (``lru-offload``): the next layer's router on this layer's input.
+
+        Mixtral-Offloading's guess: consecutive layers' inputs differ little (the residual
+        stream dominates), so the next router applied now names most of its experts.
+        """
+        following = layer + 1
+        if following >= self.placement.n_layers:
+            return
+        _, _, indices = self.model.model.layers[following].mlp.gate(hidden_states)
+        experts = sorted(set(indices.reshape(-1).tolist()))
+        state.predictions[(self.step, following)] = experts
+        for worker in self.placement.workers_for_layer(following):
+            self.endpoint.send(
+                f"worker-{worker}",
+                Prediction(request_id=state.request_id, step=self.step, layer=following, experts=experts),
+            )
 
     def _collect(self, expected: dict[str, int], step: int, layer: int) -> list[tuple[str, ExpertResult]]:
         """Wait for every worker's ``expected`` answers to (step, layer), within the timeout."""

@@ -21,11 +21,11 @@ from inference.model import build_full_model
 from inference.placement import placement_from_dict
 from inference.protocol import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
 from inference.quant import quantize_shadow_
-from inference.roles.common import answer_ping, connect_peers, setup_process
+from inference.roles.common import answer_ping, connect_peers, open_endpoint, setup_process
 from inference.routing import resolve_arithmetic
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec
-from inference.transport import Endpoint, Received
+from inference.transport import Received
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ShadowRole:
         self.report = quantize_shadow_(self.model, spec.settings.shadow_dtype)
         self.model.to(self.device)
         self.kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed_tokens" in n)
-        self.endpoint = Endpoint(spec.name, spec.deployment, bind=spec.bind_address)
+        self.endpoint = open_endpoint(spec)
         connect_peers(self.endpoint, spec, workers=True, shadow=False, main=True)
         self.run_state: Emulation | None = None
         self.layer_step = 0

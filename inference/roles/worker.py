@@ -1,9 +1,11 @@
 """The worker role: keep owned experts in host memory, load the predicted ones just in time.
 
-Predictions from the shadow queue loads; main's requests name the experts really routed
-to this worker, whose rows are computed as soon as each expert is on the device, after
-which it is freed. Stale prefetches (a layer already served, a wrong prediction) are
-dropped when main's request for that layer shows what was really needed.
+Predictions (from the shadow, or from main's next-layer router under ``lru-offload``)
+queue loads; main's requests name the experts really routed to this worker, whose rows
+are computed as soon as each expert is on the device, after which it is freed — or kept
+in the device cache under a caching strategy (``inference.strategies``). Stale prefetches
+(a layer already served, a wrong prediction) are dropped when main's request for that
+layer shows what was really needed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from inference import schedule
+from inference.cache import DeviceCache
 from inference.experts import activation, expert_forward
 from inference.loader import ExpertLoader, Key, Resident
 from inference.placement import placement_from_dict
@@ -28,11 +30,12 @@ from inference.protocol import (
     Shutdown,
     WorkerStats,
 )
-from inference.roles.common import answer_ping, setup_process
+from inference.roles.common import answer_ping, open_endpoint, setup_process
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec
 from inference.store import HostMemoryStore
-from inference.transport import Endpoint, Received
+from inference.strategies import get_strategy, home_experts, prefetch_on_prediction, prefill_prefetch
+from inference.transport import Received
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +58,29 @@ class WorkerRole:
         self.store = HostMemoryStore.from_shard(spec.shard_dir, pin=self.device.type == "cuda")
         any_key = next(iter(self.store.keys()))
         self.expert_bytes = self.store.nbytes(*any_key)
+        self.strategy = get_strategy(spec.settings.strategy)
+        cache = {"all": DeviceCache(None), "lru": DeviceCache(spec.settings.cache_experts)}.get(self.strategy.cache)
         self.loader = ExpertLoader(
             self.store,
             self.device,
             max_resident=spec.settings.max_resident_experts,
             copy_bytes_per_s=spec.settings.copy_bytes_per_s,
+            cache=cache,
         )
-        self.endpoint = Endpoint(spec.name, spec.deployment, bind=spec.bind_address)
+        if self.strategy.cache == "all":
+            self.loader.preload(home_experts(self.placement, self.index))
+        self.endpoint = open_endpoint(spec)
         self.request_id = ""
         self.served: tuple[int, int] = (-1, -1)  # the last (step, layer) main asked for
         self.held: dict[Key, Resident] = {}  # experts on the device until the layer's final request
         log.info(
-            "worker %d ready: %d experts in host memory on %s, decode layers %s",
+            "worker %d ready: %d experts in host memory on %s, decode layers %s, strategy %s (%d on the device)",
             self.index,
             len(self.store.keys()),
             self.device,
             sorted(self.decode_layers),
+            self.strategy.name,
+            len(cache) if cache is not None else 0,
         )
 
     def run(self) -> None:
@@ -107,7 +117,7 @@ class WorkerRole:
         self.loader.reset_stats()
         self.request_id = msg.request_id
         self.served = (-1, -1)
-        for layer, expert in schedule.prefill_prefetch_order(self.placement, self.index):
+        for layer, expert in prefill_prefetch(self.strategy, self.placement, self.index):
             self.loader.prefetch((0, layer, expert))
 
     def on_prediction(self, msg: Prediction) -> None:
@@ -115,7 +125,7 @@ class WorkerRole:
             return
         if (msg.step, msg.layer) <= self.served:
             return  # main has already served that layer: the prediction came too late
-        mine = set(schedule.prefetch_assignment(msg.experts, self.members).get(self.index, []))
+        mine = set(prefetch_on_prediction(self.strategy, msg.experts, self.members, self.index))
         # A newer prediction for the same layer replaces the older one.
         self.loader.discard(lambda key: (key[0], key[1]) != (msg.step, msg.layer) or key[2] in mine)
         for expert in sorted(mine):

@@ -1,0 +1,128 @@
+"""Expert-placement strategies behind one scheduler interface, as pure decisions.
+
+Every strategy computes the same experts on the same rows, so all are exact; they differ
+only in what a worker keeps on its device and who tells it what to load ahead:
+
+- ``odmoe`` (default): cacheless. The shadow predicts each future layer's experts, the
+  layer group's workers load them just in time and free each one as soon as it is used.
+- ``full-cache``: every expert a worker serves is copied to its device once, at start,
+  and stays there: the speed ceiling, at the cost of holding the whole model on the GPUs.
+- ``reactive``: cacheless without prediction: a worker loads an expert only after main's
+  router picked it, so every load sits on the critical path (the floor).
+- ``lru-offload``: what Mixtral-Offloading (Eliseev & Mazur, 2023) does: each worker keeps
+  the last ``cache_experts`` experts it used per layer on the device (least recently used
+  out first) and main applies the *next* layer's router to the current hidden state to
+  prefetch a guess of the next layer's experts.
+
+With a cache, an expert must always go to the same worker, so the strategies that cache
+give each expert a fixed *home* in its layer's group (``home_worker``), in prefill too;
+the cacheless ones deal experts to whoever loaded them (``schedule.assign_experts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from inference import schedule
+from inference.placement import Placement
+
+STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")
+DEFAULT_STRATEGY = "odmoe"
+
+LayerExpert = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    uses_shadow: bool  # predictions come from the shadow model
+    main_predicts: bool  # main guesses the next layer with its router (speculative prefetch)
+    cache: str  # "none" (free after use), "all" (everything resident), "lru" (per-layer LRU)
+
+    @property
+    def fixed_homes(self) -> bool:
+        """Whether each expert always goes to the same worker (needed for any cache)."""
+        return self.cache != "none"
+
+
+_BY_NAME = {
+    "odmoe": Strategy("odmoe", uses_shadow=True, main_predicts=False, cache="none"),
+    "full-cache": Strategy("full-cache", uses_shadow=False, main_predicts=False, cache="all"),
+    "reactive": Strategy("reactive", uses_shadow=False, main_predicts=False, cache="none"),
+    "lru-offload": Strategy("lru-offload", uses_shadow=False, main_predicts=True, cache="lru"),
+}
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}") from None
+
+
+def home_worker(expert: int, members: Sequence[int]) -> int:
+    """The worker of a layer's group that always computes ``expert`` under a caching strategy."""
+    return members[expert % len(members)]
+
+
+def home_experts(placement: Placement, worker: int) -> list[LayerExpert]:
+    """Every (layer, expert) ``worker`` is home to, in the order a forward pass needs them."""
+    members = placement.groups[placement.group_of_worker(worker)]
+    return [
+        (layer, expert)
+        for layer in placement.decode_layers(worker)
+        for expert in range(placement.n_experts)
+        if home_worker(expert, members) == worker
+    ]
+
+
+def dispatch_plan(
+    strategy: Strategy,
+    placement: Placement,
+    step: int,
+    layer: int,
+    real: Iterable[int],
+    predicted: Sequence[int] | None,
+) -> tuple[dict[int, list[int]], list[int]]:
+    """Who computes each really-routed expert of ``layer`` at ``step``, and who must hear of it.
+
+    Returns (experts by worker, the workers main sends a request to — an empty one tells
+    a worker that the layer is served, so it frees what it loaded for it).
+    """
+    if strategy.fixed_homes:
+        members = placement.workers_for_layer(layer)
+        plan: dict[int, list[int]] = {m: [] for m in members}
+        for expert in sorted(set(real)):
+            plan[home_worker(expert, members)].append(expert)
+        return plan, list(members)
+    if step == 0:
+        return schedule.assign_prefill(real, placement), schedule.prefill_candidates(placement)
+    members = list(placement.workers_for_layer(layer))
+    return schedule.assign_experts(real, predicted, members), members
+
+
+def prefetch_on_prediction(
+    strategy: Strategy, predicted: Sequence[int], members: Sequence[int], worker: int
+) -> list[int]:
+    """Which of a layer's predicted experts ``worker`` should load ahead."""
+    if strategy.fixed_homes:
+        return sorted({e for e in predicted if home_worker(e, members) == worker})
+    return sorted(schedule.prefetch_assignment(predicted, members).get(worker, []))
+
+
+def prefill_prefetch(strategy: Strategy, placement: Placement, worker: int) -> list[LayerExpert]:
+    """(layer, expert) pairs ``worker`` computes during prefill, in the order needed."""
+    if strategy.fixed_homes:
+        return home_experts(placement, worker)
+    return schedule.prefill_prefetch_order(placement, worker)
+
+
+def lru_evictions(order: Sequence[LayerExpert], layer: int, capacity: int) -> list[LayerExpert]:
+    """Which cached experts of ``layer`` to free so it keeps at most ``capacity``.
+
+    ``order`` lists the cached (layer, expert) pairs from least to most recently used.
+    """
+    of_layer = [key for key in order if key[0] == layer]
+    excess = len(of_layer) - max(0, capacity)
+    return of_layer[:excess] if excess > 0 else []
