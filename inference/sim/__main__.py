@@ -1,0 +1,62 @@
+"""Command line: `python -m inference.sim --testbed paper --json OUT` and what-if runs on other hardware."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from inference.sim.hardware import DEFAULT_PROFILE, PROFILES, get_profile, with_host_to_device
+from inference.sim.model_sizes import resolve_model
+from inference.sim.report import compare, markdown_table, memory_lines
+from inference.sim.strategies import STRATEGIES, Cluster
+from inference.sim.strategies.base import SHADOW_BITS
+from inference.sim.traces import load_trace, synthetic_trace
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m inference.sim", description=__doc__)
+    p.add_argument("--testbed", choices=["paper"], help="the OD-MoE paper's 10-node testbed (defaults below)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=list(PROFILES))
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=2)
+    p.add_argument("--shadow-dtype", default="int8", choices=list(SHADOW_BITS))
+    p.add_argument("--strategy", action="append", choices=list(STRATEGIES), help="repeatable; default all")
+    p.add_argument("--trace", help="JSON routing trace (see inference/sim/traces.py for the format)")
+    p.add_argument("--pcie-gbps", type=float, help="override host->GPU bandwidth, GB/s")
+    p.add_argument("--no-prefetch", action="store_true", help="lru-offload without speculative prefetch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="OUT", help="also write the full result as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        model = resolve_model("mixtral-8x7b")
+        cluster = Cluster(
+            workers=args.workers,
+            group_size=args.group_size,
+            shadow_dtype=args.shadow_dtype,
+            lru_prefetch=not args.no_prefetch,
+            seed=args.seed,
+        )
+        trace = load_trace(args.trace, model) if args.trace else synthetic_trace(model, 256, args.seed)
+        profile = get_profile(args.profile)
+        if args.pcie_gbps:
+            profile = with_host_to_device(profile, args.pcie_gbps * 1e9)
+        result = compare(model, profile, cluster, trace, args.strategy)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"Mixtral-8x7B on {result['profile']['name']}, averaged over (input, output) = {result['pairs']}\n")
+    print(markdown_table(result))
+    print("\nMemory per node, adjusted model:\n" + memory_lines(result))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""What every strategy implements, and the deployment it is simulated on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from inference.sim.costs import Costs
+from inference.sim.sources import value
+from inference.sim.traces import Trace
+
+SHADOW_BITS = {"fp16": 16.0, "int8": 8.0, "nf4": 4.127}  # nf4: 4 bit + double-quantised absmax per 64
+
+
+@dataclass(frozen=True)
+class Cluster:
+    workers: int = 8
+    group_size: int = 2
+    shadow_dtype: str = "int8"
+    shadow_gpus: int = 2
+    full_cache_gpus: int = 8
+    lru_cache_per_layer: int = int(value("mixtral_offloading_cache_per_layer"))
+    lru_prefetch: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.group_size < 1:
+            raise ValueError("workers and group_size must be at least 1")
+        if self.workers % self.group_size:
+            raise ValueError(f"workers ({self.workers}) must be a multiple of group_size ({self.group_size})")
+        if self.shadow_dtype not in SHADOW_BITS:
+            raise ValueError(f"shadow_dtype must be one of {', '.join(SHADOW_BITS)}, got {self.shadow_dtype!r}")
+        if self.shadow_gpus < 1 or self.full_cache_gpus < 1 or self.lru_cache_per_layer < 0:
+            raise ValueError("GPU counts must be positive and the LRU cache size non-negative")
+
+    @property
+    def groups(self) -> int:
+        return self.workers // self.group_size
+
+    @property
+    def shadow_bits(self) -> float:
+        return SHADOW_BITS[self.shadow_dtype]
+
+
+@dataclass
+class Setup:
+    costs: Costs
+    cluster: Cluster
+    notes: list[str] = field(default_factory=list)
+
+
+class Strategy(Protocol):
+    name: str
+
+    def prefill(self, prompt_tokens: int) -> float:
+        """Seconds from the request to the first token."""
+
+    def decode(self, trace: Trace, contexts: list[int]) -> list[float]:
+        """Seconds of each decode step; `contexts[i]` is the KV length step i attends over."""
+
+    def memory(self, context_tokens: int) -> dict[str, float]:
+        """Peak bytes on each node's GPU, keyed by role (worker entries per worker)."""
+
+
+def tokens_per_expert(prompt_tokens: int, experts: int, top_k: int) -> list[int]:
+    """Expected tokens each expert gets in a prefill with near-uniform routing (rounded, at least the total)."""
+    share = prompt_tokens * top_k / experts
+    hit_probability = 1 - (1 - top_k / experts) ** prompt_tokens
+    hits = max(top_k, round(experts * hit_probability))
+    per_hit = max(1, round(prompt_tokens * top_k / hits)) if hits else 0
+    return [per_hit if i < hits else 0 for i in range(experts)] if share > 0 else [0] * experts
+
+
+def kv_cache_bytes(costs: Costs, context_tokens: int) -> float:
+    m = costs.model
+    return m.layers * context_tokens * m.kv_bytes_per_token_layer()

@@ -1,0 +1,119 @@
+"""The worker side shared by the cacheless strategies: groups, per-worker PCIe, two expert slots.
+
+A worker copies one expert at a time over its PCIe link and holds at most two experts (one being
+computed, one being loaded), so the load for a worker's next layer can start only once the expert of
+the layer before its previous one is freed. Main sends each layer's hidden state and expert ids to the
+layer's group; the workers answer; the layer ends when the last answer is in.
+"""
+
+from __future__ import annotations
+
+from inference.sim.sources import value
+from inference.sim.strategies.base import Setup, kv_cache_bytes, tokens_per_expert
+
+
+class WorkerPool:
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self.costs = setup.costs
+        workers = setup.cluster.workers
+        self.pcie_free = [0.0] * workers
+        self.freed = [[0.0, 0.0] for _ in range(workers)]  # compute-done times of its last two experts
+        self.loads = 0
+        self.wasted_loads = 0
+        self.misses = 0
+
+    def group_workers(self, layer: int) -> list[int]:
+        cluster = self.setup.cluster
+        group = layer % cluster.groups
+        return list(range(group * cluster.group_size, (group + 1) * cluster.group_size))
+
+    def _load(self, worker: int, earliest: float) -> float:
+        start = max(earliest, self.pcie_free[worker], self.freed[worker][0])
+        done = start + self.costs.expert_load()
+        self.pcie_free[worker] = done
+        self.loads += 1
+        return done
+
+    def serve_layer(
+        self,
+        layer: int,
+        experts: list[int],
+        routed: float,
+        predicted: list[int] | None,
+        predicted_at: float | None,
+    ) -> float:
+        """Time main has every expert answer of `layer`; `routed` is when main's router decided."""
+        c = self.costs
+        members = self.group_workers(layer)
+        hidden = c.model.hidden_bytes(1)
+        arrive = routed + c.message(hidden, count=len(members))
+        use_prediction = predicted is not None and predicted_at is not None and predicted_at < arrive
+        ready: dict[int, tuple[int, float]] = {}  # expert -> (worker, loaded at)
+        if use_prediction:
+            for index, guess in enumerate(predicted):
+                worker = members[index % len(members)]
+                done = self._load(worker, predicted_at)
+                if guess in experts and guess not in ready:
+                    ready[guess] = (worker, done)
+                else:
+                    self.wasted_loads += 1
+        missing = [e for e in experts if e not in ready]
+        self.misses += len(missing) if use_prediction else 0
+        busy = {worker for worker, _ in ready.values()}
+        spare = [w for w in members if w not in busy] + members
+        for index, expert in enumerate(missing):
+            worker = spare[index % len(spare)]
+            ready[expert] = (worker, self._load(worker, arrive))
+        answers = []
+        for worker, loaded in ready.values():
+            done = max(loaded, arrive) + c.expert_call(1)
+            self.freed[worker] = [self.freed[worker][1], done]
+            answers.append(done)
+        return max(answers) + c.message(hidden, count=len(answers))
+
+
+def prefill_on_workers(setup: Setup, prompt_tokens: int, *, preload: bool, chunks: int = 4) -> float:
+    """Prefill with every expert of a layer spread over all workers (no prediction needed).
+
+    With `preload`, workers stream their experts of the next layers as soon as a slot is free (all
+    experts are needed); otherwise a load starts when main's router has decided. The prompt is cut into
+    `chunks` mini-batches so that sending, computing and answering overlap (assumption: 4).
+    """
+    c = setup.costs
+    m = c.model
+    workers = setup.cluster.workers
+    split = tokens_per_expert(prompt_tokens, m.experts, m.top_k)
+    pcie_free = [0.0] * workers
+    freed = [[0.0, 0.0] for _ in range(workers)]
+    now = 0.0
+    for _layer in range(m.layers):
+        routed = now + c.attention_layer(prompt_tokens, prompt_tokens)
+        hit = [n for n in split if n > 0]
+        sent = c.message(m.hidden_bytes(sum(hit)) / len(hit), count=len(hit))
+        answers = []
+        for index, tokens in enumerate(hit):
+            worker = index % workers
+            earliest = 0.0 if preload else routed
+            start = max(earliest, pcie_free[worker], freed[worker][0])
+            loaded = start + c.expert_load()
+            pcie_free[worker] = loaded
+            compute = c.expert_call(tokens)
+            stages = [sent, compute, sent]
+            overlap = max(stages) + (sum(stages) - max(stages)) / chunks
+            done = max(loaded + compute, routed + overlap)
+            freed[worker] = [freed[worker][1], done]
+            answers.append(done)
+        now = max(answers)
+    return now + c.head()
+
+
+def worker_memory(setup: Setup, context_tokens: int, experts_resident: int) -> dict[str, float]:
+    c = setup.costs
+    m = c.model
+    main = m.non_expert_params * 2 + kv_cache_bytes(c, context_tokens) + value("cuda_context_memory")
+    memory = {"main": main}
+    per_worker = experts_resident * m.expert_bytes() + value("cuda_context_memory")
+    for worker in range(setup.cluster.workers):
+        memory[f"worker{worker}"] = per_worker
+    return memory
