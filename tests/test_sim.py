@@ -69,8 +69,9 @@ def test_paper_testbed_ratio_is_what_we_documented() -> None:
     result = compare(MODEL, "3090-pcie4-1gbe", Cluster(), synthetic_trace(MODEL, 256))
     rows = result["strategies"]
     ratio = rows["odmoe"]["adjusted"]["ratio_to_full_cache"]
-    # Honest modelling lands below the paper's 75.5 % (our baseline is faster than the paper's); see README.
-    assert 0.45 <= ratio <= 0.60
+    # With the sourced constants it lands at ~65 %, below the paper's 75.5 % (our baseline is faster than
+    # the paper's measured one); the README explains the gap. The band is 65-86 %.
+    assert 0.65 <= ratio <= 0.70
     assert rows["odmoe"]["ideal"]["ratio_to_full_cache"] < ratio  # overheads hurt the baseline more
     memory = rows["odmoe"]["adjusted"]["memory_bytes"]
     assert all(memory[f"worker{w}"] < 1.5e9 for w in range(8))

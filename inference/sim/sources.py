@@ -137,6 +137,33 @@ _EFFICIENCY = {
         "derived: 1 / 25.5 tok/s / 32 layers (the GPU part, ~9.5 ms/token compiled, is hidden under CPU time)",
         "CPU launch time of one eager Llama-style block (norms, attention, MLP) on a GPU server",
     ),
+    # Transformers' MoE loop on a GPU server, from published batch-1 benchmarks of MoE models whose
+    # Transformers block loops over experts as Mixtral's does (a host sync per expert: torch.where).
+    "qwen15_moe_a27b_hf_tok_s": Source(
+        8.52,
+        "tok/s",
+        "Qwen docs 'HF Transformers Inference' speed table (QwenLM/Qwen2.5 docs/source/benchmark/hf_infer.rst): "
+        "Qwen1.5-MoE-A2.7B, 1x A100-80GB, BF16, batch 1, 2048 tokens generated",
+        "an MoE (60 experts, top-4, 24 layers) in Transformers' expert loop",
+    ),
+    "qwen15_7b_hf_tok_s": Source(40.05, "tok/s", "same table: dense Qwen1.5-7B", "its dense reference, same setup"),
+    "qwen2_57b_a14b_hf_tok_s": Source(
+        4.76,
+        "tok/s",
+        "Qwen2 docs 'Speed Benchmark' (qwen.readthedocs.io/en/v2.0/benchmark/speed_benchmark.html): "
+        "Qwen2-57B-A14B in Transformers split over 2x A100-80GB, BF16, batch 1",
+        "an MoE (64 experts, top-8, 28 layers) in Transformers, split over GPUs with device_map",
+    ),
+    "qwen2_7b_hf_tok_s": Source(37.97, "tok/s", "same table: dense Qwen2-7B", "its dense reference, same setup"),
+    "hf_moe_loop_cpu_per_expert": Source(
+        83e-6,
+        "s",
+        "derived from the four Qwen figures: (MoE layer time - dense layer time - routed experts' GPU time at the "
+        "gpt-fast MBU on A100) / experts looped over = 68 us (Qwen1.5-MoE: (4.890-0.780-0.050) ms / 60) and 98 us "
+        "(Qwen2-57B: (7.503-0.941-0.315) ms / 64); mean 83 us",
+        "Transformers' MoE block visits every expert with a host sync; the GPU drains at each, so this CPU "
+        "time adds to the experts' GPU time instead of hiding under it",
+    ),
     "hf_mixtral_layer_cpu_here": Source(
         0.875e-3,
         "s",

@@ -65,7 +65,7 @@ class LruOffload:
         finish = routed
         for loaded in sorted(ready):
             finish = max(finish, loaded) + compute
-        return max(finish, routed + c.impl.moe_cpu * len(experts) / c.model.top_k)
+        return max(finish, routed + c.impl.moe_loop_cpu_per_expert * len(experts))
 
     def prefill(self, prompt_tokens: int) -> float:
         m = self.costs.model
