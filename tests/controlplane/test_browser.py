@@ -78,6 +78,13 @@ def test_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Serve
     assert command.startswith(f"curl -fsSL {served.plane.server}/agent/install.sh | sh -s -- --server ")
     assert "--token odmoe-join-" in command
     page.screenshot(path=SHOTS / "console-enroll.png", full_page=True)
+    # The deployment form estimates a plan's speed with the simulator before anything deploys.
+    page.wait_for_selector("#profile-select option[value='3090-pcie4-1gbe']", state="attached")
+    page.select_option("#deployment-form select[name=strategy]", "full-cache")
+    page.click("#estimate")
+    page.wait_for_selector("#estimate-line")
+    estimate = page.inner_text("#estimate-line")
+    assert "Simulated on 3090-pcie4-1gbe" in estimate and "(full-cache" in estimate and "tok/s decode" in estimate
     # A generation shows in the live pipeline: one row per layer, with its group and experts.
     served.client().completions.create(model=SERVED_MODEL, prompt="Mixture of experts", max_tokens=16, temperature=0)
     page.wait_for_selector("#pipeline-rows tr[data-layer='3']")

@@ -53,6 +53,7 @@ def test_suggested_roles_and_a_created_deployment(staff: APIClient, model) -> No
     assert created.status_code == 201, created.content
     body = created.json()
     assert body["status"] == DeploymentStatus.DRAFT and body["shadow_dtype"] == "int8"
+    assert body["strategy"] == "odmoe"  # the default
     roles = {m["node_name"]: (m["role"], m["worker_index"]) for m in body["members"]}
     assert roles["big"] == ("shadow", None) and roles["mid"] == ("main", None)
     assert sorted(roles[n] for n in ("w1", "w2")) == [("worker", 0), ("worker", 1)]
@@ -89,6 +90,7 @@ def test_bad_input_is_refused_with_a_reason(staff: APIClient, model) -> None:
         ({"nodes": [*ids(a, b), "00000000-0000-0000-0000-000000000000"]}, "unknown nodes"),
         ({"nodes": ids(a, b, a)}, "listed twice"),
         ({"nodes": ids(a, b, c), "token_period": -1}, "token_period"),
+        ({"nodes": ids(a, b, c), "strategy": "belady"}, "strategy"),
     ]:
         response = staff.post("/api/deployments", {"name": "x", "model": model.pk, **body}, format="json")
         assert response.status_code == 400 and reason in str(response.json()), (body, response.json())
@@ -104,3 +106,29 @@ def test_alignment_settings_change_until_stopped(staff: APIClient, model) -> Non
     staff.post(f"{url}/stop", format="json")
     late = staff.patch(f"{url}/settings", {"token_period": 2, "kv_period": 2}, format="json")
     assert late.status_code == 409 and "stopped" in late.json()["detail"]
+
+
+def test_a_planned_deployment_gets_the_simulators_estimate(staff: APIClient, model) -> None:
+    profiles = staff.get("/api/deployments/estimate").json()
+    assert profiles["default"] == "3090-pcie4-1gbe"
+    assert "3090-pcie4-1gbe" in {p["name"] for p in profiles["profiles"]}
+    mixtral = staff.post("/api/deployments/estimate", {"workers": 8}, format="json")
+    assert mixtral.status_code == 200, mixtral.content
+    body = mixtral.json()
+    assert body["model"]["layers"] == 32 and body["strategy"] == "odmoe"
+    for kind in ("ideal", "adjusted"):
+        assert body[kind]["decode_tok_s"] > 0 and body[kind]["ttft_ms"] > 0
+    assert body["adjusted"]["decode_tok_s"] < body["ideal"]["decode_tok_s"]
+    full = staff.post("/api/deployments/estimate", {"workers": 8, "strategy": "full-cache"}, format="json").json()
+    assert full["adjusted"]["decode_tok_s"] > body["adjusted"]["decode_tok_s"]  # the ceiling
+    tiny = staff.post(
+        "/api/deployments/estimate", {"workers": 2, "model": model.pk, "shadow_dtype": "fp16"}, format="json"
+    )
+    assert tiny.status_code == 200 and tiny.json()["model"]["layers"] == 4
+    for bad, reason in [
+        ({"workers": 0}, "workers"),
+        ({"workers": 8, "profile": "abacus"}, "profile"),
+        ({"workers": 8, "shadow_dtype": "fp32"}, "shadow_dtype"),
+    ]:
+        refused = staff.post("/api/deployments/estimate", bad, format="json")
+        assert refused.status_code == 400 and reason in str(refused.json()), (bad, refused.json())

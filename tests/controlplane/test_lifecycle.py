@@ -112,7 +112,9 @@ def cluster(transactional_db, channel_layer_on_test_redis, settings, tmp_path: P
         record_heartbeat(node_id=str(node.pk), inventory={"address": "127.0.0.1", "free_ports": [9100 + i, 9200 + i]})
         nodes.append(Node.objects.get(pk=node.pk))
     model = register_model(name="tiny", path=str(tiny_model))
-    deployment = create_deployment(name="d", model=model, node_ids=[str(n.pk) for n in nodes], kv_period=2)
+    deployment = create_deployment(
+        name="d", model=model, node_ids=[str(n.pk) for n in nodes], kv_period=2, strategy="lru-offload"
+    )
     return deployment, nodes, Inbox(nodes)
 
 
@@ -147,6 +149,7 @@ def test_starting_sends_each_node_a_valid_role_spec_with_one_peer_table(cluster,
             RoleSpec(spec["deployment"], spec["role"], str(shard), _addresses(spec), spec["worker"], _settings(spec))
         )
         assert spec["settings"]["kv_period"] == 2
+        assert spec["settings"]["strategy"] == "lru-offload"  # the deployment's strategy reaches every role
     assert len({str(s["addresses"]) for s in specs}) == 1  # everyone shares one peer table
     assert sorted(s["role"] for s in specs) == ["main", "shadow", "worker", "worker"]
 

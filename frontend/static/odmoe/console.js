@@ -102,7 +102,7 @@
           m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
       });
       return el("div", { class: "deployment", "data-deployment": d.name },
-        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.status_reason}`)),
+        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy} · ${d.status_reason}`)),
         el("div", { class: "row" },
           running ? el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/stop`) }, "Stop")
                   : el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/start`) }, "Start"),
@@ -208,8 +208,28 @@
     return {
       name: form.get("name"), model: Number(form.get("model")), nodes: form.getAll("nodes"),
       shadow_dtype: form.get("shadow_dtype"), token_period: Number(form.get("token_period")), kv_period: Number(form.get("kv_period")),
+      strategy: form.get("strategy"),
     };
   }
+  const gb = (bytes) => `${(bytes / 1e9).toFixed(1)} GB`;
+  api("GET", "/api/deployments/estimate").then((found) => {
+    $("profile-select").replaceChildren(...found.profiles.map((p) => el("option", { value: p.name, title: p.description }, p.name)));
+    $("profile-select").value = found.default;
+  });
+  $("estimate").addEventListener("click", async () => {
+    const body = deploymentBody();
+    const workers = Math.max(1, body.nodes.length - 2);
+    const shadow = ["fp16", "int8", "nf4"].includes(body.shadow_dtype) ? body.shadow_dtype : "int8";
+    const result = await api("POST", "/api/deployments/estimate", {
+      model: body.model || undefined, workers, strategy: body.strategy, shadow_dtype: shadow, profile: new FormData($("deployment-form")).get("profile"),
+    });
+    const line = (kind) => `${kind}: ${result[kind].decode_tok_s.toFixed(2)} tok/s decode, TTFT ${result[kind].ttft_ms.toFixed(0)} ms`;
+    const perWorker = result.adjusted.memory_bytes.worker0;
+    $("estimate-result").replaceChildren(el("p", { id: "estimate-line" },
+      `Simulated on ${result.profile.name} with ${workers} workers (${result.strategy}, ${shadow} shadow): ${line("adjusted")} `
+      + `(roofline ${result.ideal.decode_tok_s.toFixed(2)} tok/s); memory: ${perWorker ? gb(perWorker) + " per worker, " : ""}`
+      + `${gb(result.adjusted.memory_total_bytes)} in all. See README, "Cluster simulator", for what it assumes.`));
+  });
   let suggested = null;
   $("suggest").addEventListener("click", async () => {
     const body = deploymentBody();

@@ -61,6 +61,7 @@ def _deployment(deployment: Deployment) -> dict:
         "shadow_dtype": deployment.shadow_dtype,
         "token_period": deployment.token_period,
         "kv_period": deployment.kv_period,
+        "strategy": deployment.strategy,
         "members": [
             {
                 "node": str(m.node_id),

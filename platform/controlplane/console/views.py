@@ -8,6 +8,7 @@ from django.shortcuts import render
 from django.views.decorators.csrf import ensure_csrf_cookie
 
 from inference.constants import SHADOW_DTYPES
+from inference.strategies import STRATEGIES
 
 from .snapshot import snapshot
 
@@ -15,7 +16,7 @@ from .snapshot import snapshot
 @staff_member_required
 @ensure_csrf_cookie  # the page's script sends the cookie's token with its API calls
 def console(request: HttpRequest) -> HttpResponse:
-    return render(request, "console/console.html", {"shadow_dtypes": SHADOW_DTYPES})
+    return render(request, "console/console.html", {"shadow_dtypes": SHADOW_DTYPES, "strategies": STRATEGIES})
 
 
 @staff_member_required

@@ -14,6 +14,8 @@ from controlplane.artifacts.models import ModelArtifact
 from controlplane.names import name_field
 from controlplane.pagination import paginated
 from inference.constants import SHADOW_DTYPES
+from inference.sim import hardware as sim_profiles
+from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 from . import generation, lifecycle, services
 from .models import Deployment, DeploymentNode
@@ -43,6 +45,7 @@ class DeploymentOutput(serializers.ModelSerializer):
             "shadow_dtype",
             "token_period",
             "kv_period",
+            "strategy",
             "created_at",
             "updated_at",
             "members",
@@ -92,6 +95,7 @@ class DeploymentListApi(APIView):
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
         token_period = serializers.IntegerField(min_value=0, default=1)
         kv_period = serializers.IntegerField(min_value=0, default=1)
+        strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:
@@ -217,3 +221,40 @@ def _deployment(deployment_id: int) -> Deployment:
     if deployment is None:
         raise NotFound(f"no deployment {deployment_id}")
     return deployment
+
+
+class EstimateApi(APIView):
+    """POST /api/deployments/estimate: the simulator's prediction for a planned deployment.
+
+    Before anything is deployed: decode tok/s, TTFT and memory per node of ``model`` (a
+    registered model, by its config.json; Mixtral-8x7B when omitted) with ``workers``
+    workers on a hardware ``profile``, at the roofline (``ideal``) and with measured or
+    published implementation efficiencies (``adjusted``); see inference/sim.
+    """
+
+    permission_classes = [IsAdminUser]
+
+    @extend_schema_serializer(component_name="EstimateInput")
+    class InputSerializer(serializers.Serializer):
+        model = serializers.PrimaryKeyRelatedField(queryset=ModelArtifact.objects.all(), required=False)
+        profile = serializers.ChoiceField(choices=sorted(sim_profiles.PROFILES), default=sim_profiles.DEFAULT_PROFILE)
+        workers = serializers.IntegerField(min_value=1, max_value=1024)
+        strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
+        shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="int8")
+        input_tokens = serializers.IntegerField(min_value=1, max_value=32768, default=128)
+        output_tokens = serializers.IntegerField(min_value=2, max_value=32768, default=128)
+
+    @extend_schema(request=InputSerializer, responses=dict)
+    def get(self, request: Request) -> Response:
+        """The hardware profiles an estimate can use."""
+        return Response({"profiles": sim_profiles.list_profiles(), "default": sim_profiles.DEFAULT_PROFILE})
+
+    @extend_schema(request=InputSerializer, responses=dict)
+    def post(self, request: Request) -> Response:
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = dict(data.validated_data)
+        try:
+            return Response(services.estimate(**values))
+        except services.DeploymentError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)

@@ -159,7 +159,10 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
     workers = sum(1 for m in members if m.role == Role.WORKER)
     table = peer_table({m.role_name: m.node.address for m in members}, {m.role_name: m.port for m in members}, workers)
     settings = Settings(
-        shadow_dtype=deployment.shadow_dtype, token_period=deployment.token_period, kv_period=deployment.kv_period
+        shadow_dtype=deployment.shadow_dtype,
+        token_period=deployment.token_period,
+        kv_period=deployment.kv_period,
+        strategy=deployment.strategy,
     )
     return {
         "deployment": deployment.runtime_key,

@@ -8,6 +8,7 @@ from django.db import models
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
 from inference.constants import SHADOW_DTYPES
+from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 
 class DeploymentStatus(models.TextChoices):
@@ -49,6 +50,12 @@ class Deployment(models.Model):
     shadow_dtype = models.CharField(max_length=8, choices=[(d, d) for d in SHADOW_DTYPES], default="fp32")
     token_period = models.PositiveIntegerField(default=1, help_text="align the shadow's token every N steps (0 never)")
     kv_period = models.PositiveIntegerField(default=1, help_text="align the shadow's KV cache every N steps (0 never)")
+    strategy = models.CharField(
+        max_length=16,
+        choices=[(s, s) for s in STRATEGIES],
+        default=DEFAULT_STRATEGY,
+        help_text="what workers keep on their GPUs (inference/strategies.py); applied on the next start",
+    )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)

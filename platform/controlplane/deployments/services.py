@@ -10,7 +10,11 @@ from django.db import IntegrityError, transaction
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node, NodeStatus
+from inference import sim
+from inference.checkpoint import Checkpoint, CheckpointError
 from inference.schedule import validate_periods
+from inference.sim.hardware import DEFAULT_PROFILE
+from inference.strategies import DEFAULT_STRATEGY, get_strategy
 
 from .models import ACTIVE, Deployment, DeploymentNode, Role
 from .roles import RoleError, RoleMap, check_roles, suggest_roles
@@ -38,11 +42,13 @@ def create_deployment(
     shadow_dtype: str = "fp32",
     token_period: int = 1,
     kv_period: int = 1,
+    strategy: str = DEFAULT_STRATEGY,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given."""
     try:
         validate_periods(token_period, kv_period)
+        get_strategy(strategy)
     except ValueError as exc:
         raise DeploymentError(str(exc)) from None
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
@@ -60,6 +66,7 @@ def create_deployment(
                 shadow_dtype=shadow_dtype,
                 token_period=token_period,
                 kv_period=kv_period,
+                strategy=strategy,
                 created_by=created_by,
             )
     except IntegrityError:
@@ -118,3 +125,36 @@ def check_nodes_free(nodes: list[Node], *, exclude: Deployment | None = None) ->
     busy = others.select_related("node", "deployment").first()
     if busy is not None:
         raise DeploymentError(f"node {busy.node.name} is already in active deployment {busy.deployment.name}")
+
+
+def estimate(
+    *,
+    workers: int,
+    model: ModelArtifact | None = None,
+    profile: str = DEFAULT_PROFILE,
+    strategy: str = DEFAULT_STRATEGY,
+    shadow_dtype: str = "int8",
+    input_tokens: int = 128,
+    output_tokens: int = 128,
+) -> dict:
+    """The cluster simulator's prediction for a planned deployment (``inference.sim.estimate``)."""
+    sizes: str | dict = "mixtral-8x7b"
+    if model is not None:
+        try:
+            sizes = Checkpoint(model.path).config
+        except CheckpointError as exc:
+            raise DeploymentError(f"cannot read {model.name}'s config: {exc}") from None
+    top_k = int(sizes.get("num_experts_per_tok", 2)) if isinstance(sizes, dict) else 2
+    try:
+        return sim.estimate(
+            model=sizes,
+            profile=profile,
+            workers=workers,
+            group_size=max(1, min(top_k, workers)),
+            shadow_dtype=shadow_dtype,
+            strategy=strategy,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+        )
+    except ValueError as exc:
+        raise DeploymentError(f"no estimate: {exc}") from None
