@@ -4,9 +4,10 @@ An `Implementation` says what fraction of the memory (`mbu`) and compute (`mfu`)
 kernels reach and how much CPU time eager PyTorch spends launching each piece of work. Eager PyTorch on
 a GPU is launch-bound at batch 1, and Transformers' Mixtral block synchronises with the GPU to learn
 which experts were hit, so CPU time and GPU time of one segment do not overlap across the segment
-boundary: a segment costs max(cpu, gpu) — except Transformers' expert loop, whose per-expert host syncs
-drain the GPU each time, so its CPU time adds to its GPU time. The CPU figures are our measurement of Transformers' layers
-on this repository's CI box scaled to a GPU server by the published eager gpt-fast figure (both in
+boundary: a segment costs max(cpu, gpu), except Transformers' expert loop, whose host sync per expert
+drains the GPU each time, so that its CPU time adds to its GPU time. The CPU figures are our
+measurement of Transformers' layers on this repository's CI box scaled to a GPU server by the
+published eager gpt-fast figure, and published Qwen MoE benchmarks for the expert loop (all in
 `sources`). `IDEAL` is the roofline: perfect kernels, no CPU time.
 """
 
