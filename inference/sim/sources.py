@@ -164,20 +164,13 @@ _EFFICIENCY = {
         "Transformers' MoE block visits every expert with a host sync; the GPU drains at each, so this CPU "
         "time adds to the experts' GPU time instead of hiding under it",
     ),
-    "hf_mixtral_layer_cpu_here": Source(
-        0.875e-3,
-        "s",
-        "measured 2026 on this repo's CI box (AMD EPYC, 2 threads, torch 2.13 CPU, transformers 5.24): "
-        "tiny MixtralForCausalLM, one decode layer (python -m inference.sim.measure)",
-        "HF Mixtral layer overhead relative to a dense block",
-    ),
     "hf_mistral_layer_cpu_here": Source(
         0.638e-3,
         "s",
-        "measured as above: tiny MistralForCausalLM (same block with one dense MLP)",
-        "the dense-block reference for the ratio",
+        "measured 2026 on this repo's CI box (AMD EPYC, 2 threads, torch 2.13 CPU, transformers 5.24): tiny "
+        "MistralForCausalLM, one decode layer (python -m inference.sim.measure)",
+        "scales CPU times measured here to a GPU server (eager_dense_layer_cpu / this)",
     ),
-    "hf_mixtral_ops_per_layer": Source(91, "ops", "measured as above (aten ops dispatched per layer)", "reference"),
     "hf_mistral_ops_per_layer": Source(74, "ops", "measured as above", "per-op cost = dense layer / 74"),
     "hf_mixtral_step_fixed_here": Source(
         0.583e-3,
