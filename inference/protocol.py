@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import struct
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
 import torch
+import zmq
 
 from inference.typecheck import Checker, checker, is_optional
 
@@ -53,6 +55,9 @@ class Message:
     deployment: str = ""
     sender: str = ""
     seq: int = 0
+    # Emulated links only: when the receiver may hand the message on (time.monotonic seconds,
+    # system-wide on Linux); 0 = at once. Stamped per hop by the sending transport.
+    deliver_at: float = 0.0
 
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -308,9 +313,16 @@ class ShadowStats(Message):
 
 
 # --- framing ----------------------------------------------------------------------------------
+#
+# Every message of a decode step passes here four times (main encodes a request, the worker
+# decodes it, encodes its result, main decodes that), so each message class is compiled once
+# into a ``_Plan``: which fields go into the header, which travel as frames, and a validator
+# per field. Encoding and decoding then only loop over those tuples; no per-message reflection.
 
-_ENVELOPE = ("deployment", "sender", "seq")
 _ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
+_EMPTY = b""
+_FLOAT64 = 0xCB  # msgpack's float 64 marker
+_BE_DOUBLE = struct.Struct(">d")
 
 
 @dataclass(frozen=True)
@@ -321,34 +333,73 @@ class _FieldSpec:
     tensor: bool
 
 
-def encode(msg: Message, *, deployment: str | None = None, sender: str | None = None, seq: int | None = None) -> list:
+@dataclass(frozen=True)
+class _Plan:
+    """A message class compiled for framing."""
+
+    cls: type[Message]
+    plain: tuple[str, ...]  # header fields, declaration order
+    checks: tuple[tuple[str, Checker, bool], ...]  # (name, validator, required) per header field
+    tensors: tuple[tuple[str, bool], ...]  # (name, required) per tensor field, declaration order
+    tensor_names: frozenset[str]
+    defaults: dict[str, Any]  # what an absent optional field is
+    plain_init: bool  # True: build instances without running the generated __init__
+
+
+_PLANS: dict[type[Message], _Plan] = {}
+
+
+def encode(
+    msg: Message,
+    *,
+    deployment: str | None = None,
+    sender: str | None = None,
+    seq: int | None = None,
+    deliver_at: float | None = None,
+) -> list:
     """Frames for ``msg``: the msgpack header, then one raw buffer per present tensor.
 
     ``deployment``, ``sender`` and ``seq``, when given, stamp the envelope instead of the
     message's own values (what a transport does on every send, without copying ``msg``).
+    ``deliver_at`` is stamped only when given (an emulated link), as the header's last entry
+    so that ``restamp_delivery`` can change it in place. Tensor frames share memory with the
+    tensors (zmq copies small ones, sends big ones as they are).
     """
+    plan = _PLANS.get(type(msg)) or _plan(type(msg))
+    values = msg.__dict__
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
-    frames: list[Any] = []
+    for name in plan.plain:
+        header[name] = values[name]
+    if deployment is not None:
+        header["deployment"] = deployment
+    if sender is not None:
+        header["sender"] = sender
+    if seq is not None:
+        header["seq"] = seq
     tensors: dict[str, Any] = {}
-    for spec in _specs(type(msg)):
-        value = getattr(msg, spec.name)
-        if not spec.tensor:
-            header[spec.name] = value
-        elif value is not None:
-            tensor = value.detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            tensor = tensor.contiguous()
-            if tensor.dtype not in _DTYPE_NAMES:
-                raise ProtocolError(f"{msg.TYPE}.{spec.name}: dtype {tensor.dtype} cannot be sent")
-            tensors[spec.name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
-            # A uint8 view shares memory with the tensor: zmq sends it without a copy.
-            frames.append(tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else b"")
-    for name, value in zip(_ENVELOPE, (deployment, sender, seq), strict=True):
-        if value is not None:
-            header[name] = value
     header["tensors"] = tensors
-    return [msgpack.packb(header, use_bin_type=True), *frames]
+    frames: list[Any] = [b""]
+    for name, _ in plan.tensors:
+        value = values[name]
+        if value is not None:
+            descriptor, frame = _tensor_frame(msg.TYPE, name, value)
+            tensors[name] = descriptor
+            frames.append(frame)
+    if deliver_at is not None:
+        header["deliver_at"] = float(deliver_at)
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def restamp_delivery(header: bytes, deliver_at: float) -> bytes:
+    """``header`` (from ``encode`` with a ``deliver_at``) with another delivery time, same size.
+
+    msgpack writes a float as 0xcb and 8 big-endian bytes, and ``encode`` writes the stamp
+    last, so the stamp is the header's last 8 bytes.
+    """
+    if len(header) < 9 or header[-9] != _FLOAT64:
+        raise ValueError("the header carries no delivery stamp at its end")
+    return header[:-8] + _BE_DOUBLE.pack(deliver_at)
 
 
 def decode(frames: list[Any]) -> Message:
@@ -359,69 +410,113 @@ def decode(frames: list[Any]) -> Message:
         header = msgpack.unpackb(_as_bytes(frames[0]), raw=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"header is not msgpack: {exc}") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError("header is not a map")
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r:.40}, expected {PROTOCOL_VERSION}")
     type_name = header.get("t")
-    cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
+    cls = _REGISTRY.get(type_name) if type(type_name) is str else None
     if cls is None:
         raise ProtocolError(f"unknown message type {type_name!r:.40}")
+    plan = _PLANS.get(cls) or _plan(cls)
     described = header.get("tensors")
-    if not isinstance(described, dict):
+    if type(described) is not dict:
         raise ProtocolError(f"{cls.TYPE}: tensor descriptors missing")
-    unknown = set(described) - set(cls.TENSORS)
-    if unknown:
-        raise ProtocolError(f"{cls.TYPE}: carries no tensor named {sorted(map(str, unknown))[0]!r:.40}")
+    for name in described:
+        if name not in plan.tensor_names:
+            raise ProtocolError(f"{cls.TYPE}: carries no tensor named {str(name)!r:.40}")
     if len(frames) - 1 != len(described):
         raise ProtocolError(f"{cls.TYPE}: {len(described)} tensors described, {len(frames) - 1} frames sent")
-    values: dict[str, Any] = {}
-    frame_iter = iter(frames[1:])
-    for spec in _specs(cls):
-        if spec.tensor:
-            if spec.name in described:
-                values[spec.name] = _tensor(cls.TYPE, spec.name, described[spec.name], next(frame_iter))
-            elif spec.required:
-                raise ProtocolError(f"{cls.TYPE}: tensor {spec.name!r} missing")
-            continue
-        if spec.name not in header:
-            if spec.required:
-                raise ProtocolError(f"{cls.TYPE}: field {spec.name!r} missing")
-            continue
-        value = header[spec.name]
-        if not spec.check(value):
-            raise ProtocolError(f"{cls.TYPE}: field {spec.name!r} has a bad value {value!r:.80}")
-        values[spec.name] = value
-    return cls(**values)
+    values = dict(plan.defaults)
+    for name, check, required in plan.checks:
+        if name in header:
+            value = header[name]
+            if not check(value):
+                raise ProtocolError(f"{cls.TYPE}: field {name!r} has a bad value {value!r:.80}")
+            values[name] = value
+        elif required:
+            raise ProtocolError(f"{cls.TYPE}: field {name!r} missing")
+    index = 1
+    for name, required in plan.tensors:
+        if name in described:
+            values[name] = _tensor(cls.TYPE, name, described[name], frames[index])
+            index += 1
+        elif required:
+            raise ProtocolError(f"{cls.TYPE}: tensor {name!r} missing")
+    if not plan.plain_init:
+        return cls(**values)
+    # Every field was validated and defaulted above: fill the frozen instance directly,
+    # which is what its generated __init__ would do, one setattr per field, only slower.
+    msg = object.__new__(cls)
+    msg.__dict__.update(values)
+    return msg
+
+
+def _tensor_frame(type_name: str, name: str, tensor: torch.Tensor) -> tuple[dict[str, Any], Any]:
+    """(descriptor, frame) for one tensor; the frame shares the tensor's memory when it can."""
+    dtype_name = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype_name is None:
+        raise ProtocolError(f"{type_name}.{name}: dtype {tensor.dtype} cannot be sent")
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_cpu:
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    descriptor = {"dtype": dtype_name, "shape": list(tensor.shape)}
+    if not tensor.numel():
+        return descriptor, _EMPTY
+    if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16; the bytes are what matter
+        tensor = tensor.view(torch.int16)
+    # A flat byte view: zmq sees its true length, and sends big tensors without a copy.
+    return descriptor, memoryview(tensor.numpy()).cast("B")
 
 
 def _tensor(type_name: str, name: str, desc: Any, frame: Any) -> torch.Tensor:
-    if (
-        not isinstance(desc, dict)
-        or not isinstance(desc.get("dtype"), str)
-        or desc["dtype"] not in _DTYPES
-        or not isinstance(desc.get("shape"), list)
-    ):
+    dtype_name = desc.get("dtype") if type(desc) is dict else None
+    dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    shape = desc.get("shape") if dtype is not None else None
+    if type(shape) is not list:
         raise ProtocolError(f"{type_name}.{name}: bad tensor descriptor {desc!r:.80}")
-    dtype = _DTYPES[desc["dtype"]]
-    shape = desc["shape"]
-    if len(shape) > _MAX_DIMS or not all(type(d) is int and 0 <= d < _MAX_DIM for d in shape):
-        raise ProtocolError(f"{type_name}.{name}: bad shape {shape!r:.80}")
-    buffer = frame.buffer if hasattr(frame, "buffer") else frame
     numel = 1
     for d in shape:
+        if type(d) is not int or not 0 <= d < _MAX_DIM:
+            raise ProtocolError(f"{type_name}.{name}: bad shape {shape!r:.80}")
         numel *= d
-    if len(buffer) != numel * _ELEMENT_SIZE[dtype]:
-        raise ProtocolError(f"{type_name}.{name}: {len(buffer)} bytes for shape {shape} {desc['dtype']}")
+    if len(shape) > _MAX_DIMS:
+        raise ProtocolError(f"{type_name}.{name}: bad shape {shape!r:.80}")
+    buffer = frame.buffer if type(frame) is zmq.Frame else memoryview(frame)
+    if buffer.nbytes != numel * _ELEMENT_SIZE[dtype]:
+        raise ProtocolError(f"{type_name}.{name}: {buffer.nbytes} bytes for shape {shape} {dtype_name}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     # The frame's memory is read-only and owned by zmq; copy it so receivers may write.
-    return torch.frombuffer(bytearray(buffer), dtype=dtype).reshape(shape)
+    return torch.frombuffer(bytearray(buffer), dtype=dtype).view(shape)
 
 
 def _as_bytes(frame: Any) -> bytes:
-    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    if type(frame) is bytes:
+        return frame
+    return frame.bytes if type(frame) is zmq.Frame else bytes(frame)
+
+
+def _plan(cls: type[Message]) -> _Plan:
+    """Compile ``cls`` once: each field's validator from its type hints, its default, its role."""
+    specs = _specs(cls)
+    fields = dataclasses.fields(cls)
+    plan = _Plan(
+        cls=cls,
+        # The delivery stamp is per hop: only a transport that emulates a link writes it.
+        plain=tuple(s.name for s in specs if not s.tensor and s.name != "deliver_at"),
+        checks=tuple((s.name, s.check, s.required) for s in specs if not s.tensor),
+        tensors=tuple((s.name, s.required) for s in specs if s.tensor),
+        tensor_names=frozenset(s.name for s in specs if s.tensor),
+        defaults={f.name: f.default for f in fields if f.default is not dataclasses.MISSING},
+        plain_init=all(f.default_factory is dataclasses.MISSING for f in fields) and not hasattr(cls, "__post_init__"),
+    )
+    _PLANS[cls] = plan
+    return plan
 
 
 @functools.cache
@@ -438,4 +533,4 @@ def _specs(cls: type[Message]) -> tuple[_FieldSpec, ...]:
 
 
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Message)]
-__all__ += ["PROTOCOL_VERSION", "ProtocolError", "decode", "encode"]
+__all__ += ["PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "restamp_delivery"]

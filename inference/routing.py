@@ -32,12 +32,16 @@ class RoutedRows:
     top_k: int
     perm: torch.Tensor | None = None  # grouped: the sort permutation of the S pairs
     token_index: dict[int, torch.Tensor] | None = None  # eager: expert -> token of each row
+    slots: list[int] | None = None  # one token (a decode step): the expert of each top-k slot
 
     def count(self, expert: int) -> int:
         return self.rows[expert].shape[0]
 
 
 def split_grouped(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> RoutedRows:
+    slots = _single_token_slots(hidden, top_k_index)
+    if slots is not None:
+        return _split_one_token(hidden, top_k_weights, slots, grouped=True)
     num_tokens, top_k = top_k_index.shape
     expert_ids = top_k_index.reshape(-1)  # [S]
     sorted_ids, perm = torch.sort(expert_ids)
@@ -55,6 +59,9 @@ def split_grouped(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
 
 
 def split_eager(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> RoutedRows:
+    slots = _single_token_slots(hidden, top_k_index)
+    if slots is not None:
+        return _split_one_token(hidden, top_k_weights, slots, grouped=False)
     num_tokens, top_k = top_k_index.shape
     out = RoutedRows([], {}, {}, num_tokens, top_k, token_index={})
     for expert in torch.unique(top_k_index).tolist():  # ascending
@@ -67,7 +74,54 @@ def split_eager(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     return out
 
 
+def _single_token_slots(hidden: torch.Tensor, top_k_index: torch.Tensor) -> list[int] | None:
+    """The expert of each top-k slot when a decode step routes one token to distinct experts.
+
+    That is every decode step of one sequence, and there the general split is a dozen small
+    tensor ops for what a Python list says as well: each expert gets the one row, once.
+    """
+    if top_k_index.shape[0] != 1 or not hidden.is_contiguous():
+        return None
+    slots = top_k_index.tolist()[0]
+    return slots if len(set(slots)) == len(slots) else None
+
+
+def _split_one_token(
+    hidden: torch.Tensor, top_k_weights: torch.Tensor, slots: list[int], *, grouped: bool
+) -> RoutedRows:
+    """The split of one token: the same rows and weights the general paths give, without their ops.
+
+    ``hidden`` [1, H] is every expert's only row (rows are only read, so it is shared, not copied).
+    """
+    weights = top_k_weights.unbind(1)  # K tensors [1]: each slot's weight
+    out = RoutedRows(sorted(slots), {}, {}, 1, len(slots), slots=slots)
+    if not grouped:
+        out.token_index = {}
+    for expert in out.experts:
+        out.rows[expert] = hidden
+        out.weights[expert] = weights[slots.index(expert)]
+        if out.token_index is not None:
+            out.token_index[expert] = _zero_index(hidden.device)
+    return out
+
+
+_ZERO_INDEX: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_index(device: torch.device) -> torch.Tensor:
+    """A shared ``tensor([0])`` on ``device``: the token index of every row of a one-token split."""
+    index = _ZERO_INDEX.get(device)
+    if index is None:
+        index = _ZERO_INDEX[device] = torch.zeros(1, dtype=torch.long, device=device)
+    return index
+
+
 def combine_grouped(routed: RoutedRows, outputs: dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if routed.slots is not None:
+        # One token: its outputs in slot order are what the inverse permutation below gives.
+        in_slot_order = torch.cat([outputs[e] for e in routed.slots])  # [K, H]
+        final = in_slot_order.view(1, routed.top_k, -1).sum(dim=1)  # [1, H]
+        return final if final.dtype == dtype else final.to(dtype)
     assert routed.perm is not None
     out_sorted = torch.cat([outputs[e] for e in routed.experts])  # [S, H] in sorted order
     inv_perm = torch.empty_like(routed.perm)

@@ -7,19 +7,36 @@ the DEALER that asked), so there is one connection per ordered pair of roles and
 order is kept on it. Every message is stamped with the deployment id, the sender and a
 sequence number; what belongs to another deployment or arrives out of order is dropped
 with a log line, as is anything that does not decode.
+
+An endpoint can emulate its role's network link (one NIC per role): every message it sends
+occupies its uplink for ``bytes / link_bytes_per_s`` after the previous one has left, and
+arrives ``link_latency_s`` after its last byte has. The sender never blocks: it stamps the
+delivery time into the message (``deliver_at``, on the system-wide monotonic clock) and the
+receiving endpoint holds the message until then. Messages without a stamp are delivered at
+once, and without emulation nothing is stamped, so the hot path is unchanged.
+
+Sending and receiving loop over frames by hand rather than through pyzmq's
+``send_multipart``/``recv_multipart``: those wrap every frame's flags in Python enums, which
+costs more than the small messages of a decode step do to move.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import time
 from dataclasses import dataclass
 
 import zmq
 
-from inference.protocol import Message, ProtocolError, decode, encode
+from inference.protocol import Message, ProtocolError, decode, encode, restamp_delivery
 
 log = logging.getLogger(__name__)
+
+_SNDMORE = int(zmq.SNDMORE)
+_MAX_POLL_MS = 2**31 - 1
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD  # pyzmq copies smaller frames anyway; bigger ones go as they are
 
 
 @dataclass(frozen=True)
@@ -31,10 +48,47 @@ class Received:
     identity: bytes = b""
 
 
+def link_schedule(
+    now: float, link_free_at: float, nbytes: int, bytes_per_s: float | None, latency_s: float
+) -> tuple[float, float]:
+    """(when the link is free again, when the message arrives) for ``nbytes`` sent at ``now``.
+
+    The message starts once the link is free, occupies it ``nbytes / bytes_per_s`` seconds
+    (no bandwidth limit: none), and arrives ``latency_s`` after its last byte left.
+    """
+    start = max(now, link_free_at)
+    free_at = start + nbytes / bytes_per_s if bytes_per_s else start
+    return free_at, free_at + latency_s
+
+
+def frames_nbytes(frames: list) -> int:
+    """The bytes a message puts on the wire: the sum of its frames' sizes."""
+    return sum(memoryview(f).nbytes for f in frames)
+
+
 class Endpoint:
-    def __init__(self, name: str, deployment: str, bind: str | None = None) -> None:
+    """One role's sockets. ``link_bytes_per_s`` / ``link_latency_s`` emulate its network link
+    (None / 0: no bandwidth limit / no latency; both: no emulation at all)."""
+
+    def __init__(
+        self,
+        name: str,
+        deployment: str,
+        bind: str | None = None,
+        *,
+        link_bytes_per_s: float | None = None,
+        link_latency_s: float = 0.0,
+    ) -> None:
+        if link_bytes_per_s is not None and link_bytes_per_s < 0:
+            raise ValueError(f"link_bytes_per_s must be > 0 (None or 0: no limit), got {link_bytes_per_s}")
+        if link_latency_s < 0:
+            raise ValueError(f"link_latency_s must be >= 0, got {link_latency_s}")
         self.name = name
         self.deployment = deployment
+        self.link_bytes_per_s = link_bytes_per_s or None
+        self.link_latency_s = link_latency_s
+        self._emulated = self.link_bytes_per_s is not None or link_latency_s > 0
+        self._link_free_at = 0.0  # when this role's uplink has sent everything queued on it
         self._ctx = zmq.Context.instance()
         self._poller = zmq.Poller()
         self._links: dict[str, zmq.Socket] = {}
@@ -42,6 +96,10 @@ class Endpoint:
         # Sequence numbers start from the clock so that a restarted sender is not stale.
         self._seq = time.time_ns() // 1000
         self._last_seq: dict[tuple[str, str], int] = {}
+        # Messages received before their emulated delivery time: (due, arrival, message).
+        self._held: list[tuple[float, int, Received]] = []
+        self._arrivals = itertools.count()
+        self._last_due: dict[tuple[str, bytes], float] = {}  # per connection, to keep its order
         self.inbox: zmq.Socket | None = None
         if bind is not None:
             self.inbox = self._ctx.socket(zmq.ROUTER)
@@ -65,36 +123,66 @@ class Endpoint:
 
     def send(self, peer: str, msg: Message) -> None:
         """Send over the link to ``peer``'s inbox."""
-        self._links[peer].send_multipart(self._frames(msg), copy=False)
+        _send_frames(self._links[peer], self._frames(msg))
 
     def reply(self, identity: bytes, msg: Message) -> None:
         """Answer whoever sent ``identity`` a message on this role's inbox."""
         assert self.inbox is not None
-        self.inbox.send_multipart([identity, *self._frames(msg)], copy=False)
+        frames = self._frames(msg)  # first: a message that cannot be encoded must not leave half a send
+        self.inbox.send(identity, _SNDMORE)
+        _send_frames(self.inbox, frames)
 
     def recv(self, timeout_s: float) -> Received | None:
-        """The next valid message within ``timeout_s`` seconds, or None."""
+        """The next valid message within ``timeout_s`` seconds, or None.
+
+        A message held for its emulated delivery time is returned once that time comes,
+        or None is, if that is after ``timeout_s``.
+        """
         deadline = time.monotonic() + max(0.0, timeout_s)
+        polled = False
         while True:
-            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            events = dict(self._poller.poll(remaining_ms))
-            if not events:
+            now = time.monotonic()
+            if self._held and self._held[0][0] <= now:
+                return heapq.heappop(self._held)[2]
+            if polled and now >= deadline:
                 return None
-            for sock in events:
-                received = self._read(sock)
-                if received is not None:
-                    return received
-            if time.monotonic() >= deadline:
-                return None
+            wake = min(deadline, self._held[0][0]) if self._held else deadline
+            received = self._poll(wake - now)
+            polled = True
+            if received is not None:
+                return received
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every socket; ``linger_ms`` lets queued messages out first (0 drops them)."""
         for sock in [*self._links.values(), *([self.inbox] if self.inbox is not None else [])]:
             sock.close(linger_ms)
         self._links.clear()
+        self._held.clear()
+
+    def _poll(self, wait_s: float) -> Received | None:
+        """Read what arrives within ``wait_s``: the first message due now, or None (later ones are held)."""
+        wait_ms = int(wait_s * 1000)
+        if wait_ms <= 0 < wait_s and self._held:
+            time.sleep(wait_s)  # the next delivery is closer than the poller's 1 ms resolution
+        for sock, _ in self._poller.poll(min(max(0, wait_ms), _MAX_POLL_MS)):
+            received = self._read(sock)
+            if received is None:
+                continue
+            due = received.msg.deliver_at
+            if not due and not self._held:
+                return received  # the hot path: nothing emulated
+            self._hold(received, due)
+        return None
+
+    def _hold(self, received: Received, due: float) -> None:
+        """Keep ``received`` until ``due``, after whatever came before it on its connection."""
+        connection = (received.via, received.identity)
+        due = max(due, self._last_due.get(connection, 0.0))
+        self._last_due[connection] = due
+        heapq.heappush(self._held, (due, next(self._arrivals), received))
 
     def _read(self, sock: zmq.Socket) -> Received | None:
-        frames = sock.recv_multipart(copy=False)
+        frames = _recv_frames(sock)
         identity = b""
         if sock is self.inbox:
             identity, frames = frames[0].bytes, frames[1:]
@@ -130,4 +218,29 @@ class Endpoint:
 
     def _frames(self, msg: Message) -> list:
         self._seq += 1
-        return encode(msg, deployment=self.deployment, sender=self.name, seq=self._seq)
+        if not self._emulated:
+            return encode(msg, deployment=self.deployment, sender=self.name, seq=self._seq)
+        # The stamp has a fixed size, so the message's size is known before its delivery time.
+        frames = encode(msg, deployment=self.deployment, sender=self.name, seq=self._seq, deliver_at=0.0)
+        self._link_free_at, deliver_at = link_schedule(
+            time.monotonic(), self._link_free_at, frames_nbytes(frames), self.link_bytes_per_s, self.link_latency_s
+        )
+        frames[0] = restamp_delivery(frames[0], deliver_at)
+        return frames
+
+
+def _send_frames(sock: zmq.Socket, frames: list) -> None:
+    """``send_multipart`` without its per-frame enum arithmetic; big frames go without a copy."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, _SNDMORE if i < last else 0, copy=len(frame) < _COPY_THRESHOLD)
+
+
+def _recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+    """``recv_multipart(copy=False)`` without asking the socket after each frame: a frame knows."""
+    frame = sock.recv(0, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(0, copy=False)
+        frames.append(frame)
+    return frames

@@ -7,6 +7,7 @@ import torch
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+from inference import routing as routing_module
 from inference.experts import ExpertWeights, activation, expert_forward
 from inference.routing import (
     Routing,
@@ -120,6 +121,39 @@ def test_split_gives_every_pair_once(split) -> None:
         assert routed.weights[e].shape == (routed.count(e),)
         assert routed.rows[e].shape == (routed.count(e), 16)
     assert (routed.num_tokens, routed.top_k) == (40, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("arithmetic", ["grouped", "eager"])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_one_token_fast_path_matches_the_general_path(
+    arithmetic: str, top_k: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step's split and sum skip the general tensor ops, and give the same tensors."""
+    routing = Routing(arithmetic)
+    for seed in range(5):
+        states, index, weights = _routing(1, 24, 8, top_k, dtype, seed)
+        g = torch.Generator().manual_seed(seed)
+        fast = routing.split(states, index, weights)
+        assert fast.slots == index[0].tolist()
+        outputs = {e: torch.randn(1, 24, generator=g).to(dtype) for e in fast.experts}
+        fast_sum = routing.combine(fast, outputs, dtype)
+        with monkeypatch.context() as m:
+            m.setattr(routing_module, "_single_token_slots", lambda hidden, top_k_index: None)
+            general = routing.split(states, index, weights)
+            general_sum = routing.combine(general, outputs, dtype)
+        assert general.slots is None and fast.experts == general.experts
+        for e in general.experts:
+            assert torch.equal(fast.rows[e], general.rows[e]) and fast.rows[e].shape == general.rows[e].shape
+            assert torch.equal(fast.weights[e], general.weights[e])
+            assert fast.weights[e].shape == general.weights[e].shape == (1,)
+        assert fast_sum.dtype == general_sum.dtype and torch.equal(fast_sum, general_sum)
+
+
+def test_one_token_with_repeated_experts_takes_the_general_path() -> None:
+    states = torch.randn(1, 8)
+    routed = split_grouped(states, torch.tensor([[3, 3]]), torch.tensor([[0.5, 0.5]]))
+    assert routed.slots is None and routed.experts == [3] and routed.count(3) == 2
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import torch
 import zmq
 
 from inference.launcher import free_port
-from inference.protocol import Align, Ping, Pong, TokenEvent, encode
-from inference.transport import Endpoint
+from inference.protocol import Align, Ping, Pong, ProtocolError, TokenEvent, encode
+from inference.transport import Endpoint, link_schedule
 
 DEPLOYMENT = "dep-test"
 
@@ -195,3 +195,172 @@ def test_endpoint_without_inbox_can_only_send(pair: tuple[Endpoint, Endpoint, st
     assert client.inbox is None
     with pytest.raises(AssertionError):
         client.reply(b"x", Ping())
+
+
+# --- emulated links ----------------------------------------------------------------------------
+
+MB = 1_000_000
+
+
+def _emulated_pair(address: str, **link: float) -> tuple[Endpoint, Endpoint]:
+    """A server and a client whose links (both directions) are emulated with ``link``."""
+    server = Endpoint("server", DEPLOYMENT, bind=address, **link)  # type: ignore[arg-type]
+    client = Endpoint("client", DEPLOYMENT, **link)  # type: ignore[arg-type]
+    client.connect("server", address)
+    return server, client
+
+
+def _payload(nbytes: int) -> Align:
+    return Align(request_id="big", step=0, keys=torch.zeros(nbytes // 4, dtype=torch.float32))
+
+
+def test_link_schedule_is_a_token_bucket() -> None:
+    # Idle link: starts now, takes n / rate, arrives latency later.
+    assert link_schedule(10.0, 0.0, 1000, 1000.0, 0.5) == (11.0, 11.5)
+    # Busy link: starts when the previous message has left.
+    assert link_schedule(10.0, 12.0, 1000, 1000.0, 0.5) == (13.0, 13.5)
+    # No bandwidth limit: latency only, the link never queues.
+    assert link_schedule(10.0, 0.0, 10**9, None, 0.25) == (10.0, 10.25)
+
+
+def test_emulated_link_delays_delivery_without_blocking_the_sender() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server, client = _emulated_pair(address, link_bytes_per_s=10 * MB, link_latency_s=0.005)
+    try:
+        _roundtrip_works(server, client)  # connected, and small messages still arrive
+        msg = _payload(MB)
+        client.send("server", msg)  # warm-up: pyzmq starts its zero-copy machinery on the first big frame
+        assert server.recv(5.0) is not None
+        start = time.monotonic()
+        client.send("server", msg)
+        sent = time.monotonic() - start
+        got = server.recv(5.0)
+        arrived = time.monotonic() - start
+        assert got is not None and isinstance(got.msg, Align) and got.msg.keys.numel() == MB // 4
+        assert sent < 0.010, sent  # the sender's NIC works on its own
+        assert arrived >= 0.105, arrived  # 1 MB at 10 MB/s + 5 ms
+        assert got.msg.deliver_at > 0
+    finally:
+        client.close()
+        server.close()
+
+
+def test_back_to_back_messages_queue_on_the_link_and_keep_their_order() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server, client = _emulated_pair(address, link_bytes_per_s=10 * MB, link_latency_s=0.005)
+    try:
+        _roundtrip_works(server, client)
+        start = time.monotonic()
+        client.send("server", _payload(MB))
+        client.send("server", TokenEvent(request_id="after", index=1, token_id=1))  # tiny, but queued behind
+        first = server.recv(5.0)
+        first_at = time.monotonic() - start
+        second = server.recv(5.0)
+        assert first is not None and isinstance(first.msg, Align)
+        assert second is not None and isinstance(second.msg, TokenEvent)
+        assert first_at >= 0.105
+        assert second.msg.deliver_at >= first.msg.deliver_at
+
+        start = time.monotonic()
+        client.send("server", _payload(MB))
+        client.send("server", _payload(MB))
+        assert server.recv(5.0) is not None
+        assert server.recv(5.0) is not None
+        assert time.monotonic() - start >= 0.205  # the second waited for the first to leave
+    finally:
+        client.close()
+        server.close()
+
+
+def test_many_emulated_messages_arrive_in_order() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server, client = _emulated_pair(address, link_bytes_per_s=50 * MB, link_latency_s=0.002)
+    try:
+        for i in range(30):
+            client.send("server", TokenEvent(request_id="r", index=i, token_id=i))
+        got = [server.recv(5.0) for _ in range(30)]
+        assert [g.msg.index for g in got] == list(range(30))  # type: ignore[union-attr]
+        # Replies travel over the server's emulated link back to the client, in order too.
+        identity = got[0].identity  # type: ignore[union-attr]
+        for i in range(10):
+            server.reply(identity, TokenEvent(request_id="back", index=i, token_id=i))
+        back = [client.recv(5.0) for _ in range(10)]
+        assert [b.msg.index for b in back] == list(range(10))  # type: ignore[union-attr]
+    finally:
+        client.close()
+        server.close()
+
+
+def test_recv_times_out_before_a_held_message_is_due() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server, client = _emulated_pair(address, link_latency_s=0.3)
+    try:
+        start = time.monotonic()
+        client.send("server", TokenEvent(request_id="late", index=0, token_id=0))
+        assert server.recv(0.1) is None  # it arrived, but is not due for another 0.2 s
+        assert server.recv(0.0) is None
+        got = server.recv(5.0)
+        assert got is not None and got.msg.request_id == "late"  # type: ignore[union-attr]
+        assert time.monotonic() - start >= 0.3
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_held_message_does_not_hold_up_other_connections(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    server, client, address = pair  # ``client`` does not emulate a link
+    slow = Endpoint("slow", DEPLOYMENT, link_latency_s=0.5)
+    slow.connect("server", address)
+    try:
+        slow.send("server", TokenEvent(request_id="slow", index=0, token_id=0))
+        time.sleep(0.05)
+        assert server.recv(0.05) is None  # held
+        client.send("server", TokenEvent(request_id="fast", index=0, token_id=0))
+        got = server.recv(0.3)
+        assert got is not None and got.msg.request_id == "fast"  # type: ignore[union-attr]
+        later = server.recv(5.0)
+        assert later is not None and later.msg.request_id == "slow"  # type: ignore[union-attr]
+    finally:
+        slow.close()
+
+
+def test_without_emulation_nothing_is_stamped(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    server, client, _ = pair
+    client.send("server", TokenEvent(request_id="r", index=0, token_id=0))
+    assert server.inbox is not None
+    frames = server.inbox.recv_multipart()
+    assert "deliver_at" not in msgpack.unpackb(frames[1], raw=False)
+    client.send("server", TokenEvent(request_id="r", index=1, token_id=1))
+    got = server.recv(5.0)
+    assert got is not None and got.msg.deliver_at == 0.0
+
+
+@pytest.mark.parametrize("link", [{"link_bytes_per_s": -1.0}, {"link_latency_s": -0.1}])
+def test_bad_link_settings_are_refused(link: dict) -> None:
+    with pytest.raises(ValueError):
+        Endpoint("x", DEPLOYMENT, **link)
+
+
+def test_zero_link_settings_mean_no_emulation(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    server, _, address = pair
+    plain = Endpoint("plain", DEPLOYMENT, link_bytes_per_s=0.0, link_latency_s=0.0)
+    plain.connect("server", address)
+    try:
+        plain.send("server", TokenEvent(request_id="r", index=0, token_id=0))
+        got = server.recv(5.0)
+        assert got is not None and got.msg.deliver_at == 0.0
+    finally:
+        plain.close()
+
+
+def test_a_reply_that_cannot_be_encoded_leaves_nothing_half_sent(pair: tuple[Endpoint, Endpoint, str]) -> None:
+    server, client, _ = pair
+    client.send("server", Ping())
+    got = server.recv(5.0)
+    assert got is not None
+    unsendable = Align(request_id="r", step=0, keys=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ProtocolError, match="float64"):
+        server.reply(got.identity, unsendable)
+    server.reply(got.identity, Pong(role="server", ready=True, detail="next"))
+    answer = client.recv(5.0)
+    assert answer is not None and isinstance(answer.msg, Pong) and answer.msg.detail == "next"
