@@ -239,6 +239,11 @@ class ExpertLoader:
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             event.synchronize()
+        elif self.copy_bytes_per_s:
+            # Emulated hardware: the copy engine's time is the token bucket's below, and the CPU
+            # a memcpy would burn here (a GPU's DMA engine does not) stays with the computation.
+            weights = ExpertWeights(host.gate_up, host.down)
+            event = None
         else:
             # A fresh buffer, as the device copy would be: the store's tensors stay untouched.
             weights = ExpertWeights(host.gate_up.clone(), host.down.clone())

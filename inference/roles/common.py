@@ -34,10 +34,13 @@ def pick_device(setting: str) -> torch.device:
 
 def open_endpoint(spec: RoleSpec) -> Endpoint:
     """The role's endpoint, bound to its inbox, with the emulated network link if one is set."""
-    link = {}
-    if spec.settings.link_bytes_per_s is not None or spec.settings.link_latency_s:
-        link = {"link_bytes_per_s": spec.settings.link_bytes_per_s, "link_latency_s": spec.settings.link_latency_s}
-    return Endpoint(spec.name, spec.deployment, bind=spec.bind_address, **link)
+    return Endpoint(
+        spec.name,
+        spec.deployment,
+        bind=spec.bind_address,
+        link_bytes_per_s=spec.settings.link_bytes_per_s,
+        link_latency_s=spec.settings.link_latency_s,
+    )
 
 
 def connect_peers(endpoint: Endpoint, spec: RoleSpec, *, workers: bool, shadow: bool, main: bool) -> None:

@@ -1,0 +1,257 @@
+"""The four strategies side by side on one emulated hardware profile, in one run.
+
+    python -m benchmarks.strategies [--profile 3090-pcie4-1gbe] [--model DIR] [--workers 8]
+        [--pairs 16:32,16:64,64:32,64:64] [--strategies odmoe,full-cache,reactive,lru-offload]
+        [--json OUT] [--plots DIR]
+
+Every strategy runs the same greedy generations on the same checkpoint through the real
+runtime (main, workers and, for odmoe, the shadow as processes on 127.0.0.1) with the
+profile's expert-copy and network proportions emulated (``inference.emulation``): full
+cache, reactive and odmoe as a cluster of ``--workers`` boxes over the emulated network;
+lru-offload as Mixtral-Offloading runs, on one box (main and one worker, no network hop,
+``--cache-experts`` per layer). All roles share this machine's cores, which separate boxes
+would not: the shadow runs at the lowest CPU priority so that it takes only idle time.
+For each (input, output) length pair it measures decode tok/s, end-to-end tok/s, TTFT,
+recall and the peak expert bytes a worker held, averages over the pairs as the paper
+does, and divides by full cache's figure from the same run.
+Output: a Markdown table, JSON (``--json``), and a PNG bar chart (``--plots``). Without
+``--model`` a random Mixtral with 8 layers of 8 experts (hidden 512) is made in a temporary
+folder; every output is checked token for token against Transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.plots import bar_plot
+from inference.checkpoint import Checkpoint
+from inference.emulation import Emulation, emulation_for, measure_expert_compute
+from inference.launcher import ClusterOptions, LocalCluster
+from inference.reference import reference_generate
+from inference.sim import hardware as sim_hardware
+from inference.sim.hardware import PROFILES
+from inference.spec import Settings
+from inference.strategies import STRATEGIES
+from inference.tiny import make_tiny
+
+DEFAULT_PROFILE = sim_hardware.DEFAULT_PROFILE
+DEFAULT_PAIRS = "16:32,16:64,64:32,64:64"
+BENCH_MODEL = dict(layers=8, hidden=512, intermediate=1792, heads=8, kv_heads=4)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How one strategy is deployed for the benchmark."""
+
+    strategy: str
+    workers: int
+    networked: bool  # roles on separate boxes, so the emulated network applies
+
+
+def deployment_for(strategy: str, workers: int) -> Deployment:
+    if strategy == "lru-offload":
+        return Deployment(strategy, 1, networked=False)  # one GPU box, as Mixtral-Offloading
+    return Deployment(strategy, workers, networked=True)
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in text.split(","):
+        try:
+            prompt_len, new_tokens = (int(part) for part in item.split(":"))
+        except ValueError:
+            raise ValueError(f"a length pair is INPUT:OUTPUT, e.g. 16:64; got {item!r}") from None
+        if prompt_len < 1 or new_tokens < 2:
+            raise ValueError(f"input must be >= 1 and output >= 2 tokens, got {item!r}")
+        pairs.append((prompt_len, new_tokens))
+    return pairs
+
+
+def prompt_of(length: int, vocab: int, seed: int) -> list[int]:
+    generator = random.Random(seed)
+    return [1] + [generator.randrange(3, vocab) for _ in range(length - 1)]
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Average one strategy's per-pair figures, as the paper averages its four pairs."""
+    recalls = [r["recall"] for r in runs if r["recall"] is not None]
+    return {
+        "decode_tok_s": statistics.fmean(r["decode_tok_s"] for r in runs),
+        "e2e_tok_s": statistics.fmean(r["e2e_tok_s"] for r in runs),
+        "ttft_ms": statistics.fmean(r["ttft_ms"] for r in runs),
+        "recall": statistics.fmean(recalls) if recalls else None,
+        "peak_expert_bytes_per_worker": max(r["peak_expert_bytes_per_worker"] for r in runs),
+        "pairs": runs,
+    }
+
+
+def add_ratios(results: dict[str, dict]) -> None:
+    base = results.get("full-cache")
+    for figures in results.values():
+        for key in ("decode_tok_s", "e2e_tok_s"):
+            figures[f"{key}_vs_full_cache"] = figures[key] / base[key] if base else None
+    if "odmoe" in results and "lru-offload" in results:
+        results["odmoe"]["decode_vs_lru_offload"] = (
+            results["odmoe"]["decode_tok_s"] / results["lru-offload"]["decode_tok_s"]
+        )
+
+
+def yield_cpu_to_the_pipeline(pid: int) -> None:
+    """Run the shadow at the lowest CPU priority: in a real cluster it has a box of its own.
+
+    Here every role shares this machine's cores; without this the shadow, which runs ahead
+    on its own, takes CPU time from main and the workers that separate boxes would not.
+    """
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+
+
+def run_strategy(
+    model_dir: Path,
+    deployment: Deployment,
+    emulation: Emulation,
+    prompts: list[tuple[list[int], int]],
+    args: argparse.Namespace,
+    work_dir: Path,
+) -> tuple[dict, list[list[int]]]:
+    base = Settings(
+        strategy=deployment.strategy,
+        shadow_dtype=args.shadow_dtype,
+        cache_experts=args.cache_experts,
+        token_period=args.token_period,
+        kv_period=args.kv_period,
+    )
+    settings = emulation.settings(base, networked=deployment.networked)
+    options = ClusterOptions(workers=deployment.workers, settings=settings)
+    runs, outputs = [], []
+    with LocalCluster(model_dir, options, work_dir=work_dir / f"w{deployment.workers}") as cluster:
+        if "shadow" in cluster.processes:
+            yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
+        cluster.generate(prompts[0][0][:8], 4)  # warm-up: first-call allocations in every process
+        for prompt, new_tokens in prompts:
+            done = cluster.generate(prompt, new_tokens)
+            m = done.metrics
+            outputs.append(done.token_ids)
+            runs.append(
+                {
+                    "input": len(prompt),
+                    "output": len(done.token_ids),
+                    "decode_tok_s": m["decode_tok_s"],
+                    "e2e_tok_s": m["e2e_tok_s"],
+                    "ttft_ms": m["ttft_ms"],
+                    "recall": m["recall"] if deployment.strategy in ("odmoe", "lru-offload") else None,
+                    "peak_expert_bytes_per_worker": max(m["worker_peak_expert_bytes"].values()),
+                    "expert_bytes": m["expert_bytes"],
+                }
+            )
+            print(
+                f"  {deployment.strategy} {len(prompt)}:{new_tokens}: decode {m['decode_tok_s']:.1f} tok/s, "
+                f"TTFT {m['ttft_ms']:.0f} ms",
+                file=sys.stderr,
+            )
+    return summarize(runs), outputs
+
+
+def print_table(results: dict[str, dict], emulation: Emulation, args: argparse.Namespace, exact: bool) -> None:
+    print(f"{emulation.describe()}")
+    print(
+        f"pairs (input:output) {args.pairs}; {args.workers} workers for the cluster strategies, lru-offload on one "
+        f"box with {args.cache_experts} experts cached per layer; {args.shadow_dtype} shadow, token aligned every "
+        f"{args.token_period} step(s), KV cache every {args.kv_period} step(s) (0 = never)"
+    )
+    print()
+    print(
+        "| strategy | decode tok/s | e2e tok/s | TTFT ms | decode ÷ full cache | recall "
+        "| peak expert bytes per worker |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        ratio = r["decode_tok_s_vs_full_cache"]
+        recall = "" if r["recall"] is None else f"{r['recall']:.1%}"
+        print(
+            f"| {name} | {r['decode_tok_s']:.2f} | {r['e2e_tok_s']:.2f} | {r['ttft_ms']:.0f} | "
+            f"{'' if ratio is None else f'{ratio:.2f}'} | {recall} | {r['peak_expert_bytes_per_worker']:,} |"
+        )
+    if "decode_vs_lru_offload" in results.get("odmoe", {}):
+        print(f"\nodmoe ÷ lru-offload (decode): {results['odmoe']['decode_vs_lru_offload']:.2f}")
+    print(f"every output token-identical to Transformers: {exact}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
+    parser.add_argument("--model", type=Path, help="a Mixtral checkpoint directory (default: make one)")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="comma-separated INPUT:OUTPUT token counts")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--shadow-dtype", default="fp32")
+    parser.add_argument("--token-period", type=int, default=1, help="odmoe: align the shadow's token every N steps")
+    parser.add_argument("--kv-period", type=int, default=1, help="odmoe: align the shadow's KV cache every N steps")
+    parser.add_argument("--cache-experts", type=int, default=2, help="lru-offload: experts cached per layer")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plots", type=Path, help="write strategies.png here")
+    args = parser.parse_args(argv)
+    try:
+        pairs = parse_pairs(args.pairs)
+    except ValueError as exc:
+        parser.error(str(exc))
+    strategies = [s for s in args.strategies.split(",") if s]
+    unknown = set(strategies) - set(STRATEGIES)
+    if unknown:
+        parser.error(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
+    with tempfile.TemporaryDirectory(prefix="odmoe-strategies-") as tmp:
+        model_dir = args.model or make_tiny(Path(tmp) / "model", seed=0, **BENCH_MODEL)
+        config = Checkpoint(model_dir).config
+        hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+        here = measure_expert_compute(hidden, intermediate, act=config.get("hidden_act", "silu"))
+        emulation = emulation_for(args.profile, here, 3 * hidden * intermediate * 4, hidden * 4)
+        print(emulation.describe(), file=sys.stderr)
+        prompts = [(prompt_of(n_in, config["vocab_size"], seed=i), n_out) for i, (n_in, n_out) in enumerate(pairs)]
+        expected = [reference_generate(model_dir, prompt, n) for prompt, n in prompts]
+        results: dict[str, dict] = {}
+        exact = True
+        for strategy in strategies:
+            deployment = deployment_for(strategy, args.workers)
+            print(f"{strategy}: {deployment.workers} worker(s)", file=sys.stderr)
+            results[strategy], outputs = run_strategy(model_dir, deployment, emulation, prompts, args, Path(tmp))
+            exact &= outputs == expected
+    add_ratios(results)
+    print_table(results, emulation, args, exact)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "profile": args.profile,
+                    "emulation": emulation.as_dict(),
+                    "pairs": pairs,
+                    "workers": args.workers,
+                    "exact": exact,
+                    "strategies": results,
+                },
+                indent=2,
+            )
+        )
+    if args.plots:
+        names = list(results)
+        bar_plot(
+            args.plots / "strategies.png",
+            ["decode tok/s", "end-to-end tok/s"],
+            {n: [results[n]["decode_tok_s"], results[n]["e2e_tok_s"]] for n in names},
+            title=f"Strategies on the emulated {args.profile} profile (mean of {len(pairs)} length pairs)",
+            xlabel="",
+            ylabel="tokens per second",
+        )
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
