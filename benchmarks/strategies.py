@@ -105,6 +105,21 @@ def add_ratios(results: dict[str, dict]) -> None:
         )
 
 
+def copy_bound(layers: int, top_k: int, workers: int, expert_bytes: int, copy_bytes_per_s: float) -> dict:
+    """The fastest a cacheless cluster can decode: every worker copies its share of each token's experts.
+
+    Each token needs ``layers x top_k`` expert loads spread over ``workers`` copy links, so
+    no overlap of loads with compute can beat ``workers / (layers x top_k x load time)``.
+    """
+    load_s = expert_bytes / copy_bytes_per_s
+    loads_per_worker = layers * top_k / workers
+    return {
+        "loads_per_worker_per_token": loads_per_worker,
+        "load_ms": load_s * 1000,
+        "tok_s": 1 / (loads_per_worker * load_s),
+    }
+
+
 def yield_cpu_to_the_pipeline(pid: int) -> None:
     """Run the shadow at the lowest CPU priority: in a real cluster it has a box of its own.
 
@@ -225,7 +240,21 @@ def main(argv: list[str] | None = None) -> int:
             results[strategy], outputs = run_strategy(model_dir, deployment, emulation, prompts, args, Path(tmp))
             exact &= outputs == expected
     add_ratios(results)
+    bound = copy_bound(
+        config["num_hidden_layers"],
+        config["num_experts_per_tok"],
+        args.workers,
+        3 * hidden * intermediate * 4,
+        emulation.copy_bytes_per_s,
+    )
     print_table(results, emulation, args, exact)
+    if "odmoe" in results:
+        results["odmoe"]["copy_bound"] = bound
+        print(
+            f"odmoe's copy-bound ceiling: {bound['tok_s']:.2f} tok/s (each worker copies "
+            f"{bound['loads_per_worker_per_token']:g} experts per token at {bound['load_ms']:.1f} ms each); "
+            f"odmoe reached {results['odmoe']['decode_tok_s'] / bound['tok_s']:.0%} of it"
+        )
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -107,28 +107,39 @@ def emulation_for(
     )
 
 
-def measure_expert_compute(hidden: int, intermediate: int, *, act: str = "silu", repeats: int = 400) -> float:
-    """Seconds one expert takes for one decode row here, on one thread as a worker runs.
+def measure_expert_compute(
+    hidden: int, intermediate: int, *, act: str = "silu", repeats: int = 200, working_set_bytes: int = 128 * 2**20
+) -> float:
+    """Median seconds one expert takes for one decode row here, on one thread as a worker runs.
 
-    The 10th percentile of ``repeats`` runs: what the core does when nothing else wants it,
-    so that the scale does not move with whatever else this machine is doing.
+    The calls cycle over enough distinct experts (``working_set_bytes``) that each one's
+    weights come from main memory, not from a cache that still holds them — as on a GPU,
+    where a decode step streams an expert's weights from device memory; measuring one
+    expert again and again would time the CPU's cache instead, and vary with what else the
+    machine runs.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         generator = torch.Generator().manual_seed(0)
-        expert = ExpertWeights(
-            torch.randn(2 * intermediate, hidden, generator=generator),
-            torch.randn(hidden, intermediate, generator=generator),
-        )
+        expert_bytes = 3 * hidden * intermediate * 4
+        count = max(2, min(64, working_set_bytes // expert_bytes))
+        experts = [
+            ExpertWeights(
+                torch.randn(2 * intermediate, hidden, generator=generator),
+                torch.randn(hidden, intermediate, generator=generator),
+            )
+            for _ in range(count)
+        ]
         row, weight, act_fn = torch.randn(1, hidden, generator=generator), torch.ones(1), activation(act)
-        for _ in range(20):
+        for expert in experts:
             expert_forward(row, weight, expert, act_fn)
         samples = []
-        for _ in range(repeats):
+        for i in range(repeats):
+            expert = experts[i % count]
             start = time.perf_counter()
             expert_forward(row, weight, expert, act_fn)
             samples.append(time.perf_counter() - start)
-        return statistics.quantiles(samples, n=10)[0]
+        return statistics.median(samples)
     finally:
         torch.set_num_threads(threads)

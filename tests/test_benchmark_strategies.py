@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.strategies import add_ratios, deployment_for, parse_pairs, summarize
+from benchmarks.strategies import add_ratios, copy_bound, deployment_for, parse_pairs, summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -43,6 +43,12 @@ def test_ratios_are_taken_against_full_cache_of_the_same_run() -> None:
     assert results["full-cache"]["e2e_tok_s_vs_full_cache"] == 1.0
 
 
+def test_the_copy_bound_is_each_workers_share_of_a_tokens_loads() -> None:
+    bound = copy_bound(layers=8, top_k=2, workers=8, expert_bytes=1000, copy_bytes_per_s=100_000)
+    assert bound["loads_per_worker_per_token"] == 2 and bound["load_ms"] == pytest.approx(10.0)
+    assert bound["tok_s"] == pytest.approx(50.0)  # 2 loads x 10 ms per token
+
+
 @pytest.mark.slow
 def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: Path, capsys) -> None:
     from benchmarks.strategies import main
@@ -71,5 +77,6 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
     assert figures["strategies"]["full-cache"]["decode_tok_s_vs_full_cache"] == 1.0
     assert figures["emulation"]["load_to_compute"] > 10
     printed = capsys.readouterr().out
-    assert "| odmoe |" in printed and "profile 3090-pcie4-1gbe" in printed
+    assert "| odmoe |" in printed and "profile 3090-pcie4-1gbe" in printed and "copy-bound ceiling" in printed
+    assert figures["strategies"]["odmoe"]["copy_bound"]["tok_s"] > 0
     assert (tmp_path / "strategies.png").read_bytes().startswith(PNG_MAGIC)
