@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.plots import bar_plot
-from inference.checkpoint import Checkpoint
+from inference.checkpoint import Checkpoint, expert_key_name
 from inference.emulation import Emulation, emulation_for, measure_expert_compute
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.reference import reference_generate
@@ -225,10 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
     with tempfile.TemporaryDirectory(prefix="odmoe-strategies-") as tmp:
         model_dir = args.model or make_tiny(Path(tmp) / "model", seed=0, **BENCH_MODEL)
-        config = Checkpoint(model_dir).config
+        checkpoint = Checkpoint(model_dir)
+        config = checkpoint.config
         hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+        expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, proj)) for proj in ("w1", "w2", "w3"))
+        hidden_bytes = hidden * expert_bytes // (3 * hidden * intermediate)  # a hidden row in the weights' dtype
         here = measure_expert_compute(hidden, intermediate, act=config.get("hidden_act", "silu"))
-        emulation = emulation_for(args.profile, here, 3 * hidden * intermediate * 4, hidden * 4)
+        emulation = emulation_for(args.profile, here, expert_bytes, hidden_bytes)
         print(emulation.describe(), file=sys.stderr)
         prompts = [(prompt_of(n_in, config["vocab_size"], seed=i), n_out) for i, (n_in, n_out) in enumerate(pairs)]
         expected = [reference_generate(model_dir, prompt, n) for prompt, n in prompts]
@@ -244,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         config["num_hidden_layers"],
         config["num_experts_per_tok"],
         args.workers,
-        3 * hidden * intermediate * 4,
+        expert_bytes,
         emulation.copy_bytes_per_s,
     )
     print_table(results, emulation, args, exact)

@@ -108,8 +108,16 @@ def memory_bandwidth_bytes_per_s(size_bytes: int = 256 * 2**20, repeats: int = 1
     return 2 * size_bytes / best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
     import platform
+
+    parser = argparse.ArgumentParser(
+        prog="python -m inference.sim.measure",
+        description="Measure the simulator's CPU-side constants on this machine (a few minutes) and print them "
+        "as JSON, to compare with inference/sim/sources.py.",
+    )
+    parser.parse_args(argv)
 
     import torch
     import transformers
