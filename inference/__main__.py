@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from inference.constants import SHADOW_DTYPES
+from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
 from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 EXIT_ERROR = 1
@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     ):
         tiny.add_argument(f"--{name}", type=int, default=default)
     tiny.add_argument("--head-dim", type=int, default=None)
+    tiny.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype on disk")
     tiny.set_defaults(run=_make_tiny)
 
     shard = sub.add_parser("shard", help="split a checkpoint into main, shadow and worker shards")
@@ -84,7 +85,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-period", type=int, default=1, help="align the shadow's KV cache every P steps (0 never)")
     gen.add_argument("--no-speculate", action="store_true", help="the shadow waits for main's token every step")
     gen.add_argument("--prefill-chunk", type=int, default=64, help="prefill rows per expert per message (0 = whole)")
+    gen.add_argument(
+        "--expert-store",
+        choices=EXPERT_STORES,
+        default="ram",
+        help="where workers keep their experts: ram (read at start) or disk (read from the shard at each load)",
+    )
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    gen.add_argument(
+        "--dtype",
+        choices=COMPUTE_DTYPES,
+        default="auto",
+        help="what main and the workers compute in: auto = the checkpoint's own dtype (as Transformers' dtype='auto')",
+    )
     gen.add_argument("--timeout", type=float, default=60.0, help="seconds any role waits for a peer")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
@@ -127,6 +140,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
         kv_heads=args.kv_heads,
         head_dim=args.head_dim,
         shards=args.shards,
+        dtype=args.dtype,
     )
     print(f"wrote a tiny Mixtral checkpoint to {out}")
     return 0
@@ -190,11 +204,13 @@ def _generate(args: argparse.Namespace) -> int:
         token_period=args.token_period,
         kv_period=args.kv_period,
         device=args.device,
+        dtype=args.dtype,
         prefill_chunk=args.prefill_chunk,
         speculate=not args.no_speculate,
         timeout_s=args.timeout,
         strategy="reactive" if args.no_shadow else args.strategy,
         cache_experts=args.cache_experts,
+        expert_store=args.expert_store,
     )
     validate_settings(settings)
     options = ClusterOptions(workers=args.workers, settings=settings)

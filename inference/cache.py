@@ -40,21 +40,28 @@ class DeviceCache(Generic[R]):
         self._entries.move_to_end(key)
         return entry[0]
 
-    def admit(self, key: LayerExpert, resident: R, nbytes: int) -> int:
-        """Keep ``resident`` as the most recently used; returns how many entries were freed."""
+    def admit(self, key: LayerExpert, resident: R, nbytes: int) -> list[R]:
+        """Keep ``resident`` as the most recently used; returns the entries this pushed out.
+
+        The caller owns what comes back: on CUDA it must tell the allocator which stream still
+        reads those tensors before dropping them (``record_stream``).
+        """
         old = self._entries.pop(key, None)
         if old is not None:
             self._bytes -= old[1]
         if self.capacity_per_layer == 0:
-            return 0
+            return [resident]
         self._entries[key] = (resident, nbytes)
         self._bytes += nbytes
         if self.capacity_per_layer is None:
-            return 0
+            return []
         victims = lru_evictions(list(self._entries), key[0], self.capacity_per_layer)
+        freed = []
         for victim in victims:
-            self._bytes -= self._entries.pop(victim)[1]
-        return len(victims)
+            entry, size = self._entries.pop(victim)
+            self._bytes -= size
+            freed.append(entry)
+        return freed
 
     def nbytes(self) -> int:
         return self._bytes

@@ -1,3 +1,11 @@
 """Names shared by the CLI, the specs and the roles, kept free of heavy imports."""
 
 SHADOW_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
+
+# What a role computes in: "auto" is the checkpoint's own dtype (config ``dtype``), as
+# Transformers' ``from_pretrained(dtype="auto")`` loads it; the others override it.
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Where a worker keeps the experts it owns: "ram" reads its shard into host memory at start,
+# "disk" reads each expert from the shard files when it is loaded (inference/store.py).
+EXPERT_STORES = ("ram", "disk")

@@ -4,13 +4,15 @@ A small model on a CPU computes an expert in microseconds and copies it in micro
 too, so none of the trade-offs between the strategies shows. An ``Emulation`` takes a
 hardware profile (``inference.sim.hardware``: GPU memory bandwidth, PCIe, network) and
 sets the runtime's token buckets (``Settings.copy_bytes_per_s`` in the expert loader,
-``Settings.link_bytes_per_s`` / ``link_latency_s`` in the transport) so that, measured
+``Settings.disk_bytes_per_s`` in the disk expert store, ``Settings.link_bytes_per_s`` /
+``link_latency_s`` in the transport) so that, measured
 against one expert's decode compute *here*, loading an expert and sending a hidden state
 between nodes take as long as they do next to one Mixtral-8x7B expert's decode compute on
 the profile's hardware:
 
     scale = expert compute here / expert compute on the profile's GPU (memory-bound roofline)
     emulated copy time  = real copy time of a Mixtral expert x scale
+    emulated disk read  = real SSD read time of a Mixtral expert x scale
     emulated link time  = (real latency + real transfer of a Mixtral hidden row) x scale
 
 What it does not scale is everything else this machine does slower than a GPU (attention
@@ -45,6 +47,7 @@ class Emulation:
     copy_bytes_per_s: float
     link_bytes_per_s: float
     link_latency_s: float
+    disk_bytes_per_s: float
 
     @property
     def load_to_compute(self) -> float:
@@ -57,7 +60,9 @@ class Emulation:
             if networked
             else {"link_bytes_per_s": None, "link_latency_s": 0.0}
         )
-        return dataclasses.replace(base, copy_bytes_per_s=self.copy_bytes_per_s, **link)
+        return dataclasses.replace(
+            base, copy_bytes_per_s=self.copy_bytes_per_s, disk_bytes_per_s=self.disk_bytes_per_s, **link
+        )
 
     def describe(self) -> str:
         return (
@@ -65,7 +70,8 @@ class Emulation:
             f"and loads in {self.expert_load_real_s * 1e3:.2f} ms ({self.load_to_compute:.0f}x), a hidden state "
             f"crosses the network in {self.hop_real_s * 1e3:.3f} ms; here an expert computes in "
             f"{self.expert_compute_here_s * 1e3:.3f} ms, so time scale {self.scale:.3f}: expert loads at "
-            f"{self.copy_bytes_per_s / 1e6:.1f} MB/s, links at {self.link_bytes_per_s / 1e6:.2f} MB/s + "
+            f"{self.copy_bytes_per_s / 1e6:.1f} MB/s (disk reads at {self.disk_bytes_per_s / 1e6:.1f} MB/s), "
+            f"links at {self.link_bytes_per_s / 1e6:.2f} MB/s + "
             f"{self.link_latency_s * 1e3:.3f} ms"
         )
 
@@ -91,6 +97,7 @@ def emulation_for(
         raise ValueError("expert compute time, expert bytes and hidden bytes must be positive")
     profile = get_profile(profile_name)
     compute, load, hop = real_times(profile)
+    disk_read = mixtral_8x7b().expert_bytes(REAL_BITS) / profile.disk_read
     scale = expert_compute_here_s / compute
     latency = profile.network.latency * scale
     transfer = (hop - profile.network.latency) * scale
@@ -104,6 +111,7 @@ def emulation_for(
         copy_bytes_per_s=expert_bytes_here / (load * scale),
         link_bytes_per_s=hidden_bytes_here / transfer,
         link_latency_s=latency,
+        disk_bytes_per_s=expert_bytes_here / (disk_read * scale),
     )
 
 

@@ -11,9 +11,13 @@ With a ``DeviceCache`` (the strategies that cache) a released expert stays on th
 in the cache, a cached expert is served without a load and never prefetched again, and
 ``preload`` fills the cache up front (``full-cache``).
 
-On CUDA the copies come from pinned host memory on a side stream and the resident bytes
-are read from ``torch.cuda.memory_allocated``; on CPU a copy is a fresh buffer (what a
-GPU would hold) and the bytes are counted from the tensors.
+On CUDA the copies come from pinned host memory on a side stream; the compute stream waits
+for a copy's event before using it, and every expert the compute stream has read is handed
+back to the allocator with ``record_stream`` when it is freed or pushed out of the cache, so
+a later copy on the side stream can never overwrite memory a kernel still reads. On CPU a
+copy is a fresh buffer (what a GPU would hold). Resident bytes are counted from the experts'
+own tensors on both, never from ``torch.cuda.memory_allocated`` (which counts activations
+and every other allocation of the process too).
 """
 
 from __future__ import annotations
@@ -86,7 +90,6 @@ class ExpertLoader:
         self._closed = False
         self._cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
-        self._cuda_baseline = torch.cuda.memory_allocated(device) if self._cuda else 0
         self._thread = threading.Thread(target=self._run, name="expert-loader", daemon=True)
         self._thread.start()
 
@@ -149,12 +152,18 @@ class ExpertLoader:
             self._in_use.discard(key)
             self._prefetched.discard(key)
             resident = self._ready.pop(key, None)
-            if resident is not None and self.cache is not None:
-                self.cache.admit(key[1:], resident, resident.nbytes)
-            elif resident is not None and self._cuda:
-                for t in (resident.weights.gate_up, resident.weights.down):
-                    t.record_stream(torch.cuda.current_stream(self.device))
+            if resident is not None:
+                freed = [resident] if self.cache is None else self.cache.admit(key[1:], resident, resident.nbytes)
+                for expert in freed:
+                    self._retire(expert)
             self._cond.notify_all()
+
+    def _retire(self, resident: Resident) -> None:
+        """Drop an expert the compute stream has read: its memory is reused only once that stream is past it."""
+        if self._cuda:
+            compute_stream = torch.cuda.current_stream(self.device)
+            for tensor in (resident.weights.gate_up, resident.weights.down):
+                tensor.record_stream(compute_stream)
 
     def discard(self, keep: Callable[[Key], bool]) -> None:
         """Drop every queued or idle resident prefetch for which ``keep`` is false."""
@@ -175,7 +184,9 @@ class ExpertLoader:
         for layer, expert in pairs:
             resident = self._copy((0, layer, expert))
             with self._cond:
-                self.cache.admit((layer, expert), resident, resident.nbytes)
+                freed = self.cache.admit((layer, expert), resident, resident.nbytes)
+            if freed:
+                raise RuntimeError(f"preload of {len(pairs)} experts overflows the device cache")
 
     def reset_stats(self) -> None:
         with self._cond:
@@ -227,8 +238,9 @@ class ExpertLoader:
 
     def _copy(self, key: Key) -> Resident:
         _, layer, expert = key
+        start = time.perf_counter()  # a disk store's read is part of the load
         host = self.store.get(layer, expert)
-        start = time.perf_counter()
+        copying = time.perf_counter()
         if self._cuda:
             assert self._copy_stream is not None
             with torch.cuda.stream(self._copy_stream):
@@ -250,7 +262,7 @@ class ExpertLoader:
             event = None
         if self.copy_bytes_per_s:
             floor = host.nbytes / self.copy_bytes_per_s
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - copying  # the copy follows the read, as a DMA from it does
             if floor > elapsed:
                 time.sleep(floor - elapsed)
         self.stats.load_ms += (time.perf_counter() - start) * 1000
@@ -277,8 +289,6 @@ class ExpertLoader:
             self._queue.sort()
 
     def _resident_bytes_locked(self) -> int:
-        if self._cuda:
-            return max(0, torch.cuda.memory_allocated(self.device) - self._cuda_baseline)
         cached = self.cache.nbytes() if self.cache is not None else 0
         return cached + sum(r.nbytes for r in self._ready.values())
 

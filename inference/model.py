@@ -99,24 +99,28 @@ def build_model(
     return model
 
 
-def build_main_model(shard_dir: str | Path, dispatcher: ExpertDispatcher) -> MixtralForCausalLM:
-    """Main's model: everything but the experts, whose work goes to ``dispatcher``."""
+def cast_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` with floating ones cast to ``dtype`` (unchanged when it is None), one at a time."""
+    for name, tensor in tensors:
+        yield name, tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+
+
+def build_main_model(
+    shard_dir: str | Path, dispatcher: ExpertDispatcher, *, dtype: torch.dtype | None = None
+) -> MixtralForCausalLM:
+    """Main's model: everything but the experts, whose work goes to ``dispatcher``.
+
+    Weights keep the checkpoint's dtype (what ``from_pretrained(dtype="auto")`` gives) unless
+    ``dtype`` says otherwise.
+    """
     config = load_config(shard_dir)
-    model = build_model(config, load_role_tensors(shard_dir), with_experts=False)
+    model = build_model(config, cast_tensors(load_role_tensors(shard_dir), dtype), with_experts=False)
     for layer, module in enumerate(_experts_modules(model)):
         module._odmoe_layer = layer
         module._odmoe_dispatcher = dispatcher
     model.set_experts_implementation(REMOTE_EXPERTS)
-    generation_config = load_generation_config(shard_dir)
-    if generation_config is not None:
-        model.generation_config = generation_config
-    return model
-
-
-def build_full_model(shard_dir: str | Path) -> MixtralForCausalLM:
-    """The whole model from a shadow shard (or any shard set that holds every tensor)."""
-    config = load_config(shard_dir)
-    model = build_model(config, load_role_tensors(shard_dir), with_experts=True)
     generation_config = load_generation_config(shard_dir)
     if generation_config is not None:
         model.generation_config = generation_config

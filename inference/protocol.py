@@ -82,12 +82,20 @@ class Ping(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class Pong(Message):
-    """Health answer. ``ready`` is true once the role can serve; ``detail`` says why not."""
+    """Health answer. ``ready`` is true once the role can serve; ``detail`` says why not.
+
+    The role's memory, measured when it answers: ``host_bytes`` and ``peak_host_bytes`` its
+    process's resident set now and at its highest, ``device_bytes`` what it holds on its GPU
+    (0 on a CPU).
+    """
 
     TYPE = "pong"
     role: str
     ready: bool
     detail: str = ""
+    host_bytes: int = 0
+    peak_host_bytes: int = 0
+    device_bytes: int = 0
 
 
 @message

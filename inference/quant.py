@@ -29,12 +29,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 
-# bitsandbytes' CPU backend tries to fetch an optional kernel from a hub at import and
-# warns when it cannot; we never use that kernel, so the warning is only noise.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-
-import bitsandbytes as bnb
-import bitsandbytes.functional as bnbf
 import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
@@ -45,6 +39,21 @@ from inference.constants import SHADOW_DTYPES
 QUANT_SCHEMES = ("int8", "nf4")
 EXPERTS_IMPLEMENTATION = "odmoe_quantized"
 NF4_BLOCKSIZE = 64
+
+
+@functools.cache
+def _bnb():
+    """bitsandbytes, imported on first nf4 use: int8 and the cast dtypes run without it."""
+    # Its CPU backend tries to fetch an optional kernel from a hub at import and warns when it
+    # cannot; we never use that kernel, so the warning is only noise.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional
+    except ImportError as exc:
+        raise RuntimeError(f"the nf4 shadow needs bitsandbytes, which does not import here: {exc}") from exc
+    return bitsandbytes
+
 
 _CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _EXPERT_TENSORS = ("gate_up", "down")
@@ -73,28 +82,56 @@ def _check_scheme(scheme: str) -> None:
         raise ValueError(f"unknown quantization scheme {scheme!r}; allowed: {', '.join(QUANT_SCHEMES)}")
 
 
+# Quantize at most this many elements at a time, so the fp32 temporaries of one call stay
+# bounded (~64 MB) whatever the weight's size: a shadow quantizing as it reads must not hold
+# several fp32 copies of an LM head. A multiple of NF4_BLOCKSIZE (and even), so nf4 blocks and
+# packed nibble pairs never straddle two pieces and the result equals one whole-tensor call.
+QUANT_CHUNK_ELEMENTS = 1 << 24
+
+
 def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
-    """Quantize a 2-D weight [out, in] with ``scheme`` ("int8" or "nf4")."""
+    """Quantize a 2-D weight [out, in] of any float dtype with ``scheme`` ("int8" or "nf4").
+
+    The work happens on ``weight``'s device (CUDA kernels for data CUDA kernels will read).
+    """
     _check_scheme(scheme)
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
-    w = weight.detach().float().contiguous()
+    w = weight.detach()
     if scheme == "int8":
-        absmax = w.abs().amax(dim=1)
-        scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-        data = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        rows_per_piece = max(1, QUANT_CHUNK_ELEMENTS // max(1, w.shape[1]))
+        pieces = [_int8_rows(w[i : i + rows_per_piece]) for i in range(0, w.shape[0], rows_per_piece)]
+        data = torch.cat([d for d, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
+        scale = torch.cat([s for _, s in pieces]) if len(pieces) > 1 else pieces[0][1]
         return QuantizedWeight("int8", data, scale, w.shape)
-    data, quant_state = bnbf.quantize_4bit(w, blocksize=NF4_BLOCKSIZE, quant_type="nf4")
-    return QuantizedWeight("nf4", data, quant_state.absmax.float(), w.shape)
+    flat = w.reshape(-1)
+    pieces = [
+        _bnb().functional.quantize_4bit(
+            flat[i : i + QUANT_CHUNK_ELEMENTS].float(), blocksize=NF4_BLOCKSIZE, quant_type="nf4"
+        )
+        for i in range(0, flat.numel(), QUANT_CHUNK_ELEMENTS)
+    ]
+    data = torch.cat([d.reshape(-1, 1) for d, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
+    absmax = torch.cat([q.absmax.float() for _, q in pieces]) if len(pieces) > 1 else pieces[0][1].absmax.float()
+    return QuantizedWeight("nf4", data, absmax, w.shape)
+
+
+def _int8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row absmax symmetric int8 of ``rows`` [R, in]: (data int8 [R, in], scale fp32 [R])."""
+    w = rows.to(torch.float32, copy=True)  # a copy: the in-place ops below must not touch the caller's
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    w.div_(scale[:, None]).round_().clamp_(-127, 127)
+    return w.to(torch.int8), scale
 
 
 @functools.cache
 def _nf4_code(device: torch.device) -> torch.Tensor:
-    return bnbf.get_4bit_type("nf4", device=device)
+    return _bnb().functional.get_4bit_type("nf4", device=device)
 
 
-def _nf4_quant_state(q: QuantizedWeight) -> bnbf.QuantState:
-    return bnbf.QuantState(
+def _nf4_quant_state(q: QuantizedWeight):
+    return _bnb().functional.QuantState(
         absmax=q.state.float(),
         shape=q.shape,
         code=_nf4_code(q.data.device),
@@ -124,7 +161,7 @@ def dequantize_weight(q: QuantizedWeight, dtype: torch.dtype = torch.float32) ->
     if q.scheme == "int8":
         return (q.data.float() * q.state.float()[:, None]).to(dtype)
     if q.data.is_cuda:
-        return bnbf.dequantize_4bit(q.data, _nf4_quant_state(q)).to(dtype)
+        return _bnb().functional.dequantize_4bit(q.data, _nf4_quant_state(q)).to(dtype)
     return _dequantize_nf4_torch(q).to(dtype)
 
 
@@ -136,7 +173,7 @@ def _use_bnb_kernel(x: torch.Tensor, q: QuantizedWeight) -> bool:
 def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` with ``W`` given quantized; computes in ``x.dtype``."""
     if _use_bnb_kernel(x, q):
-        out = bnb.matmul_4bit(x, q.data.t(), quant_state=_nf4_quant_state(q)).to(x.dtype)
+        out = _bnb().matmul_4bit(x, q.data.t(), quant_state=_nf4_quant_state(q)).to(x.dtype)
         return out if bias is None else out + bias.to(x.dtype)
     weight = dequantize_weight(q, x.dtype)
     return nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
@@ -262,20 +299,20 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.nbytes for t in tensors)
 
 
-def _module_bytes(module: nn.Module) -> int:
+def module_bytes(module: nn.Module) -> int:
     return _tensor_bytes(chain(module.parameters(), module.buffers()))
 
 
 def experts_bytes(model: nn.Module) -> int:
     """Bytes held by all ``MixtralExperts`` modules of ``model`` (parameters and buffers)."""
-    return sum(_module_bytes(m) for m in model.modules() if isinstance(m, MixtralExperts))
+    return sum(module_bytes(m) for m in model.modules() if isinstance(m, MixtralExperts))
 
 
 def _routers(model: nn.Module) -> list[MixtralTopKRouter]:
     return [m for m in model.modules() if isinstance(m, MixtralTopKRouter)]
 
 
-def _router_input_to_weight_dtype(router: nn.Module, args: tuple) -> tuple:
+def router_input_to_weight_dtype(router: nn.Module, args: tuple) -> tuple:
     return (args[0].to(router.weight.dtype), *args[1:])
 
 
@@ -290,7 +327,7 @@ def _cast_model_(model: nn.Module, dtype: torch.dtype, keep_routers_fp32: bool) 
     keep = {id(p) for r in routers for p in r.parameters()} if keep_routers_fp32 else set()
     _cast_parameters_(model, dtype, keep)
     for router in routers:
-        router.register_forward_pre_hook(_router_input_to_weight_dtype)
+        router.register_forward_pre_hook(router_input_to_weight_dtype)
 
 
 def _replace_linears_(model: nn.Module, scheme: str) -> None:
@@ -306,7 +343,7 @@ def _replace_linears_(model: nn.Module, scheme: str) -> None:
         setattr(parent, child_name, QuantizedLinear.from_linear(linear, scheme))
 
 
-def _detach_config_(model: nn.Module) -> None:
+def detach_config_(model: nn.Module) -> None:
     """Give ``model`` (and its submodules) a private copy of its config.
 
     The experts implementation is read from the config object, which models built from one
@@ -325,7 +362,7 @@ def _quantize_model_(model: nn.Module, scheme: str) -> None:
         if isinstance(module, MixtralExperts):
             quantize_experts_(module, scheme)
     register_experts_implementation()
-    _detach_config_(model)
+    detach_config_(model)
     model.config._experts_implementation = EXPERTS_IMPLEMENTATION
 
 
@@ -345,7 +382,7 @@ def quantize_shadow_(model: nn.Module, dtype: str, *, keep_routers_fp32: bool = 
     if dtype not in SHADOW_DTYPES:
         raise ValueError(f"unsupported shadow dtype {dtype!r}; allowed: {', '.join(SHADOW_DTYPES)}")
     _check_fp32(model)
-    bytes_before, experts_before = _module_bytes(model), experts_bytes(model)
+    bytes_before, experts_before = module_bytes(model), experts_bytes(model)
     if dtype in _CAST_DTYPES:
         _cast_model_(model, _CAST_DTYPES[dtype], keep_routers_fp32)
     elif dtype in QUANT_SCHEMES:
@@ -354,7 +391,7 @@ def quantize_shadow_(model: nn.Module, dtype: str, *, keep_routers_fp32: bool = 
     return {
         "dtype": dtype,
         "bytes_before": bytes_before,
-        "bytes_after": _module_bytes(model),
+        "bytes_after": module_bytes(model),
         "experts_bytes_before": experts_before,
         "experts_bytes_after": experts_bytes(model),
     }

@@ -16,9 +16,10 @@ from transformers import MixtralForCausalLM
 
 
 @functools.cache
-def _load(model_dir: str, experts_implementation: str | None) -> MixtralForCausalLM:
+def _load(model_dir: str, experts_implementation: str | None, device: str, dtype: str) -> MixtralForCausalLM:
     kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
-    return MixtralForCausalLM.from_pretrained(model_dir, **kwargs).eval()
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    return MixtralForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, **kwargs).to(device).eval()
 
 
 def _unaligned(exc: RuntimeError) -> bool:
@@ -26,12 +27,22 @@ def _unaligned(exc: RuntimeError) -> bool:
 
 
 def reference_generate(
-    model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int, *, streamer: object | None = None
+    model_dir: str | Path,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    streamer: object | None = None,
+    device: str = "cpu",
+    dtype: str = "auto",
 ) -> list[int]:
-    """Greedy new tokens from ``generate`` on the checkpoint, prompt excluded."""
-    prompt = torch.tensor([prompt_ids])
+    """Greedy new tokens from ``generate`` on the checkpoint, prompt excluded.
+
+    ``dtype="auto"`` computes in the checkpoint's own dtype, as the roles do by default; the
+    comparison is only exact on the ``device`` the roles ran on (kernels differ between devices).
+    """
+    prompt = torch.tensor([prompt_ids], device=device)
     for implementation in (None, "eager"):
-        model = _load(str(model_dir), implementation)
+        model = _load(str(model_dir), implementation, device, dtype)
         try:
             with torch.inference_mode():
                 out = model.generate(

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inference.checkpoint import (
@@ -45,6 +44,7 @@ from inference.checkpoint import (
     is_expert_key,
 )
 from inference.placement import LayerExpert, Placement, placement, placement_from_dict
+from inference.tensorfile import TensorFileError, iter_tensors
 
 SHARD_FORMAT = "odmoe-shard/1"
 SET_FORMAT = "odmoe-shards/1"
@@ -433,17 +433,16 @@ def role_experts(manifest: dict[str, Any]) -> list[LayerExpert]:
 
 
 def _iter_parts(directory: Path, parts: list[str], wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    # Plain reads, not safe_open's memory map: a role's resident memory is then what it keeps
+    # (see inference.tensorfile), not every page of every part it has read.
     found: set[str] = set()
     for part in parts:
         file = directory / part
         try:
-            with safe_open(str(file), framework="pt") as handle:
-                names = handle.keys()  # safe_open itself is not iterable
-                for name in names:
-                    if wanted is None or name in wanted:
-                        found.add(name)
-                        yield name, handle.get_tensor(name)
-        except Exception as exc:  # SafetensorError or OSError; a ShardError can't occur in here
+            for name, tensor in iter_tensors(file, wanted):
+                found.add(name)
+                yield name, tensor
+        except (TensorFileError, OSError) as exc:  # a ShardError can't occur in here
             raise ShardError(f"shard {directory}: cannot read {part}: {exc}") from exc
     if wanted is not None and wanted - found:
         missing = sorted(wanted - found)

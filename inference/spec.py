@@ -12,7 +12,9 @@ import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from inference.constants import SHADOW_DTYPES
+import torch
+
+from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
 from inference.routing import ARITHMETICS
 from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
 from inference.typecheck import checker
@@ -30,6 +32,7 @@ class Settings:
     token_period: int = 1
     kv_period: int = 1
     device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    dtype: str = "auto"  # what main and workers compute in: "auto" = the checkpoint's dtype
     max_resident_experts: int = 2
     timeout_s: float = 60.0  # the longest any role waits for a peer before failing
     lookahead: int = 2  # how many steps the shadow may run ahead of main
@@ -49,6 +52,9 @@ class Settings:
     # Emulated network uplink of every role (bytes/s and one-way latency); None = the real one.
     link_bytes_per_s: float | None = None
     link_latency_s: float = 0.0
+    # Where workers keep their experts: "ram" (read at start) or "disk" (read at each load).
+    expert_store: str = "ram"
+    disk_bytes_per_s: float | None = None  # emulated disk read bandwidth of the "disk" store
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,11 @@ class RoleSpec:
         return json.dumps(asdict(self), indent=2)
 
 
+def compute_dtype(setting: str) -> torch.dtype | None:
+    """The dtype a ``Settings.dtype`` names, or None for "auto" (the checkpoint's own)."""
+    return None if setting == "auto" else getattr(torch, setting)
+
+
 def _check_types(obj: object, where: str) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
@@ -106,11 +117,15 @@ def validate_settings(s: Settings) -> Settings:
         raise SpecError("prefill_chunk must be >= 0 (0 = no mini-batches)")
     if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0:
         raise SpecError("max_resident_experts, threads >= 1, timeout_s > 0 and lookahead >= 0 are required")
+    if s.dtype not in COMPUTE_DTYPES:
+        raise SpecError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {s.dtype!r}")
     if s.strategy not in STRATEGIES:
         raise SpecError(f"strategy must be one of {', '.join(STRATEGIES)}, got {s.strategy!r}")
     if s.cache_experts < 0:
         raise SpecError("cache_experts must be >= 0")
-    for name in ("copy_bytes_per_s", "link_bytes_per_s"):
+    if s.expert_store not in EXPERT_STORES:
+        raise SpecError(f"expert_store must be one of {', '.join(EXPERT_STORES)}, got {s.expert_store!r}")
+    for name in ("copy_bytes_per_s", "link_bytes_per_s", "disk_bytes_per_s"):
         value = getattr(s, name)
         if value is not None and value <= 0:
             raise SpecError(f"{name} must be > 0 (or null for no emulation), got {value}")

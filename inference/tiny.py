@@ -6,7 +6,9 @@ the 90 GB Mixtral-8x7B does: per-expert ``w1``/``w2``/``w3`` tensors under
 with an index, a ``config.json`` that ``transformers`` accepts, and a tokenizer that
 ``AutoTokenizer`` loads offline. ``make_tiny`` writes such a directory; its weights are a
 deterministic function of ``seed`` (and of the shape arguments), independent of
-``shards``.
+``shards``. ``dtype`` (``float32``, ``bfloat16`` or ``float16``, as a config's ``dtype`` field
+names them) is the dtype on disk; the values are drawn in fp32 and rounded to it, as a
+release converted to bf16 would be.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 # Same ids as the real Mixtral tokenizer, so code that hard-codes them behaves the same.
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 TARGET_TOKENIZER_VOCAB = 512
+
+# The dtypes a checkpoint may be written in, by the name a config's ``dtype`` field uses.
+CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 WEIGHT_STD = 0.02
 # Routers get a much larger spread so that each token's top-k experts win clearly:
@@ -71,12 +76,11 @@ class _Spec:
     shape: tuple[int, ...]
     std: float | None  # None: a norm weight, filled with ones
 
-    @property
-    def nbytes(self) -> int:
+    def nbytes(self, element_size: int) -> int:
         count = 1
         for dim in self.shape:
             count *= dim
-        return count * 4  # float32
+        return count * element_size
 
 
 def make_tiny(
@@ -94,6 +98,7 @@ def make_tiny(
     vocab: int | None = None,
     shards: int = 1,
     max_position: int = 1024,
+    dtype: str = "float32",
 ) -> Path:
     """Write a random Mixtral checkpoint (weights, config, tokenizer) to ``out_dir``.
 
@@ -103,6 +108,8 @@ def make_tiny(
     Returns ``out_dir`` as a ``Path``.
     """
     head_dim = _check_shape(layers, hidden, intermediate, experts, top_k, heads, kv_heads, head_dim, shards)
+    if dtype not in CHECKPOINT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -115,11 +122,9 @@ def make_tiny(
     specs = _tensor_specs(layers, hidden, intermediate, experts, heads, kv_heads, head_dim, vocab)
     if shards > len(specs):
         raise ValueError(f"shards ({shards}) cannot exceed the number of tensors ({len(specs)})")
-    _write_weights(out, specs, seed, shards)
-    _write_json(
-        out / "config.json",
-        _config(layers, hidden, intermediate, experts, top_k, heads, kv_heads, head_dim, vocab, max_position),
-    )
+    _write_weights(out, specs, seed, shards, CHECKPOINT_DTYPES[dtype])
+    config = _config(layers, hidden, intermediate, experts, top_k, heads, kv_heads, head_dim, vocab, max_position)
+    _write_json(out / "config.json", config | {"torch_dtype": dtype, "dtype": dtype})
     _write_json(out / "generation_config.json", _generation_config())
     return out
 
@@ -194,14 +199,14 @@ def _tensor_specs(
 def _split(specs: list[_Spec], shards: int) -> list[list[_Spec]]:
     """Cut ``specs`` into ``shards`` contiguous, non-empty runs of roughly equal bytes."""
     runs: list[list[_Spec]] = []
-    start, remaining = 0, sum(s.nbytes for s in specs)
+    start, remaining = 0, sum(s.nbytes(1) for s in specs)
     for left in range(shards, 1, -1):  # runs still to fill, this one included
         target = remaining / left
-        end, size = start + 1, specs[start].nbytes
+        end, size = start + 1, specs[start].nbytes(1)
         # Take tensors while that brings the run closer to its share, leaving at least
         # one tensor for each later run.
-        while end < len(specs) - (left - 1) and size + specs[end].nbytes / 2 <= target:
-            size += specs[end].nbytes
+        while end < len(specs) - (left - 1) and size + specs[end].nbytes(1) / 2 <= target:
+            size += specs[end].nbytes(1)
             end += 1
         runs.append(specs[start:end])
         start, remaining = end, remaining - size
@@ -212,19 +217,19 @@ def _split(specs: list[_Spec], shards: int) -> list[list[_Spec]]:
 # -- writing --------------------------------------------------------------------------
 
 
-def _generate(specs: list[_Spec], seed: int) -> Iterator[tuple[_Spec, torch.Tensor]]:
+def _generate(specs: list[_Spec], seed: int, dtype: torch.dtype) -> Iterator[tuple[_Spec, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     for spec in specs:
         if spec.std is None:
-            yield spec, torch.ones(spec.shape)
+            yield spec, torch.ones(spec.shape, dtype=dtype)
         else:
-            yield spec, torch.randn(spec.shape, generator=generator) * spec.std
+            yield spec, (torch.randn(spec.shape, generator=generator) * spec.std).to(dtype)
 
 
-def _write_weights(out: Path, specs: list[_Spec], seed: int, shards: int) -> None:
+def _write_weights(out: Path, specs: list[_Spec], seed: int, shards: int, dtype: torch.dtype) -> None:
     # One generator over all specs in a fixed order, so the values do not depend on how
     # the tensors are split into files; only one file's tensors are held at a time.
-    tensors = _generate(specs, seed)
+    tensors = _generate(specs, seed, dtype)
     metadata = {"format": "pt"}
     if shards == 1:
         save_file(dict((s.name, t) for s, t in tensors), out / SINGLE_WEIGHTS_FILE, metadata=metadata)
@@ -235,7 +240,8 @@ def _write_weights(out: Path, specs: list[_Spec], seed: int, shards: int) -> Non
         batch = {spec.name: tensor for spec, tensor in (next(tensors) for _ in run)}
         save_file(batch, out / file_name, metadata=metadata)
         weight_map |= dict.fromkeys(batch, file_name)
-    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
+    total = sum(s.nbytes(dtype.itemsize) for s in specs)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     _write_json(out / INDEX_FILE, index)
 
 

@@ -78,16 +78,17 @@ def test_lru_evictions_free_the_least_recently_used_of_the_layer() -> None:
 def test_device_cache_keeps_recent_experts_per_layer_and_counts_bytes() -> None:
     cache: DeviceCache[str] = DeviceCache(2)
     for expert in (1, 2):
-        assert cache.admit((0, expert), f"e{expert}", 10) == 0
+        assert cache.admit((0, expert), f"e{expert}", 10) == []
     cache.admit((1, 9), "other layer", 5)
     assert cache.get((0, 1)) == "e1"  # now most recent: expert 2 goes next
-    assert cache.admit((0, 3), "e3", 10) == 1
+    assert cache.admit((0, 3), "e3", 10) == ["e2"]
     assert (0, 2) not in cache and (0, 1) in cache and (0, 3) in cache
     assert cache.nbytes() == 25 and len(cache) == 3
     unbounded: DeviceCache[str] = DeviceCache(None)
     for expert in range(8):
         unbounded.admit((0, expert), "x", 1)
     assert len(unbounded) == 8
+    assert DeviceCache(0).admit((0, 1), "kept nowhere", 1) == ["kept nowhere"]
     with pytest.raises(ValueError):
         DeviceCache(-1)
 

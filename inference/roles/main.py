@@ -43,10 +43,17 @@ from inference.protocol import (
     TokenEvent,
     WorkerStats,
 )
-from inference.roles.common import PeerHealth, answer_ping, connect_peers, open_endpoint, setup_process
+from inference.roles.common import (
+    PeerHealth,
+    answer_ping,
+    connect_peers,
+    open_endpoint,
+    release_free_heap,
+    setup_process,
+)
 from inference.routing import RoutedRows, Routing, resolve_arithmetic
 from inference.sharding import verify_shard
-from inference.spec import RoleSpec
+from inference.spec import RoleSpec, compute_dtype
 from inference.strategies import dispatch_plan, get_strategy
 from inference.transport import Received
 
@@ -109,8 +116,9 @@ class MainRole:
                 f"shards were built for {self.placement.n_workers} workers but the peer table lists "
                 f"{len(spec.addresses.workers)}"
             )
-        self.model = build_main_model(spec.shard_dir, self)
+        self.model = build_main_model(spec.shard_dir, self, dtype=compute_dtype(spec.settings.dtype))
         self.model.to(self.device)
+        release_free_heap()
         config = self.model.config
         self.routing = Routing(
             resolve_arithmetic(

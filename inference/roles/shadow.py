@@ -17,12 +17,12 @@ import torch
 from transformers import DynamicCache
 
 from inference import schedule
-from inference.model import build_full_model
+from inference.model import load_config
 from inference.placement import placement_from_dict
 from inference.protocol import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
-from inference.quant import quantize_shadow_
-from inference.roles.common import answer_ping, connect_peers, open_endpoint, setup_process
+from inference.roles.common import answer_ping, connect_peers, open_endpoint, release_free_heap, setup_process
 from inference.routing import resolve_arithmetic
+from inference.shadow_model import CAST_DTYPES, build_shadow_model
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec
 from inference.transport import Received
@@ -62,19 +62,20 @@ class ShadowRole:
         self.device = setup_process(spec)
         manifest = verify_shard(spec.shard_dir, expect_role="shadow")
         self.placement = placement_from_dict(manifest["placement"])
-        self.model = build_full_model(spec.shard_dir)
-        config = self.model.config
+        config = load_config(spec.shard_dir)
+        shadow_dtype = spec.settings.shadow_dtype
         arithmetic = resolve_arithmetic(
             spec.settings.experts_arithmetic,
             config.hidden_size,
             config.intermediate_size,
-            self.model.dtype,
+            CAST_DTYPES.get(shadow_dtype, torch.float32),
             self.device,
         )
-        if arithmetic == "eager":
-            self.model.set_experts_implementation("eager")  # the grouped GEMM cannot run these shapes
-        self.report = quantize_shadow_(self.model, spec.settings.shadow_dtype)
-        self.model.to(self.device)
+        # Converted tensor by tensor as it is read: the full-precision model never exists here.
+        self.model, self.report = build_shadow_model(
+            spec.shard_dir, shadow_dtype, self.device, eager_experts=arithmetic == "eager"
+        )
+        release_free_heap()
         self.kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed_tokens" in n)
         self.endpoint = open_endpoint(spec)
         connect_peers(self.endpoint, spec, workers=True, shadow=False, main=True)

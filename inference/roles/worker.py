@@ -1,4 +1,4 @@
-"""The worker role: keep owned experts in host memory, load the predicted ones just in time.
+"""The worker role: keep owned experts in host memory or on disk, load the predicted ones just in time.
 
 Predictions (from the shadow, or from main's next-layer router under ``lru-offload``)
 queue loads; main's requests name the experts really routed to this worker, whose rows
@@ -30,10 +30,10 @@ from inference.protocol import (
     Shutdown,
     WorkerStats,
 )
-from inference.roles.common import answer_ping, open_endpoint, setup_process
+from inference.roles.common import answer_ping, open_endpoint, release_free_heap, setup_process
 from inference.sharding import verify_shard
-from inference.spec import RoleSpec
-from inference.store import HostMemoryStore
+from inference.spec import RoleSpec, compute_dtype
+from inference.store import open_store
 from inference.strategies import get_strategy, home_experts, prefetch_on_prediction, prefill_prefetch
 from inference.transport import Received
 
@@ -55,7 +55,15 @@ class WorkerRole:
         self.members = self.placement.groups[self.placement.group_of_worker(self.index)]
         self.decode_layers = set(self.placement.decode_layers(self.index))
         self.act_fn = activation(_read_config(spec.shard_dir).get("hidden_act", "silu"))
-        self.store = HostMemoryStore.from_shard(spec.shard_dir, pin=self.device.type == "cuda")
+        self.store = open_store(
+            spec.settings.expert_store,
+            spec.shard_dir,
+            pin=self.device.type == "cuda",
+            verify=False,  # verified just above, with this worker's identity
+            read_bytes_per_s=spec.settings.disk_bytes_per_s,
+            dtype=compute_dtype(spec.settings.dtype),
+        )
+        release_free_heap()
         any_key = next(iter(self.store.keys()))
         self.expert_bytes = self.store.nbytes(*any_key)
         self.strategy = get_strategy(spec.settings.strategy)
@@ -74,9 +82,10 @@ class WorkerRole:
         self.served: tuple[int, int] = (-1, -1)  # the last (step, layer) main asked for
         self.held: dict[Key, Resident] = {}  # experts on the device until the layer's final request
         log.info(
-            "worker %d ready: %d experts in host memory on %s, decode layers %s, strategy %s (%d on the device)",
+            "worker %d ready: %d experts (%s store) on %s, decode layers %s, strategy %s (%d on the device)",
             self.index,
             len(self.store.keys()),
+            spec.settings.expert_store,
             self.device,
             sorted(self.decode_layers),
             self.strategy.name,

@@ -7,6 +7,7 @@ from `inference.sim.sources`, where each one's origin is written down.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from inference.sim.sources import value
@@ -37,6 +38,9 @@ class Profile:
     gpu: Gpu
     host_to_device: Link
     network: Link
+    # Sequential read of the node's local SSD, what the "disk" expert store streams experts from;
+    # assumed for every profile: a mainstream PCIe 3.0 x4 NVMe drive.
+    disk_read: float = value("nvme_ssd_seq_read")  # B/s
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -128,4 +132,4 @@ def with_host_to_device(profile: Profile, bandwidth: float) -> Profile:
     if bandwidth <= 0:
         raise ValueError("host-to-device bandwidth must be positive")
     link = Link(bandwidth, bandwidth, profile.host_to_device.latency)
-    return Profile(profile.name, profile.description, profile.gpu, link, profile.network)
+    return dataclasses.replace(profile, host_to_device=link)

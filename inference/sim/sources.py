@@ -80,6 +80,12 @@ _LINKS = {
     "pcie4_x16_copy_latency": Source(
         10e-6, "s", "CUDA memcpy/launch latency order of magnitude (NVIDIA bandwidthTest small sizes)", "per copy"
     ),
+    "nvme_ssd_seq_read": Source(
+        3.5 * GB,
+        "B/s",
+        "Samsung 970 EVO Plus (PCIe 3.0 x4 NVMe) data sheet: sequential read up to 3,500 MB/s",
+        "a worker's disk expert store reads each expert from its local SSD at every load",
+    ),
     "ethernet_1g_peak": Source(125 * MB, "B/s", "IEEE 802.3ab line rate 1 Gb/s", "roofline network"),
     "ethernet_1g_effective": Source(
         117.6 * MB,

@@ -1,0 +1,70 @@
+"""End to end on half-precision checkpoints, the dtype real releases ship in: every role
+computes in the checkpoint's dtype and greedy output is token-identical to Transformers
+loaded with ``dtype="auto"``, whatever the shadow's dtype, the worker count or the strategy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inference.launcher import ClusterOptions, LocalCluster
+from inference.spec import Settings
+from inference.tiny import make_tiny
+from tests.reference import ODD_SHAPE, PROMPTS, reference_generate
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Odd sizes, several safetensors shards and an index: the release layout.
+    return make_tiny(tmp_path_factory.mktemp("bf16") / "model", seed=5, dtype="bfloat16", **ODD_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def fp16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("fp16") / "model", seed=6, dtype="float16", shards=4)
+
+
+def _check(model: Path, options: ClusterOptions, prompts: list[list[int]]) -> list[float]:
+    expected = [reference_generate(model, prompt, NEW_TOKENS, dtype="auto") for prompt in prompts]
+    with LocalCluster(model, options) as cluster:
+        results = [cluster.generate(prompt, NEW_TOKENS) for prompt in prompts]
+    for prompt, want, got in zip(prompts, expected, results, strict=True):
+        assert got.token_ids == want, f"prompt {prompt}: tokens differ from Transformers"
+    return [got.metrics["recall"] for got in results]
+
+
+@pytest.mark.parametrize(
+    ("model_name", "shadow_dtype", "workers"),
+    [
+        ("bf16_model", "nf4", 3),
+        ("bf16_model", "int8", 1),
+        ("bf16_model", "bf16", 4),
+        ("bf16_model", "fp16", 3),
+        ("fp16_model", "fp16", 4),
+        ("fp16_model", "nf4", 1),
+        ("fp16_model", "int8", 3),
+        ("fp16_model", "bf16", 4),
+    ],
+)
+def test_every_shadow_dtype_gives_the_checkpoints_own_tokens(
+    model_name: str, shadow_dtype: str, workers: int, request
+) -> None:
+    model: Path = request.getfixturevalue(model_name)
+    options = ClusterOptions(workers=workers, settings=Settings(shadow_dtype=shadow_dtype))
+    recalls = _check(model, options, PROMPTS[:2])
+    print(f"{model_name} {shadow_dtype} shadow, {workers} workers: recall {recalls}")
+    # A shadow in the checkpoint's own dtype is main's model itself: it predicts every expert.
+    own = {"bf16_model": "bf16", "fp16_model": "fp16"}[model_name]
+    if shadow_dtype == own:
+        assert recalls == [1.0] * len(recalls)
+
+
+@pytest.mark.parametrize("strategy", ["full-cache", "reactive", "lru-offload"])
+def test_every_strategy_is_exact_in_bf16(bf16_model: Path, strategy: str) -> None:
+    options = ClusterOptions(workers=3, settings=Settings(strategy=strategy))
+    _check(bf16_model, options, PROMPTS[2:4])
