@@ -12,7 +12,7 @@ WORKERS ?= 8
 PORT ?= 8000
 AGENTS ?= 10
 
-.PHONY: run runtime test check lint install bench clean chromium demo-model
+.PHONY: run runtime test check lint install bench clean chromium demo-model gpu-check gpu-wheels
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,25 @@ demo-model: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.decode
+
+# The GPU check (benchmarks/gpu.py, < 8 minutes on one H200): device facts, copy GB/s, one expert's
+# compute, and a 4-layer Mixtral-8x7B-shaped bf16 model served with every strategy, into
+# benchmarks/results/gpu.{json,md}. On a lent GPU machine, which lacks pyzmq and has transformers 5.17,
+# fetch the wheels here with `make gpu-wheels`, then use the device tool's run with
+# carry ["var/gpu-wheels"], timeout_s 480 and the command:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site var/gpu-wheels/*.whl && export PYTHONPATH=/tmp/site:. || exit; set -o pipefail; PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --json $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
+GPU_WHEELS := var/gpu-wheels
+gpu-check: $(STAMP)
+	PYTHONUNBUFFERED=1 $(PY) -m benchmarks.gpu --json benchmarks/results/gpu.json
+
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d $(GPU_WHEELS) \
+	  $$(grep -iE '^(pyzmq|transformers)==' constraints.txt)
+	@du -ch $(GPU_WHEELS)/*.whl
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache
