@@ -1,6 +1,8 @@
 """Names shared by the CLI, the specs and the roles, kept free of heavy imports."""
 
 SHADOW_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
+# The shadow dtype that is a checkpoint's own (config ``dtype``): no conversion needed.
+OWN_SHADOW_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # What a role computes in: "auto" is the checkpoint's own dtype (config ``dtype``), as
 # Transformers' ``from_pretrained(dtype="auto")`` loads it; the others override it.

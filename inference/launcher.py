@@ -28,7 +28,7 @@ from pathlib import Path
 from inference.checkpoint import Checkpoint
 from inference.client import GenerationFailed, RuntimeClient
 from inference.protocol import GenerateDone
-from inference.sharding import build_shards
+from inference.sharding import ShardSet, build_shards, shadow_dtypes_to_build
 from inference.spec import Addresses, RoleSpec, Settings
 from inference.strategies import get_strategy
 
@@ -134,10 +134,15 @@ class LocalCluster:
     def start(self) -> None:
         checkpoint = Checkpoint(self.model_dir)  # a bad model dir fails here, clearly
         shard_dir = self.work_dir / "shards"
+        shadow_dtype = self.options.settings.shadow_dtype
+        # A shadow in another dtype than the checkpoint's gets its shard converted once, here,
+        # as a deployment's shard build does; in the checkpoint's own dtype there is nothing to convert.
+        preconvert = shadow_dtypes_to_build(checkpoint.config, shadow_dtype) if self.options.runs_shadow else ()
         if not (shard_dir / "shards.json").exists():
             self.progress(f"building shards for {self.options.workers} workers in {shard_dir}")
-            build_shards(checkpoint.path, shard_dir, workers=self.options.workers)
+            build_shards(checkpoint.path, shard_dir, workers=self.options.workers, shadow_dtypes=preconvert)
         self.shard_dir = shard_dir
+        shadow_dir = ShardSet.load(shard_dir).shadow_for(shadow_dtype)
         addresses = Addresses(
             main=f"tcp://127.0.0.1:{free_port()}",
             workers=[f"tcp://127.0.0.1:{free_port()}" for _ in range(self.options.workers)],
@@ -146,7 +151,7 @@ class LocalCluster:
         self.addresses = addresses
         roles: list[tuple[str, str, int | None, Path]] = [("main", "main", None, shard_dir / "main")]
         if self.options.runs_shadow:
-            roles.append(("shadow", "shadow", None, shard_dir / "shadow"))
+            roles.append(("shadow", "shadow", None, shadow_dir))
         roles += [(f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)]
         for name, role, worker, role_dir in roles:
             spec = RoleSpec(self.deployment, role, str(role_dir), addresses, worker, self.options.settings)

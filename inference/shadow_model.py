@@ -7,6 +7,9 @@ So the full-precision model never exists here. Each tensor is read from the veri
 or quantized by the device's own kernels, which are then the ones that read the data) and the
 original dropped; an expert's ``w1`` waits only for its ``w3`` (they are quantized fused, as
 the model computes them). Peak host memory is the converted model plus a tensor or two.
+The same conversion, run once by the shard build (``build_shards(shadow_dtypes=...)``),
+writes a pre-converted shadow shard, which is then installed as it is read: the shadow box
+downloads the converted size and converts nothing.
 
 What each shadow dtype holds:
 
@@ -20,68 +23,182 @@ What each shadow dtype holds:
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import MixtralForCausalLM
+from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralRotaryEmbedding, MixtralTopKRouter
 
 from inference import quant
 from inference.checkpoint import parse_expert_key
 from inference.model import hf_name, load_config, load_generation_config
-from inference.sharding import load_role_tensors
+from inference.sharding import load_role_tensors, read_manifest, verify_shard
 
 CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SHADOW_DTYPES = (*CAST_DTYPES, *quant.QUANT_SCHEMES)
+EXPERT_WEIGHTS = ("gate_up", "down")  # [2I, H] (w1 over w3) and [H, I] (w2), as Transformers fuses them
+
+# The converted layout, record by record (what ``convert_tensors`` yields and a pre-converted
+# shadow shard stores): a kept tensor under its Transformers name in its shadow dtype; a
+# quantized linear as ``{path}.weight_data`` / ``{path}.weight_state`` (``QuantizedLinear``'s
+# buffers); expert E of layer L as ``model.layers.L.mlp.experts.{gate_up|down}.E``, with
+# ``.qdata`` / ``.qstate`` appended when quantized.
+_EXPERT_RECORD = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)\.(\d+)(?:\.(qdata|qstate))?")
+_LINEAR_RECORD = re.compile(r"(.+)\.weight_(data|state)")
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in SHADOW_DTYPES:
+        raise ValueError(f"unsupported shadow dtype {dtype!r}; allowed: {', '.join(SHADOW_DTYPES)}")
+
+
+def skeleton(config: MixtralConfig) -> MixtralForCausalLM:
+    """The model's modules on the meta device: shapes and names, no memory."""
+    with torch.device("meta"):
+        return MixtralForCausalLM._from_config(config)
+
+
+def quantizable_linears(model: nn.Module) -> set[str]:
+    """Paths of the ``nn.Linear`` modules an int8/nf4 shadow quantizes: all but the routers (not Linears)."""
+    return {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def convert_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], config: MixtralConfig, dtype: str, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors (release names, any float dtype) as records of the shadow in ``dtype``.
+
+    One tensor at a time, converted on ``device``: nothing is kept but an expert's ``w1`` or
+    ``w3`` until its partner arrives.
+    """
+    check_dtype(dtype)
+    quantized = quantizable_linears(skeleton(config)) if dtype in quant.QUANT_SCHEMES else set()
+    pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        key = parse_expert_key(name)
+        if key is None:
+            hf = hf_name(name)
+            path = hf.removesuffix(".weight")
+            if hf.endswith(".weight") and path in quantized:
+                q = quant.quantize_weight(tensor.to(device), dtype)
+                yield f"{path}.weight_data", q.data
+                yield f"{path}.weight_state", q.state
+            else:
+                yield hf, tensor.to(device, _kept_dtype(dtype, hf, tensor))
+            continue
+        parts = pending.setdefault((key.layer, key.expert), {})
+        parts[key.proj] = tensor
+        if "w1" in parts and "w3" in parts:
+            gate_up = torch.cat([parts.pop("w1").to(device), parts.pop("w3").to(device)])  # [2I, H]
+            yield from _expert_records(dtype, key.layer, key.expert, "gate_up", gate_up)
+        if "w2" in parts:
+            yield from _expert_records(dtype, key.layer, key.expert, "down", parts.pop("w2").to(device))  # [H, I]
+        if not parts:
+            del pending[(key.layer, key.expert)]
+    if pending:
+        (layer, expert), parts = next(iter(pending.items()))
+        raise ValueError(f"expert {expert} of layer {layer} lacks {'w3' if 'w1' in parts else 'w1'}")
+
+
+def _kept_dtype(dtype: str, name: str, tensor: torch.Tensor) -> torch.dtype:
+    if not tensor.is_floating_point() or dtype in quant.QUANT_SCHEMES:
+        return tensor.dtype  # quantized shadows keep what they don't quantize as it is
+    if name.endswith(".mlp.gate.weight") and dtype != "fp32":
+        return tensor.dtype  # routers keep the checkpoint's precision: they decide the routing
+    return CAST_DTYPES[dtype]
+
+
+def _expert_records(
+    dtype: str, layer: int, expert: int, which: str, weight: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
+    base = f"model.layers.{layer}.mlp.experts.{which}.{expert}"
+    if dtype in quant.QUANT_SCHEMES:
+        q = quant.quantize_weight(weight, dtype)
+        yield f"{base}.qdata", q.data
+        yield f"{base}.qstate", q.state
+    else:
+        yield base, weight.to(CAST_DTYPES[dtype])
 
 
 @dataclass
 class _Build:
-    """What has been read and converted so far."""
+    """What has been installed so far, record by record."""
 
     dtype: str
     device: torch.device
-    plain: dict[str, torch.Tensor] = field(default_factory=dict)  # Transformers name -> tensor
-    linears: dict[str, quant.QuantizedWeight] = field(default_factory=dict)  # module path -> weight
-    # Quantized experts go straight into per-layer stacks [E, ...] of data and state, so each
-    # expert's own result is freed at once and its memory reused by the next one.
-    expert_q: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    expert_dense: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [E, out, in] stacks
-    pending: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)  # w1 awaiting w3
-    converted: set[tuple[int, str, int]] = field(default_factory=set)  # (layer, gate_up|down, expert)
-    source_bytes: int = 0
-    largest_tensor_bytes: int = 0
+    n_experts: int
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # Transformers name -> tensor
+    linears: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # path -> data, state
+    # Experts go straight into per-layer stacks [E, ...], so each expert's own tensor is freed
+    # at once and its memory reused by the next one.
+    stacks: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict)  # (layer, which, part)
+    filled: set[tuple[int, str, str, int]] = field(default_factory=set)
+    record_bytes: int = 0
+    largest_record_bytes: int = 0
+
+    def take(self, name: str, tensor: torch.Tensor) -> None:
+        self.record_bytes += tensor.nbytes
+        self.largest_record_bytes = max(self.largest_record_bytes, tensor.nbytes)
+        expert = _EXPERT_RECORD.fullmatch(name)
+        linear = _LINEAR_RECORD.fullmatch(name)
+        if expert is not None:
+            layer, which, index, part = int(expert[1]), expert[2], int(expert[3]), expert[4] or "dense"
+            stack = self.stacks.get((layer, which, part))
+            if stack is None:
+                shape = (self.n_experts, *tensor.shape)
+                stack = torch.empty(shape, dtype=tensor.dtype, device=self.device)
+                self.stacks[(layer, which, part)] = stack
+            stack[index].copy_(tensor)
+            self.filled.add((layer, which, part, index))
+        elif linear is not None:
+            self.linears.setdefault(linear[1], {})[linear[2]] = tensor.to(self.device)
+        else:
+            self.kept[name] = tensor.to(self.device)
 
 
 def build_shadow_model(
-    shard_dir: str | os.PathLike[str], dtype: str, device: torch.device, *, eager_experts: bool = False
+    shard_dir: str | os.PathLike[str],
+    dtype: str,
+    device: torch.device,
+    *,
+    eager_experts: bool = False,
+    verify: bool = True,
 ) -> tuple[MixtralForCausalLM, dict]:
-    """The shadow's model in ``dtype`` on ``device``, built from a shard holding every tensor.
+    """The shadow's model in ``dtype`` on ``device``, from a shadow shard.
 
-    ``eager_experts`` selects Transformers' eager experts loop for cast dtypes (the grouped GEMM
-    refuses some shapes; quantized experts always use their own loop). Returns the model and a
-    report: ``dtype``, ``source_bytes`` (the shard's tensors), ``bytes`` (the converted model),
+    The shard is either the checkpoint's tensors (converted here as they are read) or a
+    shard the shard build already converted to ``dtype`` (``sharding.build_shards`` with
+    ``shadow_dtypes``; its manifest says which), installed as it is. ``eager_experts`` selects
+    Transformers' eager experts loop for cast dtypes (the grouped GEMM refuses some shapes;
+    quantized experts always use their own loop). Returns the model and a report: ``dtype``,
+    ``pre_converted``, ``source_bytes`` (read from the shard), ``bytes`` (the model),
     ``experts_bytes`` and ``largest_tensor_bytes``.
     """
-    if dtype not in (*CAST_DTYPES, *quant.QUANT_SCHEMES):
-        raise ValueError(
-            f"unsupported shadow dtype {dtype!r}; allowed: {', '.join((*CAST_DTYPES, *quant.QUANT_SCHEMES))}"
-        )
+    check_dtype(dtype)
+    manifest = verify_shard(shard_dir, expect_role="shadow") if verify else read_manifest(shard_dir)
+    stored = manifest.get("shadow_dtype")
+    if stored is not None and stored != dtype:
+        raise ValueError(f"{shard_dir} holds a shadow converted to {stored}, but {dtype} was asked for")
     config = load_config(shard_dir)
-    with torch.device("meta"):
-        model = MixtralForCausalLM._from_config(config)
-    quantized_paths = _quantizable_linears(model) if dtype in quant.QUANT_SCHEMES else set()
-    build = _Build(dtype, device)
-    for name, tensor in load_role_tensors(shard_dir):
-        build.source_bytes += tensor.nbytes
-        build.largest_tensor_bytes = max(build.largest_tensor_bytes, tensor.nbytes)
-        _take(build, config.num_local_experts, name, tensor, quantized_paths)
-    if build.pending:
-        (layer, expert), parts = next(iter(build.pending.items()))
-        unpaired = "w3" if "w1" in parts else "w1"
-        raise ValueError(f"{shard_dir}: expert {expert} of layer {layer} lacks {unpaired}")
-    _install(model, build, quantized_paths)
+    model = skeleton(config)
+    build = _Build(dtype, device, config.num_local_experts)
+    source_bytes = 0
+    largest = 0
+
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal source_bytes, largest
+        for name, tensor in load_role_tensors(shard_dir, verify=False):
+            source_bytes += tensor.nbytes
+            largest = max(largest, tensor.nbytes)
+            yield name, tensor
+
+    records = read() if stored is not None else convert_tensors(read(), config, dtype, device)
+    for name, tensor in records:
+        build.take(name, tensor)
+    _install(model, build)
     model.model.rotary_emb = MixtralRotaryEmbedding(config=model.config).to(device)
     if dtype in quant.QUANT_SCHEMES:
         quant.register_experts_implementation()
@@ -100,105 +217,56 @@ def build_shadow_model(
     model.odmoe_shadow_dtype = dtype
     report = {
         "dtype": dtype,
-        "source_bytes": build.source_bytes,
+        "pre_converted": stored is not None,
+        "source_bytes": source_bytes,
         "bytes": quant.module_bytes(model),
         "experts_bytes": quant.experts_bytes(model),
-        "largest_tensor_bytes": build.largest_tensor_bytes,
+        "largest_tensor_bytes": largest,
     }
     return model, report
 
 
-def _quantizable_linears(model: nn.Module) -> set[str]:
-    """Paths of the ``nn.Linear`` modules an int8/nf4 shadow quantizes: all but the routers'."""
-    return {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-
-
-def _plain_dtype(build: _Build, name: str, tensor: torch.Tensor) -> torch.dtype:
-    if not tensor.is_floating_point() or build.dtype in quant.QUANT_SCHEMES:
-        return tensor.dtype  # quantized shadows keep what they don't quantize as it is
-    if name.endswith(".mlp.gate.weight") and build.dtype != "fp32":
-        return tensor.dtype  # routers keep the checkpoint's precision: they decide the routing
-    return CAST_DTYPES[build.dtype]
-
-
-def _take(build: _Build, n_experts: int, name: str, tensor: torch.Tensor, quantized_paths: set[str]) -> None:
-    key = parse_expert_key(name)
-    if key is None:
-        hf = hf_name(name)
-        path = hf.removesuffix(".weight")
-        if hf.endswith(".weight") and path in quantized_paths:
-            build.linears[path] = quant.quantize_weight(tensor.to(build.device), build.dtype)
-        else:
-            build.plain[hf] = tensor.to(build.device, _plain_dtype(build, hf, tensor))
-        return
-    parts = build.pending.setdefault((key.layer, key.expert), {})
-    parts[key.proj] = tensor
-    if "w1" in parts and "w3" in parts:
-        gate_up = torch.cat([parts.pop("w1").to(build.device), parts.pop("w3").to(build.device)])  # [2I, H]
-        _expert(build, n_experts, key.layer, key.expert, "gate_up", gate_up)
-    if "w2" in parts:
-        _expert(build, n_experts, key.layer, key.expert, "down", parts.pop("w2").to(build.device))  # [H, I]
-    if not parts:
-        del build.pending[(key.layer, key.expert)]
-
-
-def _expert(build: _Build, n_experts: int, layer: int, expert: int, which: str, weight: torch.Tensor) -> None:
-    build.converted.add((layer, which, expert))
-    if build.dtype in quant.QUANT_SCHEMES:
-        q = quant.quantize_weight(weight, build.dtype)
-        stacks = build.expert_q.get((layer, which))
-        if stacks is None:
-            stacks = tuple(
-                torch.empty((n_experts, *t.shape), dtype=t.dtype, device=t.device) for t in (q.data, q.state)
-            )
-            build.expert_q[(layer, which)] = stacks
-        stacks[0][expert].copy_(q.data)
-        stacks[1][expert].copy_(q.state)
-        return
-    stack = build.expert_dense.get((layer, which))
-    if stack is None:
-        shape = (n_experts, *weight.shape)
-        stack = torch.empty(shape, dtype=CAST_DTYPES[build.dtype], device=build.device)
-        build.expert_dense[(layer, which)] = stack
-    stack[expert].copy_(weight)
-
-
-def _install(model: MixtralForCausalLM, build: _Build, quantized_paths: set[str]) -> None:
-    """Put the converted tensors into the meta-built model; refuse a shard that lacks any."""
-    state = dict(build.plain)
-    for (layer, which), stack in build.expert_dense.items():
-        state[f"model.layers.{layer}.mlp.experts.{which}_proj"] = stack
-    for path, qweight in build.linears.items():
-        parent_path, _, child = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        bias = state.pop(f"{path}.bias", None)
-        setattr(parent, child, quant.QuantizedLinear(qweight, bias))
-    missing_linears = quantized_paths - build.linears.keys()
-    n_experts = model.config.num_local_experts
+def _install(model: MixtralForCausalLM, build: _Build) -> None:
+    """Put the records into the meta-built model; refuse a shard that lacks any."""
+    quantized = build.dtype in quant.QUANT_SCHEMES
+    expected_linears = quantizable_linears(model) if quantized else set()
+    if build.linears.keys() != expected_linears:
+        missing = sorted(expected_linears - build.linears.keys()) or sorted(build.linears.keys() - expected_linears)
+        raise ValueError(f"the shadow shard's quantized linears do not match the model: {missing[:5]}")
+    parts = ("qdata", "qstate") if quantized else ("dense",)
     for layer in range(model.config.num_hidden_layers):
-        for which in ("gate_up", "down"):
-            absent = [e for e in range(n_experts) if (layer, which, e) not in build.converted]
-            if absent:
-                raise ValueError(f"the shadow shard lacks expert {absent[0]} of layer {layer} ({which})")
-    if build.dtype in quant.QUANT_SCHEMES:
-        for layer, decoder in enumerate(model.model.layers):
-            _install_quantized_experts(decoder.mlp.experts, build, layer)
+        for which in EXPERT_WEIGHTS:
+            for part in parts:
+                absent = [e for e in range(build.n_experts) if (layer, which, part, e) not in build.filled]
+                if absent:
+                    raise ValueError(f"the shadow shard lacks expert {absent[0]} of layer {layer} ({which})")
+    state = dict(build.kept)
+    for path, buffers in build.linears.items():
+        module = model.get_submodule(path)
+        shape = torch.Size((module.out_features, module.in_features))
+        qweight = quant.QuantizedWeight(build.dtype, buffers["data"], buffers["state"], shape)
+        parent_path, _, child = path.rpartition(".")
+        linear = quant.QuantizedLinear(qweight, state.pop(f"{path}.bias", None))
+        setattr(model.get_submodule(parent_path), child, linear)
+    for layer, decoder in enumerate(model.model.layers):
+        experts: MixtralExperts = decoder.mlp.experts
+        for which in EXPERT_WEIGHTS:
+            if quantized:
+                experts.register_buffer(f"{which}_qdata", build.stacks.pop((layer, which, "qdata")))
+                experts.register_buffer(f"{which}_qstate", build.stacks.pop((layer, which, "qstate")))
+                empty = nn.Parameter(torch.empty(0, device=build.device), requires_grad=False)
+                setattr(experts, f"{which}_proj", empty)  # the dense weights never existed here
+            else:
+                state[f"model.layers.{layer}.mlp.experts.{which}_proj"] = build.stacks.pop((layer, which, "dense"))
+        if quantized:
+            experts.odmoe_scheme = build.dtype
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
-        raise ValueError(f"unexpected tensors in the shard: {sorted(unexpected)[:5]}")
-    # Quantized modules hold buffers installed above, not loaded from ``state``.
+        raise ValueError(f"unexpected tensors in the shadow shard: {sorted(unexpected)[:5]}")
+    # Quantized modules hold the buffers installed above, not loaded from ``state``.
     installed = {n for n in missing if n.rpartition(".")[0] in build.linears}
-    if build.dtype in quant.QUANT_SCHEMES:
+    if quantized:
         installed |= {n for n in missing if ".mlp.experts." in n}
-    lacking = sorted(set(missing) - installed) + sorted(f"{p}.weight" for p in missing_linears)
+    lacking = sorted(set(missing) - installed)
     if lacking:
         raise ValueError(f"the shadow shard lacks tensors: {lacking[:5]}")
-
-
-def _install_quantized_experts(experts: MixtralExperts, build: _Build, layer: int) -> None:
-    for which in ("gate_up", "down"):
-        data, state = build.expert_q.pop((layer, which))
-        experts.register_buffer(f"{which}_qdata", data)
-        experts.register_buffer(f"{which}_qstate", state)
-        setattr(experts, f"{which}_proj", nn.Parameter(torch.empty(0, device=build.device), requires_grad=False))
-    experts.odmoe_scheme = build.dtype

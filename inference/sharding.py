@@ -1,8 +1,9 @@
 """Split a Mixtral checkpoint into per-role shards, and check shards before they are used.
 
 Each process of a deployment needs only part of the model: *main* everything except the
-expert weights (routers included), the *shadow* the whole model (it is quantized at
-load), and worker ``i`` the experts that ``placement(...).owned(i)`` assigns it.
+expert weights (routers included), the *shadow* the whole model (converted to its dtype
+as it loads, or already converted here: ``shadow_dtypes``), and worker ``i`` the experts
+that ``placement(...).owned(i)`` assigns it.
 ``build_shards`` writes one directory per role so that each machine copies only its own
 share. It reads the source one tensor at a time and writes each role's weights in parts
 of bounded size, buffering one part at a time, so memory stays around ``max_file_bytes``
@@ -17,6 +18,7 @@ Layout::
     out_dir/shards.json          the set: model summary, placement, roles and their dirs
     out_dir/main/                manifest.json, config + tokenizer files, part-00001.safetensors, ...
     out_dir/shadow/              same, with every tensor
+    out_dir/shadow-{dtype}/      the shadow's model converted to dtype (inference.shadow_model's records)
     out_dir/worker-{i}/          manifest.json, config.json, parts with the owned experts
 """
 
@@ -27,7 +29,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from inference.checkpoint import (
     expert_key_name,
     is_expert_key,
 )
+from inference.constants import OWN_SHADOW_DTYPE, SHADOW_DTYPES
 from inference.placement import LayerExpert, Placement, placement, placement_from_dict
 from inference.tensorfile import TensorFileError, iter_tensors
 
@@ -68,7 +71,7 @@ TOKENIZER_FILES = (
 )
 
 _PART_RE = re.compile(r"part-\d{5}\.safetensors")
-_ROLE_DIR_RE = re.compile(r"main|shadow|worker-\d+")
+_ROLE_DIR_RE = re.compile(r"main|shadow(-(" + "|".join(SHADOW_DTYPES) + r"))?|worker-\d+")
 _HASH_CHUNK = 1024 * 1024
 # A safetensors header holds a JSON entry per tensor (name, dtype, shape, offsets) plus
 # a little framing; counting it keeps every part within max_file_bytes.
@@ -84,13 +87,20 @@ class ShardError(Exception):
 
 @dataclass(frozen=True)
 class Role:
-    """One process's share of the model: ``main``, ``shadow``, or ``worker`` ``worker``."""
+    """One process's share of the model: ``main``, ``shadow``, or ``worker`` ``worker``.
+
+    A shadow with a ``shadow_dtype`` is the shadow's model already converted to that dtype
+    (``inference.shadow_model``): what a deployment with that shadow dtype downloads.
+    """
 
     role: str
     worker: int | None = None
+    shadow_dtype: str | None = None
 
     @property
     def dirname(self) -> str:
+        if self.shadow_dtype is not None:
+            return f"shadow-{self.shadow_dtype}"
         return self.role if self.worker is None else f"worker-{self.worker}"
 
 
@@ -101,6 +111,7 @@ class ShardSet:
     root: Path
     placement: Placement
     model: dict[str, Any]
+    shadow_dtypes: tuple[str, ...] = ()  # the pre-converted shadows built beside the full one
 
     @property
     def main(self) -> Path:
@@ -110,13 +121,17 @@ class ShardSet:
     def shadow(self) -> Path:
         return self.root / "shadow"
 
+    def shadow_for(self, dtype: str) -> Path:
+        """The shadow shard to run a ``dtype`` shadow from: pre-converted if built, else the full one."""
+        return self.root / Role("shadow", shadow_dtype=dtype).dirname if dtype in self.shadow_dtypes else self.shadow
+
     def worker(self, index: int) -> Path:
         if not 0 <= index < self.placement.n_workers:
             raise ShardError(f"worker {index} is not in this shard set ({self.placement.n_workers} workers)")
         return self.root / f"worker-{index}"
 
     def roles(self) -> list[Role]:
-        return _roles(self.placement.n_workers)
+        return _roles(self.placement.n_workers, self.shadow_dtypes)
 
     @classmethod
     def load(cls, root: str | os.PathLike[str]) -> ShardSet:
@@ -127,7 +142,8 @@ class ShardSet:
             found = data.get("format") if isinstance(data, dict) else None
             raise ShardError(f"{root / SET_FILE}: format is {found!r}, expected {SET_FORMAT!r}")
         try:
-            return cls(root, placement_from_dict(data["placement"]), dict(data["model"]))
+            dtypes = tuple(str(d) for d in data.get("shadow_dtypes", []))
+            return cls(root, placement_from_dict(data["placement"]), dict(data["model"]), dtypes)
         except (KeyError, TypeError, ValueError) as exc:
             raise ShardError(f"{root / SET_FILE}: malformed shard set index ({exc!r})") from exc
 
@@ -142,15 +158,23 @@ def build_shards(
     workers: int,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     progress: ProgressFn | None = None,
+    shadow_dtypes: Sequence[str] = (),
 ) -> ShardSet:
     """Write the main, shadow and worker shards of the checkpoint in ``model_dir``.
 
     ``out_dir`` must be new, empty, or a shard set built earlier (which is replaced);
     anything else is refused and nothing is deleted. ``progress(done, total)`` is
-    called with tensor bytes written so far, ending at ``done == total``.
+    called with tensor bytes read so far, ending at ``done == total``. Each of
+    ``shadow_dtypes`` also gets a shadow shard converted to it once, here (``shadow-nf4``...):
+    a shadow box then downloads 26 GB of nf4 instead of the 93 GB of a bf16 Mixtral-8x7B,
+    and starts without converting anything.
     """
     if workers < 1:
         raise ShardError(f"at least one worker is needed, got workers={workers}")
+    unknown = [d for d in shadow_dtypes if d not in SHADOW_DTYPES]
+    if unknown:
+        raise ShardError(f"unknown shadow dtype {unknown[0]!r}; allowed: {', '.join(SHADOW_DTYPES)}")
+    shadow_dtypes = tuple(dict.fromkeys(shadow_dtypes))
     if max_file_bytes < 1:
         raise ShardError(f"max_file_bytes must be positive, got {max_file_bytes}")
     out = Path(out_dir)
@@ -158,7 +182,7 @@ def build_shards(
         ckpt = Checkpoint(model_dir)
         plan = placement(ckpt.n_layers, ckpt.n_experts, ckpt.top_k, workers)
         _check_experts_present(ckpt)
-        role_keys = {role: keys_for_role(ckpt, plan, role) for role in _roles(workers)}
+        role_keys = {role: keys_for_role(ckpt, plan, role) for role in _roles(workers, shadow_dtypes)}
         # Sizing reads every header, so a damaged source file fails here, before any output.
         total = sum(ckpt.nbytes(key) for keys in role_keys.values() for key in keys)
     except (CheckpointError, ValueError) as exc:
@@ -174,9 +198,59 @@ def build_shards(
         raise ShardError(f"cannot shard {model_dir}: {exc}") from exc
     report.finish()
     # Written last: a directory without shards.json is an interrupted build.
-    shard_set = ShardSet(out, plan, _model_summary(ckpt))
+    shard_set = ShardSet(out, plan, _model_summary(ckpt), shadow_dtypes)
     _write_json_atomic(out / SET_FILE, _set_index(shard_set))
     return shard_set
+
+
+def add_shadow_shards(
+    model_dir: str | os.PathLike[str],
+    root: str | os.PathLike[str],
+    shadow_dtypes: Sequence[str],
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    progress: ProgressFn | None = None,
+) -> ShardSet:
+    """Add pre-converted shadow shards to the set built at ``root`` (those it lacks).
+
+    A deployment with another shadow dtype needs only its shadow converted, not the whole set
+    rebuilt. A half-written ``shadow-{dtype}`` from an interrupted run is replaced; the set's
+    index is rewritten last, so it never lists a shard that is not complete.
+    """
+    shard_set = ShardSet.load(root)
+    unknown = [d for d in shadow_dtypes if d not in SHADOW_DTYPES]
+    if unknown:
+        raise ShardError(f"unknown shadow dtype {unknown[0]!r}; allowed: {', '.join(SHADOW_DTYPES)}")
+    missing = [d for d in dict.fromkeys(shadow_dtypes) if d not in shard_set.shadow_dtypes]
+    if not missing:
+        return shard_set
+    try:
+        ckpt = Checkpoint(model_dir)
+        keys = ckpt.keys()
+        total = len(missing) * sum(ckpt.nbytes(key) for key in keys)
+    except CheckpointError as exc:
+        raise ShardError(f"cannot shard {model_dir}: {exc}") from exc
+    _check_free_space(shard_set.root, total)
+    report = _Progress(total, progress)
+    for dtype in missing:
+        role = Role("shadow", shadow_dtype=dtype)
+        directory = shard_set.root / role.dirname
+        if directory.exists():
+            shutil.rmtree(directory)
+        try:
+            _build_role(ckpt, shard_set.placement, role, keys, directory, max_file_bytes, report)
+        except CheckpointError as exc:
+            raise ShardError(f"cannot shard {model_dir}: {exc}") from exc
+    report.finish()
+    shard_set = ShardSet(shard_set.root, shard_set.placement, shard_set.model, (*shard_set.shadow_dtypes, *missing))
+    _write_json_atomic(shard_set.root / SET_FILE, _set_index(shard_set))
+    return shard_set
+
+
+def shadow_dtypes_to_build(config: dict[str, Any], shadow_dtype: str) -> tuple[str, ...]:
+    """The pre-converted shadow shard a ``shadow_dtype`` shadow needs: none in the checkpoint's own dtype."""
+    own = OWN_SHADOW_DTYPE.get(config.get("dtype") or config.get("torch_dtype"))
+    return () if shadow_dtype == own else (shadow_dtype,)
 
 
 def keys_for_role(ckpt: Checkpoint, plan: Placement, role: Role) -> list[str]:
@@ -193,8 +267,9 @@ def keys_for_role(ckpt: Checkpoint, plan: Placement, role: Role) -> list[str]:
     ]
 
 
-def _roles(workers: int) -> list[Role]:
-    return [Role("main"), Role("shadow"), *(Role("worker", i) for i in range(workers))]
+def _roles(workers: int, shadow_dtypes: Sequence[str] = ()) -> list[Role]:
+    shadows = [Role("shadow"), *(Role("shadow", shadow_dtype=d) for d in shadow_dtypes)]
+    return [Role("main"), *shadows, *(Role("worker", i) for i in range(workers))]
 
 
 def _check_experts_present(ckpt: Checkpoint) -> None:
@@ -271,9 +346,19 @@ def _build_role(
 ) -> None:
     directory.mkdir()
     writer = _PartWriter(directory, max_file_bytes)
-    for name, tensor in ckpt.iter_tensors(keys):
+
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in ckpt.iter_tensors(keys):
+            report.add(tensor.numel() * tensor.element_size())
+            yield name, tensor
+
+    records: Iterable[tuple[str, torch.Tensor]] = read()
+    if role.shadow_dtype is not None:
+        from inference.shadow_model import convert_tensors  # needs transformers: imported when used
+
+        records = convert_tensors(records, ckpt.hf_config(), role.shadow_dtype, torch.device("cpu"))
+    for name, tensor in records:
         writer.add(name, tensor)
-        report.add(tensor.numel() * tensor.element_size())
     writer.flush()
     extras = (CONFIG_FILE,) if role.role == "worker" else (CONFIG_FILE, *TOKENIZER_FILES)
     for name in extras:
@@ -293,6 +378,7 @@ def _manifest(directory: Path, role: Role, plan: Placement) -> dict[str, Any]:
         "format": SHARD_FORMAT,
         "role": role.role,
         "worker": role.worker,
+        "shadow_dtype": role.shadow_dtype,
         "placement": plan.to_dict(),
         "experts": [list(pair) for pair in experts] if experts is not None else None,
         "files": files,
@@ -314,6 +400,7 @@ def _set_index(shard_set: ShardSet) -> dict[str, Any]:
         "format": SET_FORMAT,
         "model": shard_set.model,
         "placement": shard_set.placement.to_dict(),
+        "shadow_dtypes": list(shard_set.shadow_dtypes),
         "roles": [{"role": role.role, "worker": role.worker, "dir": role.dirname} for role in shard_set.roles()],
     }
 
@@ -378,7 +465,7 @@ def verify_shard(
     before any file is hashed, so the common failures are reported at once.
     """
     directory = Path(role_dir)
-    manifest = _read_manifest(directory)
+    manifest = read_manifest(directory)
     _check_identity(directory, manifest, expect_role, expect_worker)
     entries = [_file_entry(directory, entry) for entry in manifest["files"]]
     listed = {path for path, _, _ in entries}
@@ -421,7 +508,7 @@ def load_role_tensors(
     caller just ran ``verify_shard`` itself.
     """
     directory = Path(role_dir)
-    manifest = verify_shard(directory) if verify else _read_manifest(directory)
+    manifest = verify_shard(directory) if verify else read_manifest(directory)
     parts = [entry["path"] for entry in manifest["files"] if entry["path"].endswith(".safetensors")]
     wanted = None if keys is None else set(keys)
     return _iter_parts(directory, sorted(parts), wanted)
@@ -449,7 +536,9 @@ def _iter_parts(directory: Path, parts: list[str], wanted: set[str] | None) -> I
         raise ShardError(f"shard {directory} lacks {len(missing)} requested tensor(s), e.g. {missing[0]!r}")
 
 
-def _read_manifest(directory: Path) -> dict[str, Any]:
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """A role directory's manifest, checked for shape only (``verify_shard`` checks the files)."""
+    directory = Path(directory)
     if not directory.is_dir():
         raise ShardError(f"shard directory {directory} does not exist")
     manifest = _read_json(directory / MANIFEST_FILE, "shard manifest")
@@ -476,6 +565,9 @@ def _check_identity(
         raise ShardError(f"{where}: manifest role {role!r} does not fit worker {worker!r}")
     if expect_role is not None and role != expect_role:
         raise ShardError(f"{where} is a {role!r} shard, expected a {expect_role!r} shard")
+    shadow_dtype = manifest.get("shadow_dtype")
+    if shadow_dtype is not None and (role != "shadow" or shadow_dtype not in SHADOW_DTYPES):
+        raise ShardError(f"{where}: manifest shadow_dtype {shadow_dtype!r} does not fit role {role!r}")
     if expect_worker is not None and worker != expect_worker:
         raise ShardError(f"{where} belongs to worker {worker!r}, expected worker {expect_worker}")
     if role == "worker":
@@ -544,9 +636,12 @@ __all__ = [
     "Role",
     "ShardError",
     "ShardSet",
+    "add_shadow_shards",
     "build_shards",
     "keys_for_role",
     "load_role_tensors",
+    "read_manifest",
     "role_experts",
+    "shadow_dtypes_to_build",
     "verify_shard",
 ]

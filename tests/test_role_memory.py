@@ -36,9 +36,9 @@ def _peak_rss(pid: int) -> int:
 def test_peak_memory_of_each_role_is_its_own_share(tmp_path: Path) -> None:
     model = make_tiny(tmp_path / "model", seed=0, dtype="bfloat16", **SHAPE)
     ckpt = Checkpoint(model)
-    total = sum(ckpt.nbytes(key) for key in ckpt.keys())
+    total = sum(ckpt.nbytes(key) for key in ckpt)
     assert total > 1e9
-    non_expert = sum(ckpt.nbytes(key) for key in ckpt.keys() if not is_expert_key(key))
+    non_expert = sum(ckpt.nbytes(key) for key in ckpt if not is_expert_key(key))
     plan = placement(ckpt.n_layers, ckpt.n_experts, ckpt.top_k, WORKERS)
 
     def owned(worker: int) -> int:

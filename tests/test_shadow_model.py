@@ -14,7 +14,14 @@ from inference import quant
 from inference.checkpoint import Checkpoint, expert_key_name
 from inference.model import build_model, load_config
 from inference.shadow_model import build_shadow_model
-from inference.sharding import build_shards, load_role_tensors
+from inference.sharding import (
+    ShardError,
+    ShardSet,
+    add_shadow_shards,
+    build_shards,
+    load_role_tensors,
+    verify_shard,
+)
 from inference.tiny import make_tiny
 from tests.reference import ODD_SHAPE
 
@@ -95,3 +102,50 @@ def test_cast_shadow_keeps_the_routers_precision(half_shadow: Path) -> None:
 def test_unknown_dtype_is_refused(fp32_odd_shadow: Path) -> None:
     with pytest.raises(ValueError, match="unsupported shadow dtype 'int4'"):
         build_shadow_model(fp32_odd_shadow, "int4", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def preconverted(tmp_path_factory: pytest.TempPathFactory) -> ShardSet:
+    tmp = tmp_path_factory.mktemp("preconverted")
+    model = make_tiny(tmp / "model", seed=7, dtype="bfloat16", shards=3)
+    return build_shards(model, tmp / "shards", workers=2, shadow_dtypes=("nf4", "int8", "fp16"))
+
+
+@pytest.mark.parametrize("dtype", ["nf4", "int8", "fp16"])
+def test_a_preconverted_shadow_shard_is_the_same_model(preconverted: ShardSet, dtype: str) -> None:
+    shard = preconverted.shadow_for(dtype)
+    assert shard.name == f"shadow-{dtype}"
+    assert verify_shard(shard, expect_role="shadow")["shadow_dtype"] == dtype
+    converted_here, report = build_shadow_model(preconverted.shadow, dtype, torch.device("cpu"))
+    from_shard, shard_report = build_shadow_model(shard, dtype, torch.device("cpu"))
+    assert not report["pre_converted"] and shard_report["pre_converted"]
+    assert torch.equal(_logits(from_shard), _logits(converted_here))
+    # What a shadow box downloads: the converted bytes, not the checkpoint's.
+    on_disk = sum(p.stat().st_size for p in shard.glob("*.safetensors"))
+    full = sum(p.stat().st_size for p in preconverted.shadow.glob("*.safetensors"))
+    print(f"{dtype}: shadow shard {on_disk / full:.3f} of the full one")
+    assert on_disk < full
+    assert ShardSet.load(preconverted.root).shadow_for("bf16") == preconverted.shadow  # not built: the full one
+
+
+def test_a_preconverted_shard_serves_only_its_dtype(preconverted: ShardSet) -> None:
+    with pytest.raises(ValueError, match="converted to nf4, but int8 was asked for"):
+        build_shadow_model(preconverted.shadow_for("nf4"), "int8", torch.device("cpu"))
+
+
+def test_unknown_preconverted_dtype_is_refused_before_writing(tmp_path: Path) -> None:
+    model = make_tiny(tmp_path / "model", seed=0)
+    with pytest.raises(ShardError, match="unknown shadow dtype 'int4'"):
+        build_shards(model, tmp_path / "shards", workers=2, shadow_dtypes=("int4",))
+    assert not (tmp_path / "shards").exists()
+
+
+def test_a_shadow_dtype_is_added_to_a_built_set_without_rebuilding_it(tmp_path: Path) -> None:
+    model = make_tiny(tmp_path / "model", seed=8, dtype="bfloat16")
+    built = build_shards(model, tmp_path / "shards", workers=2)
+    before = {p: p.stat().st_mtime_ns for p in built.root.glob("*/part-*.safetensors")}
+    grown = add_shadow_shards(model, built.root, ["int8", "int8"])
+    assert grown.shadow_dtypes == ("int8",) and ShardSet.load(built.root).shadow_dtypes == ("int8",)
+    verify_shard(grown.shadow_for("int8"), expect_role="shadow")
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # the other shards were left alone
+    assert add_shadow_shards(model, built.root, ["int8"]) == grown  # nothing left to add
