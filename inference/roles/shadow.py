@@ -90,6 +90,10 @@ class ShadowRole:
     def run(self) -> None:
         try:
             while True:
+                # A request main has ended is answered as soon as no step is left, not after a
+                # quiet second on the inbox: health pings would otherwise keep postponing it.
+                if self.run_state is not None and self.run_state.ending and not self._can_step():
+                    self.finish()
                 received = self.endpoint.recv(timeout_s=0.0 if self._can_step() else 1.0)
                 if received is not None:
                     if isinstance(received.msg, Shutdown):
@@ -98,8 +102,6 @@ class ShadowRole:
                     continue
                 if self._can_step():
                     self._guarded(self.step)
-                elif self.run_state is not None and self.run_state.ending:
-                    self.finish()
         finally:
             self.endpoint.close()
 

@@ -111,7 +111,22 @@ def mixtral_8x7b() -> ModelSizes:
     )
 
 
-KNOWN_MODELS = {"mixtral-8x7b": mixtral_8x7b}
+def mixtral_8x22b() -> ModelSizes:
+    return ModelSizes(
+        name="mixtral-8x22b",
+        layers=56,
+        hidden=6144,
+        intermediate=16384,
+        experts=8,
+        top_k=2,
+        query_heads=48,
+        kv_heads=8,
+        head_dim=128,
+        vocab=32768,
+    )
+
+
+KNOWN_MODELS = {"mixtral-8x7b": mixtral_8x7b, "mixtral-8x22b": mixtral_8x22b}
 
 
 def from_hf_config(config: dict) -> ModelSizes:

@@ -1,0 +1,588 @@
+"""Memory per role of a deployment, from tensor sizes, and whether the nodes can hold it.
+
+Before anything is downloaded, the control plane must know how much host RAM, GPU memory
+and disk each role needs, and refuse a node that falls short. The numbers follow from the
+tensor sizes and from what each role really keeps (``memory_from_checkpoint`` reads them
+from a checkpoint's headers; ``memory_from_config`` computes the same tensors from a
+config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
+
+- *main*: every non-expert tensor (routers included) in the checkpoint dtype, in RAM while
+  it loads and on its GPU with the KV cache for ``context_tokens`` tokens.
+- *shadow*: the whole model in the shadow dtype (``SHADOW_DTYPES``; int8/nf4 quantize the
+  2-D linear weights, nf4 with each expert's w1 and w3 fused as one [2I, H] tensor, as
+  ``inference.quant`` does). It quantizes tensor by tensor while it reads, so its RAM peak
+  is the quantized model plus the checkpoint's largest tensor. Its shard on disk is the
+  converted model (the shard build pre-converts it), or the checkpoint's tensors when the
+  shadow dtype is the checkpoint's own.
+- *worker i*: the experts ``placement(...).owned(i)`` gives it, in RAM (or on disk with
+  ``expert_store="disk"``); on its GPU what the strategy keeps resident
+  (``inference.strategies``): ``max_resident_experts`` in flight for the cacheless ones,
+  plus up to ``cache_experts`` per layer it serves for ``lru-offload``, every expert it is
+  home to for ``full-cache``.
+
+Every process also pays ``RUNTIME_OVERHEAD_BYTES`` of RAM (Python, torch, transformers).
+``check_fit`` compares a role's needs with a node's inventory (``agent.inventory``) and
+returns the shortfalls as sentences that name the node, the role, the resource and by how
+much it falls short. Run ``python -m inference.memory --model mixtral-8x7b --workers 8`` for
+the table of a known model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from inference.checkpoint import EXPERT_PROJS, Checkpoint, expert_key_name, parse_expert_key
+from inference.constants import EXPERT_STORES, SHADOW_DTYPES
+from inference.placement import Placement, placement
+from inference.sim.model_sizes import KNOWN_MODELS, ModelSizes, from_hf_config
+from inference.spec import Settings
+from inference.strategies import DEFAULT_STRATEGY, get_strategy, home_worker
+
+GB = 10**9  # what the console and the messages print (decimal, as disks are sold)
+RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + transformers, before weights
+DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache main and the shadow are sized for
+DISK_STORE_STAGED_EXPERTS = 2  # a disk store reads an expert into RAM on its way to the device
+NF4_BLOCKSIZE = 64  # elements per fp32 absmax in nf4 (``inference.quant.NF4_BLOCKSIZE``)
+QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absmax per block
+
+# Bytes per element of the dtypes a checkpoint is released in (config ``dtype`` names).
+CHECKPOINT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_CAST_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+_ROUTER_SUFFIX = ".block_sparse_moe.gate.weight"
+_ATTENTION_LINEARS = tuple(f".self_attn.{p}_proj.weight" for p in "qkvo")
+_LM_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class TensorSize:
+    """One tensor of a checkpoint: its name, shape and bytes on disk."""
+
+    name: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """What one role needs, in bytes: host RAM, GPU memory and disk (its shard).
+
+    ``cpu_bytes`` is the RAM it needs instead when its node has no GPU: main and the shadow
+    then compute from the weights they loaded (plus the KV cache); a worker still copies
+    each expert it computes into a fresh buffer, so it needs its RAM plus its "GPU" bytes.
+    """
+
+    role: str  # main, shadow or worker-N (the shard's name)
+    host_bytes: int
+    gpu_bytes: int
+    disk_bytes: int
+    cpu_bytes: int
+
+    @property
+    def label(self) -> str:
+        """``worker 2`` for ``worker-2``: how a message names the role."""
+        return self.role.replace("-", " ")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Memory per role of one deployment shape (model, workers, shadow dtype, strategy)."""
+
+    model: str
+    checkpoint_dtype_bytes: int
+    shadow_dtype: str
+    strategy: str
+    n_workers: int
+    context_tokens: int
+    expert_store: str
+    expert_bytes: int  # one expert (w1 + w2 + w3) in the checkpoint dtype
+    total_bytes: int  # every tensor of the checkpoint
+    roles: tuple[RoleMemory, ...]
+
+    @property
+    def main(self) -> RoleMemory:
+        return self.role("main")
+
+    @property
+    def shadow(self) -> RoleMemory:
+        return self.role("shadow")
+
+    @property
+    def workers(self) -> tuple[RoleMemory, ...]:
+        return tuple(r for r in self.roles if r.role.startswith("worker-"))
+
+    def role(self, name: str) -> RoleMemory:
+        for role in self.roles:
+            if role.role == name:
+                return role
+        raise KeyError(f"no role {name!r} in this plan (roles: {', '.join(r.role for r in self.roles)})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "checkpoint_dtype_bytes": self.checkpoint_dtype_bytes,
+            "shadow_dtype": self.shadow_dtype,
+            "strategy": self.strategy,
+            "n_workers": self.n_workers,
+            "context_tokens": self.context_tokens,
+            "expert_store": self.expert_store,
+            "expert_bytes": self.expert_bytes,
+            "total_bytes": self.total_bytes,
+            "overhead_bytes": RUNTIME_OVERHEAD_BYTES,
+            "roles": [r.to_dict() for r in self.roles],
+        }
+
+
+# --- tensors ---------------------------------------------------------------------------------
+
+
+def checkpoint_tensors(ckpt: Checkpoint) -> list[TensorSize]:
+    """Every tensor of ``ckpt`` with its real bytes (from the safetensors headers)."""
+    return [TensorSize(key, ckpt.shape(key), ckpt.nbytes(key)) for key in ckpt]
+
+
+def config_tensors(sizes: ModelSizes, dtype: str, *, tied_embeddings: bool = False) -> list[TensorSize]:
+    """The tensors a Mixtral checkpoint of ``sizes`` holds, in ``dtype`` (a config ``dtype`` name)."""
+    per = _dtype_bytes(dtype)
+    h, i, d = sizes.hidden, sizes.intermediate, sizes.head_dim
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (sizes.vocab, h))]
+    for layer in range(sizes.layers):
+        prefix = f"model.layers.{layer}"
+        shapes += [
+            (f"{prefix}.input_layernorm.weight", (h,)),
+            (f"{prefix}.self_attn.q_proj.weight", (sizes.query_heads * d, h)),
+            (f"{prefix}.self_attn.k_proj.weight", (sizes.kv_heads * d, h)),
+            (f"{prefix}.self_attn.v_proj.weight", (sizes.kv_heads * d, h)),
+            (f"{prefix}.self_attn.o_proj.weight", (h, sizes.query_heads * d)),
+            (f"{prefix}.post_attention_layernorm.weight", (h,)),
+            (f"{prefix}{_ROUTER_SUFFIX}", (sizes.experts, h)),
+        ]
+        proj_shapes = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+        for expert in range(sizes.experts):
+            shapes += [(expert_key_name(layer, expert, p), proj_shapes[p]) for p in EXPERT_PROJS]
+    shapes.append(("model.norm.weight", (h,)))
+    if not tied_embeddings:
+        shapes.append((_LM_HEAD, (sizes.vocab, h)))
+    return [TensorSize(name, shape, math.prod(shape) * per) for name, shape in shapes]
+
+
+def _dtype_bytes(dtype: str) -> int:
+    try:
+        return CHECKPOINT_DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {', '.join(CHECKPOINT_DTYPE_BYTES)}, got {dtype!r}") from None
+
+
+def shadow_tensor_bytes(tensor: TensorSize, shadow_dtype: str) -> int:
+    """What ``tensor`` costs in the shadow's copy of the model (an expert's w1/w3 as half of their fused pair)."""
+    is_router = tensor.name.endswith(_ROUTER_SUFFIX)
+    if shadow_dtype in _CAST_BYTES:
+        if is_router and shadow_dtype != "fp32":
+            return tensor.nbytes  # routers keep the checkpoint dtype, so routing matches main's
+        return tensor.numel * _CAST_BYTES[shadow_dtype]
+    if not _is_linear(tensor):
+        return tensor.nbytes  # embeddings, norms, routers stay in the checkpoint dtype
+    out = tensor.shape[0]
+    if shadow_dtype == "int8":
+        return tensor.numel + out * QUANT_SCALE_BYTES
+    if shadow_dtype == "nf4":
+        return _nf4_bytes(tensor.numel)
+    raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
+
+
+def _is_linear(tensor: TensorSize) -> bool:
+    name = tensor.name
+    return len(tensor.shape) == 2 and (
+        name == _LM_HEAD or name.endswith(_ATTENTION_LINEARS) or parse_expert_key(name) is not None
+    )
+
+
+def _nf4_bytes(numel: int) -> int:
+    return math.ceil(numel / 2) + math.ceil(numel / NF4_BLOCKSIZE) * QUANT_SCALE_BYTES
+
+
+def shadow_weight_bytes(tensors: Iterable[TensorSize], shadow_dtype: str) -> int:
+    """The shadow's whole model in ``shadow_dtype``, in bytes."""
+    if shadow_dtype not in SHADOW_DTYPES:
+        raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
+    total = 0
+    fused: dict[tuple[int, int], int] = {}  # nf4: (layer, expert) -> elements of w1 + w3
+    for tensor in tensors:
+        key = parse_expert_key(tensor.name)
+        if shadow_dtype == "nf4" and key is not None and key.proj in ("w1", "w3"):
+            fused[(key.layer, key.expert)] = fused.get((key.layer, key.expert), 0) + tensor.numel
+        else:
+            total += shadow_tensor_bytes(tensor, shadow_dtype)
+    return total + sum(_nf4_bytes(n) for n in fused.values())
+
+
+def kv_cache_bytes(sizes: ModelSizes, element_bytes: int, context_tokens: int) -> int:
+    """Keys and values of every layer for ``context_tokens`` tokens."""
+    return sizes.layers * 2 * sizes.kv_heads * sizes.head_dim * element_bytes * context_tokens
+
+
+# --- plans -----------------------------------------------------------------------------------
+
+
+def memory_from_checkpoint(
+    ckpt: Checkpoint | str | os.PathLike[str],
+    *,
+    workers: int,
+    shadow_dtype: str = "fp32",
+    strategy: str = DEFAULT_STRATEGY,
+    max_resident_experts: int = Settings.max_resident_experts,
+    cache_experts: int = Settings.cache_experts,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+    expert_store: str = "ram",
+) -> MemoryPlan:
+    """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes."""
+    ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
+    tensors = checkpoint_tensors(ckpt)
+    sizes = from_hf_config(ckpt.config)
+    return plan_memory(
+        tensors,
+        sizes,
+        name=ckpt.path.name,
+        workers=workers,
+        shadow_dtype=shadow_dtype,
+        strategy=strategy,
+        max_resident_experts=max_resident_experts,
+        cache_experts=cache_experts,
+        context_tokens=context_tokens,
+        expert_store=expert_store,
+    )
+
+
+def memory_from_config(
+    config: Mapping[str, Any] | ModelSizes | str,
+    *,
+    workers: int,
+    dtype: str | None = None,
+    shadow_dtype: str = "fp32",
+    strategy: str = DEFAULT_STRATEGY,
+    max_resident_experts: int = Settings.max_resident_experts,
+    cache_experts: int = Settings.cache_experts,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+    expert_store: str = "ram",
+) -> MemoryPlan:
+    """The same plan from a config alone (a ``config.json`` dict, sizes, or a known model's name).
+
+    ``dtype`` is the checkpoint's (``float32``, ``bfloat16``, ``float16``); by default the
+    config's ``dtype`` (or ``torch_dtype``) field, else ``bfloat16`` as the releases are.
+    """
+    tied = False
+    if isinstance(config, str):
+        if config not in KNOWN_MODELS:
+            raise ValueError(f"unknown model {config!r}; use one of {', '.join(sorted(KNOWN_MODELS))}")
+        sizes = KNOWN_MODELS[config]()
+    elif isinstance(config, ModelSizes):
+        sizes = config
+    else:
+        sizes = from_hf_config(dict(config))
+        tied = bool(config.get("tie_word_embeddings", False))
+        dtype = dtype or config.get("dtype") or config.get("torch_dtype")
+    return plan_memory(
+        config_tensors(sizes, dtype or "bfloat16", tied_embeddings=tied),
+        sizes,
+        name=sizes.name,
+        workers=workers,
+        shadow_dtype=shadow_dtype,
+        strategy=strategy,
+        max_resident_experts=max_resident_experts,
+        cache_experts=cache_experts,
+        context_tokens=context_tokens,
+        expert_store=expert_store,
+    )
+
+
+def plan_memory(
+    tensors: Sequence[TensorSize],
+    sizes: ModelSizes,
+    *,
+    name: str,
+    workers: int,
+    shadow_dtype: str,
+    strategy: str,
+    max_resident_experts: int,
+    cache_experts: int,
+    context_tokens: int,
+    expert_store: str,
+) -> MemoryPlan:
+    """Memory per role from a model's tensors and shape (what both entry points share)."""
+    get_strategy(strategy)  # a ValueError naming the choices
+    if shadow_dtype not in SHADOW_DTYPES:
+        raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
+    if expert_store not in EXPERT_STORES:
+        raise ValueError(f"expert_store must be one of {', '.join(EXPERT_STORES)}, got {expert_store!r}")
+    if max_resident_experts < 1 or cache_experts < 0 or context_tokens < 0:
+        raise ValueError("max_resident_experts >= 1, cache_experts >= 0 and context_tokens >= 0 are required")
+    if not tensors:
+        raise ValueError("the model has no tensors")
+    plan = placement(sizes.layers, sizes.experts, sizes.top_k, workers)
+    experts: dict[tuple[int, int], int] = {}
+    dense = 0
+    for tensor in tensors:
+        key = parse_expert_key(tensor.name)
+        if key is None:
+            dense += tensor.nbytes
+        else:
+            experts[(key.layer, key.expert)] = experts.get((key.layer, key.expert), 0) + tensor.nbytes
+    element = _checkpoint_element_bytes(tensors)
+    expert_bytes = max(experts.values(), default=0)
+    total = sum(t.nbytes for t in tensors)
+
+    main_kv = kv_cache_bytes(sizes, element, context_tokens)
+    main = RoleMemory(
+        "main",
+        host_bytes=dense + RUNTIME_OVERHEAD_BYTES,
+        gpu_bytes=dense + main_kv,
+        disk_bytes=dense,
+        cpu_bytes=dense + main_kv + RUNTIME_OVERHEAD_BYTES,
+    )
+    shadow_weights = shadow_weight_bytes(tensors, shadow_dtype)
+    shadow_kv = kv_cache_bytes(sizes, _CAST_BYTES.get(shadow_dtype, element), context_tokens)
+    shadow_host = shadow_weights + max(t.nbytes for t in tensors) + RUNTIME_OVERHEAD_BYTES
+    shadow = RoleMemory(
+        "shadow",
+        host_bytes=shadow_host,
+        gpu_bytes=shadow_weights + shadow_kv,
+        # The shard build converts the shadow's shard once unless it is the checkpoint's own dtype.
+        disk_bytes=total if _CAST_BYTES.get(shadow_dtype) == element else shadow_weights,
+        cpu_bytes=shadow_host + shadow_kv,
+    )
+    roles = [main, shadow]
+    for worker in range(workers):
+        owned = sum(experts.get(pair, 0) for pair in plan.owned(worker))
+        on_gpu = _worker_device_bytes(
+            plan, worker, strategy, experts, expert_bytes, max_resident_experts, cache_experts
+        )
+        if expert_store == "disk":
+            host = DISK_STORE_STAGED_EXPERTS * expert_bytes + RUNTIME_OVERHEAD_BYTES
+        else:
+            host = owned + RUNTIME_OVERHEAD_BYTES
+        roles.append(RoleMemory(f"worker-{worker}", host, on_gpu, owned, host + on_gpu))
+    return MemoryPlan(
+        model=name,
+        checkpoint_dtype_bytes=element,
+        shadow_dtype=shadow_dtype,
+        strategy=strategy,
+        n_workers=workers,
+        context_tokens=context_tokens,
+        expert_store=expert_store,
+        expert_bytes=expert_bytes,
+        total_bytes=total,
+        roles=tuple(roles),
+    )
+
+
+def _checkpoint_element_bytes(tensors: Sequence[TensorSize]) -> int:
+    """The checkpoint dtype's element size, from its largest tensor (what main computes in)."""
+    largest = max(tensors, key=lambda t: t.numel)
+    return largest.nbytes // max(1, largest.numel)
+
+
+def _worker_device_bytes(
+    plan: Placement,
+    worker: int,
+    strategy: str,
+    experts: Mapping[tuple[int, int], int],
+    expert_bytes: int,
+    max_resident: int,
+    cache_experts: int,
+) -> int:
+    """Expert bytes ``worker`` keeps on its device at most under ``strategy``."""
+    cache = get_strategy(strategy).cache
+    in_flight = max_resident * expert_bytes
+    if cache == "none":
+        return in_flight
+    members = plan.groups[plan.group_of_worker(worker)]
+    homes = {
+        layer: [e for e in range(plan.n_experts) if home_worker(e, members) == worker]
+        for layer in plan.decode_layers(worker)
+    }
+    if cache == "all":  # preloaded once; nothing is ever loaded after that
+        return sum(experts.get((layer, e), 0) for layer, mine in homes.items() for e in mine)
+    # lru: a layer's cache only ever holds experts this worker computes (its homes there)
+    return sum(min(cache_experts, len(mine)) for mine in homes.values()) * expert_bytes + in_flight
+
+
+# --- the fit check ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """One resource a node lacks for its role."""
+
+    node: str
+    role: str  # main, shadow or worker-N
+    resource: str  # "RAM", "GPU memory" or "disk"
+    purpose: str  # what the bytes are for, e.g. "for its experts"
+    needed_bytes: int
+    available_bytes: int
+
+    @property
+    def short_bytes(self) -> int:
+        return self.needed_bytes - self.available_bytes
+
+    @property
+    def message(self) -> str:
+        role = self.role.replace("-", " ")
+        return (
+            f"node {self.node} ({role}) needs {_gb(self.needed_bytes)} of {self.resource} {self.purpose}, "
+            f"has {_gb(self.available_bytes)}: {_gb(self.short_bytes)} short"
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"short_bytes": self.short_bytes, "message": self.message}
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def best_gpu(inventory: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The GPU with the most memory in an agent inventory (the one a role runs on), or None."""
+    gpus = [g for g in inventory.get("gpus") or [] if isinstance(g, Mapping)]
+    if not gpus:
+        return None
+    return max(enumerate(gpus), key=lambda pair: (_int(pair[1].get("memory_bytes")) or 0, -pair[0]))[1]
+
+
+def gpu_index(inventory: Mapping[str, Any]) -> int | None:
+    """The CUDA index of ``best_gpu`` (its position when the agent did not report one)."""
+    gpu = best_gpu(inventory)
+    if gpu is None:
+        return None
+    index = _int(gpu.get("index"))
+    return index if index is not None else list(inventory["gpus"]).index(gpu)
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+_PURPOSE = {
+    "main": ("for its weights", "for its weights and KV cache"),
+    "shadow": ("to quantize the model", "for its quantized model and KV cache"),
+    "worker": ("for its experts", "for its resident experts"),
+}
+
+
+def check_fit(
+    need: RoleMemory, inventory: Mapping[str, Any], *, node: str, disk_present_bytes: int = 0
+) -> list[Shortfall]:
+    """What ``node`` (described by its agent ``inventory``) lacks to run the role ``need`` describes.
+
+    A node without a GPU runs its role on the CPU, so the role's ``cpu_bytes`` count against
+    RAM. ``disk_present_bytes`` of the shard already on the node need no new space. A
+    resource the inventory does not report is not checked (an agent reports them all).
+    """
+    host_purpose, gpu_purpose = _PURPOSE[need.role.split("-")[0]]
+    found: list[Shortfall] = []
+    ram = _int(inventory.get("ram_bytes"))
+    gpu = best_gpu(inventory)
+    if gpu is None:
+        if ram is not None and need.cpu_bytes > ram:
+            found.append(
+                Shortfall(
+                    node, need.role, "RAM", f"{host_purpose} (no GPU: it computes on the CPU)", need.cpu_bytes, ram
+                )
+            )
+    else:
+        if ram is not None and need.host_bytes > ram:
+            found.append(Shortfall(node, need.role, "RAM", host_purpose, need.host_bytes, ram))
+        memory = _int(gpu.get("memory_bytes"))
+        if memory is not None and need.gpu_bytes > memory:
+            found.append(Shortfall(node, need.role, "GPU memory", gpu_purpose, need.gpu_bytes, memory))
+    free = _int(inventory.get("disk_free_bytes"))
+    disk = max(0, need.disk_bytes - max(0, disk_present_bytes))
+    if free is not None and disk > free:
+        found.append(Shortfall(node, need.role, "disk", "for its shard", disk, free))
+    return found
+
+
+def check_plan_fit(
+    plan: MemoryPlan, seats: Mapping[str, tuple[str, Mapping[str, Any]]], *, present: Mapping[str, int] | None = None
+) -> list[Shortfall]:
+    """Every shortfall of a role map: ``seats`` maps each role (main, shadow, worker-N) to (node, inventory).
+
+    ``present`` maps a role to the bytes of its shard already on its node.
+    """
+    found: list[Shortfall] = []
+    for role, (node, inventory) in seats.items():
+        found += check_fit(plan.role(role), inventory, node=node, disk_present_bytes=(present or {}).get(role, 0))
+    return found
+
+
+# --- the table -------------------------------------------------------------------------------
+
+
+def table(config: Mapping[str, Any] | ModelSizes | str, *, workers: Sequence[int], **options: Any) -> str:
+    """A Markdown table of memory per role (GB), one row per worker count and shadow dtype."""
+    head = (
+        "| workers | shadow | main host | main GPU | main disk | shadow host | shadow GPU | shadow disk "
+        "| worker host | worker GPU | worker disk |"
+    )
+    lines = [head, "|" + "---:|" * 11]
+    for count in workers:
+        for dtype in SHADOW_DTYPES:
+            plan = memory_from_config(config, workers=count, shadow_dtype=dtype, **options)
+            cells = [str(count), dtype]
+            for role in (plan.main, plan.shadow):
+                cells += [_num(role.host_bytes), _num(role.gpu_bytes), _num(role.disk_bytes)]
+            for field in ("host_bytes", "gpu_bytes", "disk_bytes"):
+                values = sorted({getattr(w, field) for w in plan.workers})
+                cells.append(_num(values[0]) if len(values) == 1 else f"{_num(values[0])}–{_num(values[-1])}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _num(n: int) -> str:
+    return f"{n / GB:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inference.memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="mixtral-8x7b", help=f"one of {', '.join(sorted(KNOWN_MODELS))}")
+    parser.add_argument("--checkpoint", help="a checkpoint directory instead of a known model (real tensor sizes)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[8])
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(CHECKPOINT_DTYPE_BYTES))
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY)
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT_TOKENS, help="KV cache tokens")
+    parser.add_argument("--expert-store", default="ram", choices=EXPERT_STORES)
+    args = parser.parse_args(argv)
+    options = {"strategy": args.strategy, "context_tokens": args.context, "expert_store": args.expert_store}
+    if args.checkpoint:
+        ckpt = Checkpoint(args.checkpoint)
+        for count in args.workers:
+            for dtype in SHADOW_DTYPES:
+                plan = memory_from_checkpoint(ckpt, workers=count, shadow_dtype=dtype, **options)
+                print(
+                    f"{count} workers, {dtype} shadow: "
+                    + ", ".join(
+                        f"{r.role} {_num(r.host_bytes)}/{_num(r.gpu_bytes)}/{_num(r.disk_bytes)} GB" for r in plan.roles
+                    )
+                )
+        return 0
+    print(f"{args.model} ({args.dtype}), {args.strategy}, {args.context} tokens of KV cache; GB = 10^9 bytes\n")
+    print(table(args.model, workers=args.workers, dtype=args.dtype, **options))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

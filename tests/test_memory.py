@@ -1,0 +1,241 @@
+"""Memory per role, checked against the bytes of real tensors, and the fit check's verdicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.checkpoint import Checkpoint, parse_expert_key
+from inference.memory import (
+    GB,
+    RUNTIME_OVERHEAD_BYTES,
+    MemoryPlan,
+    RoleMemory,
+    check_fit,
+    check_plan_fit,
+    gpu_index,
+    memory_from_checkpoint,
+    memory_from_config,
+    table,
+)
+from inference.placement import placement
+from inference.sharding import Role, build_shards, keys_for_role, load_role_tensors
+from inference.sim.model_sizes import mixtral_8x7b
+from inference.strategies import home_experts
+from inference.tiny import make_tiny
+
+# Odd sizes, so that nf4's half bytes and partial blocks are rounded somewhere.
+SHAPE = dict(layers=3, hidden=75, head_dim=16, heads=4, kv_heads=2, intermediate=97, experts=6, top_k=3)
+WORKERS = 4
+CONTEXT = 100
+_CAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    path = make_tiny(tmp_path_factory.mktemp("memory") / "model", shards=3, dtype="bfloat16", **SHAPE)
+    return Checkpoint(path)
+
+
+def plan_of(ckpt: Checkpoint, **options) -> MemoryPlan:
+    return memory_from_checkpoint(ckpt, workers=WORKERS, context_tokens=CONTEXT, **options)
+
+
+def real_bytes(ckpt: Checkpoint, keys) -> int:
+    return sum(ckpt.nbytes(key) for key in keys)
+
+
+def kv_bytes(ckpt: Checkpoint, element: int) -> int:
+    c = ckpt.config
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * element * CONTEXT
+
+
+def test_main_holds_every_non_expert_tensor_and_its_kv_cache(ckpt: Checkpoint) -> None:
+    plan = plan_of(ckpt)
+    dense = real_bytes(ckpt, keys_for_role(ckpt, placement(3, 6, 3, WORKERS), Role("main")))
+    assert dense == real_bytes(ckpt, [k for k in ckpt if parse_expert_key(k) is None])
+    assert plan.checkpoint_dtype_bytes == 2
+    assert plan.main == RoleMemory(
+        "main",
+        host_bytes=dense + RUNTIME_OVERHEAD_BYTES,
+        gpu_bytes=dense + kv_bytes(ckpt, 2),
+        disk_bytes=dense,
+        cpu_bytes=dense + kv_bytes(ckpt, 2) + RUNTIME_OVERHEAD_BYTES,
+    )
+    assert plan.total_bytes == real_bytes(ckpt, ckpt.keys())
+
+
+def test_workers_hold_exactly_the_experts_of_their_shards(ckpt: Checkpoint) -> None:
+    layout = placement(3, 6, 3, WORKERS)
+    one_expert = real_bytes(ckpt, [f"model.layers.0.block_sparse_moe.experts.0.{p}.weight" for p in ("w1", "w2", "w3")])
+    for strategy in ("odmoe", "reactive", "full-cache", "lru-offload"):
+        plan = plan_of(ckpt, strategy=strategy)
+        assert plan.expert_bytes == one_expert
+        for worker in range(WORKERS):
+            shard = real_bytes(ckpt, keys_for_role(ckpt, layout, Role("worker", worker)))
+            need = plan.role(f"worker-{worker}")
+            assert (need.host_bytes, need.disk_bytes) == (shard + RUNTIME_OVERHEAD_BYTES, shard)
+            homes = home_experts(layout, worker)
+            # lru: up to 2 cached per layer it serves (only its homes there: workers 2 and 3
+            # are home to one expert per layer, 0 and 1 to two), plus 2 in flight
+            cached = sum(min(2, sum(1 for layer, _ in homes if layer == served)) for served in range(3))
+            expected_gpu = {
+                "odmoe": 2 * one_expert,
+                "reactive": 2 * one_expert,
+                "full-cache": len(homes) * one_expert,
+                "lru-offload": (cached + 2) * one_expert,
+            }[strategy]
+            assert need.gpu_bytes == expected_gpu, (strategy, worker)
+            assert need.cpu_bytes == need.host_bytes + need.gpu_bytes
+    on_disk = plan_of(ckpt, expert_store="disk").role("worker-0")
+    assert on_disk.host_bytes == 2 * one_expert + RUNTIME_OVERHEAD_BYTES
+    assert on_disk.disk_bytes == real_bytes(ckpt, keys_for_role(ckpt, layout, Role("worker", 0)))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_a_cast_shadow_costs_what_its_cast_tensors_do(ckpt: Checkpoint, dtype: str) -> None:
+    expected = 0
+    for name, tensor in ckpt.iter_tensors():
+        keep = name.endswith("block_sparse_moe.gate.weight") and dtype != "fp32"
+        expected += tensor.nbytes if keep else tensor.to(_CAST[dtype]).nbytes
+    shadow = plan_of(ckpt, shadow_dtype=dtype).shadow
+    largest = max(ckpt.nbytes(k) for k in ckpt)
+    assert shadow.gpu_bytes == expected + kv_bytes(ckpt, _CAST[dtype].itemsize)
+    assert shadow.host_bytes == expected + largest + RUNTIME_OVERHEAD_BYTES
+    # The shard build converts the shadow's shard unless it is the checkpoint's own bf16.
+    assert shadow.disk_bytes == (real_bytes(ckpt, ckpt.keys()) if dtype == "bf16" else expected)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "nf4"])
+def test_a_quantized_shadow_costs_what_the_quantizer_produces(ckpt: Checkpoint, scheme: str) -> None:
+    from inference.quant import quantize_weight
+
+    tensors = dict(ckpt.iter_tensors())
+    expected = 0
+    for name, tensor in tensors.items():
+        key = parse_expert_key(name)
+        linear = key is not None or name == "lm_head.weight" or ".self_attn." in name
+        if not linear:
+            expected += tensor.nbytes
+        elif key is not None and scheme == "nf4" and key.proj != "w2":
+            if key.proj == "w1":  # gate and up are quantized as one [2I, H] tensor
+                up = tensors[name.replace(".w1.", ".w3.")]
+                expected += quantize_weight(torch.cat([tensor, up]), scheme).nbytes
+        else:
+            expected += quantize_weight(tensor, scheme).nbytes
+    shadow = plan_of(ckpt, shadow_dtype=scheme).shadow
+    assert shadow.gpu_bytes == expected + kv_bytes(ckpt, 2)  # it computes in the checkpoint's bf16
+    assert shadow.disk_bytes == expected  # its pre-converted shard
+
+
+def test_the_shadow_disk_figure_is_what_the_shard_build_writes(ckpt: Checkpoint, tmp_path: Path) -> None:
+    built = build_shards(ckpt.path, tmp_path / "shards", workers=2, shadow_dtypes=("nf4", "fp16"))
+    for dtype in ("nf4", "fp16"):
+        written = sum(t.nbytes for _, t in load_role_tensors(built.shadow_for(dtype)))
+        assert plan_of(ckpt, shadow_dtype=dtype).shadow.disk_bytes == written
+
+
+def test_the_config_alone_gives_the_checkpoints_plan(ckpt: Checkpoint) -> None:
+    for dtype in ("fp32", "nf4"):
+        for strategy in ("odmoe", "lru-offload"):
+            options = dict(workers=WORKERS, context_tokens=CONTEXT, shadow_dtype=dtype, strategy=strategy)
+            real = memory_from_checkpoint(ckpt, **options)
+            computed = memory_from_config(ckpt.config, **options)
+            assert computed.roles == real.roles
+            assert (computed.total_bytes, computed.expert_bytes) == (real.total_bytes, real.expert_bytes)
+
+
+def test_mixtral_8x7b_sizes_match_the_release() -> None:
+    plan = memory_from_config("mixtral-8x7b", workers=8, shadow_dtype="nf4")
+    assert plan.total_bytes == 2 * mixtral_8x7b().total_params  # 46.7 B parameters in bf16
+    assert 93e9 < plan.total_bytes < 94e9
+    assert 3.0e9 < plan.main.disk_bytes < 3.4e9  # "~3 GB" of non-expert weights
+    assert 25e9 < plan.shadow.gpu_bytes < 28e9
+    assert plan.expert_bytes == 3 * 4096 * 14336 * 2
+    markdown = table("mixtral-8x22b", workers=[8])
+    assert markdown.count("\n") == 6 and "| 8 | nf4 |" in markdown
+
+
+def test_bad_options_are_refused() -> None:
+    for bad, reason in [
+        ({"shadow_dtype": "int4"}, "shadow dtype"),
+        ({"strategy": "belady"}, "strategy"),
+        ({"expert_store": "tape"}, "expert_store"),
+        ({"workers": 0}, "at least one worker"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            memory_from_config("mixtral-8x7b", **({"workers": 8} | bad))
+
+
+# --- the fit check -------------------------------------------------------------------------------
+
+NEED = RoleMemory(
+    "worker-2", host_bytes=31_200_000_000, gpu_bytes=700_000_000, disk_bytes=31_000_000_000, cpu_bytes=31_900_000_000
+)
+
+
+def box(ram_gb: float | None = 64, gpu_gb: float | None = 24, disk_gb: float | None = 500) -> dict:
+    inventory: dict = {
+        "gpus": [] if gpu_gb is None else [{"index": 0, "name": "RTX 3090", "memory_bytes": int(gpu_gb * GB)}]
+    }
+    if ram_gb is not None:
+        inventory["ram_bytes"] = int(ram_gb * GB)
+    if disk_gb is not None:
+        inventory["disk_free_bytes"] = int(disk_gb * GB)
+    return inventory
+
+
+def test_a_node_short_of_ram_is_named_with_its_shortfall() -> None:
+    assert check_fit(NEED, box(), node="box-3") == []
+    (short,) = check_fit(NEED, box(ram_gb=16), node="box-3")
+    assert short.message == "node box-3 (worker 2) needs 31.2 GB of RAM for its experts, has 16.0 GB: 15.2 GB short"
+    assert (short.resource, short.short_bytes) == ("RAM", 15_200_000_000)
+    gpu, disk = check_fit(NEED, box(gpu_gb=0.5, disk_gb=10), node="box-3")
+    assert (
+        gpu.resource == "GPU memory" and "needs 0.7 GB of GPU memory" in gpu.message and "0.2 GB short" in gpu.message
+    )
+    assert disk.message == "node box-3 (worker 2) needs 31.0 GB of disk for its shard, has 10.0 GB: 21.0 GB short"
+
+
+def test_without_a_gpu_the_gpu_share_counts_against_ram() -> None:
+    (short,) = check_fit(NEED, box(ram_gb=31.5, gpu_gb=None), node="cpu-1")
+    assert short.needed_bytes == NEED.cpu_bytes and "no GPU" in short.message and "0.4 GB short" in short.message
+    assert check_fit(NEED, box(ram_gb=31.5), node="gpu-1") == []  # with a GPU, 31.2 GB of RAM is enough
+
+
+def test_unreported_resources_and_shards_already_there_are_not_counted() -> None:
+    assert check_fit(NEED, {}, node="new") == []
+    assert check_fit(NEED, box(disk_gb=10), node="again", disk_present_bytes=NEED.disk_bytes) == []
+
+
+def test_a_whole_role_map_is_checked(ckpt: Checkpoint) -> None:
+    plan = plan_of(ckpt, shadow_dtype="nf4")
+    small = box(ram_gb=0.5)
+    seats = {"main": ("a", box()), "shadow": ("b", small)} | {f"worker-{i}": (f"w{i}", box()) for i in range(WORKERS)}
+    (short,) = check_plan_fit(plan, seats)
+    assert (short.node, short.role, short.resource) == ("b", "shadow", "RAM")
+    assert short.message.startswith("node b (shadow) needs 0.6 GB of RAM to quantize the model, has 0.5 GB")
+
+
+def test_the_gpu_a_role_runs_on_is_the_largest() -> None:
+    two = {"gpus": [{"index": 0, "memory_bytes": 8 * GB}, {"index": 1, "memory_bytes": 24 * GB}]}
+    assert gpu_index(two) == 1
+    assert gpu_index({"gpus": []}) is None and gpu_index({}) is None
+    assert gpu_index({"gpus": [{"memory_bytes": 8}, {"memory_bytes": 9}]}) == 1  # no index reported: its position
+
+
+def test_the_agent_reports_its_gpus_and_the_shards_it_already_holds(tmp_path) -> None:
+    from agent import inventory
+
+    shard = tmp_path / "shards" / "7" / "worker-1"
+    shard.mkdir(parents=True)
+    (shard / "part-00001.safetensors").write_bytes(b"x" * 1000)
+    (shard / "manifest.json").write_bytes(b"{}")
+    assert inventory.shard_bytes(tmp_path) == {"7/worker-1": 1002}
+    assert inventory.shard_bytes(tmp_path / "nowhere") == {}
+    found = inventory.collect(tmp_path, "127.0.0.1")
+    assert found["shard_bytes"] == {"7/worker-1": 1002} and found["disk_free_bytes"] > 0
+    for gpu in found["gpus"]:  # none on a CPU-only box
+        assert {"index", "name", "memory_bytes", "free_bytes"} <= set(gpu)
