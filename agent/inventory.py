@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -13,17 +14,41 @@ FREE_PORTS = 4  # offered per heartbeat; the control plane picks a role's inbox 
 
 
 def gpus() -> list[dict]:
-    """GPUs with name and memory, via torch.cuda when torch and a GPU are present."""
+    """Every GPU: CUDA index, name, total and free memory (via torch.cuda; none without torch or CUDA)."""
     try:
         import torch
     except ImportError:
         return []
-    if not torch.cuda.is_available():
+    try:
+        if not torch.cuda.is_available():
+            return []
+        found = []
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            gpu = {"index": index, "name": props.name, "memory_bytes": int(props.total_memory)}
+            # A GPU in exclusive mode held by another process, or a lost one, has no free figure.
+            with contextlib.suppress(RuntimeError):
+                gpu["free_bytes"] = int(torch.cuda.mem_get_info(index)[0])
+            found.append(gpu)
+        return found
+    except RuntimeError:  # a broken driver: report no GPU rather than no heartbeat
         return []
-    found = []
-    for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        found.append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory)})
+
+
+def shard_bytes(state_dir: Path) -> dict[str, int]:
+    """Bytes of each shard already on this box, by ``model_id/shard`` (``agent.runtime.shard_dir``).
+
+    The control plane's fit check counts them as space a restart does not need again.
+    """
+    found: dict[str, int] = {}
+    root = state_dir / "shards"
+    try:
+        for model in root.iterdir():
+            for shard in model.iterdir():
+                if shard.is_dir():
+                    found[f"{model.name}/{shard.name}"] = sum(f.stat().st_size for f in shard.iterdir() if f.is_file())
+    except OSError:
+        pass  # no shards yet, or one vanished while we looked
     return found
 
 
@@ -55,6 +80,7 @@ def collect(state_dir: Path, server_host: str) -> dict:
         "ram_bytes": ram_bytes(),
         "disk_free_bytes": disk.free,
         "gpus": gpus(),
+        "shard_bytes": shard_bytes(state_dir),
         "address": peer_address(server_host),
         "free_ports": sorted({free_port() for _ in range(FREE_PORTS)}),
     }

@@ -97,6 +97,7 @@ class RoleState(LinkMessage):
     state: str
     detail: str = ""
     metrics: dict = field(default_factory=dict)  # main: figures of its last generation (RUNTIME_METRICS)
+    memory: dict[str, int] = field(default_factory=dict)  # MEMORY_FIGURES when the role last answered; {} before
 
 
 @_register
@@ -226,6 +227,9 @@ RUNTIME_METRICS = (
     "recall_per_layer",
     "groups",
 )
+# The memory a running role reports with its state, in bytes (``inference.protocol.Pong``):
+# its process's resident set now and at its peak, and what it holds on its GPU (0 on a CPU).
+MEMORY_FIGURES = ("host_bytes", "peak_host_bytes", "device_bytes")
 ROLE_STATES = ("fetching", "starting", "ready", "failed", "stopped")
 GENERATION_EVENTS = (GenerationToken, GenerationDone, GenerationFailed)
 EVENTS = (Heartbeat, Pong, TaskProgress, TaskDone, RoleState, *GENERATION_EVENTS)
@@ -259,8 +263,16 @@ def _fields(cls: type[LinkMessage]) -> dict[str, tuple]:
     hints = typing.get_type_hints(cls)
     return {
         f.name: (
-            checker(hints[f.name]),
+            _checker(hints[f.name]),
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
         )
         for f in dataclasses.fields(cls)
     }
+
+
+def _checker(hint: Any):
+    """``inference.typecheck.checker``, and for ``dict[str, int]`` each key and value too
+    (figures such as a role's memory: counts, never negative)."""
+    if typing.get_origin(hint) is dict and typing.get_args(hint) == (str, int):
+        return lambda v: type(v) is dict and all(type(k) is str and type(x) is int and x >= 0 for k, x in v.items())
+    return checker(hint)

@@ -6,6 +6,11 @@ reports it in the next heartbeat. Every change of state is sent up as a ``RoleSt
 event; a role whose shard fails verification is never started, and a role that exits on
 its own is reported ``failed`` with the tail of its log.
 
+The runner pings its role for as long as it runs: every ``WATCH_EVERY_S`` until it is ready,
+then every ``MEMORY_EVERY_S`` for its memory (resident host bytes now and at peak, GPU bytes),
+which travels in the role state. A change of memory gets a ``RoleState`` of its own only when
+it is worth one (``memory_changed``); smaller drifts ride with the next heartbeat.
+
 On the box that runs main, the runner also carries the control plane's generations to main
 (``RuntimeClient``), one at a time in arrival order, and applies new alignment periods.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import subprocess
@@ -25,6 +31,7 @@ from agent.credentials import NodeCredential
 from agent.download import fetch_shard
 from agent.http import ControlPlaneError
 from agent.messages import (
+    MEMORY_FIGURES,
     RUNTIME_METRICS,
     ApplyAlignment,
     CancelGeneration,
@@ -41,7 +48,7 @@ from agent.messages import (
 from inference.client import GenerationFailed as RuntimeGenerationFailed
 from inference.client import RuntimeClient
 from inference.launcher import die_with_parent
-from inference.protocol import GenerateDone
+from inference.protocol import GenerateDone, Pong
 from inference.sharding import ShardError
 from inference.spec import SpecError, load_spec
 
@@ -49,6 +56,12 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[LinkMessage], Awaitable[None]]
 WATCH_EVERY_S = 0.5
+PING_TIMEOUT_S = 0.5  # a role busy with a step may answer late: the next ping asks again
+# A ready role is asked for its memory this often: the heartbeat's pace. Not faster: a role
+# that waits for a quiet second on its inbox (the shadow ending a request) must get one.
+MEMORY_EVERY_S = 5.0
+MEMORY_CHANGE_FRACTION = 0.01  # a figure must move by more than this share...
+MEMORY_CHANGE_BYTES = 16 * 2**20  # ...and more than this many bytes to be sent at once
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 12
 PROGRESS_EVERY_S = 0.5  # how often a download reports its progress
@@ -83,6 +96,26 @@ async def fetch_with_progress(
     return ""
 
 
+def memory_of(pong: Pong) -> dict[str, int]:
+    """The role's memory as ``RoleState.memory`` carries it (``MEMORY_FIGURES``)."""
+    return {name: max(0, int(getattr(pong, name))) for name in MEMORY_FIGURES}
+
+
+def memory_changed(before: dict[str, int], after: dict[str, int]) -> bool:
+    """Whether ``after`` deserves a RoleState of its own rather than the next heartbeat.
+
+    The first figures always do; after that, a figure must move by more than 1 % and more
+    than 16 MB, so allocator noise of a big role or a few pages of a small one stay quiet.
+    """
+    if not before:
+        return bool(after)
+    for name in MEMORY_FIGURES:
+        old, new = before.get(name, 0), after.get(name, 0)
+        if abs(new - old) > max(MEMORY_CHANGE_BYTES, MEMORY_CHANGE_FRACTION * old):
+            return True
+    return False
+
+
 class RoleRunner:
     def __init__(self, credential: NodeCredential, state_dir: Path, send: Send) -> None:
         self.credential = credential
@@ -95,21 +128,43 @@ class RoleRunner:
         self._generation_lock = asyncio.Lock()
         self._cancelled: set[str] = set()
         self._running_generations: set[str] = set()
+        self._reported_memory: dict[str, int] = {}  # what the control plane last got
 
     # --- what the heartbeat reports ------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        return self.state.to_json() if self.state is not None else {}
+        if self.state is None:
+            return {}
+        self._reported_memory = self.state.memory
+        return self.state.to_json()
 
-    async def _set(self, state: str, detail: str = "", metrics: dict | None = None) -> None:
+    async def _set(
+        self, state: str, detail: str = "", metrics: dict | None = None, memory: dict[str, int] | None = None
+    ) -> None:
         assert self.command is not None
         role = self.command.spec.get("role", "?")
         if metrics is None:
             metrics = self.state.metrics if self.state is not None and state == "ready" else {}
+        if memory is None:  # a live process keeps its figures; a stopped or failed one has none
+            memory = self.state.memory if self.state is not None and state in ("starting", "ready") else {}
+        same = self.state is not None and (self.state.state, self.state.detail) == (state, detail)
         self.state = RoleState(
-            deployment=self.command.deployment, role=str(role), state=state, detail=detail, metrics=metrics
+            deployment=self.command.deployment,
+            role=str(role),
+            state=state,
+            detail=detail,
+            metrics=metrics,
+            memory=memory,
         )
-        log.info("role %s of %s: %s %s", role, self.command.deployment, state, detail)
+        log.log(
+            logging.DEBUG if same else logging.INFO,
+            "role %s of %s: %s %s",
+            role,
+            self.command.deployment,
+            state,
+            detail,
+        )
+        self._reported_memory = memory
         await self.send(self.state)
 
     # --- start and stop ------------------------------------------------------------------------
@@ -214,28 +269,50 @@ class RoleRunner:
             )
 
     async def _watch(self, command: StartRole) -> None:
-        """Ping the role until it is ready, then keep checking that its process lives."""
+        """Ping the role while its process lives: for its readiness, then (less often) for its memory."""
         spec = load_spec(self._run_dir(command) / f"{command.shard}.spec.json")
         probe = RuntimeClient(spec.bind_address, spec.deployment, name=f"agent-probe-{command.shard}")
+        ping: asyncio.Future | None = None
+        loop = asyncio.get_running_loop()
+        asked = -MEMORY_EVERY_S
         try:
-            ready = False
             while True:
                 proc = self.process
                 if proc is None or proc.returncode is not None:
                     code = proc.returncode if proc is not None else "?"
                     await self._set("failed", f"the role process exited with code {code}:\n{self._log_tail(command)}")
                     return
-                if not ready:
-                    pong = await asyncio.to_thread(probe.ping, 0.5)
-                    if pong is not None and pong.ready:
-                        ready = True
-                        await self._set("ready")
-                    elif pong is not None and pong.detail and self.state and pong.detail != self.state.detail:
-                        await self._set("starting", pong.detail)
+                ready = self.state is not None and self.state.state == "ready"
+                if not ready or loop.time() - asked >= MEMORY_EVERY_S:
+                    asked = loop.time()
+                    ping = asyncio.ensure_future(
+                        asyncio.to_thread(probe.ping, PING_TIMEOUT_S)
+                    )  # blocking: off the loop
+                    pong = await asyncio.shield(ping)
+                    if pong is not None:
+                        await self._heard(pong)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), timeout=WATCH_EVERY_S)
         finally:
+            if ping is not None and not ping.done():  # stopped mid-ping: the socket is not ours to close yet
+                with contextlib.suppress(Exception):
+                    await ping
             probe.close()
+
+    async def _heard(self, pong: Pong) -> None:
+        """Act on the role's health answer: its readiness, and its memory."""
+        current = self.state
+        if current is None or current.state not in ("starting", "ready"):
+            return
+        memory = memory_of(pong)
+        if current.state == "starting" and pong.ready:
+            await self._set("ready", memory=memory)
+        elif current.state == "starting" and pong.detail and pong.detail != current.detail:
+            await self._set("starting", pong.detail, memory=memory)
+        elif memory_changed(self._reported_memory, memory):
+            await self._set(current.state, current.detail, memory=memory)
+        else:  # kept for the next heartbeat
+            self.state = dataclasses.replace(current, memory=memory)
 
     def _log_tail(self, command: StartRole) -> str:
         path = self._run_dir(command) / f"{command.shard}.log"

@@ -85,6 +85,8 @@ def test_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Serve
     page.wait_for_selector("#estimate-line")
     estimate = page.inner_text("#estimate-line")
     assert "Simulated on 3090-pcie4-1gbe" in estimate and "(full-cache" in estimate and "tok/s decode" in estimate
+    memory = page.inner_text("#estimate-memory")  # memory per role, from the tiny checkpoint's tensors
+    assert "main" in memory and "shadow (int8)" in memory and "each worker" in memory and "MB" in memory
     # A generation shows in the live pipeline: one row per layer, with its group and experts.
     served.client().completions.create(model=SERVED_MODEL, prompt="Mixture of experts", max_tokens=16, temperature=0)
     page.wait_for_selector("#pipeline-rows tr[data-layer='3']")

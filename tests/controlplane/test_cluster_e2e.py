@@ -87,6 +87,9 @@ def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPl
     api.post(f"/api/deployments/{deployment}/start", expect=202)
     ready = wait_status(live, deployment, "ready", timeout_s=300)
     assert all(m["state"] == "ready" and m["port"] for m in ready["members"])
+    for m in ready["members"]:  # each role's memory, measured when it answered its agent's ping (no GPU here)
+        memory = m["memory"]
+        assert memory["peak_host_bytes"] >= memory["host_bytes"] > 50e6 and memory["device_bytes"] == 0, m
 
     # 1. Generation through the control plane is token-identical to Transformers.
     for prompt in PROMPTS[:2]:

@@ -132,3 +132,102 @@ def test_a_planned_deployment_gets_the_simulators_estimate(staff: APIClient, mod
     ]:
         refused = staff.post("/api/deployments/estimate", bad, format="json")
         assert refused.status_code == 400 and reason in str(refused.json()), (bad, refused.json())
+
+
+# --- memory: refused before anything is built or downloaded ------------------------------------------
+
+
+def sized_box(name: str, *, ram_gb: float, gpus: list[dict] | None = None, disk_gb: float = 100) -> Node:
+    _, token = create_join_token(created_by=None)
+    inventory = {"gpus": gpus or [], "ram_bytes": int(ram_gb * 1e9), "disk_free_bytes": int(disk_gb * 1e9)}
+    node, _ = enroll_node(token=token, name=name, inventory=inventory)
+    return node
+
+
+def test_a_deployment_that_does_not_fit_is_refused_naming_the_node(staff: APIClient, model) -> None:
+    a, b = sized_box("a", ram_gb=8), sized_box("b", ram_gb=8)
+    small = sized_box("small", ram_gb=0.25)  # less than a role process's own overhead
+    roles = {"main": str(a.pk), "shadow": str(b.pk), "workers": [str(small.pk)]}
+    refused = staff.post(
+        "/api/deployments", {"name": "x", "model": model.pk, "nodes": ids(a, b, small), "roles": roles}, format="json"
+    )
+    assert refused.status_code == 400
+    detail = refused.json()["detail"]
+    assert "node small (worker 0) needs 0.6 GB of RAM for its experts (no GPU" in detail
+    assert "has 0.2 GB: 0.4 GB short" in detail
+    assert Deployment.objects.count() == 0
+    # suggested instead: the small box can't hold any role, so no map fits
+    suggested = staff.post("/api/deployments/suggest", {"model": model.pk, "nodes": ids(a, b, small)}, format="json")
+    assert suggested.status_code == 400 and "node small" in suggested.json()["detail"]
+    created = staff.post("/api/deployments", {"name": "x", "model": model.pk, "nodes": ids(a, b, small)}, format="json")
+    assert created.status_code == 400 and "0.4 GB short" in created.json()["detail"]
+    assert Deployment.objects.count() == 0
+
+
+def test_starting_rechecks_the_fit_against_the_latest_inventory(staff: APIClient, model) -> None:
+    nodes = [sized_box(name, ram_gb=8) for name in ("a", "b", "c")]
+    created = staff.post("/api/deployments", {"name": "d", "model": model.pk, "nodes": ids(*nodes)}, format="json")
+    assert created.status_code == 201, created.content
+    worker = next(m for m in created.json()["members"] if m["role"] == "worker")
+    Node.objects.update(status=NodeStatus.ONLINE)
+    Node.objects.filter(pk=worker["node"]).update(inventory={"gpus": [], "ram_bytes": 8 * 10**9, "disk_free_bytes": 0})
+    refused = staff.post(f"/api/deployments/{created.json()['id']}/start", format="json")
+    assert refused.status_code == 400
+    assert f"node {worker['node_name']} (worker 0) needs" in refused.json()["detail"]
+    assert "of disk for its shard, has 0.0 GB" in refused.json()["detail"]
+    assert Deployment.objects.get().status == DeploymentStatus.DRAFT  # nothing was sent
+
+
+def test_a_role_runs_on_its_nodes_largest_gpu(staff: APIClient, model) -> None:
+    from controlplane.deployments.lifecycle import role_spec
+
+    two_gpus = [
+        {"index": 0, "name": "small", "memory_bytes": 8 * GIB},
+        {"index": 1, "name": "big", "memory_bytes": 24 * GIB},
+    ]
+    gpu = sized_box("gpu", ram_gb=16, gpus=two_gpus)
+    cpus = [sized_box(name, ram_gb=16) for name in ("c1", "c2")]
+    created = staff.post("/api/deployments", {"name": "d", "model": model.pk, "nodes": ids(gpu, *cpus)}, format="json")
+    assert created.status_code == 201, created.content
+    deployment = Deployment.objects.get()
+    members = list(deployment.members.select_related("node"))
+    devices = {m.node.name: role_spec(deployment, m, members)["settings"]["device"] for m in members}
+    assert devices == {"gpu": "cuda:1", "c1": "auto", "c2": "auto"}
+
+
+def test_the_estimate_has_memory_per_role(staff: APIClient, model) -> None:
+    from inference.memory import memory_from_checkpoint
+
+    mixtral = staff.post("/api/deployments/estimate", {"workers": 8, "shadow_dtype": "nf4"}, format="json").json()
+    roles = {r["role"]: r for r in mixtral["memory"]["roles"]}
+    assert set(roles) == {"main", "shadow", *(f"worker-{i}" for i in range(8))}
+    assert 25e9 < roles["shadow"]["gpu_bytes"] < 28e9 and roles["worker-0"]["host_bytes"] > 30e9
+    assert {"host_bytes", "gpu_bytes", "disk_bytes"} <= set(roles["main"])
+    tiny = staff.post(
+        "/api/deployments/estimate", {"workers": 2, "model": model.pk, "shadow_dtype": "int8"}, format="json"
+    )
+    assert tiny.json()["memory"] == memory_from_checkpoint(model.path, workers=2, shadow_dtype="int8").to_dict()
+
+
+def test_a_model_still_downloading_or_failed_cannot_be_deployed(staff: APIClient, model) -> None:
+    from controlplane.artifacts.models import ModelArtifact, ModelStatus
+    from controlplane.deployments.services import DeploymentError, create_deployment
+
+    a, b, c = box("a", 8), box("b", 8), box("c", 8)
+    body = {"name": "x", "model": model.pk, "nodes": ids(a, b, c)}
+    for status, reason in [
+        (ModelStatus.DOWNLOADING, "still downloading"),
+        (ModelStatus.FAILED, "could not be registered: the Hub said no"),
+    ]:
+        ModelArtifact.objects.filter(pk=model.pk).update(status=status, error="the Hub said no")
+        for path, payload in [("/api/deployments", body), ("/api/deployments/suggest", body)]:
+            response = staff.post(path, payload, format="json")
+            assert response.status_code == 400 and reason in str(response.json()["model"]), response.json()
+        model.refresh_from_db()
+        with pytest.raises(DeploymentError, match=reason):  # the service refuses it too, whoever calls
+            create_deployment(name="y", model=model, node_ids=ids(a, b, c))
+    unknown = staff.post("/api/deployments", {**body, "model": 9999}, format="json")
+    assert unknown.status_code == 400 and "9999" in str(unknown.json()["model"])
+    assert Deployment.objects.count() == 0
+    ModelArtifact.objects.filter(pk=model.pk).update(status=ModelStatus.READY, error="")
+    assert staff.post("/api/deployments", body, format="json").status_code == 201

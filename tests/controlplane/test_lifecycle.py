@@ -11,21 +11,27 @@ import uuid
 from pathlib import Path
 
 import pytest
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 from channels import DEFAULT_CHANNEL_LAYER
 from channels.layers import channel_layers
+from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
-from agent.messages import COMMANDS, StartRole, StopRole, parse
+from agent.messages import COMMANDS, LINK_PATH, RoleState, StartRole, StopRole, parse
+from controlplane.artifacts.models import ModelArtifact
 from controlplane.artifacts.services import register_model
+from controlplane.config.asgi import application
+from controlplane.console.snapshot import snapshot
 from controlplane.deployments import lifecycle
 from controlplane.deployments.models import Deployment, DeploymentStatus, MemberState
 from controlplane.deployments.peers import PeerError, Seat, peer_table, pick_ports
 from controlplane.deployments.services import DeploymentError, create_deployment
 from controlplane.nodes.consumers import node_group
+from controlplane.nodes.credentials import NODE_SECRET_PREFIX, digest, new_secret
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes, record_heartbeat
+from inference.sharding import verify_shard
 from inference.spec import RoleSpec, validate_spec
 
 # --- the peer table: pure decisions ----------------------------------------------------------
@@ -256,3 +262,75 @@ def test_generating_on_a_deployment_that_is_not_ready_says_why(cluster) -> None:
     assert answer.status_code == 409 and "draft" in answer.json()["detail"]
     bad = staff.post(f"/api/deployments/{deployment.pk}/generate", {"prompt_ids": []}, format="json")
     assert bad.status_code == 400 and "prompt_ids" in bad.json()
+
+
+def test_a_roles_memory_travels_from_its_agent_to_the_api_and_the_console(cluster) -> None:
+    deployment, _, _ = cluster
+    deployment = pushed(deployment)
+    main = deployment.members.select_related("node").get(role="main")
+    secret = new_secret(NODE_SECRET_PREFIX)  # this node's credential, known to the test
+    Node.objects.filter(pk=main.node_id).update(secret_hash=digest(secret))
+    memory = {"host_bytes": 3 * 2**30, "peak_host_bytes": 5 * 2**30, "device_bytes": 7 * 2**30}
+    state = RoleState(deployment=deployment.runtime_key, role="main", state="ready", memory=memory).to_json()
+    staff = APIClient()
+    staff.force_authenticate(get_user_model().objects.create_user("admin", is_staff=True))
+
+    def shown() -> tuple[dict, dict, dict]:
+        listed = staff.get("/api/deployments").json()["results"][0]
+        detail = staff.get(f"/api/deployments/{deployment.pk}").json()
+        console = snapshot()["deployments"][0]
+        return tuple({m["role"]: m["memory"] for m in d["members"]} for d in (listed, detail, console))
+
+    async def agent_session() -> tuple:
+        headers = [(b"authorization", f"Node {main.node_id}:{secret}".encode())]
+        comm = WebsocketCommunicator(application, LINK_PATH, headers=headers)
+        connected, _ = await comm.connect()
+        assert connected
+        await comm.send_json_to(state)
+        await comm.send_json_to({**state, "memory": {"host_bytes": -1}})  # refused on arrival
+        error = await comm.receive_json_from(timeout=5)  # also: the first one was handled
+        seen = await sync_to_async(shown)()
+        await comm.disconnect()
+        return error, seen
+
+    error, (listed, detail, console) = async_to_sync(agent_session)()
+    assert error["type"] == "error" and "memory" in error["detail"]
+    assert listed["main"] == detail["main"] == console["main"] == memory
+    assert listed["shadow"] == {} and console["worker-0"] == {}  # no answer from those yet
+    # The agent's link closed: its node is offline and its figures are gone with it.
+    member = deployment.members.get(role="main")
+    assert (member.state, member.memory) == (MemberState.OFFLINE, {})
+    # Back, a heartbeat carries the latest figures (unchecked on arrival: what is not a byte count is left out).
+    bad = {**state, "memory": {**memory, "device_bytes": "7 GB"}}
+    record_heartbeat(node_id=str(main.node_id), inventory={"address": "127.0.0.1"}, runtime=bad)
+    assert deployment.members.get(role="main").memory == {"host_bytes": 3 * 2**30, "peak_host_bytes": 5 * 2**30}
+    record_heartbeat(node_id=str(main.node_id), inventory={"address": "127.0.0.1"}, runtime=state)
+    assert deployment.members.get(role="main").memory == memory
+    lifecycle.stop_deployment(deployment=deployment)
+    assert deployment.members.get(role="main").memory == {}
+
+
+def test_a_quantized_shadow_fetches_its_shard_converted_once_by_the_shard_build(cluster) -> None:
+    deployment, nodes, inbox = cluster
+    Deployment.objects.filter(pk=deployment.pk).update(shadow_dtype="nf4")
+    deployment = pushed(Deployment.objects.get(pk=deployment.pk))
+    artifact = ModelArtifact.objects.get(pk=deployment.model_id)
+    assert artifact.shard_shadow_dtypes == ["nf4"]
+    shadow_node = deployment.members.get(role="shadow").node
+    commands = {str(node.pk): inbox.take(node) for node in nodes}
+    (start,) = commands[str(shadow_node.pk)]
+    assert start.shard == "shadow-nf4"  # the tiny model is fp32: its nf4 shadow is ~1/7 of it
+    manifest = verify_shard(Path(artifact.shard_dir) / "shadow-nf4", expect_role="shadow")
+    assert manifest["shadow_dtype"] == "nf4"
+    assert {c.shard for cs in commands.values() for c in cs} - {"shadow-nf4"} == {"main", "worker-0", "worker-1"}
+
+    # Another shadow dtype later adds its shard; nothing else is rebuilt.
+    lifecycle.stop_deployment(deployment=deployment)
+    main_parts = {p: p.stat().st_mtime_ns for p in (Path(artifact.shard_dir) / "main").glob("part-*")}
+    Deployment.objects.filter(pk=deployment.pk).update(shadow_dtype="int8")
+    pushed(Deployment.objects.get(pk=deployment.pk))
+    artifact.refresh_from_db()
+    assert artifact.shard_shadow_dtypes == ["nf4", "int8"]
+    assert {p: p.stat().st_mtime_ns for p in main_parts} == main_parts
+    start = next(c for c in inbox.take(shadow_node) if isinstance(c, StartRole))
+    assert start.shard == "shadow-int8"

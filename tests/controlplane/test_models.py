@@ -75,3 +75,87 @@ def test_a_failed_build_is_recorded_with_its_reason(settings, tmp_path: Path, ti
     artifact.refresh_from_db()
     assert artifact.shard_status == ShardStatus.FAILED
     assert "model.safetensors" in artifact.shard_error
+
+
+@pytest.fixture
+def hub_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Hub from tests: every request fails at once (huggingface_hub reads the flag at import)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def test_a_hub_repo_id_is_downloaded_in_the_background_and_fails_clearly_offline(
+    staff: APIClient, settings, tmp_path: Path, hub_offline: None
+) -> None:
+    from controlplane.artifacts.models import ModelStatus
+    from controlplane.artifacts.services import request_shard_build
+    from controlplane.artifacts.tasks import download_model_task
+
+    settings.VAR_DIR = tmp_path / "var"
+    repo = "mistralai/Mixtral-8x7B-Instruct-v0.1"
+    response = staff.post("/api/models", {"name": "mixtral", "path": repo}, format="json")
+    assert response.status_code == 202, response.content
+    body = response.json()
+    assert (body["status"], body["repo_id"], body["revision"]) == ("downloading", repo, "")
+    assert body["path"].startswith(str(tmp_path / "var" / "models"))
+    artifact = ModelArtifact.objects.get(pk=body["id"])
+    with pytest.raises(ModelError, match="still downloading"):
+        request_shard_build(artifact=artifact, workers=2)
+
+    download_model_task(artifact.pk)  # what the Celery worker runs; it records the failure, raises nothing
+    failed = staff.get(f"/api/models/{artifact.pk}").json()
+    assert failed["status"] == ModelStatus.FAILED and failed["summary"] == {}
+    assert failed["error"].startswith(f"cannot download {repo} from the Hugging Face Hub: ")
+    assert "HF_HUB_OFFLINE" in failed["error"] and "no route to the hub" in failed["error"]
+    assert "register its directory" in failed["error"]
+    with pytest.raises(ModelError, match="could not be registered"):
+        build_model_shards(artifact_id=artifact.pk, workers=2)
+    assert ModelArtifact.objects.get(pk=artifact.pk).shard_status == ShardStatus.NONE
+
+    # The same repo again retries it (resuming); another one under a taken name is refused.
+    again = staff.post("/api/models", {"name": "mixtral", "path": repo}, format="json")
+    assert again.status_code == 202 and again.json()["status"] == "downloading" and again.json()["error"] == ""
+    other = staff.post("/api/models", {"name": "mixtral", "path": "mistralai/Mixtral-8x7B-v0.1"}, format="json")
+    assert other.status_code == 400 and "already registered" in other.json()["detail"]
+    assert ModelArtifact.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    "garbage", ["not a repo", "owner/name/extra", "owner/", "/name", "-owner/name", "owner/na..me", "a/b@", "a/b@c d"]
+)
+def test_a_path_that_is_neither_a_directory_nor_a_repo_id_is_a_400(staff: APIClient, garbage: str) -> None:
+    response = staff.post("/api/models", {"name": "x", "path": garbage}, format="json")
+    assert response.status_code == 400
+    assert ModelArtifact.objects.count() == 0
+
+
+def test_a_repo_id_with_a_revision(staff: APIClient, settings, tmp_path: Path) -> None:
+    settings.VAR_DIR = tmp_path / "var"
+    body = staff.post(
+        "/api/models", {"name": "m", "path": "mistralai/Mixtral-8x7B-v0.1@refs/pr/1"}, format="json"
+    ).json()
+    assert (body["repo_id"], body["revision"]) == ("mistralai/Mixtral-8x7B-v0.1", "refs/pr/1")
+    assert body["path"] == str(tmp_path / "var" / "models" / "mistralai--Mixtral-8x7B-v0.1" / "refs--pr--1")
+
+
+def test_download_progress_is_saved_from_the_hub_byte_bar(transactional_db, tmp_path: Path) -> None:
+    import threading
+
+    from controlplane.artifacts.models import ModelStatus
+    from controlplane.artifacts.services import _progress_bar
+
+    artifact = ModelArtifact.objects.create(
+        name="m", path=str(tmp_path), repo_id="owner/model", status=ModelStatus.DOWNLOADING, download_total_bytes=1000
+    )
+    progress = _progress_bar(artifact.pk, already=200, total=1000)
+    files = progress(total=3, desc="Fetching 3 files")  # counts files: not saved
+    files.update(1)
+    assert ModelArtifact.objects.get(pk=artifact.pk).download_done_bytes == 0
+    # snapshot_download updates its byte bar from its download threads.
+    byte_bar = progress(name="huggingface_hub.snapshot_download", total=800, unit="B", desc="Reconstructing")
+    thread = threading.Thread(target=byte_bar.update, args=(300,))
+    thread.start()
+    thread.join()
+    assert ModelArtifact.objects.get(pk=artifact.pk).download_progress == 0.5

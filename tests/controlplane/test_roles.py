@@ -49,3 +49,41 @@ def test_an_overridden_role_map_must_use_each_node_once() -> None:
         check_roles(RoleMap("a", "b", ("z",)), ["a", "b", "c"])
     with pytest.raises(RoleError, match="at least one worker"):
         check_roles(RoleMap("a", "b", ()), ["a", "b"])
+
+
+# --- with the deployment's memory plan: only maps whose nodes hold their roles ----------------------
+
+
+def nf4_plan(workers: int):
+    from inference.memory import memory_from_config
+
+    return memory_from_config("mixtral-8x7b", workers=workers, shadow_dtype="nf4")  # shadow 27 GB, workers 31.6 GB
+
+
+def test_the_shadow_goes_to_the_largest_gpu_that_holds_it() -> None:
+    nodes = {"big": box(48, 16), "mid": box(40, 64)} | {f"w{i}": box(24, 64) for i in range(8)}
+    roles = suggest_roles(nodes, top_k=2, memory=nf4_plan(8))
+    assert roles.shadow == "mid"  # big's 16 GB of RAM can't quantize a 27 GB shadow
+    assert roles.main == "big"
+    # without the plan, the largest GPU would have been picked regardless
+    assert suggest_roles(nodes, top_k=2).shadow == "big"
+
+
+def test_a_box_too_small_for_a_workers_experts_becomes_main() -> None:
+    nodes = {"shadow-box": box(48, 64), "small": box(24, 8)} | {f"w{i}": box(24, 64) for i in range(8)}
+    roles = suggest_roles(nodes, top_k=2, memory=nf4_plan(8))
+    assert (roles.shadow, roles.main) == ("shadow-box", "small")
+    assert "small" not in roles.workers
+
+
+def test_when_nothing_fits_the_error_names_the_constraint() -> None:
+    small_gpus = {f"n{i}": box(24, 64) for i in range(10)}
+    with pytest.raises(
+        RoleError, match=r"no node can hold the shadow; .*needs 27\.0 GB of GPU memory .*has 25\.8 GB: 1\.2 GB short"
+    ):
+        suggest_roles(small_gpus, top_k=2, memory=nf4_plan(8))
+    little_ram = {"s": box(48, 64), "m": box(24, 64)} | {f"w{i}": box(24, 16) for i in range(8)}
+    with pytest.raises(RoleError, match=r"no role map fits: .*\(worker \d\) needs 31\.6 GB of RAM for its experts"):
+        suggest_roles(little_ram, top_k=2, memory=nf4_plan(8), names={"w0": "box-0"})
+    with pytest.raises(ValueError, match="plan is for 8 workers"):
+        suggest_roles({"a": box(48), "b": box(24), "c": box(24)}, top_k=2, memory=nf4_plan(8))

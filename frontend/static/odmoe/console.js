@@ -37,6 +37,12 @@
   };
   const badge = (text) => el("span", { class: `badge ${text}` }, text);
   const gib = (bytes) => (!bytes ? "–" : bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(1)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`);
+  const size = (bytes) => (bytes >= 1e9 ? `${(bytes / 1e9).toFixed(1)} GB` : `${Math.round(bytes / 1e6)} MB`);
+  // A running role's memory as its agent last reported it: host RAM now / at peak, and GPU memory.
+  const roleMemory = (memory) => (memory && memory.host_bytes !== undefined
+    ? el("span", { class: "memory muted", title: "host RAM now / peak · GPU memory" },
+      ` RAM ${size(memory.host_bytes)} / peak ${size(memory.peak_host_bytes || 0)} · GPU ${size(memory.device_bytes || 0)}`)
+    : "");
   const ago = (iso) => (iso ? `${Math.max(0, Math.round((Date.now() - Date.parse(iso)) / 1000))} s ago` : "never");
 
   function roleOf(nodeId) {
@@ -80,8 +86,14 @@
         ? el("span", {}, badge("building"), " ", el("progress", { max: 1, value: m.shard_progress }))
         : el("span", {}, badge(m.shard_status), m.shard_workers ? ` for ${m.shard_workers} workers` : "", m.shard_error ? ` ${m.shard_error}` : "");
       const workers = el("input", { type: "number", min: 1, value: m.shard_workers || 8, style: "width:4rem" });
-      return el("tr", {}, el("td", {}, m.name), el("td", {}, `${s.layers} layers, ${s.experts} experts, top-${s.top_k}`),
-        el("td", {}, gib(m.total_bytes)), el("td", {}, shards),
+      // A model registered by Hub repo id is listed while it downloads, and with its reason if that failed.
+      const shape = m.status === "downloading"
+        ? el("span", {}, badge("downloading"), ` ${m.repo_id} `, el("progress", { max: 1, value: m.download_progress }))
+        : m.status === "failed"
+          ? el("span", {}, badge("failed"), ` ${m.error}`)
+          : `${s.layers} layers, ${s.experts} experts, top-${s.top_k}`;
+      return el("tr", {}, el("td", {}, m.name), el("td", {}, shape),
+        el("td", {}, gib(m.total_bytes)), el("td", {}, m.status === "ready" ? shards : "–"),
         el("td", {}, workers, el("button", { onclick: () => api("POST", `/api/models/${m.id}/shards`, { workers: Number(workers.value) }) }, "Build shards")));
     }));
     const select = $("model-select");
@@ -97,7 +109,7 @@
       const kv = el("input", { type: "number", min: 0, value: d.kv_period, style: "width:4rem" });
       const members = d.members.map((m) => {
         const transfer = state.transfers.find((t) => t.node_name === m.node_name && t.deployment === d.id && !t.finished);
-        return el("li", { "data-role": m.role }, `${m.role} on ${m.node_name} `, badge(m.state),
+        return el("li", { "data-role": m.role }, `${m.role} on ${m.node_name} `, badge(m.state), roleMemory(m.memory),
           transfer && transfer.total ? el("progress", { max: transfer.total, value: transfer.done }) : "",
           m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
       });
@@ -225,15 +237,33 @@
     });
     const line = (kind) => `${kind}: ${result[kind].decode_tok_s.toFixed(2)} tok/s decode, TTFT ${result[kind].ttft_ms.toFixed(0)} ms`;
     const perWorker = result.adjusted.memory_bytes.worker0;
+    // Memory per role from the checkpoint's tensor sizes (inference/memory.py): what creating checks each node against.
+    const roles = result.memory.roles;
+    const size = (bytes) => (bytes >= 1e9 ? gb(bytes) : `${(bytes / 1e6).toFixed(1)} MB`);
+    const range = (key) => {
+      const values = roles.filter((r) => r.role.startsWith("worker-")).map((r) => r[key]);
+      const low = Math.min(...values), high = Math.max(...values);
+      return low === high ? size(low) : `${size(low)}–${size(high)}`;
+    };
+    const cells = (r) => [r.host_bytes, r.gpu_bytes, r.disk_bytes].map((b) => el("td", {}, size(b)));
+    const memoryTable = el("table", { id: "estimate-memory" },
+      el("thead", {}, el("tr", {}, ...["Role", "RAM", "GPU", "Disk"].map((h) => el("th", {}, h)))),
+      el("tbody", {},
+        el("tr", {}, el("td", {}, "main"), ...cells(roles.find((r) => r.role === "main"))),
+        el("tr", {}, el("td", {}, `shadow (${shadow})`), ...cells(roles.find((r) => r.role === "shadow"))),
+        el("tr", {}, el("td", {}, `each worker (${workers})`), ...["host_bytes", "gpu_bytes", "disk_bytes"].map((k) => el("td", {}, range(k))))));
     $("estimate-result").replaceChildren(el("p", { id: "estimate-line" },
       `Simulated on ${result.profile.name} with ${workers} workers (${result.strategy}, ${shadow} shadow): ${line("adjusted")} `
       + `(roofline ${result.ideal.decode_tok_s.toFixed(2)} tok/s); memory: ${perWorker ? gb(perWorker) + " per worker, " : ""}`
-      + `${gb(result.adjusted.memory_total_bytes)} in all. See README, "Cluster simulator", for what it assumes.`));
+      + `${gb(result.adjusted.memory_total_bytes)} in all. See README, "Cluster simulator", for what it assumes.`),
+      el("p", {}, "Memory per role, from the checkpoint's tensor sizes (creating a deployment checks each node against it):"), memoryTable);
   });
   let suggested = null;
   $("suggest").addEventListener("click", async () => {
     const body = deploymentBody();
-    suggested = await api("POST", "/api/deployments/suggest", { model: body.model, nodes: body.nodes });
+    suggested = await api("POST", "/api/deployments/suggest", {
+      model: body.model, nodes: body.nodes, shadow_dtype: body.shadow_dtype, strategy: body.strategy,
+    });
     const name = (id) => (state.nodes.find((n) => n.id === id) || { name: id }).name;
     $("role-map").replaceChildren(el("p", {}, `main: ${name(suggested.main)} · shadow: ${name(suggested.shadow)} · workers: ${suggested.workers.map(name).join(", ")}`));
     $("create-deployment").disabled = false;

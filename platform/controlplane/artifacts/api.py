@@ -19,10 +19,11 @@ from rest_framework.views import APIView
 from controlplane.names import name_field
 from controlplane.nodes.authentication import IsNode, NodeCredentialAuthentication
 from controlplane.pagination import paginated
+from inference.constants import SHADOW_DTYPES
 from inference.sharding import MANIFEST_FILE
 
 from . import services
-from .models import ModelArtifact, ShardStatus
+from .models import ModelArtifact, ModelStatus, ShardStatus
 from .ranges import RangeNotSatisfiable, parse_range
 
 
@@ -33,11 +34,19 @@ class ModelOutput(serializers.ModelSerializer):
             "id",
             "name",
             "path",
+            "status",
+            "repo_id",
+            "revision",
+            "download_done_bytes",
+            "download_total_bytes",
+            "download_progress",
+            "error",
             "summary",
             "total_bytes",
             "created_at",
             "shard_status",
             "shard_workers",
+            "shard_shadow_dtypes",
             "shard_done_bytes",
             "shard_total_bytes",
             "shard_progress",
@@ -46,28 +55,35 @@ class ModelOutput(serializers.ModelSerializer):
 
 
 class ModelListApi(APIView):
-    """GET/POST /api/models: list registered models, register a checkpoint directory."""
+    """GET/POST /api/models: list registered models; register a checkpoint directory on this
+    server (201), or a Hugging Face repo id ``owner/name[@revision]`` that is downloaded first
+    (202: the model is listed as *downloading*, then *ready* or *failed* with the reason)."""
 
     permission_classes = [IsAdminUser]
 
     @extend_schema_serializer(component_name="ModelListInput")
     class InputSerializer(serializers.Serializer):
         name = name_field()
-        path = serializers.CharField(max_length=1024)
+        path = serializers.CharField(
+            max_length=1024, help_text="a checkpoint directory on this server, or a Hub repo id owner/name[@revision]"
+        )
 
     @extend_schema(responses=ModelOutput(many=True))
     def get(self, request: Request) -> Response:
         return paginated(request, ModelArtifact.objects.all(), ModelOutput)
 
-    @extend_schema(request=InputSerializer, responses={201: ModelOutput})
+    @extend_schema(request=InputSerializer, responses={201: ModelOutput, 202: ModelOutput})
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         try:
-            artifact = services.register_model(**data.validated_data)
+            artifact = services.add_model(**data.validated_data)
         except services.ModelError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
-        return Response(ModelOutput(artifact).data, status=status.HTTP_201_CREATED)
+        downloading = artifact.status == ModelStatus.DOWNLOADING
+        return Response(
+            ModelOutput(artifact).data, status=status.HTTP_202_ACCEPTED if downloading else status.HTTP_201_CREATED
+        )
 
 
 class ModelDetailApi(APIView):
@@ -100,7 +116,7 @@ class ModelShardsApi(APIView):
         return Response(ModelOutput(artifact).data, status=status.HTTP_202_ACCEPTED)
 
 
-ROLE_DIR = re.compile(r"^(main|shadow|worker-\d{1,4})$")
+ROLE_DIR = re.compile(r"^(main|shadow(-(" + "|".join(SHADOW_DTYPES) + r"))?|worker-\d{1,4})$")
 CHUNK = 1 << 20
 
 

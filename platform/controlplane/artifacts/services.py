@@ -1,27 +1,63 @@
-"""Writes of the artifacts app: register a checkpoint, build its role shards with progress."""
+"""Writes of the artifacts app: register a checkpoint (a directory, or a Hugging Face Hub repo
+downloaded first), build its role shards with progress."""
 
 from __future__ import annotations
 
+import re
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 
 from inference.checkpoint import Checkpoint, CheckpointError
-from inference.sharding import ShardError, build_shards
+from inference.sharding import ShardError, add_shadow_shards, build_shards, shadow_dtypes_to_build
 
-from .models import ModelArtifact, ShardStatus
+from .models import ModelArtifact, ModelStatus, ShardStatus
 
-PROGRESS_EVERY_S = 0.5  # how often a shard build writes its progress to the database
+PROGRESS_EVERY_S = 0.5  # how often a shard build or a download writes its progress to the database
+# What a download fetches from a Hub repo: weights, configs, tokenizer and chat template
+# (no .bin or .pt duplicates of the weights, no original/ consolidated files).
+HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer.model", "*.txt"]
+# owner/name (the Hub's own name rules), optionally @revision (a branch, tag or commit).
+REPO_ID = re.compile(
+    r"^(?P<repo>[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?)"
+    r"(?:@(?P<revision>[\w.][\w./-]{0,254}))?$"
+)
+NO_ROUTE_HINT = (
+    "this server has no route to the hub — download the model on a machine that has one and register its directory"
+)
 
 
 class ModelError(ValueError):
     """A checkpoint could not be registered or sharded; the message says why."""
 
 
+def add_model(*, name: str, path: str) -> ModelArtifact:
+    """Register ``path``: a checkpoint directory at once (as always), a Hub repo id by downloading it first.
+
+    An absolute, home- or dot-relative path is a directory even when missing, so a mistyped
+    path says that no checkpoint is there, not that it cannot be downloaded.
+    """
+    if path.startswith(("/", "~", ".")) or Path(path).is_dir():
+        return register_model(name=name, path=path)
+    return request_model_download(name=name, repo=path)
+
+
 def register_model(*, name: str, path: str) -> ModelArtifact:
     """Register the Mixtral checkpoint at ``path`` (a directory on this host)."""
+    resolved, summary, total = _describe(path)
+    try:
+        with transaction.atomic():
+            return ModelArtifact.objects.create(name=name, path=resolved, summary=summary, total_bytes=total)
+    except IntegrityError:
+        raise ModelError(f"a model named {name!r} is already registered") from None
+
+
+def _describe(path: str) -> tuple[str, dict, int]:
+    """The checkpoint's resolved path, shape summary and size; ModelError if it is not a usable one."""
     try:
         checkpoint = Checkpoint(Path(path))
         config = checkpoint.config
@@ -38,13 +74,160 @@ def register_model(*, name: str, path: str) -> ModelArtifact:
         total = sum(checkpoint.nbytes(key) for key in checkpoint)
     except CheckpointError as exc:
         raise ModelError(str(exc)) from None
+    return str(checkpoint.path.resolve()), summary, total
+
+
+def parse_repo_id(text: str) -> tuple[str, str]:
+    """``owner/name[@revision]`` split into (repo id, revision or ""); ModelError if it is not one."""
+    match = REPO_ID.match(text)
+    if match is None or ".." in text or "--" in match["repo"]:
+        raise ModelError(
+            f"{text!r} is neither a checkpoint directory on this server nor a Hugging Face repo id "
+            "(owner/name, optionally @revision)"
+        )
+    return match["repo"], match["revision"] or ""
+
+
+def models_dir() -> Path:
+    return Path(settings.MODELS_DIR) if settings.MODELS_DIR else Path(settings.VAR_DIR) / "models"
+
+
+def request_model_download(*, name: str, repo: str) -> ModelArtifact:
+    """Register ``repo`` (``owner/name[@revision]``) by downloading it first, in the background.
+
+    The model is listed at once as *downloading*; it turns *ready* once downloaded and read,
+    or *failed* with the reason. Asking again for a failed download of the same repo retries
+    it, from where it stopped.
+    """
+    from .tasks import download_model_task
+
+    repo_id, revision = parse_repo_id(repo)
+    target = models_dir() / repo_id.replace("/", "--") / (revision or "main").replace("/", "--")
+    with transaction.atomic():
+        artifact = ModelArtifact.objects.select_for_update().filter(name=name).first()
+        if artifact is None:
+            try:
+                with transaction.atomic():
+                    artifact = ModelArtifact.objects.create(
+                        name=name, path=str(target), repo_id=repo_id, revision=revision
+                    )
+            except IntegrityError:
+                raise ModelError(f"a model named {name!r} is already registered") from None
+        elif not (
+            artifact.status == ModelStatus.FAILED and (artifact.repo_id, artifact.revision) == (repo_id, revision)
+        ):
+            raise ModelError(f"a model named {name!r} is already registered")
+        artifact.status = ModelStatus.DOWNLOADING
+        artifact.error = ""
+        artifact.download_done_bytes = artifact.download_total_bytes = 0
+        artifact.save()
+        transaction.on_commit(lambda: download_model_task.delay(artifact.pk))
+    return artifact
+
+
+def download_model(*, artifact_id: int) -> ModelArtifact:
+    """Download the artifact's Hub repo into its folder (resuming a partial one), then register it.
+
+    Slow: run it from a background task. Progress is saved as it goes, like a shard build's;
+    a failure is recorded on the artifact with its reason, and raised.
+    """
+    from huggingface_hub import snapshot_download
+
+    artifact = ModelArtifact.objects.get(pk=artifact_id)
+    label = f"{artifact.repo_id}@{artifact.revision}" if artifact.revision else artifact.repo_id
+    ModelArtifact.objects.filter(pk=artifact.pk).update(status=ModelStatus.DOWNLOADING, error="")
     try:
-        with transaction.atomic():
-            return ModelArtifact.objects.create(
-                name=name, path=str(checkpoint.path.resolve()), summary=summary, total_bytes=total
-            )
-    except IntegrityError:
-        raise ModelError(f"a model named {name!r} is already registered") from None
+        Path(artifact.path).mkdir(parents=True, exist_ok=True)
+        options = dict(revision=artifact.revision or None, local_dir=artifact.path, allow_patterns=HUB_PATTERNS)
+        plan = snapshot_download(artifact.repo_id, dry_run=True, **options)
+        total = sum(f.file_size or 0 for f in plan)
+        already = sum(f.file_size or 0 for f in plan if not f.will_download)
+        ModelArtifact.objects.filter(pk=artifact.pk).update(download_done_bytes=already, download_total_bytes=total)
+        snapshot_download(artifact.repo_id, tqdm_class=_progress_bar(artifact.pk, already, total), **options)
+    except Exception as exc:  # every way a download fails ends the same: recorded, with the reason
+        raise _failed(artifact, f"cannot download {label} from the Hugging Face Hub: {_hub_reason(exc)}") from None
+    try:
+        path, summary, size = _describe(artifact.path)
+    except ModelError as exc:
+        raise _failed(artifact, f"downloaded {label}, but it cannot be served: {exc}") from None
+    ModelArtifact.objects.filter(pk=artifact.pk).update(
+        status=ModelStatus.READY, path=path, summary=summary, total_bytes=size, download_done_bytes=total
+    )
+    artifact.refresh_from_db()
+    return artifact
+
+
+def _failed(artifact: ModelArtifact, message: str) -> ModelError:
+    """Record a failed download on the artifact; the error to raise."""
+    ModelArtifact.objects.filter(pk=artifact.pk).update(status=ModelStatus.FAILED, error=message)
+    return ModelError(message)
+
+
+def _hub_reason(exc: Exception) -> str:
+    """Why a Hub download failed, in one line, with what to do about it."""
+    from huggingface_hub.errors import DryRunError, GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    # The dry run (the listing of what to fetch) wraps what went wrong on the way.
+    root = exc.__cause__ if isinstance(exc, DryRunError) and exc.__cause__ is not None else exc
+    first_line = (str(root).strip().splitlines() or [type(root).__name__])[0].rstrip(".")
+    if isinstance(root, GatedRepoError):
+        return f"the repo is gated: accept its terms on huggingface.co and set HF_TOKEN on the server ({first_line})"
+    if isinstance(root, RepositoryNotFoundError | RevisionNotFoundError):
+        return f"no such repo or revision (a private repo needs HF_TOKEN on the server): {first_line}"
+    if _unreachable(root) or _unreachable(root.__cause__):
+        return f"{first_line}; {NO_ROUTE_HINT}"
+    return first_line
+
+
+def _unreachable(exc: BaseException | None) -> bool:
+    """True when the hub could not be reached at all (offline mode, no route, no name, a timeout)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if exc is None:
+        return False
+    # OfflineModeIsEnabled is a ConnectionError; httpx's connect and timeout errors are not OSErrors.
+    return isinstance(exc, ConnectionError | TimeoutError | LocalEntryNotFoundError) or type(exc).__module__.startswith(
+        ("httpx", "httpcore")
+    )
+
+
+def _progress_bar(artifact_id: int, already: int, total: int) -> type:
+    """A tqdm class for ``snapshot_download`` that saves the bytes written to the artifact's row."""
+    from huggingface_hub.utils import tqdm as hub_tqdm
+
+    last_write = 0.0
+    owner = threading.get_ident()
+
+    class Progress(hub_tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            # The byte bar of the whole snapshot; the others count files or network bytes.
+            self.counts = kwargs.get("name") == "huggingface_hub.snapshot_download"
+            kwargs.update(disable=False, file=_Nowhere())
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            nonlocal last_write
+            shown = super().update(n)
+            now = time.monotonic()
+            if self.counts and now - last_write >= PROGRESS_EVERY_S:
+                done = min(total, already + int(self.n))
+                ModelArtifact.objects.filter(pk=artifact_id).update(download_done_bytes=done)
+                last_write = now
+                if threading.get_ident() != owner:  # a download thread: leave no connection behind it
+                    connection.close()
+            return shown
+
+    return Progress
+
+
+class _Nowhere:
+    """A file that drops what a progress bar draws (the Celery log is no terminal)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 def request_shard_build(*, artifact: ModelArtifact, workers: int) -> ModelArtifact:
@@ -55,6 +238,7 @@ def request_shard_build(*, artifact: ModelArtifact, workers: int) -> ModelArtifa
         raise ModelError(f"at least one worker is needed, got {workers}")
     with transaction.atomic():
         locked = ModelArtifact.objects.select_for_update().get(pk=artifact.pk)
+        check_registered(locked)
         if locked.shard_status == ShardStatus.BUILDING:
             raise ModelError(f"shards of {locked.name} are already being built; wait for that build to end")
         locked.shard_status = ShardStatus.BUILDING
@@ -66,20 +250,37 @@ def request_shard_build(*, artifact: ModelArtifact, workers: int) -> ModelArtifa
     return locked
 
 
+def check_registered(artifact: ModelArtifact) -> None:
+    """Refuse to shard (or deploy) a model whose download has not finished well."""
+    if artifact.status == ModelStatus.DOWNLOADING:
+        raise ModelError(f"{artifact.name} is still downloading from the Hugging Face Hub; wait for it")
+    if artifact.status == ModelStatus.FAILED:
+        raise ModelError(f"{artifact.name} could not be registered: {artifact.error}")
+
+
 def shard_dir_for(artifact: ModelArtifact, workers: int) -> Path:
     return Path(settings.VAR_DIR) / "shards" / str(artifact.pk) / f"workers-{workers}"
 
 
-def build_model_shards(*, artifact_id: int, workers: int) -> ModelArtifact:
+def build_model_shards(*, artifact_id: int, workers: int, shadow_dtypes: Sequence[str] = ()) -> ModelArtifact:
     """Build the role shards for ``workers`` workers, saving progress as it goes.
 
-    Slow (it reads and hashes the whole model): run it from a background task. A failure
-    is recorded on the artifact with its reason, and raised.
+    ``shadow_dtypes`` get their shadow shard pre-converted (``shadow-<dtype>``): a set already
+    built for ``workers`` only gets the ones it lacks, nothing else is rebuilt. Slow (it reads
+    and hashes the whole model): run it from a background task. A failure is recorded on the
+    artifact with its reason, and raised.
     """
     if workers < 1:
         raise ModelError(f"at least one worker is needed, got {workers}")
     artifact = ModelArtifact.objects.get(pk=artifact_id)
+    check_registered(artifact)
     out = shard_dir_for(artifact, workers)
+    extend = (
+        artifact.shard_status == ShardStatus.READY
+        and artifact.shard_workers == workers
+        and Path(artifact.shard_dir) == out
+        and (out / "shards.json").is_file()
+    )
     ModelArtifact.objects.filter(pk=artifact.pk).update(
         shard_status=ShardStatus.BUILDING,
         shard_workers=workers,
@@ -98,10 +299,40 @@ def build_model_shards(*, artifact_id: int, workers: int) -> ModelArtifact:
             last_write = now
 
     try:
-        build_shards(artifact.path, out, workers=workers, progress=progress)
+        if extend:
+            built = add_shadow_shards(artifact.path, out, shadow_dtypes, progress=progress)
+        else:
+            built = build_shards(artifact.path, out, workers=workers, progress=progress, shadow_dtypes=shadow_dtypes)
     except (CheckpointError, ShardError, OSError, ValueError) as exc:
         ModelArtifact.objects.filter(pk=artifact.pk).update(shard_status=ShardStatus.FAILED, shard_error=str(exc))
         raise ModelError(f"building shards of {artifact.name} failed: {exc}") from None
-    ModelArtifact.objects.filter(pk=artifact.pk).update(shard_status=ShardStatus.READY)
+    ModelArtifact.objects.filter(pk=artifact.pk).update(
+        shard_status=ShardStatus.READY, shard_shadow_dtypes=list(built.shadow_dtypes)
+    )
     artifact.refresh_from_db()
     return artifact
+
+
+def shards_ready_for(artifact: ModelArtifact, *, workers: int, shadow_dtype: str) -> bool:
+    """Whether the built set serves ``workers`` workers and a ``shadow_dtype`` shadow as it should."""
+    if not (
+        artifact.shard_status == ShardStatus.READY
+        and artifact.shard_workers == workers
+        and Path(artifact.shard_dir).is_dir()
+    ):
+        return False
+    return set(needed_shadow_dtypes(artifact, shadow_dtype)) <= set(artifact.shard_shadow_dtypes or [])
+
+
+def needed_shadow_dtypes(artifact: ModelArtifact, shadow_dtype: str) -> tuple[str, ...]:
+    """The pre-converted shadow shard a ``shadow_dtype`` deployment of ``artifact`` downloads."""
+    try:
+        config = Checkpoint(artifact.path).config
+    except CheckpointError as exc:
+        raise ModelError(f"cannot read {artifact.name}: {exc}") from None
+    return shadow_dtypes_to_build(config, shadow_dtype)
+
+
+def shadow_shard_name(artifact: ModelArtifact, shadow_dtype: str) -> str:
+    """The shard a ``shadow_dtype`` shadow fetches: its pre-converted one if built, else the full one."""
+    return f"shadow-{shadow_dtype}" if shadow_dtype in (artifact.shard_shadow_dtypes or []) else "shadow"

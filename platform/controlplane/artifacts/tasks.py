@@ -19,3 +19,13 @@ def build_model_shards_task(artifact_id: int, workers: int) -> None:
     except services.ModelError as exc:
         # Recorded on the model by the service; retrying would fail the same way.
         log.warning("%s", exc)
+
+
+@shared_task(acks_late=True)
+def download_model_task(artifact_id: int) -> None:
+    """Download a Hub repo and register it; idempotent (a rerun resumes the same folder)."""
+    try:
+        services.download_model(artifact_id=artifact_id)
+    except services.ModelError as exc:
+        # Recorded on the model by the service; a retry is the admin's call (register it again).
+        log.warning("%s", exc)

@@ -6,6 +6,8 @@ the answer is stored as it ended (complete, stopped, or failed with the reason).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
@@ -32,12 +34,26 @@ def start_turn(
             raise ChatError(f"no conversation {conversation_id}")
         conversation.save(update_fields=["updated_at"])
     Message.objects.create(conversation=conversation, role="user", content=content)
-    history = [
-        {"role": m.role, "content": m.content}
-        for m in conversation.messages.exclude(role="assistant", status=MessageStatus.FAILED)
-    ]
+    history = prompt_history(conversation.messages.all())
     answer = Message.objects.create(conversation=conversation, role="assistant", status=MessageStatus.STREAMING)
     return conversation, answer, history
+
+
+def prompt_history(messages: Iterable[Message]) -> list[dict]:
+    """The conversation the model is shown: every turn but those whose answer failed.
+
+    A failed turn is left out whole (the question with its missing answer), so user and
+    assistant still alternate, as instruct models' chat templates require (Mixtral-Instruct's
+    refuses two user messages in a row).
+    """
+    history: list[dict] = []
+    for message in messages:
+        if message.role == "assistant" and message.status == MessageStatus.FAILED:
+            if history and history[-1]["role"] == "user":
+                history.pop()
+            continue
+        history.append({"role": message.role, "content": message.content})
+    return history
 
 
 def finish_turn(*, answer_id: int, content: str, status: str, metrics: dict | None = None, error: str = "") -> None:

@@ -41,10 +41,15 @@ def _model(model: ModelArtifact) -> dict:
         "id": model.pk,
         "name": model.name,
         "path": model.path,
+        "status": model.status,
+        "repo_id": model.repo_id,
+        "download_progress": model.download_progress,
+        "error": model.error,
         "summary": model.summary,
         "total_bytes": model.total_bytes,
         "shard_status": model.shard_status,
         "shard_workers": model.shard_workers,
+        "shard_shadow_dtypes": model.shard_shadow_dtypes,
         "shard_progress": model.shard_progress,
         "shard_error": model.shard_error,
     }
@@ -71,6 +76,7 @@ def _deployment(deployment: Deployment) -> dict:
                 "state": m.state,
                 "detail": m.detail[:300],
                 "metrics": m.metrics,
+                "memory": m.memory,
             }
             for m in deployment.members.all()
         ],

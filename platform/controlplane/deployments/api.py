@@ -10,7 +10,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.artifacts.models import ModelArtifact
+from controlplane.artifacts.models import ModelArtifact, ModelStatus
+from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.names import name_field
 from controlplane.pagination import paginated
 from inference.constants import SHADOW_DTYPES
@@ -22,13 +23,33 @@ from .models import Deployment, DeploymentNode
 from .roles import RoleMap
 
 
+class RoleMemoryOutput(serializers.Serializer):
+    """A running role's memory in bytes when it last answered; empty before its first answer."""
+
+    host_bytes = serializers.IntegerField(required=False, help_text="resident host memory now (VmRSS)")
+    peak_host_bytes = serializers.IntegerField(required=False, help_text="resident host memory at its peak (VmHWM)")
+    device_bytes = serializers.IntegerField(required=False, help_text="GPU memory it holds (0 on a CPU)")
+
+
 class MemberOutput(serializers.ModelSerializer):
     node_name = serializers.CharField(source="node.name")
     node_status = serializers.CharField(source="node.status")
+    memory = RoleMemoryOutput(read_only=True)
 
     class Meta:
         model = DeploymentNode
-        fields = ["node", "node_name", "node_status", "role", "worker_index", "port", "state", "detail", "metrics"]
+        fields = [
+            "node",
+            "node_name",
+            "node_status",
+            "role",
+            "worker_index",
+            "port",
+            "state",
+            "detail",
+            "metrics",
+            "memory",
+        ]
 
 
 class DeploymentOutput(serializers.ModelSerializer):
@@ -52,6 +73,25 @@ class DeploymentOutput(serializers.ModelSerializer):
         ]
 
 
+class ReadyModelField(serializers.PrimaryKeyRelatedField):
+    """A registered model that can be deployed: not one still downloading, nor one that failed (400 with why)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(queryset=ModelArtifact.objects.filter(status=ModelStatus.READY), **kwargs)
+
+    def to_internal_value(self, data):
+        try:
+            return super().to_internal_value(data)
+        except serializers.ValidationError:
+            known = ModelArtifact.objects.filter(pk=data).first() if type(data) is int or str(data).isdigit() else None
+            if known is not None:
+                try:
+                    check_registered(known)
+                except ModelError as exc:
+                    raise serializers.ValidationError(str(exc)) from None
+            raise
+
+
 class RolesInput(serializers.Serializer):
     main = serializers.UUIDField()
     shadow = serializers.UUIDField()
@@ -59,22 +99,31 @@ class RolesInput(serializers.Serializer):
 
 
 class SuggestApi(APIView):
-    """POST /api/deployments/suggest {model, nodes}: the role map a deployment would get."""
+    """POST /api/deployments/suggest {model, nodes[, shadow_dtype, strategy]}: the role map a deployment would get.
+
+    Only a map where every node holds its role's memory; otherwise 400 with each shortfall.
+    """
 
     permission_classes = [IsAdminUser]
 
     @extend_schema_serializer(component_name="SuggestInput")
     class InputSerializer(serializers.Serializer):
-        model = serializers.PrimaryKeyRelatedField(queryset=ModelArtifact.objects.all())
+        model = ReadyModelField()
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
+        shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
+        strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
 
     @extend_schema(request=InputSerializer, responses=RolesInput)
     def post(self, request: Request) -> Response:
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        values = data.validated_data
         try:
             roles = services.suggest_for(
-                model=data.validated_data["model"], node_ids=[str(n) for n in data.validated_data["nodes"]]
+                model=values["model"],
+                node_ids=[str(n) for n in values["nodes"]],
+                shadow_dtype=values["shadow_dtype"],
+                strategy=values["strategy"],
             )
         except services.DeploymentError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
@@ -89,7 +138,7 @@ class DeploymentListApi(APIView):
     @extend_schema_serializer(component_name="DeploymentListInput")
     class InputSerializer(serializers.Serializer):
         name = name_field()
-        model = serializers.PrimaryKeyRelatedField(queryset=ModelArtifact.objects.all())
+        model = ReadyModelField()
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=3)
         roles = RolesInput(required=False)
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
@@ -161,6 +210,8 @@ class DeploymentStartApi(APIView):
         deployment = _deployment(deployment_id)
         try:
             lifecycle.start_deployment(deployment=deployment)
+        except services.DeploymentDoesNotFit as exc:  # the request itself can't succeed on these nodes
+            return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
         except services.DeploymentError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         return Response(DeploymentOutput(_deployment(deployment_id)).data, status=status.HTTP_202_ACCEPTED)
@@ -229,7 +280,9 @@ class EstimateApi(APIView):
     Before anything is deployed: decode tok/s, TTFT and memory per node of ``model`` (a
     registered model, by its config.json; Mixtral-8x7B when omitted) with ``workers``
     workers on a hardware ``profile``, at the roofline (``ideal``) and with measured or
-    published implementation efficiencies (``adjusted``); see inference/sim.
+    published implementation efficiencies (``adjusted``); see inference/sim. ``memory``
+    is the host RAM, GPU memory and disk per role from the tensor sizes (inference/memory.py),
+    what creating and starting a deployment check each node against.
     """
 
     permission_classes = [IsAdminUser]

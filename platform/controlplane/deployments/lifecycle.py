@@ -13,21 +13,26 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 from datetime import timedelta
-from pathlib import Path
 
 from django.db import transaction
 from django.utils import timezone
 
-from agent.messages import ApplyAlignment, StartRole, StopRole
-from controlplane.artifacts.models import ShardStatus
-from controlplane.artifacts.services import ModelError, build_model_shards
+from agent.messages import MEMORY_FIGURES, ApplyAlignment, StartRole, StopRole
+from controlplane.artifacts.services import (
+    ModelError,
+    build_model_shards,
+    needed_shadow_dtypes,
+    shadow_shard_name,
+    shards_ready_for,
+)
 from controlplane.nodes.models import Node, NodeStatus, NodeTask
 from controlplane.nodes.services import send_command
+from inference.memory import gpu_index
 from inference.spec import Settings
 
 from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 from .peers import PeerError, Seat, peer_table, pick_ports
-from .services import DeploymentError, check_nodes_free
+from .services import DeploymentError, check_fits, check_nodes_free
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +56,18 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
         down = [m.node.name for m in members if m.node.status != NodeStatus.ONLINE]
         if down:
             raise DeploymentError(f"these nodes' agents are not connected: {', '.join(down)}")
+        # Checked again on every start: inventories (free disk above all) change after creation.
+        check_fits(
+            model=locked.model,
+            shadow_dtype=locked.shadow_dtype,
+            strategy=locked.strategy,
+            seats={m.role_name: m.node for m in members},
+        )
         locked.epoch += 1
         locked.status = DeploymentStatus.DEPLOYING
         locked.status_reason = "queued"
         locked.save(update_fields=["epoch", "status", "status_reason", "updated_at"])
-        locked.members.update(state=MemberState.PENDING, detail="", port=None, start_sent_at=None)
+        locked.members.update(state=MemberState.PENDING, detail="", port=None, start_sent_at=None, memory={})
         epoch = locked.epoch
         transaction.on_commit(lambda: push_deployment_task.delay(locked.pk, epoch))
     return locked
@@ -69,17 +81,18 @@ def push_deployment(*, deployment_id: int, epoch: int) -> None:
     members = list(deployment.members.select_related("node"))
     workers = sum(1 for m in members if m.role == Role.WORKER)
     artifact = deployment.model
-    if not (
-        artifact.shard_status == ShardStatus.READY
-        and artifact.shard_workers == workers
-        and Path(artifact.shard_dir).is_dir()
-    ):
-        _set_status(deployment, DeploymentStatus.DEPLOYING, f"building shards of {artifact.name} for {workers} workers")
-        try:
-            build_model_shards(artifact_id=artifact.pk, workers=workers)
-        except ModelError as exc:
-            _set_status(deployment, DeploymentStatus.FAILED, str(exc))
-            return
+    try:
+        if not shards_ready_for(artifact, workers=workers, shadow_dtype=deployment.shadow_dtype):
+            # The shadow's shard comes converted to its dtype: a shadow box downloads nf4, not bf16.
+            shadow_dtypes = needed_shadow_dtypes(artifact, deployment.shadow_dtype)
+            shadow = f" and its {', '.join(shadow_dtypes)} shadow" if shadow_dtypes else ""
+            reason = f"building shards of {artifact.name} for {workers} workers{shadow}"
+            _set_status(deployment, DeploymentStatus.DEPLOYING, reason)
+            build_model_shards(artifact_id=artifact.pk, workers=workers, shadow_dtypes=shadow_dtypes)
+            deployment.model.refresh_from_db()
+    except ModelError as exc:
+        _set_status(deployment, DeploymentStatus.FAILED, str(exc))
+        return
     seats = [Seat(m.role_name, m.node.name, m.node.address, _free_ports(m.node)) for m in members]
     try:
         ports = pick_ports(seats)
@@ -106,7 +119,7 @@ def stop_deployment(*, deployment: Deployment) -> Deployment:
         locked.status = DeploymentStatus.STOPPED
         locked.status_reason = "stopped by an administrator"
         locked.save(update_fields=["status", "status_reason", "updated_at"])
-        locked.members.exclude(state=MemberState.OFFLINE).update(state=MemberState.STOPPED)
+        locked.members.exclude(state=MemberState.OFFLINE).update(state=MemberState.STOPPED, memory={})
         if was_running:
             key = locked.runtime_key
             nodes = list(locked.members.values_list("node_id", flat=True))
@@ -147,11 +160,18 @@ def _send_start(deployment: Deployment, member: DeploymentNode, members: list[De
         task_id=str(task.pk),
         deployment=deployment.runtime_key,
         model_id=deployment.model_id,
-        shard=member.role_name,
+        shard=shard_name(deployment, member),
         spec=role_spec(deployment, member, members),
     ).to_json()
     DeploymentNode.objects.filter(pk=member.pk).update(start_sent_at=timezone.now())
     transaction.on_commit(lambda: send_command(node_id=str(member.node_id), command=command))
+
+
+def shard_name(deployment: Deployment, member: DeploymentNode) -> str:
+    """The shard ``member`` fetches: its role's, the shadow's converted to its dtype where built."""
+    if member.role == Role.SHADOW:
+        return shadow_shard_name(deployment.model, deployment.shadow_dtype)
+    return member.role_name
 
 
 def role_spec(deployment: Deployment, member: DeploymentNode, members: list[DeploymentNode]) -> dict:
@@ -163,6 +183,7 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
         token_period=deployment.token_period,
         kv_period=deployment.kv_period,
         strategy=deployment.strategy,
+        device=role_device(member.node.inventory),
     )
     return {
         "deployment": deployment.runtime_key,
@@ -171,6 +192,15 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
         "worker": member.worker_index,
         "settings": asdict(settings),
     }
+
+
+def role_device(inventory: dict) -> str:
+    """``cuda:N`` for the node's GPU with the most memory (where its role runs), ``auto`` without one.
+
+    One role per node today; a node with several GPUs hosting several roles would spread them.
+    """
+    index = gpu_index(inventory) if isinstance(inventory, dict) else None
+    return "auto" if index is None else f"cuda:{index}"
 
 
 # --- following what agents report ----------------------------------------------------------
@@ -193,9 +223,10 @@ def reconcile(*, node_id: str, report: dict) -> None:
     if reported == deployment.runtime_key and state in MemberState.values:
         detail = str(report.get("detail", ""))[:4000]
         metrics = report.get("metrics") if isinstance(report.get("metrics"), dict) else member.metrics
-        if (member.state, member.detail, member.metrics) != (state, detail, metrics):
-            member.state, member.detail, member.metrics = state, detail, metrics
-            member.save(update_fields=["state", "detail", "metrics", "updated_at"])
+        memory = role_memory(report.get("memory"))
+        if (member.state, member.detail, member.metrics, member.memory) != (state, detail, metrics, memory):
+            member.state, member.detail, member.metrics, member.memory = state, detail, metrics, memory
+            member.save(update_fields=["state", "detail", "metrics", "memory", "updated_at"])
     elif member.state != MemberState.FAILED and _start_due(member):
         # The box runs something else, or nothing (its agent restarted): start its role again.
         member.state, member.detail = MemberState.PENDING, "role sent again"
@@ -205,10 +236,21 @@ def reconcile(*, node_id: str, report: dict) -> None:
     refresh_status(deployment)
 
 
+def role_memory(reported: object) -> dict[str, int]:
+    """The memory figures of a report (``MEMORY_FIGURES``), or {} when it has none.
+
+    A heartbeat's runtime report is not checked on arrival the way a RoleState is, so
+    anything but a non-negative integer per known figure is left out here.
+    """
+    if not isinstance(reported, dict):
+        return {}
+    return {name: value for name in MEMORY_FIGURES if type(value := reported.get(name)) is int and value >= 0}
+
+
 def nodes_went_offline(*, node_ids: list[str]) -> None:
     members = DeploymentNode.objects.filter(node_id__in=node_ids, deployment__status__in=RUNNING)
     deployments = {m.deployment_id for m in members}
-    members.update(state=MemberState.OFFLINE, detail="the node's agent is not connected", start_sent_at=None)
+    members.update(state=MemberState.OFFLINE, detail="the node's agent is not connected", start_sent_at=None, memory={})
     for deployment in Deployment.objects.filter(pk__in=deployments):
         refresh_status(deployment)
 

@@ -84,6 +84,11 @@ class DeploymentNode(models.Model):
     metrics = models.JSONField(
         default=dict, blank=True, help_text="what the role last reported (main: its last generation)"
     )
+    memory = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="the role's memory when it last answered: host_bytes, peak_host_bytes, device_bytes",
+    )
     start_sent_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 

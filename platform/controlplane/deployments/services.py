@@ -1,6 +1,9 @@
 """Writes of the deployments app: create a deployment with its role map, change its settings.
 
-Starting, stopping and following a running deployment live in ``lifecycle``.
+Starting, stopping and following a running deployment live in ``lifecycle``. A deployment
+whose nodes cannot hold their roles (``inference.memory``: RAM, GPU memory, disk, from the
+checkpoint's tensor sizes) is refused when created and again when started, before anything
+is built or downloaded, with each node's shortfall.
 """
 
 from __future__ import annotations
@@ -9,10 +12,13 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
 from controlplane.artifacts.models import ModelArtifact
+from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
 from inference.checkpoint import Checkpoint, CheckpointError
+from inference.memory import MemoryPlan, check_plan_fit, memory_from_checkpoint, memory_from_config
 from inference.schedule import validate_periods
+from inference.sharding import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.strategies import DEFAULT_STRATEGY, get_strategy
 
@@ -24,12 +30,66 @@ class DeploymentError(ValueError):
     """A deployment cannot be created or changed as asked; the message says why."""
 
 
-def suggest_for(*, model: ModelArtifact, node_ids: list[str]) -> RoleMap:
+class DeploymentDoesNotFit(DeploymentError):
+    """A node cannot hold its role; the message names each node, resource and shortfall."""
+
+
+def suggest_for(
+    *,
+    model: ModelArtifact,
+    node_ids: list[str],
+    shadow_dtype: str = "fp32",
+    strategy: str = DEFAULT_STRATEGY,
+    memory: MemoryPlan | None = None,
+) -> RoleMap:
+    """The suggested role map: only one whose nodes hold their roles' memory."""
     nodes = _nodes(node_ids)
+    top_k = int(model.summary.get("top_k", 2))
+    if memory is None and len(nodes) > 2:
+        memory = memory_plan(model=model, workers=len(nodes) - 2, shadow_dtype=shadow_dtype, strategy=strategy)
     try:
-        return suggest_roles({str(n.pk): n.inventory for n in nodes}, top_k=int(model.summary.get("top_k", 2)))
+        return suggest_roles(
+            {str(n.pk): n.inventory for n in nodes},
+            top_k=top_k,
+            memory=memory,
+            names={str(n.pk): n.name for n in nodes},
+        )
     except (RoleError, ValueError) as exc:
         raise DeploymentError(str(exc)) from None
+
+
+def memory_plan(*, model: ModelArtifact, workers: int, shadow_dtype: str, strategy: str) -> MemoryPlan:
+    """Memory per role of ``model`` with ``workers`` workers, from its checkpoint's tensor sizes."""
+    try:
+        return memory_from_checkpoint(model.path, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy)
+    except (CheckpointError, ValueError) as exc:
+        raise DeploymentError(f"cannot size the roles of {model.name}: {exc}") from None
+
+
+def check_fits(*, model: ModelArtifact, shadow_dtype: str, strategy: str, seats: dict[str, Node]) -> MemoryPlan:
+    """Refuse a role map (role name -> node) where a node cannot hold its role.
+
+    A shard already on a node (its agent reports ``shard_bytes``) needs no new disk space.
+    """
+    workers = sum(1 for role in seats if role.startswith("worker-"))
+    plan = memory_plan(model=model, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy)
+    present = {}
+    # The shadow fetches its shard converted to its dtype (shadow-nf4...) unless that is the checkpoint's own.
+    converted = shadow_dtypes_to_build(Checkpoint(model.path).config, shadow_dtype)
+    shadow_shard = f"shadow-{shadow_dtype}" if converted else "shadow"
+    for role, node in seats.items():
+        on_disk = node.inventory.get("shard_bytes") if isinstance(node.inventory, dict) else None
+        shard = f"{model.pk}/{shadow_shard if role == 'shadow' else role}"
+        if isinstance(on_disk, dict) and isinstance(on_disk.get(shard), int):
+            present[role] = on_disk[shard]
+    problems = check_plan_fit(
+        plan, {role: (node.name, node.inventory) for role, node in seats.items()}, present=present
+    )
+    if problems:
+        raise DeploymentDoesNotFit(
+            f"{model.name} does not fit on these nodes: " + "; ".join(p.message for p in problems)
+        )
+    return plan
 
 
 @transaction.atomic
@@ -45,19 +105,27 @@ def create_deployment(
     strategy: str = DEFAULT_STRATEGY,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
-    """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given."""
+    """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
+
+    Only a model whose registration finished: not one still downloading, nor one that failed.
+    """
     try:
+        check_registered(model)
         validate_periods(token_period, kv_period)
         get_strategy(strategy)
-    except ValueError as exc:
+    except (ModelError, ValueError) as exc:
         raise DeploymentError(str(exc)) from None
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
     _check_nodes(nodes, node_ids)
-    roles = roles or suggest_for(model=model, node_ids=node_ids)
+    roles = roles or suggest_for(model=model, node_ids=node_ids, shadow_dtype=shadow_dtype, strategy=strategy)
     try:
         check_roles(roles, [str(n.pk) for n in nodes])
     except RoleError as exc:
         raise DeploymentError(str(exc)) from None
+    by_id = {str(n.pk): n for n in nodes}
+    seats = {"main": by_id[roles.main], "shadow": by_id[roles.shadow]}
+    seats |= {f"worker-{i}": by_id[node] for i, node in enumerate(roles.workers)}
+    check_fits(model=model, shadow_dtype=shadow_dtype, strategy=strategy, seats=seats)
     try:
         with transaction.atomic():
             deployment = Deployment.objects.create(
@@ -137,16 +205,22 @@ def estimate(
     input_tokens: int = 128,
     output_tokens: int = 128,
 ) -> dict:
-    """The cluster simulator's prediction for a planned deployment (``inference.sim.estimate``)."""
+    """The cluster simulator's prediction for a planned deployment (``inference.sim.estimate``).
+
+    ``memory`` holds the memory per role (``inference.memory``), from the checkpoint's
+    tensor sizes when ``model`` is given (Mixtral-8x7B in bf16 otherwise).
+    """
     sizes: str | dict = "mixtral-8x7b"
+    checkpoint: Checkpoint | None = None
     if model is not None:
         try:
-            sizes = Checkpoint(model.path).config
+            checkpoint = Checkpoint(model.path)
+            sizes = checkpoint.config
         except CheckpointError as exc:
             raise DeploymentError(f"cannot read {model.name}'s config: {exc}") from None
     top_k = int(sizes.get("num_experts_per_tok", 2)) if isinstance(sizes, dict) else 2
     try:
-        return sim.estimate(
+        result = sim.estimate(
             model=sizes,
             profile=profile,
             workers=workers,
@@ -156,5 +230,11 @@ def estimate(
             input_tokens=input_tokens,
             output_tokens=output_tokens,
         )
-    except ValueError as exc:
+        options = {"workers": workers, "shadow_dtype": shadow_dtype, "strategy": strategy}
+        if checkpoint is not None:
+            memory = memory_from_checkpoint(checkpoint, **options)
+        else:
+            memory = memory_from_config(sizes, dtype="bfloat16", **options)
+    except (CheckpointError, ValueError) as exc:
         raise DeploymentError(f"no estimate: {exc}") from None
+    return result | {"memory": memory.to_dict()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from inference.textstream import load_tokenizer
@@ -59,13 +60,35 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """The prompt ids of a conversation, with the tokenizer's chat template when it has one."""
+    """The prompt ids of a conversation, with the tokenizer's chat template when it has one.
+
+    The one place where messages become a prompt: the chat UI and ``/v1/chat/completions``
+    both call it. A template writes its own special tokens (Mixtral-Instruct's starts with
+    ``{{ bos_token }}``), so its text is encoded without the tokenizer adding a second BOS.
+    Without a template, the messages are laid out as plain ``role: content`` lines.
+    """
     check_messages(messages)
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        text = render_chat(tokenizer, messages)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "".join(FALLBACK_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
     return list(tokenizer(text + FALLBACK_ASSISTANT)["input_ids"])
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+    """The conversation as the model's chat template writes it, ready for the answer to follow.
+
+    A template may refuse a conversation (Mixtral-Instruct's raises on a system message or
+    on two user turns in a row) or be broken: either is the request's problem, not a crash.
+    """
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, TypeError, ValueError) as exc:
+        raise InputError(
+            f"this model's chat template cannot render these messages: {exc}",
+            param="messages",
+            code="chat_template_error",
+        ) from None
 
 
 def check_messages(messages: object) -> None:

@@ -7,6 +7,8 @@
 | ``DJANGO_ALLOWED_HOSTS`` | comma-separated host names | ``localhost,127.0.0.1`` |
 | ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` | SQLite under ``ODMOE_VAR_DIR`` |
 | ``ODMOE_VAR_DIR`` | where the control plane keeps its data | ``var/`` in the checkout |
+| ``ODMOE_MODELS_DIR`` | where models registered by Hub repo id are downloaded | ``models/`` in ``ODMOE_VAR_DIR`` |
+| ``HF_TOKEN`` | Hugging Face token, for gated or private repos (read by ``huggingface_hub``) | none |
 | ``ODMOE_JOIN_TOKEN_TTL_S`` | default lifetime of a join token | 86400 |
 | ``REDIS_URL`` | Redis for Celery and the Channels layer | ``redis://127.0.0.1:6379/0`` |
 | ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
@@ -23,6 +25,8 @@ import dj_database_url
 
 REPO_DIR = Path(__file__).resolve().parents[4]
 VAR_DIR = Path(os.environ.get("ODMOE_VAR_DIR", REPO_DIR / "var"))
+# Empty: ``VAR_DIR / "models"`` (decided where it is used, so a test that moves VAR_DIR moves it too).
+MODELS_DIR = os.environ.get("ODMOE_MODELS_DIR", "")
 
 INSECURE_DEV_SECRET = "odmoe-insecure-development-key-change-me"
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", INSECURE_DEV_SECRET)
