@@ -14,6 +14,8 @@ on disk even if the process is killed):
    copies timed with CUDA events.
 3. ``expert``: one expert's compute time at batch 1 (``inference.experts.expert_forward`` on
    ``fuse_expert`` weights on the device), CUDA-event timed, median of many.
+   ``nf4``: nf4 data quantized by the CPU (as a pre-converted shadow shard is) read by the GPU's
+   kernels, and the GPU's own quantization, against the CPU's (needs bitsandbytes).
 4. ``checkpoint``: a random Mixtral-8x7B-shaped checkpoint of 4 layers (``inference.tiny.make_tiny``:
    hidden 4096, intermediate 14336, 8 experts, top-2, 32 heads, 8 KV heads, bf16; about 12 GB),
    written at run time on the machine that runs the check (nothing that large travels).
@@ -121,7 +123,7 @@ SCALES = {
         copy_repeats=10,
         expert_repeats=200,
         budget_s=420.0,
-        limits=dict(facts=30, copy=60, expert=60, checkpoint=200, shards=150, reference=120, run=150),
+        limits=dict(facts=30, copy=60, expert=60, nf4=30, checkpoint=200, shards=150, reference=120, run=150),
         min_run_s=40.0,
     ),
     # The same flow in seconds on a CPU; fp32 so that the runtime matches Transformers exactly.
@@ -144,7 +146,7 @@ SCALES = {
         copy_repeats=5,
         expert_repeats=50,
         budget_s=300.0,
-        limits=dict(facts=30, copy=30, expert=30, checkpoint=60, shards=60, reference=60, run=90),
+        limits=dict(facts=30, copy=30, expert=30, nf4=30, checkpoint=60, shards=60, reference=60, run=90),
         min_run_s=3.0,
     ),
 }
@@ -499,6 +501,43 @@ def expert_compute(device: torch.device, model: dict, repeats: int) -> dict:
 
 
 # --- 4. checkpoint, 5. reference -----------------------------------------------------------------
+
+
+def nf4_across_devices(device: torch.device) -> dict:
+    """nf4 data quantized on a CPU (a shard build) read by the GPU's kernels, and quantized on the GPU.
+
+    A pre-converted shadow shard is quantized by bitsandbytes' CPU backend on the control plane
+    and dequantized by its CUDA kernels on the shadow's box: the two must agree on the packing
+    (high nibble first) and the per-block absmax. Compared: the CUDA dequantization of CPU data
+    against the CPU's, the fused 4-bit matmul against a matmul with the CPU-dequantized weight,
+    and CUDA quantization against the CPU's bytes.
+    """
+    from inference import quant
+
+    if device.type != "cuda":
+        raise Skipped("needs a CUDA device: this compares CPU and GPU kernels")
+    version, why_not = bitsandbytes_status()
+    if why_not:
+        raise Skipped(why_not)
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(4096, 1000, generator=generator) * 0.02).to(torch.bfloat16)  # rows not a multiple of 64
+    on_cpu = quant.quantize_weight(weight, "nf4")
+    cpu_dense = quant.dequantize_weight(on_cpu, torch.float32)
+    moved = quant.QuantizedWeight("nf4", on_cpu.data.to(device), on_cpu.state.to(device), on_cpu.shape)
+    gpu_dense = quant.dequantize_weight(moved, torch.float32).cpu()
+    x = torch.randn(1, 1000, generator=generator).to(device, torch.bfloat16)
+    fused = quant.quantized_linear(x, moved).float().cpu()
+    plain = torch.nn.functional.linear(x.float(), cpu_dense.to(device)).cpu()
+    on_gpu = quant.quantize_weight(weight.to(device), "nf4")
+    return {
+        "bitsandbytes": version,
+        "dequantize_equal": bool(torch.equal(gpu_dense, cpu_dense)),
+        "dequantize_max_abs_diff": float((gpu_dense - cpu_dense).abs().max()),
+        "matmul_4bit_max_abs_diff": float((fused - plain).abs().max()),
+        "matmul_output_max_abs": float(plain.abs().max()),
+        "quantize_data_equal": bool(torch.equal(on_gpu.data.cpu(), on_cpu.data)),
+        "quantize_absmax_max_diff": float((on_gpu.state.float().cpu() - on_cpu.state.float()).abs().max()),
+    }
 
 
 def build_checkpoint(model_dir: Path, model: dict) -> dict:
@@ -874,6 +913,14 @@ def markdown(data: dict) -> str:
             + (f", {pipelined:.1f} µs back to back" if pipelined is not None else "")
             + f" ({fmt(expert.get('weights_gb_s'), '.3g')} GB/s of weights; {expert.get('timer')})"
         )
+    nf4 = (sections.get("nf4") or {}).get("result") or {}
+    if nf4:
+        lines.append(
+            f"nf4 quantized on the CPU, read on the GPU: dequantization equal {nf4['dequantize_equal']} "
+            f"(max diff {nf4['dequantize_max_abs_diff']:.3g}), 4-bit matmul max diff "
+            f"{nf4['matmul_4bit_max_abs_diff']:.3g} (outputs up to {nf4['matmul_output_max_abs']:.3g}); "
+            f"quantized on the GPU: same bytes {nf4['quantize_data_equal']}"
+        )
     if cluster.get("ceiling"):
         c = cluster["ceiling"]
         lines.append(
@@ -984,6 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: copy_bandwidth(device, expert_nbytes(model, itemsize), scale.copy_repeats),
     )
     run_section(report, "expert", scale.limits["expert"], lambda: expert_compute(device, model, scale.expert_repeats))
+    run_section(report, "nf4", scale.limits["nf4"], lambda: nf4_across_devices(device))
 
     own_work_dir = args.work_dir is None
     work_dir = Path(tempfile.mkdtemp(prefix="odmoe-gpu-check-")) if own_work_dir else args.work_dir

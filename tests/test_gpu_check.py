@@ -125,7 +125,9 @@ def test_the_whole_check_runs_on_a_cpu_at_tiny_scale(tmp_path: Path) -> None:
     assert "[gpu-check" in done.stdout  # progress lines
     data = json.loads(out.read_text())
     assert data["format"] == gpu.FORMAT and data["scale"] == "tiny" and data["device"] == "cpu"
-    assert {name: entry["status"] for name, entry in data["sections"].items()} == dict.fromkeys(SECTIONS, "ok")
+    statuses = {name: entry["status"] for name, entry in data["sections"].items()}
+    assert statuses == dict.fromkeys(SECTIONS, "ok") | {"nf4": "skipped"}  # CPU against GPU kernels: GPU only
+    assert "needs a CUDA device" in data["sections"]["nf4"]["reason"]
     assert data["versions"]["torch"] and data["versions"]["transformers"] and data["versions"]["pyzmq"]
 
     # The device-only figures are null, with the reason.
