@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     shard.add_argument("out_dir", type=Path)
     shard.add_argument("--workers", type=int, required=True)
     shard.add_argument("--max-file-mb", type=int, default=2048, help="largest weights file to write (MiB)")
+    shard.add_argument(
+        "--shadow-dtypes",
+        type=_dtype_list,
+        default=(),
+        help="also write the shadow pre-converted to these dtypes, comma-separated (e.g. nf4,int8): shadow-<dtype>/",
+    )
     shard.set_defaults(run=_shard)
 
     gen = sub.add_parser("generate", help="run main, shadow and N workers on 127.0.0.1 and generate")
@@ -146,6 +152,14 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dtype_list(text: str) -> tuple[str, ...]:
+    dtypes = tuple(d.strip() for d in text.split(",") if d.strip())
+    unknown = [d for d in dtypes if d not in SHADOW_DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown shadow dtype {unknown[0]!r}; allowed: {', '.join(SHADOW_DTYPES)}")
+    return dtypes
+
+
 def _shard(args: argparse.Namespace) -> int:
     from inference.sharding import build_shards
 
@@ -165,9 +179,11 @@ def _shard(args: argparse.Namespace) -> int:
         workers=args.workers,
         max_file_bytes=args.max_file_mb * 2**20,
         progress=progress,
+        shadow_dtypes=args.shadow_dtypes,
     )
     print(file=sys.stderr)
-    print(f"wrote shards for main, shadow and {args.workers} workers to {shard_set.root}")
+    shadows = "".join(f", shadow-{d}" for d in shard_set.shadow_dtypes)
+    print(f"wrote shards for main, shadow{shadows} and {args.workers} workers to {shard_set.root}")
     return 0
 
 

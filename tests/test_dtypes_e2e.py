@@ -68,3 +68,13 @@ def test_every_shadow_dtype_gives_the_checkpoints_own_tokens(
 def test_every_strategy_is_exact_in_bf16(bf16_model: Path, strategy: str) -> None:
     options = ClusterOptions(workers=3, settings=Settings(strategy=strategy))
     _check(bf16_model, options, PROMPTS[2:4])
+
+
+def test_dtype_overrides_what_main_and_workers_compute_in(bf16_model: Path) -> None:
+    # --dtype float32 on a bf16 release: the same tokens as Transformers loading it in fp32.
+    options = ClusterOptions(workers=3, settings=Settings(dtype="float32", shadow_dtype="int8"))
+    prompts = PROMPTS[:2]
+    expected = [reference_generate(bf16_model, prompt, NEW_TOKENS, dtype="float32") for prompt in prompts]
+    with LocalCluster(bf16_model, options) as cluster:
+        for prompt, want in zip(prompts, expected, strict=True):
+            assert cluster.generate(prompt, NEW_TOKENS).token_ids == want
