@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 from inference.launcher import free_port
@@ -14,7 +15,13 @@ FREE_PORTS = 4  # offered per heartbeat; the control plane picks a role's inbox 
 
 
 def gpus() -> list[dict]:
-    """Every GPU: CUDA index, name, total and free memory (via torch.cuda; none without torch or CUDA)."""
+    """Every GPU: CUDA index, name, total memory and, where ``nvidia-smi`` says, free memory.
+
+    Free memory is read from ``nvidia-smi``, never through CUDA itself: asking CUDA would
+    create a context on every GPU inside the long-lived agent, holding a few hundred MB of
+    each for its whole life (and, on a GPU in exclusive-process mode, keeping the role
+    process off it). GPUs are matched by UUID, since nvidia-smi's order is not CUDA's.
+    """
     try:
         import torch
     except ImportError:
@@ -22,17 +29,41 @@ def gpus() -> list[dict]:
     try:
         if not torch.cuda.is_available():
             return []
+        free = _free_bytes_by_uuid()
         found = []
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
             gpu = {"index": index, "name": props.name, "memory_bytes": int(props.total_memory)}
-            # A GPU in exclusive mode held by another process, or a lost one, has no free figure.
-            with contextlib.suppress(RuntimeError):
-                gpu["free_bytes"] = int(torch.cuda.mem_get_info(index)[0])
+            uuid = str(getattr(props, "uuid", "")).removeprefix("GPU-")
+            if uuid in free:
+                gpu["free_bytes"] = free[uuid]
             found.append(gpu)
         return found
     except RuntimeError:  # a broken driver: report no GPU rather than no heartbeat
         return []
+
+
+def _free_bytes_by_uuid() -> dict[str, int]:
+    """Free memory per GPU UUID (without the ``GPU-`` prefix) from nvidia-smi; {} where it can't say."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=uuid,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    free = {}
+    for line in out.splitlines():
+        uuid, _, mib = (part.strip() for part in line.partition(","))
+        with contextlib.suppress(ValueError):
+            free[uuid.removeprefix("GPU-")] = int(mib) * 1024 * 1024
+    return free
 
 
 def shard_bytes(state_dir: Path) -> dict[str, int]:

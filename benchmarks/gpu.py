@@ -529,7 +529,17 @@ def nf4_across_devices(device: torch.device) -> dict:
     fused = quant.quantized_linear(x, moved).float().cpu()
     plain = torch.nn.functional.linear(x.float(), cpu_dense.to(device)).cpu()
     on_gpu = quant.quantize_weight(weight.to(device), "nf4")
+    # In-features a multiple of the block (as Mixtral's 4096 and 14336): bitsandbytes' own
+    # batch-1 4-bit kernel runs, where 1000 falls back to dequantize + matmul.
+    wide = (torch.randn(4096, 4096, generator=generator) * 0.02).to(torch.bfloat16)
+    wide_q = quant.quantize_weight(wide, "nf4")
+    wide_moved = quant.QuantizedWeight("nf4", wide_q.data.to(device), wide_q.state.to(device), wide_q.shape)
+    x_wide = torch.randn(1, 4096, generator=generator).to(device, torch.bfloat16)
+    kernel = quant.quantized_linear(x_wide, wide_moved).float().cpu()
+    wide_plain = torch.nn.functional.linear(x_wide.float(), quant.dequantize_weight(wide_q).to(device)).cpu()
     return {
+        "matmul_4bit_kernel_max_abs_diff": float((kernel - wide_plain).abs().max()),
+        "matmul_4bit_kernel_output_max_abs": float(wide_plain.abs().max()),
         "bitsandbytes": version,
         "dequantize_equal": bool(torch.equal(gpu_dense, cpu_dense)),
         "dequantize_max_abs_diff": float((gpu_dense - cpu_dense).abs().max()),
@@ -560,12 +570,15 @@ def build_role_shards(model_dir: Path, shard_dir: Path, workers: int) -> dict:
     shard_dir.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(shard_dir.parent).free
     started = time.monotonic()
-    build_shards(model_dir, shard_dir, workers=workers)
+    # The nf4 shadow then loads a shard quantized here, on the CPU, as a deployment's shadow does.
+    preconverted = ("nf4",) if bitsandbytes_status()[1] is None else ()
+    build_shards(model_dir, shard_dir, workers=workers, shadow_dtypes=preconverted)
     seconds = time.monotonic() - started
     size = sum(p.stat().st_size for p in shard_dir.rglob("*") if p.is_file())
     return {
         "dir": str(shard_dir),
         "workers": workers,
+        "preconverted_shadows": list(preconverted),
         "bytes": size,
         "write_gb_s": size / seconds / 1e9,
         "disk_free_bytes_before": free,
@@ -918,7 +931,9 @@ def markdown(data: dict) -> str:
         lines.append(
             f"nf4 quantized on the CPU, read on the GPU: dequantization equal {nf4['dequantize_equal']} "
             f"(max diff {nf4['dequantize_max_abs_diff']:.3g}), 4-bit matmul max diff "
-            f"{nf4['matmul_4bit_max_abs_diff']:.3g} (outputs up to {nf4['matmul_output_max_abs']:.3g}); "
+            f"{nf4['matmul_4bit_max_abs_diff']:.3g} (outputs up to {nf4['matmul_output_max_abs']:.3g}), "
+            f"batch-1 kernel max diff {nf4['matmul_4bit_kernel_max_abs_diff']:.3g} "
+            f"(outputs up to {nf4['matmul_4bit_kernel_output_max_abs']:.3g}); "
             f"quantized on the GPU: same bytes {nf4['quantize_data_equal']}"
         )
     if cluster.get("ceiling"):

@@ -47,16 +47,18 @@ class DeviceCache(Generic[R]):
         reads those tensors before dropping them (``record_stream``).
         """
         old = self._entries.pop(key, None)
+        freed = []
         if old is not None:
             self._bytes -= old[1]
+            if old[0] is not resident:
+                freed.append(old[0])  # a second copy of the same expert replaces the first
         if self.capacity_per_layer == 0:
-            return [resident]
+            return [*freed, resident]
         self._entries[key] = (resident, nbytes)
         self._bytes += nbytes
         if self.capacity_per_layer is None:
-            return []
+            return freed
         victims = lru_evictions(list(self._entries), key[0], self.capacity_per_layer)
-        freed = []
         for victim in victims:
             entry, size = self._entries.pop(victim)
             self._bytes -= size

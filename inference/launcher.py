@@ -135,8 +135,8 @@ class LocalCluster:
         checkpoint = Checkpoint(self.model_dir)  # a bad model dir fails here, clearly
         shard_dir = self.work_dir / "shards"
         shadow_dtype = self.options.settings.shadow_dtype
-        # A shadow in another dtype than the checkpoint's gets its shard converted once, here,
-        # as a deployment's shard build does; in the checkpoint's own dtype there is nothing to convert.
+        # A shadow in another dtype than the checkpoint's gets its shard converted by the shard
+        # build, as a deployment's does (a reused work_dir without that shard: converted at load).
         preconvert = shadow_dtypes_to_build(checkpoint.config, shadow_dtype) if self.options.runs_shadow else ()
         if not (shard_dir / "shards.json").exists():
             self.progress(f"building shards for {self.options.workers} workers in {shard_dir}")

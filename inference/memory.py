@@ -10,8 +10,9 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   it loads and on its GPU with the KV cache for ``context_tokens`` tokens.
 - *shadow*: the whole model in the shadow dtype (``SHADOW_DTYPES``; int8/nf4 quantize the
   2-D linear weights, nf4 with each expert's w1 and w3 fused as one [2I, H] tensor, as
-  ``inference.quant`` does). It quantizes tensor by tensor while it reads, so its RAM peak
-  is the quantized model plus the checkpoint's largest tensor. Its shard on disk is the
+  ``inference.quant`` does). It converts tensor by tensor while it reads and moves each to its
+  device, so on a GPU box its RAM holds a tensor or two; on a CPU, the converted model too.
+  Its shard on disk is the
   converted model (the shard build pre-converts it), or the checkpoint's tensors when the
   shadow dtype is the checkpoint's own.
 - *worker i*: the experts ``placement(...).owned(i)`` gives it, in RAM (or on disk with
@@ -20,7 +21,8 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   plus up to ``cache_experts`` per layer it serves for ``lru-offload``, every expert it is
   home to for ``full-cache``.
 
-Every process also pays ``RUNTIME_OVERHEAD_BYTES`` of RAM (Python, torch, transformers).
+Every process also pays ``RUNTIME_OVERHEAD_BYTES`` of RAM (Python, torch, transformers) and,
+on a GPU, ``CUDA_CONTEXT_BYTES`` of device memory.
 ``check_fit`` compares a role's needs with a node's inventory (``agent.inventory``) and
 returns the shortfalls as sentences that name the node, the role, the resource and by how
 much it falls short. Run ``python -m inference.memory --model mixtral-8x7b --workers 8`` for
@@ -45,6 +47,10 @@ from inference.strategies import DEFAULT_STRATEGY, get_strategy, home_worker
 
 GB = 10**9  # what the console and the messages print (decimal, as disks are sold)
 RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + transformers, before weights
+# What a process's CUDA context, kernels and cuBLAS workspace take on its GPU before any tensor:
+# an allowance (a few hundred MB on current GPUs and drivers), not a measurement here; the GPU
+# check measures each role's device memory where a GPU is lent.
+CUDA_CONTEXT_BYTES = 500 * 10**6
 DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache main and the shadow are sized for
 DISK_STORE_STAGED_EXPERTS = 2  # a disk store reads an expert into RAM on its way to the device
 NF4_BLOCKSIZE = 64  # elements per fp32 absmax in nf4 (``inference.quant.NF4_BLOCKSIZE``)
@@ -347,20 +353,22 @@ def plan_memory(
     main = RoleMemory(
         "main",
         host_bytes=dense + RUNTIME_OVERHEAD_BYTES,
-        gpu_bytes=dense + main_kv,
+        gpu_bytes=dense + main_kv + CUDA_CONTEXT_BYTES,
         disk_bytes=dense,
         cpu_bytes=dense + main_kv + RUNTIME_OVERHEAD_BYTES,
     )
     shadow_weights = shadow_weight_bytes(tensors, shadow_dtype)
     shadow_kv = kv_cache_bytes(sizes, _CAST_BYTES.get(shadow_dtype, element), context_tokens)
-    shadow_host = shadow_weights + max(t.nbytes for t in tensors) + RUNTIME_OVERHEAD_BYTES
+    # The shadow moves each tensor to its device as it reads it: on a GPU box its RAM holds a
+    # tensor or two in flight (an expert's w1 waits for its w3), on a CPU the whole model too.
+    in_flight = 2 * max(t.nbytes for t in tensors)
     shadow = RoleMemory(
         "shadow",
-        host_bytes=shadow_host,
-        gpu_bytes=shadow_weights + shadow_kv,
+        host_bytes=in_flight + RUNTIME_OVERHEAD_BYTES,
+        gpu_bytes=shadow_weights + shadow_kv + CUDA_CONTEXT_BYTES,
         # The shard build converts the shadow's shard once unless it is the checkpoint's own dtype.
         disk_bytes=total if _CAST_BYTES.get(shadow_dtype) == element else shadow_weights,
-        cpu_bytes=shadow_host + shadow_kv,
+        cpu_bytes=shadow_weights + in_flight + RUNTIME_OVERHEAD_BYTES + shadow_kv,
     )
     roles = [main, shadow]
     for worker in range(workers):
@@ -372,7 +380,7 @@ def plan_memory(
             host = DISK_STORE_STAGED_EXPERTS * expert_bytes + RUNTIME_OVERHEAD_BYTES
         else:
             host = owned + RUNTIME_OVERHEAD_BYTES
-        roles.append(RoleMemory(f"worker-{worker}", host, on_gpu, owned, host + on_gpu))
+        roles.append(RoleMemory(f"worker-{worker}", host, on_gpu + CUDA_CONTEXT_BYTES, owned, host + on_gpu))
     return MemoryPlan(
         model=name,
         checkpoint_dtype_bytes=element,
@@ -478,7 +486,7 @@ def _int(value: object) -> int | None:
 
 _PURPOSE = {
     "main": ("for its weights", "for its weights and KV cache"),
-    "shadow": ("to quantize the model", "for its quantized model and KV cache"),
+    "shadow": ("to load its model", "for its model and KV cache"),
     "worker": ("for its experts", "for its resident experts"),
 }
 

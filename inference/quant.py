@@ -1,8 +1,12 @@
-"""Shrink the shadow's copy of the model: cast it, or quantize it in place, for routing prediction.
+"""Shrink the shadow's copy of the model: the quantized weight, linear and experts it runs on.
 
 The shadow runs a whole ``MixtralForCausalLM`` only to guess which experts main will pick, so it
-can afford a lossy copy. ``quantize_shadow_`` turns a loaded fp32 model into one of
-``SHADOW_DTYPES``:
+can afford a lossy copy. This module holds the pieces: ``quantize_weight`` (in bounded pieces,
+on the weight's own device), ``QuantizedLinear``, the quantized experts' forward, and the router
+hook. The shadow role builds its model with them tensor by tensor, never holding the
+full-precision model (``inference.shadow_model``). ``quantize_shadow_`` applies the same
+conversion to a model already loaded in fp32 (experiments, and the tests that check the shadow
+built tensor by tensor against it), turning it into one of ``SHADOW_DTYPES``:
 
 * ``fp32``: left as is.
 * ``bf16`` / ``fp16``: every parameter is cast, except the routers (``keep_routers_fp32``), whose

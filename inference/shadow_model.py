@@ -34,11 +34,12 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts, Mixtral
 
 from inference import quant
 from inference.checkpoint import parse_expert_key
+from inference.constants import SHADOW_DTYPES
 from inference.model import hf_name, load_config, load_generation_config
 from inference.sharding import load_role_tensors, read_manifest, verify_shard
 
 CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SHADOW_DTYPES = (*CAST_DTYPES, *quant.QUANT_SCHEMES)
+assert (*CAST_DTYPES, *quant.QUANT_SCHEMES) == SHADOW_DTYPES  # one list of names: inference.constants
 EXPERT_WEIGHTS = ("gate_up", "down")  # [2I, H] (w1 over w3) and [H, I] (w2), as Transformers fuses them
 
 # The converted layout, record by record (what ``convert_tensors`` yields and a pre-converted
@@ -46,6 +47,9 @@ EXPERT_WEIGHTS = ("gate_up", "down")  # [2I, H] (w1 over w3) and [H, I] (w2), as
 # quantized linear as ``{path}.weight_data`` / ``{path}.weight_state`` (``QuantizedLinear``'s
 # buffers); expert E of layer L as ``model.layers.L.mlp.experts.{gate_up|down}.E``, with
 # ``.qdata`` / ``.qstate`` appended when quantized.
+# Written into a pre-converted shard's manifest and checked on load: a shard converted by
+# another version's layout or quantizer is refused, not misread.
+RECORDS_FORMAT = f"odmoe-shadow-records/1; nf4 blocks of {quant.NF4_BLOCKSIZE}, high nibble first; int8 per row"
 _EXPERT_RECORD = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)\.(\d+)(?:\.(qdata|qstate))?")
 _LINEAR_RECORD = re.compile(r"(.+)\.weight_(data|state)")
 
@@ -182,8 +186,14 @@ def build_shadow_model(
     stored = manifest.get("shadow_dtype")
     if stored is not None and stored != dtype:
         raise ValueError(f"{shard_dir} holds a shadow converted to {stored}, but {dtype} was asked for")
+    if stored is not None and manifest.get("records") != RECORDS_FORMAT:
+        raise ValueError(
+            f"{shard_dir} was converted as {manifest.get('records')!r}, this version reads {RECORDS_FORMAT!r}: "
+            "build the shards again"
+        )
     config = load_config(shard_dir)
     model = skeleton(config)
+    check = _RecordCheck(model, dtype)
     build = _Build(dtype, device, config.num_local_experts)
     source_bytes = 0
     largest = 0
@@ -197,6 +207,7 @@ def build_shadow_model(
 
     records = read() if stored is not None else convert_tensors(read(), config, dtype, device)
     for name, tensor in records:
+        check(name, tensor)
         build.take(name, tensor)
     _install(model, build)
     model.model.rotary_emb = MixtralRotaryEmbedding(config=model.config).to(device)
@@ -224,6 +235,60 @@ def build_shadow_model(
         "largest_tensor_bytes": largest,
     }
     return model, report
+
+
+class _RecordCheck:
+    """Refuse a record whose name, shape or dtype is not what the model and the shadow dtype need.
+
+    A pre-converted shard is sha256-checked against its manifest, which proves it arrived as
+    built, not that it was built right; a quantized record of the wrong size would have CUDA
+    kernels read past its end.
+    """
+
+    def __init__(self, model: MixtralForCausalLM, dtype: str) -> None:
+        config = model.config
+        self.dtype = dtype
+        self.layers, self.experts = config.num_hidden_layers, config.num_local_experts
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.expert_shapes = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        self.linears = {
+            path: (m.out_features, m.in_features) for path, m in model.named_modules() if isinstance(m, nn.Linear)
+        }
+        self.params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        expert = _EXPERT_RECORD.fullmatch(name)
+        linear = _LINEAR_RECORD.fullmatch(name)
+        if expert is not None:
+            layer, index = int(expert[1]), int(expert[3])
+            if not (layer < self.layers and index < self.experts):
+                raise ValueError(f"shadow record {name!r}: no such layer or expert in this model")
+            want = self._want(self.expert_shapes[expert[2]], expert[4])
+        elif linear is not None and linear[1] in self.linears and self.dtype in quant.QUANT_SCHEMES:
+            want = self._want(self.linears[linear[1]], "qdata" if linear[2] == "data" else "qstate")
+        elif name in self.params:
+            want = (self.params[name], None)
+        else:
+            raise ValueError(f"shadow record {name!r} is not part of this model")
+        shape, dtype = want
+        if tuple(tensor.shape) != shape or (dtype is not None and tensor.dtype != dtype):
+            raise ValueError(
+                f"shadow record {name!r} is {tensor.dtype} {tuple(tensor.shape)}, expected {dtype or ''} {shape}"
+            )
+
+    def _want(self, shape: tuple[int, int], part: str | None) -> tuple[tuple[int, ...], torch.dtype | None]:
+        out, inn = shape
+        n = out * inn
+        if part is None:  # a dense (cast) expert
+            if self.dtype in quant.QUANT_SCHEMES:
+                raise ValueError(f"a dense expert record in a {self.dtype} shadow")
+            return shape, CAST_DTYPES[self.dtype]
+        if self.dtype == "nf4":
+            blocks = -(-n // quant.NF4_BLOCKSIZE)
+            return (((n + 1) // 2, 1), torch.uint8) if part == "qdata" else ((blocks,), torch.float32)
+        if self.dtype == "int8":
+            return (shape, torch.int8) if part == "qdata" else ((out,), torch.float32)
+        raise ValueError(f"a quantized record in a {self.dtype} shadow")
 
 
 def _install(model: MixtralForCausalLM, build: _Build) -> None:

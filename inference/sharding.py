@@ -185,10 +185,11 @@ def build_shards(
         role_keys = {role: keys_for_role(ckpt, plan, role) for role in _roles(workers, shadow_dtypes)}
         # Sizing reads every header, so a damaged source file fails here, before any output.
         total = sum(ckpt.nbytes(key) for keys in role_keys.values() for key in keys)
+        written = sum(_role_bytes(ckpt, role, keys) for role, keys in role_keys.items())
     except (CheckpointError, ValueError) as exc:
         raise ShardError(f"cannot shard {model_dir}: {exc}") from exc
     _prepare_out_dir(out)
-    _check_free_space(out, total)
+    _check_free_space(out, written)
 
     report = _Progress(total, progress)
     try:
@@ -228,9 +229,10 @@ def add_shadow_shards(
         ckpt = Checkpoint(model_dir)
         keys = ckpt.keys()
         total = len(missing) * sum(ckpt.nbytes(key) for key in keys)
-    except CheckpointError as exc:
+        written = sum(_role_bytes(ckpt, Role("shadow", shadow_dtype=d), keys) for d in missing)
+    except (CheckpointError, ValueError) as exc:
         raise ShardError(f"cannot shard {model_dir}: {exc}") from exc
-    _check_free_space(shard_set.root, total)
+    _check_free_space(shard_set.root, written)
     report = _Progress(total, progress)
     for dtype in missing:
         role = Role("shadow", shadow_dtype=dtype)
@@ -265,6 +267,15 @@ def keys_for_role(ckpt: Checkpoint, plan: Placement, role: Role) -> list[str]:
         for layer, expert in sorted(plan.owned(role.worker))
         for proj in EXPERT_PROJS
     ]
+
+
+def _role_bytes(ckpt: Checkpoint, role: Role, keys: list[str]) -> int:
+    """Tensor bytes ``role``'s shard will hold: a converted shadow's in its dtype, the rest as read."""
+    if role.shadow_dtype is None:
+        return sum(ckpt.nbytes(key) for key in keys)
+    from inference.memory import checkpoint_tensors, shadow_weight_bytes  # sizes only; imported when used
+
+    return shadow_weight_bytes(checkpoint_tensors(ckpt), role.shadow_dtype)
 
 
 def _roles(workers: int, shadow_dtypes: Sequence[str] = ()) -> list[Role]:
@@ -374,7 +385,7 @@ def _manifest(directory: Path, role: Role, plan: Placement) -> dict[str, Any]:
         for path in sorted(directory.iterdir())
         if path.name != MANIFEST_FILE
     ]
-    return {
+    manifest = {
         "format": SHARD_FORMAT,
         "role": role.role,
         "worker": role.worker,
@@ -383,6 +394,11 @@ def _manifest(directory: Path, role: Role, plan: Placement) -> dict[str, Any]:
         "experts": [list(pair) for pair in experts] if experts is not None else None,
         "files": files,
     }
+    if role.shadow_dtype is not None:
+        from inference.shadow_model import RECORDS_FORMAT
+
+        manifest["records"] = RECORDS_FORMAT  # how the converted tensors are laid out and quantized
+    return manifest
 
 
 def _model_summary(ckpt: Checkpoint) -> dict[str, Any]:

@@ -91,9 +91,16 @@ class RoleSpec:
         return json.dumps(asdict(self), indent=2)
 
 
-def compute_dtype(setting: str) -> torch.dtype | None:
-    """The dtype a ``Settings.dtype`` names, or None for "auto" (the checkpoint's own)."""
-    return None if setting == "auto" else getattr(torch, setting)
+def compute_dtype(setting: str, config: dict | None = None) -> torch.dtype | None:
+    """What main and the workers compute in, for a ``Settings.dtype``.
+
+    "auto" is what Transformers' ``from_pretrained(dtype="auto")`` picks: the config's
+    ``dtype`` (or older ``torch_dtype``) when it names one, else None (the tensors' own dtype).
+    """
+    if setting != "auto":
+        return getattr(torch, setting)
+    named = (config or {}).get("dtype") or (config or {}).get("torch_dtype")
+    return getattr(torch, named) if named in COMPUTE_DTYPES[1:] else None
 
 
 def _check_types(obj: object, where: str) -> None:

@@ -103,12 +103,14 @@ def _read(handle, path: str | os.PathLike[str], entry: TensorEntry) -> torch.Ten
 def _entry(path: Path, name: str, info: object, base: int, size: int) -> TensorEntry:
     if not isinstance(info, dict):
         raise TensorFileError(f"{path}: bad header entry for {name!r}")
-    dtype = DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    name_of_dtype = info.get("dtype")
+    dtype = DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    ok_shape = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-    ok_offsets = isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    # type(...) is int: a JSON true is a bool, which isinstance(..., int) would let through.
+    ok_shape = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+    ok_offsets = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
     if dtype is None:
-        raise TensorFileError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        raise TensorFileError(f"{path}: tensor {name!r} has unsupported dtype {name_of_dtype!r}")
     if not (ok_shape and ok_offsets):
         raise TensorFileError(f"{path}: tensor {name!r} has a malformed shape or offsets")
     begin, end = offsets  # type: ignore[misc]

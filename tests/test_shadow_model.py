@@ -4,10 +4,12 @@ full-precision model in memory."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import MixtralForCausalLM
 
 from inference import quant
@@ -19,6 +21,7 @@ from inference.sharding import (
     ShardSet,
     add_shadow_shards,
     build_shards,
+    file_sha256,
     load_role_tensors,
     verify_shard,
 )
@@ -149,3 +152,45 @@ def test_a_shadow_dtype_is_added_to_a_built_set_without_rebuilding_it(tmp_path: 
     verify_shard(grown.shadow_for("int8"), expect_role="shadow")
     assert {p: p.stat().st_mtime_ns for p in before} == before  # the other shards were left alone
     assert add_shadow_shards(model, built.root, ["int8"]) == grown  # nothing left to add
+
+
+def _tamper(shard: Path, change) -> None:
+    """Rewrite ``shard``'s parts through ``change(records)`` and re-sign its manifest, as a bad build would."""
+    manifest = json.loads((shard / "manifest.json").read_text())
+    records = dict(load_role_tensors(shard, verify=False))
+    for part in shard.glob("part-*.safetensors"):
+        part.unlink()
+    save_file(change(records), shard / "part-00001.safetensors")
+    manifest["files"] = [
+        {"path": p.name, "size": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(shard.iterdir())
+        if p.name != "manifest.json"
+    ]
+    (shard / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda r: r | {"model.layers.0.mlp.experts.gate_up.0.qdata": torch.zeros(3, 1, dtype=torch.uint8)}, "expect"),
+        (lambda r: r | {"model.layers.0.mlp.experts.down.99.qdata": torch.zeros(3, 1, dtype=torch.uint8)}, "no such"),
+        (lambda r: r | {"lm_head.weight_state": torch.zeros(5)}, "expected"),
+        (lambda r: r | {"model.evil.weight": torch.zeros(2)}, "not part of this model"),
+    ],
+)
+def test_a_malformed_preconverted_shard_is_refused(tmp_path: Path, change, reason: str) -> None:
+    model = make_tiny(tmp_path / "model", seed=9)
+    shard = build_shards(model, tmp_path / "shards", workers=1, shadow_dtypes=("nf4",)).shadow_for("nf4")
+    _tamper(shard, change)
+    verify_shard(shard)  # it arrived as (badly) built: only the records' check can tell
+    with pytest.raises(ValueError, match=reason):
+        build_shadow_model(shard, "nf4", torch.device("cpu"))
+
+
+def test_a_shard_converted_by_another_layout_is_refused(tmp_path: Path) -> None:
+    model = make_tiny(tmp_path / "model", seed=9)
+    shard = build_shards(model, tmp_path / "shards", workers=1, shadow_dtypes=("int8",)).shadow_for("int8")
+    manifest = json.loads((shard / "manifest.json").read_text())
+    (shard / "manifest.json").write_text(json.dumps(manifest | {"records": "odmoe-shadow-records/0"}))
+    with pytest.raises(ValueError, match="build the shards again"):
+        build_shadow_model(shard, "int8", torch.device("cpu"))

@@ -89,6 +89,7 @@ def test_device_cache_keeps_recent_experts_per_layer_and_counts_bytes() -> None:
         unbounded.admit((0, expert), "x", 1)
     assert len(unbounded) == 8
     assert DeviceCache(0).admit((0, 1), "kept nowhere", 1) == ["kept nowhere"]
+    assert cache.admit((0, 3), "e3 again", 10) == ["e3"]  # the replaced copy is handed back too
     with pytest.raises(ValueError):
         DeviceCache(-1)
 

@@ -12,9 +12,11 @@ deployment's strategy (``inference.strategies``).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
@@ -116,7 +118,8 @@ class MainRole:
                 f"shards were built for {self.placement.n_workers} workers but the peer table lists "
                 f"{len(spec.addresses.workers)}"
             )
-        self.model = build_main_model(spec.shard_dir, self, dtype=compute_dtype(spec.settings.dtype))
+        config = json.loads((Path(spec.shard_dir) / "config.json").read_text())
+        self.model = build_main_model(spec.shard_dir, self, dtype=compute_dtype(spec.settings.dtype, config))
         self.model.to(self.device)
         release_free_heap()
         config = self.model.config

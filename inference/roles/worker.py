@@ -54,14 +54,15 @@ class WorkerRole:
             )
         self.members = self.placement.groups[self.placement.group_of_worker(self.index)]
         self.decode_layers = set(self.placement.decode_layers(self.index))
-        self.act_fn = activation(_read_config(spec.shard_dir).get("hidden_act", "silu"))
+        config = _read_config(spec.shard_dir)
+        self.act_fn = activation(config.get("hidden_act", "silu"))
         self.store = open_store(
             spec.settings.expert_store,
             spec.shard_dir,
             pin=self.device.type == "cuda",
             verify=False,  # verified just above, with this worker's identity
             read_bytes_per_s=spec.settings.disk_bytes_per_s,
-            dtype=compute_dtype(spec.settings.dtype),
+            dtype=compute_dtype(spec.settings.dtype, config),
         )
         release_free_heap()
         any_key = next(iter(self.store.keys()))

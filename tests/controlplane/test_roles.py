@@ -61,9 +61,11 @@ def nf4_plan(workers: int):
 
 
 def test_the_shadow_goes_to_the_largest_gpu_that_holds_it() -> None:
-    nodes = {"big": box(48, 16), "mid": box(40, 64)} | {f"w{i}": box(24, 64) for i in range(8)}
+    nodes = {"big": box(48, 64) | {"disk_free_bytes": 20 * 10**9}, "mid": box(40, 64)}
+    nodes |= {f"w{i}": box(24, 64) for i in range(8)}
     roles = suggest_roles(nodes, top_k=2, memory=nf4_plan(8))
-    assert roles.shadow == "mid"  # big's 16 GB of RAM can't quantize a 27 GB shadow
+    assert roles.shadow == "mid"  # big's 20 GB of disk can't take the 26.5 GB nf4 shadow shard
+    assert roles.main == "big"
     assert roles.main == "big"
     # without the plan, the largest GPU would have been picked regardless
     assert suggest_roles(nodes, top_k=2).shadow == "big"
@@ -79,7 +81,7 @@ def test_a_box_too_small_for_a_workers_experts_becomes_main() -> None:
 def test_when_nothing_fits_the_error_names_the_constraint() -> None:
     small_gpus = {f"n{i}": box(24, 64) for i in range(10)}
     with pytest.raises(
-        RoleError, match=r"no node can hold the shadow; .*needs 27\.0 GB of GPU memory .*has 25\.8 GB: 1\.2 GB short"
+        RoleError, match=r"no node can hold the shadow; .*needs 27\.5 GB of GPU memory .*has 25\.8 GB: 1\.7 GB short"
     ):
         suggest_roles(small_gpus, top_k=2, memory=nf4_plan(8))
     little_ram = {"s": box(48, 64), "m": box(24, 64)} | {f"w{i}": box(24, 16) for i in range(8)}

@@ -3,10 +3,12 @@ downloaded first), build its role shards with progress."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from django.conf import settings
@@ -275,42 +277,57 @@ def build_model_shards(*, artifact_id: int, workers: int, shadow_dtypes: Sequenc
     artifact = ModelArtifact.objects.get(pk=artifact_id)
     check_registered(artifact)
     out = shard_dir_for(artifact, workers)
-    extend = (
-        artifact.shard_status == ShardStatus.READY
-        and artifact.shard_workers == workers
-        and Path(artifact.shard_dir) == out
-        and (out / "shards.json").is_file()
-    )
-    ModelArtifact.objects.filter(pk=artifact.pk).update(
-        shard_status=ShardStatus.BUILDING,
-        shard_workers=workers,
-        shard_dir=str(out),
-        shard_done_bytes=0,
-        shard_total_bytes=0,
-        shard_error="",
-    )
-    last_write = 0.0
+    with _build_lock(out):  # one build per shard set at a time; a second one finds the first's work done
+        artifact.refresh_from_db()
+        # A set ready for these workers only gets the shadows it lacks, and stays READY (and
+        # served to agents) meanwhile: converting a shadow of a 93 GB model takes a while.
+        extend = (
+            artifact.shard_status == ShardStatus.READY
+            and artifact.shard_workers == workers
+            and Path(artifact.shard_dir) == out
+            and (out / "shards.json").is_file()
+        )
+        fields = dict(shard_done_bytes=0, shard_total_bytes=0, shard_error="")
+        if not extend:
+            fields |= dict(shard_status=ShardStatus.BUILDING, shard_workers=workers, shard_dir=str(out))
+        ModelArtifact.objects.filter(pk=artifact.pk).update(**fields)
+        last_write = 0.0
 
-    def progress(done: int, total: int) -> None:
-        nonlocal last_write
-        now = time.monotonic()
-        if now - last_write >= PROGRESS_EVERY_S or done >= total:
-            ModelArtifact.objects.filter(pk=artifact.pk).update(shard_done_bytes=done, shard_total_bytes=total)
-            last_write = now
+        def progress(done: int, total: int) -> None:
+            nonlocal last_write
+            now = time.monotonic()
+            if now - last_write >= PROGRESS_EVERY_S or done >= total:
+                ModelArtifact.objects.filter(pk=artifact.pk).update(shard_done_bytes=done, shard_total_bytes=total)
+                last_write = now
 
-    try:
-        if extend:
-            built = add_shadow_shards(artifact.path, out, shadow_dtypes, progress=progress)
-        else:
-            built = build_shards(artifact.path, out, workers=workers, progress=progress, shadow_dtypes=shadow_dtypes)
-    except (CheckpointError, ShardError, OSError, ValueError) as exc:
-        ModelArtifact.objects.filter(pk=artifact.pk).update(shard_status=ShardStatus.FAILED, shard_error=str(exc))
-        raise ModelError(f"building shards of {artifact.name} failed: {exc}") from None
-    ModelArtifact.objects.filter(pk=artifact.pk).update(
-        shard_status=ShardStatus.READY, shard_shadow_dtypes=list(built.shadow_dtypes)
-    )
+        try:
+            if extend:
+                built = add_shadow_shards(artifact.path, out, shadow_dtypes, progress=progress)
+            else:
+                built = build_shards(
+                    artifact.path, out, workers=workers, progress=progress, shadow_dtypes=shadow_dtypes
+                )
+        except (CheckpointError, ShardError, OSError, ValueError) as exc:
+            failed = dict(shard_error=str(exc)) | ({} if extend else dict(shard_status=ShardStatus.FAILED))
+            ModelArtifact.objects.filter(pk=artifact.pk).update(**failed)
+            raise ModelError(f"building shards of {artifact.name} failed: {exc}") from None
+        ModelArtifact.objects.filter(pk=artifact.pk).update(
+            shard_status=ShardStatus.READY, shard_shadow_dtypes=list(built.shadow_dtypes)
+        )
     artifact.refresh_from_db()
     return artifact
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path) -> Iterator[None]:
+    """An exclusive lock on the shard set ``out`` (a file beside it), held for a whole build."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def shards_ready_for(artifact: ModelArtifact, *, workers: int, shadow_dtype: str) -> bool:
