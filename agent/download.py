@@ -10,6 +10,7 @@ verifies the whole shard again before it loads it.
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -17,7 +18,14 @@ from pathlib import Path
 
 from agent.credentials import NodeCredential
 from agent.http import ControlPlaneError
-from inference.sharding import MANIFEST_FILE, ShardError, file_sha256, verify_shard
+from inference.sharding import (
+    MANIFEST_FILE,
+    ShardError,
+    file_sha256,
+    is_plain_file_name,
+    is_role_dirname,
+    verify_shard,
+)
 
 CHUNK = 1 << 20
 Progress = Callable[[int, int], None]
@@ -30,15 +38,21 @@ def shard_url(credential: NodeCredential, model_id: int, role: str, name: str) -
 def fetch_shard(
     credential: NodeCredential, model_id: int, role: str, dest: Path, *, progress: Progress | None = None
 ) -> dict:
-    """Download role ``role`` of model ``model_id`` into ``dest``; returns its manifest."""
-    dest.mkdir(parents=True, exist_ok=True)
+    """Download role ``role`` of model ``model_id`` into ``dest``; returns its manifest.
+
+    Nothing the server sends is obeyed before it is checked: the shard's name and every file
+    name must be plain names (no directories, no ``..``), so every write stays in ``dest``;
+    sizes and digests must be well formed, and no file is read past its listed size.
+    """
+    if not is_role_dirname(role):
+        raise ShardError(f"refused to fetch shard {role!r}: not a shard name")
     manifest_bytes = _get(credential, shard_url(credential, model_id, role, MANIFEST_FILE), offset=0)
+    files = _checked_files(manifest_bytes, role)
     manifest = json.loads(manifest_bytes)
-    files = manifest["files"]
-    total = sum(int(entry["size"]) for entry in files)
+    dest.mkdir(parents=True, exist_ok=True)
+    total = sum(size for _, size, _ in files)
     done = 0
-    for entry in files:
-        name, size, digest = entry["path"], int(entry["size"]), entry["sha256"]
+    for name, size, digest in files:
         target = dest / name
         already = target.exists() and target.stat().st_size == size and file_sha256(target) == digest
 
@@ -62,6 +76,34 @@ def fetch_shard(
     return manifest
 
 
+def _checked_files(manifest_bytes: bytes, role: str) -> list[tuple[str, int, str]]:
+    """The manifest's (name, size, sha256) entries, or ShardError if any is not what a shard lists."""
+    try:
+        manifest = json.loads(manifest_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ShardError(f"the manifest of shard {role} is not JSON: {exc}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, list):
+        raise ShardError(f"the manifest of shard {role} has no list of files")
+    checked = []
+    for entry in files:
+        fields = entry if isinstance(entry, dict) else {}
+        name, size, digest = fields.get("path"), fields.get("size"), fields.get("sha256")
+        ok = (
+            is_plain_file_name(name)
+            and name != MANIFEST_FILE
+            and not name.endswith(".part")
+            and type(size) is int
+            and size >= 0
+            and isinstance(digest, str)
+            and re.fullmatch(r"[0-9a-f]{64}", digest) is not None
+        )
+        if not ok:
+            raise ShardError(f"refused shard {role}: its manifest lists a bad file entry {entry!r:.200}")
+        checked.append((name, size, digest))
+    return checked
+
+
 def _part(target: Path) -> Path:
     return target.with_name(target.name + ".part")
 
@@ -80,10 +122,12 @@ def _download(credential: NodeCredential, url: str, part: Path, size: int, progr
             if have and response.status != 206:  # the server ignored the range: start over
                 out.truncate(0)
                 have = 0
-            while chunk := response.read(CHUNK):
+            while have < size and (chunk := response.read(min(CHUNK, size - have))):
                 out.write(chunk)
                 have += len(chunk)
                 progress(have)
+            if have == size and response.read(1):
+                raise ControlPlaneError(f"GET {url} sent more than the manifest's {size} bytes")
     except urllib.error.HTTPError as exc:
         raise ControlPlaneError(f"GET {url}: {exc.code} {exc.reason}", status=exc.code) from None
     except (urllib.error.URLError, OSError) as exc:

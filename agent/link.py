@@ -38,6 +38,7 @@ from agent.messages import (
     Pong,
     StartRole,
     StopRole,
+    TaskDone,
     parse,
 )
 from agent.runtime import RoleRunner, fetch_with_progress, shard_dir
@@ -186,8 +187,12 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
         task.add_done_callback(background.discard)
 
     async def fetch(command: FetchShard) -> None:
-        dest = shard_dir(link.state_dir, command.model_id, command.role)
         try:
+            try:
+                dest = shard_dir(link.state_dir, command.model_id, command.role)
+            except ValueError as exc:
+                await send(TaskDone(task_id=command.task_id, ok=False, detail=str(exc)))
+                return
             reason = await fetch_with_progress(
                 link.credential, command.model_id, command.role, dest, task_id=command.task_id, send=send
             )

@@ -49,7 +49,7 @@ from inference.client import GenerationFailed as RuntimeGenerationFailed
 from inference.client import RuntimeClient
 from inference.launcher import die_with_parent
 from inference.protocol import GenerateDone, Pong
-from inference.sharding import ShardError
+from inference.sharding import ShardError, is_plain_file_name, is_role_dirname
 from inference.spec import SpecError, load_spec
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,13 @@ HANDOVER_MS = 2000  # how long a one-message client may take to hand its message
 
 
 def shard_dir(state_dir: Path, model_id: int, shard: str) -> Path:
-    """Where this box keeps shard ``shard`` (main, shadow, worker-N) of model ``model_id``."""
+    """Where this box keeps shard ``shard`` (main, shadow, worker-N) of model ``model_id``.
+
+    Both come from the control plane: anything but a shard name and a model number is refused,
+    so no command can point the agent outside its state directory.
+    """
+    if type(model_id) is not int or model_id < 0 or not is_role_dirname(shard):
+        raise ValueError(f"refused shard {shard!r} of model {model_id!r}: not a shard name and model number")
     return state_dir / "shards" / str(model_id) / shard
 
 
@@ -236,7 +242,11 @@ class RoleRunner:
 
     async def _fetch(self, command: StartRole) -> Path | None:
         await self._set("fetching", f"shard {command.shard}")
-        dest = shard_dir(self.state_dir, command.model_id, command.shard)
+        try:
+            dest = shard_dir(self.state_dir, command.model_id, command.shard)
+        except ValueError as exc:
+            await self._set("failed", str(exc))
+            return None
         reason = await fetch_with_progress(
             self.credential, command.model_id, command.shard, dest, task_id=command.task_id, send=self.send
         )
@@ -246,6 +256,8 @@ class RoleRunner:
         return dest
 
     def _run_dir(self, command: StartRole) -> Path:
+        if not is_plain_file_name(command.deployment):  # a name from the server: never a path
+            raise ValueError(f"refused deployment name {command.deployment!r}")
         path = self.state_dir / "runtime" / command.deployment
         path.mkdir(parents=True, exist_ok=True)
         return path

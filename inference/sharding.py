@@ -71,7 +71,9 @@ TOKENIZER_FILES = (
 )
 
 _PART_RE = re.compile(r"part-\d{5}\.safetensors")
-_ROLE_DIR_RE = re.compile(r"main|shadow(-(" + "|".join(SHADOW_DTYPES) + r"))?|worker-\d+")
+_ROLE_DIR_RE = re.compile(r"main|shadow(-(" + "|".join(SHADOW_DTYPES) + r"))?|worker-\d{1,4}")
+# What a shard's manifest may name as a file: a plain name in the shard's own directory.
+_FILE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HASH_CHUNK = 1024 * 1024
 # A safetensors header holds a JSON entry per tensor (name, dtype, shape, offsets) plus
 # a little framing; counting it keeps every part within max_file_bytes.
@@ -443,6 +445,16 @@ def _prepare_out_dir(out: Path) -> None:
             entry.unlink()
 
 
+def is_role_dirname(name: str) -> bool:
+    """Whether ``name`` is a role shard's directory name (main, shadow, shadow-nf4, worker-3...)."""
+    return isinstance(name, str) and _ROLE_DIR_RE.fullmatch(name) is not None
+
+
+def is_plain_file_name(name: str) -> bool:
+    """Whether ``name`` may be a shard file: no directories, no ``..``, nothing hidden."""
+    return isinstance(name, str) and _FILE_NAME_RE.fullmatch(name) is not None and ".." not in name
+
+
 def _is_ours(entry: Path) -> bool:
     """Whether ``entry`` is something ``build_shards`` writes (so replacing it loses nothing)."""
     if entry.is_symlink():
@@ -602,7 +614,7 @@ def _file_entry(directory: Path, entry: Any) -> tuple[str, int, str]:
     if not isinstance(entry, dict):
         raise ShardError(f"shard manifest {directory / MANIFEST_FILE}: bad file entry {entry!r}")
     path, size, digest = entry.get("path"), entry.get("size"), entry.get("sha256")
-    ok_path = isinstance(path, str) and path and not Path(path).is_absolute() and ".." not in Path(path).parts
+    ok_path = is_plain_file_name(path)
     ok_digest = isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None
     if not (ok_path and isinstance(size, int) and ok_digest) or path == MANIFEST_FILE:
         raise ShardError(f"shard manifest {directory / MANIFEST_FILE}: bad file entry {entry!r}")
@@ -654,6 +666,8 @@ __all__ = [
     "ShardSet",
     "add_shadow_shards",
     "build_shards",
+    "is_plain_file_name",
+    "is_role_dirname",
     "keys_for_role",
     "load_role_tensors",
     "read_manifest",

@@ -138,3 +138,26 @@ def test_production_settings_refuse_debug_and_the_development_key(monkeypatch) -
     monkeypatch.setenv("DJANGO_DEBUG", "0")
     importlib.reload(base)
     importlib.import_module("controlplane.config.settings.production")
+    # The example environment file's secret is long enough for a length check: refused by name.
+    monkeypatch.setenv("DJANGO_SECRET_KEY", "replace-with-64-random-characters")
+    importlib.reload(base)
+    with pytest.raises(ImproperlyConfigured, match="not the example's"):
+        importlib.reload(importlib.import_module("controlplane.config.settings.production"))
+
+
+def test_local_settings_keep_debug_off_and_make_this_installs_own_secret(monkeypatch, tmp_path) -> None:
+    import importlib
+
+    monkeypatch.delenv("DJANGO_DEBUG", raising=False)
+    monkeypatch.delenv("DJANGO_SECRET_KEY", raising=False)
+    monkeypatch.setenv("ODMOE_VAR_DIR", str(tmp_path / "var"))
+    import controlplane.config.settings.base as base
+
+    importlib.reload(base)
+    local = importlib.reload(importlib.import_module("controlplane.config.settings.local"))
+    secret_file = tmp_path / "var" / "secret_key"
+    assert local.DEBUG is False
+    assert secret_file.read_text().strip() == local.SECRET_KEY and len(local.SECRET_KEY) >= 48
+    assert local.SECRET_KEY != base.INSECURE_DEV_SECRET
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    assert importlib.reload(local).SECRET_KEY == local.SECRET_KEY  # made once, then kept

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +18,7 @@ from rest_framework.views import APIView
 from controlplane.names import name_field
 from controlplane.nodes.authentication import IsNode, NodeCredentialAuthentication
 from controlplane.pagination import paginated
-from inference.constants import SHADOW_DTYPES
-from inference.sharding import MANIFEST_FILE
+from inference.sharding import MANIFEST_FILE, is_role_dirname
 
 from . import services
 from .models import ModelArtifact, ModelStatus, ShardStatus
@@ -116,7 +114,6 @@ class ModelShardsApi(APIView):
         return Response(ModelOutput(artifact).data, status=status.HTTP_202_ACCEPTED)
 
 
-ROLE_DIR = re.compile(r"^(main|shadow(-(" + "|".join(SHADOW_DTYPES) + r"))?|worker-\d{1,4})$")
 CHUNK = 1 << 20
 
 
@@ -134,7 +131,7 @@ class ShardFileApi(APIView):
     @extend_schema(responses={(200, "application/octet-stream"): bytes, (206, "application/octet-stream"): bytes})
     def get(self, request: Request, model_id: int, role: str, name: str):
         artifact = ModelArtifact.objects.filter(pk=model_id, shard_status=ShardStatus.READY).first()
-        if artifact is None or not ROLE_DIR.match(role):
+        if artifact is None or not is_role_dirname(role):
             return Response({"detail": f"no ready shards for model {model_id} and role {role}"}, status=404)
         role_dir = Path(artifact.shard_dir) / role
         listed = _listed_files(role_dir)

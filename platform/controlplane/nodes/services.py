@@ -6,6 +6,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -64,8 +65,11 @@ def enroll_node(*, token: str, name: str, inventory: dict, address: str = "") ->
 
 
 def authenticate_node(*, node_id: str, secret: str) -> Node | None:
-    """The node whose credential this is, or None."""
-    node = Node.objects.filter(pk=node_id).first()
+    """The node whose credential this is, or None (also for an id that is not a node id at all)."""
+    try:
+        node = Node.objects.filter(pk=node_id).first()
+    except (ValueError, ValidationError):
+        return None
     if node is None or not matches(secret, node.secret_hash):
         return None
     return node

@@ -18,7 +18,7 @@ from controlplane.pagination import paginated
 from . import jobs
 from .completions import ClusterUnavailable, ModelNotFound
 from .models import Job, JobOutput
-from .text import MAX_NEW_TOKENS, InputError, Sampling
+from .text import MAX_NEW_TOKENS, MAX_SEED, InputError, Sampling
 
 
 class JobOutputSerializer(serializers.ModelSerializer):
@@ -82,7 +82,7 @@ class JobListApi(APIView):
         max_tokens = serializers.IntegerField(min_value=1, max_value=MAX_NEW_TOKENS, default=64)
         temperature = serializers.FloatField(min_value=0.0, max_value=2.0, default=1.0, help_text="0 is greedy")
         top_p = serializers.FloatField(min_value=0.0, max_value=1.0, default=1.0)
-        seed = serializers.IntegerField(min_value=0, required=False, allow_null=True, default=None)
+        seed = serializers.IntegerField(min_value=0, max_value=MAX_SEED, required=False, allow_null=True, default=None)
 
         def validate(self, data: dict) -> dict:
             if ("prompts" in data) == ("prompt" in data):

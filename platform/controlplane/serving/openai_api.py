@@ -118,7 +118,7 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
         return _unauthenticated()
     try:
         body = json.loads(request.body or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:  # ValueError: JSON, and integers past Python's digit limit
         return error(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return error(400, "the request body must be a JSON object")
@@ -164,6 +164,8 @@ def _parse(body: dict, chat: bool) -> Ask:
     if not isinstance(stream, bool):
         raise InputError("stream must be true or false", param="stream")
     options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InputError('stream_options must be an object, e.g. {"include_usage": true}', param="stream_options")
     target = find_target(model)
     tokenizer = target.tokenizer
     if chat:

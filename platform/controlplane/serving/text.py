@@ -114,11 +114,15 @@ def check_lengths(prompt_tokens: int, max_new_tokens: int, context: int | None) 
         )
 
 
+# Seeds are stored (a 64-bit signed column) and reach torch.manual_seed: both take up to 2**63 - 1.
+MAX_SEED = 2**63 - 1
+
+
 def check_sampling(temperature: object, top_p: object, seed: object) -> Sampling:
     if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
         raise InputError("temperature must be a number between 0 and 2", param="temperature")
     if not isinstance(top_p, int | float) or isinstance(top_p, bool) or not 0 < top_p <= 1:
         raise InputError("top_p must be a number in (0, 1]", param="top_p")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        raise InputError("seed must be a non-negative integer", param="seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+        raise InputError(f"seed must be an integer from 0 to {MAX_SEED}", param="seed")
     return Sampling(float(temperature), float(top_p), seed)

@@ -2,8 +2,8 @@
 
 | variable | meaning | default |
 |---|---|---|
-| ``DJANGO_SECRET_KEY`` | signing key | an insecure development key (refused in production) |
-| ``DJANGO_DEBUG`` | ``1`` to enable debug | off (on in ``local``) |
+| ``DJANGO_SECRET_KEY`` | signing key | ``local``: this install's own (``var/secret_key``) |
+| ``DJANGO_DEBUG`` | ``1`` to enable debug | off |
 | ``DJANGO_ALLOWED_HOSTS`` | comma-separated host names | ``localhost,127.0.0.1`` |
 | ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` | SQLite under ``ODMOE_VAR_DIR`` |
 | ``ODMOE_VAR_DIR`` | where the control plane keeps its data | ``var/`` in the checkout |

@@ -7,8 +7,13 @@ from .base import DEBUG, INSECURE_DEV_SECRET, SECRET_KEY
 
 if DEBUG:
     raise ImproperlyConfigured("DJANGO_DEBUG must be off in production")
-if SECRET_KEY == INSECURE_DEV_SECRET or len(SECRET_KEY) < 32:
-    raise ImproperlyConfigured("set DJANGO_SECRET_KEY to a random value of at least 32 characters")
+# The example in deploy/odmoe.env.example is long enough to pass a length check: refuse it by name.
+PUBLISHED_SECRETS = {INSECURE_DEV_SECRET, "replace-with-64-random-characters"}
+if SECRET_KEY in PUBLISHED_SECRETS or SECRET_KEY.startswith("replace-with") or len(SECRET_KEY) < 32:
+    raise ImproperlyConfigured(
+        "set DJANGO_SECRET_KEY to a random value of at least 32 characters "
+        "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(48))'), not the example's"
+    )
 
 SESSION_COOKIE_SECURE = True
 CSRF_COOKIE_SECURE = True
