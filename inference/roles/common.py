@@ -7,6 +7,7 @@ import ctypes
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -108,6 +109,18 @@ def answer_ping(endpoint: Endpoint, received: Received, role: str, ready: bool, 
         )
         return True
     return False
+
+
+def handle_safely(handle: Callable[[Received], None], received: Received) -> None:
+    """Run a role's handler on one message; a handler error drops the message, never the role.
+
+    A malformed or hostile message must not take a role down: the role logs what it dropped
+    and from whom, and serves the next message.
+    """
+    try:
+        handle(received)
+    except Exception:
+        log.exception("dropped %s from %s: handling it failed", received.msg.TYPE, received.msg.sender or received.via)
 
 
 def process_memory() -> tuple[int, int]:

@@ -49,6 +49,7 @@ from inference.roles.common import (
     PeerHealth,
     answer_ping,
     connect_peers,
+    handle_safely,
     open_endpoint,
     release_free_heap,
     setup_process,
@@ -169,7 +170,7 @@ class MainRole:
                 if isinstance(received.msg, GenerateRequest):
                     self.serve_request(received.msg, received.identity)
                 else:
-                    self.handle_side_message(received)
+                    handle_safely(self.handle_side_message, received)
         finally:
             time.sleep(0.2)  # let the Shutdown messages leave
             self.endpoint.close()

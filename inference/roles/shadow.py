@@ -20,7 +20,14 @@ from inference import schedule
 from inference.model import load_config
 from inference.placement import placement_from_dict
 from inference.protocol import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
-from inference.roles.common import answer_ping, connect_peers, open_endpoint, release_free_heap, setup_process
+from inference.roles.common import (
+    answer_ping,
+    connect_peers,
+    handle_safely,
+    open_endpoint,
+    release_free_heap,
+    setup_process,
+)
 from inference.routing import resolve_arithmetic
 from inference.shadow_model import CAST_DTYPES, build_shadow_model
 from inference.sharding import verify_shard
@@ -98,7 +105,7 @@ class ShadowRole:
                 if received is not None:
                     if isinstance(received.msg, Shutdown):
                         return
-                    self.handle(received)
+                    handle_safely(self.handle, received)
                     continue
                 if self._can_step():
                     self._guarded(self.step)

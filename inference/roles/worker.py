@@ -30,7 +30,7 @@ from inference.protocol import (
     Shutdown,
     WorkerStats,
 )
-from inference.roles.common import answer_ping, open_endpoint, release_free_heap, setup_process
+from inference.roles.common import answer_ping, handle_safely, open_endpoint, release_free_heap, setup_process
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec, compute_dtype
 from inference.store import open_store
@@ -65,7 +65,9 @@ class WorkerRole:
             dtype=compute_dtype(spec.settings.dtype, config),
         )
         release_free_heap()
-        any_key = next(iter(self.store.keys()))
+        self.store_keys = self.store.keys()
+        self.hidden = int(config["hidden_size"])
+        any_key = next(iter(self.store_keys))
         self.expert_bytes = self.store.nbytes(*any_key)
         self.strategy = get_strategy(spec.settings.strategy)
         cache = {"all": DeviceCache(None), "lru": DeviceCache(spec.settings.cache_experts)}.get(self.strategy.cache)
@@ -101,7 +103,7 @@ class WorkerRole:
                     continue
                 if isinstance(received.msg, Shutdown):
                     return
-                self.handle(received)
+                handle_safely(self.handle, received)
         finally:
             self.loader.close()
             self.endpoint.close()
@@ -136,14 +138,22 @@ class WorkerRole:
         if (msg.step, msg.layer) <= self.served:
             return  # main has already served that layer: the prediction came too late
         mine = set(prefetch_on_prediction(self.strategy, msg.experts, self.members, self.index))
+        foreign = sorted(e for e in mine if (msg.layer, e) not in self.store_keys)
+        if foreign:  # a prediction naming experts that do not exist here: nothing to load
+            log.warning("dropped a prediction for layer %d naming experts %s this worker lacks", msg.layer, foreign)
+            return
         # A newer prediction for the same layer replaces the older one.
         self.loader.discard(lambda key: (key[0], key[1]) != (msg.step, msg.layer) or key[2] in mine)
         for expert in sorted(mine):
             self.loader.prefetch((msg.step, msg.layer, expert))
 
     def on_request(self, msg: ExpertRequest, identity: bytes) -> None:
-        if msg.request_id != self.request_id:
-            log.warning("dropped a request for %s while serving %s", msg.request_id, self.request_id)
+        if not self.request_id or msg.request_id != self.request_id:
+            log.warning("dropped a request for %r while serving %r", msg.request_id, self.request_id)
+            return
+        problem = self._malformed(msg)
+        if problem:
+            log.warning("dropped a malformed request for step %s layer %s: %s", msg.step, msg.layer, problem)
             return
         here = (msg.step, msg.layer)
         if here > self.served:
@@ -153,6 +163,25 @@ class WorkerRole:
         self.loader.discard(lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted))
         if msg.experts:
             self._compute(msg, identity)
+
+    def _malformed(self, msg: ExpertRequest) -> str:
+        """What is wrong with ``msg``, or "": checked before anything is loaded or computed."""
+        n = len(msg.experts)
+        if len(msg.counts) != n or len(msg.offsets) != n:
+            return "experts, counts and offsets differ in length"
+        missing = [e for e in msg.experts if (msg.layer, e) not in self.store_keys]
+        if missing:
+            return f"experts {missing} of layer {msg.layer} are not this worker's"
+        if any(c < 1 for c in msg.counts) or any(o < 0 for o in msg.offsets):
+            return "counts must be positive and offsets non-negative"
+        rows = sum(msg.counts)
+        if n and (msg.rows is None or msg.weights is None):
+            return "rows or weights are missing"
+        if n and (msg.rows.dim() != 2 or msg.rows.shape[0] != rows or msg.rows.shape[1] != self.hidden):
+            return f"rows are {tuple(msg.rows.shape)}, expected ({rows}, {self.hidden})"
+        if n and tuple(msg.weights.shape) != (rows,):
+            return f"weights are {tuple(msg.weights.shape)}, expected ({rows},)"
+        return ""
 
     def _compute(self, msg: ExpertRequest, identity: bytes) -> None:
         assert msg.rows is not None and msg.weights is not None
