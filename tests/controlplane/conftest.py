@@ -116,6 +116,8 @@ def celery_worker(transactional_db, redis_url: str, settings, tmp_path: Path) ->
             "--without-gossip",
             "--without-mingle",
             "--without-heartbeat",
+            "--queues",
+            "celery,jobs",
         ],
         env=env,
         stdout=log,

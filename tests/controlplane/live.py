@@ -73,7 +73,10 @@ class LiveControlPlane:
         return child
 
     def start_celery(self) -> Child:
-        child = self.group.start("celery", celery_argv(beat_schedule=self.state_root / "beat-schedule"))
+        # One worker on both queues: the tests kill "the" worker mid-job and expect the job to survive.
+        child = self.group.start(
+            "celery", celery_argv(beat_schedule=self.state_root / "beat-schedule", queues=("celery", "jobs"))
+        )
         wait_until(
             "the Celery worker", lambda: b"ready." in child.log_path.read_bytes(), timeout_s=90, check=self.group.check
         )

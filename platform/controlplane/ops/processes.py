@@ -145,10 +145,13 @@ def asgi_argv(port: int, host: str = "127.0.0.1") -> list[str]:
     return [sys.executable, "-m", "uvicorn", app, "--host", host, "--port", str(port), "--log-level", "warning"]
 
 
-def celery_argv(*, beat_schedule: Path | None, concurrency: int = 4) -> list[str]:
-    """A worker (threads: shard builds and pushes wait on I/O); with beat when a schedule file is given."""
-    argv = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--loglevel=INFO"]
+def celery_argv(
+    *, beat_schedule: Path | None, concurrency: int = 4, queues: tuple[str, ...] = ("celery",), name: str = "control"
+) -> list[str]:
+    """A worker on ``queues`` (threads: shard builds and pushes wait on I/O); with beat given a schedule file."""
+    argv = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--loglevel=INFO", f"--hostname={name}@%h"]
     argv += [f"--concurrency={concurrency}", "--pool=threads", "--without-gossip", "--without-mingle"]
+    argv += ["--queues", ",".join(queues)]
     if beat_schedule:
         beat_schedule.parent.mkdir(parents=True, exist_ok=True)
     return [*argv, "--beat", f"--schedule={beat_schedule}"] if beat_schedule else argv

@@ -168,6 +168,12 @@ CHANNEL_LAYERS = {
 }
 
 NODE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("ODMOE_NODE_HEARTBEAT_TIMEOUT_S", "15"))
+# Jobs run for minutes: they get a queue (and, under ``manage.py up``, a worker) of their own, so
+# offline detection and deployment pushes never wait behind them on the default queue.
+CONTROL_QUEUE = "celery"
+JOBS_QUEUE = "jobs"
+CELERY_TASK_DEFAULT_QUEUE = CONTROL_QUEUE
+CELERY_TASK_ROUTES = {"controlplane.serving.tasks.*": {"queue": JOBS_QUEUE}}
 CELERY_BEAT_SCHEDULE = {
     "expire-silent-nodes": {
         "task": "controlplane.nodes.tasks.expire_silent_nodes_task",

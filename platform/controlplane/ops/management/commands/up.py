@@ -91,13 +91,20 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)
         password = demo.ensure_admin()
         demo.forget_connections()
-        self.step("starting the ASGI server and a Celery worker with beat")
+        self.step("starting the ASGI server, a Celery worker with beat, and one for jobs")
         group.start("asgi", asgi_argv(port))
-        celery = group.start("celery", celery_argv(beat_schedule=var / "celerybeat-schedule"))
-        wait_until("the ASGI server answering", lambda: http_up(url + "/api/schema/"), timeout_s=60, check=group.check)
-        wait_until(
-            "the Celery worker", lambda: b"ready." in celery.log_path.read_bytes(), timeout_s=90, check=group.check
+        celery = group.start(
+            "celery", celery_argv(beat_schedule=var / "celerybeat-schedule", queues=(settings.CONTROL_QUEUE,))
         )
+        jobs = group.start("jobs", celery_argv(beat_schedule=None, queues=(settings.JOBS_QUEUE,), name="jobs"))
+        wait_until("the ASGI server answering", lambda: http_up(url + "/api/schema/"), timeout_s=60, check=group.check)
+        for worker in (celery, jobs):
+            wait_until(
+                f"the Celery worker {worker.name}",
+                lambda worker=worker: b"ready." in worker.log_path.read_bytes(),
+                timeout_s=90,
+                check=group.check,
+            )
         if not options["no_demo"]:
             self._demo(group, var, url, options)
         self.stdout.write(self.style.SUCCESS(f"odmoe ready: {url}/"))
