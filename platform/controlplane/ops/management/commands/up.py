@@ -62,6 +62,8 @@ class Command(BaseCommand):
         stopping = {"signal": None}
 
         def on_signal(signum, frame) -> None:
+            if stopping["signal"] is not None:
+                return  # already stopping: a second Ctrl-C must not cut the clean-up short
             stopping["signal"] = signum
             raise KeyboardInterrupt
 
