@@ -9,11 +9,13 @@
 #   --name N         this node's name (default: the host name)
 #   --dir DIR        where the venv and the agent's state live (default: ~/.local/share/odmoe-agent)
 #   --no-service     do not install a systemd unit; print how to run the agent instead
-# Environment: PYTHON (default python3, 3.11 or newer), ODMOE_PIP_ARGS (extra pip arguments).
+# Environment: PYTHON (default python3, 3.11 or newer), ODMOE_PIP_ARGS (extra pip arguments),
+#   ODMOE_JOIN_TOKEN (the join token, instead of --token: kept out of the process list).
 set -eu
 
 SERVER="@SERVER@"
-TOKEN=""
+AGENT_SHA256="@AGENT_SHA256@"  # of the agent package this script was served with
+TOKEN="${ODMOE_JOIN_TOKEN:-}"
 NAME="$(hostname)"
 DIR="${HOME}/.local/share/odmoe-agent"
 SERVICE="auto"
@@ -28,12 +30,12 @@ while [ $# -gt 0 ]; do
         --name) [ $# -ge 2 ] || die "--name needs a value"; NAME="$2"; shift 2 ;;
         --dir) [ $# -ge 2 ] || die "--dir needs a value"; DIR="$2"; shift 2 ;;
         --no-service) SERVICE="no"; shift ;;
-        -h|--help) sed -n '2,13p' "$0" 2>/dev/null || true; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0" 2>/dev/null || true; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
 
-[ -n "$TOKEN" ] || die "--token is required: create a join token in the console (Enroll)"
+[ -n "$TOKEN" ] || die "--token is required (or ODMOE_JOIN_TOKEN): create a join token in the console (Enroll)"
 case "$SERVER" in http://*|https://*) ;; *) die "--server must be an http(s) URL, got '$SERVER'" ;; esac
 SERVER="${SERVER%/}"
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python 3.11 or newer"
@@ -42,9 +44,20 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python 3
 echo "odmoe install: creating a virtual environment in $DIR/venv"
 mkdir -p "$DIR"
 "$PYTHON" -m venv "$DIR/venv" || die "cannot create a venv (Debian: apt install python3-venv)"
-echo "odmoe install: installing the agent and the runtime from $SERVER (this takes a few minutes)"
+echo "odmoe install: downloading the agent package from $SERVER"
+PACKAGE="$DIR/odmoe-agent.tar.gz"
+"$DIR/venv/bin/python" - "$SERVER/agent/odmoe-agent.tar.gz" "$PACKAGE" "$AGENT_SHA256" <<'PY' || die "the agent package did not download or does not match the sha256 this script was served with"
+import hashlib, sys, urllib.request
+url, path, want = sys.argv[1:]
+data = urllib.request.urlopen(url, timeout=120).read()
+got = hashlib.sha256(data).hexdigest()
+if got != want:
+    sys.exit(f"odmoe install: {url} has sha256 {got}, expected {want}")
+open(path, "wb").write(data)
+PY
+echo "odmoe install: installing the agent and the runtime (this takes a few minutes)"
 # shellcheck disable=SC2086  # ODMOE_PIP_ARGS is a list of arguments
-"$DIR/venv/bin/python" -m pip install --quiet ${ODMOE_PIP_ARGS:-} "$SERVER/agent/odmoe-agent.tar.gz"
+"$DIR/venv/bin/python" -m pip install --quiet ${ODMOE_PIP_ARGS:-} "$PACKAGE"
 
 echo "odmoe install: enrolling $NAME"
 "$DIR/venv/bin/python" -m agent --server "$SERVER" --token "$TOKEN" --name "$NAME" \

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import re
 import stat
 import subprocess
 import sysconfig
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 from django.test import Client
 
+from controlplane.nodes.install import package_sha256
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import create_join_token
 from controlplane.ops.processes import ProcessGroup, asgi_argv, http_up, python_env, wait_until
@@ -25,6 +28,9 @@ def test_the_install_script_is_served_with_this_server_filled_in(db, settings) -
     assert response.status_code == 200
     script = response.content.decode()
     assert 'SERVER="http://cp.example:8000"' in script and "@SERVER@" not in script
+    assert f'AGENT_SHA256="{package_sha256()}"' in script  # the package it installs is pinned
+    package = Client().get("/agent/odmoe-agent.tar.gz", HTTP_HOST="cp.example:8000").content
+    assert hashlib.sha256(package).hexdigest() == package_sha256()
     check = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True)
     assert check.returncode == 0, check.stderr
 
@@ -74,6 +80,12 @@ def test_the_one_liner_installs_the_agent_and_enrolls_the_box(transactional_db, 
         wait_until("the ASGI server", lambda: http_up(server + "/api/schema/"), timeout_s=60, check=group.check)
         with urllib.request.urlopen(f"{server}/agent/install.sh") as response:
             script = response.read().decode()
+        # A package that is not the one the script was served with is never installed.
+        tampered = re.sub(r'AGENT_SHA256="[0-9a-f]{64}"', 'AGENT_SHA256="' + "0" * 64 + '"', script)
+        refused = install(tampered, token, tmp_path / "tampered")
+        assert refused.returncode != 0 and "does not match the sha256" in refused.stderr
+        assert not (tmp_path / "tampered" / "venv" / "bin" / "odmoe-agent").exists()
+        assert not Node.objects.filter(name="installed-box").exists()
         run = install(script, token, tmp_path / "odmoe-agent")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "start the agent with" in run.stdout and f"--server {server}" in run.stdout
@@ -90,9 +102,10 @@ def install(script: str, token: str, target: Path) -> subprocess.CompletedProces
         "ODMOE_PIP_ARGS": "--no-deps",
         "PYTHONPATH": sysconfig.get_paths()["purelib"],
         "PYTHON": "python3",
+        "ODMOE_JOIN_TOKEN": token,  # from the environment: not in the process list
     }
     return subprocess.run(
-        ["sh", "-s", "--", "--token", token, "--name", "installed-box", "--dir", str(target), "--no-service"],
+        ["sh", "-s", "--", "--name", "installed-box", "--dir", str(target), "--no-service"],
         input=script,
         text=True,
         capture_output=True,
