@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 from inference.launcher import free_port
@@ -43,8 +44,23 @@ def gpus() -> list[dict]:
         return []
 
 
+FREE_MEMORY_EVERY_S = 30.0  # nvidia-smi takes a moment; free memory is a hint, not a live gauge
+_free_cache: tuple[float, dict[str, int]] = (float("-inf"), {})
+
+
 def _free_bytes_by_uuid() -> dict[str, int]:
-    """Free memory per GPU UUID (without the ``GPU-`` prefix) from nvidia-smi; {} where it can't say."""
+    """Free memory per GPU UUID (without the ``GPU-`` prefix) from nvidia-smi, asked at most every 30 s."""
+    global _free_cache
+    asked, free = _free_cache
+    if time.monotonic() - asked < FREE_MEMORY_EVERY_S:
+        return free
+    free = _ask_nvidia_smi()
+    _free_cache = (time.monotonic(), free)
+    return free
+
+
+def _ask_nvidia_smi() -> dict[str, int]:
+    """Free memory per GPU UUID from nvidia-smi; {} where it can't say."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {}

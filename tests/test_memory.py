@@ -252,6 +252,9 @@ def test_free_gpu_memory_comes_from_nvidia_smi_by_uuid(tmp_path, monkeypatch) ->
     fake.write_text("#!/bin/sh\necho 'GPU-aa-11, 81000'\necho 'GPU-bb-22, [N/A]'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(inventory, "_free_cache", (float("-inf"), {}))
     assert inventory._free_bytes_by_uuid() == {"aa-11": 81000 * 1024 * 1024}  # an unreadable figure is left out
+    fake.write_text("#!/bin/sh\necho 'GPU-aa-11, 1'\n")
+    assert inventory._free_bytes_by_uuid() == {"aa-11": 81000 * 1024 * 1024}  # asked again only after 30 s
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
-    assert inventory._free_bytes_by_uuid() == {}
+    assert inventory._ask_nvidia_smi() == {}
