@@ -334,3 +334,53 @@ def test_a_quantized_shadow_fetches_its_shard_converted_once_by_the_shard_build(
     assert {p: p.stat().st_mtime_ns for p in main_parts} == main_parts
     start = next(c for c in inbox.take(shadow_node) if isinstance(c, StartRole))
     assert start.shard == "shadow-int8"
+
+
+def test_removing_a_node_stops_its_deployment_which_cannot_start_without_it(cluster) -> None:
+    deployment, nodes, inbox = cluster
+    deployment = pushed(deployment)
+    for node in nodes:
+        inbox.take(node)  # the StartRoles
+    worker = deployment.members.get(role="worker", worker_index=1).node
+    staff = APIClient()
+    staff.force_authenticate(get_user_model().objects.create_user("admin", is_staff=True))
+    assert staff.delete(f"/api/nodes/{worker.pk}").status_code == 204  # was a 500 (a protected row)
+    assert not Node.objects.filter(pk=worker.pk).exists()
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.FAILED
+    assert f"node {worker.name} (worker-1) was removed; start it again" in deployment.status_reason
+    assert deployment.name == "d" and deployment.kv_period == 2  # what the user set is kept
+    for node in nodes:
+        if node.pk != worker.pk:
+            assert any(isinstance(c, StopRole) for c in inbox.take(node))
+    # One worker fewer is still a deployment: it starts again on the rest, renumbered.
+    assert [m.worker_index for m in deployment.members.filter(role="worker")] == [0]
+    assert staff.post(f"/api/deployments/{deployment.pk}/start").status_code == 202
+    lifecycle.stop_deployment(deployment=Deployment.objects.get(pk=deployment.pk))
+    # Without its main it is not one: it says so and changes nothing.
+    main = deployment.members.get(role="main").node
+    assert staff.delete(f"/api/nodes/{main.pk}").status_code == 204
+    again = staff.post(f"/api/deployments/{deployment.pk}/start")
+    assert again.status_code == 409 and "lost a node" in again.json()["detail"]
+    assert Deployment.objects.get(pk=deployment.pk).status == DeploymentStatus.FAILED
+
+
+def test_a_removed_nodes_open_link_is_closed_at_once(cluster) -> None:
+    from controlplane.nodes.services import remove_node
+
+    _, nodes, _ = cluster
+    node = nodes[3]
+    secret = new_secret(NODE_SECRET_PREFIX)
+    Node.objects.filter(pk=node.pk).update(secret_hash=digest(secret))
+
+    async def run() -> int:
+        link = WebsocketCommunicator(
+            application, LINK_PATH, headers=[(b"authorization", f"Node {node.pk}:{secret}".encode())]
+        )
+        connected, _ = await link.connect()
+        assert connected
+        await sync_to_async(remove_node)(node=await sync_to_async(Node.objects.get)(pk=node.pk))
+        closing = await link.receive_output(timeout=5)
+        return closing.get("code")
+
+    assert async_to_sync(run)() == 4401

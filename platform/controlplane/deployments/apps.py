@@ -17,5 +17,9 @@ class DeploymentsConfig(AppConfig):
         def on_offline(sender, *, node_ids: list[str], **kwargs) -> None:
             lifecycle.nodes_went_offline(node_ids=node_ids)
 
+        def on_removing(sender, *, node_id: str, name: str, **kwargs) -> None:
+            lifecycle.release_node(node_id=node_id, name=name)
+
         signals.runtime_reported.connect(on_runtime, weak=False, dispatch_uid="deployments.reconcile")
+        signals.node_removing.connect(on_removing, weak=False, dispatch_uid="deployments.release")
         signals.nodes_went_offline.connect(on_offline, weak=False, dispatch_uid="deployments.offline")

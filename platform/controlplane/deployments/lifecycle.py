@@ -52,6 +52,8 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
         if locked.status in RUNNING:
             raise DeploymentError(f"deployment {locked.name} is already {locked.status}; stop it first")
         members = list(locked.members.select_related("node"))
+        if not _complete(members):
+            raise DeploymentError(f"deployment {locked.name} lost a node ({locked.status_reason}); create it again")
         check_nodes_free([m.node for m in members], exclude=locked)
         down = [m.node.name for m in members if m.node.status != NodeStatus.ONLINE]
         if down:
@@ -127,6 +129,36 @@ def stop_deployment(*, deployment: Deployment) -> Deployment:
     return locked
 
 
+def release_node(*, node_id: str, name: str) -> None:
+    """A node is being removed: every deployment it belongs to lets go of it.
+
+    A running deployment is stopped (its other roles are told to stop) and fails with the
+    reason, keeping its name and settings. Without a worker it can start again with one
+    worker fewer (the rest renumbered); without its main or shadow it cannot.
+    """
+    members = DeploymentNode.objects.filter(node_id=node_id).select_related("deployment")
+    for member in list(members):
+        deployment = Deployment.objects.select_for_update().get(pk=member.deployment_id)
+        role = member.role_name
+        if deployment.status in RUNNING:
+            key = deployment.runtime_key
+            others = list(deployment.members.exclude(node_id=node_id).values_list("node_id", flat=True))
+            transaction.on_commit(lambda others=others, key=key: _broadcast_stop(others, key))
+        member.delete()
+        workers = list(deployment.members.filter(role=Role.WORKER).order_by("worker_index"))
+        for index, worker in enumerate(workers):
+            if worker.worker_index != index:
+                worker.worker_index = index
+                worker.save(update_fields=["worker_index", "updated_at"])
+        if role.startswith("worker") and workers:
+            reason = f"node {name} ({role}) was removed; start it again to run on the {len(workers)} workers left"
+        else:
+            reason = f"node {name} ({role}) was removed; create the deployment again with another node"
+        deployment.status = DeploymentStatus.FAILED
+        deployment.status_reason = reason
+        deployment.save(update_fields=["status", "status_reason", "updated_at"])
+
+
 def send_alignment(*, deployment: Deployment) -> None:
     """Hand the deployment's current alignment periods to its running main (no restart)."""
     if deployment.status not in RUNNING:
@@ -143,6 +175,14 @@ def send_alignment(*, deployment: Deployment) -> None:
 def _broadcast_stop(node_ids: list, key: str) -> None:
     for node_id in node_ids:
         send_command(node_id=str(node_id), command=StopRole(deployment=key).to_json())
+
+
+def _complete(members: list[DeploymentNode]) -> bool:
+    """Whether the members still form a deployment: a main, a shadow and workers 0..n-1."""
+    roles = [m.role for m in members]
+    workers = sorted(m.worker_index for m in members if m.role == Role.WORKER)
+    whole = roles.count(Role.MAIN) == 1 and roles.count(Role.SHADOW) == 1
+    return whole and bool(workers) and workers == list(range(len(workers)))
 
 
 def _free_ports(node: Node) -> list[int]:

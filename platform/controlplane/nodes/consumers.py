@@ -96,6 +96,10 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 node_id=self.node_id, task_id=event.task_id, ok=event.ok, detail=event.detail
             )
 
+    async def agent_revoked(self, event: dict) -> None:
+        """The node was removed: its credential is gone, so is this link (the agent stops retrying)."""
+        await self.close(code=CLOSE_UNAUTHENTICATED)
+
     async def agent_command(self, event: dict) -> None:
         """A command for this node from a service or task: forward it to the agent."""
         command = event["command"]

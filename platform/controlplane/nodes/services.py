@@ -141,9 +141,28 @@ def undrain_node(*, node: Node) -> Node:
     return node
 
 
+@transaction.atomic
 def remove_node(*, node: Node) -> None:
-    """Forget the node: its credential stops working at once; the box must enroll again."""
+    """Forget the node: its credential stops working and its agent's link closes at once.
+
+    Deployments it belongs to let go of it first (the deployments app listens to
+    ``node_removing``): a running one is stopped, and none can start again without it.
+    The box must enroll again to come back.
+    """
+    node_id = str(node.pk)
+    signals.node_removing.send(sender=Node, node_id=node_id, name=node.name)
     node.delete()
+    transaction.on_commit(lambda: close_agent_link(node_id=node_id))
+
+
+def close_agent_link(*, node_id: str) -> None:
+    """Close the node's agent websocket, if one is open (its credential no longer exists)."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    from .consumers import node_group
+
+    async_to_sync(get_channel_layer().group_send)(node_group(node_id), {"type": "agent.revoked"})
 
 
 def send_command(*, node_id: str, command: dict) -> None:
