@@ -14,6 +14,7 @@ from agent.download import fetch_shard
 from agent.http import ControlPlaneError
 from controlplane.artifacts.ranges import RangeNotSatisfiable, parse_range
 from controlplane.artifacts.services import build_model_shards, register_model
+from controlplane.nodes.models import NodeTask
 from controlplane.nodes.services import create_join_token, enroll_node
 from inference.sharding import MANIFEST_FILE, verify_shard
 
@@ -45,6 +46,12 @@ def node_auth():
     return node, secret
 
 
+def grant(node, model_id: int, *shards: str) -> None:
+    """Tell ``node`` to fetch ``shards`` (what starting a role or a fetch request records)."""
+    for shard in shards:
+        NodeTask.objects.create(node=node, kind="fetch_shard", params={"model_id": model_id, "role": shard})
+
+
 @pytest.mark.django_db
 def test_only_enrolled_agents_get_listed_files_with_ranges(shards, node_auth) -> None:
     node, secret = node_auth
@@ -53,6 +60,11 @@ def test_only_enrolled_agents_get_listed_files_with_ranges(shards, node_auth) ->
     assert anonymous.get(f"{url}/{MANIFEST_FILE}").status_code == 401
     agent = APIClient()
     agent.credentials(HTTP_AUTHORIZATION=f"Node {node.pk}:{secret}")
+    # A node's credential fetches only the shards its node was told to fetch.
+    assert agent.get(f"{url}/{MANIFEST_FILE}").status_code == 403
+    grant(node, shards.pk, "worker-1")
+    assert agent.get(f"/api/models/{shards.pk}/shards/worker-0/{MANIFEST_FILE}").status_code == 403
+    assert agent.get(f"/api/models/{shards.pk}/shards/main/{MANIFEST_FILE}").status_code == 403
     manifest = agent.get(f"{url}/{MANIFEST_FILE}")
     assert manifest.status_code == 200
     name = json.loads(b"".join(manifest.streaming_content))["files"][0]["path"]
@@ -73,6 +85,7 @@ def test_an_agent_resumes_an_interrupted_download_and_refetches_a_corrupt_one(
     live_server, shards, node_auth, tmp_path: Path
 ) -> None:
     node, secret = node_auth
+    grant(node, shards.pk, "worker-0")
     credential = NodeCredential(live_server.url, str(node.pk), secret, node.name)
     source = Path(shards.shard_dir) / "worker-0"
     dest = tmp_path / "fetched"
@@ -114,6 +127,7 @@ def test_the_agent_never_starts_a_role_on_a_shard_that_fails_verification(
     from agent.runtime import RoleRunner
 
     node, secret = node_auth
+    grant(node, shards.pk, "worker-0")
     served = next((Path(shards.shard_dir) / "worker-0").glob("*.safetensors"))
     data = served.read_bytes()
     served.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00" * len(data))

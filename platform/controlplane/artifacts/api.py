@@ -17,6 +17,7 @@ from rest_framework.views import APIView
 
 from controlplane.names import name_field
 from controlplane.nodes.authentication import IsNode, NodeCredentialAuthentication
+from controlplane.nodes.selectors import node_was_sent_shard
 from controlplane.pagination import paginated
 from inference.sharding import MANIFEST_FILE, is_role_dirname
 
@@ -133,6 +134,11 @@ class ShardFileApi(APIView):
         artifact = ModelArtifact.objects.filter(pk=model_id, shard_status=ShardStatus.READY).first()
         if artifact is None or not is_role_dirname(role):
             return Response({"detail": f"no ready shards for model {model_id} and role {role}"}, status=404)
+        if not node_was_sent_shard(node=request.auth, model_id=model_id, shard=role):
+            # A node's credential fetches only what its node was told to run or fetch.
+            return Response(
+                {"detail": f"this node was not asked to fetch shard {role} of model {model_id}"}, status=403
+            )
         role_dir = Path(artifact.shard_dir) / role
         listed = _listed_files(role_dir)
         if name not in listed:

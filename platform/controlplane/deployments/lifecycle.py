@@ -194,7 +194,12 @@ def _send_start(deployment: Deployment, member: DeploymentNode, members: list[De
     task = NodeTask.objects.create(
         node_id=member.node_id,
         kind="start_role",
-        params={"deployment": deployment.pk, "model_id": deployment.model_id, "role": member.role_name},
+        params={
+            "deployment": deployment.pk,
+            "model_id": deployment.model_id,
+            "role": member.role_name,
+            "shard": shard_name(deployment, member),
+        },
     )
     command = StartRole(
         task_id=str(task.pk),
