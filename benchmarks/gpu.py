@@ -755,8 +755,10 @@ def serve_once(
             timings["startup_s"] = time.monotonic() - started
             pids = {name: proc.pid for name, proc in cluster.processes.items()}
             started = time.monotonic()
+            say("  warm-up generation")
             cluster.generate(prompt[: max(1, len(prompt) // 2)], 4)  # warm-up: first-call work in every role
             timings["warmup_s"] = time.monotonic() - started
+            say(f"  measured generation of {args.tokens} tokens")
             started = time.monotonic()
             done = cluster.generate(prompt, args.tokens)
             timings["generate_s"] = time.monotonic() - started
@@ -823,7 +825,10 @@ def serve_all(
             raise
         except BaseException as exc:  # a failed run is recorded; the next one still runs
             run = {"strategy": strategy, "shadow_dtype": shadow_dtype, "status": "error", "error": error_text(exc)}
-            run["logs"] = {path.stem: log_tail(path) for path in sorted(work_dir.glob("*.log"))}
+            # Where the check was, and where each role was: a role that was still alive wrote
+            # its threads' stacks into its log as the cluster closed (LocalCluster.dump_stacks).
+            run["traceback"] = "".join(traceback.format_exception(exc))[-4000:]
+            run["logs"] = {path.stem: log_tail(path, lines=120) for path in sorted(work_dir.glob("*.log"))}
         run["run"] = label
         run["seconds"] = round(time.monotonic() - started, 2)
         durations.append(run["seconds"])
@@ -990,6 +995,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, help="the whole run's time limit (default: by scale)")
     parser.add_argument("--model", type=Path, help="serve this checkpoint instead of building one")
     parser.add_argument("--work-dir", type=Path, help="where the checkpoint and shards go (default: a temp dir)")
+    parser.add_argument("--layers", type=int, help="decoder layers of the built checkpoint (default: by scale)")
     args = parser.parse_args(argv)
     scale = SCALES[args.scale]
     args.tokens = args.tokens or scale.tokens
@@ -1001,6 +1007,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown strategies {sorted(set(args.strategies) - set(STRATEGIES))}; known: {STRATEGIES}")
     if set(args.shadow_dtypes) - set(SHADOW_DTYPES):
         parser.error(f"unknown shadow dtypes {sorted(set(args.shadow_dtypes) - set(SHADOW_DTYPES))}")
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers must be >= 1")
     if args.tokens < 2 or args.prompt_len < 2 or args.workers < 1:
         parser.error("--tokens and --prompt-len must be >= 2 and --workers >= 1")
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -1013,7 +1021,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     scale = SCALES[args.scale]
-    model = dict(scale.model)
+    model = dict(scale.model) | ({"layers": args.layers} if args.layers else {})
     device = torch.device(args.device)
     started = time.monotonic()
     report = Report(args.json, args.markdown, deadline=started + args.budget_s)

@@ -7,6 +7,7 @@ messages of ``inference.protocol``; every wait is bounded.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,22 +34,29 @@ class RuntimeClient:
     def __init__(self, main_address: str, deployment: str, *, name: str | None = None) -> None:
         self.endpoint = Endpoint(name or f"client-{uuid.uuid4().hex[:8]}", deployment)
         self.endpoint.connect("main", main_address)
+        self._nonces = itertools.count(1)
 
     def ping(self, timeout_s: float = 0.5) -> Pong | None:
-        """Main's health answer, or None if it did not answer in time."""
-        self.endpoint.send("main", Ping())
+        """Main's answer to this ping, or None if it did not come in time.
+
+        Pings sent while main was still starting wait in its inbox and are all answered once
+        it is up; those answers are read past (each Pong carries its Ping's nonce), so that a
+        caller never acts on a stale one, nor keeps a backlog of them cycling.
+        """
+        nonce = next(self._nonces)
+        self.endpoint.send("main", Ping(nonce=nonce))
         deadline = time.monotonic() + timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             received = self.endpoint.recv(timeout_s=remaining)
-            if received is not None and isinstance(received.msg, Pong):
+            if received is not None and isinstance(received.msg, Pong) and received.msg.nonce == nonce:
                 return received.msg
         return None
 
-    def wait_ready(self, timeout_s: float, *, check: Callable[[], None] | None = None) -> None:
-        """Block until main reports every peer ready; ``check`` runs between tries."""
+    def wait_ready(self, timeout_s: float, *, check: Callable[[], None] | None = None, interval_s: float = 0.1) -> None:
+        """Block until main reports every peer ready; ``check`` runs between tries, at most one per ``interval_s``."""
         deadline = time.monotonic() + timeout_s
         detail = "no answer from main yet"
-        while time.monotonic() < deadline:
+        while (now := time.monotonic()) < deadline:
             if check is not None:
                 check()
             pong = self.ping()
@@ -56,6 +64,7 @@ class RuntimeClient:
                 if pong.ready:
                     return
                 detail = pong.detail
+            time.sleep(max(0.0, min(interval_s - (time.monotonic() - now), deadline - time.monotonic())))
         raise TimeoutError(f"the runtime was not ready within {timeout_s:.0f} s: {detail}")
 
     def stream(

@@ -118,18 +118,18 @@ class LocalCluster:
                 self.start()
                 return self
             except ClusterError as exc:
-                self.close(keep_work_dir=True)
+                self.close(keep_work_dir=True, dump_stacks=True)
                 # Another program took a port between our pick and the role's bind: pick again.
                 if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS - 1:
                     self.close()
                     raise
             except BaseException:
-                self.close()
+                self.close(dump_stacks=True)
                 raise
         raise AssertionError("unreachable")
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(dump_stacks=exc_type is not None)
 
     def start(self) -> None:
         checkpoint = Checkpoint(self.model_dir)  # a bad model dir fails here, clearly
@@ -160,7 +160,9 @@ class LocalCluster:
             self._spawn(name, role, spec_path)
         self.client = RuntimeClient(addresses.main, self.deployment)
         self.progress(f"started {len(roles)} role processes; waiting for them to be ready")
+        started = time.monotonic()
         self._wait_ready()
+        self.progress(f"every role ready in {time.monotonic() - started:.1f} s")
 
     def _spawn(self, name: str, role: str, spec_path: Path) -> None:
         log_file = open(self.work_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
@@ -195,7 +197,19 @@ class LocalCluster:
             return "(no log)"
         return "\n".join("    " + line for line in path.read_text(errors="replace").splitlines()[-lines:])
 
-    def close(self, *, keep_work_dir: bool = False) -> None:
+    def dump_stacks(self, settle_s: float = 0.5) -> None:
+        """Have every live role write its threads' stacks to its log (SIGUSR1; see ``setup_process``)."""
+        alive = [proc for proc in self.processes.values() if proc.poll() is None]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGUSR1)
+        if alive:
+            time.sleep(settle_s)
+
+    def close(self, *, keep_work_dir: bool = False, dump_stacks: bool = False) -> None:
+        """Stop every role (asking main first); ``dump_stacks``: after a failure, their stacks go to their logs."""
+        if dump_stacks and hasattr(signal, "SIGUSR1"):
+            self.dump_stacks()
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.shutdown()

@@ -76,7 +76,10 @@ def message(cls: type[Message]) -> type[Message]:
 @message
 @dataclass(frozen=True, kw_only=True)
 class Ping(Message):
+    """Health question. ``nonce``, the asker's number for it, comes back in the Pong."""
+
     TYPE = "ping"
+    nonce: int = 0
 
 
 @message
@@ -86,7 +89,7 @@ class Pong(Message):
 
     The role's memory, measured when it answers: ``host_bytes`` and ``peak_host_bytes`` its
     process's resident set now and at its highest, ``device_bytes`` what it holds on its GPU
-    (0 on a CPU).
+    (0 on a CPU). ``nonce`` is the Ping's: an asker tells its answer from those to earlier pings.
     """
 
     TYPE = "pong"
@@ -96,6 +99,7 @@ class Pong(Message):
     host_bytes: int = 0
     peak_host_bytes: int = 0
     device_bytes: int = 0
+    nonce: int = 0
 
 
 @message

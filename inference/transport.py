@@ -15,6 +15,12 @@ delivery time into the message (``deliver_at``, on the system-wide monotonic clo
 receiving endpoint holds the message until then. Messages without a stamp are delivered at
 once, and without emulation nothing is stamped, so the hot path is unchanged.
 
+Receiving is fair across sockets: one poll reads at most one message from *each* socket that
+has one, and those are handed out in turn before the next poll. A role whose inbox never runs
+dry (a client pinging as fast as it is answered) still reads what its links bring: returning
+only the first ready socket's message, as this once did, kept a main on a GPU box from ever
+reading its workers' answers while a backlog of health pings cycled through its inbox.
+
 Sending and receiving loop over frames by hand rather than through pyzmq's
 ``send_multipart``/``recv_multipart``: those wrap every frame's flags in Python enums, which
 costs more than the small messages of a decode step do to move.
@@ -26,6 +32,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -96,6 +103,8 @@ class Endpoint:
         # Sequence numbers start from the clock so that a restarted sender is not stale.
         self._seq = time.time_ns() // 1000
         self._last_seq: dict[tuple[str, str], int] = {}
+        # Messages read in the last poll and not handed out yet, in socket order (fairness).
+        self._ready: deque[Received] = deque()
         # Messages received before their emulated delivery time: (due, arrival, message).
         self._held: list[tuple[float, int, Received]] = []
         self._arrivals = itertools.count()
@@ -144,23 +153,27 @@ class Endpoint:
             now = time.monotonic()
             if self._held and self._held[0][0] <= now:
                 return heapq.heappop(self._held)[2]
+            if self._ready:
+                return self._ready.popleft()
             if polled and now >= deadline:
                 return None
             wake = min(deadline, self._held[0][0]) if self._held else deadline
-            received = self._poll(wake - now)
+            self._poll(wake - now)
             polled = True
-            if received is not None:
-                return received
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every socket; ``linger_ms`` lets queued messages out first (0 drops them)."""
         for sock in [*self._links.values(), *([self.inbox] if self.inbox is not None else [])]:
             sock.close(linger_ms)
         self._links.clear()
+        self._ready.clear()
         self._held.clear()
 
-    def _poll(self, wait_s: float) -> Received | None:
-        """Read what arrives within ``wait_s``: the first message due now, or None (later ones are held)."""
+    def _poll(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for messages; read one from each socket that has one.
+
+        What is due now goes to ``_ready`` in socket order, what is not yet due is held.
+        """
         wait_ms = int(wait_s * 1000)
         if wait_ms <= 0 < wait_s and self._held:
             time.sleep(wait_s)  # the next delivery is closer than the poller's 1 ms resolution
@@ -170,9 +183,9 @@ class Endpoint:
                 continue
             due = received.msg.deliver_at
             if not due and not self._held:
-                return received  # the hot path: nothing emulated
-            self._hold(received, due)
-        return None
+                self._ready.append(received)  # the hot path: nothing emulated
+            else:
+                self._hold(received, due)
 
     def _hold(self, received: Received, due: float) -> None:
         """Keep ``received`` until ``due``, after whatever came before it on its connection."""

@@ -364,3 +364,33 @@ def test_a_reply_that_cannot_be_encoded_leaves_nothing_half_sent(pair: tuple[End
     server.reply(got.identity, Pong(role="server", ready=True, detail="next"))
     answer = client.recv(5.0)
     assert answer is not None and isinstance(answer.msg, Pong) and answer.msg.detail == "next"
+
+
+def test_a_busy_inbox_does_not_starve_the_links() -> None:
+    """A main whose inbox never runs dry (a backlog of client pings) still reads its workers' answers.
+
+    Returning only the first ready socket's message kept a main on a GPU box from ever reading
+    its peers' Pongs: it never became ready.
+    """
+    main_address, worker_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    main = Endpoint("main", DEPLOYMENT, bind=main_address)
+    worker = Endpoint("worker-0", DEPLOYMENT, bind=worker_address)
+    client = Endpoint("client", DEPLOYMENT)
+    try:
+        main.connect("worker-0", worker_address)
+        client.connect("main", main_address)
+        for _ in range(50):
+            client.send("main", Ping())
+        main.send("worker-0", Ping())
+        asked = worker.recv(5.0)
+        assert asked is not None
+        worker.reply(asked.identity, Pong(role="worker-0", ready=True))
+        time.sleep(0.3)  # both the inbox's backlog and the worker's answer are waiting at main
+        first_two = [main.recv(1.0) for _ in range(2)]
+        assert {r.via for r in first_two if r is not None} == {"inbox", "worker-0"}
+        rest = [main.recv(1.0) for _ in range(49)]
+        assert all(r is not None and r.via == "inbox" and isinstance(r.msg, Ping) for r in rest)
+        assert main.recv(0.05) is None
+    finally:
+        for endpoint in (client, worker, main):
+            endpoint.close()

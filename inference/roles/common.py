@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +46,10 @@ def setup_process(spec: RoleSpec) -> torch.device:
         level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
     return_freed_memory_to_the_system()
+    # SIGUSR1 writes every thread's stack to the role's log: how a launcher shows where a role
+    # that does not answer is stuck (``LocalCluster`` does it before stopping a failed cluster).
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Many roles share a small machine: one intra-op thread each unless told otherwise.
     torch.set_num_threads(spec.settings.threads)
     return pick_device(spec.settings.device)
@@ -105,6 +111,7 @@ def answer_ping(endpoint: Endpoint, received: Received, role: str, ready: bool, 
                 host_bytes=host,
                 peak_host_bytes=peak,
                 device_bytes=device_memory(),
+                nonce=received.msg.nonce,
             ),
         )
         return True
