@@ -1,7 +1,7 @@
 r"""The GPU check: device facts, copy bandwidth, expert compute and every strategy served, in one bounded run.
 
     python -m benchmarks.gpu [--device cuda:0] [--scale full|tiny] [--json OUT] [--markdown OUT]
-        [--tokens N] [--workers W] [--budget-s S]
+        [--tokens N] [--workers W] [--budget-s S] [--layers N]
 
 Sections, each timed, each bounded by a time limit, each recording its error and letting the
 run go on (the JSON and the Markdown table are rewritten after every section, so what ran is

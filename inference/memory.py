@@ -47,10 +47,12 @@ from inference.strategies import DEFAULT_STRATEGY, get_strategy, home_worker
 
 GB = 10**9  # what the console and the messages print (decimal, as disks are sold)
 RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + transformers, before weights
-# What a process's CUDA context, kernels and cuBLAS workspace take on its GPU before any tensor:
-# an allowance (a few hundred MB on current GPUs and drivers), not a measurement here; the GPU
-# check measures each role's device memory where a GPU is lent.
-CUDA_CONTEXT_BYTES = 500 * 10**6
+# What a process's CUDA context, kernels, cuBLAS workspace and allocator take on its GPU beyond
+# its tensors: measured by the GPU check (nvidia-smi, per process) on an H200 with torch 2.11 and
+# CUDA 13, serving a model whose tensors are a few MB: main 747 MB, shadow 757 MB, each worker
+# 820 MB (benchmarks/results/gpu-h200-tiny.json). The largest, for every role; other GPUs,
+# drivers and torch versions differ by some tens of MB.
+CUDA_CONTEXT_BYTES = 820 * 10**6
 DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache main and the shadow are sized for
 DISK_STORE_STAGED_EXPERTS = 2  # a disk store reads an expert into RAM on its way to the device
 NF4_BLOCKSIZE = 64  # elements per fp32 absmax in nf4 (``inference.quant.NF4_BLOCKSIZE``)

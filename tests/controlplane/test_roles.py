@@ -81,7 +81,7 @@ def test_a_box_too_small_for_a_workers_experts_becomes_main() -> None:
 def test_when_nothing_fits_the_error_names_the_constraint() -> None:
     small_gpus = {f"n{i}": box(24, 64) for i in range(10)}
     with pytest.raises(
-        RoleError, match=r"no node can hold the shadow; .*needs 27\.5 GB of GPU memory .*has 25\.8 GB: 1\.7 GB short"
+        RoleError, match=r"no node can hold the shadow; .*needs 27\.8 GB of GPU memory .*has 25\.8 GB: 2\.0 GB short"
     ):
         suggest_roles(small_gpus, top_k=2, memory=nf4_plan(8))
     little_ram = {"s": box(48, 64), "m": box(24, 64)} | {f"w{i}": box(24, 16) for i in range(8)}
