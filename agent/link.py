@@ -3,8 +3,9 @@
 Connects with the node credential, sends a heartbeat at once and then every few seconds,
 answers commands, and reconnects with backoff whenever the link drops (a control-plane
 restart, a network blip). A refused credential is final: the agent stops with the reason.
-The runtime role (``agent.runtime.RoleRunner``) lives across reconnections; what it sends
-while the link is down is dropped, and the next heartbeat carries its state again.
+The runtime roles (``agent.roles.Roles``, one ``RoleRunner`` each) live across reconnections;
+what they send while the link is down is dropped, and the next heartbeat carries every role's
+state again.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from agent.messages import (
     TaskDone,
     parse,
 )
-from agent.runtime import RoleRunner, fetch_with_progress, shard_dir
+from agent.roles import Roles
+from agent.runtime import fetch_with_progress, shard_dir
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +77,12 @@ async def run_link(
         heartbeat_s=heartbeat_s,
         stop=stop or asyncio.Event(),
         uplink=uplink,
-        runner=RoleRunner(credential, state_dir, uplink.send),
+        roles=Roles(credential, state_dir, uplink.send),
     )
     try:
         await _keep_up(link, on_connect)
     finally:
-        await link.runner.close()
+        await link.roles.close()
 
 
 class Uplink:
@@ -108,7 +110,7 @@ class Link:
     heartbeat_s: float
     stop: asyncio.Event
     uplink: Uplink
-    runner: RoleRunner
+    roles: Roles
 
 
 async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
@@ -151,11 +153,11 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
 
 async def _serve(ws: ClientConnection, link: Link) -> None:
     running: set[str] = set()  # task ids in progress: a repeated command is not run twice
-    runner, send = link.runner, link.uplink.send
+    roles, send = link.roles, link.uplink.send
 
     async def beat() -> None:
         while True:
-            await send(Heartbeat(inventory=inventory.collect(link.state_dir, link.host), runtime=runner.snapshot()))
+            await send(Heartbeat(inventory=inventory.collect(link.state_dir, link.host), roles=roles.snapshot()))
             await asyncio.sleep(link.heartbeat_s)
 
     async def listen() -> None:
@@ -171,15 +173,15 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
                 running.add(command.task_id)
                 spawn(fetch(command))
             elif isinstance(command, StartRole):
-                await runner.start(command)
+                await roles.start(command)
             elif isinstance(command, StopRole):
-                await runner.stop(command.deployment)
+                await roles.stop(command.deployment, command.role_name)
             elif isinstance(command, ApplyAlignment):
-                spawn(runner.apply_alignment(command))
+                spawn(roles.apply_alignment(command))
             elif isinstance(command, Generate):
-                spawn(runner.generate(command))
+                spawn(roles.generate(command))
             elif isinstance(command, CancelGeneration):
-                spawn(runner.cancel(command))
+                spawn(roles.cancel(command))
 
     def spawn(coro) -> None:
         task = asyncio.create_task(coro)

@@ -46,11 +46,12 @@ def _register(cls: type[LinkMessage]) -> type[LinkMessage]:
 @_register
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat(LinkMessage):
-    """Sent on connect and every few seconds: the box's inventory and its runtime's state."""
+    """Sent on connect and every few seconds: the box's inventory and the state of every role it
+    runs (``RoleState`` as JSON; a box with several GPUs can run a role on each)."""
 
     TYPE = "heartbeat"
     inventory: dict
-    runtime: dict = field(default_factory=dict)
+    roles: list[dict] = field(default_factory=list)
 
 
 @_register
@@ -85,16 +86,18 @@ class TaskDone(LinkMessage):
 @_register
 @dataclass(frozen=True, kw_only=True)
 class RoleState(LinkMessage):
-    """The runtime role this box runs changed state (also sent in every heartbeat).
+    """A runtime role this box runs changed state (also sent in every heartbeat).
 
-    ``state`` is one of ``ROLE_STATES``; ``detail`` says why for ``failed``, and what is
-    being waited for otherwise.
+    ``role_name`` says which of the deployment's roles (main, shadow, worker-N); ``state`` is
+    one of ``ROLE_STATES``; ``detail`` says why for ``failed``, and what is being waited for
+    otherwise.
     """
 
     TYPE = "role_state"
     deployment: str
     role: str
     state: str
+    role_name: str = ""
     detail: str = ""
     metrics: dict = field(default_factory=dict)  # main: figures of its last generation (RUNTIME_METRICS)
     memory: dict[str, int] = field(default_factory=dict)  # MEMORY_FIGURES when the role last answered; {} before
@@ -170,10 +173,11 @@ class StartRole(LinkMessage):
 @_register
 @dataclass(frozen=True, kw_only=True)
 class StopRole(LinkMessage):
-    """Stop the role of ``deployment`` if this box runs it; idempotent."""
+    """Stop role ``role_name`` of ``deployment`` (every role of it: "") if this box runs it; idempotent."""
 
     TYPE = "stop_role"
     deployment: str
+    role_name: str = ""
 
 
 @_register

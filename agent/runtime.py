@@ -1,6 +1,7 @@
-"""The runtime role this box runs for a deployment: fetch its shard, start it, watch it, stop it.
+"""One runtime role this box runs for a deployment: fetch its shard, start it, watch it, stop it.
 
-``RoleRunner`` holds at most one role process (``python -m inference serve-role``). It
+``RoleRunner`` holds at most one role process (``python -m inference serve-role``); a box
+with several GPUs runs one per GPU (``agent.roles.Roles`` keeps them). It
 outlives the websocket: a link that drops and comes back finds the role still running and
 reports it in the next heartbeat. Every change of state is sent up as a ``RoleState``
 event; a role whose shard fails verification is never started, and a role that exits on
@@ -122,7 +123,15 @@ def memory_changed(before: dict[str, int], after: dict[str, int]) -> bool:
     return False
 
 
+def role_name_of(spec: dict) -> str:
+    """main, shadow or worker-N: which of its deployment's roles a ``StartRole`` spec describes."""
+    role = str(spec.get("role", "?"))
+    return f"worker-{spec.get('worker')}" if role == "worker" else role
+
+
 class RoleRunner:
+    """One role process of one deployment on this box (``agent.roles.Roles`` holds them all)."""
+
     def __init__(self, credential: NodeCredential, state_dir: Path, send: Send) -> None:
         self.credential = credential
         self.state_dir = state_dir
@@ -157,6 +166,7 @@ class RoleRunner:
         self.state = RoleState(
             deployment=self.command.deployment,
             role=str(role),
+            role_name=role_name_of(self.command.spec),
             state=state,
             detail=detail,
             metrics=metrics,

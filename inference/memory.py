@@ -476,8 +476,26 @@ def best_gpu(inventory: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def gpu_index(inventory: Mapping[str, Any]) -> int | None:
     """The CUDA index of ``best_gpu`` (its position when the agent did not report one)."""
     gpu = best_gpu(inventory)
-    if gpu is None:
-        return None
+    return None if gpu is None else _index_of(inventory, gpu)
+
+
+def gpu_indices(inventory: Mapping[str, Any]) -> list[int]:
+    """The CUDA index of every GPU an agent inventory lists, in its order."""
+    gpus = [g for g in inventory.get("gpus") or [] if isinstance(g, Mapping)]
+    return [_index_of(inventory, gpu) for gpu in gpus]
+
+
+def gpu_by_index(inventory: Mapping[str, Any], index: int | None) -> Mapping[str, Any] | None:
+    """The GPU ``cuda:index`` of an inventory (``best_gpu`` for None), or None where there is none such."""
+    if index is None:
+        return best_gpu(inventory)
+    for gpu in (g for g in inventory.get("gpus") or [] if isinstance(g, Mapping)):
+        if _index_of(inventory, gpu) == index:
+            return gpu
+    return None
+
+
+def _index_of(inventory: Mapping[str, Any], gpu: Mapping[str, Any]) -> int:
     index = _int(gpu.get("index"))
     return index if index is not None else list(inventory["gpus"]).index(gpu)
 
@@ -526,16 +544,74 @@ def check_fit(
     return found
 
 
-def check_plan_fit(
-    plan: MemoryPlan, seats: Mapping[str, tuple[str, Mapping[str, Any]]], *, present: Mapping[str, int] | None = None
-) -> list[Shortfall]:
-    """Every shortfall of a role map: ``seats`` maps each role (main, shadow, worker-N) to (node, inventory).
+@dataclass(frozen=True)
+class Placed:
+    """Where a role of a role map runs: a node (its name and agent inventory) and, on a node with
+    several GPUs, the index of its GPU (None: the node's largest GPU, or its CPU)."""
 
+    node: str
+    inventory: Mapping[str, Any]
+    gpu: int | None = None
+
+
+def check_plan_fit(
+    plan: MemoryPlan, seats: Mapping[str, Placed], *, present: Mapping[str, int] | None = None
+) -> list[Shortfall]:
+    """Every shortfall of a role map: ``seats`` maps each role (main, shadow, worker-N) to where it runs.
+
+    Roles that share a node share its RAM and disk, and roles that share a GPU its memory: the
+    needs of every role on a node (on a GPU) are added up, and a shortfall names them all.
     ``present`` maps a role to the bytes of its shard already on its node.
     """
+    present = present or {}
+    by_node: dict[str, list[str]] = {}
+    for role, placed in seats.items():
+        by_node.setdefault(placed.node, []).append(role)
     found: list[Shortfall] = []
-    for role, (node, inventory) in seats.items():
-        found += check_fit(plan.role(role), inventory, node=node, disk_present_bytes=(present or {}).get(role, 0))
+    for node, roles in by_node.items():
+        if len(roles) == 1:
+            (role,) = roles
+            placed = seats[role]
+            view = _seat_view(placed)
+            found += check_fit(plan.role(role), view, node=node, disk_present_bytes=present.get(role, 0))
+            continue
+        found += _shared_node_fit(plan, node, {role: seats[role] for role in roles}, present)
+    return found
+
+
+def _seat_view(placed: Placed) -> Mapping[str, Any]:
+    """The inventory as ``check_fit`` should see it for this seat: only the GPU the role runs on."""
+    if placed.gpu is None:
+        return placed.inventory
+    gpu = gpu_by_index(placed.inventory, placed.gpu)
+    return {**placed.inventory, "gpus": [gpu] if gpu is not None else []}
+
+
+def _shared_node_fit(
+    plan: MemoryPlan, node: str, seats: Mapping[str, Placed], present: Mapping[str, int]
+) -> list[Shortfall]:
+    """Shortfalls of several roles on one node: RAM and disk summed, GPU memory summed per GPU."""
+    inventory = next(iter(seats.values())).inventory
+    label = " + ".join(seats)
+    found: list[Shortfall] = []
+    ram, free = _int(inventory.get("ram_bytes")), _int(inventory.get("disk_free_bytes"))
+    host = 0
+    per_gpu: dict[int | None, list[str]] = {}
+    for role, placed in seats.items():
+        gpu = gpu_by_index(inventory, placed.gpu)
+        host += plan.role(role).host_bytes if gpu is not None else plan.role(role).cpu_bytes
+        if gpu is not None:
+            per_gpu.setdefault(_index_of(inventory, gpu), []).append(role)
+    if ram is not None and host > ram:
+        found.append(Shortfall(node, label, "RAM", "for the roles it runs", host, ram))
+    for index, roles in per_gpu.items():
+        memory = _int(gpu_by_index(inventory, index).get("memory_bytes"))  # type: ignore[union-attr]
+        need = sum(plan.role(role).gpu_bytes for role in roles)
+        if memory is not None and need > memory:
+            found.append(Shortfall(node, " + ".join(roles), "GPU memory", f"on cuda:{index}", need, memory))
+    disk = sum(max(0, plan.role(role).disk_bytes - max(0, present.get(role, 0))) for role in seats)
+    if free is not None and disk > free:
+        found.append(Shortfall(node, label, "disk", "for their shards", disk, free))
     return found
 
 

@@ -13,6 +13,7 @@ from inference.memory import (
     GB,
     RUNTIME_OVERHEAD_BYTES,
     MemoryPlan,
+    Placed,
     RoleMemory,
     check_fit,
     check_plan_fit,
@@ -217,7 +218,8 @@ def test_unreported_resources_and_shards_already_there_are_not_counted() -> None
 def test_a_whole_role_map_is_checked(ckpt: Checkpoint) -> None:
     plan = plan_of(ckpt, shadow_dtype="nf4")
     small = box(ram_gb=0.5)
-    seats = {"main": ("a", box()), "shadow": ("b", small)} | {f"worker-{i}": (f"w{i}", box()) for i in range(WORKERS)}
+    seats = {"main": Placed("a", box()), "shadow": Placed("b", small)}
+    seats |= {f"worker-{i}": Placed(f"w{i}", box()) for i in range(WORKERS)}
     (short,) = check_plan_fit(plan, seats)
     assert (short.node, short.role, short.resource) == ("b", "shadow", "RAM")
     assert short.message.startswith("node b (shadow) needs 0.6 GB of RAM to load its model, has 0.5 GB")
@@ -258,3 +260,32 @@ def test_free_gpu_memory_comes_from_nvidia_smi_by_uuid(tmp_path, monkeypatch) ->
     assert inventory._free_bytes_by_uuid() == {"aa-11": 81000 * 1024 * 1024}  # asked again only after 30 s
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     assert inventory._ask_nvidia_smi() == {}
+
+
+def test_roles_on_one_node_share_its_ram_and_disk_and_each_gets_its_own_gpu(ckpt: Checkpoint) -> None:
+    plan = plan_of(ckpt, shadow_dtype="nf4")
+    two_gpus = box(ram_gb=64) | {
+        "gpus": [{"index": 0, "memory_bytes": 24 * GB}, {"index": 1, "memory_bytes": int(0.5 * GB)}]
+    }
+    main, worker = plan.role("main"), plan.role("worker-0")
+    seats = {"main": Placed("multi", two_gpus, 0), "worker-0": Placed("multi", two_gpus, 1)}
+    seats |= {"shadow": Placed("s", box())} | {f"worker-{i}": Placed(f"w{i}", box()) for i in range(1, WORKERS)}
+    (short,) = check_plan_fit(plan, seats)  # worker 0's GPU is too small; the node's RAM holds both
+    assert (short.node, short.role, short.resource, short.needed_bytes) == (
+        "multi",
+        "worker-0",
+        "GPU memory",
+        worker.gpu_bytes,
+    )
+    assert "on cuda:1" in short.message
+    tight = {
+        "ram_bytes": main.host_bytes + worker.host_bytes - 1,
+        "disk_free_bytes": main.disk_bytes,
+        "gpus": [{"index": 0, "memory_bytes": main.gpu_bytes + worker.gpu_bytes - 1}],
+    }
+    seats["main"], seats["worker-0"] = Placed("multi", tight, 0), Placed("multi", tight, 0)
+    found = {s.resource: s for s in check_plan_fit(plan, seats)}
+    assert found["RAM"].needed_bytes == main.host_bytes + worker.host_bytes  # summed over the node's roles
+    assert found["RAM"].message.startswith("node multi (main + worker 0) needs")
+    assert found["disk"].needed_bytes == main.disk_bytes + worker.disk_bytes
+    assert found["GPU memory"].needed_bytes == main.gpu_bytes + worker.gpu_bytes  # one GPU, both roles

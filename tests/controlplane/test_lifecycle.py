@@ -24,7 +24,7 @@ from controlplane.artifacts.services import register_model
 from controlplane.config.asgi import application
 from controlplane.console.snapshot import snapshot
 from controlplane.deployments import lifecycle
-from controlplane.deployments.models import Deployment, DeploymentStatus, MemberState
+from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState
 from controlplane.deployments.peers import PeerError, Seat, peer_table, pick_ports
 from controlplane.deployments.services import DeploymentError, create_deployment
 from controlplane.nodes.consumers import node_group
@@ -132,11 +132,9 @@ def pushed(deployment: Deployment) -> Deployment:
 
 
 def report(node: Node, deployment: Deployment, state: str, detail: str = "") -> None:
-    role = deployment.members.get(node=node).role
-    lifecycle.reconcile(
-        node_id=str(node.pk),
-        report={"deployment": deployment.runtime_key, "role": role, "state": state, "detail": detail},
-    )
+    member = deployment.members.get(node=node)
+    state_of = {"deployment": deployment.runtime_key, "role": member.role, "role_name": member.role_name}
+    lifecycle.reconcile(node_id=str(node.pk), reports=[state_of | {"state": state, "detail": detail}], complete=False)
 
 
 def test_starting_sends_each_node_a_valid_role_spec_with_one_peer_table(cluster, tmp_path: Path) -> None:
@@ -202,12 +200,12 @@ def test_an_offline_node_degrades_the_deployment_and_its_return_restarts_its_rol
     deployment.refresh_from_db()
     assert deployment.status == DeploymentStatus.DEGRADED and victim.name in deployment.status_reason
     # The agent comes back without its role (it restarted): the control plane sends the role again.
-    record_heartbeat(node_id=str(victim.pk), inventory={"address": "127.0.0.1"}, runtime={})
+    record_heartbeat(node_id=str(victim.pk), inventory={"address": "127.0.0.1"}, roles=[])
     (command,) = inbox.take(victim)
     assert isinstance(command, StartRole) and command.deployment == deployment.runtime_key
     assert deployment.members.get(node=victim).state == MemberState.PENDING
     # A second heartbeat before the agent acted on it does not send it twice.
-    record_heartbeat(node_id=str(victim.pk), inventory={"address": "127.0.0.1"}, runtime={})
+    record_heartbeat(node_id=str(victim.pk), inventory={"address": "127.0.0.1"}, roles=[])
     assert inbox.take(victim) == []
     report(victim, deployment, "ready")
     deployment.refresh_from_db()
@@ -224,8 +222,10 @@ def test_stop_tells_every_role_to_stop_and_a_stale_role_is_stopped_when_reported
     for node in nodes:
         assert inbox.take(node) == [StopRole(deployment=old_key)]
     # A box that missed the stop and still runs the role is told again when it reports it.
-    lifecycle.reconcile(node_id=str(nodes[0].pk), report={"deployment": old_key, "role": "main", "state": "ready"})
-    assert inbox.take(nodes[0]) == [StopRole(deployment=old_key)]
+    role_name = deployment.members.get(node=nodes[0]).role_name
+    stale = {"deployment": old_key, "role": role_name.split("-")[0], "role_name": role_name, "state": "ready"}
+    lifecycle.reconcile(node_id=str(nodes[0].pk), reports=[stale], complete=True)
+    assert inbox.take(nodes[0]) == [StopRole(deployment=old_key, role_name=role_name)]
     # Redeploy: a new epoch, so roles of the old run can never be mistaken for the new one.
     again = pushed(Deployment.objects.get(pk=deployment.pk))
     assert again.epoch == 2 and again.runtime_key != old_key
@@ -271,7 +271,9 @@ def test_a_roles_memory_travels_from_its_agent_to_the_api_and_the_console(cluste
     secret = new_secret(NODE_SECRET_PREFIX)  # this node's credential, known to the test
     Node.objects.filter(pk=main.node_id).update(secret_hash=digest(secret))
     memory = {"host_bytes": 3 * 2**30, "peak_host_bytes": 5 * 2**30, "device_bytes": 7 * 2**30}
-    state = RoleState(deployment=deployment.runtime_key, role="main", state="ready", memory=memory).to_json()
+    state = RoleState(
+        deployment=deployment.runtime_key, role="main", role_name="main", state="ready", memory=memory
+    ).to_json()
     staff = APIClient()
     staff.force_authenticate(get_user_model().objects.create_user("admin", is_staff=True))
 
@@ -302,9 +304,9 @@ def test_a_roles_memory_travels_from_its_agent_to_the_api_and_the_console(cluste
     assert (member.state, member.memory) == (MemberState.OFFLINE, {})
     # Back, a heartbeat carries the latest figures (unchecked on arrival: what is not a byte count is left out).
     bad = {**state, "memory": {**memory, "device_bytes": "7 GB"}}
-    record_heartbeat(node_id=str(main.node_id), inventory={"address": "127.0.0.1"}, runtime=bad)
+    record_heartbeat(node_id=str(main.node_id), inventory={"address": "127.0.0.1"}, roles=[bad])
     assert deployment.members.get(role="main").memory == {"host_bytes": 3 * 2**30, "peak_host_bytes": 5 * 2**30}
-    record_heartbeat(node_id=str(main.node_id), inventory={"address": "127.0.0.1"}, runtime=state)
+    record_heartbeat(node_id=str(main.node_id), inventory={"address": "127.0.0.1"}, roles=[state])
     assert deployment.members.get(role="main").memory == memory
     lifecycle.stop_deployment(deployment=deployment)
     assert deployment.members.get(role="main").memory == {}
@@ -384,3 +386,56 @@ def test_a_removed_nodes_open_link_is_closed_at_once(cluster) -> None:
         return closing.get("code")
 
     assert async_to_sync(run)() == 4401
+
+
+def test_a_box_with_four_gpus_runs_a_role_on_each_and_reports_them_together(
+    transactional_db, channel_layer_on_test_redis, settings, tmp_path: Path, tiny_model: Path
+) -> None:
+    """One box of four GPUs is a whole deployment: main, shadow and two workers, each on its own cuda:N."""
+    settings.VAR_DIR = tmp_path / "var"
+    _, token = create_join_token(created_by=None)
+    node, _ = enroll_node(token=token, name="quad", inventory={})
+    gpus = [{"index": i, "name": "RTX 3090", "memory_bytes": 24 * 2**30} for i in range(4)]
+    inventory = {"address": "127.0.0.1", "free_ports": [9300, 9301, 9302, 9303, 9304], "gpus": gpus}
+    record_heartbeat(node_id=str(node.pk), inventory=inventory | {"ram_bytes": 64 * 2**30})
+    node = Node.objects.get(pk=node.pk)
+    inbox = Inbox([node])
+    model = register_model(name="tiny", path=str(tiny_model))
+    deployment = create_deployment(name="quad", model=model, node_ids=[str(node.pk)])
+    members = {m.role_name: m for m in deployment.members.all()}
+    assert sorted(members) == ["main", "shadow", "worker-0", "worker-1"]
+    assert sorted(m.gpu for m in members.values()) == [0, 1, 2, 3]
+    deployment = pushed(deployment)
+    commands = inbox.take(node)
+    assert len(commands) == 4 and all(isinstance(c, StartRole) for c in commands)
+    devices = set()
+    for command in commands:
+        settings_ = command.spec["settings"]
+        member = members[command.shard if not command.shard.startswith("shadow") else "shadow"]
+        assert settings_["device"] == f"cuda:{member.gpu}"
+        devices.add(settings_["device"])
+    assert devices == {"cuda:0", "cuda:1", "cuda:2", "cuda:3"}
+    table = commands[0].spec["addresses"]
+    inboxes = [table["main"], table["shadow"], *table["workers"]]
+    assert len(set(inboxes)) == 4  # four inboxes on one host: four ports
+    # One heartbeat carries every role: ready once all four are.
+    states = [
+        RoleState(deployment=deployment.runtime_key, role=m.role, role_name=name, state="ready").to_json()
+        for name, m in members.items()
+    ]
+    record_heartbeat(node_id=str(node.pk), inventory=inventory, roles=states[:3])
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.DEPLOYING
+    record_heartbeat(node_id=str(node.pk), inventory=inventory, roles=states)
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.READY
+    # A role that one heartbeat no longer lists is sent again (once it is due), the others left alone.
+    lifecycle.reconcile(node_id=str(node.pk), reports=states[1:], complete=True)
+    inbox.take(node)
+    missing = members[states[0]["role_name"]]
+    DeploymentNode.objects.filter(pk=missing.pk).update(start_sent_at=None)
+    lifecycle.reconcile(node_id=str(node.pk), reports=states[1:], complete=True)
+    (again,) = inbox.take(node)
+    assert isinstance(again, StartRole) and again.spec["settings"]["device"] == f"cuda:{missing.gpu}"
+    lifecycle.stop_deployment(deployment=Deployment.objects.get(pk=deployment.pk))
+    assert inbox.take(node) == [StopRole(deployment=deployment.runtime_key)]  # one stop for all four

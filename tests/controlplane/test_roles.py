@@ -42,13 +42,43 @@ def test_too_few_nodes_is_a_clear_error() -> None:
 
 
 def test_an_overridden_role_map_must_use_each_node_once() -> None:
-    check_roles(RoleMap("a", "b", ("c",)), ["a", "b", "c"])
+    three = {"a": box(24), "b": box(24), "c": box(24)}
+    check_roles(RoleMap("a", "b", ("c",)), three)
     with pytest.raises(RoleError, match="only one role"):
-        check_roles(RoleMap("a", "a", ("c",)), ["a", "b", "c"])
+        check_roles(RoleMap("a", "a", ("c",)), three)
     with pytest.raises(RoleError, match="not in this deployment"):
-        check_roles(RoleMap("a", "b", ("z",)), ["a", "b", "c"])
+        check_roles(RoleMap("a", "b", ("z",)), three)
     with pytest.raises(RoleError, match="at least one worker"):
-        check_roles(RoleMap("a", "b", ()), ["a", "b"])
+        check_roles(RoleMap("a", "b", ()), three)
+
+
+def four_gpus(gpu_gb: float = 24, ram_gb: float = 256) -> dict:
+    gpus = [{"index": i, "name": "RTX 3090", "memory_bytes": int(gpu_gb * 2**30)} for i in range(4)]
+    return {"gpus": gpus, "ram_bytes": int(ram_gb * 2**30), "disk_free_bytes": 2000 * 2**30}
+
+
+def test_a_box_with_several_gpus_holds_a_role_per_gpu_each_naming_its_gpu() -> None:
+    nodes = {"quad": four_gpus(), "one": box(48)}
+    check_roles(RoleMap("quad:0", "one", ("quad:1", "quad:2", "quad:3")), nodes)
+    with pytest.raises(RoleError, match="only one role"):
+        check_roles(RoleMap("quad:0", "quad:0", ("one",)), nodes)
+    with pytest.raises(RoleError, match=r"give each one of its GPUs as quad:<index>"):
+        check_roles(RoleMap("quad", "one", ("quad:1",)), nodes)
+    with pytest.raises(RoleError, match=r"node quad has no GPU 7 \(it reported GPUs: 0, 1, 2, 3\)"):
+        check_roles(RoleMap("quad:0", "one", ("quad:7",)), nodes)
+    with pytest.raises(RoleError, match="bad seat"):
+        check_roles(RoleMap("quad:x", "one", ("quad:1",)), nodes)
+    with pytest.raises(RoleError, match="only one role"):
+        check_roles(RoleMap("one", "quad:0", ("one",)), nodes)  # a one-GPU box holds one role
+
+
+def test_the_suggestion_seats_a_role_on_every_gpu_of_a_multi_gpu_box() -> None:
+    roles = suggest_roles({"quad": four_gpus(), "one": box(48)}, top_k=2)
+    assert roles.shadow == "one"  # the largest single GPU
+    assert {roles.main, *roles.workers} == {"quad:0", "quad:1", "quad:2", "quad:3"}
+    assert len(roles.workers) == 3
+    alone = suggest_roles({"quad": four_gpus()}, top_k=2)  # one box with four GPUs is a whole deployment
+    assert sorted([alone.main, alone.shadow, *alone.workers]) == ["quad:0", "quad:1", "quad:2", "quad:3"]
 
 
 # --- with the deployment's memory plan: only maps whose nodes hold their roles ----------------------
@@ -89,3 +119,15 @@ def test_when_nothing_fits_the_error_names_the_constraint() -> None:
         suggest_roles(little_ram, top_k=2, memory=nf4_plan(8), names={"w0": "box-0"})
     with pytest.raises(ValueError, match="plan is for 8 workers"):
         suggest_roles({"a": box(48), "b": box(24), "c": box(24)}, top_k=2, memory=nf4_plan(8))
+
+
+def test_roles_on_a_multi_gpu_box_must_fit_its_ram_together() -> None:
+    # Two boxes of four 48 GB GPUs: eight seats, six workers of Mixtral-8x7B with an nf4 shadow.
+    roomy = {"left": four_gpus(48, ram_gb=512), "right": four_gpus(48, ram_gb=512)}
+    roles = suggest_roles(roomy, top_k=2, memory=nf4_plan(6))
+    seats = [roles.main, roles.shadow, *roles.workers]
+    assert len(set(seats)) == 8 and all(s.split(":")[0] in roomy for s in seats)
+    # Each GPU holds its role, but 128 GB of RAM cannot hold three or four workers' experts at once.
+    tight = {"left": four_gpus(48, ram_gb=128), "right": four_gpus(48, ram_gb=128)}
+    with pytest.raises(RoleError, match=r"no role map fits: node L \((main|shadow|worker \d)( \+ [a-z0-9 ]+)+\) needs"):
+        suggest_roles(tight, top_k=2, memory=nf4_plan(6), names={"left": "L", "right": "R"})

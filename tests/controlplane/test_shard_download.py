@@ -147,6 +147,7 @@ def test_the_agent_never_starts_a_role_on_a_shard_that_fails_verification(
 
     runner = asyncio.run(run())
     assert runner.process is None  # nothing was started
-    assert sent[-1] == RoleState(deployment="dep1-1", role="worker", state="failed", detail=sent[-1].detail)
+    failed = RoleState(deployment="dep1-1", role="worker", role_name="worker-0", state="failed", detail=sent[-1].detail)
+    assert sent[-1] == failed
     assert "worker-0" in sent[-1].detail
     assert any(isinstance(m, TaskDone) and not m.ok for m in sent)

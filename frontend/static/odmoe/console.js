@@ -109,7 +109,7 @@
       const kv = el("input", { type: "number", min: 0, value: d.kv_period, style: "width:4rem" });
       const members = d.members.map((m) => {
         const transfer = state.transfers.find((t) => t.node_name === m.node_name && t.deployment === d.id && !t.finished);
-        return el("li", { "data-role": m.role }, `${m.role} on ${m.node_name} `, badge(m.state), roleMemory(m.memory),
+        return el("li", { "data-role": m.role }, `${m.role} on ${m.node_name}${m.gpu === null || m.gpu === undefined ? "" : ` cuda:${m.gpu}`} `, badge(m.state), roleMemory(m.memory),
           transfer && transfer.total ? el("progress", { max: transfer.total, value: transfer.done }) : "",
           m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
       });
@@ -230,7 +230,12 @@
   });
   $("estimate").addEventListener("click", async () => {
     const body = deploymentBody();
-    const workers = Math.max(1, body.nodes.length - 2);
+    // A node with several GPUs runs a role on each (see the role map): count seats, not nodes.
+    const seats = body.nodes.reduce((n, id) => {
+      const gpus = ((state.nodes.find((x) => x.id === id) || {}).gpus || []).length;
+      return n + (gpus > 1 ? gpus : 1);
+    }, 0);
+    const workers = Math.max(1, seats - 2);
     const shadow = ["fp16", "int8", "nf4"].includes(body.shadow_dtype) ? body.shadow_dtype : "int8";
     const result = await api("POST", "/api/deployments/estimate", {
       model: body.model || undefined, workers, strategy: body.strategy, shadow_dtype: shadow, profile: new FormData($("deployment-form")).get("profile"),
@@ -264,7 +269,11 @@
     suggested = await api("POST", "/api/deployments/suggest", {
       model: body.model, nodes: body.nodes, shadow_dtype: body.shadow_dtype, strategy: body.strategy,
     });
-    const name = (id) => (state.nodes.find((n) => n.id === id) || { name: id }).name;
+    const name = (seat) => {  // a node id, or <node id>:<GPU index> on a box that runs a role per GPU
+      const [id, gpu] = seat.split(":");
+      const node = (state.nodes.find((n) => n.id === id) || { name: id }).name;
+      return gpu === undefined ? node : `${node} cuda:${gpu}`;
+    };
     $("role-map").replaceChildren(el("p", {}, `main: ${name(suggested.main)} · shadow: ${name(suggested.shadow)} · workers: ${suggested.workers.map(name).join(", ")}`));
     $("create-deployment").disabled = false;
   });

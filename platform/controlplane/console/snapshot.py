@@ -73,6 +73,7 @@ def _deployment(deployment: Deployment) -> dict:
                 "node_name": m.node.name,
                 "node_status": m.node.status,
                 "role": m.role_name,
+                "gpu": m.gpu,
                 "state": m.state,
                 "detail": m.detail[:300],
                 "metrics": m.metrics,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.exceptions import NotFound
@@ -44,6 +46,7 @@ class MemberOutput(serializers.ModelSerializer):
             "node_status",
             "role",
             "worker_index",
+            "gpu",
             "port",
             "state",
             "detail",
@@ -92,10 +95,28 @@ class ReadyModelField(serializers.PrimaryKeyRelatedField):
             raise
 
 
+class SeatField(serializers.CharField):
+    """Where a role runs: a node id, or ``<node id>:<GPU index>`` on a node that runs a role per GPU."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(max_length=48, **kwargs)
+
+    def to_internal_value(self, data) -> str:
+        text = super().to_internal_value(data)
+        node, sep, index = text.partition(":")
+        try:
+            node = str(uuid.UUID(node))
+        except ValueError:
+            raise serializers.ValidationError("not a node id (a UUID), nor <node id>:<GPU index>") from None
+        if sep and not (index.isdigit() and len(index) <= 3):
+            raise serializers.ValidationError("the GPU index after ':' must be a number, as in <node id>:1")
+        return f"{node}:{int(index)}" if sep else node
+
+
 class RolesInput(serializers.Serializer):
-    main = serializers.UUIDField()
-    shadow = serializers.UUIDField()
-    workers = serializers.ListField(child=serializers.UUIDField(), min_length=1)
+    main = SeatField()
+    shadow = SeatField()
+    workers = serializers.ListField(child=SeatField(), min_length=1)
 
 
 class SuggestApi(APIView):
@@ -139,7 +160,7 @@ class DeploymentListApi(APIView):
     class InputSerializer(serializers.Serializer):
         name = name_field()
         model = ReadyModelField()
-        nodes = serializers.ListField(child=serializers.UUIDField(), min_length=3)
+        nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
         roles = RolesInput(required=False)
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
         token_period = serializers.IntegerField(min_value=0, default=1)
@@ -159,7 +180,7 @@ class DeploymentListApi(APIView):
         roles = values.pop("roles", None)
         role_map = None
         if roles is not None:
-            role_map = RoleMap(str(roles["main"]), str(roles["shadow"]), tuple(str(w) for w in roles["workers"]))
+            role_map = RoleMap(roles["main"], roles["shadow"], tuple(roles["workers"]))
         try:
             deployment = services.create_deployment(
                 node_ids=[str(n) for n in values.pop("nodes")], roles=role_map, created_by=request.user, **values

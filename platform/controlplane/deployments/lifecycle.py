@@ -63,7 +63,7 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
             model=locked.model,
             shadow_dtype=locked.shadow_dtype,
             strategy=locked.strategy,
-            seats={m.role_name: m.node for m in members},
+            seats={m.role_name: (m.node, m.gpu) for m in members},
         )
         locked.epoch += 1
         locked.status = DeploymentStatus.DEPLOYING
@@ -173,7 +173,7 @@ def send_alignment(*, deployment: Deployment) -> None:
 
 
 def _broadcast_stop(node_ids: list, key: str) -> None:
-    for node_id in node_ids:
+    for node_id in dict.fromkeys(node_ids):  # a node with a role per GPU is told once: it stops them all
         send_command(node_id=str(node_id), command=StopRole(deployment=key).to_json())
 
 
@@ -228,7 +228,7 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
         token_period=deployment.token_period,
         kv_period=deployment.kv_period,
         strategy=deployment.strategy,
-        device=role_device(member.node.inventory),
+        device=role_device(member.node.inventory, member.gpu),
     )
     return {
         "deployment": deployment.runtime_key,
@@ -239,11 +239,11 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
     }
 
 
-def role_device(inventory: dict) -> str:
-    """``cuda:N`` for the node's GPU with the most memory (where its role runs), ``auto`` without one.
-
-    One role per node today; a node with several GPUs hosting several roles would spread them.
-    """
+def role_device(inventory: dict, gpu: int | None = None) -> str:
+    """``cuda:N``: the GPU the role map gave the role, else the node's GPU with the most memory;
+    ``auto`` on a node without one."""
+    if gpu is not None:
+        return f"cuda:{gpu}"
     index = gpu_index(inventory) if isinstance(inventory, dict) else None
     return "auto" if index is None else f"cuda:{index}"
 
@@ -251,34 +251,54 @@ def role_device(inventory: dict) -> str:
 # --- following what agents report ----------------------------------------------------------
 
 
-def reconcile(*, node_id: str, report: dict) -> None:
-    """Act on what node ``node_id`` runs (``report``: a RoleState as JSON, or {} for nothing)."""
-    member = (
-        DeploymentNode.objects.select_related("deployment", "node")
-        .filter(node_id=node_id, deployment__status__in=RUNNING)
-        .first()
+def reconcile(*, node_id: str, reports: list[dict], complete: bool) -> None:
+    """Act on what node ``node_id`` runs: ``reports`` are RoleStates as JSON.
+
+    ``complete``: they are everything the node runs (a heartbeat), so a role it should run and
+    does not is sent again; otherwise (one RoleState event) only the roles reported are updated.
+    A role nobody wants any more (another deployment, an earlier start) is told to stop.
+    """
+    members = list(
+        DeploymentNode.objects.select_related("deployment", "node").filter(
+            node_id=node_id, deployment__status__in=RUNNING
+        )
     )
-    reported = report.get("deployment") if isinstance(report.get("deployment"), str) else None
-    state = report.get("state")
-    if member is None or member.port is None:
-        if reported and state not in (MemberState.STOPPED, MemberState.FAILED):
-            send_command(node_id=node_id, command=StopRole(deployment=reported).to_json())  # nobody wants it
-        return
-    deployment = member.deployment
-    if reported == deployment.runtime_key and state in MemberState.values:
-        detail = str(report.get("detail", ""))[:4000]
-        metrics = report.get("metrics") if isinstance(report.get("metrics"), dict) else member.metrics
-        memory = role_memory(report.get("memory"))
-        if (member.state, member.detail, member.metrics, member.memory) != (state, detail, metrics, memory):
-            member.state, member.detail, member.metrics, member.memory = state, detail, metrics, memory
-            member.save(update_fields=["state", "detail", "metrics", "memory", "updated_at"])
-    elif member.state != MemberState.FAILED and _start_due(member):
-        # The box runs something else, or nothing (its agent restarted): start its role again.
-        member.state, member.detail = MemberState.PENDING, "role sent again"
-        member.save(update_fields=["state", "detail", "updated_at"])
-        with transaction.atomic():
-            _send_start(deployment, member, list(deployment.members.select_related("node")))
-    refresh_status(deployment)
+    wanted = {(m.deployment.runtime_key, m.role_name): m for m in members}
+    heard: set[int] = set()
+    for report in reports:
+        if not isinstance(report, dict):
+            continue
+        reported = report.get("deployment") if isinstance(report.get("deployment"), str) else None
+        role_name = report.get("role_name") if isinstance(report.get("role_name"), str) else ""
+        state = report.get("state")
+        member = wanted.get((reported, role_name))
+        if member is None or member.port is None:
+            if reported and state not in (MemberState.STOPPED, MemberState.FAILED):
+                stop = StopRole(deployment=reported, role_name=role_name)
+                send_command(node_id=node_id, command=stop.to_json())  # nobody wants it
+            continue
+        if state in MemberState.values:
+            heard.add(member.pk)
+            _record_state(member, report, state)
+    for member in members:
+        missing = complete and member.pk not in heard and member.port is not None
+        if missing and member.state != MemberState.FAILED and _start_due(member):
+            # The box runs something else, or nothing (its agent restarted): start its role again.
+            member.state, member.detail = MemberState.PENDING, "role sent again"
+            member.save(update_fields=["state", "detail", "updated_at"])
+            with transaction.atomic():
+                _send_start(member.deployment, member, list(member.deployment.members.select_related("node")))
+    for deployment in {m.deployment_id: m.deployment for m in members}.values():
+        refresh_status(deployment)
+
+
+def _record_state(member: DeploymentNode, report: dict, state: str) -> None:
+    detail = str(report.get("detail", ""))[:4000]
+    metrics = report.get("metrics") if isinstance(report.get("metrics"), dict) else member.metrics
+    memory = role_memory(report.get("memory"))
+    if (member.state, member.detail, member.metrics, member.memory) != (state, detail, metrics, memory):
+        member.state, member.detail, member.metrics, member.memory = state, detail, metrics, memory
+        member.save(update_fields=["state", "detail", "metrics", "memory", "updated_at"])
 
 
 def role_memory(reported: object) -> dict[str, int]:

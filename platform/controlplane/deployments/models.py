@@ -78,6 +78,12 @@ class DeploymentNode(models.Model):
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="memberships")
     role = models.CharField(max_length=8, choices=Role.choices)
     worker_index = models.PositiveIntegerField(null=True, blank=True)
+    gpu = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        help_text="the CUDA index of the GPU the role runs on, on a node that runs one role per GPU; "
+        "empty: the node's largest GPU (or its CPU) and no other role of this deployment on the node",
+    )
     port = models.PositiveIntegerField(null=True, blank=True, help_text="the role's inbox port on the node")
     state = models.CharField(max_length=16, choices=MemberState.choices, default=MemberState.PENDING)
     detail = models.TextField(blank=True)
@@ -94,10 +100,17 @@ class DeploymentNode(models.Model):
 
     class Meta:
         ordering = ["role", "worker_index"]
-        constraints = [models.UniqueConstraint(fields=["deployment", "node"], name="one_role_per_node")]
+        constraints = [
+            # A node runs one role of a deployment, or one per GPU where each names its GPU.
+            models.UniqueConstraint(
+                fields=["deployment", "node"], condition=models.Q(gpu__isnull=True), name="one_role_per_node"
+            ),
+            models.UniqueConstraint(fields=["deployment", "node", "gpu"], name="one_role_per_gpu"),
+        ]
 
     def __str__(self) -> str:
-        return f"{self.role_name} of {self.deployment_id} on {self.node_id}"
+        where = f"{self.node_id}" if self.gpu is None else f"{self.node_id} cuda:{self.gpu}"
+        return f"{self.role_name} of {self.deployment_id} on {where}"
 
     @property
     def role_name(self) -> str:

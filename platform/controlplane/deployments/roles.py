@@ -1,31 +1,36 @@
 """Suggest main / shadow / worker roles for a set of nodes: a pure function, no database.
 
-The shadow runs the whole model (quantized), so it gets the box with the most GPU memory;
-main holds attention, routers and the KV cache, so it gets the next one; every other box
-is a worker, and workers form groups of top-k (see ``inference.placement``). Boxes without
-a GPU are ranked by RAM instead, after every box that has one.
+Roles take *seats*: a node with one GPU or none is one seat (its id); a node with several GPUs
+is one seat per GPU (``<node id>:<cuda index>``), so one box with four GPUs can run main, the
+shadow and two workers. The shadow runs the whole model (quantized), so it gets the seat with
+the most GPU memory; main holds attention, routers and the KV cache, so it gets the next one;
+every other seat is a worker, and workers form groups of top-k (see ``inference.placement``).
+Seats without a GPU are ranked by RAM instead, after every seat that has one.
 
-Given the deployment's memory plan (``inference.memory``), only a map where every node can
-hold its role is proposed: the shadow goes to the largest box that holds it, main to the
-next that holds main, and the rest must hold their workers' experts; when no map fits, the
-error says which role no node could hold, and by how much the best candidate falls short.
+Given the deployment's memory plan (``inference.memory``), only a map where every seat can
+hold its role is proposed: the shadow goes to the largest seat that holds it, main to the
+next that holds main, and the rest must hold their workers' experts; roles on one node share
+its RAM and disk, which is checked last. When no map fits, the error says which role no seat
+could hold, and by how much the best candidate falls short.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from inference.memory import MemoryPlan, Shortfall, check_fit
+from inference.memory import MemoryPlan, Placed, Shortfall, check_fit, check_plan_fit, gpu_by_index, gpu_indices
 from inference.placement import placement
 
-MIN_NODES = 3  # main, shadow and at least one worker
+MIN_SEATS = 3  # main, shadow and at least one worker
 
-ShortFn = Callable[[str, str], list[Shortfall]]  # (node, role) -> what the node lacks for the role
+ShortFn = Callable[[str, str], list[Shortfall]]  # (seat, role) -> what the seat lacks for the role
 
 
 @dataclass(frozen=True)
 class RoleMap:
+    """The seat of each role: ``<node id>`` or ``<node id>:<cuda index>``."""
+
     main: str
     shadow: str
     workers: tuple[str, ...]
@@ -33,9 +38,55 @@ class RoleMap:
     def as_dict(self) -> dict:
         return {"main": self.main, "shadow": self.shadow, "workers": list(self.workers)}
 
+    def seats(self) -> dict[str, str]:
+        """Role name (main, shadow, worker-N) -> seat."""
+        return {"main": self.main, "shadow": self.shadow} | {f"worker-{i}": w for i, w in enumerate(self.workers)}
+
 
 class RoleError(ValueError):
     """The nodes cannot form a deployment; the message says why."""
+
+
+def seat(node: str, gpu: int | None = None) -> str:
+    return node if gpu is None else f"{node}:{gpu}"
+
+
+def parse_seat(text: str) -> tuple[str, int | None]:
+    """(node id, GPU index or None) of a seat; ``RoleError`` for a malformed one."""
+    node, sep, index = text.rpartition(":")
+    if not sep:
+        return text, None
+    if not (node and index.isdigit() and len(index) <= 3):
+        raise RoleError(f"bad seat {text!r}: a node id, or a node id and a GPU index as <node>:<index>")
+    return node, int(index)
+
+
+def seats_of(inventories: Mapping[str, Mapping]) -> list[str]:
+    """Every seat the nodes offer: one per GPU of a node with several, else one per node."""
+    found: list[str] = []
+    for node, inventory in inventories.items():
+        indices = gpu_indices(inventory)
+        found += [seat(node, i) for i in indices] if len(indices) > 1 else [node]
+    return found
+
+
+def seat_inventory(inventories: Mapping[str, Mapping], text: str) -> Mapping:
+    """The node's inventory as one seat sees it: only its own GPU."""
+    node, gpu = parse_seat(text)
+    inventory = inventories[node]
+    if gpu is None:
+        return inventory
+    found = gpu_by_index(inventory, gpu)
+    return {**inventory, "gpus": [found] if found is not None else []}
+
+
+def placed(inventories: Mapping[str, Mapping], roles: RoleMap, names: Mapping[str, str] | None = None) -> dict:
+    """Role name -> ``inference.memory.Placed`` for the fit check of a whole map."""
+    out = {}
+    for role, text in roles.seats().items():
+        node, gpu = parse_seat(text)
+        out[role] = Placed((names or {}).get(node, node), inventories[node], gpu)
+    return out
 
 
 def capacity(inventory: Mapping) -> tuple[int, int]:
@@ -51,24 +102,37 @@ def suggest_roles(
     memory: MemoryPlan | None = None,
     names: Mapping[str, str] | None = None,
 ) -> RoleMap:
-    """Roles for the nodes named in ``inventories`` (node id -> inventory).
+    """Roles for the seats of the nodes named in ``inventories`` (node id -> inventory).
 
-    With ``memory`` (a plan for ``len(inventories) - 2`` workers) only a map where every
-    node holds its role is returned; ``RoleError`` says which constraint no map met,
-    naming nodes by ``names`` (node id -> name) where given.
+    With ``memory`` (a plan for ``len(seats_of(inventories)) - 2`` workers) only a map where
+    every seat holds its role, and every node the roles it runs, is returned; ``RoleError``
+    says which constraint no map met, naming nodes by ``names`` (node id -> name) where given.
     """
-    if len(inventories) < MIN_NODES:
+    seats = seats_of(inventories)
+    if len(seats) < MIN_SEATS:
         raise RoleError(
-            f"a deployment needs at least {MIN_NODES} nodes (main, shadow, a worker), got {len(inventories)}"
+            f"a deployment needs at least {MIN_SEATS} nodes or GPUs (main, shadow, a worker), got {len(seats)}"
         )
-    ranked = sorted(inventories, key=lambda node: (capacity(inventories[node]), node), reverse=True)
+    views = {s: seat_inventory(inventories, s) for s in seats}
+    ranked = sorted(seats, key=lambda s: (capacity(views[s]), s), reverse=True)
     placement(1, max(top_k, 1), top_k, len(ranked) - 2)  # validates the worker count for top-k
     if memory is None:
         shadow, main, *workers = ranked
         return RoleMap(main=main, shadow=shadow, workers=tuple(sorted(workers)))
     if memory.n_workers != len(ranked) - 2:
-        raise ValueError(f"the memory plan is for {memory.n_workers} workers, the nodes make {len(ranked) - 2}")
-    return _fitting_roles(ranked, inventories, memory, names or {})
+        raise ValueError(f"the memory plan is for {memory.n_workers} workers, the seats make {len(ranked) - 2}")
+    labels = {s: _label(s, names or {}) for s in seats}
+    roles = _fitting_roles(ranked, views, memory, labels)
+    problems = check_plan_fit(memory, placed(inventories, roles, names))
+    if problems:  # each seat holds its role, but a node does not hold all of its roles together
+        raise RoleError("no role map fits: " + "; ".join(p.message for p in problems))
+    return roles
+
+
+def _label(text: str, names: Mapping[str, str]) -> str:
+    node, gpu = parse_seat(text)
+    name = names.get(node, node)
+    return name if gpu is None else f"{name} cuda:{gpu}"
 
 
 def _fitting_roles(
@@ -124,13 +188,29 @@ def _nobody(role: str, nodes: list[str], short: ShortFn) -> str:
     return f"no node can hold the {role}; the closest: {reasons}"
 
 
-def check_roles(roles: RoleMap, nodes: Sequence[str]) -> None:
-    """Refuse an overridden role map that does not use each given node exactly once."""
-    used = [roles.main, roles.shadow, *roles.workers]
+def check_roles(roles: RoleMap, inventories: Mapping[str, Mapping]) -> None:
+    """Refuse an overridden role map that does not seat each role once on the given nodes.
+
+    A node with one GPU or none holds one role; a node with several GPUs holds one role per
+    GPU, each seat naming its GPU (``<node id>:<index>``), an index the node reported.
+    """
+    used = list(roles.seats().values())
     if len(set(used)) != len(used):
-        raise RoleError("a node can hold only one role in a deployment")
-    unknown = set(used) - set(nodes)
+        raise RoleError("a node (or one GPU of a node) can hold only one role in a deployment")
+    parsed = [parse_seat(text) for text in used]
+    unknown = {node for node, _ in parsed} - set(inventories)
     if unknown:
         raise RoleError(f"nodes not in this deployment: {', '.join(sorted(unknown))}")
     if not roles.workers:
         raise RoleError("a deployment needs at least one worker")
+    by_node: dict[str, list[int | None]] = {}
+    for node, gpu in parsed:
+        by_node.setdefault(node, []).append(gpu)
+    for node, gpus in by_node.items():
+        reported = gpu_indices(inventories[node])
+        if len(gpus) > 1 and None in gpus:
+            raise RoleError(f"node {node} holds several roles: give each one of its GPUs as {node}:<index>")
+        missing = sorted(g for g in gpus if g is not None and g not in reported)
+        if missing:
+            offered = ", ".join(map(str, reported)) or "none"
+            raise RoleError(f"node {node} has no GPU {missing[0]} (it reported GPUs: {offered})")

@@ -16,14 +16,14 @@ from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
 from inference.checkpoint import Checkpoint, CheckpointError
-from inference.memory import MemoryPlan, check_plan_fit, memory_from_checkpoint, memory_from_config
+from inference.memory import MemoryPlan, Placed, check_plan_fit, memory_from_checkpoint, memory_from_config
 from inference.schedule import validate_periods
 from inference.sharding import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.strategies import DEFAULT_STRATEGY, get_strategy
 
-from .models import ACTIVE, Deployment, DeploymentNode, Role
-from .roles import RoleError, RoleMap, check_roles, suggest_roles
+from .models import ACTIVE, Deployment, DeploymentNode
+from .roles import RoleError, RoleMap, check_roles, parse_seat, seats_of, suggest_roles
 
 
 class DeploymentError(ValueError):
@@ -45,8 +45,9 @@ def suggest_for(
     """The suggested role map: only one whose nodes hold their roles' memory."""
     nodes = _nodes(node_ids)
     top_k = int(model.summary.get("top_k", 2))
-    if memory is None and len(nodes) > 2:
-        memory = memory_plan(model=model, workers=len(nodes) - 2, shadow_dtype=shadow_dtype, strategy=strategy)
+    seats = len(seats_of({str(n.pk): n.inventory for n in nodes}))
+    if memory is None and seats > 2:
+        memory = memory_plan(model=model, workers=seats - 2, shadow_dtype=shadow_dtype, strategy=strategy)
     try:
         return suggest_roles(
             {str(n.pk): n.inventory for n in nodes},
@@ -66,10 +67,13 @@ def memory_plan(*, model: ModelArtifact, workers: int, shadow_dtype: str, strate
         raise DeploymentError(f"cannot size the roles of {model.name}: {exc}") from None
 
 
-def check_fits(*, model: ModelArtifact, shadow_dtype: str, strategy: str, seats: dict[str, Node]) -> MemoryPlan:
-    """Refuse a role map (role name -> node) where a node cannot hold its role.
+def check_fits(
+    *, model: ModelArtifact, shadow_dtype: str, strategy: str, seats: dict[str, tuple[Node, int | None]]
+) -> MemoryPlan:
+    """Refuse a role map (role name -> (node, GPU index or None)) where a node cannot hold its roles.
 
-    A shard already on a node (its agent reports ``shard_bytes``) needs no new disk space.
+    Roles on one node share its RAM and disk. A shard already on a node (its agent reports
+    ``shard_bytes``) needs no new disk space.
     """
     workers = sum(1 for role in seats if role.startswith("worker-"))
     plan = memory_plan(model=model, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy)
@@ -77,14 +81,13 @@ def check_fits(*, model: ModelArtifact, shadow_dtype: str, strategy: str, seats:
     # The shadow fetches its shard converted to its dtype (shadow-nf4...) unless that is the checkpoint's own.
     converted = shadow_dtypes_to_build(Checkpoint(model.path).config, shadow_dtype)
     shadow_shard = f"shadow-{shadow_dtype}" if converted else "shadow"
-    for role, node in seats.items():
+    for role, (node, _) in seats.items():
         on_disk = node.inventory.get("shard_bytes") if isinstance(node.inventory, dict) else None
         shard = f"{model.pk}/{shadow_shard if role == 'shadow' else role}"
         if isinstance(on_disk, dict) and isinstance(on_disk.get(shard), int):
             present[role] = on_disk[shard]
-    problems = check_plan_fit(
-        plan, {role: (node.name, node.inventory) for role, node in seats.items()}, present=present
-    )
+    placed = {role: Placed(node.name, node.inventory, gpu) for role, (node, gpu) in seats.items()}
+    problems = check_plan_fit(plan, placed, present=present)
     if problems:
         raise DeploymentDoesNotFit(
             f"{model.name} does not fit on these nodes: " + "; ".join(p.message for p in problems)
@@ -119,13 +122,17 @@ def create_deployment(
     _check_nodes(nodes, node_ids)
     roles = roles or suggest_for(model=model, node_ids=node_ids, shadow_dtype=shadow_dtype, strategy=strategy)
     try:
-        check_roles(roles, [str(n.pk) for n in nodes])
+        check_roles(roles, {str(n.pk): n.inventory for n in nodes})
+        by_id = {str(n.pk): n for n in nodes}
+        seats = {role: parse_seat(text) for role, text in roles.seats().items()}
     except RoleError as exc:
         raise DeploymentError(str(exc)) from None
-    by_id = {str(n.pk): n for n in nodes}
-    seats = {"main": by_id[roles.main], "shadow": by_id[roles.shadow]}
-    seats |= {f"worker-{i}": by_id[node] for i, node in enumerate(roles.workers)}
-    check_fits(model=model, shadow_dtype=shadow_dtype, strategy=strategy, seats=seats)
+    check_fits(
+        model=model,
+        shadow_dtype=shadow_dtype,
+        strategy=strategy,
+        seats={role: (by_id[node], gpu) for role, (node, gpu) in seats.items()},
+    )
     try:
         with transaction.atomic():
             deployment = Deployment.objects.create(
@@ -139,14 +146,13 @@ def create_deployment(
             )
     except IntegrityError:
         raise DeploymentError(f"a deployment named {name!r} already exists") from None
-    members = [
-        DeploymentNode(deployment=deployment, node_id=roles.main, role=Role.MAIN),
-        DeploymentNode(deployment=deployment, node_id=roles.shadow, role=Role.SHADOW),
-    ]
-    members += [
-        DeploymentNode(deployment=deployment, node_id=node, role=Role.WORKER, worker_index=i)
-        for i, node in enumerate(roles.workers)
-    ]
+    members = []
+    for name, (node, gpu) in seats.items():
+        role, _, index = name.partition("-")
+        worker_index = int(index) if index else None
+        members.append(
+            DeploymentNode(deployment=deployment, node_id=node, role=role, worker_index=worker_index, gpu=gpu)
+        )
     DeploymentNode.objects.bulk_create(members)
     return deployment
 

@@ -83,10 +83,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await self._relay_generation(event)
         elif isinstance(event, Heartbeat):
             await database_sync_to_async(services.record_heartbeat)(
-                node_id=self.node_id, inventory=event.inventory, runtime=event.runtime
+                node_id=self.node_id, inventory=event.inventory, roles=event.roles
             )
         elif isinstance(event, RoleState):
-            await database_sync_to_async(services.record_runtime)(node_id=self.node_id, report=event.to_json())
+            await database_sync_to_async(services.record_runtime)(
+                node_id=self.node_id, reports=[event.to_json()], complete=False
+            )
         elif isinstance(event, TaskProgress):
             await database_sync_to_async(services.record_task_progress)(
                 node_id=self.node_id, task_id=event.task_id, done=event.done, total=event.total

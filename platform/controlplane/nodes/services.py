@@ -80,8 +80,8 @@ def touch_node(*, node: Node) -> None:
     node.save(update_fields=["last_seen"])
 
 
-def record_heartbeat(*, node_id: str, inventory: dict, runtime: dict | None = None) -> None:
-    """An agent is alive: note when, what the box offers, bring the node online, pass on its runtime."""
+def record_heartbeat(*, node_id: str, inventory: dict, roles: list | None = None) -> None:
+    """An agent is alive: note when, what the box offers, bring the node online, pass on every role it runs."""
     address = inventory.get("address", "")
     updates = {"last_seen": timezone.now(), "inventory": inventory}
     if isinstance(address, str) and address:
@@ -89,8 +89,8 @@ def record_heartbeat(*, node_id: str, inventory: dict, runtime: dict | None = No
     Node.objects.filter(pk=node_id).update(**updates)
     # A draining node stays draining; any other comes (back) online.
     Node.objects.filter(pk=node_id).exclude(status=NodeStatus.DRAINING).update(status=NodeStatus.ONLINE)
-    if runtime is not None:
-        record_runtime(node_id=node_id, report=runtime)
+    if roles is not None:
+        record_runtime(node_id=node_id, reports=roles, complete=True)
 
 
 def mark_offline(*, node_id: str) -> None:
@@ -98,9 +98,9 @@ def mark_offline(*, node_id: str) -> None:
     signals.nodes_went_offline.send(sender=Node, node_ids=[str(node_id)])
 
 
-def record_runtime(*, node_id: str, report: dict) -> None:
-    """What the node's runtime role is doing; the deployments app acts on it."""
-    signals.runtime_reported.send(sender=Node, node_id=str(node_id), report=report)
+def record_runtime(*, node_id: str, reports: list, complete: bool) -> None:
+    """What the node's runtime roles are doing (``complete``: all of them); the deployments app acts on it."""
+    signals.runtime_reported.send(sender=Node, node_id=str(node_id), reports=reports, complete=complete)
 
 
 def expire_silent_nodes(*, timeout_s: float) -> list[str]:

@@ -1,14 +1,15 @@
 """What the nodes app tells other apps, without knowing them (the deployments app listens).
 
-``runtime_reported``: a node's agent said what its runtime role is doing (a heartbeat or a
-role-state event); ``report`` is ``agent.messages.RoleState`` as JSON, or ``{}`` when the
-box runs no role. ``nodes_went_offline``: these nodes' agents fell silent or disconnected.
-``node_removing``: this node is about to be deleted; let go of it (inside the deleting
-transaction, so a receiver that refuses rolls everything back).
+``runtime_reported``: a node's agent said what its runtime roles are doing; ``reports`` is a
+list of ``agent.messages.RoleState`` as JSON, ``complete`` when it is every role the box runs
+(a heartbeat, ``[]`` when it runs none) rather than one that changed (a role-state event).
+``nodes_went_offline``: these nodes' agents fell silent or disconnected. ``node_removing``:
+this node is about to be deleted; let go of it (inside the deleting transaction, so a
+receiver that refuses rolls everything back).
 """
 
 from django.dispatch import Signal
 
-runtime_reported = Signal()  # kwargs: node_id, report
+runtime_reported = Signal()  # kwargs: node_id, reports, complete
 nodes_went_offline = Signal()  # kwargs: node_ids
 node_removing = Signal()  # kwargs: node_id, name
