@@ -48,10 +48,11 @@ from agent.messages import (
 )
 from inference.client import GenerationFailed as RuntimeGenerationFailed
 from inference.client import RuntimeClient
+from inference.curve import CurveKeys
 from inference.launcher import die_with_parent
 from inference.protocol import GenerateDone, Pong
 from inference.sharding import ShardError, is_plain_file_name, is_role_dirname
-from inference.spec import SpecError, load_spec
+from inference.spec import SpecError, load_spec, write_private
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,12 @@ def memory_changed(before: dict[str, int], after: dict[str, int]) -> bool:
         if abs(new - old) > max(MEMORY_CHANGE_BYTES, MEMORY_CHANGE_FRACTION * old):
             return True
     return False
+
+
+def curve_of(spec: dict) -> CurveKeys | None:
+    """The deployment's data-plane keys in a ``StartRole`` spec (checked when the role started)."""
+    keys = spec.get("curve")
+    return CurveKeys(**keys) if isinstance(keys, dict) else None
 
 
 def role_name_of(spec: dict) -> str:
@@ -235,7 +242,7 @@ class RoleRunner:
             if dest is None:
                 return
             spec_path = self._run_dir(command) / f"{command.shard}.spec.json"
-            spec_path.write_text(json.dumps({**command.spec, "shard_dir": str(dest)}, indent=2))
+            write_private(spec_path, json.dumps({**command.spec, "shard_dir": str(dest)}, indent=2))
             try:
                 load_spec(spec_path)  # the runtime checks it again; a bad spec is reported here, clearly
             except SpecError as exc:
@@ -293,7 +300,7 @@ class RoleRunner:
     async def _watch(self, command: StartRole) -> None:
         """Ping the role while its process lives: for its readiness, then (less often) for its memory."""
         spec = load_spec(self._run_dir(command) / f"{command.shard}.spec.json")
-        probe = RuntimeClient(spec.bind_address, spec.deployment, name=f"agent-probe-{command.shard}")
+        probe = RuntimeClient(spec.bind_address, spec.deployment, name=f"agent-probe-{command.shard}", curve=spec.curve)
         ping: asyncio.Future | None = None
         loop = asyncio.get_running_loop()
         asked = -MEMORY_EVERY_S
@@ -350,7 +357,7 @@ class RoleRunner:
             return None
         if self.state is None or self.state.state != "ready":
             return None
-        return RuntimeClient(command.spec["addresses"]["main"], deployment)
+        return RuntimeClient(command.spec["addresses"]["main"], deployment, curve=curve_of(command.spec))
 
     async def apply_alignment(self, command: ApplyAlignment) -> None:
         client = self._main_client(command.deployment)
@@ -430,7 +437,9 @@ class RoleRunner:
             return
         if self.command is None:
             return
-        client = RuntimeClient(self.command.spec["addresses"]["main"], self.command.deployment)
+        client = RuntimeClient(
+            self.command.spec["addresses"]["main"], self.command.deployment, curve=curve_of(self.command.spec)
+        )
         try:
             client.cancel(command.request_id)
         finally:

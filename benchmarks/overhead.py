@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import zmq
 
+from inference.curve import CurveKeys, new_keys
 from inference.launcher import ClusterOptions, LocalCluster, free_port
 from inference.protocol import ExpertRequest, ExpertResult, TokenEvent, decode, encode
 from inference.routing import Routing
@@ -259,10 +260,10 @@ def _raw_echo(address: str, reply: list[bytes], count: int, compute_s: float) ->
     sock.close()
 
 
-def _endpoint_echo(address: str, hidden: int, top_k: int, count: int) -> None:
+def _endpoint_echo(address: str, hidden: int, top_k: int, count: int, keys: CurveKeys) -> None:
     """An Endpoint that decodes each request and answers with an ``ExpertResult`` of its rows."""
     torch.set_num_threads(1)
-    endpoint = Endpoint("worker-0", DEPLOYMENT, bind=address)
+    endpoint = Endpoint("worker-0", DEPLOYMENT, bind=address, curve=keys)
     _, result = sample_messages(Shape(hidden, top_k, top_k))
     served = 0
     while served < count:
@@ -329,9 +330,12 @@ def endpoint_round_trip_us(shape: Shape, iterations: int) -> float:
     address = f"tcp://127.0.0.1:{free_port()}"
     warm = min(50, iterations)
     ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_endpoint_echo, args=(address, shape.hidden, shape.top_k, iterations + warm), daemon=True)
+    keys = new_keys()  # CURVE, as every deployment's data plane runs
+    proc = ctx.Process(
+        target=_endpoint_echo, args=(address, shape.hidden, shape.top_k, iterations + warm, keys), daemon=True
+    )
     proc.start()
-    endpoint = Endpoint("main", DEPLOYMENT)
+    endpoint = Endpoint("main", DEPLOYMENT, curve=keys)
     endpoint.connect("worker-0", address)
     try:
         times = []

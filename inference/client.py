@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
+from inference.curve import CurveKeys
 from inference.protocol import (
     Cancel,
     GenerateDone,
@@ -31,8 +32,12 @@ class GenerationFailed(RuntimeError):
 
 
 class RuntimeClient:
-    def __init__(self, main_address: str, deployment: str, *, name: str | None = None) -> None:
-        self.endpoint = Endpoint(name or f"client-{uuid.uuid4().hex[:8]}", deployment)
+    """``curve``: the deployment's data-plane keys (main admits no one without them)."""
+
+    def __init__(
+        self, main_address: str, deployment: str, *, name: str | None = None, curve: CurveKeys | None = None
+    ) -> None:
+        self.endpoint = Endpoint(name or f"client-{uuid.uuid4().hex[:8]}", deployment, curve=curve)
         self.endpoint.connect("main", main_address)
         self._nonces = itertools.count(1)
 

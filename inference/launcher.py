@@ -27,9 +27,10 @@ from pathlib import Path
 
 from inference.checkpoint import Checkpoint
 from inference.client import GenerationFailed, RuntimeClient
+from inference.curve import new_keys
 from inference.protocol import GenerateDone
 from inference.sharding import ShardSet, build_shards, shadow_dtypes_to_build
-from inference.spec import Addresses, RoleSpec, Settings
+from inference.spec import Addresses, RoleSpec, Settings, write_private
 from inference.strategies import get_strategy
 
 BIND_ATTEMPTS = 3
@@ -107,6 +108,7 @@ class LocalCluster:
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="odmoe-"))
         self.progress = progress or (lambda line: None)
         self.deployment = f"local-{uuid.uuid4().hex[:8]}"
+        self.curve = new_keys()  # ephemeral data-plane keys: only this cluster's roles and client hold them
         self.processes: dict[str, subprocess.Popen] = {}
         self.client: RuntimeClient | None = None
 
@@ -154,11 +156,13 @@ class LocalCluster:
             roles.append(("shadow", "shadow", None, shadow_dir))
         roles += [(f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)]
         for name, role, worker, role_dir in roles:
-            spec = RoleSpec(self.deployment, role, str(role_dir), addresses, worker, self.options.settings)
+            spec = RoleSpec(
+                self.deployment, role, str(role_dir), addresses, worker, self.options.settings, curve=self.curve
+            )
             spec_path = self.work_dir / f"{name}.spec.json"
-            spec_path.write_text(spec.to_json())
+            write_private(spec_path, spec.to_json())
             self._spawn(name, role, spec_path)
-        self.client = RuntimeClient(addresses.main, self.deployment)
+        self.client = RuntimeClient(addresses.main, self.deployment, curve=self.curve)
         self.progress(f"started {len(roles)} role processes; waiting for them to be ready")
         started = time.monotonic()
         self._wait_ready()

@@ -1,13 +1,16 @@
 """A role's launch spec: what an agent (or ``generate``) hands to ``serve-role``.
 
-The spec names the role, its shard, the peer table (every role's inbox address) and the
-runtime settings. It is JSON on disk; ``load_spec`` validates it and says what is wrong.
+The spec names the role, its shard, the peer table (every role's inbox address), the
+deployment's data-plane keys (``inference.curve``) and the runtime settings. It is JSON on
+disk (the agent writes it readable by its own user only: it holds the secret key);
+``load_spec`` validates it and says what is wrong.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,6 +18,7 @@ from pathlib import Path
 import torch
 
 from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
+from inference.curve import CurveError, CurveKeys, check_keys
 from inference.routing import ARITHMETICS
 from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
 from inference.typecheck import checker
@@ -72,6 +76,9 @@ class RoleSpec:
     addresses: Addresses
     worker: int | None = None
     settings: Settings = field(default_factory=Settings)
+    # The deployment's CURVE key pair; None: an unauthenticated data plane (tests of the
+    # transport only: the control plane and the local launcher always give one).
+    curve: CurveKeys | None = None
 
     @property
     def name(self) -> str:
@@ -107,7 +114,7 @@ def _check_types(obj: object, where: str) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
-        nested = dataclasses.is_dataclass(hints[f.name])
+        nested = dataclasses.is_dataclass(hints[f.name]) or dataclasses.is_dataclass(value)
         if not nested and not checker(hints[f.name])(value):
             raise SpecError(f"{where}{f.name} has the wrong type: {value!r:.60} (expected {hints[f.name]})")
 
@@ -157,9 +164,23 @@ def validate_spec(spec: RoleSpec) -> RoleSpec:
     if spec.role == "shadow" and spec.addresses.shadow is None:
         raise SpecError("role is shadow but the peer table has no shadow address")
     validate_settings(spec.settings)
+    if spec.curve is not None:
+        try:
+            check_keys(spec.curve)
+        except CurveError as exc:
+            raise SpecError(f"curve: {exc}") from None
     if not Path(spec.shard_dir).is_dir():
         raise SpecError(f"shard directory {spec.shard_dir} does not exist")
     return spec
+
+
+def write_private(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable and writable by this user only (a spec holds a secret key)."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # also when the file was there before, with other modes
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
 
 
 def load_spec(path: str | Path) -> RoleSpec:
@@ -182,6 +203,7 @@ def load_spec(path: str | Path) -> RoleSpec:
             addresses=Addresses(**data["addresses"]),
             worker=data.get("worker"),
             settings=Settings(**data.get("settings", {})),
+            curve=CurveKeys(**data["curve"]) if data.get("curve") is not None else None,
         )
     except KeyError as exc:
         raise SpecError(f"spec file {path} lacks the field {exc}") from None

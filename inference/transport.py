@@ -4,9 +4,11 @@ Each role binds one ROUTER socket (its *inbox*) at the address the peer table gi
 and opens one DEALER *link* per peer it talks to, connected to that peer's inbox with the
 role's name as identity. A peer answers a request on the same link (ROUTER replies reach
 the DEALER that asked), so there is one connection per ordered pair of roles and message
-order is kept on it. Every message is stamped with the deployment id, the sender and a
-sequence number; what belongs to another deployment or arrives out of order is dropped
-with a log line, as is anything that does not decode.
+order is kept on it. With the deployment's CURVE keys (``inference.curve``) every socket
+is encrypted and the inbox admits only peers that hold them. Every message is stamped with
+the deployment id, the sender and a sequence number; what belongs to another deployment (or
+to none) or arrives out of order is dropped with a log line, as is anything that does not
+decode.
 
 An endpoint can emulate its role's network link (one NIC per role): every message it sends
 occupies its uplink for ``bytes / link_bytes_per_s`` after the previous one has left, and
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from inference.curve import CurveKeys, make_client, make_server
 from inference.protocol import Message, ProtocolError, decode, encode, restamp_delivery
 
 log = logging.getLogger(__name__)
@@ -75,7 +78,9 @@ def frames_nbytes(frames: list) -> int:
 
 class Endpoint:
     """One role's sockets. ``link_bytes_per_s`` / ``link_latency_s`` emulate its network link
-    (None / 0: no bandwidth limit / no latency; both: no emulation at all)."""
+    (None / 0: no bandwidth limit / no latency; both: no emulation at all). With ``curve`` (the
+    deployment's keys, ``inference.curve``) the inbox admits only peers holding them and every
+    link presents them; ``max_frame_bytes`` disconnects a peer that sends a bigger frame."""
 
     def __init__(
         self,
@@ -85,6 +90,8 @@ class Endpoint:
         *,
         link_bytes_per_s: float | None = None,
         link_latency_s: float = 0.0,
+        curve: CurveKeys | None = None,
+        max_frame_bytes: int | None = None,
     ) -> None:
         if link_bytes_per_s is not None and link_bytes_per_s < 0:
             raise ValueError(f"link_bytes_per_s must be > 0 (None or 0: no limit), got {link_bytes_per_s}")
@@ -94,6 +101,8 @@ class Endpoint:
         self.deployment = deployment
         self.link_bytes_per_s = link_bytes_per_s or None
         self.link_latency_s = link_latency_s
+        self.curve = curve
+        self.max_frame_bytes = max_frame_bytes
         self._emulated = self.link_bytes_per_s is not None or link_latency_s > 0
         self._link_free_at = 0.0  # when this role's uplink has sent everything queued on it
         self._ctx = zmq.Context.instance()
@@ -114,6 +123,9 @@ class Endpoint:
             self.inbox = self._ctx.socket(zmq.ROUTER)
             self.inbox.setsockopt(zmq.LINGER, 0)
             self.inbox.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            self._limit(self.inbox)
+            if curve is not None:
+                make_server(self.inbox, curve)
             self.inbox.bind(bind)
             self._poller.register(self.inbox, zmq.POLLIN)
 
@@ -121,10 +133,17 @@ class Endpoint:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        self._limit(sock)
+        if self.curve is not None:
+            make_client(sock, self.curve)
         sock.connect(address)
         self._links[peer] = sock
         self._link_of_socket[sock] = peer
         self._poller.register(sock, zmq.POLLIN)
+
+    def _limit(self, sock: zmq.Socket) -> None:
+        if self.max_frame_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
 
     @property
     def peers(self) -> list[str]:
@@ -210,7 +229,7 @@ class Endpoint:
         except Exception as exc:  # a peer's bytes must never take this role down
             log.warning("%s: dropped an undecodable message via %s: %r", self.name, via, exc)
             return None
-        if msg.deployment and msg.deployment != self.deployment:
+        if msg.deployment != self.deployment:
             log.warning(
                 "%s: dropped %s from %s for deployment %r (serving %r)",
                 self.name,

@@ -21,7 +21,8 @@ def test_malformed_requests_and_predictions_do_not_take_a_worker_down(tiny_model
     hidden = 64
     with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
         before = cluster.generate(PROMPTS[0], 8)
-        intruder = Endpoint("intruder", cluster.deployment)  # the deployment id is all the envelope checks today
+        # A peer that holds the deployment's keys (a compromised box) but sends nonsense.
+        intruder = Endpoint("intruder", cluster.deployment, curve=cluster.curve)
         intruder.connect("worker-0", cluster.addresses.workers[0])
         request_id = "not-running"
         bad = [
@@ -58,3 +59,33 @@ def test_malformed_requests_and_predictions_do_not_take_a_worker_down(tiny_model
     for prompt, done in zip(PROMPTS[:2], after, strict=True):
         assert done.token_ids == reference_generate(tiny_model, prompt, 8)
     assert "dropped" in log
+
+
+def test_without_the_deployments_keys_nothing_reaches_a_role(tiny_model: Path) -> None:
+    """The attack of issue 11: a plain ZeroMQ socket sent main a shutdown and the deployment went down."""
+    import zmq
+
+    from inference.curve import new_keys
+    from inference.protocol import Shutdown, encode
+
+    with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 2000)
+        raw.connect(cluster.addresses.main)
+        raw.send_multipart(encode(Shutdown(), deployment=cluster.deployment, sender="client", seq=2**62))
+        # One that knows main's public key (public keys are no secret) and has a pair of its own.
+        own = new_keys()
+        forger = zmq.Context.instance().socket(zmq.DEALER)
+        forger.setsockopt(zmq.LINGER, 2000)
+        forger.curve_serverkey = cluster.curve.public.encode()
+        forger.curve_publickey, forger.curve_secretkey = own.public.encode(), own.secret.encode()
+        forger.connect(cluster.addresses.main)
+        forger.send_multipart(encode(Shutdown(), deployment=cluster.deployment, sender="client", seq=2**62))
+        for sock in (raw, forger):
+            sock.close()
+        time.sleep(1.0)
+        cluster.check_processes()  # main is still running
+        done = cluster.generate(PROMPTS[0], 8)
+        log = (cluster.work_dir / "main.log").read_text()
+    assert done.token_ids == reference_generate(tiny_model, PROMPTS[0], 8)
+    assert "refused a data-plane connection" in log

@@ -117,7 +117,17 @@ INVALID = [
     ("bad arithmetic", _edit("settings.experts_arithmetic", "fast"), "experts_arithmetic must be one of"),
     ("bad device", _edit("settings.device", "tpu"), "device must be auto, cpu or cuda"),
     ("missing shard dir", _edit("shard_dir", "/nonexistent/shard/dir"), "shard directory .* does not exist"),
+    ("curve not a map", _edit("curve", "secret"), "spec file"),
+    ("curve half missing", _edit("curve", {"public": "x" * 40}), "spec file"),
+    ("curve key not z85", _edit("curve", {"public": "~" * 40, "secret": "~" * 40}), "curve: the CURVE public key"),
+    ("curve keys of two pairs", lambda d: d.update(curve=_mismatched()), "does not belong"),
 ]
+
+
+def _mismatched() -> dict:
+    from inference.curve import new_keys
+
+    return {"public": new_keys().public, "secret": new_keys().secret}
 
 
 @pytest.mark.parametrize(("edit", "match"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
@@ -171,3 +181,16 @@ def test_unknown_top_level_field_is_a_spec_error(tmp_path: Path, shard: Path, ke
     data[key] = {"token_period": 0}
     with pytest.raises(SpecError, match="unknown field"):
         load_spec(_write(tmp_path, data))
+
+
+def test_a_spec_with_the_deployments_keys_is_written_for_its_owner_only(tmp_path: Path, shard: Path) -> None:
+    from inference.curve import new_keys
+    from inference.spec import write_private
+
+    keys = new_keys()
+    path = tmp_path / "spec.json"
+    path.write_text("{}")
+    path.chmod(0o644)  # a file that was there before, readable by all
+    write_private(path, json.dumps(_base(shard) | {"curve": {"public": keys.public, "secret": keys.secret}}))
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert load_spec(path).curve == keys

@@ -394,3 +394,57 @@ def test_a_busy_inbox_does_not_starve_the_links() -> None:
     finally:
         for endpoint in (client, worker, main):
             endpoint.close()
+
+
+# --- the authenticated data plane (CurveZMQ) ---------------------------------------------------
+
+
+def test_with_the_deployments_keys_peers_talk_and_nobody_else_gets_in() -> None:
+    from inference.curve import new_keys
+
+    keys = new_keys()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = Endpoint("main", DEPLOYMENT, bind=address, curve=keys)
+    peer = Endpoint("worker-0", DEPLOYMENT, curve=keys)
+    stranger = Endpoint("worker-1", DEPLOYMENT, curve=new_keys())  # well formed, but another pair
+    plain = Endpoint("worker-2", DEPLOYMENT)  # no CURVE at all
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        for endpoint in (peer, stranger, plain):
+            endpoint.connect("main", address)
+        raw.connect(address)
+        stranger.send("main", Ping())
+        plain.send("main", Ping())
+        raw.send_multipart(_stamped(Ping(), deployment=DEPLOYMENT, seq=1))
+        peer.send("main", TokenEvent(request_id="ok", index=0, token_id=1))
+        got = server.recv(5.0)
+        assert got is not None and got.via == "inbox" and got.msg.sender == "worker-0"
+        assert server.recv(0.5) is None  # the stranger, the plain socket and the raw one never got in
+        server.reply(got.identity, Pong(role="main", ready=True))
+        answer = peer.recv(5.0)
+        assert answer is not None and isinstance(answer.msg, Pong)
+    finally:
+        raw.close(0)
+        for endpoint in (peer, stranger, plain, server):
+            endpoint.close()
+
+
+def test_a_message_without_the_deployment_id_is_dropped(pair: tuple[Endpoint, Endpoint, str], raw_dealer) -> None:
+    server, client, address = pair
+    raw_dealer.connect(address)
+    raw_dealer.send_multipart(_stamped(Ping(), deployment="", seq=1))
+    assert server.recv(0.5) is None
+    _roundtrip_works(server, client)
+
+
+def test_keys_that_do_not_belong_together_are_refused() -> None:
+    from inference.curve import CurveError, CurveKeys, check_keys, new_keys
+
+    one, two = new_keys(), new_keys()
+    assert check_keys(one) == one
+    with pytest.raises(CurveError, match="does not belong"):
+        check_keys(CurveKeys(one.public, two.secret))
+    with pytest.raises(CurveError, match="40 characters"):
+        check_keys(CurveKeys("short", one.secret))
+    assert one.secret not in repr(one)

@@ -78,13 +78,19 @@ def pick_device(setting: str) -> torch.device:
 
 
 def open_endpoint(spec: RoleSpec) -> Endpoint:
-    """The role's endpoint, bound to its inbox, with the emulated network link if one is set."""
+    """The role's endpoint, bound to its inbox, with the emulated network link if one is set.
+
+    With the deployment's keys in the spec only its own peers get through (``inference.curve``).
+    """
+    if spec.curve is None:
+        log.warning("the spec has no data-plane keys: anyone who reaches %s can talk to this role", spec.bind_address)
     return Endpoint(
         spec.name,
         spec.deployment,
         bind=spec.bind_address,
         link_bytes_per_s=spec.settings.link_bytes_per_s,
         link_latency_s=spec.settings.link_latency_s,
+        curve=spec.curve,
     )
 
 

@@ -439,3 +439,22 @@ def test_a_box_with_four_gpus_runs_a_role_on_each_and_reports_them_together(
     assert isinstance(again, StartRole) and again.spec["settings"]["device"] == f"cuda:{missing.gpu}"
     lifecycle.stop_deployment(deployment=Deployment.objects.get(pk=deployment.pk))
     assert inbox.take(node) == [StopRole(deployment=deployment.runtime_key)]  # one stop for all four
+
+
+def test_each_start_gives_the_roles_new_data_plane_keys_that_no_api_shows(cluster) -> None:
+    from inference.curve import CurveKeys, check_keys
+
+    deployment, nodes, inbox = cluster
+    deployment = pushed(deployment)
+    first = {CurveKeys(**c.spec["curve"]) for node in nodes for c in inbox.take(node)}
+    assert len(first) == 1  # one pair for the whole deployment
+    (keys,) = first
+    check_keys(keys)
+    staff = APIClient()
+    staff.force_authenticate(get_user_model().objects.create_user("admin", is_staff=True))
+    shown = staff.get(f"/api/deployments/{deployment.pk}").content + staff.get("/api/deployments").content
+    assert keys.secret.encode() not in shown and b"curve" not in shown
+    lifecycle.stop_deployment(deployment=deployment)
+    again = pushed(Deployment.objects.get(pk=deployment.pk))
+    second = {CurveKeys(**c.spec["curve"]) for node in nodes for c in inbox.take(node) if isinstance(c, StartRole)}
+    assert len(second) == 1 and second != first and again.epoch == 2

@@ -27,6 +27,7 @@ from controlplane.artifacts.services import (
 )
 from controlplane.nodes.models import Node, NodeStatus, NodeTask
 from controlplane.nodes.services import send_command
+from inference.curve import new_keys
 from inference.memory import gpu_index
 from inference.spec import Settings
 
@@ -68,7 +69,9 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
         locked.epoch += 1
         locked.status = DeploymentStatus.DEPLOYING
         locked.status_reason = "queued"
-        locked.save(update_fields=["epoch", "status", "status_reason", "updated_at"])
+        keys = new_keys()  # a new pair per start: roles of an earlier run cannot talk to this one
+        locked.curve_public, locked.curve_secret = keys.public, keys.secret
+        locked.save(update_fields=["epoch", "status", "status_reason", "curve_public", "curve_secret", "updated_at"])
         locked.members.update(state=MemberState.PENDING, detail="", port=None, start_sent_at=None, memory={})
         epoch = locked.epoch
         transaction.on_commit(lambda: push_deployment_task.delay(locked.pk, epoch))
@@ -236,6 +239,7 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
         "addresses": table,
         "worker": member.worker_index,
         "settings": asdict(settings),
+        "curve": {"public": deployment.curve_public, "secret": deployment.curve_secret},
     }
 
 

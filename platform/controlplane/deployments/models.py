@@ -57,6 +57,10 @@ class Deployment(models.Model):
         help_text="what workers keep on their GPUs (inference/strategies.py); applied on the next start",
     )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
+    # The data plane's CURVE key pair (inference.curve), new on every start: it reaches the roles
+    # in their specs over the agents' links, and no API shows it.
+    curve_public = models.CharField(max_length=40, blank=True, editable=False)
+    curve_secret = models.CharField(max_length=40, blank=True, editable=False)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
