@@ -168,6 +168,19 @@ class LocalCluster:
         self._wait_ready()
         self.progress(f"every role ready in {time.monotonic() - started:.1f} s")
 
+    def restart_role(self, name: str) -> None:
+        """Start role ``name`` (main, shadow, worker-N) again after it died, as its agent would.
+
+        A worker rejoins by itself: main sees its link come back, asks whether it is ready and
+        serves with it again from the next request on.
+        """
+        proc = self.processes.get(name)
+        if proc is None:
+            raise ClusterError(f"no role {name} in this cluster")
+        if proc.poll() is None:
+            raise ClusterError(f"{name} is still running")
+        self._spawn(name, "worker" if name.startswith("worker-") else name, self.work_dir / f"{name}.spec.json")
+
     def _spawn(self, name: str, role: str, spec_path: Path) -> None:
         log_file = open(self.work_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

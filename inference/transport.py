@@ -10,6 +10,11 @@ the deployment id, the sender and a sequence number; what belongs to another dep
 to none) or arrives out of order is dropped with a log line, as is anything that does not
 decode.
 
+A link can be *watched* (main watches its workers): a ZeroMQ monitor reports when its
+connection drops or comes back, and ZMTP heartbeats drop a connection whose peer stopped
+answering (``HEARTBEAT_TIMEOUT_MS``, for a box that vanished without closing its sockets).
+``take_link_events`` hands these out as ("lost" | "up", peer) in the order they happened.
+
 An endpoint can emulate its role's network link (one NIC per role): every message it sends
 occupies its uplink for ``bytes / link_bytes_per_s`` after the previous one has left, and
 arrives ``link_latency_s`` after its last byte has. The sender never blocks: it stamps the
@@ -38,6 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from inference.curve import CurveKeys, make_client, make_server
 from inference.protocol import Message, ProtocolError, decode, encode, restamp_delivery
@@ -47,6 +53,9 @@ log = logging.getLogger(__name__)
 _SNDMORE = int(zmq.SNDMORE)
 _MAX_POLL_MS = 2**31 - 1
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD  # pyzmq copies smaller frames anyway; bigger ones go as they are
+HEARTBEAT_IVL_MS = 500  # a watched link pings its peer's ZMTP layer this often...
+HEARTBEAT_TIMEOUT_MS = 2000  # ...and drops the connection when nothing came back for this long
+_WATCHED_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,8 @@ class Endpoint:
         self._poller = zmq.Poller()
         self._links: dict[str, zmq.Socket] = {}
         self._link_of_socket: dict[zmq.Socket, str] = {}
+        self._monitors: dict[zmq.Socket, str] = {}  # monitor socket -> the watched link's peer
+        self._link_events: deque[tuple[str, str]] = deque()
         # Sequence numbers start from the clock so that a restarted sender is not stale.
         self._seq = time.time_ns() // 1000
         self._last_seq: dict[tuple[str, str], int] = {}
@@ -129,13 +140,20 @@ class Endpoint:
             self.inbox.bind(bind)
             self._poller.register(self.inbox, zmq.POLLIN)
 
-    def connect(self, peer: str, address: str) -> None:
+    def connect(self, peer: str, address: str, *, watch: bool = False) -> None:
+        """Open the link to ``peer``; ``watch``: report its connection's losses and returns."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
         self._limit(sock)
         if self.curve is not None:
             make_client(sock, self.curve)
+        if watch:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
+            self._monitors[monitor] = peer
+            self._poller.register(monitor, zmq.POLLIN)
         sock.connect(address)
         self._links[peer] = sock
         self._link_of_socket[sock] = peer
@@ -164,7 +182,8 @@ class Endpoint:
         """The next valid message within ``timeout_s`` seconds, or None.
 
         A message held for its emulated delivery time is returned once that time comes,
-        or None is, if that is after ``timeout_s``.
+        or None is, if that is after ``timeout_s``. A watched link's loss or return ends the
+        wait early with None, so that the caller can act on ``take_link_events`` at once.
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
         polled = False
@@ -179,9 +198,21 @@ class Endpoint:
             wake = min(deadline, self._held[0][0]) if self._held else deadline
             self._poll(wake - now)
             polled = True
+            if self._link_events and not self._ready:
+                return None
+
+    def take_link_events(self) -> list[tuple[str, str]]:
+        """("lost" | "up", peer) of the watched links since the last call, oldest first."""
+        events = list(self._link_events)
+        self._link_events.clear()
+        return events
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every socket; ``linger_ms`` lets queued messages out first (0 drops them)."""
+        for monitor, peer in self._monitors.items():
+            self._links[peer].disable_monitor()
+            monitor.close(0)
+        self._monitors.clear()
         for sock in [*self._links.values(), *([self.inbox] if self.inbox is not None else [])]:
             sock.close(linger_ms)
         self._links.clear()
@@ -197,6 +228,9 @@ class Endpoint:
         if wait_ms <= 0 < wait_s and self._held:
             time.sleep(wait_s)  # the next delivery is closer than the poller's 1 ms resolution
         for sock, _ in self._poller.poll(min(max(0, wait_ms), _MAX_POLL_MS)):
+            if sock in self._monitors:
+                self._note_link_event(sock)
+                continue
             received = self._read(sock)
             if received is None:
                 continue
@@ -205,6 +239,14 @@ class Endpoint:
                 self._ready.append(received)  # the hot path: nothing emulated
             else:
                 self._hold(received, due)
+
+    def _note_link_event(self, monitor: zmq.Socket) -> None:
+        event = recv_monitor_message(monitor)["event"]
+        peer = self._monitors[monitor]
+        if event == zmq.EVENT_DISCONNECTED:
+            self._link_events.append(("lost", peer))
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._link_events.append(("up", peer))
 
     def _hold(self, received: Received, due: float) -> None:
         """Keep ``received`` until ``due``, after whatever came before it on its connection."""

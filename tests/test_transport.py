@@ -448,3 +448,29 @@ def test_keys_that_do_not_belong_together_are_refused() -> None:
     with pytest.raises(CurveError, match="40 characters"):
         check_keys(CurveKeys("short", one.secret))
     assert one.secret not in repr(one)
+
+
+def test_a_watched_link_reports_its_peer_gone_and_back_at_once() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    worker = Endpoint("worker-0", DEPLOYMENT, bind=address)
+    main = Endpoint("main", DEPLOYMENT)
+    try:
+        main.connect("worker-0", address, watch=True)
+        assert main.recv(2.0) is None and main.take_link_events() == [("up", "worker-0")]
+        worker.close()  # what a killed process's sockets do
+        started = time.monotonic()
+        assert main.recv(5.0) is None
+        assert main.take_link_events() == [("lost", "worker-0")]
+        assert time.monotonic() - started < 1.0  # not a timeout: the connection's end itself
+        worker = Endpoint("worker-0", DEPLOYMENT, bind=address)  # restarted on the same port
+        deadline = time.monotonic() + 5
+        events: list = []
+        while ("up", "worker-0") not in events and time.monotonic() < deadline:
+            main.recv(0.5)
+            events += main.take_link_events()
+        assert ("up", "worker-0") in events
+        main.send("worker-0", Ping())
+        assert worker.recv(5.0) is not None  # the link works again
+    finally:
+        main.close()
+        worker.close()

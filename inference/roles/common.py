@@ -94,14 +94,17 @@ def open_endpoint(spec: RoleSpec) -> Endpoint:
     )
 
 
-def connect_peers(endpoint: Endpoint, spec: RoleSpec, *, workers: bool, shadow: bool, main: bool) -> None:
+def connect_peers(
+    endpoint: Endpoint, spec: RoleSpec, *, workers: bool, shadow: bool, main: bool, watch: bool = False
+) -> None:
+    """Open the links this role talks over; ``watch``: report a worker's or the shadow's loss at once (main)."""
     if main and spec.role != "main":
         endpoint.connect("main", spec.addresses.main)
     if shadow and spec.addresses.shadow is not None and spec.role != "shadow":
-        endpoint.connect("shadow", spec.addresses.shadow)
+        endpoint.connect("shadow", spec.addresses.shadow, watch=watch)
     if workers:
         for i, address in enumerate(spec.addresses.workers):
-            endpoint.connect(f"worker-{i}", address)
+            endpoint.connect(f"worker-{i}", address, watch=watch)
 
 
 def answer_ping(endpoint: Endpoint, received: Received, role: str, ready: bool, detail: str = "") -> bool:

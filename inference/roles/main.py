@@ -23,6 +23,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from inference import schedule
+from inference.failover import NoSurvivor, reroute, taker
 from inference.metrics import build_metrics, step_report
 from inference.model import build_main_model
 from inference.placement import Placement, placement_from_dict
@@ -37,6 +38,7 @@ from inference.protocol import (
     GenerateError,
     GenerateRequest,
     Ping,
+    Pong,
     Prediction,
     SetAlignment,
     ShadowBegin,
@@ -136,7 +138,7 @@ class MainRole:
         self.strategy = get_strategy(spec.settings.strategy)
         self.has_shadow = spec.addresses.shadow is not None and self.strategy.uses_shadow
         self.endpoint = open_endpoint(spec)
-        connect_peers(self.endpoint, spec, workers=True, shadow=self.has_shadow, main=False)
+        connect_peers(self.endpoint, spec, workers=True, shadow=self.has_shadow, main=False, watch=True)
         self.health = PeerHealth(self.endpoint, self.endpoint.peers)
         self.token_period = spec.settings.token_period
         self.kv_period = spec.settings.kv_period
@@ -145,6 +147,12 @@ class MainRole:
         self.pending_results: list[tuple[str, ExpertResult]] = []
         self.worker_stats: dict[int, WorkerStats] = {}
         self.shadow_stats: ShadowStats | None = None
+        # Worker loss (inference.failover): gone, reconnected and asked, back and ready.
+        self.lost: set[int] = set()
+        self.returning: set[int] = set()
+        self.rejoined: set[int] = set()
+        # Shadow loss: main serves without predictions (workers load what is routed) until it is back.
+        self.shadow_lost = self.shadow_returning = self.shadow_back = False
         log.info(
             "main ready to connect: %d workers in groups %s, shadow %s, %s experts arithmetic, strategy %s",
             self.placement.n_workers,
@@ -161,6 +169,7 @@ class MainRole:
             while True:
                 self.health.tick()
                 received = self.endpoint.recv(timeout_s=0.1)
+                self._note_links()
                 if received is None:
                     continue
                 if isinstance(received.msg, Shutdown):
@@ -178,6 +187,13 @@ class MainRole:
     def handle_side_message(self, received: Received) -> None:
         """Everything that may arrive at any time, also while a generation runs."""
         msg = received.msg
+        if isinstance(msg, Pong) and msg.ready and received.via.startswith("worker-"):
+            index = int(received.via.removeprefix("worker-"))
+            if index in self.returning:  # a lost worker is back and loaded: it serves from the next request
+                self.returning.discard(index)
+                self.rejoined.add(index)
+        elif isinstance(msg, Pong) and msg.ready and received.via == "shadow" and self.shadow_returning:
+            self.shadow_returning, self.shadow_back = False, True
         if self.health.observe(received):
             return
         if isinstance(msg, Ping):
@@ -220,7 +236,7 @@ class MainRole:
             self.request.alignment_log.append(
                 {"from_step": from_step, "token_period": msg.token_period, "kv_period": msg.kv_period}
             )
-            if self.has_shadow:
+            if self.shadow_serving:
                 self.endpoint.send(
                     "shadow",
                     SetAlignment(token_period=msg.token_period, kv_period=msg.kv_period, from_step=from_step),
@@ -248,12 +264,20 @@ class MainRole:
         self.worker_stats.clear()
         self.shadow_stats = None
         prompt = torch.tensor([msg.prompt_ids], dtype=torch.long)
-        for w in range(self.placement.n_workers):
+        self._note_links()
+        if self.rejoined:
+            log.info("back in the cluster: %s", ", ".join(f"worker-{w}" for w in sorted(self.rejoined)))
+            self.lost -= self.rejoined
+            self.rejoined.clear()
+        if self.shadow_back:
+            log.info("the shadow is back: predictions again from this request on")
+            self.shadow_lost = self.shadow_back = False
+        for w in self.live_workers():
             self.endpoint.send(
                 f"worker-{w}",
                 Begin(request_id=msg.request_id, prompt_len=state.prompt_len, max_new_tokens=msg.max_new_tokens),
             )
-        if self.has_shadow:
+        if self.shadow_serving:
             self.endpoint.send(
                 "shadow",
                 ShadowBegin(
@@ -351,7 +375,7 @@ class MainRole:
             TokenEvent(request_id=state.request_id, index=len(state.generated) - 1, token_id=token, step=report),
         )
         next_step = len(state.generated)
-        if self.has_shadow and next_step < state.max_new_tokens:
+        if self.shadow_serving and next_step < state.max_new_tokens:
             self.endpoint.send("shadow", self._align_message(state, next_step, token))
 
     def _align_message(self, state: RequestState, step: int, token: int) -> Align:
@@ -394,9 +418,15 @@ class MainRole:
         assignment, candidates = dispatch_plan(
             self.strategy, self.placement, self.step, layer, routed.experts, predicted
         )
+        holders = self.placement.workers_for_layer(layer)
+        try:
+            assignment, candidates = reroute(assignment, candidates, self.lost, holders, layer)
+        except NoSurvivor as exc:
+            raise GenerationAborted(str(exc)) from None
         record = LayerRecord(layer, routed.experts, predicted)
         state.steps[-1].layers.append(record)
         expected: dict[str, int] = {}
+        sent: dict[str, list[ExpertRequest]] = {}
         chunk = self.spec.settings.prefill_chunk if self.step == 0 else 0
         for worker in candidates:
             peer = f"worker-{worker}"
@@ -414,11 +444,13 @@ class MainRole:
                     weights=torch.cat([routed.weights[e][o : o + n] for e, o, n in segments]) if segments else None,
                 )
                 self.endpoint.send(peer, request)  # an empty one releases the worker's prefetch
+                if segments:
+                    sent.setdefault(peer, []).append(request)
             if batches:
                 expected[peer] = len(batches)
         outputs = {e: torch.empty_like(routed.rows[e]) for e in routed.experts}
         busy: dict[str, float] = {}
-        for peer, result in self._collect(expected, self.step, layer):
+        for peer, result in self._collect(expected, self.step, layer, sent, holders):
             start = 0
             for expert, count, offset in zip(result.experts, result.counts, result.offsets, strict=True):
                 outputs[expert][offset : offset + count] = result.output[start : start + count]
@@ -451,13 +483,83 @@ class MainRole:
                 Prediction(request_id=state.request_id, step=self.step, layer=following, experts=experts),
             )
 
-    def _collect(self, expected: dict[str, int], step: int, layer: int) -> list[tuple[str, ExpertResult]]:
-        """Wait for every worker's ``expected`` answers to (step, layer), within the timeout."""
+    def live_workers(self) -> list[int]:
+        return [w for w in range(self.placement.n_workers) if w not in self.lost]
+
+    def _note_links(self) -> None:
+        """Act on the workers' links: a lost one is served around, a returning one asked if it is ready."""
+        for event, peer in self.endpoint.take_link_events():
+            if peer == "shadow" and self.has_shadow:
+                self._note_shadow_link(event)
+                continue
+            if not peer.startswith("worker-"):
+                continue
+            index = int(peer.removeprefix("worker-"))
+            if event == "lost" and index not in self.lost:
+                self.lost.add(index)
+                self.returning.discard(index)
+                self.rejoined.discard(index)
+                log.warning("%s is gone (its connection closed): the rest of its group serves its experts", peer)
+            elif event == "up" and index in self.lost:
+                self.returning.add(index)
+                self.endpoint.send(peer, Ping())
+
+    def _note_shadow_link(self, event: str) -> None:
+        if event == "lost" and not self.shadow_lost:
+            self.shadow_lost, self.shadow_returning, self.shadow_back = True, False, False
+            log.warning("the shadow is gone (its connection closed): workers load what is routed until it is back")
+        elif event == "up" and self.shadow_lost:
+            self.shadow_returning = True
+            self.endpoint.send("shadow", Ping())
+
+    @property
+    def shadow_serving(self) -> bool:
+        """Whether the shadow takes part in this request: there is one, and it is not lost."""
+        return self.has_shadow and not self.shadow_lost
+
+    def _resend_lost(
+        self,
+        remaining_by_peer: dict[str, int],
+        sent: dict[str, list[ExpertRequest]],
+        holders: tuple[int, ...],
+        layer: int,
+    ) -> None:
+        """Send what a lost worker had not answered yet to a surviving worker of the layer's group."""
+        for peer in [p for p, n in remaining_by_peer.items() if n and int(p.removeprefix("worker-")) in self.lost]:
+            unanswered = sent.get(peer, [])[-remaining_by_peer[peer] :]
+            load = {int(p.removeprefix("worker-")): n for p, n in remaining_by_peer.items()}
+            try:
+                target = f"worker-{taker(holders, self.lost, load, layer)}"
+            except NoSurvivor as exc:
+                raise GenerationAborted(str(exc)) from None
+            for request in unanswered:
+                self.endpoint.send(target, request)
+            sent.setdefault(target, []).extend(unanswered)
+            remaining_by_peer[target] = remaining_by_peer.get(target, 0) + len(unanswered)
+            remaining_by_peer[peer] = 0
+            log.warning("%s's %d request(s) for layer %d went to %s", peer, len(unanswered), layer, target)
+
+    def _collect(
+        self,
+        expected: dict[str, int],
+        step: int,
+        layer: int,
+        sent: dict[str, list[ExpertRequest]],
+        holders: tuple[int, ...],
+    ) -> list[tuple[str, ExpertResult]]:
+        """Wait for every worker's ``expected`` answers to (step, layer), within the timeout.
+
+        A worker lost meanwhile has what it had not answered sent to a survivor of its group.
+        """
         results: list[tuple[str, ExpertResult]] = []
         remaining_by_peer = dict(expected)
         deadline = time.monotonic() + self.spec.settings.timeout_s
         self.pending_results.clear()
-        while any(remaining_by_peer.values()):
+        while True:
+            self._note_links()
+            self._resend_lost(remaining_by_peer, sent, holders, layer)
+            if not any(remaining_by_peer.values()):
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(peer for peer, n in remaining_by_peer.items() if n)
@@ -480,14 +582,16 @@ class MainRole:
 
     def _end_request(self, state: RequestState) -> None:
         """Tell every role the request is over and gather their statistics (bounded)."""
-        for w in range(self.placement.n_workers):
+        live = self.live_workers()
+        for w in live:
             self.endpoint.send(f"worker-{w}", End(request_id=state.request_id))
-        if self.has_shadow:
+        if self.shadow_serving:
             self.endpoint.send("shadow", End(request_id=state.request_id))
         deadline = time.monotonic() + self.spec.settings.timeout_s
         while time.monotonic() < deadline:
-            workers_done = len(self.worker_stats) == self.placement.n_workers
-            shadow_done = not self.has_shadow or self.shadow_stats is not None
+            self._note_links()
+            workers_done = set(self.worker_stats) >= {w for w in self.live_workers() if w in live}
+            shadow_done = not self.shadow_serving or self.shadow_stats is not None
             if workers_done and shadow_done:
                 return
             received = self.endpoint.recv(timeout_s=deadline - time.monotonic())
