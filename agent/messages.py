@@ -126,9 +126,13 @@ class GenerationDone(LinkMessage):
 @_register
 @dataclass(frozen=True, kw_only=True)
 class GenerationFailed(LinkMessage):
+    """A generation ended without a result; ``retryable``: the same request can succeed shortly
+    (main died and is being restarted), as opposed to one that cannot (a bad request)."""
+
     TYPE = "generation_failed"
     request_id: str
     error: str
+    retryable: bool = False
 
 
 # --- commands: control plane -> agent ---------------------------------------------------

@@ -65,6 +65,11 @@ MEMORY_EVERY_S = 5.0
 MEMORY_CHANGE_FRACTION = 0.01  # a figure must move by more than this share...
 MEMORY_CHANGE_BYTES = 16 * 2**20  # ...and more than this many bytes to be sent at once
 STOP_GRACE_S = 5.0
+# A role that dies after it was ready is started again (main serves around a lost worker or
+# shadow meanwhile), after 1, 2, 4 s; more than this many deaths within the window: failed.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 600.0
+RESTART_BACKOFF_S = 1.0
 LOG_TAIL_LINES = 12
 PROGRESS_EVERY_S = 0.5  # how often a download reports its progress
 HANDOVER_MS = 2000  # how long a one-message client may take to hand its message to main
@@ -122,6 +127,10 @@ def memory_changed(before: dict[str, int], after: dict[str, int]) -> bool:
         if abs(new - old) > max(MEMORY_CHANGE_BYTES, MEMORY_CHANGE_FRACTION * old):
             return True
     return False
+
+
+class MainExited(RuntimeError):
+    """Main's process died while a generation waited on it."""
 
 
 def curve_of(spec: dict) -> CurveKeys | None:
@@ -304,14 +313,30 @@ class RoleRunner:
         ping: asyncio.Future | None = None
         loop = asyncio.get_running_loop()
         asked = -MEMORY_EVERY_S
+        restarts: list[float] = []  # when the role was started again, on the loop's clock
+        was_ready = False
         try:
             while True:
                 proc = self.process
                 if proc is None or proc.returncode is not None:
                     code = proc.returncode if proc is not None else "?"
-                    await self._set("failed", f"the role process exited with code {code}:\n{self._log_tail(command)}")
-                    return
+                    exited = f"the role process exited with code {code}"
+                    restarts = [t for t in restarts if loop.time() - t < RESTART_WINDOW_S]
+                    if not was_ready or len(restarts) >= MAX_RESTARTS:
+                        await self._set("failed", f"{exited}:\n{self._log_tail(command)}")
+                        return
+                    delay = RESTART_BACKOFF_S * 2 ** len(restarts)
+                    window = f"{RESTART_WINDOW_S / 60:.0f} min"
+                    attempt = f"restart {len(restarts) + 1} of at most {MAX_RESTARTS} in {window}"
+                    log.warning("%s of %s: %s; again in %.0f s", command.shard, command.deployment, exited, delay)
+                    await self._set("starting", f"{exited}; starting it again ({attempt})", memory={})
+                    await asyncio.sleep(delay)
+                    restarts.append(loop.time())
+                    was_ready = False
+                    await self._spawn(command, self._run_dir(command) / f"{command.shard}.spec.json")
+                    continue
                 ready = self.state is not None and self.state.state == "ready"
+                was_ready = was_ready or ready
                 if not ready or loop.time() - asked >= MEMORY_EVERY_S:
                     asked = loop.time()
                     ping = asyncio.ensure_future(
@@ -409,6 +434,7 @@ class RoleRunner:
                 seed=command.seed,
                 request_id=command.request_id,
                 timeout_s=600.0,
+                idle=self._check_main_alive,
             ):
                 if isinstance(event, GenerateDone):
                     post(
@@ -425,9 +451,17 @@ class RoleRunner:
                         request_id=event.request_id, index=event.index, token_id=event.token_id, step=event.step
                     )
                 )
+        except MainExited as exc:
+            post(GenerationFailed(request_id=command.request_id, error=str(exc), retryable=True))
         except RuntimeGenerationFailed as exc:
             post(GenerationFailed(request_id=command.request_id, error=str(exc)))
         return None
+
+    def _check_main_alive(self) -> None:
+        """Runs while a generation waits on main: a main that died ends it at once (retryable)."""
+        proc = self.process
+        if proc is None or proc.returncode is not None:
+            raise MainExited("main's process exited mid-answer; it is being started again: ask again shortly")
 
     async def cancel(self, command: CancelGeneration) -> None:
         if command.request_id not in self._running_generations:

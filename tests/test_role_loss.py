@@ -36,6 +36,7 @@ def stream_killing(cluster: LocalCluster, prompt: list[int], victim: str, after:
         elif isinstance(event, GenerateDone):
             done = event
     assert done is not None and done.token_ids == tokens
+    assert done.metrics["roles_lost"] == [victim]
     return tokens, max(gaps[after:])
 
 

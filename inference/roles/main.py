@@ -108,6 +108,7 @@ class RequestState:
     cancelled: bool = False
     cache: DynamicCache | None = None
     alignment_log: list[dict] = field(default_factory=list)
+    roles_lost: set[str] = field(default_factory=set)  # workers or the shadow lost during it, served around
 
 
 class MainRole:
@@ -305,6 +306,7 @@ class MainRole:
                 token_period=self.token_period,
                 kv_period=self.kv_period,
             )
+            metrics["roles_lost"] = sorted(state.roles_lost)
             self.endpoint.reply(
                 client,
                 GenerateDone(
@@ -497,6 +499,8 @@ class MainRole:
             index = int(peer.removeprefix("worker-"))
             if event == "lost" and index not in self.lost:
                 self.lost.add(index)
+                if self.request is not None:
+                    self.request.roles_lost.add(peer)
                 self.returning.discard(index)
                 self.rejoined.discard(index)
                 log.warning("%s is gone (its connection closed): the rest of its group serves its experts", peer)
@@ -507,6 +511,8 @@ class MainRole:
     def _note_shadow_link(self, event: str) -> None:
         if event == "lost" and not self.shadow_lost:
             self.shadow_lost, self.shadow_returning, self.shadow_back = True, False, False
+            if self.request is not None:
+                self.request.roles_lost.add("shadow")
             log.warning("the shadow is gone (its connection closed): workers load what is routed until it is back")
         elif event == "up" and self.shadow_lost:
             self.shadow_returning = True

@@ -3,11 +3,16 @@
 Enroll the agents with a join token through the API, deploy the tiny model on them (1 main,
 1 shadow, 8 workers), wait until every role reports ready, generate through the control
 plane and get Transformers' tokens; change the alignment periods on the running deployment;
+kill a worker's role process mid-answer and get the same tokens while its agent restarts it;
 kill a worker's agent and see the node offline and the deployment degraded, then back.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +51,22 @@ def live(transactional_db, redis_url: str, channel_layer_on_test_redis, tmp_path
         plane.start_server()
         plane.start_celery()
         yield plane
+
+
+def kill_role(runtime_dir: Path, shard: str) -> bool:
+    """SIGKILL the role process serving ``shard`` whose spec lies under ``runtime_dir`` (an agent's state)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        wanted = (str(runtime_dir).encode(), f"{shard}.spec".encode())
+        if b"serve-role" in argv and any(wanted[0] in a and wanted[1] in a for a in argv):
+            os.kill(int(proc.name), signal.SIGKILL)
+            return True
+    return False
 
 
 def deployment_status(live: LiveControlPlane, deployment_id: int) -> dict:
@@ -116,7 +137,35 @@ def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPl
 
     live.wait_for("main's reported metrics", main_reports_new_periods, timeout_s=10)
 
-    # 3. A worker's agent dies: its node goes offline and the deployment degraded; back when it returns.
+    # 3. A worker's role process is killed mid-answer: the answer completes with the same tokens
+    # (its group's survivors take its experts), its agent starts it again, and it rejoins.
+    role_victim = next(m for m in ready["members"] if m["role"] == "worker" and m["worker_index"] == 1)
+    spec = live.state_root / role_victim["node_name"] / "runtime"
+    answer_box: dict = {}
+
+    def ask() -> None:
+        answer_box.update(
+            api.post(f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[3], "max_new_tokens": 48})
+        )
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    time.sleep(1.0)  # prefill done, decoding
+    killed = kill_role(spec, "worker-1")
+    asking.join(timeout=120)
+    assert killed and answer_box["token_ids"] == reference_generate(tiny_model, PROMPTS[3], 48)
+    assert answer_box["metrics"]["roles_lost"] == ["worker-1"]  # it was killed mid-answer, and served around
+
+    def restarted() -> bool:
+        member = next(m for m in deployment_status(live, deployment)["members"] if m["worker_index"] == 1)
+        return "starting it again" in member["detail"] or member["state"] == "ready"
+
+    live.wait_for("the killed worker restarted by its agent", restarted, timeout_s=30)
+    wait_status(live, deployment, "ready", timeout_s=120)
+    again = api.post(f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[4], "max_new_tokens": 8})
+    assert again["token_ids"] == reference_generate(tiny_model, PROMPTS[4], 8)
+
+    # 4. A worker's agent dies: its node goes offline and the deployment degraded; back when it returns.
     victim = next(m for m in ready["members"] if m["role"] == "worker")
     live.group.stop(agents[victim["node_name"]], kill=True)
     degraded = wait_status(live, deployment, "degraded", timeout_s=HEARTBEAT_TIMEOUT_S * 3)

@@ -31,7 +31,7 @@ from agent.messages import (
 )
 from controlplane.nodes.consumers import generation_group, node_group
 
-from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, Role
+from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 
 FIRST_EVENT_TIMEOUT_S = 120.0  # prefill and a queue behind other generations
 NEXT_EVENT_TIMEOUT_S = 60.0
@@ -42,7 +42,14 @@ class ClusterUnavailable(RuntimeError):
 
 
 class ClusterGenerationError(RuntimeError):
-    """The cluster could not finish the generation; the message is the runtime's reason."""
+    """The cluster could not finish the generation; the message is the runtime's reason.
+
+    ``retryable``: the same request can succeed shortly (main is being restarted).
+    """
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass(frozen=True)
@@ -56,15 +63,24 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
+def can_serve(deployment: Deployment) -> bool:
+    """Ready, or degraded with main ready: main serves around a lost worker or shadow (inference.failover)."""
+    if deployment.status == DeploymentStatus.READY:
+        return True
+    if deployment.status != DeploymentStatus.DEGRADED:
+        return False
+    return deployment.members.filter(role=Role.MAIN, state=MemberState.READY).exists()
+
+
 def _target(deployment_id: int) -> tuple[str, str]:
     """(main's node id, the runtime key) of a deployment that can serve now."""
     deployment = Deployment.objects.filter(pk=deployment_id).first()
     if deployment is None:
         raise ClusterUnavailable(f"no deployment {deployment_id}")
-    if deployment.status != DeploymentStatus.READY:
+    main = deployment.members.filter(role=Role.MAIN).first()
+    if main is None or not can_serve(deployment):
         reason = f": {deployment.status_reason}" if deployment.status_reason else ""
         raise ClusterUnavailable(f"deployment {deployment.name} is {deployment.status}{reason}")
-    main = deployment.members.get(role=Role.MAIN)
     return str(main.node_id), deployment.runtime_key
 
 
@@ -108,7 +124,7 @@ async def astream(
             timeout = NEXT_EVENT_TIMEOUT_S
             event = parse(message["event"], allowed=GENERATION_EVENTS)
             if isinstance(event, GenerationFailed):
-                raise ClusterGenerationError(event.error)
+                raise ClusterGenerationError(event.error, retryable=event.retryable)
             yield event
             if isinstance(event, GenerationDone):
                 return

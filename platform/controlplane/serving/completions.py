@@ -15,7 +15,12 @@ from channels.db import database_sync_to_async
 
 from agent.messages import GenerationDone, GenerationToken
 from controlplane.deployments import generation
-from controlplane.deployments.generation import ClusterGenerationError, ClusterUnavailable, GenerationRequest
+from controlplane.deployments.generation import (
+    ClusterGenerationError,
+    ClusterUnavailable,
+    GenerationRequest,
+    can_serve,
+)
 from controlplane.deployments.models import Deployment, DeploymentStatus
 from inference.textstream import IncrementalDecoder
 
@@ -50,10 +55,11 @@ def find_target(name: str | None = None) -> Target:
         if deployment is None:
             raise ModelNotFound(f"no deployment named {name!r}; GET /v1/models lists them")
     else:
-        deployment = deployments.filter(status=DeploymentStatus.READY).order_by("-updated_at").first()
+        candidates = deployments.filter(status__in=(DeploymentStatus.READY, DeploymentStatus.DEGRADED))
+        deployment = next((d for d in candidates.order_by("-updated_at") if can_serve(d)), None)
         if deployment is None:
             raise ClusterUnavailable("no deployment is ready: deploy a model in the console first")
-    if deployment.status != DeploymentStatus.READY:
+    if not can_serve(deployment):
         reason = f" ({deployment.status_reason})" if deployment.status_reason else ""
         raise ClusterUnavailable(f"deployment {deployment.name} is {deployment.status}{reason}; try again when ready")
     context = deployment.model.summary.get("max_position_embeddings")

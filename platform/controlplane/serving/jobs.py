@@ -65,8 +65,24 @@ def submit_job(
     return job
 
 
-def run_output(*, output_id: int) -> None:
-    """Generate one output of a job (what the Celery task does); a finished one is left as it is."""
+JOB_RETRIES = 5  # a prompt whose cluster is restarting a role is tried again this many times...
+RETRY_AFTER_S = 5.0  # ...after 5, 10, 20, 40 and 80 s
+
+
+class RetryLater(Exception):
+    """The cluster could not serve the prompt now but can shortly; the task runs it again after ``after_s``."""
+
+    def __init__(self, after_s: float) -> None:
+        super().__init__(f"retry in {after_s:.0f} s")
+        self.after_s = after_s
+
+
+def run_output(*, output_id: int, attempt: int = 0) -> None:
+    """Generate one output of a job (what the Celery task does); a finished one is left as it is.
+
+    A cluster that is restarting a role (a retryable failure, or a deployment not serving for
+    now) gets the prompt again later: ``RetryLater``, up to ``JOB_RETRIES`` times; nothing is lost.
+    """
     with transaction.atomic():
         output = JobOutput.objects.select_for_update().select_related("job").filter(pk=output_id).first()
         if output is None or output.status in (OutputStatus.DONE, OutputStatus.CANCELLED):
@@ -84,7 +100,18 @@ def run_output(*, output_id: int) -> None:
         target = find_target(job.model_name)
         ids = encode_prompt(target.tokenizer, output.prompt)
         result = complete(target, ids, job.max_tokens, sampling, request_id=output.request_id)
-    except (ClusterUnavailable, ClusterGenerationError, InputError, LookupError) as exc:
+    except (ClusterUnavailable, ClusterGenerationError) as exc:
+        retryable = isinstance(exc, ClusterUnavailable) or exc.retryable
+        if retryable and attempt < JOB_RETRIES:
+            JobOutput.objects.filter(pk=output.pk, status=OutputStatus.RUNNING).update(
+                status=OutputStatus.QUEUED, error=f"will try again: {exc}"
+            )
+            raise RetryLater(RETRY_AFTER_S * 2**attempt) from None
+        metrics.record("jobs", ok=False)
+        JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
+            status=OutputStatus.FAILED, error=str(exc), finished_at=timezone.now()
+        )
+    except (InputError, LookupError) as exc:
         metrics.record("jobs", ok=False)
         JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
             status=OutputStatus.FAILED, error=str(exc), finished_at=timezone.now()

@@ -45,9 +45,15 @@ DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 4
 
 
+RETRY_AFTER_S = 5  # what a 503 asks a client to wait: a restarting role is back in seconds
+
+
 def error(status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None) -> JsonResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JsonResponse(body, status=status)
+    response = JsonResponse(body, status=status)
+    if status == 503:
+        response["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 async def _user(request: HttpRequest):
@@ -141,6 +147,8 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
     except ClusterUnavailable as exc:
         return error(503, str(exc), kind="server_error", code="model_not_ready")
     except ClusterGenerationError as exc:
+        if exc.retryable:
+            return error(503, f"the cluster could not finish: {exc}", kind="server_error", code="model_restarting")
         return error(502, f"the cluster could not finish: {exc}", kind="server_error", code="generation_failed")
 
 
