@@ -165,6 +165,29 @@ def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPl
     again = api.post(f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[4], "max_new_tokens": 8})
     assert again["token_ids"] == reference_generate(tiny_model, PROMPTS[4], 8)
 
+    # Main killed mid-answer: the answer ends at once, retryable (503, Retry-After); its agent starts
+    # it again and the deployment serves again without an operator.
+    main_member = next(m for m in ready["members"] if m["role"] == "main")
+    failed: dict = {}
+
+    def ask_main() -> None:
+        started = time.monotonic()
+        code, body = api.call(
+            "POST", f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[3], "max_new_tokens": 48}
+        )
+        failed.update(code=code, body=body, seconds=time.monotonic() - started)
+
+    asking = threading.Thread(target=ask_main)
+    asking.start()
+    time.sleep(1.0)
+    assert kill_role(live.state_root / main_member["node_name"] / "runtime", "main")
+    asking.join(timeout=60)
+    assert failed["code"] == 503 and "ask again" in failed["body"]["detail"], failed
+    assert failed["seconds"] < 10  # not the 60 s wait for a next token
+    wait_status(live, deployment, "ready", timeout_s=120)
+    after = api.post(f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[0], "max_new_tokens": 8})
+    assert after["token_ids"] == reference_generate(tiny_model, PROMPTS[0], 8)
+
     # 4. A worker's agent dies: its node goes offline and the deployment degraded; back when it returns.
     victim = next(m for m in ready["members"] if m["role"] == "worker")
     live.group.stop(agents[victim["node_name"]], kill=True)

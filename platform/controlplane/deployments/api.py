@@ -24,6 +24,8 @@ from . import generation, lifecycle, services
 from .models import Deployment, DeploymentNode
 from .roles import RoleMap
 
+RETRY_AFTER_S = 5  # what a 503 asks a client to wait: a restarting role is back in seconds
+
 
 class RoleMemoryOutput(serializers.Serializer):
     """A running role's memory in bytes when it last answered; empty before its first answer."""
@@ -284,6 +286,9 @@ class DeploymentGenerateApi(APIView):
         except generation.ClusterUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         except generation.ClusterGenerationError as exc:
+            if exc.retryable:  # main is being restarted: the same request can succeed shortly
+                headers = {"Retry-After": str(RETRY_AFTER_S)}
+                return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE, headers=headers)
             return Response({"detail": str(exc)}, status=status.HTTP_502_BAD_GATEWAY)
         return Response(self.OutputSerializer(done).data)
 
