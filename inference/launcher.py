@@ -258,16 +258,24 @@ class LocalCluster:
         timeout_s: float | None = None,
         **kwargs,
     ) -> GenerateDone:
-        """Generate through the cluster (see ``RuntimeClient.generate`` for the options)."""
+        """Generate through the cluster (see ``RuntimeClient.generate`` for the options).
+
+        A worker or the shadow that dies meanwhile is served around by main (``inference.failover``);
+        main dying ends the generation at once with ``ClusterError``.
+        """
         assert self.client is not None, "the cluster is not started"
         limit = timeout_s or (self.options.settings.timeout_s * 2 + max_new_tokens * 5)
         try:
-            return self.client.generate(
-                prompt_ids, max_new_tokens, timeout_s=limit, idle=self.check_processes, **kwargs
-            )
+            return self.client.generate(prompt_ids, max_new_tokens, timeout_s=limit, idle=self.check_main, **kwargs)
         except GenerationFailed as exc:
-            self.check_processes()  # a dead role is the better explanation
+            self.check_main()  # a dead main is the better explanation
             raise ClusterError(f"generation failed: {exc}") from None
+
+    def check_main(self) -> None:
+        """Raise ClusterError if main has exited."""
+        main = self.processes.get("main")
+        if main is not None and main.poll() is not None:
+            raise ClusterError(f"main exited with code {main.returncode}:\n{self.log_tail('main')}")
 
     def set_alignment(self, token_period: int, kv_period: int) -> None:
         assert self.client is not None
