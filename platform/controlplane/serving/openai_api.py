@@ -25,6 +25,7 @@ from django.views.decorators.csrf import csrf_exempt
 from controlplane.accounts.services import authenticate_api_key, bearer_key
 from controlplane.deployments import generation
 from controlplane.deployments.models import Deployment, DeploymentStatus
+from controlplane.throttles import GenerationSlot, TooManyGenerations
 
 from . import metrics
 from .completions import (
@@ -51,8 +52,8 @@ RETRY_AFTER_S = 5  # what a 503 asks a client to wait: a restarting role is back
 def error(status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None) -> JsonResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     response = JsonResponse(body, status=status)
-    if status == 503:
-        response["Retry-After"] = str(RETRY_AFTER_S)
+    if status in (429, 503):
+        response["Retry-After"] = str(RETRY_AFTER_S if status == 503 else 1)
     return response
 
 
@@ -81,7 +82,8 @@ def _unauthenticated() -> JsonResponse:
 async def models(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
         return error(405, "use GET", code="method_not_allowed")
-    if await _user(request) is None:
+    user = await _user(request)
+    if user is None:
         return _unauthenticated()
 
     def listing() -> list[dict]:
@@ -120,7 +122,8 @@ async def completions(request: HttpRequest) -> HttpResponse:
 async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
     if request.method != "POST":
         return error(405, "use POST", code="method_not_allowed")
-    if await _user(request) is None:
+    user = await _user(request)
+    if user is None:
         return _unauthenticated()
     try:
         body = json.loads(request.body or b"null")
@@ -136,7 +139,11 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
         return error(404, str(exc), param="model", code="model_not_found")
     except ClusterUnavailable as exc:
         return error(503, str(exc), kind="server_error", code="model_not_ready")
-    answer = _Answer(ask, chat)
+    try:
+        slot = await GenerationSlot.take(user.pk)
+    except TooManyGenerations as exc:
+        return error(429, str(exc), kind="rate_limit_error", code="too_many_generations")
+    answer = _Answer(ask, chat, slot)
     if ask.stream:
         response = StreamingHttpResponse(answer.events(), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -190,8 +197,8 @@ def _parse(body: dict, chat: bool) -> Ask:
 class _Answer:
     """One response in OpenAI's shape, whole or as a stream of chunks."""
 
-    def __init__(self, ask: Ask, chat: bool) -> None:
-        self.ask, self.chat = ask, chat
+    def __init__(self, ask: Ask, chat: bool, slot: GenerationSlot) -> None:
+        self.ask, self.chat, self.slot = ask, chat, slot
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.request_id = new_request_id()
@@ -228,6 +235,7 @@ class _Answer:
             metrics.record(self.api, ok=False)
             raise
         finally:
+            await self.slot.release()
             if not finished:  # the client went away (or a failure): stop the work on the cluster
                 with contextlib.suppress(Exception):  # best effort on the way out
                     await generation.acancel(ask.target.deployment_id, self.request_id)

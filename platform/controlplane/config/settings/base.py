@@ -44,6 +44,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "axes",
     "controlplane.accounts",
     "controlplane.nodes",
     "controlplane.artifacts",
@@ -62,7 +63,18 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: it turns a locked-out login into its 429 page
 ]
+
+# Login lockout (django-axes): 5 failed logins for one username from one address lock that
+# pair out for 15 minutes; a success resets the count. Counted in the database, so every
+# server process sees the same.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = int(os.environ.get("ODMOE_LOGIN_FAILURE_LIMIT", "5"))
+AXES_COOLOFF_TIME = float(os.environ.get("ODMOE_LOGIN_LOCKOUT_HOURS", "0.25"))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False
 
 ROOT_URLCONF = "controlplane.config.urls"
 WSGI_APPLICATION = "controlplane.config.wsgi.application"
@@ -128,7 +140,16 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # Per user (API key or session) and per address for anonymous calls; agents, which
+    # authenticate as nodes, are not counted (controlplane/throttles.py).
+    "DEFAULT_THROTTLE_CLASSES": ["controlplane.throttles.UserThrottle", "controlplane.throttles.AnonThrottle"],
+    "DEFAULT_THROTTLE_RATES": {
+        "user": os.environ.get("ODMOE_THROTTLE_USER", "600/minute"),
+        "anon": os.environ.get("ODMOE_THROTTLE_ANON", "60/minute"),
+    },
 }
+# Generations one user may run at once (OpenAI API and chat); more are a 429 with Retry-After.
+MAX_GENERATIONS_PER_USER = int(os.environ.get("ODMOE_MAX_GENERATIONS_PER_USER", "4"))
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "odmoe control plane API",

@@ -3,7 +3,7 @@
 from django.core.exceptions import ImproperlyConfigured
 
 from .base import *  # noqa: F403
-from .base import DEBUG, INSECURE_DEV_SECRET, SECRET_KEY
+from .base import DEBUG, INSECURE_DEV_SECRET, REDIS_URL, SECRET_KEY
 
 if DEBUG:
     raise ImproperlyConfigured("DJANGO_DEBUG must be off in production")
@@ -14,6 +14,15 @@ if SECRET_KEY in PUBLISHED_SECRETS or SECRET_KEY.startswith("replace-with") or l
         "set DJANGO_SECRET_KEY to a random value of at least 32 characters "
         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(48))'), not the example's"
     )
+
+# Throttle counts and generation slots shared by every server process.
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "odmoe",
+    }
+}
 
 SESSION_COOKIE_SECURE = True
 CSRF_COOKIE_SECURE = True
