@@ -553,6 +553,14 @@ class Placed:
     inventory: Mapping[str, Any]
     gpu: int | None = None
 
+    @property
+    def view(self) -> Mapping[str, Any]:
+        """The inventory as this seat sees it (what ``check_fit`` reads): only the GPU the role runs on."""
+        if self.gpu is None:
+            return self.inventory
+        gpu = gpu_by_index(self.inventory, self.gpu)
+        return {**self.inventory, "gpus": [gpu] if gpu is not None else []}
+
 
 def check_plan_fit(
     plan: MemoryPlan, seats: Mapping[str, Placed], *, present: Mapping[str, int] | None = None
@@ -572,19 +580,10 @@ def check_plan_fit(
         if len(roles) == 1:
             (role,) = roles
             placed = seats[role]
-            view = _seat_view(placed)
-            found += check_fit(plan.role(role), view, node=node, disk_present_bytes=present.get(role, 0))
+            found += check_fit(plan.role(role), placed.view, node=node, disk_present_bytes=present.get(role, 0))
             continue
         found += _shared_node_fit(plan, node, {role: seats[role] for role in roles}, present)
     return found
-
-
-def _seat_view(placed: Placed) -> Mapping[str, Any]:
-    """The inventory as ``check_fit`` should see it for this seat: only the GPU the role runs on."""
-    if placed.gpu is None:
-        return placed.inventory
-    gpu = gpu_by_index(placed.inventory, placed.gpu)
-    return {**placed.inventory, "gpus": [gpu] if gpu is not None else []}
 
 
 def _shared_node_fit(

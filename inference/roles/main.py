@@ -189,7 +189,7 @@ class MainRole:
         """Everything that may arrive at any time, also while a generation runs."""
         msg = received.msg
         if isinstance(msg, Pong) and msg.ready and received.via.startswith("worker-"):
-            index = int(received.via.removeprefix("worker-"))
+            index = worker_index(received.via)
             if index in self.returning:  # a lost worker is back and loaded: it serves from the next request
                 self.returning.discard(index)
                 self.rejoined.add(index)
@@ -496,7 +496,7 @@ class MainRole:
                 continue
             if not peer.startswith("worker-"):
                 continue
-            index = int(peer.removeprefix("worker-"))
+            index = worker_index(peer)
             if event == "lost" and index not in self.lost:
                 self.lost.add(index)
                 if self.request is not None:
@@ -531,9 +531,9 @@ class MainRole:
         layer: int,
     ) -> None:
         """Send what a lost worker had not answered yet to a surviving worker of the layer's group."""
-        for peer in [p for p, n in remaining_by_peer.items() if n and int(p.removeprefix("worker-")) in self.lost]:
+        for peer in [p for p, n in remaining_by_peer.items() if n and worker_index(p) in self.lost]:
             unanswered = sent.get(peer, [])[-remaining_by_peer[peer] :]
-            load = {int(p.removeprefix("worker-")): n for p, n in remaining_by_peer.items()}
+            load = {worker_index(p): n for p, n in remaining_by_peer.items()}
             try:
                 target = f"worker-{taker(holders, self.lost, load, layer)}"
             except NoSurvivor as exc:
@@ -607,6 +607,11 @@ class MainRole:
 
 
 Segment = tuple[int, int, int]  # (expert, first row, rows)
+
+
+def worker_index(peer: str) -> int:
+    """3 for the link "worker-3"."""
+    return int(peer.removeprefix("worker-"))
 
 
 def _batches(routed: RoutedRows, experts: list[int], chunk: int) -> list[tuple[list[Segment], bool]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from inference.memory import MemoryPlan, Placed, Shortfall, check_fit, check_plan_fit, gpu_by_index, gpu_indices
+from inference.memory import MemoryPlan, Placed, Shortfall, check_fit, check_plan_fit, gpu_indices
 from inference.placement import placement
 
 MIN_SEATS = 3  # main, shadow and at least one worker
@@ -73,11 +73,7 @@ def seats_of(inventories: Mapping[str, Mapping]) -> list[str]:
 def seat_inventory(inventories: Mapping[str, Mapping], text: str) -> Mapping:
     """The node's inventory as one seat sees it: only its own GPU."""
     node, gpu = parse_seat(text)
-    inventory = inventories[node]
-    if gpu is None:
-        return inventory
-    found = gpu_by_index(inventory, gpu)
-    return {**inventory, "gpus": [found] if found is not None else []}
+    return Placed(node, inventories[node], gpu).view
 
 
 def placed(inventories: Mapping[str, Mapping], roles: RoleMap, names: Mapping[str, str] | None = None) -> dict:
