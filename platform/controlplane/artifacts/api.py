@@ -15,6 +15,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.accounts.permissions import KeyScopes
 from controlplane.names import name_field
 from controlplane.nodes.authentication import IsNode, NodeCredentialAuthentication
 from controlplane.nodes.selectors import node_was_sent_shard
@@ -58,7 +59,7 @@ class ModelListApi(APIView):
     server (201), or a Hugging Face repo id ``owner/name[@revision]`` that is downloaded first
     (202: the model is listed as *downloading*, then *ready* or *failed* with the reason)."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="ModelListInput")
     class InputSerializer(serializers.Serializer):
@@ -86,7 +87,7 @@ class ModelListApi(APIView):
 
 
 class ModelDetailApi(APIView):
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema(responses=ModelOutput)
     def get(self, request: Request, model_id: int) -> Response:
@@ -97,7 +98,7 @@ class ModelDetailApi(APIView):
 class ModelShardsApi(APIView):
     """POST /api/models/<id>/shards: build the role shards for N workers in the background."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="ModelShardsInput")
     class InputSerializer(serializers.Serializer):

@@ -18,6 +18,7 @@ urlpatterns = [
     path("api/", include("controlplane.nodes.urls")),
     path("api/", include("controlplane.artifacts.urls")),
     path("api/", include("controlplane.deployments.urls")),
+    path("", include("controlplane.accounts.urls")),
     path("", include("controlplane.serving.urls")),
     path("", include("controlplane.chat.urls")),
     path("", include("controlplane.console.urls")),

@@ -12,6 +12,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.accounts.permissions import KeyScopes
+from controlplane.accounts.scopes import Scope
 from controlplane.artifacts.models import ModelArtifact, ModelStatus
 from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.names import name_field
@@ -127,7 +129,8 @@ class SuggestApi(APIView):
     Only a map where every node holds its role's memory; otherwise 400 with each shortfall.
     """
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
+    write_scope = Scope.READ  # computes an answer, changes nothing
 
     @extend_schema_serializer(component_name="SuggestInput")
     class InputSerializer(serializers.Serializer):
@@ -156,7 +159,7 @@ class SuggestApi(APIView):
 class DeploymentListApi(APIView):
     """GET/POST /api/deployments: list deployments, create one (roles suggested unless given)."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="DeploymentListInput")
     class InputSerializer(serializers.Serializer):
@@ -193,7 +196,7 @@ class DeploymentListApi(APIView):
 
 
 class DeploymentDetailApi(APIView):
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema(responses=DeploymentOutput)
     def get(self, request: Request, deployment_id: int) -> Response:
@@ -204,7 +207,7 @@ class DeploymentDetailApi(APIView):
 class DeploymentSettingsApi(APIView):
     """PATCH /api/deployments/<id>/settings {token_period, kv_period}: change alignment."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="DeploymentSettingsInput")
     class InputSerializer(serializers.Serializer):
@@ -226,7 +229,7 @@ class DeploymentSettingsApi(APIView):
 class DeploymentStartApi(APIView):
     """POST /api/deployments/<id>/start: deploy (or redeploy) it; progress shows in its members."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema(request=None, responses={202: DeploymentOutput})
     def post(self, request: Request, deployment_id: int) -> Response:
@@ -243,7 +246,7 @@ class DeploymentStartApi(APIView):
 class DeploymentStopApi(APIView):
     """POST /api/deployments/<id>/stop: stop every role; its nodes are free again."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema(request=None, responses=DeploymentOutput)
     def post(self, request: Request, deployment_id: int) -> Response:
@@ -258,7 +261,8 @@ class DeploymentGenerateApi(APIView):
     same service with text in and out.
     """
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
+    write_scope = Scope.INFERENCE
 
     @extend_schema_serializer(component_name="DeploymentGenerateInput")
     class InputSerializer(serializers.Serializer):
@@ -311,7 +315,8 @@ class EstimateApi(APIView):
     what creating and starting a deployment check each node against.
     """
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
+    write_scope = Scope.READ  # computes an answer, changes nothing
 
     @extend_schema_serializer(component_name="EstimateInput")
     class InputSerializer(serializers.Serializer):

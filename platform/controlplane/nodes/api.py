@@ -10,6 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.accounts.permissions import KeyScopes
 from controlplane.names import name_field
 from controlplane.pagination import paginated
 
@@ -71,7 +72,7 @@ class AgentMeApi(APIView):
 class JoinTokenApi(APIView):
     """GET/POST /api/join-tokens: staff list tokens (never their values) and create new ones."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="JoinTokenInput")
     class InputSerializer(serializers.Serializer):
@@ -105,7 +106,7 @@ class JoinTokenApi(APIView):
 
 
 class NodeListApi(APIView):
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema(responses=NodeOutput(many=True))
     def get(self, request: Request) -> Response:
@@ -115,7 +116,7 @@ class NodeListApi(APIView):
 class NodeDetailApi(APIView):
     """GET/PATCH/DELETE /api/nodes/<id>: see, rename or remove a node."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="NodeDetailInput")
     class InputSerializer(serializers.Serializer):
@@ -147,7 +148,7 @@ class NodeDetailApi(APIView):
 class NodeDrainApi(APIView):
     """POST /api/nodes/<id>/drain {"drain": true|false}: take a node out of service, or back."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="NodeDrainInput")
     class InputSerializer(serializers.Serializer):
@@ -179,7 +180,7 @@ class TaskOutput(serializers.ModelSerializer):
 class NodeFetchApi(APIView):
     """POST /api/nodes/<id>/fetch {model, role}: the node's agent downloads a role shard."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="NodeFetchInput")
     class InputSerializer(serializers.Serializer):
@@ -203,7 +204,7 @@ class NodeFetchApi(APIView):
 class NodeTasksApi(APIView):
     """GET /api/nodes/<id>/tasks: what the node's agent was asked to do, and how it went."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema(responses=TaskOutput(many=True))
     def get(self, request: Request, node_id: str) -> Response:

@@ -13,6 +13,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.accounts.permissions import KeyScopes
+from controlplane.accounts.scopes import Scope
 from controlplane.pagination import paginated
 
 from . import jobs
@@ -67,7 +69,8 @@ class JobSummarySerializer(JobSerializer):
 
 
 class JobListApi(APIView):
-    permission_classes = [IsAuthenticated]
+    permission_classes = [IsAuthenticated, KeyScopes]
+    write_scope = Scope.INFERENCE
 
     @extend_schema_serializer(component_name="JobInput")
     class InputSerializer(serializers.Serializer):
@@ -122,7 +125,8 @@ class JobListApi(APIView):
 
 
 class JobDetailApi(APIView):
-    permission_classes = [IsAuthenticated]
+    permission_classes = [IsAuthenticated, KeyScopes]
+    write_scope = Scope.INFERENCE
 
     @extend_schema(responses=JobSerializer)
     def get(self, request: Request, job_id) -> Response:
@@ -130,7 +134,8 @@ class JobDetailApi(APIView):
 
 
 class JobCancelApi(APIView):
-    permission_classes = [IsAuthenticated]
+    permission_classes = [IsAuthenticated, KeyScopes]
+    write_scope = Scope.INFERENCE
 
     @extend_schema(request=None, responses=JobSerializer)
     def post(self, request: Request, job_id) -> Response:

@@ -14,6 +14,7 @@ from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from controlplane.accounts.scopes import Scope
 from controlplane.accounts.services import authenticate_api_key, bearer_key
 
 REGISTRY = CollectorRegistry()
@@ -95,11 +96,18 @@ REGISTRY.register(ClusterCollector())
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Prometheus text for a staff user: a key with the ``metrics`` scope (a key that can do nothing
+    else is enough), or a staff browser session."""
     key = bearer_key(request.headers.get("Authorization", ""))
-    found = authenticate_api_key(key=key) if key else None
-    user = found.user if found is not None else request.user
-    if not (user.is_authenticated and user.is_staff):
-        response = HttpResponse("a staff user's API key is needed (Authorization: Bearer KEY)\n", status=401)
+    if key:
+        found = authenticate_api_key(key=key)
+        allowed = found is not None and found.user.is_staff and found.allows(Scope.METRICS)
+    else:
+        allowed = request.user.is_authenticated and request.user.is_staff
+    if not allowed:
+        response = HttpResponse(
+            "a staff user's API key with the 'metrics' scope is needed (Authorization: Bearer KEY)\n", status=401
+        )
         response["WWW-Authenticate"] = "Bearer"
         return response
     return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)

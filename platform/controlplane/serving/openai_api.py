@@ -22,6 +22,7 @@ from channels.db import database_sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from controlplane.accounts.scopes import Scope
 from controlplane.accounts.services import authenticate_api_key, bearer_key
 from controlplane.deployments import generation
 from controlplane.deployments.models import Deployment, DeploymentStatus
@@ -57,14 +58,27 @@ def error(status: int, message: str, *, kind: str = "invalid_request_error", par
     return response
 
 
+class _Refused(Exception):
+    def __init__(self, response: JsonResponse) -> None:
+        self.response = response
+
+
 async def _user(request: HttpRequest):
-    """The caller: an API key's user, or a logged-in browser session; None if neither."""
+    """The caller: an API key's user (the key holding the ``inference`` scope), or a logged-in
+    browser session; raises _Refused with the 401 or 403 to answer otherwise."""
     key = bearer_key(request.headers.get("Authorization", ""))
     if key:
         found = await database_sync_to_async(authenticate_api_key)(key=key)
-        return found.user if found is not None else None
+        if found is None:
+            raise _Refused(_unauthenticated())
+        if not found.allows(Scope.INFERENCE):
+            message = f"this API key lacks the '{Scope.INFERENCE}' scope (it has: {', '.join(found.scopes)})"
+            raise _Refused(error(403, message, kind="permission_error", code="insufficient_scope"))
+        return found.user
     user = await request.auser()
-    return user if user.is_authenticated else None
+    if not user.is_authenticated:
+        raise _Refused(_unauthenticated())
+    return user
 
 
 def _unauthenticated() -> JsonResponse:
@@ -82,9 +96,10 @@ def _unauthenticated() -> JsonResponse:
 async def models(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
         return error(405, "use GET", code="method_not_allowed")
-    user = await _user(request)
-    if user is None:
-        return _unauthenticated()
+    try:
+        await _user(request)
+    except _Refused as refused:
+        return refused.response
 
     def listing() -> list[dict]:
         ready = Deployment.objects.filter(status=DeploymentStatus.READY).order_by("name")
@@ -122,9 +137,10 @@ async def completions(request: HttpRequest) -> HttpResponse:
 async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
     if request.method != "POST":
         return error(405, "use POST", code="method_not_allowed")
-    user = await _user(request)
-    if user is None:
-        return _unauthenticated()
+    try:
+        user = await _user(request)
+    except _Refused as refused:
+        return refused.response
     try:
         body = json.loads(request.body or b"null")
     except (ValueError, UnicodeDecodeError) as exc:  # ValueError: JSON, and integers past Python's digit limit

@@ -1,8 +1,13 @@
-"""``manage.py create_api_key USERNAME [--name NAME]``: print a new API key, once."""
+"""``manage.py create_api_key USERNAME [--name NAME] [--scope S ...] [--expires-days N]``: print a new
+API key, once."""
+
+from datetime import timedelta
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
+from controlplane.accounts.scopes import ALL_SCOPES, ScopeError
 from controlplane.accounts.services import create_api_key
 
 
@@ -12,12 +17,26 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:
         parser.add_argument("username")
         parser.add_argument("--name", default="", help="what the key is for")
+        parser.add_argument(
+            "--scope",
+            action="append",
+            choices=ALL_SCOPES,
+            dest="scopes",
+            help="what the key may do (repeat for several); default: every scope the user may hold",
+        )
+        parser.add_argument("--expires-days", type=int, default=None, help="default: the key never expires")
 
-    def handle(self, *args, username: str, name: str, **options) -> None:
+    def handle(self, *args, username: str, name: str, scopes, expires_days, **options) -> None:
         user = get_user_model().objects.filter(username=username).first()
         if user is None:
             raise CommandError(f"no user named {username!r}; create one with 'manage.py createsuperuser'")
         if not user.is_active:
             raise CommandError(f"user {username!r} is not active")
-        _, clear = create_api_key(user=user, name=name)
+        if expires_days is not None and expires_days < 1:
+            raise CommandError("--expires-days must be 1 or more")
+        expires_at = timezone.now() + timedelta(days=expires_days) if expires_days else None
+        try:
+            _, clear = create_api_key(user=user, name=name, scopes=scopes, expires_at=expires_at)
+        except ScopeError as exc:
+            raise CommandError(str(exc)) from None
         self.stdout.write(clear)
