@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ from urllib.parse import urlparse
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from agent import inventory
+from agent import credentials, inventory
 from agent.backoff import reconnect_delay
 from agent.credentials import NodeCredential
 from agent.messages import (
@@ -30,6 +32,7 @@ from agent.messages import (
     LINK_PATH,
     ApplyAlignment,
     CancelGeneration,
+    CredentialSaved,
     FetchShard,
     Generate,
     Heartbeat,
@@ -37,6 +40,7 @@ from agent.messages import (
     MessageError,
     Ping,
     Pong,
+    RotateCredential,
     StartRole,
     StopRole,
     TaskDone,
@@ -48,6 +52,8 @@ from agent.runtime import fetch_with_progress, shard_dir
 log = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
+# What a node credential looks like (controlplane/nodes/credentials.py): anything else is refused.
+NODE_SECRET = re.compile(r"odmoe-node-[A-Za-z0-9_-]{32,128}")
 
 
 class LinkRefused(RuntimeError):
@@ -114,9 +120,10 @@ class Link:
 
 
 async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
-    credential, stop = link.credential, link.stop
+    stop = link.stop
     attempt = 0
     while not stop.is_set():
+        credential = link.credential  # the newest: a rotation may have replaced it
         try:
             async with connect(
                 link_url(credential.server),
@@ -169,6 +176,8 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
                 continue
             if isinstance(command, Ping):
                 await send(Pong(nonce=command.nonce))
+            elif isinstance(command, RotateCredential):
+                await rotate(command)
             elif isinstance(command, FetchShard) and command.task_id not in running:
                 running.add(command.task_id)
                 spawn(fetch(command))
@@ -182,6 +191,17 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
                 spawn(roles.generate(command))
             elif isinstance(command, CancelGeneration):
                 spawn(roles.cancel(command))
+
+    async def rotate(command: RotateCredential) -> None:
+        if not NODE_SECRET.fullmatch(command.node_secret):
+            log.warning("ignored a credential rotation with a malformed secret")
+            return
+        rotated = dataclasses.replace(link.credential, node_secret=command.node_secret)
+        await asyncio.to_thread(credentials.save, link.state_dir, rotated)  # on disk (0600) before it is used
+        link.credential = rotated
+        roles.use_credential(rotated)
+        log.info("node credential rotated")
+        await send(CredentialSaved())
 
     def spawn(coro) -> None:
         task = asyncio.create_task(coro)

@@ -63,6 +63,14 @@ class Pong(LinkMessage):
 
 @_register
 @dataclass(frozen=True, kw_only=True)
+class CredentialSaved(LinkMessage):
+    """The node credential of a ``RotateCredential`` is on disk: the control plane may forget the old one."""
+
+    TYPE = "credential_saved"
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
 class TaskProgress(LinkMessage):
     """How far a command's work has come (e.g. bytes of a shard downloaded)."""
 
@@ -143,6 +151,15 @@ class GenerationFailed(LinkMessage):
 class Ping(LinkMessage):
     TYPE = "ping"
     nonce: str
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RotateCredential(LinkMessage):
+    """Store ``node_secret`` as this node's credential from now on and answer ``CredentialSaved``."""
+
+    TYPE = "rotate_credential"
+    node_secret: str
 
 
 @_register
@@ -240,8 +257,8 @@ RUNTIME_METRICS = (
 MEMORY_FIGURES = ("host_bytes", "peak_host_bytes", "device_bytes")
 ROLE_STATES = ("fetching", "starting", "ready", "failed", "stopped")
 GENERATION_EVENTS = (GenerationToken, GenerationDone, GenerationFailed)
-EVENTS = (Heartbeat, Pong, TaskProgress, TaskDone, RoleState, *GENERATION_EVENTS)
-COMMANDS = (Ping, FetchShard, StartRole, StopRole, ApplyAlignment, Generate, CancelGeneration)
+EVENTS = (Heartbeat, Pong, CredentialSaved, TaskProgress, TaskDone, RoleState, *GENERATION_EVENTS)
+COMMANDS = (Ping, RotateCredential, FetchShard, StartRole, StopRole, ApplyAlignment, Generate, CancelGeneration)
 
 
 def parse(obj: Any, *, allowed: tuple[type[LinkMessage], ...]) -> LinkMessage:

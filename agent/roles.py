@@ -24,6 +24,12 @@ class Roles:
         self.send = send
         self.runners: dict[tuple[str, str], RoleRunner] = {}  # (deployment, role name) -> its runner
 
+    def use_credential(self, credential: NodeCredential) -> None:
+        """The node credential was rotated: every later download uses the new one."""
+        self.credential = credential
+        for runner in self.runners.values():
+            runner.credential = credential
+
     def snapshot(self) -> list[dict]:
         """Every role's state for the heartbeat (stopped and failed ones too, until replaced)."""
         return [state for runner in self.runners.values() if (state := runner.snapshot())]

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 from asgiref.sync import sync_to_async
+from channels.layers import channel_layers
 from channels.testing import WebsocketCommunicator
+from django.test import override_settings
 from django.utils import timezone
 
 from agent.backoff import reconnect_delay
@@ -24,6 +26,7 @@ from controlplane.config.asgi import application
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes
 from inference.launcher import free_port
+from tests.controlplane.conftest import redis_channel_layers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,6 +83,52 @@ def test_heartbeats_bring_a_node_online_and_a_closed_link_takes_it_offline(chann
     assert node.inventory["cpu_count"] == 4 and node.address == "10.0.0.9"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_rotated_credential_replaces_the_old_once_the_agent_has_saved_it(channel_layer_on_test_redis) -> None:
+    from asgiref.sync import async_to_sync
+
+    from controlplane.nodes.services import NodeError, authenticate_node, rotate_credential
+
+    node, old = enrolled()
+    with pytest.raises(NodeError, match="must be connected"):
+        rotate_credential(node=node)  # enrolled, never connected: nobody to hand a credential to
+
+    async def session() -> dict:
+        comm = communicator(f"Node {node.pk}:{old}")
+        assert (await comm.connect())[0]
+        await comm.send_json_to(Heartbeat(inventory={}).to_json())
+        for _ in range(50):  # the heartbeat is recorded by the consumer's own database thread
+            if await sync_to_async(lambda: Node.objects.get(pk=node.pk).status)() == NodeStatus.ONLINE:
+                break
+            await asyncio.sleep(0.1)
+        await sync_to_async(lambda: rotate_credential(node=Node.objects.get(pk=node.pk)))()
+        command = await comm.receive_json_from(timeout=5)
+        # Until the agent says it saved the new one, both work (its answer could be lost).
+        both = await sync_to_async(lambda: [authenticate_node(node_id=str(node.pk), secret=old) is not None])()
+        await comm.send_json_to({"type": "credential_saved"})
+        await asyncio.sleep(0.3)
+        await comm.disconnect()
+        return {"command": command, "both": both}
+
+    result = async_to_sync(session)()
+    assert result["command"]["type"] == "rotate_credential" and result["both"] == [True]
+    new = result["command"]["node_secret"]
+    assert new.startswith("odmoe-node-") and new != old
+    assert authenticate_node(node_id=str(node.pk), secret=old) is None
+    assert authenticate_node(node_id=str(node.pk), secret=new) is not None
+    node.refresh_from_db()
+    assert node.credential_rotated_at is not None and not node.rotation_pending
+    assert new not in node.secret_hash  # only its digest is kept
+
+    # An agent that saved the new credential but whose answer was lost: using it confirms the rotation.
+    from controlplane.nodes.services import begin_rotation
+
+    pending = begin_rotation(node_id=str(node.pk))
+    assert authenticate_node(node_id=str(node.pk), secret=new) is not None  # the current one still works
+    assert authenticate_node(node_id=str(node.pk), secret=pending) is not None
+    assert authenticate_node(node_id=str(node.pk), secret=new) is None  # ... and is gone once the new is used
+
+
 @pytest.mark.django_db
 def test_silent_online_nodes_expire_and_others_stay() -> None:
     quiet, _ = enrolled("quiet")
@@ -123,11 +172,26 @@ def test_a_real_agent_keeps_its_node_online_and_reconnects(redis_url: str, tmp_p
     agent = start_agent(port, node, secret, tmp_path / "state", env, tmp_path)
     try:
         wait_for_status(node, NodeStatus.ONLINE, timeout_s=40)
+        # The credential is rotated over the live link: the agent stores the new one, the old stops working.
+        from controlplane.nodes.services import rotate_credential
+
+        with override_settings(CHANNEL_LAYERS=redis_channel_layers(redis_url)):
+            channel_layers.backends.clear()
+            rotate_credential(node=node)
+            channel_layers.backends.clear()
+        deadline = time.monotonic() + 20
+        while Node.objects.get(pk=node.pk).credential_rotated_at is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stored = json.loads((tmp_path / "state" / "node.json").read_text())
+        assert stored["node_secret"] != secret and Node.objects.get(pk=node.pk).credential_rotated_at is not None
+        assert oct((tmp_path / "state" / "node.json").stat().st_mode & 0o777) == "0o600"
         server.send_signal(signal.SIGTERM)  # the control plane restarts: the link drops
         server.wait(timeout=20)
         wait_for_status(node, NodeStatus.OFFLINE, timeout_s=20)
         server = start_server(port, env, tmp_path)
-        wait_for_status(node, NodeStatus.ONLINE, timeout_s=60)  # the agent reconnected by itself
+        wait_for_status(
+            node, NodeStatus.ONLINE, timeout_s=60
+        )  # the agent reconnected by itself, with the new credential
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=20) == 0
         wait_for_status(node, NodeStatus.OFFLINE, timeout_s=20)

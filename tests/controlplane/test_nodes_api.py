@@ -82,3 +82,10 @@ def test_lists_are_paginated(staff: APIClient) -> None:
     assert page["count"] == 5
     assert [n["name"] for n in page["results"]] == ["box-2", "box-3"]
     assert "offset=4" in page["next"]
+
+
+def test_rotating_the_credential_of_a_node_whose_agent_is_away_is_a_clear_conflict(staff: APIClient) -> None:
+    node, _ = enrolled("box-away")
+    refused = staff.post(f"/api/nodes/{node.pk}/rotate-credential")
+    assert refused.status_code == 409 and "must be connected" in refused.json()["detail"]
+    assert not Node.objects.get(pk=node.pk).rotation_pending  # nothing changed

@@ -71,7 +71,10 @@
         el("td", {}, gpus), el("td", {}, `${n.cpu_count ?? "?"} cores / ${gib(n.ram_bytes)}`),
         el("td", {}, ago(n.last_seen)), el("td", {}, activity),
         el("td", {}, el("button", { onclick: () => api("POST", `/api/nodes/${n.id}/drain`, { drain: n.status !== "draining" }) },
-          n.status === "draining" ? "Undrain" : "Drain")));
+          n.status === "draining" ? "Undrain" : "Drain"),
+          n.status === "offline" || n.status === "enrolled" ? "" :
+            el("button", { title: "give the agent a new node credential; the old one stops working",
+              onclick: () => api("POST", `/api/nodes/${n.id}/rotate-credential`) }, "Rotate credential")));
     }));
     const chosen = new Set([...document.querySelectorAll("#node-choices input:checked")].map((i) => i.value));
     $("node-choices").replaceChildren(...state.nodes.filter((n) => n.status === "online").map((n) =>

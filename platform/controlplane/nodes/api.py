@@ -20,9 +20,21 @@ from .models import JoinToken, Node, NodeTask
 
 
 class NodeOutput(serializers.ModelSerializer):
+    rotation_pending = serializers.BooleanField(read_only=True, help_text="a new credential sent, not yet confirmed")
+
     class Meta:
         model = Node
-        fields = ["id", "name", "status", "address", "inventory", "enrolled_at", "last_seen"]
+        fields = [
+            "id",
+            "name",
+            "status",
+            "address",
+            "inventory",
+            "enrolled_at",
+            "last_seen",
+            "credential_rotated_at",
+            "rotation_pending",
+        ]
 
 
 class EnrollOutput(serializers.Serializer):
@@ -162,6 +174,22 @@ class NodeDrainApi(APIView):
         drain = data.validated_data["drain"]
         node = services.drain_node(node=node) if drain else services.undrain_node(node=node)
         return Response(NodeOutput(node).data)
+
+
+class NodeRotateCredentialApi(APIView):
+    """POST /api/nodes/<id>/rotate-credential: the node's agent gets a new credential over its link;
+    the old one stops working once the agent has stored the new one (a second or so)."""
+
+    permission_classes = [IsAdminUser, KeyScopes]
+
+    @extend_schema(request=None, responses={202: NodeOutput})
+    def post(self, request: Request, node_id: str) -> Response:
+        node = _node(node_id)
+        try:
+            services.rotate_credential(node=node)
+        except services.NodeError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(NodeOutput(node).data, status=status.HTTP_202_ACCEPTED)
 
 
 def _node(node_id: str) -> Node:

@@ -20,11 +20,13 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from agent.messages import (
     EVENTS,
     GENERATION_EVENTS,
+    CredentialSaved,
     Generate,
     GenerationToken,
     Heartbeat,
     MessageError,
     RoleState,
+    RotateCredential,
     TaskDone,
     TaskProgress,
     parse,
@@ -93,6 +95,8 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await database_sync_to_async(services.record_task_progress)(
                 node_id=self.node_id, task_id=event.task_id, done=event.done, total=event.total
             )
+        elif isinstance(event, CredentialSaved):
+            await database_sync_to_async(services.confirm_rotation)(node_id=self.node_id)
         elif isinstance(event, TaskDone):
             await database_sync_to_async(services.record_task_done)(
                 node_id=self.node_id, task_id=event.task_id, ok=event.ok, detail=event.detail
@@ -101,6 +105,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def agent_revoked(self, event: dict) -> None:
         """The node was removed: its credential is gone, so is this link (the agent stops retrying)."""
         await self.close(code=CLOSE_UNAUTHENTICATED)
+
+    async def agent_rotate(self, event: dict) -> None:
+        """Rotate the node's credential: the new one is made here and goes only down this socket."""
+        secret = await database_sync_to_async(services.begin_rotation)(node_id=self.node_id)
+        if secret is not None:
+            await self.send_json(RotateCredential(node_secret=secret).to_json())
 
     async def agent_command(self, event: dict) -> None:
         """A command for this node from a service or task: forward it to the agent."""

@@ -55,6 +55,9 @@ class Node(models.Model):
     name = models.CharField(max_length=100, unique=True)
     status = models.CharField(max_length=16, choices=NodeStatus.choices, default=NodeStatus.ENROLLED)
     secret_hash = models.CharField(max_length=64)
+    # A rotation sent to the agent and not yet confirmed: both credentials work until it is.
+    pending_secret_hash = models.CharField(max_length=64, blank=True, default="")
+    credential_rotated_at = models.DateTimeField(null=True, blank=True)
     inventory = models.JSONField(default=dict, blank=True)
     address = models.CharField(max_length=255, blank=True, help_text="the address peers should use")
     enrolled_at = models.DateTimeField(auto_now_add=True)
@@ -66,6 +69,10 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def rotation_pending(self) -> bool:
+        return bool(self.pending_secret_hash)
 
 
 class TaskState(models.TextChoices):

@@ -1,7 +1,8 @@
-"""Writes of the nodes app: join tokens and enrollment."""
+"""Writes of the nodes app: join tokens, enrollment, node credentials and their rotation."""
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 from django.conf import settings
@@ -13,6 +14,8 @@ from django.utils import timezone
 from . import signals
 from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
 from .models import JoinToken, Node, NodeStatus, NodeTask, TaskState
+
+log = logging.getLogger(__name__)
 
 MAX_TOKEN_TTL_S = 30 * 24 * 3600
 
@@ -65,13 +68,53 @@ def enroll_node(*, token: str, name: str, inventory: dict, address: str = "") ->
 
 
 def authenticate_node(*, node_id: str, secret: str) -> Node | None:
-    """The node whose credential this is, or None (also for an id that is not a node id at all)."""
+    """The node whose credential this is, or None (also for an id that is not a node id at all).
+
+    The secret of a rotation not yet confirmed counts too, and using it confirms the rotation:
+    the agent saved it but its answer was lost.
+    """
     try:
         node = Node.objects.filter(pk=node_id).first()
     except (ValueError, ValidationError):
         return None
-    if node is None or not matches(secret, node.secret_hash):
+    if node is None:
         return None
+    if node.pending_secret_hash and matches(secret, node.pending_secret_hash):
+        return confirm_rotation(node_id=str(node.pk))
+    return node if matches(secret, node.secret_hash) else None
+
+
+def rotate_credential(*, node: Node) -> None:
+    """Ask the node's agent to take a new credential: its link makes one, the agent stores it and
+    says so, and only then does the old one stop working (``confirm_rotation``). The clear secret
+    goes straight down the agent's socket and is never stored nor put on the channel layer."""
+    if node.status not in (NodeStatus.ONLINE, NodeStatus.DRAINING):
+        raise NodeError(f"node {node.name} is {node.status}: its agent must be connected to take a new credential")
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    from .consumers import node_group
+
+    async_to_sync(get_channel_layer().group_send)(node_group(str(node.pk)), {"type": "agent.rotate"})
+
+
+def begin_rotation(*, node_id: str) -> str | None:
+    """A new clear credential for the node, kept as pending beside the current one; None if the node is gone."""
+    secret = new_secret(NODE_SECRET_PREFIX)
+    updated = Node.objects.filter(pk=node_id).update(pending_secret_hash=digest(secret))
+    return secret if updated else None
+
+
+def confirm_rotation(*, node_id: str) -> Node | None:
+    """The agent holds the pending credential: it becomes the only one."""
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(pk=node_id).first()
+        if node is None or not node.pending_secret_hash:
+            return node
+        node.secret_hash, node.pending_secret_hash = node.pending_secret_hash, ""
+        node.credential_rotated_at = timezone.now()
+        node.save(update_fields=["secret_hash", "pending_secret_hash", "credential_rotated_at"])
+    log.info("node %s: credential rotated", node.name)
     return node
 
 
