@@ -89,3 +89,43 @@ def test_without_the_deployments_keys_nothing_reaches_a_role(tiny_model: Path) -
         log = (cluster.work_dir / "main.log").read_text()
     assert done.token_ids == reference_generate(tiny_model, PROMPTS[0], 8)
     assert "refused a data-plane connection" in log
+
+
+def test_a_frame_bigger_than_the_model_can_need_is_refused_unread(tiny_model: Path) -> None:
+    """Even a peer holding the keys cannot make a role allocate without bound: a frame over the
+    limit from the model's sizes (inference/frame_limit.py) disconnects it before it is read."""
+    from inference.frame_limit import max_frame_bytes_of
+
+    limit = max_frame_bytes_of(tiny_model)
+    hidden = 64
+
+    def request(request_id: str, rows: int) -> ExpertRequest:
+        return ExpertRequest(
+            request_id=request_id,
+            step=1,
+            layer=0,
+            experts=[0],
+            counts=[rows],
+            offsets=[0],
+            rows=torch.zeros(rows, hidden),
+            weights=torch.ones(rows),
+        )
+
+    over = limit // (hidden * 4) + 1
+    assert over * hidden * 4 > limit
+    with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
+        intruder = Endpoint("intruder", cluster.deployment, curve=cluster.curve)
+        intruder.connect("worker-0", cluster.addresses.workers[0])
+        intruder.send("worker-0", request("huge-one", over))
+        intruder.close(linger_ms=2000)
+        intruder = Endpoint("intruder-2", cluster.deployment, curve=cluster.curve)
+        intruder.connect("worker-0", cluster.addresses.workers[0])
+        intruder.send("worker-0", request("small-one", 4))
+        intruder.close(linger_ms=2000)
+        time.sleep(1.0)
+        done = cluster.generate(PROMPTS[0], 8)
+        cluster.check_processes()
+        log = (cluster.work_dir / "worker-0.log").read_text()
+    assert done.token_ids == reference_generate(tiny_model, PROMPTS[0], 8)
+    assert "small-one" in log  # read, and dropped by the worker's own checks
+    assert "huge-one" not in log  # never read: ZeroMQ closed the connection at the frame's size

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from inference.frame_limit import max_frame_bytes_of
 from inference.protocol import Ping, Pong
 from inference.spec import RoleSpec
 from inference.transport import Endpoint, Received
@@ -80,7 +81,8 @@ def pick_device(setting: str) -> torch.device:
 def open_endpoint(spec: RoleSpec) -> Endpoint:
     """The role's endpoint, bound to its inbox, with the emulated network link if one is set.
 
-    With the deployment's keys in the spec only its own peers get through (``inference.curve``).
+    With the deployment's keys in the spec only its own peers get through (``inference.curve``);
+    a frame bigger than the model can need disconnects its sender (``inference.frame_limit``).
     """
     if spec.curve is None:
         log.warning("the spec has no data-plane keys: anyone who reaches %s can talk to this role", spec.bind_address)
@@ -91,6 +93,7 @@ def open_endpoint(spec: RoleSpec) -> Endpoint:
         link_bytes_per_s=spec.settings.link_bytes_per_s,
         link_latency_s=spec.settings.link_latency_s,
         curve=spec.curve,
+        max_frame_bytes=max_frame_bytes_of(spec.shard_dir),
     )
 
 
