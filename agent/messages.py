@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from inference.generation_fields import GenerationFields
 from inference.typecheck import checker
 
 LINK_PATH = "/ws/agent"
@@ -214,18 +215,13 @@ class ApplyAlignment(LinkMessage):
 
 @_register
 @dataclass(frozen=True, kw_only=True)
-class Generate(LinkMessage):
-    """Run a generation on this box's main role; tokens come back as GenerationToken events."""
+class Generate(LinkMessage, GenerationFields):
+    """Run a generation on this box's main role (its fields: ``inference.generation_fields``);
+    tokens come back as GenerationToken events."""
 
     TYPE = "generate"
     request_id: str
     deployment: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
 
 
 @_register

@@ -426,12 +426,7 @@ class RoleRunner:
 
         try:
             for event in client.stream(
-                command.prompt_ids,
-                command.max_new_tokens,
-                do_sample=command.do_sample,
-                temperature=command.temperature,
-                top_p=command.top_p,
-                seed=command.seed,
+                **command.generation_fields(),
                 request_id=command.request_id,
                 timeout_s=600.0,
                 idle=self._check_main_alive,

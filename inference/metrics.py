@@ -9,14 +9,11 @@ compute device, during prefill and during decode.
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 from inference.placement import Placement
 from inference.protocol import ShadowStats, WorkerStats
+from inference.records import RequestState, StepRecord
 from inference.schedule import recall
-
-if TYPE_CHECKING:
-    from inference.roles.main import RequestState, StepRecord
 
 
 def step_report(step: StepRecord, placement: Placement) -> dict:

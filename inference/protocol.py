@@ -23,6 +23,7 @@ import msgpack
 import torch
 import zmq
 
+from inference.generation_fields import GenerationFields
 from inference.typecheck import Checker, checker, is_optional
 
 PROTOCOL_VERSION = 1
@@ -113,15 +114,11 @@ class Shutdown(Message):
 
 @message
 @dataclass(frozen=True, kw_only=True)
-class GenerateRequest(Message):
+class GenerateRequest(Message, GenerationFields):
+    """A client asks main for a generation (its fields: ``inference.generation_fields``)."""
+
     TYPE = "generate"
     request_id: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
 
 
 @message

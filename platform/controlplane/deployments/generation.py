@@ -30,6 +30,7 @@ from agent.messages import (
     parse,
 )
 from controlplane.nodes.consumers import generation_group, node_group
+from inference.generation_fields import GenerationFields
 
 from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 
@@ -52,14 +53,10 @@ class ClusterGenerationError(RuntimeError):
         self.retryable = retryable
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest(GenerationFields):
+    """A generation the control plane sends to a deployment (its fields: ``inference.generation_fields``)."""
+
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -103,16 +100,7 @@ async def astream(
     channel = await layer.new_channel()
     group = generation_group(request.request_id)
     await layer.group_add(group, channel)
-    command = Generate(
-        request_id=request.request_id,
-        deployment=key,
-        prompt_ids=list(request.prompt_ids),
-        max_new_tokens=request.max_new_tokens,
-        do_sample=request.do_sample,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        seed=request.seed,
-    )
+    command = Generate(request_id=request.request_id, deployment=key, **request.generation_fields())
     try:
         await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
         timeout = FIRST_EVENT_TIMEOUT_S

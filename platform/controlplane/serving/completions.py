@@ -114,7 +114,10 @@ async def astream(
     tokenizer = await database_sync_to_async(lambda: target.tokenizer, thread_sensitive=False)()
     assembler = Assembler(tokenizer, len(prompt_ids))
     request = GenerationRequest(
-        prompt_ids, max_new_tokens, request_id=request_id or new_request_id(), **sampling.request_fields()
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        request_id=request_id or new_request_id(),
+        **sampling.request_fields(),
     )
     async for event in generation.astream(target.deployment_id, request):
         for item in assembler.feed(event):
@@ -127,7 +130,10 @@ def complete(
     """The whole completion (synchronous)."""
     assembler = Assembler(target.tokenizer, len(prompt_ids))
     request = GenerationRequest(
-        prompt_ids, max_new_tokens, request_id=request_id or new_request_id(), **sampling.request_fields()
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        request_id=request_id or new_request_id(),
+        **sampling.request_fields(),
     )
     for event in generation.stream(target.deployment_id, request):
         for item in assembler.feed(event):

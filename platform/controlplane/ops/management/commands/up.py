@@ -186,7 +186,9 @@ class Command(BaseCommand):
         prompt_ids = tokenizer.encode(DEMO_PROMPT) if tokenizer is not None else [1, 5, 6, 7, 8]
         self.step("generating through the cluster")
         try:
-            done = generation.generate(deployment.pk, generation.GenerationRequest(prompt_ids, DEMO_TOKENS))
+            done = generation.generate(
+                deployment.pk, generation.GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=DEMO_TOKENS)
+            )
         except (generation.ClusterUnavailable, generation.ClusterGenerationError) as exc:
             raise CommandError(f"the first generation through the cluster failed: {exc}") from None
         text = tokenizer.decode(done.token_ids, skip_special_tokens=True) if tokenizer is not None else done.token_ids

@@ -1,0 +1,50 @@
+"""What main records about a generation while it runs: the request's state, and per step and
+per layer what was routed, predicted, waited for and computed (read by ``inference.metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import DynamicCache
+
+
+@dataclass
+class LayerRecord:
+    layer: int
+    real: list[int]
+    predicted: list[int] | None
+    wait_ms: float = 0.0
+    compute_ms: float = 0.0  # summed over the layer's workers
+    worker_ms: float = 0.0  # the busiest worker's load wait + compute: the layer's critical path
+    hits: int = 0
+    misses: int = 0
+    dispatch_ms: float = 0.0  # main's own time for this layer's expert round trip
+
+
+@dataclass
+class StepRecord:
+    step: int
+    tokens: int
+    started: float
+    finished: float = 0.0
+    layers: list[LayerRecord] = field(default_factory=list)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    client: bytes
+    prompt_len: int
+    max_new_tokens: int
+    token_period: int
+    kv_period: int
+    started: float
+    steps: list[StepRecord] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    predictions: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    kv_synced: int = 0  # positions of main's KV cache the shadow already holds
+    cancelled: bool = False
+    cache: DynamicCache | None = None
+    alignment_log: list[dict] = field(default_factory=list)
+    roles_lost: set[str] = field(default_factory=set)  # workers or the shadow lost during it, served around
