@@ -8,13 +8,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 from django.test import override_settings
 
-from controlplane.ops.processes import ProcessGroup, python_env
+from controlplane.ops.processes import Child, ProcessGroup, python_env, redis_up, wait_until
 from inference.launcher import free_port
 from tests.controlplane.live import SERVED_MODEL, Api, LiveControlPlane, Served, purge_stale_tasks
 
@@ -187,4 +188,96 @@ def served(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -
             lifecycle.start_deployment(deployment=deployment)
             plane.wait_for("ready", lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", 180)
             yield Served(plane, *keys, tiny_model)
+        channel_layers.backends.clear()
+
+
+@dataclass
+class OwnRedis:
+    """A redis-server of one test, in its cluster's process group: it can be killed and started again on
+    its port. No persistence: a restart starts empty, as after a crash between snapshots."""
+
+    group: ProcessGroup
+    port: int
+    data_dir: Path
+    child: Child | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("these tests need redis-server")
+        argv = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no"]
+        self.child = self.group.start("redis", [*argv, "--dir", str(self.data_dir)])
+        self.group.children.insert(0, self.group.children.pop())  # stopped last: after what uses it
+        wait_until("redis-server answering", lambda: redis_up(self.url), timeout_s=20, check=self.group.check)
+
+    def kill(self) -> None:
+        assert self.child is not None
+        self.group.stop(self.child, kill=True)
+        self.child = None
+
+
+@dataclass
+class ServedOnOwnRedis:
+    served: Served
+    redis: OwnRedis
+
+
+@pytest.fixture
+def served_on_own_redis(transactional_db, tmp_path: Path, tiny_model: Path) -> Iterator[ServedOnOwnRedis]:
+    """``served``, but on a Redis of its own that the test may kill and restart (whatever ``REDIS_URL`` says).
+
+    This process's Celery producer stays on the session's Redis (``celery_on_test_redis``), so
+    nothing here is enqueued from the test process: the deployment is started through the REST API
+    of the live server, whose processes all use this Redis.
+    """
+    from channels.layers import channel_layers
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+
+    from controlplane.accounts.services import create_api_key
+    from controlplane.artifacts.services import register_model
+    from controlplane.deployments.models import Deployment
+    from controlplane.deployments.services import create_deployment
+    from controlplane.nodes.models import Node, NodeStatus
+    from controlplane.nodes.services import create_join_token
+
+    port, redis_port = free_port(), free_port()
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    with override_settings(CHANNEL_LAYERS=redis_channel_layers(url), VAR_DIR=tmp_path / "var"):
+        channel_layers.backends.clear()
+        users = get_user_model().objects
+        keys = [
+            create_api_key(user=users.create_user("staff", is_staff=True))[1],
+            create_api_key(user=users.create_user("alice"))[1],
+            create_api_key(user=users.create_user("bob"))[1],
+        ]
+        env = python_env(
+            DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
+            DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+            REDIS_URL=url,
+            ODMOE_VAR_DIR=str(tmp_path / "var"),
+            ODMOE_TASK_REDELIVERY_S="5",
+        )
+        with ProcessGroup(tmp_path / "logs", env) as group:
+            own = OwnRedis(group, redis_port, tmp_path / "redis")
+            own.data_dir.mkdir()
+            own.start()
+            plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", keys[0]), tmp_path / "agents")
+            plane.start_server()
+            plane.start_celery()
+            _, token = create_join_token(created_by=None, max_uses=3)
+            for i in range(3):
+                plane.start_agent(f"s{i}", token)
+            plane.wait_for("3 agents", lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == 3, 90)
+            model = register_model(name="tiny", path=str(tiny_model))
+            deployment = create_deployment(
+                name=SERVED_MODEL, model=model, node_ids=[str(pk) for pk in Node.objects.values_list("pk", flat=True)]
+            )
+            plane.api.post(f"/api/deployments/{deployment.pk}/start", expect=202)
+            plane.wait_for("ready", lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", 180)
+            yield ServedOnOwnRedis(Served(plane, *keys, tiny_model), own)
         channel_layers.backends.clear()

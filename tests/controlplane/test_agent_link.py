@@ -41,6 +41,17 @@ def communicator(authorization: str | None) -> WebsocketCommunicator:
     return WebsocketCommunicator(application, LINK_PATH, headers=headers)
 
 
+async def status_within(node: Node, status: str, *, timeout_s: float) -> str:
+    """The node's status once it is ``status``, or whatever it is after ``timeout_s`` (heartbeats
+    are recorded in the background, while the link goes on reading)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = await sync_to_async(lambda: Node.objects.get(pk=node.pk).status)()
+        if now == status or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_unauthenticated_and_forged_sockets_are_refused(channel_layer_on_test_redis) -> None:
     node, _ = enrolled()
@@ -70,8 +81,8 @@ def test_heartbeats_bring_a_node_online_and_a_closed_link_takes_it_offline(chann
         assert connected
         await comm.send_json_to(Heartbeat(inventory={"cpu_count": 4, "address": "10.0.0.9"}).to_json())
         await comm.send_json_to({"type": "heartbeat"})  # malformed: no inventory
-        error = await comm.receive_json_from(timeout=5)
-        online = await sync_to_async(lambda: Node.objects.get(pk=node.pk).status)()
+        error = await comm.receive_json_from(timeout=5)  # answered at once: the heartbeat is written meanwhile
+        online = await status_within(node, NodeStatus.ONLINE, timeout_s=5)
         await comm.disconnect()
         return {"error": error, "online": online}
 
@@ -97,10 +108,7 @@ def test_a_rotated_credential_replaces_the_old_once_the_agent_has_saved_it(chann
         comm = communicator(f"Node {node.pk}:{old}")
         assert (await comm.connect())[0]
         await comm.send_json_to(Heartbeat(inventory={}).to_json())
-        for _ in range(50):  # the heartbeat is recorded by the consumer's own database thread
-            if await sync_to_async(lambda: Node.objects.get(pk=node.pk).status)() == NodeStatus.ONLINE:
-                break
-            await asyncio.sleep(0.1)
+        assert await status_within(node, NodeStatus.ONLINE, timeout_s=5) == NodeStatus.ONLINE
         await sync_to_async(lambda: rotate_credential(node=Node.objects.get(pk=node.pk)))()
         command = await comm.receive_json_from(timeout=5)
         # Until the agent says it saved the new one, both work (its answer could be lost).
@@ -364,6 +372,34 @@ def test_a_node_relays_only_generations_it_was_given(channel_layer_on_test_redis
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_link_that_closes_mid_generation_fails_it_as_retryable_at_once(channel_layer_on_test_redis) -> None:
+    """A control-plane restart drops main's link: the caller hears so now, instead of timing out."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    from agent.messages import Generate
+    from controlplane.nodes.consumers import generation_group, node_group
+
+    node, secret = enrolled()
+
+    async def session() -> list:
+        layer = get_channel_layer()
+        listener = await layer.new_channel()
+        await layer.group_add(generation_group("r1"), listener)
+        comm = communicator(f"Node {node.pk}:{secret}")
+        assert (await comm.connect())[0]
+        command = Generate(request_id="r1", deployment="dep1-1", prompt_ids=[1, 2], max_new_tokens=2).to_json()
+        await layer.group_send(node_group(str(node.pk)), {"type": "agent.command", "command": command})
+        assert await comm.receive_json_from(timeout=5) == command
+        await comm.disconnect()
+        return [(await asyncio.wait_for(layer.receive(listener), timeout=5))["event"]]
+
+    [event] = async_to_sync(session)()
+    assert event["type"] == "generation_failed" and event["request_id"] == "r1" and event["retryable"] is True
+    assert Node.objects.get(pk=node.pk).status == NodeStatus.OFFLINE
+
+
+@pytest.mark.django_db(transaction=True)
 def test_chat_sockets_need_a_logged_in_user(channel_layer_on_test_redis) -> None:
     from asgiref.sync import async_to_sync
 
@@ -383,3 +419,18 @@ def test_chat_sockets_need_a_logged_in_user(channel_layer_on_test_redis) -> None
     cookie = [(b"cookie", f"sessionid={browser.cookies['sessionid'].value}".encode())]
     assert async_to_sync(attempt)(same_site + cookie) is True
     assert async_to_sync(attempt)([(b"origin", b"http://evil.example"), (b"host", b"127.0.0.1"), *cookie]) is False
+
+
+@pytest.mark.django_db
+def test_an_old_links_late_close_does_not_take_a_reconnected_node_offline() -> None:
+    from controlplane.nodes.services import mark_connected, mark_offline, record_heartbeat
+
+    node, _ = enrolled()
+    first = mark_connected(node_id=str(node.pk))
+    time.sleep(0.01)
+    mark_connected(node_id=str(node.pk))  # the agent reconnected before the old link's close was handled
+    record_heartbeat(node_id=str(node.pk), inventory={})
+    mark_offline(node_id=str(node.pk), link_since=first)
+    assert Node.objects.get(pk=node.pk).status == NodeStatus.ONLINE
+    mark_offline(node_id=str(node.pk), link_since=Node.objects.get(pk=node.pk).connected_at)
+    assert Node.objects.get(pk=node.pk).status == NodeStatus.OFFLINE

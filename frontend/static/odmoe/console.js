@@ -66,8 +66,11 @@
         ? el("span", {}, `fetching ${transfer.role} `, el("progress", { max: transfer.total, value: transfer.done }))
         : seat ? `${seat.member.state} (${seat.deployment.name})` : "idle";
       const gpus = n.gpus.length ? n.gpus.map((g) => `${g.name} ${gib(g.memory_bytes)}`).join(", ") : "none";
+      // When the agent's link last came up: a reconnection (a control-plane restart, a network blip) shows here.
+      const link = n.status !== "offline" && n.connected_at
+        ? el("span", { class: "muted", title: "when its agent's link last came up" }, ` connected ${ago(n.connected_at)}`) : "";
       return el("tr", { "data-node": n.name },
-        el("td", {}, n.name), el("td", {}, badge(n.status)), el("td", {}, seat ? seat.member.role : "–"),
+        el("td", {}, n.name), el("td", {}, badge(n.status), link), el("td", {}, seat ? seat.member.role : "–"),
         el("td", {}, gpus), el("td", {}, `${n.cpu_count ?? "?"} cores / ${gib(n.ram_bytes)}`),
         el("td", {}, ago(n.last_seen)), el("td", {}, activity),
         el("td", {}, el("button", { onclick: () => api("POST", `/api/nodes/${n.id}/drain`, { drain: n.status !== "draining" }) },

@@ -30,6 +30,7 @@ def _node(node: Node) -> dict:
         "status": node.status,
         "address": node.address,
         "last_seen": node.last_seen.isoformat() if node.last_seen else None,
+        "connected_at": node.connected_at.isoformat() if node.connected_at else None,
         "cpu_count": inventory.get("cpu_count"),
         "ram_bytes": inventory.get("ram_bytes"),
         "gpus": [{"name": g.get("name"), "memory_bytes": g.get("memory_bytes")} for g in inventory.get("gpus", [])],

@@ -12,7 +12,10 @@ so a node cannot speak for a generation it was not given.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import deque
+from collections.abc import Callable
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -22,6 +25,7 @@ from agent.messages import (
     GENERATION_EVENTS,
     CredentialSaved,
     Generate,
+    GenerationFailed,
     GenerationToken,
     Heartbeat,
     MessageError,
@@ -51,28 +55,60 @@ def generation_group(request_id: str) -> str:
 STEPS_GROUP = "cluster.steps"
 
 
+def _db(fn):
+    """``fn`` on a thread of the pool, not on the one thread that Channels shares between every
+    consumer of the process: one slow write must not hold up every other agent's link."""
+    return database_sync_to_async(fn, thread_sensitive=False)
+
+
 class AgentConsumer(AsyncJsonWebsocketConsumer):
     node_id: str | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.generations: dict[str, str] = {}  # request id -> deployment, sent down this socket, not finished
+        self.link_since = None  # when this link came up (Node.connected_at), to tell it from a newer one
+        # What arrives to be recorded is written in the background, in order, so the link keeps
+        # reading (generation tokens go on at once) however slow the database is; a newer heartbeat
+        # or progress report replaces one of its kind not written yet.
+        self._writes: deque[tuple[tuple, Callable, dict]] = deque()
+        self._writer: asyncio.Task | None = None
 
     async def connect(self) -> None:
-        node = await database_sync_to_async(self._authenticate)()
+        node = await _db(self._authenticate)()
         if node is None:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
         self.node_id = str(node.pk)
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
         await self.accept()
+        self.link_since = await _db(services.mark_connected)(node_id=self.node_id)
         log.info("agent of node %s connected", node.name)
 
     async def disconnect(self, code: int) -> None:
         if self.node_id is None:
             return
-        await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
-        await database_sync_to_async(services.mark_offline)(node_id=self.node_id)
+        if self._writer is not None:
+            await self._writer  # what the agent said before it went is recorded before it is offline
+        # The database first: with Redis gone too (a restart of both), the node is still marked offline.
+        await _db(services.mark_offline)(node_id=self.node_id, link_since=self.link_since)
+        try:
+            await self._fail_open_generations()
+            await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
+        except Exception as exc:  # Redis may be down: its groups expire by themselves
+            log.warning("node %s: could not tidy its link's channel groups (%s)", self.node_id, exc)
+
+    async def _fail_open_generations(self) -> None:
+        """Generations sent down this link and not finished will never be answered on it: their
+        callers hear at once that the same request can be tried again, instead of timing out."""
+        for request_id in list(self.generations):
+            failed = GenerationFailed(
+                request_id=request_id, error="the link to main's node closed mid-generation", retryable=True
+            )
+            await self.channel_layer.group_send(
+                generation_group(request_id), {"type": "generation.event", "event": failed.to_json()}
+            )
+        self.generations.clear()
 
     async def receive_json(self, content, **kwargs) -> None:
         try:
@@ -84,23 +120,34 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(event, GENERATION_EVENTS):
             await self._relay_generation(event)
         elif isinstance(event, Heartbeat):
-            await database_sync_to_async(services.record_heartbeat)(
-                node_id=self.node_id, inventory=event.inventory, roles=event.roles
-            )
+            self._record(("heartbeat",), services.record_heartbeat, inventory=event.inventory, roles=event.roles)
         elif isinstance(event, RoleState):
-            await database_sync_to_async(services.record_runtime)(
-                node_id=self.node_id, reports=[event.to_json()], complete=False
-            )
+            self._record((), services.record_runtime, reports=[event.to_json()], complete=False)
         elif isinstance(event, TaskProgress):
-            await database_sync_to_async(services.record_task_progress)(
-                node_id=self.node_id, task_id=event.task_id, done=event.done, total=event.total
-            )
+            key = ("progress", event.task_id)
+            self._record(key, services.record_task_progress, task_id=event.task_id, done=event.done, total=event.total)
         elif isinstance(event, CredentialSaved):
-            await database_sync_to_async(services.confirm_rotation)(node_id=self.node_id)
+            self._record((), services.confirm_rotation)
         elif isinstance(event, TaskDone):
-            await database_sync_to_async(services.record_task_done)(
-                node_id=self.node_id, task_id=event.task_id, ok=event.ok, detail=event.detail
-            )
+            self._record((), services.record_task_done, task_id=event.task_id, ok=event.ok, detail=event.detail)
+
+    def _record(self, key: tuple, write: Callable, **kwargs) -> None:
+        """Queue ``write(node_id=…, **kwargs)``; with a ``key``, it replaces a queued write of that key."""
+        if key:
+            kept = [entry for entry in self._writes if entry[0] != key]
+            self._writes.clear()
+            self._writes.extend(kept)
+        self._writes.append((key, write, kwargs))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write())
+
+    async def _write(self) -> None:
+        while self._writes:
+            _, write, kwargs = self._writes.popleft()
+            try:
+                await _db(write)(node_id=self.node_id, **kwargs)
+            except Exception:
+                log.exception("node %s: %s failed", self.node_id, write.__name__)
 
     async def agent_revoked(self, event: dict) -> None:
         """The node was removed: its credential is gone, so is this link (the agent stops retrying)."""
@@ -108,7 +155,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
 
     async def agent_rotate(self, event: dict) -> None:
         """Rotate the node's credential: the new one is made here and goes only down this socket."""
-        secret = await database_sync_to_async(services.begin_rotation)(node_id=self.node_id)
+        secret = await _db(services.begin_rotation)(node_id=self.node_id)
         if secret is not None:
             await self.send_json(RotateCredential(node_secret=secret).to_json())
 
@@ -117,7 +164,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         command = event["command"]
         if command.get("type") == Generate.TYPE:
             self.generations[command["request_id"]] = command["deployment"]
-        await self.send_json(command)
+        try:
+            await self.send_json(command)
+        except OSError:  # the socket closed (uvicorn's ClientDisconnected): disconnect() still runs next
+            log.warning(
+                "node %s: its link closed before a %s command could go down it", self.node_id, command.get("type")
+            )
 
     async def _relay_generation(self, event) -> None:
         if event.request_id not in self.generations:

@@ -62,6 +62,7 @@ class Node(models.Model):
     address = models.CharField(max_length=255, blank=True, help_text="the address peers should use")
     enrolled_at = models.DateTimeField(auto_now_add=True)
     last_seen = models.DateTimeField(null=True, blank=True)
+    connected_at = models.DateTimeField(null=True, blank=True, help_text="when its agent's link last came up")
     join_token = models.ForeignKey(JoinToken, null=True, blank=True, on_delete=models.SET_NULL, related_name="nodes")
 
     class Meta:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.db.models import Case, Value, When
 from django.utils import timezone
 
 from . import signals
@@ -126,18 +127,36 @@ def touch_node(*, node: Node) -> None:
 def record_heartbeat(*, node_id: str, inventory: dict, roles: list | None = None) -> None:
     """An agent is alive: note when, what the box offers, bring the node online, pass on every role it runs."""
     address = inventory.get("address", "")
-    updates = {"last_seen": timezone.now(), "inventory": inventory}
+    # One UPDATE (heartbeats are the control plane's most frequent write): a draining node stays
+    # draining, any other comes (back) online.
+    updates = {
+        "last_seen": timezone.now(),
+        "inventory": inventory,
+        "status": Case(
+            When(status=NodeStatus.DRAINING, then=Value(NodeStatus.DRAINING)), default=Value(NodeStatus.ONLINE)
+        ),
+    }
     if isinstance(address, str) and address:
         updates["address"] = address
     Node.objects.filter(pk=node_id).update(**updates)
-    # A draining node stays draining; any other comes (back) online.
-    Node.objects.filter(pk=node_id).exclude(status=NodeStatus.DRAINING).update(status=NodeStatus.ONLINE)
     if roles is not None:
         record_runtime(node_id=node_id, reports=roles, complete=True)
 
 
-def mark_offline(*, node_id: str) -> None:
-    Node.objects.filter(pk=node_id).exclude(status=NodeStatus.DRAINING).update(status=NodeStatus.OFFLINE)
+def mark_connected(*, node_id: str) -> datetime:
+    """The node's agent link came up (again): when, for the console and for ``mark_offline``."""
+    now = timezone.now()
+    Node.objects.filter(pk=node_id).update(connected_at=now)
+    return now
+
+
+def mark_offline(*, node_id: str, link_since: datetime | None = None) -> None:
+    """The node's link closed. ``link_since``: when that link came up; if a newer link is up
+    already (the agent reconnected before the old link's close was handled), nothing changes."""
+    node = Node.objects.filter(pk=node_id)
+    if link_since is not None and node.filter(connected_at__gt=link_since).exists():
+        return
+    node.exclude(status=NodeStatus.DRAINING).update(status=NodeStatus.OFFLINE)
     signals.nodes_went_offline.send(sender=Node, node_ids=[str(node_id)])
 
 

@@ -3,6 +3,8 @@
 Each output is its own Celery task, acknowledged late and idempotent: a worker that stops
 mid-job leaves the remaining outputs queued in Redis, and a task that runs twice finds its
 output already done (or re-runs it from scratch: outputs are written only when finished).
+Redis coming back without its data loses those tasks; the database still has every output,
+and ``requeue_unfinished`` (run by Celery beat when that happens) queues them again.
 """
 
 from __future__ import annotations
@@ -147,6 +149,20 @@ def cancel_job(*, job: Job) -> Job:
             with contextlib.suppress(ClusterUnavailable):  # the deployment is gone: nothing runs there
                 generation.cancel(deployment_id, request_id)
     return locked
+
+
+def requeue_unfinished() -> int:
+    """Queue again every output of a running job that is not finished: after Redis came back empty
+    (restarted without its data), their tasks are gone. One that still runs somewhere runs twice, harmlessly."""
+    from .tasks import run_job_output_task
+
+    unfinished = JobOutput.objects.filter(status__in=(OutputStatus.QUEUED, OutputStatus.RUNNING)).exclude(
+        job__status__in=ENDED
+    )
+    ids = list(unfinished.values_list("pk", flat=True))
+    for pk in ids:
+        run_job_output_task.delay(pk)
+    return len(ids)
 
 
 def _finish_if_done(job_id: uuid.UUID) -> None:

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
+import redis
 from celery import shared_task
+from django.conf import settings
 
 from . import jobs
+
+log = logging.getLogger(__name__)
+
+# Set in Redis by the first check after Redis starts: missing, Redis lost what it held (queued tasks too).
+BROKER_MARK = "odmoe:broker-mark"
 
 
 @shared_task(bind=True, acks_late=True, max_retries=jobs.JOB_RETRIES)
@@ -15,3 +24,18 @@ def run_job_output_task(self, output_id: int) -> None:
         jobs.run_output(output_id=output_id, attempt=self.request.retries)
     except jobs.RetryLater as later:
         raise self.retry(countdown=later.after_s) from None
+
+
+@shared_task
+def recover_lost_jobs_task() -> int:
+    """Periodic (Celery beat): when Redis came back empty, queue every unfinished job output again."""
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    try:
+        if not client.set(BROKER_MARK, "1", nx=True):
+            return 0  # the mark is still there: so is every task queued before
+    finally:
+        client.close()
+    count = jobs.requeue_unfinished()
+    if count:
+        log.warning("Redis came back without its data: %d job outputs queued again", count)
+    return count

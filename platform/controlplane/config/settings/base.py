@@ -137,6 +137,15 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    # DRF's defaults, with JSON nested too deeply for Python's parser a 400 (controlplane/parsers.py).
+    "DEFAULT_PARSER_CLASSES": [
+        "controlplane.parsers.JSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    # Clients are told apart by the connection's address, never by an X-Forwarded-For header
+    # anyone can write; behind N reverse proxies that set it, ODMOE_NUM_PROXIES=N.
+    "NUM_PROXIES": int(os.environ.get("ODMOE_NUM_PROXIES", "0")),
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -194,12 +203,17 @@ NODE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("ODMOE_NODE_HEARTBEAT_TIMEOUT_S"
 CONTROL_QUEUE = "celery"
 JOBS_QUEUE = "jobs"
 CELERY_TASK_DEFAULT_QUEUE = CONTROL_QUEUE
-CELERY_TASK_ROUTES = {"controlplane.serving.tasks.*": {"queue": JOBS_QUEUE}}
+CELERY_TASK_ROUTES = {
+    "controlplane.serving.tasks.recover_lost_jobs_task": {"queue": CONTROL_QUEUE},  # never behind jobs
+    "controlplane.serving.tasks.*": {"queue": JOBS_QUEUE},
+}
 CELERY_BEAT_SCHEDULE = {
     "expire-silent-nodes": {
         "task": "controlplane.nodes.tasks.expire_silent_nodes_task",
         "schedule": max(1.0, NODE_HEARTBEAT_TIMEOUT_S / 3),
-    }
+    },
+    # Redis restarted without its data (a crash, no persistence): unfinished job outputs are queued again.
+    "recover-lost-jobs": {"task": "controlplane.serving.tasks.recover_lost_jobs_task", "schedule": 5.0},
 }
 
 # Everything to stderr, where a process supervisor (systemd, ``manage.py up``) keeps it.

@@ -1,0 +1,179 @@
+"""The control plane and Redis restart under a serving cluster, for real: nothing is lost.
+
+One small cluster (uvicorn, a Celery worker with beat, 3 agents serving the tiny model) on a
+Redis of its own. Mid-job, the ASGI server is stopped (SIGTERM) and Redis killed: it comes back
+empty, as after a crash between snapshots, its queued tasks gone. Both start again on the same
+ports. The agents reconnect by themselves, with backoff; no role process restarts; the
+deployment serves the same greedy text as before; the job ends with every output done and
+right; and the console shows each node's new link. Then two quick checks of the fixes this
+needed, without a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import redis
+
+from inference.textstream import load_tokenizer
+from tests.controlplane.conftest import ServedOnOwnRedis
+from tests.controlplane.live import SERVED_MODEL, Served
+from tests.controlplane.test_serving_e2e import MESSAGES, chat_prompt_ids, reference_text, wait_job
+
+PROMPTS = ["Mixture of experts", "Route every token", "to a few experts", "on demand", "and evict them", "again"]
+TOKENS = 12
+DOWN_S = 2.0
+
+
+def role_pids(state_root: Path) -> dict[str, int]:
+    """{spec file: pid} of every role process run by the agents whose state lies under ``state_root``."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve-role" in argv and b"--spec" in argv:
+            spec = argv[argv.index(b"--spec") + 1].decode()
+            if spec.startswith(str(state_root)):
+                found[spec] = int(proc.name)
+    return found
+
+
+def greedy_chat(served: Served) -> str:
+    answer = served.client().chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, max_tokens=TOKENS, temperature=0
+    )
+    return answer.choices[0].message.content
+
+
+def console_nodes(served: Served) -> dict[str, dict]:
+    """The nodes as the console shows them (``/console/state.json``, for a logged-in staff member)."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    browser = Client()
+    browser.force_login(get_user_model().objects.get(username="staff"))
+    request = urllib.request.Request(f"{served.plane.server}/console/state.json")
+    request.add_header("Cookie", f"sessionid={browser.cookies['sessionid'].value}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return {node["name"]: node for node in json.loads(response.read())["nodes"]}
+
+
+@pytest.mark.slow
+def test_agents_reconnect_and_nothing_is_lost_when_the_control_plane_and_redis_restart(
+    served_on_own_redis: ServedOnOwnRedis,
+) -> None:
+    from controlplane.nodes.models import NodeTask
+    from controlplane.serving.models import JobOutput, OutputStatus
+
+    served, broker = served_on_own_redis.served, served_on_own_redis.redis
+    plane, staff, alice = served.plane, served.plane.api, served.api(served.user_key)
+    before = greedy_chat(served)
+    pids = role_pids(plane.state_root)
+    assert len(pids) == 3, pids  # main, shadow, worker
+    starts = NodeTask.objects.filter(kind="start_role").count()
+    linked = {name: node["connected_at"] for name, node in console_nodes(served).items()}
+    assert len(linked) == 3 and all(linked.values()), linked
+    logs = {name: plane.group.log_dir / f"agent-{name}.log" for name in linked}
+
+    body = {"model": SERVED_MODEL, "prompts": PROMPTS, "max_tokens": TOKENS, "temperature": 0}
+    job = alice.post("/api/jobs", body, expect=201)
+    wait_job(alice, job["id"], lambda j: j["status"] == "running")
+    restart, logged = time.time(), {name: log.stat().st_size for name, log in logs.items()}
+    plane.group.stop(next(c for c in plane.group.children if c.name == "asgi"))  # SIGTERM: every link drops
+    broker.kill()  # Redis: the broker and the channel layer with it, queued tasks and all
+    unfinished = JobOutput.objects.filter(job_id=job["id"]).exclude(status=OutputStatus.DONE).count()
+    assert unfinished > 0, "the job ended before the restart"
+    time.sleep(DOWN_S)
+    broker.start()
+    plane.start_server()
+
+    # While the agents' backoff runs out: what every answer must be.
+    tokenizer = load_tokenizer(served.model_dir)
+    expected = [reference_text(served, tokenizer(prompt)["input_ids"], TOKENS) for prompt in PROMPTS]
+    assert before == reference_text(served, chat_prompt_ids(served, MESSAGES), TOKENS)
+
+    def back() -> bool:
+        nodes = staff.get("/api/nodes")["results"]
+        deployment = staff.get("/api/deployments")["results"][0]
+        assert deployment["status"] != "failed", deployment["status_reason"]
+        return len(nodes) == 3 and all(n["status"] == "online" for n in nodes) and deployment["status"] == "ready"
+
+    plane.wait_for("the agents back online and the deployment ready", back, timeout_s=90)
+    for name, log in logs.items():  # each agent retried by itself, with backoff: a few tries, not a tight loop
+        since = log.read_bytes()[logged[name] :].decode(errors="replace")
+        tries = since.count("; retrying")
+        assert "link closed" in since and " is up" in since and 1 <= tries <= 10, (name, since)
+    assert role_pids(plane.state_root) == pids  # no role process was restarted: they served on through it all
+    assert NodeTask.objects.filter(kind="start_role").count() == starts  # nor sent again
+    assert greedy_chat(served) == before
+
+    # No job lost: its queued tasks went with Redis, its running ones with their links; all ran again.
+    finished = wait_job(alice, job["id"], lambda j: j["status"] in ("succeeded", "failed"), timeout_s=120)
+    assert finished["status"] == "succeeded", finished
+    assert [o["status"] for o in finished["outputs"]] == ["done"] * len(PROMPTS)
+    assert [o["text"] for o in finished["outputs"]] == expected
+
+    # The console shows the reconnection: every node online again, on a link that came up after the restart.
+    shown = console_nodes(served)
+    assert {node["status"] for node in shown.values()} == {"online"}
+    for name, node in shown.items():
+        assert datetime.fromisoformat(node["connected_at"]).timestamp() > restart, (name, linked[name], node)
+
+
+@pytest.mark.django_db
+def test_unfinished_job_outputs_are_queued_again_once_after_redis_comes_back_empty(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uuid
+
+    from django.contrib.auth import get_user_model
+
+    from controlplane.config.celery_app import app
+    from controlplane.serving import tasks
+    from controlplane.serving.models import Job, JobOutput, JobStatus, OutputStatus
+
+    owner = get_user_model().objects.create_user("alice")
+    running = Job.objects.create(owner=owner, model_name="m", max_tokens=4, status=JobStatus.RUNNING)
+    ended = Job.objects.create(owner=owner, model_name="m", max_tokens=4, status=JobStatus.CANCELLED)
+    outputs = {
+        status: JobOutput.objects.create(job=running, index=i, prompt="p", status=status)
+        for i, status in enumerate(OutputStatus.values)
+    }
+    JobOutput.objects.create(job=ended, index=0, prompt="p", status=OutputStatus.QUEUED)
+    sent = []
+    monkeypatch.setattr(tasks.run_job_output_task, "delay", sent.append)
+    monkeypatch.setattr(tasks, "BROKER_MARK", f"odmoe-test:{uuid.uuid4().hex}")  # as in a Redis that lost it
+    try:
+        assert tasks.recover_lost_jobs_task() == 2
+        assert sorted(sent) == sorted([outputs[OutputStatus.QUEUED].pk, outputs[OutputStatus.RUNNING].pk])
+        assert tasks.recover_lost_jobs_task() == 0  # the mark is there now: nothing was lost since
+    finally:
+        redis.Redis.from_url(redis_url).delete(tasks.BROKER_MARK)
+    assert app.amqp.router.route({}, tasks.recover_lost_jobs_task.name)["queue"].name == "celery"  # not behind jobs
+
+
+def test_a_command_for_a_link_that_just_closed_leaves_the_consumer_to_its_disconnect() -> None:
+    """uvicorn raises ClientDisconnected (an OSError) on a send after the socket closed; had it left
+    the consumer, ``disconnect`` would never run and the node would stay online with no link."""
+    from asgiref.sync import async_to_sync
+    from uvicorn.protocols.utils import ClientDisconnected
+
+    from controlplane.nodes.consumers import AgentConsumer
+
+    consumer = AgentConsumer()
+    consumer.node_id = "n1"
+
+    async def closed(message: dict) -> None:
+        raise ClientDisconnected()
+
+    consumer.base_send = closed
+    async_to_sync(consumer.agent_command)({"type": "agent.command", "command": {"type": "ping", "nonce": "x"}})
