@@ -143,7 +143,8 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
         return refused.response
     try:
         body = json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:  # ValueError: JSON, and integers past Python's digit limit
+        json.dumps(body, ensure_ascii=False).encode()  # UnicodeEncodeError for a lone surrogate ("\\ud800"): no text
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # bad JSON, huge integers, deep nesting
         return error(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return error(400, "the request body must be a JSON object")
