@@ -70,3 +70,28 @@ def test_a_jobs_prompt_waits_for_the_cluster_then_fails_with_the_reason(deployme
     jobs.run_output(output_id=output.pk, attempt=jobs.JOB_RETRIES)  # the last try: failed, with the reason
     output.refresh_from_db()
     assert output.status == OutputStatus.FAILED and "degraded" in output.error
+
+
+def test_a_jobs_prompt_waits_while_redis_is_unreachable(deployment: Deployment, settings) -> None:
+    """Redis restarting under a running job: the prompt is queued again, never left running for ever."""
+    from channels.layers import channel_layers
+
+    from inference.launcher import free_port
+
+    deployment.members.update(state=MemberState.READY, port=5000)
+    Deployment.objects.filter(pk=deployment.pk).update(status=DeploymentStatus.READY)
+    closed = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [closed]}}
+    }
+    channel_layers.backends.clear()
+    owner = get_user_model().objects.create_user("owner")
+    job = Job.objects.create(owner=owner, deployment=deployment, model_name="d", max_tokens=4)
+    output = JobOutput.objects.create(job=job, index=0, prompt="hi")
+    try:
+        with pytest.raises(jobs.RetryLater):
+            jobs.run_output(output_id=output.pk, attempt=0)
+    finally:
+        channel_layers.backends.clear()
+    output.refresh_from_db()
+    assert output.status == OutputStatus.QUEUED and "will try again" in output.error

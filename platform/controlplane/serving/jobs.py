@@ -15,6 +15,7 @@ import uuid
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from controlplane.deployments import generation
 
@@ -102,8 +103,9 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
         target = find_target(job.model_name)
         ids = encode_prompt(target.tokenizer, output.prompt)
         result = complete(target, ids, job.max_tokens, sampling, request_id=output.request_id)
-    except (ClusterUnavailable, ClusterGenerationError) as exc:
-        retryable = isinstance(exc, ClusterUnavailable) or exc.retryable
+    except (ClusterUnavailable, ClusterGenerationError, RedisError, OSError) as exc:
+        # Redis unreachable (it restarts) is retryable too: the generation's events travel through it.
+        retryable = not isinstance(exc, ClusterGenerationError) or exc.retryable
         if retryable and attempt < JOB_RETRIES:
             JobOutput.objects.filter(pk=output.pk, status=OutputStatus.RUNNING).update(
                 status=OutputStatus.QUEUED, error=f"will try again: {exc}"
