@@ -68,9 +68,13 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         super().__init__(*args, **kwargs)
         self.generations: dict[str, str] = {}  # request id -> deployment, sent down this socket, not finished
         self.link_since = None  # when this link came up (Node.connected_at), to tell it from a newer one
-        # What arrives to be recorded is written in the background, in order, so the link keeps
-        # reading (generation tokens go on at once) however slow the database is; a newer heartbeat
-        # or progress report replaces one of its kind not written yet.
+        # What arrives to be recorded is written in the background, so the link keeps reading
+        # (generation tokens go on at once) however slow the database is. Two lanes: the node's
+        # liveness (the newest heartbeat's inventory: never queued behind anything, so a busy
+        # node is not taken for a silent one), and the rest in order (role states; a newer roles
+        # report or progress report replaces one of its kind not written yet).
+        self._liveness: dict | None = None
+        self._liveness_writer: asyncio.Task | None = None
         self._writes: deque[tuple[tuple, Callable, dict]] = deque()
         self._writer: asyncio.Task | None = None
 
@@ -88,8 +92,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if self.node_id is None:
             return
-        if self._writer is not None:
-            await self._writer  # what the agent said before it went is recorded before it is offline
+        for writer in (self._liveness_writer, self._writer):
+            if writer is not None:
+                await writer  # what the agent said before it went is recorded before it is offline
         # The database first: with Redis gone too (a restart of both), the node is still marked offline.
         await _db(services.mark_offline)(node_id=self.node_id, link_since=self.link_since)
         try:
@@ -110,6 +115,19 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             )
         self.generations.clear()
 
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        """A frame that is not JSON text is refused like a malformed message: Channels' own JSON
+        consumer raises on it (a binary or empty frame, text that is not JSON or nests too deep)."""
+        try:
+            if not text_data:
+                raise ValueError("a message must be a JSON text frame")
+            content = await self.decode_json(text_data)
+        except (ValueError, RecursionError) as exc:
+            log.warning("node %s sent a frame that is not JSON: %.200s", self.node_id, exc)
+            await self.send_json({"type": "error", "detail": f"not a JSON message: {exc}"})
+            return
+        await self.receive_json(content, **kwargs)
+
     async def receive_json(self, content, **kwargs) -> None:
         try:
             event = parse(content, allowed=EVENTS)
@@ -120,7 +138,10 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(event, GENERATION_EVENTS):
             await self._relay_generation(event)
         elif isinstance(event, Heartbeat):
-            self._record(("heartbeat",), services.record_heartbeat, inventory=event.inventory, roles=event.roles)
+            self._liveness = event.inventory
+            if self._liveness_writer is None or self._liveness_writer.done():
+                self._liveness_writer = asyncio.create_task(self._write_liveness())
+            self._record(("roles",), services.record_runtime, reports=event.roles, complete=True)
         elif isinstance(event, RoleState):
             self._record((), services.record_runtime, reports=[event.to_json()], complete=False)
         elif isinstance(event, TaskProgress):
@@ -140,6 +161,14 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         self._writes.append((key, write, kwargs))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write())
+
+    async def _write_liveness(self) -> None:
+        while self._liveness is not None:
+            inventory, self._liveness = self._liveness, None
+            try:
+                await _db(services.record_liveness)(node_id=self.node_id, inventory=inventory)
+            except Exception:
+                log.exception("node %s: its heartbeat could not be recorded", self.node_id)
 
     async def _write(self) -> None:
         while self._writes:

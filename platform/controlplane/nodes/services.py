@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -14,6 +15,7 @@ from django.utils import timezone
 
 from . import signals
 from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
+from .inventory import clean_inventory
 from .models import JoinToken, Node, NodeStatus, NodeTask, TaskState
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,11 @@ def enroll_node(*, token: str, name: str, inventory: dict, address: str = "") ->
     try:
         with transaction.atomic():
             node = Node.objects.create(
-                name=name, secret_hash=digest(secret), inventory=inventory, address=address, join_token=join_token
+                name=name,
+                secret_hash=digest(secret),
+                inventory=clean_inventory(inventory),
+                address=address,
+                join_token=join_token,
             )
     except IntegrityError:
         raise EnrollmentError(f"a node named {name!r} is already enrolled; pick another --name") from None
@@ -126,9 +132,18 @@ def touch_node(*, node: Node) -> None:
 
 def record_heartbeat(*, node_id: str, inventory: dict, roles: list | None = None) -> None:
     """An agent is alive: note when, what the box offers, bring the node online, pass on every role it runs."""
+    record_liveness(node_id=node_id, inventory=inventory)
+    if roles is not None:
+        record_runtime(node_id=node_id, reports=roles, complete=True)
+
+
+def record_liveness(*, node_id: str, inventory: dict) -> None:
+    """A heartbeat's node part: when, what the box offers, online (a draining node stays draining).
+
+    One UPDATE: heartbeats are the control plane's most frequent write.
+    """
+    inventory = clean_inventory(inventory)
     address = inventory.get("address", "")
-    # One UPDATE (heartbeats are the control plane's most frequent write): a draining node stays
-    # draining, any other comes (back) online.
     updates = {
         "last_seen": timezone.now(),
         "inventory": inventory,
@@ -139,8 +154,6 @@ def record_heartbeat(*, node_id: str, inventory: dict, roles: list | None = None
     if isinstance(address, str) and address:
         updates["address"] = address
     Node.objects.filter(pk=node_id).update(**updates)
-    if roles is not None:
-        record_runtime(node_id=node_id, reports=roles, complete=True)
 
 
 def mark_connected(*, node_id: str) -> datetime:
@@ -250,6 +263,8 @@ def request_fetch(*, node: Node, model_id: int, role: str) -> NodeTask:
 
 
 def record_task_progress(*, node_id: str, task_id: str, done: int, total: int) -> None:
+    if not _is_task_id(task_id) or not all(-(2**63) <= n < 2**63 for n in (done, total)):
+        return  # no task of any node's, or figures no 64-bit column holds: nothing to record
     # Only the node's own tasks: a node's credential acts for that node alone.
     NodeTask.objects.filter(pk=task_id, node_id=node_id).exclude(state__in=[TaskState.DONE, TaskState.FAILED]).update(
         state=TaskState.RUNNING, done=done, total=total
@@ -257,6 +272,17 @@ def record_task_progress(*, node_id: str, task_id: str, done: int, total: int) -
 
 
 def record_task_done(*, node_id: str, task_id: str, ok: bool, detail: str) -> None:
+    if not _is_task_id(task_id):
+        return
     NodeTask.objects.filter(pk=task_id, node_id=node_id).update(
         state=TaskState.DONE if ok else TaskState.FAILED, detail=detail
     )
+
+
+def _is_task_id(task_id: str) -> bool:
+    """Whether ``task_id`` can name a task at all (a UUID): an agent's link may report any string."""
+    try:
+        uuid.UUID(task_id)
+    except ValueError:
+        return False
+    return True
