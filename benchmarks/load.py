@@ -1,0 +1,975 @@
+r"""The control plane under load on loopback: many agents heartbeating, chats answering, the API polled.
+
+    python -m benchmarks.load [--agents 300] [--chats 20] [--duration 60] [--heartbeat-s 5] [--json OUT]
+
+Sets up a control plane of its own in a temporary directory, as ``manage.py up`` does: a
+private Redis (``REDIS_URL`` if set), a fresh SQLite database, migrated, the ASGI server
+(uvicorn, one process), a Celery worker with beat (offline detection runs there), and 3
+real agents (``python -m agent``) serving the demo model (``--model``) as one deployment,
+which answers the chats.
+
+Then, from this one asyncio process:
+
+- ``--agents`` simulated agents speak the real agent protocol. Each enrolls over HTTP with
+  a join token through the agent's own ``enroll_or_resume`` (inventory, credential file and
+  all), opens the agent link with its node credential as ``agent.link`` does, sends an
+  ``agent.messages.Heartbeat`` at once and every ``--heartbeat-s`` (the agent's default:
+  5 s), answers pings, and reconnects with the agent's backoff if the link drops. A
+  simulated box runs no role, so its heartbeat carries ``roles=[]``; its inventory is
+  collected once (``agent.inventory.collect``) and sent every time with one extra field,
+  ``bench_seq``, the heartbeat's number.
+- ``--chats`` users, each logged in with a session of its own, talk on the chat websocket
+  (``/ws/chat/``) as the browser does: a question, every ``token`` event until ``done``,
+  the next question (a new conversation each time, ``--chat-tokens`` tokens at most).
+- A staff API key polls ``GET --api-path`` (default ``/api/nodes``) every ``--api-interval-s``.
+
+For ``--duration`` seconds, after every simulated agent is online, it measures:
+
+- heartbeat latency. The agent link has no acknowledgement for a heartbeat (events go up,
+  nothing answers them), so the honest figure is the time from the agent sending it to the
+  control plane writing it to the node's row (``last_seen``, ``inventory``): a trigger in
+  the benchmark's own SQLite database notes, for every heartbeat written, its ``bench_seq``
+  and SQLite's clock (1 ms resolution; the same machine, so the same clock as the sender's).
+  A heartbeat sent and never written is *lost*.
+- nodes wrongly marked offline: a second trigger notes every change of a node's status, by
+  whichever process made it (the link closing in the ASGI server, the silence check in
+  Celery beat). Any node that turned offline before the benchmark started closing the links
+  (its agent was up and heartbeating) counts, the 3 serving nodes too; so does every drop
+  of a simulated agent's link, seen from its side.
+- chats: time to the first token and to ``done`` as the user sees them. A message is *lost*
+  when no ``done`` came, or the tokens shown do not add up to ``done``'s content, or that is
+  not what the database saved as the answer. A ``done`` with status ``failed`` (the user was
+  told why) is counted apart, as failed.
+- API latency of each poll, and this process's own event-loop lag (if the load generator
+  lags, its figures say so).
+
+Chat messages in flight when the duration ends are waited for (and counted). Then every
+heartbeat sent so far is judged: the links stay up, heartbeating, while the server works
+through any backlog, and a heartbeat still missing once nothing has been written for 30 s is
+lost. Only then do the links close. Also reported: heartbeats offered and written per second,
+the heartbeat latency per 10 s of the run (a backlog that grows shows here), and the CPU each
+part used during the window, with what the rest of the machine used (on a shared machine
+every figure is worse).
+
+One setting differs from a production install: the limit on anonymous calls per address
+(60/minute) is raised for this server, since every simulated box enrolls from 127.0.0.1
+while real boxes each have an address of their own. Prints a Markdown table; ``--json``
+writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import shutil
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from agent import inventory
+from agent.__main__ import enroll_or_resume
+from agent.backoff import reconnect_delay
+from agent.http import ControlPlaneError, request_json
+from agent.link import CLOSE_UNAUTHENTICATED, link_url
+from agent.messages import COMMANDS, Heartbeat, MessageError, Ping, Pong, parse
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_MODEL = REPO / "platform" / "demo-model"
+REAL_AGENTS = 3  # main, shadow, one worker: the smallest deployment that answers
+REAL_HEARTBEAT_S = 2.0  # as ``manage.py up`` starts its local agents
+DEPLOYMENT = "load-demo"
+CHAT_TIMEOUT_S = 300.0  # past the control plane's own 120 s wait for a first token, and then some
+STALL_S = 30.0  # heartbeats still missing with none written for this long are lost
+TIMELINE_S = 10.0  # the heartbeat latency is also reported per this many seconds of the run
+ANON_RATE = "100000/minute"
+LAG_TICK_S = 0.1
+PROMPTS = [
+    "In Python, a dictionary",
+    "What does a list comprehension do?",
+    "How do I open a file?",
+    "Explain the with statement.",
+    "What is a generator?",
+    "How are exceptions raised?",
+    "What does the import system do?",
+    "How do I format a string?",
+]
+
+
+# --- figures ----------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by linear interpolation; ``values`` need not be sorted."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summary(values: list[float]) -> dict:
+    """p50/p90/p99 with the spread (min, max) and the count; None figures for no values."""
+    if not values:
+        return {"n": 0, "p50": None, "p90": None, "p99": None, "min": None, "max": None, "mean": None}
+    return {
+        "n": len(values),
+        "p50": percentile(values, 0.5),
+        "p90": percentile(values, 0.9),
+        "p99": percentile(values, 0.99),
+        "min": min(values),
+        "max": max(values),
+        "mean": statistics.fmean(values),
+    }
+
+
+def heartbeat_figures(
+    sent: dict[tuple[str, int], float], written: dict[tuple[str, int], float], window, judged_until: float
+) -> dict:
+    """Latency (ms) of the heartbeats sent within ``window`` (start, end); lost: sent before
+    ``judged_until`` and never written; a timeline of the latency from the window's start on."""
+    start, end = window
+    latencies = [(written[key] - at) * 1000 for key, at in sent.items() if start <= at < end and key in written]
+    judged = [key for key, at in sent.items() if at < judged_until]
+    lost = sorted(key for key in judged if key not in written)
+    in_window = [at for at in sent.values() if start <= at < end]
+    timeline = []
+    bucket = start
+    while bucket < judged_until:
+        keys = [k for k, at in sent.items() if bucket <= at < min(bucket + TIMELINE_S, judged_until)]
+        ms = [(written[k] - sent[k]) * 1000 for k in keys if k in written]
+        timeline.append(
+            {
+                "from_s": round(bucket - start, 1),
+                "sent": len(keys),
+                "p50_ms": percentile(ms, 0.5) if ms else None,
+                "max_ms": max(ms) if ms else None,
+            }
+        )
+        bucket += TIMELINE_S
+    written_in_window = [at for at in written.values() if start <= at < end]
+    return {
+        "sent": len(judged),
+        "sent_in_window": len(in_window),
+        "written": len(judged) - len(lost),
+        "lost": len(lost),
+        "lost_examples": [f"{name}#{seq}" for name, seq in lost[:10]],
+        "sent_after_judging": len(sent) - len(judged),
+        "offered_per_s": len(in_window) / (end - start) if end > start else None,
+        "written_per_s": len(written_in_window) / (end - start) if end > start else None,
+        "ms": summary(latencies),
+        "timeline": timeline,
+    }
+
+
+def wrongly_offline(transitions: list[tuple[str, str, str, float]], names: set[str], cutoff: float) -> list[str]:
+    """Nodes in ``names`` that turned offline before ``cutoff`` (while their agent was up)."""
+    return sorted({name for name, _old, new, at in transitions if name in names and new == "offline" and at < cutoff})
+
+
+def judge_chats(records: list[dict], saved: dict[int, tuple[str, str]]) -> dict:
+    """Every chat message's fate: complete, failed (the user was told), or lost; ``saved``: id -> (content, status)."""
+    complete, failed, lost, reasons = 0, 0, 0, Counter()
+    for record in records:
+        done = record.get("done")
+        reason = ""
+        if done is None:
+            reason = record.get("problem") or "no done event"
+        elif record["text"] != done["content"]:
+            reason = "the tokens shown differ from done's content"
+        elif done["message_id"] not in saved:
+            reason = "the answer is not in the database"
+        elif saved[done["message_id"]] != (done["content"], done["status"]):
+            reason = "the saved answer differs from done"
+        if reason:
+            lost += 1
+            reasons[reason] += 1
+            record["lost"] = reason
+        elif done["status"] == "failed":
+            failed += 1
+            reasons["failed: " + "; ".join(record["errors"])[:200]] += 1
+        else:
+            complete += 1
+    return {"sent": len(records), "complete": complete, "failed": failed, "lost": lost, "reasons": dict(reasons)}
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(results: dict) -> str:
+    setup = results["setup"]
+    lines = [
+        f"{setup['agents']} simulated agents (heartbeat every {setup['heartbeat_s']:g} s) + "
+        f"{setup['real_agents']} real ones serving {Path(setup['model']).name}, {setup['chats']} chats, "
+        f"{setup['duration_s']:g} s on loopback, {setup['cores']} cores "
+        f"(load average {setup['loadavg_before'][0]:.2f} before, {setup['loadavg_after'][0]:.2f} after)",
+        "",
+        "| latency (ms) | p50 | p90 | p99 | max | n |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = [
+        ("heartbeat: sent → written", results["heartbeat"]["ms"]),
+        (f"API GET {setup['api_path']}", results["api"]["ms"]),
+        ("chat: time to first token", results["chat"]["ttft_ms"]),
+        ("chat: whole answer", results["chat"]["answer_ms"]),
+        ("enrollment (POST /api/agents/enroll)", results["enrollment"]["ms"]),
+        ("agent link opened", results["links"]["open_ms"]),
+        ("load generator's event-loop lag", results["client_loop_lag_ms"]),
+    ]
+    for label, s in rows:
+        lines.append(
+            f"| {label} | {_fmt(s['p50'])} | {_fmt(s['p90'])} | {_fmt(s['p99'])} | {_fmt(s['max'])} | {s['n']} |"
+        )
+    chat, hb = results["chat"], results["heartbeat"]
+    lines += [
+        "",
+        "| count | value | goal |",
+        "|---|---:|---:|",
+        f"| nodes wrongly marked offline | {results['nodes']['wrongly_offline']} | 0 |",
+        f"| heartbeats lost (sent, never written) | {hb['lost']} of {hb['sent']} | 0 |",
+        f"| chat messages lost | {chat['lost']} of {chat['sent']} | 0 |",
+        f"| chat answers failed (user told why) | {chat['failed']} | 0 |",
+        f"| agent links dropped (simulated + serving) | {results['links']['drops']} + "
+        f"{results['nodes']['real_agent_link_drops']} | 0 |",
+        f"| API errors | {results['api']['errors']} of {results['api']['requests']} | 0 |",
+        f"| chat answers complete | {chat['complete']} ({chat['tokens']} tokens) | |",
+        "",
+        f"Heartbeats offered {_fmt(hb['offered_per_s'])}/s, written {_fmt(hb['written_per_s'])}/s during the "
+        "window; every judged heartbeat written "
+        + ("never (some lost)" if hb["backlog_cleared_s"] is None else f"{hb['backlog_cleared_s']:.1f} s after the end")
+        + ".",
+        "Heartbeat latency over the run (from the window's start; p50 / max ms): "
+        + ", ".join(f"{t['from_s']:g} s: {_fmt(t['p50_ms'], 0)} / {_fmt(t['max_ms'], 0)}" for t in hb["timeline"]),
+    ]
+    cpu = results.get("cpu")
+    if cpu:
+        shares = ", ".join(f"{name} {pct:.0f}" for name, pct in cpu["percent_of_one_core"].items())
+        lines.append(
+            f"CPU during the window, % of one core: {shares}; the machine was {cpu['machine_busy_percent']:.0f}% busy, "
+            f"{cpu['other_processes_cores']:.2f} cores of it other processes than this benchmark's."
+        )
+    return "\n".join(lines)
+
+
+# --- the control plane ------------------------------------------------------------------------
+
+
+def configure_django(work: Path, redis_url: str) -> None:
+    """This process and its children: the production settings on this run's database and Redis."""
+    os.environ.update(
+        DJANGO_SETTINGS_MODULE="controlplane.config.settings.local",
+        ODMOE_VAR_DIR=str(work / "var"),
+        DATABASE_URL=f"sqlite:///{work / 'db.sqlite3'}",
+        REDIS_URL=redis_url,
+        ODMOE_THROTTLE_ANON=ANON_RATE,
+    )
+    import logging
+
+    import django
+
+    django.setup()
+    logging.getLogger("axes").setLevel(logging.WARNING)  # one line per chat user's login otherwise
+
+
+TRIGGERS = """
+CREATE TABLE bench_heartbeat (name TEXT, seq INTEGER, at REAL);
+CREATE TRIGGER bench_heartbeat_written AFTER UPDATE OF inventory ON {nodes}
+WHEN json_extract(NEW.inventory, '$.bench_seq') IS NOT NULL
+BEGIN
+  INSERT INTO bench_heartbeat VALUES
+    (NEW.name, json_extract(NEW.inventory, '$.bench_seq'), (julianday('now') - 2440587.5) * 86400.0);
+END;
+CREATE TABLE bench_status (name TEXT, old TEXT, new TEXT, at REAL);
+CREATE TRIGGER bench_status_changed AFTER UPDATE OF status ON {nodes}
+WHEN OLD.status IS NOT NEW.status
+BEGIN
+  INSERT INTO bench_status VALUES (NEW.name, OLD.status, NEW.status, (julianday('now') - 2440587.5) * 86400.0);
+END;
+CREATE TABLE bench_deployment (name TEXT, old TEXT, new TEXT, reason TEXT, at REAL);
+CREATE TRIGGER bench_deployment_changed AFTER UPDATE OF status ON {deployments}
+WHEN OLD.status IS NOT NEW.status
+BEGIN
+  INSERT INTO bench_deployment VALUES
+    (NEW.name, OLD.status, NEW.status, NEW.status_reason, (julianday('now') - 2440587.5) * 86400.0);
+END;
+"""
+
+
+def install_triggers(db: Path) -> None:
+    """The benchmark's own bookkeeping in its own database: every heartbeat written, every status change."""
+    from controlplane.deployments.models import Deployment
+    from controlplane.nodes.models import Node
+
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
+        script = TRIGGERS.format(nodes=Node._meta.db_table, deployments=Deployment._meta.db_table)
+        conn.executescript(script)
+        conn.commit()
+
+
+def read_db(db: Path, query: str) -> list[tuple]:
+    """A read on its own connection (WAL: never blocks the server's writes); safe in any thread."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as conn:
+        return conn.execute(query).fetchall()
+
+
+@dataclass
+class Plane:
+    server: str
+    db: Path
+    staff_key: str
+    sessions: list[str]  # one session cookie per chat user
+    agent_token: str  # a join token for the simulated agents
+    deployment_id: int
+
+
+def start_plane(group, work: Path, args: argparse.Namespace) -> Plane:
+    """Migrate, create the users, start the ASGI server, Celery and the serving deployment."""
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+    from django.test import Client
+
+    from controlplane.accounts.services import create_api_key
+    from controlplane.artifacts.services import register_model
+    from controlplane.deployments import lifecycle
+    from controlplane.deployments.models import Deployment, DeploymentStatus
+    from controlplane.deployments.services import create_deployment
+    from controlplane.nodes.models import Node, NodeStatus
+    from controlplane.nodes.services import create_join_token
+    from controlplane.ops.processes import agent_argv, asgi_argv, celery_argv, http_up, wait_until
+    from inference.launcher import free_port
+
+    db = work / "db.sqlite3"
+    call_command("migrate", interactive=False, verbosity=0)
+    install_triggers(db)
+    users = get_user_model().objects
+    _, staff_key = create_api_key(user=users.create_user("load-staff", is_staff=True))
+    sessions = []
+    for i in range(args.chats):
+        browser = Client()
+        browser.force_login(users.create_user(f"chat-{i:03d}"))
+        sessions.append(browser.cookies["sessionid"].value)
+    tokens = []
+    for start in range(0, args.agents, 1000):  # a join token takes at most 1000 uses
+        uses = min(1000, args.agents - start)
+        tokens.append(create_join_token(created_by=None, name="load", ttl_s=3600, max_uses=uses)[1])
+    if len(tokens) > 1:
+        raise SystemExit("--agents above 1000 needs more than one join token; not supported")
+    _, serve_token = create_join_token(created_by=None, name="serving", ttl_s=3600, max_uses=REAL_AGENTS)
+
+    port = free_port()
+    server = f"http://127.0.0.1:{port}"
+    print(f"· control plane on {server} (work directory {work})", flush=True)
+    group.start("asgi", asgi_argv(port))
+    celery = group.start("celery", celery_argv(beat_schedule=work / "beat-schedule", queues=("celery", "jobs")))
+    wait_until("the ASGI server answering", lambda: http_up(server + "/api/schema/"), timeout_s=90, check=group.check)
+    wait_until("the Celery worker", lambda: b"ready." in celery.log_path.read_bytes(), timeout_s=90, check=group.check)
+
+    names = [f"serve-{i}" for i in range(REAL_AGENTS)]
+    for name in names:
+        argv = agent_argv(server, work / "agents" / name, name=name, token=serve_token, heartbeat_s=REAL_HEARTBEAT_S)
+        group.start(f"agent-{name}", argv)
+
+    def online() -> bool:
+        return Node.objects.filter(name__in=names, status=NodeStatus.ONLINE).count() == REAL_AGENTS
+
+    wait_until(f"{REAL_AGENTS} serving agents online", online, timeout_s=180, check=group.check)
+    model_dir = args.model
+    if not (model_dir / "config.json").exists():
+        from inference.tiny import make_tiny
+
+        model_dir = make_tiny(work / "tiny-model", seed=0)
+    model = register_model(name="load-model", path=str(model_dir))
+    node_ids = [str(pk) for pk in Node.objects.filter(name__in=names).values_list("pk", flat=True)]
+    deployment = create_deployment(name=DEPLOYMENT, model=model, node_ids=node_ids)
+    lifecycle.start_deployment(deployment=deployment)
+    print(f"· deploying {model_dir.name} on {REAL_AGENTS} agents", flush=True)
+
+    def ready() -> bool:
+        status = Deployment.objects.get(pk=deployment.pk).status
+        if status == DeploymentStatus.FAILED:
+            raise RuntimeError(f"the deployment failed: {Deployment.objects.get(pk=deployment.pk).status_reason}")
+        return status == DeploymentStatus.READY
+
+    wait_until("the deployment ready", ready, timeout_s=300, check=group.check)
+    return Plane(server, db, staff_key, sessions, tokens[0], deployment.pk)
+
+
+# --- the load -----------------------------------------------------------------------------------
+
+
+@dataclass
+class SimAgent:
+    name: str
+    state_dir: Path
+    credential: object = None  # agent.credentials.NodeCredential once enrolled
+    inventory: dict = field(default_factory=dict)
+    enroll_ms: float | None = None
+    enroll_error: str = ""
+    seq: int = 0
+    sent: dict[int, float] = field(default_factory=dict)  # heartbeat number -> wall time it was sent
+    send_failed: int = 0
+    open_ms: list[float] = field(default_factory=list)
+    drops: list[tuple[float, str]] = field(default_factory=list)  # (wall time, why) the link dropped
+    refused: str = ""
+    commands: Counter = field(default_factory=Counter)
+    connected: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Load:
+    """What every coroutine shares: the switches and what they measured."""
+
+    plane: Plane
+    args: argparse.Namespace
+    families: dict[str, list[int]]  # process families whose CPU is counted: name -> their leaders' pids
+    stop_chats: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_beats: asyncio.Event = field(default_factory=asyncio.Event)
+    close_links: asyncio.Event = field(default_factory=asyncio.Event)
+    agents: list[SimAgent] = field(default_factory=list)
+    chats: list[dict] = field(default_factory=list)
+    chat_errors: list[str] = field(default_factory=list)
+    api_ms: list[float] = field(default_factory=list)
+    api_errors: list[str] = field(default_factory=list)
+    lag_ms: list[float] = field(default_factory=list)
+    window: tuple[float, float] = (0.0, 0.0)
+    judged_until: float = 0.0  # heartbeats sent before this are judged written or lost
+    backlog_cleared_s: float | None = None
+    cpu: dict = field(default_factory=dict)  # CPU seconds per process family at the window's start and end
+
+
+def enroll(agent: SimAgent, server: str, token: str) -> None:
+    """The agent's own first run: spend the join token, store the credential (in a thread: it blocks)."""
+    started = time.perf_counter()
+    try:
+        agent.credential = enroll_or_resume(server, token, agent.name, agent.state_dir)
+    except Exception as exc:  # reported, and the agent sits out
+        agent.enroll_error = str(exc)
+        return
+    agent.enroll_ms = (time.perf_counter() - started) * 1000
+    # What it sends in every heartbeat: the box's inventory, collected once (it does not change
+    # on a simulated box), as the real agent collects it.
+    agent.inventory = inventory.collect(agent.state_dir, "127.0.0.1")
+
+
+async def run_agent(load: Load, agent: SimAgent) -> None:
+    """``agent.link``'s loop for one box: keep the link up until told to close, reconnecting with backoff."""
+    attempt = 0
+    while not load.close_links.is_set():
+        started = time.perf_counter()
+        why = ""
+        try:
+            async with connect(
+                link_url(agent.credential.server),
+                additional_headers={"Authorization": agent.credential.authorization},
+                open_timeout=10,
+                proxy=None,
+            ) as ws:
+                agent.open_ms.append((time.perf_counter() - started) * 1000)
+                attempt = 0
+                agent.connected.set()
+                if await serve_link(load, agent, ws):
+                    return  # closed on purpose
+                why = "the server ended the link"
+        except InvalidStatus as exc:
+            if exc.response.status_code in (401, 403):
+                agent.refused = f"HTTP {exc.response.status_code}"
+                return
+            why = f"refused with HTTP {exc.response.status_code}"
+        except ConnectionClosed as exc:
+            if exc.rcvd is not None and exc.rcvd.code == CLOSE_UNAUTHENTICATED:
+                agent.refused = "closed 4401"
+                return
+            why = f"closed: {exc}"
+        except (OSError, TimeoutError) as exc:
+            why = f"cannot connect: {exc!r}"
+        if load.close_links.is_set():
+            return
+        agent.drops.append((time.time(), why))
+        delay = reconnect_delay(attempt)
+        attempt += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(load.close_links.wait(), timeout=delay)
+
+
+async def serve_link(load: Load, agent: SimAgent, ws) -> bool:
+    """Heartbeats up, commands down, as ``agent.link._serve``; True when the benchmark closed it."""
+
+    async def beat() -> None:
+        while not load.stop_beats.is_set():
+            agent.seq += 1
+            seq = agent.seq
+            message = Heartbeat(inventory={**agent.inventory, "bench_seq": seq}, roles=[])
+            payload = json.dumps(message.to_json())
+            agent.sent[seq] = time.time()
+            try:
+                await ws.send(payload)
+            except ConnectionClosed:
+                del agent.sent[seq]  # never left this box: not sent, so not lost either
+                agent.send_failed += 1
+                raise
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(load.stop_beats.wait(), timeout=load.args.heartbeat_s)
+        await asyncio.Future()  # beats stopped: the link stays up until it is closed
+
+    async def listen() -> None:
+        async for raw in ws:
+            try:
+                command = parse(json.loads(raw), allowed=COMMANDS)
+            except (MessageError, ValueError):
+                agent.commands["bad"] += 1
+                continue
+            agent.commands[command.TYPE] += 1
+            if isinstance(command, Ping):
+                await ws.send(json.dumps(Pong(nonce=command.nonce).to_json()))
+
+    tasks = [asyncio.create_task(beat()), asyncio.create_task(listen()), asyncio.create_task(load.close_links.wait())]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # ConnectionClosed and friends go to run_agent
+        return load.close_links.is_set()
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def run_chat(load: Load, user: int, session: str) -> None:
+    """One user on the chat page: a question, its answer streamed, the next question, until stopped."""
+    server = load.plane.server
+    url = server.replace("http://", "ws://", 1) + "/ws/chat/"
+    asked = 0
+    while not load.stop_chats.is_set():
+        try:
+            async with connect(
+                url, additional_headers={"Cookie": f"sessionid={session}"}, origin=server, open_timeout=10, proxy=None
+            ) as ws:
+                while not load.stop_chats.is_set():
+                    prompt = PROMPTS[(user + asked) % len(PROMPTS)]
+                    asked += 1
+                    record = await chat_once(ws, user, prompt, load.args.chat_tokens)
+                    load.chats.append(record)
+                    if record["done"] is None:
+                        break  # a socket that lost an answer is not trusted with the next one
+                    if load.args.think_s:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(load.stop_chats.wait(), timeout=load.args.think_s)
+        except (ConnectionClosed, InvalidStatus, OSError, TimeoutError) as exc:
+            load.chat_errors.append(f"user {user}: {exc!r}")
+            await asyncio.sleep(1)
+
+
+async def chat_once(ws, user: int, prompt: str, max_tokens: int) -> dict:
+    record: dict = {"user": user, "sent_at": time.time(), "ttft_ms": None, "answer_ms": None, "tokens": 0}
+    record.update(text="", done=None, errors=[], problem="")
+    started = time.perf_counter()
+    await ws.send(json.dumps({"type": "send", "conversation": None, "content": prompt, "max_tokens": max_tokens}))
+    deadline = started + CHAT_TIMEOUT_S
+    try:
+        while True:
+            raw = await asyncio.wait_for(ws.recv(), timeout=max(0.001, deadline - time.perf_counter()))
+            event = json.loads(raw)
+            kind = event.get("type")
+            if kind == "token":
+                if record["ttft_ms"] is None:
+                    record["ttft_ms"] = (time.perf_counter() - started) * 1000
+                record["tokens"] += 1
+                record["text"] += event["text"]
+            elif kind == "error":
+                record["errors"].append(event.get("detail", ""))
+            elif kind == "done":
+                record["answer_ms"] = (time.perf_counter() - started) * 1000
+                record["done"] = {k: event.get(k) for k in ("message_id", "content", "status", "metrics")}
+                return record
+    except TimeoutError:
+        record["problem"] = f"no done within {CHAT_TIMEOUT_S:.0f} s"
+    except ConnectionClosed as exc:
+        record["problem"] = f"the chat socket closed mid-answer: {exc}"
+    return record
+
+
+async def poll_api(load: Load) -> None:
+    url = load.plane.server + load.args.api_path
+    authorization = f"Bearer {load.plane.staff_key}"
+    while not load.stop_chats.is_set():
+        started = time.perf_counter()
+        try:
+            await asyncio.to_thread(request_json, "GET", url, authorization=authorization, timeout_s=60)
+        except ControlPlaneError as exc:
+            load.api_errors.append(str(exc))
+        else:
+            load.api_ms.append((time.perf_counter() - started) * 1000)
+        elapsed = time.perf_counter() - started
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(load.stop_chats.wait(), timeout=max(0.0, load.args.api_interval_s - elapsed))
+
+
+async def watch_loop_lag(load: Load) -> None:
+    """How late this process's event loop wakes up: a busy load generator would show here."""
+    while not load.close_links.is_set():
+        started = time.perf_counter()
+        await asyncio.sleep(LAG_TICK_S)
+        load.lag_ms.append(max(0.0, (time.perf_counter() - started - LAG_TICK_S) * 1000))
+
+
+async def wait_for(what: str, ready, timeout_s: float, interval_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
+        await asyncio.sleep(interval_s)
+
+
+async def run_load(load: Load, work: Path) -> dict:
+    args, plane = load.args, load.plane
+    load.agents = [SimAgent(f"load-{i:04d}", work / "sim" / f"load-{i:04d}") for i in range(args.agents)]
+    names = [a.name for a in load.agents]
+    loop = asyncio.get_running_loop()
+    links: list[asyncio.Task] = []
+    lag = asyncio.create_task(watch_loop_lag(load))
+
+    # Every box enrolls, then opens its link at once, as ``python -m agent --token`` does.
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=args.enroll_concurrency, thread_name_prefix="enroll") as pool:
+
+        async def join(agent: SimAgent) -> None:
+            await loop.run_in_executor(pool, enroll, agent, plane.server, plane.agent_token)
+            if agent.credential is not None:
+                links.append(asyncio.create_task(run_agent(load, agent)))
+
+        await asyncio.gather(*(join(agent) for agent in load.agents))
+    enrolled = [a for a in load.agents if a.credential is not None]
+    print(f"· {len(enrolled)} of {args.agents} agents enrolled in {time.monotonic() - started:.1f} s", flush=True)
+
+    async def all_connected() -> bool:
+        return all(a.connected.is_set() or a.refused for a in enrolled)
+
+    async def all_online() -> bool:
+        rows = await asyncio.to_thread(
+            read_db, plane.db, "SELECT name FROM nodes_node WHERE status = 'online' AND name LIKE 'load-%'"
+        )
+        return len(rows) == len(enrolled)
+
+    await wait_for("every agent link up", all_connected, timeout_s=120)
+    await wait_for("every simulated node online", all_online, timeout_s=120)
+    ramp_s = time.monotonic() - started
+    print(f"· {len(enrolled)} agents online {ramp_s:.1f} s after the first enrollment; measuring", flush=True)
+
+    # The measured window: chats and API polls on top of the heartbeats.
+    t0 = time.time()
+    load.cpu["start"] = cpu_seconds(load.families)
+    traffic = [asyncio.create_task(run_chat(load, i, s)) for i, s in enumerate(plane.sessions)]
+    traffic.append(asyncio.create_task(poll_api(load)))
+    await asyncio.sleep(args.duration)
+    load.window = (t0, time.time())
+    load.cpu["end"] = cpu_seconds(load.families)
+    load.stop_chats.set()
+    print("· duration over: waiting for the answers in flight", flush=True)
+    await asyncio.gather(*traffic)
+
+    # Every heartbeat sent until now is judged: the links stay up (and keep heartbeating, so no
+    # node falls silent) while the server works through a backlog, as long as it makes progress.
+    load.judged_until = time.time()
+    judged = {(a.name, seq) for a in enrolled for seq, at in a.sent.items() if at < load.judged_until}
+    print(f"· waiting for {len(judged)} heartbeats to be written", flush=True)
+    missing, progress_at = len(judged), time.monotonic()
+    while missing:
+        rows = await asyncio.to_thread(read_db, plane.db, "SELECT name, seq FROM bench_heartbeat")
+        now_missing = len(judged - set(rows))
+        if now_missing < missing:
+            missing, progress_at = now_missing, time.monotonic()
+        if missing and time.monotonic() - progress_at > STALL_S:
+            break  # nothing written for a while: what is missing is lost
+        await asyncio.sleep(0.5)
+    load.backlog_cleared_s = time.time() - load.judged_until if not missing else None
+    cutoff = time.time()
+    load.stop_beats.set()
+    load.close_links.set()
+    await asyncio.wait_for(asyncio.gather(*links), timeout=60)
+    lag.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await lag
+    return {"ramp_s": ramp_s, "cutoff": cutoff, "names": names}
+
+
+def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> dict:
+    from controlplane.chat.models import Message
+
+    args = load.args
+    written = {(name, seq): at for name, seq, at in read_db(plane.db, "SELECT name, seq, at FROM bench_heartbeat")}
+    sent = {(a.name, seq): at for a in load.agents for seq, at in a.sent.items()}
+    transitions = read_db(plane.db, "SELECT name, old, new, at FROM bench_status ORDER BY at")
+    deployment_changes = read_db(plane.db, "SELECT name, old, new, reason, at FROM bench_deployment ORDER BY at")
+    watched = {*outcome["names"], *(f"serve-{i}" for i in range(REAL_AGENTS))}
+    offline = wrongly_offline(transitions, watched, outcome["cutoff"])
+    t0 = load.window[0]
+    ids = [r["done"]["message_id"] for r in load.chats if r["done"] is not None]
+    saved = {
+        pk: (content, status)
+        for pk, content, status in Message.objects.filter(pk__in=ids).values_list("pk", "content", "status")
+    }
+    judged = judge_chats(load.chats, saved)
+    ttft = [r["ttft_ms"] for r in load.chats if r["ttft_ms"] is not None]
+    answer = [r["answer_ms"] for r in load.chats if r["answer_ms"] is not None]
+    server_ttft = [r["done"]["metrics"].get("ttft_ms") for r in load.chats if r["done"] and r["done"]["metrics"]]
+    drops = [(a.name, at - t0, why) for a in load.agents for at, why in a.drops]
+    real_drops = real_link_drops(log_dir)
+    commands = sum((a.commands for a in load.agents), Counter())
+    return {
+        "setup": {
+            "agents": args.agents,
+            "real_agents": REAL_AGENTS,
+            "chats": args.chats,
+            "duration_s": args.duration,
+            "heartbeat_s": args.heartbeat_s,
+            "real_heartbeat_s": REAL_HEARTBEAT_S,
+            "chat_tokens": args.chat_tokens,
+            "think_s": args.think_s,
+            "api_path": args.api_path,
+            "api_interval_s": args.api_interval_s,
+            "model": str(args.model),
+            "cores": os.cpu_count(),
+            "loadavg_before": list(outcome["loadavg_before"]),
+            "loadavg_after": list(os.getloadavg()),
+            "server": "uvicorn, 1 process; Celery worker (threads) with beat; SQLite (WAL)",
+            "redis": outcome["redis"],
+            "node_heartbeat_timeout_s": outcome["timeout_s"],
+            "open_files_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            "anon_throttle": ANON_RATE,
+            "python": sys.version.split()[0],
+        },
+        "enrollment": {
+            "enrolled": sum(a.credential is not None for a in load.agents),
+            "failed": sum(bool(a.enroll_error) for a in load.agents),
+            "errors": sorted({a.enroll_error for a in load.agents if a.enroll_error})[:10],
+            "ms": summary([a.enroll_ms for a in load.agents if a.enroll_ms is not None]),
+        },
+        "ramp_s": outcome["ramp_s"],
+        "links": {
+            "open_ms": summary([ms for a in load.agents for ms in a.open_ms]),
+            "drops": len(drops),
+            "drop_examples": [f"{name} at {at:+.1f} s: {why}" for name, at, why in drops[:10]],
+            "refused": sum(bool(a.refused) for a in load.agents),
+            "commands_received": dict(commands),
+        },
+        "heartbeat": {
+            **heartbeat_figures(sent, written, load.window, load.judged_until),
+            "backlog_cleared_s": load.backlog_cleared_s,
+            "send_failed": sum(a.send_failed for a in load.agents),
+        },
+        "api": {
+            "requests": len(load.api_ms) + len(load.api_errors),
+            "errors": len(load.api_errors),
+            "error_examples": load.api_errors[:5],
+            "ms": summary(load.api_ms),
+        },
+        "chat": {
+            **judged,
+            "tokens": sum(r["tokens"] for r in load.chats),
+            "sent_in_window": sum(r["sent_at"] < load.window[1] for r in load.chats),
+            "ttft_ms": summary(ttft),
+            "answer_ms": summary(answer),
+            "server_ttft_ms": summary([v for v in server_ttft if isinstance(v, int | float)]),
+            "socket_errors": load.chat_errors[:10],
+        },
+        "nodes": {
+            "wrongly_offline": len(offline) + len({name for name, _at, _why in drops} - set(offline)),
+            "marked_offline": offline,
+            "links_dropped": sorted({name for name, _at, _why in drops}),
+            "real_agent_link_drops": len(real_drops),
+            "real_agent_link_drop_lines": real_drops[:10],
+            "status_changes": len(transitions),
+            "offline_changes_before_cutoff": [
+                {"name": n, "from": o, "at_s": round(at - t0, 3)}
+                for n, o, new, at in transitions
+                if new == "offline" and at < outcome["cutoff"]
+            ][:20],
+            "deployment_changes": [
+                {"from": o, "to": new, "reason": reason, "at_s": round(at - t0, 3)}
+                for _name, o, new, reason, at in deployment_changes
+                if t0 <= at < outcome["cutoff"]
+            ],
+        },
+        "client_loop_lag_ms": summary(load.lag_ms),
+        "cpu": cpu_figures(load.cpu.get("start", {}), load.cpu.get("end", {}), load.window[1] - load.window[0]),
+    }
+
+
+# --- the whole run ----------------------------------------------------------------------------
+
+
+def cpu_seconds(families: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each family (its leaders and every descendant
+    alive now), and by the whole machine under "machine" (every process, all cores)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, used = {}, {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        used[pid] = (int(fields[11]) + int(fields[12])) / tick
+    owner = {pid: name for name, pids in families.items() for pid in pids}
+    totals = dict.fromkeys(families, 0.0)
+    for pid, seconds in used.items():
+        ancestor = pid
+        while ancestor > 1 and ancestor not in owner:
+            ancestor = parent.get(ancestor, 0)
+        if ancestor in owner:
+            totals[owner[ancestor]] += seconds
+    first = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in first[:8])
+    totals["machine"] = (user + nice + system + irq + softirq + steal) / tick
+    return totals
+
+
+def cpu_figures(start: dict[str, float], end: dict[str, float], seconds: float) -> dict:
+    """Each family's share of one core over the window (%), the machine's busy share of all its cores,
+    and what the rest of the machine (not this benchmark) used, in cores."""
+    if not start or not end or seconds <= 0:
+        return {}
+    ours = {name: 100 * (end[name] - start[name]) / seconds for name in start if name != "machine"}
+    machine = (end["machine"] - start["machine"]) / seconds
+    return {
+        "percent_of_one_core": ours,
+        "machine_busy_percent": 100 * machine / (os.cpu_count() or 1),
+        "other_processes_cores": max(0.0, machine - sum(ours.values()) / 100),
+    }
+
+
+def real_link_drops(log_dir: Path) -> list[str]:
+    """The serving agents' own reports of a dropped link (``agent.link`` logs each one)."""
+    found = []
+    for log in sorted(log_dir.glob("agent-serve-*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "link closed" in line or "cannot reach" in line or "link refused" in line:
+                found.append(f"{log.stem.removeprefix('agent-')}: {line}")
+    return found
+
+
+def raise_open_files(needed: int) -> None:
+    """Room for every socket (this process's and, inherited, the server's); up to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def start_redis(group, work: Path) -> str:
+    """A private redis-server for this run, as ``manage.py up`` starts one; returns its URL."""
+    from controlplane.ops.processes import ChildFailed, redis_up, wait_until
+    from inference.launcher import free_port
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ChildFailed("Redis is needed: install redis-server (Debian: apt install redis-server) or set REDIS_URL")
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    (work / "redis").mkdir(parents=True)
+    argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+    group.start("redis", [*argv, "--dir", str(work / "redis")])
+    wait_until("Redis answering", lambda: redis_up(url), timeout_s=30, check=group.check)
+    return url
+
+
+def stop_deployment() -> None:
+    """Mark the serving deployment stopped before its agents go (as ``manage.py up`` does)."""
+    from django.conf import settings
+
+    if not settings.configured:
+        return
+    from controlplane.deployments import lifecycle
+    from controlplane.deployments.models import RUNNING, Deployment
+
+    for deployment in Deployment.objects.filter(name=DEPLOYMENT, status__in=RUNNING):
+        lifecycle.stop_deployment(deployment=deployment)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", type=int, default=300, help="simulated agents (default 300)")
+    parser.add_argument("--chats", type=int, default=20, help="concurrent chat users (default 20)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds measured (default 60)")
+    parser.add_argument("--heartbeat-s", type=float, default=5.0, help="seconds between heartbeats (agent default 5)")
+    parser.add_argument("--chat-tokens", type=int, default=32, help="max_tokens of each chat message")
+    parser.add_argument("--think-s", type=float, default=0.0, help="a user's pause between answer and question")
+    parser.add_argument("--api-path", default="/api/nodes", help="the API endpoint polled (GET, staff key)")
+    parser.add_argument("--api-interval-s", type=float, default=0.5, help="seconds between API polls")
+    parser.add_argument("--enroll-concurrency", type=int, default=32, help="enrollments in flight at once")
+    parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="the served checkpoint (default: demo)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, database)")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args(argv)
+    if args.agents < 1 or args.chats < 0 or args.duration <= 0:
+        parser.error("--agents must be >= 1, --chats >= 0 and --duration > 0")
+    args.model = args.model.resolve()
+    raise_open_files(4 * (args.agents + args.chats) + 1024)
+    loadavg_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="odmoe-load-"))
+    sys.path.append(str(REPO / "platform"))
+    from controlplane.ops.processes import ChildFailed, ProcessGroup, python_env
+
+    group = ProcessGroup(work / "logs", {})
+    keep = args.keep
+    redis_given = bool(os.environ.get("REDIS_URL"))
+    try:
+        redis_url = os.environ.get("REDIS_URL", "")
+        if not redis_url:
+            redis_url = start_redis(group, work)
+        configure_django(work, redis_url)
+        group.env = python_env()  # now with this run's settings, database and Redis
+        from django.conf import settings
+
+        plane = start_plane(group, work, args)
+        families: dict[str, list[int]] = {"load generator (this process)": [os.getpid()]}
+        for child in group.children:
+            family = "agents + their roles" if child.name.startswith("agent-") else child.name
+            families.setdefault(family, []).append(child.process.pid)
+        load = Load(plane, args, families)
+        outcome = asyncio.run(run_load(load, work))
+        group.check()  # every process of the control plane is still up
+        outcome.update(loadavg_before=loadavg_before, timeout_s=settings.NODE_HEARTBEAT_TIMEOUT_S)
+        outcome["redis"] = "REDIS_URL" if redis_given else "private redis-server"
+        results = collect_results(load, plane, outcome, group.log_dir)
+    except BaseException as exc:
+        keep = True
+        if isinstance(exc, ChildFailed):
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            stop_deployment()
+        group.stop_all()
+        if keep:
+            print(f"· logs and database kept in {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(markdown(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The load benchmark: its pure figures, and one short run against a real control plane."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import load
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_summary_and_percentiles() -> None:
+    figures = load.summary([4.0, 1.0, 3.0, 2.0])
+    assert figures["n"] == 4 and figures["min"] == 1.0 and figures["max"] == 4.0
+    assert figures["p50"] == pytest.approx(2.5) and figures["p99"] == pytest.approx(3.97)
+    assert load.summary([])["p50"] is None
+    assert math.isnan(load.percentile([], 0.5))
+
+
+def test_heartbeats_are_judged_written_or_lost() -> None:
+    sent = {("a", 1): 10.0, ("a", 2): 15.0, ("b", 1): 11.0, ("b", 2): 21.0, ("b", 3): 40.0}
+    written = {("a", 1): 10.01, ("a", 2): 15.5, ("b", 2): 21.002}
+    figures = load.heartbeat_figures(sent, written, (10.0, 30.0), judged_until=30.0)
+    assert figures["sent"] == 4 and figures["written"] == 3  # ("b", 3) came after judging
+    assert figures["lost"] == 1 and figures["lost_examples"] == ["b#1"]
+    assert figures["sent_after_judging"] == 1
+    assert figures["ms"]["n"] == 3 and figures["ms"]["max"] == pytest.approx(500)
+    assert [t["sent"] for t in figures["timeline"]] == [3, 1]
+
+
+def test_only_offline_before_the_cutoff_is_wrong() -> None:
+    transitions = [
+        ("n1", "enrolled", "online", 1.0),
+        ("n1", "online", "offline", 5.0),
+        ("n2", "online", "offline", 50.0),  # after the links were closed on purpose
+        ("other", "online", "offline", 5.0),  # not watched
+    ]
+    assert load.wrongly_offline(transitions, {"n1", "n2"}, cutoff=40.0) == ["n1"]
+
+
+def test_chat_messages_are_complete_failed_or_lost() -> None:
+    def record(text: str, done: dict | None, errors: list[str] | None = None) -> dict:
+        return {"text": text, "done": done, "errors": errors or [], "problem": ""}
+
+    records = [
+        record("hi", {"message_id": 1, "content": "hi", "status": "complete"}),
+        record("", {"message_id": 2, "content": "", "status": "failed"}, ["no answer"]),
+        record("h", None),  # no done
+        record("ab", {"message_id": 3, "content": "abc", "status": "complete"}),  # tokens do not add up
+        record("x", {"message_id": 4, "content": "x", "status": "complete"}),  # saved differently
+    ]
+    saved = {1: ("hi", "complete"), 2: ("", "failed"), 3: ("abc", "complete"), 4: ("y", "complete")}
+    judged = load.judge_chats(records, saved)
+    assert (judged["sent"], judged["complete"], judged["failed"], judged["lost"]) == (5, 1, 1, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_small_load_loses_nothing(tmp_path: Path) -> None:
+    """10 agents, 2 chats, 5 s against a whole control plane: every figure there, nothing lost."""
+    out = tmp_path / "load.json"
+    argv = [sys.executable, "-m", "benchmarks.load", "--agents", "10", "--chats", "2", "--duration", "5"]
+    run = subprocess.run(
+        [*argv, "--chat-tokens", "8", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    setup = figures["setup"]
+    assert (setup["agents"], setup["chats"], setup["duration_s"], setup["real_agents"]) == (10, 2, 5.0, 3)
+    assert figures["enrollment"]["enrolled"] == 10 and figures["enrollment"]["failed"] == 0
+    heartbeat = figures["heartbeat"]
+    assert heartbeat["sent"] >= 10 and heartbeat["lost"] == 0 and heartbeat["written"] == heartbeat["sent"]
+    assert 0 < heartbeat["ms"]["p50"] <= heartbeat["ms"]["p99"]
+    assert figures["nodes"]["wrongly_offline"] == 0 and figures["nodes"]["marked_offline"] == []
+    assert figures["links"]["drops"] == 0 and figures["nodes"]["real_agent_link_drops"] == 0
+    chat = figures["chat"]
+    assert chat["sent"] >= 2 and chat["lost"] == 0 and chat["failed"] == 0 and chat["complete"] == chat["sent"]
+    assert chat["tokens"] > 0 and chat["ttft_ms"]["p50"] <= chat["answer_ms"]["p50"]
+    assert figures["api"]["requests"] > 0 and figures["api"]["errors"] == 0 and figures["api"]["ms"]["p50"] > 0
+    assert "| heartbeat: sent → written |" in run.stdout and "| nodes wrongly marked offline | 0 | 0 |" in run.stdout
