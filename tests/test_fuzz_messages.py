@@ -222,7 +222,7 @@ BROKEN_HEADERS = [
 ]
 
 
-@fuzz(400)
+@fuzz(250)
 @given(
     frames=st.lists(st.binary(max_size=80), max_size=4)
     | st.lists(st.sampled_from(BROKEN_HEADERS), min_size=1, max_size=2)
@@ -232,7 +232,7 @@ def test_runtime_frames_decode_to_a_message_or_a_protocol_error(frames: list[byt
     decodes_or_refuses(frames)
 
 
-@fuzz(300)
+@fuzz(200)
 @given(
     header=st.builds(
         dict,
@@ -287,7 +287,7 @@ def link_objects(draw) -> object:
     return obj
 
 
-@fuzz(400)
+@fuzz(200)
 @given(obj=link_objects(), allowed=st.sampled_from([link.EVENTS, link.COMMANDS, tuple(LINK_MESSAGES)]))
 def test_link_objects_parse_to_an_allowed_message_or_a_message_error(obj: object, allowed: tuple) -> None:
     try:
@@ -413,7 +413,7 @@ def test_fuzzed_frames_from_a_keyed_peer_leave_main_and_a_worker_serving_exactly
             sock.close()
         cluster.check_processes()  # every role still running
         after = [generate_when_idle(cluster, prompt, 8) for prompt in PROMPTS[:2]]
-    assert min(sent.values()) >= 100, sent
+    assert min(sent.values()) >= 80, sent
     assert "error" in replies["main"], replies  # main answered generation requests it could not take
     assert after[0].token_ids == before.token_ids
     for prompt, done in zip(PROMPTS[:2], after, strict=True):
@@ -421,10 +421,10 @@ def test_fuzzed_frames_from_a_keyed_peer_leave_main_and_a_worker_serving_exactly
 
 
 def fuzz_role(sock: zmq.Socket, frames) -> int:
-    """Send what ``frames`` generates over ``sock`` (150 examples); how many went."""
+    """Send what ``frames`` generates over ``sock`` (120 examples); how many went."""
     sent = 0
 
-    @fuzz(150)
+    @fuzz(120)
     @given(frames=frames)
     def send(frames: list[bytes]) -> None:
         nonlocal sent
