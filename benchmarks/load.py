@@ -85,6 +85,7 @@ from agent.backoff import reconnect_delay
 from agent.http import ControlPlaneError, request_json
 from agent.link import CLOSE_UNAUTHENTICATED, link_url
 from agent.messages import COMMANDS, Heartbeat, MessageError, Ping, Pong, parse
+from benchmarks.overhead import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "platform" / "demo-model"
@@ -109,17 +110,6 @@ PROMPTS = [
 
 
 # --- figures ----------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by linear interpolation; ``values`` need not be sorted."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    pos = (len(ordered) - 1) * q
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def summary(values: list[float]) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -141,56 +142,6 @@ def celery_worker(transactional_db, redis_url: str, settings, tmp_path: Path) ->
         proc.kill()
 
 
-@pytest.fixture
-def served(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -> Iterator[Served]:
-    from channels.layers import channel_layers
-    from django.contrib.auth import get_user_model
-    from django.db import connection
-
-    from controlplane.accounts.services import create_api_key
-    from controlplane.artifacts.services import register_model
-    from controlplane.deployments import lifecycle
-    from controlplane.deployments.models import Deployment
-    from controlplane.deployments.services import create_deployment
-    from controlplane.nodes.models import Node, NodeStatus
-    from controlplane.nodes.services import create_join_token
-
-    tmp = tmp_path
-    with override_settings(CHANNEL_LAYERS=redis_channel_layers(redis_url), VAR_DIR=tmp / "var"):
-        channel_layers.backends.clear()
-        purge_stale_tasks()
-        users = get_user_model().objects
-        keys = [
-            create_api_key(user=users.create_user("staff", is_staff=True))[1],
-            create_api_key(user=users.create_user("alice"))[1],
-            create_api_key(user=users.create_user("bob"))[1],
-        ]
-        env = python_env(
-            DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
-            DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
-            REDIS_URL=redis_url,
-            ODMOE_VAR_DIR=str(tmp / "var"),
-            ODMOE_TASK_REDELIVERY_S="5",
-        )
-        port = free_port()
-        with ProcessGroup(tmp / "logs", env) as group:
-            plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", keys[0]), tmp / "agents")
-            plane.start_server()
-            plane.start_celery()
-            _, token = create_join_token(created_by=None, max_uses=3)
-            for i in range(3):
-                plane.start_agent(f"s{i}", token)
-            plane.wait_for("3 agents", lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == 3, 90)
-            model = register_model(name="tiny", path=str(tiny_model))
-            deployment = create_deployment(
-                name=SERVED_MODEL, model=model, node_ids=[str(pk) for pk in Node.objects.values_list("pk", flat=True)]
-            )
-            lifecycle.start_deployment(deployment=deployment)
-            plane.wait_for("ready", lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", 180)
-            yield Served(plane, *keys, tiny_model)
-        channel_layers.backends.clear()
-
-
 @dataclass
 class OwnRedis:
     """A redis-server of one test, in its cluster's process group: it can be killed and started again on
@@ -227,12 +178,21 @@ class ServedOnOwnRedis:
 
 
 @pytest.fixture
-def served_on_own_redis(transactional_db, tmp_path: Path, tiny_model: Path) -> Iterator[ServedOnOwnRedis]:
-    """``served``, but on a Redis of its own that the test may kill and restart (whatever ``REDIS_URL`` says).
+def served(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -> Iterator[Served]:
+    purge_stale_tasks()
+    with tiny_cluster(tmp_path, tiny_model, redis_url) as (served, _):
+        yield served
 
-    This process's Celery producer stays on the session's Redis (``celery_on_test_redis``), so
-    nothing here is enqueued from the test process: the deployment is started through the REST API
-    of the live server, whose processes all use this Redis.
+
+@contextlib.contextmanager
+def tiny_cluster(
+    tmp_path: Path, tiny_model: Path, redis_url: str, own_redis_port: int | None = None
+) -> Iterator[tuple[Served, OwnRedis | None]]:
+    """A real ASGI server, Celery worker and 3 agents serving ``tiny_model`` as one ready deployment,
+    on ``redis_url``; with ``own_redis_port``, that Redis is started first, in the cluster's process group.
+
+    The deployment is started through the live server's REST API, so nothing is enqueued from this
+    process (whose Celery producer stays on the session's Redis: ``celery_on_test_redis``).
     """
     from channels.layers import channel_layers
     from django.contrib.auth import get_user_model
@@ -245,9 +205,7 @@ def served_on_own_redis(transactional_db, tmp_path: Path, tiny_model: Path) -> I
     from controlplane.nodes.models import Node, NodeStatus
     from controlplane.nodes.services import create_join_token
 
-    port, redis_port = free_port(), free_port()
-    url = f"redis://127.0.0.1:{redis_port}/0"
-    with override_settings(CHANNEL_LAYERS=redis_channel_layers(url), VAR_DIR=tmp_path / "var"):
+    with override_settings(CHANNEL_LAYERS=redis_channel_layers(redis_url), VAR_DIR=tmp_path / "var"):
         channel_layers.backends.clear()
         users = get_user_model().objects
         keys = [
@@ -258,14 +216,17 @@ def served_on_own_redis(transactional_db, tmp_path: Path, tiny_model: Path) -> I
         env = python_env(
             DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
             DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
-            REDIS_URL=url,
+            REDIS_URL=redis_url,
             ODMOE_VAR_DIR=str(tmp_path / "var"),
             ODMOE_TASK_REDELIVERY_S="5",
         )
+        port = free_port()
         with ProcessGroup(tmp_path / "logs", env) as group:
-            own = OwnRedis(group, redis_port, tmp_path / "redis")
-            own.data_dir.mkdir()
-            own.start()
+            own = None
+            if own_redis_port is not None:
+                own = OwnRedis(group, own_redis_port, tmp_path / "redis")
+                own.data_dir.mkdir()
+                own.start()
             plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", keys[0]), tmp_path / "agents")
             plane.start_server()
             plane.start_celery()
@@ -279,5 +240,13 @@ def served_on_own_redis(transactional_db, tmp_path: Path, tiny_model: Path) -> I
             )
             plane.api.post(f"/api/deployments/{deployment.pk}/start", expect=202)
             plane.wait_for("ready", lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", 180)
-            yield ServedOnOwnRedis(Served(plane, *keys, tiny_model), own)
+            yield Served(plane, *keys, tiny_model), own
         channel_layers.backends.clear()
+
+
+@pytest.fixture
+def served_on_own_redis(transactional_db, tmp_path: Path, tiny_model: Path) -> Iterator[ServedOnOwnRedis]:
+    """``served``, but on a Redis of its own that the test may kill and restart (whatever ``REDIS_URL`` says)."""
+    redis_port = free_port()
+    with tiny_cluster(tmp_path, tiny_model, f"redis://127.0.0.1:{redis_port}/0", redis_port) as (served, own):
+        yield ServedOnOwnRedis(served, own)
