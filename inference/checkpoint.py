@@ -109,9 +109,13 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        if not self.path.exists():
+        try:
+            exists, is_dir = self.path.exists(), self.path.is_dir()
+        except OSError as exc:  # a name too long for the filesystem, a directory we may not enter
+            raise CheckpointError(f"checkpoint path {self.path} cannot be read: {exc.strerror}") from None
+        if not exists:
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
-        if not self.path.is_dir():
+        if not is_dir:
             raise CheckpointError(f"checkpoint path {self.path} is not a directory")
         self.config: dict[str, Any] = _read_config(self.path)
         self._weight_map: dict[str, str] | None = _read_index(self.path)

@@ -58,3 +58,16 @@ def test_a_job_seed_past_64_bits_is_refused_and_no_job_is_made(key: str) -> None
 def test_a_node_credential_that_is_not_one_is_refused(header: str) -> None:
     response = Client().get("/api/models/1/shards/main/manifest.json", HTTP_AUTHORIZATION=header)
     assert response.status_code in (401, 403), response.content
+
+
+@pytest.mark.parametrize("path", ["\x85" + "*" * 900, "/tmp/" + "a" * 300, "./" + "a" * 300 + "/b"])
+def test_a_model_path_the_filesystem_refuses_is_a_400_and_registers_nothing(path: str) -> None:
+    """Found by the schema fuzz: a path component longer than the filesystem allows was a 500."""
+    from controlplane.artifacts.models import ModelArtifact
+
+    staff = get_user_model().objects.create_user("admin", is_staff=True)
+    _, secret = create_api_key(user=staff)
+    response = _post(Client(), "/api/models", secret, json.dumps({"name": "long", "path": path}))
+    assert response.status_code == 400, response.content
+    assert "detail" in response.json()
+    assert not ModelArtifact.objects.exists()

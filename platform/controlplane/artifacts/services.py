@@ -43,9 +43,17 @@ def add_model(*, name: str, path: str) -> ModelArtifact:
     An absolute, home- or dot-relative path is a directory even when missing, so a mistyped
     path says that no checkpoint is there, not that it cannot be downloaded.
     """
-    if path.startswith(("/", "~", ".")) or Path(path).is_dir():
+    if path.startswith(("/", "~", ".")) or _is_directory(path):
         return register_model(name=name, path=path)
     return request_model_download(name=name, repo=path)
+
+
+def _is_directory(path: str) -> bool:
+    """Whether ``path`` names a directory here; a name the filesystem refuses (too long) names none."""
+    try:
+        return Path(path).is_dir()
+    except OSError:
+        return False
 
 
 def register_model(*, name: str, path: str) -> ModelArtifact:
