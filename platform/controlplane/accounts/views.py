@@ -62,4 +62,4 @@ def keys_page(request: HttpRequest) -> HttpResponse:
 
 
 def _int(value: str) -> int:
-    return int(value) if value.isdigit() and len(value) < 19 else 0
+    return int(value) if value.isascii() and value.isdigit() and len(value) < 19 else 0  # not "²": int() refuses it

@@ -47,6 +47,19 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         if self.answering is not None:
             self.answering.cancel()
 
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        """A frame that is not JSON text gets an error like a malformed message: Channels' own JSON
+        consumer raises on it (a binary or empty frame, text that is not JSON, nests too deep or
+        holds an integer past Python's digit limit), which closed the socket as a server error."""
+        try:
+            if not text_data:
+                raise ValueError("a message must be a JSON text frame")
+            content = await self.decode_json(text_data)
+        except (ValueError, RecursionError) as exc:
+            await self.send_json(protocol.error(f"not a JSON message: {exc}"))
+            return
+        await self.receive_json(content, **kwargs)
+
     async def receive_json(self, content, **kwargs) -> None:
         try:
             message = protocol.parse_client(content)

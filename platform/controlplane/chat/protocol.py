@@ -45,11 +45,22 @@ def parse_client(obj: object) -> Send | Stop:
         raise ProtocolError("write a message first")
     if len(content) > MAX_CONTENT_CHARS:
         raise ProtocolError(f"a message is at most {MAX_CONTENT_CHARS} characters")
+    if not _storable(content):
+        raise ProtocolError("a message cannot hold a NUL character or a lone surrogate")
     if conversation is not None and (not isinstance(conversation, int) or isinstance(conversation, bool)):
         raise ProtocolError("conversation must be an id or null")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS:
         raise ProtocolError(f"max_tokens must be between 1 and {MAX_TOKENS}")
     return Send(conversation, content, max_tokens)
+
+
+def _storable(text: str) -> bool:
+    """Whether a database keeps ``text`` as it is: no lone surrogate (not UTF-8), no NUL (PostgreSQL refuses it)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text
 
 
 def token(text: str) -> dict:

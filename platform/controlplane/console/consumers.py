@@ -35,6 +35,10 @@ class ConsoleConsumer(AsyncJsonWebsocketConsumer):
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
 
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        """Nothing the browser sends is read: Channels' JSON consumer would decode every frame first,
+        and raise on one that is not JSON, closing the socket as a server error."""
+
     async def cluster_step(self, event: dict) -> None:
         """A step of a generation somewhere in the cluster (from an agent link)."""
         await self.send_json({**event, "type": "step"})

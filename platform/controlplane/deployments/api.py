@@ -27,6 +27,8 @@ from .models import Deployment, DeploymentNode
 from .roles import RoleMap
 
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait: a restarting role is back in seconds
+MAX_PERIOD = 2**31 - 1  # the most the alignment periods' columns (PositiveIntegerField) hold on every database
+MAX_INT64 = 2**63 - 1  # token ids and seeds reach main as 64-bit integers: a larger one cannot be sent at all
 
 
 class RoleMemoryOutput(serializers.Serializer):
@@ -90,7 +92,9 @@ class ReadyModelField(serializers.PrimaryKeyRelatedField):
         try:
             return super().to_internal_value(data)
         except serializers.ValidationError:
-            known = ModelArtifact.objects.filter(pk=data).first() if type(data) is int or str(data).isdigit() else None
+            text = str(data)  # only ASCII digits: "²" is a digit to isdigit() and not to int()
+            is_id = type(data) is int or (text.isascii() and text.isdigit() and len(text) <= 18)
+            known = ModelArtifact.objects.filter(pk=data).first() if is_id else None
             if known is not None:
                 try:
                     check_registered(known)
@@ -112,7 +116,7 @@ class SeatField(serializers.CharField):
             node = str(uuid.UUID(node))
         except ValueError:
             raise serializers.ValidationError("not a node id (a UUID), nor <node id>:<GPU index>") from None
-        if sep and not (index.isdigit() and len(index) <= 3):
+        if sep and not (index.isascii() and index.isdigit() and len(index) <= 3):
             raise serializers.ValidationError("the GPU index after ':' must be a number, as in <node id>:1")
         return f"{node}:{int(index)}" if sep else node
 
@@ -168,8 +172,8 @@ class DeploymentListApi(APIView):
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
         roles = RolesInput(required=False)
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
-        token_period = serializers.IntegerField(min_value=0, default=1)
-        kv_period = serializers.IntegerField(min_value=0, default=1)
+        token_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
+        kv_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
         strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
 
     @extend_schema(responses=DeploymentOutput(many=True))
@@ -211,8 +215,8 @@ class DeploymentSettingsApi(APIView):
 
     @extend_schema_serializer(component_name="DeploymentSettingsInput")
     class InputSerializer(serializers.Serializer):
-        token_period = serializers.IntegerField(min_value=0)
-        kv_period = serializers.IntegerField(min_value=0)
+        token_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD)
+        kv_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD)
 
     @extend_schema(request=InputSerializer, responses=DeploymentOutput)
     def patch(self, request: Request, deployment_id: int) -> Response:
@@ -266,12 +270,14 @@ class DeploymentGenerateApi(APIView):
 
     @extend_schema_serializer(component_name="DeploymentGenerateInput")
     class InputSerializer(serializers.Serializer):
-        prompt_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), min_length=1, max_length=8192)
+        prompt_ids = serializers.ListField(
+            child=serializers.IntegerField(min_value=0, max_value=MAX_INT64), min_length=1, max_length=8192
+        )
         max_new_tokens = serializers.IntegerField(min_value=1, max_value=4096, default=16)
         do_sample = serializers.BooleanField(default=False)
         temperature = serializers.FloatField(min_value=0.0, max_value=10.0, default=1.0)
         top_p = serializers.FloatField(min_value=0.0, max_value=1.0, default=1.0)
-        seed = serializers.IntegerField(required=False, allow_null=True, default=None)
+        seed = serializers.IntegerField(min_value=0, max_value=MAX_INT64, required=False, allow_null=True, default=None)
 
     @extend_schema_serializer(component_name="DeploymentGenerateOutput")
     class OutputSerializer(serializers.Serializer):

@@ -56,7 +56,7 @@ def parse_seat(text: str) -> tuple[str, int | None]:
     node, sep, index = text.rpartition(":")
     if not sep:
         return text, None
-    if not (node and index.isdigit() and len(index) <= 3):
+    if not (node and index.isascii() and index.isdigit() and len(index) <= 3):
         raise RoleError(f"bad seat {text!r}: a node id, or a node id and a GPU index as <node>:<index>")
     return node, int(index)
 
