@@ -179,12 +179,27 @@ class SetAlignment(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class Begin(Message):
-    """A new request starts: workers reset and prefetch their prefill experts."""
+    """A session starts (the first of a batch of sequences): workers reset and prefetch their prefill experts."""
 
     TYPE = "begin"
     request_id: str
     prompt_len: int
     max_new_tokens: int
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class SequenceJoin(Message):
+    """A sequence joins the batch of session ``request_id``: its prefill is session step ``first_step``.
+
+    Main runs several sequences in lockstep, one step each per session step, so the shadow's
+    prediction for the sequence's step ``s`` is one for session step ``first_step + s``.
+    """
+
+    TYPE = "sequence_join"
+    request_id: str
+    sequence: str
+    first_step: int
 
 
 @message
@@ -250,7 +265,7 @@ class ExpertRequest(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class End(Message):
-    """The request is over: free everything and report statistics."""
+    """The session (workers) or the sequence (shadow) is over: free everything and report statistics."""
 
     TYPE = "end"
     request_id: str

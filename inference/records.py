@@ -28,6 +28,7 @@ class StepRecord:
     started: float
     finished: float = 0.0
     layers: list[LayerRecord] = field(default_factory=list)
+    batch: int = 1  # sequences in main's batch at this step (this one included)
 
 
 @dataclass

@@ -59,6 +59,10 @@ class Settings:
     # Where workers keep their experts: "ram" (read at start) or "disk" (read at each load).
     expert_store: str = "ram"
     disk_bytes_per_s: float | None = None  # emulated disk read bandwidth of the "disk" store
+    # Continuous batching (inference.batching): sequences main runs at once, and requests it
+    # holds beyond them before it refuses new ones.
+    max_batch: int = 8
+    max_waiting: int = 64
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ def validate_settings(s: Settings) -> Settings:
     for name in ("token_period", "kv_period"):
         if getattr(s, name) < 0:
             raise SpecError(f"{name} must be >= 0 (0 = never align)")
+    if s.max_batch < 1 or s.max_waiting < 0:
+        raise SpecError("max_batch must be >= 1 and max_waiting >= 0")
     if s.prefill_chunk < 0:
         raise SpecError("prefill_chunk must be >= 0 (0 = no mini-batches)")
     if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0:

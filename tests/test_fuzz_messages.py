@@ -342,6 +342,7 @@ def near_messages(config: dict):
     return st.one_of(
         st.builds(protocol.Begin, request_id=st.just(REQUEST), prompt_len=ids, max_new_tokens=ids),
         st.builds(protocol.Prediction, request_id=st.just(REQUEST), step=steps, layer=layers, experts=st.lists(ids)),
+        st.builds(protocol.SequenceJoin, request_id=st.just(REQUEST), sequence=st.just(REQUEST), first_step=steps),
         expert_requests(config["hidden_size"], n_experts, n_layers),
         st.builds(protocol.End, request_id=st.just(REQUEST)),
         st.builds(protocol.Cancel, request_id=st.just(REQUEST)),

@@ -68,6 +68,7 @@ SAMPLES: list[P.Message] = [
     _make(P.SetAlignment, token_period=2, kv_period=0),
     _make(P.SetAlignment, token_period=1, kv_period=4, from_step=17),
     _make(P.Begin, request_id="r", prompt_len=9, max_new_tokens=3),
+    _make(P.SequenceJoin, request_id="r", sequence="s", first_step=4),
     _make(
         P.ShadowBegin,
         request_id="r",

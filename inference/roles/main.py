@@ -1,13 +1,17 @@
-"""The main role: attention, norms, routers, LM head and KV cache; experts are remote.
+"""The main role: attention, norms, routers, LM head and KV caches; experts are remote.
 
 Main runs Transformers' own ``generate`` on a model whose experts implementation hands
-every layer's routed rows to ``ExpertDispatch.moe``: it sorts the (token, expert) pairs
-exactly as the reference grouped implementation does, sends each worker of the layer's
-group the rows of the experts assigned to it, and puts the weighted answers back in the
-reference order before summing, so the output is the full-precision model's bit for bit.
-Between steps it streams the token to the client and aligns the shadow. Which worker gets
-which expert, and whether main itself guesses the next layer's experts, is the
-deployment's strategy (``inference.strategies``).
+every layer's routed rows to ``MainRole.moe``. Several sequences run at once
+(``inference.batching``): each in a thread of its own, taking turns, all meeting at each
+MoE layer, where main serves the layer for the whole batch in one round. It sorts each
+sequence's (token, expert) pairs exactly as the reference grouped implementation does,
+sends each worker of the layer's group the rows of every sequence routed to the experts
+assigned to it (one segment per sequence and expert, so each expert is loaded once and
+each sequence's rows are computed as in its own run), and puts the weighted answers back
+in the reference order before summing, so every sequence's output is the full-precision
+model's bit for bit. Between steps it streams each sequence's token to its client and
+aligns the shadow. Which worker gets which expert, and whether main itself guesses the
+next layer's experts, is the deployment's strategy (``inference.strategies``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -22,6 +28,15 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from inference import schedule
+from inference.batching import (
+    LayerCall,
+    Segment,
+    Sequence,
+    SequenceAborted,
+    current_sequence,
+    enter_sequence,
+    pack_segments,
+)
 from inference.failover import NoSurvivor, reroute, taker
 from inference.metrics import build_metrics, step_report
 from inference.model import build_main_model
@@ -39,6 +54,7 @@ from inference.protocol import (
     Ping,
     Pong,
     Prediction,
+    SequenceJoin,
     SetAlignment,
     ShadowBegin,
     ShadowStats,
@@ -56,7 +72,7 @@ from inference.roles.common import (
     release_free_heap,
     setup_process,
 )
-from inference.routing import RoutedRows, Routing, resolve_arithmetic
+from inference.routing import Routing, resolve_arithmetic
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec, compute_dtype
 from inference.strategies import dispatch_plan, get_strategy
@@ -101,11 +117,15 @@ class MainRole:
         self.health = PeerHealth(self.endpoint, self.endpoint.peers)
         self.token_period = spec.settings.token_period
         self.kv_period = spec.settings.kv_period
-        self.request: RequestState | None = None
+        # Continuous batching: the sequences running, the requests waiting for a place.
+        self.batch: dict[str, Sequence] = {}
+        self.waiting: deque[tuple[GenerateRequest, bytes]] = deque()
+        # A session runs while any sequence does; workers key their loads by its steps.
+        self.session = ""
         self.step = -1
         self.pending_results: list[tuple[str, ExpertResult]] = []
         self.worker_stats: dict[int, WorkerStats] = {}
-        self.shadow_stats: ShadowStats | None = None
+        self.shadow_stats: dict[str, ShadowStats] = {}
         # Worker loss (inference.failover): gone, reconnected and asked, back and ready.
         self.lost: set[int] = set()
         self.returning: set[int] = set()
@@ -113,12 +133,14 @@ class MainRole:
         # Shadow loss: main serves without predictions (workers load what is routed) until it is back.
         self.shadow_lost = self.shadow_returning = self.shadow_back = False
         log.info(
-            "main ready to connect: %d workers in groups %s, shadow %s, %s experts arithmetic, strategy %s",
+            "main ready to connect: %d workers in groups %s, shadow %s, %s experts arithmetic, strategy %s, "
+            "up to %d sequences at once",
             self.placement.n_workers,
             self.placement.groups,
             "yes" if self.has_shadow else "no",
             self.routing.arithmetic,
             self.strategy.name,
+            spec.settings.max_batch,
         )
 
     # --- idle loop ------------------------------------------------------------------------
@@ -135,10 +157,9 @@ class MainRole:
                     for peer in self.endpoint.peers:
                         self.endpoint.send(peer, Shutdown())
                     return
-                if isinstance(received.msg, GenerateRequest):
-                    self.serve_request(received.msg, received.identity)
-                else:
-                    handle_safely(self.handle_side_message, received)
+                handle_safely(self.handle_side_message, received)
+                if self.waiting:
+                    self.serve_batch()
         finally:
             time.sleep(0.2)  # let the Shutdown messages leave
             self.endpoint.close()
@@ -159,27 +180,22 @@ class MainRole:
             detail = "" if self.health.ready else f"waiting for {', '.join(sorted(self.health.waiting))}"
             answer_ping(self.endpoint, received, "main", self.health.ready, detail)
         elif isinstance(msg, Prediction):
-            if self.request is not None and msg.request_id == self.request.request_id:
-                self.request.predictions[(msg.step, msg.layer)] = msg.experts
+            sequence = self.batch.get(msg.request_id)
+            if sequence is not None:
+                sequence.state.predictions[(msg.step, msg.layer)] = msg.experts
         elif isinstance(msg, SetAlignment):
             self.set_alignment(msg)
         elif isinstance(msg, Cancel):
-            if self.request is not None and msg.request_id == self.request.request_id:
-                self.request.cancelled = True
+            self.cancel(msg.request_id)
         elif isinstance(msg, ExpertResult):
             self.pending_results.append((received.via, msg))
         elif isinstance(msg, WorkerStats):
-            self.worker_stats[msg.worker] = msg
+            if msg.request_id == self.session:
+                self.worker_stats[msg.worker] = msg
         elif isinstance(msg, ShadowStats):
-            self.shadow_stats = msg
+            self.shadow_stats[msg.request_id] = msg
         elif isinstance(msg, GenerateRequest):
-            self.endpoint.reply(
-                received.identity,
-                GenerateError(
-                    request_id=msg.request_id,
-                    error="main is busy with another generation; try again when it ends",
-                ),
-            )
+            self.admit(msg, received.identity)
         else:
             log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
 
@@ -190,98 +206,200 @@ class MainRole:
             log.warning("ignored alignment change: %s", exc)
             return
         self.token_period, self.kv_period = msg.token_period, msg.kv_period
-        from_step = self.step + 1
-        if self.request is not None:
-            self.request.alignment_log.append(
+        for sequence in self.batch.values():
+            from_step = sequence.step + 1
+            sequence.state.alignment_log.append(
                 {"from_step": from_step, "token_period": msg.token_period, "kv_period": msg.kv_period}
             )
-            if self.shadow_serving:
-                self.endpoint.send(
-                    "shadow",
-                    SetAlignment(token_period=msg.token_period, kv_period=msg.kv_period, from_step=from_step),
-                )
+        if self.batch and self.shadow_serving:
+            self.endpoint.send("shadow", SetAlignment(token_period=msg.token_period, kv_period=msg.kv_period))
         log.info("alignment periods now token=%d kv=%d", msg.token_period, msg.kv_period)
 
-    # --- one generation -------------------------------------------------------------------
+    # --- the batch ------------------------------------------------------------------------
 
-    def serve_request(self, msg: GenerateRequest, client: bytes) -> None:
+    def admit(self, msg: GenerateRequest, client: bytes) -> None:
+        """Queue a generation, or refuse it at once with the reason."""
         error = self._check_request(msg)
+        if not error and (msg.request_id in self.batch or any(w.request_id == msg.request_id for w, _ in self.waiting)):
+            error = f"a generation with id {msg.request_id!r} is already running"
+        if not error and len(self.waiting) >= self.spec.settings.max_waiting:
+            error = (
+                f"main is full: {len(self.batch)} sequences running and {len(self.waiting)} waiting; "
+                "try again when one ends"
+            )
         if error:
             self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=error))
             return
-        state = RequestState(
-            msg.request_id,
-            client,
-            len(msg.prompt_ids),
-            msg.max_new_tokens,
-            self.token_period,
-            self.kv_period,
-            time.perf_counter(),
-        )
-        self.request = state
+        self.waiting.append((msg, client))
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a running sequence after its current step, or drop a waiting one at once."""
+        sequence = self.batch.get(request_id)
+        if sequence is not None:
+            sequence.state.cancelled = True
+            return
+        for entry in list(self.waiting):
+            if entry[0].request_id == request_id:
+                self.waiting.remove(entry)
+                self.endpoint.reply(
+                    entry[1], GenerateDone(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
+                )
+
+    def serve_batch(self) -> None:
+        """Run batch steps until no sequence runs and none waits."""
+        try:
+            while self.batch or self.waiting:
+                self._join_waiting()
+                self._batch_step()
+                self._drain_inbox()
+        finally:
+            for sequence in list(self.batch.values()):  # only on an error of main's own
+                self._abort(sequence, "main failed while serving the batch")
+            if self.session:
+                self._end_session()
+
+    def _join_waiting(self) -> None:
+        """Start waiting requests, up to the batch's size, between two steps."""
+        while self.waiting and len(self.batch) < self.spec.settings.max_batch:
+            msg, client = self.waiting.popleft()
+            if not self.session:
+                self._begin_session(msg)
+            state = RequestState(
+                msg.request_id,
+                client,
+                len(msg.prompt_ids),
+                msg.max_new_tokens,
+                self.token_period,
+                self.kv_period,
+                time.perf_counter(),
+            )
+            prompt = torch.tensor([msg.prompt_ids], dtype=torch.long)
+            sequence = Sequence(
+                state,
+                lambda sequence, msg=msg, prompt=prompt: self._generate(sequence, msg, prompt),
+                self.device,
+                self.spec.settings.threads,
+                joined_step=self.step + 1,
+            )
+            self.batch[msg.request_id] = sequence
+            for w in self.live_workers():
+                self.endpoint.send(
+                    f"worker-{w}",
+                    SequenceJoin(request_id=self.session, sequence=msg.request_id, first_step=sequence.joined_step),
+                )
+            if self.shadow_serving:
+                self.endpoint.send(
+                    "shadow",
+                    ShadowBegin(
+                        request_id=msg.request_id,
+                        max_new_tokens=msg.max_new_tokens,
+                        token_period=self.token_period,
+                        kv_period=self.kv_period,
+                        prompt_ids=prompt[0],
+                    ),
+                )
+            sequence.resume()  # its prefill runs up to the first MoE layer
+            if sequence.finished:
+                self._finish(sequence)
+
+    def _batch_step(self) -> None:
+        """Every sequence's next token: each layer's experts served once for the whole batch."""
+        self.step += 1
+        size = len(self.batch)
+        for layer in range(self.placement.n_layers):
+            calls = [s for s in self.batch.values() if s.call is not None]
+            if not calls:
+                return
+            stray = [s.request_id for s in calls if s.call.layer != layer]  # type: ignore[union-attr]
+            if stray:
+                raise RuntimeError(f"sequences {stray} are not at layer {layer} with the rest of the batch")
+            if layer == 0:
+                for s in calls:
+                    s.state.steps[-1].batch = size
+            try:
+                answers = self.serve_layer(layer, calls)
+            except GenerationAborted as exc:
+                for s in calls:
+                    s.answer_with(None, abort=str(exc))
+            else:
+                for s, answer in zip(calls, answers, strict=True):
+                    s.answer_with(answer)
+            for s in calls:
+                if s.finished:
+                    self._finish(s)
+
+    def _drain_inbox(self) -> None:
+        """Between steps: whatever arrived (new requests, cancels, pings, predictions)."""
+        self._note_links()
+        while (received := self.endpoint.recv(timeout_s=0.0)) is not None:
+            handle_safely(self.handle_side_message, received)
+
+    def _begin_session(self, first: GenerateRequest) -> None:
+        self.session = f"session-{uuid.uuid4().hex[:12]}"
         self.step = -1
         self.worker_stats.clear()
-        self.shadow_stats = None
-        prompt = torch.tensor([msg.prompt_ids], dtype=torch.long)
         self._note_links()
         if self.rejoined:
             log.info("back in the cluster: %s", ", ".join(f"worker-{w}" for w in sorted(self.rejoined)))
             self.lost -= self.rejoined
             self.rejoined.clear()
         if self.shadow_back:
-            log.info("the shadow is back: predictions again from this request on")
+            log.info("the shadow is back: predictions again from this session on")
             self.shadow_lost = self.shadow_back = False
         for w in self.live_workers():
             self.endpoint.send(
                 f"worker-{w}",
-                Begin(request_id=msg.request_id, prompt_len=state.prompt_len, max_new_tokens=msg.max_new_tokens),
+                Begin(request_id=self.session, prompt_len=len(first.prompt_ids), max_new_tokens=first.max_new_tokens),
             )
-        if self.shadow_serving:
-            self.endpoint.send(
-                "shadow",
-                ShadowBegin(
-                    request_id=msg.request_id,
-                    max_new_tokens=msg.max_new_tokens,
-                    token_period=self.token_period,
-                    kv_period=self.kv_period,
-                    prompt_ids=prompt[0],
-                ),
-            )
+
+    def _finish(self, sequence: Sequence) -> None:
+        """A sequence left the batch: end it everywhere and answer its client."""
+        state = sequence.state
+        # Still in the batch while the shadow ends it: its last predictions may be on the way.
+        shadow_stats = self._end_shadow(state.request_id)
+        del self.batch[state.request_id]
+        last = not self.batch and not self.waiting
+        if last:
+            self._end_session()  # workers report the session's statistics, which this answer carries
+        if sequence.error is not None:
+            exc = sequence.error
+            if isinstance(exc, (GenerationAborted, SequenceAborted)):
+                log.error("generation %s failed: %s", state.request_id, exc)
+                error = str(exc)
+            else:
+                log.error("generation %s failed", state.request_id, exc_info=exc)
+                error = f"{type(exc).__name__}: {exc}"
+            self.endpoint.reply(state.client, GenerateError(request_id=state.request_id, error=error))
+            return
+        generated = sequence.result[0, state.prompt_len :].tolist()  # type: ignore[index]
         finish_reason = "length"
-        try:
-            output = self._generate(msg, prompt, state)
-            generated = output[0, state.prompt_len :].tolist()
-            if state.cancelled:
-                finish_reason = "cancelled"
-            elif len(generated) < msg.max_new_tokens:
-                finish_reason = "stop"
-            self._end_request(state)
-            metrics = build_metrics(
-                state,
-                self.worker_stats,
-                self.shadow_stats,
-                self.placement,
-                token_period=self.token_period,
-                kv_period=self.kv_period,
-            )
-            metrics["roles_lost"] = sorted(state.roles_lost)
-            self.endpoint.reply(
-                client,
-                GenerateDone(
-                    request_id=msg.request_id,
-                    token_ids=generated,
-                    finish_reason=finish_reason,
-                    metrics=metrics,
-                ),
-            )
-        except GenerationAborted as exc:
-            log.error("generation %s failed: %s", msg.request_id, exc)
-            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=str(exc)))
-        except Exception as exc:  # main keeps serving; the client learns what went wrong
-            log.exception("generation %s failed", msg.request_id)
-            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=f"{type(exc).__name__}: {exc}"))
-        finally:
-            self.request = None
+        if state.cancelled:
+            finish_reason = "cancelled"
+        elif len(generated) < state.max_new_tokens:
+            finish_reason = "stop"
+        metrics = build_metrics(
+            state,
+            dict(self.worker_stats) if last else {},
+            shadow_stats,
+            self.placement,
+            token_period=self.token_period,
+            kv_period=self.kv_period,
+        )
+        metrics["roles_lost"] = sorted(state.roles_lost)
+        metrics["joined_step"] = sequence.joined_step
+        metrics["max_batch"] = max((step.batch for step in state.steps), default=1)
+        self.endpoint.reply(
+            state.client,
+            GenerateDone(
+                request_id=state.request_id, token_ids=generated, finish_reason=finish_reason, metrics=metrics
+            ),
+        )
+
+    def _abort(self, sequence: Sequence, reason: str) -> None:
+        """Let a waiting sequence fail at its layer and end it."""
+        while not sequence.finished:
+            sequence.answer_with(None, abort=reason)
+        self._finish(sequence)
 
     def _check_request(self, msg: GenerateRequest) -> str:
         if not self.health.ready:
@@ -305,23 +423,26 @@ class MainRole:
             )
         return ""
 
-    @torch.inference_mode()
-    def _generate(self, msg: GenerateRequest, prompt: torch.Tensor, state: RequestState) -> torch.Tensor:
-        state.cache = DynamicCache(config=self.model.config)
-        kwargs: dict = {"do_sample": msg.do_sample}
-        if msg.do_sample:
-            kwargs.update(temperature=msg.temperature, top_p=msg.top_p)
-            if msg.seed is not None:
-                torch.manual_seed(msg.seed)
-        return self.model.generate(
-            prompt.to(self.device),
-            attention_mask=torch.ones_like(prompt, device=self.device),
-            max_new_tokens=msg.max_new_tokens,
-            cache=state.cache,
-            streamer=_TokenStreamer(self, state),
-            stopping_criteria=StoppingCriteriaList([_CancelCriterion(state)]),
-            **kwargs,
-        )
+    def _generate(self, sequence: Sequence, msg: GenerateRequest, prompt: torch.Tensor) -> torch.Tensor:
+        """The sequence's thread: Transformers' ``generate``, exactly as for one sequence alone."""
+        enter_sequence(sequence)
+        state = sequence.state
+        with torch.inference_mode():
+            state.cache = DynamicCache(config=self.model.config)
+            kwargs: dict = {"do_sample": msg.do_sample}
+            if msg.do_sample:
+                kwargs.update(temperature=msg.temperature, top_p=msg.top_p)
+                if msg.seed is not None:
+                    torch.manual_seed(msg.seed)
+            return self.model.generate(
+                prompt.to(self.device),
+                attention_mask=torch.ones_like(prompt, device=self.device),
+                max_new_tokens=msg.max_new_tokens,
+                cache=state.cache,
+                streamer=_TokenStreamer(self, state),
+                stopping_criteria=StoppingCriteriaList([_CancelCriterion(state)]),
+                **kwargs,
+            )
 
     def on_token(self, state: RequestState, token: int) -> None:
         """Called by ``generate`` after each step: stream the token, then align the shadow."""
@@ -363,84 +484,141 @@ class MainRole:
     def moe(
         self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Sum of the routed experts' weighted outputs for [T, H] ``hidden_states``."""
-        state = self.request
-        if state is None:
+        """Sum of the routed experts' weighted outputs for [T, H] ``hidden_states``.
+
+        Called in a sequence's thread: the sequence waits here until main has served the
+        layer for the whole batch (``serve_layer``).
+        """
+        sequence = current_sequence()
+        if sequence is None:
             raise GenerationAborted("experts were called outside a generation")
         if layer == 0:
-            self.step += 1
-            state.steps.append(StepRecord(self.step, hidden_states.shape[0], time.perf_counter()))
+            state = sequence.state
+            state.steps.append(StepRecord(len(state.steps), hidden_states.shape[0], time.perf_counter()))
+        return sequence.wait_at(LayerCall(layer, hidden_states, top_k_index, top_k_weights))
+
+    def serve_layer(self, layer: int, batch: list[Sequence]) -> list[torch.Tensor]:
+        """The layer's experts for every sequence of ``batch``, each expert loaded once for all of them."""
         started = time.perf_counter()
-        routed = self.routing.split(hidden_states, top_k_index, top_k_weights)
-        predicted = state.predictions.get((self.step, layer)) if self.step > 0 else None
-        if self.strategy.main_predicts and self.step > 0:
-            self._predict_next_layer(state, layer, hidden_states)
+        calls = [s.call for s in batch]
+        routed = [self.routing.split(c.hidden_states, c.top_k_index, c.top_k_weights) for c in calls]  # type: ignore[union-attr]
+        steps = [s.step for s in batch]
+        prefilling = 0 in steps
+        if self.strategy.main_predicts:
+            self._predict_next_layer(layer, batch)
+        predicted_each = [
+            s.state.predictions.get((step, layer)) if step > 0 else None for s, step in zip(batch, steps, strict=True)
+        ]
+        known = [p for p in predicted_each if p is not None]
+        predicted = sorted(set().union(*known)) if known else None
+        real = sorted(set().union(*(r.experts for r in routed)))
+        # A layer with a prefill in it is planned as a prefill (every worker takes a share).
         assignment, candidates = dispatch_plan(
-            self.strategy, self.placement, self.step, layer, routed.experts, predicted
+            self.strategy, self.placement, 0 if prefilling else max(self.step, 1), layer, real, predicted
         )
         holders = self.placement.workers_for_layer(layer)
         try:
             assignment, candidates = reroute(assignment, candidates, self.lost, holders, layer)
         except NoSurvivor as exc:
             raise GenerationAborted(str(exc)) from None
-        record = LayerRecord(layer, routed.experts, predicted)
-        state.steps[-1].layers.append(record)
+        records = [LayerRecord(layer, r.experts, p) for r, p in zip(routed, predicted_each, strict=True)]
+        for s, record in zip(batch, records, strict=True):
+            s.state.steps[-1].layers.append(record)
+        # Each expert's rows: every sequence's, one after another; where each sequence's start.
+        rows: dict[int, torch.Tensor] = {}
+        weights: dict[int, torch.Tensor] = {}
+        starts: list[dict[int, int]] = [{} for _ in batch]
+        for expert in real:
+            parts, part_weights, offset = [], [], 0
+            for i, r in enumerate(routed):
+                if expert in r.rows:
+                    starts[i][expert] = offset
+                    parts.append(r.rows[expert])
+                    part_weights.append(r.weights[expert])
+                    offset += r.count(expert)
+            rows[expert] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            weights[expert] = part_weights[0] if len(part_weights) == 1 else torch.cat(part_weights)
+        chunk = self.spec.settings.prefill_chunk
         expected: dict[str, int] = {}
         sent: dict[str, list[ExpertRequest]] = {}
-        chunk = self.spec.settings.prefill_chunk if self.step == 0 else 0
         for worker in candidates:
             peer = f"worker-{worker}"
-            batches = _batches(routed, assignment.get(worker, []), chunk)
-            for segments, final in batches or [([], True)]:
+            segments = [
+                Segment(expert, starts[i][expert] + offset, size)
+                for expert in assignment.get(worker, [])
+                for i, r in enumerate(routed)
+                if expert in r.rows
+                # A prefill's rows go in the mini-batches its own run would use.
+                for offset, size in _pieces(schedule.chunk_sizes(r.count(expert), chunk if steps[i] == 0 else 0))
+            ]
+            requests = pack_segments(segments, chunk if prefilling else 0)
+            for pieces, final in requests or [([], True)]:
                 request = ExpertRequest(
-                    request_id=state.request_id,
+                    request_id=self.session,
                     step=self.step,
                     layer=layer,
-                    experts=[e for e, _, _ in segments],
-                    counts=[n for _, _, n in segments],
-                    offsets=[o for _, o, _ in segments],
+                    experts=[p.expert for p in pieces],
+                    counts=[p.count for p in pieces],
+                    offsets=[p.offset for p in pieces],
                     final=final,
-                    rows=torch.cat([routed.rows[e][o : o + n] for e, o, n in segments]) if segments else None,
-                    weights=torch.cat([routed.weights[e][o : o + n] for e, o, n in segments]) if segments else None,
+                    rows=torch.cat([rows[p.expert][p.offset : p.offset + p.count] for p in pieces]) if pieces else None,
+                    weights=torch.cat([weights[p.expert][p.offset : p.offset + p.count] for p in pieces])
+                    if pieces
+                    else None,
                 )
                 self.endpoint.send(peer, request)  # an empty one releases the worker's prefetch
-                if segments:
+                if pieces:
                     sent.setdefault(peer, []).append(request)
-            if batches:
-                expected[peer] = len(batches)
-        outputs = {e: torch.empty_like(routed.rows[e]) for e in routed.experts}
+            if requests:
+                expected[peer] = len(requests)
+        outputs = {e: torch.empty_like(rows[e]) for e in real}
         busy: dict[str, float] = {}
+        wait_ms = compute_ms = 0.0
+        hits = misses = 0
         for peer, result in self._collect(expected, self.step, layer, sent, holders):
             start = 0
             for expert, count, offset in zip(result.experts, result.counts, result.offsets, strict=True):
                 outputs[expert][offset : offset + count] = result.output[start : start + count]
                 start += count
-            record.wait_ms += result.wait_ms
-            record.compute_ms += result.compute_ms
+            wait_ms += result.wait_ms
+            compute_ms += result.compute_ms
             busy[peer] = busy.get(peer, 0.0) + result.wait_ms + result.compute_ms
-            record.hits += result.hits
-            record.misses += result.misses
-        record.worker_ms = max(busy.values(), default=0.0)
-        final = self.routing.combine(routed, outputs, hidden_states.dtype)  # [T, H]
-        record.dispatch_ms = (time.perf_counter() - started) * 1000
-        return final
+            hits += result.hits
+            misses += result.misses
+        answers = []
+        for i, r in enumerate(routed):
+            mine = {e: outputs[e][starts[i][e] : starts[i][e] + r.count(e)] for e in r.experts}
+            answers.append(self.routing.combine(r, mine, calls[i].hidden_states.dtype))  # type: ignore[union-attr]
+        dispatch_ms = (time.perf_counter() - started) * 1000
+        for record in records:  # the layer's figures, shared by the batch
+            record.wait_ms, record.compute_ms, record.hits, record.misses = wait_ms, compute_ms, hits, misses
+            record.worker_ms = max(busy.values(), default=0.0)
+            record.dispatch_ms = dispatch_ms
+        return answers
 
-    def _predict_next_layer(self, state: RequestState, layer: int, hidden_states: torch.Tensor) -> None:
+    def _predict_next_layer(self, layer: int, batch: list[Sequence]) -> None:
         """Speculative prefetch (``lru-offload``): the next layer's router on this layer's input.
 
         Mixtral-Offloading's guess: consecutive layers' inputs differ little (the residual
-        stream dominates), so the next router applied now names most of its experts.
+        stream dominates), so the next router applied now names most of its experts. The
+        workers get the union over the batch's decoding sequences.
         """
         following = layer + 1
         if following >= self.placement.n_layers:
             return
-        _, _, indices = self.model.model.layers[following].mlp.gate(hidden_states)
-        experts = sorted(set(indices.reshape(-1).tolist()))
-        state.predictions[(self.step, following)] = experts
+        union: set[int] = set()
+        for s in batch:
+            if s.step > 0:
+                _, _, indices = self.model.model.layers[following].mlp.gate(s.call.hidden_states)  # type: ignore[union-attr]
+                experts = sorted(set(indices.reshape(-1).tolist()))
+                s.state.predictions[(s.step, following)] = experts
+                union.update(experts)
+        if not union:
+            return
         for worker in self.placement.workers_for_layer(following):
             self.endpoint.send(
                 f"worker-{worker}",
-                Prediction(request_id=state.request_id, step=self.step, layer=following, experts=experts),
+                Prediction(request_id=self.session, step=self.step, layer=following, experts=sorted(union)),
             )
 
     def live_workers(self) -> list[int]:
@@ -457,8 +635,8 @@ class MainRole:
             index = worker_index(peer)
             if event == "lost" and index not in self.lost:
                 self.lost.add(index)
-                if self.request is not None:
-                    self.request.roles_lost.add(peer)
+                for sequence in self.batch.values():
+                    sequence.state.roles_lost.add(peer)
                 self.returning.discard(index)
                 self.rejoined.discard(index)
                 log.warning("%s is gone (its connection closed): the rest of its group serves its experts", peer)
@@ -469,8 +647,8 @@ class MainRole:
     def _note_shadow_link(self, event: str) -> None:
         if event == "lost" and not self.shadow_lost:
             self.shadow_lost, self.shadow_returning, self.shadow_back = True, False, False
-            if self.request is not None:
-                self.request.roles_lost.add("shadow")
+            for sequence in self.batch.values():
+                sequence.state.roles_lost.add("shadow")
             log.warning("the shadow is gone (its connection closed): workers load what is routed until it is back")
         elif event == "up" and self.shadow_lost:
             self.shadow_returning = True
@@ -544,27 +722,39 @@ class MainRole:
             self.pending_results.clear()
         return results
 
-    def _end_request(self, state: RequestState) -> None:
-        """Tell every role the request is over and gather their statistics (bounded)."""
+    def _end_session(self) -> None:
+        """Tell the workers the session is over and gather their statistics (bounded)."""
         live = self.live_workers()
         for w in live:
-            self.endpoint.send(f"worker-{w}", End(request_id=state.request_id))
-        if self.shadow_serving:
-            self.endpoint.send("shadow", End(request_id=state.request_id))
+            self.endpoint.send(f"worker-{w}", End(request_id=self.session))
         deadline = time.monotonic() + self.spec.settings.timeout_s
-        while time.monotonic() < deadline:
+        try:
+            while time.monotonic() < deadline:
+                self._note_links()
+                if set(self.worker_stats) >= {w for w in self.live_workers() if w in live}:
+                    return
+                self._wait_for_side_message(deadline)
+            log.warning("some workers did not report statistics in time; metrics are partial")
+        finally:
+            self.session = ""
+
+    def _end_shadow(self, request_id: str) -> ShadowStats | None:
+        """Tell the shadow a sequence is over; its statistics for it, if they come in time."""
+        if not self.shadow_serving:
+            return None
+        self.endpoint.send("shadow", End(request_id=request_id))
+        deadline = time.monotonic() + self.spec.settings.timeout_s
+        while request_id not in self.shadow_stats and self.shadow_serving and time.monotonic() < deadline:
             self._note_links()
-            workers_done = set(self.worker_stats) >= {w for w in self.live_workers() if w in live}
-            shadow_done = not self.shadow_serving or self.shadow_stats is not None
-            if workers_done and shadow_done:
-                return
-            received = self.endpoint.recv(timeout_s=deadline - time.monotonic())
-            if received is not None:
-                self.handle_side_message(received)
-        log.warning("some roles did not report statistics in time; metrics are partial")
+            self._wait_for_side_message(deadline)
+        if request_id not in self.shadow_stats:
+            log.warning("the shadow did not report statistics for %s in time; metrics are partial", request_id)
+        return self.shadow_stats.pop(request_id, None)
 
-
-Segment = tuple[int, int, int]  # (expert, first row, rows)
+    def _wait_for_side_message(self, deadline: float) -> None:
+        received = self.endpoint.recv(timeout_s=max(0.0, deadline - time.monotonic()))
+        if received is not None:
+            handle_safely(self.handle_side_message, received)
 
 
 def worker_index(peer: str) -> int:
@@ -572,23 +762,13 @@ def worker_index(peer: str) -> int:
     return int(peer.removeprefix("worker-"))
 
 
-def _batches(routed: RoutedRows, experts: list[int], chunk: int) -> list[tuple[list[Segment], bool]]:
-    """The requests one worker gets for a layer: (segments, final) pairs.
-
-    Decode (``chunk`` 0) sends all of a worker's experts in one request; a long prefill
-    sends each expert's rows as mini-batches so the worker computes one while the next
-    is in flight, ``final`` on an expert's last one so the worker frees it at once.
-    """
-    if chunk <= 0:
-        return [([(e, 0, routed.count(e)) for e in experts], True)] if experts else []
-    batches: list[tuple[list[Segment], bool]] = []
-    for expert in experts:
-        sizes = schedule.chunk_sizes(routed.count(expert), chunk)
-        offset = 0
-        for i, size in enumerate(sizes):
-            batches.append(([(expert, offset, size)], i == len(sizes) - 1))
-            offset += size
-    return batches
+def _pieces(sizes: list[int]) -> list[tuple[int, int]]:
+    """(offset, size) of consecutive pieces of the given sizes."""
+    out, offset = [], 0
+    for size in sizes:
+        out.append((offset, size))
+        offset += size
+    return out
 
 
 class _TokenStreamer(BaseStreamer):

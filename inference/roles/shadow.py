@@ -1,6 +1,7 @@
 """The shadow role: a quantized copy of the whole model that emulates main a step ahead.
 
-For each decode step the shadow runs its copy on main's token (when tokens are aligned)
+It follows every sequence of main's batch, each with its own cache, stepping the one
+furthest behind first. For each decode step the shadow runs its copy on main's token (when tokens are aligned)
 or on its own guess, and its router decisions at every layer are sent at once to the
 workers that serve that layer, and to main, as the prediction of main's routing
 (Scaled Emulative Prediction). Main's ``Align`` messages bring its token and KV cache
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import DynamicCache
@@ -83,10 +85,13 @@ class ShadowRole:
             spec.shard_dir, shadow_dtype, self.device, eager_experts=arithmetic == "eager", verify=False
         )
         release_free_heap()
+        # Main runs at most max_batch sequences; more than twice that is a peer misbehaving.
+        self.max_states = 2 * spec.settings.max_batch
         self.kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed_tokens" in n)
         self.endpoint = open_endpoint(spec)
         connect_peers(self.endpoint, spec, workers=True, shadow=False, main=True)
-        self.run_state: Emulation | None = None
+        self.states: dict[str, Emulation] = {}  # the sequences it follows, by request id
+        self.run_state: Emulation | None = None  # the one its model is running now
         self.layer_step = 0
         for layer, decoder in enumerate(self.model.model.layers):
             decoder.mlp.gate.register_forward_hook(self._router_hook(layer))
@@ -97,18 +102,19 @@ class ShadowRole:
     def run(self) -> None:
         try:
             while True:
-                # A request main has ended is answered as soon as no step is left, not after a
+                # A sequence main has ended is answered as soon as no step is left, not after a
                 # quiet second on the inbox: health pings would otherwise keep postponing it.
-                if self.run_state is not None and self.run_state.ending and not self._can_step():
-                    self.finish()
-                received = self.endpoint.recv(timeout_s=0.0 if self._can_step() else 1.0)
+                for state in [s for s in self.states.values() if s.ending and not self._can_step(s)]:
+                    self.finish(state)
+                ready = self._next_to_step()
+                received = self.endpoint.recv(timeout_s=0.0 if ready else 1.0)
                 if received is not None:
                     if isinstance(received.msg, Shutdown):
                         return
                     handle_safely(self.handle, received)
                     continue
-                if self._can_step():
-                    self._guarded(self.step)
+                if ready is not None:
+                    self._guarded(ready, partial(self.step, ready))
         finally:
             self.endpoint.close()
 
@@ -116,47 +122,46 @@ class ShadowRole:
         msg = received.msg
         if answer_ping(self.endpoint, received, self.spec.name, ready=True):
             return
-        state = self.run_state
+        state = self.states.get(getattr(msg, "request_id", None) or "")
         if isinstance(msg, ShadowBegin):
-            self._guarded(lambda: self.begin(msg))
-        elif isinstance(msg, End) and (state is None or msg.request_id != state.request_id):
+            self.begin(msg)
+        elif isinstance(msg, SetAlignment):
+            for each in self.states.values():
+                each.token_period, each.kv_period = msg.token_period, msg.kv_period
+            log.info("alignment periods now token=%d kv=%d", msg.token_period, msg.kv_period)
+        elif isinstance(msg, End) and state is None:
             # Nothing to finish (the request failed here, or never reached us): say so at once.
             self.endpoint.reply(
                 received.identity,
                 ShadowStats(request_id=msg.request_id, steps_done=0, rewinds=0, token_aligns=0, kv_aligns=0),
             )
-        elif state is None or getattr(msg, "request_id", None) != state.request_id:
+        elif state is None:
             log.warning("dropped %s for a request that is not running", msg.TYPE)
         elif isinstance(msg, Align):
             self.on_align(state, msg)
-        elif isinstance(msg, SetAlignment):
-            state.token_period, state.kv_period = msg.token_period, msg.kv_period
-            log.info(
-                "alignment periods now token=%d kv=%d from step %d",
-                msg.token_period,
-                msg.kv_period,
-                msg.from_step,
-            )
         elif isinstance(msg, End):
             state.ending = True
             state.end_identity = received.identity
         else:
             log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
 
-    def _guarded(self, action) -> None:
-        """Run ``action``; if it fails, give up this request: main goes on without predictions."""
+    def _guarded(self, state: Emulation, action) -> None:
+        """Run ``action``; if it fails, give up this sequence: main goes on without its predictions."""
         try:
             action()
         except Exception:
-            log.exception(
-                "shadow failed on request %s; workers fall back to on-demand loading",
-                self.run_state.request_id if self.run_state else "?",
-            )
+            log.exception("shadow failed on request %s; workers fall back to on-demand loading", state.request_id)
+            self.states.pop(state.request_id, None)
+        finally:
             self.run_state = None
 
     # --- one request ----------------------------------------------------------------------
 
     def begin(self, msg: ShadowBegin) -> None:
+        if msg.request_id not in self.states and len(self.states) >= self.max_states:
+            oldest = next(iter(self.states))
+            log.warning("following more than %d sequences: dropped %s", self.max_states, oldest)
+            del self.states[oldest]
         cache = DynamicCache(config=self.model.config)
         state = Emulation(
             msg.request_id,
@@ -166,10 +171,15 @@ class ShadowRole:
             msg.kv_period,
             cache,
         )
-        self.run_state = state
-        self.layer_step = 0  # prefill: no predictions are sent
-        logits = self._forward(msg.prompt_ids.view(1, -1), cache)
-        state.own_next = int(logits.argmax())
+        self.states[msg.request_id] = state
+
+        def prefill() -> None:
+            self.run_state = state
+            self.layer_step = 0  # prefill: no predictions are sent
+            logits = self._forward(msg.prompt_ids.view(1, -1), cache)
+            state.own_next = int(logits.argmax())
+
+        self._guarded(state, prefill)
 
     def on_align(self, state: Emulation, msg: Align) -> None:
         state.aligns[msg.step] = msg
@@ -195,9 +205,13 @@ class ShadowRole:
             state.next_step = msg.step
             state.rewinds += 1
 
-    def _can_step(self) -> bool:
-        state = self.run_state
-        if state is None or state.next_step >= state.max_new_tokens:
+    def _next_to_step(self) -> Emulation | None:
+        """The sequence that may step and is least far ahead of main, or None."""
+        ready = [s for s in self.states.values() if self._can_step(s)]
+        return min(ready, key=lambda s: s.next_step - s.main_step, default=None)
+
+    def _can_step(self, state: Emulation) -> bool:
+        if state.next_step >= state.max_new_tokens:
             return False
         s = state.next_step
         if s > state.main_step + self.spec.settings.lookahead and not state.ending:
@@ -210,9 +224,8 @@ class ShadowRole:
             return False
         return not (state.ending and s > state.main_step)
 
-    def step(self) -> None:
-        state = self.run_state
-        assert state is not None
+    def step(self, state: Emulation) -> None:
+        self.run_state = state
         s = state.next_step
         align = state.aligns.get(s)
         if align is not None and align.keys is not None and align.values is not None:
@@ -232,9 +245,7 @@ class ShadowRole:
         state.own_next = int(logits.argmax())
         state.next_step = s + 1
 
-    def finish(self) -> None:
-        state = self.run_state
-        assert state is not None
+    def finish(self, state: Emulation) -> None:
         self.endpoint.reply(
             state.end_identity,
             ShadowStats(
@@ -247,7 +258,7 @@ class ShadowRole:
                 speculation_misses=state.speculation_misses,
             ),
         )
-        self.run_state = None
+        self.states.pop(state.request_id, None)
 
     # --- model plumbing -----------------------------------------------------------------
 

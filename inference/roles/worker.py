@@ -27,6 +27,7 @@ from inference.protocol import (
     ExpertRequest,
     ExpertResult,
     Prediction,
+    SequenceJoin,
     Shutdown,
     WorkerStats,
 )
@@ -38,6 +39,8 @@ from inference.strategies import get_strategy, home_experts, prefetch_on_predict
 from inference.transport import Received
 
 log = logging.getLogger(__name__)
+
+MAX_JOINED = 1024  # sequences of one session a worker remembers (main runs far fewer at once)
 
 
 class WorkerRole:
@@ -81,7 +84,10 @@ class WorkerRole:
         if self.strategy.cache == "all":
             self.loader.preload(home_experts(self.placement, self.index))
         self.endpoint = open_endpoint(spec)
-        self.request_id = ""
+        self.request_id = ""  # main's session: one or more sequences batched, in lockstep
+        self.joined: dict[str, int] = {}  # a sequence of the session -> the session step of its prefill
+        # Per (session step, layer), what each source predicted (main, or the shadow per sequence).
+        self.predicted: dict[tuple[int, int], dict[str, list[int]]] = {}
         self.served: tuple[int, int] = (-1, -1)  # the last (step, layer) main asked for
         self.held: dict[Key, Resident] = {}  # experts on the device until the layer's final request
         log.info(
@@ -114,6 +120,8 @@ class WorkerRole:
             return
         if isinstance(msg, Begin):
             self.begin(msg)
+        elif isinstance(msg, SequenceJoin):
+            self.on_join(msg)
         elif isinstance(msg, Prediction):
             self.on_prediction(msg)
         elif isinstance(msg, ExpertRequest):
@@ -128,24 +136,43 @@ class WorkerRole:
         self.loader.discard(lambda key: False)
         self.loader.reset_stats()
         self.request_id = msg.request_id
+        self.joined.clear()
+        self.predicted.clear()
         self.served = (-1, -1)
         for layer, expert in prefill_prefetch(self.strategy, self.placement, self.index):
             self.loader.prefetch((0, layer, expert))
 
+    def on_join(self, msg: SequenceJoin) -> None:
+        if msg.request_id != self.request_id or msg.first_step < 0:
+            return
+        if len(self.joined) >= MAX_JOINED and msg.sequence not in self.joined:
+            self.joined.pop(next(iter(self.joined)))  # the oldest: long gone, or a peer flooding us
+        self.joined[msg.sequence] = msg.first_step
+
     def on_prediction(self, msg: Prediction) -> None:
-        if msg.request_id != self.request_id or msg.layer not in self.decode_layers:
+        """Load ahead what the batch's predictions for a layer name together.
+
+        Main's own guesses come in session steps; the shadow's per sequence, in the
+        sequence's steps, which its join places in the session.
+        """
+        if msg.request_id == self.request_id:
+            step = msg.step
+        elif msg.request_id in self.joined:
+            step = self.joined[msg.request_id] + msg.step
+        else:
             return
-        if (msg.step, msg.layer) <= self.served:
-            return  # main has already served that layer: the prediction came too late
-        mine = set(prefetch_on_prediction(self.strategy, msg.experts, self.members, self.index))
-        foreign = sorted(e for e in mine if (msg.layer, e) not in self.store_keys)
-        if foreign:  # a prediction naming experts that do not exist here: nothing to load
-            log.warning("dropped a prediction for layer %d naming experts %s this worker lacks", msg.layer, foreign)
+        if msg.layer not in self.decode_layers or (step, msg.layer) <= self.served:
+            return  # not a layer of ours, or main has already served it: the prediction came too late
+        if any((msg.layer, e) not in self.store_keys for e in msg.experts):
+            log.warning("dropped a prediction for layer %d naming experts this worker lacks", msg.layer)
             return
-        # A newer prediction for the same layer replaces the older one.
-        self.loader.discard(lambda key: (key[0], key[1]) != (msg.step, msg.layer) or key[2] in mine)
+        sources = self.predicted.setdefault((step, msg.layer), {})
+        sources[msg.request_id] = msg.experts  # a newer prediction from the same source replaces its older one
+        union = sorted(set().union(*sources.values()))
+        mine = set(prefetch_on_prediction(self.strategy, union, self.members, self.index))
+        self.loader.discard(lambda key: (key[0], key[1]) != (step, msg.layer) or key[2] in mine)
         for expert in sorted(mine):
-            self.loader.prefetch((msg.step, msg.layer, expert))
+            self.loader.prefetch((step, msg.layer, expert))
 
     def on_request(self, msg: ExpertRequest, identity: bytes) -> None:
         if not self.request_id or msg.request_id != self.request_id:
@@ -159,6 +186,8 @@ class WorkerRole:
         if here > self.served:
             self._release_held()  # a new layer: nothing of the previous one stays on the device
             self.served = here
+            for key in [k for k in self.predicted if k <= here]:
+                del self.predicted[key]
         wanted = set(msg.experts)
         self.loader.discard(lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted))
         if msg.experts:
@@ -247,6 +276,8 @@ class WorkerRole:
             ),
         )
         self.request_id = ""
+        self.joined.clear()
+        self.predicted.clear()
 
 
 def _read_config(shard_dir: str) -> dict:

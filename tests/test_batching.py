@@ -1,0 +1,103 @@
+"""The pieces of continuous batching that need no cluster: turn-taking and request packing."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from inference.batching import (
+    LayerCall,
+    Segment,
+    Sequence,
+    SequenceAborted,
+    current_sequence,
+    enter_sequence,
+    pack_segments,
+)
+from inference.records import RequestState
+
+
+def _sequence(name: str, body) -> Sequence:
+    state = RequestState(name, b"", 1, 1, 1, 1, 0.0)
+    return Sequence(state, body, torch.device("cpu"), threads=1)
+
+
+def _call(layer: int) -> LayerCall:
+    row = torch.zeros(1, 2)
+    return LayerCall(layer, row, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))
+
+
+def test_sequences_run_one_at_a_time_and_meet_at_each_layer() -> None:
+    log: list[str] = []
+    running = threading.Lock()
+
+    def body(sequence: Sequence) -> int:
+        enter_sequence(sequence)
+        total = 0
+        for layer in range(3):
+            assert running.acquire(blocking=False), "two sequences ran at once"
+            log.append(f"{sequence.request_id}@{layer}")
+            running.release()
+            total += int(sequence.wait_at(_call(layer)).sum())
+            assert current_sequence() is sequence
+        return total
+
+    batch = [_sequence("a", body), _sequence("b", body)]
+    for s in batch:
+        s.resume()
+    for layer in range(3):
+        assert [s.call.layer for s in batch] == [layer, layer]  # type: ignore[union-attr]
+        for i, s in enumerate(batch):
+            s.answer_with(torch.full((1, 2), float(i + 1)))
+    assert all(s.finished and s.error is None for s in batch)
+    assert [s.result for s in batch] == [6, 12]
+    assert log == ["a@0", "b@0", "a@1", "b@1", "a@2", "b@2"]
+    assert current_sequence() is None
+
+
+def test_an_aborted_layer_ends_the_sequence_with_the_reason() -> None:
+    def body(sequence: Sequence) -> None:
+        enter_sequence(sequence)
+        sequence.wait_at(_call(0))
+
+    s = _sequence("a", body)
+    s.resume()
+    s.answer_with(None, abort="worker-1 did not answer")
+    assert s.finished and isinstance(s.error, SequenceAborted) and "worker-1" in str(s.error)
+
+
+def test_each_sequence_keeps_its_own_random_stream() -> None:
+    def body(sequence: Sequence) -> list[float]:
+        enter_sequence(sequence)
+        torch.manual_seed(int(sequence.request_id))
+        draws = []
+        for layer in range(3):
+            draws.append(float(torch.rand(1)))
+            sequence.wait_at(_call(layer))
+        return draws
+
+    alone = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        alone.append([float(torch.rand(1)) for _ in range(3)])
+    batch = [_sequence("1", body), _sequence("2", body)]
+    for s in batch:
+        s.resume()
+    while not all(s.finished for s in batch):
+        for s in batch:
+            s.answer_with(torch.zeros(1, 2))
+    assert [s.result for s in batch] == alone
+
+
+def test_decode_segments_go_in_one_request() -> None:
+    segments = [Segment(1, 0, 1), Segment(1, 1, 1), Segment(4, 0, 1)]
+    assert pack_segments(segments, 0) == [(segments, True)]
+    assert pack_segments([], 0) == [] == pack_segments([], 64)
+
+
+def test_prefill_segments_go_per_expert_in_chunks_and_are_never_split() -> None:
+    a0, a1, a2 = Segment(2, 0, 40), Segment(2, 40, 40), Segment(2, 80, 1)
+    b0 = Segment(5, 0, 70)
+    requests = pack_segments([a0, a1, a2, b0], 64)
+    assert requests == [([a0], False), ([a1, a2], True), ([b0], True)]

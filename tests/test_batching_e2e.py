@@ -1,0 +1,139 @@
+"""Continuous batching end to end: many sequences at once, each token-identical to its own run.
+
+Real main, shadow and worker processes on 127.0.0.1; one client per stream, the streams
+started at staggered times with different prompt and answer lengths, so sequences join
+a running batch and leave it mid-stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from inference.client import GenerationFailed, RuntimeClient
+from inference.launcher import ClusterOptions, LocalCluster
+from inference.protocol import GenerateDone
+from inference.spec import Settings
+from inference.strategies import STRATEGIES
+from tests.reference import PROMPTS, reference_generate
+
+pytestmark = pytest.mark.slow
+
+# Eight streams: the five shared prompts and three more, each with its own answer length.
+STREAM_PROMPTS = [*PROMPTS, [1, 7], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309], [1, 2, 3]]
+NEW_TOKENS = [24, 10, 30, 16, 20, 6, 28, 12]
+
+
+def run_streams(
+    cluster: LocalCluster,
+    prompts: list[list[int]],
+    new_tokens: list[int],
+    *,
+    stagger_s: float = 0.03,
+    per_stream: list[dict] | None = None,
+) -> list[GenerateDone | BaseException]:
+    """Each prompt on its own client and thread, started ``stagger_s`` apart (``per_stream``: options)."""
+    results: list[GenerateDone | BaseException] = [RuntimeError("did not run")] * len(prompts)
+
+    def stream(i: int) -> None:
+        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.curve)
+        try:
+            time.sleep(stagger_s * i)
+            options = per_stream[i] if per_stream else {}
+            results[i] = client.generate(prompts[i], new_tokens[i], timeout_s=180, **options)
+        except (GenerationFailed, TimeoutError) as exc:
+            results[i] = exc
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def references(model: Path) -> list[list[int]]:
+    return [reference_generate(model, p, n) for p, n in zip(STREAM_PROMPTS, NEW_TOKENS, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model: Path) -> list[list[int]]:
+    return references(tiny_model)
+
+
+# Every strategy on the tiny model; the odd one (eager arithmetic, 3 workers, top-3) under odmoe.
+CASES = [("tiny_model", strategy, 4) for strategy in STRATEGIES] + [("odd_model", "odmoe", 3)]
+
+
+@pytest.mark.parametrize(("model_name", "strategy", "workers"), CASES)
+def test_every_sequence_of_a_batch_is_token_identical_to_its_own_run(
+    model_name: str, strategy: str, workers: int, request: pytest.FixtureRequest
+) -> None:
+    model: Path = request.getfixturevalue(model_name)
+    expected = references(model)
+    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy))
+    with LocalCluster(model, options) as cluster:
+        results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS)
+    for i, (want, got) in enumerate(zip(expected, results, strict=True)):
+        assert isinstance(got, GenerateDone), f"stream {i}: {got!r}"
+        assert got.token_ids == want, f"stream {i} (prompt {STREAM_PROMPTS[i]}): tokens differ from its own run"
+        assert got.finish_reason == "length"
+    sizes = [r.metrics["max_batch"] for r in results]  # type: ignore[union-attr]
+    joined = sorted({r.metrics["joined_step"] for r in results})  # type: ignore[union-attr]
+    print(f"{strategy}: largest batch per stream {sizes}, joined at session steps {joined}")
+    assert max(sizes) >= 2  # the streams overlapped: they were served as one batch
+    assert len(joined) >= 2  # some joined a batch that was already decoding
+
+
+def test_a_full_batch_makes_requests_wait_and_a_cancel_frees_its_place(
+    tiny_model: Path, expected: list[list[int]]
+) -> None:
+    # Two places: six streams queue and join as others leave.
+    options = ClusterOptions(workers=2, settings=Settings(max_batch=2))
+    with LocalCluster(tiny_model, options) as cluster:
+        results = run_streams(cluster, STREAM_PROMPTS[:6], NEW_TOKENS[:6], stagger_s=0.0)
+        # A cancelled sequence leaves after its current step; the other one runs on unchanged.
+        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.curve)
+        try:
+            cancelled: list[GenerateDone] = []
+
+            def cancel_after_three(tokens: int) -> None:
+                if tokens == 3:
+                    client.cancel("to-cancel")
+
+            background = threading.Thread(
+                target=lambda: cancelled.append(
+                    client.generate(STREAM_PROMPTS[6], 200, request_id="to-cancel", during=cancel_after_three)
+                )
+            )
+            background.start()
+            (other,) = run_streams(cluster, [STREAM_PROMPTS[7]], [NEW_TOKENS[7]], stagger_s=0.0)
+            background.join()
+        finally:
+            client.close()
+    for i, got in enumerate(results):
+        assert isinstance(got, GenerateDone), f"stream {i}: {got!r}"
+        assert got.token_ids == expected[i]
+        assert got.metrics["max_batch"] <= 2
+    assert max(r.metrics["joined_step"] for r in results) > 0  # type: ignore[union-attr]
+    (done,) = cancelled
+    assert done.finish_reason == "cancelled" and 3 <= len(done.token_ids) < 200
+    assert isinstance(other, GenerateDone) and other.token_ids == expected[7]
+
+
+def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(tiny_model: Path) -> None:
+    sampling = dict(do_sample=True, temperature=0.9, top_p=0.95)
+    seeds = [11, 12, 13, 14]
+    with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
+        alone = [cluster.generate(PROMPTS[i], 16, seed=seed, **sampling).token_ids for i, seed in enumerate(seeds)]
+        together = run_streams(
+            cluster, PROMPTS[:4], [16] * 4, stagger_s=0.0, per_stream=[{"seed": seed} | sampling for seed in seeds]
+        )
+    assert all(isinstance(r, GenerateDone) for r in together), together
+    assert [r.token_ids for r in together] == alone  # type: ignore[union-attr]
+    assert max(r.metrics["max_batch"] for r in together) >= 2  # type: ignore[union-attr]
