@@ -136,12 +136,14 @@ class GenerationDone(LinkMessage):
 @dataclass(frozen=True, kw_only=True)
 class GenerationFailed(LinkMessage):
     """A generation ended without a result; ``retryable``: the same request can succeed shortly
-    (main died and is being restarted), as opposed to one that cannot (a bad request)."""
+    (main died and is being restarted), as opposed to one that cannot (a bad request);
+    ``busy``: main's batch and queue were full, so it never started (ask again later)."""
 
     TYPE = "generation_failed"
     request_id: str
     error: str
     retryable: bool = False
+    busy: bool = False
 
 
 # --- commands: control plane -> agent ---------------------------------------------------

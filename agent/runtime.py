@@ -26,6 +26,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from agent.credentials import NodeCredential
@@ -58,6 +59,9 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[LinkMessage], Awaitable[None]]
 WATCH_EVERY_S = 0.5
+# Generations one main streams at once: main's batch and its queue (Settings.max_batch,
+# max_waiting) say how many it takes; beyond them it answers "full" at once.
+MAX_STREAMS = 128
 PING_TIMEOUT_S = 0.5  # a role busy with a step may answer late: the next ping asks again
 # A ready role is asked for its memory this often: the heartbeat's pace. Not faster: a role
 # that waits for a quiet second on its inbox (the shadow ending a request) must get one.
@@ -156,7 +160,8 @@ class RoleRunner:
         self.command: StartRole | None = None
         self.process: asyncio.subprocess.Process | None = None
         self._work: asyncio.Task | None = None
-        self._generation_lock = asyncio.Lock()
+        # Generations run at once (main batches them); each streams in a thread of its own.
+        self._streams = ThreadPoolExecutor(max_workers=MAX_STREAMS, thread_name_prefix="generation")
         self._cancelled: set[str] = set()
         self._running_generations: set[str] = set()
         self._reported_memory: dict[str, int] = {}  # what the control plane last got
@@ -395,28 +400,26 @@ class RoleRunner:
             await asyncio.to_thread(client.close, HANDOVER_MS)
 
     async def generate(self, command: Generate) -> None:
-        """Run one generation on main after those before it; events go to the control plane."""
-        async with self._generation_lock:
-            if command.request_id in self._cancelled:
-                self._cancelled.discard(command.request_id)
-                done = GenerationDone(
-                    request_id=command.request_id, token_ids=[], finish_reason="cancelled", metrics={}
-                )
-                await self.send(done)
-                return
-            client = self._main_client(command.deployment)
-            if client is None:
-                error = f"this box does not run a ready main for deployment {command.deployment}"
-                await self.send(GenerationFailed(request_id=command.request_id, error=error))
-                return
-            self._running_generations.add(command.request_id)
-            try:
-                metrics = await asyncio.to_thread(self._stream, client, command, asyncio.get_running_loop())
-            finally:
-                self._running_generations.discard(command.request_id)
-                client.close()
-            if metrics is not None and self.state is not None and self.state.state == "ready":
-                await self._set("ready", metrics={k: metrics.get(k) for k in RUNTIME_METRICS})
+        """Run one generation on main, beside any others (main batches them); events go to the control plane."""
+        if command.request_id in self._cancelled:
+            self._cancelled.discard(command.request_id)
+            done = GenerationDone(request_id=command.request_id, token_ids=[], finish_reason="cancelled", metrics={})
+            await self.send(done)
+            return
+        client = self._main_client(command.deployment)
+        if client is None:
+            error = f"this box does not run a ready main for deployment {command.deployment}"
+            await self.send(GenerationFailed(request_id=command.request_id, error=error))
+            return
+        self._running_generations.add(command.request_id)
+        loop = asyncio.get_running_loop()
+        try:
+            metrics = await loop.run_in_executor(self._streams, self._stream, client, command, loop)
+        finally:
+            self._running_generations.discard(command.request_id)
+            client.close()
+        if metrics is not None and self.state is not None and self.state.state == "ready":
+            await self._set("ready", metrics={k: metrics.get(k) for k in RUNTIME_METRICS})
 
     def _stream(self, client: RuntimeClient, command: Generate, loop: asyncio.AbstractEventLoop) -> dict | None:
         """Relay one generation's events; returns its metrics when it finished."""
@@ -449,7 +452,7 @@ class RoleRunner:
         except MainExited as exc:
             post(GenerationFailed(request_id=command.request_id, error=str(exc), retryable=True))
         except RuntimeGenerationFailed as exc:
-            post(GenerationFailed(request_id=command.request_id, error=str(exc)))
+            post(GenerationFailed(request_id=command.request_id, error=str(exc), busy=exc.busy))
         return None
 
     def _check_main_alive(self) -> None:

@@ -60,6 +60,7 @@ class Sequence:
     error: BaseException | None = None
     finished: bool = False
     joined_step: int = -1  # the session step of its prefill
+    user: str = ""  # who asked (for fairness between users)
     _go: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     _back: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     _thread: threading.Thread | None = None
@@ -143,6 +144,18 @@ def current_sequence() -> Sequence | None:
 def enter_sequence(sequence: Sequence) -> None:
     """Mark the calling thread as ``sequence``'s (its body's first act)."""
     _CURRENT.sequence = sequence
+
+
+def next_to_join(waiting_users: list[str], running_users: list[str]) -> int:
+    """Which waiting request joins the batch next (its index in ``waiting_users``, oldest first).
+
+    Fair between users: the oldest request of the user with the fewest sequences running,
+    so one user's many requests take turns with everyone else's instead of going first.
+    """
+    running: dict[str, int] = {}
+    for user in running_users:
+        running[user] = running.get(user, 0) + 1
+    return min(range(len(waiting_users)), key=lambda i: (running.get(waiting_users[i], 0), i))
 
 
 @dataclass(frozen=True)

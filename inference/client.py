@@ -28,7 +28,14 @@ from inference.transport import Endpoint
 
 
 class GenerationFailed(RuntimeError):
-    """Main refused or could not finish a generation; the message is main's reason."""
+    """Main refused or could not finish a generation; the message is main's reason.
+
+    ``busy``: main's batch and queue were full, so the generation never started.
+    """
+
+    def __init__(self, message: str, *, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
 
 
 class RuntimeClient:
@@ -81,6 +88,7 @@ class RuntimeClient:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        user: str = "",
         request_id: str | None = None,
         timeout_s: float = 600.0,
         idle: Callable[[], None] | None = None,
@@ -99,6 +107,7 @@ class RuntimeClient:
             temperature=temperature,
             top_p=top_p,
             seed=seed,
+            user=user,
         )
         self.endpoint.send("main", request)
         deadline = time.monotonic() + timeout_s
@@ -117,7 +126,7 @@ class RuntimeClient:
                 yield msg
                 return
             elif isinstance(msg, GenerateError):
-                raise GenerationFailed(msg.error)
+                raise GenerationFailed(msg.error, busy=msg.busy)
         raise GenerationFailed(f"the generation did not finish within {timeout_s:.0f} s")
 
     def generate(

@@ -11,3 +11,6 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Where a worker keeps the experts it owns: "ram" reads its shard into host memory at start,
 # "disk" reads each expert from the shard files when it is loaded (inference/store.py).
 EXPERT_STORES = ("ram", "disk")
+
+# The most sequences main may run at once (``Settings.max_batch``): each holds a thread and a KV cache.
+MAX_BATCH = 64

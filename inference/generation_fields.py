@@ -19,6 +19,9 @@ class GenerationFields:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    # Who asked (an opaque id, e.g. the control plane's user id): main shares its batch fairly
+    # between users, so one user's many requests do not keep another's waiting.
+    user: str = ""
 
     def generation_fields(self) -> dict:
         """These fields of ``self`` by name, to hand them on to the next hop's message."""

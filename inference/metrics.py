@@ -38,6 +38,7 @@ def step_report(step: StepRecord, placement: Placement) -> dict:
     return {
         "step": step.step,
         "tokens": step.tokens,
+        "batch": step.batch,  # sequences main ran in this step, this one included
         "ms": round((step.finished - step.started) * 1000, 3) if step.finished else None,
         "recall": statistics.fmean(recalls) if recalls else None,
         "layers": layers,

@@ -146,9 +146,12 @@ class GenerateDone(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class GenerateError(Message):
+    """A generation main did not run or could not finish; ``busy``: its batch and queue were full."""
+
     TYPE = "error"
     request_id: str
     error: str
+    busy: bool = False
 
 
 @message

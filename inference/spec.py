@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
+from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES
 from inference.curve import CurveError, CurveKeys, check_keys
 from inference.routing import ARITHMETICS
 from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
@@ -131,8 +131,8 @@ def validate_settings(s: Settings) -> Settings:
     for name in ("token_period", "kv_period"):
         if getattr(s, name) < 0:
             raise SpecError(f"{name} must be >= 0 (0 = never align)")
-    if s.max_batch < 1 or s.max_waiting < 0:
-        raise SpecError("max_batch must be >= 1 and max_waiting >= 0")
+    if not 1 <= s.max_batch <= MAX_BATCH or s.max_waiting < 0:
+        raise SpecError(f"max_batch must be from 1 to {MAX_BATCH} and max_waiting >= 0")
     if s.prefill_chunk < 0:
         raise SpecError("prefill_chunk must be >= 0 (0 = no mini-batches)")
     if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0:

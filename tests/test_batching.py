@@ -13,6 +13,7 @@ from inference.batching import (
     SequenceAborted,
     current_sequence,
     enter_sequence,
+    next_to_join,
     pack_segments,
 )
 from inference.records import RequestState
@@ -101,3 +102,10 @@ def test_prefill_segments_go_per_expert_in_chunks_and_are_never_split() -> None:
     b0 = Segment(5, 0, 70)
     requests = pack_segments([a0, a1, a2, b0], 64)
     assert requests == [([a0], False), ([a1, a2], True), ([b0], True)]
+
+
+def test_the_next_to_join_is_the_oldest_request_of_the_user_with_the_fewest_running() -> None:
+    # alice has three running and three waiting: bob's later request goes before hers.
+    assert next_to_join(["alice", "alice", "bob", "alice"], ["alice", "alice", "alice"]) == 2
+    assert next_to_join(["alice", "bob"], []) == 0  # nobody running: first come, first served
+    assert next_to_join(["carol", "bob", "carol"], ["bob", "carol", "carol"]) == 1

@@ -35,6 +35,7 @@ from inference.batching import (
     SequenceAborted,
     current_sequence,
     enter_sequence,
+    next_to_join,
     pack_segments,
 )
 from inference.failover import NoSurvivor, reroute, taker
@@ -222,13 +223,14 @@ class MainRole:
         error = self._check_request(msg)
         if not error and (msg.request_id in self.batch or any(w.request_id == msg.request_id for w, _ in self.waiting)):
             error = f"a generation with id {msg.request_id!r} is already running"
-        if not error and len(self.waiting) >= self.spec.settings.max_waiting:
+        full = not error and len(self.waiting) >= self.spec.settings.max_waiting
+        if full:
             error = (
                 f"main is full: {len(self.batch)} sequences running and {len(self.waiting)} waiting; "
                 "try again when one ends"
             )
         if error:
-            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=error))
+            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=error, busy=full))
             return
         self.waiting.append((msg, client))
 
@@ -261,7 +263,9 @@ class MainRole:
     def _join_waiting(self) -> None:
         """Start waiting requests, up to the batch's size, between two steps."""
         while self.waiting and len(self.batch) < self.spec.settings.max_batch:
-            msg, client = self.waiting.popleft()
+            chosen = next_to_join([m.user for m, _ in self.waiting], [s.user for s in self.batch.values()])
+            msg, client = self.waiting[chosen]
+            del self.waiting[chosen]
             if not self.session:
                 self._begin_session(msg)
             state = RequestState(
@@ -280,6 +284,7 @@ class MainRole:
                 self.device,
                 self.spec.settings.threads,
                 joined_step=self.step + 1,
+                user=msg.user,
             )
             self.batch[msg.request_id] = sequence
             for w in self.live_workers():

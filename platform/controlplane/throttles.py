@@ -45,40 +45,42 @@ class TooManyGenerations(Exception):
         self.limit = limit
 
 
-def _take(key: str, limit: int) -> bool:
+def _take(key: str, limit: int, count: int) -> bool:
     cache.add(key, 0, SLOT_TTL_S)
-    if cache.incr(key) <= limit:
+    if cache.incr(key, count) <= limit:
         return True
-    cache.decr(key)
+    cache.decr(key, count)
     return False
 
 
-def _give_back(key: str) -> None:
+def _give_back(key: str, count: int) -> None:
     with contextlib.suppress(ValueError):  # expired meanwhile: nothing to give back
-        if cache.decr(key) < 0:  # expired and counted afresh since: never below zero
+        if cache.decr(key, count) < 0:  # expired and counted afresh since: never below zero
             cache.set(key, 0, SLOT_TTL_S)
 
 
 class GenerationSlot:
-    """One of a user's concurrent generations, held from ``take`` until ``release`` (idempotent)."""
+    """``count`` of a user's concurrent generations (a response with several choices holds one per
+    choice), held from ``take`` until ``release`` (idempotent)."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, count: int = 1) -> None:
         self.key = key
+        self.count = count
         self.held = True
 
     @classmethod
-    async def take(cls, user_id: object) -> GenerationSlot:
-        """A free slot of the user's, or ``TooManyGenerations``."""
+    async def take(cls, user_id: object, *, count: int = 1) -> GenerationSlot:
+        """``count`` free slots of the user's, all or none, or ``TooManyGenerations``."""
         limit = settings.MAX_GENERATIONS_PER_USER
         key = f"generation-slots:{user_id}"
-        if not await sync_to_async(_take)(key, limit):
+        if not await sync_to_async(_take)(key, limit, count):
             raise TooManyGenerations(limit)
-        return cls(key)
+        return cls(key, count)
 
     async def release(self) -> None:
         if self.held:
             self.held = False
-            await sync_to_async(_give_back)(self.key)
+            await sync_to_async(_give_back)(self.key, self.count)
 
 
 @contextlib.asynccontextmanager

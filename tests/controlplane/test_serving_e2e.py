@@ -8,6 +8,7 @@ one worker) serving the tiny model, and runs several checks against it.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 
@@ -16,7 +17,7 @@ import pytest
 
 from inference.textstream import load_tokenizer
 from tests.controlplane.live import SERVED_MODEL, Api, Served
-from tests.reference import reference_generate
+from tests.reference import PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow
 MODEL = SERVED_MODEL
@@ -102,6 +103,51 @@ def check_openai_errors(served: Served) -> None:
         urllib.request.urlopen(request)
     body = json.loads(raw.value.read())
     assert raw.value.code == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def check_many_at_once(served: Served) -> None:
+    """Several prompts, several choices and several callers at once share main's batch."""
+    client = served.client()
+    tokenizer = load_tokenizer(served.model_dir)
+    prompts = ["Mixture of experts", "Route every token", "on demand"]
+    many = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for choice, prompt in zip(many.choices, prompts, strict=True):
+        assert choice.text == reference_text(served, tokenizer(prompt)["input_ids"], 8)
+    assert many.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+    assert many.usage.completion_tokens == 3 * 8
+
+    # n choices, streamed: the chunks of each choice carry its index.
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, n=2, stream=True
+    )
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    expected = reference_text(served, chat_prompt_ids(served, MESSAGES), 12)
+    assert texts == [expected, expected]
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=99)
+    assert too_many.value.body["param"] == "n"
+
+    # Three callers at once: main runs them as one batch, and each answer is its own run's.
+    staff = served.api(served.staff_key)
+    deployment = staff.get("/api/deployments")["results"][0]["id"]
+    answers: dict[int, dict] = {}
+
+    def ask(i: int) -> None:
+        body = {"prompt_ids": PROMPTS[i], "max_new_tokens": 24}
+        answers[i] = staff.post(f"/api/deployments/{deployment}/generate", body)
+
+    callers = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    for i in range(3):
+        assert answers[i]["token_ids"] == reference_generate(served.model_dir, PROMPTS[i], 24)
+    assert max(a["metrics"]["max_batch"] for a in answers.values()) >= 2
 
 
 def wait_job(api: Api, job_id: str, done, timeout_s: float = 120) -> dict:
@@ -207,6 +253,7 @@ def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
     check_openai_text(served)
     check_sampling_and_stop(served)
     check_openai_errors(served)
+    check_many_at_once(served)
     check_chat(served)
 
 

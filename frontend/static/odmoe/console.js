@@ -169,7 +169,8 @@
     if (!last) return;
     const step = last.step;
     $("live-step").textContent = `request ${last.request_id.slice(0, 8)}, token ${last.index + 1}, step ${step.step}` +
-      (step.ms ? ` (${step.ms.toFixed(1)} ms)` : "");
+      (step.ms ? ` (${step.ms.toFixed(1)} ms)` : "") +
+      `, batch of ${step.batch ?? 1} sequence${(step.batch ?? 1) === 1 ? "" : "s"} active`;
     $("pipeline-rows").replaceChildren(...step.layers.map((l) => {
       const predicted = l.predicted === undefined ? "prefill" : l.predicted === null ? "none in time" : l.predicted.join(", ");
       const computing = Math.max(0, l.worker_ms - l.wait_ms);

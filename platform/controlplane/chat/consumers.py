@@ -97,7 +97,9 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             request_id = completions.new_request_id()
             async with generation_slot(user.pk):  # the same per-user cap as the OpenAI API
                 self.running = (target.deployment_id, request_id)
-                stream = completions.astream(target, prompt_ids, send.max_tokens, GREEDY, request_id=request_id)
+                stream = completions.astream(
+                    target, prompt_ids, send.max_tokens, GREEDY, request_id=request_id, user=user.pk
+                )
                 async for item in stream:
                     if isinstance(item, TextDelta):
                         text += item.text

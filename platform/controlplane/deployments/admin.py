@@ -10,5 +10,15 @@ class MemberInline(admin.TabularInline):
 
 @admin.register(Deployment)
 class DeploymentAdmin(admin.ModelAdmin):
-    list_display = ["name", "model", "status", "shadow_dtype", "token_period", "kv_period", "strategy", "created_at"]
+    list_display = [
+        "name",
+        "model",
+        "status",
+        "shadow_dtype",
+        "token_period",
+        "kv_period",
+        "strategy",
+        "max_batch",
+        "created_at",
+    ]
     inlines = [MemberInline]

@@ -18,7 +18,7 @@ from controlplane.artifacts.models import ModelArtifact, ModelStatus
 from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.names import name_field
 from controlplane.pagination import paginated
-from inference.constants import SHADOW_DTYPES
+from inference.constants import MAX_BATCH, SHADOW_DTYPES
 from inference.sim import hardware as sim_profiles
 from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
 
@@ -76,6 +76,7 @@ class DeploymentOutput(serializers.ModelSerializer):
             "token_period",
             "kv_period",
             "strategy",
+            "max_batch",
             "created_at",
             "updated_at",
             "members",
@@ -175,6 +176,9 @@ class DeploymentListApi(APIView):
         token_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
         kv_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
         strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
+        max_batch = serializers.IntegerField(
+            min_value=1, max_value=MAX_BATCH, default=8, help_text="sequences main runs at once"
+        )
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:

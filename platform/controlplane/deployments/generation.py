@@ -53,6 +53,14 @@ class ClusterGenerationError(RuntimeError):
         self.retryable = retryable
 
 
+class ClusterBusy(ClusterGenerationError):
+    """Main's batch and queue were full: the generation never started; the same request can
+    succeed once others end (the OpenAI API answers 429 with Retry-After)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationRequest(GenerationFields):
     """A generation the control plane sends to a deployment (its fields: ``inference.generation_fields``)."""
@@ -112,6 +120,8 @@ async def astream(
             timeout = NEXT_EVENT_TIMEOUT_S
             event = parse(message["event"], allowed=GENERATION_EVENTS)
             if isinstance(event, GenerationFailed):
+                if event.busy:
+                    raise ClusterBusy(event.error)
                 raise ClusterGenerationError(event.error, retryable=event.retryable)
             yield event
             if isinstance(event, GenerationDone):

@@ -231,6 +231,7 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
         token_period=deployment.token_period,
         kv_period=deployment.kv_period,
         strategy=deployment.strategy,
+        max_batch=deployment.max_batch,
         device=role_device(member.node.inventory, member.gpu),
     )
     return {

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
-from inference.constants import SHADOW_DTYPES
+from inference.constants import MAX_BATCH, SHADOW_DTYPES
 from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 
@@ -55,6 +56,11 @@ class Deployment(models.Model):
         choices=[(s, s) for s in STRATEGIES],
         default=DEFAULT_STRATEGY,
         help_text="what workers keep on their GPUs (inference/strategies.py); applied on the next start",
+    )
+    max_batch = models.PositiveSmallIntegerField(
+        default=8,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_BATCH)],
+        help_text="sequences main runs at once (continuous batching); applied on the next start",
     )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
     # The data plane's CURVE key pair (inference.curve), new on every start: it reaches the roles

@@ -16,14 +16,18 @@ from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
 from inference.checkpoint import Checkpoint, CheckpointError
+from inference.constants import MAX_BATCH
 from inference.memory import MemoryPlan, Placed, check_plan_fit, memory_from_checkpoint, memory_from_config
 from inference.schedule import validate_periods
 from inference.sharding import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
+from inference.spec import Settings
 from inference.strategies import DEFAULT_STRATEGY, get_strategy
 
 from .models import ACTIVE, Deployment, DeploymentNode
 from .roles import RoleError, RoleMap, check_roles, parse_seat, seats_of, suggest_roles
+
+DEFAULT_MAX_BATCH = Settings.max_batch
 
 
 class DeploymentError(ValueError):
@@ -106,6 +110,7 @@ def create_deployment(
     token_period: int = 1,
     kv_period: int = 1,
     strategy: str = DEFAULT_STRATEGY,
+    max_batch: int = DEFAULT_MAX_BATCH,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
@@ -116,6 +121,8 @@ def create_deployment(
         check_registered(model)
         validate_periods(token_period, kv_period)
         get_strategy(strategy)
+        if not 1 <= max_batch <= MAX_BATCH:
+            raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
     except (ModelError, ValueError) as exc:
         raise DeploymentError(str(exc)) from None
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
@@ -142,6 +149,7 @@ def create_deployment(
                 token_period=token_period,
                 kv_period=kv_period,
                 strategy=strategy,
+                max_batch=max_batch,
                 created_by=created_by,
             )
     except IntegrityError:

@@ -108,15 +108,25 @@ def new_request_id() -> str:
 
 
 async def astream(
-    target: Target, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, *, request_id: str | None = None
+    target: Target,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    *,
+    request_id: str | None = None,
+    user: object = "",
 ) -> AsyncIterator[TextDelta | CompletionResult]:
-    """Text deltas as the cluster produces tokens, then the result (its text is the whole answer)."""
+    """Text deltas as the cluster produces tokens, then the result (its text is the whole answer).
+
+    ``user``: who asks (main shares its batch fairly between users).
+    """
     tokenizer = await database_sync_to_async(lambda: target.tokenizer, thread_sensitive=False)()
     assembler = Assembler(tokenizer, len(prompt_ids))
     request = GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         request_id=request_id or new_request_id(),
+        user=str(user),
         **sampling.request_fields(),
     )
     async for event in generation.astream(target.deployment_id, request):
@@ -125,7 +135,13 @@ async def astream(
 
 
 def complete(
-    target: Target, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, *, request_id: str | None = None
+    target: Target,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    *,
+    request_id: str | None = None,
+    user: object = "",
 ) -> CompletionResult:
     """The whole completion (synchronous)."""
     assembler = Assembler(target.tokenizer, len(prompt_ids))
@@ -133,6 +149,7 @@ def complete(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         request_id=request_id or new_request_id(),
+        user=str(user),
         **sampling.request_fields(),
     )
     for event in generation.stream(target.deployment_id, request):

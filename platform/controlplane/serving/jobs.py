@@ -102,7 +102,7 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
     try:
         target = find_target(job.model_name)
         ids = encode_prompt(target.tokenizer, output.prompt)
-        result = complete(target, ids, job.max_tokens, sampling, request_id=output.request_id)
+        result = complete(target, ids, job.max_tokens, sampling, request_id=output.request_id, user=job.owner_id)
     except (ClusterUnavailable, ClusterGenerationError, RedisError, OSError) as exc:
         # Redis unreachable (it restarts) is retryable too: the generation's events travel through it.
         retryable = not isinstance(exc, ClusterGenerationError) or exc.retryable

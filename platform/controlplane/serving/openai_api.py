@@ -6,12 +6,17 @@ a deployment by name, ``stream: true`` answers with server-sent events ending in
 ``data: [DONE]``, errors come as ``{"error": {"message", "type", "param", "code"}}`` with
 the matching status. Temperature 0 is greedy; ``stop`` sequences end the answer (and the
 generation on the cluster) as soon as one appears. A client that disconnects mid-stream
-stops the generation too.
+stops the generation too. ``n`` choices per prompt, and for ``/v1/completions`` a list of
+prompts, run at once in the deployment's batch, each choice a generation of its own (with a
+seed, choice ``j`` samples with ``seed + j``). A deployment whose batch and queue are full
+answers 429 with ``Retry-After``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -19,12 +24,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from channels.db import database_sync_to_async
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.accounts.scopes import Scope
 from controlplane.accounts.services import authenticate_api_key, bearer_key
 from controlplane.deployments import generation
+from controlplane.deployments.generation import ClusterBusy
 from controlplane.deployments.models import Deployment, DeploymentStatus
 from controlplane.throttles import GenerationSlot, TooManyGenerations
 
@@ -41,7 +48,7 @@ from .completions import (
     new_request_id,
 )
 from .stops import StopScanner
-from .text import InputError, check_lengths, check_sampling, encode_chat, encode_prompt
+from .text import MAX_SEED, InputError, Sampling, check_lengths, check_sampling, encode_chat, encode_prompt
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 4
@@ -116,12 +123,27 @@ class Ask:
     """A validated request: where it goes, what it asks."""
 
     target: Target
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # token ids of each prompt (chat: the one conversation)
+    n: int  # choices per prompt
     max_tokens: int
-    sampling: object
+    sampling: Sampling
     stops: list[str]
     stream: bool
     include_usage: bool
+    user: object = ""  # who asks: main shares its batch fairly between users
+
+    def choices(self) -> list[tuple[int, list[int], Sampling]]:
+        """(index, prompt ids, sampling) of every choice, prompt after prompt, ``n`` each."""
+        out = []
+        for p, prompt_ids in enumerate(self.prompts):
+            for j in range(self.n):
+                seed = self.sampling.seed
+                if seed is None or j == 0:
+                    sampling = self.sampling
+                else:
+                    sampling = dataclasses.replace(self.sampling, seed=(seed + j) % (MAX_SEED + 1))
+                out.append((p * self.n + j, prompt_ids, sampling))
+        return out
 
 
 @csrf_exempt
@@ -150,6 +172,7 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
         return error(400, "the request body must be a JSON object")
     try:
         ask = await database_sync_to_async(_parse, thread_sensitive=False)(body, chat)
+        ask = dataclasses.replace(ask, user=user.pk)
     except InputError as exc:
         return error(400, str(exc), param=exc.param, code=exc.code)
     except ModelNotFound as exc:
@@ -157,31 +180,41 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
     except ClusterUnavailable as exc:
         return error(503, str(exc), kind="server_error", code="model_not_ready")
     try:
-        slot = await GenerationSlot.take(user.pk)
+        slot = await GenerationSlot.take(user.pk, count=len(ask.prompts) * ask.n)
     except TooManyGenerations as exc:
         return error(429, str(exc), kind="rate_limit_error", code="too_many_generations")
     answer = _Answer(ask, chat, slot)
-    if ask.stream:
-        response = StreamingHttpResponse(answer.events(), content_type="text/event-stream")
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
-        return response
     try:
-        return JsonResponse(await answer.whole())
+        if not ask.stream:
+            return JsonResponse(await answer.whole())
+        # The first piece before the headers: a deployment that is full is a 429, not a broken stream.
+        first = await answer.start()
+    except ClusterBusy as exc:
+        return error(429, f"the deployment is busy: {exc}", kind="rate_limit_error", code="deployment_busy")
     except ClusterUnavailable as exc:
         return error(503, str(exc), kind="server_error", code="model_not_ready")
     except ClusterGenerationError as exc:
         if exc.retryable:
             return error(503, f"the cluster could not finish: {exc}", kind="server_error", code="model_restarting")
         return error(502, f"the cluster could not finish: {exc}", kind="server_error", code="generation_failed")
+    response = StreamingHttpResponse(answer.events(first), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
 
 
 def _parse(body: dict, chat: bool) -> Ask:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InputError("model is required (a deployment name; GET /v1/models lists them)", param="model")
-    if body.get("n", 1) != 1:
-        raise InputError("only n=1 is supported", param="n")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    limit = max(1, settings.MAX_GENERATIONS_PER_USER)  # more choices than a user may ever run is a 400
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= limit:
+        raise InputError(
+            f"n must be an integer from 1 to {limit} (the generations one user may run at once)", param="n"
+        )
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
@@ -201,34 +234,36 @@ def _parse(body: dict, chat: bool) -> Ask:
     target = find_target(model)
     tokenizer = target.tokenizer
     if chat:
-        prompt_ids = encode_chat(tokenizer, body.get("messages"))
+        prompts = [encode_chat(tokenizer, body.get("messages"))]
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        prompt_ids = encode_prompt(tokenizer, prompt)
-    check_lengths(len(prompt_ids), max_tokens, target.context)
-    return Ask(target, prompt_ids, max_tokens, sampling, stops, stream, bool(options.get("include_usage")))
+        texts = prompt if isinstance(prompt, list) and prompt else [prompt]
+        if len(texts) * n > limit:
+            raise InputError(
+                f"{len(texts)} prompts × n={n} are more than the {limit} generations one user may run at once",
+                param="prompt",
+            )
+        prompts = [encode_prompt(tokenizer, text) for text in texts]
+    for prompt_ids in prompts:
+        check_lengths(len(prompt_ids), max_tokens, target.context)
+    return Ask(target, prompts, n, max_tokens, sampling, stops, stream, bool(options.get("include_usage")))
 
 
-class _Answer:
-    """One response in OpenAI's shape, whole or as a stream of chunks."""
+class _Choice:
+    """One choice of a response: a generation of its own, with its stop sequences."""
 
-    def __init__(self, ask: Ask, chat: bool, slot: GenerationSlot) -> None:
-        self.ask, self.chat, self.slot = ask, chat, slot
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+    def __init__(self, index: int, prompt_ids: list[int], sampling: Sampling, stops: list[str]) -> None:
+        self.index, self.prompt_ids, self.sampling = index, prompt_ids, sampling
+        self.scanner = StopScanner(stops)
         self.request_id = new_request_id()
-        self.api = "openai_chat" if chat else "openai_completions"
 
-    async def run(self) -> AsyncIterator[tuple[str, CompletionResult | None]]:
+    async def run(self, ask: Ask, api: str) -> AsyncIterator[tuple[str, CompletionResult | None]]:
         """Visible text pieces, then ("", result) at the end; stops the cluster on a stop sequence."""
-        scanner = StopScanner(self.ask.stops)
-        ask = self.ask
+        scanner = self.scanner
         finished = False
         try:
             async for item in astream(
-                ask.target, ask.prompt_ids, ask.max_tokens, ask.sampling, request_id=self.request_id
+                ask.target, self.prompt_ids, ask.max_tokens, self.sampling, request_id=self.request_id, user=ask.user
             ):
                 if isinstance(item, TextDelta):
                     was_stopped = scanner.stopped
@@ -242,72 +277,153 @@ class _Answer:
                     if tail:
                         yield tail, None
                     finished = True
-                    metrics.record(self.api, ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
+                    metrics.record(api, ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
                     reason = "stop" if scanner.stopped or item.finish_reason != "length" else "length"
                     yield (
                         "",
                         CompletionResult(scanner.visible, item.token_ids, reason, item.prompt_tokens, item.metrics),
                     )
         except (ClusterUnavailable, ClusterGenerationError):
-            metrics.record(self.api, ok=False)
+            metrics.record(api, ok=False)
             raise
         finally:
-            await self.slot.release()
             if not finished:  # the client went away (or a failure): stop the work on the cluster
                 with contextlib.suppress(Exception):  # best effort on the way out
                     await generation.acancel(ask.target.deployment_id, self.request_id)
 
-    async def whole(self) -> dict:
-        async for _, result in self.run():
-            if result is not None:
-                return self._object(result)
-        raise ClusterGenerationError("the cluster ended the generation without a result")
 
-    async def events(self) -> AsyncIterator[str]:
+_DONE = object()
+
+
+class _Answer:
+    """One response in OpenAI's shape, whole or as a stream of chunks, of one or more choices."""
+
+    def __init__(self, ask: Ask, chat: bool, slot: GenerationSlot) -> None:
+        self.ask, self.chat, self.slot = ask, chat, slot
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.api = "openai_chat" if chat else "openai_completions"
+        self.choices = [_Choice(i, ids, sampling, ask.stops) for i, ids, sampling in ask.choices()]
+        self._pieces: AsyncIterator[tuple[int, str, CompletionResult | None]] | None = None
+
+    async def run(self) -> AsyncIterator[tuple[int, str, CompletionResult | None]]:
+        """(choice, text piece, None) as the choices run at once, and (choice, "", result) as each ends.
+
+        The first failure of any choice ends the response (the others are stopped on the cluster).
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for piece, result in choice.run(self.ask, self.api):
+                    await queue.put((choice.index, piece, result))
+            except (ClusterUnavailable, ClusterGenerationError) as exc:
+                await queue.put(exc)
+            finally:
+                await queue.put(_DONE)
+
+        tasks = [asyncio.create_task(pump(choice)) for choice in self.choices]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is _DONE:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.slot.release()
+
+    async def start(self) -> tuple[int, str, CompletionResult | None]:
+        """Run the choices and wait for the first piece (raises as ``run`` does)."""
+        self._pieces = self.run()
+        try:
+            return await anext(self._pieces)
+        except StopAsyncIteration:
+            raise ClusterGenerationError("the cluster ended the generation without a result") from None
+        except BaseException:
+            await self._pieces.aclose()
+            raise
+
+    async def whole(self) -> dict:
+        results: dict[int, CompletionResult] = {}
+        async for index, _, result in self.run():
+            if result is not None:
+                results[index] = result
+        if len(results) != len(self.choices):
+            raise ClusterGenerationError("the cluster ended a generation without a result")
+        return self._object([results[i] for i in range(len(self.choices))])
+
+    async def events(self, first: tuple[int, str, CompletionResult | None]) -> AsyncIterator[str]:
+        assert self._pieces is not None, "start() first"
+        results: dict[int, CompletionResult] = {}
         try:
             if self.chat:
-                yield _sse(self._chunk({"role": "assistant", "content": ""}, None))
-            async for piece, result in self.run():
+                for choice in self.choices:
+                    yield _sse(self._chunk(choice.index, {"role": "assistant", "content": ""}, None))
+            pending = [first]
+            while True:
+                if not pending:
+                    pending.append(await anext(self._pieces))
+                index, piece, result = pending.pop()
                 if result is None:
-                    yield _sse(self._chunk({"content": piece} if self.chat else piece, None))
+                    yield _sse(self._chunk(index, {"content": piece} if self.chat else piece, None))
                     continue
-                yield _sse(self._chunk({} if self.chat else "", result.finish_reason))
-                if self.ask.include_usage:
-                    yield _sse({**self._chunk_base(), "choices": [], "usage": _usage(result)})
+                results[index] = result
+                yield _sse(self._chunk(index, {} if self.chat else "", result.finish_reason))
+        except StopAsyncIteration:
+            if self.ask.include_usage:
+                yield _sse({**self._chunk_base(), "choices": [], "usage": _usage(results, self.ask.n)})
         except (ClusterUnavailable, ClusterGenerationError) as exc:
             yield _sse(
                 {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "generation_failed"}}
             )
+        finally:
+            await self._pieces.aclose()
         yield "data: [DONE]\n\n"
 
     def _chunk_base(self) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.ask.target.name}
 
-    def _chunk(self, delta, finish_reason: str | None) -> dict:
+    def _chunk(self, index: int, delta, finish_reason: str | None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "text": delta, "finish_reason": finish_reason, "logprobs": None}
         return {**self._chunk_base(), "choices": [choice]}
 
-    def _object(self, result: CompletionResult) -> dict:
-        base = {"id": self.id, "created": self.created, "model": self.ask.target.name, "usage": _usage(result)}
+    def _object(self, results: list[CompletionResult]) -> dict:
+        usage = _usage(dict(enumerate(results)), self.ask.n)
+        base = {"id": self.id, "created": self.created, "model": self.ask.target.name, "usage": usage}
         if self.chat:
-            message = {"role": "assistant", "content": result.text}
-            choice = {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
-            return {**base, "object": "chat.completion", "choices": [choice]}
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-        return {**base, "object": "text_completion", "choices": [choice]}
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text},
+                    "finish_reason": r.finish_reason,
+                    "logprobs": None,
+                }
+                for i, r in enumerate(results)
+            ]
+            return {**base, "object": "chat.completion", "choices": choices}
+        choices = [
+            {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
+            for i, r in enumerate(results)
+        ]
+        return {**base, "object": "text_completion", "choices": choices}
 
 
-def _usage(result: CompletionResult) -> dict:
-    completion = len(result.token_ids)
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": result.prompt_tokens + completion,
-    }
+def _usage(results: dict[int, CompletionResult], n: int) -> dict:
+    """Every choice's completion tokens; each prompt's tokens once, however many (``n``) choices it has."""
+    completion = sum(len(r.token_ids) for r in results.values())
+    prompt = sum(r.prompt_tokens for index, r in results.items() if index % n == 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse(payload: dict) -> str:
