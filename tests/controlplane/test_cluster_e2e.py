@@ -53,6 +53,10 @@ def live(transactional_db, redis_url: str, channel_layer_on_test_redis, tmp_path
         yield plane
 
 
+# An answer long enough (about 3 s at the tiny model's 60 tok/s here) that a kill 1 s in lands mid-answer.
+LONG = 200
+
+
 def kill_role(runtime_dir: Path, shard: str) -> bool:
     """SIGKILL the role process serving ``shard`` whose spec lies under ``runtime_dir`` (an agent's state)."""
     for proc in Path("/proc").iterdir():
@@ -145,7 +149,7 @@ def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPl
 
     def ask() -> None:
         answer_box.update(
-            api.post(f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[3], "max_new_tokens": 48})
+            api.post(f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[3], "max_new_tokens": LONG})
         )
 
     asking = threading.Thread(target=ask)
@@ -153,7 +157,7 @@ def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPl
     time.sleep(1.0)  # prefill done, decoding
     killed = kill_role(spec, "worker-1")
     asking.join(timeout=120)
-    assert killed and answer_box["token_ids"] == reference_generate(tiny_model, PROMPTS[3], 48)
+    assert killed and answer_box["token_ids"] == reference_generate(tiny_model, PROMPTS[3], LONG)
     assert answer_box["metrics"]["roles_lost"] == ["worker-1"]  # it was killed mid-answer, and served around
 
     def restarted() -> bool:
@@ -173,7 +177,7 @@ def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPl
     def ask_main() -> None:
         started = time.monotonic()
         code, body = api.call(
-            "POST", f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[3], "max_new_tokens": 48}
+            "POST", f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[3], "max_new_tokens": LONG}
         )
         failed.update(code=code, body=body, seconds=time.monotonic() - started)
 

@@ -1,0 +1,261 @@
+"""Many streams at once: what continuous batching gives each strategy, on an emulated profile.
+
+    python -m benchmarks.concurrency [--profile 3090-pcie4-1gbe] [--model DIR] [--workers 8]
+        [--streams 1,2,4,8,16] [--strategies odmoe,full-cache,reactive,lru-offload]
+        [--prompt-len 16] [--new-tokens 32] [--repeats 3] [--json OUT] [--plots DIR]
+
+For each strategy one cluster is started, deployed as in ``benchmarks.strategies`` (the
+same emulated expert copies and network, lru-offload on one box), with room for the
+largest stream count in main's batch. For each stream count S, S clients each send a
+different prompt at the same moment and stream their answers; measured on the clients'
+side: the aggregate decode rate (every stream's tokens after its first, over the time
+from the first stream's first token to the last stream's last), each stream's own decode
+rate, and the time to first token (TTFT) from sending. From the workers' statistics of
+the run: expert loads and bytes copied per generated token, the lever batching pulls (one
+load serves every row routed to it). Each stream count runs ``--repeats`` times; the
+median is reported with the spread. Every output is checked token for token against
+Transformers (each stream's own run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.overhead import percentile
+from benchmarks.plots import line_plot
+from benchmarks.strategies import BENCH_MODEL, DEFAULT_PROFILE, deployment_for, prompt_of, yield_cpu_to_the_pipeline
+from inference.checkpoint import Checkpoint, expert_key_name
+from inference.client import RuntimeClient
+from inference.emulation import emulation_for, measure_expert_compute
+from inference.launcher import ClusterOptions, LocalCluster
+from inference.protocol import GenerateDone
+from inference.reference import reference_generate
+from inference.sim.hardware import PROFILES
+from inference.spec import Settings
+from inference.strategies import STRATEGIES
+from inference.tiny import make_tiny
+
+DEFAULT_STREAMS = "1,2,4,8,16"
+
+
+class Stream:
+    """One client's generation: when it was sent, when each token came, what it ended with."""
+
+    def __init__(self, prompt: list[int], new_tokens: int) -> None:
+        self.prompt, self.new_tokens = prompt, new_tokens
+        self.sent = 0.0
+        self.token_times: list[float] = []
+        self.done: GenerateDone | None = None
+        self.error = ""
+
+    def run(self, cluster: LocalCluster, start: threading.Barrier) -> None:
+        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.curve)
+        try:
+            start.wait()
+            self.sent = time.perf_counter()
+            for event in client.stream(self.prompt, self.new_tokens, timeout_s=600):
+                if isinstance(event, GenerateDone):
+                    self.done = event
+                else:
+                    self.token_times.append(time.perf_counter())
+        except Exception as exc:  # reported, and the run counts as failed
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            client.close()
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.token_times[0] - self.sent) * 1000
+
+    @property
+    def decode_tok_s(self) -> float:
+        span = self.token_times[-1] - self.token_times[0]
+        return (len(self.token_times) - 1) / span if span > 0 else 0.0
+
+
+def measure(cluster: LocalCluster, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list[list[int]]]:
+    """All ``prompts`` at once, one client each; the run's figures and each stream's tokens."""
+    streams = [Stream(prompt, new_tokens) for prompt in prompts]
+    start = threading.Barrier(len(streams))
+    threads = [threading.Thread(target=s.run, args=(cluster, start)) for s in streams]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [s.error for s in streams if s.done is None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(streams)} streams failed: {failed[0]}")
+    first = min(s.token_times[0] for s in streams)
+    last = max(s.token_times[-1] for s in streams)
+    decoded = sum(len(s.token_times) - 1 for s in streams)
+    generated = sum(len(s.token_times) for s in streams)
+    # The session's worker statistics come with the answer that ended it (the last one).
+    loads = max(s.done.metrics.get("expert_loads", 0) for s in streams)  # type: ignore[union-attr]
+    expert_bytes = max(s.done.metrics.get("expert_bytes", 0) for s in streams)  # type: ignore[union-attr]
+    figures = {
+        "aggregate_decode_tok_s": decoded / (last - first) if last > first else 0.0,
+        "per_stream_decode_tok_s": statistics.fmean(s.decode_tok_s for s in streams),
+        "ttft_p50_ms": percentile([s.ttft_ms for s in streams], 0.5),
+        "ttft_p95_ms": percentile([s.ttft_ms for s in streams], 0.95),
+        "largest_batch": max(s.done.metrics["max_batch"] for s in streams),  # type: ignore[union-attr]
+        "loads_per_token": loads / generated,
+        "bytes_copied_per_token": loads * expert_bytes / generated,
+    }
+    return figures, [list(s.done.token_ids) for s in streams]  # type: ignore[union-attr]
+
+
+def median_with_spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def summarize(repeats: list[dict]) -> dict:
+    """The median of each figure over the repeats, with its spread."""
+    return {key: median_with_spread([r[key] for r in repeats]) for key in repeats[0]}
+
+
+def add_scaling(per_count: dict[int, dict]) -> None:
+    """Each stream count's medians against the 1-stream run's (when there is one)."""
+    base = per_count.get(1)
+    if base is None:
+        return
+    for figures in per_count.values():
+        for key in ("aggregate_decode_tok_s", "per_stream_decode_tok_s"):
+            figures[f"{key}_vs_1_stream"] = figures[key]["median"] / base[key]["median"]
+
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise ValueError(f"--streams is a comma-separated list of counts, e.g. 1,2,4,8; got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"stream counts must be >= 1, got {text!r}")
+    return sorted(set(counts))
+
+
+def print_table(results: dict[str, dict[int, dict]], args: argparse.Namespace, exact: bool) -> None:
+    print(
+        f"profile {args.profile}; {args.workers} workers for the cluster strategies (lru-offload on one box); "
+        f"prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens per stream; median of {args.repeats} "
+        "runs (min–max)"
+    )
+    print()
+    print(
+        "| strategy | streams | aggregate decode tok/s | × 1 stream | per-stream decode tok/s | × 1 stream "
+        "| TTFT p50 ms | TTFT p95 ms | expert loads per token | MB copied per token |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, per_count in results.items():
+        for count, f in per_count.items():
+            agg, per = f["aggregate_decode_tok_s"], f["per_stream_decode_tok_s"]
+            print(
+                f"| {name} | {count} | {agg['median']:.2f} ({agg['min']:.2f}–{agg['max']:.2f}) "
+                f"| {f.get('aggregate_decode_tok_s_vs_1_stream', float('nan')):.2f} "
+                f"| {per['median']:.2f} ({per['min']:.2f}–{per['max']:.2f}) "
+                f"| {f.get('per_stream_decode_tok_s_vs_1_stream', float('nan')):.2f} "
+                f"| {f['ttft_p50_ms']['median']:.0f} | {f['ttft_p95_ms']['median']:.0f} "
+                f"| {f['loads_per_token']['median']:.2f} | {f['bytes_copied_per_token']['median'] / 1e6:.2f} |"
+            )
+    print(f"\nevery stream's output token-identical to Transformers: {exact}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
+    parser.add_argument("--model", type=Path, help="a Mixtral checkpoint directory (default: make one)")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--streams", default=DEFAULT_STREAMS, help="comma-separated concurrent stream counts")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-experts", type=int, default=2, help="lru-offload: experts cached per layer")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plots", type=Path, help="write concurrency.png here")
+    args = parser.parse_args(argv)
+    try:
+        counts = parse_counts(args.streams)
+    except ValueError as exc:
+        parser.error(str(exc))
+    strategies = [s for s in args.strategies.split(",") if s]
+    unknown = set(strategies) - set(STRATEGIES)
+    if unknown:
+        parser.error(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
+    if args.prompt_len < 1 or args.new_tokens < 2 or args.repeats < 1:
+        parser.error("--prompt-len >= 1, --new-tokens >= 2 and --repeats >= 1 are required")
+    results: dict[str, dict[int, dict]] = {}
+    exact = True
+    with tempfile.TemporaryDirectory(prefix="odmoe-concurrency-") as tmp:
+        model_dir = args.model or make_tiny(Path(tmp) / "model", seed=0, **BENCH_MODEL)
+        checkpoint = Checkpoint(model_dir)
+        config = checkpoint.config
+        hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+        expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, proj)) for proj in ("w1", "w2", "w3"))
+        hidden_bytes = hidden * expert_bytes // (3 * hidden * intermediate)
+        here = measure_expert_compute(hidden, intermediate, act=config.get("hidden_act", "silu"))
+        emulation = emulation_for(args.profile, here, expert_bytes, hidden_bytes)
+        print(emulation.describe(), file=sys.stderr)
+        prompts = [prompt_of(args.prompt_len, config["vocab_size"], seed=i) for i in range(max(counts))]
+        expected = [reference_generate(model_dir, prompt, args.new_tokens) for prompt in prompts]
+        for strategy in strategies:
+            deployment = deployment_for(strategy, args.workers)
+            base = Settings(strategy=strategy, cache_experts=args.cache_experts, max_batch=max(counts))
+            options = ClusterOptions(
+                workers=deployment.workers, settings=emulation.settings(base, networked=deployment.networked)
+            )
+            per_count: dict[int, dict] = {}
+            with LocalCluster(model_dir, options, work_dir=Path(tmp) / strategy) as cluster:
+                if "shadow" in cluster.processes:
+                    yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
+                cluster.generate(prompts[0][:8], 4)  # warm-up: first-call allocations in every process
+                for count in counts:
+                    repeats = []
+                    for _ in range(args.repeats):
+                        figures, outputs = measure(cluster, prompts[:count], args.new_tokens)
+                        exact &= outputs == expected[:count]
+                        repeats.append(figures)
+                    per_count[count] = summarize(repeats)
+                    agg = per_count[count]["aggregate_decode_tok_s"]["median"]
+                    print(f"  {strategy} × {count}: {agg:.2f} tok/s aggregate", file=sys.stderr)
+            add_scaling(per_count)
+            results[strategy] = per_count
+    print_table(results, args, exact)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "profile": args.profile,
+                    "emulation": emulation.as_dict(),
+                    "workers": args.workers,
+                    "prompt_len": args.prompt_len,
+                    "new_tokens": args.new_tokens,
+                    "repeats": args.repeats,
+                    "exact": exact,
+                    "strategies": {name: {str(c): f for c, f in pc.items()} for name, pc in results.items()},
+                },
+                indent=2,
+            )
+        )
+    if args.plots:
+        line_plot(
+            args.plots / "concurrency.png",
+            {
+                name: (counts, [pc[c]["aggregate_decode_tok_s"]["median"] for c in counts])
+                for name, pc in results.items()
+            },
+            title=f"Aggregate decode rate by concurrent streams, emulated {args.profile}",
+            xlabel="concurrent streams",
+            ylabel="aggregate decode tok/s",
+        )
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

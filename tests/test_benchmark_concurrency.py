@@ -1,0 +1,62 @@
+"""The concurrency benchmark: its pure figures, and one short run through the real runtime."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import concurrency
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_stream_counts_are_parsed_and_checked() -> None:
+    assert concurrency.parse_counts("8,1,2,2") == [1, 2, 8]
+    for bad in ("", "0,1", "a"):
+        with pytest.raises(ValueError):
+            concurrency.parse_counts(bad)
+
+
+def test_figures_are_medians_with_spread_and_scale_against_one_stream() -> None:
+    runs = [{"aggregate_decode_tok_s": v, "per_stream_decode_tok_s": v / 2} for v in (10.0, 12.0, 11.0)]
+    one = concurrency.summarize(runs)
+    assert one["aggregate_decode_tok_s"] == {"median": 11.0, "min": 10.0, "max": 12.0, "runs": [10.0, 12.0, 11.0]}
+    four = concurrency.summarize([{"aggregate_decode_tok_s": 33.0, "per_stream_decode_tok_s": 4.4}])
+    per_count = {1: one, 4: four}
+    concurrency.add_scaling(per_count)
+    assert per_count[4]["aggregate_decode_tok_s_vs_1_stream"] == pytest.approx(3.0)
+    assert per_count[4]["per_stream_decode_tok_s_vs_1_stream"] == pytest.approx(0.8)
+
+
+@pytest.mark.slow
+def test_a_short_run_writes_its_json_and_every_stream_is_exact(tmp_path: Path) -> None:
+    out = tmp_path / "concurrency.json"
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.concurrency",
+        "--strategies",
+        "odmoe",
+        "--workers",
+        "2",
+        "--streams",
+        "1,3",
+        "--new-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["exact"] is True
+    three = result["strategies"]["odmoe"]["3"]
+    assert three["largest_batch"]["median"] >= 2  # the streams ran as one batch
+    assert three["aggregate_decode_tok_s"]["median"] > 0 and three["loads_per_token"]["median"] > 0
+    assert "| odmoe | 3 |" in done.stdout
