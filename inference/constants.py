@@ -14,3 +14,5 @@ EXPERT_STORES = ("ram", "disk")
 
 # The most sequences main may run at once (``Settings.max_batch``): each holds a thread and a KV cache.
 MAX_BATCH = 64
+# How a worker computes an expert's rows of several batched sequences (``Settings.batch_arithmetic``).
+BATCH_ARITHMETICS = ("exact", "fused")

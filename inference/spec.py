@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES
+from inference.constants import BATCH_ARITHMETICS, COMPUTE_DTYPES, EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES
 from inference.curve import CurveError, CurveKeys, check_keys
 from inference.routing import ARITHMETICS
 from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
@@ -63,6 +63,11 @@ class Settings:
     # holds beyond them before it refuses new ones.
     max_batch: int = 8
     max_waiting: int = 64
+    # How a worker computes an expert's rows of several sequences: "exact" (each sequence's
+    # rows on their own, so every token is its own run's) or "fused" (one GEMM over all of
+    # them: the expert's weights read once, but a GEMM over several rows may round
+    # differently from one over a single row, e.g. fp32 on CPU).
+    batch_arithmetic: str = "exact"
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,8 @@ def validate_settings(s: Settings) -> Settings:
             raise SpecError(f"{name} must be > 0 (or null for no emulation), got {value}")
     if s.link_latency_s < 0:
         raise SpecError("link_latency_s must be >= 0")
+    if s.batch_arithmetic not in BATCH_ARITHMETICS:
+        raise SpecError(f"batch_arithmetic must be one of {', '.join(BATCH_ARITHMETICS)}, got {s.batch_arithmetic!r}")
     if s.experts_arithmetic not in ARITHMETICS:
         raise SpecError(f"experts_arithmetic must be one of {', '.join(ARITHMETICS)}, got {s.experts_arithmetic!r}")
     if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):

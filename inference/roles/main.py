@@ -152,15 +152,17 @@ class MainRole:
                 self.health.tick()
                 received = self.endpoint.recv(timeout_s=0.1)
                 self._note_links()
-                if received is None:
-                    continue
-                if isinstance(received.msg, Shutdown):
+                if received is not None and isinstance(received.msg, Shutdown):
                     for peer in self.endpoint.peers:
                         self.endpoint.send(peer, Shutdown())
                     return
-                handle_safely(self.handle_side_message, received)
+                if received is not None:
+                    handle_safely(self.handle_side_message, received)
                 if self.waiting:
-                    self.serve_batch()
+                    try:
+                        self.serve_batch()
+                    except Exception:  # main keeps serving; the batch's clients were told
+                        log.exception("the batch failed")
         finally:
             time.sleep(0.2)  # let the Shutdown messages leave
             self.endpoint.close()

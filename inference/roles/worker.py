@@ -220,7 +220,8 @@ class WorkerRole:
         wait_ms = compute_ms = 0.0
         hits = misses = 0
         start = 0
-        for i, (expert, count) in enumerate(zip(msg.experts, msg.counts, strict=True)):
+        units = self._units(msg)
+        for i, (expert, count) in enumerate(units):
             key: Key = (msg.step, msg.layer, expert)
             if key not in self.held:
                 resident, predicted, waited = self.loader.acquire(key, timeout_s=self.spec.settings.timeout_s)
@@ -233,7 +234,7 @@ class WorkerRole:
             outputs.append(expert_forward(rows[rows_here], weights[rows_here], self.held[key].weights, self.act_fn))
             compute_ms += (time.perf_counter() - computing) * 1000
             start += count
-            if msg.final and expert not in msg.experts[i + 1 :]:
+            if msg.final and all(e != expert for e, _ in units[i + 1 :]):
                 self._release_held({key})  # its last rows are done: free it before loading the next
         result = ExpertResult(
             request_id=msg.request_id,
@@ -249,6 +250,20 @@ class WorkerRole:
             misses=misses,
         )
         self.endpoint.reply(identity, result)
+
+    def _units(self, msg: ExpertRequest) -> list[tuple[int, int]]:
+        """(expert, rows) computed in one go: each segment (exact), or under ``fused`` batch
+        arithmetic the consecutive segments of one expert (every sequence's rows) together."""
+        segments = list(zip(msg.experts, msg.counts, strict=True))
+        if self.spec.settings.batch_arithmetic != "fused":
+            return segments
+        units: list[tuple[int, int]] = []
+        for expert, count in segments:
+            if units and units[-1][0] == expert:
+                units[-1] = (expert, units[-1][1] + count)
+            else:
+                units.append((expert, count))
+        return units
 
     def _release_held(self, keys: set[Key] | None = None) -> None:
         for key in list(self.held):
