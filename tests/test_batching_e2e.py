@@ -18,7 +18,6 @@ from inference.launcher import ClusterOptions, LocalCluster
 from inference.protocol import GenerateDone
 from inference.spec import Settings
 from inference.strategies import STRATEGIES
-from inference.tiny import make_tiny
 from tests.reference import PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow
@@ -140,26 +139,16 @@ def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(tiny_model: Path) 
     assert max(r.metrics["max_batch"] for r in together) >= 2  # type: ignore[union-attr]
 
 
-@pytest.fixture(scope="module")
-def bf16_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("bf16-batch") / "model", seed=0, dtype="bfloat16")
-
-
-@pytest.mark.parametrize(("model_name", "exact_expected"), [("bf16_tiny", True), ("tiny_model", None)])
-def test_fused_batch_arithmetic_runs_every_row_of_an_expert_in_one_gemm(
-    model_name: str, exact_expected: bool | None, request: pytest.FixtureRequest
-) -> None:
-    """``fused``: one GEMM per expert over the batch's rows. In bf16 on CPU a GEMM's rows round as
-    a single row's do (measured here: the tokens are each stream's own); in fp32 they may not, so
-    there the answers are only checked to be complete."""
-    model: Path = request.getfixturevalue(model_name)
+def test_fused_batch_arithmetic_serves_a_whole_batch(tiny_model: Path) -> None:
+    """``fused``: one GEMM per expert over the batch's rows, the weights read once. It is not exact
+    (a GEMM over several rows may round differently from one row's): measured here, a bf16 tiny
+    model gave one of eight streams other tokens, the fp32 one none; so the answers are checked
+    to be complete and batched, and how many equal their own runs is printed, not asserted."""
     options = ClusterOptions(workers=2, settings=Settings(strategy="full-cache", batch_arithmetic="fused"))
-    with LocalCluster(model, options) as cluster:
+    with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS, stagger_s=0.0)
     assert all(isinstance(r, GenerateDone) for r in results), results
     assert [len(r.token_ids) for r in results] == NEW_TOKENS  # type: ignore[union-attr]
     assert max(r.metrics["max_batch"] for r in results) >= 2  # type: ignore[union-attr]
-    same = [r.token_ids == want for r, want in zip(results, references(model), strict=True)]  # type: ignore[union-attr]
-    print(f"{model_name}: fused answers equal to their own runs: {same}")
-    if exact_expected:
-        assert all(same)
+    same = [r.token_ids == want for r, want in zip(results, references(tiny_model), strict=True)]  # type: ignore[union-attr]
+    print(f"fused answers equal to their own runs: {same}")
