@@ -152,3 +152,21 @@ def test_fused_batch_arithmetic_serves_a_whole_batch(tiny_model: Path) -> None:
     assert max(r.metrics["max_batch"] for r in results) >= 2  # type: ignore[union-attr]
     same = [r.token_ids == want for r, want in zip(results, references(tiny_model), strict=True)]  # type: ignore[union-attr]
     print(f"fused answers equal to their own runs: {same}")
+
+
+def test_a_shutdown_ends_the_running_batch_and_tells_its_clients(tiny_model: Path) -> None:
+    with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
+        results: list[GenerateDone | BaseException] = []
+        streams = threading.Thread(
+            target=lambda: results.extend(run_streams(cluster, PROMPTS[:2], [600, 600], stagger_s=0.0))
+        )
+        streams.start()
+        time.sleep(1.5)  # both decoding
+        assert cluster.client is not None
+        cluster.client.shutdown()
+        streams.join(timeout=120)
+        main = cluster.processes["main"]
+        assert main.wait(timeout=30) == 0  # it stopped, cleanly
+    assert len(results) == 2
+    for result in results:
+        assert isinstance(result, GenerationFailed) and "shutting down" in str(result), result

@@ -124,6 +124,7 @@ class MainRole:
         # A session runs while any sequence does; workers key their loads by its steps.
         self.session = ""
         self.step = -1
+        self.stopping = False  # a Shutdown came: end the batch and stop
         self.pending_results: list[tuple[str, ExpertResult]] = []
         self.worker_stats: dict[int, WorkerStats] = {}
         self.shadow_stats: dict[str, ShadowStats] = {}
@@ -152,17 +153,17 @@ class MainRole:
                 self.health.tick()
                 received = self.endpoint.recv(timeout_s=0.1)
                 self._note_links()
-                if received is not None and isinstance(received.msg, Shutdown):
-                    for peer in self.endpoint.peers:
-                        self.endpoint.send(peer, Shutdown())
-                    return
                 if received is not None:
                     handle_safely(self.handle_side_message, received)
-                if self.waiting:
+                if self.waiting and not self.stopping:
                     try:
                         self.serve_batch()
                     except Exception:  # main keeps serving; the batch's clients were told
                         log.exception("the batch failed")
+                if self.stopping:
+                    for peer in self.endpoint.peers:
+                        self.endpoint.send(peer, Shutdown())
+                    return
         finally:
             time.sleep(0.2)  # let the Shutdown messages leave
             self.endpoint.close()
@@ -199,6 +200,8 @@ class MainRole:
             self.shadow_stats[msg.request_id] = msg
         elif isinstance(msg, GenerateRequest):
             self.admit(msg, received.identity)
+        elif isinstance(msg, Shutdown):
+            self.stopping = True  # the running batch ends after its step, its clients told why
         else:
             log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
 
@@ -250,15 +253,20 @@ class MainRole:
                 )
 
     def serve_batch(self) -> None:
-        """Run batch steps until no sequence runs and none waits."""
+        """Run batch steps until no sequence runs and none waits (or main is told to stop)."""
+        reason = "main failed while serving the batch"
         try:
-            while self.batch or self.waiting:
+            while (self.batch or self.waiting) and not self.stopping:
                 self._join_waiting()
                 self._batch_step()
                 self._drain_inbox()
+            reason = "main is shutting down"
         finally:
-            for sequence in list(self.batch.values()):  # only on an error of main's own
-                self._abort(sequence, "main failed while serving the batch")
+            for sequence in list(self.batch.values()):  # on a stop, or an error of main's own
+                self._abort(sequence, reason)
+            while self.waiting:
+                msg, client = self.waiting.popleft()
+                self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=reason))
             if self.session:
                 self._end_session()
 
