@@ -7,6 +7,7 @@ groups the way an agent's socket would.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 
@@ -290,8 +291,13 @@ def test_a_roles_memory_travels_from_its_agent_to_the_api_and_the_console(cluste
         assert connected
         await comm.send_json_to(state)
         await comm.send_json_to({**state, "memory": {"host_bytes": -1}})  # refused on arrival
-        error = await comm.receive_json_from(timeout=5)  # also: the first one was handled
+        error = await comm.receive_json_from(timeout=5)
+        # The link writes what it accepted in the background, in order: wait until the first is in.
+        deadline = time.monotonic() + 10
         seen = await sync_to_async(shown)()
+        while not seen[0].get("main") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            seen = await sync_to_async(shown)()
         await comm.disconnect()
         return error, seen
 
