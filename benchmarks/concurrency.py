@@ -33,18 +33,15 @@ from pathlib import Path
 
 from benchmarks.overhead import percentile
 from benchmarks.plots import line_plot
-from benchmarks.strategies import BENCH_MODEL, DEFAULT_PROFILE, deployment_for, prompt_of, yield_cpu_to_the_pipeline
-from inference.checkpoint import Checkpoint, expert_key_name
+from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, prompt_of, yield_cpu_to_the_pipeline
 from inference.client import RuntimeClient
 from inference.constants import BATCH_ARITHMETICS
-from inference.emulation import emulation_for, measure_expert_compute
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.protocol import GenerateDone
 from inference.reference import reference_generate
 from inference.sim.hardware import PROFILES
 from inference.spec import Settings
 from inference.strategies import STRATEGIES
-from inference.tiny import make_tiny
 
 DEFAULT_STREAMS = "1,2,4,8,16"
 
@@ -198,15 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[int, dict]] = {}
     exact = True
     with tempfile.TemporaryDirectory(prefix="odmoe-concurrency-") as tmp:
-        model_dir = args.model or make_tiny(Path(tmp) / "model", seed=0, **BENCH_MODEL)
-        checkpoint = Checkpoint(model_dir)
-        config = checkpoint.config
-        hidden, intermediate = config["hidden_size"], config["intermediate_size"]
-        expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, proj)) for proj in ("w1", "w2", "w3"))
-        hidden_bytes = hidden * expert_bytes // (3 * hidden * intermediate)
-        here = measure_expert_compute(hidden, intermediate, act=config.get("hidden_act", "silu"))
-        emulation = emulation_for(args.profile, here, expert_bytes, hidden_bytes)
-        print(emulation.describe(), file=sys.stderr)
+        model_dir, config, _, emulation = bench_model(args.model, Path(tmp), args.profile)
         prompts = [prompt_of(args.prompt_len, config["vocab_size"], seed=i) for i in range(max(counts))]
         expected = [reference_generate(model_dir, prompt, args.new_tokens) for prompt in prompts]
         for strategy in strategies:

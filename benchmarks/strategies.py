@@ -201,6 +201,21 @@ def print_table(results: dict[str, dict], emulation: Emulation, args: argparse.N
     print(f"every output token-identical to Transformers: {exact}")
 
 
+def bench_model(model: Path | None, tmp: Path, profile: str) -> tuple[Path, dict, int, Emulation]:
+    """The benchmarks' checkpoint (``model``, or a random one made in ``tmp``), its config, one
+    expert's bytes, and ``profile``'s emulation scaled to this machine's expert compute."""
+    model_dir = model or make_tiny(tmp / "model", seed=0, **BENCH_MODEL)
+    checkpoint = Checkpoint(model_dir)
+    config = checkpoint.config
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, proj)) for proj in ("w1", "w2", "w3"))
+    hidden_bytes = hidden * expert_bytes // (3 * hidden * intermediate)  # a hidden row in the weights' dtype
+    here = measure_expert_compute(hidden, intermediate, act=config.get("hidden_act", "silu"))
+    emulation = emulation_for(profile, here, expert_bytes, hidden_bytes)
+    print(emulation.describe(), file=sys.stderr)
+    return model_dir, config, expert_bytes, emulation
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
@@ -224,15 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
     with tempfile.TemporaryDirectory(prefix="odmoe-strategies-") as tmp:
-        model_dir = args.model or make_tiny(Path(tmp) / "model", seed=0, **BENCH_MODEL)
-        checkpoint = Checkpoint(model_dir)
-        config = checkpoint.config
-        hidden, intermediate = config["hidden_size"], config["intermediate_size"]
-        expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, proj)) for proj in ("w1", "w2", "w3"))
-        hidden_bytes = hidden * expert_bytes // (3 * hidden * intermediate)  # a hidden row in the weights' dtype
-        here = measure_expert_compute(hidden, intermediate, act=config.get("hidden_act", "silu"))
-        emulation = emulation_for(args.profile, here, expert_bytes, hidden_bytes)
-        print(emulation.describe(), file=sys.stderr)
+        model_dir, config, expert_bytes, emulation = bench_model(args.model, Path(tmp), args.profile)
         prompts = [(prompt_of(n_in, config["vocab_size"], seed=i), n_out) for i, (n_in, n_out) in enumerate(pairs)]
         expected = [reference_generate(model_dir, prompt, n) for prompt, n in prompts]
         results: dict[str, dict] = {}

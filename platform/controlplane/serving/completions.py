@@ -107,6 +107,18 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def _request(
+    prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, request_id: str | None, user: object
+) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        request_id=request_id or new_request_id(),
+        user=str(user),
+        **sampling.request_fields(),
+    )
+
+
 async def astream(
     target: Target,
     prompt_ids: list[int],
@@ -122,13 +134,7 @@ async def astream(
     """
     tokenizer = await database_sync_to_async(lambda: target.tokenizer, thread_sensitive=False)()
     assembler = Assembler(tokenizer, len(prompt_ids))
-    request = GenerationRequest(
-        prompt_ids=prompt_ids,
-        max_new_tokens=max_new_tokens,
-        request_id=request_id or new_request_id(),
-        user=str(user),
-        **sampling.request_fields(),
-    )
+    request = _request(prompt_ids, max_new_tokens, sampling, request_id, user)
     async for event in generation.astream(target.deployment_id, request):
         for item in assembler.feed(event):
             yield item
@@ -145,13 +151,7 @@ def complete(
 ) -> CompletionResult:
     """The whole completion (synchronous)."""
     assembler = Assembler(target.tokenizer, len(prompt_ids))
-    request = GenerationRequest(
-        prompt_ids=prompt_ids,
-        max_new_tokens=max_new_tokens,
-        request_id=request_id or new_request_id(),
-        user=str(user),
-        **sampling.request_fields(),
-    )
+    request = _request(prompt_ids, max_new_tokens, sampling, request_id, user)
     for event in generation.stream(target.deployment_id, request):
         for item in assembler.feed(event):
             if isinstance(item, CompletionResult):
