@@ -92,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-speculate", action="store_true", help="the shadow waits for main's token every step")
     gen.add_argument("--prefill-chunk", type=int, default=64, help="prefill rows per expert per message (0 = whole)")
     gen.add_argument(
+        "--prefill-step",
+        type=int,
+        default=0,
+        help="prompt tokens prefilled per batch step (chunked prefill; not bit-exact); 0 = the whole prompt",
+    )
+    gen.add_argument(
         "--expert-store",
         choices=EXPERT_STORES,
         default="ram",
@@ -222,6 +228,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         prefill_chunk=args.prefill_chunk,
+        prefill_step=args.prefill_step,
         speculate=not args.no_speculate,
         timeout_s=args.timeout,
         strategy="reactive" if args.no_shadow else args.strategy,

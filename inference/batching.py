@@ -158,6 +158,22 @@ def next_to_join(waiting_users: list[str], running_users: list[str]) -> int:
     return min(range(len(waiting_users)), key=lambda i: (running.get(waiting_users[i], 0), i))
 
 
+def prefill_pieces(prompt_len: int, step_tokens: int) -> list[tuple[int, int]]:
+    """The [start, end) pieces a prompt is prefilled in, one batch step each (chunked prefill).
+
+    ``step_tokens`` tokens a piece, the last piece the rest (1 to ``step_tokens`` tokens);
+    0 means the whole prompt in one piece.
+    """
+    if prompt_len < 1:
+        raise ValueError(f"a prompt has at least one token, got {prompt_len}")
+    if step_tokens < 0:
+        raise ValueError(f"step_tokens must be >= 0, got {step_tokens}")
+    if step_tokens == 0:
+        return [(0, prompt_len)]
+    starts = range(0, prompt_len, step_tokens)
+    return [(start, min(start + step_tokens, prompt_len)) for start in starts]
+
+
 @dataclass(frozen=True)
 class Segment:
     """One sequence's rows of one expert at a layer: the unit a worker computes on its own.

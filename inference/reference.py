@@ -12,7 +12,9 @@ import functools
 from pathlib import Path
 
 import torch
-from transformers import MixtralForCausalLM
+from transformers import DynamicCache, MixtralForCausalLM
+
+from inference.batching import prefill_pieces
 
 
 @functools.cache
@@ -34,23 +36,30 @@ def reference_generate(
     streamer: object | None = None,
     device: str = "cpu",
     dtype: str = "auto",
+    prefill_step: int = 0,
 ) -> list[int]:
     """Greedy new tokens from ``generate`` on the checkpoint, prompt excluded.
 
     ``dtype="auto"`` computes in the checkpoint's own dtype, as the roles do by default; the
     comparison is only exact on the ``device`` the roles ran on (kernels differ between devices).
+    ``prefill_step`` prefills the prompt in pieces of that many tokens first, as main's
+    chunked prefill does (``Settings.prefill_step``); 0 prefills it whole.
     """
     prompt = torch.tensor([prompt_ids], device=device)
     for implementation in (None, "eager"):
         model = _load(str(model_dir), implementation, device, dtype)
         try:
             with torch.inference_mode():
+                cache = DynamicCache(config=model.config)
+                for start, end in prefill_pieces(len(prompt_ids), prefill_step)[:-1]:
+                    model(input_ids=prompt[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
                 out = model.generate(
                     prompt,
                     attention_mask=torch.ones_like(prompt),
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
                     streamer=streamer,
+                    cache=cache,
                 )
         except RuntimeError as exc:
             if implementation is None and _unaligned(exc):

@@ -68,6 +68,12 @@ class Settings:
     # them: the expert's weights read once, but a GEMM over several rows may round
     # differently from one over a single row, e.g. fp32 on CPU).
     batch_arithmetic: str = "exact"
+    # Prompt tokens a joining sequence prefills per batch step (chunked prefill), so a long
+    # prompt holds the batch's decoding up for one piece at a time instead of its whole
+    # prefill; 0 = the whole prompt in one step. Not exact by construction: a prompt
+    # prefilled in pieces rounds differently from one prefilled whole (fp32 on CPU: last-token
+    # logits differ by about 4e-6), so its tokens can differ from Transformers' own run.
+    prefill_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,8 @@ def validate_settings(s: Settings) -> Settings:
             raise SpecError(f"{name} must be >= 0 (0 = never align)")
     if not 1 <= s.max_batch <= MAX_BATCH or s.max_waiting < 0:
         raise SpecError(f"max_batch must be from 1 to {MAX_BATCH} and max_waiting >= 0")
+    if s.prefill_step < 0:
+        raise SpecError("prefill_step must be >= 0 (0 = the whole prompt in one step)")
     if s.prefill_chunk < 0:
         raise SpecError("prefill_chunk must be >= 0 (0 = no mini-batches)")
     if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0:

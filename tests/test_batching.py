@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from inference.batching import (
@@ -15,6 +16,7 @@ from inference.batching import (
     enter_sequence,
     next_to_join,
     pack_segments,
+    prefill_pieces,
 )
 from inference.records import RequestState
 
@@ -109,3 +111,14 @@ def test_the_next_to_join_is_the_oldest_request_of_the_user_with_the_fewest_runn
     assert next_to_join(["alice", "alice", "bob", "alice"], ["alice", "alice", "alice"]) == 2
     assert next_to_join(["alice", "bob"], []) == 0  # nobody running: first come, first served
     assert next_to_join(["carol", "bob", "carol"], ["bob", "carol", "carol"]) == 1
+
+
+def test_a_prompt_is_prefilled_in_pieces_of_the_step_size_the_last_one_the_rest() -> None:
+    assert prefill_pieces(10, 0) == [(0, 10)]
+    assert prefill_pieces(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert prefill_pieces(8, 4) == [(0, 4), (4, 8)]
+    assert prefill_pieces(3, 4) == [(0, 3)]
+    assert prefill_pieces(1, 1) == [(0, 1)]
+    for bad in ((0, 4), (5, -1)):
+        with pytest.raises(ValueError):
+            prefill_pieces(*bad)

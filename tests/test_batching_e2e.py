@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from inference.batching import prefill_pieces
 from inference.client import GenerationFailed, RuntimeClient
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.protocol import GenerateDone
@@ -170,3 +171,31 @@ def test_a_shutdown_ends_the_running_batch_and_tells_its_clients(tiny_model: Pat
     assert len(results) == 2
     for result in results:
         assert isinstance(result, GenerationFailed) and "shutting down" in str(result), result
+
+
+def test_chunked_prefill_joins_a_long_prompt_in_pieces_between_decode_steps(tiny_model: Path) -> None:
+    """``prefill_step``: a long prompt joins a decoding batch a piece per step. Each answer is
+    Transformers' own run with the same pieces (chunked prefill rounds differently from a whole
+    one, so that is its reference; how many also equal the whole-prompt run is printed)."""
+    step = 4
+    prompts = [PROMPTS[0], PROMPTS[2], [1, *range(300, 337)], [1, *range(400, 430)]]  # 38 and 31 tokens
+    new_tokens = [60, 60, 12, 12]
+    options = ClusterOptions(workers=2, settings=Settings(prefill_step=step))
+    with LocalCluster(tiny_model, options) as cluster:
+        results = run_streams(cluster, prompts, new_tokens, stagger_s=0.05)
+    for i, (prompt, n, got) in enumerate(zip(prompts, new_tokens, results, strict=True)):
+        assert isinstance(got, GenerateDone), f"stream {i}: {got!r}"
+        assert got.token_ids == reference_generate(tiny_model, prompt, n, prefill_step=step), f"stream {i}"
+        assert got.metrics["prefill_pieces"] == len(prefill_pieces(len(prompt), step))
+    long_ones = results[2:]
+    assert all(r.metrics["max_batch"] >= 2 for r in long_ones)  # type: ignore[union-attr]
+    # Their pieces took steps of their own: each joined the workers' count that many steps on.
+    print(
+        "chunked prefill, joined at session steps",
+        [r.metrics["joined_step"] for r in results],  # type: ignore[union-attr]
+        "; equal to the whole-prompt run:",
+        [
+            r.token_ids == reference_generate(tiny_model, p, n)
+            for r, p, n in zip(results, prompts, new_tokens, strict=True)
+        ],  # type: ignore[union-attr]
+    )

@@ -37,6 +37,7 @@ from inference.batching import (
     enter_sequence,
     next_to_join,
     pack_segments,
+    prefill_pieces,
 )
 from inference.failover import NoSurvivor, reroute, taker
 from inference.metrics import build_metrics, step_report
@@ -288,12 +289,15 @@ class MainRole:
                 time.perf_counter(),
             )
             prompt = torch.tensor([msg.prompt_ids], dtype=torch.long)
+            # A prompt prefilled in pieces takes a step per piece; its step 0, as the workers
+            # and the shadow count, is the last piece's.
+            pieces = prefill_pieces(len(msg.prompt_ids), self.spec.settings.prefill_step)
             sequence = Sequence(
                 state,
                 lambda sequence, msg=msg, prompt=prompt: self._generate(sequence, msg, prompt),
                 self.device,
                 self.spec.settings.threads,
-                joined_step=self.step + 1,
+                joined_step=self.step + len(pieces),
                 user=msg.user,
             )
             self.batch[msg.request_id] = sequence
@@ -402,6 +406,7 @@ class MainRole:
         )
         metrics["roles_lost"] = sorted(state.roles_lost)
         metrics["joined_step"] = sequence.joined_step
+        metrics["prefill_pieces"] = len(prefill_pieces(state.prompt_len, self.spec.settings.prefill_step))
         metrics["max_batch"] = max((step.batch for step in state.steps), default=1)
         self.endpoint.reply(
             state.client,
@@ -444,6 +449,18 @@ class MainRole:
         state = sequence.state
         with torch.inference_mode():
             state.cache = DynamicCache(config=self.model.config)
+            # Chunked prefill: every piece but the last is a step of its own, run straight
+            # through the model into the cache; ``generate`` then prefills the rest (it feeds
+            # only the positions the cache lacks) and decodes.
+            for start, end in prefill_pieces(prompt.shape[1], self.spec.settings.prefill_step)[:-1]:
+                if state.cancelled:
+                    return prompt
+                self.model(
+                    input_ids=prompt[:, start:end].to(self.device),
+                    cache=state.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             kwargs: dict = {"do_sample": msg.do_sample}
             if msg.do_sample:
                 kwargs.update(temperature=msg.temperature, top_p=msg.top_p)
@@ -509,7 +526,10 @@ class MainRole:
             raise GenerationAborted("experts were called outside a generation")
         if layer == 0:
             state = sequence.state
-            state.steps.append(StepRecord(len(state.steps), hidden_states.shape[0], time.perf_counter()))
+            if state.steps and not state.token_times:  # the next piece of a chunked prefill: still step 0
+                state.steps[-1].tokens += hidden_states.shape[0]
+            else:
+                state.steps.append(StepRecord(len(state.steps), hidden_states.shape[0], time.perf_counter()))
         return sequence.wait_at(LayerCall(layer, hidden_states, top_k_index, top_k_weights))
 
     def serve_layer(self, layer: int, batch: list[Sequence]) -> list[torch.Tensor]:
