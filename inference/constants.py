@@ -14,5 +14,11 @@ EXPERT_STORES = ("ram", "disk")
 
 # The most sequences main may run at once (``Settings.max_batch``): each holds a thread and a KV cache.
 MAX_BATCH = 64
+# The shadow follows at most this many sequences per sequence main may run (``max_batch``), each
+# with its own KV cache: main ends a sequence on the shadow (and waits for its statistics)
+# before another takes its place, on the same ordered link, so more is a stale state (left
+# from a main that went away) or a peer misbehaving, and the shadow drops the oldest
+# (inference/roles/shadow.py); the memory estimate counts this many (inference/memory.py).
+SHADOW_STATES_PER_SEQUENCE = 1
 # How a worker computes an expert's rows of several batched sequences (``Settings.batch_arithmetic``).
 BATCH_ARITHMETICS = ("exact", "fused")

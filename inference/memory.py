@@ -7,14 +7,19 @@ from a checkpoint's headers; ``memory_from_config`` computes the same tensors fr
 config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
 
 - *main*: every non-expert tensor (routers included) in the checkpoint dtype, in RAM while
-  it loads and on its GPU with the KV cache for ``context_tokens`` tokens.
+  it loads and on its GPU with the KV caches of the ``max_batch`` sequences it runs at once
+  (continuous batching, ``Settings.max_batch``), each at its full ``context_tokens`` tokens:
+  ``max_batch * kv_cache_bytes(context_tokens)``.
 - *shadow*: the whole model in the shadow dtype (``SHADOW_DTYPES``; int8/nf4 quantize the
   2-D linear weights, nf4 with each expert's w1 and w3 fused as one [2I, H] tensor, as
   ``inference.quant`` does). It converts tensor by tensor while it reads and moves each to its
   device, so on a GPU box its RAM holds a tensor or two; on a CPU, the converted model too.
-  Its shard on disk is the
-  converted model (the shard build pre-converts it), or the checkpoint's tensors when the
-  shadow dtype is the checkpoint's own.
+  With it, in the dtype it computes in, the KV caches of the sequences it follows: up to
+  ``shadow_max_states(max_batch)`` (``SHADOW_STATES_PER_SEQUENCE * max_batch``: as many as
+  main runs, the bound ``inference.roles.shadow`` keeps), each counted at ``context_tokens``
+  (a state's cache never outgrows its sequence, which main keeps within the model's context).
+  Its shard on disk is the converted model (the shard build pre-converts it), or the
+  checkpoint's tensors when the shadow dtype is the checkpoint's own.
 - *worker i*: the experts ``placement(...).owned(i)`` gives it, in RAM (or on disk with
   ``expert_store="disk"``); on its GPU what the strategy keeps resident
   (``inference.strategies``): ``max_resident_experts`` in flight for the cacheless ones,
@@ -25,8 +30,8 @@ Every process also pays ``RUNTIME_OVERHEAD_BYTES`` of RAM (Python, torch, transf
 on a GPU, ``CUDA_CONTEXT_BYTES`` of device memory.
 ``check_fit`` compares a role's needs with a node's inventory (``agent.inventory``) and
 returns the shortfalls as sentences that name the node, the role, the resource and by how
-much it falls short. Run ``python -m inference.memory --model mixtral-8x7b --workers 8`` for
-the table of a known model.
+much it falls short. Run ``python -m inference.memory --model mixtral-8x7b --workers 8
+[--max-batch 8] [--context 4096]`` for the table of a known model.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from inference.checkpoint import EXPERT_PROJS, Checkpoint, expert_key_name, parse_expert_key
-from inference.constants import EXPERT_STORES, SHADOW_DTYPES
+from inference.constants import EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES, SHADOW_STATES_PER_SEQUENCE
 from inference.placement import Placement, placement
 from inference.sim.model_sizes import KNOWN_MODELS, ModelSizes, from_hf_config
 from inference.spec import Settings
@@ -53,7 +58,8 @@ RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + trans
 # 820 MB (benchmarks/results/gpu-h200-tiny.json). The largest, for every role; other GPUs,
 # drivers and torch versions differ by some tens of MB.
 CUDA_CONTEXT_BYTES = 820 * 10**6
-DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache main and the shadow are sized for
+DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache each sequence of main and the shadow is sized for
+DEFAULT_MAX_BATCH = Settings.max_batch  # sequences main runs at once, each with its own KV cache
 DISK_STORE_STAGED_EXPERTS = 2  # a disk store reads an expert into RAM on its way to the device
 NF4_BLOCKSIZE = 64  # elements per fp32 absmax in nf4 (``inference.quant.NF4_BLOCKSIZE``)
 QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absmax per block
@@ -85,8 +91,9 @@ class RoleMemory:
     """What one role needs, in bytes: host RAM, GPU memory and disk (its shard).
 
     ``cpu_bytes`` is the RAM it needs instead when its node has no GPU: main and the shadow
-    then compute from the weights they loaded (plus the KV cache); a worker still copies
+    then compute from the weights they loaded (plus the KV caches); a worker still copies
     each expert it computes into a fresh buffer, so it needs its RAM plus its "GPU" bytes.
+    ``kv_sequences`` KV caches of ``kv_tokens`` tokens each are counted in (none for a worker).
     """
 
     role: str  # main, shadow or worker-N (the shard's name)
@@ -94,11 +101,18 @@ class RoleMemory:
     gpu_bytes: int
     disk_bytes: int
     cpu_bytes: int
+    kv_sequences: int = 0
+    kv_tokens: int = 0
 
     @property
     def label(self) -> str:
         """``worker 2`` for ``worker-2``: how a message names the role."""
         return self.role.replace("-", " ")
+
+    @property
+    def kv_text(self) -> str:
+        """``KV cache for 8 sequences of 4096 tokens``: what its KV share is sized for ("" without one)."""
+        return kv_text(self.kv_sequences, self.kv_tokens) if self.kv_sequences else ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,7 +127,8 @@ class MemoryPlan:
     shadow_dtype: str
     strategy: str
     n_workers: int
-    context_tokens: int
+    context_tokens: int  # KV cache tokens per sequence
+    max_batch: int  # sequences main runs at once (the shadow follows shadow_max_states(max_batch))
     expert_store: str
     expert_bytes: int  # one expert (w1 + w2 + w3) in the checkpoint dtype
     total_bytes: int  # every tensor of the checkpoint
@@ -145,6 +160,8 @@ class MemoryPlan:
             "strategy": self.strategy,
             "n_workers": self.n_workers,
             "context_tokens": self.context_tokens,
+            "max_batch": self.max_batch,
+            "kv_cache": kv_sizing(self.max_batch, self.context_tokens),
             "expert_store": self.expert_store,
             "expert_bytes": self.expert_bytes,
             "total_bytes": self.total_bytes,
@@ -236,9 +253,19 @@ def shadow_weight_bytes(tensors: Iterable[TensorSize], shadow_dtype: str) -> int
     return total + sum(_nf4_bytes(n) for n in fused.values())
 
 
-def kv_cache_bytes(sizes: ModelSizes, element_bytes: int, context_tokens: int) -> int:
-    """Keys and values of every layer for ``context_tokens`` tokens."""
-    return sizes.layers * 2 * sizes.kv_heads * sizes.head_dim * element_bytes * context_tokens
+def kv_cache_bytes(sizes: ModelSizes, element_bytes: int, context_tokens: int, sequences: int = 1) -> int:
+    """Keys and values of every layer for ``sequences`` sequences of ``context_tokens`` tokens each."""
+    return sequences * sizes.layers * 2 * sizes.kv_heads * sizes.head_dim * element_bytes * context_tokens
+
+
+def kv_text(sequences: int, context_tokens: int) -> str:
+    """``KV cache for 8 sequences of 4096 tokens``: what a role's KV share is sized for."""
+    return f"KV cache for {sequences} sequence{'' if sequences == 1 else 's'} of {context_tokens} tokens"
+
+
+def shadow_max_states(max_batch: int) -> int:
+    """The most sequences (each with its own KV cache) the shadow follows when main runs ``max_batch``."""
+    return SHADOW_STATES_PER_SEQUENCE * max_batch
 
 
 # --- plans -----------------------------------------------------------------------------------
@@ -254,8 +281,13 @@ def memory_from_checkpoint(
     cache_experts: int = Settings.cache_experts,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
     expert_store: str = "ram",
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> MemoryPlan:
-    """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes."""
+    """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes.
+
+    Main's KV caches are for ``max_batch`` sequences, the shadow's for ``shadow_max_states(max_batch)``
+    (``SHADOW_STATES_PER_SEQUENCE * max_batch``: as many as main runs), of ``context_tokens`` tokens each.
+    """
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
     tensors = checkpoint_tensors(ckpt)
     sizes = from_hf_config(ckpt.config)
@@ -270,6 +302,7 @@ def memory_from_checkpoint(
         cache_experts=cache_experts,
         context_tokens=context_tokens,
         expert_store=expert_store,
+        max_batch=max_batch,
     )
 
 
@@ -284,6 +317,7 @@ def memory_from_config(
     cache_experts: int = Settings.cache_experts,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
     expert_store: str = "ram",
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> MemoryPlan:
     """The same plan from a config alone (a ``config.json`` dict, sizes, or a known model's name).
 
@@ -312,6 +346,7 @@ def memory_from_config(
         cache_experts=cache_experts,
         context_tokens=context_tokens,
         expert_store=expert_store,
+        max_batch=max_batch,
     )
 
 
@@ -327,8 +362,14 @@ def plan_memory(
     cache_experts: int,
     context_tokens: int,
     expert_store: str,
+    max_batch: int,
 ) -> MemoryPlan:
-    """Memory per role from a model's tensors and shape (what both entry points share)."""
+    """Memory per role from a model's tensors and shape (what both entry points share).
+
+    Every sequence main runs holds its own KV cache, as does every sequence the shadow follows:
+    main's is ``max_batch * kv_cache_bytes(context_tokens)`` (every running sequence at its full
+    context, the worst case), the shadow's ``shadow_max_states(max_batch)`` times one sequence's.
+    """
     get_strategy(strategy)  # a ValueError naming the choices
     if shadow_dtype not in SHADOW_DTYPES:
         raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
@@ -336,6 +377,8 @@ def plan_memory(
         raise ValueError(f"expert_store must be one of {', '.join(EXPERT_STORES)}, got {expert_store!r}")
     if max_resident_experts < 1 or cache_experts < 0 or context_tokens < 0:
         raise ValueError("max_resident_experts >= 1, cache_experts >= 0 and context_tokens >= 0 are required")
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
     if not tensors:
         raise ValueError("the model has no tensors")
     plan = placement(sizes.layers, sizes.experts, sizes.top_k, workers)
@@ -351,16 +394,19 @@ def plan_memory(
     expert_bytes = max(experts.values(), default=0)
     total = sum(t.nbytes for t in tensors)
 
-    main_kv = kv_cache_bytes(sizes, element, context_tokens)
+    main_kv = kv_cache_bytes(sizes, element, context_tokens, max_batch)
     main = RoleMemory(
         "main",
         host_bytes=dense + RUNTIME_OVERHEAD_BYTES,
         gpu_bytes=dense + main_kv + CUDA_CONTEXT_BYTES,
         disk_bytes=dense,
         cpu_bytes=dense + main_kv + RUNTIME_OVERHEAD_BYTES,
+        kv_sequences=max_batch,
+        kv_tokens=context_tokens,
     )
     shadow_weights = shadow_weight_bytes(tensors, shadow_dtype)
-    shadow_kv = kv_cache_bytes(sizes, _CAST_BYTES.get(shadow_dtype, element), context_tokens)
+    shadow_states = shadow_max_states(max_batch)
+    shadow_kv = kv_cache_bytes(sizes, _CAST_BYTES.get(shadow_dtype, element), context_tokens, shadow_states)
     # The shadow moves each tensor to its device as it reads it: on a GPU box its RAM holds a
     # tensor or two in flight (an expert's w1 waits for its w3), on a CPU the whole model too.
     in_flight = 2 * max(t.nbytes for t in tensors)
@@ -371,6 +417,8 @@ def plan_memory(
         # The shard build converts the shadow's shard once unless it is the checkpoint's own dtype.
         disk_bytes=total if _CAST_BYTES.get(shadow_dtype) == element else shadow_weights,
         cpu_bytes=shadow_weights + in_flight + RUNTIME_OVERHEAD_BYTES + shadow_kv,
+        kv_sequences=shadow_states,
+        kv_tokens=context_tokens,
     )
     roles = [main, shadow]
     for worker in range(workers):
@@ -390,6 +438,7 @@ def plan_memory(
         strategy=strategy,
         n_workers=workers,
         context_tokens=context_tokens,
+        max_batch=max_batch,
         expert_store=expert_store,
         expert_bytes=expert_bytes,
         total_bytes=total,
@@ -504,6 +553,8 @@ def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+# What a role's RAM and its device memory hold, as a shortfall says it; "KV cache" becomes
+# ``RoleMemory.kv_text`` (``KV cache for 8 sequences of 4096 tokens``) when the role has one.
 _PURPOSE = {
     "main": ("for its weights", "for its weights and KV cache"),
     "shadow": ("to load its model", "for its model and KV cache"),
@@ -519,16 +570,21 @@ def check_fit(
     A node without a GPU runs its role on the CPU, so the role's ``cpu_bytes`` count against
     RAM. ``disk_present_bytes`` of the shard already on the node need no new space. A
     resource the inventory does not report is not checked (an agent reports them all).
+    Where the role has KV caches, the purpose says how many and of how many tokens.
     """
     host_purpose, gpu_purpose = _PURPOSE[need.role.split("-")[0]]
+    if need.kv_text:
+        gpu_purpose = gpu_purpose.replace("KV cache", need.kv_text)
     found: list[Shortfall] = []
     ram = _int(inventory.get("ram_bytes"))
     gpu = best_gpu(inventory)
     if gpu is None:
         if ram is not None and need.cpu_bytes > ram:
+            # On the CPU the role's RAM holds what its GPU would have: its KV caches too.
+            cpu_purpose = gpu_purpose if need.kv_text else host_purpose
             found.append(
                 Shortfall(
-                    node, need.role, "RAM", f"{host_purpose} (no GPU: it computes on the CPU)", need.cpu_bytes, ram
+                    node, need.role, "RAM", f"{cpu_purpose} (no GPU: it computes on the CPU)", need.cpu_bytes, ram
                 )
             )
     else:
@@ -637,6 +693,11 @@ def table(config: Mapping[str, Any] | ModelSizes | str, *, workers: Sequence[int
     return "\n".join(lines)
 
 
+def kv_sizing(max_batch: int, context_tokens: int) -> str:
+    """What a plan's KV caches are sized for, in words (the CLI's heading)."""
+    return f"main's {kv_text(max_batch, context_tokens)}, the shadow's for {shadow_max_states(max_batch)}"
+
+
 def _num(n: int) -> str:
     return f"{n / GB:.1f}"
 
@@ -648,12 +709,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[8])
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(CHECKPOINT_DTYPE_BYTES))
     parser.add_argument("--strategy", default=DEFAULT_STRATEGY)
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT_TOKENS, help="KV cache tokens")
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT_TOKENS, help="KV cache tokens per sequence")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="sequences main runs at once, each with its own KV cache "
+        f"(the shadow follows {SHADOW_STATES_PER_SEQUENCE} x max_batch, each with its own too)",
+    )
     parser.add_argument("--expert-store", default="ram", choices=EXPERT_STORES)
     args = parser.parse_args(argv)
-    options = {"strategy": args.strategy, "context_tokens": args.context, "expert_store": args.expert_store}
+    if not 1 <= args.max_batch <= MAX_BATCH:
+        parser.error(f"--max-batch must be from 1 to {MAX_BATCH}")
+    options = {
+        "strategy": args.strategy,
+        "context_tokens": args.context,
+        "expert_store": args.expert_store,
+        "max_batch": args.max_batch,
+    }
+    kv = kv_sizing(args.max_batch, args.context)
     if args.checkpoint:
         ckpt = Checkpoint(args.checkpoint)
+        print(f"{ckpt.path.name}, {args.strategy}, {kv}; host/GPU/disk GB, GB = 10^9 bytes\n")
         for count in args.workers:
             for dtype in SHADOW_DTYPES:
                 plan = memory_from_checkpoint(ckpt, workers=count, shadow_dtype=dtype, **options)
@@ -664,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
         return 0
-    print(f"{args.model} ({args.dtype}), {args.strategy}, {args.context} tokens of KV cache; GB = 10^9 bytes\n")
+    print(f"{args.model} ({args.dtype}), {args.strategy}, {kv}; GB = 10^9 bytes\n")
     print(table(args.model, workers=args.workers, dtype=args.dtype, **options))
     return 0
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from inference.checkpoint import Checkpoint, parse_expert_key
+from inference.constants import SHADOW_STATES_PER_SEQUENCE
 from inference.memory import (
     CUDA_CONTEXT_BYTES,
     GB,
@@ -25,6 +26,7 @@ from inference.memory import (
 from inference.placement import placement
 from inference.sharding import Role, build_shards, keys_for_role, load_role_tensors
 from inference.sim.model_sizes import mixtral_8x7b
+from inference.spec import Settings
 from inference.strategies import home_experts
 from inference.tiny import make_tiny
 
@@ -32,6 +34,10 @@ from inference.tiny import make_tiny
 SHAPE = dict(layers=3, hidden=75, head_dim=16, heads=4, kv_heads=2, intermediate=97, experts=6, top_k=3)
 WORKERS = 4
 CONTEXT = 100
+BATCH = Settings.max_batch  # what a plan is for unless told: main's sequences at once (8)
+# The shadow follows as many sequences as main runs (main ends each there before another
+# takes its place; inference/roles/shadow.py), each with its own KV cache.
+SHADOW_BATCH = SHADOW_STATES_PER_SEQUENCE * BATCH
 _CAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -49,9 +55,10 @@ def real_bytes(ckpt: Checkpoint, keys) -> int:
     return sum(ckpt.nbytes(key) for key in keys)
 
 
-def kv_bytes(ckpt: Checkpoint, element: int) -> int:
+def kv_bytes(ckpt: Checkpoint, element: int, sequences: int) -> int:
+    """Keys and values of every layer, ``CONTEXT`` tokens for each of ``sequences`` sequences."""
     c = ckpt.config
-    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * element * CONTEXT
+    return sequences * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * element * CONTEXT
 
 
 def test_main_holds_every_non_expert_tensor_and_its_kv_cache(ckpt: Checkpoint) -> None:
@@ -62,11 +69,68 @@ def test_main_holds_every_non_expert_tensor_and_its_kv_cache(ckpt: Checkpoint) -
     assert plan.main == RoleMemory(
         "main",
         host_bytes=dense + RUNTIME_OVERHEAD_BYTES,
-        gpu_bytes=dense + kv_bytes(ckpt, 2) + CUDA_CONTEXT_BYTES,
+        gpu_bytes=dense + kv_bytes(ckpt, 2, BATCH) + CUDA_CONTEXT_BYTES,  # a KV cache per running sequence
         disk_bytes=dense,
-        cpu_bytes=dense + kv_bytes(ckpt, 2) + RUNTIME_OVERHEAD_BYTES,
+        cpu_bytes=dense + kv_bytes(ckpt, 2, BATCH) + RUNTIME_OVERHEAD_BYTES,
+        kv_sequences=BATCH,
+        kv_tokens=CONTEXT,
     )
     assert plan.total_bytes == real_bytes(ckpt, ckpt.keys())
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 64])
+def test_the_kv_caches_scale_with_the_sequences_main_runs_at_once(ckpt: Checkpoint, max_batch: int) -> None:
+    c = ckpt.config
+
+    def one_sequence(element: int) -> int:  # K and V of every layer for CONTEXT tokens
+        return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * element * CONTEXT
+
+    dense = real_bytes(ckpt, [k for k in ckpt if parse_expert_key(k) is None])
+    main_kv = max_batch * one_sequence(2)  # the checkpoint's bf16
+    for dtype, element in [("fp32", 4), ("bf16", 2), ("nf4", 2)]:  # nf4 computes in bf16
+        plan = plan_of(ckpt, shadow_dtype=dtype, max_batch=max_batch)
+        assert (plan.max_batch, plan.context_tokens) == (max_batch, CONTEXT)
+        # main: a cache for each of its max_batch sequences, every one at the full context
+        assert plan.main.gpu_bytes - dense - CUDA_CONTEXT_BYTES == main_kv
+        assert plan.main.cpu_bytes - dense - RUNTIME_OVERHEAD_BYTES == main_kv
+        assert plan.main.host_bytes == dense + RUNTIME_OVERHEAD_BYTES  # on a GPU box the caches are on the GPU
+        # the shadow follows up to as many sequences as main runs (inference/roles/shadow.py),
+        # in the dtype it computes in
+        followed = SHADOW_STATES_PER_SEQUENCE * max_batch
+        no_cache = memory_from_checkpoint(ckpt, workers=WORKERS, shadow_dtype=dtype, context_tokens=0)
+        weights = no_cache.shadow.gpu_bytes - CUDA_CONTEXT_BYTES
+        assert plan.shadow.gpu_bytes - CUDA_CONTEXT_BYTES - weights == followed * one_sequence(element)
+        assert (plan.main.kv_sequences, plan.shadow.kv_sequences) == (max_batch, followed)
+        # nothing else moves with the batch
+        single = plan_of(ckpt, shadow_dtype=dtype, max_batch=1)
+        assert plan.main.gpu_bytes - single.main.gpu_bytes == (max_batch - 1) * one_sequence(2)
+        assert plan.shadow.gpu_bytes - single.shadow.gpu_bytes == (
+            SHADOW_STATES_PER_SEQUENCE * (max_batch - 1) * one_sequence(element)
+        )
+        assert plan.workers == single.workers
+        assert (plan.main.disk_bytes, plan.shadow.disk_bytes, plan.shadow.host_bytes) == (
+            single.main.disk_bytes,
+            single.shadow.disk_bytes,
+            single.shadow.host_bytes,
+        )
+
+
+def test_the_plan_and_its_shortfalls_say_what_the_kv_caches_are_for(ckpt: Checkpoint, capsys) -> None:
+    from inference.memory import main as memory_cli
+
+    plan = plan_of(ckpt, max_batch=3)
+    followed = SHADOW_STATES_PER_SEQUENCE * 3  # the shadow's sequences
+    assert plan.to_dict()["kv_cache"] == f"main's KV cache for 3 sequences of 100 tokens, the shadow's for {followed}"
+    assert plan.main.kv_text == "KV cache for 3 sequences of 100 tokens"
+    assert plan_of(ckpt, max_batch=1).main.kv_text == "KV cache for 1 sequence of 100 tokens"
+    (short,) = check_fit(plan.main, box(gpu_gb=0.5), node="m")
+    assert "of GPU memory for its weights and KV cache for 3 sequences of 100 tokens, has 0.5 GB" in short.message
+    (short,) = check_fit(plan.shadow, box(ram_gb=0.1, gpu_gb=None), node="s")
+    assert f"of RAM for its model and KV cache for {followed} sequences of 100 tokens (no GPU" in short.message
+    assert memory_cli(["--model", "mixtral-8x7b", "--workers", "8", "--max-batch", "4", "--context", "2048"]) == 0
+    heading = capsys.readouterr().out.splitlines()[0]
+    followed = SHADOW_STATES_PER_SEQUENCE * 4
+    assert f"main's KV cache for 4 sequences of 2048 tokens, the shadow's for {followed}" in heading
 
 
 def test_workers_hold_exactly_the_experts_of_their_shards(ckpt: Checkpoint) -> None:
@@ -104,7 +168,7 @@ def test_a_cast_shadow_costs_what_its_cast_tensors_do(ckpt: Checkpoint, dtype: s
         expected += tensor.nbytes if keep else tensor.to(_CAST[dtype]).nbytes
     shadow = plan_of(ckpt, shadow_dtype=dtype).shadow
     largest = max(ckpt.nbytes(k) for k in ckpt)
-    kv = kv_bytes(ckpt, _CAST[dtype].itemsize)
+    kv = kv_bytes(ckpt, _CAST[dtype].itemsize, SHADOW_BATCH)  # it follows up to as many as main runs
     assert shadow.gpu_bytes == expected + kv + CUDA_CONTEXT_BYTES
     # Each tensor goes to the GPU as it is read: RAM holds a tensor or two, on a CPU the model too.
     assert shadow.host_bytes == 2 * largest + RUNTIME_OVERHEAD_BYTES
@@ -131,7 +195,7 @@ def test_a_quantized_shadow_costs_what_the_quantizer_produces(ckpt: Checkpoint, 
         else:
             expected += quantize_weight(tensor, scheme).nbytes
     shadow = plan_of(ckpt, shadow_dtype=scheme).shadow
-    assert shadow.gpu_bytes == expected + kv_bytes(ckpt, 2) + CUDA_CONTEXT_BYTES  # it computes in bf16
+    assert shadow.gpu_bytes == expected + kv_bytes(ckpt, 2, SHADOW_BATCH) + CUDA_CONTEXT_BYTES  # it computes in bf16
     assert shadow.disk_bytes == expected  # its pre-converted shard
 
 
@@ -159,6 +223,12 @@ def test_mixtral_8x7b_sizes_match_the_release() -> None:
     assert (round(plan.total_bytes / 1e9, 1), round(plan.main.disk_bytes / 1e9, 1)) == (93.4, 3.2)
     assert round(plan.shadow.disk_bytes / 1e9, 1) == 26.5  # its nf4 shadow shard (the issue's "26 GB")
     assert plan.expert_bytes == 3 * 4096 * 14336 * 2
+    # 8 sequences (the default max_batch) of 4096 tokens: 32 layers x K and V x 8 heads x 128 x 2 bytes each
+    assert plan.main.gpu_bytes == plan.main.disk_bytes + 8 * 32 * 2 * 8 * 128 * 2 * 4096 + CUDA_CONTEXT_BYTES
+    assert round(plan.main.gpu_bytes / 1e9, 1) == 8.3  # 4.6 GB for a single sequence
+    # The nf4 shadow computes in bf16 and follows as many sequences as main runs: the same 8 caches.
+    assert plan.shadow.gpu_bytes == plan.shadow.disk_bytes + 8 * 32 * 2 * 8 * 128 * 2 * 4096 + CUDA_CONTEXT_BYTES
+    assert round(plan.shadow.gpu_bytes / 1e9, 1) == 31.6
     markdown = table("mixtral-8x22b", workers=[8])
     assert markdown.count("\n") == 6 and "| 8 | nf4 |" in markdown
 
@@ -168,6 +238,8 @@ def test_bad_options_are_refused() -> None:
         ({"shadow_dtype": "int4"}, "shadow dtype"),
         ({"strategy": "belady"}, "strategy"),
         ({"expert_store": "tape"}, "expert_store"),
+        ({"max_batch": 0}, "max_batch must be from 1 to 64"),
+        ({"max_batch": 65}, "max_batch must be from 1 to 64"),
         ({"workers": 0}, "at least one worker"),
     ]:
         with pytest.raises(ValueError, match=reason):

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from inference import schedule
+from inference.constants import SHADOW_STATES_PER_SEQUENCE
 from inference.model import load_config
 from inference.placement import placement_from_dict
 from inference.protocol import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
@@ -85,8 +86,9 @@ class ShadowRole:
             spec.shard_dir, shadow_dtype, self.device, eager_experts=arithmetic == "eager", verify=False
         )
         release_free_heap()
-        # Main runs at most max_batch sequences; more than twice that is a peer misbehaving.
-        self.max_states = 2 * spec.settings.max_batch
+        # Main runs at most max_batch sequences and ends each here before another takes its
+        # place; beyond that the oldest state is stale (the memory estimate counts this many).
+        self.max_states = SHADOW_STATES_PER_SEQUENCE * spec.settings.max_batch
         self.kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed_tokens" in n)
         self.endpoint = open_endpoint(spec)
         connect_peers(self.endpoint, spec, workers=True, shadow=False, main=True)

@@ -178,6 +178,40 @@ def test_starting_rechecks_the_fit_against_the_latest_inventory(staff: APIClient
     assert Deployment.objects.get().status == DeploymentStatus.DRAFT  # nothing was sent
 
 
+def test_mains_kv_caches_for_max_batch_sequences_must_fit_its_gpu(staff: APIClient, model) -> None:
+    # The tiny model's main: 0.47 MB of weights, 0.82 GB of CUDA context, 4.2 MB of KV cache per
+    # sequence of 4096 tokens: 0.82 GB with max_batch 1, 1.09 GB with 64. Its GPU has 1.0 GB.
+    main = sized_box("m", ram_gb=8, gpus=[{"index": 0, "memory_bytes": 10**9}])
+    shadow, worker = (sized_box(name, ram_gb=8, gpus=[{"index": 0, "memory_bytes": 8 * GIB}]) for name in "sw")
+    roles = {"main": str(main.pk), "shadow": str(shadow.pk), "workers": [str(worker.pk)]}
+    body = {"model": model.pk, "nodes": ids(main, shadow, worker), "roles": roles}
+    refused = staff.post("/api/deployments", {**body, "name": "wide", "max_batch": 64}, format="json")
+    assert refused.status_code == 400
+    assert refused.json()["detail"] == (
+        "tiny does not fit on these nodes: node m (main) needs 1.1 GB of GPU memory for its weights and "
+        "KV cache for 64 sequences of 4096 tokens, has 1.0 GB: 0.1 GB short"
+    )
+    assert Deployment.objects.count() == 0
+    # Suggested: the shadow on the 8 GiB GPU, main and the worker on two such 1 GB GPUs: with
+    # max_batch 1 that map fits; with 64 no map does, for main.
+    small = [sized_box(f"g{i}", ram_gb=8, gpus=[{"index": 0, "memory_bytes": 10**9}]) for i in range(2)]
+    big = sized_box("big", ram_gb=8, gpus=[{"index": 0, "memory_bytes": 8 * GIB}])
+    suggest = {"model": model.pk, "nodes": ids(big, *small)}
+    assert staff.post("/api/deployments/suggest", {**suggest, "max_batch": 1}, format="json").status_code == 200
+    suggested = staff.post("/api/deployments/suggest", {**suggest, "max_batch": 64}, format="json")
+    assert suggested.status_code == 400
+    assert "(main) needs 1.1 GB of GPU memory for its weights and KV cache for 64 sequences" in str(suggested.json())
+    created = staff.post("/api/deployments", {**body, "name": "narrow", "max_batch": 1}, format="json")
+    assert created.status_code == 201, created.content
+    # Starting checks again with the deployment's max_batch as it is then.
+    Node.objects.update(status=NodeStatus.ONLINE)
+    Deployment.objects.update(max_batch=64)
+    restarted = staff.post(f"/api/deployments/{created.json()['id']}/start", format="json")
+    assert restarted.status_code == 400
+    assert "node m (main) needs 1.1 GB of GPU memory" in restarted.json()["detail"]
+    assert Deployment.objects.get().status == DeploymentStatus.DRAFT  # nothing was sent
+
+
 def test_a_role_runs_on_its_nodes_largest_gpu(staff: APIClient, model) -> None:
     from controlplane.deployments.lifecycle import role_spec
 
@@ -201,8 +235,15 @@ def test_the_estimate_has_memory_per_role(staff: APIClient, model) -> None:
     mixtral = staff.post("/api/deployments/estimate", {"workers": 8, "shadow_dtype": "nf4"}, format="json").json()
     roles = {r["role"]: r for r in mixtral["memory"]["roles"]}
     assert set(roles) == {"main", "shadow", *(f"worker-{i}" for i in range(8))}
-    assert 25e9 < roles["shadow"]["gpu_bytes"] < 28e9 and roles["worker-0"]["host_bytes"] > 30e9
+    # KV caches for main's 8 sequences (the default max_batch) and as many for the shadow, which follows them
+    assert mixtral["memory"]["kv_cache"] == "main's KV cache for 8 sequences of 4096 tokens, the shadow's for 8"
+    assert 31e9 < roles["shadow"]["gpu_bytes"] < 32e9 and roles["worker-0"]["host_bytes"] > 30e9
     assert {"host_bytes", "gpu_bytes", "disk_bytes"} <= set(roles["main"])
+    single = staff.post(
+        "/api/deployments/estimate", {"workers": 8, "shadow_dtype": "nf4", "max_batch": 1}, format="json"
+    ).json()
+    one = {r["role"]: r for r in single["memory"]["roles"]}
+    assert 25e9 < one["shadow"]["gpu_bytes"] < 29e9 and one["main"]["gpu_bytes"] < roles["main"]["gpu_bytes"]
     tiny = staff.post(
         "/api/deployments/estimate", {"workers": 2, "model": model.pk, "shadow_dtype": "int8"}, format="json"
     )

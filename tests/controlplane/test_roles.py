@@ -87,7 +87,9 @@ def test_the_suggestion_seats_a_role_on_every_gpu_of_a_multi_gpu_box() -> None:
 def nf4_plan(workers: int):
     from inference.memory import memory_from_config
 
-    return memory_from_config("mixtral-8x7b", workers=workers, shadow_dtype="nf4")  # shadow 27 GB, workers 31.6 GB
+    # main runs 8 sequences at once (the default max_batch): shadow 31.6 GB with the KV caches of
+    # the 8 it follows, workers 31.6 GB
+    return memory_from_config("mixtral-8x7b", workers=workers, shadow_dtype="nf4")
 
 
 def test_the_shadow_goes_to_the_largest_gpu_that_holds_it() -> None:
@@ -111,7 +113,9 @@ def test_a_box_too_small_for_a_workers_experts_becomes_main() -> None:
 def test_when_nothing_fits_the_error_names_the_constraint() -> None:
     small_gpus = {f"n{i}": box(24, 64) for i in range(10)}
     with pytest.raises(
-        RoleError, match=r"no node can hold the shadow; .*needs 27\.8 GB of GPU memory .*has 25\.8 GB: 2\.0 GB short"
+        RoleError,
+        match=r"no node can hold the shadow; .*needs 31\.6 GB of GPU memory for its model and KV cache for 8 "
+        r"sequences of 4096 tokens, has 25\.8 GB: 5\.8 GB short",
     ):
         suggest_roles(small_gpus, top_k=2, memory=nf4_plan(8))
     little_ram = {"s": box(48, 64), "m": box(24, 64)} | {f"w{i}": box(24, 16) for i in range(8)}

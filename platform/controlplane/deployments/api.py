@@ -128,10 +128,18 @@ class RolesInput(serializers.Serializer):
     workers = serializers.ListField(child=SeatField(), min_length=1)
 
 
-class SuggestApi(APIView):
-    """POST /api/deployments/suggest {model, nodes[, shadow_dtype, strategy]}: the role map a deployment would get.
+def max_batch_field() -> serializers.IntegerField:
+    """A deployment's ``max_batch``: main runs that many sequences at once, each with its own KV cache."""
+    return serializers.IntegerField(
+        min_value=1, max_value=MAX_BATCH, default=services.DEFAULT_MAX_BATCH, help_text="sequences main runs at once"
+    )
 
-    Only a map where every node holds its role's memory; otherwise 400 with each shortfall.
+
+class SuggestApi(APIView):
+    """POST /api/deployments/suggest {model, nodes[, shadow_dtype, strategy, max_batch]}: a deployment's role map.
+
+    Only a map where every node holds its role's memory (main's KV caches for ``max_batch``
+    sequences); otherwise 400 with each shortfall.
     """
 
     permission_classes = [IsAdminUser, KeyScopes]
@@ -143,6 +151,7 @@ class SuggestApi(APIView):
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
         strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
+        max_batch = max_batch_field()
 
     @extend_schema(request=InputSerializer, responses=RolesInput)
     def post(self, request: Request) -> Response:
@@ -155,6 +164,7 @@ class SuggestApi(APIView):
                 node_ids=[str(n) for n in values["nodes"]],
                 shadow_dtype=values["shadow_dtype"],
                 strategy=values["strategy"],
+                max_batch=values["max_batch"],
             )
         except services.DeploymentError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
@@ -176,9 +186,7 @@ class DeploymentListApi(APIView):
         token_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
         kv_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
         strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
-        max_batch = serializers.IntegerField(
-            min_value=1, max_value=MAX_BATCH, default=8, help_text="sequences main runs at once"
-        )
+        max_batch = max_batch_field()
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:
@@ -322,7 +330,8 @@ class EstimateApi(APIView):
     workers on a hardware ``profile``, at the roofline (``ideal``) and with measured or
     published implementation efficiencies (``adjusted``); see inference/sim. ``memory``
     is the host RAM, GPU memory and disk per role from the tensor sizes (inference/memory.py),
-    what creating and starting a deployment check each node against.
+    with main's KV caches for ``max_batch`` sequences, what creating and starting a deployment
+    check each node against.
     """
 
     permission_classes = [IsAdminUser, KeyScopes]
@@ -337,6 +346,7 @@ class EstimateApi(APIView):
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="int8")
         input_tokens = serializers.IntegerField(min_value=1, max_value=32768, default=128)
         output_tokens = serializers.IntegerField(min_value=2, max_value=32768, default=128)
+        max_batch = max_batch_field()
 
     @extend_schema(request=InputSerializer, responses=dict)
     def get(self, request: Request) -> Response:

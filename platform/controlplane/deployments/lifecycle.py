@@ -64,6 +64,7 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
             model=locked.model,
             shadow_dtype=locked.shadow_dtype,
             strategy=locked.strategy,
+            max_batch=locked.max_batch,
             seats={m.role_name: (m.node, m.gpu) for m in members},
         )
         locked.epoch += 1

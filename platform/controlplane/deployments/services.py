@@ -3,7 +3,10 @@
 Starting, stopping and following a running deployment live in ``lifecycle``. A deployment
 whose nodes cannot hold their roles (``inference.memory``: RAM, GPU memory, disk, from the
 checkpoint's tensor sizes) is refused when created and again when started, before anything
-is built or downloaded, with each node's shortfall.
+is built or downloaded, with each node's shortfall. Main's and the shadow's memory include a KV
+cache per sequence: the deployment's ``max_batch`` sequences for main, as many for the shadow
+that follows them (``inference.memory.shadow_max_states``), each at the full
+``inference.memory.DEFAULT_CONTEXT_TOKENS``.
 """
 
 from __future__ import annotations
@@ -44,14 +47,17 @@ def suggest_for(
     node_ids: list[str],
     shadow_dtype: str = "fp32",
     strategy: str = DEFAULT_STRATEGY,
+    max_batch: int = DEFAULT_MAX_BATCH,
     memory: MemoryPlan | None = None,
 ) -> RoleMap:
-    """The suggested role map: only one whose nodes hold their roles' memory."""
+    """The suggested role map: only one whose nodes hold their roles' memory (main's KV caches for ``max_batch``)."""
     nodes = _nodes(node_ids)
     top_k = int(model.summary.get("top_k", 2))
     seats = len(seats_of({str(n.pk): n.inventory for n in nodes}))
     if memory is None and seats > 2:
-        memory = memory_plan(model=model, workers=seats - 2, shadow_dtype=shadow_dtype, strategy=strategy)
+        memory = memory_plan(
+            model=model, workers=seats - 2, shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch
+        )
     try:
         return suggest_roles(
             {str(n.pk): n.inventory for n in nodes},
@@ -63,24 +69,36 @@ def suggest_for(
         raise DeploymentError(str(exc)) from None
 
 
-def memory_plan(*, model: ModelArtifact, workers: int, shadow_dtype: str, strategy: str) -> MemoryPlan:
-    """Memory per role of ``model`` with ``workers`` workers, from its checkpoint's tensor sizes."""
+def memory_plan(*, model: ModelArtifact, workers: int, shadow_dtype: str, strategy: str, max_batch: int) -> MemoryPlan:
+    """Memory per role of ``model`` with ``workers`` workers, from its checkpoint's tensor sizes.
+
+    Main's KV caches are for ``max_batch`` sequences at once, the shadow's for as many
+    (``inference.memory.shadow_max_states(max_batch)``).
+    """
     try:
-        return memory_from_checkpoint(model.path, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy)
+        return memory_from_checkpoint(
+            model.path, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch
+        )
     except (CheckpointError, ValueError) as exc:
         raise DeploymentError(f"cannot size the roles of {model.name}: {exc}") from None
 
 
 def check_fits(
-    *, model: ModelArtifact, shadow_dtype: str, strategy: str, seats: dict[str, tuple[Node, int | None]]
+    *,
+    model: ModelArtifact,
+    shadow_dtype: str,
+    strategy: str,
+    max_batch: int,
+    seats: dict[str, tuple[Node, int | None]],
 ) -> MemoryPlan:
     """Refuse a role map (role name -> (node, GPU index or None)) where a node cannot hold its roles.
 
     Roles on one node share its RAM and disk. A shard already on a node (its agent reports
-    ``shard_bytes``) needs no new disk space.
+    ``shard_bytes``) needs no new disk space. Main holds a KV cache for each of the
+    deployment's ``max_batch`` sequences, the shadow for as many (``shadow_max_states``).
     """
     workers = sum(1 for role in seats if role.startswith("worker-"))
-    plan = memory_plan(model=model, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy)
+    plan = memory_plan(model=model, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch)
     present = {}
     # The shadow fetches its shard converted to its dtype (shadow-nf4...) unless that is the checkpoint's own.
     converted = shadow_dtypes_to_build(Checkpoint(model.path).config, shadow_dtype)
@@ -127,7 +145,9 @@ def create_deployment(
         raise DeploymentError(str(exc)) from None
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
     _check_nodes(nodes, node_ids)
-    roles = roles or suggest_for(model=model, node_ids=node_ids, shadow_dtype=shadow_dtype, strategy=strategy)
+    roles = roles or suggest_for(
+        model=model, node_ids=node_ids, shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch
+    )
     try:
         check_roles(roles, {str(n.pk): n.inventory for n in nodes})
         by_id = {str(n.pk): n for n in nodes}
@@ -138,6 +158,7 @@ def create_deployment(
         model=model,
         shadow_dtype=shadow_dtype,
         strategy=strategy,
+        max_batch=max_batch,
         seats={role: (by_id[node], gpu) for role, (node, gpu) in seats.items()},
     )
     try:
@@ -218,11 +239,14 @@ def estimate(
     shadow_dtype: str = "int8",
     input_tokens: int = 128,
     output_tokens: int = 128,
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> dict:
     """The cluster simulator's prediction for a planned deployment (``inference.sim.estimate``).
 
     ``memory`` holds the memory per role (``inference.memory``), from the checkpoint's
-    tensor sizes when ``model`` is given (Mixtral-8x7B in bf16 otherwise).
+    tensor sizes when ``model`` is given (Mixtral-8x7B in bf16 otherwise), with main's KV
+    caches for ``max_batch`` sequences (the shadow's for as many): what creating and
+    starting a deployment with that ``max_batch`` check.
     """
     sizes: str | dict = "mixtral-8x7b"
     checkpoint: Checkpoint | None = None
@@ -244,7 +268,7 @@ def estimate(
             input_tokens=input_tokens,
             output_tokens=output_tokens,
         )
-        options = {"workers": workers, "shadow_dtype": shadow_dtype, "strategy": strategy}
+        options = {"workers": workers, "shadow_dtype": shadow_dtype, "strategy": strategy, "max_batch": max_batch}
         if checkpoint is not None:
             memory = memory_from_checkpoint(checkpoint, **options)
         else:
