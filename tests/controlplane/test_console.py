@@ -1,6 +1,9 @@
-"""The console: staff only, and its websocket sends the cluster's state as it changes."""
+"""The console: staff only, its websocket sends the cluster's state as it changes, and its forms act through the API."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -9,9 +12,13 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from django.test import Client
 
+from controlplane.artifacts.services import register_model
 from controlplane.console.consumers import ConsoleConsumer
+from controlplane.deployments.models import Deployment
+from controlplane.deployments.services import DEFAULT_MAX_BATCH
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import create_join_token, enroll_node
+from inference.constants import MAX_BATCH
 
 
 @pytest.mark.django_db(transaction=True)
@@ -51,6 +58,41 @@ def test_the_console_pages_are_for_staff() -> None:
     page = browser.get("/console/")
     assert page.status_code == 200 and b"Create join token" in page.content and "csrftoken" in page.cookies
     assert browser.get("/console/state.json").json()["nodes"] == []
+
+
+@pytest.mark.django_db
+def test_the_deployment_form_sets_max_batch_within_its_limits(tiny_model: Path) -> None:
+    """The form's max_batch field and what its script posts, as the staff user's session with its CSRF token."""
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(get_user_model().objects.create_user("boss", is_staff=True))
+    page = browser.get("/console/")
+    field = f'<input name="max_batch" type="number" min="1" max="{MAX_BATCH}" value="{DEFAULT_MAX_BATCH}" required>'
+    assert field in page.content.decode() and b"sequences main runs at once; more wait in a queue" in page.content
+    model = register_model(name="tiny", path=str(tiny_model))
+    nodes = []
+    for name in ("a", "b", "c"):
+        _, token = create_join_token(created_by=None)
+        nodes.append(str(enroll_node(token=token, name=name, inventory={"gpus": [{"memory_bytes": 8 * 2**30}]})[0].pk))
+    form = {"name": "batched", "model": model.pk, "nodes": nodes, "shadow_dtype": "fp32", "strategy": "odmoe"}
+    form |= {"token_period": 1, "kv_period": 1}
+
+    def post(path: str, body: dict):
+        headers = {"HTTP_X_CSRFTOKEN": page.cookies["csrftoken"].value}
+        return browser.post(path, json.dumps(body), content_type="application/json", **headers)
+
+    for bad in (0, 999, "abc", None):  # None: what the script sends for a field that is not a number
+        refused = post("/api/deployments/suggest", {**form, "max_batch": bad})
+        assert refused.status_code == 400 and "max_batch" in refused.json(), refused.content
+        refused = post("/api/deployments", {**form, "max_batch": bad})
+        assert refused.status_code == 400 and "max_batch" in refused.json(), refused.content
+        assert Deployment.objects.count() == 0
+    # As the form does: suggest roles for the batch, then create with them.
+    roles = post("/api/deployments/suggest", {**form, "max_batch": 3})
+    assert roles.status_code == 200, roles.content
+    created = post("/api/deployments", {**form, "max_batch": 3, "roles": roles.json()})
+    assert created.status_code == 201, created.content
+    assert created.json()["max_batch"] == 3 and Deployment.objects.get().max_batch == 3
+    assert browser.get("/console/state.json").json()["deployments"][0]["max_batch"] == 3
 
 
 @pytest.mark.django_db

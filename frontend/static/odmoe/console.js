@@ -120,7 +120,7 @@
           m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
       });
       return el("div", { class: "deployment", "data-deployment": d.name },
-        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy} · ${d.status_reason}`)),
+        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy} · max batch ${d.max_batch} · ${d.status_reason}`)),
         el("div", { class: "row" },
           running ? el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/stop`) }, "Stop")
                   : el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/start`) }, "Start"),
@@ -227,7 +227,7 @@
     return {
       name: form.get("name"), model: Number(form.get("model")), nodes: form.getAll("nodes"),
       shadow_dtype: form.get("shadow_dtype"), token_period: Number(form.get("token_period")), kv_period: Number(form.get("kv_period")),
-      strategy: form.get("strategy"),
+      strategy: form.get("strategy"), max_batch: Number(form.get("max_batch")),
     };
   }
   const gb = (bytes) => `${(bytes / 1e9).toFixed(1)} GB`;
@@ -246,6 +246,7 @@
     const shadow = ["fp16", "int8", "nf4"].includes(body.shadow_dtype) ? body.shadow_dtype : "int8";
     const result = await api("POST", "/api/deployments/estimate", {
       model: body.model || undefined, workers, strategy: body.strategy, shadow_dtype: shadow, profile: new FormData($("deployment-form")).get("profile"),
+      max_batch: body.max_batch,
     });
     const line = (kind) => `${kind}: ${result[kind].decode_tok_s.toFixed(2)} tok/s decode, TTFT ${result[kind].ttft_ms.toFixed(0)} ms`;
     const perWorker = result.adjusted.memory_bytes.worker0;
@@ -268,13 +269,14 @@
       `Simulated on ${result.profile.name} with ${workers} workers (${result.strategy}, ${shadow} shadow): ${line("adjusted")} `
       + `(roofline ${result.ideal.decode_tok_s.toFixed(2)} tok/s); memory: ${perWorker ? gb(perWorker) + " per worker, " : ""}`
       + `${gb(result.adjusted.memory_total_bytes)} in all. See README, "Cluster simulator", for what it assumes.`),
-      el("p", {}, "Memory per role, from the checkpoint's tensor sizes (creating a deployment checks each node against it):"), memoryTable);
+      el("p", {}, "Memory per role, from the checkpoint's tensor sizes" + (result.memory.kv_cache ? `, with ${result.memory.kv_cache}` : "")
+        + " (creating a deployment checks each node against it):"), memoryTable);
   });
   let suggested = null;
   $("suggest").addEventListener("click", async () => {
     const body = deploymentBody();
     suggested = await api("POST", "/api/deployments/suggest", {
-      model: body.model, nodes: body.nodes, shadow_dtype: body.shadow_dtype, strategy: body.strategy,
+      model: body.model, nodes: body.nodes, shadow_dtype: body.shadow_dtype, strategy: body.strategy, max_batch: body.max_batch,
     });
     const name = (seat) => {  // a node id, or <node id>:<GPU index> on a box that runs a role per GPU
       const [id, gpu] = seat.split(":");

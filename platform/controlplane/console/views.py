@@ -7,7 +7,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.csrf import ensure_csrf_cookie
 
-from inference.constants import SHADOW_DTYPES
+from controlplane.deployments.services import DEFAULT_MAX_BATCH
+from inference.constants import MAX_BATCH, SHADOW_DTYPES
 from inference.strategies import STRATEGIES
 
 from .snapshot import snapshot
@@ -16,7 +17,14 @@ from .snapshot import snapshot
 @staff_member_required
 @ensure_csrf_cookie  # the page's script sends the cookie's token with its API calls
 def console(request: HttpRequest) -> HttpResponse:
-    return render(request, "console/console.html", {"shadow_dtypes": SHADOW_DTYPES, "strategies": STRATEGIES})
+    """The console page; its deployment form's limits are the API's (``max_batch`` from 1 to ``MAX_BATCH``)."""
+    context = {
+        "shadow_dtypes": SHADOW_DTYPES,
+        "strategies": STRATEGIES,
+        "default_max_batch": DEFAULT_MAX_BATCH,
+        "max_batch_limit": MAX_BATCH,
+    }
+    return render(request, "console/console.html", context)
 
 
 @staff_member_required
