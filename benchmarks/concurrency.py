@@ -23,6 +23,7 @@ whether its tokens matched is reported, not required.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -100,7 +101,23 @@ def measure(cluster: LocalCluster, prompts: list[list[int]], new_tokens: int) ->
     # The session's worker statistics come with the answer that ended it (the last one).
     loads = max(s.done.metrics.get("expert_loads", 0) for s in streams)  # type: ignore[union-attr]
     expert_bytes = max(s.done.metrics.get("expert_bytes", 0) for s in streams)  # type: ignore[union-attr]
+    # Where a decode step goes: a batch step gives every stream one token, so its time is a
+    # stream's gap between tokens; main's expert rounds (one per layer for the whole batch:
+    # requests out, workers' loads and compute, results back) are timed by main; the rest is
+    # main's own work for every sequence (attention, routers, sampling, the turns between them).
+    gaps = [statistics.median(b - a for a, b in itertools.pairwise(s.token_times)) * 1000 for s in streams]
+    rounds = [
+        sum(layer["dispatch_ms"] for layer in step["layers"])
+        for s in streams
+        for step in s.done.metrics["per_step"]  # type: ignore[union-attr]
+        if step["step"] > 0
+    ]
+    step_ms = statistics.median(gaps)
+    rounds_ms = statistics.median(rounds) if rounds else 0.0
     figures = {
+        "decode_step_ms": step_ms,
+        "expert_rounds_ms_per_step": rounds_ms,
+        "main_ms_per_step": step_ms - rounds_ms,
         "aggregate_decode_tok_s": decoded / (last - first) if last > first else 0.0,
         "per_stream_decode_tok_s": statistics.fmean(s.decode_tok_s for s in streams),
         "ttft_p50_ms": percentile([s.ttft_ms for s in streams], 0.5),
@@ -163,6 +180,15 @@ def print_table(results: dict[str, dict[int, dict]], args: argparse.Namespace, e
                 f"| {f.get('per_stream_decode_tok_s_vs_1_stream', float('nan')):.2f} "
                 f"| {f['ttft_p50_ms']['median']:.0f} | {f['ttft_p95_ms']['median']:.0f} "
                 f"| {f['loads_per_token']['median']:.2f} | {f['bytes_copied_per_token']['median'] / 1e6:.2f} |"
+            )
+    print("\nwhere a decode step goes (medians): main's expert rounds and main's own work for every sequence\n")
+    print("| strategy | streams | decode step ms | expert rounds ms | main's own ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, per_count in results.items():
+        for count, f in per_count.items():
+            print(
+                f"| {name} | {count} | {f['decode_step_ms']['median']:.1f} "
+                f"| {f['expert_rounds_ms_per_step']['median']:.1f} | {f['main_ms_per_step']['median']:.1f} |"
             )
     print(f"\nevery stream's output token-identical to Transformers: {exact}")
 

@@ -58,5 +58,10 @@ def test_a_short_run_writes_its_json_and_every_stream_is_exact(tmp_path: Path) -
     assert result["exact"] is True
     three = result["strategies"]["odmoe"]["3"]
     assert three["largest_batch"]["median"] >= 2  # the streams ran as one batch
+    # The decode step splits into main's expert rounds and main's own work, both measured.
+    step = three["decode_step_ms"]["median"]
+    rounds = three["expert_rounds_ms_per_step"]["median"]
+    assert 0 < rounds < step
+    assert three["main_ms_per_step"]["median"] == pytest.approx(step - rounds)
     assert three["aggregate_decode_tok_s"]["median"] > 0 and three["loads_per_token"]["median"] > 0
     assert "| odmoe | 3 |" in done.stdout

@@ -15,6 +15,7 @@ import urllib.request
 import openai
 import pytest
 
+from benchmarks import openai_concurrency
 from inference.textstream import load_tokenizer
 from tests.controlplane.live import SERVED_MODEL, Api, Served
 from tests.reference import PROMPTS, reference_generate
@@ -148,6 +149,12 @@ def check_many_at_once(served: Served) -> None:
     for i in range(3):
         assert answers[i]["token_ids"] == reference_generate(served.model_dir, PROMPTS[i], 24)
     assert max(a["metrics"]["max_batch"] for a in answers.values()) >= 2
+
+    # The benchmark of the acceptance, as a user runs it against a live server: four
+    # prompts (a user's limit here) one after another, then together; the same answers.
+    timed = openai_concurrency.one_round(client, MODEL, openai_concurrency.PROMPTS[:4], 12)
+    assert timed["identical"] is True
+    print(f"4 chat completions together took {timed['ratio']:.2f} of one after another")
 
 
 def wait_job(api: Api, job_id: str, done, timeout_s: float = 120) -> dict:
