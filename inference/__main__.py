@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
-from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
+from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, STRATEGIES
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -84,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=STRATEGIES,
         default=DEFAULT_STRATEGY,
         help="what workers keep on the device: odmoe (shadow-predicted, cacheless), full-cache, reactive, lru-offload",
+    )
+    gen.add_argument(
+        "--predictor",
+        choices=PREDICTORS,
+        default="",
+        help="who names the experts to load ahead (default: the strategy's own; odmoe: shadow, lru-offload: "
+        "next-gate, main's next-layer router, no shadow node)",
     )
     gen.add_argument("--cache-experts", type=int, default=2, help="lru-offload: experts cached per layer per worker")
     gen.add_argument("--no-shadow", action="store_true", help="same as --strategy reactive")
@@ -232,6 +239,7 @@ def _generate(args: argparse.Namespace) -> int:
         speculate=not args.no_speculate,
         timeout_s=args.timeout,
         strategy="reactive" if args.no_shadow else args.strategy,
+        predictor=args.predictor,
         cache_experts=args.cache_experts,
         expert_store=args.expert_store,
     )

@@ -31,7 +31,7 @@ from inference.curve import new_keys
 from inference.protocol import GenerateDone
 from inference.sharding import ShardSet, build_shards, shadow_dtypes_to_build
 from inference.spec import Addresses, RoleSpec, Settings, write_private
-from inference.strategies import get_strategy
+from inference.strategies import predictor_for
 
 BIND_ATTEMPTS = 3
 
@@ -50,7 +50,7 @@ class ClusterOptions:
     @property
     def runs_shadow(self) -> bool:
         """A shadow process only where it is wanted and the strategy uses its predictions."""
-        return self.shadow and get_strategy(self.settings.strategy).uses_shadow
+        return self.shadow and predictor_for(self.settings.strategy, self.settings.predictor) == "shadow"
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -76,6 +76,7 @@ def build_metrics(
                 "layer": rec.layer,
                 "real": rec.real,
                 "wait_ms": round(rec.wait_ms, 3),
+                "worker_ms": round(rec.worker_ms, 3),
                 "dispatch_ms": round(rec.dispatch_ms, 3),
                 "hits": rec.hits,
                 "misses": rec.misses,
@@ -111,6 +112,8 @@ def build_metrics(
         "prediction_coverage": covered / decode_layers if decode_layers else None,
         # Share of decode layers whose prediction had reached main when it dispatched the layer.
         "prediction_in_time": in_time / decode_layers if decode_layers else None,
+        # How many layers ahead of main the predictions that came in time arrived (median).
+        "prediction_lead_layers": statistics.median(state.prediction_leads) if state.prediction_leads else None,
         "ttft_ms": ttft_ms,
         "decode_tok_s": decode_tok_s,
         "e2e_tok_s": len(times) / total_s if total_s > 0 else 0.0,

@@ -44,6 +44,8 @@ class RequestState:
     token_times: list[float] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     predictions: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    # For each prediction that arrived in time, how many layers ahead of the sequence it came.
+    prediction_leads: list[int] = field(default_factory=list)
     kv_synced: int = 0  # positions of main's KV cache the shadow already holds
     cancelled: bool = False
     cache: DynamicCache | None = None

@@ -20,7 +20,7 @@ import torch
 from inference.constants import BATCH_ARITHMETICS, COMPUTE_DTYPES, EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES
 from inference.curve import CurveError, CurveKeys, check_keys
 from inference.routing import ARITHMETICS
-from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
+from inference.strategies import DEFAULT_STRATEGY, STRATEGIES, predictor_for
 from inference.typecheck import checker
 
 ROLES = ("main", "shadow", "worker")
@@ -52,6 +52,9 @@ class Settings:
     prefill_chunk: int = 64
     # What workers keep on the device and who predicts: see inference/strategies.py.
     strategy: str = DEFAULT_STRATEGY
+    # Who names the experts to load ahead (inference.strategies.PREDICTORS): "" = the
+    # strategy's own (odmoe: the shadow; lru-offload: main's next-layer router).
+    predictor: str = ""
     cache_experts: int = 2  # lru-offload: experts each worker keeps per layer
     # Emulated network uplink of every role (bytes/s and one-way latency); None = the real one.
     link_bytes_per_s: float | None = None
@@ -154,6 +157,10 @@ def validate_settings(s: Settings) -> Settings:
         raise SpecError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {s.dtype!r}")
     if s.strategy not in STRATEGIES:
         raise SpecError(f"strategy must be one of {', '.join(STRATEGIES)}, got {s.strategy!r}")
+    try:
+        predictor_for(s.strategy, s.predictor)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
     if s.cache_experts < 0:
         raise SpecError("cache_experts must be >= 0")
     if s.expert_store not in EXPERT_STORES:

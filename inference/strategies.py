@@ -14,6 +14,9 @@ only in what a worker keeps on its device and who tells it what to load ahead:
   out first) and main applies the *next* layer's router to the current hidden state to
   prefetch a guess of the next layer's experts.
 
+The strategies that load ahead take either predictor (``PREDICTORS``, ``predictor_for``):
+odmoe with ``next-gate`` runs without a shadow node, on main's own guess.
+
 With a cache, an expert must always go to the same worker, so the strategies that cache
 give each expert a fixed *home* in its layer's group (``home_worker``), in prefill too;
 the cacheless ones deal experts to whoever loaded them (``schedule.assign_experts``).
@@ -29,6 +32,10 @@ from inference.placement import Placement
 
 STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")
 DEFAULT_STRATEGY = "odmoe"
+# Who names the experts a worker loads ahead (``Settings.predictor``): the shadow, a whole
+# model of its own on a node of its own that runs ahead of main; or ``next-gate``, main itself,
+# applying the next layer's router to the current layer's input (no node, one layer of lead).
+PREDICTORS = ("shadow", "next-gate")
 
 LayerExpert = tuple[int, int]
 
@@ -36,8 +43,7 @@ LayerExpert = tuple[int, int]
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    uses_shadow: bool  # predictions come from the shadow model
-    main_predicts: bool  # main guesses the next layer with its router (speculative prefetch)
+    predictor: str | None  # its own predictor (one of PREDICTORS), or None: it loads nothing ahead
     cache: str  # "none" (free after use), "all" (everything resident), "lru" (per-layer LRU)
 
     @property
@@ -45,12 +51,22 @@ class Strategy:
         """Whether each expert always goes to the same worker (needed for any cache)."""
         return self.cache != "none"
 
+    @property
+    def uses_shadow(self) -> bool:
+        """Whether its own predictor is the shadow model."""
+        return self.predictor == "shadow"
+
+    @property
+    def main_predicts(self) -> bool:
+        """Whether its own predictor is main's next-layer router (speculative prefetch)."""
+        return self.predictor == "next-gate"
+
 
 _BY_NAME = {
-    "odmoe": Strategy("odmoe", uses_shadow=True, main_predicts=False, cache="none"),
-    "full-cache": Strategy("full-cache", uses_shadow=False, main_predicts=False, cache="all"),
-    "reactive": Strategy("reactive", uses_shadow=False, main_predicts=False, cache="none"),
-    "lru-offload": Strategy("lru-offload", uses_shadow=False, main_predicts=True, cache="lru"),
+    "odmoe": Strategy("odmoe", predictor="shadow", cache="none"),
+    "full-cache": Strategy("full-cache", predictor=None, cache="all"),
+    "reactive": Strategy("reactive", predictor=None, cache="none"),
+    "lru-offload": Strategy("lru-offload", predictor="next-gate", cache="lru"),
 }
 
 
@@ -59,6 +75,21 @@ def get_strategy(name: str) -> Strategy:
         return _BY_NAME[name]
     except KeyError:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}") from None
+
+
+def predictor_for(strategy: str, chosen: str = "") -> str | None:
+    """Who predicts under ``strategy`` when ``chosen`` is asked for ("" = the strategy's own).
+
+    A strategy that loads nothing ahead takes no predictor: asking for one is an error.
+    """
+    own = get_strategy(strategy).predictor
+    if not chosen:
+        return own
+    if chosen not in PREDICTORS:
+        raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {chosen!r}")
+    if own is None:
+        raise ValueError(f"{strategy} loads only what is routed and takes no predictor, got {chosen!r}")
+    return chosen
 
 
 def home_worker(expert: int, members: Sequence[int]) -> int:

@@ -18,6 +18,7 @@ from inference.strategies import (
     home_experts,
     home_worker,
     lru_evictions,
+    predictor_for,
     prefetch_on_prediction,
     prefill_prefetch,
 )
@@ -35,6 +36,18 @@ def test_every_strategy_has_a_name_and_unknown_ones_are_refused() -> None:
         get_strategy("belady")
     assert get_strategy("odmoe").uses_shadow and not get_strategy("lru-offload").uses_shadow
     assert get_strategy("lru-offload").main_predicts
+
+
+def test_a_predictor_is_the_strategys_own_unless_one_is_chosen() -> None:
+    assert [predictor_for(name) for name in STRATEGIES] == ["shadow", None, None, "next-gate"]
+    assert predictor_for("odmoe", "next-gate") == "next-gate"
+    assert predictor_for("lru-offload", "shadow") == "shadow"
+    with pytest.raises(ValueError, match="reactive loads only what is routed and takes no predictor"):
+        predictor_for("reactive", "shadow")
+    with pytest.raises(ValueError, match="predictor must be one of shadow, next-gate"):
+        predictor_for("odmoe", "oracle")
+    with pytest.raises(SpecError, match="full-cache loads only what is routed"):
+        validate_settings(Settings(strategy="full-cache", predictor="next-gate"))
     assert [get_strategy(n).fixed_homes for n in STRATEGIES] == [False, True, False, True]
 
 
@@ -135,3 +148,21 @@ def test_every_strategy_is_token_identical_to_transformers(tiny_model: Path, str
         assert metrics["recall"] > 0.3  # the next router's guess names many experts
     else:
         assert peak <= 2 * one_expert
+
+
+@pytest.mark.slow
+def test_odmoe_on_mains_next_gate_predictor_runs_no_shadow_and_stays_exact(tiny_model: Path) -> None:
+    """``predictor="next-gate"``: main's next-layer router names what the workers load ahead."""
+    options = ClusterOptions(workers=4, settings=Settings(strategy="odmoe", predictor="next-gate"))
+    with LocalCluster(tiny_model, options) as cluster:
+        assert "shadow" not in cluster.processes
+        results = [cluster.generate(prompt, 24) for prompt in PROMPTS[:3]]
+    for prompt, result in zip(PROMPTS[:3], results, strict=True):
+        assert result.token_ids == reference_generate(tiny_model, prompt, 24)
+        metrics = result.metrics
+        assert metrics["shadow"] is None
+        # Every decode layer but the first has main's guess, made one layer before it is served.
+        assert metrics["prediction_in_time"] == pytest.approx(3 / 4)
+        assert metrics["prediction_lead_layers"] == 1
+        assert metrics["recall"] > 0.3
+        assert max(metrics["worker_peak_expert_bytes"].values()) <= 2 * metrics["expert_bytes"]  # cacheless

@@ -77,7 +77,7 @@ from inference.roles.common import (
 from inference.routing import Routing, resolve_arithmetic
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec, compute_dtype
-from inference.strategies import dispatch_plan, get_strategy
+from inference.strategies import dispatch_plan, get_strategy, predictor_for
 from inference.transport import Received
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ class MainRole:
             )
         )
         self.strategy = get_strategy(spec.settings.strategy)
-        self.has_shadow = spec.addresses.shadow is not None and self.strategy.uses_shadow
+        self.predictor = predictor_for(spec.settings.strategy, spec.settings.predictor)
+        self.has_shadow = spec.addresses.shadow is not None and self.predictor == "shadow"
         self.endpoint = open_endpoint(spec)
         connect_peers(self.endpoint, spec, workers=True, shadow=self.has_shadow, main=False, watch=True)
         self.health = PeerHealth(self.endpoint, self.endpoint.peers)
@@ -188,6 +189,7 @@ class MainRole:
             sequence = self.batch.get(msg.request_id)
             if sequence is not None:
                 sequence.state.predictions[(msg.step, msg.layer)] = msg.experts
+                self._note_lead(sequence, msg.step, msg.layer)
         elif isinstance(msg, SetAlignment):
             self.set_alignment(msg)
         elif isinstance(msg, Cancel):
@@ -539,7 +541,7 @@ class MainRole:
         routed = [self.routing.split(c.hidden_states, c.top_k_index, c.top_k_weights) for c in calls]  # type: ignore[union-attr]
         steps = [s.step for s in batch]
         prefilling = 0 in steps
-        if self.strategy.main_predicts:
+        if self.predictor == "next-gate":
             self._predict_next_layer(layer, batch)
         predicted_each = [
             s.state.predictions.get((step, layer)) if step > 0 else None for s, step in zip(batch, steps, strict=True)
@@ -632,7 +634,7 @@ class MainRole:
         return answers
 
     def _predict_next_layer(self, layer: int, batch: list[Sequence]) -> None:
-        """Speculative prefetch (``lru-offload``): the next layer's router on this layer's input.
+        """The ``next-gate`` predictor: the next layer's router on this layer's input.
 
         Mixtral-Offloading's guess: consecutive layers' inputs differ little (the residual
         stream dominates), so the next router applied now names most of its experts. The
@@ -647,6 +649,7 @@ class MainRole:
                 _, _, indices = self.model.model.layers[following].mlp.gate(s.call.hidden_states)  # type: ignore[union-attr]
                 experts = sorted(set(indices.reshape(-1).tolist()))
                 s.state.predictions[(s.step, following)] = experts
+                self._note_lead(s, s.step, following)
                 union.update(experts)
         if not union:
             return
@@ -655,6 +658,17 @@ class MainRole:
                 f"worker-{worker}",
                 Prediction(request_id=self.session, step=self.step, layer=following, experts=sorted(union)),
             )
+
+    def _note_lead(self, sequence: Sequence, step: int, layer: int) -> None:
+        """How many layers ahead of ``sequence`` a prediction for (``step``, ``layer``) came.
+
+        Where the sequence is: the layer it waits at, or the first of its step while it runs
+        main's own part; a prediction for a layer already served counts nowhere (too late).
+        """
+        here = sequence.call.layer if sequence.call is not None else 0
+        lead = (step - sequence.step) * self.placement.n_layers + (layer - here)
+        if lead > 0:
+            sequence.state.prediction_leads.append(lead)
 
     def live_workers(self) -> list[int]:
         return [w for w in range(self.placement.n_workers) if w not in self.lost]
