@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
-from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, STRATEGIES
+from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -71,6 +71,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     shard.set_defaults(run=_shard)
 
+    cal = sub.add_parser(
+        "calibrate", help="compute the experts' similarity table the importance strategy needs (beside the weights)"
+    )
+    cal.add_argument("model_dir", type=Path)
+    cal.add_argument("--text", type=Path, help="a UTF-8 text file to calibrate on (default: the demo's corpus)")
+    cal.add_argument("--corpus", type=Path, help="a folder of HTML pages (default: Debian's python3.11-doc)")
+    cal.add_argument("--tokens", type=int, default=2048, help="calibration tokens (the first of the text)")
+    cal.set_defaults(run=_calibrate)
+
     gen = sub.add_parser("generate", help="run main, shadow and N workers on 127.0.0.1 and generate")
     gen.add_argument("--model", type=Path, required=True, help="a Hugging Face Mixtral checkpoint directory")
     prompt = gen.add_mutually_exclusive_group(required=True)
@@ -81,9 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--shadow-dtype", choices=SHADOW_DTYPES, default="fp32")
     gen.add_argument(
         "--strategy",
-        choices=STRATEGIES,
+        choices=RUNTIME_STRATEGIES,
         default=DEFAULT_STRATEGY,
-        help="what workers keep on the device: odmoe (shadow-predicted, cacheless), full-cache, reactive, lru-offload",
+        help="what workers keep on the device: odmoe (shadow-predicted, cacheless), full-cache, reactive, lru-offload; "
+        "importance (approximate: substitutes held experts for unimportant ones; needs `calibrate`)",
     )
     gen.add_argument(
         "--predictor",
@@ -92,7 +102,15 @@ def _parser() -> argparse.ArgumentParser:
         help="who names the experts to load ahead (default: the strategy's own; odmoe: shadow, lru-offload: "
         "next-gate, main's next-layer router, no shadow node)",
     )
-    gen.add_argument("--cache-experts", type=int, default=2, help="lru-offload: experts cached per layer per worker")
+    gen.add_argument(
+        "--cache-experts", type=int, default=2, help="lru-offload, importance: experts cached per layer per worker"
+    )
+    gen.add_argument(
+        "--importance-threshold",
+        type=float,
+        default=0.3,
+        help="importance: a routing weight below which a routed expert no worker holds is substituted",
+    )
     gen.add_argument("--no-shadow", action="store_true", help="same as --strategy reactive")
     gen.add_argument("--token-period", type=int, default=1, help="align the shadow's token every P steps (0 never)")
     gen.add_argument("--kv-period", type=int, default=1, help="align the shadow's KV cache every P steps (0 never)")
@@ -173,6 +191,31 @@ def _dtype_list(text: str) -> tuple[str, ...]:
     return dtypes
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from inference.importance import calibrate, write_similarity
+    from inference.textstream import load_tokenizer
+    from inference.train_demo import DEFAULT_CORPUS, corpus_texts
+
+    if args.tokens < 2:
+        raise ValueError("--tokens must be >= 2")
+    tokenizer = load_tokenizer(args.model_dir)
+    if tokenizer is None:
+        raise ValueError(f"{args.model_dir} has no tokenizer to read the calibration text with")
+    texts = [args.text.read_text(encoding="utf-8")] if args.text else corpus_texts(args.corpus or DEFAULT_CORPUS)
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(ids) >= args.tokens:
+            break
+    ids = ids[: args.tokens]
+    if len(ids) < 2:
+        raise ValueError("the calibration text has fewer than 2 tokens")
+    print(f"calibrating on {len(ids)} tokens", file=sys.stderr)
+    path = write_similarity(args.model_dir, calibrate(args.model_dir, ids), len(ids))
+    print(f"wrote {path}; shard the model again to carry it into main's shard")
+    return 0
+
+
 def _shard(args: argparse.Namespace) -> int:
     from inference.sharding import build_shards
 
@@ -240,6 +283,7 @@ def _generate(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         strategy="reactive" if args.no_shadow else args.strategy,
         predictor=args.predictor,
+        importance_threshold=args.importance_threshold,
         cache_experts=args.cache_experts,
         expert_store=args.expert_store,
     )

@@ -114,6 +114,10 @@ def build_metrics(
         "prediction_in_time": in_time / decode_layers if decode_layers else None,
         # How many layers ahead of main the predictions that came in time arrived (median).
         "prediction_lead_layers": statistics.median(state.prediction_leads) if state.prediction_leads else None,
+        # importance: the share of decode expert slots served from what workers held, and substitutions.
+        "cache_hit_rate": state.resident_slots / state.expert_slots if state.expert_slots else None,
+        "substitutions": state.substitutions,
+        "substitutions_per_token": state.substitutions / max(1, len(times) - 1),
         "ttft_ms": ttft_ms,
         "decode_tok_s": decode_tok_s,
         "e2e_tok_s": len(times) / total_s if total_s > 0 else 0.0,

@@ -46,6 +46,11 @@ class RequestState:
     predictions: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     # For each prediction that arrived in time, how many layers ahead of the sequence it came.
     prediction_leads: list[int] = field(default_factory=list)
+    # importance (approximate): decode expert slots (token x top-k), those main counted as
+    # held by a worker when it served them, and those it substituted.
+    expert_slots: int = 0
+    resident_slots: int = 0
+    substitutions: int = 0
     kv_synced: int = 0  # positions of main's KV cache the shadow already holds
     cancelled: bool = False
     cache: DynamicCache | None = None

@@ -46,6 +46,7 @@ from inference.checkpoint import (
     is_expert_key,
 )
 from inference.constants import OWN_SHADOW_DTYPE, SHADOW_DTYPES
+from inference.importance import SIMILARITY_FILE
 from inference.placement import LayerExpert, Placement, placement, placement_from_dict
 from inference.tensorfile import TensorFileError, iter_tensors
 
@@ -374,6 +375,8 @@ def _build_role(
         writer.add(name, tensor)
     writer.flush()
     extras = (CONFIG_FILE,) if role.role == "worker" else (CONFIG_FILE, *TOKENIZER_FILES)
+    if role.role == "main":
+        extras = (*extras, SIMILARITY_FILE)  # the importance strategy's table, where calibrated
     for name in extras:
         if (ckpt.path / name).is_file():
             shutil.copyfile(ckpt.path / name, directory / name)
@@ -537,7 +540,11 @@ def load_role_tensors(
     """
     directory = Path(role_dir)
     manifest = verify_shard(directory) if verify else read_manifest(directory)
-    parts = [entry["path"] for entry in manifest["files"] if entry["path"].endswith(".safetensors")]
+    parts = [
+        entry["path"]
+        for entry in manifest["files"]
+        if entry["path"].endswith(".safetensors") and entry["path"] != SIMILARITY_FILE  # weights, not the table
+    ]
     wanted = None if keys is None else set(keys)
     return _iter_parts(directory, sorted(parts), wanted)
 

@@ -20,7 +20,7 @@ import torch
 from inference.constants import BATCH_ARITHMETICS, COMPUTE_DTYPES, EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES
 from inference.curve import CurveError, CurveKeys, check_keys
 from inference.routing import ARITHMETICS
-from inference.strategies import DEFAULT_STRATEGY, STRATEGIES, predictor_for
+from inference.strategies import DEFAULT_STRATEGY, RUNTIME_STRATEGIES, predictor_for
 from inference.typecheck import checker
 
 ROLES = ("main", "shadow", "worker")
@@ -55,6 +55,11 @@ class Settings:
     # Who names the experts to load ahead (inference.strategies.PREDICTORS): "" = the
     # strategy's own (odmoe: the shadow; lru-offload: main's next-layer router).
     predictor: str = ""
+    # importance (approximate): a routed expert whose routing weight is below this and that
+    # no worker holds is replaced by the most similar one that is held (inference.importance);
+    # 0 substitutes nothing. 0.3 was chosen before anything was measured; benchmarks.quality
+    # reports other values beside it.
+    importance_threshold: float = 0.3
     cache_experts: int = 2  # lru-offload: experts each worker keeps per layer
     # Emulated network uplink of every role (bytes/s and one-way latency); None = the real one.
     link_bytes_per_s: float | None = None
@@ -155,8 +160,10 @@ def validate_settings(s: Settings) -> Settings:
         raise SpecError("max_resident_experts, threads >= 1, timeout_s > 0 and lookahead >= 0 are required")
     if s.dtype not in COMPUTE_DTYPES:
         raise SpecError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {s.dtype!r}")
-    if s.strategy not in STRATEGIES:
-        raise SpecError(f"strategy must be one of {', '.join(STRATEGIES)}, got {s.strategy!r}")
+    if s.strategy not in RUNTIME_STRATEGIES:
+        raise SpecError(f"strategy must be one of {', '.join(RUNTIME_STRATEGIES)}, got {s.strategy!r}")
+    if not 0 <= s.importance_threshold <= 1:
+        raise SpecError(f"importance_threshold must be from 0 to 1, got {s.importance_threshold}")
     try:
         predictor_for(s.strategy, s.predictor)
     except ValueError as exc:

@@ -1,7 +1,7 @@
 """Expert-placement strategies behind one scheduler interface, as pure decisions.
 
-Every strategy computes the same experts on the same rows, so all are exact; they differ
-only in what a worker keeps on its device and who tells it what to load ahead:
+The exact strategies compute the same experts on the same rows; they differ only in what a
+worker keeps on its device and who tells it what to load ahead:
 
 - ``odmoe`` (default): cacheless. The shadow predicts each future layer's experts, the
   layer group's workers load them just in time and free each one as soon as it is used.
@@ -13,6 +13,9 @@ only in what a worker keeps on its device and who tells it what to load ahead:
   the last ``cache_experts`` experts it used per layer on the device (least recently used
   out first) and main applies the *next* layer's router to the current hidden state to
   prefetch a guess of the next layer's experts.
+- ``importance`` (approximate; ``inference.importance``): the caches of ``lru-offload``
+  without prediction, and a low-importance routed expert that is not resident is replaced by
+  the most similar resident one (Zhu et al. 2025).
 
 The strategies that load ahead take either predictor (``PREDICTORS``, ``predictor_for``):
 odmoe with ``next-gate`` runs without a shadow node, on main's own guess.
@@ -30,7 +33,11 @@ from dataclasses import dataclass
 from inference import schedule
 from inference.placement import Placement
 
-STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")
+STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")  # exact: every token Transformers' own
+# Approximate: they compute other experts than the routed ones for speed (the runtime serves
+# them; the platform offers only the exact ones so far).
+APPROXIMATE_STRATEGIES = ("importance",)
+RUNTIME_STRATEGIES = STRATEGIES + APPROXIMATE_STRATEGIES
 DEFAULT_STRATEGY = "odmoe"
 # Who names the experts a worker loads ahead (``Settings.predictor``): the shadow, a whole
 # model of its own on a node of its own that runs ahead of main; or ``next-gate``, main itself,
@@ -45,6 +52,7 @@ class Strategy:
     name: str
     predictor: str | None  # its own predictor (one of PREDICTORS), or None: it loads nothing ahead
     cache: str  # "none" (free after use), "all" (everything resident), "lru" (per-layer LRU)
+    exact: bool = True  # computes exactly the routed experts (importance substitutes some)
 
     @property
     def fixed_homes(self) -> bool:
@@ -67,6 +75,7 @@ _BY_NAME = {
     "full-cache": Strategy("full-cache", predictor=None, cache="all"),
     "reactive": Strategy("reactive", predictor=None, cache="none"),
     "lru-offload": Strategy("lru-offload", predictor="next-gate", cache="lru"),
+    "importance": Strategy("importance", predictor=None, cache="lru", exact=False),
 }
 
 
@@ -74,7 +83,7 @@ def get_strategy(name: str) -> Strategy:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}") from None
+        raise ValueError(f"strategy must be one of {', '.join(RUNTIME_STRATEGIES)}, got {name!r}") from None
 
 
 def predictor_for(strategy: str, chosen: str = "") -> str | None:

@@ -40,6 +40,7 @@ from inference.batching import (
     prefill_pieces,
 )
 from inference.failover import NoSurvivor, reroute, taker
+from inference.importance import ResidentExperts, load_similarity, substitute
 from inference.metrics import build_metrics, step_report
 from inference.model import build_main_model
 from inference.placement import Placement, placement_from_dict
@@ -113,6 +114,11 @@ class MainRole:
             )
         )
         self.strategy = get_strategy(spec.settings.strategy)
+        # An approximate strategy (importance) substitutes experts from what workers hold.
+        self.resident: ResidentExperts | None = None
+        if not self.strategy.exact:
+            self.similarity = load_similarity(spec.shard_dir)
+            self.resident = ResidentExperts(spec.settings.cache_experts)
         self.predictor = predictor_for(spec.settings.strategy, spec.settings.predictor)
         self.has_shadow = spec.addresses.shadow is not None and self.predictor == "shadow"
         self.endpoint = open_endpoint(spec)
@@ -537,6 +543,8 @@ class MainRole:
     def serve_layer(self, layer: int, batch: list[Sequence]) -> list[torch.Tensor]:
         """The layer's experts for every sequence of ``batch``, each expert loaded once for all of them."""
         started = time.perf_counter()
+        if self.resident is not None:
+            self._substitute(layer, batch)
         calls = [s.call for s in batch]
         routed = [self.routing.split(c.hidden_states, c.top_k_index, c.top_k_weights) for c in calls]  # type: ignore[union-attr]
         steps = [s.step for s in batch]
@@ -558,6 +566,9 @@ class MainRole:
             assignment, candidates = reroute(assignment, candidates, self.lost, holders, layer)
         except NoSurvivor as exc:
             raise GenerationAborted(str(exc)) from None
+        if self.resident is not None:
+            for worker, experts in assignment.items():
+                self.resident.used(worker, layer, experts)
         records = [LayerRecord(layer, r.experts, p) for r, p in zip(routed, predicted_each, strict=True)]
         for s, record in zip(batch, records, strict=True):
             s.state.steps[-1].layers.append(record)
@@ -659,6 +670,22 @@ class MainRole:
                 Prediction(request_id=self.session, step=self.step, layer=following, experts=sorted(union)),
             )
 
+    def _substitute(self, layer: int, batch: list[Sequence]) -> None:
+        """importance: each decoding sequence's low-importance experts no worker holds become held ones."""
+        assert self.resident is not None
+        held = self.resident.resident(layer)
+        threshold = self.spec.settings.importance_threshold
+        for s in batch:
+            call = s.call
+            if s.step == 0 or call is None:
+                continue  # a prefill computes exactly what is routed
+            chosen, count = substitute(call.top_k_index, call.top_k_weights, held, self.similarity[layer], threshold)
+            call.top_k_index = chosen
+            state = s.state
+            state.substitutions += count
+            state.expert_slots += chosen.numel()
+            state.resident_slots += sum(1 for e in chosen.reshape(-1).tolist() if e in held)
+
     def _note_lead(self, sequence: Sequence, step: int, layer: int) -> None:
         """How many layers ahead of ``sequence`` a prediction for (``step``, ``layer``) came.
 
@@ -684,6 +711,8 @@ class MainRole:
             index = worker_index(peer)
             if event == "lost" and index not in self.lost:
                 self.lost.add(index)
+                if self.resident is not None:
+                    self.resident.forget(index)
                 for sequence in self.batch.values():
                     sequence.state.roles_lost.add(peer)
                 self.returning.discard(index)

@@ -1,0 +1,183 @@
+"""The ``importance`` strategy's pure parts: expert similarity, the substitution rule, residency.
+
+After Zhu et al., "Enabling MoE on the Edge via Importance-Driven Expert Scheduling" (arXiv
+2508.18983): each worker keeps a per-layer device cache of experts (``cache_experts`` per
+layer, least recently used out first, as ``lru-offload``). When a token routes to an expert
+of *low importance* — its routing weight below ``importance_threshold`` — that is not on a
+device, main computes instead the resident expert of the same layer whose outputs are most
+alike (the highest mean cosine similarity on calibration text), keeping the routing weight.
+Important experts are always the routed ones. Nothing is loaded for a substituted expert, so
+fewer loads sit on the critical path, at the price of exactness: **the strategy is
+approximate**, and its output depends on what earlier tokens left in the caches.
+
+- ``similarity_from_outputs``: one layer's table from every expert's outputs on the same
+  calibration rows.
+- ``calibrate``: every layer's table for a checkpoint, from Transformers' own run over
+  calibration token ids (the inputs each MoE block really sees) and the checkpoint's expert
+  weights; ``python -m inference calibrate MODEL_DIR`` writes it beside the weights as
+  ``SIMILARITY_FILE``, and ``shard`` carries it into main's shard.
+- ``substitute``: the rule, on one layer's routing of some tokens.
+- ``ResidentExperts``: main's view of every worker's cache, kept by the rule the worker's
+  ``DeviceCache`` follows (each expert used is the most recent; beyond the capacity the
+  least recent of the layer goes). It decides what counts as resident; a worker whose cache
+  has drifted from it (an eviction order that timing changed) loads the expert instead, so
+  the drift costs time, never a different result.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SIMILARITY_FILE = "expert-similarity.safetensors"
+SIMILARITY_KEY = "similarity"  # [layers, experts, experts] float32
+
+
+def similarity_from_outputs(outputs: torch.Tensor) -> torch.Tensor:
+    """[E, E] mean cosine similarity of experts' outputs ``outputs`` [E, N, H] on the same N rows."""
+    if outputs.dim() != 3 or outputs.shape[1] < 1:
+        raise ValueError(f"outputs must be [experts, rows, hidden] with at least one row, got {tuple(outputs.shape)}")
+    unit = F.normalize(outputs.float(), dim=-1)
+    return torch.einsum("end,fnd->ef", unit, unit) / outputs.shape[1]
+
+
+def substitute(
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    resident: Iterable[int],
+    similarity: torch.Tensor,
+    threshold: float,
+) -> tuple[torch.Tensor, int]:
+    """The experts to compute for each token ([T, K]), and how many were substituted.
+
+    A routed expert stays when its weight is at least ``threshold`` or it is resident; else
+    it becomes the resident expert most similar to it (``similarity`` [E, E]; the lowest id on
+    a tie) that the token does not already compute; with no such expert it stays (and is
+    loaded). The weights are unchanged.
+    """
+    if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
+        raise ValueError("top_k_index and top_k_weights must both be [tokens, k]")
+    on_device = sorted(set(resident))
+    chosen = top_k_index.clone()
+    if not on_device or threshold <= 0:
+        return chosen, 0
+    rows = chosen.tolist()
+    weights = top_k_weights.tolist()
+    substituted = 0
+    for t, (experts, token_weights) in enumerate(zip(rows, weights, strict=True)):
+        for k, (expert, weight) in enumerate(zip(experts, token_weights, strict=True)):
+            if weight >= threshold or expert in on_device:
+                continue
+            taken = set(experts)
+            candidates = [f for f in on_device if f not in taken]
+            if not candidates:
+                continue
+            best = max(candidates, key=lambda f: (float(similarity[expert, f]), -f))
+            experts[k] = best
+            chosen[t, k] = best
+            substituted += 1
+    return chosen, substituted
+
+
+class ResidentExperts:
+    """Main's view of what each worker keeps on its device, per layer, under an LRU cache."""
+
+    def __init__(self, capacity_per_layer: int) -> None:
+        if capacity_per_layer < 0:
+            raise ValueError(f"capacity_per_layer must be >= 0, got {capacity_per_layer}")
+        self.capacity = capacity_per_layer
+        self._lru: dict[tuple[int, int], OrderedDict[int, None]] = {}  # (worker, layer) -> experts, oldest first
+
+    def resident(self, layer: int) -> set[int]:
+        """Every expert of ``layer`` some worker holds."""
+        return {e for (_, held_layer), lru in self._lru.items() if held_layer == layer for e in lru}
+
+    def used(self, worker: int, layer: int, experts: Sequence[int]) -> None:
+        """``worker`` computed ``experts`` of ``layer``, in this order."""
+        lru = self._lru.setdefault((worker, layer), OrderedDict())
+        for expert in experts:
+            lru.pop(expert, None)
+            lru[expert] = None
+            while len(lru) > self.capacity:
+                lru.popitem(last=False)
+
+    def forget(self, worker: int) -> None:
+        """A worker was lost (its device cache with it)."""
+        for key in [k for k in self._lru if k[0] == worker]:
+            del self._lru[key]
+
+
+def load_similarity(directory: str | os.PathLike[str]) -> torch.Tensor:
+    """The [L, E, E] table ``calibrate`` wrote to ``directory``; a clear error when it is missing."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / SIMILARITY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: the importance strategy needs the experts' similarity table; "
+            "run `python -m inference calibrate MODEL_DIR` and shard the model again"
+        )
+    table = load_file(str(path)).get(SIMILARITY_KEY)
+    if table is None or table.dim() != 3 or table.shape[1] != table.shape[2]:
+        raise ValueError(f"{path} does not hold a [layers, experts, experts] {SIMILARITY_KEY!r} tensor")
+    return table
+
+
+def calibrate(model_dir: str | os.PathLike[str], token_ids: Sequence[int], *, window: int = 256) -> torch.Tensor:
+    """Every layer's similarity table for the checkpoint in ``model_dir`` ([L, E, E]).
+
+    Runs Transformers' model in fp32 over ``token_ids`` in windows of ``window`` tokens,
+    takes the hidden states each MoE block receives, and compares every expert's output on
+    them (weights read from the checkpoint, one layer at a time).
+    """
+    from transformers import MixtralForCausalLM
+
+    from inference.checkpoint import Checkpoint, expert_key_name
+    from inference.experts import activation, expert_forward, fuse_expert
+
+    if len(token_ids) < 2:
+        raise ValueError("calibration needs at least 2 tokens")
+    model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    inputs: dict[int, list[torch.Tensor]] = {}
+
+    def keep(layer: int):
+        def hook(_module, args) -> None:
+            inputs.setdefault(layer, []).append(args[0].reshape(-1, args[0].shape[-1]).detach())
+
+        return hook
+
+    handles = [block.mlp.register_forward_pre_hook(keep(i)) for i, block in enumerate(model.model.layers)]
+    ids = torch.tensor(list(token_ids), dtype=torch.long)
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(ids), window):
+                model(input_ids=ids[start : start + window].unsqueeze(0))
+    finally:
+        for handle in handles:
+            handle.remove()
+    ckpt = Checkpoint(model_dir)
+    act = activation(ckpt.config.get("hidden_act", "silu"))
+    tables = []
+    with torch.inference_mode():
+        for layer in range(ckpt.n_layers):
+            rows = torch.cat(inputs[layer])
+            outputs = []
+            for expert in range(ckpt.n_experts):
+                w1, w2, w3 = (ckpt.tensor(expert_key_name(layer, expert, p)).float() for p in ("w1", "w2", "w3"))
+                outputs.append(expert_forward(rows, torch.ones(rows.shape[0]), fuse_expert(w1, w2, w3), act))
+            tables.append(similarity_from_outputs(torch.stack(outputs)))
+    return torch.stack(tables)
+
+
+def write_similarity(model_dir: str | os.PathLike[str], table: torch.Tensor, tokens: int) -> Path:
+    """Write ``table`` beside the checkpoint's weights (what ``shard`` carries into main's shard)."""
+    from safetensors.torch import save_file
+
+    path = Path(model_dir) / SIMILARITY_FILE
+    save_file({SIMILARITY_KEY: table.contiguous()}, str(path), metadata={"calibration_tokens": str(tokens)})
+    return path
