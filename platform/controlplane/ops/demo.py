@@ -1,23 +1,27 @@
 """What ``manage.py up`` sets up in the database: an admin, local nodes' join token, the demo deployment.
 
 Each step is idempotent, so ``up`` can run again on the same var directory: an existing
-admin is kept, agents that enrolled before reuse their credential, and the demo deployment
-left by an earlier run is started again under a new epoch.
+admin is kept, agents that enrolled before reuse their credential (also when ``up`` now
+serves on another port), and the demo deployment left by an earlier run is started again
+under a new epoch.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
+from dataclasses import replace
 from pathlib import Path
 
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
 
+from agent import credentials
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.artifacts.services import register_model
 from controlplane.deployments import lifecycle
 from controlplane.deployments.models import RUNNING, Deployment
 from controlplane.deployments.services import create_deployment
+from controlplane.nodes.credentials import matches
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token
 
@@ -40,18 +44,50 @@ def forget_connections() -> None:
     Node.objects.filter(status=NodeStatus.ONLINE).update(status=NodeStatus.OFFLINE)
 
 
-def forget_stale_credential(state_dir: Path) -> None:
-    """Drop a local agent's stored credential for a node this database does not know (a fresh DB)."""
-    stored = state_dir / "node.json"
-    if not stored.exists():
-        return
+KEEP, FOLLOW, FORGET = "keep", "follow", "forget"
+
+
+def local_credential_action(state_dir: Path, server: str) -> str:
+    """What ``up`` must do with one of its local agents' stored credential before starting it for ``server``.
+
+    ``FORGET``: it names a node this database does not know (a fresh database), or is unreadable;
+    the agent enrolls again. ``FOLLOW``: it is one of this database's nodes, its secret checks out
+    against this database, but it names another URL (``up`` ran before on another port): it is
+    this control plane's own credential, so it may follow the server to its new URL. ``KEEP``:
+    nothing to do (no credential, or one for ``server`` already; or one that does not check out,
+    which the agent then reports and refuses, as it must).
+
+    Only ``up``'s own local agents get this: a real box's agent never sends its credential to
+    a server other than the one it enrolled with (``agent.__main__.enroll_or_resume``).
+    """
     try:
-        node_id = json.loads(stored.read_text())["node_id"]
-        known = Node.objects.filter(pk=node_id).exists()
-    except (ValueError, KeyError, TypeError):
-        known = False
-    if not known:
-        stored.unlink()
+        stored = credentials.load(state_dir)
+    except ValueError:
+        return FORGET
+    if stored is None:
+        return KEEP
+    try:
+        node = Node.objects.filter(pk=stored.node_id).first()
+    except (ValueError, TypeError, ValidationError):
+        node = None
+    if node is None:
+        return FORGET
+    if stored.server == server.rstrip("/"):
+        return KEEP
+    digests = [d for d in (node.secret_hash, node.pending_secret_hash) if d]
+    ours = isinstance(stored.node_secret, str) and any(matches(stored.node_secret, d) for d in digests)
+    return FOLLOW if ours else KEEP
+
+
+def prepare_local_credential(state_dir: Path, server: str) -> str:
+    """Apply ``local_credential_action``: drop the stored credential, point it at ``server``, or leave it."""
+    action = local_credential_action(state_dir, server)
+    if action == FORGET:
+        (state_dir / credentials.FILE_NAME).unlink()
+    elif action == FOLLOW:
+        stored = credentials.load(state_dir)
+        credentials.save(state_dir, replace(stored, server=server.rstrip("/")))  # atomic, mode 0600
+    return action
 
 
 def local_join_token(agents: int) -> str:

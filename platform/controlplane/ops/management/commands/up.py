@@ -148,10 +148,13 @@ class Command(BaseCommand):
         self.step(f"starting {agents} local agents")
         token = demo.local_join_token(agents)
         names = [f"local-{i}" for i in range(agents)]
+        states = {name: var / "agents" / name for name in names}
+        # Its own agents' credentials: forgotten for a fresh database, moved to this URL after a run on another port.
+        moved = [name for name in names if demo.prepare_local_credential(states[name], url) == demo.FOLLOW]
+        if moved:
+            self.step(f"{len(moved)} local agents enrolled with this database follow it to {url}")
         for name in names:
-            state = var / "agents" / name
-            demo.forget_stale_credential(state)
-            group.start(f"agent-{name}", agent_argv(url, state, name=name, token=token, heartbeat_s=2.0))
+            group.start(f"agent-{name}", agent_argv(url, states[name], name=name, token=token, heartbeat_s=2.0))
 
         def online() -> bool:
             return Node.objects.filter(name__in=names, status=NodeStatus.ONLINE).count() == agents
