@@ -1,4 +1,4 @@
-"""Small PNG plotting helpers shared by the benchmarks: lines, grouped bars, annotated heatmaps.
+"""Small PNG plotting helpers shared by the benchmarks: lines, grouped bars, labelled points, annotated heatmaps.
 
 Each function draws one figure with matplotlib's non-interactive ``Agg`` backend, writes it
 to ``path`` (creating the folder) and returns the path; nothing is shown on screen, so they
@@ -50,6 +50,26 @@ def line_plot(
     ax.grid(True, alpha=0.3)
     if series:
         ax.legend(title=legend_title, loc="best", fontsize="small")
+    return _save(fig, path)
+
+
+def scatter_plot(
+    path: str | Path,
+    points: Mapping[str, tuple[float, float]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+) -> Path:
+    """One labelled point per entry of ``points`` (label -> (x, y))."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (x, y) in points.items():
+        ax.scatter([x], [y], s=40)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize="small")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
     return _save(fig, path)
 
 

@@ -1,0 +1,264 @@
+"""Quality beside speed: what an approximate strategy costs in perplexity and tokens, and what it buys.
+
+    python -m benchmarks.quality [--model platform/demo-model] [--strategies odmoe,lru-offload,importance]
+        [--thresholds 0.3] [--cache-experts 2] [--workers 8] [--profile 3090-pcie4-1gbe]
+        [--ppl-tokens 512] [--held-out FILE] [--prompts 4] [--new-tokens 32] [--repeats 3]
+        [--json OUT] [--plots DIR]
+
+For each strategy (``importance`` once per ``--thresholds`` value, named ``importance@T``),
+on one deployment shape (``--workers`` workers, ``--cache-experts`` experts per layer per
+worker for the caching strategies, so every caching strategy has the same device budget):
+
+- ``ppl``: perplexity on held-out text the model never trained on — the last share of the
+  demo's corpus that ``train-demo`` holds out (``--ppl-tokens`` tokens, in windows of 256).
+  The runtime serves generation, not scoring, so this is computed in one process with
+  Transformers' model teacher-forced one token at a time, and for ``importance`` with its
+  own rule applied to every decode step's routing (``inference.importance.substitute`` with
+  main's view of the caches, ``ResidentExperts``, kept as main keeps it); exact strategies
+  compute exactly the routed experts, so theirs is the model's own.
+- ``token_agreement``: the share of greedy tokens, position by position, equal to exact
+  odmoe's (Transformers' own) over ``--prompts`` prompts × ``--new-tokens`` tokens, served
+  by the runtime: a local cluster with the profile's emulated copies and network.
+- ``cache_hit_rate``: the share of decode expert slots (token × top-k) main counted as held by
+  a worker when it served them (``importance``; ``None`` where main keeps no such view).
+- ``decode_tok_s``: the runtime's decode rate on the same runs (the median over the prompts,
+  then over ``--repeats`` fresh clusters, with its spread).
+
+Strategies that are not exact are marked ``approximate``. Printed: a Markdown table; written:
+``--json`` as ``{"strategies": {NAME: {"ppl", "token_agreement", "cache_hit_rate",
+"decode_tok_s", ...}}}`` and, with ``--plots``, ``quality_vs_speed.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.plots import scatter_plot
+from benchmarks.recall import choose_prompts
+from benchmarks.strategies import DEFAULT_PROFILE, bench_model
+from inference.importance import ResidentExperts, load_similarity, substitute
+from inference.launcher import ClusterOptions, LocalCluster
+from inference.placement import placement
+from inference.reference import reference_generate
+from inference.sim.hardware import PROFILES
+from inference.spec import Settings
+from inference.strategies import RUNTIME_STRATEGIES, dispatch_plan, get_strategy
+
+REPO = Path(__file__).resolve().parents[1]
+WINDOW = 256
+
+
+def parse_strategies(text: str, thresholds: list[float]) -> list[tuple[str, str, float]]:
+    """(label, strategy, threshold) for each run: ``importance`` once per threshold."""
+    runs = []
+    for name in (part for part in text.split(",") if part):
+        if name not in RUNTIME_STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(RUNTIME_STRATEGIES)}")
+        if name == "importance":
+            runs.extend((f"importance@{t:g}", name, t) for t in thresholds)
+        else:
+            runs.append((name, name, 0.0))
+    if not runs:
+        raise ValueError("name at least one strategy")
+    return runs
+
+
+def held_out_ids(model_dir: Path, tokens: int, text: Path | None = None) -> list[int]:
+    """The first ``tokens`` of the demo corpus's held-out tail (what ``train-demo`` never trains
+    on), or of ``text`` when one is given."""
+    from inference.textstream import load_tokenizer
+    from inference.train_demo import DEFAULT_CORPUS, Recipe, _token_stream, corpus_texts
+
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        raise ValueError(f"{model_dir} has no tokenizer to read the held-out text with")
+    if text is not None:
+        held = tokenizer(text.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    else:
+        stream = _token_stream(tokenizer, corpus_texts(DEFAULT_CORPUS))
+        held = stream[int(len(stream) * (1 - Recipe().validation_share)) :]
+    if len(held) < tokens:
+        raise ValueError(f"the held-out text has {len(held)} tokens, fewer than {tokens}")
+    return [int(t) for t in held[:tokens]]
+
+
+def perplexity(model_dir: Path, ids: list[int], strategy: str, threshold: float, args: argparse.Namespace) -> float:
+    """Teacher-forced perplexity, one token at a time, with ``importance``'s rule where it applies."""
+    from transformers import DynamicCache, MixtralForCausalLM
+
+    model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
+    config = model.config
+    plan = placement(config.num_hidden_layers, config.num_local_experts, config.num_experts_per_tok, args.workers)
+    approximate = not get_strategy(strategy).exact
+    similarity = load_similarity(model_dir) if approximate else None
+    held = ResidentExperts(args.cache_experts)
+    step = {"n": 0}
+
+    def rule(layer: int):
+        def hook(_module, hook_args):
+            hidden, index, weights = hook_args
+            if step["n"] > 0:  # decode: the rule; step 0 of a window is its prefill, exact
+                index, _ = substitute(index, weights, held.resident(layer), similarity[layer], threshold)
+            real = sorted(set(index.reshape(-1).tolist()))
+            assignment, _ = dispatch_plan(get_strategy(strategy), plan, step["n"], layer, real, None)
+            for worker, experts in assignment.items():
+                held.used(worker, layer, experts)
+            return hidden, index, weights
+
+        return hook
+
+    handles = []
+    if approximate:
+        handles = [block.mlp.experts.register_forward_pre_hook(rule(i)) for i, block in enumerate(model.model.layers)]
+    nll, count = 0.0, 0
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(ids) - 1, WINDOW):
+                window = ids[start : start + WINDOW + 1]
+                cache = DynamicCache(config=config)
+                for i in range(len(window) - 1):
+                    step["n"] = i
+                    logits = model(input_ids=torch.tensor([[window[i]]]), cache=cache, use_cache=True).logits[0, -1]
+                    nll -= float(F.log_softmax(logits.float(), dim=-1)[window[i + 1]])
+                    count += 1
+    finally:
+        for handle in handles:
+            handle.remove()
+    return math.exp(nll / count)
+
+
+def served(model_dir: Path, strategy: str, threshold: float, prompts, expected, emulation, args, tmp: Path) -> dict:
+    """Token agreement, cache hit rate and decode rate through the runtime, ``--repeats`` times.
+
+    Each repeat is a fresh cluster with the same warm-up, so an approximate strategy starts from
+    the same caches and gives the same tokens; the decode rate is the median over repeats of each repeat's median.
+    """
+    base = Settings(strategy=strategy, cache_experts=args.cache_experts, importance_threshold=threshold)
+    options = ClusterOptions(workers=args.workers, settings=emulation.settings(base, networked=True))
+    rates, answers = [], []
+    for repeat in range(args.repeats):
+        with LocalCluster(model_dir, options, work_dir=tmp / f"run-{repeat}") as cluster:
+            # Warm-up (first-call allocations in every process); the same one every time, so an
+            # approximate strategy's caches start each repeat alike.
+            cluster.generate(prompts[0][:8], 4)
+            results = [cluster.generate(prompt, args.new_tokens) for prompt in prompts]
+        rates.append(statistics.median(r.metrics["decode_tok_s"] for r in results))
+        answers.append([r.token_ids for r in results])
+    same = total = 0
+    for result, want in zip(results, expected, strict=True):
+        same += sum(a == b for a, b in zip(result.token_ids, want, strict=False))
+        total += max(len(result.token_ids), len(want))
+    hits = [r.metrics["cache_hit_rate"] for r in results if r.metrics.get("cache_hit_rate") is not None]
+    return {
+        "token_agreement": same / total,
+        "cache_hit_rate": statistics.fmean(hits) if hits else None,
+        "substitutions_per_token": statistics.fmean(r.metrics["substitutions_per_token"] for r in results),
+        "decode_tok_s": statistics.median(rates),
+        "decode_tok_s_min": min(rates),
+        "decode_tok_s_max": max(rates),
+        "decode_tok_s_runs": rates,
+        "same_tokens_every_repeat": all(a == answers[0] for a in answers),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=REPO / "platform" / "demo-model")
+    parser.add_argument("--strategies", default="odmoe,lru-offload,importance")
+    parser.add_argument("--thresholds", default="0.3", help="importance thresholds, comma-separated")
+    parser.add_argument("--cache-experts", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
+    parser.add_argument("--ppl-tokens", type=int, default=512)
+    parser.add_argument("--held-out", type=Path, help="a UTF-8 text file to score (default: the demo's held-out tail)")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh clusters per strategy for the decode rate")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plots", type=Path, help="write quality_vs_speed.png here")
+    args = parser.parse_args(argv)
+    try:
+        thresholds = [float(t) for t in args.thresholds.split(",") if t]
+        runs = parse_strategies(args.strategies, thresholds)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.ppl_tokens < 2 or args.prompts < 1 or args.new_tokens < 2 or args.workers < 1 or args.repeats < 1:
+        parser.error(
+            "--ppl-tokens >= 2, --prompts >= 1, --new-tokens >= 2, --workers >= 1, --repeats >= 1 are required"
+        )
+    try:
+        ids = held_out_ids(args.model, args.ppl_tokens, args.held_out)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="odmoe-quality-") as tmp:
+        model_dir, _, _, emulation = bench_model(args.model, Path(tmp), args.profile)
+        prompts, _ = choose_prompts(model_dir, args.prompts)
+        expected = [reference_generate(model_dir, p, args.new_tokens) for p in prompts]
+        for label, strategy, threshold in runs:
+            figures = {
+                "strategy": strategy,
+                "approximate": not get_strategy(strategy).exact,
+                "importance_threshold": threshold if strategy == "importance" else None,
+                "ppl": perplexity(model_dir, ids, strategy, threshold, args),
+            }
+            figures |= served(model_dir, strategy, threshold, prompts, expected, emulation, args, Path(tmp) / label)
+            results[label] = figures
+            print(f"  {label}: ppl {figures['ppl']:.3f}, {figures['decode_tok_s']:.2f} tok/s", file=sys.stderr)
+    exact_ppl = next((f["ppl"] for f in results.values() if not f["approximate"]), None)
+    print(
+        f"{args.model.name}: {args.workers} workers, {args.cache_experts} cached experts per layer per worker, "
+        f"emulated {args.profile}; perplexity on {args.ppl_tokens} held-out tokens; {args.prompts} prompts × "
+        f"{args.new_tokens} greedy tokens; decode rate: median of {args.repeats} fresh clusters (min–max)\n"
+    )
+    print(
+        "| strategy | | perplexity | vs exact | token agreement | cache hit rate | substitutions / token "
+        "| decode tok/s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for label, f in results.items():
+        versus = f"{f['ppl'] / exact_ppl - 1:+.1%}" if exact_ppl else "–"
+        hit = "–" if f["cache_hit_rate"] is None else f"{f['cache_hit_rate']:.0%}"
+        print(
+            f"| {label} | {'approximate' if f['approximate'] else 'exact'} | {f['ppl']:.3f} | {versus} "
+            f"| {f['token_agreement']:.1%} | {hit} | {f['substitutions_per_token']:.2f} "
+            f"| {f['decode_tok_s']:.2f} ({f['decode_tok_s_min']:.2f}–{f['decode_tok_s_max']:.2f}) |"
+        )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": str(args.model),
+                    "profile": args.profile,
+                    "workers": args.workers,
+                    "cache_experts": args.cache_experts,
+                    "ppl_tokens": args.ppl_tokens,
+                    "prompts": args.prompts,
+                    "new_tokens": args.new_tokens,
+                    "strategies": results,
+                },
+                indent=2,
+            )
+        )
+    if args.plots:
+        scatter_plot(
+            args.plots / "quality_vs_speed.png",
+            {label: (f["decode_tok_s"], f["ppl"]) for label, f in results.items()},
+            title=f"Perplexity against decode rate, emulated {args.profile}",
+            xlabel="decode tok/s",
+            ylabel="held-out perplexity",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

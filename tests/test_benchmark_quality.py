@@ -1,0 +1,56 @@
+"""The quality benchmark: its strategy list, and one short run through the real runtime."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.quality import parse_strategies
+from inference.importance import calibrate, write_similarity
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_importance_runs_once_per_threshold_and_unknown_strategies_are_refused() -> None:
+    assert parse_strategies("odmoe,importance", [0.2, 0.5]) == [
+        ("odmoe", "odmoe", 0.0),
+        ("importance@0.2", "importance", 0.2),
+        ("importance@0.5", "importance", 0.5),
+    ]
+    with pytest.raises(ValueError, match="unknown strategy"):
+        parse_strategies("belady", [0.3])
+    with pytest.raises(ValueError, match="at least one"):
+        parse_strategies("", [0.3])
+
+
+@pytest.mark.slow
+def test_a_short_run_scores_exact_and_approximate_strategies(tiny_model: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    ids = torch.randint(3, 400, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    write_similarity(model, calibrate(model, ids, window=100), len(ids))
+    text = tmp_path / "held-out.txt"
+    text.write_text("Experts are loaded on demand and evicted after use. " * 20, encoding="utf-8")
+    out = tmp_path / "quality.json"
+    command = [
+        *(sys.executable, "-m", "benchmarks.quality", "--model", str(model), "--workers", "2"),
+        *("--strategies", "odmoe,importance", "--thresholds", "0,1", "--held-out", str(text)),
+        *("--ppl-tokens", "40", "--prompts", "2", "--new-tokens", "8", "--repeats", "2", "--json", str(out)),
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(out.read_text())["strategies"]
+    exact, nothing, everything = runs["odmoe"], runs["importance@0"], runs["importance@1"]
+    assert not exact["approximate"] and exact["token_agreement"] == 1.0 and exact["cache_hit_rate"] is None
+    # With a threshold of 0 importance substitutes nothing: the exact model's perplexity and tokens.
+    assert nothing["approximate"] and nothing["substitutions_per_token"] == 0
+    assert nothing["ppl"] == pytest.approx(exact["ppl"], rel=1e-4) and nothing["token_agreement"] == 1.0
+    assert everything["substitutions_per_token"] > 0 and everything["ppl"] != pytest.approx(exact["ppl"], rel=1e-4)
+    assert all(run["same_tokens_every_repeat"] for run in runs.values())  # fresh caches, the same answers
+    assert "| importance@1 | approximate |" in done.stdout
