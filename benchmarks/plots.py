@@ -60,12 +60,16 @@ def scatter_plot(
     title: str,
     xlabel: str,
     ylabel: str,
+    log_y: bool = False,
 ) -> Path:
-    """One labelled point per entry of ``points`` (label -> (x, y))."""
+    """One point per entry of ``points`` (label -> (x, y)), named in the legend."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, (x, y) in points.items():
-        ax.scatter([x], [y], s=40)
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize="small")
+        ax.scatter([x], [y], s=40, label=label)
+    if log_y:
+        ax.set_yscale("log")
+    if points:
+        ax.legend(loc="best", fontsize="small")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             {label: (f["decode_tok_s"], f["ppl"]) for label, f in results.items()},
             title=f"Perplexity against decode rate, emulated {args.profile}",
             xlabel="decode tok/s",
-            ylabel="held-out perplexity",
+            ylabel="held-out perplexity (log scale)",
+            log_y=True,
         )
     return 0
 
