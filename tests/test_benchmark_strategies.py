@@ -80,3 +80,38 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
     assert "| odmoe |" in printed and "profile 3090-pcie4-1gbe" in printed and "copy-bound ceiling" in printed
     assert figures["strategies"]["odmoe"]["copy_bound"]["tok_s"] > 0
     assert (tmp_path / "strategies.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_an_approximate_strategy_on_a_model_without_its_table_is_refused_before_running(
+    tiny_model: Path, capsys
+) -> None:
+    from benchmarks.strategies import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--model", str(tiny_model), "--strategies", "odmoe,importance"])
+    assert refused.value.code == 2
+    assert "importance needs" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_approximate_strategy_is_marked_and_its_agreement_measured(tiny_model: Path, tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+
+    from benchmarks.strategies import main
+    from inference.importance import calibrate, write_similarity
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    ids = torch.randint(3, 400, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    write_similarity(model, calibrate(model, ids, window=100), len(ids))
+    out = tmp_path / "strategies.json"
+    arguments = ["--model", str(model), "--workers", "2", "--pairs", "6:8", "--strategies", "full-cache,importance"]
+    code = main([*arguments, "--json", str(out)])
+    assert code == 0
+    figures = json.loads(out.read_text())
+    assert figures["exact"] is True  # the exact strategy's tokens; importance's are measured, not required
+    full, importance = figures["strategies"]["full-cache"], figures["strategies"]["importance"]
+    assert not full["approximate"] and full["token_agreement"] == 1.0
+    assert importance["approximate"] and 0 <= importance["token_agreement"] <= 1
