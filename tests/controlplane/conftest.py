@@ -184,12 +184,27 @@ def served(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -
         yield served
 
 
+@pytest.fixture
+def served_without_shadow(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -> Iterator[Served]:
+    """``served`` on 2 agents: odmoe with main's next-gate predictor, so main and one worker, no shadow."""
+    purge_stale_tasks()
+    with tiny_cluster(tmp_path, tiny_model, redis_url, agents=2, predictor="next-gate") as (served, _):
+        yield served
+
+
 @contextlib.contextmanager
 def tiny_cluster(
-    tmp_path: Path, tiny_model: Path, redis_url: str, own_redis_port: int | None = None
+    tmp_path: Path,
+    tiny_model: Path,
+    redis_url: str,
+    own_redis_port: int | None = None,
+    *,
+    agents: int = 3,
+    predictor: str = "",
 ) -> Iterator[tuple[Served, OwnRedis | None]]:
-    """A real ASGI server, Celery worker and 3 agents serving ``tiny_model`` as one ready deployment,
-    on ``redis_url``; with ``own_redis_port``, that Redis is started first, in the cluster's process group.
+    """A real ASGI server, Celery worker and ``agents`` agents serving ``tiny_model`` as one ready deployment
+    with ``predictor``, on ``redis_url``; with ``own_redis_port``, that Redis is started first, in the
+    cluster's process group.
 
     The deployment is started through the live server's REST API, so nothing is enqueued from this
     process (whose Celery producer stays on the session's Redis: ``celery_on_test_redis``).
@@ -230,13 +245,18 @@ def tiny_cluster(
             plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", keys[0]), tmp_path / "agents")
             plane.start_server()
             plane.start_celery()
-            _, token = create_join_token(created_by=None, max_uses=3)
-            for i in range(3):
+            _, token = create_join_token(created_by=None, max_uses=agents)
+            for i in range(agents):
                 plane.start_agent(f"s{i}", token)
-            plane.wait_for("3 agents", lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == 3, 90)
+            plane.wait_for(
+                f"{agents} agents", lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == agents, 90
+            )
             model = register_model(name="tiny", path=str(tiny_model))
             deployment = create_deployment(
-                name=SERVED_MODEL, model=model, node_ids=[str(pk) for pk in Node.objects.values_list("pk", flat=True)]
+                name=SERVED_MODEL,
+                model=model,
+                node_ids=[str(pk) for pk in Node.objects.values_list("pk", flat=True)],
+                predictor=predictor,
             )
             plane.api.post(f"/api/deployments/{deployment.pk}/start", expect=202)
             plane.wait_for("ready", lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", 180)

@@ -80,13 +80,22 @@ def test_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Serve
     page.screenshot(path=SHOTS / "console-enroll.png", full_page=True)
     # The deployment form estimates a plan's speed with the simulator before anything deploys.
     page.wait_for_selector("#profile-select option[value='3090-pcie4-1gbe']", state="attached")
-    page.select_option("#deployment-form select[name=strategy]", "full-cache")
     page.click("#estimate")
     page.wait_for_selector("#estimate-line")
     estimate = page.inner_text("#estimate-line")
-    assert "Simulated on 3090-pcie4-1gbe" in estimate and "(full-cache" in estimate and "tok/s decode" in estimate
+    assert (
+        "Simulated on 3090-pcie4-1gbe" in estimate and "(odmoe, int8 shadow" in estimate and "tok/s decode" in estimate
+    )
     memory = page.inner_text("#estimate-memory")  # memory per role, from the tiny checkpoint's tensors
     assert "main" in memory and "shadow (int8)" in memory and "each worker" in memory and "MB" in memory
+    # A strategy without a predictor has no shadow seat: no shadow in the estimate, one more worker.
+    page.select_option("#deployment-form select[name=strategy]", "full-cache")
+    page.click("#estimate")
+    page.wait_for_selector("#estimate-line:has-text('full-cache')")
+    estimate = page.inner_text("#estimate-line")
+    assert "(full-cache, no shadow: no predictor)" in estimate and "tok/s decode" in estimate
+    memory = page.inner_text("#estimate-memory")
+    assert "main" in memory and "shadow" not in memory and "each worker" in memory
     # A generation shows in the live pipeline: one row per layer, with its group and experts.
     served.client().completions.create(model=SERVED_MODEL, prompt="Mixture of experts", max_tokens=16, temperature=0)
     page.wait_for_selector("#pipeline-rows tr[data-layer='3']")

@@ -96,6 +96,46 @@ def test_the_deployment_form_sets_max_batch_within_its_limits(tiny_model: Path) 
 
 
 @pytest.mark.django_db
+def test_the_deployment_form_chooses_a_predictor_and_a_next_gate_deployment_has_no_shadow(tiny_model: Path) -> None:
+    """The form's Predictor select, and what its script posts with it: two nodes are a whole next-gate deployment."""
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(get_user_model().objects.create_user("boss", is_staff=True))
+    page = browser.get("/console/")
+    html = page.content.decode()
+    options = '<option value="">strategy\'s own</option><option>shadow</option><option>next-gate</option>'
+    assert f'<select name="predictor">{options}</select>' in html
+    # The script reads each strategy's own predictor to count the workers of its estimate.
+    assert '<script id="own-predictors" type="application/json">' in html
+    assert '"odmoe": "shadow"' in html and '"full-cache": null' in html and '"lru-offload": "next-gate"' in html
+    model = register_model(name="tiny", path=str(tiny_model))
+    nodes = []
+    for name in ("a", "b"):
+        _, token = create_join_token(created_by=None)
+        nodes.append(str(enroll_node(token=token, name=name, inventory={"gpus": [{"memory_bytes": 8 * 2**30}]})[0].pk))
+    form = {"name": "gated", "model": model.pk, "nodes": nodes, "shadow_dtype": "fp32", "strategy": "odmoe"}
+    form |= {"token_period": 1, "kv_period": 1, "max_batch": 8}
+
+    def post(path: str, body: dict):
+        headers = {"HTTP_X_CSRFTOKEN": page.cookies["csrftoken"].value}
+        return browser.post(path, json.dumps(body), content_type="application/json", **headers)
+
+    refused = post("/api/deployments/suggest", {**form, "predictor": ""})  # the shadow's: a third node needed
+    assert refused.status_code == 400 and "at least 3 nodes" in refused.json()["detail"]
+    bad = post("/api/deployments", {**form, "strategy": "full-cache", "predictor": "next-gate"})
+    assert bad.status_code == 400 and "takes no predictor" in bad.json()["detail"]
+    roles = post("/api/deployments/suggest", {**form, "predictor": "next-gate"})
+    assert roles.status_code == 200 and roles.json()["shadow"] is None, roles.content
+    created = post("/api/deployments", {**form, "predictor": "next-gate", "roles": roles.json()})
+    assert created.status_code == 201, created.content
+    shown = browser.get("/console/state.json").json()["deployments"][0]
+    assert shown["predictor"] == "next-gate" and sorted(m["role"] for m in shown["members"]) == ["main", "worker-0"]
+    estimate = post(
+        "/api/deployments/estimate", {"model": model.pk, "workers": 1, "strategy": "odmoe", "predictor": "next-gate"}
+    )
+    assert estimate.status_code == 200 and "shadow" not in {r["role"] for r in estimate.json()["memory"]["roles"]}
+
+
+@pytest.mark.django_db
 def test_metrics_are_in_prometheus_format_for_staff_only() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 

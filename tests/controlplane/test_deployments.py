@@ -272,3 +272,76 @@ def test_a_model_still_downloading_or_failed_cannot_be_deployed(staff: APIClient
     assert Deployment.objects.count() == 0
     ModelArtifact.objects.filter(pk=model.pk).update(status=ModelStatus.READY, error="")
     assert staff.post("/api/deployments", body, format="json").status_code == 201
+
+
+# --- the predictor: a shadow seat only where the shadow predicts ---------------------------------------
+
+
+def test_a_deployment_whose_predictor_is_not_the_shadow_has_no_shadow_seat(staff: APIClient, model) -> None:
+    big, small = box("big", 48), box("small", 24)
+    for strategy, predictor in [("odmoe", "next-gate"), ("full-cache", ""), ("lru-offload", "")]:
+        body = {"model": model.pk, "nodes": ids(small, big), "strategy": strategy, "predictor": predictor}
+        suggested = staff.post("/api/deployments/suggest", body, format="json")
+        assert suggested.status_code == 200, (strategy, suggested.content)
+        assert suggested.json() == {"main": str(big.pk), "shadow": None, "workers": [str(small.pk)]}
+    # Two nodes are too few for a deployment whose shadow predicts.
+    refused = staff.post("/api/deployments/suggest", {"model": model.pk, "nodes": ids(small, big)}, format="json")
+    assert refused.status_code == 400 and "at least 3 nodes" in refused.json()["detail"]
+    body = {"name": "gated", "model": model.pk, "nodes": ids(small, big), "predictor": "next-gate"}
+    created = staff.post("/api/deployments", {**body, "roles": suggested.json()}, format="json")
+    assert created.status_code == 201, created.content
+    assert created.json()["predictor"] == "next-gate" and created.json()["strategy"] == "odmoe"
+    members = {m["node_name"]: (m["role"], m["worker_index"]) for m in created.json()["members"]}
+    assert members == {"big": ("main", None), "small": ("worker", 0)}
+    staff.post(f"/api/deployments/{created.json()['id']}/stop", format="json")
+    # Suggested roles when none are given; and a shadow seat in an overridden map is refused.
+    third = box("third", 24)
+    full = staff.post(
+        "/api/deployments",
+        {"name": "full", "model": model.pk, "nodes": ids(big, small, third), "strategy": "full-cache"},
+        format="json",
+    )
+    assert full.status_code == 201, full.content
+    assert sorted(m["role"] for m in full.json()["members"]) == ["main", "worker", "worker"]
+    staff.post(f"/api/deployments/{full.json()['id']}/stop", format="json")
+    seats = {"main": str(big.pk), "shadow": str(small.pk), "workers": [str(third.pk)]}
+    with_shadow = {"name": "x", "model": model.pk, "nodes": ids(big, small, third), "predictor": "next-gate"}
+    refused = staff.post("/api/deployments", {**with_shadow, "roles": seats}, format="json")
+    assert refused.status_code == 400 and "no shadow seat" in refused.json()["detail"]
+    without = {"main": str(big.pk), "workers": [str(small.pk), str(third.pk)]}
+    refused = staff.post("/api/deployments", {**with_shadow, "predictor": "", "roles": without}, format="json")
+    assert refused.status_code == 400 and "needs a shadow seat" in refused.json()["detail"]
+    assert Deployment.objects.filter(name="x").count() == 0
+
+
+def test_a_predictor_the_strategy_does_not_take_is_refused_and_creates_nothing(staff: APIClient, model) -> None:
+    a, b, c = box("a", 8), box("b", 8), box("c", 8)
+    body = {"name": "x", "model": model.pk, "nodes": ids(a, b, c)}
+    for strategy, predictor, reason in [
+        ("full-cache", "next-gate", "full-cache loads only what is routed and takes no predictor, got 'next-gate'"),
+        ("reactive", "shadow", "reactive loads only what is routed and takes no predictor, got 'shadow'"),
+    ]:
+        for path in ("/api/deployments", "/api/deployments/suggest"):
+            refused = staff.post(path, {**body, "strategy": strategy, "predictor": predictor}, format="json")
+            assert refused.status_code == 400 and refused.json()["detail"] == reason, refused.content
+    unknown = staff.post("/api/deployments", {**body, "predictor": "oracle"}, format="json")
+    assert unknown.status_code == 400 and "predictor" in unknown.json()
+    assert Deployment.objects.count() == 0
+
+
+def test_the_estimate_of_a_deployment_without_a_shadow_has_no_shadow_memory(staff: APIClient, model) -> None:
+    gated = staff.post(
+        "/api/deployments/estimate", {"workers": 2, "model": model.pk, "predictor": "next-gate"}, format="json"
+    )
+    assert gated.status_code == 200, gated.content
+    assert gated.json()["predictor"] == "next-gate"
+    assert {r["role"] for r in gated.json()["memory"]["roles"]} == {"main", "worker-0", "worker-1"}
+    assert gated.json()["memory"]["kv_cache"] == "main's KV cache for 8 sequences of 4096 tokens"
+    own = staff.post("/api/deployments/estimate", {"workers": 2, "model": model.pk}, format="json").json()
+    assert own["predictor"] == "shadow" and "shadow" in {r["role"] for r in own["memory"]["roles"]}
+    full = staff.post("/api/deployments/estimate", {"workers": 2, "strategy": "full-cache"}, format="json").json()
+    assert full["predictor"] is None and "shadow" not in {r["role"] for r in full["memory"]["roles"]}
+    refused = staff.post(
+        "/api/deployments/estimate", {"workers": 2, "strategy": "full-cache", "predictor": "next-gate"}, format="json"
+    )
+    assert refused.status_code == 400 and "takes no predictor" in refused.json()["detail"]

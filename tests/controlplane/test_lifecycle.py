@@ -65,6 +65,8 @@ def test_the_peer_table_lists_workers_in_index_order() -> None:
         "shadow": "tcp://h1:2",
         "workers": ["tcp://h2:3", "tcp://h3:4"],
     }
+    del hosts["shadow"], ports["shadow"]  # a deployment without a shadow seat
+    assert peer_table(hosts, ports, 2)["shadow"] is None
 
 
 # --- the lifecycle, against the database and the channel layer --------------------------------
@@ -110,7 +112,10 @@ class Inbox:
 
 @pytest.fixture
 def cluster(transactional_db, channel_layer_on_test_redis, settings, tmp_path: Path, tiny_model: Path):
-    """Four online nodes (main, shadow, two workers) in a draft deployment of the tiny model."""
+    """Four online nodes (main, shadow, two workers) in a draft deployment of the tiny model.
+
+    lru-offload with the shadow as its predictor (its own is main's next gate, without a shadow seat).
+    """
     settings.VAR_DIR = tmp_path / "var"
     nodes = []
     for i in range(4):
@@ -120,7 +125,12 @@ def cluster(transactional_db, channel_layer_on_test_redis, settings, tmp_path: P
         nodes.append(Node.objects.get(pk=node.pk))
     model = register_model(name="tiny", path=str(tiny_model))
     deployment = create_deployment(
-        name="d", model=model, node_ids=[str(n.pk) for n in nodes], kv_period=2, strategy="lru-offload"
+        name="d",
+        model=model,
+        node_ids=[str(n.pk) for n in nodes],
+        kv_period=2,
+        strategy="lru-offload",
+        predictor="shadow",
     )
     return deployment, nodes, Inbox(nodes)
 
@@ -155,6 +165,7 @@ def test_starting_sends_each_node_a_valid_role_spec_with_one_peer_table(cluster,
         )
         assert spec["settings"]["kv_period"] == 2
         assert spec["settings"]["strategy"] == "lru-offload"  # the deployment's strategy reaches every role
+        assert spec["settings"]["predictor"] == "shadow"  # and its predictor
     assert len({str(s["addresses"]) for s in specs}) == 1  # everyone shares one peer table
     assert sorted(s["role"] for s in specs) == ["main", "shadow", "worker", "worker"]
 
@@ -464,3 +475,62 @@ def test_each_start_gives_the_roles_new_data_plane_keys_that_no_api_shows(cluste
     again = pushed(Deployment.objects.get(pk=deployment.pk))
     second = {CurveKeys(**c.spec["curve"]) for node in nodes for c in inbox.take(node) if isinstance(c, StartRole)}
     assert len(second) == 1 and second != first and again.epoch == 2
+
+
+def test_a_next_gate_deployment_runs_without_a_shadow_and_builds_no_shadow_shard(
+    transactional_db, channel_layer_on_test_redis, settings, tmp_path: Path, tiny_model: Path
+) -> None:
+    """odmoe with main's next-gate predictor: main and workers only, their peer table without a shadow."""
+    settings.VAR_DIR = tmp_path / "var"
+    nodes = []
+    for i in range(3):
+        _, token = create_join_token(created_by=None)
+        node, _ = enroll_node(token=token, name=f"g{i}", inventory={})
+        record_heartbeat(node_id=str(node.pk), inventory={"address": "127.0.0.1", "free_ports": [9400 + i]})
+        nodes.append(Node.objects.get(pk=node.pk))
+    inbox = Inbox(nodes)
+    model = register_model(name="tiny", path=str(tiny_model))
+    ids = [str(n.pk) for n in nodes]
+    deployment = create_deployment(name="g", model=model, node_ids=ids, predictor="next-gate", shadow_dtype="nf4")
+    assert sorted(m.role_name for m in deployment.members.all()) == ["main", "worker-0", "worker-1"]
+    deployment = pushed(deployment)
+    assert ModelArtifact.objects.get(pk=model.pk).shard_shadow_dtypes == []  # no nf4 shadow converted for nobody
+    specs = []
+    for node in nodes:
+        (command,) = inbox.take(node)
+        shard = tmp_path / command.shard
+        shard.mkdir()
+        spec = command.spec
+        specs.append(spec)
+        validate_spec(
+            RoleSpec(spec["deployment"], spec["role"], str(shard), _addresses(spec), spec["worker"], _settings(spec))
+        )
+        assert spec["settings"]["predictor"] == "next-gate" and spec["settings"]["strategy"] == "odmoe"
+        assert spec["addresses"]["shadow"] is None and len(spec["addresses"]["workers"]) == 2
+    assert sorted(s["role"] for s in specs) == ["main", "worker", "worker"]
+    for node in nodes:
+        report(node, deployment, "ready")
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.READY
+    assert [m["role"] for m in snapshot()["deployments"][0]["members"]] == ["main", "worker-0", "worker-1"]
+    assert snapshot()["deployments"][0]["predictor"] == "next-gate"
+    lifecycle.stop_deployment(deployment=deployment)
+    # Its predictor changed to the shadow behind the API's back: it has no seat for one, and says so.
+    Deployment.objects.filter(pk=deployment.pk).update(predictor="shadow")
+    with pytest.raises(DeploymentError, match="has no shadow seat, and its predictor is now the shadow"):
+        lifecycle.start_deployment(deployment=Deployment.objects.get(pk=deployment.pk))
+    Deployment.objects.filter(pk=deployment.pk).update(strategy="full-cache", predictor="next-gate")
+    with pytest.raises(DeploymentError, match="full-cache loads only what is routed and takes no predictor"):
+        lifecycle.start_deployment(deployment=Deployment.objects.get(pk=deployment.pk))
+    assert Deployment.objects.get(pk=deployment.pk).status == DeploymentStatus.STOPPED
+
+
+def test_a_deployment_created_with_a_shadow_seat_still_starts_under_a_strategy_without_one(cluster) -> None:
+    """Deployments from before the predictor setting have a shadow seat whatever their strategy: it idles."""
+    deployment, nodes, inbox = cluster
+    Deployment.objects.filter(pk=deployment.pk).update(strategy="full-cache", predictor="")
+    deployment = pushed(Deployment.objects.get(pk=deployment.pk))
+    assert deployment.status == DeploymentStatus.DEPLOYING
+    specs = [c.spec for node in nodes for c in inbox.take(node)]
+    assert sorted(s["role"] for s in specs) == ["main", "shadow", "worker", "worker"]
+    assert all(s["addresses"]["shadow"] is not None for s in specs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.deployments.roles import RoleError, RoleMap, check_roles, suggest_roles
+from controlplane.deployments.roles import RoleError, RoleMap, check_roles, needs_shadow, suggest_roles
 
 GIB = 2**30
 
@@ -39,6 +39,53 @@ def test_ties_are_broken_the_same_way_every_time() -> None:
 def test_too_few_nodes_is_a_clear_error() -> None:
     with pytest.raises(RoleError, match="at least 3 nodes"):
         suggest_roles({"a": box(24), "b": box(24)}, top_k=2)
+
+
+# --- a shadow seat only where the predictor is the shadow -------------------------------------------
+
+
+def test_only_the_shadow_predictor_gets_a_seat() -> None:
+    assert needs_shadow("odmoe") and needs_shadow("odmoe", "shadow") and needs_shadow("lru-offload", "shadow")
+    assert not needs_shadow("odmoe", "next-gate") and not needs_shadow("lru-offload")
+    assert not needs_shadow("full-cache") and not needs_shadow("reactive")  # they load nothing ahead
+    with pytest.raises(ValueError, match="full-cache loads only what is routed and takes no predictor"):
+        needs_shadow("full-cache", "next-gate")
+    with pytest.raises(ValueError, match="predictor must be one of"):
+        needs_shadow("odmoe", "oracle")
+
+
+@pytest.mark.parametrize("strategy, predictor", [("odmoe", "next-gate"), ("full-cache", "")])
+def test_without_a_shadow_main_takes_the_largest_seat_and_two_are_enough(strategy: str, predictor: str) -> None:
+    shadow = needs_shadow(strategy, predictor)
+    roles = suggest_roles({"a": box(24), "b": box(48)}, top_k=2, shadow=shadow)
+    assert roles == RoleMap(main="b", shadow=None, workers=("a",))
+    assert roles.seats() == {"main": "b", "worker-0": "a"} and roles.as_dict()["shadow"] is None
+    more = suggest_roles({"a": box(24), "b": box(48), "c": box(24), "d": box(12)}, top_k=2, shadow=shadow)
+    assert (more.main, more.shadow, more.workers) == ("b", None, ("a", "c", "d"))  # every other seat a worker
+    with pytest.raises(RoleError, match=r"at least 2 nodes or GPUs \(main, a worker\), got 1"):
+        suggest_roles({"a": box(24)}, top_k=2, shadow=shadow)
+
+
+def test_without_a_shadow_no_seat_has_to_hold_one() -> None:
+    # Ten 24 GiB GPUs: none holds the 31.6 GB nf4 shadow (see below), but main and nine workers fit.
+    small_gpus = {f"n{i}": box(24, 64) for i in range(10)}
+    roles = suggest_roles(small_gpus, top_k=2, memory=nf4_plan(9), shadow=False)
+    assert roles.shadow is None and sorted([roles.main, *roles.workers]) == sorted(small_gpus)
+    with pytest.raises(ValueError, match="plan is for 8 workers, the seats make 9"):
+        suggest_roles(small_gpus, top_k=2, memory=nf4_plan(8), shadow=False)
+    little_ram = {f"w{i}": box(24, 16) for i in range(10)}
+    with pytest.raises(RoleError, match=r"no role map fits: with main on a node that holds it, .*\(worker \d\) needs"):
+        suggest_roles(little_ram, top_k=2, memory=nf4_plan(9), shadow=False)
+
+
+def test_an_overridden_role_map_has_a_shadow_seat_exactly_when_the_predictor_is_the_shadow() -> None:
+    two = {"a": box(24), "b": box(24)}
+    check_roles(RoleMap("a", None, ("b",)), two, shadow=False)
+    with pytest.raises(RoleError, match="needs a shadow seat"):
+        check_roles(RoleMap("a", None, ("b",)), two)
+    three = two | {"c": box(24)}
+    with pytest.raises(RoleError, match="has no shadow seat: leave the shadow out"):
+        check_roles(RoleMap("a", "c", ("b",)), three, shadow=False)
 
 
 def test_an_overridden_role_map_must_use_each_node_once() -> None:

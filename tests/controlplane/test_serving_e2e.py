@@ -2,7 +2,7 @@
 and the jobs API run by a real Celery worker that restarts mid-job.
 
 Each test starts its own small cluster (uvicorn, a Celery worker, 3 agents: main, shadow,
-one worker) serving the tiny model, and runs several checks against it.
+one worker; or 2 without a shadow) serving the tiny model, and runs several checks against it.
 """
 
 from __future__ import annotations
@@ -267,3 +267,16 @@ def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
 def test_jobs_on_a_live_cluster(served: Served) -> None:
     check_job_survives_its_worker_killed(served)
     check_job_cancel(served)
+
+
+def test_a_next_gate_deployment_serves_without_a_shadow(served_without_shadow: Served) -> None:
+    """odmoe with main's next-layer router as its predictor: two agents (main, one worker), no shadow
+    process anywhere, and the same tokens as Transformers."""
+    served = served_without_shadow
+    (deployment,) = served.api(served.staff_key).get("/api/deployments")["results"]
+    assert deployment["predictor"] == "next-gate" and deployment["status"] == "ready"
+    assert sorted(m["role"] for m in deployment["members"]) == ["main", "worker"]
+    check_openai_text(served)
+    (deployment,) = served.api(served.staff_key).get("/api/deployments")["results"]
+    main = next(m for m in deployment["members"] if m["role"] == "main")
+    assert main["metrics"]["recall"] is not None  # main's own next-gate guesses, scored

@@ -120,7 +120,7 @@
           m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
       });
       return el("div", { class: "deployment", "data-deployment": d.name },
-        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy} · max batch ${d.max_batch} · ${d.status_reason}`)),
+        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy}${d.predictor ? ` with ${d.predictor}` : ""} · max batch ${d.max_batch} · ${d.status_reason}`)),
         el("div", { class: "row" },
           running ? el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/stop`) }, "Stop")
                   : el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/start`) }, "Start"),
@@ -227,9 +227,12 @@
     return {
       name: form.get("name"), model: Number(form.get("model")), nodes: form.getAll("nodes"),
       shadow_dtype: form.get("shadow_dtype"), token_period: Number(form.get("token_period")), kv_period: Number(form.get("kv_period")),
-      strategy: form.get("strategy"), max_batch: Number(form.get("max_batch")),
+      strategy: form.get("strategy"), predictor: form.get("predictor"), max_batch: Number(form.get("max_batch")),
     };
   }
+  // A shadow seat only where the predictor is the shadow: the chosen one, else the strategy's own.
+  const ownPredictors = JSON.parse($("own-predictors").textContent);
+  const hasShadow = (body) => (body.predictor || ownPredictors[body.strategy]) === "shadow";
   const gb = (bytes) => `${(bytes / 1e9).toFixed(1)} GB`;
   api("GET", "/api/deployments/estimate").then((found) => {
     $("profile-select").replaceChildren(...found.profiles.map((p) => el("option", { value: p.name, title: p.description }, p.name)));
@@ -242,11 +245,12 @@
       const gpus = ((state.nodes.find((x) => x.id === id) || {}).gpus || []).length;
       return n + (gpus > 1 ? gpus : 1);
     }, 0);
-    const workers = Math.max(1, seats - 2);
+    const withShadow = hasShadow(body);
+    const workers = Math.max(1, seats - (withShadow ? 2 : 1));
     const shadow = ["fp16", "int8", "nf4"].includes(body.shadow_dtype) ? body.shadow_dtype : "int8";
     const result = await api("POST", "/api/deployments/estimate", {
-      model: body.model || undefined, workers, strategy: body.strategy, shadow_dtype: shadow, profile: new FormData($("deployment-form")).get("profile"),
-      max_batch: body.max_batch,
+      model: body.model || undefined, workers, strategy: body.strategy, predictor: body.predictor, shadow_dtype: shadow,
+      profile: new FormData($("deployment-form")).get("profile"), max_batch: body.max_batch,
     });
     const line = (kind) => `${kind}: ${result[kind].decode_tok_s.toFixed(2)} tok/s decode, TTFT ${result[kind].ttft_ms.toFixed(0)} ms`;
     const perWorker = result.adjusted.memory_bytes.worker0;
@@ -263,10 +267,10 @@
       el("thead", {}, el("tr", {}, ...["Role", "RAM", "GPU", "Disk"].map((h) => el("th", {}, h)))),
       el("tbody", {},
         el("tr", {}, el("td", {}, "main"), ...cells(roles.find((r) => r.role === "main"))),
-        el("tr", {}, el("td", {}, `shadow (${shadow})`), ...cells(roles.find((r) => r.role === "shadow"))),
+        withShadow ? el("tr", {}, el("td", {}, `shadow (${shadow})`), ...cells(roles.find((r) => r.role === "shadow"))) : "",
         el("tr", {}, el("td", {}, `each worker (${workers})`), ...["host_bytes", "gpu_bytes", "disk_bytes"].map((k) => el("td", {}, range(k))))));
     $("estimate-result").replaceChildren(el("p", { id: "estimate-line" },
-      `Simulated on ${result.profile.name} with ${workers} workers (${result.strategy}, ${shadow} shadow): ${line("adjusted")} `
+      `Simulated on ${result.profile.name} with ${workers} workers (${result.strategy}, ${withShadow ? `${shadow} shadow` : `no shadow: ${result.predictor || "no"} predictor`}): ${line("adjusted")} `
       + `(roofline ${result.ideal.decode_tok_s.toFixed(2)} tok/s); memory: ${perWorker ? gb(perWorker) + " per worker, " : ""}`
       + `${gb(result.adjusted.memory_total_bytes)} in all. See README, "Cluster simulator", for what it assumes.`),
       el("p", {}, "Memory per role, from the checkpoint's tensor sizes" + (result.memory.kv_cache ? `, with ${result.memory.kv_cache}` : "")
@@ -276,14 +280,16 @@
   $("suggest").addEventListener("click", async () => {
     const body = deploymentBody();
     suggested = await api("POST", "/api/deployments/suggest", {
-      model: body.model, nodes: body.nodes, shadow_dtype: body.shadow_dtype, strategy: body.strategy, max_batch: body.max_batch,
+      model: body.model, nodes: body.nodes, shadow_dtype: body.shadow_dtype, strategy: body.strategy, predictor: body.predictor,
+      max_batch: body.max_batch,
     });
     const name = (seat) => {  // a node id, or <node id>:<GPU index> on a box that runs a role per GPU
       const [id, gpu] = seat.split(":");
       const node = (state.nodes.find((n) => n.id === id) || { name: id }).name;
       return gpu === undefined ? node : `${node} cuda:${gpu}`;
     };
-    $("role-map").replaceChildren(el("p", {}, `main: ${name(suggested.main)} · shadow: ${name(suggested.shadow)} · workers: ${suggested.workers.map(name).join(", ")}`));
+    const shadowSeat = suggested.shadow ? ` · shadow: ${name(suggested.shadow)}` : " · no shadow";
+    $("role-map").replaceChildren(el("p", {}, `main: ${name(suggested.main)}${shadowSeat} · workers: ${suggested.workers.map(name).join(", ")}`));
     $("create-deployment").disabled = false;
   });
   $("deployment-form").addEventListener("submit", async (event) => {

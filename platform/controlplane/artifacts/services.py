@@ -338,14 +338,17 @@ def _build_lock(out: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def shards_ready_for(artifact: ModelArtifact, *, workers: int, shadow_dtype: str) -> bool:
-    """Whether the built set serves ``workers`` workers and a ``shadow_dtype`` shadow as it should."""
+def shards_ready_for(artifact: ModelArtifact, *, workers: int, shadow_dtype: str, shadow: bool = True) -> bool:
+    """Whether the built set serves ``workers`` workers and a ``shadow_dtype`` shadow as it should
+    (any shadow dtype will do for a deployment without a shadow seat: ``shadow`` false)."""
     if not (
         artifact.shard_status == ShardStatus.READY
         and artifact.shard_workers == workers
         and Path(artifact.shard_dir).is_dir()
     ):
         return False
+    if not shadow:
+        return True
     return set(needed_shadow_dtypes(artifact, shadow_dtype)) <= set(artifact.shard_shadow_dtypes or [])
 
 

@@ -68,6 +68,7 @@ def _deployment(deployment: Deployment) -> dict:
         "token_period": deployment.token_period,
         "kv_period": deployment.kv_period,
         "strategy": deployment.strategy,
+        "predictor": deployment.predictor,
         "max_batch": deployment.max_batch,
         "members": [
             {

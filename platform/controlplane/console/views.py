@@ -9,7 +9,7 @@ from django.views.decorators.csrf import ensure_csrf_cookie
 
 from controlplane.deployments.services import DEFAULT_MAX_BATCH
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
-from inference.strategies import STRATEGIES
+from inference.strategies import PREDICTORS, STRATEGIES, get_strategy
 
 from .snapshot import snapshot
 
@@ -17,10 +17,16 @@ from .snapshot import snapshot
 @staff_member_required
 @ensure_csrf_cookie  # the page's script sends the cookie's token with its API calls
 def console(request: HttpRequest) -> HttpResponse:
-    """The console page; its deployment form's limits are the API's (``max_batch`` from 1 to ``MAX_BATCH``)."""
+    """The console page; its deployment form's limits are the API's (``max_batch`` from 1 to ``MAX_BATCH``).
+
+    ``own_predictors`` (strategy -> its own predictor, or None) tells the form's script whether
+    a deployment has a shadow seat, so its estimate counts the workers the role map will have.
+    """
     context = {
         "shadow_dtypes": SHADOW_DTYPES,
         "strategies": STRATEGIES,
+        "predictors": PREDICTORS,
+        "own_predictors": {s: get_strategy(s).predictor for s in STRATEGIES},
         "default_max_batch": DEFAULT_MAX_BATCH,
         "max_batch_limit": MAX_BATCH,
     }

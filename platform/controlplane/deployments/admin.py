@@ -18,6 +18,7 @@ class DeploymentAdmin(admin.ModelAdmin):
         "token_period",
         "kv_period",
         "strategy",
+        "predictor",
         "max_batch",
         "created_at",
     ]

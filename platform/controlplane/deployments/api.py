@@ -20,7 +20,7 @@ from controlplane.names import name_field
 from controlplane.pagination import paginated
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
 from inference.sim import hardware as sim_profiles
-from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
+from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, STRATEGIES
 
 from . import generation, lifecycle, services
 from .models import Deployment, DeploymentNode
@@ -76,6 +76,7 @@ class DeploymentOutput(serializers.ModelSerializer):
             "token_period",
             "kv_period",
             "strategy",
+            "predictor",
             "max_batch",
             "created_at",
             "updated_at",
@@ -124,8 +125,32 @@ class SeatField(serializers.CharField):
 
 class RolesInput(serializers.Serializer):
     main = SeatField()
-    shadow = SeatField()
+    shadow = SeatField(
+        required=False,
+        allow_null=True,
+        help_text="only where the predictor is the shadow; null or left out for a deployment without a shadow seat",
+    )
     workers = serializers.ListField(child=SeatField(), min_length=1)
+
+
+def role_map(roles: dict) -> RoleMap:
+    return RoleMap(roles["main"], roles.get("shadow"), tuple(roles["workers"]))
+
+
+def predictor_field() -> serializers.ChoiceField:
+    """A deployment's ``predictor``: who names the experts workers load ahead; "" is the strategy's own.
+
+    Only the shadow gets a seat of its own: with any other (``next-gate``, or a strategy that
+    loads nothing ahead) the deployment runs on main and workers alone. A strategy that takes
+    no predictor (full-cache, reactive) refuses one (400, ``inference.strategies.predictor_for``).
+    """
+    return serializers.ChoiceField(
+        choices=PREDICTORS,
+        allow_blank=True,
+        default="",
+        help_text="who predicts the experts to load ahead: shadow (a node of its own), next-gate (main's "
+        "next-layer router, no shadow seat), or blank for the strategy's own",
+    )
 
 
 def max_batch_field() -> serializers.IntegerField:
@@ -136,10 +161,11 @@ def max_batch_field() -> serializers.IntegerField:
 
 
 class SuggestApi(APIView):
-    """POST /api/deployments/suggest {model, nodes[, shadow_dtype, strategy, max_batch]}: a deployment's role map.
+    """POST /api/deployments/suggest {model, nodes[, shadow_dtype, strategy, predictor, max_batch]}: a role map.
 
     Only a map where every node holds its role's memory (main's KV caches for ``max_batch``
-    sequences); otherwise 400 with each shortfall.
+    sequences); otherwise 400 with each shortfall. ``shadow`` is null when the predictor is
+    not the shadow: main and workers only.
     """
 
     permission_classes = [IsAdminUser, KeyScopes]
@@ -151,6 +177,7 @@ class SuggestApi(APIView):
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
         strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
+        predictor = predictor_field()
         max_batch = max_batch_field()
 
     @extend_schema(request=InputSerializer, responses=RolesInput)
@@ -164,6 +191,7 @@ class SuggestApi(APIView):
                 node_ids=[str(n) for n in values["nodes"]],
                 shadow_dtype=values["shadow_dtype"],
                 strategy=values["strategy"],
+                predictor=values["predictor"],
                 max_batch=values["max_batch"],
             )
         except services.DeploymentError as exc:
@@ -186,6 +214,7 @@ class DeploymentListApi(APIView):
         token_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
         kv_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
         strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
+        predictor = predictor_field()
         max_batch = max_batch_field()
 
     @extend_schema(responses=DeploymentOutput(many=True))
@@ -199,12 +228,12 @@ class DeploymentListApi(APIView):
         data.is_valid(raise_exception=True)
         values = dict(data.validated_data)
         roles = values.pop("roles", None)
-        role_map = None
-        if roles is not None:
-            role_map = RoleMap(roles["main"], roles["shadow"], tuple(roles["workers"]))
         try:
             deployment = services.create_deployment(
-                node_ids=[str(n) for n in values.pop("nodes")], roles=role_map, created_by=request.user, **values
+                node_ids=[str(n) for n in values.pop("nodes")],
+                roles=role_map(roles) if roles is not None else None,
+                created_by=request.user,
+                **values,
             )
         except services.DeploymentError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
@@ -331,7 +360,7 @@ class EstimateApi(APIView):
     published implementation efficiencies (``adjusted``); see inference/sim. ``memory``
     is the host RAM, GPU memory and disk per role from the tensor sizes (inference/memory.py),
     with main's KV caches for ``max_batch`` sequences, what creating and starting a deployment
-    check each node against.
+    check each node against; without the shadow when ``predictor`` is not the shadow.
     """
 
     permission_classes = [IsAdminUser, KeyScopes]
@@ -343,6 +372,7 @@ class EstimateApi(APIView):
         profile = serializers.ChoiceField(choices=sorted(sim_profiles.PROFILES), default=sim_profiles.DEFAULT_PROFILE)
         workers = serializers.IntegerField(min_value=1, max_value=1024)
         strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
+        predictor = predictor_field()
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="int8")
         input_tokens = serializers.IntegerField(min_value=1, max_value=32768, default=128)
         output_tokens = serializers.IntegerField(min_value=2, max_value=32768, default=128)

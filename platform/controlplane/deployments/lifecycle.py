@@ -33,7 +33,7 @@ from inference.spec import Settings
 
 from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 from .peers import PeerError, Seat, peer_table, pick_ports
-from .services import DeploymentError, check_fits, check_nodes_free
+from .services import DeploymentError, check_fits, check_nodes_free, check_predictor
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,12 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
         if locked.status in RUNNING:
             raise DeploymentError(f"deployment {locked.name} is already {locked.status}; stop it first")
         members = list(locked.members.select_related("node"))
-        if not _complete(members):
+        shadow = check_predictor(locked.strategy, locked.predictor)  # refuses a combination changed since
+        if shadow and not any(m.role == Role.SHADOW for m in members) and _complete(members, shadow=False):
+            raise DeploymentError(
+                f"deployment {locked.name} has no shadow seat, and its predictor is now the shadow; create it again"
+            )
+        if not _complete(members, shadow=shadow):
             raise DeploymentError(f"deployment {locked.name} lost a node ({locked.status_reason}); create it again")
         check_nodes_free([m.node for m in members], exclude=locked)
         down = [m.node.name for m in members if m.node.status != NodeStatus.ONLINE]
@@ -86,11 +91,13 @@ def push_deployment(*, deployment_id: int, epoch: int) -> None:
         return  # stopped or started again since: that run pushes itself
     members = list(deployment.members.select_related("node"))
     workers = sum(1 for m in members if m.role == Role.WORKER)
+    shadow = any(m.role == Role.SHADOW for m in members)
     artifact = deployment.model
     try:
-        if not shards_ready_for(artifact, workers=workers, shadow_dtype=deployment.shadow_dtype):
+        if not shards_ready_for(artifact, workers=workers, shadow_dtype=deployment.shadow_dtype, shadow=shadow):
             # The shadow's shard comes converted to its dtype: a shadow box downloads nf4, not bf16.
-            shadow_dtypes = needed_shadow_dtypes(artifact, deployment.shadow_dtype)
+            # A deployment without a shadow seat needs no converted shadow shard.
+            shadow_dtypes = needed_shadow_dtypes(artifact, deployment.shadow_dtype) if shadow else ()
             shadow = f" and its {', '.join(shadow_dtypes)} shadow" if shadow_dtypes else ""
             reason = f"building shards of {artifact.name} for {workers} workers{shadow}"
             _set_status(deployment, DeploymentStatus.DEPLOYING, reason)
@@ -181,11 +188,17 @@ def _broadcast_stop(node_ids: list, key: str) -> None:
         send_command(node_id=str(node_id), command=StopRole(deployment=key).to_json())
 
 
-def _complete(members: list[DeploymentNode]) -> bool:
-    """Whether the members still form a deployment: a main, a shadow and workers 0..n-1."""
+def _complete(members: list[DeploymentNode], *, shadow: bool = True) -> bool:
+    """Whether the members still form a deployment: a main, a shadow where its predictor is the
+    shadow (``shadow``), and workers 0..n-1.
+
+    A deployment created before the predictor was a setting has a shadow seat whatever its
+    strategy: without ``shadow`` one is allowed, and its shadow is started but idles.
+    """
     roles = [m.role for m in members]
     workers = sorted(m.worker_index for m in members if m.role == Role.WORKER)
-    whole = roles.count(Role.MAIN) == 1 and roles.count(Role.SHADOW) == 1
+    shadows = roles.count(Role.SHADOW)
+    whole = roles.count(Role.MAIN) == 1 and (shadows == 1 if shadow else shadows <= 1)
     return whole and bool(workers) and workers == list(range(len(workers)))
 
 
@@ -232,6 +245,7 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
         token_period=deployment.token_period,
         kv_period=deployment.kv_period,
         strategy=deployment.strategy,
+        predictor=deployment.predictor,
         max_batch=deployment.max_batch,
         device=role_device(member.node.inventory, member.gpu),
     )

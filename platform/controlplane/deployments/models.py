@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
-from inference.strategies import DEFAULT_STRATEGY, STRATEGIES
+from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, STRATEGIES, predictor_for
 
 
 class DeploymentStatus(models.TextChoices):
@@ -57,6 +58,14 @@ class Deployment(models.Model):
         default=DEFAULT_STRATEGY,
         help_text="what workers keep on their GPUs (inference/strategies.py); applied on the next start",
     )
+    predictor = models.CharField(
+        max_length=16,
+        choices=[("", "the strategy's own"), *((p, p) for p in PREDICTORS)],
+        default="",
+        blank=True,
+        help_text="who names the experts workers load ahead (inference/strategies.py): the shadow, or main's "
+        "next-layer router (next-gate, no shadow seat); blank: the strategy's own",
+    )
     max_batch = models.PositiveSmallIntegerField(
         default=8,
         validators=[MinValueValidator(1), MaxValueValidator(MAX_BATCH)],
@@ -76,6 +85,12 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        try:
+            predictor_for(self.strategy, self.predictor)
+        except ValueError as exc:
+            raise ValidationError({"predictor": str(exc)}) from None
 
     @property
     def runtime_key(self) -> str:

@@ -36,13 +36,14 @@ def pick_ports(seats: Sequence[Seat]) -> dict[str, int]:
 
 
 def peer_table(addresses: dict[str, str], ports: dict[str, int], workers: int) -> dict:
-    """``inference.spec.Addresses`` as JSON from each role's host and port."""
+    """``inference.spec.Addresses`` as JSON from each role's host and port; the shadow's is None
+    in a deployment without a shadow seat (no ``shadow`` in ``addresses``)."""
 
     def url(role: str) -> str:
         return f"tcp://{addresses[role]}:{ports[role]}"
 
     return {
         "main": url("main"),
-        "shadow": url("shadow"),
+        "shadow": url("shadow") if "shadow" in addresses else None,
         "workers": [url(f"worker-{i}") for i in range(workers)],
     }

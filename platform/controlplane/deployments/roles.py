@@ -7,6 +7,10 @@ the most GPU memory; main holds attention, routers and the KV cache, so it gets 
 every other seat is a worker, and workers form groups of top-k (see ``inference.placement``).
 Seats without a GPU are ranked by RAM instead, after every seat that has one.
 
+Only a deployment whose predictor is the shadow has a shadow seat (``needs_shadow``): under
+any other (main's next-layer router, or none at all) main takes the largest seat and every
+other seat is a worker, so two seats are enough.
+
 Given the deployment's memory plan (``inference.memory``), only a map where every seat can
 hold its role is proposed: the shadow goes to the largest seat that holds it, main to the
 next that holds main, and the rest must hold their workers' experts; roles on one node share
@@ -21,8 +25,10 @@ from dataclasses import dataclass
 
 from inference.memory import MemoryPlan, Placed, Shortfall, check_fit, check_plan_fit, gpu_indices
 from inference.placement import placement
+from inference.strategies import predictor_for
 
 MIN_SEATS = 3  # main, shadow and at least one worker
+MIN_SEATS_WITHOUT_SHADOW = 2  # main and at least one worker
 
 ShortFn = Callable[[str, str], list[Shortfall]]  # (seat, role) -> what the seat lacks for the role
 
@@ -32,19 +38,33 @@ class RoleMap:
     """The seat of each role: ``<node id>`` or ``<node id>:<cuda index>``."""
 
     main: str
-    shadow: str
+    shadow: str | None  # None: a deployment whose predictor is not the shadow has no shadow seat
     workers: tuple[str, ...]
 
     def as_dict(self) -> dict:
         return {"main": self.main, "shadow": self.shadow, "workers": list(self.workers)}
 
     def seats(self) -> dict[str, str]:
-        """Role name (main, shadow, worker-N) -> seat."""
-        return {"main": self.main, "shadow": self.shadow} | {f"worker-{i}": w for i, w in enumerate(self.workers)}
+        """Role name (main, shadow unless there is none, worker-N) -> seat."""
+        shadow = {} if self.shadow is None else {"shadow": self.shadow}
+        return {"main": self.main} | shadow | {f"worker-{i}": w for i, w in enumerate(self.workers)}
 
 
 class RoleError(ValueError):
     """The nodes cannot form a deployment; the message says why."""
+
+
+def needs_shadow(strategy: str, predictor: str = "") -> bool:
+    """Whether a deployment of ``strategy`` with ``predictor`` ("" = the strategy's own) has a shadow seat.
+
+    ``ValueError`` for a combination the runtime refuses (``inference.strategies.predictor_for``).
+    """
+    return predictor_for(strategy, predictor) == "shadow"
+
+
+def fixed_seats(shadow: bool = True) -> int:
+    """Seats that are not workers: main, and the shadow where there is one."""
+    return 2 if shadow else 1
 
 
 def seat(node: str, gpu: int | None = None) -> str:
@@ -97,28 +117,36 @@ def suggest_roles(
     top_k: int,
     memory: MemoryPlan | None = None,
     names: Mapping[str, str] | None = None,
+    shadow: bool = True,
 ) -> RoleMap:
     """Roles for the seats of the nodes named in ``inventories`` (node id -> inventory).
 
-    With ``memory`` (a plan for ``len(seats_of(inventories)) - 2`` workers) only a map where
-    every seat holds its role, and every node the roles it runs, is returned; ``RoleError``
-    says which constraint no map met, naming nodes by ``names`` (node id -> name) where given.
+    ``shadow``: whether the deployment has a shadow seat (``needs_shadow``); without one, main
+    takes the largest seat and every other seat is a worker. With ``memory`` (a plan for
+    ``len(seats_of(inventories)) - fixed_seats(shadow)`` workers) only a map where every seat
+    holds its role, and every node the roles it runs, is returned (the plan's shadow is not
+    checked when there is no shadow seat); ``RoleError`` says which constraint no map met,
+    naming nodes by ``names`` (node id -> name) where given.
     """
     seats = seats_of(inventories)
-    if len(seats) < MIN_SEATS:
-        raise RoleError(
-            f"a deployment needs at least {MIN_SEATS} nodes or GPUs (main, shadow, a worker), got {len(seats)}"
-        )
+    least = MIN_SEATS if shadow else MIN_SEATS_WITHOUT_SHADOW
+    if len(seats) < least:
+        roles = "main, shadow, a worker" if shadow else "main, a worker"
+        raise RoleError(f"a deployment needs at least {least} nodes or GPUs ({roles}), got {len(seats)}")
     views = {s: seat_inventory(inventories, s) for s in seats}
     ranked = sorted(seats, key=lambda s: (capacity(views[s]), s), reverse=True)
-    placement(1, max(top_k, 1), top_k, len(ranked) - 2)  # validates the worker count for top-k
+    n_workers = len(ranked) - fixed_seats(shadow)
+    placement(1, max(top_k, 1), top_k, n_workers)  # validates the worker count for top-k
     if memory is None:
-        shadow, main, *workers = ranked
-        return RoleMap(main=main, shadow=shadow, workers=tuple(sorted(workers)))
-    if memory.n_workers != len(ranked) - 2:
-        raise ValueError(f"the memory plan is for {memory.n_workers} workers, the seats make {len(ranked) - 2}")
+        if not shadow:
+            main, *workers = ranked
+            return RoleMap(main=main, shadow=None, workers=tuple(sorted(workers)))
+        shadow_seat, main, *workers = ranked
+        return RoleMap(main=main, shadow=shadow_seat, workers=tuple(sorted(workers)))
+    if memory.n_workers != n_workers:
+        raise ValueError(f"the memory plan is for {memory.n_workers} workers, the seats make {n_workers}")
     labels = {s: _label(s, names or {}) for s in seats}
-    roles = _fitting_roles(ranked, views, memory, labels)
+    roles = _fitting_roles(ranked, views, memory, labels, shadow=shadow)
     problems = check_plan_fit(memory, placed(inventories, roles, names))
     if problems:  # each seat holds its role, but a node does not hold all of its roles together
         raise RoleError("no role map fits: " + "; ".join(p.message for p in problems))
@@ -132,7 +160,12 @@ def _label(text: str, names: Mapping[str, str]) -> str:
 
 
 def _fitting_roles(
-    ranked: list[str], inventories: Mapping[str, Mapping], memory: MemoryPlan, names: Mapping[str, str]
+    ranked: list[str],
+    inventories: Mapping[str, Mapping],
+    memory: MemoryPlan,
+    names: Mapping[str, str],
+    *,
+    shadow: bool = True,
 ) -> RoleMap:
     """The first map, in order of preference, where every node holds its role."""
     checked: dict[tuple[str, str], list[Shortfall]] = {}
@@ -142,6 +175,8 @@ def _fitting_roles(
             checked[node, role] = check_fit(memory.role(role), inventories[node], node=names.get(node, node))
         return checked[node, role]
 
+    if not shadow:
+        return _fitting_without_shadow(ranked, memory, short)
     shadows = [node for node in ranked if not short(node, "shadow")]
     if not shadows:
         raise RoleError(_nobody("shadow", ranked, short))
@@ -157,6 +192,21 @@ def _fitting_roles(
     raise RoleError(
         "no role map fits: with the shadow and main on nodes that hold them, "
         + "; ".join(s.message for s in worker_problems)
+    )
+
+
+def _fitting_without_shadow(ranked: list[str], memory: MemoryPlan, short: ShortFn) -> RoleMap:
+    """The first map without a shadow seat where every node holds its role: main on the largest that holds it."""
+    worker_problems: list[Shortfall] | None = None
+    for main in (node for node in ranked if not short(node, "main")):
+        workers = _fitting_workers([node for node in ranked if node != main], memory, short)
+        if isinstance(workers, tuple):
+            return RoleMap(main=main, shadow=None, workers=workers)
+        worker_problems = worker_problems or workers
+    if worker_problems is None:
+        raise RoleError(_nobody("main", ranked, short))
+    raise RoleError(
+        "no role map fits: with main on a node that holds it, " + "; ".join(s.message for s in worker_problems)
     )
 
 
@@ -184,12 +234,20 @@ def _nobody(role: str, nodes: list[str], short: ShortFn) -> str:
     return f"no node can hold the {role}; the closest: {reasons}"
 
 
-def check_roles(roles: RoleMap, inventories: Mapping[str, Mapping]) -> None:
+def check_roles(roles: RoleMap, inventories: Mapping[str, Mapping], *, shadow: bool = True) -> None:
     """Refuse an overridden role map that does not seat each role once on the given nodes.
 
     A node with one GPU or none holds one role; a node with several GPUs holds one role per
-    GPU, each seat naming its GPU (``<node id>:<index>``), an index the node reported.
+    GPU, each seat naming its GPU (``<node id>:<index>``), an index the node reported. The map
+    has a shadow seat exactly when the deployment's predictor is the shadow (``shadow``).
     """
+    if shadow and roles.shadow is None:
+        raise RoleError("this deployment's predictor is the shadow: the role map needs a shadow seat")
+    if not shadow and roles.shadow is not None:
+        raise RoleError(
+            "this deployment's predictor is not the shadow, so it has no shadow seat: "
+            "leave the shadow out of the role map (its node can be a worker)"
+        )
     used = list(roles.seats().values())
     if len(set(used)) != len(used):
         raise RoleError("a node (or one GPU of a node) can hold only one role in a deployment")

@@ -7,9 +7,16 @@ is built or downloaded, with each node's shortfall. Main's and the shadow's memo
 cache per sequence: the deployment's ``max_batch`` sequences for main, as many for the shadow
 that follows them (``inference.memory.shadow_max_states``), each at the full
 ``inference.memory.DEFAULT_CONTEXT_TOKENS``.
+
+A deployment has a shadow seat only when its predictor (``Deployment.predictor``, "" = the
+strategy's own; ``inference.strategies.predictor_for``) is the shadow: odmoe with
+``next-gate``, lru-offload, and the strategies that load nothing ahead (full-cache,
+reactive) run on main and workers alone, and their memory plan has no shadow to fit.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
@@ -20,15 +27,22 @@ from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
 from inference.checkpoint import Checkpoint, CheckpointError
 from inference.constants import MAX_BATCH
-from inference.memory import MemoryPlan, Placed, check_plan_fit, memory_from_checkpoint, memory_from_config
+from inference.memory import (
+    MemoryPlan,
+    Placed,
+    check_plan_fit,
+    kv_text,
+    memory_from_checkpoint,
+    memory_from_config,
+)
 from inference.schedule import validate_periods
 from inference.sharding import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.spec import Settings
-from inference.strategies import DEFAULT_STRATEGY, get_strategy
+from inference.strategies import DEFAULT_STRATEGY, get_strategy, predictor_for
 
 from .models import ACTIVE, Deployment, DeploymentNode
-from .roles import RoleError, RoleMap, check_roles, parse_seat, seats_of, suggest_roles
+from .roles import RoleError, RoleMap, check_roles, fixed_seats, needs_shadow, parse_seat, seats_of, suggest_roles
 
 DEFAULT_MAX_BATCH = Settings.max_batch
 
@@ -41,22 +55,40 @@ class DeploymentDoesNotFit(DeploymentError):
     """A node cannot hold its role; the message names each node, resource and shortfall."""
 
 
+def check_predictor(strategy: str, predictor: str = "") -> bool:
+    """Refuse a predictor ``strategy`` cannot take; whether the deployment has a shadow seat."""
+    try:
+        return needs_shadow(strategy, predictor)
+    except ValueError as exc:
+        raise DeploymentError(str(exc)) from None
+
+
 def suggest_for(
     *,
     model: ModelArtifact,
     node_ids: list[str],
     shadow_dtype: str = "fp32",
     strategy: str = DEFAULT_STRATEGY,
+    predictor: str = "",
     max_batch: int = DEFAULT_MAX_BATCH,
     memory: MemoryPlan | None = None,
 ) -> RoleMap:
-    """The suggested role map: only one whose nodes hold their roles' memory (main's KV caches for ``max_batch``)."""
+    """The suggested role map: only one whose nodes hold their roles' memory (main's KV caches for ``max_batch``).
+
+    A shadow seat only where the predictor is the shadow (``check_predictor``).
+    """
+    shadow = check_predictor(strategy, predictor)
     nodes = _nodes(node_ids)
     top_k = int(model.summary.get("top_k", 2))
-    seats = len(seats_of({str(n.pk): n.inventory for n in nodes}))
-    if memory is None and seats > 2:
+    workers = len(seats_of({str(n.pk): n.inventory for n in nodes})) - fixed_seats(shadow)
+    if memory is None and workers > 0:
         memory = memory_plan(
-            model=model, workers=seats - 2, shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch
+            model=model,
+            workers=workers,
+            shadow_dtype=shadow_dtype,
+            strategy=strategy,
+            max_batch=max_batch,
+            shadow=shadow,
         )
     try:
         return suggest_roles(
@@ -64,23 +96,33 @@ def suggest_for(
             top_k=top_k,
             memory=memory,
             names={str(n.pk): n.name for n in nodes},
+            shadow=shadow,
         )
     except (RoleError, ValueError) as exc:
         raise DeploymentError(str(exc)) from None
 
 
-def memory_plan(*, model: ModelArtifact, workers: int, shadow_dtype: str, strategy: str, max_batch: int) -> MemoryPlan:
+def without_shadow(plan: MemoryPlan) -> MemoryPlan:
+    """``plan`` less its shadow role: what a deployment without a shadow seat needs."""
+    return dataclasses.replace(plan, roles=tuple(r for r in plan.roles if r.role != "shadow"))
+
+
+def memory_plan(
+    *, model: ModelArtifact, workers: int, shadow_dtype: str, strategy: str, max_batch: int, shadow: bool = True
+) -> MemoryPlan:
     """Memory per role of ``model`` with ``workers`` workers, from its checkpoint's tensor sizes.
 
     Main's KV caches are for ``max_batch`` sequences at once, the shadow's for as many
-    (``inference.memory.shadow_max_states(max_batch)``).
+    (``inference.memory.shadow_max_states(max_batch)``); without a shadow seat (``shadow``
+    false) the plan has no shadow role.
     """
     try:
-        return memory_from_checkpoint(
+        plan = memory_from_checkpoint(
             model.path, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch
         )
     except (CheckpointError, ValueError) as exc:
         raise DeploymentError(f"cannot size the roles of {model.name}: {exc}") from None
+    return plan if shadow else without_shadow(plan)
 
 
 def check_fits(
@@ -95,13 +137,21 @@ def check_fits(
 
     Roles on one node share its RAM and disk. A shard already on a node (its agent reports
     ``shard_bytes``) needs no new disk space. Main holds a KV cache for each of the
-    deployment's ``max_batch`` sequences, the shadow for as many (``shadow_max_states``).
+    deployment's ``max_batch`` sequences, the shadow for as many (``shadow_max_states``). A map
+    without a shadow seat is checked without one: the plan it returns has no shadow role.
     """
     workers = sum(1 for role in seats if role.startswith("worker-"))
-    plan = memory_plan(model=model, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch)
+    plan = memory_plan(
+        model=model,
+        workers=workers,
+        shadow_dtype=shadow_dtype,
+        strategy=strategy,
+        max_batch=max_batch,
+        shadow="shadow" in seats,
+    )
     present = {}
     # The shadow fetches its shard converted to its dtype (shadow-nf4...) unless that is the checkpoint's own.
-    converted = shadow_dtypes_to_build(Checkpoint(model.path).config, shadow_dtype)
+    converted = "shadow" in seats and shadow_dtypes_to_build(Checkpoint(model.path).config, shadow_dtype)
     shadow_shard = f"shadow-{shadow_dtype}" if converted else "shadow"
     for role, (node, _) in seats.items():
         on_disk = node.inventory.get("shard_bytes") if isinstance(node.inventory, dict) else None
@@ -128,17 +178,21 @@ def create_deployment(
     token_period: int = 1,
     kv_period: int = 1,
     strategy: str = DEFAULT_STRATEGY,
+    predictor: str = "",
     max_batch: int = DEFAULT_MAX_BATCH,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
 
     Only a model whose registration finished: not one still downloading, nor one that failed.
+    Only a ``predictor`` the strategy takes ("" = its own); the role map has a shadow seat
+    exactly when that predictor is the shadow.
     """
     try:
         check_registered(model)
         validate_periods(token_period, kv_period)
         get_strategy(strategy)
+        shadow = needs_shadow(strategy, predictor)
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
     except (ModelError, ValueError) as exc:
@@ -146,10 +200,15 @@ def create_deployment(
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
     _check_nodes(nodes, node_ids)
     roles = roles or suggest_for(
-        model=model, node_ids=node_ids, shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch
+        model=model,
+        node_ids=node_ids,
+        shadow_dtype=shadow_dtype,
+        strategy=strategy,
+        predictor=predictor,
+        max_batch=max_batch,
     )
     try:
-        check_roles(roles, {str(n.pk): n.inventory for n in nodes})
+        check_roles(roles, {str(n.pk): n.inventory for n in nodes}, shadow=shadow)
         by_id = {str(n.pk): n for n in nodes}
         seats = {role: parse_seat(text) for role, text in roles.seats().items()}
     except RoleError as exc:
@@ -170,6 +229,7 @@ def create_deployment(
                 token_period=token_period,
                 kv_period=kv_period,
                 strategy=strategy,
+                predictor=predictor,
                 max_batch=max_batch,
                 created_by=created_by,
             )
@@ -236,6 +296,7 @@ def estimate(
     model: ModelArtifact | None = None,
     profile: str = DEFAULT_PROFILE,
     strategy: str = DEFAULT_STRATEGY,
+    predictor: str = "",
     shadow_dtype: str = "int8",
     input_tokens: int = 128,
     output_tokens: int = 128,
@@ -246,8 +307,15 @@ def estimate(
     ``memory`` holds the memory per role (``inference.memory``), from the checkpoint's
     tensor sizes when ``model`` is given (Mixtral-8x7B in bf16 otherwise), with main's KV
     caches for ``max_batch`` sequences (the shadow's for as many): what creating and
-    starting a deployment with that ``max_batch`` check.
+    starting a deployment with that ``max_batch`` check. A ``predictor`` other than the
+    shadow leaves the shadow out of ``memory`` (the deployment has no shadow seat);
+    ``predictor`` in the answer is the resolved one (None: the strategy loads nothing ahead).
+    The simulator itself models each strategy with its own predictor.
     """
+    try:
+        resolved = predictor_for(strategy, predictor)
+    except ValueError as exc:
+        raise DeploymentError(str(exc)) from None
     sizes: str | dict = "mixtral-8x7b"
     checkpoint: Checkpoint | None = None
     if model is not None:
@@ -275,4 +343,7 @@ def estimate(
             memory = memory_from_config(sizes, dtype="bfloat16", **options)
     except (CheckpointError, ValueError) as exc:
         raise DeploymentError(f"no estimate: {exc}") from None
-    return result | {"memory": memory.to_dict()}
+    shown = memory.to_dict()
+    if resolved != "shadow":
+        shown = without_shadow(memory).to_dict() | {"kv_cache": f"main's {kv_text(max_batch, memory.context_tokens)}"}
+    return result | {"predictor": resolved, "memory": shown}
