@@ -112,8 +112,11 @@ class ResidentExperts:
             del self._lru[key]
 
 
-def load_similarity(directory: str | os.PathLike[str]) -> torch.Tensor:
-    """The [L, E, E] table ``calibrate`` wrote to ``directory``; a clear error when it is missing."""
+def load_similarity(
+    directory: str | os.PathLike[str], *, layers: int | None = None, experts: int | None = None
+) -> torch.Tensor:
+    """The [L, E, E] table ``calibrate`` wrote to ``directory``; a clear error when it is missing
+    or (given the model's ``layers`` and ``experts``) was calibrated for another model."""
     from safetensors.torch import load_file
 
     path = Path(directory) / SIMILARITY_FILE
@@ -125,6 +128,12 @@ def load_similarity(directory: str | os.PathLike[str]) -> torch.Tensor:
     table = load_file(str(path)).get(SIMILARITY_KEY)
     if table is None or table.dim() != 3 or table.shape[1] != table.shape[2]:
         raise ValueError(f"{path} does not hold a [layers, experts, experts] {SIMILARITY_KEY!r} tensor")
+    expected = (layers or table.shape[0], experts or table.shape[1], experts or table.shape[2])
+    if tuple(table.shape) != expected:
+        raise ValueError(
+            f"{path} is for {table.shape[0]} layers of {table.shape[1]} experts, the model has "
+            f"{expected[0]} of {expected[1]}: calibrate this model again"
+        )
     return table
 
 

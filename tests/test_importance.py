@@ -113,6 +113,15 @@ def test_a_missing_table_is_a_clear_error(tmp_path: Path) -> None:
         load_similarity(tmp_path)
 
 
+def test_a_table_calibrated_for_another_model_is_refused(tmp_path: Path) -> None:
+    write_similarity(tmp_path, torch.eye(8).expand(4, 8, 8), tokens=10)
+    assert load_similarity(tmp_path, layers=4, experts=8).shape == (4, 8, 8)
+    with pytest.raises(ValueError, match="is for 4 layers of 8 experts, the model has 32 of 8"):
+        load_similarity(tmp_path, layers=32, experts=8)
+    with pytest.raises(ValueError, match="the model has 4 of 6"):
+        load_similarity(tmp_path, layers=4, experts=6)
+
+
 @pytest.mark.slow
 def test_importance_serves_substitutes_and_without_a_threshold_is_exact(calibrated: Path) -> None:
     prompts = PROMPTS[:3]

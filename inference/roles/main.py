@@ -117,7 +117,9 @@ class MainRole:
         # An approximate strategy (importance) substitutes experts from what workers hold.
         self.resident: ResidentExperts | None = None
         if not self.strategy.exact:
-            self.similarity = load_similarity(spec.shard_dir)
+            self.similarity = load_similarity(
+                spec.shard_dir, layers=self.placement.n_layers, experts=self.placement.n_experts
+            )
             self.resident = ResidentExperts(spec.settings.cache_experts)
         self.predictor = predictor_for(spec.settings.strategy, spec.settings.predictor)
         self.has_shadow = spec.addresses.shadow is not None and self.predictor == "shadow"
