@@ -106,6 +106,9 @@ def test_the_deployment_form_chooses_a_predictor_and_a_next_gate_deployment_has_
     assert f'<select name="predictor">{options}</select>' in html
     # The script reads each strategy's own predictor to count the workers of its estimate.
     assert '<script id="own-predictors" type="application/json">' in html
+    # An approximate strategy is offered with its mark.
+    assert '<option value="importance">importance (approximate)</option>' in html
+    assert '<option value="odmoe">odmoe</option>' in html
     assert '"odmoe": "shadow"' in html and '"full-cache": null' in html and '"lru-offload": "next-gate"' in html
     model = register_model(name="tiny", path=str(tiny_model))
     nodes = []

@@ -345,3 +345,35 @@ def test_the_estimate_of_a_deployment_without_a_shadow_has_no_shadow_memory(staf
         "/api/deployments/estimate", {"workers": 2, "strategy": "full-cache", "predictor": "next-gate"}, format="json"
     )
     assert refused.status_code == 400 and "takes no predictor" in refused.json()["detail"]
+
+
+def test_an_approximate_strategy_needs_the_models_similarity_table_and_is_marked(
+    staff: APIClient, tiny_model: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    import torch
+
+    from inference.importance import write_similarity
+
+    plain = register_model(name="plain", path=str(tiny_model))
+    a, b = box("a", 8), box("b", 8)
+    body = {"name": "lossy", "nodes": ids(a, b), "strategy": "importance"}
+    refused = staff.post("/api/deployments", body | {"model": plain.pk}, format="json")
+    assert refused.status_code == 400 and "python -m inference calibrate" in refused.json()["detail"]
+    assert not Deployment.objects.filter(name="lossy").exists()
+
+    calibrated_dir = tmp_path / "calibrated"
+    shutil.copytree(tiny_model, calibrated_dir)
+    write_similarity(calibrated_dir, torch.eye(8).expand(4, 8, 8), tokens=1)
+    calibrated = register_model(name="calibrated", path=str(calibrated_dir))
+    made = staff.post("/api/deployments", body | {"model": calibrated.pk}, format="json")
+    assert made.status_code == 201, made.content
+    deployment = made.json()
+    assert deployment["approximate"] is True and deployment["strategy"] == "importance"
+    assert "shadow" not in {m["role"] for m in deployment["members"]}  # it predicts nothing: no shadow seat
+    exact = staff.get("/api/deployments").json()["results"]
+    assert [d["approximate"] for d in exact if d["name"] == "lossy"] == [True]
+    # The simulator models the exact strategies only, and says so.
+    estimate = staff.post("/api/deployments/estimate", {"workers": 2, "strategy": "importance"}, format="json")
+    assert estimate.status_code == 400 and "benchmarks.quality" in str(estimate.json())

@@ -120,7 +120,7 @@
           m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
       });
       return el("div", { class: "deployment", "data-deployment": d.name },
-        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy}${d.predictor ? ` with ${d.predictor}` : ""} · max batch ${d.max_batch} · ${d.status_reason}`)),
+        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy}${d.approximate ? " (approximate: not Transformers' tokens)" : ""}${d.predictor ? ` with ${d.predictor}` : ""} · max batch ${d.max_batch} · ${d.status_reason}`)),
         el("div", { class: "row" },
           running ? el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/stop`) }, "Stop")
                   : el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/start`) }, "Start"),

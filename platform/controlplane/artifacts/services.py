@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
 from inference.checkpoint import Checkpoint, CheckpointError
+from inference.importance import SIMILARITY_FILE
 from inference.sharding import ShardError, add_shadow_shards, build_shards, shadow_dtypes_to_build
 
 from .models import ModelArtifact, ModelStatus, ShardStatus
@@ -340,13 +341,17 @@ def _build_lock(out: Path) -> Iterator[None]:
 
 def shards_ready_for(artifact: ModelArtifact, *, workers: int, shadow_dtype: str, shadow: bool = True) -> bool:
     """Whether the built set serves ``workers`` workers and a ``shadow_dtype`` shadow as it should
-    (any shadow dtype will do for a deployment without a shadow seat: ``shadow`` false)."""
+    (any shadow dtype will do for a deployment without a shadow seat: ``shadow`` false), and
+    carries the model's expert similarity table in main's shard if the model has one."""
     if not (
         artifact.shard_status == ShardStatus.READY
         and artifact.shard_workers == workers
         and Path(artifact.shard_dir).is_dir()
     ):
         return False
+    calibrated = (Path(artifact.path) / SIMILARITY_FILE).is_file()
+    if calibrated and not (Path(artifact.shard_dir) / "main" / SIMILARITY_FILE).is_file():
+        return False  # calibrated after the shards were built: main's shard must carry the table
     if not shadow:
         return True
     return set(needed_shadow_dtypes(artifact, shadow_dtype)) <= set(artifact.shard_shadow_dtypes or [])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.deployments.models import Deployment
 from controlplane.nodes.models import Node, NodeTask, TaskState
+from inference.strategies import get_strategy
 
 RECENT_TASKS = 50
 
@@ -68,6 +69,7 @@ def _deployment(deployment: Deployment) -> dict:
         "token_period": deployment.token_period,
         "kv_period": deployment.kv_period,
         "strategy": deployment.strategy,
+        "approximate": not get_strategy(deployment.strategy).exact,
         "predictor": deployment.predictor,
         "max_batch": deployment.max_batch,
         "members": [

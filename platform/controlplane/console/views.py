@@ -9,7 +9,7 @@ from django.views.decorators.csrf import ensure_csrf_cookie
 
 from controlplane.deployments.services import DEFAULT_MAX_BATCH
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
-from inference.strategies import PREDICTORS, STRATEGIES, get_strategy
+from inference.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 
 from .snapshot import snapshot
 
@@ -24,9 +24,10 @@ def console(request: HttpRequest) -> HttpResponse:
     """
     context = {
         "shadow_dtypes": SHADOW_DTYPES,
-        "strategies": STRATEGIES,
+        # (name, label): an approximate strategy is marked so where it is chosen.
+        "strategies": [(s, s if get_strategy(s).exact else f"{s} (approximate)") for s in RUNTIME_STRATEGIES],
         "predictors": PREDICTORS,
-        "own_predictors": {s: get_strategy(s).predictor for s in STRATEGIES},
+        "own_predictors": {s: get_strategy(s).predictor for s in RUNTIME_STRATEGIES},
         "default_max_batch": DEFAULT_MAX_BATCH,
         "max_batch_limit": MAX_BATCH,
     }

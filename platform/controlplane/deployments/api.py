@@ -20,7 +20,7 @@ from controlplane.names import name_field
 from controlplane.pagination import paginated
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
 from inference.sim import hardware as sim_profiles
-from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, STRATEGIES
+from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES, STRATEGIES, get_strategy
 
 from . import generation, lifecycle, services
 from .models import Deployment, DeploymentNode
@@ -63,6 +63,12 @@ class MemberOutput(serializers.ModelSerializer):
 
 class DeploymentOutput(serializers.ModelSerializer):
     members = MemberOutput(many=True)
+    approximate = serializers.SerializerMethodField(
+        help_text="its strategy computes other experts than the routed ones (importance)"
+    )
+
+    def get_approximate(self, deployment: Deployment) -> bool:
+        return not get_strategy(deployment.strategy).exact
 
     class Meta:
         model = Deployment
@@ -76,6 +82,7 @@ class DeploymentOutput(serializers.ModelSerializer):
             "token_period",
             "kv_period",
             "strategy",
+            "approximate",
             "predictor",
             "max_batch",
             "created_at",
@@ -176,7 +183,7 @@ class SuggestApi(APIView):
         model = ReadyModelField()
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
-        strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
+        strategy = serializers.ChoiceField(choices=RUNTIME_STRATEGIES, default=DEFAULT_STRATEGY)
         predictor = predictor_field()
         max_batch = max_batch_field()
 
@@ -213,7 +220,7 @@ class DeploymentListApi(APIView):
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
         token_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
         kv_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
-        strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
+        strategy = serializers.ChoiceField(choices=RUNTIME_STRATEGIES, default=DEFAULT_STRATEGY)
         predictor = predictor_field()
         max_batch = max_batch_field()
 
@@ -371,12 +378,20 @@ class EstimateApi(APIView):
         model = serializers.PrimaryKeyRelatedField(queryset=ModelArtifact.objects.all(), required=False)
         profile = serializers.ChoiceField(choices=sorted(sim_profiles.PROFILES), default=sim_profiles.DEFAULT_PROFILE)
         workers = serializers.IntegerField(min_value=1, max_value=1024)
-        strategy = serializers.ChoiceField(choices=STRATEGIES, default=DEFAULT_STRATEGY)
+        strategy = serializers.ChoiceField(choices=RUNTIME_STRATEGIES, default=DEFAULT_STRATEGY)
         predictor = predictor_field()
         shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="int8")
         input_tokens = serializers.IntegerField(min_value=1, max_value=32768, default=128)
         output_tokens = serializers.IntegerField(min_value=2, max_value=32768, default=128)
         max_batch = max_batch_field()
+
+        def validate_strategy(self, value: str) -> str:
+            if value not in STRATEGIES:
+                raise serializers.ValidationError(
+                    f"the simulator models the exact strategies ({', '.join(STRATEGIES)}), not {value}; "
+                    "benchmarks.quality measures it"
+                )
+            return value
 
     @extend_schema(request=InputSerializer, responses=dict)
     def get(self, request: Request) -> Response:

@@ -10,7 +10,7 @@ from django.db import models
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
-from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, STRATEGIES, predictor_for
+from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES, predictor_for
 
 
 class DeploymentStatus(models.TextChoices):
@@ -54,9 +54,10 @@ class Deployment(models.Model):
     kv_period = models.PositiveIntegerField(default=1, help_text="align the shadow's KV cache every N steps (0 never)")
     strategy = models.CharField(
         max_length=16,
-        choices=[(s, s) for s in STRATEGIES],
+        choices=[(s, s) for s in RUNTIME_STRATEGIES],
         default=DEFAULT_STRATEGY,
-        help_text="what workers keep on their GPUs (inference/strategies.py); applied on the next start",
+        help_text="what workers keep on their GPUs (inference/strategies.py; importance is approximate); "
+        "applied on the next start",
     )
     predictor = models.CharField(
         max_length=16,

@@ -17,6 +17,7 @@ reactive) run on main and workers alone, and their memory plan has no shadow to 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
@@ -27,6 +28,7 @@ from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
 from inference.checkpoint import Checkpoint, CheckpointError
 from inference.constants import MAX_BATCH
+from inference.importance import SIMILARITY_FILE
 from inference.memory import (
     MemoryPlan,
     Placed,
@@ -191,7 +193,11 @@ def create_deployment(
     try:
         check_registered(model)
         validate_periods(token_period, kv_period)
-        get_strategy(strategy)
+        if not get_strategy(strategy).exact and not (Path(model.path) / SIMILARITY_FILE).is_file():
+            raise ValueError(
+                f"{strategy} needs the model's expert similarity table ({SIMILARITY_FILE}): run "
+                f"`python -m inference calibrate {model.path}` on the control plane, then deploy"
+            )
         shadow = needs_shadow(strategy, predictor)
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
