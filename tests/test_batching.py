@@ -19,6 +19,7 @@ from inference.batching import (
     prefill_pieces,
 )
 from inference.records import RequestState
+from inference.roles.worker import session_step
 
 
 def _sequence(name: str, body) -> Sequence:
@@ -122,3 +123,12 @@ def test_a_prompt_is_prefilled_in_pieces_of_the_step_size_the_last_one_the_rest(
     for bad in ((0, 4), (5, -1)):
         with pytest.raises(ValueError):
             prefill_pieces(*bad)
+
+
+def test_a_prediction_counts_for_a_session_step_only_while_its_session_runs() -> None:
+    joined = {"seq-a": 3}
+    assert session_step("session-1", 5, "session-1", joined) == 5  # main's own guess, in session steps
+    assert session_step("seq-a", 2, "session-1", joined) == 5  # the shadow's, in the sequence's steps
+    assert session_step("seq-b", 2, "session-1", joined) is None  # a sequence that never joined
+    assert session_step("", 2, "", {}) is None  # no session runs: a peer cannot make an idle worker load
+    assert session_step("seq-a", 2, "", joined) is None

@@ -41,6 +41,22 @@ from inference.transport import Received
 log = logging.getLogger(__name__)
 
 MAX_JOINED = 1024  # sequences of one session a worker remembers (main runs far fewer at once)
+# (step, layer) pairs with predictions not yet served: the shadow runs a few steps ahead, a
+# chunked prefill's pieces some more; beyond this it is a peer flooding the worker.
+MAX_PREDICTED = 16384
+
+
+def session_step(source: str, step: int, session: str, joined: dict[str, int]) -> int | None:
+    """The session step a prediction from ``source`` for its ``step`` is for, or None: main's
+    own guesses come in session steps, the shadow's in a joined sequence's steps; with no
+    session running (a late one for a session that ended, or a peer's stray) it is for none."""
+    if not session:
+        return None
+    if source == session:
+        return step
+    if source in joined:
+        return joined[source] + step
+    return None
 
 
 class WorkerRole:
@@ -88,6 +104,7 @@ class WorkerRole:
         self.joined: dict[str, int] = {}  # a sequence of the session -> the session step of its prefill
         # Per (session step, layer), what each source predicted (main, or the shadow per sequence).
         self.predicted: dict[tuple[int, int], dict[str, list[int]]] = {}
+        self.flooded = 0  # predictions dropped this session because too many layers ahead were predicted
         self.served: tuple[int, int] = (-1, -1)  # the last (step, layer) main asked for
         self.held: dict[Key, Resident] = {}  # experts on the device until the layer's final request
         log.info(
@@ -138,6 +155,7 @@ class WorkerRole:
         self.request_id = msg.request_id
         self.joined.clear()
         self.predicted.clear()
+        self.flooded = 0
         self.served = (-1, -1)
         for layer, expert in prefill_prefetch(self.strategy, self.placement, self.index):
             self.loader.prefetch((0, layer, expert))
@@ -155,16 +173,18 @@ class WorkerRole:
         Main's own guesses come in session steps; the shadow's per sequence, in the
         sequence's steps, which its join places in the session.
         """
-        if msg.request_id == self.request_id:
-            step = msg.step
-        elif msg.request_id in self.joined:
-            step = self.joined[msg.request_id] + msg.step
-        else:
+        step = session_step(msg.request_id, msg.step, self.request_id, self.joined)
+        if step is None:
             return
         if msg.layer not in self.decode_layers or (step, msg.layer) <= self.served:
             return  # not a layer of ours, or main has already served it: the prediction came too late
         if any((msg.layer, e) not in self.store_keys for e in msg.experts):
             log.warning("dropped a prediction for layer %d naming experts this worker lacks", msg.layer)
+            return
+        if (step, msg.layer) not in self.predicted and len(self.predicted) >= MAX_PREDICTED:
+            self.flooded += 1
+            if self.flooded == 1:  # once per session: a flooding peer must not flood the log too
+                log.warning("dropping predictions beyond %d predicted layers ahead (a peer flooding?)", MAX_PREDICTED)
             return
         sources = self.predicted.setdefault((step, msg.layer), {})
         sources[msg.request_id] = msg.experts  # a newer prediction from the same source replaces its older one
@@ -293,6 +313,7 @@ class WorkerRole:
         self.request_id = ""
         self.joined.clear()
         self.predicted.clear()
+        self.flooded = 0
 
 
 def _read_config(shard_dir: str) -> dict:
