@@ -107,19 +107,10 @@ def measure(cluster: LocalCluster, prompts: list[list[int]], new_tokens: int) ->
     # requests out, workers' loads and compute, results back) are timed by main; the rest is
     # main's own work for every sequence (attention, routers, sampling, the turns between them).
     gaps = [statistics.median(b - a for a, b in itertools.pairwise(s.token_times)) * 1000 for s in streams]
-    rounds = [
-        sum(layer["dispatch_ms"] for layer in step["layers"])
-        for s in streams
-        for step in s.done.metrics["per_step"]  # type: ignore[union-attr]
-        if step["step"] > 0
-    ]
     # Of the rounds, the busiest worker's load wait + compute per layer (the rest: messages).
-    busiest = [
-        sum(layer["worker_ms"] for layer in step["layers"])
-        for s in streams
-        for step in s.done.metrics["per_step"]  # type: ignore[union-attr]
-        if step["step"] > 0
-    ]
+    decode_steps = [step for s in streams for step in s.done.metrics["per_step"] if step["step"] > 0]  # type: ignore[union-attr]
+    rounds = [sum(layer["dispatch_ms"] for layer in step["layers"]) for step in decode_steps]
+    busiest = [sum(layer["worker_ms"] for layer in step["layers"]) for step in decode_steps]
     step_ms = statistics.median(gaps)
     rounds_ms = statistics.median(rounds) if rounds else 0.0
     figures = {

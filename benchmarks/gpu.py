@@ -720,7 +720,7 @@ def shadow_skip_reason(dtype: str) -> str | None:
 
 def plan_runs(strategies: list[str], shadow_dtypes: list[str]) -> list[tuple[str, str | None]]:
     """Every (strategy, shadow dtype) to serve, the most telling first."""
-    wanted = [(s, d) for s in strategies for d in (shadow_dtypes if get_strategy(s).uses_shadow else [None])]
+    wanted = [(s, d) for s in strategies for d in (shadow_dtypes if get_strategy(s).predictor == "shadow" else [None])]
     first = [run for run in FIRST_RUNS if run in wanted]
     return first + [run for run in wanted if run not in first]
 
@@ -765,7 +765,7 @@ def serve_once(
     finally:
         cluster.close()  # again, in case a time limit cut the first close short
     metrics = {key: done.metrics.get(key) for key in RUN_METRICS}
-    if not get_strategy(strategy).uses_shadow and strategy != "lru-offload":
+    if get_strategy(strategy).predictor is None:
         metrics["recall"] = None  # nothing predicts: the metric would only count misses
     worker_peaks = done.metrics.get("worker_peak_expert_bytes") or {}
     if sampler is not None:

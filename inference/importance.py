@@ -62,7 +62,8 @@ def substitute(
     """
     if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
         raise ValueError("top_k_index and top_k_weights must both be [tokens, k]")
-    on_device = sorted(set(resident))
+    held = set(resident)
+    on_device = sorted(held)  # candidates in id order: the lowest wins a tie
     chosen = top_k_index.clone()
     if not on_device or threshold <= 0:
         return chosen, 0
@@ -71,13 +72,14 @@ def substitute(
     substituted = 0
     for t, (experts, token_weights) in enumerate(zip(rows, weights, strict=True)):
         for k, (expert, weight) in enumerate(zip(experts, token_weights, strict=True)):
-            if weight >= threshold or expert in on_device:
+            if weight >= threshold or expert in held:
                 continue
             taken = set(experts)
             candidates = [f for f in on_device if f not in taken]
             if not candidates:
                 continue
-            best = max(candidates, key=lambda f: (float(similarity[expert, f]), -f))
+            alike = similarity[expert].tolist()
+            best = max(candidates, key=lambda f: (alike[f], -f))
             experts[k] = best
             chosen[t, k] = best
             substituted += 1

@@ -34,8 +34,8 @@ from inference import schedule
 from inference.placement import Placement
 
 STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")  # exact: every token Transformers' own
-# Approximate: they compute other experts than the routed ones for speed (the runtime serves
-# them; the platform offers only the exact ones so far).
+# Approximate: they compute other experts than the routed ones for speed (the runtime and the
+# platform serve them, marked so; the simulator models only the exact ones).
 APPROXIMATE_STRATEGIES = ("importance",)
 RUNTIME_STRATEGIES = STRATEGIES + APPROXIMATE_STRATEGIES
 DEFAULT_STRATEGY = "odmoe"
@@ -58,16 +58,6 @@ class Strategy:
     def fixed_homes(self) -> bool:
         """Whether each expert always goes to the same worker (needed for any cache)."""
         return self.cache != "none"
-
-    @property
-    def uses_shadow(self) -> bool:
-        """Whether its own predictor is the shadow model."""
-        return self.predictor == "shadow"
-
-    @property
-    def main_predicts(self) -> bool:
-        """Whether its own predictor is main's next-layer router (speculative prefetch)."""
-        return self.predictor == "next-gate"
 
 
 _BY_NAME = {

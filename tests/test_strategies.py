@@ -34,8 +34,8 @@ def test_every_strategy_has_a_name_and_unknown_ones_are_refused() -> None:
     assert [get_strategy(name).name for name in STRATEGIES] == list(STRATEGIES)
     with pytest.raises(ValueError, match="strategy must be one of odmoe, full-cache, reactive, lru-offload"):
         get_strategy("belady")
-    assert get_strategy("odmoe").uses_shadow and not get_strategy("lru-offload").uses_shadow
-    assert get_strategy("lru-offload").main_predicts
+    assert get_strategy("odmoe").predictor == "shadow" and get_strategy("lru-offload").predictor != "shadow"
+    assert get_strategy("lru-offload").predictor == "next-gate"
 
 
 def test_a_predictor_is_the_strategys_own_unless_one_is_chosen() -> None:
