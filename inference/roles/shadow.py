@@ -63,7 +63,6 @@ class Emulation:
     token_aligns: int = 0
     kv_aligns: int = 0
     version: int = 0
-    end_identity: bytes = b""
 
 
 class ShadowRole:
@@ -133,9 +132,8 @@ class ShadowRole:
             log.info("alignment periods now token=%d kv=%d", msg.token_period, msg.kv_period)
         elif isinstance(msg, End) and state is None:
             # Nothing to finish (the request failed here, or never reached us): say so at once.
-            self.endpoint.reply(
-                received.identity,
-                ShadowStats(request_id=msg.request_id, steps_done=0, rewinds=0, token_aligns=0, kv_aligns=0),
+            self.endpoint.send(
+                "main", ShadowStats(request_id=msg.request_id, steps_done=0, rewinds=0, token_aligns=0, kv_aligns=0)
             )
         elif state is None:
             log.warning("dropped %s for a request that is not running", msg.TYPE)
@@ -143,7 +141,6 @@ class ShadowRole:
             self.on_align(state, msg)
         elif isinstance(msg, End):
             state.ending = True
-            state.end_identity = received.identity
         else:
             log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
 
@@ -248,8 +245,11 @@ class ShadowRole:
         state.next_step = s + 1
 
     def finish(self, state: Emulation) -> None:
-        self.endpoint.reply(
-            state.end_identity,
+        # On our link to main, behind every prediction we sent for this sequence: main keeps the
+        # sequence until these statistics come, so none of its predictions is lost. (As a reply
+        # on main's link to us, they overtook predictions still queued on ours.)
+        self.endpoint.send(
+            "main",
             ShadowStats(
                 request_id=state.request_id,
                 steps_done=state.next_step - 1,
