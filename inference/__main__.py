@@ -93,14 +93,15 @@ def _parser() -> argparse.ArgumentParser:
         choices=RUNTIME_STRATEGIES,
         default=DEFAULT_STRATEGY,
         help="what workers keep on the device: odmoe (shadow-predicted, cacheless), full-cache, reactive, lru-offload; "
-        "importance (approximate: substitutes held experts for unimportant ones; needs `calibrate`)",
+        "importance (approximate: substitutes held experts for unimportant ones; needs `calibrate`); "
+        "prerouter (approximate: trained heads' prediction is the routing; needs `train-prerouter`)",
     )
     gen.add_argument(
         "--predictor",
         choices=PREDICTORS,
         default="",
         help="who names the experts to load ahead (default: the strategy's own; odmoe: shadow, lru-offload: "
-        "next-gate, main's next-layer router, no shadow node)",
+        "next-gate, main's next-layer router, no shadow node; prerouter: main's trained heads, no shadow node)",
     )
     gen.add_argument(
         "--cache-experts", type=int, default=2, help="lru-offload, importance: experts cached per layer per worker"
@@ -125,9 +126,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--expert-store",
         choices=EXPERT_STORES,
-        default="ram",
-        help="where workers keep their experts: ram (read at start) or disk (read from the shard at each load)",
+        default="",
+        help="where workers keep their experts: ram (read at start), disk (read from the shard at each load) or "
+        "hot (read from disk, the last --hot-experts kept in RAM, predicted ones pinned until used); "
+        "default: the strategy's own (prerouter: hot, the others: ram)",
     )
+    gen.add_argument("--hot-experts", type=int, default=16, help="hot store: experts each worker keeps in RAM")
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     gen.add_argument(
         "--dtype",
@@ -154,6 +158,19 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=1500)
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(run=_train_demo)
+
+    pre = sub.add_parser(
+        "train-prerouter",
+        help="train the prerouter strategy's heads and recovery LoRA (written beside the weights)",
+    )
+    pre.add_argument("model_dir", type=Path)
+    pre.add_argument("--text", type=Path, help="a UTF-8 text file to train on (default: the demo's corpus)")
+    pre.add_argument("--corpus", type=Path, help="a folder of HTML pages (default: Debian's python3.11-doc)")
+    pre.add_argument("--head-steps", type=int, help="phase 1 steps (default: the recipe's, 1000)")
+    pre.add_argument("--lora-steps", type=int, help="phase 2 steps (default: the recipe's, 1500)")
+    pre.add_argument("--eval-tokens", type=int, help="held-out tokens scored (default: the recipe's, 16384)")
+    pre.add_argument("--seed", type=int, default=0)
+    pre.set_defaults(run=_train_prerouter)
 
     role = sub.add_parser("serve-role", help="run one role from a spec file (what an agent launches)")
     role.add_argument("--role", choices=("main", "shadow", "worker"), required=True)
@@ -286,6 +303,7 @@ def _generate(args: argparse.Namespace) -> int:
         importance_threshold=args.importance_threshold,
         cache_experts=args.cache_experts,
         expert_store=args.expert_store,
+        hot_experts=args.hot_experts,
     )
     validate_settings(settings)
     options = ClusterOptions(workers=args.workers, settings=settings)
@@ -331,6 +349,27 @@ def _train_demo(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
     train_demo(args.out_dir, args.corpus, recipe=Recipe(steps=args.steps, seed=args.seed))
+    return 0
+
+
+def _train_prerouter(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from inference.checkpoint import Checkpoint
+    from inference.textstream import load_tokenizer
+    from inference.train_demo import DEFAULT_CORPUS, _token_stream, corpus_texts
+    from inference.train_prerouter import PrerouterRecipe, train_prerouter
+
+    given = {k: v for k in ("head_steps", "lora_steps", "eval_tokens", "seed") if (v := getattr(args, k)) is not None}
+    if given.get("head_steps", 0) < 0 or given.get("lora_steps", 0) < 0 or given.get("eval_tokens", 2) < 2:
+        raise ValueError("--head-steps and --lora-steps must be >= 0 and --eval-tokens >= 2")
+    Checkpoint(args.model_dir)  # a bad model dir is reported before the text is read
+    tokenizer = load_tokenizer(args.model_dir)
+    if tokenizer is None:
+        raise ValueError(f"{args.model_dir} has no tokenizer to read the training text with")
+    texts = [args.text.read_text(encoding="utf-8")] if args.text else corpus_texts(args.corpus or DEFAULT_CORPUS)
+    recipe = dataclasses.replace(PrerouterRecipe(), **given)
+    train_prerouter(args.model_dir, _token_stream(tokenizer, texts), recipe)
     return 0
 
 

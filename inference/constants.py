@@ -9,8 +9,10 @@ OWN_SHADOW_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # Where a worker keeps the experts it owns: "ram" reads its shard into host memory at start,
-# "disk" reads each expert from the shard files when it is loaded (inference/store.py).
-EXPERT_STORES = ("ram", "disk")
+# "disk" reads each expert from the shard files when it is loaded (inference/store.py), "hot"
+# reads them from disk too but keeps the last ``hot_experts`` in RAM, predicted ones pinned
+# until used (inference/hotset.py).
+EXPERT_STORES = ("ram", "disk", "hot")
 
 # The most sequences main may run at once (``Settings.max_batch``): each holds a thread and a KV cache.
 MAX_BATCH = 64
@@ -22,3 +24,10 @@ MAX_BATCH = 64
 SHADOW_STATES_PER_SEQUENCE = 1
 # How a worker computes an expert's rows of several batched sequences (``Settings.batch_arithmetic``).
 BATCH_ARITHMETICS = ("exact", "fused")
+
+# Files a strategy or predictor needs beside a checkpoint's weights (``shard`` carries them into
+# main's shard): the importance strategy's expert similarity table (``python -m inference
+# calibrate``) and the prerouter's heads and recovery adapter (``python -m inference train-prerouter``).
+SIMILARITY_FILE = "expert-similarity.safetensors"
+PREROUTER_FILE = "prerouter.safetensors"
+MAIN_EXTRAS = (SIMILARITY_FILE, PREROUTER_FILE)  # not weights: never read as the model's tensors

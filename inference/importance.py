@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SIMILARITY_FILE = "expert-similarity.safetensors"
+from inference.constants import SIMILARITY_FILE
+
 SIMILARITY_KEY = "similarity"  # [layers, experts, experts] float32
 
 

@@ -21,7 +21,7 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   Its shard on disk is the converted model (the shard build pre-converts it), or the
   checkpoint's tensors when the shadow dtype is the checkpoint's own.
 - *worker i*: the experts ``placement(...).owned(i)`` gives it, in RAM (or on disk with
-  ``expert_store="disk"``); on its GPU what the strategy keeps resident
+  ``expert_store="disk"``, or ``hot_experts`` of them with ``"hot"``); on its GPU what the strategy keeps resident
   (``inference.strategies``): ``max_resident_experts`` in flight for the cacheless ones,
   plus up to ``cache_experts`` per layer it serves for ``lru-offload``, every expert it is
   home to for ``full-cache``.
@@ -46,9 +46,10 @@ from typing import Any
 from inference.checkpoint import EXPERT_PROJS, Checkpoint, expert_key_name, parse_expert_key
 from inference.constants import EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES, SHADOW_STATES_PER_SEQUENCE
 from inference.placement import Placement, placement
+from inference.prerouter import PrerouterShape
 from inference.sim.model_sizes import KNOWN_MODELS, ModelSizes, from_hf_config
 from inference.spec import Settings
-from inference.strategies import DEFAULT_STRATEGY, get_strategy, home_worker
+from inference.strategies import DEFAULT_STRATEGY, expert_store_for, get_strategy, home_worker
 
 GB = 10**9  # what the console and the messages print (decimal, as disks are sold)
 RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + transformers, before weights
@@ -280,8 +281,9 @@ def memory_from_checkpoint(
     max_resident_experts: int = Settings.max_resident_experts,
     cache_experts: int = Settings.cache_experts,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-    expert_store: str = "ram",
+    expert_store: str = "",
     max_batch: int = DEFAULT_MAX_BATCH,
+    hot_experts: int = Settings.hot_experts,
 ) -> MemoryPlan:
     """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes.
 
@@ -303,6 +305,7 @@ def memory_from_checkpoint(
         context_tokens=context_tokens,
         expert_store=expert_store,
         max_batch=max_batch,
+        hot_experts=hot_experts,
     )
 
 
@@ -316,8 +319,9 @@ def memory_from_config(
     max_resident_experts: int = Settings.max_resident_experts,
     cache_experts: int = Settings.cache_experts,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-    expert_store: str = "ram",
+    expert_store: str = "",
     max_batch: int = DEFAULT_MAX_BATCH,
+    hot_experts: int = Settings.hot_experts,
 ) -> MemoryPlan:
     """The same plan from a config alone (a ``config.json`` dict, sizes, or a known model's name).
 
@@ -347,6 +351,7 @@ def memory_from_config(
         context_tokens=context_tokens,
         expert_store=expert_store,
         max_batch=max_batch,
+        hot_experts=hot_experts,
     )
 
 
@@ -363,20 +368,26 @@ def plan_memory(
     context_tokens: int,
     expert_store: str,
     max_batch: int,
+    hot_experts: int = Settings.hot_experts,
 ) -> MemoryPlan:
     """Memory per role from a model's tensors and shape (what both entry points share).
+
+    ``expert_store`` "" is the strategy's own (``inference.strategies.expert_store_for``).
 
     Every sequence main runs holds its own KV cache, as does every sequence the shadow follows:
     main's is ``max_batch * kv_cache_bytes(context_tokens)`` (every running sequence at its full
     context, the worst case), the shadow's ``shadow_max_states(max_batch)`` times one sequence's.
     """
     get_strategy(strategy)  # a ValueError naming the choices
+    expert_store = expert_store_for(strategy, expert_store)
     if shadow_dtype not in SHADOW_DTYPES:
         raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
     if expert_store not in EXPERT_STORES:
         raise ValueError(f"expert_store must be one of {', '.join(EXPERT_STORES)}, got {expert_store!r}")
-    if max_resident_experts < 1 or cache_experts < 0 or context_tokens < 0:
-        raise ValueError("max_resident_experts >= 1, cache_experts >= 0 and context_tokens >= 0 are required")
+    if max_resident_experts < 1 or cache_experts < 0 or context_tokens < 0 or hot_experts < 1:
+        raise ValueError(
+            "max_resident_experts >= 1, cache_experts >= 0, context_tokens >= 0 and hot_experts >= 1 are required"
+        )
     if not 1 <= max_batch <= MAX_BATCH:
         raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
     if not tensors:
@@ -395,12 +406,14 @@ def plan_memory(
     total = sum(t.nbytes for t in tensors)
 
     main_kv = kv_cache_bytes(sizes, element, context_tokens, max_batch)
+    # The prerouter's heads and recovery adapter sit on main beside its weights (and on disk in its shard).
+    extra = prerouter_bytes(sizes, element) if get_strategy(strategy).routes_by_prediction else 0
     main = RoleMemory(
         "main",
-        host_bytes=dense + RUNTIME_OVERHEAD_BYTES,
-        gpu_bytes=dense + main_kv + CUDA_CONTEXT_BYTES,
-        disk_bytes=dense,
-        cpu_bytes=dense + main_kv + RUNTIME_OVERHEAD_BYTES,
+        host_bytes=dense + extra + RUNTIME_OVERHEAD_BYTES,
+        gpu_bytes=dense + extra + main_kv + CUDA_CONTEXT_BYTES,
+        disk_bytes=dense + extra,
+        cpu_bytes=dense + extra + main_kv + RUNTIME_OVERHEAD_BYTES,
         kv_sequences=max_batch,
         kv_tokens=context_tokens,
     )
@@ -428,6 +441,8 @@ def plan_memory(
         )
         if expert_store == "disk":
             host = DISK_STORE_STAGED_EXPERTS * expert_bytes + RUNTIME_OVERHEAD_BYTES
+        elif expert_store == "hot":  # the hot set, plus what is read on its way to the device
+            host = min(owned, (hot_experts + DISK_STORE_STAGED_EXPERTS) * expert_bytes) + RUNTIME_OVERHEAD_BYTES
         else:
             host = owned + RUNTIME_OVERHEAD_BYTES
         roles.append(RoleMemory(f"worker-{worker}", host, on_gpu + CUDA_CONTEXT_BYTES, owned, host + on_gpu))
@@ -444,6 +459,17 @@ def plan_memory(
         total_bytes=total,
         roles=tuple(roles),
     )
+
+
+def prerouter_bytes(sizes: ModelSizes, element_bytes: int, shape: PrerouterShape | None = None) -> int:
+    """Main's memory for the prerouter (``inference.prerouter``, its default shape unless given): the
+    heads in float32 and the recovery adapter on the attention projections in the model's dtype."""
+    shape = shape or PrerouterShape(sizes.layers, sizes.experts, sizes.top_k, sizes.hidden)
+    width, rank, e, h = shape.head_width, shape.lora_rank, sizes.experts, sizes.hidden
+    head = h * width + width + width * e + e + 2 * e * e
+    q, kv = sizes.query_heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
+    adapter = rank * ((h + q) + 2 * (h + kv) + (q + h))  # q, k, v and o projections
+    return sizes.layers * (4 * head + element_bytes * adapter)
 
 
 def _checkpoint_element_bytes(tensors: Sequence[TensorSize]) -> int:
@@ -717,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
         help="sequences main runs at once, each with its own KV cache "
         f"(the shadow follows {SHADOW_STATES_PER_SEQUENCE} x max_batch, each with its own too)",
     )
-    parser.add_argument("--expert-store", default="ram", choices=EXPERT_STORES)
+    parser.add_argument("--expert-store", default="", choices=("", *EXPERT_STORES), help="default: the strategy's own")
+    parser.add_argument("--hot-experts", type=int, default=Settings.hot_experts, help="hot store: experts in RAM")
     args = parser.parse_args(argv)
     if not 1 <= args.max_batch <= MAX_BATCH:
         parser.error(f"--max-batch must be from 1 to {MAX_BATCH}")
@@ -726,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         "context_tokens": args.context,
         "expert_store": args.expert_store,
         "max_batch": args.max_batch,
+        "hot_experts": args.hot_experts,
     }
     kv = kv_sizing(args.max_batch, args.context)
     if args.checkpoint:

@@ -68,6 +68,7 @@ def build_metrics(
     decode_wait: list[float] = []
     decode_coordination: list[float] = []
     decode_worker: list[float] = []
+    late = 0  # decode experts computed that no prediction had named when main dispatched their layer
     for step in state.steps:
         layers = []
         step_recalls = []
@@ -87,6 +88,7 @@ def build_metrics(
                 in_time += rec.predicted is not None
                 r = recall(predicted, rec.real)
                 entry.update(predicted=predicted, predicted_in_time=rec.predicted is not None, recall=r)
+                late += len(set(rec.real) - set(rec.predicted or ()))
                 step_recalls.append(r)
                 per_layer.setdefault(rec.layer, []).append(r)
                 decode_dispatch.append(rec.dispatch_ms)
@@ -118,6 +120,10 @@ def build_metrics(
         "cache_hit_rate": state.resident_slots / state.expert_slots if state.expert_slots else None,
         "substitutions": state.substitutions,
         "substitutions_per_token": state.substitutions / max(1, len(times) - 1),
+        "late_experts": late,
+        "late_experts_per_token": late / max(1, len(times) - 1),
+        # prerouter: the share of routed expert slots that the model's own router would have chosen too.
+        "router_agreement": state.router_matches / state.router_slots if state.router_slots else None,
         "ttft_ms": ttft_ms,
         "decode_tok_s": decode_tok_s,
         "e2e_tok_s": len(times) / total_s if total_s > 0 else 0.0,
@@ -133,6 +139,8 @@ def build_metrics(
         "prefetch_hits": sum(s.hits for s in worker_stats.values()),
         "prefetch_misses": sum(s.misses for s in worker_stats.values()),
         "wasted_loads": sum(s.wasted_loads for s in worker_stats.values()),
+        "disk_reads": sum(s.disk_reads for s in worker_stats.values()),
+        "hot_set_hits": sum(s.hot_hits for s in worker_stats.values()),
         "decode_layer_dispatch_ms_median": statistics.median(decode_dispatch) if decode_dispatch else None,
         "decode_layer_load_wait_ms_median": statistics.median(decode_wait) if decode_wait else None,
         "decode_layer_worker_ms_median": statistics.median(decode_worker) if decode_worker else None,

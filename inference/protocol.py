@@ -311,6 +311,9 @@ class WorkerStats(Message):
     misses: int
     wasted_loads: int
     load_ms: float
+    # A "hot" expert store (inference.hotset): experts read from disk, and served from RAM.
+    disk_reads: int = 0
+    hot_hits: int = 0
 
 
 @message

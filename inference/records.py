@@ -4,8 +4,12 @@ per layer what was routed, predicted, waited for and computed (read by ``inferen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from transformers import DynamicCache
+
+if TYPE_CHECKING:
+    from inference.prerouter import SequenceRoutes
 
 
 @dataclass
@@ -51,8 +55,12 @@ class RequestState:
     expert_slots: int = 0
     resident_slots: int = 0
     substitutions: int = 0
+    # prerouter (approximate): routed expert slots, and those the model's own router chose too.
+    router_slots: int = 0
+    router_matches: int = 0
     kv_synced: int = 0  # positions of main's KV cache the shadow already holds
     cancelled: bool = False
     cache: DynamicCache | None = None
+    routes: SequenceRoutes | None = None  # the prerouter's memory of this sequence (inference.prerouter)
     alignment_log: list[dict] = field(default_factory=list)
     roles_lost: set[str] = field(default_factory=set)  # workers or the shadow lost during it, served around

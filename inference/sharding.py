@@ -45,8 +45,7 @@ from inference.checkpoint import (
     expert_key_name,
     is_expert_key,
 )
-from inference.constants import OWN_SHADOW_DTYPE, SHADOW_DTYPES
-from inference.importance import SIMILARITY_FILE
+from inference.constants import MAIN_EXTRAS, OWN_SHADOW_DTYPE, SHADOW_DTYPES
 from inference.placement import LayerExpert, Placement, placement, placement_from_dict
 from inference.tensorfile import TensorFileError, iter_tensors
 
@@ -376,7 +375,7 @@ def _build_role(
     writer.flush()
     extras = (CONFIG_FILE,) if role.role == "worker" else (CONFIG_FILE, *TOKENIZER_FILES)
     if role.role == "main":
-        extras = (*extras, SIMILARITY_FILE)  # the importance strategy's table, where calibrated
+        extras = (*extras, *MAIN_EXTRAS)  # the approximate strategies' tables and heads, where made
     for name in extras:
         if (ckpt.path / name).is_file():
             shutil.copyfile(ckpt.path / name, directory / name)
@@ -543,7 +542,7 @@ def load_role_tensors(
     parts = [
         entry["path"]
         for entry in manifest["files"]
-        if entry["path"].endswith(".safetensors") and entry["path"] != SIMILARITY_FILE  # weights, not the table
+        if entry["path"].endswith(".safetensors") and entry["path"] not in MAIN_EXTRAS  # weights, not tables
     ]
     wanted = None if keys is None else set(keys)
     return _iter_parts(directory, sorted(parts), wanted)

@@ -64,9 +64,12 @@ class Settings:
     # Emulated network uplink of every role (bytes/s and one-way latency); None = the real one.
     link_bytes_per_s: float | None = None
     link_latency_s: float = 0.0
-    # Where workers keep their experts: "ram" (read at start) or "disk" (read at each load).
-    expert_store: str = "ram"
-    disk_bytes_per_s: float | None = None  # emulated disk read bandwidth of the "disk" store
+    # Where workers keep their experts: "ram" (read at start), "disk" (read at each load) or
+    # "hot" (read from disk, the last ``hot_experts`` kept in RAM, predicted ones pinned);
+    # "" = the strategy's own (prerouter: "hot", the others "ram").
+    expert_store: str = ""
+    hot_experts: int = 16
+    disk_bytes_per_s: float | None = None  # emulated disk read bandwidth of the "disk" and "hot" stores
     # Continuous batching (inference.batching): sequences main runs at once, and requests it
     # holds beyond them before it refuses new ones.
     max_batch: int = 8
@@ -170,7 +173,9 @@ def validate_settings(s: Settings) -> Settings:
         raise SpecError(str(exc)) from None
     if s.cache_experts < 0:
         raise SpecError("cache_experts must be >= 0")
-    if s.expert_store not in EXPERT_STORES:
+    if s.hot_experts < 1:
+        raise SpecError(f"hot_experts must be >= 1 (experts a hot store keeps in RAM), got {s.hot_experts}")
+    if s.expert_store and s.expert_store not in EXPERT_STORES:
         raise SpecError(f"expert_store must be one of {', '.join(EXPERT_STORES)}, got {s.expert_store!r}")
     for name in ("copy_bytes_per_s", "link_bytes_per_s", "disk_bytes_per_s"):
         value = getattr(s, name)

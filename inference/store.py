@@ -5,7 +5,8 @@ A store hands out host-side expert weights by (layer, expert) in the fused layou
 front (pinned when a GPU will copy from it); ``DiskStore`` keeps only an index of where
 each expert lies in the shard's files and reads an expert when the loader asks for it, so
 a worker's host memory stays at its overhead plus the experts in flight, whatever it owns.
-``open_store`` picks one by the ``expert_store`` setting (``"ram"`` or ``"disk"``).
+``open_store`` picks one by the ``expert_store`` setting (``"ram"``, ``"disk"``, or ``"hot"``: a
+disk store with a hot set in RAM, ``inference.hotset``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -26,6 +27,9 @@ from inference.constants import EXPERT_STORES
 from inference.experts import ExpertWeights
 from inference.sharding import MANIFEST_FILE, ShardError, role_experts, verify_shard
 from inference.tensorfile import TensorEntry, TensorFileError, read_header
+
+if TYPE_CHECKING:
+    from inference.hotset import HotSetStore
 
 LayerExpert = tuple[int, int]
 
@@ -46,16 +50,27 @@ def open_store(
     verify: bool = True,
     read_bytes_per_s: float | None = None,
     dtype: torch.dtype | None = None,
-) -> HostMemoryStore | DiskStore:
-    """The ``kind`` store (``"ram"`` or ``"disk"``) of the worker shard in ``shard_dir``.
+    hot_experts: int = 0,
+) -> HostMemoryStore | DiskStore | HotSetStore:
+    """The ``kind`` store (``"ram"``, ``"disk"`` or ``"hot"``) of the worker shard in ``shard_dir``.
 
-    ``read_bytes_per_s`` emulates the disk's read bandwidth and only applies to ``"disk"``;
-    ``dtype`` casts every expert as it is read (None: the checkpoint's own dtype).
+    ``read_bytes_per_s`` emulates the disk's read bandwidth (``"disk"`` and ``"hot"``);
+    ``dtype`` casts every expert as it is read (None: the checkpoint's own dtype);
+    ``hot_experts`` is how many experts a ``"hot"`` store keeps in RAM.
     """
     if kind == "ram":
         return HostMemoryStore.from_shard(shard_dir, pin=pin, verify=verify, dtype=dtype)
-    if kind == "disk":
-        return DiskStore(shard_dir, pin=pin, verify=verify, read_bytes_per_s=read_bytes_per_s, dtype=dtype)
+    if kind in ("disk", "hot"):
+        disk = DiskStore(shard_dir, pin=pin, verify=verify, read_bytes_per_s=read_bytes_per_s, dtype=dtype)
+        if kind == "disk":
+            return disk
+        from inference.hotset import HotSetStore
+
+        try:
+            return HotSetStore(disk, hot_experts)
+        except ValueError:
+            disk.close()
+            raise
     raise ValueError(f"expert store must be one of {', '.join(EXPERT_STORES)}, got {kind!r}")
 
 

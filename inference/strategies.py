@@ -16,9 +16,13 @@ worker keeps on its device and who tells it what to load ahead:
 - ``importance`` (approximate; ``inference.importance``): the caches of ``lru-offload``
   without prediction, and a low-importance routed expert that is not resident is replaced by
   the most similar resident one (Zhu et al. 2025).
+- ``prerouter`` (approximate; ``inference.prerouter``): Edge0's trained heads on main name
+  each layer's experts before its input exists, and that prediction *is* the routing, so
+  workers (cacheless, as odmoe) compute exactly what they staged: no late experts.
 
-The strategies that load ahead take either predictor (``PREDICTORS``, ``predictor_for``):
-odmoe with ``next-gate`` runs without a shadow node, on main's own guess.
+The exact strategies that load ahead take any predictor (``PREDICTORS``, ``predictor_for``):
+odmoe with ``next-gate`` or ``prerouter`` runs without a shadow node, on main's own guess.
+A strategy whose routing is its prediction takes no other predictor.
 
 With a cache, an expert must always go to the same worker, so the strategies that cache
 give each expert a fixed *home* in its layer's group (``home_worker``), in prefill too;
@@ -31,18 +35,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from inference import schedule
+from inference.constants import PREROUTER_FILE, SIMILARITY_FILE
 from inference.placement import Placement
 
 STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")  # exact: every token Transformers' own
 # Approximate: they compute other experts than the routed ones for speed (the runtime and the
 # platform serve them, marked so; the simulator models only the exact ones).
-APPROXIMATE_STRATEGIES = ("importance",)
+APPROXIMATE_STRATEGIES = ("importance", "prerouter")
 RUNTIME_STRATEGIES = STRATEGIES + APPROXIMATE_STRATEGIES
 DEFAULT_STRATEGY = "odmoe"
 # Who names the experts a worker loads ahead (``Settings.predictor``): the shadow, a whole
 # model of its own on a node of its own that runs ahead of main; or ``next-gate``, main itself,
-# applying the next layer's router to the current layer's input (no node, one layer of lead).
-PREDICTORS = ("shadow", "next-gate")
+# applying the next layer's router to the current layer's input (no node, one layer of lead);
+# or ``prerouter``, main's trained heads (``inference.prerouter``; no node, one layer of lead).
+PREDICTORS = ("shadow", "next-gate", "prerouter")
+# What a predictor needs beside the checkpoint's weights, and the command that makes it.
+PREDICTOR_NEEDS = {"prerouter": ((PREROUTER_FILE, "python -m inference train-prerouter"),)}
 
 LayerExpert = tuple[int, int]
 
@@ -53,6 +61,11 @@ class Strategy:
     predictor: str | None  # its own predictor (one of PREDICTORS), or None: it loads nothing ahead
     cache: str  # "none" (free after use), "all" (everything resident), "lru" (per-layer LRU)
     exact: bool = True  # computes exactly the routed experts (importance substitutes some)
+    substitutes: bool = False  # swaps unimportant experts for held similar ones (importance)
+    routes_by_prediction: bool = False  # its predictor's choice is the routing (prerouter)
+    # Files it needs beside the checkpoint's weights, each with the command that makes it.
+    needs: tuple[tuple[str, str], ...] = ()
+    expert_store: str = "ram"  # where its workers keep their experts unless a deployment says (EXPERT_STORES)
 
     @property
     def fixed_homes(self) -> bool:
@@ -65,7 +78,23 @@ _BY_NAME = {
     "full-cache": Strategy("full-cache", predictor=None, cache="all"),
     "reactive": Strategy("reactive", predictor=None, cache="none"),
     "lru-offload": Strategy("lru-offload", predictor="next-gate", cache="lru"),
-    "importance": Strategy("importance", predictor=None, cache="lru", exact=False),
+    "importance": Strategy(
+        "importance",
+        predictor=None,
+        cache="lru",
+        exact=False,
+        substitutes=True,
+        needs=((SIMILARITY_FILE, "python -m inference calibrate"),),
+    ),
+    "prerouter": Strategy(
+        "prerouter",
+        predictor="prerouter",
+        cache="none",
+        exact=False,
+        routes_by_prediction=True,
+        needs=((PREROUTER_FILE, "python -m inference train-prerouter"),),
+        expert_store="hot",  # Edge0 streams experts from the SSD, a hot set in RAM
+    ),
 }
 
 
@@ -88,7 +117,24 @@ def predictor_for(strategy: str, chosen: str = "") -> str | None:
         raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {chosen!r}")
     if own is None:
         raise ValueError(f"{strategy} loads only what is routed and takes no predictor, got {chosen!r}")
+    if get_strategy(strategy).routes_by_prediction and chosen != own:
+        raise ValueError(f"{strategy} routes by its own {own} and takes no other predictor, got {chosen!r}")
     return chosen
+
+
+def expert_store_for(strategy: str, chosen: str = "") -> str:
+    """Where workers keep their experts under ``strategy``: ``chosen``, or "" for the strategy's own."""
+    return chosen or get_strategy(strategy).expert_store
+
+
+def needed_files(strategy: str, predictor: str = "") -> list[tuple[str, str]]:
+    """(file, command that makes it) for everything ``strategy`` with ``predictor`` needs beside the
+    checkpoint's weights, in main's shard."""
+    needs = list(get_strategy(strategy).needs)
+    for need in PREDICTOR_NEEDS.get(predictor_for(strategy, predictor) or "", ()):
+        if need not in needs:
+            needs.append(need)
+    return needs
 
 
 def home_worker(expert: int, members: Sequence[int]) -> int:

@@ -20,42 +20,13 @@ from inference.protocol import GenerateDone
 from inference.spec import Settings
 from inference.strategies import STRATEGIES
 from tests.reference import PROMPTS, reference_generate
+from tests.streams import run_streams
 
 pytestmark = pytest.mark.slow
 
 # Eight streams: the five shared prompts and three more, each with its own answer length.
 STREAM_PROMPTS = [*PROMPTS, [1, 7], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309], [1, 2, 3]]
 NEW_TOKENS = [24, 10, 30, 16, 20, 6, 28, 12]
-
-
-def run_streams(
-    cluster: LocalCluster,
-    prompts: list[list[int]],
-    new_tokens: list[int],
-    *,
-    stagger_s: float = 0.03,
-    per_stream: list[dict] | None = None,
-) -> list[GenerateDone | BaseException]:
-    """Each prompt on its own client and thread, started ``stagger_s`` apart (``per_stream``: options)."""
-    results: list[GenerateDone | BaseException] = [RuntimeError("did not run")] * len(prompts)
-
-    def stream(i: int) -> None:
-        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.curve)
-        try:
-            time.sleep(stagger_s * i)
-            options = per_stream[i] if per_stream else {}
-            results[i] = client.generate(prompts[i], new_tokens[i], timeout_s=180, **options)
-        except (GenerationFailed, TimeoutError) as exc:
-            results[i] = exc
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
 
 
 def references(model: Path) -> list[list[int]]:

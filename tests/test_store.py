@@ -132,7 +132,7 @@ def test_emulated_disk_bandwidth_is_one_shared_token_bucket(shards: ShardSet) ->
 
 
 def test_bad_store_settings_are_refused(shards: ShardSet) -> None:
-    with pytest.raises(SpecError, match="expert_store must be one of ram, disk, got 'tape'"):
+    with pytest.raises(SpecError, match="expert_store must be one of ram, disk, hot, got 'tape'"):
         validate_settings(Settings(expert_store="tape"))
     with pytest.raises(SpecError, match="disk_bytes_per_s must be > 0"):
         validate_settings(Settings(expert_store="disk", disk_bytes_per_s=0.0))

@@ -24,6 +24,7 @@ from collections import deque
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -44,6 +45,7 @@ from inference.importance import ResidentExperts, load_similarity, substitute
 from inference.metrics import build_metrics, step_report
 from inference.model import build_main_model
 from inference.placement import Placement, placement_from_dict
+from inference.prerouter import SequenceRoutes, attach_lora, load_prerouter, prerouted_weights
 from inference.protocol import (
     Align,
     Begin,
@@ -114,14 +116,30 @@ class MainRole:
             )
         )
         self.strategy = get_strategy(spec.settings.strategy)
-        # An approximate strategy (importance) substitutes experts from what workers hold.
+        # importance substitutes experts from what workers hold.
         self.resident: ResidentExperts | None = None
-        if not self.strategy.exact:
+        if self.strategy.substitutes:
             self.similarity = load_similarity(
                 spec.shard_dir, layers=self.placement.n_layers, experts=self.placement.n_experts
             )
             self.resident = ResidentExperts(spec.settings.cache_experts)
         self.predictor = predictor_for(spec.settings.strategy, spec.settings.predictor)
+        # The prerouter's heads (inference.prerouter): the routing itself under the prerouter
+        # strategy (with its recovery adapter on main's attention), or odmoe's predictor.
+        self.prerouter = None
+        if self.predictor == "prerouter":
+            trained = load_prerouter(
+                spec.shard_dir,
+                layers=config.num_hidden_layers,
+                experts=config.num_local_experts,
+                hidden=config.hidden_size,
+                top_k=config.num_experts_per_tok,
+            )
+            self.prerouter = trained.prerouter.to(self.device)
+            if self.strategy.routes_by_prediction:
+                attach_lora(self.model, trained.lora, trained.shape, like_base=True)
+            self.normalize_top_k = bool(getattr(config, "norm_topk_prob", True))
+            self.model.model.embed_tokens.register_forward_hook(self._on_embeds)
         self.has_shadow = spec.addresses.shadow is not None and self.predictor == "shadow"
         self.endpoint = open_endpoint(spec)
         connect_peers(self.endpoint, spec, workers=True, shadow=self.has_shadow, main=False, watch=True)
@@ -298,6 +316,8 @@ class MainRole:
                 self.kv_period,
                 time.perf_counter(),
             )
+            if self.prerouter is not None:
+                state.routes = SequenceRoutes(self.prerouter)
             prompt = torch.tensor([msg.prompt_ids], dtype=torch.long)
             # A prompt prefilled in pieces takes a step per piece; its step 0, as the workers
             # and the shadow count, is the last piece's.
@@ -545,6 +565,8 @@ class MainRole:
     def serve_layer(self, layer: int, batch: list[Sequence]) -> list[torch.Tensor]:
         """The layer's experts for every sequence of ``batch``, each expert loaded once for all of them."""
         started = time.perf_counter()
+        if self.prerouter is not None:
+            self._preroute(layer, batch)
         if self.resident is not None:
             self._substitute(layer, batch)
         calls = [s.call for s in batch]
@@ -670,6 +692,50 @@ class MainRole:
             self.endpoint.send(
                 f"worker-{worker}",
                 Prediction(request_id=self.session, step=self.step, layer=following, experts=sorted(union)),
+            )
+
+    def _on_embeds(self, _module, _args, embeds: torch.Tensor) -> None:
+        """A sequence's step embedded its tokens (in its thread): a decode token's layer-0 prediction
+        goes out now, before any of the step's attention runs."""
+        sequence = current_sequence()
+        if sequence is None or sequence.state.routes is None:
+            return
+        chosen = sequence.state.routes.embedded(embeds.reshape(-1, embeds.shape[-1]))
+        if chosen is not None:
+            self._send_prediction(sequence, len(sequence.state.steps), 0, chosen)
+
+    def _preroute(self, layer: int, batch: list[Sequence]) -> None:
+        """The prerouter's heads on this layer: under the prerouter strategy their choice becomes
+        each sequence's routing (weighted by the real router's probabilities); for a decoding
+        sequence, the next layer's prediction goes to its workers before this layer is dispatched."""
+        gate = self.model.model.layers[layer].mlp.gate
+        for s in batch:
+            call, routes = s.call, s.state.routes
+            if call is None or routes is None:
+                continue
+            real = call.top_k_index
+            chosen = routes.served(layer, call.hidden_states, real).to(real.device)
+            if self.strategy.routes_by_prediction:
+                logits = F.linear(call.hidden_states, gate.weight)  # what the router computed
+                call.top_k_index = chosen
+                call.top_k_weights = prerouted_weights(logits, chosen, normalize=self.normalize_top_k).to(
+                    call.top_k_weights.dtype
+                )
+                s.state.router_slots += chosen.numel()
+                s.state.router_matches += int((chosen.unsqueeze(-1) == real.unsqueeze(-2)).any(-1).sum())
+            following = routes.next_layer(layer) if s.step > 0 else None
+            if following is not None:
+                self._send_prediction(s, s.step, layer + 1, following)
+
+    def _send_prediction(self, sequence: Sequence, step: int, layer: int, chosen: torch.Tensor) -> None:
+        """Main's own prediction of ``layer`` at the sequence's ``step``, to the layer's workers (one layer ahead)."""
+        experts = sorted(set(chosen.reshape(-1).tolist()))
+        sequence.state.predictions[(step, layer)] = experts
+        sequence.state.prediction_leads.append(1)
+        for worker in self.placement.workers_for_layer(layer):
+            self.endpoint.send(
+                f"worker-{worker}",
+                Prediction(request_id=sequence.request_id, step=step, layer=layer, experts=experts),
             )
 
     def _substitute(self, layer: int, batch: list[Sequence]) -> None:

@@ -35,7 +35,13 @@ from inference.roles.common import answer_ping, handle_safely, open_endpoint, re
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec, compute_dtype
 from inference.store import open_store
-from inference.strategies import get_strategy, home_experts, prefetch_on_prediction, prefill_prefetch
+from inference.strategies import (
+    expert_store_for,
+    get_strategy,
+    home_experts,
+    prefetch_on_prediction,
+    prefill_prefetch,
+)
 from inference.transport import Received
 
 log = logging.getLogger(__name__)
@@ -75,13 +81,15 @@ class WorkerRole:
         self.decode_layers = set(self.placement.decode_layers(self.index))
         config = _read_config(spec.shard_dir)
         self.act_fn = activation(config.get("hidden_act", "silu"))
+        self.store_kind = expert_store_for(spec.settings.strategy, spec.settings.expert_store)
         self.store = open_store(
-            spec.settings.expert_store,
+            self.store_kind,
             spec.shard_dir,
             pin=self.device.type == "cuda",
             verify=False,  # verified just above, with this worker's identity
             read_bytes_per_s=spec.settings.disk_bytes_per_s,
             dtype=compute_dtype(spec.settings.dtype, config),
+            hot_experts=spec.settings.hot_experts,
         )
         release_free_heap()
         self.store_keys = self.store.keys()
@@ -107,11 +115,14 @@ class WorkerRole:
         self.flooded = 0  # predictions dropped this session because too many layers ahead were predicted
         self.served: tuple[int, int] = (-1, -1)  # the last (step, layer) main asked for
         self.held: dict[Key, Resident] = {}  # experts on the device until the layer's final request
+        # A hot store's pins (inference.hotset): per (session step, layer), the predicted experts
+        # it keeps in RAM until main has served that layer.
+        self.pins: dict[tuple[int, int], set[int]] = {}
         log.info(
             "worker %d ready: %d experts (%s store) on %s, decode layers %s, strategy %s (%d on the device)",
             self.index,
             len(self.store.keys()),
-            spec.settings.expert_store,
+            self.store_kind,
             self.device,
             sorted(self.decode_layers),
             self.strategy.name,
@@ -155,6 +166,7 @@ class WorkerRole:
         self.request_id = msg.request_id
         self.joined.clear()
         self.predicted.clear()
+        self._clear_pins()
         self.flooded = 0
         self.served = (-1, -1)
         for layer, expert in prefill_prefetch(self.strategy, self.placement, self.index):
@@ -190,6 +202,7 @@ class WorkerRole:
         sources[msg.request_id] = msg.experts  # a newer prediction from the same source replaces its older one
         union = sorted(set().union(*sources.values()))
         mine = set(prefetch_on_prediction(self.strategy, union, self.members, self.index))
+        self._pin(step, msg.layer, mine)
         self.loader.discard(lambda key: (key[0], key[1]) != (step, msg.layer) or key[2] in mine)
         for expert in sorted(mine):
             self.loader.prefetch((step, msg.layer, expert))
@@ -208,6 +221,7 @@ class WorkerRole:
             self.served = here
             for key in [k for k in self.predicted if k <= here]:
                 del self.predicted[key]
+            self._unpin_through(here)
         wanted = set(msg.experts)
         self.loader.discard(lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted))
         if msg.experts:
@@ -285,6 +299,29 @@ class WorkerRole:
                 units.append((expert, count))
         return units
 
+    def _pin(self, step: int, layer: int, experts: set[int]) -> None:
+        """Keep a hot store's predicted experts in RAM until the layer is served (the pin bonus)."""
+        pin = getattr(self.store, "pin", None)
+        if pin is None:
+            return
+        pinned = self.pins.setdefault((step, layer), set())
+        for expert in sorted(experts - pinned):
+            pin(layer, expert)
+        pinned |= experts
+
+    def _unpin_through(self, here: tuple[int, int]) -> None:
+        unpin = getattr(self.store, "unpin", None)
+        for key in [k for k in self.pins if k <= here]:
+            for expert in self.pins.pop(key):
+                if unpin is not None:
+                    unpin(key[1], expert)
+
+    def _clear_pins(self) -> None:
+        self.pins.clear()
+        clear = getattr(self.store, "clear_pins", None)
+        if clear is not None:
+            clear()
+
     def _release_held(self, keys: set[Key] | None = None) -> None:
         for key in list(self.held):
             if keys is None or key in keys:
@@ -308,11 +345,14 @@ class WorkerRole:
                 misses=stats.misses,
                 wasted_loads=stats.wasted_loads,
                 load_ms=stats.load_ms,
+                disk_reads=getattr(self.store, "reads", 0),
+                hot_hits=getattr(self.store, "hits", 0),
             ),
         )
         self.request_id = ""
         self.joined.clear()
         self.predicted.clear()
+        self._clear_pins()
         self.flooded = 0
 
 
