@@ -102,7 +102,10 @@ def test_the_deployment_form_chooses_a_predictor_and_a_next_gate_deployment_has_
     browser.force_login(get_user_model().objects.create_user("boss", is_staff=True))
     page = browser.get("/console/")
     html = page.content.decode()
-    options = '<option value="">strategy\'s own</option><option>shadow</option><option>next-gate</option>'
+    options = (
+        '<option value="">strategy\'s own</option>'
+        "<option>shadow</option><option>next-gate</option><option>prerouter</option>"
+    )
     assert f'<select name="predictor">{options}</select>' in html
     # The script reads each strategy's own predictor to count the workers of its estimate.
     assert '<script id="own-predictors" type="application/json">' in html

@@ -377,3 +377,48 @@ def test_an_approximate_strategy_needs_the_models_similarity_table_and_is_marked
     # The simulator models the exact strategies only, and says so.
     estimate = staff.post("/api/deployments/estimate", {"workers": 2, "strategy": "importance"}, format="json")
     assert estimate.status_code == 400 and "benchmarks.quality" in str(estimate.json())
+
+
+def test_the_prerouter_needs_the_models_trained_heads_and_a_rebuilt_shard_set_carries_them(
+    staff: APIClient, tiny_model: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from controlplane.artifacts.models import ShardStatus
+    from controlplane.artifacts.services import shards_ready_for
+    from inference.constants import PREROUTER_FILE
+    from inference.sharding import build_shards
+
+    plain = register_model(name="plain", path=str(tiny_model))
+    a, b = box("a", 8), box("b", 8)
+    for body in (
+        {"name": "routed-ahead", "nodes": ids(a, b), "strategy": "prerouter"},
+        {"name": "routed-ahead", "nodes": ids(a, b), "strategy": "odmoe", "predictor": "prerouter"},
+    ):
+        refused = staff.post("/api/deployments", body | {"model": plain.pk}, format="json")
+        assert refused.status_code == 400 and "python -m inference train-prerouter" in refused.json()["detail"]
+    assert not Deployment.objects.filter(name="routed-ahead").exists()
+    other = staff.post(
+        "/api/deployments",
+        {"name": "x", "nodes": ids(a, b), "strategy": "prerouter", "predictor": "shadow", "model": plain.pk},
+        format="json",
+    )
+    assert other.status_code == 400 and "takes no other predictor" in other.json()["detail"]
+
+    trained_dir = tmp_path / "trained"
+    shutil.copytree(tiny_model, trained_dir)
+    (trained_dir / PREROUTER_FILE).write_bytes(b"heads v1")  # the control plane only carries the file
+    trained = register_model(name="trained", path=str(trained_dir))
+    body = {"name": "routed-ahead", "nodes": ids(a, b), "strategy": "prerouter", "model": trained.pk}
+    made = staff.post("/api/deployments", body, format="json")
+    assert made.status_code == 201, made.content
+    deployment = made.json()
+    assert deployment["approximate"] is True and deployment["predictor"] == ""
+    assert "shadow" not in {m["role"] for m in deployment["members"]}  # its heads live on main
+
+    # Shards built with the file carry it; trained again after the build, the set is not ready.
+    build_shards(trained_dir, tmp_path / "shards", workers=1)
+    trained.shard_status, trained.shard_workers, trained.shard_dir = ShardStatus.READY, 1, str(tmp_path / "shards")
+    assert shards_ready_for(trained, workers=1, shadow_dtype="fp32", shadow=False)
+    (trained_dir / PREROUTER_FILE).write_bytes(b"heads v2")
+    assert not shards_ready_for(trained, workers=1, shadow_dtype="fp32", shadow=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import filecmp
 import re
 import threading
 import time
@@ -15,7 +16,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
 from inference.checkpoint import Checkpoint, CheckpointError
-from inference.importance import SIMILARITY_FILE
+from inference.constants import MAIN_EXTRAS
 from inference.sharding import ShardError, add_shadow_shards, build_shards, shadow_dtypes_to_build
 
 from .models import ModelArtifact, ModelStatus, ShardStatus
@@ -342,16 +343,18 @@ def _build_lock(out: Path) -> Iterator[None]:
 def shards_ready_for(artifact: ModelArtifact, *, workers: int, shadow_dtype: str, shadow: bool = True) -> bool:
     """Whether the built set serves ``workers`` workers and a ``shadow_dtype`` shadow as it should
     (any shadow dtype will do for a deployment without a shadow seat: ``shadow`` false), and
-    carries the model's expert similarity table in main's shard if the model has one."""
+    carries in main's shard what the model has beside its weights (``MAIN_EXTRAS``: the expert
+    similarity table, the prerouter)."""
     if not (
         artifact.shard_status == ShardStatus.READY
         and artifact.shard_workers == workers
         and Path(artifact.shard_dir).is_dir()
     ):
         return False
-    calibrated = (Path(artifact.path) / SIMILARITY_FILE).is_file()
-    if calibrated and not (Path(artifact.shard_dir) / "main" / SIMILARITY_FILE).is_file():
-        return False  # calibrated after the shards were built: main's shard must carry the table
+    for extra in MAIN_EXTRAS:
+        made, carried = Path(artifact.path) / extra, Path(artifact.shard_dir) / "main" / extra
+        if made.is_file() and not (carried.is_file() and filecmp.cmp(made, carried, shallow=False)):
+            return False  # made (or made again) after the shards were built: main's shard must carry it
     if not shadow:
         return True
     return set(needed_shadow_dtypes(artifact, shadow_dtype)) <= set(artifact.shard_shadow_dtypes or [])

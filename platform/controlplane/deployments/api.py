@@ -64,7 +64,7 @@ class MemberOutput(serializers.ModelSerializer):
 class DeploymentOutput(serializers.ModelSerializer):
     members = MemberOutput(many=True)
     approximate = serializers.SerializerMethodField(
-        help_text="its strategy computes other experts than the routed ones (importance)"
+        help_text="its strategy computes other experts than the model's router picks (importance, prerouter)"
     )
 
     def get_approximate(self, deployment: Deployment) -> bool:

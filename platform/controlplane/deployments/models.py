@@ -56,16 +56,17 @@ class Deployment(models.Model):
         max_length=16,
         choices=[(s, s) for s in RUNTIME_STRATEGIES],
         default=DEFAULT_STRATEGY,
-        help_text="what workers keep on their GPUs (inference/strategies.py; importance is approximate); "
-        "applied on the next start",
+        help_text="what workers keep on their GPUs (inference/strategies.py; importance and prerouter are "
+        "approximate); applied on the next start",
     )
     predictor = models.CharField(
         max_length=16,
         choices=[("", "the strategy's own"), *((p, p) for p in PREDICTORS)],
         default="",
         blank=True,
-        help_text="who names the experts workers load ahead (inference/strategies.py): the shadow, or main's "
-        "next-layer router (next-gate, no shadow seat); blank: the strategy's own",
+        help_text="who names the experts workers load ahead (inference/strategies.py): the shadow, main's "
+        "next-layer router (next-gate) or main's trained heads (prerouter; both without a shadow seat); "
+        "blank: the strategy's own",
     )
     max_batch = models.PositiveSmallIntegerField(
         default=8,

@@ -28,7 +28,6 @@ from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
 from inference.checkpoint import Checkpoint, CheckpointError
 from inference.constants import MAX_BATCH
-from inference.importance import SIMILARITY_FILE
 from inference.memory import (
     MemoryPlan,
     Placed,
@@ -41,7 +40,7 @@ from inference.schedule import validate_periods
 from inference.sharding import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.spec import Settings
-from inference.strategies import DEFAULT_STRATEGY, get_strategy, predictor_for
+from inference.strategies import DEFAULT_STRATEGY, needed_files, predictor_for
 
 from .models import ACTIVE, Deployment, DeploymentNode
 from .roles import RoleError, RoleMap, check_roles, fixed_seats, needs_shadow, parse_seat, seats_of, suggest_roles
@@ -193,11 +192,12 @@ def create_deployment(
     try:
         check_registered(model)
         validate_periods(token_period, kv_period)
-        if not get_strategy(strategy).exact and not (Path(model.path) / SIMILARITY_FILE).is_file():
-            raise ValueError(
-                f"{strategy} needs the model's expert similarity table ({SIMILARITY_FILE}): run "
-                f"`python -m inference calibrate {model.path}` on the control plane, then deploy"
-            )
+        for needed, command in needed_files(strategy, predictor):
+            if not (Path(model.path) / needed).is_file():
+                what = strategy if not predictor else f"{strategy} with the {predictor} predictor"
+                raise ValueError(
+                    f"{what} needs the model's {needed}: run `{command} {model.path}` on the control plane, then deploy"
+                )
         shadow = needs_shadow(strategy, predictor)
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
