@@ -1,7 +1,7 @@
 """odmoe's predictors side by side: recall, lead, the memory they cost and the decode rate they give.
 
     python -m benchmarks.predictors [--model platform/demo-model] [--profile 3090-pcie4-1gbe]
-        [--workers 8] [--predictors shadow:fp32,shadow:int8,shadow:nf4,next-gate] [--prompts 4]
+        [--workers 8] [--predictors shadow:fp32,shadow:int8,shadow:nf4,next-gate,prerouter] [--prompts 4]
         [--new-tokens 32] [--json OUT]
 
 Each predictor names the experts odmoe's workers load ahead (``Settings.predictor``):
@@ -9,7 +9,9 @@ Each predictor names the experts odmoe's workers load ahead (``Settings.predicto
 - ``shadow:DTYPE``: the shadow model in that precision, on a node of its own, running ahead of
   main (aligned to main's token and KV cache every step, the defaults);
 - ``next-gate``: main applies the next layer's router to the current layer's input, the free
-  baseline of Mixtral-Offloading's speculative prefetch: no node, no weights beyond main's.
+  baseline of Mixtral-Offloading's speculative prefetch: no node, no weights beyond main's;
+- ``prerouter``: main's trained heads (``inference.prerouter``, ``train-prerouter``), used here
+  only as a prediction: no node, the heads' weights on main.
 
 For each, one odmoe cluster (``--workers`` workers, the emulated profile's copy and network
 speeds as in ``benchmarks.strategies``) greedily generates ``--new-tokens`` tokens from each of
@@ -19,8 +21,8 @@ named), the share of decode layers whose prediction reached main before it serve
 the lead (how many layers ahead of the sequence a prediction arrived: median), and the decode
 rate (median over the prompts). The predictor's memory is what it adds to the cluster: the
 shadow node's GPU need from ``inference.memory`` (its model and KV cache), nothing for
-``next-gate`` (the routers are main's). Every output is checked against Transformers: a
-predictor only decides what is loaded ahead, never what is computed.
+``next-gate`` (the routers are main's), the heads' bytes for ``prerouter``. Every output is
+checked against Transformers: a predictor only decides what is loaded ahead, never what is computed.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ from benchmarks.strategies import DEFAULT_PROFILE, bench_model, yield_cpu_to_the
 from inference.constants import SHADOW_DTYPES
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.memory import memory_from_checkpoint
+from inference.prerouter import load_prerouter
 from inference.reference import reference_generate
 from inference.sim.hardware import PROFILES
 from inference.spec import Settings
 from inference.strategies import PREDICTORS
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PREDICTORS = "shadow:fp32,shadow:int8,shadow:nf4,next-gate"
+DEFAULT_PREDICTORS = "shadow:fp32,shadow:int8,shadow:nf4,next-gate,prerouter"
 
 
 def parse_predictors(text: str) -> list[tuple[str, str | None]]:
@@ -86,6 +89,9 @@ def measure(
     if name == "shadow":
         plan = memory_from_checkpoint(model_dir, workers=args.workers, shadow_dtype=dtype or "fp32", max_batch=1)
         memory = plan.shadow.gpu_bytes
+    elif name == "prerouter":
+        heads = load_prerouter(model_dir).prerouter
+        memory = sum(p.numel() * p.element_size() for p in heads.parameters())
     return {
         "recall": statistics.fmean(m["recall"] for m in metrics),
         "prediction_in_time": statistics.fmean(m["prediction_in_time"] for m in metrics),
@@ -109,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         chosen = parse_predictors(args.predictors)
-    except ValueError as exc:
+        if any(name == "prerouter" for name, _ in chosen):
+            load_prerouter(args.model)  # before any cluster starts: a clear error if it was never trained
+    except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     if args.workers < 1 or args.prompts < 1 or args.new_tokens < 2:
         parser.error("--workers >= 1, --prompts >= 1 and --new-tokens >= 2 are required")

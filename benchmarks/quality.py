@@ -1,6 +1,6 @@
 """Quality beside speed: what an approximate strategy costs in perplexity and tokens, and what it buys.
 
-    python -m benchmarks.quality [--model platform/demo-model] [--strategies odmoe,lru-offload,importance]
+    python -m benchmarks.quality [--model platform/demo-model] [--strategies odmoe,lru-offload,importance,prerouter]
         [--thresholds 0.3] [--cache-experts 2] [--workers 8] [--profile 3090-pcie4-1gbe]
         [--ppl-tokens 512] [--held-out FILE] [--prompts 4] [--new-tokens 32] [--repeats 3]
         [--json OUT] [--plots DIR]
@@ -14,13 +14,18 @@ worker for the caching strategies, so every caching strategy has the same device
   The runtime serves generation, not scoring, so this is computed in one process with
   Transformers' model teacher-forced one token at a time, and for ``importance`` with its
   own rule applied to every decode step's routing (``inference.importance.substitute`` with
-  main's view of the caches, ``ResidentExperts``, kept as main keeps it); exact strategies
-  compute exactly the routed experts, so theirs is the model's own.
+  main's view of the caches, ``ResidentExperts``, kept as main keeps it), for ``prerouter``
+  with its heads routing every token and its recovery adapter on (``inference.prerouter``);
+  exact strategies compute exactly the routed experts, so theirs is the model's own.
 - ``token_agreement``: the share of greedy tokens, position by position, equal to exact
   odmoe's (Transformers' own) over ``--prompts`` prompts × ``--new-tokens`` tokens, served
   by the runtime: a local cluster with the profile's emulated copies and network.
 - ``cache_hit_rate``: the share of decode expert slots (token × top-k) main counted as held by
   a worker when it served them (``importance``; ``None`` where main keeps no such view).
+- ``late_experts_per_token``: decode experts computed that no prediction had named when main
+  dispatched their layer (``prerouter``: none by construction); ``router_agreement``: the
+  share of routed expert slots the model's own router would have chosen too (``prerouter``);
+  ``disk_reads_per_token``: experts the workers read from disk (a ``hot`` store: prerouter).
 - ``decode_tok_s``: the runtime's decode rate on the same runs (the median over the prompts,
   then over ``--repeats`` fresh clusters, with its spread).
 
@@ -48,10 +53,11 @@ from benchmarks.strategies import DEFAULT_PROFILE, bench_model
 from inference.importance import ResidentExperts, load_similarity, substitute
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.placement import placement
+from inference.prerouter import PreroutedModel, attach_lora, load_prerouter, prerouted_generate
 from inference.reference import reference_generate
 from inference.sim.hardware import PROFILES
 from inference.spec import Settings
-from inference.strategies import RUNTIME_STRATEGIES, dispatch_plan, get_strategy
+from inference.strategies import RUNTIME_STRATEGIES, dispatch_plan, expert_store_for, get_strategy, needed_files
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 256
@@ -65,6 +71,8 @@ def parse_strategies(text: str, thresholds: list[float]) -> list[tuple[str, str,
             raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(RUNTIME_STRATEGIES)}")
         if name == "importance":
             runs.extend((f"importance@{t:g}", name, t) for t in thresholds)
+        elif name == "prerouter":
+            runs.append((name, name, 0.0))
         else:
             runs.append((name, name, 0.0))
     if not runs:
@@ -98,7 +106,9 @@ def perplexity(model_dir: Path, ids: list[int], strategy: str, threshold: float,
     model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
     config = model.config
     plan = placement(config.num_hidden_layers, config.num_local_experts, config.num_experts_per_tok, args.workers)
-    approximate = not get_strategy(strategy).exact
+    if get_strategy(strategy).routes_by_prediction:
+        return _prerouted_perplexity(model, model_dir, ids)
+    approximate = get_strategy(strategy).substitutes
     similarity = load_similarity(model_dir) if approximate else None
     held = ResidentExperts(args.cache_experts)
     step = {"n": 0}
@@ -136,13 +146,42 @@ def perplexity(model_dir: Path, ids: list[int], strategy: str, threshold: float,
     return math.exp(nll / count)
 
 
+def _prerouted_perplexity(model, model_dir: Path, ids: list[int]) -> float:
+    """Teacher-forced perplexity, one token at a time, with the prerouter's heads as the routing and
+    its recovery adapter on (what the runtime's ``prerouter`` strategy computes)."""
+    from transformers import DynamicCache
+
+    trained = load_prerouter(model_dir)
+    attach_lora(model, trained.lora, trained.shape, like_base=True)
+    run = PreroutedModel(model, trained.prerouter)
+    nll, count = 0.0, 0
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(ids) - 1, WINDOW):
+                window = ids[start : start + WINDOW + 1]
+                cache = DynamicCache(config=model.config)
+                run.reset()
+                for i in range(len(window) - 1):
+                    logits = model(input_ids=torch.tensor([[window[i]]]), cache=cache, use_cache=True).logits[0, -1]
+                    nll -= float(F.log_softmax(logits.float(), dim=-1)[window[i + 1]])
+                    count += 1
+    finally:
+        run.remove()
+    return math.exp(nll / count)
+
+
 def served(model_dir: Path, strategy: str, threshold: float, prompts, expected, emulation, args, tmp: Path) -> dict:
     """Token agreement, cache hit rate and decode rate through the runtime, ``--repeats`` times.
 
     Each repeat is a fresh cluster with the same warm-up, so an approximate strategy starts from
     the same caches and gives the same tokens; the decode rate is the median over repeats of each repeat's median.
     """
-    base = Settings(strategy=strategy, cache_experts=args.cache_experts, importance_threshold=threshold)
+    base = Settings(
+        strategy=strategy,
+        cache_experts=args.cache_experts,
+        importance_threshold=threshold,
+        hot_experts=args.hot_experts,
+    )
     options = ClusterOptions(workers=args.workers, settings=emulation.settings(base, networked=True))
     rates, answers = [], []
     for repeat in range(args.repeats):
@@ -158,10 +197,23 @@ def served(model_dir: Path, strategy: str, threshold: float, prompts, expected, 
         same += sum(a == b for a, b in zip(result.token_ids, want, strict=False))
         total += max(len(result.token_ids), len(want))
     hits = [r.metrics["cache_hit_rate"] for r in results if r.metrics.get("cache_hit_rate") is not None]
+    agreement = [r.metrics["router_agreement"] for r in results if r.metrics.get("router_agreement") is not None]
+    tokens = sum(max(1, len(r.token_ids) - 1) for r in results)
+    own_rule = None
+    if get_strategy(strategy).routes_by_prediction:  # the runtime computes the strategy's own one-process rule
+        own_rule = all(
+            r.token_ids == prerouted_generate(model_dir, p, args.new_tokens)
+            for r, p in zip(results, prompts, strict=True)
+        )
     return {
         "token_agreement": same / total,
         "cache_hit_rate": statistics.fmean(hits) if hits else None,
         "substitutions_per_token": statistics.fmean(r.metrics["substitutions_per_token"] for r in results),
+        "late_experts_per_token": sum(r.metrics["late_experts"] for r in results) / tokens,
+        "router_agreement": statistics.fmean(agreement) if agreement else None,
+        "disk_reads_per_token": sum(r.metrics["disk_reads"] for r in results) / tokens,
+        "expert_store": expert_store_for(strategy),
+        "tokens_of_its_own_rule": own_rule,
         "decode_tok_s": statistics.median(rates),
         "decode_tok_s_min": min(rates),
         "decode_tok_s_max": max(rates),
@@ -176,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default="odmoe,lru-offload,importance")
     parser.add_argument("--thresholds", default="0.3", help="importance thresholds, comma-separated")
     parser.add_argument("--cache-experts", type=int, default=2)
+    parser.add_argument(
+        "--hot-experts", type=int, default=Settings.hot_experts, help="prerouter: experts in RAM per worker"
+    )
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
     parser.add_argument("--ppl-tokens", type=int, default=512)
@@ -189,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         thresholds = [float(t) for t in args.thresholds.split(",") if t]
         runs = parse_strategies(args.strategies, thresholds)
+        for needed, command in {n for _, strategy, _ in runs for n in needed_files(strategy)}:
+            if not (args.model / needed).is_file():
+                raise ValueError(f"{args.model / needed} is missing: run `{command} {args.model}`")
     except ValueError as exc:
         parser.error(str(exc))
     if args.ppl_tokens < 2 or args.prompts < 1 or args.new_tokens < 2 or args.workers < 1 or args.repeats < 1:
@@ -222,16 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| strategy | | perplexity | vs exact | token agreement | cache hit rate | substitutions / token "
-        "| decode tok/s |"
+        "| late experts / token | decode tok/s |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, f in results.items():
         versus = f"{f['ppl'] / exact_ppl - 1:+.1%}" if exact_ppl else "–"
         hit = "–" if f["cache_hit_rate"] is None else f"{f['cache_hit_rate']:.0%}"
         print(
             f"| {label} | {'approximate' if f['approximate'] else 'exact'} | {f['ppl']:.3f} | {versus} "
             f"| {f['token_agreement']:.1%} | {hit} | {f['substitutions_per_token']:.2f} "
-            f"| {f['decode_tok_s']:.2f} ({f['decode_tok_s_min']:.2f}–{f['decode_tok_s_max']:.2f}) |"
+            f"| {f['late_experts_per_token']:.2f} | {f['decode_tok_s']:.2f} "
+            f"({f['decode_tok_s_min']:.2f}–{f['decode_tok_s_max']:.2f}) |"
         )
     if args.json:
         args.json.write_text(

@@ -17,9 +17,10 @@ does, and divides by full cache's figure from the same run.
 Output: a Markdown table, JSON (``--json``), and a PNG bar chart (``--plots``). Without
 ``--model`` a random Mixtral with 8 layers of 8 experts (hidden 512) is made in a temporary
 folder; every exact strategy's output is checked token for token against Transformers.
-``--strategies`` may also name an approximate one (``importance``): it is marked so in the
-table and its token agreement with Transformers is reported, not required; on the random
-model its similarity table is calibrated on random ids first (its experts are random too).
+``--strategies`` may also name an approximate one (``importance``, ``prerouter``): it is marked
+so in the table and its token agreement with Transformers is reported, not required; on the
+random model importance's similarity table is calibrated on random ids first (its experts are
+random too), while the prerouter needs a ``--model`` whose heads were trained (``train-prerouter``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from inference.reference import reference_generate
 from inference.sim import hardware as sim_hardware
 from inference.sim.hardware import PROFILES
 from inference.spec import Settings
-from inference.strategies import RUNTIME_STRATEGIES, STRATEGIES, get_strategy
+from inference.strategies import RUNTIME_STRATEGIES, STRATEGIES, get_strategy, needed_files
 from inference.tiny import make_tiny
 
 DEFAULT_PROFILE = sim_hardware.DEFAULT_PROFILE
@@ -250,14 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {', '.join(RUNTIME_STRATEGIES)}")
     approximate = [s for s in strategies if not get_strategy(s).exact]
-    if approximate and args.model is not None and not (args.model / SIMILARITY_FILE).is_file():
-        parser.error(
-            f"{', '.join(approximate)} needs {args.model / SIMILARITY_FILE}: run python -m inference calibrate"
-        )
+    for strategy in approximate:
+        for needed, command in needed_files(strategy):
+            if args.model is not None and not (args.model / needed).is_file():
+                parser.error(f"{strategy} needs {args.model / needed}: run {command} {args.model}")
+            if args.model is None and needed != SIMILARITY_FILE:  # only a similarity table is made here
+                parser.error(f"{strategy} needs a trained {needed}: pass --model with one (platform/demo-model has it)")
     with tempfile.TemporaryDirectory(prefix="odmoe-strategies-") as tmp:
         model_dir, config, expert_bytes, emulation = bench_model(args.model, Path(tmp), args.profile)
         prompts = [(prompt_of(n_in, config["vocab_size"], seed=i), n_out) for i, (n_in, n_out) in enumerate(pairs)]
-        if approximate and args.model is None:  # the random benchmark model: calibrated on random ids
+        if any(get_strategy(s).substitutes for s in strategies) and args.model is None:
+            # the random benchmark model: calibrated on random ids
             ids = prompt_of(1024, config["vocab_size"], seed=99)
             write_similarity(model_dir, calibrate(model_dir, ids), len(ids))
         expected = [reference_generate(model_dir, prompt, n) for prompt, n in prompts]
