@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.predictors import parse_predictors
+from inference.prerouter import save_prerouter
+from tests.reference import random_prerouter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,11 +31,15 @@ def test_predictors_are_named_with_the_shadows_precision() -> None:
 
 
 @pytest.mark.slow
-def test_a_short_run_compares_the_shadow_with_mains_next_gate(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_short_run_compares_the_shadow_with_mains_next_gate_and_heads(tiny_model: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    save_prerouter(model, random_prerouter(model))
     out = tmp_path / "predictors.json"
     command = [
-        *(sys.executable, "-m", "benchmarks.predictors", "--model", str(tiny_model), "--workers", "2"),
-        *("--predictors", "shadow:fp32,next-gate", "--prompts", "2", "--new-tokens", "8", "--json", str(out)),
+        *(sys.executable, "-m", "benchmarks.predictors", "--model", str(model), "--workers", "2"),
+        *("--predictors", "shadow:fp32,next-gate,prerouter", "--prompts", "2", "--new-tokens", "8"),
+        *("--json", str(out)),
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,3 +50,5 @@ def test_a_short_run_compares_the_shadow_with_mains_next_gate(tiny_model: Path, 
     assert gate["lead_layers"] == 1 and gate["predictor_gpu_bytes"] == 0 and gate["nodes"] == shadow["nodes"] - 1
     assert shadow["predictor_gpu_bytes"] > 0
     assert "| next-gate |" in done.stdout
+    heads = result["predictors"]["prerouter"]
+    assert heads["lead_layers"] == 1 and heads["nodes"] == gate["nodes"] and heads["predictor_gpu_bytes"] > 0

@@ -13,15 +13,18 @@ import torch
 
 from benchmarks.quality import parse_strategies
 from inference.importance import calibrate, write_similarity
+from inference.prerouter import save_prerouter
+from tests.reference import random_prerouter
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_importance_runs_once_per_threshold_and_unknown_strategies_are_refused() -> None:
-    assert parse_strategies("odmoe,importance", [0.2, 0.5]) == [
+    assert parse_strategies("odmoe,importance,prerouter", [0.2, 0.5]) == [
         ("odmoe", "odmoe", 0.0),
         ("importance@0.2", "importance", 0.2),
         ("importance@0.5", "importance", 0.5),
+        ("prerouter", "prerouter", 0.0),
     ]
     with pytest.raises(ValueError, match="unknown strategy"):
         parse_strategies("belady", [0.3])
@@ -35,12 +38,13 @@ def test_a_short_run_scores_exact_and_approximate_strategies(tiny_model: Path, t
     shutil.copytree(tiny_model, model)
     ids = torch.randint(3, 400, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     write_similarity(model, calibrate(model, ids, window=100), len(ids))
+    save_prerouter(model, random_prerouter(model))
     text = tmp_path / "held-out.txt"
     text.write_text("Experts are loaded on demand and evicted after use. " * 20, encoding="utf-8")
     out = tmp_path / "quality.json"
     command = [
         *(sys.executable, "-m", "benchmarks.quality", "--model", str(model), "--workers", "2"),
-        *("--strategies", "odmoe,importance", "--thresholds", "0,1", "--held-out", str(text)),
+        *("--strategies", "odmoe,importance,prerouter", "--thresholds", "0,1", "--held-out", str(text)),
         *("--ppl-tokens", "40", "--prompts", "2", "--new-tokens", "8", "--repeats", "2", "--json", str(out)),
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -54,3 +58,7 @@ def test_a_short_run_scores_exact_and_approximate_strategies(tiny_model: Path, t
     assert everything["substitutions_per_token"] > 0 and everything["ppl"] != pytest.approx(exact["ppl"], rel=1e-4)
     assert all(run["same_tokens_every_repeat"] for run in runs.values())  # fresh caches, the same answers
     assert "| importance@1 | approximate |" in done.stdout
+    prerouted = runs["prerouter"]
+    assert prerouted["approximate"] and prerouted["late_experts_per_token"] == 0
+    assert prerouted["tokens_of_its_own_rule"] is True and prerouted["expert_store"] == "hot"
+    assert 0 <= prerouted["router_agreement"] <= 1 and prerouted["disk_reads_per_token"] > 0

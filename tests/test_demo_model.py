@@ -1,4 +1,5 @@
-"""The shipped demo model: a valid checkpoint in the release layout, trained (not random), served exactly."""
+"""The shipped demo model: a valid checkpoint in the release layout, trained (not random), served exactly;
+its prerouter, trained on it and served as its own rule."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 
 from inference.checkpoint import Checkpoint
 from inference.launcher import ClusterOptions, LocalCluster
+from inference.prerouter import load_prerouter, prerouted_generate
 from inference.reference import reference_generate
+from inference.spec import Settings
 from inference.textstream import load_tokenizer
 
 DEMO = Path(__file__).resolve().parents[1] / "platform" / "demo-model"
@@ -32,3 +35,22 @@ def test_the_runtime_serves_the_demo_model_exactly() -> None:
         done = cluster.generate(prompt, 16)
     assert done.token_ids == reference_generate(DEMO, prompt, 16)
     assert done.metrics["recall"] > 0.9  # an fp32 shadow aligned every step
+
+
+def test_the_shipped_prerouter_is_the_demo_models_and_its_record_says_how_it_was_trained() -> None:
+    trained = load_prerouter(DEMO, layers=4, experts=8, hidden=192, top_k=2)
+    record = trained.record
+    assert record["recipe"]["head_steps"] > 0 and record["recipe"]["lora_steps"] > 0
+    assert record["tokens"]["train"] > 1_000_000  # the demo corpus's training share, not a test's text
+    assert {"exact_ppl", "prerouted_ppl_without_lora", "prerouted_ppl", "exact_path_agreement"} <= set(record)
+    assert any(bool(t.abs().sum()) for k, t in trained.lora.items() if k.endswith(".b"))  # a trained adapter
+
+
+@pytest.mark.slow
+def test_the_runtime_serves_the_demo_models_prerouter_as_its_own_rule() -> None:
+    tokenizer = load_tokenizer(DEMO)
+    prompt = tokenizer("In Python, a dictionary")["input_ids"]
+    with LocalCluster(DEMO, ClusterOptions(workers=2, settings=Settings(strategy="prerouter"))) as cluster:
+        done = cluster.generate(prompt, 16)
+    assert done.token_ids == prerouted_generate(DEMO, prompt, 16)
+    assert done.metrics["late_experts"] == 0

@@ -18,14 +18,10 @@ from inference.launcher import ClusterError, ClusterOptions, LocalCluster
 from inference.prerouter import (
     LoraLinear,
     PreroutedModel,
-    Prerouter,
-    PrerouterShape,
     SequenceRoutes,
-    Trained,
     attach_lora,
     load_prerouter,
     multi_hot,
-    new_lora,
     prerouted_generate,
     prerouted_weights,
     previous_token_routes,
@@ -38,36 +34,15 @@ from inference.store import DiskStore
 from inference.strategies import get_strategy, needed_files, predictor_for
 from inference.tiny import make_tiny
 from inference.train_prerouter import PrerouterRecipe, train_prerouter
-from tests.reference import PROMPTS, reference_generate
+from tests.reference import PROMPTS, random_prerouter, reference_generate
 from tests.streams import run_streams
-
-
-def _random_prerouter(model_dir: Path, seed: int = 0) -> Trained:
-    """Untrained heads and a non-zero adapter: enough to show the rule is computed as written."""
-    config = MixtralForCausalLM.config_class.from_pretrained(model_dir)
-    shape = PrerouterShape(
-        layers=config.num_hidden_layers,
-        experts=config.num_local_experts,
-        top_k=config.num_experts_per_tok,
-        hidden=config.hidden_size,
-        head_width=16,
-        lora_rank=4,
-    )
-    torch.manual_seed(seed)
-    prerouter = Prerouter(shape).eval().requires_grad_(False)
-    model = MixtralForCausalLM.from_pretrained(model_dir)
-    lora = new_lora(shape, model, seed=seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    for key in [k for k in lora if k.endswith(".b")]:
-        lora[key] = torch.randn(lora[key].shape, generator=generator) * 0.05
-    return Trained(shape, prerouter, lora, {"note": "random, for tests"})
 
 
 @pytest.fixture(scope="module")
 def prerouted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_dir = tmp_path_factory.mktemp("prerouted") / "model"
     shutil.copytree(tiny_model, model_dir)
-    save_prerouter(model_dir, _random_prerouter(model_dir))
+    save_prerouter(model_dir, random_prerouter(model_dir))
     return model_dir
 
 
@@ -149,7 +124,7 @@ def test_main_predicts_a_decode_token_one_layer_early_exactly_as_the_whole_seque
 def test_the_adapter_is_a_side_path_and_the_base_weights_are_never_changed(tiny_model: Path) -> None:
     model = MixtralForCausalLM.from_pretrained(tiny_model).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trained = _random_prerouter(tiny_model)
+    trained = random_prerouter(tiny_model)
     adapters = attach_lora(model, trained.lora, trained.shape)
     assert len(adapters) == trained.shape.layers * len(trained.shape.lora_targets)
     for name, tensor in model.state_dict().items():
@@ -173,7 +148,7 @@ def test_the_prerouter_file_round_trips_and_a_missing_or_foreign_one_is_a_clear_
     prerouted: Path, tmp_path: Path
 ) -> None:
     trained = load_prerouter(prerouted, layers=4, experts=8, hidden=64, top_k=2)
-    again = _random_prerouter(prerouted)
+    again = random_prerouter(prerouted)
     for (name, a), b in zip(trained.prerouter.state_dict().items(), again.prerouter.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert trained.record == {"note": "random, for tests"}

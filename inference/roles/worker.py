@@ -118,6 +118,7 @@ class WorkerRole:
         # A hot store's pins (inference.hotset): per (session step, layer), the predicted experts
         # it keeps in RAM until main has served that layer.
         self.pins: dict[tuple[int, int], set[int]] = {}
+        self.store_counts_at_begin = (0, 0)  # a hot store's (reads, hits) when the session began
         log.info(
             "worker %d ready: %d experts (%s store) on %s, decode layers %s, strategy %s (%d on the device)",
             self.index,
@@ -163,6 +164,7 @@ class WorkerRole:
         self._release_held()
         self.loader.discard(lambda key: False)
         self.loader.reset_stats()
+        self.store_counts_at_begin = self._store_counts()
         self.request_id = msg.request_id
         self.joined.clear()
         self.predicted.clear()
@@ -299,6 +301,10 @@ class WorkerRole:
                 units.append((expert, count))
         return units
 
+    def _store_counts(self) -> tuple[int, int]:
+        """A hot store's experts read from disk and served from RAM so far ((0, 0) for another store)."""
+        return getattr(self.store, "reads", 0), getattr(self.store, "hits", 0)
+
     def _pin(self, step: int, layer: int, experts: set[int]) -> None:
         """Keep a hot store's predicted experts in RAM until the layer is served (the pin bonus)."""
         pin = getattr(self.store, "pin", None)
@@ -332,6 +338,7 @@ class WorkerRole:
         self._release_held()
         self.loader.discard(lambda key: False)
         stats = self.loader.stats
+        reads, hits = (now - then for now, then in zip(self._store_counts(), self.store_counts_at_begin, strict=True))
         self.endpoint.reply(
             identity,
             WorkerStats(
@@ -345,8 +352,8 @@ class WorkerRole:
                 misses=stats.misses,
                 wasted_loads=stats.wasted_loads,
                 load_ms=stats.load_ms,
-                disk_reads=getattr(self.store, "reads", 0),
-                hot_hits=getattr(self.store, "hits", 0),
+                disk_reads=reads,
+                hot_hits=hits,
             ),
         )
         self.request_id = ""
