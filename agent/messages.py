@@ -249,6 +249,12 @@ RUNTIME_METRICS = (
     "decode_layer_coordination_ms_median",
     "recall_per_layer",
     "groups",
+    # What an approximate strategy did, and what a prediction missed (None where it does not apply).
+    "late_experts_per_token",
+    "cache_hit_rate",
+    "substitutions_per_token",
+    "router_agreement",
+    "disk_reads",
 )
 # The memory a running role reports with its state, in bytes (``inference.protocol.Pong``):
 # its process's resident set now and at its peak, and what it holds on its GPU (0 on a CPU).
