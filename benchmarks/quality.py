@@ -42,6 +42,7 @@ import math
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -101,7 +102,7 @@ def held_out_ids(model_dir: Path, tokens: int, text: Path | None = None) -> list
 
 def perplexity(model_dir: Path, ids: list[int], strategy: str, threshold: float, args: argparse.Namespace) -> float:
     """Teacher-forced perplexity, one token at a time, with ``importance``'s rule where it applies."""
-    from transformers import DynamicCache, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
     config = model.config
@@ -129,44 +130,40 @@ def perplexity(model_dir: Path, ids: list[int], strategy: str, threshold: float,
     handles = []
     if approximate:
         handles = [block.mlp.experts.register_forward_pre_hook(rule(i)) for i, block in enumerate(model.model.layers)]
-    nll, count = 0.0, 0
     try:
-        with torch.inference_mode():
-            for start in range(0, len(ids) - 1, WINDOW):
-                window = ids[start : start + WINDOW + 1]
-                cache = DynamicCache(config=config)
-                for i in range(len(window) - 1):
-                    step["n"] = i
-                    logits = model(input_ids=torch.tensor([[window[i]]]), cache=cache, use_cache=True).logits[0, -1]
-                    nll -= float(F.log_softmax(logits.float(), dim=-1)[window[i + 1]])
-                    count += 1
+        return _teacher_forced_perplexity(model, ids, lambda i: step.__setitem__("n", i))
     finally:
         for handle in handles:
             handle.remove()
-    return math.exp(nll / count)
 
 
 def _prerouted_perplexity(model, model_dir: Path, ids: list[int]) -> float:
-    """Teacher-forced perplexity, one token at a time, with the prerouter's heads as the routing and
-    its recovery adapter on (what the runtime's ``prerouter`` strategy computes)."""
-    from transformers import DynamicCache
-
+    """Teacher-forced perplexity with the prerouter's heads as the routing and its recovery adapter
+    on (what the runtime's ``prerouter`` strategy computes)."""
     trained = load_prerouter(model_dir)
     attach_lora(model, trained.lora, trained.shape, like_base=True)
     run = PreroutedModel(model, trained.prerouter)
-    nll, count = 0.0, 0
     try:
-        with torch.inference_mode():
-            for start in range(0, len(ids) - 1, WINDOW):
-                window = ids[start : start + WINDOW + 1]
-                cache = DynamicCache(config=model.config)
-                run.reset()
-                for i in range(len(window) - 1):
-                    logits = model(input_ids=torch.tensor([[window[i]]]), cache=cache, use_cache=True).logits[0, -1]
-                    nll -= float(F.log_softmax(logits.float(), dim=-1)[window[i + 1]])
-                    count += 1
+        return _teacher_forced_perplexity(model, ids, lambda i: run.reset() if i == 0 else None)
     finally:
         run.remove()
+
+
+def _teacher_forced_perplexity(model, ids: list[int], before_token: Callable[[int], object]) -> float:
+    """Perplexity of ``ids`` fed one token at a time in windows of ``WINDOW`` (each with a fresh
+    cache); ``before_token(i)`` is told each token's position in its window first."""
+    from transformers import DynamicCache
+
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, WINDOW):
+            window = ids[start : start + WINDOW + 1]
+            cache = DynamicCache(config=model.config)
+            for i in range(len(window) - 1):
+                before_token(i)
+                logits = model(input_ids=torch.tensor([[window[i]]]), cache=cache, use_cache=True).logits[0, -1]
+                nll -= float(F.log_softmax(logits.float(), dim=-1)[window[i + 1]])
+                count += 1
     return math.exp(nll / count)
 
 

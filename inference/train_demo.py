@@ -213,8 +213,13 @@ def _lr(step: int, recipe: Recipe) -> float:
 
 
 def _batch(ids: np.ndarray, recipe: Recipe, rng: np.random.Generator) -> torch.Tensor:
-    starts = rng.integers(0, len(ids) - recipe.seq - 1, size=recipe.batch)
-    return torch.from_numpy(np.stack([ids[s : s + recipe.seq] for s in starts]).astype(np.int64))
+    return sample_windows(ids, rng, batch=recipe.batch, seq=recipe.seq)
+
+
+def sample_windows(ids: np.ndarray, rng: np.random.Generator, *, batch: int, seq: int) -> torch.Tensor:
+    """[batch, seq] token ids from ``batch`` random places of ``ids`` (a training batch)."""
+    starts = rng.integers(0, len(ids) - seq - 1, size=batch)
+    return torch.from_numpy(np.stack([ids[s : s + seq] for s in starts]).astype(np.int64))
 
 
 def _windows(ids: np.ndarray, recipe: Recipe) -> Iterator[torch.Tensor]:

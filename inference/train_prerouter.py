@@ -46,6 +46,7 @@ from inference.prerouter import (
     new_lora,
     save_prerouter,
 )
+from inference.train_demo import sample_windows
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def train_prerouter(
     losses: list[float] = []
     for step in range(1, recipe.head_steps + 1):
         _set_lr(optimizer, recipe.head_lr, step, recipe.head_steps)
-        batch = _batch(train_ids, recipe, rng)
+        batch = sample_windows(train_ids, rng, batch=recipe.batch, seq=recipe.seq)
         run.collect, run.enabled = [], False
         run.reset()
         with torch.no_grad():
@@ -157,7 +158,7 @@ def train_prerouter(
     losses = []
     for step in range(1, recipe.lora_steps + 1):
         _set_lr(optimizer, recipe.lora_lr, step, recipe.lora_steps)
-        batch = _batch(train_ids, recipe, rng)
+        batch = sample_windows(train_ids, rng, batch=recipe.batch, seq=recipe.seq)
         with torch.no_grad(), _exact(run, adapters):
             teacher = F.log_softmax(model(input_ids=batch).logits.float(), -1)
         run.reset()
@@ -258,11 +259,6 @@ def _set_lr(optimizer: torch.optim.Optimizer, peak: float, step: int, steps: int
     )
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def _batch(ids: np.ndarray, recipe: PrerouterRecipe, rng: np.random.Generator) -> torch.Tensor:
-    starts = rng.integers(0, len(ids) - recipe.seq - 1, size=recipe.batch)
-    return torch.from_numpy(np.stack([ids[s : s + recipe.seq] for s in starts]).astype(np.int64))
 
 
 def _windows(ids: np.ndarray, recipe: PrerouterRecipe, per_batch: int = 16) -> Iterator[torch.Tensor]:
