@@ -27,7 +27,10 @@ worker for the caching strategies, so every caching strategy has the same device
   share of routed expert slots the model's own router would have chosen too (``prerouter``);
   ``disk_reads_per_token``: experts the workers read from disk (a ``hot`` store: prerouter).
 - ``decode_tok_s``: the runtime's decode rate on the same runs (the median over the prompts,
-  then over ``--repeats`` fresh clusters, with its spread).
+  then over ``--repeats`` fresh clusters, with its spread). The repeats are interleaved (round
+  r serves every strategy once before round r + 1 starts), so a drift in the machine's speed
+  falls on every strategy alike, and ``decode_vs_BASELINE`` is each strategy's rate over
+  ``--baseline``'s (lru-offload) round by round: the median with its spread.
 
 Strategies that are not exact are marked ``approximate``. Printed: a Markdown table; written:
 ``--json`` as ``{"strategies": {NAME: {"ppl", "token_agreement", "cache_hit_rate",
@@ -167,11 +170,11 @@ def _teacher_forced_perplexity(model, ids: list[int], before_token: Callable[[in
     return math.exp(nll / count)
 
 
-def served(model_dir: Path, strategy: str, threshold: float, prompts, expected, emulation, args, tmp: Path) -> dict:
-    """Token agreement, cache hit rate and decode rate through the runtime, ``--repeats`` times.
+def serve_once(model_dir: Path, strategy: str, threshold: float, prompts, emulation, args, work_dir: Path) -> list:
+    """One fresh cluster of ``strategy``: the same warm-up, then every prompt once (its ``GenerateDone``s).
 
-    Each repeat is a fresh cluster with the same warm-up, so an approximate strategy starts from
-    the same caches and gives the same tokens; the decode rate is the median over repeats of each repeat's median.
+    The warm-up is the same every time, so an approximate strategy's caches start alike and it
+    gives the same tokens in every repeat.
     """
     base = Settings(
         strategy=strategy,
@@ -180,15 +183,17 @@ def served(model_dir: Path, strategy: str, threshold: float, prompts, expected, 
         hot_experts=args.hot_experts,
     )
     options = ClusterOptions(workers=args.workers, settings=emulation.settings(base, networked=True))
-    rates, answers = [], []
-    for repeat in range(args.repeats):
-        with LocalCluster(model_dir, options, work_dir=tmp / f"run-{repeat}") as cluster:
-            # Warm-up (first-call allocations in every process); the same one every time, so an
-            # approximate strategy's caches start each repeat alike.
-            cluster.generate(prompts[0][:8], 4)
-            results = [cluster.generate(prompt, args.new_tokens) for prompt in prompts]
-        rates.append(statistics.median(r.metrics["decode_tok_s"] for r in results))
-        answers.append([r.token_ids for r in results])
+    with LocalCluster(model_dir, options, work_dir=work_dir) as cluster:
+        cluster.generate(prompts[0][:8], 4)  # first-call allocations in every process
+        return [cluster.generate(prompt, args.new_tokens) for prompt in prompts]
+
+
+def served(model_dir: Path, strategy: str, rounds: list[list], prompts, expected, args) -> dict:
+    """Token agreement, cache hit rate, late experts and decode rate from ``rounds`` (one list of
+    answers per repeat); the decode rate is the median over repeats of each repeat's median."""
+    rates = [statistics.median(r.metrics["decode_tok_s"] for r in results) for results in rounds]
+    answers = [[r.token_ids for r in results] for results in rounds]
+    results = rounds[-1]
     same = total = 0
     for result, want in zip(results, expected, strict=True):
         same += sum(a == b for a, b in zip(result.token_ids, want, strict=False))
@@ -219,6 +224,26 @@ def served(model_dir: Path, strategy: str, threshold: float, prompts, expected, 
     }
 
 
+def add_ratios(results: dict[str, dict], baseline: str) -> None:
+    """Each strategy's decode rate over ``baseline``'s, round by round (both measured in the same
+    round, minutes apart): the median and spread of those ratios."""
+    if baseline not in results:
+        return
+    base = results[baseline]["decode_tok_s_runs"]
+    for figures in results.values():
+        ratios = [rate / b for rate, b in zip(figures["decode_tok_s_runs"], base, strict=True)]
+        figures[f"decode_vs_{baseline}"] = statistics.median(ratios)
+        figures[f"decode_vs_{baseline}_min"] = min(ratios)
+        figures[f"decode_vs_{baseline}_max"] = max(ratios)
+
+
+def _ratio(figures: dict, baseline: str) -> str:
+    key = f"decode_vs_{baseline}"
+    if key not in figures:
+        return "–"
+    return f"{figures[key]:.2f} ({figures[key + '_min']:.2f}–{figures[key + '_max']:.2f})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=REPO / "platform" / "demo-model")
@@ -235,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="fresh clusters per strategy for the decode rate")
+    parser.add_argument("--baseline", default="lru-offload", help="decode rates are also given as ratios to this run")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plots", type=Path, help="write quality_vs_speed.png here")
     args = parser.parse_args(argv)
@@ -260,15 +286,24 @@ def main(argv: list[str] | None = None) -> int:
         prompts, _ = choose_prompts(model_dir, args.prompts)
         expected = [reference_generate(model_dir, p, args.new_tokens) for p in prompts]
         for label, strategy, threshold in runs:
-            figures = {
+            results[label] = {
                 "strategy": strategy,
                 "approximate": not get_strategy(strategy).exact,
                 "importance_threshold": threshold if strategy == "importance" else None,
                 "ppl": perplexity(model_dir, ids, strategy, threshold, args),
             }
-            figures |= served(model_dir, strategy, threshold, prompts, expected, emulation, args, Path(tmp) / label)
-            results[label] = figures
-            print(f"  {label}: ppl {figures['ppl']:.3f}, {figures['decode_tok_s']:.2f} tok/s", file=sys.stderr)
+            print(f"  {label}: ppl {results[label]['ppl']:.3f}", file=sys.stderr)
+        # Repeats are interleaved: each round serves every strategy once, so a drift in this
+        # machine's speed over the minutes of a run falls on all of them alike.
+        rounds: dict[str, list[list]] = {label: [] for label, _, _ in runs}
+        for repeat in range(args.repeats):
+            for label, strategy, threshold in runs:
+                work_dir = Path(tmp) / label / f"run-{repeat}"
+                rounds[label].append(serve_once(model_dir, strategy, threshold, prompts, emulation, args, work_dir))
+            print(f"  round {repeat + 1} of {args.repeats} served", file=sys.stderr)
+        for label, strategy, _ in runs:
+            results[label] |= served(model_dir, strategy, rounds[label], prompts, expected, args)
+    add_ratios(results, args.baseline)
     exact_ppl = next((f["ppl"] for f in results.values() if not f["approximate"]), None)
     print(
         f"{args.model.name}: {args.workers} workers, {args.cache_experts} cached experts per layer per worker, "
@@ -277,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| strategy | | perplexity | vs exact | token agreement | cache hit rate | substitutions / token "
-        "| late experts / token | decode tok/s |"
+        f"| late experts / token | decode tok/s | ÷ {args.baseline} |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, f in results.items():
         versus = f"{f['ppl'] / exact_ppl - 1:+.1%}" if exact_ppl else "–"
         hit = "–" if f["cache_hit_rate"] is None else f"{f['cache_hit_rate']:.0%}"
@@ -287,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {label} | {'approximate' if f['approximate'] else 'exact'} | {f['ppl']:.3f} | {versus} "
             f"| {f['token_agreement']:.1%} | {hit} | {f['substitutions_per_token']:.2f} "
             f"| {f['late_experts_per_token']:.2f} | {f['decode_tok_s']:.2f} "
-            f"({f['decode_tok_s_min']:.2f}–{f['decode_tok_s_max']:.2f}) |"
+            f"({f['decode_tok_s_min']:.2f}–{f['decode_tok_s_max']:.2f}) | {_ratio(f, args.baseline)} |"
         )
     if args.json:
         args.json.write_text(

@@ -46,6 +46,7 @@ def test_a_short_run_scores_exact_and_approximate_strategies(tiny_model: Path, t
         *(sys.executable, "-m", "benchmarks.quality", "--model", str(model), "--workers", "2"),
         *("--strategies", "odmoe,importance,prerouter", "--thresholds", "0,1", "--held-out", str(text)),
         *("--ppl-tokens", "40", "--prompts", "2", "--new-tokens", "8", "--repeats", "2", "--json", str(out)),
+        *("--baseline", "odmoe"),
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -57,6 +58,8 @@ def test_a_short_run_scores_exact_and_approximate_strategies(tiny_model: Path, t
     assert nothing["ppl"] == pytest.approx(exact["ppl"], rel=1e-4) and nothing["token_agreement"] == 1.0
     assert everything["substitutions_per_token"] > 0 and everything["ppl"] != pytest.approx(exact["ppl"], rel=1e-4)
     assert all(run["same_tokens_every_repeat"] for run in runs.values())  # fresh caches, the same answers
+    assert all(len(run["decode_tok_s_runs"]) == 2 for run in runs.values())  # two interleaved rounds
+    assert exact["decode_vs_odmoe"] == 1.0  # each round's rate over the baseline's in the same round
     assert "| importance@1 | approximate |" in done.stdout
     prerouted = runs["prerouter"]
     assert prerouted["approximate"] and prerouted["late_experts_per_token"] == 0
