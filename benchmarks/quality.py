@@ -108,10 +108,10 @@ def perplexity(model_dir: Path, ids: list[int], strategy: str, threshold: float,
     from transformers import MixtralForCausalLM
 
     model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
-    config = model.config
-    plan = placement(config.num_hidden_layers, config.num_local_experts, config.num_experts_per_tok, args.workers)
     if get_strategy(strategy).routes_by_prediction:
         return _prerouted_perplexity(model, model_dir, ids)
+    config = model.config
+    plan = placement(config.num_hidden_layers, config.num_local_experts, config.num_experts_per_tok, args.workers)
     approximate = get_strategy(strategy).substitutes
     similarity = load_similarity(model_dir) if approximate else None
     held = ResidentExperts(args.cache_experts)

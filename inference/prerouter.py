@@ -96,6 +96,11 @@ def prerouted_weights(router_logits: torch.Tensor, chosen: torch.Tensor, *, norm
     return weights / weights.sum(dim=-1, keepdim=True) if normalize else weights
 
 
+def matching_slots(chosen: torch.Tensor, real: torch.Tensor) -> int:
+    """How many of the ``chosen`` expert slots ([T, K]) the real router chose too (``real`` [T, K])."""
+    return int((chosen.unsqueeze(-1) == real.unsqueeze(-2)).any(-1).sum())
+
+
 class RouteHead(nn.Module):
     """One layer's head: logits over the layer's experts from its source and two route sets."""
 
@@ -340,7 +345,7 @@ class PreroutedModel:
                 return None
             with torch.no_grad():
                 chosen = self.prerouter.predict(layer, source.detach(), here, before)
-            self.matches += int((chosen.unsqueeze(-1) == real.unsqueeze(-2)).any(-1).sum())
+            self.matches += matching_slots(chosen, real)
             self.slots += chosen.numel()
             return (
                 hidden,

@@ -91,8 +91,7 @@ _BY_NAME = {
         predictor="prerouter",
         cache="none",
         exact=False,
-        routes_by_prediction=True,
-        needs=((PREROUTER_FILE, "python -m inference train-prerouter"),),
+        routes_by_prediction=True,  # needs its predictor's file (PREDICTOR_NEEDS)
         expert_store="hot",  # Edge0 streams experts from the SSD, a hot set in RAM
     ),
 }

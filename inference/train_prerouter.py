@@ -43,6 +43,7 @@ from inference.prerouter import (
     Trained,
     attach_lora,
     lora_tensors,
+    matching_slots,
     new_lora,
     save_prerouter,
 )
@@ -140,7 +141,7 @@ def train_prerouter(
     prerouter.eval().requires_grad_(False)
     run.enabled = True
     record["head_loss"] = float(np.mean(losses[-25:])) if losses else None
-    record["exact_path_agreement"] = _agreement(run, val_ids, recipe, exact=True)
+    record["exact_path_agreement"] = _exact_path_agreement(run, val_ids, recipe)
     record["prerouted_ppl_without_lora"] = _perplexity(run, val_ids, recipe)
     record["student_path_agreement_without_lora"] = run.agreement
     say(
@@ -229,11 +230,11 @@ def _perplexity(run: PreroutedModel, ids: np.ndarray, recipe: PrerouterRecipe, *
 
 
 @torch.no_grad()
-def _agreement(run: PreroutedModel, ids: np.ndarray, recipe: PrerouterRecipe, *, exact: bool) -> float:
-    """How often a predicted expert is one the real router picks too, on the exact path (``exact``:
-    the heads as a predictor of the model's own routing) or on the prerouted one."""
+def _exact_path_agreement(run: PreroutedModel, ids: np.ndarray, recipe: PrerouterRecipe) -> float:
+    """How often a predicted expert is one the real router picks too on the exact path: the heads
+    as a predictor of the model's own routing (on the prerouted path, ``run.agreement`` counts)."""
     run.collect, was = [], run.enabled
-    run.enabled = not exact
+    run.enabled = False
     matches = slots = 0
     try:
         for batch in _windows(ids, recipe):
@@ -243,7 +244,7 @@ def _agreement(run: PreroutedModel, ids: np.ndarray, recipe: PrerouterRecipe, *,
             for layer, source, here, before, logits in run.collect:
                 chosen = run.prerouter.predict(layer, source, here, before)
                 real = logits.float().topk(run.prerouter.shape.top_k, dim=-1).indices
-                matches += int((chosen.unsqueeze(-1) == real.unsqueeze(-2)).any(-1).sum())
+                matches += matching_slots(chosen, real)
                 slots += chosen.numel()
     finally:
         run.collect, run.enabled = None, was

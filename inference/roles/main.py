@@ -45,7 +45,7 @@ from inference.importance import ResidentExperts, load_similarity, substitute
 from inference.metrics import build_metrics, step_report
 from inference.model import build_main_model
 from inference.placement import Placement, placement_from_dict
-from inference.prerouter import SequenceRoutes, attach_lora, load_prerouter, prerouted_weights
+from inference.prerouter import SequenceRoutes, attach_lora, load_prerouter, matching_slots, prerouted_weights
 from inference.protocol import (
     Align,
     Begin,
@@ -722,7 +722,7 @@ class MainRole:
                     call.top_k_weights.dtype
                 )
                 s.state.router_slots += chosen.numel()
-                s.state.router_matches += int((chosen.unsqueeze(-1) == real.unsqueeze(-2)).any(-1).sum())
+                s.state.router_matches += matching_slots(chosen, real)
             following = routes.next_layer(layer) if s.step > 0 else None
             if following is not None:
                 self._send_prediction(s, s.step, layer + 1, following)

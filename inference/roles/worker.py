@@ -19,6 +19,7 @@ import torch
 
 from inference.cache import DeviceCache
 from inference.experts import activation, expert_forward
+from inference.hotset import HotSetStore
 from inference.loader import ExpertLoader, Key, Resident
 from inference.placement import placement_from_dict
 from inference.protocol import (
@@ -92,6 +93,8 @@ class WorkerRole:
             hot_experts=spec.settings.hot_experts,
         )
         release_free_heap()
+        # A hot store keeps predicted experts in RAM (pins) and counts its disk reads.
+        self.hot = self.store if isinstance(self.store, HotSetStore) else None
         self.store_keys = self.store.keys()
         self.hidden = int(config["hidden_size"])
         any_key = next(iter(self.store_keys))
@@ -303,30 +306,27 @@ class WorkerRole:
 
     def _store_counts(self) -> tuple[int, int]:
         """A hot store's experts read from disk and served from RAM so far ((0, 0) for another store)."""
-        return getattr(self.store, "reads", 0), getattr(self.store, "hits", 0)
+        return (self.hot.reads, self.hot.hits) if self.hot is not None else (0, 0)
 
     def _pin(self, step: int, layer: int, experts: set[int]) -> None:
         """Keep a hot store's predicted experts in RAM until the layer is served (the pin bonus)."""
-        pin = getattr(self.store, "pin", None)
-        if pin is None:
+        if self.hot is None:
             return
         pinned = self.pins.setdefault((step, layer), set())
         for expert in sorted(experts - pinned):
-            pin(layer, expert)
+            self.hot.pin(layer, expert)
         pinned |= experts
 
     def _unpin_through(self, here: tuple[int, int]) -> None:
-        unpin = getattr(self.store, "unpin", None)
         for key in [k for k in self.pins if k <= here]:
+            assert self.hot is not None  # only a hot store has pins
             for expert in self.pins.pop(key):
-                if unpin is not None:
-                    unpin(key[1], expert)
+                self.hot.unpin(key[1], expert)
 
     def _clear_pins(self) -> None:
         self.pins.clear()
-        clear = getattr(self.store, "clear_pins", None)
-        if clear is not None:
-            clear()
+        if self.hot is not None:
+            self.hot.clear_pins()
 
     def _release_held(self, keys: set[Key] | None = None) -> None:
         for key in list(self.held):
