@@ -1,4 +1,4 @@
-"""Lazy, read-only access to a Hugging Face Mixtral checkpoint directory.
+"""Lazy, read-only access to a Hugging Face MoE checkpoint directory, of any supported family.
 
 A Mixtral-8x7B checkpoint is ~90 GB, far more than the machines that shard or serve it
 can hold, so nothing here loads a whole file: tensor names and shapes come from the
@@ -8,8 +8,14 @@ safetensors headers, and tensor data is read one tensor at a time with ``safe_op
 people who hit these errors have usually just downloaded 90 GB and need to know which
 piece is broken, not a Rust traceback.
 
-Expert weights are addressed in the layout of the original Mixtral release,
-``model.layers.{L}.block_sparse_moe.experts.{E}.{w1|w2|w3}.weight`` (see ``ExpertKey``).
+The checkpoint's family (``inference.families``, by the config's ``model_type``) says where
+its routed experts live. ``Checkpoint`` shows them in one *shard layout*, whatever the family:
+``model.layers.{L}.block_sparse_moe.experts.{E}.{w1|w2|w3}.weight`` (see ``ExpertKey``), the
+Mixtral release's names. ``keys()`` lists those names in place of the release's expert tensors,
+and ``tensor``, ``shape`` and ``nbytes`` resolve them to the release tensor, or to one expert's
+rows of a fused ``[E, ...]`` tensor read by a safetensors slice (GraniteMoE), so sharding,
+memory plans and calibration never see the family's own expert layout. Every other tensor
+keeps its release name.
 """
 
 from __future__ import annotations
@@ -25,15 +31,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from inference.families import SHARD_EXPERT_RE, SHARD_PROJS, ExpertSource, Family, FamilyError, family_for
+
 if TYPE_CHECKING:
-    from transformers import MixtralConfig
+    from transformers import PretrainedConfig
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-EXPERT_PROJS = ("w1", "w2", "w3")
-_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+EXPERT_PROJS = SHARD_PROJS  # w1 gate, w2 down, w3 up
+_EXPERT_RE = SHARD_EXPERT_RE
 
 # Bytes per element of the safetensors dtype codes; used to size a tensor from its header
 # alone. Codes missing here (packed sub-byte formats) fall back to reading the tensor.
@@ -58,12 +66,12 @@ _DTYPE_BYTES = {
 
 
 class CheckpointError(Exception):
-    """The checkpoint directory is missing, incomplete, malformed, or not a Mixtral model."""
+    """The checkpoint directory is missing, incomplete, malformed, or not a supported MoE model."""
 
 
 @dataclass(frozen=True)
 class ExpertKey:
-    """One expert projection of one layer: ``w1`` (gate), ``w3`` (up) or ``w2`` (down)."""
+    """One expert projection of one layer, in the shard layout: ``w1`` (gate), ``w3`` (up) or ``w2`` (down)."""
 
     layer: int
     expert: int
@@ -75,7 +83,7 @@ class ExpertKey:
 
 
 def expert_key_name(layer: int, expert: int, proj: str) -> str:
-    """The checkpoint tensor name of ``proj`` of ``expert`` in ``layer``."""
+    """The shard-layout tensor name of ``proj`` of ``expert`` in ``layer``."""
     if proj not in EXPERT_PROJS:
         raise ValueError(f"expert projection must be one of {EXPERT_PROJS}, got {proj!r}")
     return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight"
@@ -100,7 +108,7 @@ class _TensorInfo:
 
 
 class Checkpoint:
-    """A validated Mixtral checkpoint directory whose tensors are read on demand.
+    """A validated MoE checkpoint directory whose tensors are read on demand, experts in the shard layout.
 
     Construction checks everything that can be checked cheaply (the directory, the
     config, the index and the presence of every weights file); safetensors headers are
@@ -118,12 +126,18 @@ class Checkpoint:
         if not is_dir:
             raise CheckpointError(f"checkpoint path {self.path} is not a directory")
         self.config: dict[str, Any] = _read_config(self.path)
+        self.family: Family = family_for(self.config, check=False)
         self._weight_map: dict[str, str] | None = _read_index(self.path)
         self._single: Path | None = None
         if self._weight_map is None:
             self._single = self.path / SINGLE_WEIGHTS_FILE
             if not self._single.is_file():
                 raise CheckpointError(_no_weights_message(self.path))
+        try:
+            self.family.check(self.config)
+        except FamilyError as exc:
+            raise CheckpointError(f"{self.path / CONFIG_FILE}: {exc}") from None
+        self._expert_sources = self._map_experts()
         self._headers: dict[Path, dict[str, _TensorInfo]] = {}
 
     def __repr__(self) -> str:
@@ -131,14 +145,12 @@ class Checkpoint:
 
     # -- config ---------------------------------------------------------------------
 
-    def hf_config(self) -> MixtralConfig:
-        """The config as a ``transformers.MixtralConfig`` (imported lazily: it is slow)."""
-        from transformers import MixtralConfig
-
+    def hf_config(self) -> PretrainedConfig:
+        """The config as its family's Transformers config class (imported lazily: it is slow)."""
         try:
-            return MixtralConfig.from_dict(dict(self.config))
+            return self.family.config_class().from_dict(dict(self.config))
         except Exception as exc:  # transformers raises assorted types for bad fields
-            raise CheckpointError(f"{self.path / CONFIG_FILE}: not a valid Mixtral config: {exc}") from exc
+            raise CheckpointError(f"{self.path / CONFIG_FILE}: not a valid {self.family.model_type} config: {exc}") from exc
 
     @property
     def n_layers(self) -> int:
@@ -146,7 +158,7 @@ class Checkpoint:
 
     @property
     def n_experts(self) -> int:
-        return self._config_int("num_local_experts")
+        return self.family.n_experts(self.config)
 
     @property
     def top_k(self) -> int:
@@ -173,12 +185,22 @@ class Checkpoint:
         assert self._weight_map is not None
         return [self.path / name for name in dict.fromkeys(self._weight_map.values())]
 
-    def keys(self) -> list[str]:
-        """Every tensor name in the checkpoint."""
+    def release_keys(self) -> list[str]:
+        """Every tensor name in the checkpoint's files (experts in the family's own layout)."""
         if self._weight_map is not None:
             return list(self._weight_map)
         assert self._single is not None
         return list(self._header(self._single))
+
+    def keys(self) -> list[str]:
+        """Every tensor name, routed experts in the shard layout (in place of their release tensors)."""
+        keys: list[str] = []
+        for name in self.release_keys():
+            if self.family.is_release_expert(name):
+                keys += self._experts_in.get(name, [])
+            else:
+                keys.append(name)
+        return list(dict.fromkeys(keys))  # a fused tensor of gates and ups names each expert once
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
@@ -187,13 +209,25 @@ class Checkpoint:
         return len(self.keys())
 
     def __contains__(self, key: object) -> bool:
+        source = self._expert_sources.get(key) if isinstance(key, str) else None
+        if source is not None:
+            key = source.name
+        elif isinstance(key, str) and self.family.is_release_expert(key) and _EXPERT_RE.fullmatch(key) is None:
+            return False  # a release expert tensor is seen through the shard layout only
         if self._weight_map is not None:
             return key in self._weight_map
         assert self._single is not None
         return key in self._header(self._single)
 
+    def expert_source(self, key: str) -> ExpertSource | None:
+        """Where a shard-layout expert tensor lives in the release (None: not an expert key)."""
+        return self._expert_sources.get(key)
+
     def file_of(self, key: str) -> Path:
-        """The weights file that holds ``key``."""
+        """The weights file that holds ``key`` (an expert key: the file of its release tensor)."""
+        source = self._expert_sources.get(key)
+        if source is not None:
+            key = source.name
         if self._weight_map is not None:
             try:
                 return self.path / self._weight_map[key]
@@ -207,25 +241,29 @@ class Checkpoint:
     # -- sizes and data ---------------------------------------------------------------
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self._info(key).shape
+        source = self._expert_sources.get(key)
+        if source is None:
+            return self._info(key).shape
+        return _sliced_shape(self._info(source.name).shape, source, key)
 
     def nbytes(self, key: str) -> int:
         """The tensor's size in bytes, from the file header (data is read only for exotic dtypes)."""
-        info = self._info(key)
+        source = self._expert_sources.get(key)
+        info = self._info(key if source is None else source.name)
         per_element = _DTYPE_BYTES.get(info.dtype)
         if per_element is None:
             tensor = self.tensor(key)
             return tensor.numel() * tensor.element_size()
         count = 1
-        for dim in info.shape:
+        for dim in self.shape(key):
             count *= dim
         return count * per_element
 
     def tensor(self, key: str) -> torch.Tensor:
-        """Read one tensor (only its bytes are touched, not the rest of its file)."""
+        """Read one tensor (only its bytes are touched: an expert of a fused tensor reads its slice)."""
         file = self.file_of(key)
         with _open(file) as handle:
-            return _get(handle, file, key)
+            return self._read(handle, file, key)
 
     def iter_tensors(self, keys: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` for ``keys`` (default: all), one tensor at a time.
@@ -239,7 +277,32 @@ class Checkpoint:
         for file, names in by_file.items():
             with _open(file) as handle:
                 for name in names:
-                    yield name, _get(handle, file, name)
+                    yield name, self._read(handle, file, name)
+
+    def _read(self, handle: Any, file: Path, key: str) -> torch.Tensor:
+        source = self._expert_sources.get(key)
+        if source is None or source.index is None:
+            return _get(handle, file, key if source is None else source.name)
+        shape = _sliced_shape(self._info(source.name).shape, source, key)  # checks the fused tensor's shape
+        rows = source.rows or (0, shape[0])
+        try:
+            part = handle.get_slice(source.name)[source.index : source.index + 1, rows[0] : rows[1]]
+        except Exception as exc:
+            raise CheckpointError(f"cannot read expert rows {key!r} from {source.name!r} in {file}: {exc}") from exc
+        return part[0]  # [rows, cols]: only this expert's bytes were read
+
+    def _map_experts(self) -> dict[str, ExpertSource]:
+        """Shard-layout expert name -> its release source, for every layer, expert and projection."""
+        sources: dict[str, ExpertSource] = {}
+        self._experts_in: dict[str, list[str]] = {}
+        for layer in range(self.n_layers):
+            for expert in range(self.n_experts):
+                for proj in EXPERT_PROJS:
+                    key = expert_key_name(layer, expert, proj)
+                    source = self.family.expert_source(layer, expert, proj, self.config)
+                    sources[key] = source
+                    self._experts_in.setdefault(source.name, []).append(key)
+        return sources
 
     def _info(self, key: str) -> _TensorInfo:
         file = self.file_of(key)
@@ -290,11 +353,10 @@ def _read_config(directory: Path) -> dict[str, Any]:
     config = _read_json(file, "model config")
     if not isinstance(config, dict):
         raise CheckpointError(f"model config {file} must be a JSON object")
-    model_type = config.get("model_type")
-    if model_type != "mixtral":
-        raise CheckpointError(
-            f"{file}: model_type is {model_type!r}, but only Mixtral checkpoints (model_type 'mixtral') are supported"
-        )
+    try:
+        family_for(config, check=False)
+    except FamilyError as exc:
+        raise CheckpointError(f"{file}: {exc}") from None
     return config
 
 
@@ -317,6 +379,18 @@ def _read_index(directory: Path) -> dict[str, str] | None:
             f"are missing: {', '.join(missing)}"
         )
     return weight_map
+
+
+def _sliced_shape(fused: tuple[int, ...], source: ExpertSource, key: str) -> tuple[int, ...]:
+    """The shape of one expert's projection within a release tensor of shape ``fused``."""
+    if source.index is None:
+        return fused
+    if len(fused) != 3 or source.index >= fused[0]:
+        raise CheckpointError(f"tensor {source.name!r} is {fused}, not [experts, rows, cols] holding {key!r}")
+    rows = source.rows or (0, fused[1])
+    if rows[1] > fused[1]:
+        raise CheckpointError(f"tensor {source.name!r} is {fused}: too few rows for {key!r} (rows {rows[0]}..{rows[1]})")
+    return (rows[1] - rows[0], fused[2])
 
 
 def _no_weights_message(directory: Path) -> str:

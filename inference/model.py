@@ -1,11 +1,14 @@
-"""Build the Transformers Mixtral model that a role runs, from its shard.
+"""Build the Transformers model that a role runs, from its shard, for any supported family.
 
 Transformers is the reference implementation, so main and the shadow reuse its model code
-for everything but the experts: main's experts are computed remotely (the
+(the family's own class: ``inference.families``) for everything but the routed experts: main's experts are computed remotely (the
 ``odmoe_remote`` experts implementation hands each layer's routed rows to the runtime),
 the shadow's are local and quantized. Weights come from the role's verified shard one
 tensor at a time and are assigned into a model first built on the meta device, so main
-never allocates the expert weights it does not hold.
+never allocates the expert weights it does not hold. Shards keep every non-expert tensor
+under its release name (the family maps it to its module path) and the routed experts in the
+shard layout (``inference.checkpoint``), fused here into the experts module's
+``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] as Transformers fuses them.
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from transformers import GenerationConfig, MixtralConfig, MixtralForCausalLM
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralRotaryEmbedding
 
 from inference.checkpoint import parse_expert_key
+from inference.families import Family, family_for
 from inference.sharding import load_role_tensors
 
 REMOTE_EXPERTS = "odmoe_remote"
@@ -35,7 +38,7 @@ class ExpertDispatcher(Protocol):
 
 
 def _remote_experts_forward(
-    self: MixtralExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     return self._odmoe_dispatcher.moe(self._odmoe_layer, hidden_states, top_k_index, top_k_weights)
 
@@ -43,9 +46,22 @@ def _remote_experts_forward(
 ALL_EXPERTS_FUNCTIONS.register(REMOTE_EXPERTS, _remote_experts_forward)
 
 
-def load_config(shard_dir: str | Path) -> MixtralConfig:
+def load_config(shard_dir: str | Path) -> PretrainedConfig:
+    """The shard's ``config.json`` as its family's Transformers config."""
     with open(Path(shard_dir) / "config.json") as f:
-        return MixtralConfig(**json.load(f))
+        data = json.load(f)
+    return family_for(data).config_class()(**data)
+
+
+def family_of(config: PretrainedConfig) -> Family:
+    """The adapter of a Transformers config's family."""
+    return family_for(config.to_dict(), check=False)
+
+
+def expert_dims(config: PretrainedConfig) -> tuple[int, int]:
+    """(routed experts, a routed expert's intermediate size) of a Transformers config."""
+    data, family = config.to_dict(), family_of(config)
+    return family.n_experts(data), family.expert_intermediate(data)
 
 
 def load_generation_config(shard_dir: str | Path) -> GenerationConfig | None:
@@ -53,47 +69,47 @@ def load_generation_config(shard_dir: str | Path) -> GenerationConfig | None:
     return GenerationConfig.from_pretrained(shard_dir) if path.exists() else None
 
 
-def hf_name(name: str) -> str:
-    """Checkpoint tensor name (the real release's layout) to the Transformers 5 module path."""
-    return name.replace(".block_sparse_moe.", ".mlp.")
+def skeleton(config: PretrainedConfig) -> PreTrainedModel:
+    """The family's model on the meta device: modules, names and shapes, no memory."""
+    with torch.device("meta"):
+        return family_of(config).model_class()._from_config(config)
 
 
 def build_model(
-    config: MixtralConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, with_experts: bool
-) -> MixtralForCausalLM:
+    config: PretrainedConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, with_experts: bool
+) -> PreTrainedModel:
     """A model whose weights are exactly ``tensors``; experts fused in only ``with_experts``."""
-    with torch.device("meta"):
-        model = MixtralForCausalLM._from_config(config)
+    family = family_of(config)
+    model = skeleton(config)
     state: dict[str, torch.Tensor] = {}
     experts: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
     for name, tensor in tensors:
         key = parse_expert_key(name)
         if key is None:
-            state[hf_name(name)] = tensor
+            state[family.hf_name(name)] = tensor
         elif with_experts:
             experts.setdefault(key.layer, {})[(key.expert, key.proj)] = tensor
+    n_experts, _ = expert_dims(config)
     for layer, parts in experts.items():
-        n = config.num_local_experts
-        gate_up = torch.stack([torch.cat([parts[(e, "w1")], parts[(e, "w3")]], dim=0) for e in range(n)])
-        down = torch.stack([parts[(e, "w2")] for e in range(n)])
-        state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up  # [E, 2I, H]
-        state[f"model.layers.{layer}.mlp.experts.down_proj"] = down  # [E, H, I]
+        gate_up = torch.stack([torch.cat([parts[(e, "w1")], parts[(e, "w3")]], dim=0) for e in range(n_experts)])
+        down = torch.stack([parts[(e, "w2")] for e in range(n_experts)])
+        state[f"{family.experts_path(layer)}.gate_up_proj"] = gate_up  # [E, 2I, H]
+        state[f"{family.experts_path(layer)}.down_proj"] = down  # [E, H, I]
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise ValueError(f"unexpected tensors in the shard: {sorted(unexpected)[:5]}")
-    expert_params = {n for n in missing if ".mlp.experts." in n}
+    expert_params = {n for n in missing if n.rpartition(".")[0].endswith(".experts")}
     if with_experts and expert_params:
         raise ValueError(f"the shard lacks expert tensors: {sorted(expert_params)[:5]}")
     other = set(missing) - expert_params
     if other:
         raise ValueError(f"the shard lacks tensors: {sorted(other)[:5]}")
     if not with_experts:
-        for module in _experts_modules(model):
+        for module in experts_modules(model):
             # Main never holds expert weights: keep empty placeholders, not meta tensors.
             module.gate_up_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
             module.down_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    # Non-persistent buffers (RoPE frequencies) were created on meta: build them for real.
-    model.model.rotary_emb = MixtralRotaryEmbedding(config=model.config)
+    rebuild_rotary(model)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -107,9 +123,14 @@ def cast_tensors(
         yield name, tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
 
 
+def rebuild_rotary(model: PreTrainedModel, device: torch.device | str = "cpu") -> None:
+    """Non-persistent buffers (RoPE frequencies) were created on meta: build them for real."""
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
+
+
 def build_main_model(
     shard_dir: str | Path, dispatcher: ExpertDispatcher, *, dtype: torch.dtype | None = None
-) -> MixtralForCausalLM:
+) -> PreTrainedModel:
     """Main's model: everything but the experts, whose work goes to ``dispatcher``.
 
     Weights keep the checkpoint's dtype (what ``from_pretrained(dtype="auto")`` gives) unless
@@ -117,7 +138,7 @@ def build_main_model(
     """
     config = load_config(shard_dir)
     model = build_model(config, cast_tensors(load_role_tensors(shard_dir), dtype), with_experts=False)
-    for layer, module in enumerate(_experts_modules(model)):
+    for layer, module in enumerate(experts_modules(model)):
         module._odmoe_layer = layer
         module._odmoe_dispatcher = dispatcher
     model.set_experts_implementation(REMOTE_EXPERTS)
@@ -127,6 +148,15 @@ def build_main_model(
     return model
 
 
-def _experts_modules(model: MixtralForCausalLM) -> Iterator[MixtralExperts]:
-    for layer in model.model.layers:
-        yield layer.mlp.experts
+def experts_modules(model: PreTrainedModel) -> Iterator[torch.nn.Module]:
+    """Each decoder layer's experts module, in layer order."""
+    family = family_of(model.config)
+    for decoder in model.model.layers:
+        yield family.experts(decoder)
+
+
+def routers(model: PreTrainedModel) -> Iterator[torch.nn.Module]:
+    """Each decoder layer's router (called on [T, H]: logits, top-k weights, top-k indices), in layer order."""
+    family = family_of(model.config)
+    for decoder in model.model.layers:
+        yield family.router(decoder)

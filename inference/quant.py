@@ -1,6 +1,6 @@
 """Shrink the shadow's copy of the model: the quantized weight, linear and experts it runs on.
 
-The shadow runs a whole ``MixtralForCausalLM`` only to guess which experts main will pick, so it
+The shadow runs a whole model of the family (``MixtralForCausalLM``...) only to guess which experts main will pick, so it
 can afford a lossy copy. This module holds the pieces: ``quantize_weight`` (in bounded pieces,
 on the weight's own device), ``QuantizedLinear``, the quantized experts' forward, and the router
 hook. The shadow role builds its model with them tensor by tensor, never holding the
@@ -13,7 +13,7 @@ built tensor by tensor against it), turning it into one of ``SHADOW_DTYPES``:
   input is cast up to their weight's dtype by a forward pre-hook; buffers (the rotary
   ``inv_freq``) stay fp32, as with ``from_pretrained(dtype=...)``.
 * ``int8`` / ``nf4``: every ``nn.Linear`` (attention projections, LM head) becomes a
-  ``QuantizedLinear``, and each ``MixtralExperts`` keeps its fused weights quantized per expert
+  ``QuantizedLinear``, and each experts module keeps its fused weights quantized per expert
   in stacked buffers (the fp32 parameters are replaced by empty ones, so the memory goes). The
   experts' forward is dispatched, through transformers' experts interface, to
   ``EXPERTS_IMPLEMENTATION``, which dequantizes only the experts the current tokens use.
@@ -36,9 +36,9 @@ from itertools import chain
 import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
 
 from inference.constants import SHADOW_DTYPES
+from inference.model import experts_modules, routers
 
 QUANT_SCHEMES = ("int8", "nf4")
 EXPERTS_IMPLEMENTATION = "odmoe_quantized"
@@ -213,7 +213,7 @@ class QuantizedLinear(nn.Module):
 # --- experts -----------------------------------------------------------------------------------
 
 
-def _expert_shapes(experts: MixtralExperts) -> dict[str, torch.Size]:
+def _expert_shapes(experts: nn.Module) -> dict[str, torch.Size]:
     return {
         "gate_up": torch.Size((2 * experts.intermediate_dim, experts.hidden_dim)),
         "down": torch.Size((experts.hidden_dim, experts.intermediate_dim)),
@@ -224,7 +224,7 @@ def is_quantized_experts(experts: nn.Module) -> bool:
     return getattr(experts, "odmoe_scheme", None) in QUANT_SCHEMES
 
 
-def expert_qweight(experts: MixtralExperts, name: str, expert: int) -> QuantizedWeight:
+def expert_qweight(experts: nn.Module, name: str, expert: int) -> QuantizedWeight:
     """Expert ``expert``'s quantized ``name`` ("gate_up" [2I, H] or "down" [H, I]) weight."""
     data = getattr(experts, f"{name}_qdata")[expert]
     state = getattr(experts, f"{name}_qstate")[expert]
@@ -235,7 +235,7 @@ def _empty_parameter(like: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), requires_grad=False)
 
 
-def quantize_experts_(experts: MixtralExperts, scheme: str) -> None:
+def quantize_experts_(experts: nn.Module, scheme: str) -> None:
     """Quantize ``experts``' fused weights per expert into stacked buffers and free the originals."""
     _check_scheme(scheme)
     for name in _EXPERT_TENSORS:
@@ -248,19 +248,19 @@ def quantize_experts_(experts: MixtralExperts, scheme: str) -> None:
     experts.odmoe_scheme = scheme
 
 
-def _expert_linear(experts: MixtralExperts, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+def _expert_linear(experts: nn.Module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
     if is_quantized_experts(experts):
         return quantized_linear(x, expert_qweight(experts, name, expert))
     return nn.functional.linear(x, getattr(experts, f"{name}_proj")[expert])
 
 
 def quantized_experts_forward(
-    self: MixtralExperts,
+    self: nn.Module,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """``MixtralExperts.forward`` (eager) on quantized storage: dequantizes only the experts hit.
+    """The experts' eager forward (the same for every family) on quantized storage: dequantizes only the experts hit.
 
     Falls back to the dense parameters for experts modules that were not quantized, so a model
     that happens to share the implementation name still computes correctly.
@@ -308,12 +308,12 @@ def module_bytes(module: nn.Module) -> int:
 
 
 def experts_bytes(model: nn.Module) -> int:
-    """Bytes held by all ``MixtralExperts`` modules of ``model`` (parameters and buffers)."""
-    return sum(module_bytes(m) for m in model.modules() if isinstance(m, MixtralExperts))
+    """Bytes held by all experts modules of ``model`` (parameters and buffers)."""
+    return sum(module_bytes(m) for m in experts_modules(model))
 
 
-def _routers(model: nn.Module) -> list[MixtralTopKRouter]:
-    return [m for m in model.modules() if isinstance(m, MixtralTopKRouter)]
+def _routers(model: nn.Module) -> list[nn.Module]:
+    return list(routers(model))
 
 
 def router_input_to_weight_dtype(router: nn.Module, args: tuple) -> tuple:
@@ -362,9 +362,8 @@ def detach_config_(model: nn.Module) -> None:
 
 def _quantize_model_(model: nn.Module, scheme: str) -> None:
     _replace_linears_(model, scheme)
-    for module in model.modules():
-        if isinstance(module, MixtralExperts):
-            quantize_experts_(module, scheme)
+    for module in experts_modules(model):
+        quantize_experts_(module, scheme)
     register_experts_implementation()
     detach_config_(model)
     model.config._experts_implementation = EXPERTS_IMPLEMENTATION
@@ -377,7 +376,7 @@ def _check_fp32(model: nn.Module) -> None:
 
 
 def quantize_shadow_(model: nn.Module, dtype: str, *, keep_routers_fp32: bool = True) -> dict:
-    """Convert a loaded fp32 ``MixtralForCausalLM`` to ``dtype`` in place; return a small report.
+    """Convert a loaded fp32 model (``MixtralForCausalLM``...) to ``dtype`` in place; return a small report.
 
     ``keep_routers_fp32`` matters for bf16/fp16 only: with int8/nf4 the routers always stay fp32.
     The report holds ``dtype``, ``bytes_before``/``bytes_after`` (all parameters and buffers) and

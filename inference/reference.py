@@ -1,5 +1,6 @@
 """Transformers' own single-process run of a checkpoint: the correctness reference and
-the *full cache* baseline (every expert resident) that benchmarks compare against.
+the *full cache* baseline (every expert resident) that benchmarks compare against. The
+model class is the checkpoint's family's, as ``AutoModelForCausalLM`` picks it.
 
 Transformers' default experts path (torch's grouped GEMM) refuses shapes whose strides
 are not 16-byte aligned, such as an odd hidden size; for those its eager experts
@@ -12,16 +13,16 @@ import functools
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, MixtralForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from inference.batching import prefill_pieces
 
 
 @functools.cache
-def _load(model_dir: str, experts_implementation: str | None, device: str, dtype: str) -> MixtralForCausalLM:
+def _load(model_dir: str, experts_implementation: str | None, device: str, dtype: str) -> PreTrainedModel:
     kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    return MixtralForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, **kwargs).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, **kwargs).to(device).eval()
 
 
 def _unaligned(exc: RuntimeError) -> bool:

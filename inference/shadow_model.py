@@ -29,13 +29,20 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import MixtralConfig, MixtralForCausalLM
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralRotaryEmbedding, MixtralTopKRouter
+from transformers import PretrainedConfig, PreTrainedModel
 
 from inference import quant
 from inference.checkpoint import parse_expert_key
 from inference.constants import SHADOW_DTYPES
-from inference.model import hf_name, load_config, load_generation_config
+from inference.model import (
+    expert_dims,
+    family_of,
+    load_config,
+    load_generation_config,
+    rebuild_rotary,
+    routers,
+    skeleton,
+)
 from inference.sharding import load_role_tensors, read_manifest, verify_shard
 
 CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,7 +52,7 @@ EXPERT_WEIGHTS = ("gate_up", "down")  # [2I, H] (w1 over w3) and [H, I] (w2), as
 # The converted layout, record by record (what ``convert_tensors`` yields and a pre-converted
 # shadow shard stores): a kept tensor under its Transformers name in its shadow dtype; a
 # quantized linear as ``{path}.weight_data`` / ``{path}.weight_state`` (``QuantizedLinear``'s
-# buffers); expert E of layer L as ``model.layers.L.mlp.experts.{gate_up|down}.E``, with
+# buffers); expert E of layer L as ``model.layers.L.mlp.experts.{gate_up|down}.E`` whatever the family
 # ``.qdata`` / ``.qstate`` appended when quantized.
 # Written into a pre-converted shard's manifest and checked on load: a shard converted by
 # another version's layout or quantizer is refused, not misread.
@@ -59,19 +66,13 @@ def check_dtype(dtype: str) -> None:
         raise ValueError(f"unsupported shadow dtype {dtype!r}; allowed: {', '.join(SHADOW_DTYPES)}")
 
 
-def skeleton(config: MixtralConfig) -> MixtralForCausalLM:
-    """The model's modules on the meta device: shapes and names, no memory."""
-    with torch.device("meta"):
-        return MixtralForCausalLM._from_config(config)
-
-
 def quantizable_linears(model: nn.Module) -> set[str]:
     """Paths of the ``nn.Linear`` modules an int8/nf4 shadow quantizes: all but the routers (not Linears)."""
     return {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
 
 
 def convert_tensors(
-    tensors: Iterable[tuple[str, torch.Tensor]], config: MixtralConfig, dtype: str, device: torch.device
+    tensors: Iterable[tuple[str, torch.Tensor]], config: PretrainedConfig, dtype: str, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors (release names, any float dtype) as records of the shadow in ``dtype``.
 
@@ -79,19 +80,20 @@ def convert_tensors(
     ``w3`` until its partner arrives.
     """
     check_dtype(dtype)
+    family = family_of(config)
     quantized = quantizable_linears(skeleton(config)) if dtype in quant.QUANT_SCHEMES else set()
     pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         key = parse_expert_key(name)
         if key is None:
-            hf = hf_name(name)
+            hf = family.hf_name(name)
             path = hf.removesuffix(".weight")
             if hf.endswith(".weight") and path in quantized:
                 q = quant.quantize_weight(tensor.to(device), dtype)
                 yield f"{path}.weight_data", q.data
                 yield f"{path}.weight_state", q.state
             else:
-                yield hf, tensor.to(device, _kept_dtype(dtype, hf, tensor))
+                yield hf, tensor.to(device, _kept_dtype(dtype, family.is_router(name), tensor))
             continue
         parts = pending.setdefault((key.layer, key.expert), {})
         parts[key.proj] = tensor
@@ -107,10 +109,10 @@ def convert_tensors(
         raise ValueError(f"expert {expert} of layer {layer} lacks {'w3' if 'w1' in parts else 'w1'}")
 
 
-def _kept_dtype(dtype: str, name: str, tensor: torch.Tensor) -> torch.dtype:
+def _kept_dtype(dtype: str, is_router: bool, tensor: torch.Tensor) -> torch.dtype:
     if not tensor.is_floating_point() or dtype in quant.QUANT_SCHEMES:
         return tensor.dtype  # quantized shadows keep what they don't quantize as it is
-    if name.endswith(".mlp.gate.weight") and dtype != "fp32":
+    if is_router and dtype != "fp32":
         return tensor.dtype  # routers keep the checkpoint's precision: they decide the routing
     return CAST_DTYPES[dtype]
 
@@ -170,7 +172,7 @@ def build_shadow_model(
     *,
     eager_experts: bool = False,
     verify: bool = True,
-) -> tuple[MixtralForCausalLM, dict]:
+) -> tuple[PreTrainedModel, dict]:
     """The shadow's model in ``dtype`` on ``device``, from a shadow shard.
 
     The shard is either the checkpoint's tensors (converted here as they are read) or a
@@ -194,7 +196,7 @@ def build_shadow_model(
     config = load_config(shard_dir)
     model = skeleton(config)
     check = _RecordCheck(model, dtype)
-    build = _Build(dtype, device, config.num_local_experts)
+    build = _Build(dtype, device, expert_dims(config)[0])
     source_bytes = 0
     largest = 0
 
@@ -210,7 +212,7 @@ def build_shadow_model(
         check(name, tensor)
         build.take(name, tensor)
     _install(model, build)
-    model.model.rotary_emb = MixtralRotaryEmbedding(config=model.config).to(device)
+    rebuild_rotary(model, device)
     if dtype in quant.QUANT_SCHEMES:
         quant.register_experts_implementation()
         quant.detach_config_(model)
@@ -218,7 +220,7 @@ def build_shadow_model(
     else:
         if eager_experts:
             model.set_experts_implementation("eager")
-        for router in (m for m in model.modules() if isinstance(m, MixtralTopKRouter)):
+        for router in routers(model):
             router.register_forward_pre_hook(quant.router_input_to_weight_dtype)
     generation_config = load_generation_config(shard_dir)
     if generation_config is not None:
@@ -245,11 +247,11 @@ class _RecordCheck:
     kernels read past its end.
     """
 
-    def __init__(self, model: MixtralForCausalLM, dtype: str) -> None:
+    def __init__(self, model: PreTrainedModel, dtype: str) -> None:
         config = model.config
         self.dtype = dtype
-        self.layers, self.experts = config.num_hidden_layers, config.num_local_experts
-        hidden, inter = config.hidden_size, config.intermediate_size
+        self.experts, inter = expert_dims(config)
+        self.layers, hidden = config.num_hidden_layers, config.hidden_size
         self.expert_shapes = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
         self.linears = {
             path: (m.out_features, m.in_features) for path, m in model.named_modules() if isinstance(m, nn.Linear)
@@ -291,7 +293,7 @@ class _RecordCheck:
         raise ValueError(f"a quantized record in a {self.dtype} shadow")
 
 
-def _install(model: MixtralForCausalLM, build: _Build) -> None:
+def _install(model: PreTrainedModel, build: _Build) -> None:
     """Put the records into the meta-built model; refuse a shard that lacks any."""
     quantized = build.dtype in quant.QUANT_SCHEMES
     expected_linears = quantizable_linears(model) if quantized else set()
@@ -313,8 +315,9 @@ def _install(model: MixtralForCausalLM, build: _Build) -> None:
         parent_path, _, child = path.rpartition(".")
         linear = quant.QuantizedLinear(qweight, state.pop(f"{path}.bias", None))
         setattr(model.get_submodule(parent_path), child, linear)
+    family = family_of(model.config)
     for layer, decoder in enumerate(model.model.layers):
-        experts: MixtralExperts = decoder.mlp.experts
+        experts = family.experts(decoder)
         for which in EXPERT_WEIGHTS:
             if quantized:
                 experts.register_buffer(f"{which}_qdata", build.stacks.pop((layer, which, "qdata")))
@@ -322,7 +325,7 @@ def _install(model: MixtralForCausalLM, build: _Build) -> None:
                 empty = nn.Parameter(torch.empty(0, device=build.device), requires_grad=False)
                 setattr(experts, f"{which}_proj", empty)  # the dense weights never existed here
             else:
-                state[f"model.layers.{layer}.mlp.experts.{which}_proj"] = build.stacks.pop((layer, which, "dense"))
+                state[f"{family.experts_path(layer)}.{which}_proj"] = build.stacks.pop((layer, which, "dense"))
         if quantized:
             experts.odmoe_scheme = build.dtype
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -331,7 +334,7 @@ def _install(model: MixtralForCausalLM, build: _Build) -> None:
     # Quantized modules hold the buffers installed above, not loaded from ``state``.
     installed = {n for n in missing if n.rpartition(".")[0] in build.linears}
     if quantized:
-        installed |= {n for n in missing if ".mlp.experts." in n}
+        installed |= {n for n in missing if n.rpartition(".")[0].endswith(".experts")}
     lacking = sorted(set(missing) - installed)
     if lacking:
         raise ValueError(f"the shadow shard lacks tensors: {lacking[:5]}")

@@ -288,16 +288,18 @@ def _roles(workers: int, shadow_dtypes: Sequence[str] = ()) -> list[Role]:
 def _check_experts_present(ckpt: Checkpoint) -> None:
     # A worker shard silently missing an expert would only fail mid-generation.
     missing = [
-        expert_key_name(layer, expert, proj)
+        name
         for layer in range(ckpt.n_layers)
         for expert in range(ckpt.n_experts)
         for proj in EXPERT_PROJS
-        if expert_key_name(layer, expert, proj) not in ckpt
+        if (name := expert_key_name(layer, expert, proj)) not in ckpt
     ]
     if missing:
+        source = ckpt.expert_source(missing[0])
+        where = source.name if source is not None else missing[0]
         raise CheckpointError(
-            f"{len(missing)} expert tensor(s) are missing, e.g. {missing[0]!r}; expected the "
-            "per-expert layout model.layers.L.block_sparse_moe.experts.E.w1/w2/w3.weight"
+            f"{len(missing)} expert tensor(s) are missing, e.g. {where!r} ({missing[0].split('.experts.')[1]} "
+            f"of layer {missing[0].split('.')[2]}); expected the {ckpt.family.model_type} release's expert layout"
         )
 
 

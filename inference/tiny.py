@@ -1,10 +1,12 @@
-"""Write a tiny random Mixtral checkpoint in the exact on-disk layout of the real release.
+"""Write a tiny random MoE checkpoint in the exact on-disk layout of its family's real release.
 
 Tests, demos and CI need a model that loads in milliseconds yet exercises every code path
-the 90 GB Mixtral-8x7B does: per-expert ``w1``/``w2``/``w3`` tensors under
-``block_sparse_moe``, a router per layer, grouped-query attention, sharded safetensors
-with an index, a ``config.json`` that ``transformers`` accepts, and a tokenizer that
-``AutoTokenizer`` loads offline. ``make_tiny`` writes such a directory; its weights are a
+the 90 GB Mixtral-8x7B (or a Qwen, OLMoE or Granite release) does: the family's expert
+tensors (Mixtral's per-expert ``w1``/``w2``/``w3`` under ``block_sparse_moe``, Qwen's and
+OLMoE's ``gate|up|down_proj``, Granite's fused ``input_linear``/``output_linear``; names and
+shapes from ``inference.families``), a router per layer, shared experts where the family has
+them, grouped-query attention, sharded safetensors with an index, a ``config.json`` that
+``transformers`` accepts, and a tokenizer that ``AutoTokenizer`` loads offline. ``make_tiny`` writes such a directory; its weights are a
 deterministic function of ``seed`` (and of the shape arguments), independent of
 ``shards``. ``dtype`` (``float32``, ``bfloat16`` or ``float16``, as a config's ``dtype`` field
 names them) is the dtype on disk; the values are drawn in fp32 and rounded to it, as a
@@ -22,7 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from inference.checkpoint import EXPERT_PROJS, INDEX_FILE, SINGLE_WEIGHTS_FILE, expert_key_name
+from inference.checkpoint import INDEX_FILE, SINGLE_WEIGHTS_FILE
+from inference.families import FAMILIES, Family
 
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 # Same ids as the real Mixtral tokenizer, so code that hard-codes them behaves the same.
@@ -99,8 +102,13 @@ def make_tiny(
     shards: int = 1,
     max_position: int = 1024,
     dtype: str = "float32",
+    family: str = "mixtral",
+    shared_intermediate: int | None = None,
 ) -> Path:
-    """Write a random Mixtral checkpoint (weights, config, tokenizer) to ``out_dir``.
+    """Write a random checkpoint of ``family`` (weights, config, tokenizer) to ``out_dir``.
+
+    ``intermediate`` is a routed expert's width; ``shared_intermediate`` the shared expert's,
+    for a family that has one (default: twice ``intermediate``).
 
     ``vocab`` defaults to the trained tokenizer's size (about 512); a larger value pads
     the embedding table with ids the tokenizer never produces. ``head_dim`` defaults to
@@ -108,6 +116,8 @@ def make_tiny(
     Returns ``out_dir`` as a ``Path``.
     """
     head_dim = _check_shape(layers, hidden, intermediate, experts, top_k, heads, kv_heads, head_dim, shards)
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
@@ -119,12 +129,16 @@ def make_tiny(
     elif vocab < tokenizer_size:
         raise ValueError(f"vocab ({vocab}) must be at least the tokenizer's size ({tokenizer_size})")
 
-    specs = _tensor_specs(layers, hidden, intermediate, experts, heads, kv_heads, head_dim, vocab)
+    adapter = FAMILIES[family]
+    shape = {"layers": layers, "hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k}
+    shape |= {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "vocab": vocab}
+    shape["shared_intermediate"] = shared_intermediate or 2 * intermediate
+    config = _config(adapter, shape, max_position) | {"torch_dtype": dtype, "dtype": dtype}
+    specs = _tensor_specs(adapter, config)
     if shards > len(specs):
         raise ValueError(f"shards ({shards}) cannot exceed the number of tensors ({len(specs)})")
     _write_weights(out, specs, seed, shards, CHECKPOINT_DTYPES[dtype])
-    config = _config(layers, hidden, intermediate, experts, top_k, heads, kv_heads, head_dim, vocab, max_position)
-    _write_json(out / "config.json", config | {"torch_dtype": dtype, "dtype": dtype})
+    _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", _generation_config())
     return out
 
@@ -162,37 +176,15 @@ def _check_shape(
     return head_dim
 
 
-def _tensor_specs(
-    layers: int,
-    hidden: int,
-    intermediate: int,
-    experts: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    vocab: int,
-) -> list[_Spec]:
-    """Every tensor of the model, in generation order (which fixes the random values)."""
-    specs = [_Spec("model.embed_tokens.weight", (vocab, hidden), WEIGHT_STD)]
-    for layer in range(layers):
-        prefix = f"model.layers.{layer}"
-        specs += [
-            _Spec(f"{prefix}.input_layernorm.weight", (hidden,), None),
-            _Spec(f"{prefix}.self_attn.q_proj.weight", (heads * head_dim, hidden), WEIGHT_STD),
-            _Spec(f"{prefix}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden), WEIGHT_STD),
-            _Spec(f"{prefix}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden), WEIGHT_STD),
-            _Spec(f"{prefix}.self_attn.o_proj.weight", (hidden, heads * head_dim), WEIGHT_STD),
-            _Spec(f"{prefix}.post_attention_layernorm.weight", (hidden,), None),
-            _Spec(f"{prefix}.block_sparse_moe.gate.weight", (experts, hidden), ROUTER_STD),
-        ]
-        # w1 (gate) and w3 (up) map hidden -> intermediate; w2 (down) maps back.
-        shapes = {"w1": (intermediate, hidden), "w2": (hidden, intermediate), "w3": (intermediate, hidden)}
-        for expert in range(experts):
-            specs += [_Spec(expert_key_name(layer, expert, p), shapes[p], WEIGHT_STD) for p in EXPERT_PROJS]
-    specs += [
-        _Spec("model.norm.weight", (hidden,), None),
-        _Spec("lm_head.weight", (vocab, hidden), WEIGHT_STD),
-    ]
+def _tensor_specs(family: Family, config: dict) -> list[_Spec]:
+    """Every tensor of the model, in the release's file order (which fixes the random values).
+
+    Norm weights are ones; routers get ``ROUTER_STD``; the rest ``WEIGHT_STD``.
+    """
+    specs = []
+    for name, shape in family.release_shapes(config):
+        std = None if name.endswith("norm.weight") else ROUTER_STD if family.is_router(name) else WEIGHT_STD
+        specs.append(_Spec(name, shape, std))
     return specs
 
 
@@ -245,48 +237,17 @@ def _write_weights(out: Path, specs: list[_Spec], seed: int, shards: int, dtype:
     _write_json(out / INDEX_FILE, index)
 
 
-def _config(
-    layers: int,
-    hidden: int,
-    intermediate: int,
-    experts: int,
-    top_k: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    vocab: int,
-    max_position: int,
-) -> dict:
-    """The fields of the real release's config.json, with the tiny shape."""
-    return {
-        "architectures": ["MixtralForCausalLM"],
-        "attention_dropout": 0.0,
+def _config(family: Family, shape: dict[str, int], max_position: int) -> dict:
+    """The fields of the family's real release config.json, with the tiny shape."""
+    common = {
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "hidden_size": hidden,
         "initializer_range": WEIGHT_STD,
-        "intermediate_size": intermediate,
         "max_position_embeddings": max_position,
-        "model_type": "mixtral",
-        "num_attention_heads": heads,
-        "num_experts_per_tok": top_k,
-        "num_hidden_layers": layers,
-        "num_key_value_heads": kv_heads,
-        "num_local_experts": experts,
-        "output_router_logits": False,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 1e6,
-        "router_aux_loss_coef": 0.02,
-        "router_jitter_noise": 0.0,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
         "torch_dtype": "float32",
         "dtype": "float32",
-        "use_cache": True,
-        "vocab_size": vocab,
     }
+    return dict(sorted((family.release_config(shape) | common).items()))
 
 
 def _generation_config() -> dict:

@@ -118,9 +118,9 @@ def test_missing_or_bad_config(tmp_path: Path) -> None:
         Checkpoint(tmp_path)
 
 
-def test_not_mixtral(tmp_path: Path) -> None:
+def test_not_a_supported_moe_family(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(CheckpointError, match=r"'llama'.*only Mixtral"):
+    with pytest.raises(CheckpointError, match=r"'llama'.*supported MoE families are 'mixtral', 'qwen2_moe'"):
         Checkpoint(tmp_path)
 
 

@@ -242,9 +242,9 @@ def test_refuses_bad_worker_count(model: Path, tmp_path: Path) -> None:
         build_shards(model, tmp_path / "out", workers=0)
 
 
-def test_refuses_non_mixtral(tmp_path: Path) -> None:
+def test_refuses_a_model_that_is_not_a_supported_moe_family(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ShardError, match=r"cannot shard.*only Mixtral"):
+    with pytest.raises(ShardError, match=r"cannot shard.*supported MoE families"):
         build_shards(tmp_path, tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()
 

@@ -43,7 +43,7 @@ from inference.batching import (
 from inference.failover import NoSurvivor, reroute, taker
 from inference.importance import ResidentExperts, load_similarity, substitute
 from inference.metrics import build_metrics, step_report
-from inference.model import build_main_model
+from inference.model import build_main_model, expert_dims, family_of
 from inference.placement import Placement, placement_from_dict
 from inference.prerouter import SequenceRoutes, attach_lora, load_prerouter, matching_slots, prerouted_weights
 from inference.protocol import (
@@ -106,11 +106,13 @@ class MainRole:
         self.model.to(self.device)
         release_free_heap()
         config = self.model.config
+        self.family = family_of(config)
+        n_experts, intermediate = expert_dims(config)
         self.routing = Routing(
             resolve_arithmetic(
                 spec.settings.experts_arithmetic,
                 config.hidden_size,
-                config.intermediate_size,
+                intermediate,
                 self.model.dtype,
                 self.device,
             )
@@ -131,7 +133,7 @@ class MainRole:
             trained = load_prerouter(
                 spec.shard_dir,
                 layers=config.num_hidden_layers,
-                experts=config.num_local_experts,
+                experts=n_experts,
                 hidden=config.hidden_size,
                 top_k=config.num_experts_per_tok,
             )
@@ -681,7 +683,8 @@ class MainRole:
         union: set[int] = set()
         for s in batch:
             if s.step > 0:
-                _, _, indices = self.model.model.layers[following].mlp.gate(s.call.hidden_states)  # type: ignore[union-attr]
+                router = self.family.router(self.model.model.layers[following])
+                _, _, indices = router(s.call.hidden_states)  # type: ignore[union-attr]
                 experts = sorted(set(indices.reshape(-1).tolist()))
                 s.state.predictions[(s.step, following)] = experts
                 self._note_lead(s, s.step, following)
@@ -708,7 +711,7 @@ class MainRole:
         """The prerouter's heads on this layer: under the prerouter strategy their choice becomes
         each sequence's routing (weighted by the real router's probabilities); for a decoding
         sequence, the next layer's prediction goes to its workers before this layer is dispatched."""
-        gate = self.model.model.layers[layer].mlp.gate
+        gate = self.family.router(self.model.model.layers[layer])
         for s in batch:
             call, routes = s.call, s.state.routes
             if call is None or routes is None:

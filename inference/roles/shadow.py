@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from inference import schedule
 from inference.constants import SHADOW_STATES_PER_SEQUENCE
-from inference.model import load_config
+from inference.model import expert_dims, load_config, routers
 from inference.placement import placement_from_dict
 from inference.protocol import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
 from inference.roles.common import (
@@ -76,7 +76,7 @@ class ShadowRole:
         arithmetic = resolve_arithmetic(
             spec.settings.experts_arithmetic,
             config.hidden_size,
-            config.intermediate_size,
+            expert_dims(config)[1],
             CAST_DTYPES.get(shadow_dtype, torch.float32),
             self.device,
         )
@@ -94,8 +94,8 @@ class ShadowRole:
         self.states: dict[str, Emulation] = {}  # the sequences it follows, by request id
         self.run_state: Emulation | None = None  # the one its model is running now
         self.layer_step = 0
-        for layer, decoder in enumerate(self.model.model.layers):
-            decoder.mlp.gate.register_forward_hook(self._router_hook(layer))
+        for layer, router in enumerate(routers(self.model)):
+            router.register_forward_hook(self._router_hook(layer))
         log.info("shadow ready: %s on %s (%s)", spec.settings.shadow_dtype, self.device, self.report)
 
     # --- message loop -------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""The model families odmoe serves, one adapter module each, behind one registry.
+
+``family_for(config)`` picks the adapter by the config's ``model_type`` and checks the config
+can be served; ``FAMILIES`` lists them (README's table of supported families).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from inference.families.base import SHARD_EXPERT_RE, SHARD_PROJS, ExpertSource, Family, FamilyError
+from inference.families.granitemoe import GraniteMoe
+from inference.families.mixtral import Mixtral
+from inference.families.olmoe import Olmoe
+from inference.families.qwen2_moe import Qwen2Moe
+from inference.families.qwen3_moe import Qwen3Moe
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (Mixtral(), Qwen2Moe(), Qwen3Moe(), Olmoe(), GraniteMoe())}
+
+__all__ = ["FAMILIES", "SHARD_EXPERT_RE", "SHARD_PROJS", "ExpertSource", "Family", "FamilyError", "family_for"]
+
+
+def family_for(config: Mapping[str, Any], *, check: bool = True) -> Family:
+    """The adapter of ``config``'s family; ``FamilyError`` says why a config cannot be served."""
+    model_type = config.get("model_type")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        known = ", ".join(repr(name) for name in FAMILIES)
+        raise FamilyError(f"model_type is {model_type!r}; the supported MoE families are {known}")
+    if check:
+        family.check(config)
+    return family

@@ -1,0 +1,36 @@
+"""OLMoE (``model_type`` "olmoe"): 64 experts of top-8, no shared expert.
+
+Attention normalizes the whole query and key projections (``q_norm`` [Q*D], ``k_norm`` [KV*D]);
+the router renormalizes its top-k only when ``norm_topk_prob`` (false in OLMoE-1B-7B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from inference.families.base import PerExpertFamily, Shapes, _attention_dims
+
+
+@dataclass(frozen=True)
+class Olmoe(PerExpertFamily):
+    model_type: str = "olmoe"
+    causal_lm: str = "OlmoeForCausalLM"
+
+    def release_config(self, shape: Mapping[str, int]) -> dict[str, Any]:
+        return super().release_config(shape) | {
+            "norm_topk_prob": False,
+            "attention_bias": False,
+            "clip_qkv": None,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e4,
+        }
+
+    def attention_shapes(self, config: Mapping[str, Any], prefix: str) -> Shapes:
+        _, q, kv, d = _attention_dims(config)
+        return [
+            *super().attention_shapes(config, prefix),
+            (f"{prefix}.self_attn.q_norm.weight", (q * d,)),
+            (f"{prefix}.self_attn.k_norm.weight", (kv * d,)),
+        ]
