@@ -47,6 +47,7 @@ import torch
 import zmq
 
 from inference.curve import CurveKeys, new_keys
+from inference.families import family_for
 from inference.launcher import ClusterOptions, LocalCluster, free_port
 from inference.protocol import ExpertRequest, ExpertResult, TokenEvent, decode, encode
 from inference.routing import Routing
@@ -358,7 +359,8 @@ def endpoint_round_trip_us(shape: Shape, iterations: int) -> float:
 
 def read_shape(model_dir: Path) -> Shape:
     config = json.loads((model_dir / "config.json").read_text())
-    return Shape(config["hidden_size"], config["num_experts_per_tok"], config["num_local_experts"])
+    experts = family_for(config).n_experts(config)
+    return Shape(config["hidden_size"], config["num_experts_per_tok"], experts)
 
 
 def measure(model_dir: Path, *, workers: int, new_tokens: int, full: bool, full_tokens: int, iterations: int) -> dict:

@@ -219,7 +219,7 @@ def bench_model(model: Path | None, tmp: Path, profile: str) -> tuple[Path, dict
     model_dir = model or make_tiny(tmp / "model", seed=0, **BENCH_MODEL)
     checkpoint = Checkpoint(model_dir)
     config = checkpoint.config
-    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    hidden, intermediate = config["hidden_size"], checkpoint.family.expert_intermediate(config)
     expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, proj)) for proj in ("w1", "w2", "w3"))
     hidden_bytes = hidden * expert_bytes // (3 * hidden * intermediate)  # a hidden row in the weights' dtype
     here = measure_expert_compute(hidden, intermediate, act=config.get("hidden_act", "silu"))

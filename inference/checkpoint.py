@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,7 +149,9 @@ class Checkpoint:
         try:
             return self.family.config_class().from_dict(dict(self.config))
         except Exception as exc:  # transformers raises assorted types for bad fields
-            raise CheckpointError(f"{self.path / CONFIG_FILE}: not a valid {self.family.model_type} config: {exc}") from exc
+            raise CheckpointError(
+                f"{self.path / CONFIG_FILE}: not a valid {self.family.model_type} config: {exc}"
+            ) from exc
 
     @property
     def n_layers(self) -> int:
@@ -289,7 +290,9 @@ class Checkpoint:
             part = handle.get_slice(source.name)[source.index : source.index + 1, rows[0] : rows[1]]
         except Exception as exc:
             raise CheckpointError(f"cannot read expert rows {key!r} from {source.name!r} in {file}: {exc}") from exc
-        return part[0]  # [rows, cols]: only this expert's bytes were read
+        # safetensors maps the file and returns a view of the whole fused tensor's storage, with
+        # only this slice's pages read: the clone owns this expert's bytes alone.
+        return part[0].clone()  # [rows, cols]
 
     def _map_experts(self) -> dict[str, ExpertSource]:
         """Shard-layout expert name -> its release source, for every layer, expert and projection."""
@@ -389,7 +392,9 @@ def _sliced_shape(fused: tuple[int, ...], source: ExpertSource, key: str) -> tup
         raise CheckpointError(f"tensor {source.name!r} is {fused}, not [experts, rows, cols] holding {key!r}")
     rows = source.rows or (0, fused[1])
     if rows[1] > fused[1]:
-        raise CheckpointError(f"tensor {source.name!r} is {fused}: too few rows for {key!r} (rows {rows[0]}..{rows[1]})")
+        raise CheckpointError(
+            f"tensor {source.name!r} is {fused}: too few rows for {key!r} (rows {rows[0]}..{rows[1]})"
+        )
     return (rows[1] - rows[0], fused[2])
 
 

@@ -45,6 +45,8 @@ from typing import Any
 
 from inference.checkpoint import EXPERT_PROJS, Checkpoint, expert_key_name, parse_expert_key
 from inference.constants import EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES, SHADOW_STATES_PER_SEQUENCE
+from inference.families import family_for, is_router_name
+from inference.families.releases import RELEASES
 from inference.placement import Placement, placement
 from inference.prerouter import PrerouterShape
 from inference.sim.model_sizes import KNOWN_MODELS, ModelSizes, from_hf_config
@@ -69,8 +71,10 @@ QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absm
 CHECKPOINT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _CAST_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-_ROUTER_SUFFIX = ".block_sparse_moe.gate.weight"
+_ROUTER_SUFFIX = ".block_sparse_moe.gate.weight"  # Mixtral's, in the synthetic tensors of bare sizes
+# The nn.Linear weights a quantized shadow quantizes besides the experts and the LM head.
 _ATTENTION_LINEARS = tuple(f".self_attn.{p}_proj.weight" for p in "qkvo")
+_SHARED_LINEARS = (*(f".shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")), ".shared_expert_gate.weight")
 _LM_HEAD = "lm_head.weight"
 
 
@@ -204,6 +208,13 @@ def config_tensors(sizes: ModelSizes, dtype: str, *, tied_embeddings: bool = Fal
     return [TensorSize(name, shape, math.prod(shape) * per) for name, shape in shapes]
 
 
+def family_tensors(config: Mapping[str, Any], dtype: str) -> list[TensorSize]:
+    """The tensors a checkpoint of ``config`` shows (its family's, experts in the shard layout), in ``dtype``."""
+    per = _dtype_bytes(dtype)
+    shapes = family_for(config).shard_shapes(config)
+    return [TensorSize(name, shape, math.prod(shape) * per) for name, shape in shapes]
+
+
 def _dtype_bytes(dtype: str) -> int:
     try:
         return CHECKPOINT_DTYPE_BYTES[dtype]
@@ -213,7 +224,7 @@ def _dtype_bytes(dtype: str) -> int:
 
 def shadow_tensor_bytes(tensor: TensorSize, shadow_dtype: str) -> int:
     """What ``tensor`` costs in the shadow's copy of the model (an expert's w1/w3 as half of their fused pair)."""
-    is_router = tensor.name.endswith(_ROUTER_SUFFIX)
+    is_router = is_router_name(tensor.name)
     if shadow_dtype in _CAST_BYTES:
         if is_router and shadow_dtype != "fp32":
             return tensor.nbytes  # routers keep the checkpoint dtype, so routing matches main's
@@ -231,7 +242,10 @@ def shadow_tensor_bytes(tensor: TensorSize, shadow_dtype: str) -> int:
 def _is_linear(tensor: TensorSize) -> bool:
     name = tensor.name
     return len(tensor.shape) == 2 and (
-        name == _LM_HEAD or name.endswith(_ATTENTION_LINEARS) or parse_expert_key(name) is not None
+        name == _LM_HEAD
+        or name.endswith(_ATTENTION_LINEARS)
+        or name.endswith(_SHARED_LINEARS)
+        or parse_expert_key(name) is not None
     )
 
 
@@ -328,19 +342,19 @@ def memory_from_config(
     ``dtype`` is the checkpoint's (``float32``, ``bfloat16``, ``float16``); by default the
     config's ``dtype`` (or ``torch_dtype``) field, else ``bfloat16`` as the releases are.
     """
-    tied = False
     if isinstance(config, str):
         if config not in KNOWN_MODELS:
             raise ValueError(f"unknown model {config!r}; use one of {', '.join(sorted(KNOWN_MODELS))}")
-        sizes = KNOWN_MODELS[config]()
-    elif isinstance(config, ModelSizes):
+        config = {**RELEASES[config], "_name_or_path": config} if config in RELEASES else KNOWN_MODELS[config]()
+    if isinstance(config, ModelSizes):
         sizes = config
+        tensors = config_tensors(sizes, dtype or "bfloat16")
     else:
         sizes = from_hf_config(dict(config))
-        tied = bool(config.get("tie_word_embeddings", False))
-        dtype = dtype or config.get("dtype") or config.get("torch_dtype")
+        dtype = dtype or config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+        tensors = family_tensors(config, dtype)
     return plan_memory(
-        config_tensors(sizes, dtype or "bfloat16", tied_embeddings=tied),
+        tensors,
         sizes,
         name=sizes.name,
         workers=workers,

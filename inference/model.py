@@ -1,8 +1,9 @@
 """Build the Transformers model that a role runs, from its shard, for any supported family.
 
 Transformers is the reference implementation, so main and the shadow reuse its model code
-(the family's own class: ``inference.families``) for everything but the routed experts: main's experts are computed remotely (the
-``odmoe_remote`` experts implementation hands each layer's routed rows to the runtime),
+(the family's own class: ``inference.families``) for everything but the routed experts:
+main's experts are computed remotely (the ``odmoe_remote`` experts implementation hands
+each layer's routed rows to the runtime),
 the shadow's are local and quantized. Weights come from the role's verified shard one
 tensor at a time and are assigned into a model first built on the meta device, so main
 never allocates the expert weights it does not hold. Shards keep every non-expert tensor

@@ -1,7 +1,8 @@
 """Shrink the shadow's copy of the model: the quantized weight, linear and experts it runs on.
 
-The shadow runs a whole model of the family (``MixtralForCausalLM``...) only to guess which experts main will pick, so it
-can afford a lossy copy. This module holds the pieces: ``quantize_weight`` (in bounded pieces,
+The shadow runs a whole model of the family (``MixtralForCausalLM``...) only to guess which
+experts main will pick, so it can afford a lossy copy. This module holds the pieces:
+``quantize_weight`` (in bounded pieces,
 on the weight's own device), ``QuantizedLinear``, the quantized experts' forward, and the router
 hook. The shadow role builds its model with them tensor by tensor, never holding the
 full-precision model (``inference.shadow_model``). ``quantize_shadow_`` applies the same

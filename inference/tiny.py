@@ -6,8 +6,9 @@ tensors (Mixtral's per-expert ``w1``/``w2``/``w3`` under ``block_sparse_moe``, Q
 OLMoE's ``gate|up|down_proj``, Granite's fused ``input_linear``/``output_linear``; names and
 shapes from ``inference.families``), a router per layer, shared experts where the family has
 them, grouped-query attention, sharded safetensors with an index, a ``config.json`` that
-``transformers`` accepts, and a tokenizer that ``AutoTokenizer`` loads offline. ``make_tiny`` writes such a directory; its weights are a
-deterministic function of ``seed`` (and of the shape arguments), independent of
+``transformers`` accepts, and a tokenizer that ``AutoTokenizer`` loads offline. ``make_tiny``
+writes such a directory; its weights are a deterministic function of ``seed`` (and of the
+shape arguments), independent of
 ``shards``. ``dtype`` (``float32``, ``bfloat16`` or ``float16``, as a config's ``dtype`` field
 names them) is the dtype on disk; the values are drawn in fp32 and rounded to it, as a
 release converted to bf16 would be.

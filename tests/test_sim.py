@@ -92,7 +92,7 @@ def test_every_constant_has_a_source() -> None:
         ({"shadow_dtype": "fp8"}, "shadow_dtype"),
         ({"output_tokens": 1}, "output_tokens"),
         ({"input_tokens": "12"}, "input_tokens"),
-        ({"model": {"hidden_size": 8}}, "lacks"),
+        ({"model": {"hidden_size": 8}}, "model_type is None"),
         ({"model": "gpt-5"}, "unknown model"),
     ],
 )
@@ -117,6 +117,7 @@ def test_estimate_is_json_and_fast() -> None:
 
 def test_estimate_accepts_a_hf_config() -> None:
     config = {
+        "model_type": "mixtral",
         "num_hidden_layers": 4,
         "hidden_size": 256,
         "intermediate_size": 512,

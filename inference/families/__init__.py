@@ -18,7 +18,21 @@ from inference.families.qwen3_moe import Qwen3Moe
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (Mixtral(), Qwen2Moe(), Qwen3Moe(), Olmoe(), GraniteMoe())}
 
-__all__ = ["FAMILIES", "SHARD_EXPERT_RE", "SHARD_PROJS", "ExpertSource", "Family", "FamilyError", "family_for"]
+__all__ = [
+    "FAMILIES",
+    "SHARD_EXPERT_RE",
+    "SHARD_PROJS",
+    "ExpertSource",
+    "Family",
+    "FamilyError",
+    "family_for",
+    "is_router_name",
+]
+
+
+def is_router_name(name: str) -> bool:
+    """Whether a tensor name is a router's weight in any supported family's release."""
+    return any(family.is_router(name) for family in FAMILIES.values())
 
 
 def family_for(config: Mapping[str, Any], *, check: bool = True) -> Family:

@@ -32,9 +32,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # The shard layout of a routed expert: what every family's experts are called in shards.
 SHARD_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
@@ -145,7 +146,10 @@ class Family:
 
     def is_router(self, name: str) -> bool:
         """Whether a release (or shard) tensor name is a router's weight."""
-        return re.fullmatch(rf"model\.layers\.\d+\.{re.escape(self.release_moe)}\.{self.release_router}\.weight", name) is not None
+        return (
+            re.fullmatch(rf"model\.layers\.\d+\.{re.escape(self.release_moe)}\.{self.release_router}\.weight", name)
+            is not None
+        )
 
     def hf_name(self, name: str) -> str:
         """A non-expert release tensor name to its Transformers module path (most are the same)."""
@@ -164,6 +168,20 @@ class Family:
         shapes.append(("model.norm.weight", (h,)))
         if not config.get("tie_word_embeddings", False):
             shapes.append(("lm_head.weight", (v, h)))
+        return shapes
+
+    def shard_shapes(self, config: Mapping[str, Any]) -> Shapes:
+        """Every tensor as a checkpoint shows it (``inference.checkpoint``): routed experts in the
+        shard layout, one [I, H] / [H, I] tensor per projection, the rest as in the release."""
+        h, i = config["hidden_size"], self.expert_intermediate(config)
+        proj_shapes = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+        shapes: Shapes = [(n, s) for n, s in self.release_shapes(config) if not self.is_release_expert(n)]
+        for layer in range(config["num_hidden_layers"]):
+            for expert in range(self.n_experts(config)):
+                shapes += [
+                    (f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{p}.weight", proj_shapes[p])
+                    for p in SHARD_PROJS
+                ]
         return shapes
 
     def layer_shapes(self, config: Mapping[str, Any], layer: int) -> Shapes:

@@ -1,13 +1,16 @@
-"""Sizes of a Mixtral-family model: parameter counts, bytes and FLOPs per token and layer.
+"""Sizes of an MoE model of any supported family: parameter counts, bytes and FLOPs per token and layer.
 
 Shape legend: H hidden, I expert intermediate, E experts, K active experts (top-k), Q query heads,
-KV key/value heads, D head dim, V vocabulary, L layers. Bytes depend on the storage precision
-(bits per weight) and are computed here, never stored.
+KV key/value heads, D head dim, V vocabulary, L layers, S shared expert intermediate (0: none).
+Bytes depend on the storage precision (bits per weight) and are computed here, never stored.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from inference.families import family_for
+from inference.families.releases import RELEASES
 
 
 @dataclass(frozen=True)
@@ -22,9 +25,12 @@ class ModelSizes:
     kv_heads: int  # KV
     head_dim: int  # D
     vocab: int  # V
+    shared_intermediate: int = 0  # S: an always-active shared expert's width (Qwen2-MoE), 0 = none
 
     def __post_init__(self) -> None:
         for field, val in asdict(self).items():
+            if field == "shared_intermediate" and isinstance(val, int) and val >= 0:
+                continue
             if field != "name" and (not isinstance(val, int) or val <= 0):
                 raise ValueError(f"model size {field} must be a positive integer, got {val!r}")
         if self.top_k > self.experts:
@@ -42,9 +48,14 @@ class ModelSizes:
         return self.hidden * (2 * q_out + 2 * kv_out)  # q, o: H x QD; k, v: H x KVD
 
     @property
+    def shared_params(self) -> int:
+        """A layer's shared expert (gate, up, down) and its sigmoid gate; 0 without one."""
+        return 3 * self.hidden * self.shared_intermediate + self.hidden if self.shared_intermediate else 0
+
+    @property
     def layer_dense_params(self) -> int:
-        """Per-layer parameters that are not experts: attention, router, two norms."""
-        return self.attention_params + self.experts * self.hidden + 2 * self.hidden
+        """Per-layer parameters that are not routed experts: attention, router, two norms, a shared expert."""
+        return self.attention_params + self.experts * self.hidden + 2 * self.hidden + self.shared_params
 
     @property
     def embedding_params(self) -> int:
@@ -126,37 +137,34 @@ def mixtral_8x22b() -> ModelSizes:
     )
 
 
-KNOWN_MODELS = {"mixtral-8x7b": mixtral_8x7b, "mixtral-8x22b": mixtral_8x22b}
-
-
 def from_hf_config(config: dict) -> ModelSizes:
-    """Sizes from a Hugging Face `config.json` of the Mixtral family (MixtralConfig keys)."""
-    required = [
-        "num_hidden_layers",
-        "hidden_size",
-        "intermediate_size",
-        "num_local_experts",
-        "num_experts_per_tok",
-        "num_attention_heads",
-        "vocab_size",
-    ]
-    missing = [key for key in required if key not in config]
-    if missing:
-        raise ValueError(f"model config lacks {', '.join(missing)} (expected a Mixtral-family config.json)")
+    """Sizes from a Hugging Face ``config.json`` of any supported family (``inference.families``)."""
+    family = family_for(config)
     heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or (config["hidden_size"] // heads if heads else 0)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     return ModelSizes(
         name=str(config.get("_name_or_path") or config.get("model_type") or "custom"),
         layers=config["num_hidden_layers"],
         hidden=config["hidden_size"],
-        intermediate=config["intermediate_size"],
-        experts=config["num_local_experts"],
+        intermediate=family.expert_intermediate(config),
+        experts=family.n_experts(config),
         top_k=config["num_experts_per_tok"],
         query_heads=heads,
         kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         vocab=config["vocab_size"],
+        shared_intermediate=family.shared_intermediate(config),
     )
+
+
+def _release(name: str):
+    return lambda: from_hf_config({**RELEASES[name], "_name_or_path": name})
+
+
+# Mixtral's sizes as the simulator has always had them (equal to their releases' configs).
+KNOWN_MODELS = {"mixtral-8x7b": mixtral_8x7b, "mixtral-8x22b": mixtral_8x22b} | {
+    name: _release(name) for name in RELEASES if not name.startswith("mixtral")
+}
 
 
 def resolve_model(model: str | dict | ModelSizes) -> ModelSizes:

@@ -78,7 +78,8 @@ def _describe(path: str) -> tuple[str, dict, int]:
             "experts": checkpoint.n_experts,
             "top_k": checkpoint.top_k,
             "hidden_size": checkpoint.hidden_size,
-            "intermediate_size": config.get("intermediate_size"),
+            "family": checkpoint.family.model_type,
+            "intermediate_size": checkpoint.family.expert_intermediate(config),  # a routed expert's
             "vocab_size": config.get("vocab_size"),
             "max_position_embeddings": config.get("max_position_embeddings"),
             "files": len(checkpoint.files()),
