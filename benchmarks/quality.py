@@ -56,6 +56,7 @@ from benchmarks.recall import choose_prompts
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model
 from inference.importance import ResidentExperts, load_similarity, substitute
 from inference.launcher import ClusterOptions, LocalCluster
+from inference.model import expert_dims, experts_modules
 from inference.placement import placement
 from inference.prerouter import PreroutedModel, attach_lora, load_prerouter, prerouted_generate
 from inference.reference import reference_generate
@@ -105,13 +106,13 @@ def held_out_ids(model_dir: Path, tokens: int, text: Path | None = None) -> list
 
 def perplexity(model_dir: Path, ids: list[int], strategy: str, threshold: float, args: argparse.Namespace) -> float:
     """Teacher-forced perplexity, one token at a time, with ``importance``'s rule where it applies."""
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
     if get_strategy(strategy).routes_by_prediction:
         return _prerouted_perplexity(model, model_dir, ids)
     config = model.config
-    plan = placement(config.num_hidden_layers, config.num_local_experts, config.num_experts_per_tok, args.workers)
+    plan = placement(config.num_hidden_layers, expert_dims(config)[0], config.num_experts_per_tok, args.workers)
     approximate = get_strategy(strategy).substitutes
     similarity = load_similarity(model_dir) if approximate else None
     held = ResidentExperts(args.cache_experts)
@@ -132,7 +133,7 @@ def perplexity(model_dir: Path, ids: list[int], strategy: str, threshold: float,
 
     handles = []
     if approximate:
-        handles = [block.mlp.experts.register_forward_pre_hook(rule(i)) for i, block in enumerate(model.model.layers)]
+        handles = [experts.register_forward_pre_hook(rule(i)) for i, experts in enumerate(experts_modules(model))]
     try:
         return _teacher_forced_perplexity(model, ids, lambda i: step.__setitem__("n", i))
     finally:

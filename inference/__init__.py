@@ -1,4 +1,4 @@
-"""odmoe runtime: serve a Mixtral-family MoE with on-demand expert loading (OD-MoE).
+"""odmoe runtime: serve an MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE) with on-demand expert loading.
 
 The model is split over separate processes that talk over ZeroMQ: *main* (attention,
 norms, routers, LM head, KV cache), a quantized *shadow* that predicts routing ahead of

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
+from inference.families import FAMILIES
 from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES
 
 EXIT_ERROR = 1
@@ -40,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m inference", description=__doc__)
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    tiny = sub.add_parser("make-tiny", help="write a small random Mixtral checkpoint (with a tokenizer)")
+    tiny = sub.add_parser("make-tiny", help="write a small random MoE checkpoint (with a tokenizer)")
     tiny.add_argument("out_dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     for name, default in (
@@ -56,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
         tiny.add_argument(f"--{name}", type=int, default=default)
     tiny.add_argument("--head-dim", type=int, default=None)
     tiny.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype on disk")
+    tiny.add_argument("--family", choices=tuple(FAMILIES), default="mixtral", help="the release layout to write")
+    tiny.add_argument(
+        "--shared-intermediate", type=int, default=None, help="qwen2_moe: the shared expert's width (default 2x)"
+    )
     tiny.set_defaults(run=_make_tiny)
 
     shard = sub.add_parser("shard", help="split a checkpoint into main, shadow and worker shards")
@@ -81,7 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     cal.set_defaults(run=_calibrate)
 
     gen = sub.add_parser("generate", help="run main, shadow and N workers on 127.0.0.1 and generate")
-    gen.add_argument("--model", type=Path, required=True, help="a Hugging Face Mixtral checkpoint directory")
+    gen.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="a Hugging Face MoE checkpoint directory (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE)",
+    )
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -195,8 +205,10 @@ def _make_tiny(args: argparse.Namespace) -> int:
         head_dim=args.head_dim,
         shards=args.shards,
         dtype=args.dtype,
+        family=args.family,
+        shared_intermediate=args.shared_intermediate,
     )
-    print(f"wrote a tiny Mixtral checkpoint to {out}")
+    print(f"wrote a tiny {args.family} checkpoint to {out}")
     return 0
 
 

@@ -147,14 +147,16 @@ def calibrate(model_dir: str | os.PathLike[str], token_ids: Sequence[int], *, wi
     takes the hidden states each MoE block receives, and compares every expert's output on
     them (weights read from the checkpoint, one layer at a time).
     """
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from inference.checkpoint import Checkpoint, expert_key_name
     from inference.experts import activation, expert_forward, fuse_expert
+    from inference.model import family_of
 
     if len(token_ids) < 2:
         raise ValueError("calibration needs at least 2 tokens")
-    model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    family = family_of(model.config)
     inputs: dict[int, list[torch.Tensor]] = {}
 
     def keep(layer: int):
@@ -163,7 +165,7 @@ def calibrate(model_dir: str | os.PathLike[str], token_ids: Sequence[int], *, wi
 
         return hook
 
-    handles = [block.mlp.register_forward_pre_hook(keep(i)) for i, block in enumerate(model.model.layers)]
+    handles = [family.moe_block(d).register_forward_pre_hook(keep(i)) for i, d in enumerate(model.model.layers)]
     ids = torch.tensor(list(token_ids), dtype=torch.long)
     try:
         with torch.inference_mode():

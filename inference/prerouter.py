@@ -283,7 +283,7 @@ def load_prerouter(
 
 
 class PreroutedModel:
-    """A Transformers Mixtral computed by the prerouter's rule, in one process (training, scoring).
+    """A Transformers MoE model computed by the prerouter's rule, in one process (training, scoring).
 
     Hooks on the embedding, every router and every experts module replace each layer's routed
     experts with the heads' prediction and their weights with ``prerouted_weights``. Feed it
@@ -307,9 +307,12 @@ class PreroutedModel:
         # When a list: every layer's head inputs and router logits, (layer, source, here, before, logits).
         self.collect: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] | None = None
         self._handles = [model.model.embed_tokens.register_forward_hook(self._on_embeds)]
+        from inference.model import family_of  # Transformers: imported when a model is at hand
+
+        family = family_of(model.config)
         for layer, block in enumerate(model.model.layers):
-            self._handles.append(block.mlp.gate.register_forward_hook(self._on_router(layer)))
-            self._handles.append(block.mlp.experts.register_forward_pre_hook(self._on_experts(layer)))
+            self._handles.append(family.router(block).register_forward_hook(self._on_router(layer)))
+            self._handles.append(family.experts(block).register_forward_pre_hook(self._on_experts(layer)))
 
     def reset(self) -> None:
         self._last.clear()
@@ -417,14 +420,16 @@ def prerouted_generate(model_dir: str | os.PathLike[str], prompt_ids: list[int],
 
     What the runtime's ``prerouter`` strategy must give token for token (its own reference,
     as ``inference.reference`` is the exact strategies')."""
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
+    from inference.model import expert_dims
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
     config = model.config
     trained = load_prerouter(
         model_dir,
         layers=config.num_hidden_layers,
-        experts=config.num_local_experts,
+        experts=expert_dims(config)[0],
         hidden=config.hidden_size,
         top_k=config.num_experts_per_tok,
     )

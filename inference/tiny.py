@@ -134,7 +134,7 @@ def make_tiny(
     shape = {"layers": layers, "hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k}
     shape |= {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "vocab": vocab}
     shape["shared_intermediate"] = shared_intermediate or 2 * intermediate
-    config = _config(adapter, shape, max_position) | {"torch_dtype": dtype, "dtype": dtype}
+    config = model_config(family, shape, max_position) | {"torch_dtype": dtype, "dtype": dtype}
     specs = _tensor_specs(adapter, config)
     if shards > len(specs):
         raise ValueError(f"shards ({shards}) cannot exceed the number of tensors ({len(specs)})")
@@ -238,8 +238,9 @@ def _write_weights(out: Path, specs: list[_Spec], seed: int, shards: int, dtype:
     _write_json(out / INDEX_FILE, index)
 
 
-def _config(family: Family, shape: dict[str, int], max_position: int) -> dict:
-    """The fields of the family's real release config.json, with the tiny shape."""
+def model_config(family: str, shape: dict[str, int], max_position: int) -> dict:
+    """The fields of the family's real release config.json for ``shape`` (``Family.release_config``'s
+    keys), with the tiny tokenizer's special ids."""
     common = {
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
@@ -248,7 +249,7 @@ def _config(family: Family, shape: dict[str, int], max_position: int) -> dict:
         "torch_dtype": "float32",
         "dtype": "float32",
     }
-    return dict(sorted((family.release_config(shape) | common).items()))
+    return dict(sorted((FAMILIES[family].release_config(shape) | common).items()))
 
 
 def _generation_config() -> dict:

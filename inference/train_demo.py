@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from inference.checkpoint import SINGLE_WEIGHTS_FILE, Checkpoint, expert_key_name
-from inference.tiny import EOS_ID, _config, _generation_config, write_tokenizer
+from inference.tiny import EOS_ID, _generation_config, model_config, write_tokenizer
 
 DEFAULT_CORPUS = Path("/usr/share/doc/python3.11/html")  # Debian's python3.11-doc
 
@@ -126,18 +126,10 @@ def train_demo(
     train_ids, val_ids = stream[:split], stream[split:]
     say(f"tokenizer: {vocab} tokens; {len(stream) / 1e6:.2f} M tokens ({len(val_ids)} held out)")
 
-    fields = _config(
-        shape.layers,
-        shape.hidden,
-        shape.intermediate,
-        shape.experts,
-        shape.top_k,
-        shape.heads,
-        shape.kv_heads,
-        shape.hidden // shape.heads,
-        vocab,
-        shape.max_position,
-    )
+    sizes = {"layers": shape.layers, "hidden": shape.hidden, "intermediate": shape.intermediate}
+    sizes |= {"experts": shape.experts, "top_k": shape.top_k, "heads": shape.heads, "kv_heads": shape.kv_heads}
+    sizes |= {"head_dim": shape.hidden // shape.heads, "vocab": vocab, "shared_intermediate": 0}
+    fields = model_config("mixtral", sizes, shape.max_position)
     fields["router_aux_loss_coef"] = recipe.router_aux_loss_coef
     config = MixtralConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype", "dtype")})
     config.output_router_logits = True  # so that the load-balancing loss is part of the loss

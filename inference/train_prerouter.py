@@ -80,7 +80,9 @@ def train_prerouter(
     say: Callable[[str], None] = print,
 ) -> Trained:
     """Train, write and return the prerouter of the checkpoint in ``model_dir`` on token ids ``stream``."""
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from inference.model import expert_dims
 
     started = time.monotonic()
     torch.manual_seed(recipe.seed)
@@ -92,13 +94,13 @@ def train_prerouter(
             f"{recipe.validation_share:.0%} held out"
         )
     val_ids = val_ids[: recipe.eval_tokens]
-    model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     model.set_experts_implementation("eager")  # differentiable on every device; the reference's sums
     model.requires_grad_(False)
     config = model.config
     shape = PrerouterShape(
         layers=config.num_hidden_layers,
-        experts=config.num_local_experts,
+        experts=expert_dims(config)[0],
         top_k=config.num_experts_per_tok,
         hidden=config.hidden_size,
         head_width=recipe.head_width,
