@@ -1,4 +1,4 @@
-"""The expert computation itself, kept bit-compatible with Transformers' Mixtral.
+"""The expert computation itself, kept bit-compatible with Transformers' experts (every family's is the same).
 
 Shape legend: ``M`` rows routed to one expert, ``H`` hidden size, ``I`` intermediate size.
 Transformers 5 fuses each expert's ``w1`` (gate) and ``w3`` (up) into ``gate_up`` rows

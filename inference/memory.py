@@ -184,7 +184,10 @@ def checkpoint_tensors(ckpt: Checkpoint) -> list[TensorSize]:
 
 
 def config_tensors(sizes: ModelSizes, dtype: str, *, tied_embeddings: bool = False) -> list[TensorSize]:
-    """The tensors a Mixtral checkpoint of ``sizes`` holds, in ``dtype`` (a config ``dtype`` name)."""
+    """The tensors a Mixtral checkpoint of bare ``sizes`` holds, in ``dtype`` (a config ``dtype`` name).
+
+    A config of any family gives its own tensors: ``family_tensors``.
+    """
     per = _dtype_bytes(dtype)
     h, i, d = sizes.hidden, sizes.intermediate, sizes.head_dim
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (sizes.vocab, h))]

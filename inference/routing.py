@@ -1,9 +1,9 @@
 """Split a layer's routed rows per expert, and sum the experts' answers back, bit-exactly.
 
-Transformers computes a Mixtral MoE layer in one of two ways, and each sums the experts'
-weighted outputs in its own order: *grouped* (its default: (token, expert) pairs sorted
-by expert, one GEMM per expert, then a sum over the top-k slots) and *eager* (a loop over
-the hit experts in ascending order, each ``index_add_``-ed into zeros). Floating-point
+Transformers computes an MoE layer (any family: they share one experts seam) in one of two
+ways, and each sums the experts' weighted outputs in its own order: *grouped* (its default:
+(token, expert) pairs sorted by expert, one GEMM per expert, then a sum over the top-k slots)
+and *eager* (a loop over the hit experts in ascending order, each ``index_add_``-ed into zeros). Floating-point
 sums depend on order, so main mirrors the reference's way: the same rows per expert, in
 the same order, and the same summation. Workers compute each expert's rows with the same
 operations, so the layer output is the reference's to the last bit.

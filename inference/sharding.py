@@ -1,4 +1,4 @@
-"""Split a Mixtral checkpoint into per-role shards, and check shards before they are used.
+"""Split an MoE checkpoint (any supported family) into per-role shards, and check shards before they are used.
 
 Each process of a deployment needs only part of the model: *main* everything except the
 expert weights (routers included), the *shadow* the whole model (converted to its dtype

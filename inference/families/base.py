@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -227,21 +227,21 @@ class Family:
 
 
 class PerExpertFamily(Family):
-    """A family whose release stores each routed expert's projections as their own tensors
-    (``mlp.experts.{E}.{gate|up|down}_proj.weight``, the Qwen and OLMoE releases)."""
+    """A family whose release stores each routed expert's projections as their own tensors,
+    ``{release_moe}.experts.{E}.{name}.weight`` (Mixtral's ``w1|w2|w3``, the Qwen and OLMoE
+    releases' ``gate_proj|up_proj|down_proj``)."""
 
-    _PROJ_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+    # The release's name of each shard-layout projection, and their order within an expert.
+    proj_names: ClassVar[dict[str, str]] = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+    release_order: ClassVar[tuple[str, ...]] = ("w2", "w1", "w3")  # down, gate, up: alphabetical
 
     def expert_source(self, layer: int, expert: int, proj: str, config: Mapping[str, Any]) -> ExpertSource:
-        return ExpertSource(f"model.layers.{layer}.{self.release_moe}.experts.{expert}.{self._PROJ_NAMES[proj]}.weight")
+        return ExpertSource(f"model.layers.{layer}.{self.release_moe}.experts.{expert}.{self.proj_names[proj]}.weight")
 
     def is_release_expert(self, name: str) -> bool:
-        return (
-            re.fullmatch(
-                rf"model\.layers\.\d+\.{re.escape(self.release_moe)}\.experts\.\d+\.(gate|up|down)_proj\.weight", name
-            )
-            is not None
-        )
+        names = "|".join(re.escape(n) for n in self.proj_names.values())
+        pattern = rf"model\.layers\.\d+\.{re.escape(self.release_moe)}\.experts\.\d+\.({names})\.weight"
+        return re.fullmatch(pattern, name) is not None
 
     def expert_shapes(self, config: Mapping[str, Any], layer: int) -> Shapes:
         h, i = config["hidden_size"], self.expert_intermediate(config)
@@ -249,7 +249,7 @@ class PerExpertFamily(Family):
         return [
             (self.expert_source(layer, e, p, config).name, shapes[p])
             for e in range(self.n_experts(config))
-            for p in ("w2", "w1", "w3")  # down, gate, up: the release's (alphabetical) order
+            for p in self.release_order
         ]
 
 

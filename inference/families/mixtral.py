@@ -9,13 +9,16 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from inference.families.base import SHARD_EXPERT_RE, ExpertSource, Family, Shapes
+from inference.families.base import PerExpertFamily
 
 
 @dataclass(frozen=True)
-class Mixtral(Family):
+class Mixtral(PerExpertFamily):
+    proj_names: ClassVar[dict[str, str]] = {"w1": "w1", "w2": "w2", "w3": "w3"}  # the shard layout itself
+    release_order: ClassVar[tuple[str, ...]] = ("w1", "w2", "w3")
+
     model_type: str = "mixtral"
     causal_lm: str = "MixtralForCausalLM"
     experts_fields: tuple[str, ...] = ("num_local_experts",)
@@ -30,23 +33,8 @@ class Mixtral(Family):
             "sliding_window": None,
         }
 
-    def expert_source(self, layer: int, expert: int, proj: str, config: Mapping[str, Any]) -> ExpertSource:
-        return ExpertSource(f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight")
-
-    def is_release_expert(self, name: str) -> bool:
-        return SHARD_EXPERT_RE.fullmatch(name) is not None
-
     def hf_name(self, name: str) -> str:
         return name.replace(".block_sparse_moe.", ".mlp.")
 
     def is_router(self, name: str) -> bool:
         return re.fullmatch(r"model\.layers\.\d+\.(block_sparse_moe|mlp)\.gate\.weight", name) is not None
-
-    def expert_shapes(self, config: Mapping[str, Any], layer: int) -> Shapes:
-        h, i = config["hidden_size"], self.expert_intermediate(config)
-        shapes = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
-        return [
-            (self.expert_source(layer, e, p, config).name, shapes[p])
-            for e in range(self.n_experts(config))
-            for p in ("w1", "w2", "w3")
-        ]

@@ -192,6 +192,20 @@ def served_without_shadow(transactional_db, redis_url: str, tmp_path: Path, tiny
         yield served
 
 
+@pytest.fixture(params=[("qwen2_moe", "bfloat16"), ("granitemoe", "float32")], ids=lambda p: "-".join(p))
+def served_family(request, transactional_db, redis_url: str, tmp_path: Path) -> Iterator[Served]:
+    """``served`` on a checkpoint of another family: Qwen2-MoE in bf16 (a shared expert beside the
+    routed ones) or GraniteMoE (experts fused on disk), in the release layout."""
+    from inference.tiny import make_tiny
+
+    family, dtype = request.param
+    shape = dict(layers=3, hidden=36, intermediate=22, experts=7, top_k=3, heads=3, kv_heads=1, head_dim=12)
+    model = make_tiny(tmp_path / "model", family=family, dtype=dtype, seed=7, shards=3, **shape)
+    purge_stale_tasks()
+    with tiny_cluster(tmp_path, model, redis_url) as (served, _):
+        yield served
+
+
 @contextlib.contextmanager
 def tiny_cluster(
     tmp_path: Path,

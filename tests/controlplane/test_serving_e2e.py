@@ -280,3 +280,13 @@ def test_a_next_gate_deployment_serves_without_a_shadow(served_without_shadow: S
     (deployment,) = served.api(served.staff_key).get("/api/deployments")["results"]
     main = next(m for m in deployment["members"] if m["role"] == "main")
     assert main["metrics"]["recall"] is not None  # main's own next-gate guesses, scored
+
+
+def test_other_families_register_shard_deploy_and_chat(served_family: Served) -> None:
+    """A Qwen2-MoE (bf16) or GraniteMoE checkpoint through the platform: registered, sharded by the
+    Celery task, deployed on three agents; the OpenAI client and the browser chat get Transformers'
+    own tokens."""
+    (deployment,) = served_family.api(served_family.staff_key).get("/api/deployments")["results"]
+    assert deployment["status"] == "ready"
+    check_openai_text(served_family)
+    check_chat(served_family)

@@ -97,7 +97,7 @@
         ? el("span", {}, badge("downloading"), ` ${m.repo_id} `, el("progress", { max: 1, value: m.download_progress }))
         : m.status === "failed"
           ? el("span", {}, badge("failed"), ` ${m.error}`)
-          : `${s.layers} layers, ${s.experts} experts, top-${s.top_k}`;
+          : `${s.family ? s.family + ", " : ""}${s.layers} layers, ${s.experts} experts, top-${s.top_k}`;
       return el("tr", {}, el("td", {}, m.name), el("td", {}, shape),
         el("td", {}, gib(m.total_bytes)), el("td", {}, m.status === "ready" ? shards : "–"),
         el("td", {}, workers, el("button", { onclick: () => api("POST", `/api/models/${m.id}/shards`, { workers: Number(workers.value) }) }, "Build shards")));
