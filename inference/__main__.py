@@ -117,6 +117,13 @@ def _parser() -> argparse.ArgumentParser:
         "--cache-experts", type=int, default=2, help="lru-offload, importance: experts cached per layer per worker"
     )
     gen.add_argument(
+        "--max-resident-experts",
+        type=int,
+        default=2,
+        help="experts a worker holds in flight on its device (fine-grained families: a layer's share + 1, "
+        "so the layer's experts load as one batch)",
+    )
+    gen.add_argument(
         "--importance-threshold",
         type=float,
         default=0.3,
@@ -314,6 +321,7 @@ def _generate(args: argparse.Namespace) -> int:
         predictor=args.predictor,
         importance_threshold=args.importance_threshold,
         cache_experts=args.cache_experts,
+        max_resident_experts=args.max_resident_experts,
         expert_store=args.expert_store,
         hot_experts=args.hot_experts,
     )
