@@ -39,11 +39,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from inference.checkpoint import EXPERT_PROJS, Checkpoint, expert_key_name, parse_expert_key
+from inference.checkpoint import EXPERT_PROJS, Checkpoint, CheckpointError, expert_key_name, parse_expert_key
 from inference.constants import EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES, SHADOW_STATES_PER_SEQUENCE
 from inference.families import family_for, is_router_name
 from inference.families.releases import RELEASES
@@ -747,7 +748,7 @@ def _num(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inference.memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="mixtral-8x7b", help=f"one of {', '.join(sorted(KNOWN_MODELS))}")
+    parser.add_argument("--model", default="mixtral-8x7b", choices=sorted(KNOWN_MODELS), help="a known release")
     parser.add_argument("--checkpoint", help="a checkpoint directory instead of a known model (real tensor sizes)")
     parser.add_argument("--workers", type=int, nargs="+", default=[8])
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(CHECKPOINT_DTYPE_BYTES))
@@ -774,7 +775,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     kv = kv_sizing(args.max_batch, args.context)
     if args.checkpoint:
-        ckpt = Checkpoint(args.checkpoint)
+        try:
+            ckpt = Checkpoint(args.checkpoint)
+        except CheckpointError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         print(f"{ckpt.path.name}, {args.strategy}, {kv}; host/GPU/disk GB, GB = 10^9 bytes\n")
         for count in args.workers:
             for dtype in SHADOW_DTYPES:

@@ -185,3 +185,13 @@ def test_release_sizes_add_up_to_their_published_parameter_counts() -> None:
     for name, billions in (("qwen3-30b-a3b", 30.5), ("qwen1.5-moe-a2.7b", 14.3), ("olmoe-1b-7b", 6.9)):
         plan = memory_from_config(name, workers=8)
         assert round(plan.total_bytes / 2e9, 1) == billions, name
+
+
+def test_the_memory_cli_plans_a_release_of_every_family_and_says_what_is_wrong(tmp_path: Path, capsys) -> None:
+    from inference.memory import main as memory_cli
+
+    for name in ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "olmoe-1b-7b"):
+        assert memory_cli(["--model", name, "--workers", "8"]) == 0
+        assert capsys.readouterr().out.startswith(f"{name} (bfloat16), odmoe")
+    assert memory_cli(["--checkpoint", str(tmp_path / "missing")]) == 1
+    assert "error: checkpoint directory" in capsys.readouterr().err

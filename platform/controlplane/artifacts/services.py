@@ -59,7 +59,7 @@ def _is_directory(path: str) -> bool:
 
 
 def register_model(*, name: str, path: str) -> ModelArtifact:
-    """Register the Mixtral checkpoint at ``path`` (a directory on this host)."""
+    """Register the MoE checkpoint (any supported family) at ``path`` (a directory on this host)."""
     resolved, summary, total = _describe(path)
     try:
         with transaction.atomic():
