@@ -120,8 +120,8 @@ def _parser() -> argparse.ArgumentParser:
         "--max-resident-experts",
         type=int,
         default=2,
-        help="experts a worker holds in flight on its device (fine-grained families: a layer's share + 1, "
-        "so the layer's experts load as one batch)",
+        help="experts a worker holds in flight on its device (fine-grained families on fewer workers than "
+        "top-k: a worker's experts per layer + 1, so a layer's predicted experts can load together)",
     )
     gen.add_argument(
         "--importance-threshold",

@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 from inference.families import SHARD_EXPERT_RE, SHARD_PROJS, ExpertSource, Family, FamilyError, family_for
+from inference.families.base import shard_expert_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -85,7 +86,7 @@ def expert_key_name(layer: int, expert: int, proj: str) -> str:
     """The shard-layout tensor name of ``proj`` of ``expert`` in ``layer``."""
     if proj not in EXPERT_PROJS:
         raise ValueError(f"expert projection must be one of {EXPERT_PROJS}, got {proj!r}")
-    return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight"
+    return shard_expert_name(layer, expert, proj)
 
 
 def parse_expert_key(name: str) -> ExpertKey | None:
@@ -201,7 +202,7 @@ class Checkpoint:
                 keys += self._experts_in.get(name, [])
             else:
                 keys.append(name)
-        return list(dict.fromkeys(keys))  # a fused tensor of gates and ups names each expert once
+        return keys
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
@@ -388,6 +389,8 @@ def _sliced_shape(fused: tuple[int, ...], source: ExpertSource, key: str) -> tup
     """The shape of one expert's projection within a release tensor of shape ``fused``."""
     if source.index is None:
         return fused
+    if source.fused is not None and fused != source.fused:
+        raise CheckpointError(f"tensor {source.name!r} is {list(fused)}, but the config says {list(source.fused)}")
     if len(fused) != 3 or source.index >= fused[0]:
         raise CheckpointError(f"tensor {source.name!r} is {fused}, not [experts, rows, cols] holding {key!r}")
     rows = source.rows or (0, fused[1])

@@ -2,11 +2,12 @@
 
 ``ExpertLoader`` owns one background thread that copies experts from a store to the
 compute device in the order they will be needed, never holding more than
-``max_resident`` experts on the device (the one being computed plus the next one). It loads
-a layer's experts as one *batch*: every pending expert of the same (step, layer) that fits in
-the free slots is copied in one pass (on CUDA all its copies are queued on the side stream and
-waited for once, behind one event), so fine-grained experts (Qwen3's 9 MB, eight a layer) do
-not pay a thread hand-off and a stream synchronization each. A
+``max_resident`` experts on the device (the one being computed plus the next one). When it
+starts a load it takes a *batch*: every pending expert of the same (step, layer) that fits in
+the free slots, copied in one pass (on CUDA all the copies are queued on the side stream at
+once, each behind an event of its own), and each expert is usable as soon as its own copy is
+done. A batch forms when a layer's experts are pending while slots are free (a layer's
+predictions arriving together); with every slot busy, loads start one at a time as slots free. A
 request for an expert that was never predicted jumps the queue and, if the device is
 full, pushes out the prefetch needed furthest in the future: a wrong prediction costs a
 load on the critical path, never a wrong result.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -186,7 +187,7 @@ class ExpertLoader:
         if self.cache is None:
             raise RuntimeError("preload needs a device cache")
         for layer, expert in pairs:
-            (resident,) = self._copy([(0, layer, expert)])
+            ((_, resident),) = self._copies([(0, layer, expert)])
             with self._cond:
                 freed = self.cache.admit((layer, expert), resident, resident.nbytes)
             if freed:
@@ -222,59 +223,73 @@ class ExpertLoader:
                     if self._closed:
                         return
                     batch = self._take_batch()
-                    self._loading = batch
+                    self._loading = list(batch)
                     self._drop_when_loaded = set()
-                residents = self._copy(batch)
-                with self._cond:
-                    self._loading = []
-                    self.stats.loads += len(batch)
-                    self.stats.batches += 1
-                    for key, resident in zip(batch, residents, strict=True):
+                for key, resident in self._copies(batch):
+                    with self._cond:  # each expert is usable as soon as its own copy is done
+                        self._loading.remove(key)
+                        self.stats.loads += 1
                         if key in self._drop_when_loaded:
+                            self._drop_when_loaded.discard(key)
                             self.stats.wasted_loads += 1
                         else:
                             self._ready[key] = resident
                             self._note_peak(key)
-                    self._drop_when_loaded = set()
-                    self._cond.notify_all()
+                        self._cond.notify_all()
+                with self._cond:
+                    self.stats.batches += 1
         except BaseException as exc:  # surfaced to the worker loop by acquire()
             with self._cond:
                 self._error = exc
                 self._loading = []
                 self._cond.notify_all()
 
-    def _copy(self, keys: list[Key]) -> list[Resident]:
-        """Copy the experts of ``keys`` to the device in one pass, in order."""
-        start = time.perf_counter()  # a disk store's read is part of the load
-        hosts = [self.store.get(layer, expert) for _, layer, expert in keys]
-        copying = time.perf_counter()
-        event = None
+    def _copies(self, keys: list[Key]) -> Iterator[tuple[Key, Resident]]:
+        """Copy the experts of ``keys`` to the device in one pass, yielding each once it is there.
+
+        On CUDA every copy is queued on the side stream first, each followed by an event of its
+        own, so the copy engine runs them back to back while the first ones are already used.
+        """
+        last = time.perf_counter()  # a disk store's read is part of the load
         if self._cuda:
             assert self._copy_stream is not None
-            device = self.device
-            with torch.cuda.stream(self._copy_stream):
-                weights = [
-                    ExpertWeights(h.gate_up.to(device, non_blocking=True), h.down.to(device, non_blocking=True))
-                    for h in hosts
-                ]
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)  # after the batch's last copy: one wait for all
-            event.synchronize()
-        elif self.copy_bytes_per_s:
-            # Emulated hardware: the copy engine's time is the token bucket's below, and the CPU
-            # a memcpy would burn here (a GPU's DMA engine does not) stays with the computation.
-            weights = [ExpertWeights(h.gate_up, h.down) for h in hosts]
-        else:
-            # A fresh buffer, as the device copy would be: the store's tensors stay untouched.
-            weights = [ExpertWeights(h.gate_up.clone(), h.down.clone()) for h in hosts]
-        nbytes = [h.nbytes for h in hosts]
-        if self.copy_bytes_per_s:
-            floor = sum(nbytes) / self.copy_bytes_per_s  # one copy engine: the batch's bytes in a row
-            elapsed = time.perf_counter() - copying  # the copy follows the read, as a DMA from it does
-            if floor > elapsed:
-                time.sleep(floor - elapsed)
-        self.stats.load_ms += (time.perf_counter() - start) * 1000
-        return [Resident(w, n, event) for w, n in zip(weights, nbytes, strict=True)]
+            queued = []
+            for _, layer, expert in keys:
+                host = self.store.get(layer, expert)
+                with torch.cuda.stream(self._copy_stream):
+                    weights = ExpertWeights(
+                        host.gate_up.to(self.device, non_blocking=True), host.down.to(self.device, non_blocking=True)
+                    )
+                    event = torch.cuda.Event()
+                    event.record(self._copy_stream)
+                queued.append((host, weights, event))  # the host tensors live until their copy is done
+            for key, (host, weights, event) in zip(keys, queued, strict=True):
+                event.synchronize()
+                last = self._account(last)
+                yield key, Resident(weights, host.nbytes, event)
+            return
+        for key in keys:
+            _, layer, expert = key
+            host = self.store.get(layer, expert)
+            copying = time.perf_counter()
+            if self.copy_bytes_per_s:
+                # Emulated hardware: the copy engine's time is the token bucket's below, and the CPU
+                # a memcpy would burn here (a GPU's DMA engine does not) stays with the computation.
+                weights = ExpertWeights(host.gate_up, host.down)
+                floor = host.nbytes / self.copy_bytes_per_s
+                elapsed = time.perf_counter() - copying  # the copy follows the read, as a DMA from it does
+                if floor > elapsed:
+                    time.sleep(floor - elapsed)
+            else:
+                # A fresh buffer, as the device copy would be: the store's tensors stay untouched.
+                weights = ExpertWeights(host.gate_up.clone(), host.down.clone())
+            last = self._account(last)
+            yield key, Resident(weights, host.nbytes, None)
+
+    def _account(self, since: float) -> float:
+        now = time.perf_counter()
+        self.stats.load_ms += (now - since) * 1000
+        return now
 
     # --- decisions under the lock -------------------------------------------------------
 

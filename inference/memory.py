@@ -64,7 +64,9 @@ RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + trans
 CUDA_CONTEXT_BYTES = 820 * 10**6
 DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache each sequence of main and the shadow is sized for
 DEFAULT_MAX_BATCH = Settings.max_batch  # sequences main runs at once, each with its own KV cache
-DISK_STORE_STAGED_EXPERTS = 2  # a disk store reads an expert into RAM on its way to the device
+# A disk store reads an expert into RAM on its way to the device; a load of several (a layer's
+# batch, inference.loader) holds each until its copy is done: as many as the worker's slots.
+DISK_STORE_STAGED_EXPERTS = 2
 NF4_BLOCKSIZE = 64  # elements per fp32 absmax in nf4 (``inference.quant.NF4_BLOCKSIZE``)
 QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absmax per block
 
@@ -457,10 +459,11 @@ def plan_memory(
         on_gpu = _worker_device_bytes(
             plan, worker, strategy, experts, expert_bytes, max_resident_experts, cache_experts
         )
+        staged = max(DISK_STORE_STAGED_EXPERTS, max_resident_experts) * expert_bytes
         if expert_store == "disk":
-            host = DISK_STORE_STAGED_EXPERTS * expert_bytes + RUNTIME_OVERHEAD_BYTES
+            host = staged + RUNTIME_OVERHEAD_BYTES
         elif expert_store == "hot":  # the hot set, plus what is read on its way to the device
-            host = min(owned, (hot_experts + DISK_STORE_STAGED_EXPERTS) * expert_bytes) + RUNTIME_OVERHEAD_BYTES
+            host = min(owned, hot_experts * expert_bytes + staged) + RUNTIME_OVERHEAD_BYTES
         else:
             host = owned + RUNTIME_OVERHEAD_BYTES
         roles.append(RoleMemory(f"worker-{worker}", host, on_gpu + CUDA_CONTEXT_BYTES, owned, host + on_gpu))

@@ -102,9 +102,13 @@ def build_model(
     expert_params = {n for n in missing if n.rpartition(".")[0].endswith(".experts")}
     if with_experts and expert_params:
         raise ValueError(f"the shard lacks expert tensors: {sorted(expert_params)[:5]}")
-    other = set(missing) - expert_params
+    # A tied LM head (tie_word_embeddings) is the embedding itself: no tensor of its own.
+    tied = set(model.all_tied_weights_keys)
+    other = set(missing) - expert_params - tied
     if other:
         raise ValueError(f"the shard lacks tensors: {sorted(other)[:5]}")
+    if tied:
+        model.tie_weights(recompute_mapping=False)
     if not with_experts:
         for module in experts_modules(model):
             # Main never holds expert weights: keep empty placeholders, not meta tensors.

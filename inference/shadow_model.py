@@ -66,9 +66,11 @@ def check_dtype(dtype: str) -> None:
         raise ValueError(f"unsupported shadow dtype {dtype!r}; allowed: {', '.join(SHADOW_DTYPES)}")
 
 
-def quantizable_linears(model: nn.Module) -> set[str]:
-    """Paths of the ``nn.Linear`` modules an int8/nf4 shadow quantizes: all but the routers (not Linears)."""
-    return {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+def quantizable_linears(model: PreTrainedModel) -> set[str]:
+    """Paths of the ``nn.Linear`` modules an int8/nf4 shadow quantizes: all but the routers (not Linears)
+    and a tied LM head (it is the embedding, which stays in the checkpoint's dtype)."""
+    tied = {name.removesuffix(".weight") for name in model.all_tied_weights_keys}
+    return {name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name not in tied}
 
 
 def convert_tensors(
@@ -335,6 +337,9 @@ def _install(model: PreTrainedModel, build: _Build) -> None:
     installed = {n for n in missing if n.rpartition(".")[0] in build.linears}
     if quantized:
         installed |= {n for n in missing if n.rpartition(".")[0].endswith(".experts")}
-    lacking = sorted(set(missing) - installed)
+    tied = set(model.all_tied_weights_keys)  # a tied LM head is the embedding: no record of its own
+    lacking = sorted(set(missing) - installed - tied)
     if lacking:
         raise ValueError(f"the shadow shard lacks tensors: {lacking[:5]}")
+    if tied:
+        model.tie_weights(recompute_mapping=False)

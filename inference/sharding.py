@@ -286,21 +286,33 @@ def _roles(workers: int, shadow_dtypes: Sequence[str] = ()) -> list[Role]:
 
 
 def _check_experts_present(ckpt: Checkpoint) -> None:
-    # A worker shard silently missing an expert would only fail mid-generation.
-    missing = [
-        name
-        for layer in range(ckpt.n_layers)
-        for expert in range(ckpt.n_experts)
-        for proj in EXPERT_PROJS
-        if (name := expert_key_name(layer, expert, proj)) not in ckpt
-    ]
+    # A worker shard silently missing an expert, or holding one of another shape than the
+    # config's, would only fail mid-generation.
+    h, i = ckpt.hidden_size, ckpt.family.expert_intermediate(ckpt.config)
+    want = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+    missing = []
+    for layer in range(ckpt.n_layers):
+        for expert in range(ckpt.n_experts):
+            for proj in EXPERT_PROJS:
+                key = expert_key_name(layer, expert, proj)
+                if key not in ckpt:
+                    missing.append((layer, expert, proj))
+                elif ckpt.shape(key) != want[proj]:  # a fused tensor's whole shape is checked here too
+                    raise CheckpointError(
+                        f"expert {expert} of layer {layer}: its {_PROJ_WORDS[proj]} is {list(ckpt.shape(key))}, "
+                        f"the config says {list(want[proj])}"
+                    )
     if missing:
-        source = ckpt.expert_source(missing[0])
-        where = source.name if source is not None else missing[0]
+        layer, expert, proj = missing[0]
+        source = ckpt.expert_source(expert_key_name(layer, expert, proj))
+        where = f" (looked for {source.name!r})" if source is not None else ""
         raise CheckpointError(
-            f"{len(missing)} expert tensor(s) are missing, e.g. {where!r} ({missing[0].split('.experts.')[1]} "
-            f"of layer {missing[0].split('.')[2]}); expected the {ckpt.family.model_type} release's expert layout"
+            f"{len(missing)} expert projection(s) are missing, e.g. expert {expert}'s {_PROJ_WORDS[proj]} in "
+            f"layer {layer}{where}; expected the {ckpt.family.model_type} release's expert layout"
         )
+
+
+_PROJ_WORDS = {"w1": "w1 (gate)", "w2": "w2 (down)", "w3": "w3 (up)"}
 
 
 class _Progress:

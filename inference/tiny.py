@@ -105,11 +105,13 @@ def make_tiny(
     dtype: str = "float32",
     family: str = "mixtral",
     shared_intermediate: int | None = None,
+    tied_embeddings: bool = False,
 ) -> Path:
     """Write a random checkpoint of ``family`` (weights, config, tokenizer) to ``out_dir``.
 
     ``intermediate`` is a routed expert's width; ``shared_intermediate`` the shared expert's,
-    for a family that has one (default: twice ``intermediate``).
+    for a family that has one (default: twice ``intermediate``). ``tied_embeddings`` ties the LM
+    head to the embedding (``tie_word_embeddings``, as Granite's releases do): no ``lm_head`` tensor.
 
     ``vocab`` defaults to the trained tokenizer's size (about 512); a larger value pads
     the embedding table with ids the tokenizer never produces. ``head_dim`` defaults to
@@ -135,6 +137,7 @@ def make_tiny(
     shape |= {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "vocab": vocab}
     shape["shared_intermediate"] = shared_intermediate or 2 * intermediate
     config = model_config(family, shape, max_position) | {"torch_dtype": dtype, "dtype": dtype}
+    config["tie_word_embeddings"] = tied_embeddings
     specs = _tensor_specs(adapter, config)
     if shards > len(specs):
         raise ValueError(f"shards ({shards}) cannot exceed the number of tensors ({len(specs)})")

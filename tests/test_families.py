@@ -145,6 +145,21 @@ def test_every_family_is_token_identical_to_transformers(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shadow", ["fp32", "nf4"])
+def test_a_tied_lm_head_is_served_as_the_embedding(shadow: str, tmp_path: Path) -> None:
+    """Granite's releases tie the LM head to the embedding: no lm_head tensor; main, an fp32 and a
+    quantized shadow (which keeps the tied head unquantized, as the embedding) all serve it."""
+    model = make_tiny(tmp_path / "g", family="granitemoe", seed=9, shards=2, tied_embeddings=True, **FAMILY_SHAPE)
+    assert "lm_head.weight" not in Checkpoint(model)
+    expected = reference_generate(model, PROMPTS[3], NEW_TOKENS)
+    with LocalCluster(model, ClusterOptions(workers=3, settings=Settings(shadow_dtype=shadow))) as cluster:
+        done = cluster.generate(PROMPTS[3], NEW_TOKENS)
+    assert done.token_ids == expected
+    if shadow == "fp32":
+        assert done.metrics["recall"] == 1.0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "dtype", "shadow"),
     [
@@ -195,3 +210,17 @@ def test_the_memory_cli_plans_a_release_of_every_family_and_says_what_is_wrong(t
         assert capsys.readouterr().out.startswith(f"{name} (bfloat16), odmoe")
     assert memory_cli(["--checkpoint", str(tmp_path / "missing")]) == 1
     assert "error: checkpoint directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "qwen3_moe"])
+def test_experts_of_another_shape_than_the_configs_are_refused_before_sharding(family: str, tmp_path: Path) -> None:
+    from inference.sharding import ShardError, build_shards
+
+    model = make_tiny(tmp_path / "m", family=family, **FAMILY_SHAPE)
+    config = json.loads((model / "config.json").read_text())
+    field = "intermediate_size" if family == "granitemoe" else "moe_intermediate_size"
+    (model / "config.json").write_text(json.dumps(config | {field: 11}))  # the files' experts are 22 wide
+    with pytest.raises(ShardError, match=r"the config says \[") as refused:
+        build_shards(model, tmp_path / "out", workers=2)
+    print(refused.value)
+    assert not (tmp_path / "out").exists()

@@ -323,31 +323,39 @@ def test_prefetch_of_a_key_discarded_while_loading(make_loader, store: MemorySto
 
 
 def test_a_layers_experts_are_loaded_as_one_batch(make_loader, store: MemoryStore) -> None:
-    """Fine-grained experts: every prefetched expert of one (step, layer) that fits the free slots
-    is copied in one pass; another layer's start a batch of their own; the slots still bound it."""
+    """Fine-grained experts: every pending expert of one (step, layer) that fits the free slots is
+    copied in one pass; another layer's start a pass of their own; the slots still bound it."""
     gate = threading.Event()
-    store.on_get = gate.wait  # hold the first copy until every prefetch is queued
+    store.on_get = gate.wait  # holds a copy until every prefetch meant to queue behind it is queued
     loader = make_loader(max_resident=4)
+
+    def queued_behind(blocker: tuple[int, int, int], keys: list[tuple[int, int, int]]) -> None:
+        gate.clear()
+        loader.prefetch(blocker)  # a pass of one, held in the store
+        _wait_until(lambda: store.gets[-1:] == [blocker[1:]])
+        for key in keys:
+            loader.prefetch(key)
+        gate.set()
+
     layer0 = [(1, 0, e) for e in (4, 0, 2)]
     layer1 = [(1, 1, e) for e in (1, 3)]
-    loader.prefetch((1, 0, 5))  # starts a batch of one, held in the store
-    _wait_until(lambda: len(store.gets) == 1)
-    for key in layer1 + layer0:
-        loader.prefetch(key)
-    gate.set()
+    queued_behind((1, 0, 5), layer1 + layer0)
     _wait_until(lambda: loader.stats.loads == 4)
     time.sleep(0.05)
-    # One pass for (1,0,5), then one for the rest of layer 0 (3 more fill the 4 slots); layer 1 waits.
+    # (1,0,5) alone, then the rest of layer 0 in one pass (3 more fill the 4 slots); layer 1 waits.
     assert (loader.stats.loads, loader.stats.batches) == (4, 2)
     assert store.gets[1:] == [(0, 0), (0, 2), (0, 4)]  # in the order they are needed
     for key in [(1, 0, 5), *layer0]:
         assert loader.acquire(key, timeout_s=5)[1]
         loader.release(key)
-    _wait_until(lambda: loader.stats.loads == 6)
-    assert loader.stats.batches == 3  # both layer-1 experts in one pass
+    _wait_until(lambda: loader.stats.loads == 6)  # layer 1, in passes as slots freed
     for key in layer1:
         loader.acquire(key, timeout_s=5)
         loader.release(key)
+    passes = loader.stats.batches
+    queued_behind((2, 0, 1), [(2, 1, e) for e in (0, 5, 2)])
+    _wait_until(lambda: loader.stats.loads == 10)
+    assert loader.stats.batches == passes + 2  # the blocker, then all three of layer 1 together
 
 
 def test_batching_can_be_turned_off_for_a_side_by_side_measurement(make_loader, store: MemoryStore) -> None:

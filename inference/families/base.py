@@ -42,6 +42,11 @@ SHARD_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.
 SHARD_PROJS = ("w1", "w2", "w3")  # gate, down, up
 
 
+def shard_expert_name(layer: int, expert: int, proj: str) -> str:
+    """The shard-layout name of ``proj`` (``w1`` gate, ``w2`` down, ``w3`` up) of an expert."""
+    return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight"
+
+
 class FamilyError(ValueError):
     """A config this family (or odmoe) cannot serve, with the reason."""
 
@@ -52,12 +57,14 @@ class ExpertSource:
 
     ``index`` is the expert's position along dim 0 of a fused ``[E, ...]`` tensor (None: the
     tensor is this projection alone); ``rows`` the projection's rows within that expert's
-    slice (a fused gate-and-up tensor holds the gate rows first).
+    slice (a fused gate-and-up tensor holds the gate rows first); ``fused`` the whole fused
+    tensor's shape as the config says it must be (a file that disagrees is refused, not sliced).
     """
 
     name: str
     index: int | None = None
     rows: tuple[int, int] | None = None
+    fused: tuple[int, ...] | None = None
 
 
 Shapes = list[tuple[str, tuple[int, ...]]]
@@ -95,7 +102,10 @@ class Family:
         """Raise ``FamilyError`` for a config of this family that odmoe cannot serve."""
         for field in ("num_hidden_layers", "hidden_size", "num_experts_per_tok", "num_attention_heads", "vocab_size"):
             _positive(config, field)
-        self.n_experts(config)
+        if config["num_experts_per_tok"] > self.n_experts(config):
+            raise FamilyError(
+                f"num_experts_per_tok ({config['num_experts_per_tok']}) exceeds the experts ({self.n_experts(config)})"
+            )
         self.expert_intermediate(config)
 
     def release_config(self, shape: Mapping[str, int]) -> dict[str, Any]:
@@ -147,7 +157,9 @@ class Family:
     def is_router(self, name: str) -> bool:
         """Whether a release (or shard) tensor name is a router's weight."""
         return (
-            re.fullmatch(rf"model\.layers\.\d+\.{re.escape(self.release_moe)}\.{self.release_router}\.weight", name)
+            re.fullmatch(
+                rf"model\.layers\.\d+\.{re.escape(self.release_moe)}\.{re.escape(self.release_router)}\.weight", name
+            )
             is not None
         )
 
@@ -178,10 +190,7 @@ class Family:
         shapes: Shapes = [(n, s) for n, s in self.release_shapes(config) if not self.is_release_expert(n)]
         for layer in range(config["num_hidden_layers"]):
             for expert in range(self.n_experts(config)):
-                shapes += [
-                    (f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{p}.weight", proj_shapes[p])
-                    for p in SHARD_PROJS
-                ]
+                shapes += [(shard_expert_name(layer, expert, p), proj_shapes[p]) for p in SHARD_PROJS]
         return shapes
 
     def layer_shapes(self, config: Mapping[str, Any], layer: int) -> Shapes:
@@ -198,12 +207,14 @@ class Family:
 
     def attention_shapes(self, config: Mapping[str, Any], prefix: str) -> Shapes:
         h, q, kv, d = _attention_dims(config)
-        return [
-            (f"{prefix}.self_attn.q_proj.weight", (q * d, h)),
-            (f"{prefix}.self_attn.k_proj.weight", (kv * d, h)),
-            (f"{prefix}.self_attn.v_proj.weight", (kv * d, h)),
-            (f"{prefix}.self_attn.o_proj.weight", (h, q * d)),
-        ]
+        weights = {"q": (q * d, h), "k": (kv * d, h), "v": (kv * d, h), "o": (h, q * d)}
+        biased = bool(config.get("attention_bias"))  # every projection's bias (Qwen3, OLMoE, Granite configs)
+        shapes: Shapes = []
+        for proj, shape in weights.items():
+            shapes.append((f"{prefix}.self_attn.{proj}_proj.weight", shape))
+            if biased:
+                shapes.append((f"{prefix}.self_attn.{proj}_proj.bias", (shape[0],)))
+        return shapes
 
     def shared_shapes(self, config: Mapping[str, Any], prefix: str) -> Shapes:
         return []

@@ -42,11 +42,11 @@ class GraniteMoe(Family):
 
     def expert_source(self, layer: int, expert: int, proj: str, config: Mapping[str, Any]) -> ExpertSource:
         prefix = f"model.layers.{layer}.block_sparse_moe"
-        i = self.expert_intermediate(config)
+        h, i, e = config["hidden_size"], self.expert_intermediate(config), self.n_experts(config)
         if proj == "w2":
-            return ExpertSource(f"{prefix}.output_linear.weight", index=expert)
+            return ExpertSource(f"{prefix}.output_linear.weight", index=expert, fused=(e, h, i))
         rows = (0, i) if proj == "w1" else (i, 2 * i)
-        return ExpertSource(f"{prefix}.input_linear.weight", index=expert, rows=rows)
+        return ExpertSource(f"{prefix}.input_linear.weight", index=expert, rows=rows, fused=(e, 2 * i, h))
 
     def is_release_expert(self, name: str) -> bool:
         return re.fullmatch(r"model\.layers\.\d+\.block_sparse_moe\.(input|output)_linear\.weight", name) is not None

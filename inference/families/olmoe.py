@@ -1,6 +1,7 @@
 """OLMoE (``model_type`` "olmoe"): 64 experts of top-8, no shared expert.
 
-Attention normalizes the whole query and key projections (``q_norm`` [Q*D], ``k_norm`` [KV*D]);
+Attention normalizes the whole query and key projections (``q_norm`` [H], ``k_norm``
+[H / Q * KV], as Transformers sizes them whatever ``head_dim`` says);
 the router renormalizes its top-k only when ``norm_topk_prob`` (false in OLMoE-1B-7B).
 """
 
@@ -28,9 +29,9 @@ class Olmoe(PerExpertFamily):
         }
 
     def attention_shapes(self, config: Mapping[str, Any], prefix: str) -> Shapes:
-        _, q, kv, d = _attention_dims(config)
+        h, q, kv, _ = _attention_dims(config)
         return [
             *super().attention_shapes(config, prefix),
-            (f"{prefix}.self_attn.q_norm.weight", (q * d,)),
-            (f"{prefix}.self_attn.k_norm.weight", (kv * d,)),
+            (f"{prefix}.self_attn.q_norm.weight", (h,)),
+            (f"{prefix}.self_attn.k_norm.weight", (h // q * kv,)),
         ]

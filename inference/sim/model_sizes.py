@@ -107,36 +107,6 @@ class ModelSizes:
         return asdict(self)
 
 
-def mixtral_8x7b() -> ModelSizes:
-    return ModelSizes(
-        name="mixtral-8x7b",
-        layers=32,
-        hidden=4096,
-        intermediate=14336,
-        experts=8,
-        top_k=2,
-        query_heads=32,
-        kv_heads=8,
-        head_dim=128,
-        vocab=32000,
-    )
-
-
-def mixtral_8x22b() -> ModelSizes:
-    return ModelSizes(
-        name="mixtral-8x22b",
-        layers=56,
-        hidden=6144,
-        intermediate=16384,
-        experts=8,
-        top_k=2,
-        query_heads=48,
-        kv_heads=8,
-        head_dim=128,
-        vocab=32768,
-    )
-
-
 def from_hf_config(config: dict) -> ModelSizes:
     """Sizes from a Hugging Face ``config.json`` of any supported family (``inference.families``)."""
     family = family_for(config)
@@ -157,14 +127,20 @@ def from_hf_config(config: dict) -> ModelSizes:
     )
 
 
-def _release(name: str):
-    return lambda: from_hf_config({**RELEASES[name], "_name_or_path": name})
+def release_sizes(name: str) -> ModelSizes:
+    """The sizes of a known release (``inference.families.releases``)."""
+    return from_hf_config({**RELEASES[name], "_name_or_path": name})
 
 
-# Mixtral's sizes as the simulator has always had them (equal to their releases' configs).
-KNOWN_MODELS = {"mixtral-8x7b": mixtral_8x7b, "mixtral-8x22b": mixtral_8x22b} | {
-    name: _release(name) for name in RELEASES if not name.startswith("mixtral")
-}
+def mixtral_8x7b() -> ModelSizes:
+    return release_sizes("mixtral-8x7b")
+
+
+def mixtral_8x22b() -> ModelSizes:
+    return release_sizes("mixtral-8x22b")
+
+
+KNOWN_MODELS = {name: (lambda name=name: release_sizes(name)) for name in RELEASES}
 
 
 def resolve_model(model: str | dict | ModelSizes) -> ModelSizes:
