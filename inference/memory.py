@@ -44,9 +44,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from inference.checkpoint import EXPERT_PROJS, Checkpoint, CheckpointError, expert_key_name, parse_expert_key
+from inference.checkpoint import Checkpoint, CheckpointError, parse_expert_key
 from inference.constants import EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES, SHADOW_STATES_PER_SEQUENCE
-from inference.families import family_for, is_router_name
+from inference.families import FAMILIES, family_for, is_router_name
 from inference.families.releases import RELEASES
 from inference.placement import Placement, placement
 from inference.prerouter import PrerouterShape
@@ -74,7 +74,6 @@ QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absm
 CHECKPOINT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _CAST_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-_ROUTER_SUFFIX = ".block_sparse_moe.gate.weight"  # Mixtral's, in the synthetic tensors of bare sizes
 # The nn.Linear weights a quantized shadow quantizes besides the experts and the LM head.
 _ATTENTION_LINEARS = tuple(f".self_attn.{p}_proj.weight" for p in "qkvo")
 _SHARED_LINEARS = (*(f".shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")), ".shared_expert_gate.weight")
@@ -191,27 +190,11 @@ def config_tensors(sizes: ModelSizes, dtype: str, *, tied_embeddings: bool = Fal
 
     A config of any family gives its own tensors: ``family_tensors``.
     """
-    per = _dtype_bytes(dtype)
-    h, i, d = sizes.hidden, sizes.intermediate, sizes.head_dim
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (sizes.vocab, h))]
-    for layer in range(sizes.layers):
-        prefix = f"model.layers.{layer}"
-        shapes += [
-            (f"{prefix}.input_layernorm.weight", (h,)),
-            (f"{prefix}.self_attn.q_proj.weight", (sizes.query_heads * d, h)),
-            (f"{prefix}.self_attn.k_proj.weight", (sizes.kv_heads * d, h)),
-            (f"{prefix}.self_attn.v_proj.weight", (sizes.kv_heads * d, h)),
-            (f"{prefix}.self_attn.o_proj.weight", (h, sizes.query_heads * d)),
-            (f"{prefix}.post_attention_layernorm.weight", (h,)),
-            (f"{prefix}{_ROUTER_SUFFIX}", (sizes.experts, h)),
-        ]
-        proj_shapes = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
-        for expert in range(sizes.experts):
-            shapes += [(expert_key_name(layer, expert, p), proj_shapes[p]) for p in EXPERT_PROJS]
-    shapes.append(("model.norm.weight", (h,)))
-    if not tied_embeddings:
-        shapes.append((_LM_HEAD, (sizes.vocab, h)))
-    return [TensorSize(name, shape, math.prod(shape) * per) for name, shape in shapes]
+    shape = {"layers": sizes.layers, "hidden": sizes.hidden, "intermediate": sizes.intermediate}
+    shape |= {"experts": sizes.experts, "top_k": sizes.top_k, "heads": sizes.query_heads, "kv_heads": sizes.kv_heads}
+    shape |= {"head_dim": sizes.head_dim, "vocab": sizes.vocab, "shared_intermediate": 0}
+    config = FAMILIES["mixtral"].release_config(shape) | {"tie_word_embeddings": tied_embeddings}
+    return family_tensors(config, dtype)
 
 
 def family_tensors(config: Mapping[str, Any], dtype: str) -> list[TensorSize]:

@@ -288,8 +288,7 @@ def _roles(workers: int, shadow_dtypes: Sequence[str] = ()) -> list[Role]:
 def _check_experts_present(ckpt: Checkpoint) -> None:
     # A worker shard silently missing an expert, or holding one of another shape than the
     # config's, would only fail mid-generation.
-    h, i = ckpt.hidden_size, ckpt.family.expert_intermediate(ckpt.config)
-    want = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+    want = ckpt.family.projection_shapes(ckpt.config)
     missing = []
     for layer in range(ckpt.n_layers):
         for expert in range(ckpt.n_experts):

@@ -182,11 +182,15 @@ class Family:
             shapes.append(("lm_head.weight", (v, h)))
         return shapes
 
+    def projection_shapes(self, config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+        """A routed expert's projections: ``w1`` gate [I, H], ``w2`` down [H, I], ``w3`` up [I, H]."""
+        h, i = config["hidden_size"], self.expert_intermediate(config)
+        return {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+
     def shard_shapes(self, config: Mapping[str, Any]) -> Shapes:
         """Every tensor as a checkpoint shows it (``inference.checkpoint``): routed experts in the
         shard layout, one [I, H] / [H, I] tensor per projection, the rest as in the release."""
-        h, i = config["hidden_size"], self.expert_intermediate(config)
-        proj_shapes = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+        proj_shapes = self.projection_shapes(config)
         shapes: Shapes = [(n, s) for n, s in self.release_shapes(config) if not self.is_release_expert(n)]
         for layer in range(config["num_hidden_layers"]):
             for expert in range(self.n_experts(config)):
@@ -255,8 +259,7 @@ class PerExpertFamily(Family):
         return re.fullmatch(pattern, name) is not None
 
     def expert_shapes(self, config: Mapping[str, Any], layer: int) -> Shapes:
-        h, i = config["hidden_size"], self.expert_intermediate(config)
-        shapes = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+        shapes = self.projection_shapes(config)
         return [
             (self.expert_source(layer, e, p, config).name, shapes[p])
             for e in range(self.n_experts(config))
