@@ -2,7 +2,7 @@
 
     python -m benchmarks.strategies [--profile 3090-pcie4-1gbe] [--model DIR] [--workers 8]
         [--pairs 16:32,16:64,64:32,64:64] [--strategies odmoe,full-cache,reactive,lru-offload]
-        [--json OUT] [--plots DIR]
+        [--hybrid odmoe,reactive,lru-offload] [--json OUT] [--plots DIR]
 
 Every strategy runs the same greedy generations on the same checkpoint through the real
 runtime (main, workers and, for odmoe, the shadow as processes on 127.0.0.1) with the
@@ -21,6 +21,8 @@ folder; every exact strategy's output is checked token for token against Transfo
 so in the table and its token agreement with Transformers is reported, not required; on the
 random model importance's similarity table is calibrated on random ids first (its experts are
 random too), while the prerouter needs a ``--model`` whose heads were trained (``train-prerouter``).
+``--hybrid`` names strategies to run a second time with hybrid CPU/GPU execution on the workers
+(``inference.hybrid``; rows ``NAME+hybrid``), the CPU path emulated from the profile's host DRAM.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pathlib import Path
 from benchmarks.plots import bar_plot
 from inference.checkpoint import Checkpoint, expert_key_name
 from inference.emulation import Emulation, emulation_for, measure_expert_compute
+from inference.hybrid import expert_flops
 from inference.importance import SIMILARITY_FILE, calibrate, write_similarity
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.reference import reference_generate
@@ -53,6 +56,9 @@ DEFAULT_PAIRS = "16:32,16:64,64:32,64:64"
 BENCH_MODEL = dict(layers=8, hidden=512, intermediate=1792, heads=8, kv_heads=4)
 
 
+HYBRID = "+hybrid"  # the suffix of a strategy's row run with hybrid execution
+
+
 @dataclass(frozen=True)
 class Deployment:
     """How one strategy is deployed for the benchmark."""
@@ -60,12 +66,17 @@ class Deployment:
     strategy: str
     workers: int
     networked: bool  # roles on separate boxes, so the emulated network applies
+    hybrid: bool = False  # workers compute late experts on their CPUs (inference.hybrid)
+
+    @property
+    def label(self) -> str:
+        return self.strategy + (HYBRID if self.hybrid else "")
 
 
-def deployment_for(strategy: str, workers: int) -> Deployment:
+def deployment_for(strategy: str, workers: int, *, hybrid: bool = False) -> Deployment:
     if strategy == "lru-offload":
-        return Deployment(strategy, 1, networked=False)  # one GPU box, as Mixtral-Offloading
-    return Deployment(strategy, workers, networked=True)
+        return Deployment(strategy, 1, networked=False, hybrid=hybrid)  # one GPU box, as Mixtral-Offloading
+    return Deployment(strategy, workers, networked=True, hybrid=hybrid)
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
@@ -101,6 +112,8 @@ def summarize(runs: list[dict]) -> dict:
         "ttft_ms": statistics.fmean(r["ttft_ms"] for r in runs),
         "recall": statistics.fmean(recalls) if recalls else None,
         "peak_expert_bytes_per_worker": max(r["peak_expert_bytes_per_worker"] for r in runs),
+        "cpu_experts_per_token": sum(r.get("cpu_experts", 0) for r in runs)
+        / max(1, sum(r.get("output", 0) for r in runs)),
         "pairs": runs,
     }
 
@@ -114,6 +127,10 @@ def add_ratios(results: dict[str, dict]) -> None:
         results["odmoe"]["decode_vs_lru_offload"] = (
             results["odmoe"]["decode_tok_s"] / results["lru-offload"]["decode_tok_s"]
         )
+    for name, figures in results.items():  # what hybrid execution changed, strategy by strategy
+        plain = results.get(name.removesuffix(HYBRID)) if name.endswith(HYBRID) else None
+        if plain is not None:
+            figures["decode_vs_without_hybrid"] = figures["decode_tok_s"] / plain["decode_tok_s"]
 
 
 def copy_bound(layers: int, top_k: int, workers: int, expert_bytes: int, copy_bytes_per_s: float) -> dict:
@@ -155,6 +172,7 @@ def run_strategy(
         cache_experts=args.cache_experts,
         token_period=args.token_period,
         kv_period=args.kv_period,
+        hybrid=deployment.hybrid,
     )
     settings = emulation.settings(base, networked=deployment.networked)
     options = ClusterOptions(workers=deployment.workers, settings=settings)
@@ -177,10 +195,11 @@ def run_strategy(
                     "recall": m["recall"] if deployment.strategy in ("odmoe", "lru-offload") else None,
                     "peak_expert_bytes_per_worker": max(m["worker_peak_expert_bytes"].values()),
                     "expert_bytes": m["expert_bytes"],
+                    "cpu_experts": m["cpu_experts"],
                 }
             )
             print(
-                f"  {deployment.strategy} {len(prompt)}:{new_tokens}: decode {m['decode_tok_s']:.1f} tok/s, "
+                f"  {deployment.label} {len(prompt)}:{new_tokens}: decode {m['decode_tok_s']:.1f} tok/s, "
                 f"TTFT {m['ttft_ms']:.0f} ms",
                 file=sys.stderr,
             )
@@ -208,6 +227,12 @@ def print_table(results: dict[str, dict], emulation: Emulation, args: argparse.N
             f"| {r['e2e_tok_s']:.2f} | {r['ttft_ms']:.0f} | {'' if ratio is None else f'{ratio:.2f}'} | {recall} "
             f"| {r['peak_expert_bytes_per_worker']:,} | {r['token_agreement']:.1%} |"
         )
+    for name, r in results.items():
+        if "decode_vs_without_hybrid" in r:
+            print(
+                f"\n{name}: {r['cpu_experts_per_token']:.2f} experts per token computed on the workers' CPUs; "
+                f"decode {r['decode_vs_without_hybrid']:.2f}x {name.removesuffix(HYBRID)}'s"
+            )
     if "decode_vs_lru_offload" in results.get("odmoe", {}):
         print(f"\nodmoe ÷ lru-offload (decode): {results['odmoe']['decode_vs_lru_offload']:.2f}")
     print(f"every exact strategy's output token-identical to Transformers: {exact}")
@@ -223,7 +248,8 @@ def bench_model(model: Path | None, tmp: Path, profile: str) -> tuple[Path, dict
     expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, proj)) for proj in ("w1", "w2", "w3"))
     hidden_bytes = hidden * expert_bytes // (3 * hidden * intermediate)  # a hidden row in the weights' dtype
     here = measure_expert_compute(hidden, intermediate, act=config.get("hidden_act", "silu"))
-    emulation = emulation_for(profile, here, expert_bytes, hidden_bytes)
+    flops = expert_flops(hidden, intermediate, 1)
+    emulation = emulation_for(profile, here, expert_bytes, hidden_bytes, expert_flops_here=flops)
     print(emulation.describe(), file=sys.stderr)
     return model_dir, config, expert_bytes, emulation
 
@@ -239,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-period", type=int, default=1, help="odmoe: align the shadow's token every N steps")
     parser.add_argument("--kv-period", type=int, default=1, help="odmoe: align the shadow's KV cache every N steps")
     parser.add_argument("--cache-experts", type=int, default=2, help="lru-offload: experts cached per layer")
+    parser.add_argument(
+        "--hybrid",
+        default="",
+        help="comma-separated strategies to run again with hybrid CPU/GPU execution on the workers (rows NAME+hybrid)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plots", type=Path, help="write strategies.png here")
     args = parser.parse_args(argv)
@@ -250,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(strategies) - set(RUNTIME_STRATEGIES)
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {', '.join(RUNTIME_STRATEGIES)}")
+    hybrid = [s for s in args.hybrid.split(",") if s]
+    if set(hybrid) - set(strategies):
+        parser.error(f"--hybrid names strategies that are not run: {sorted(set(hybrid) - set(strategies))}")
+    if "prerouter" in hybrid:
+        parser.error("the prerouter streams experts from disk; hybrid execution needs them in host memory")
     approximate = [s for s in strategies if not get_strategy(s).exact]
     for strategy in approximate:
         for needed, command in needed_files(strategy):
@@ -267,12 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         expected = [reference_generate(model_dir, prompt, n) for prompt, n in prompts]
         results: dict[str, dict] = {}
         exact = True
-        for strategy in strategies:
-            deployment = deployment_for(strategy, args.workers)
-            print(f"{strategy}: {deployment.workers} worker(s)", file=sys.stderr)
-            results[strategy], outputs = run_strategy(model_dir, deployment, emulation, prompts, args, Path(tmp))
-            results[strategy]["approximate"] = not get_strategy(strategy).exact
-            results[strategy]["token_agreement"] = agreement(outputs, expected)
+        deployments = [deployment_for(s, args.workers) for s in strategies]
+        deployments += [deployment_for(s, args.workers, hybrid=True) for s in hybrid]
+        for deployment in deployments:
+            name, strategy = deployment.label, deployment.strategy
+            print(f"{name}: {deployment.workers} worker(s)", file=sys.stderr)
+            results[name], outputs = run_strategy(model_dir, deployment, emulation, prompts, args, Path(tmp))
+            results[name]["approximate"] = not get_strategy(strategy).exact
+            results[name]["token_agreement"] = agreement(outputs, expected)
             if get_strategy(strategy).exact:  # an approximate strategy's tokens are its own: measured, not required
                 exact &= outputs == expected
     add_ratios(results)
@@ -299,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     "emulation": emulation.as_dict(),
                     "pairs": pairs,
                     "workers": args.workers,
+                    "hybrid": hybrid,
                     "exact": exact,
                     "strategies": results,
                 },

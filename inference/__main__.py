@@ -124,6 +124,12 @@ def _parser() -> argparse.ArgumentParser:
         "top-k: a worker's experts per layer + 1, so a layer's predicted experts can load together)",
     )
     gen.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="hybrid CPU/GPU execution: a worker computes an expert on its CPU from host memory when that "
+        "finishes before its copy to the device would (exact on CPU workers; on CUDA the CPU may round otherwise)",
+    )
+    gen.add_argument(
         "--importance-threshold",
         type=float,
         default=0.3,
@@ -322,6 +328,7 @@ def _generate(args: argparse.Namespace) -> int:
         importance_threshold=args.importance_threshold,
         cache_experts=args.cache_experts,
         max_resident_experts=args.max_resident_experts,
+        hybrid=args.hybrid,
         expert_store=args.expert_store,
         hot_experts=args.hot_experts,
     )

@@ -14,6 +14,8 @@ the profile's hardware:
     emulated copy time  = real copy time of a Mixtral expert x scale
     emulated disk read  = real SSD read time of a Mixtral expert x scale
     emulated link time  = (real latency + real transfer of a Mixtral hidden row) x scale
+    emulated CPU path   = a Mixtral expert read from the host's DRAM (or its FLOPs on the
+                          host CPU, when more rows share it) x scale   (hybrid execution)
 
 What it does not scale is everything else this machine does slower than a GPU (attention
 and Python overheads); the profile and the scale are printed with every result.
@@ -48,6 +50,10 @@ class Emulation:
     link_bytes_per_s: float
     link_latency_s: float
     disk_bytes_per_s: float
+    # Hybrid execution's CPU path on a worker host: the expert's weights read from host memory.
+    expert_cpu_real_s: float
+    host_memory_bytes_per_s: float
+    host_flops: float | None  # None: the caller gave no expert FLOPs here, the worker measures its own
 
     @property
     def load_to_compute(self) -> float:
@@ -61,7 +67,12 @@ class Emulation:
             else {"link_bytes_per_s": None, "link_latency_s": 0.0}
         )
         return dataclasses.replace(
-            base, copy_bytes_per_s=self.copy_bytes_per_s, disk_bytes_per_s=self.disk_bytes_per_s, **link
+            base,
+            copy_bytes_per_s=self.copy_bytes_per_s,
+            disk_bytes_per_s=self.disk_bytes_per_s,
+            host_memory_bytes_per_s=self.host_memory_bytes_per_s,
+            host_flops=self.host_flops,
+            **link,
         )
 
     def describe(self) -> str:
@@ -72,7 +83,8 @@ class Emulation:
             f"{self.expert_compute_here_s * 1e3:.3f} ms, so time scale {self.scale:.3f}: expert loads at "
             f"{self.copy_bytes_per_s / 1e6:.1f} MB/s (disk reads at {self.disk_bytes_per_s / 1e6:.1f} MB/s), "
             f"links at {self.link_bytes_per_s / 1e6:.2f} MB/s + "
-            f"{self.link_latency_s * 1e3:.3f} ms"
+            f"{self.link_latency_s * 1e3:.3f} ms; on a worker's CPU from host memory an expert takes "
+            f"{self.expert_cpu_real_s * 1e3:.2f} ms there, so {self.host_memory_bytes_per_s / 1e6:.1f} MB/s here"
         )
 
     def as_dict(self) -> dict:
@@ -90,14 +102,28 @@ def real_times(profile: Profile, model: ModelSizes | None = None) -> tuple[float
 
 
 def emulation_for(
-    profile_name: str, expert_compute_here_s: float, expert_bytes_here: int, hidden_bytes_here: int
+    profile_name: str,
+    expert_compute_here_s: float,
+    expert_bytes_here: int,
+    hidden_bytes_here: int,
+    *,
+    expert_flops_here: float | None = None,
 ) -> Emulation:
-    """The token-bucket settings that give this machine ``profile_name``'s proportions (pure)."""
+    """The token-bucket settings that give this machine ``profile_name``'s proportions (pure).
+
+    ``expert_flops_here`` (one row through one expert of the model run here) scales the host
+    CPU's FLOP/s too; without it the CPU path is emulated by its memory bound alone.
+    """
     if expert_compute_here_s <= 0 or expert_bytes_here <= 0 or hidden_bytes_here <= 0:
         raise ValueError("expert compute time, expert bytes and hidden bytes must be positive")
+    if expert_flops_here is not None and expert_flops_here <= 0:
+        raise ValueError("expert FLOPs must be positive")
     profile = get_profile(profile_name)
     compute, load, hop = real_times(profile)
-    disk_read = mixtral_8x7b().expert_bytes(REAL_BITS) / profile.disk_read
+    mixtral = mixtral_8x7b()
+    disk_read = mixtral.expert_bytes(REAL_BITS) / profile.disk_read
+    cpu_real = mixtral.expert_bytes(REAL_BITS) / profile.host_memory.effective
+    cpu_row_real = 2 * mixtral.expert_params / profile.host_cpu_flops
     scale = expert_compute_here_s / compute
     latency = profile.network.latency * scale
     transfer = (hop - profile.network.latency) * scale
@@ -112,6 +138,9 @@ def emulation_for(
         link_bytes_per_s=hidden_bytes_here / transfer,
         link_latency_s=latency,
         disk_bytes_per_s=expert_bytes_here / (disk_read * scale),
+        expert_cpu_real_s=cpu_real,
+        host_memory_bytes_per_s=expert_bytes_here / (cpu_real * scale),
+        host_flops=None if expert_flops_here is None else expert_flops_here / (cpu_row_real * scale),
     )
 
 

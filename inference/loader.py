@@ -36,6 +36,7 @@ import torch
 
 from inference.cache import DeviceCache
 from inference.experts import ExpertWeights
+from inference.hybrid import CopyState
 from inference.store import ExpertStore
 
 Key = tuple[int, int, int]  # (step, layer, expert)
@@ -90,6 +91,7 @@ class ExpertLoader:
         self._queue: list[Key] = []  # prefetches, in the order they will be needed
         self._urgent: list[Key] = []  # keys a computation is already waiting for
         self._loading: list[Key] = []  # the batch being copied
+        self._pass_started = 0.0  # when the copy of the batch began (perf_counter)
         self._drop_when_loaded: set[Key] = set()  # of the batch, those no longer wanted
         self._ready: dict[Key, Resident] = {}
         self._in_use: set[Key] = set()
@@ -151,6 +153,25 @@ class ExpertLoader:
         if resident.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(resident.ready)
         return resident, predicted, (time.perf_counter() - start) * 1000
+
+    def copy_states(self, keys: list[Key]) -> dict[Key, CopyState]:
+        """Where each of ``keys`` stands: on the device (or in its cache), being copied, queued, or
+        nowhere; with the copy pass under way (what ``inference.hybrid`` decides from)."""
+        with self._cond:
+            elapsed = time.perf_counter() - self._pass_started if self._loading else 0.0
+            size = len(self._loading) if self._loading else 0
+            pending = self._urgent + self._queue  # the order copies will start in
+            states = {}
+            for key in keys:
+                if key in self._ready or (self.cache is not None and key[1:] in self.cache):
+                    states[key] = CopyState("ready")
+                elif key in self._loading:
+                    states[key] = CopyState("loading", self._loading.index(key), size, elapsed)
+                elif key in pending:
+                    states[key] = CopyState("queued", pending.index(key), size, elapsed)
+                else:
+                    states[key] = CopyState("absent", 0, size, elapsed)
+            return states
 
     def release(self, key: Key) -> None:
         """Done with ``key``: free it from the device at once, or keep it in the cache if any."""
@@ -224,6 +245,7 @@ class ExpertLoader:
                         return
                     batch = self._take_batch()
                     self._loading = list(batch)
+                    self._pass_started = time.perf_counter()
                     self._drop_when_loaded = set()
                 for key, resident in self._copies(batch):
                     with self._cond:  # each expert is usable as soon as its own copy is done

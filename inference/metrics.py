@@ -141,6 +141,7 @@ def build_metrics(
         "wasted_loads": sum(s.wasted_loads for s in worker_stats.values()),
         "disk_reads": sum(s.disk_reads for s in worker_stats.values()),
         "hot_set_hits": sum(s.hot_hits for s in worker_stats.values()),
+        "cpu_experts": sum(s.cpu_experts for s in worker_stats.values()),
         "decode_layer_dispatch_ms_median": statistics.median(decode_dispatch) if decode_dispatch else None,
         "decode_layer_load_wait_ms_median": statistics.median(decode_wait) if decode_wait else None,
         "decode_layer_worker_ms_median": statistics.median(decode_worker) if decode_worker else None,

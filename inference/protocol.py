@@ -314,6 +314,7 @@ class WorkerStats(Message):
     # A "hot" expert store (inference.hotset): experts read from disk, and served from RAM.
     disk_reads: int = 0
     hot_hits: int = 0
+    cpu_experts: int = 0  # hybrid execution: experts computed on the worker's CPU, not copied
 
 
 @message

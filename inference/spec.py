@@ -20,7 +20,7 @@ import torch
 from inference.constants import BATCH_ARITHMETICS, COMPUTE_DTYPES, EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES
 from inference.curve import CurveError, CurveKeys, check_keys
 from inference.routing import ARITHMETICS
-from inference.strategies import DEFAULT_STRATEGY, RUNTIME_STRATEGIES, predictor_for
+from inference.strategies import DEFAULT_STRATEGY, RUNTIME_STRATEGIES, expert_store_for, predictor_for
 from inference.typecheck import checker
 
 ROLES = ("main", "shadow", "worker")
@@ -85,6 +85,15 @@ class Settings:
     # prefilled in pieces rounds differently from one prefilled whole (fp32 on CPU: last-token
     # logits differ by about 4e-6), so its tokens can differ from Transformers' own run.
     prefill_step: int = 0
+    # Hybrid CPU/GPU execution (inference.hybrid): a worker computes a requested expert on its
+    # own CPU from host memory when that finishes before its copy to the device would (a late
+    # expert, above all). Exact on CPU workers; on CUDA the CPU's kernels may round otherwise,
+    # hence off by default. Needs the "ram" expert store.
+    hybrid: bool = False
+    # Emulated rates of the worker host's CPU path (bytes/s it streams weights at, FLOP/s);
+    # None = measured by the worker at start.
+    host_memory_bytes_per_s: float | None = None
+    host_flops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +186,12 @@ def validate_settings(s: Settings) -> Settings:
         raise SpecError(f"hot_experts must be >= 1 (experts a hot store keeps in RAM), got {s.hot_experts}")
     if s.expert_store and s.expert_store not in EXPERT_STORES:
         raise SpecError(f"expert_store must be one of {', '.join(EXPERT_STORES)}, got {s.expert_store!r}")
-    for name in ("copy_bytes_per_s", "link_bytes_per_s", "disk_bytes_per_s"):
+    if s.hybrid and expert_store_for(s.strategy, s.expert_store) != "ram":
+        raise SpecError(
+            "hybrid execution computes experts from host memory and needs the ram expert store, "
+            f"not {expert_store_for(s.strategy, s.expert_store)!r}"
+        )
+    for name in ("copy_bytes_per_s", "link_bytes_per_s", "disk_bytes_per_s", "host_memory_bytes_per_s", "host_flops"):
         value = getattr(s, name)
         if value is not None and value <= 0:
             raise SpecError(f"{name} must be > 0 (or null for no emulation), got {value}")

@@ -5,7 +5,9 @@ queue loads; main's requests name the experts really routed to this worker, whos
 are computed as soon as each expert is on the device, after which it is freed — or kept
 in the device cache under a caching strategy (``inference.strategies``). Stale prefetches
 (a layer already served, a wrong prediction) are dropped when main's request for that
-layer shows what was really needed.
+layer shows what was really needed. With hybrid execution (``Settings.hybrid``,
+``inference.hybrid``) an expert whose copy would finish later than the worker's CPU could
+compute it from host memory runs on the CPU instead, beside the device's experts.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ import torch
 from inference.cache import DeviceCache
 from inference.experts import activation, expert_forward
 from inference.hotset import HotSetStore
+from inference.hybrid import HostRates, cpu_seconds, expert_flops, measure_host_rates, split
 from inference.loader import ExpertLoader, Key, Resident
 from inference.placement import placement_from_dict
 from inference.protocol import (
@@ -110,6 +114,11 @@ class WorkerRole:
         )
         if self.strategy.cache == "all":
             self.loader.preload(home_experts(self.placement, self.index))
+        self.intermediate = int(self.store.get(*any_key).down.shape[1])  # down is [H, I]
+        self.rates = self._host_rates() if spec.settings.hybrid else None
+        # The host CPU's own queue of experts: one thread, beside the device's work on this one.
+        self.host = ThreadPoolExecutor(1, thread_name_prefix="host-experts") if self.rates else None
+        self.cpu_experts = 0  # experts of this session computed on the CPU
         self.endpoint = open_endpoint(spec)
         self.request_id = ""  # main's session: one or more sequences batched, in lockstep
         self.joined: dict[str, int] = {}  # a sequence of the session -> the session step of its prefill
@@ -143,6 +152,8 @@ class WorkerRole:
                     return
                 handle_safely(self.handle, received)
         finally:
+            if self.host is not None:
+                self.host.shutdown(wait=True)
             self.loader.close()
             self.endpoint.close()
 
@@ -168,6 +179,7 @@ class WorkerRole:
         self.loader.discard(lambda key: False)
         self.loader.reset_stats()
         self.store_counts_at_begin = self._store_counts()
+        self.cpu_experts = 0
         self.request_id = msg.request_id
         self.joined.clear()
         self.predicted.clear()
@@ -255,12 +267,25 @@ class WorkerRole:
         assert msg.rows is not None and msg.weights is not None
         rows = msg.rows.to(self.device)
         weights = msg.weights.to(self.device)
-        outputs: list[torch.Tensor] = []
         wait_ms = compute_ms = 0.0
         hits = misses = 0
-        start = 0
         units = self._units(msg)
-        for i, (expert, count) in enumerate(units):
+        spans = []
+        start = 0
+        for _, count in units:
+            spans.append(slice(start, start + count))
+            start += count
+        on_cpu = self._on_cpu(msg, units)
+        outputs: list[torch.Tensor | Future[torch.Tensor]] = []
+        for (expert, _), span in zip(units, spans, strict=True):
+            if expert in on_cpu:
+                assert self.host is not None  # only hybrid execution puts experts on the CPU
+                outputs.append(self.host.submit(self._on_host, msg, expert, span))
+            else:
+                outputs.append(rows[:0])  # filled in below, on the device
+        for i, ((expert, _), span) in enumerate(zip(units, spans, strict=True)):
+            if expert in on_cpu:
+                continue
             key: Key = (msg.step, msg.layer, expert)
             if key not in self.held:
                 resident, predicted, waited = self.loader.acquire(key, timeout_s=self.spec.settings.timeout_s)
@@ -269,12 +294,13 @@ class WorkerRole:
                 hits += predicted
                 misses += not predicted
             computing = time.perf_counter()
-            rows_here = slice(start, start + count)
-            outputs.append(expert_forward(rows[rows_here], weights[rows_here], self.held[key].weights, self.act_fn))
+            outputs[i] = expert_forward(rows[span], weights[span], self.held[key].weights, self.act_fn)
             compute_ms += (time.perf_counter() - computing) * 1000
-            start += count
             if msg.final and all(e != expert for e, _ in units[i + 1 :]):
                 self._release_held({key})  # its last rows are done: free it before loading the next
+        waiting = time.perf_counter()
+        done = [out.result() if isinstance(out, Future) else out for out in outputs]
+        compute_ms += (time.perf_counter() - waiting) * 1000  # the CPU's experts not done beside the device's
         result = ExpertResult(
             request_id=msg.request_id,
             step=msg.step,
@@ -282,13 +308,75 @@ class WorkerRole:
             experts=msg.experts,
             counts=msg.counts,
             offsets=msg.offsets,
-            output=torch.cat(outputs) if len(outputs) > 1 else outputs[0],
+            output=torch.cat(done) if len(done) > 1 else done[0],
             wait_ms=wait_ms,
             compute_ms=compute_ms,
-            hits=hits,
-            misses=misses,
+            hits=hits + on_cpu.predicted,
+            misses=misses + len(on_cpu) - on_cpu.predicted,
         )
         self.endpoint.reply(identity, result)
+
+    def _on_cpu(self, msg: ExpertRequest, units: list[tuple[int, int]]) -> CpuExperts:
+        """The request's experts to compute on the CPU (hybrid execution), their copies dropped."""
+        chosen = CpuExperts()
+        if self.rates is None:
+            return chosen
+        rows: dict[int, int] = {}
+        for expert, count in units:
+            rows[expert] = rows.get(expert, 0) + count
+        keys: list[Key] = [(msg.step, msg.layer, e) for e in rows if (msg.step, msg.layer, e) not in self.held]
+        if not keys:
+            return chosen
+        states = self.loader.copy_states(keys)
+        per_row = expert_flops(self.hidden, self.intermediate, 1)
+        candidates = [(self.store.nbytes(k[1], k[2]), rows[k[2]] * per_row, states[k]) for k in keys]
+        copy_s = candidates[0][0] / self.rates.copy_bytes_per_s
+        for key, take in zip(keys, split(candidates, copy_s, self.rates), strict=True):
+            if take:
+                chosen.add(key[2])
+                chosen.predicted += states[key].where in ("loading", "queued")
+        if chosen:
+            here = (msg.step, msg.layer)
+            self.loader.discard(lambda key: key[:2] != here or key[2] not in chosen)
+            self.cpu_experts += len(chosen)
+        return chosen
+
+    def _on_host(self, msg: ExpertRequest, expert: int, span: slice) -> torch.Tensor:
+        """One expert's rows computed on this host's CPU from its weights in host memory."""
+        assert msg.rows is not None and msg.weights is not None and self.rates is not None
+        started = time.perf_counter()
+        rows = msg.rows[span]
+        out = expert_forward(rows, msg.weights[span], self.store.get(msg.layer, expert), self.act_fn)
+        if self.spec.settings.host_memory_bytes_per_s:
+            # Emulated host: the CPU path takes what the profile's DRAM (or CPU) would.
+            floor = cpu_seconds(
+                self.store.nbytes(msg.layer, expert),
+                expert_flops(self.hidden, self.intermediate, rows.shape[0]),
+                self.rates,
+            )
+            left = floor - (time.perf_counter() - started)
+            if left > 0:
+                time.sleep(left)
+        return out.to(self.device)
+
+    def _host_rates(self) -> HostRates:
+        """The rates hybrid execution decides with: the emulated ones, else measured here at start."""
+        settings = self.spec.settings
+        measured = measure_host_rates(self.store, self.device, self.act_fn)
+        rates = HostRates(
+            memory_bytes_per_s=settings.host_memory_bytes_per_s or measured.memory_bytes_per_s,
+            flops=settings.host_flops or measured.flops,
+            copy_bytes_per_s=settings.copy_bytes_per_s or measured.copy_bytes_per_s,
+        )
+        log.info(
+            "worker %d: hybrid execution, the CPU reads experts at %.0f MB/s and does %.1f GFLOP/s; "
+            "copies run at %.0f MB/s",
+            self.index,
+            rates.memory_bytes_per_s / 1e6,
+            rates.flops / 1e9,
+            rates.copy_bytes_per_s / 1e6,
+        )
+        return rates
 
     def _units(self, msg: ExpertRequest) -> list[tuple[int, int]]:
         """(expert, rows) computed in one go: each segment (exact), or under ``fused`` batch
@@ -354,6 +442,7 @@ class WorkerRole:
                 load_ms=stats.load_ms,
                 disk_reads=reads,
                 hot_hits=hits,
+                cpu_experts=self.cpu_experts,
             ),
         )
         self.request_id = ""
@@ -361,6 +450,12 @@ class WorkerRole:
         self.predicted.clear()
         self._clear_pins()
         self.flooded = 0
+
+
+class CpuExperts(set[int]):
+    """The experts of one request computed on the CPU, and how many of them had been predicted."""
+
+    predicted: int = 0
 
 
 def _read_config(shard_dir: str) -> dict:

@@ -1,4 +1,4 @@
-"""Hardware profiles: one GPU type per node, its host->GPU link and the network between nodes.
+"""Hardware profiles: a node's GPU, its host->GPU link, the network between nodes, the host's memory and CPU.
 
 Each figure has a `peak` (spec sheet: what the roofline-ideal model uses) and, for links, an
 `effective` rate (what a real transfer achieves: what the efficiency-adjusted model uses). Values come
@@ -41,6 +41,10 @@ class Profile:
     # Sequential read of the node's local SSD, what the "disk" expert store streams experts from;
     # assumed for every profile: a mainstream PCIe 3.0 x4 NVMe drive.
     disk_read: float = value("nvme_ssd_seq_read")  # B/s
+    # The worker host's own memory and CPU, what hybrid execution computes an expert with when it
+    # is not copied to the GPU (assumed for the desktop profiles: dual-channel DDR4-3200, 8 cores).
+    host_memory: Link = Link(value("ddr4_3200_dual_channel_peak"), value("ddr4_3200_dual_channel_effective"), 0.0)
+    host_cpu_flops: float = value("desktop_cpu_fp32_flops")  # FLOP/s
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +109,8 @@ def _profiles() -> dict[str, Profile]:
             orin,
             Link(unified, unified, 0.0),
             Link(value("wifi6_peak"), value("wifi6_effective"), value("wifi6_latency")),
+            host_memory=Link(value("orin_memory_bandwidth"), value("orin_cpu_memory_effective"), 0.0),
+            host_cpu_flops=value("orin_cpu_fp32_flops"),
         ),
     ]
     return {profile.name: profile for profile in profiles}

@@ -86,6 +86,38 @@ _LINKS = {
         "Samsung 970 EVO Plus (PCIe 3.0 x4 NVMe) data sheet: sequential read up to 3,500 MB/s",
         "a worker's disk expert store reads each expert from its local SSD at every load",
     ),
+    "ddr4_3200_dual_channel_peak": Source(
+        51.2 * GB,
+        "B/s",
+        "JEDEC DDR4-3200: 3200 MT/s x 8 bytes x 2 channels (a desktop board of the kind a 3090 sits in)",
+        "roofline rate at which a worker's CPU reads an expert from host memory to compute it there",
+    ),
+    "ddr4_3200_dual_channel_effective": Source(
+        40 * GB,
+        "B/s",
+        "ASSUMED (no measurement of the paper's hosts): STREAM-style read bandwidth of dual-channel "
+        "DDR4-3200 desktops is commonly reported at 35-45 GB/s, ~80 % of the 51.2 GB/s peak; 40",
+        "a batch-1 expert computed on the worker's CPU reads its weights once at this rate (hybrid execution)",
+    ),
+    "desktop_cpu_fp32_flops": Source(
+        0.9e12,
+        "FLOP/s",
+        "derived: an 8-core AVX2 desktop CPU at 3.5 GHz, 2 FMA units x 8 fp32 lanes x 2 FLOP = 32 FLOP/cycle/core",
+        "the compute bound of an expert on the worker's CPU when many rows share it (prefill, batches)",
+    ),
+    "orin_cpu_memory_effective": Source(
+        102.4 * GB,
+        "B/s",
+        "ASSUMED: the Orin's CPU cluster reads the shared 204.8 GB/s LPDDR5 at about half its peak",
+        "hybrid execution on the edge profile",
+    ),
+    "orin_cpu_fp32_flops": Source(
+        0.42e12,
+        "FLOP/s",
+        "derived: Jetson AGX Orin 64GB datasheet, 12 Cortex-A78AE cores at 2.2 GHz, "
+        "4 NEON FMA lanes x 2 pipes x 2 FLOP",
+        "hybrid execution on the edge profile",
+    ),
     "ethernet_1g_peak": Source(125 * MB, "B/s", "IEEE 802.3ab line rate 1 Gb/s", "roofline network"),
     "ethernet_1g_effective": Source(
         117.6 * MB,

@@ -1,0 +1,159 @@
+"""Hybrid CPU/GPU expert execution: which requested experts a worker computes on its own CPU.
+
+A worker keeps its experts in host memory, so it has two ways to run an expert main asks for:
+copy it over PCIe to the compute device and compute there, or compute it on the worker's CPU
+straight from host memory. At batch 1 an expert's weights are read once per token either way,
+so the CPU path costs about the expert's bytes over the host's memory bandwidth (a desktop's
+DRAM reads several times faster than nothing, and this read needs no copy first), while the GPU
+path costs whatever is left of its copy (Fiddler, arXiv 2402.07033; DAOP, arXiv 2501.10375).
+
+A copy can start early, on a prediction; the CPU can start only when main's hidden state
+arrives. So the choice is made per expert when main's request arrives, from what the copy
+engine still has to do: an expert already on the device is computed there; for any other, the
+time until its copy is done (what is left of the copy in flight, the copies queued before it,
+its own) is set against the time the CPU would take (the CPU experts already chosen for this
+request first, then its own); it runs where it finishes first, and a CPU expert's pending
+copy is dropped, which moves every later copy up. A late (mispredicted) expert is the common
+case: its copy has not even started.
+
+Everything here is pure arithmetic on rates and a snapshot of the loader's queue; the worker
+(``inference.roles.worker``) takes the snapshot and runs the result.
+
+Exactness: on a CPU-only worker both paths run the same kernel on the same weights, so the
+output is bit-identical whichever is taken. On a CUDA worker the CPU computes with another
+kernel than the GPU and may round differently, so hybrid execution is off by default
+(``Settings.hybrid``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from inference.store import ExpertStore
+
+Where = Literal["ready", "loading", "queued", "absent"]
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """What a worker's own hardware does, in the units the decision needs."""
+
+    memory_bytes_per_s: float  # how fast the CPU streams an expert's weights from host memory
+    flops: float  # the CPU's FLOP/s on an expert's GEMMs (what bounds it with many rows)
+    copy_bytes_per_s: float  # host -> compute device
+
+    def __post_init__(self) -> None:
+        if min(self.memory_bytes_per_s, self.flops, self.copy_bytes_per_s) <= 0:
+            raise ValueError("host memory bandwidth, CPU FLOP/s and copy bandwidth must be positive")
+
+
+@dataclass(frozen=True)
+class CopyState:
+    """Where one expert's copy stands in the loader (a snapshot)."""
+
+    where: Where
+    # "loading": its index in the copy pass under way; "queued": the pending copies before it.
+    position: int = 0
+    # Of the copy pass under way (if any): how many experts it holds and how long it has run.
+    pass_size: int = 0
+    pass_elapsed_s: float = 0.0
+
+
+def expert_flops(hidden: int, intermediate: int, rows: int) -> float:
+    """FLOPs of one SwiGLU expert over ``rows`` rows: three GEMMs of hidden x intermediate."""
+    return 2.0 * 3 * hidden * intermediate * rows
+
+
+def cpu_seconds(nbytes: int, flops: float, rates: HostRates) -> float:
+    """The CPU path: the weights read once from host memory, or the arithmetic, whichever is longer."""
+    return max(nbytes / rates.memory_bytes_per_s, flops / rates.flops)
+
+
+def copy_eta(state: CopyState, copy_s: float, dropped_ahead: int = 0) -> float:
+    """Seconds until the expert is on the device, if it is copied (0 when it is there already).
+
+    Copies run one after another; ``dropped_ahead`` of the queued copies before it will not
+    run (their experts went to the CPU), which moves it up. An expert not queued at all is
+    copied next, once the pass under way is done (a request's load jumps the queue).
+    """
+    if state.where == "ready":
+        return 0.0
+    if state.where == "loading":
+        return max(0.0, (state.position + 1) * copy_s - state.pass_elapsed_s)
+    pass_left = max(0.0, state.pass_size * copy_s - state.pass_elapsed_s)
+    ahead = state.position - dropped_ahead if state.where == "queued" else 0
+    return pass_left + max(0, ahead) * copy_s + copy_s
+
+
+def split(units: list[tuple[int, float, CopyState]], copy_s: float, rates: HostRates) -> list[bool]:
+    """For each requested expert (its bytes, its rows' FLOPs, its copy's state): True to compute it on the CPU.
+
+    In request order: the CPU does its experts one after another, so each CPU expert waits for
+    the ones chosen before it; an expert goes to the CPU when that finishes strictly before its
+    copy would, and one already on the device never does.
+    """
+    on_cpu: list[bool] = []
+    cpu_clock = 0.0
+    dropped: list[int] = []  # queue positions of the copies that will not run
+    for nbytes, flops, state in units:
+        ahead = sum(p < state.position for p in dropped) if state.where == "queued" else 0
+        eta = copy_eta(state, copy_s, ahead)
+        cpu_done = cpu_clock + cpu_seconds(nbytes, flops, rates)
+        take = state.where != "ready" and cpu_done < eta
+        on_cpu.append(take)
+        if take:
+            cpu_clock = cpu_done
+            if state.where == "queued":
+                dropped.append(state.position)
+    return on_cpu
+
+
+# --- measuring a worker's own rates (when no emulation gives them) ----------------------------------
+
+
+def measure_host_rates(
+    store: ExpertStore, device: torch.device, act_fn: Callable[[torch.Tensor], torch.Tensor], *, rounds: int = 5
+) -> HostRates:
+    """This host's rates, timed on the store's own experts: one row through each of several
+    experts (their weights streamed from host memory, not a cache), many rows through one (the
+    arithmetic), and one expert's copy to ``device``. A few hundred milliseconds at start."""
+    import torch
+
+    from inference.experts import expert_forward
+
+    keys = sorted(store.keys())[:16]
+    first = store.get(*keys[0])
+    hidden, intermediate = first.down.shape
+    nbytes = store.nbytes(*keys[0])
+    one, many = torch.zeros(1, hidden, dtype=first.down.dtype), torch.zeros(64, hidden, dtype=first.down.dtype)
+    weight, weights = torch.ones(1, dtype=first.down.dtype), torch.ones(64, dtype=first.down.dtype)
+    reads, sums, copies = [], [], []
+    for _ in range(rounds):
+        for key in keys:
+            started = time.perf_counter()
+            expert_forward(one, weight, store.get(*key), act_fn)
+            reads.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        expert_forward(many, weights, first, act_fn)
+        sums.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        if device.type == "cuda":
+            on_device = (first.gate_up.to(device, non_blocking=True), first.down.to(device, non_blocking=True))
+            torch.cuda.synchronize(device)
+            del on_device
+        else:
+            _ = (first.gate_up.clone(), first.down.clone())
+        copies.append(time.perf_counter() - started)
+    floor = 1e-9  # a timer tick: a tiny expert may compute faster than the clock resolves
+    return HostRates(
+        memory_bytes_per_s=nbytes / max(floor, statistics.median(reads)),
+        flops=expert_flops(hidden, intermediate, 64) / max(floor, statistics.median(sums)),
+        copy_bytes_per_s=nbytes / max(floor, statistics.median(copies)),
+    )

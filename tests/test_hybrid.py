@@ -1,0 +1,128 @@
+"""Hybrid CPU/GPU execution: the per-expert decision, the loader's snapshot it reads, the emulated
+CPU path, and a cluster that computes late experts on its workers' CPUs with exact output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.checkpoint import Checkpoint, expert_key_name
+from inference.emulation import emulation_for, real_times
+from inference.experts import activation
+from inference.hybrid import CopyState, HostRates, copy_eta, cpu_seconds, expert_flops, measure_host_rates, split
+from inference.launcher import ClusterOptions, LocalCluster
+from inference.loader import ExpertLoader
+from inference.sim.hardware import get_profile
+from inference.sim.model_sizes import mixtral_8x7b
+from inference.spec import Settings, SpecError, validate_settings
+from tests.reference import PROMPTS, reference_generate
+from tests.test_loader import EXPERT_BYTES, MemoryStore, _wait_until
+
+RATES = HostRates(memory_bytes_per_s=1e9, flops=1e12, copy_bytes_per_s=1e8)
+MB = 1_000_000  # an expert of 1 MB: 1 ms on the CPU, 10 ms to copy at these rates
+
+
+def test_the_cpu_path_is_its_memory_read_or_its_arithmetic_whichever_is_longer() -> None:
+    assert cpu_seconds(MB, 1e6, RATES) == pytest.approx(1e-3)  # one row: the weights' read
+    assert cpu_seconds(MB, 4e9, RATES) == pytest.approx(4e-3)  # many rows: the FLOPs
+    assert expert_flops(4096, 14336, 1) == 2 * 3 * 4096 * 14336
+    with pytest.raises(ValueError, match="positive"):
+        HostRates(memory_bytes_per_s=0.0, flops=1.0, copy_bytes_per_s=1.0)
+
+
+def test_a_copys_eta_counts_the_pass_under_way_and_the_copies_queued_before_it() -> None:
+    copy_s = 0.010
+    assert copy_eta(CopyState("ready"), copy_s) == 0.0
+    assert copy_eta(CopyState("loading", 1, 2, 0.004), copy_s) == pytest.approx(0.016)  # second of its pass
+    assert copy_eta(CopyState("queued", 2, 1, 0.004), copy_s) == pytest.approx(0.006 + 0.020 + 0.010)
+    assert copy_eta(CopyState("queued", 2, 1, 0.004), copy_s, dropped_ahead=2) == pytest.approx(0.016)
+    assert copy_eta(CopyState("absent", 0, 0, 0.0), copy_s) == pytest.approx(0.010)  # copied next
+
+
+def test_a_late_expert_runs_on_the_cpu_and_one_on_the_device_never_does() -> None:
+    ready, late = CopyState("ready"), CopyState("absent")
+    assert split([(MB, 1e6, ready), (MB, 1e6, late)], 0.010, RATES) == [False, True]
+
+
+def test_the_cpu_does_its_experts_one_after_another() -> None:
+    # 4 ms each on the CPU against a 10 ms copy: two fit before the copy would be done, the third does not
+    slow_cpu = HostRates(memory_bytes_per_s=0.25e9, flops=1e12, copy_bytes_per_s=1e8)
+    units = [(MB, 1e6, CopyState("absent"))] * 3
+    assert split(units, 0.010, slow_cpu) == [True, True, False]
+
+
+def test_a_copy_almost_done_stays_and_dropped_copies_move_the_later_ones_up() -> None:
+    almost = CopyState("loading", 0, 1, 0.0095)  # 0.5 ms left against 1 ms on the CPU
+    assert split([(MB, 1e6, almost)], 0.010, RATES) == [False]
+    # Two queued copies behind a pass with 10 ms left: the first goes to the CPU (1 ms < 20 ms), the
+    # second then waits 10 + 10 ms for its copy, against 2 ms on the CPU: the CPU again.
+    queued = [(MB, 1e6, CopyState("queued", 0, 1, 0.0)), (MB, 1e6, CopyState("queued", 1, 1, 0.0))]
+    assert split(queued, 0.010, RATES) == [True, True]
+    fast_copy = HostRates(memory_bytes_per_s=1e9, flops=1e12, copy_bytes_per_s=1e10)
+    assert split(queued, 0.0001, fast_copy) == [False, False]
+
+
+def test_the_loader_reports_where_each_copy_stands(request: pytest.FixtureRequest) -> None:
+    loader = ExpertLoader(MemoryStore(), torch.device("cpu"), max_resident=2, copy_bytes_per_s=EXPERT_BYTES / 0.2)
+    request.addfinalizer(loader.close)  # 200 ms a copy
+    for expert in range(4):
+        loader.prefetch((1, 0, expert))
+    _wait_until(lambda: loader.copy_states([(1, 0, 0)])[(1, 0, 0)].where == "loading")
+    states = loader.copy_states([(1, 0, e) for e in range(5)])
+    assert states[(1, 0, 0)].where == "loading" and states[(1, 0, 0)].pass_size == 2
+    assert states[(1, 0, 1)] == CopyState("loading", 1, 2, states[(1, 0, 1)].pass_elapsed_s)
+    assert states[(1, 0, 2)].where == "queued" and states[(1, 0, 2)].position == 0
+    assert states[(1, 0, 3)].position == 1 and states[(1, 0, 4)].where == "absent"
+    _wait_until(lambda: loader.copy_states([(1, 0, 0)])[(1, 0, 0)].where == "ready", timeout_s=5)
+
+
+def test_a_host_measures_its_own_rates() -> None:
+    rates = measure_host_rates(MemoryStore(), torch.device("cpu"), activation("silu"), rounds=2)
+    assert rates.memory_bytes_per_s > 0 and rates.flops > 0 and rates.copy_bytes_per_s > 0
+
+
+def test_the_emulated_cpu_path_keeps_the_profiles_dram_to_compute_proportion() -> None:
+    here_s, expert_bytes, flops_here = 0.002, 10_000_000, 5e6
+    emulation = emulation_for("3090-pcie4-1gbe", here_s, expert_bytes, 2048, expert_flops_here=flops_here)
+    profile = get_profile("3090-pcie4-1gbe")
+    compute, _, _ = real_times(profile)
+    cpu_real = mixtral_8x7b().expert_bytes(16) / profile.host_memory.effective  # ~8.8 ms on DDR4-3200
+    assert emulation.expert_cpu_real_s == pytest.approx(cpu_real)
+    assert expert_bytes / emulation.host_memory_bytes_per_s / here_s == pytest.approx(cpu_real / compute)
+    row_real = 2 * mixtral_8x7b().expert_params / profile.host_cpu_flops
+    assert flops_here / emulation.host_flops / here_s == pytest.approx(row_real / compute)
+    settings = emulation.settings(Settings(hybrid=True))
+    assert settings.host_memory_bytes_per_s == emulation.host_memory_bytes_per_s and settings.hybrid
+    assert emulation_for("3090-pcie4-1gbe", here_s, expert_bytes, 2048).host_flops is None
+
+
+def test_hybrid_execution_needs_experts_in_host_memory() -> None:
+    validate_settings(Settings(hybrid=True))
+    with pytest.raises(SpecError, match="needs the ram expert store, not 'disk'"):
+        validate_settings(Settings(hybrid=True, expert_store="disk"))
+    with pytest.raises(SpecError, match="needs the ram expert store, not 'hot'"):
+        validate_settings(Settings(hybrid=True, strategy="prerouter"))
+    with pytest.raises(SpecError, match="host_memory_bytes_per_s must be > 0"):
+        validate_settings(Settings(hybrid=True, host_memory_bytes_per_s=0.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["reactive", "lru-offload"])
+def test_late_experts_computed_on_the_workers_cpus_give_the_reference_tokens(tiny_model: Path, strategy: str) -> None:
+    checkpoint = Checkpoint(tiny_model)
+    expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, p)) for p in ("w1", "w2", "w3"))
+    # Copies of 20 ms against 2 ms on the CPU: every expert that is not on the device goes to the CPU.
+    settings = Settings(
+        strategy=strategy,
+        hybrid=True,
+        copy_bytes_per_s=expert_bytes / 0.020,
+        host_memory_bytes_per_s=expert_bytes / 0.002,
+        host_flops=1e15,
+    )
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings)) as cluster:
+        results = [cluster.generate(prompt, 12) for prompt in PROMPTS[:2]]
+    for prompt, result in zip(PROMPTS[:2], results, strict=True):
+        assert result.token_ids == reference_generate(tiny_model, prompt, 12)
+        assert result.metrics["cpu_experts"] > 0
