@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.plots import bar_plot
+from benchmarks.sim_prediction import measure_machine, predict_for_run
 from inference.checkpoint import Checkpoint, expert_key_name
 from inference.emulation import Emulation, emulation_for, measure_expert_compute
 from inference.hybrid import expert_flops
@@ -216,16 +217,17 @@ def print_table(results: dict[str, dict], emulation: Emulation, args: argparse.N
     print()
     print(
         "| strategy | | decode tok/s | e2e tok/s | TTFT ms | decode ÷ full cache | recall "
-        "| peak expert bytes per worker | token agreement |"
+        "| peak expert bytes per worker | token agreement | simulator's prediction (decode tok/s) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         ratio = r["decode_tok_s_vs_full_cache"]
         recall = "" if r["recall"] is None else f"{r['recall']:.1%}"
         print(
             f"| {name} | {'approximate' if r['approximate'] else 'exact'} | {r['decode_tok_s']:.2f} "
             f"| {r['e2e_tok_s']:.2f} | {r['ttft_ms']:.0f} | {'' if ratio is None else f'{ratio:.2f}'} | {recall} "
-            f"| {r['peak_expert_bytes_per_worker']:,} | {r['token_agreement']:.1%} |"
+            f"| {r['peak_expert_bytes_per_worker']:,} | {r['token_agreement']:.1%} "
+            f"| {_predicted(r.get('sim_predicted_decode_tok_s'), r['decode_tok_s'])} |"
         )
     for name, r in results.items():
         if "decode_vs_without_hybrid" in r:
@@ -236,6 +238,13 @@ def print_table(results: dict[str, dict], emulation: Emulation, args: argparse.N
     if "decode_vs_lru_offload" in results.get("odmoe", {}):
         print(f"\nodmoe ÷ lru-offload (decode): {results['odmoe']['decode_vs_lru_offload']:.2f}")
     print(f"every exact strategy's output token-identical to Transformers: {exact}")
+
+
+def _predicted(predicted: float | None, measured: float) -> str:
+    """The simulator's figure and its error against the measured one ("" where it has none)."""
+    if predicted is None:
+        return ""
+    return f"{predicted:.2f} ({predicted / measured - 1:+.0%})"
 
 
 def bench_model(model: Path | None, tmp: Path, profile: str) -> tuple[Path, dict, int, Emulation]:
@@ -301,6 +310,30 @@ def main(argv: list[str] | None = None) -> int:
             ids = prompt_of(1024, config["vocab_size"], seed=99)
             write_similarity(model_dir, calibrate(model_dir, ids), len(ids))
         expected = [reference_generate(model_dir, prompt, n) for prompt, n in prompts]
+        # The simulator's prediction of this run, made before it starts (nothing of the run goes in).
+        machine, _ = measure_machine(config, emulation.expert_compute_here_s)
+        predictions: dict[str, dict] = {}
+        for with_hybrid, names in ((False, strategies), (True, hybrid)):
+            if names:
+                predictions["hybrid" if with_hybrid else "plain"] = predict_for_run(
+                    emulation.as_dict(),
+                    config,
+                    expert_bytes,
+                    workers=args.workers,
+                    strategies=names,
+                    model_dir=model_dir,
+                    prompts=[p for p, _ in prompts],
+                    outputs=expected,
+                    cache_experts=args.cache_experts,
+                    hybrid=with_hybrid,
+                    machine=machine,
+                )
+        predicted = {
+            name + (HYBRID if kind == "hybrid" else ""): tok_s
+            for kind, prediction in predictions.items()
+            for name, tok_s in prediction["predicted_decode_tok_s"].items()
+        }
+        print(f"the simulator's prediction (decode tok/s): {predicted}", file=sys.stderr)
         results: dict[str, dict] = {}
         exact = True
         deployments = [deployment_for(s, args.workers) for s in strategies]
@@ -313,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name]["token_agreement"] = agreement(outputs, expected)
             if get_strategy(strategy).exact:  # an approximate strategy's tokens are its own: measured, not required
                 exact &= outputs == expected
+    for name, figures in results.items():
+        figures["sim_predicted_decode_tok_s"] = predicted.get(name)
     add_ratios(results)
     bound = copy_bound(
         config["num_hidden_layers"],
@@ -340,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
                     "hybrid": hybrid,
                     "exact": exact,
                     "strategies": results,
+                    "sim_prediction": {
+                        kind: {k: v for k, v in prediction.items() if k != "inputs"}
+                        for kind, prediction in predictions.items()
+                    },
                 },
                 indent=2,
             )

@@ -65,17 +65,47 @@ def test_lower_recall_is_never_faster() -> None:
     assert rates == sorted(rates)
 
 
-def test_paper_testbed_ratio_is_what_we_documented() -> None:
+def test_paper_testbed_structure() -> None:
+    """Structural facts of the paper-testbed comparison; its ratios are reported (README), not banded."""
     result = compare(MODEL, "3090-pcie4-1gbe", Cluster(), synthetic_trace(MODEL, 256))
     rows = result["strategies"]
-    ratio = rows["odmoe"]["adjusted"]["ratio_to_full_cache"]
-    # With the sourced constants it lands at ~65 %, below the paper's 75.5 % (our baseline is faster than
-    # the paper's measured one); the README explains the gap. The issue's band is 65-86 %.
-    assert 0.65 <= ratio <= 0.70
-    assert rows["odmoe"]["ideal"]["ratio_to_full_cache"] < ratio  # overheads hurt the baseline more
     memory = rows["odmoe"]["adjusted"]["memory_bytes"]
-    assert all(memory[f"worker{w}"] < 1.5e9 for w in range(8))
+    assert all(memory[f"worker{w}"] < 1.5e9 for w in range(8))  # two fp16 experts and a CUDA context
     assert result["pairs"] == PAPER_PAIRS
+    for row in rows.values():
+        assert row["ideal"]["decode_tok_s"] >= row["adjusted"]["decode_tok_s"]  # overheads only slow down
+
+
+def test_transformers_moe_block_by_hand() -> None:
+    """Transformers' eager expert loop: the measured fixed ops, then each hit expert as its own segment."""
+    from inference.sim.efficiency import transformers_eager
+
+    costs = Costs(MODEL, PROFILE, transformers_eager())
+    per_op = CONSTANTS["eager_dense_layer_cpu"].value / CONSTANTS["hf_mistral_ops_per_layer"].value
+    per_hit = (125 - 102) * per_op  # the op counts measured with top-2 and top-1 routing
+    fixed = (102 - 23 - 74) * per_op
+    gpu = 352_321_536 / (936e9 * CONSTANTS["gpt_fast_compiled_mbu"].value)
+    assert costs.impl.moe_cpu_per_hit_expert == pytest.approx(per_hit)
+    assert costs.moe_block([1, 1, 0, 0, 0, 0, 0, 0]) == pytest.approx(fixed + 2 * max(per_hit, gpu))
+    assert "hf_moe_loop_cpu_per_expert" not in CONSTANTS  # the Qwen-derived figure is gone
+
+
+def test_mixtral_offloading_miss_is_a_swap_on_the_compute_stream() -> None:
+    """A miss copies one expert out and one in, on the kernels' stream: by hand for one cold layer."""
+    from inference.sim.efficiency import mixtral_offloading
+    from inference.sim.strategies.base import Setup
+    from inference.sim.strategies.lru_offload import LruOffload
+
+    costs = Costs(MODEL, PROFILE, mixtral_offloading())
+    lru = LruOffload(Setup(costs, Cluster()))
+    lru._fresh_state()
+    lru.cache[0].clear()
+    bits = CONSTANTS["mixtral_offloading_expert_bits"].value
+    done = lru._layer(0, [0, 1], 1, 128, 0.0)
+    segment = max(costs.impl.moe_cpu_per_hit_expert, 2 * costs.expert_load(bits) + costs.expert_gpu(1, bits))
+    attention = costs.attention_layer(1, 128, CONSTANTS["mixtral_offloading_attention_bits"].value)
+    assert done == pytest.approx(attention + costs.impl.moe_fixed_cpu + 2 * segment)
+    assert not Cluster().lru_prefetch  # their released code has no speculative prefetch
 
 
 def test_every_constant_has_a_source() -> None:

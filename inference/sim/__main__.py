@@ -24,7 +24,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", action="append", choices=list(STRATEGIES), help="repeatable; default all")
     p.add_argument("--trace", help="JSON routing trace (see inference/sim/traces.py for the format)")
     p.add_argument("--pcie-gbps", type=float, help="override host->GPU bandwidth, GB/s")
-    p.add_argument("--no-prefetch", action="store_true", help="lru-offload without speculative prefetch")
+    p.add_argument(
+        "--prefetch", action="store_true", help="lru-offload with speculative prefetch (not in their released code)"
+    )
+    p.add_argument("--no-prefetch", action="store_true", help="lru-offload as released (the default)")
+    p.add_argument("--hybrid", action="store_true", help="odmoe/reactive workers may compute experts on their CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the full result as JSON here")
     return p
@@ -38,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             group_size=args.group_size,
             shadow_dtype=args.shadow_dtype,
-            lru_prefetch=not args.no_prefetch,
+            lru_prefetch=args.prefetch,
+            hybrid=args.hybrid,
             seed=args.seed,
         )
         trace = load_trace(args.trace, model) if args.trace else synthetic_trace(model, 256, args.seed)

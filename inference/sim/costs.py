@@ -2,8 +2,8 @@
 
 Pure arithmetic: a GPU segment takes max(bytes / (bandwidth * mbu), flops / (peak * mfu)); an eager
 segment takes max(its CPU launch time, its GPU time) because Transformers synchronises at segment
-ends, and a full model's expert loop takes its CPU time plus its GPU time (a host sync per expert
-drains the GPU each time); a copy or message takes latency + bytes / link rate (+ per-message CPU on each side).
+ends; a full model's expert loop is one such segment per hit expert (a host sync before each);
+a copy or message takes latency + bytes / link rate (+ per-message CPU on each side).
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ class Costs:
         return max(self.impl.expert_cpu, self.expert_gpu(tokens, bits))
 
     def moe_block(self, tokens_per_expert: list[int], bits: float = 16) -> float:
-        """A full model's expert loop (Transformers): every expert visited, the hit ones computed."""
+        """A full model's expert loop (Transformers): the block's fixed CPU, then each hit expert as a
+        segment of its own (a host sync before it): max(its launches, its GPU time)."""
         hit = [n for n in tokens_per_expert if n > 0]
-        cpu = self.impl.moe_loop_cpu_per_expert * self.model.experts
-        return cpu + sum(self.expert_gpu(n, bits) for n in hit)
+        per_hit = self.impl.moe_cpu_per_hit_expert
+        return self.impl.moe_fixed_cpu + sum(max(per_hit, self.expert_gpu(n, bits)) for n in hit)
 
     def head(self, bits: float = 16) -> float:
         """Final norm + LM head for one token + sampling, plus the per-forward fixed CPU time."""

@@ -85,3 +85,11 @@ def memory_lines(result: dict) -> str:
         parts = ", ".join(f"{role} {size / 1e9:.2f}" for role, size in row["adjusted"]["memory_bytes"].items())
         lines.append(f"- {name} (GB): {parts}")
     return "\n".join(lines)
+
+
+def constants_markdown() -> str:
+    """README's table of every constant the simulator uses, with its unit and source."""
+    lines = ["| constant | value | source |", "|---|---|---|"]
+    for name, c in constants_table().items():
+        lines.append(f"| `{name}` | {c['value']:.4g} {c['unit']} | {c['source']} |")
+    return "\n".join(lines)

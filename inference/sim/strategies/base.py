@@ -20,7 +20,8 @@ class Cluster:
     shadow_gpus: int = 2
     full_cache_gpus: int = 8
     lru_cache_per_layer: int = int(value("mixtral_offloading_cache_per_layer"))
-    lru_prefetch: bool = True
+    lru_prefetch: bool = False  # Mixtral-Offloading's released code has no speculative prefetch
+    hybrid: bool = False  # workers compute a not-yet-copied expert on their CPU when that is sooner
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -1,12 +1,16 @@
 """LRU offload on one GPU (Mixtral-Offloading): quantised weights, a per-layer expert cache, prefetch.
 
 Attention and experts are HQQ-quantised (bits from their published configuration, see `sources`). Each
-layer keeps its C most recently used experts on the GPU; a routed expert that is not cached is copied
-from pinned host memory over PCIe (one copy stream) and enters the cache, evicting the least recently
-used. With `lru_prefetch`, once a layer's router has run, the next layer's gate applied to the current
-hidden state guesses that layer's experts (right with the published recall) and their copies start at
-once. Their released code lists that prefetch as not yet implemented; set `lru_prefetch=False` to
-model the released code.
+layer keeps its C most recently used experts on the GPU. As their released code does
+(`src/expert_cache.py`, `ExpertCache._swap`), a routed expert that is not cached is *swapped* in:
+the least recently used one is copied out to pinned host memory and the needed one copied in, both
+on the stream the kernels run on, so a miss costs two expert copies that neither overlap each other
+nor the layer's compute; the cached experts are computed first. Their block loops over the hit
+experts with a host sync each, as Transformers' does (the same per-hit CPU time).
+With `lru_prefetch` (a what-if: their report describes it, their released code lists it as not yet
+available), once a layer's router has run, the next layer's gate applied to the current hidden state
+guesses that layer's experts (right with the published recall) and their copies start at once on a
+copy stream of their own.
 """
 
 from __future__ import annotations
@@ -57,15 +61,26 @@ class LruOffload:
 
     def _layer(self, layer: int, experts: list[int], tokens: int, context: int, start: float) -> float:
         c = self.costs
-        routed = start + c.attention_layer(tokens, context, self.attention_bits)
+        now = start + c.attention_layer(tokens, context, self.attention_bits) + c.impl.moe_fixed_cpu
+        cache = self.cache[layer]
         self.lookups += len(experts)
-        self.hits += sum(e in self.cache[layer] for e in experts)
-        ready = [self._fetch(layer, e, routed) for e in experts]
+        self.hits += sum(e in cache for e in experts)
         compute = c.expert_gpu(tokens, self.expert_bits)
-        finish = routed
-        for loaded in sorted(ready):
-            finish = max(finish, loaded) + compute
-        return max(finish, routed + c.impl.moe_loop_cpu_per_expert * len(experts))
+        swap = value("mixtral_offloading_copies_per_miss") * c.expert_load(self.expert_bits)
+        for expert in sorted(experts, key=lambda e: e not in cache):  # cached ones first (unordered=True)
+            if expert in cache:
+                cache.move_to_end(expert)
+                now = max(now, cache[expert])  # a prefetch still in flight (what-if)
+                gpu = compute
+            else:
+                gpu = swap + compute  # the swap runs on the kernels' stream
+                if self.capacity:
+                    cache[expert] = 0.0
+                    while len(cache) > self.capacity:
+                        cache.popitem(last=False)
+            now += max(c.impl.moe_cpu_per_hit_expert, gpu)
+        self.pcie_free = max(self.pcie_free, now)
+        return now
 
     def prefill(self, prompt_tokens: int) -> float:
         m = self.costs.model

@@ -4,6 +4,12 @@ A worker copies one expert at a time over its PCIe link and holds at most two ex
 computed, one being loaded), so the load for a worker's next layer can start only once the expert of
 the layer before its previous one is freed. Main sends each layer's hidden state and expert ids to the
 layer's group; the workers answer; the layer ends when the last answer is in.
+
+With `Cluster.hybrid` (the runtime's `Settings.hybrid`, `inference.hybrid`), when main's request
+reaches a worker each requested expert runs where it finishes first: on the GPU once its copy is
+done, or on the worker's CPU straight from host memory (its bytes over `Profile.host_memory`'s rate,
+or its FLOPs over `Profile.host_cpu_flops` if that is longer); a copy that had not started by then
+is dropped, which frees the worker's PCIe link for the next one.
 """
 
 from __future__ import annotations
@@ -22,18 +28,29 @@ class WorkerPool:
         self.loads = 0
         self.wasted_loads = 0
         self.misses = 0
+        self.cpu_experts = 0
 
     def group_workers(self, layer: int) -> list[int]:
         cluster = self.setup.cluster
         group = layer % cluster.groups
         return list(range(group * cluster.group_size, (group + 1) * cluster.group_size))
 
-    def _load(self, worker: int, earliest: float) -> float:
+    def _plan_load(self, worker: int, earliest: float) -> tuple[float, float]:
         start = max(earliest, self.pcie_free[worker], self.freed[worker][0])
-        done = start + self.costs.expert_load()
+        return start, start + self.costs.expert_load()
+
+    def _load(self, worker: int, earliest: float) -> float:
+        _, done = self._plan_load(worker, earliest)
         self.pcie_free[worker] = done
         self.loads += 1
         return done
+
+    def cpu_expert_time(self, tokens: int = 1) -> float:
+        """An expert computed on the worker's CPU from host memory (hybrid execution)."""
+        c = self.costs
+        profile = c.profile
+        memory = profile.host_memory.rate(c.ideal)
+        return max(c.model.expert_bytes() / memory, c.model.expert_flops(tokens) / profile.host_cpu_flops)
 
     def serve_layer(
         self,
@@ -49,12 +66,26 @@ class WorkerPool:
         hidden = c.model.hidden_bytes(1)
         arrive = routed + c.message(hidden, count=len(members))
         use_prediction = predicted is not None and predicted_at is not None and predicted_at < arrive
+        hybrid = self.setup.cluster.hybrid
+        cpu_time = self.cpu_expert_time(1) if hybrid else 0.0
+        cpu_free = {w: arrive for w in members}  # each worker's CPU runs its CPU experts one after another
         ready: dict[int, tuple[int, float]] = {}  # expert -> (worker, loaded at)
+        answers = []
         if use_prediction:
             for index, guess in enumerate(predicted):
                 worker = members[index % len(members)]
+                start, done = self._plan_load(worker, predicted_at)
+                needed = guess in experts and guess not in ready
+                if hybrid and needed and start > arrive:
+                    gpu_done = max(done, arrive) + c.expert_call(1)
+                    if cpu_free[worker] + cpu_time < gpu_done:  # not started yet: dropped, computed on the CPU
+                        cpu_free[worker] += cpu_time
+                        answers.append(cpu_free[worker])
+                        ready[guess] = (worker, -1.0)
+                        self.cpu_experts += 1
+                        continue
                 done = self._load(worker, predicted_at)
-                if guess in experts and guess not in ready:
+                if needed:
                     ready[guess] = (worker, done)
                 else:
                     self.wasted_loads += 1
@@ -64,9 +95,18 @@ class WorkerPool:
         spare = [w for w in members if w not in busy] + members
         for index, expert in enumerate(missing):
             worker = spare[index % len(spare)]
+            if hybrid:
+                _, done = self._plan_load(worker, arrive)
+                if cpu_free[worker] + cpu_time < done + c.expert_call(1):
+                    cpu_free[worker] += cpu_time
+                    answers.append(cpu_free[worker])
+                    ready[expert] = (worker, -1.0)
+                    self.cpu_experts += 1
+                    continue
             ready[expert] = (worker, self._load(worker, arrive))
-        answers = []
         for worker, loaded in ready.values():
+            if loaded < 0:
+                continue  # computed on the CPU above
             done = max(loaded, arrive) + c.expert_call(1)
             self.freed[worker] = [self.freed[worker][1], done]
             answers.append(done)

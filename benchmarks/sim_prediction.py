@@ -1,0 +1,338 @@
+"""The simulator's prediction of a `benchmarks.strategies` run, made before the run, from measurements.
+
+    python -m benchmarks.sim_prediction --validate benchmarks/results/strategies.json [--json OUT]
+
+`predict_for_run(...)` is what `benchmarks.strategies` calls before it starts any cluster: it
+measures, in a few seconds, what the emulation leaves at this machine's speed (main's decode layer
+at the checkpoint's shape, main's per-layer Python around the experts, an expert request's round
+trip between two processes), takes the routing of the run's own prompts from Transformers' greedy
+reference (the tokens the benchmark checks every strategy against, computed before any run), and
+runs `inference.sim.local`'s model of our runtime with the emulation's copy and link rates. Nothing
+of a run's measurements goes in.
+
+`--validate FILE` does the same for a recorded run (its emulation, pairs and workers; the
+checkpoint is re-made from `benchmarks.strategies.BENCH_MODEL` with the same seed) and reports each
+strategy's prediction beside its recorded decode tok/s. The per-layer costs are measured *now*, so
+a recorded run from another day is predicted with today's machine: this box's speed has moved by
+2x between days (README, "Measured"), which is part of the error reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from inference.sim.local import STRATEGIES, EmulatedRates, MachineCosts, Options, Shape, predict
+
+STEP_SAMPLES = 60
+
+
+def _main_layer_model(config: dict, layers: int):
+    """The checkpoint's family model with ``layers`` layers whose routed experts cost nothing: what
+    main runs itself (attention, norms, the router) while the workers compute the experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{**config, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    for layer in model.model.layers:
+        block = layer.mlp
+        if hasattr(block, "experts"):
+
+            class _Zero(torch.nn.Module):
+                def forward(self, hidden_states, *args, **kwargs):
+                    return torch.zeros_like(hidden_states)
+
+            block.experts = _Zero()
+    return model
+
+
+def _decode_step_s(model, prompt_len: int = 32, steps: int = STEP_SAMPLES) -> float:
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (1, prompt_len))
+    times = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, cache=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = model(input_ids=token, cache=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_machine(config: dict, expert_compute_s: float) -> tuple[MachineCosts, dict]:
+    """This machine's un-emulated costs at the checkpoint's shape (one thread, as a role runs)."""
+    from benchmarks.overhead import Shape as OverheadShape
+    from benchmarks.overhead import component_times, endpoint_round_trip_us
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        small, big = 2, 6
+        t_small = _decode_step_s(_main_layer_model(config, small))
+        t_big = _decode_step_s(_main_layer_model(config, big))
+        layer = max(0.0, (t_big - t_small) / (big - small))
+        fixed = max(0.0, t_small - small * layer)
+        shape = OverheadShape(config["hidden_size"], config["num_experts_per_tok"], config["num_local_experts"])
+        parts = component_times(shape, 300)
+        dispatch = (
+            parts["main: routing split"]
+            + parts["main: build + encode request"]
+            + parts["main: decode + scatter + combine"]
+            - parts["main: decode result"]  # the round trip below decodes the result already
+        ) / 1e6
+        round_trip = endpoint_round_trip_us(shape, 300) / 1e6
+    finally:
+        torch.set_num_threads(threads)
+    costs = MachineCosts(
+        expert_compute_s=expert_compute_s,
+        main_layer_s=layer,
+        main_dispatch_s=max(0.0, dispatch),
+        round_trip_s=round_trip,
+        step_fixed_s=fixed,
+    )
+    return costs, {"components_us": parts, "seconds": time.perf_counter() - started}
+
+
+def routing_traces(model_dir: Path, prompts: list[list[int]], outputs: list[list[int]]) -> list[dict]:
+    """Per generation: the routed experts of every decode step and layer, main's next-gate guesses
+    (the next layer's router on this layer's MoE input), and the experts the prompt hit, from one
+    teacher-forced forward of Transformers' own greedy tokens (the run's tokens: it is exact)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
+    layers = model.model.layers
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.mlp.gate.register_forward_hook(
+            lambda _m, args, _out, i=i: captured.__setitem__(i, args[0].reshape(-1, args[0].shape[-1]).detach())
+        )
+        for i, layer in enumerate(layers)
+    ]
+    generations = []
+    try:
+        with torch.inference_mode():
+            for prompt, output in zip(prompts, outputs, strict=True):
+                ids = torch.tensor([prompt + output[:-1]])
+                model(input_ids=ids, use_cache=False)
+                inputs = dict(captured)  # calling the gates below fires the hooks again
+                routed, guessed = [], []
+                for i, layer in enumerate(layers):
+                    _, _, idx = layer.mlp.gate(inputs[i])
+                    routed.append(idx.tolist())
+                    if i + 1 < len(layers):
+                        _, _, nxt = layers[i + 1].mlp.gate(inputs[i])
+                        guessed.append(nxt.tolist())
+                n = len(prompt)
+                # The first new token comes from the prefill; decode step s feeds token n + s - 1.
+                positions = range(n, n + len(output) - 1)
+                trace = [[sorted(set(routed[i][p])) for i in range(len(layers))] for p in positions]
+                next_gate = [[[]] + [sorted(set(guessed[i - 1][p])) for i in range(1, len(layers))] for p in positions]
+                prefill = [sorted({e for p in range(n) for e in routed[i][p]}) for i in range(len(layers))]
+                generations.append({"trace": trace, "next_gate": next_gate, "prefill_experts": prefill})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return generations
+
+
+def next_gate_recall(generations: list[dict]) -> float:
+    hit = total = 0
+    for g in generations:
+        for step, guess in zip(g["trace"], g["next_gate"], strict=True):
+            for real, named in zip(step[1:], guess[1:], strict=True):
+                hit += len(set(real) & set(named))
+                total += len(real)
+    return hit / total if total else 0.0
+
+
+def rates_for(emulation: dict, config: dict, expert_bytes: int) -> EmulatedRates:
+    """The emulation's buckets and the message sizes of the checkpoint (encoded as the runtime does)."""
+    from benchmarks.overhead import Shape as OverheadShape
+    from benchmarks.overhead import sample_messages, stamp
+
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    request, result = sample_messages(OverheadShape(hidden, 1, config["num_local_experts"]))
+    request_bytes = sum(len(bytes(f)) for f in stamp(request))
+    result_bytes = sum(len(bytes(f)) for f in stamp(result))
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    row_bytes = expert_bytes // (3 * config["intermediate_size"])  # a hidden row in the weights' dtype
+    elem = row_bytes // hidden
+    align = layers * 2 * kv_heads * head_dim * elem + 64
+    return EmulatedRates(
+        copy_bytes_per_s=emulation["copy_bytes_per_s"],
+        link_bytes_per_s=emulation["link_bytes_per_s"],
+        link_latency_s=emulation["link_latency_s"],
+        expert_bytes=expert_bytes,
+        request_bytes=request_bytes,
+        result_bytes=result_bytes,
+        align_bytes=align,
+        host_memory_bytes_per_s=emulation.get("host_memory_bytes_per_s"),
+        host_flops=emulation.get("host_flops"),
+        expert_flops=2.0 * 3 * hidden * config["intermediate_size"],
+    )
+
+
+def predict_strategies(
+    strategies: list[str],
+    shape: Shape,
+    costs: MachineCosts,
+    rates: EmulatedRates,
+    generations: list[dict],
+    *,
+    hybrid: bool = False,
+) -> dict[str, float | None]:
+    """The local model's decode tok/s for each strategy (None for one it does not model)."""
+    predicted: dict[str, float | None] = {}
+    for strategy in strategies:
+        if strategy not in STRATEGIES:
+            predicted[strategy] = None
+            continue
+        options = Options(strategy, recall=1.0, hybrid=hybrid and strategy in ("odmoe", "reactive"))
+        predicted[strategy] = predict(options, shape, costs, rates, generations)
+    return predicted
+
+
+def predict_from_inputs(inputs: dict, strategies: list[str], *, hybrid: bool = False) -> dict[str, float | None]:
+    """Re-run the prediction from a recorded ``inputs`` block (what `predict_for_run` returns)."""
+    return predict_strategies(
+        strategies,
+        Shape(**inputs["shape"]),
+        MachineCosts(**inputs["machine"]),
+        EmulatedRates(**inputs["rates"]),
+        inputs["generations"],
+        hybrid=hybrid,
+    )
+
+
+def predict_for_run(
+    emulation: dict,
+    config: dict,
+    expert_bytes: int,
+    *,
+    workers: int,
+    strategies: list[str],
+    model_dir: Path,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    cache_experts: int = 2,
+    max_resident: int = 2,
+    hybrid: bool = False,
+    machine: MachineCosts | None = None,
+) -> dict:
+    """{strategy: predicted decode tok/s} for a `benchmarks.strategies` run, plus what it rests on.
+
+    ``emulation`` is `Emulation.as_dict()`; ``outputs`` are Transformers' greedy tokens for
+    ``prompts`` (the benchmark's ``expected``); strategies the local model does not cover (the
+    approximate ones) get None.
+    """
+    costs, measured = (
+        (machine, {}) if machine is not None else measure_machine(config, emulation["expert_compute_here_s"])
+    )
+    generations = routing_traces(model_dir, prompts, outputs)
+    rates = rates_for(emulation, config, expert_bytes)
+    shape = Shape(
+        layers=config["num_hidden_layers"],
+        experts=config["num_local_experts"],
+        top_k=config["num_experts_per_tok"],
+        workers=workers,
+        max_resident=max_resident,
+        cache_experts=cache_experts,
+    )
+    predicted = predict_strategies(strategies, shape, costs, rates, generations, hybrid=hybrid)
+    return {
+        "predicted_decode_tok_s": predicted,
+        "inputs": {
+            "shape": dataclasses.asdict(shape),
+            "rates": dataclasses.asdict(rates),
+            "machine": costs.as_dict(),
+            "generations": generations,
+        },
+        "machine": costs.as_dict(),
+        "measurement": measured,
+        "next_gate_recall": next_gate_recall(generations),
+        "assumptions": [
+            "odmoe's shadow has the model's own precision (recall 1); one token ahead",
+            "each role computes on a core of its own: CPU contention between roles is not modelled",
+            "per-layer costs measured at prediction time; the run may see the machine in another state",
+        ],
+    }
+
+
+def validate(recorded: Path, *, strategies: list[str] | None = None) -> dict:
+    """Predict a recorded `benchmarks.strategies` JSON's run and compare with what it measured."""
+    from benchmarks.strategies import BENCH_MODEL, prompt_of
+    from inference.checkpoint import Checkpoint, expert_key_name
+    from inference.reference import reference_generate
+    from inference.tiny import make_tiny
+
+    run = json.loads(recorded.read_text())
+    names = strategies or [s for s in run["strategies"] if s in STRATEGIES]
+    with tempfile.TemporaryDirectory(prefix="odmoe-simpred-") as tmp:
+        model_dir = make_tiny(Path(tmp) / "model", seed=0, **BENCH_MODEL)
+        checkpoint = Checkpoint(model_dir)
+        config = checkpoint.config
+        expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, p)) for p in ("w1", "w2", "w3"))
+        pairs = [tuple(p) for p in run["pairs"]]
+        prompts = [prompt_of(n_in, config["vocab_size"], seed=i) for i, (n_in, _) in enumerate(pairs)]
+        outputs = [reference_generate(model_dir, p, n) for p, (_, n) in zip(prompts, pairs, strict=True)]
+        prediction = predict_for_run(
+            run["emulation"],
+            config,
+            expert_bytes,
+            workers=run["workers"],
+            strategies=names,
+            model_dir=model_dir,
+            prompts=prompts,
+            outputs=outputs,
+        )
+    rows = {}
+    for name in names:
+        measured = run["strategies"][name]["decode_tok_s"]
+        pred = prediction["predicted_decode_tok_s"][name]
+        pair_rates = [p["decode_tok_s"] for p in run["strategies"][name]["pairs"]]
+        rows[name] = {
+            "measured_decode_tok_s": measured,
+            "sim_predicted_decode_tok_s": pred,
+            "error": (pred - measured) / measured,
+            "measured_pair_spread": (max(pair_rates) - min(pair_rates)) / measured,
+        }
+    return {"recorded": str(recorded), "strategies": rows, **prediction}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--validate", type=Path, required=True, help="a benchmarks.strategies JSON")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    result = validate(args.validate)
+    print("| strategy | measured decode tok/s | predicted | error |\n|---|---:|---:|---:|")
+    for name, row in result["strategies"].items():
+        print(
+            f"| {name} | {row['measured_decode_tok_s']:.2f} | {row['sim_predicted_decode_tok_s']:.2f} "
+            f"| {row['error']:+.0%} |"
+        )
+    print(f"machine: {json.dumps(result['machine'])}", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,578 @@
+"""Our runtime on one machine under an emulated profile, event by event: what `benchmarks.strategies` runs.
+
+`inference.sim`'s strategy models describe the *paper's* systems on real GPUs (Transformers with
+`device_map`, Mixtral-Offloading's HQQ experts). To be checked against our own measured runs, the
+simulator also needs a model of what *our* runtime does on *this* machine when
+`inference.emulation` slows its copies and links down to a profile's proportions. That is this
+module. Every rule here is the runtime's own, not a fit:
+
+- groups: layer ``l`` belongs to group ``l mod G``, ``G = max(1, min(W // top_k, L))``
+  (`inference.placement.placement`);
+- cacheless strategies deal predicted experts round-robin over the group and send each routed expert
+  to whoever loaded it, the rest to the least loaded (`inference.schedule.prefetch_assignment`,
+  `assign_experts`); caching strategies send expert ``e`` to ``members[e % len(members)]``
+  (`inference.strategies.home_worker`);
+- a worker's loader (`inference.loader.ExpertLoader`): one copy at a time (a batch of one
+  (step, layer)'s pending experts per pass, each usable when its own copy is done), at most
+  ``max_resident`` experts ready or being copied (cached ones do not count), prefetches in
+  (step, layer) order, a request for an expert not yet copied jumps the queue and pushes out the
+  idle prefetch needed last, an expert is freed (or admitted to the per-layer LRU cache) as soon
+  as its rows are computed, a request drops the stale prefetches of earlier layers;
+- the worker handles its messages one at a time, in arrival order (one thread);
+- ``odmoe``: the shadow runs one token ahead: it starts step ``s + 1`` once it has finished step
+  ``s`` and main has started step ``s``, and sends each layer's routing to the layer's group as
+  it goes; ``lru-offload``: main sends the next layer's router guess before the layer's
+  requests (`MainRole._predict_next_layer`), on one box (no emulated link);
+- the emulated link (`inference.transport`): a message leaves after the sender's earlier ones
+  have left its uplink (``bytes / rate`` each) and is delivered ``latency`` after its last byte,
+  or when it really arrives over loopback, whichever is later;
+- hybrid execution (``hybrid=True``, `inference.hybrid`): when main's request reaches a worker,
+  each requested expert not on the device runs where it finishes first — its copy (what is left
+  of it) plus the compute, or the worker's CPU straight from host memory — and a copy not yet
+  started for an expert sent to the CPU is dropped.
+
+What it needs measured (`MachineCosts`, by `benchmarks.sim_prediction` before a run) is this
+machine's own time for what the emulation does not scale: main's layer, the per-layer Python
+around the experts, a message over loopback, and an expert's compute. What it does not model, and
+is therefore a known source of error: CPU contention between the roles that share this machine's
+cores (main, shadow and workers are assumed to each have a core when they compute), the shadow's
+speed beyond its own layer times, and the jitter of process wake-ups.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+Key = tuple[int, int, int]  # (step, layer, expert)
+# A routing trace of one generation: per decode step, per layer, the routed experts.
+Trace = list[list[list[int]]]
+
+
+@dataclass(frozen=True)
+class MachineCosts:
+    """Seconds on this machine, measured, for what the emulation leaves at this machine's speed."""
+
+    expert_compute_s: float  # one expert for one decode row on a worker (Emulation.expert_compute_here_s)
+    main_layer_s: float  # main's attention, norms and router of one decode layer
+    main_dispatch_s: float  # main's Python per layer around the experts: split, requests, combine
+    round_trip_s: float  # an expert request and its result through two processes' endpoints
+    step_fixed_s: float  # main's time per token outside its layers (embedding, final norm, LM head)
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        if self.expert_compute_s <= 0:
+            raise ValueError("expert_compute_s must be positive")
+
+    @property
+    def one_way_s(self) -> float:
+        return self.round_trip_s / 2
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EmulatedRates:
+    """The token buckets of `inference.emulation.Emulation` (bytes/s, s), and the model's message sizes."""
+
+    copy_bytes_per_s: float
+    link_bytes_per_s: float | None  # None: no emulated network (one box)
+    link_latency_s: float
+    expert_bytes: int
+    request_bytes: int  # a decode request carrying one row (header + row + weight)
+    result_bytes: int
+    align_bytes: int = 0  # main -> shadow per token (token + the new KV entries of every layer)
+    prediction_bytes: int = 64
+    host_memory_bytes_per_s: float | None = None  # hybrid execution's CPU path, emulated
+    host_flops: float | None = None
+    expert_flops: float = 0.0  # one row through one expert
+
+    def __post_init__(self) -> None:
+        if self.copy_bytes_per_s <= 0 or self.expert_bytes <= 0:
+            raise ValueError("copy bandwidth and expert bytes must be positive")
+        if self.link_bytes_per_s is not None and self.link_bytes_per_s <= 0:
+            raise ValueError("link bandwidth must be positive (or None for no emulated link)")
+
+    @property
+    def copy_s(self) -> float:
+        return self.expert_bytes / self.copy_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The benchmark's model and deployment."""
+
+    layers: int
+    experts: int
+    top_k: int
+    workers: int
+    max_resident: int = 2
+    cache_experts: int = 2  # lru-offload: experts cached per layer
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.experts, self.top_k, self.workers, self.max_resident) < 1:
+            raise ValueError("layers, experts, top_k, workers and max_resident must be at least 1")
+        if self.top_k > self.experts:
+            raise ValueError("top_k cannot exceed experts")
+
+    def groups(self) -> list[list[int]]:
+        """`inference.placement.placement`'s groups, re-stated (a test checks they agree)."""
+        n_groups = max(1, min(self.workers // self.top_k, self.layers))
+        members: list[list[int]] = [[] for _ in range(n_groups)]
+        full = n_groups * self.top_k
+        for worker in range(self.workers):
+            group = worker // self.top_k if worker < full else (worker - full) % n_groups
+            members[min(group, n_groups - 1)].append(worker)
+        return members
+
+
+# --- one worker's loader -----------------------------------------------------------------------------
+
+
+class LoaderSim:
+    """`inference.loader.ExpertLoader`'s decisions on a clock (see the module docstring)."""
+
+    def __init__(self, copy_s: float, max_resident: int, cache: int | str | None = "none") -> None:
+        self.copy_s = copy_s
+        self.max_resident = max_resident
+        self.cache_kind = cache  # "none", None (keep all), or a per-layer capacity
+        self.cache: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.queue: list[Key] = []
+        self.urgent: list[Key] = []
+        self.loading: list[tuple[Key, float]] = []  # (key, copy done at), in copy order
+        self.drop: set[Key] = set()
+        self.ready: set[Key] = set()
+        self.in_use: set[Key] = set()
+        self.clock = 0.0
+        self.engine_free = 0.0
+        self.loads = 0
+        self.wasted = 0
+
+    # the copy engine
+    def _slots_used(self) -> int:
+        return len(self.ready) + len(self.loading)
+
+    def _make_room(self) -> None:
+        """A computation waits: push out the idle prefetch needed last (it is queued again)."""
+        while self._slots_used() >= self.max_resident:
+            idle = [k for k in self.ready if k not in self.in_use]
+            if not idle:
+                return
+            victim = max(idle)
+            self.ready.discard(victim)
+            self.wasted += 1
+            self.queue.append(victim)
+            self.queue.sort()
+
+    def _try_start(self, t: float) -> None:
+        if self.urgent and not self.loading:
+            self._make_room()
+        if self.loading or not (self.urgent or self.queue) or self._slots_used() >= self.max_resident:
+            return
+        start = max(t, self.engine_free)
+        first = self.urgent.pop(0) if self.urgent else self.queue.pop(0)
+        batch = [first]
+        room = self.max_resident - self._slots_used() - 1
+        for pending in (self.urgent, self.queue):
+            for key in [k for k in pending if k[:2] == first[:2]][: max(0, room - len(batch) + 1)]:
+                pending.remove(key)
+                batch.append(key)
+        self.loading = [(key, start + self.copy_s * (i + 1)) for i, key in enumerate(batch)]
+        self.engine_free = self.loading[-1][1]
+
+    def advance(self, t: float) -> None:
+        """Run the copy engine up to time ``t``."""
+        t = max(t, self.clock)
+        while self.loading and self.loading[0][1] <= t:
+            key, done = self.loading.pop(0)
+            self.clock = done
+            self.loads += 1
+            if key in self.drop:
+                self.drop.discard(key)
+                self.wasted += 1
+            else:
+                self.ready.add(key)
+            if not self.loading:
+                self._try_start(done)
+        self.clock = t
+        self._try_start(t)
+
+    def cached(self, key: Key) -> bool:
+        return self.cache_kind != "none" and key[1:] in self.cache
+
+    def state(self, key: Key) -> str:
+        if key in self.ready or self.cached(key):
+            return "ready"
+        if any(k == key for k, _ in self.loading):
+            return "loading"
+        if key in self.urgent or key in self.queue:
+            return "queued"
+        return "absent"
+
+    def copy_eta(self, key: Key) -> float:
+        """When ``key`` would be on the device if copied (the runtime's estimate, `inference.hybrid.copy_eta`)."""
+        if self.state(key) == "ready":
+            return self.clock
+        for k, done in self.loading:
+            if k == key:
+                return done
+        pass_done = self.loading[-1][1] if self.loading else self.clock
+        pending = self.urgent + self.queue
+        ahead = pending.index(key) if key in pending else 0
+        return pass_done + self.copy_s * (ahead + 1)
+
+    # what the worker calls
+    def prefetch(self, key: Key, t: float) -> None:
+        self.advance(t)
+        self.drop.discard(key)
+        if key in self.ready or self.state(key) in ("loading", "queued") or self.cached(key):
+            return
+        self.queue.append(key)
+        self.queue.sort()
+        self._try_start(self.clock)
+
+    def discard(self, keep, t: float) -> None:
+        self.advance(t)
+        self.queue = [k for k in self.queue if keep(k)]
+        for key in [k for k in self.ready if not keep(k) and k not in self.in_use]:
+            self.ready.discard(key)
+            self.wasted += 1
+        self.drop |= {k for k, _ in self.loading if not keep(k)}
+        self._try_start(self.clock)
+
+    def forget(self, key: Key, t: float) -> None:
+        """Drop a copy not yet started (hybrid: the expert went to the CPU)."""
+        self.advance(t)
+        if key in self.queue:
+            self.queue.remove(key)
+        if key in self.urgent:
+            self.urgent.remove(key)
+
+    def acquire(self, key: Key, t: float) -> float:
+        """The time ``key`` is usable, from a request at ``t`` (blocks the worker until then)."""
+        self.advance(t)
+        if self.cached(key):
+            self.cache.move_to_end(key[1:])
+            self.in_use.add(key)
+            return self.clock
+        self.drop.discard(key)
+        if key not in self.ready and self.state(key) != "loading" and key not in self.urgent:
+            if key in self.queue:
+                self.queue.remove(key)
+            self.urgent.append(key)
+            self._make_room()
+            self._try_start(self.clock)
+        while key not in self.ready:
+            if not self.loading:
+                raise RuntimeError(f"loader model stalled waiting for {key}")
+            self.advance(self.loading[0][1])
+        self.in_use.add(key)
+        return self.clock
+
+    def release(self, key: Key, t: float) -> None:
+        self.advance(t)
+        self.in_use.discard(key)
+        if key in self.ready:
+            self.ready.discard(key)
+            if self.cache_kind != "none":
+                self.cache[key[1:]] = None
+                self.cache.move_to_end(key[1:])
+                if isinstance(self.cache_kind, int):
+                    of_layer = [k for k in self.cache if k[0] == key[1]]
+                    for victim in of_layer[: max(0, len(of_layer) - self.cache_kind)]:
+                        del self.cache[victim]
+        self._try_start(self.clock)
+
+
+# --- the cluster ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerSim:
+    loader: LoaderSim
+    free_at: float = 0.0
+    served: tuple[int, int] = (-1, -1)
+    uplink_free: float = 0.0
+    cpu_experts: int = 0
+    predictions: list[tuple[float, int, int, list[int]]] = field(default_factory=list)
+
+
+class Link:
+    """One role's uplink, emulated as `inference.transport` does (or loopback only)."""
+
+    def __init__(self, rates: EmulatedRates, costs: MachineCosts, networked: bool) -> None:
+        self.rate = rates.link_bytes_per_s if networked else None
+        self.latency = rates.link_latency_s if networked else 0.0
+        self.one_way = costs.one_way_s
+        self.free = 0.0
+
+    def send(self, t: float, nbytes: int) -> float:
+        """Delivery time of a message sent at ``t``."""
+        real = t + self.one_way
+        if self.rate is None:
+            return real
+        self.free = max(self.free, t) + nbytes / self.rate
+        return max(real, self.free + self.latency)
+
+
+@dataclass(frozen=True)
+class Options:
+    strategy: str
+    recall: float = 1.0  # odmoe: share of routed experts the shadow names (1: a shadow of the same precision)
+    hybrid: bool = False
+    shadow_layer_s: float | None = None  # the shadow's own layer time here (default: main's layer + top_k experts)
+
+
+STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")
+
+
+def _shadow_guess(real: list[int], experts: int, recall: float, step: int, layer: int) -> list[int]:
+    """A deterministic stand-in for a shadow of the given recall (exact when recall is 1)."""
+    if recall >= 1.0:
+        return sorted(real)
+    import random
+
+    rng = random.Random(step * 7919 + layer)
+    guess = []
+    for e in real:
+        if rng.random() < recall:
+            guess.append(e)
+        else:
+            guess.append(rng.choice([x for x in range(experts) if x not in real and x not in guess] or [e]))
+    return sorted(set(guess))
+
+
+def simulate_generation(
+    options: Options,
+    shape: Shape,
+    costs: MachineCosts,
+    rates: EmulatedRates,
+    trace: Trace,
+    *,
+    next_gate: Trace | None = None,
+    prefill_experts: list[list[int]] | None = None,
+) -> dict:
+    """Decode of one generation: ``trace[s][l]`` are step ``s``'s routed experts at layer ``l``
+    (decode steps only, the first token's step excluded); ``next_gate[s][l]`` main's guess for layer
+    ``l`` made at layer ``l - 1`` (lru-offload); ``prefill_experts[l]`` the experts the prompt hit
+    (what an LRU cache holds when decode starts). Returns the decode rate as the runtime measures it
+    (tokens after the first / time from the first token to the last)."""
+    strategy = options.strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if not trace:
+        raise ValueError("the trace needs at least one decode step")
+    if strategy == "lru-offload" and next_gate is None:
+        raise ValueError("lru-offload needs main's next-gate guesses (next_gate)")
+    for step in trace:
+        if len(step) != shape.layers or any(len(set(e)) != len(e) or not e for e in step):
+            raise ValueError("each trace step needs one non-empty list of distinct experts per layer")
+    workers = 1 if strategy == "lru-offload" else shape.workers
+    local_shape = Shape(shape.layers, shape.experts, shape.top_k, workers, shape.max_resident, shape.cache_experts)
+    groups = local_shape.groups()
+    networked = strategy != "lru-offload"
+    cache: int | str | None = {"full-cache": None, "lru-offload": shape.cache_experts}.get(strategy, "none")
+    pool = [WorkerSim(LoaderSim(rates.copy_s, shape.max_resident, cache)) for _ in range(workers)]
+    if strategy == "full-cache":
+        for w, members in enumerate(groups):
+            for layer in range(shape.layers):
+                if layer % len(groups) != w:
+                    continue
+                for e in range(shape.experts):
+                    pool[members[e % len(members)]].loader.cache[(layer, e)] = None
+    if strategy == "lru-offload":
+        loader = pool[0].loader
+        for layer in range(shape.layers):
+            hit = sorted(prefill_experts[layer]) if prefill_experts else list(range(shape.experts))
+            for e in hit[-shape.cache_experts :] if shape.cache_experts else []:
+                loader.cache[(layer, e)] = None
+    main_link = Link(rates, costs, networked)
+    worker_links = [Link(rates, costs, networked) for _ in range(workers)]
+    shadow_link = Link(rates, costs, networked)
+    shadow_layer = (
+        options.shadow_layer_s
+        if options.shadow_layer_s is not None
+        else costs.main_layer_s + shape.top_k * costs.expert_compute_s
+    )
+    cpu_s = 0.0
+    if options.hybrid:
+        if not rates.host_memory_bytes_per_s:
+            raise ValueError("hybrid execution needs the emulated host memory rate")
+        cpu_s = max(costs.expert_compute_s, rates.expert_bytes / rates.host_memory_bytes_per_s)
+        if rates.host_flops:
+            cpu_s = max(cpu_s, rates.expert_flops / rates.host_flops)
+
+    def deliver_predictions(worker: WorkerSim, until: float) -> None:
+        while worker.predictions and worker.predictions[0][0] <= until:
+            arrive, step, layer, experts = worker.predictions.pop(0)
+            t = max(arrive, worker.free_at)
+            if (step, layer) <= worker.served:
+                continue
+            members = groups[layer % len(groups)]
+            index = pool.index(worker)
+            if cache != "none":
+                mine = sorted({e for e in experts if members[e % len(members)] == index})
+            else:
+                mine = [e for i, e in enumerate(sorted(set(experts))) if members[i % len(members)] == index]
+            worker.loader.discard(lambda k, s=step, la=layer, m=set(mine): (k[0], k[1]) != (s, la) or k[2] in m, t)
+            for e in mine:
+                worker.loader.prefetch((step, layer, e), t)
+
+    def serve(worker_index: int, step: int, layer: int, experts: list[int], arrive: float) -> float:
+        worker = pool[worker_index]
+        deliver_predictions(worker, max(arrive, worker.free_at))
+        t = max(arrive, worker.free_at)
+        loader = worker.loader
+        here = (step, layer)
+        if here > worker.served:
+            worker.served = here
+        wanted = set(experts)
+        loader.discard(lambda k: (k[0], k[1]) > here or ((k[0], k[1]) == here and k[2] in wanted), t)
+        for e in experts:
+            key = (step, layer, e)
+            if options.hybrid and loader.state(key) != "ready":
+                gpu_done = max(t, loader.copy_eta(key)) + costs.expert_compute_s
+                if t + cpu_s < gpu_done:
+                    if loader.state(key) != "loading":
+                        loader.forget(key, t)
+                    else:
+                        loader.drop.add(key)
+                    worker.cpu_experts += 1
+                    t += cpu_s
+                    continue
+            ready = loader.acquire(key, t)
+            t = max(t, ready) + costs.expert_compute_s
+            loader.release(key, t)
+        worker.free_at = t
+        return t
+
+    now = 0.0
+    step_starts: list[float] = []
+    shadow_end = 0.0
+    step_times = []
+    for s, step in enumerate(trace, start=1):
+        start = now
+        step_starts.append(start)
+        if strategy == "odmoe":
+            # The shadow, one token ahead, predicts step s + 1 while main runs step s.
+            if s == 1:
+                first = now
+                for layer in range(shape.layers):
+                    _send_prediction(
+                        pool,
+                        groups,
+                        s,
+                        layer,
+                        step[layer],
+                        first + (layer + 1) * shadow_layer,
+                        shadow_link,
+                        rates,
+                        options.recall,
+                        shape.experts,
+                    )
+                shadow_end = first + shape.layers * shadow_layer
+            if s < len(trace):
+                begin = max(shadow_end, start)
+                nxt = trace[s]
+                for layer in range(shape.layers):
+                    _send_prediction(
+                        pool,
+                        groups,
+                        s + 1,
+                        layer,
+                        nxt[layer],
+                        begin + (layer + 1) * shadow_layer,
+                        shadow_link,
+                        rates,
+                        options.recall,
+                        shape.experts,
+                    )
+                shadow_end = begin + shape.layers * shadow_layer
+        for layer, experts in enumerate(step):
+            now += costs.main_layer_s
+            members = groups[layer % len(groups)]
+            if strategy == "lru-offload" and layer + 1 < shape.layers:
+                guess = next_gate[s - 1][layer + 1]
+                pool[0].predictions.append((main_link.send(now, rates.prediction_bytes), s, layer + 1, guess))
+            plan = _plan(strategy, experts, members, pool, s, layer, options, shape)
+            replies = []
+            for w in members:
+                mine = plan.get(w, [])
+                arrive = main_link.send(now, rates.request_bytes if mine else rates.prediction_bytes)
+                done = serve(w, s, layer, mine, arrive)
+                if mine:
+                    replies.append(worker_links[w].send(done, rates.result_bytes * len(mine)))
+            now = max(replies) + costs.main_dispatch_s
+        now += costs.step_fixed_s
+        if strategy == "odmoe" and rates.align_bytes:
+            main_link.send(now, rates.align_bytes)  # the shadow's alignment occupies main's uplink
+        step_times.append(now - start)
+    decode_s = sum(step_times)
+    return {
+        "decode_tok_s": len(step_times) / decode_s,
+        "step_ms_median": statistics.median(step_times) * 1000,
+        "loads": sum(w.loader.loads for w in pool),
+        "wasted_loads": sum(w.loader.wasted for w in pool),
+        "cpu_experts": sum(w.cpu_experts for w in pool),
+    }
+
+
+def _send_prediction(pool, groups, step, layer, real, at, link, rates, recall, experts) -> None:
+    guess = _shadow_guess(real, experts, recall, step, layer)
+    arrive = link.send(at, rates.prediction_bytes)
+    for w in groups[layer % len(groups)]:
+        pool[w].predictions.append((arrive, step, layer, guess))
+        pool[w].predictions.sort(key=lambda p: (p[0], p[1], p[2]))
+
+
+def _plan(strategy, experts, members, pool, step, layer, options, shape) -> dict[int, list[int]]:
+    """Who computes each routed expert (`inference.strategies.dispatch_plan` for decode)."""
+    if strategy in ("full-cache", "lru-offload"):
+        plan = {m: [] for m in members}
+        for e in sorted(set(experts)):
+            plan[members[e % len(members)]].append(e)
+        return plan
+    predicted = _shadow_guess(experts, shape.experts, options.recall, step, layer) if strategy == "odmoe" else []
+    owner = {e: members[i % len(members)] for i, e in enumerate(sorted(set(predicted)))}
+    plan = {m: [] for m in members}
+    leftovers = []
+    for e in sorted(set(experts)):
+        if e in owner:
+            plan[owner[e]].append(e)
+        else:
+            leftovers.append(e)
+    for e in leftovers:
+        target = min(members, key=lambda m: (len(plan[m]), members.index(m)))
+        plan[target].append(e)
+    return plan
+
+
+def predict(
+    options: Options,
+    shape: Shape,
+    costs: MachineCosts,
+    rates: EmulatedRates,
+    generations: Sequence[dict],
+) -> float:
+    """Mean decode tok/s over ``generations`` (each: ``trace``, optional ``next_gate`` and
+    ``prefill_experts``), as `benchmarks.strategies` averages its length pairs."""
+    if not generations:
+        raise ValueError("at least one generation is needed")
+    rates_each = [
+        simulate_generation(
+            options,
+            shape,
+            costs,
+            rates,
+            g["trace"],
+            next_gate=g.get("next_gate"),
+            prefill_experts=g.get("prefill_experts"),
+        )["decode_tok_s"]
+        for g in generations
+    ]
+    return statistics.fmean(rates_each)
