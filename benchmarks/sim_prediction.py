@@ -204,7 +204,7 @@ def predict_strategies(
         if strategy not in STRATEGIES:
             predicted[strategy] = None
             continue
-        options = Options(strategy, recall=1.0, hybrid=hybrid and strategy in ("odmoe", "reactive"))
+        options = Options(strategy, recall=1.0, hybrid=hybrid)  # the runtime applies it under every strategy
         predicted[strategy] = predict(options, shape, costs, rates, generations)
     return predicted
 

@@ -433,21 +433,28 @@ def simulate_generation(
             worker.served = here
         wanted = set(experts)
         loader.discard(lambda k: (k[0], k[1]) > here or ((k[0], k[1]) == here and k[2] in wanted), t)
+        # The runtime decides every expert of the request first, then runs the CPU's on a host
+        # thread beside the device's: two chains from the request's arrival, the later one ends it.
+        cpu_t = t
+        on_device = []
         for e in experts:
             key = (step, layer, e)
             if options.hybrid and loader.state(key) != "ready":
                 gpu_done = max(t, loader.copy_eta(key)) + costs.expert_compute_s
-                if t + cpu_s < gpu_done:
+                if cpu_t + cpu_s < gpu_done:
                     if loader.state(key) != "loading":
                         loader.forget(key, t)
                     else:
                         loader.drop.add(key)
                     worker.cpu_experts += 1
-                    t += cpu_s
+                    cpu_t += cpu_s
                     continue
+            on_device.append(key)
+        for key in on_device:
             ready = loader.acquire(key, t)
             t = max(t, ready) + costs.expert_compute_s
             loader.release(key, t)
+        t = max(t, cpu_t)
         worker.free_at = t
         return t
 
