@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml agent/requirements.txt platform/requirements.txt constraints.txt | cksum | cut -d' ' -f1)
 DEMO_MODEL := platform/demo-model
 PROMPT ?= In Python, a dictionary
 TOKENS ?= 48

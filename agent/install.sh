@@ -1,27 +1,37 @@
 #!/bin/sh
-# Install the odmoe agent on this box and enroll it with the control plane.
+# Install the odmoe agent on this box and enroll it with the control plane; run it again to upgrade.
 #
 #   curl -fsSL SERVER/agent/install.sh | sh -s -- --server SERVER --token TOKEN [options]
 #
 # Options:
 #   --server URL     the control plane (default: the one that served this script)
-#   --token T        a join token from the console (required)
+#   --token T        a join token from the console (first install only: an upgrade keeps the credential)
 #   --name N         this node's name (default: the host name)
 #   --dir DIR        where the venv and the agent's state live (default: ~/.local/share/odmoe-agent)
 #   --no-service     do not install a systemd unit; print how to run the agent instead
+#   --dry-run        print what would be done, change nothing
+#   --uninstall      stop and remove the agent's unit and venv (the credential stays unless --purge)
+#   --purge          with --uninstall: remove the agent's state (its node credential, shards) too
 # Environment: PYTHON (default python3, 3.11 or newer), ODMOE_PIP_ARGS (extra pip arguments),
 #   ODMOE_JOIN_TOKEN (the join token, instead of --token: kept out of the process list).
 set -eu
 
 SERVER="@SERVER@"
-AGENT_SHA256="@AGENT_SHA256@"  # of the agent package this script was served with
+WHEEL="@AGENT_WHEEL@"          # the agent package this script was served with
+AGENT_SHA256="@AGENT_SHA256@"  # and its sha256
 TOKEN="${ODMOE_JOIN_TOKEN:-}"
 NAME="$(hostname)"
 DIR="${HOME}/.local/share/odmoe-agent"
 SERVICE="auto"
 PYTHON="${PYTHON:-python3}"
+DRY_RUN="no"
+ACTION="install"
+PURGE="no"
 
-die() { echo "odmoe install: $*" >&2; exit 1; }
+die() { echo "odmoe install: error: $*" >&2; exit 1; }
+say() { echo "odmoe install: $*"; }
+# Run a command, or with --dry-run only say it.
+run() { if [ "$DRY_RUN" = "yes" ]; then echo "odmoe install: would run: $*"; else "$@"; fi; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -30,23 +40,78 @@ while [ $# -gt 0 ]; do
         --name) [ $# -ge 2 ] || die "--name needs a value"; NAME="$2"; shift 2 ;;
         --dir) [ $# -ge 2 ] || die "--dir needs a value"; DIR="$2"; shift 2 ;;
         --no-service) SERVICE="no"; shift ;;
-        -h|--help) sed -n '2,14p' "$0" 2>/dev/null || true; exit 0 ;;
+        --dry-run) DRY_RUN="yes"; shift ;;
+        --uninstall) ACTION="uninstall"; shift ;;
+        --purge) PURGE="yes"; shift ;;
+        -h|--help) sed -n '2,18p' "$0" 2>/dev/null || true; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
+[ "$PURGE" = "no" ] || [ "$ACTION" = "uninstall" ] || die "--purge goes with --uninstall"
 
-[ -n "$TOKEN" ] || die "--token is required (or ODMOE_JOIN_TOKEN): create a join token in the console (Enroll)"
+# Where a systemd unit goes for this user, and how to drive it (nothing when there is no systemd).
+UNIT_DIR=""; CTL=""; WANTED=""
+if [ "$SERVICE" = "auto" ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+    if [ "$(id -u)" = "0" ]; then
+        UNIT_DIR=/etc/systemd/system; CTL="systemctl"; WANTED=multi-user.target
+    else
+        UNIT_DIR="$HOME/.config/systemd/user"; CTL="systemctl --user"; WANTED=default.target
+    fi
+fi
+UNIT="odmoe-agent.service"
+
+if [ "$ACTION" = "uninstall" ]; then
+    if [ -n "$UNIT_DIR" ] && [ -f "$UNIT_DIR/$UNIT" ]; then
+        say "stopping and removing the systemd unit $UNIT"
+        # shellcheck disable=SC2086  # CTL is a command and its options
+        run $CTL disable --now "$UNIT" || say "the unit would not stop cleanly; removing it anyway"
+        run rm -f "$UNIT_DIR/$UNIT"
+        # shellcheck disable=SC2086
+        run $CTL daemon-reload
+    fi
+    if [ -d "$DIR/venv" ]; then say "removing the agent's venv $DIR/venv"; run rm -rf "$DIR/venv"; fi
+    run rm -f "$DIR"/*.whl
+    if [ "$PURGE" = "yes" ]; then
+        say "removing the agent's state $DIR/state (its node credential and shards)"
+        run rm -rf "$DIR/state"
+        run rmdir "$DIR" 2>/dev/null || true
+    elif [ -d "$DIR/state" ]; then
+        say "kept $DIR/state (the node credential): --uninstall --purge removes it; the console can revoke the node"
+    fi
+    say "uninstalled"
+    exit 0
+fi
+
 case "$SERVER" in http://*|https://*) ;; *) die "--server must be an http(s) URL, got '$SERVER'" ;; esac
 SERVER="${SERVER%/}"
-command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python 3.11 or newer"
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python 3.11 or newer is needed"
+UPGRADE="no"
+[ -f "$DIR/state/node.json" ] && UPGRADE="yes"
+[ -n "$TOKEN" ] || [ "$UPGRADE" = "yes" ] || \
+    die "--token is required (or ODMOE_JOIN_TOKEN): create a join token in the console (Enroll)"
+command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python 3.11 or newer (or set PYTHON)"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "$PYTHON is older than 3.11: install Python 3.11 or newer"
+"$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || \
+    die "$PYTHON has no venv module (Debian/Ubuntu: apt install python3-venv)"
 
-echo "odmoe install: creating a virtual environment in $DIR/venv"
-mkdir -p "$DIR"
-"$PYTHON" -m venv "$DIR/venv" || die "cannot create a venv (Debian: apt install python3-venv)"
-echo "odmoe install: downloading the agent package from $SERVER"
-PACKAGE="$DIR/odmoe-agent.tar.gz"
-"$DIR/venv/bin/python" - "$SERVER/agent/odmoe-agent.tar.gz" "$PACKAGE" "$AGENT_SHA256" <<'PY' || die "the agent package did not download or does not match the sha256 this script was served with"
+if [ "$UPGRADE" = "yes" ]; then
+    say "upgrading the agent in $DIR in place (its node credential is kept)"
+else
+    say "installing the agent in $DIR"
+fi
+[ "$DRY_RUN" = "no" ] || say "dry run: nothing is changed"
+if [ -x "$DIR/venv/bin/python" ]; then
+    say "reusing the virtual environment $DIR/venv"
+else
+    say "creating a virtual environment in $DIR/venv"
+    run mkdir -p "$DIR"
+    run "$PYTHON" -m venv "$DIR/venv" || die "cannot create a venv in $DIR/venv (Debian/Ubuntu: apt install python3-venv)"
+fi
+VPY="$DIR/venv/bin/python"
+
+PACKAGE="$DIR/$WHEEL"
+say "downloading the agent package $WHEEL from $SERVER (sha256 $AGENT_SHA256)"
+if [ "$DRY_RUN" = "no" ]; then
+    "$VPY" - "$SERVER/agent/$WHEEL" "$PACKAGE" "$AGENT_SHA256" <<'PY' || die "the agent package did not download or does not match the sha256 this script was served with"
 import hashlib, sys, urllib.request
 url, path, want = sys.argv[1:]
 data = urllib.request.urlopen(url, timeout=120).read()
@@ -55,23 +120,35 @@ if got != want:
     sys.exit(f"odmoe install: {url} has sha256 {got}, expected {want}")
 open(path, "wb").write(data)
 PY
-echo "odmoe install: installing the agent and the runtime (this takes a few minutes)"
+fi
+say "installing the agent and the runtime with their dependencies (the first time takes a few minutes)"
 # shellcheck disable=SC2086  # ODMOE_PIP_ARGS is a list of arguments
-"$DIR/venv/bin/python" -m pip install --quiet ${ODMOE_PIP_ARGS:-} "$PACKAGE"
+run "$VPY" -m pip install --quiet --disable-pip-version-check ${ODMOE_PIP_ARGS:-} "$PACKAGE" || \
+    die "pip could not install the agent (its messages are above; ODMOE_PIP_ARGS passes pip options, e.g. --index-url)"
+# The same version may hold other code: put this package's files in place whatever pip thinks is there.
+run "$VPY" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$PACKAGE" || \
+    die "pip could not put the agent's own files in place (its messages are above)"
 
-echo "odmoe install: enrolling $NAME"
-"$DIR/venv/bin/python" -m agent --server "$SERVER" --token "$TOKEN" --name "$NAME" \
-    --state-dir "$DIR/state" --enroll-only
+say "checking this box (python -m agent doctor)"
+run "$VPY" -m agent doctor --server "$SERVER" --state-dir "$DIR/state" || \
+    say "the doctor found problems (above): the box enrolls, but is given no role until they are fixed"
 
-RUN="$DIR/venv/bin/python -m agent --server $SERVER --state-dir $DIR/state"
-if [ "$SERVICE" = "auto" ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
-    if [ "$(id -u)" = "0" ]; then
-        UNIT_DIR=/etc/systemd/system; CTL="systemctl"; WANTED=multi-user.target
-    else
-        UNIT_DIR="$HOME/.config/systemd/user"; CTL="systemctl --user"; WANTED=default.target
-    fi
-    mkdir -p "$UNIT_DIR"
-    cat > "$UNIT_DIR/odmoe-agent.service" <<UNIT
+if [ "$UPGRADE" = "yes" ]; then
+    say "checking the stored node credential with $SERVER"
+    run "$VPY" -m agent --server "$SERVER" --state-dir "$DIR/state" --enroll-only || \
+        die "the stored credential in $DIR/state is not accepted by $SERVER (revoked? --uninstall --purge, then install with a new token)"
+else
+    say "enrolling $NAME"
+    run env ODMOE_JOIN_TOKEN="$TOKEN" "$VPY" -m agent --server "$SERVER" --name "$NAME" \
+        --state-dir "$DIR/state" --enroll-only || die "enrollment failed (the reason is above)"
+fi
+
+RUN="$VPY -m agent --server $SERVER --state-dir $DIR/state"
+if [ -n "$UNIT_DIR" ]; then
+    say "installing the systemd unit $UNIT_DIR/$UNIT"
+    if [ "$DRY_RUN" = "no" ]; then
+        mkdir -p "$UNIT_DIR"
+        cat > "$UNIT_DIR/$UNIT" <<UNIT
 [Unit]
 Description=odmoe agent (node $NAME of $SERVER)
 After=network-online.target
@@ -85,10 +162,15 @@ RestartSec=5
 [Install]
 WantedBy=$WANTED
 UNIT
-    $CTL daemon-reload
-    $CTL enable --now odmoe-agent.service
-    echo "odmoe install: done; the agent runs as the systemd unit odmoe-agent ($CTL status odmoe-agent)"
+    fi
+    # shellcheck disable=SC2086  # CTL is a command and its options
+    run $CTL daemon-reload
+    # shellcheck disable=SC2086
+    run $CTL enable "$UNIT"
+    # shellcheck disable=SC2086
+    run $CTL restart "$UNIT"  # an upgrade starts the new code
+    say "done; the agent runs as the systemd unit odmoe-agent ($CTL status odmoe-agent)"
 else
-    echo "odmoe install: done; start the agent with:"
+    say "done; start the agent with:"
     echo "    $RUN"
 fi

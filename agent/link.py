@@ -28,8 +28,12 @@ from agent import credentials, inventory
 from agent.backoff import reconnect_delay
 from agent.credentials import NodeCredential
 from agent.messages import (
+    AGENT_PROTOCOL,
+    CLOSE_PROTOCOL_MISMATCH,
     COMMANDS,
     LINK_PATH,
+    PROTOCOL_HEADER,
+    VERSION_HEADER,
     ApplyAlignment,
     CancelGeneration,
     CredentialSaved,
@@ -48,6 +52,7 @@ from agent.messages import (
 )
 from agent.roles import Roles
 from agent.runtime import fetch_with_progress, shard_dir
+from inference import __version__
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +78,12 @@ async def run_link(
     heartbeat_s: float = 5.0,
     stop: asyncio.Event | None = None,
     on_connect: Callable[[], None] | None = None,
+    facts: dict | None = None,
 ) -> None:
-    """Keep the link up until ``stop`` is set; raises LinkRefused if the credential is refused."""
+    """Keep the link up until ``stop`` is set; raises LinkRefused if the credential is refused.
+
+    ``facts`` go up with every heartbeat's inventory (the agent's version, the doctor's report).
+    """
     uplink = Uplink()
     link = Link(
         credential=credential,
@@ -84,6 +93,7 @@ async def run_link(
         stop=stop or asyncio.Event(),
         uplink=uplink,
         roles=Roles(credential, state_dir, uplink.send),
+        facts=facts or {},
     )
     try:
         await _keep_up(link, on_connect)
@@ -117,6 +127,7 @@ class Link:
     stop: asyncio.Event
     uplink: Uplink
     roles: Roles
+    facts: dict = dataclasses.field(default_factory=dict)  # sent with every inventory
 
 
 async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
@@ -127,7 +138,11 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
         try:
             async with connect(
                 link_url(credential.server),
-                additional_headers={"Authorization": credential.authorization},
+                additional_headers={
+                    "Authorization": credential.authorization,
+                    PROTOCOL_HEADER: str(AGENT_PROTOCOL),
+                    VERSION_HEADER: __version__,
+                },
                 open_timeout=10,
                 proxy=None,
             ) as ws:
@@ -147,6 +162,9 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
         except ConnectionClosed as exc:
             if exc.rcvd is not None and exc.rcvd.code == CLOSE_UNAUTHENTICATED:
                 raise LinkRefused("the control plane refused this node's credential; enroll again") from None
+            if exc.rcvd is not None and exc.rcvd.code == CLOSE_PROTOCOL_MISMATCH:
+                upgrade = f"curl -fsSL {credential.server}/agent/install.sh | sh"
+                raise LinkRefused(f"the control plane turned this agent away ({exc.rcvd.reason}): {upgrade}") from None
             log.warning("link closed (%s); reconnecting", exc)
         except OSError as exc:
             log.warning("cannot reach %s (%s); retrying", credential.server, exc)
@@ -164,7 +182,8 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
 
     async def beat() -> None:
         while True:
-            await send(Heartbeat(inventory=inventory.collect(link.state_dir, link.host), roles=roles.snapshot()))
+            found = {**inventory.collect(link.state_dir, link.host), **link.facts}
+            await send(Heartbeat(inventory=found, roles=roles.snapshot()))
             await asyncio.sleep(link.heartbeat_s)
 
     async def listen() -> None:

@@ -18,6 +18,13 @@ from inference.generation_fields import GenerationFields
 from inference.typecheck import checker
 
 LINK_PATH = "/ws/agent"
+# The version of what travels here: an agent reports it in its inventory, and the control plane
+# turns away, with the command that upgrades it, an agent whose protocol is not its own.
+AGENT_PROTOCOL = 1
+FIRST_AGENT_PROTOCOL = 1  # what an agent that sends no protocol header speaks
+PROTOCOL_HEADER = "X-Odmoe-Agent-Protocol"  # how the agent says it when it connects
+VERSION_HEADER = "X-Odmoe-Agent-Version"
+CLOSE_PROTOCOL_MISMATCH = 4426  # the websocket close code for "upgrade the agent"
 
 
 class MessageError(ValueError):

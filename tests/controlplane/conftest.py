@@ -215,13 +215,15 @@ def tiny_cluster(
     *,
     agents: int = 3,
     predictor: str = "",
+    agent_python: Path | None = None,
 ) -> Iterator[tuple[Served, OwnRedis | None]]:
     """A real ASGI server, Celery worker and ``agents`` agents serving ``tiny_model`` as one ready deployment
     with ``predictor``, on ``redis_url``; with ``own_redis_port``, that Redis is started first, in the
     cluster's process group.
 
     The deployment is started through the live server's REST API, so nothing is enqueued from this
-    process (whose Celery producer stays on the session's Redis: ``celery_on_test_redis``).
+    process (whose Celery producer stays on the session's Redis: ``celery_on_test_redis``). With
+    ``agent_python``, the agents run from that interpreter's installation of the agent's package.
     """
     from channels.layers import channel_layers
     from django.contrib.auth import get_user_model
@@ -260,8 +262,9 @@ def tiny_cluster(
             plane.start_server()
             plane.start_celery()
             _, token = create_join_token(created_by=None, max_uses=agents)
+            plane.state_root.mkdir(parents=True, exist_ok=True)
             for i in range(agents):
-                plane.start_agent(f"s{i}", token)
+                plane.start_agent(f"s{i}", token, python=agent_python)
             plane.wait_for(
                 f"{agents} agents", lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == agents, 90
             )

@@ -82,9 +82,16 @@ class LiveControlPlane:
         )
         return child
 
-    def start_agent(self, name: str, token: str | None = None) -> Child:
-        argv = agent_argv(self.server, self.state_root / name, name=name, token=token, heartbeat_s=1.0)
-        return self.group.start(f"agent-{name}", argv)
+    def start_agent(self, name: str, token: str | None = None, *, python: Path | None = None) -> Child:
+        """An agent on this machine; with ``python``, that interpreter's own installation of the agent
+        (its package, not this checkout: run outside the repository, with no PYTHONPATH)."""
+        if python is None:
+            argv = agent_argv(self.server, self.state_root / name, name=name, token=token, heartbeat_s=1.0)
+            return self.group.start(f"agent-{name}", argv)
+        argv = agent_argv(
+            self.server, self.state_root / name, name=name, token=token, heartbeat_s=1.0, python=str(python)
+        )
+        return self.group.start(f"agent-{name}", argv, env={"PYTHONPATH": None}, cwd=self.state_root)
 
     def wait_for(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
         wait_until(what, ready, timeout_s=timeout_s, check=self.group.check)

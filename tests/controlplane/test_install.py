@@ -8,18 +8,20 @@ import os
 import re
 import stat
 import subprocess
-import sysconfig
-import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
 from django.test import Client
 
-from controlplane.nodes.install import package_sha256
+import inference
+from controlplane.nodes.agent_wheel import build_wheel, requirements
+from controlplane.nodes.install import agent_wheel, package_sha256
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import create_join_token
 from controlplane.ops.processes import ProcessGroup, asgi_argv, http_up, python_env, wait_until
 from inference.launcher import free_port
+from tests.controlplane.isolated import CONTROL_PLANE, REPO, install_isolated, link_dependencies
 
 
 def test_the_install_script_is_served_with_this_server_filled_in(db, settings) -> None:
@@ -27,22 +29,52 @@ def test_the_install_script_is_served_with_this_server_filled_in(db, settings) -
     response = Client().get("/agent/install.sh", HTTP_HOST="cp.example:8000")
     assert response.status_code == 200
     script = response.content.decode()
+    name, _, sha256 = agent_wheel()
     assert 'SERVER="http://cp.example:8000"' in script and "@SERVER@" not in script
-    assert f'AGENT_SHA256="{package_sha256()}"' in script  # the package it installs is pinned
-    package = Client().get("/agent/odmoe-agent.tar.gz", HTTP_HOST="cp.example:8000").content
-    assert hashlib.sha256(package).hexdigest() == package_sha256()
+    assert f'AGENT_SHA256="{sha256}"' in script and f'WHEEL="{name}"' in script  # the package it installs is pinned
+    package = Client().get(f"/agent/{name}", HTTP_HOST="cp.example:8000").content
+    assert hashlib.sha256(package).hexdigest() == package_sha256() == sha256
+    assert Client().get("/agent/odmoe_agent-0.0.1-py3-none-any.whl", HTTP_HOST="cp.example").status_code == 404
     check = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True)
     assert check.returncode == 0, check.stderr
 
 
-def test_the_agent_package_holds_the_agent_and_runtime_and_no_build_litter(db) -> None:
-    response = Client().get("/agent/odmoe-agent.tar.gz")
-    assert response.status_code == 200
-    with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:
-        names = tar.getnames()
-    assert "odmoe-agent/pyproject.toml" in names and "odmoe-agent/agent/__main__.py" in names
-    assert "odmoe-agent/inference/spec.py" in names
+def test_the_agent_package_is_a_wheel_of_the_agent_and_runtime_with_only_their_dependencies(db) -> None:
+    name, data, _ = agent_wheel()
+    response = Client().get(f"/agent/{name}")
+    assert response.status_code == 200 and response.content == data
+    assert name == f"odmoe_agent-{inference.__version__}-py3-none-any.whl"
+    with zipfile.ZipFile(io.BytesIO(data)) as wheel:
+        names = wheel.namelist()
+        metadata = wheel.read(f"odmoe_agent-{inference.__version__}.dist-info/METADATA").decode()
+        record = wheel.read(f"odmoe_agent-{inference.__version__}.dist-info/RECORD").decode()
+    assert "agent/__main__.py" in names and "inference/spec.py" in names and "agent/doctor.py" in names
+    assert not [n for n in names if n.split("/")[0] not in ("agent", "inference") and ".dist-info/" not in n]
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    required = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines() if "Requires-Dist" in line]
+    assert required == requirements(REPO)  # agent/requirements.txt, the one declaration
+    assert not [r for r in required if r.split(">")[0].split("[")[0].lower() in CONTROL_PLANE]
+    assert len(record.splitlines()) == len(names)  # every file hashed (RECORD lists itself unhashed)
+    assert build_wheel(REPO) == data  # the same bytes every time: the sha256 in the script holds
+
+
+def test_the_agent_package_imports_without_any_control_plane_distribution(tmp_path: Path) -> None:
+    """The wheel's files with only its dependencies' distributions: the agent and the runtime import,
+    and no control-plane distribution is there to be found."""
+    _, data, _ = agent_wheel()
+    python = install_isolated(data, tmp_path)
+    probe = (
+        "import importlib.metadata as m, importlib.util as u\n"
+        "names = {d.metadata['Name'].lower() for d in m.distributions()}\n"
+        f"assert not names & set({sorted(CONTROL_PLANE)!r}), names\n"
+        "assert all(u.find_spec(n) is None for n in ('django', 'celery', 'rest_framework', 'channels', 'matplotlib'))\n"
+        "import agent.__main__, agent.link, agent.doctor, inference.roles.worker, inference.roles.main\n"
+        "print(m.version('odmoe-agent'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    run = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == inference.__version__
 
 
 @pytest.mark.parametrize(
@@ -82,33 +114,85 @@ def test_the_one_liner_installs_the_agent_and_enrolls_the_box(transactional_db, 
             script = response.read().decode()
         # A package that is not the one the script was served with is never installed.
         tampered = re.sub(r'AGENT_SHA256="[0-9a-f]{64}"', 'AGENT_SHA256="' + "0" * 64 + '"', script)
-        refused = install(tampered, token, tmp_path / "tampered")
+        refused = install(tampered, token, tmp_path / "tampered", tmp_path)
         assert refused.returncode != 0 and "does not match the sha256" in refused.stderr
         assert not (tmp_path / "tampered" / "venv" / "bin" / "odmoe-agent").exists()
         assert not Node.objects.filter(name="installed-box").exists()
-        run = install(script, token, tmp_path / "odmoe-agent")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "start the agent with" in run.stdout and f"--server {server}" in run.stdout
-    assert Node.objects.filter(name="installed-box").exists()
-    credential = tmp_path / "odmoe-agent" / "state" / "node.json"
-    assert stat.S_IMODE(credential.stat().st_mode) == 0o600
-    assert (tmp_path / "odmoe-agent" / "venv" / "bin" / "python").exists()
+        deps = tmp_path / "deps"
+        deps.mkdir()
+        link_dependencies(deps, requirements(REPO))  # the agent's dependencies only, no control plane
+        target = tmp_path / "odmoe-agent"
+        dry = install(script, token, target, deps, "--dry-run")
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        assert "would run:" in dry.stdout and not target.exists()  # a dry run changes nothing
+        run = install(script, token, target, deps)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "start the agent with" in run.stdout and f"--server {server}" in run.stdout
+        assert "python -m agent doctor" in run.stdout
+        node = Node.objects.get(name="installed-box")
+        credential = target / "state" / "node.json"
+        assert stat.S_IMODE(credential.stat().st_mode) == 0o600
+        assert (target / "venv" / "bin" / "python").exists()
+        # Again, without a token: an upgrade in place that keeps the credential (and the node).
+        saved = credential.read_bytes()
+        again = install(script, "", target, deps)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "upgrading the agent" in again.stdout and credential.read_bytes() == saved
+        assert Node.objects.filter(name="installed-box").count() == 1 and Node.objects.get(pk=node.pk)
+    removed = install(script, "", target, deps, "--uninstall")
+    assert removed.returncode == 0, removed.stderr
+    assert not (target / "venv").exists() and credential.exists() and "kept" in removed.stdout
+    purged = install(script, "", target, deps, "--uninstall", "--purge")
+    assert purged.returncode == 0, purged.stderr
+    assert not target.exists()
 
 
-def install(script: str, token: str, target: Path) -> subprocess.CompletedProcess:
+def install(script: str, token: str, target: Path, deps: Path, *options: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
-        # Dependencies are this test run's own (the box would download them from the package index).
+        # Dependencies are linked in from this test run (a box would download them from the package index).
         "ODMOE_PIP_ARGS": "--no-deps",
-        "PYTHONPATH": sysconfig.get_paths()["purelib"],
+        "PYTHONPATH": str(deps),
         "PYTHON": "python3",
         "ODMOE_JOIN_TOKEN": token,  # from the environment: not in the process list
     }
     return subprocess.run(
-        ["sh", "-s", "--", "--name", "installed-box", "--dir", str(target), "--no-service"],
+        ["sh", "-s", "--", "--name", "installed-box", "--dir", str(target), "--no-service", *options],
         input=script,
         text=True,
         capture_output=True,
         env=env,
+        cwd=target.parent,
         timeout=600,
     )
+
+
+@pytest.mark.slow
+def test_agents_from_the_agent_package_alone_enroll_and_serve_a_deployment(
+    transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path
+) -> None:
+    """Two agents run from an empty venv holding the served wheel and its dependencies only (no
+    Django, Celery, DRF, Channels or matplotlib): they enroll, report their version and doctor,
+    take main and a worker, and answer Transformers' tokens through the control plane."""
+    from controlplane.nodes.models import Node
+    from tests.controlplane.conftest import tiny_cluster
+    from tests.controlplane.live import purge_stale_tasks
+    from tests.reference import PROMPTS, reference_generate
+
+    _, data, _ = agent_wheel()
+    python = install_isolated(data, tmp_path / "box")
+    purge_stale_tasks()
+    with tiny_cluster(tmp_path, tiny_model, redis_url, agents=2, predictor="next-gate", agent_python=python) as (
+        served,
+        _,
+    ):
+        api = served.api(served.staff_key)
+        (deployment,) = api.get("/api/deployments")["results"]
+        body = {"prompt_ids": PROMPTS[0], "max_new_tokens": 8}
+        answer = api.post(f"/api/deployments/{deployment['id']}/generate", body)
+        assert answer["token_ids"] == reference_generate(tiny_model, PROMPTS[0], 8)
+        agents = [c for c in served.plane.group.children if c.name.startswith("agent-")]
+        assert len(agents) == 2 and all(c.process.args[0] == str(python) for c in agents)
+        for node in Node.objects.all():
+            assert node.inventory["agent_version"] == inference.__version__
+            assert node.inventory["doctor"]["ok"] is True, node.inventory["doctor"]

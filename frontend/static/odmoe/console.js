@@ -58,6 +58,21 @@
     return state.transfers.find((t) => t.node_name === nodeName && !t.finished && t.total > 0);
   }
 
+  // What the node's doctor found (failures keep it out of every role), under its name.
+  function problemsOf(n) {
+    return [...n.problems.map((p) => el("div", { class: "error", "data-problem": "" }, p)),
+      ...n.warnings.map((w) => el("div", { class: "muted" }, w))];
+  }
+
+  // The agent's version against the server's, with the one-line upgrade where they differ.
+  function agentOf(n) {
+    if (!n.agent_version) return el("span", { class: "muted" }, "unknown");
+    if (n.agent_version === state.server_version) return n.agent_version;
+    const upgrade = `curl -fsSL ${location.origin}/agent/install.sh | sh`;
+    return el("span", { "data-upgrade": "" }, `${n.agent_version} (server ${state.server_version}): upgrade with `,
+      el("code", {}, upgrade));
+  }
+
   function renderNodes() {
     $("node-rows").replaceChildren(...state.nodes.map((n) => {
       const seat = roleOf(n.id);
@@ -70,7 +85,8 @@
       const link = n.status !== "offline" && n.connected_at
         ? el("span", { class: "muted", title: "when its agent's link last came up" }, ` connected ${ago(n.connected_at)}`) : "";
       return el("tr", { "data-node": n.name },
-        el("td", {}, n.name), el("td", {}, badge(n.status), link), el("td", {}, seat ? seat.member.role : "–"),
+        el("td", {}, n.name, ...problemsOf(n)), el("td", {}, badge(n.status), link), el("td", {}, seat ? seat.member.role : "–"),
+        el("td", {}, agentOf(n)),
         el("td", {}, gpus), el("td", {}, `${n.cpu_count ?? "?"} cores / ${gib(n.ram_bytes)}`),
         el("td", {}, ago(n.last_seen)), el("td", {}, activity),
         el("td", {}, el("button", { onclick: () => api("POST", `/api/nodes/${n.id}/drain`, { drain: n.status !== "draining" }) },

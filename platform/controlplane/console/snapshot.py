@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.deployments.models import Deployment
+from controlplane.nodes.inventory import clean_inventory, doctor_problems
 from controlplane.nodes.models import Node, NodeTask, TaskState
+from inference import __version__
 from inference.strategies import get_strategy
 
 RECENT_TASKS = 50
@@ -16,6 +18,7 @@ RECENT_TASKS = 50
 
 def snapshot() -> dict:
     return {
+        "server_version": __version__,
         "nodes": [_node(n) for n in Node.objects.all()],
         "models": [_model(m) for m in ModelArtifact.objects.all()],
         "deployments": [_deployment(d) for d in Deployment.objects.prefetch_related("members__node")[:50]],
@@ -24,7 +27,8 @@ def snapshot() -> dict:
 
 
 def _node(node: Node) -> dict:
-    inventory = node.inventory or {}
+    inventory = clean_inventory(node.inventory)
+    doctor = inventory.get("doctor") or {"checks": []}
     return {
         "id": str(node.pk),
         "name": node.name,
@@ -35,6 +39,10 @@ def _node(node: Node) -> dict:
         "cpu_count": inventory.get("cpu_count"),
         "ram_bytes": inventory.get("ram_bytes"),
         "gpus": [{"name": g.get("name"), "memory_bytes": g.get("memory_bytes")} for g in inventory.get("gpus", [])],
+        "agent_version": inventory.get("agent_version"),  # None: an agent older than the version report
+        # What its doctor found at the agent's start: failures keep it out of every role.
+        "problems": doctor_problems(inventory),
+        "warnings": [f"{c.get('name')}: {c.get('detail')}" for c in doctor["checks"] if c.get("status") == "warn"],
     }
 
 

@@ -24,6 +24,7 @@ from django.db import IntegrityError, transaction
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.artifacts.services import ModelError, check_registered
+from controlplane.nodes.inventory import doctor_problems
 from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
 from inference.checkpoint import Checkpoint, CheckpointError
@@ -283,6 +284,11 @@ def _check_nodes(nodes: list[Node], node_ids: list[str]) -> None:
     draining = [n.name for n in nodes if n.status == NodeStatus.DRAINING]
     if draining:
         raise DeploymentError(f"draining nodes cannot join a deployment: {', '.join(draining)}")
+    unfit = {n.name: doctor_problems(n.inventory) for n in nodes}
+    unfit = {name: problems for name, problems in unfit.items() if problems}
+    if unfit:  # a node that cannot serve is never given a role
+        listed = "; ".join(f"{name}: {', '.join(problems)}" for name, problems in sorted(unfit.items()))
+        raise DeploymentError(f"nodes whose doctor failed cannot take a role ({listed}); fix them or leave them out")
     check_nodes_free(nodes)
 
 

@@ -21,8 +21,12 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from agent.messages import (
+    AGENT_PROTOCOL,
+    CLOSE_PROTOCOL_MISMATCH,
     EVENTS,
+    FIRST_AGENT_PROTOCOL,
     GENERATION_EVENTS,
+    PROTOCOL_HEADER,
     CredentialSaved,
     Generate,
     GenerationFailed,
@@ -61,6 +65,11 @@ def _db(fn):
     return database_sync_to_async(fn, thread_sensitive=False)
 
 
+def protocol_mismatch(protocol: str) -> str:
+    """The close reason an agent of another protocol gets (a websocket reason holds 123 bytes)."""
+    return f"agent protocol {protocol:.8}, server {AGENT_PROTOCOL}: upgrade by running the install one-liner again"
+
+
 class AgentConsumer(AsyncJsonWebsocketConsumer):
     node_id: str | None = None
 
@@ -83,11 +92,25 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         if node is None:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
+        # An agent that sends no protocol predates the header: it speaks the first one.
+        protocol = self._header(PROTOCOL_HEADER.lower().encode()) or str(FIRST_AGENT_PROTOCOL)
+        if protocol != str(AGENT_PROTOCOL):
+            # Told at connect, with what to do, instead of failing later on a message it misreads.
+            await self.accept()
+            await self.close(code=CLOSE_PROTOCOL_MISMATCH, reason=protocol_mismatch(protocol))
+            log.warning("node %s: its agent speaks protocol %s, not %s", node.name, protocol, AGENT_PROTOCOL)
+            return
         self.node_id = str(node.pk)
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
         await self.accept()
         self.link_since = await _db(services.mark_connected)(node_id=self.node_id)
         log.info("agent of node %s connected", node.name)
+
+    def _header(self, name: bytes) -> str | None:
+        for key, value in self.scope.get("headers", []):
+            if key == name:
+                return value.decode("latin-1")[:20]
+        return None
 
     async def disconnect(self, code: int) -> None:
         if self.node_id is None:

@@ -1,67 +1,72 @@
-"""What a box downloads to become a node: the install script and the agent's source package.
+"""What a box downloads to become a node: the install script and the agent's package.
 
-``/agent/install.sh`` is ``agent/install.sh`` with this control plane's URL and the agent
-package's sha256 filled in (the script refuses a package that does not match it, so a
-package swapped on the way, over plain HTTP say, is never installed);
-``/agent/odmoe-agent.tar.gz`` is a source package of the agent and the runtime built from
-this checkout (what the script pip-installs), so a box runs the code its control plane runs.
-Both are public: they hold no secret, and a box has no credential before it enrolls.
+``/agent/install.sh`` is ``agent/install.sh`` with this control plane's URL, the agent
+package's file name and its sha256 filled in (the script refuses a package that does not match
+it, so a package swapped on the way, over plain HTTP say, is never installed);
+``/agent/<wheel>`` is the agent's own wheel (``agent_wheel``: the agent and the runtime, with
+only their dependencies) built from this checkout, so a box runs the code its control plane
+runs; ``/agent/facts`` is what the agent's doctor compares its box with (the server's version
+and agent protocol, the largest shard it sends). All are public: they hold no secret, and a box
+has no credential before it enrolls.
 """
 
 from __future__ import annotations
 
-import functools
-import gzip
-import hashlib
-import io
-import tarfile
 from pathlib import Path
 
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
-SOURCE_PARTS = ("pyproject.toml", "README.md", "agent", "inference", "benchmarks")
+from agent.messages import AGENT_PROTOCOL
+from controlplane.nodes.agent_wheel import served_wheel, version
+
 SERVER_PLACEHOLDER = "@SERVER@"
 SHA256_PLACEHOLDER = "@AGENT_SHA256@"
+WHEEL_PLACEHOLDER = "@AGENT_WHEEL@"
+
+
+def agent_wheel() -> tuple[str, bytes, str]:
+    """(file name, bytes, sha256) of the agent package this control plane serves."""
+    return served_wheel(Path(settings.REPO_DIR))
+
+
+def package_sha256() -> str:
+    """The sha256 of the agent package this control plane serves (what the script checks)."""
+    return agent_wheel()[2]
 
 
 @require_GET
 def install_script(request: HttpRequest) -> HttpResponse:
     script = (Path(settings.REPO_DIR) / "agent" / "install.sh").read_text()
     server = request.build_absolute_uri("/").rstrip("/")
-    script = script.replace(SERVER_PLACEHOLDER, server).replace(SHA256_PLACEHOLDER, package_sha256())
+    name, _, sha256 = agent_wheel()
+    script = (
+        script.replace(SERVER_PLACEHOLDER, server).replace(SHA256_PLACEHOLDER, sha256).replace(WHEEL_PLACEHOLDER, name)
+    )
     return HttpResponse(script, content_type="text/x-shellscript")
 
 
-def package_sha256() -> str:
-    """The sha256 of the agent package this control plane serves (what the script checks)."""
-    return hashlib.sha256(_source_package()).hexdigest()
-
-
 @require_GET
-def agent_package(request: HttpRequest) -> HttpResponse:
-    response = HttpResponse(_source_package(), content_type="application/gzip")
-    response["Content-Disposition"] = 'attachment; filename="odmoe-agent.tar.gz"'
+def agent_package(request: HttpRequest, filename: str) -> HttpResponse:
+    name, data, _ = agent_wheel()
+    if filename != name:
+        raise Http404(f"this control plane serves the agent package {name}")
+    response = HttpResponse(data, content_type="application/zip")
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
     return response
 
 
-@functools.cache
-def _source_package() -> bytes:
-    repo = Path(settings.REPO_DIR)
-    buffer = io.BytesIO()
-    # gzip's header gets no timestamp, so every process of one checkout serves the same bytes
-    # (and the same sha256 in the script).
-    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as zipped, tarfile.open(fileobj=zipped, mode="w") as tar:
-        for part in SOURCE_PARTS:
-            tar.add(repo / part, arcname=f"odmoe-agent/{part}", filter=_skip_build_litter)
-    return buffer.getvalue()
+@require_GET
+def agent_facts(request: HttpRequest) -> JsonResponse:
+    """The server's version and agent protocol, and the largest shard it would send a box."""
+    from controlplane.artifacts.selectors import largest_shard_bytes
 
-
-def _skip_build_litter(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-    name = Path(info.name).name
-    if name in ("__pycache__", ".pytest_cache") or name.endswith((".pyc", ".egg-info")):
-        return None
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info
+    return JsonResponse(
+        {
+            "version": version(Path(settings.REPO_DIR)),
+            "protocol": AGENT_PROTOCOL,
+            "largest_shard_bytes": largest_shard_bytes(),
+            "install_command": f"curl -fsSL {request.build_absolute_uri('/').rstrip('/')}/agent/install.sh | sh",
+        }
+    )

@@ -27,7 +27,21 @@ def _address(value: Any) -> bool:
     return _text(value) and len(value) <= 255  # Node.address's length
 
 
+def _doctor(value: Any) -> bool:
+    """The agent's doctor report (``agent.doctor.report``): ``ok`` and a list of checks of text fields."""
+    if type(value) is not dict or type(value.get("ok")) is not bool or type(value.get("checks")) is not list:
+        return False
+    fields = ("name", "status", "detail", "fix")
+    return all(
+        type(c) is dict and all(_text(c.get(f, "")) and len(c.get(f, "")) <= 2000 for f in fields)
+        for c in value["checks"]
+    )
+
+
 ENTRIES: dict[str, Callable[[Any], bool]] = {
+    "agent_version": lambda v: _text(v) and len(v) <= 40,
+    "protocol": _count,
+    "doctor": _doctor,
     "hostname": _text,
     "address": _address,
     "cpu_count": _count,
@@ -60,3 +74,17 @@ def clean_inventory(inventory: Any) -> dict:
 
 def _clean_gpu(gpu: dict) -> dict:
     return {key: value for key, value in gpu.items() if key not in GPU_ENTRIES or GPU_ENTRIES[key](value)}
+
+
+def doctor_problems(inventory: Any) -> list[str]:
+    """What the node's doctor found that stops it serving ("name: detail (fix: ...)"); [] when
+    nothing does, or when its agent sent no report (an agent older than the doctor)."""
+    doctor = clean_inventory(inventory).get("doctor")
+    if doctor is None:
+        return []
+    problems = []
+    for check in doctor["checks"]:
+        if check.get("status") == "fail":
+            fix = f" (fix: {check['fix']})" if check.get("fix") else ""
+            problems.append(f"{check.get('name', '?')}: {check.get('detail', '')}{fix}")
+    return problems or ([] if doctor["ok"] else ["its doctor reports a failure"])

@@ -58,13 +58,18 @@ class ProcessGroup:
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
 
-    def start(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None) -> Child:
+    def start(
+        self, name: str, argv: Sequence[str], *, env: dict[str, str | None] | None = None, cwd: Path | None = None
+    ) -> Child:
+        """Start ``argv`` with the group's environment updated by ``env`` (a None value removes
+        the variable), in ``cwd`` (default: the repository)."""
         log_path = self.log_dir / f"{name}.log"
+        merged = {**self.env, **(env or {})}
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 list(argv),
-                cwd=REPO_DIR,
-                env={**self.env, **(env or {})},
+                cwd=cwd or REPO_DIR,
+                env={key: value for key, value in merged.items() if value is not None},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -158,9 +163,15 @@ def celery_argv(
 
 
 def agent_argv(
-    server: str, state_dir: Path, *, name: str, token: str | None = None, heartbeat_s: float = 2.0
+    server: str,
+    state_dir: Path,
+    *,
+    name: str,
+    token: str | None = None,
+    heartbeat_s: float = 2.0,
+    python: str = sys.executable,
 ) -> list[str]:
-    argv = [sys.executable, "-m", "agent", "--server", server, "--state-dir", str(state_dir), "--name", name]
+    argv = [python, "-m", "agent", "--server", server, "--state-dir", str(state_dir), "--name", name]
     argv += ["--heartbeat", str(heartbeat_s)]
     return [*argv, "--token", token] if token else argv
 

@@ -1,0 +1,103 @@
+"""The agent's own package: a wheel of ``agent/`` and the runtime (``inference/``), nothing else.
+
+A GPU box needs the agent and the runtime only: this wheel carries exactly those two packages
+and declares exactly their dependencies (``agent/requirements.txt``: torch, transformers,
+pyzmq, ...), so installing it brings no part of the control plane (Django, Celery, DRF,
+Channels, matplotlib). It is built from this checkout the first time it is asked for, in
+memory, and byte for byte the same every time (sorted entries, fixed timestamps and modes),
+so every process of one checkout serves the same bytes under the same sha256, which the install
+script pins. The format is the wheel specification's (PEP 427 / PEP 491): the files, then a
+``.dist-info`` with METADATA, WHEEL, entry_points.txt and a RECORD of every file's sha256.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import io
+import zipfile
+from pathlib import Path
+
+DISTRIBUTION = "odmoe-agent"
+PACKAGES = ("agent", "inference")
+SKIPPED = ("__pycache__", ".pytest_cache")
+# A zip entry's timestamp: the earliest a zip can hold, so the bytes do not depend on when they were built.
+EPOCH = (1980, 1, 1, 0, 0, 0)
+
+
+def requirements(repo: Path) -> list[str]:
+    """The agent's dependencies as ``agent/requirements.txt`` declares them (comments dropped)."""
+    lines = (line.split("#", 1)[0].strip() for line in (repo / "agent" / "requirements.txt").read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def version(repo: Path) -> str:
+    """The runtime's version (``inference.__version__``), read from the source, not imported."""
+    for line in (repo / "inference" / "__init__.py").read_text().splitlines():
+        if line.startswith("__version__"):
+            return line.split("=", 1)[1].strip().strip("\"'")
+    raise RuntimeError("inference/__init__.py declares no __version__")
+
+
+def wheel_name(repo: Path) -> str:
+    return f"{DISTRIBUTION.replace('-', '_')}-{version(repo)}-py3-none-any.whl"
+
+
+def _files(repo: Path) -> list[tuple[str, bytes]]:
+    found = []
+    for package in PACKAGES:
+        for path in sorted((repo / package).rglob("*")):
+            relative = path.relative_to(repo)
+            if path.is_dir() or any(part in SKIPPED for part in relative.parts) or path.suffix == ".pyc":
+                continue
+            if relative.parts[:1] == ("agent",) and path.name in ("install.sh", "requirements.txt"):
+                continue  # served or read by the control plane, not run on the box from the package
+            found.append((relative.as_posix(), path.read_bytes()))
+    return found
+
+
+def _metadata(repo: Path) -> bytes:
+    lines = [
+        "Metadata-Version: 2.1",
+        f"Name: {DISTRIBUTION}",
+        f"Version: {version(repo)}",
+        "Summary: The odmoe agent and runtime for one GPU box of an odmoe cluster",
+        "Requires-Python: >=3.11",
+        *(f"Requires-Dist: {requirement}" for requirement in requirements(repo)),
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _record_hash(data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"sha256={digest}"
+
+
+def build_wheel(repo: Path) -> bytes:
+    """The agent's wheel, built from the checkout at ``repo``."""
+    dist_info = f"{DISTRIBUTION.replace('-', '_')}-{version(repo)}.dist-info"
+    entries = _files(repo)
+    entries += [
+        (f"{dist_info}/METADATA", _metadata(repo)),
+        (f"{dist_info}/WHEEL", b"Wheel-Version: 1.0\nGenerator: odmoe\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
+        (f"{dist_info}/entry_points.txt", b"[console_scripts]\nodmoe-agent = agent.__main__:main\n"),
+    ]
+    record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in entries)
+    record += f"{dist_info}/RECORD,,\n"
+    entries.append((f"{dist_info}/RECORD", record.encode()))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as wheel:
+        for name, data in entries:
+            info = zipfile.ZipInfo(name, date_time=EPOCH)
+            info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            wheel.writestr(info, data)
+    return buffer.getvalue()
+
+
+@functools.cache
+def served_wheel(repo: Path) -> tuple[str, bytes, str]:
+    """(file name, bytes, sha256) of the wheel this control plane serves, built once per process."""
+    data = build_wheel(repo)
+    return wheel_name(repo), data, hashlib.sha256(data).hexdigest()
