@@ -26,6 +26,9 @@ from agent.messages import AGENT_PROTOCOL
 from inference import __version__
 
 DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "odmoe-agent"
+# The control plane refused this agent for good (credential revoked, link protocol too old): the
+# systemd unit does not restart on it (RestartPreventExitStatus in install.sh).
+EXIT_REFUSED = 3
 
 
 def enroll_or_resume(
@@ -85,16 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     facts = {"agent_version": __version__, "protocol": AGENT_PROTOCOL, "doctor": checked(credential.server, args)}
     try:
-        asyncio.run(_run_until_signalled(credential, args.state_dir, args.heartbeat, facts))
+        recheck = lambda: checked(credential.server, args)  # noqa: E731
+        asyncio.run(_run_until_signalled(credential, args.state_dir, args.heartbeat, facts, recheck))
     except LinkRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
     return 0
 
 
 def checked(server: str, args: argparse.Namespace) -> dict:
     """The doctor's report on this box, its problems logged (the console shows them too)."""
-    report = doctor.report(doctor.run_checks(server, args.state_dir))
+    report = doctor.report(doctor.safe_checks(server, args.state_dir))
     for check in report["checks"]:
         if check["status"] != "ok":
             logging.getLogger(__name__).warning(
@@ -103,12 +107,12 @@ def checked(server: str, args: argparse.Namespace) -> dict:
     return report
 
 
-async def _run_until_signalled(credential, state_dir: Path, heartbeat_s: float, facts: dict) -> None:
+async def _run_until_signalled(credential, state_dir: Path, heartbeat_s: float, facts: dict, recheck) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await run_link(credential, state_dir, heartbeat_s=heartbeat_s, stop=stop, facts=facts)
+    await run_link(credential, state_dir, heartbeat_s=heartbeat_s, stop=stop, facts=facts, recheck=recheck)
 
 
 if __name__ == "__main__":

@@ -94,17 +94,21 @@ def evaluate_gpus(gpus: list[dict], cuda: str | None, driver: str | None, error:
     return Check("gpus", "ok", f"{listed}; CUDA {cuda or '?'}, driver {driver or '?'}")
 
 
-def evaluate_disk(free_bytes: int, largest_shard_bytes: int | None, where: Path) -> Check:
-    free = f"{free_bytes / 2**30:.1f} GiB free at {where}"
+def evaluate_disk(free_bytes: int, largest_shard_bytes: int | None, where: Path, held_bytes: int = 0) -> Check:
+    """``held_bytes``: shards already on the box, which it does not download again (and whose
+    place a newer one of the same role takes)."""
+    free = f"{free_bytes / 2**30:.1f} GiB free at {where}" + (
+        f" beside {held_bytes / 2**30:.1f} GiB of shards" if held_bytes else ""
+    )
     if largest_shard_bytes is None:
         return Check("disk", "ok", f"{free} (the server named no shard size to compare with)")
     needed = int(largest_shard_bytes * DISK_HEADROOM)
-    if free_bytes < needed:
+    if free_bytes + held_bytes < needed:
         return Check(
             "disk",
             "fail",
             f"{free}; the largest shard this server sends is {largest_shard_bytes / 2**30:.1f} GiB",
-            f"free {(needed - free_bytes) / 2**30:.1f} GiB there, or install with --dir on a larger disk",
+            f"free {(needed - free_bytes - held_bytes) / 2**30:.1f} GiB there, or install with --dir on a larger disk",
         )
     return Check("disk", "ok", f"{free}; the largest shard is {largest_shard_bytes / 2**30:.1f} GiB")
 
@@ -206,14 +210,17 @@ def probe_server(server: str) -> tuple[bool, str, float | None, dict]:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return False, str(getattr(exc, "reason", exc)), None, {}
     skew = None
-    if date:
-        server_time = email.utils.parsedate_to_datetime(date).timestamp()
-        skew = (sent + received) / 2 - server_time  # the Date header has whole seconds: +-1 s
+    try:
+        if date:
+            server_time = email.utils.parsedate_to_datetime(date).timestamp()
+            skew = (sent + received) / 2 - server_time  # the Date header has whole seconds: +-1 s
+    except (TypeError, ValueError):
+        skew = None  # a Date header that does not parse: no skew to report
     return True, "", skew, facts if isinstance(facts, dict) else {}
 
 
 def run_checks(server: str | None, state_dir: Path) -> list[Check]:
-    from agent.inventory import FREE_PORTS, peer_address
+    from agent.inventory import FREE_PORTS, peer_address, shard_bytes
     from inference.launcher import free_port
 
     checks = [evaluate_python(sys.version_info[:3]), evaluate_packages(probe_packages()), probe_gpus()]
@@ -230,10 +237,22 @@ def run_checks(server: str | None, state_dir: Path) -> list[Check]:
     while not where.exists() and where != where.parent:
         where = where.parent  # the state directory is made at enrollment: measure the disk it will be on
     largest = facts.get("largest_shard_bytes")
-    checks.append(evaluate_disk(shutil.disk_usage(where).free, largest if isinstance(largest, int) else None, where))
+    held = sum(shard_bytes(state_dir).values())
+    free = shutil.disk_usage(where).free
+    checks.append(evaluate_disk(free, largest if isinstance(largest, int) else None, where, held))
     address = peer_address(host)
     checks.append(evaluate_ports(address, probe_ports(address, sorted({free_port() for _ in range(FREE_PORTS)}))))
     return checks
+
+
+MAX_FIELD = 500  # characters of a check's detail or fix that go up (the control plane keeps 2000)
+
+
+def _one_line(text: str) -> str:
+    """A field as the control plane keeps it: printable, on one line, not too long (a driver's
+    error message may span lines)."""
+    flat = " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
+    return flat if len(flat) <= MAX_FIELD else flat[: MAX_FIELD - 1] + "…"
 
 
 def report(checks: list[Check]) -> dict:
@@ -241,8 +260,17 @@ def report(checks: list[Check]) -> dict:
     return {
         "ok": all(c.status != "fail" for c in checks),
         "protocol": PROTOCOL_VERSION,
-        "checks": [asdict(c) for c in checks],
+        "checks": [{key: _one_line(value) for key, value in asdict(c).items()} for c in checks],
     }
+
+
+def safe_checks(server: str | None, state_dir: Path) -> list[Check]:
+    """``run_checks``, with an unexpected error in the doctor itself reported as a failed check
+    instead of stopping the agent that runs it."""
+    try:
+        return run_checks(server, state_dir)
+    except Exception as exc:
+        return [Check("doctor", "fail", f"the doctor itself failed: {exc!r}", "report this with the agent's log")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
-    checks = run_checks(args.server, args.state_dir)
+    checks = safe_checks(args.server, args.state_dir)
     if args.json:
         print(json.dumps(report(checks), indent=2))
     else:

@@ -139,8 +139,9 @@ if [ "$UPGRADE" = "yes" ]; then
         die "the stored credential in $DIR/state is not accepted by $SERVER (revoked? --uninstall --purge, then install with a new token)"
 else
     say "enrolling $NAME"
-    run env ODMOE_JOIN_TOKEN="$TOKEN" "$VPY" -m agent --server "$SERVER" --name "$NAME" \
-        --state-dir "$DIR/state" --enroll-only || die "enrollment failed (the reason is above)"
+    ODMOE_JOIN_TOKEN="$TOKEN"; export ODMOE_JOIN_TOKEN  # the agent reads it there: not on a command line
+    run "$VPY" -m agent --server "$SERVER" --name "$NAME" --state-dir "$DIR/state" --enroll-only || \
+        die "enrollment failed (the reason is above)"
 fi
 
 RUN="$VPY -m agent --server $SERVER --state-dir $DIR/state"
@@ -158,6 +159,8 @@ Wants=network-online.target
 ExecStart=$RUN
 Restart=always
 RestartSec=5
+# 3: the control plane refused the agent (credential revoked, protocol too old): a restart cannot help
+RestartPreventExitStatus=3
 
 [Install]
 WantedBy=$WANTED

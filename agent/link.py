@@ -57,6 +57,7 @@ from inference import __version__
 log = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
+RECHECK_EVERY_S = 600.0  # how often the doctor runs again while the link stays up
 # What a node credential looks like (controlplane/nodes/credentials.py): anything else is refused.
 NODE_SECRET = re.compile(r"odmoe-node-[A-Za-z0-9_-]{32,128}")
 
@@ -79,10 +80,14 @@ async def run_link(
     stop: asyncio.Event | None = None,
     on_connect: Callable[[], None] | None = None,
     facts: dict | None = None,
+    recheck: Callable[[], dict] | None = None,
 ) -> None:
     """Keep the link up until ``stop`` is set; raises LinkRefused if the credential is refused.
 
-    ``facts`` go up with every heartbeat's inventory (the agent's version, the doctor's report).
+    ``facts`` go up with every heartbeat's inventory (the agent's version, the doctor's report);
+    ``recheck`` gives the doctor's report again, asked each time the link comes up and every
+    ``RECHECK_EVERY_S`` while it stays up (a box whose server, clock or disk was not ready
+    when the agent started is not held to that first report).
     """
     uplink = Uplink()
     link = Link(
@@ -94,6 +99,7 @@ async def run_link(
         uplink=uplink,
         roles=Roles(credential, state_dir, uplink.send),
         facts=facts or {},
+        recheck=recheck,
     )
     try:
         await _keep_up(link, on_connect)
@@ -128,6 +134,7 @@ class Link:
     uplink: Uplink
     roles: Roles
     facts: dict = dataclasses.field(default_factory=dict)  # sent with every inventory
+    recheck: Callable[[], dict] | None = None  # the doctor's report, asked again
 
 
 async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
@@ -179,6 +186,14 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
 async def _serve(ws: ClientConnection, link: Link) -> None:
     running: set[str] = set()  # task ids in progress: a repeated command is not run twice
     roles, send = link.roles, link.uplink.send
+
+    async def check_again() -> None:
+        while link.recheck is not None:
+            try:
+                link.facts["doctor"] = await asyncio.to_thread(link.recheck)
+            except Exception:
+                log.exception("the doctor could not run; its last report stands")
+            await asyncio.sleep(RECHECK_EVERY_S)
 
     async def beat() -> None:
         while True:
@@ -244,6 +259,7 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
 
     background: set[asyncio.Task] = set()
 
+    spawn(check_again())
     tasks = [asyncio.create_task(beat()), asyncio.create_task(listen()), asyncio.create_task(link.stop.wait())]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

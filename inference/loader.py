@@ -91,7 +91,7 @@ class ExpertLoader:
         self._queue: list[Key] = []  # prefetches, in the order they will be needed
         self._urgent: list[Key] = []  # keys a computation is already waiting for
         self._loading: list[Key] = []  # the batch being copied
-        self._pass_started = 0.0  # when the copy of the batch began (perf_counter)
+        self._pass_started = 0.0  # when the copy of the batch's first expert still loading began
         self._drop_when_loaded: set[Key] = set()  # of the batch, those no longer wanted
         self._ready: dict[Key, Resident] = {}
         self._in_use: set[Key] = set()
@@ -250,6 +250,7 @@ class ExpertLoader:
                 for key, resident in self._copies(batch):
                     with self._cond:  # each expert is usable as soon as its own copy is done
                         self._loading.remove(key)
+                        self._pass_started = time.perf_counter()  # the rest of the pass starts now
                         self.stats.loads += 1
                         if key in self._drop_when_loaded:
                             self._drop_when_loaded.discard(key)

@@ -43,6 +43,8 @@ def test_the_disk_must_hold_the_largest_shard_with_headroom() -> None:
     assert evaluate_disk(100 * GIB, 50 * GIB, where).status == "ok"
     short = evaluate_disk(50 * GIB, 50 * GIB, where)  # no room for the partial file beside it
     assert short.status == "fail" and "free 5.0 GiB" in short.fix and "--dir" in short.fix
+    # The same box after its 50 GiB shard came: the shard on the box is not needed again.
+    assert evaluate_disk(10 * GIB, 50 * GIB, where, held_bytes=50 * GIB).status == "ok"
 
 
 def test_ports_that_cannot_be_bound_or_reached_are_named() -> None:
@@ -69,6 +71,22 @@ def test_the_report_fails_only_on_a_failed_check() -> None:
     warned = doctor.report([Check("gpus", "warn", "none"), Check("python", "ok", "3.11")])
     assert warned["ok"] is True and warned["protocol"] == AGENT_PROTOCOL and len(warned["checks"]) == 2
     assert doctor.report([Check("disk", "fail", "full", "free some")])["ok"] is False
+
+
+def test_a_report_holds_one_printable_line_per_field_and_a_broken_doctor_is_a_failed_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    multi = Check("gpus", "fail", "CUDA error:\n  driver\tinit failed" + "x" * 900, "fix\nit")
+    (sent,) = doctor.report([multi])["checks"]
+    assert sent["detail"].startswith("CUDA error: driver init failed") and len(sent["detail"]) == doctor.MAX_FIELD
+    assert sent["fix"] == "fix it" and all(v.isprintable() for v in sent.values())
+
+    def broken(server, state_dir):
+        raise RuntimeError("surprise")
+
+    monkeypatch.setattr(doctor, "run_checks", broken)
+    (failed,) = doctor.safe_checks(None, Path("/nonexistent"))
+    assert failed.status == "fail" and "surprise" in failed.detail
 
 
 def test_a_port_in_use_is_reported_by_the_probe() -> None:

@@ -322,15 +322,18 @@ class WorkerRole:
         if self.rates is None:
             return chosen
         rows: dict[int, int] = {}
+        segments: dict[int, int] = {}  # units of one expert: on the CPU each reads its weights again
         for expert, count in units:
             rows[expert] = rows.get(expert, 0) + count
+            segments[expert] = segments.get(expert, 0) + 1
         keys: list[Key] = [(msg.step, msg.layer, e) for e in rows if (msg.step, msg.layer, e) not in self.held]
         if not keys:
             return chosen
         states = self.loader.copy_states(keys)
         per_row = expert_flops(self.hidden, self.intermediate, 1)
-        candidates = [(self.store.nbytes(k[1], k[2]), rows[k[2]] * per_row, states[k]) for k in keys]
-        copy_s = candidates[0][0] / self.rates.copy_bytes_per_s
+        nbytes = {k: self.store.nbytes(k[1], k[2]) for k in keys}
+        candidates = [(nbytes[k] * segments[k[2]], rows[k[2]] * per_row, states[k]) for k in keys]
+        copy_s = nbytes[keys[0]] / self.rates.copy_bytes_per_s
         for key, take in zip(keys, split(candidates, copy_s, self.rates), strict=True):
             if take:
                 chosen.add(key[2])

@@ -440,8 +440,8 @@ def simulate_generation(
         for e in experts:
             key = (step, layer, e)
             if options.hybrid and loader.state(key) != "ready":
-                gpu_done = max(t, loader.copy_eta(key)) + costs.expert_compute_s
-                if cpu_t + cpu_s < gpu_done:
+                on_device_at = max(t, loader.copy_eta(key))  # the runtime's rule: against the copy's end
+                if cpu_t + cpu_s < on_device_at:
                     if loader.state(key) != "loading":
                         loader.forget(key, t)
                     else:

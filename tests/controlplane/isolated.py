@@ -44,8 +44,12 @@ def closure(requirements: list[str]) -> list[importlib.metadata.Distribution]:
     """Every distribution of this environment that ``requirements`` pull in, transitively."""
     found: dict[str, importlib.metadata.Distribution] = {}
     pending = [(Requirement(r), "") for r in requirements]
+    seen: set[tuple[str, str]] = set()
     while pending:
         requirement, extra = pending.pop()
+        if (str(requirement), extra) in seen:
+            continue
+        seen.add((str(requirement), extra))
         if requirement.marker is not None and not requirement.marker.evaluate({"extra": extra}):
             continue
         name = canonicalize_name(requirement.name)

@@ -56,6 +56,9 @@ def test_a_doctor_report_is_kept_only_in_its_shape() -> None:
     assert clean_inventory({"doctor": FAILED_DISK})["doctor"] == FAILED_DISK
     for bad in ({"ok": "yes", "checks": []}, {"ok": True, "checks": "x"}, {"ok": True, "checks": [{"name": 3}]}):
         assert "doctor" not in clean_inventory({"doctor": bad})
+        # A report that is there but unreadable keeps the node out, rather than let it through.
+        (unreadable,) = doctor_problems({"doctor": bad})
+        assert unreadable.startswith("its doctor's report is unreadable")
     assert doctor_problems({"doctor": FAILED_DISK}) == ["disk: 2.0 GiB free at /srv (fix: free 40.0 GiB there)"]
     assert doctor_problems({}) == []  # an agent older than the doctor: nothing known against it
 
@@ -85,19 +88,24 @@ def test_a_node_whose_doctor_failed_gets_no_role_and_the_console_says_why(tiny_m
 def test_an_agent_of_another_protocol_is_turned_away_at_connect_with_the_upgrade(redis_url: str) -> None:
     node = box("old-agent")
 
-    async def connect(protocol: str | None) -> tuple[bool, object]:
+    async def connect(protocol: str | None, *, expect_close: bool) -> tuple[bool, object]:
         headers = [(b"authorization", f"Node {node.pk}:{node.secret}".encode())]
         if protocol is not None:
             headers.append((PROTOCOL_HEADER.lower().encode(), protocol.encode()))
         comm = WebsocketCommunicator(application, LINK_PATH, headers=headers)
         connected, _ = await comm.connect()
-        closed = await comm.receive_output(timeout=5) if connected else None
-        if closed is None or closed.get("type") != "websocket.close":
+        closed = await comm.receive_output(timeout=5) if connected and expect_close else None
+        if not expect_close:
             await comm.disconnect()
         return connected, closed
 
     with override_settings(CHANNEL_LAYERS=redis_channel_layers(redis_url)):
-        _, closed = asyncio.run(connect(str(AGENT_PROTOCOL + 1)))
+        for accepted in (None, str(AGENT_PROTOCOL)):  # no header (an agent older than it), or this protocol
+            connected, _ = asyncio.run(connect(accepted, expect_close=False))
+            assert connected
+        _, closed = asyncio.run(connect(str(AGENT_PROTOCOL + 1), expect_close=True))
         assert closed["type"] == "websocket.close" and closed["code"] == CLOSE_PROTOCOL_MISMATCH
         assert "upgrade" in closed["reason"] and "install one-liner" in closed["reason"]
-        assert asyncio.run(sync_to_async(lambda: Node.objects.get(pk=node.pk).connected_at)()) is None
+        # The link turned away never counted as connected after the accepted ones went.
+        status = asyncio.run(sync_to_async(lambda: Node.objects.get(pk=node.pk).status)())
+        assert status != "online"

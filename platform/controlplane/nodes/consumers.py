@@ -152,6 +152,8 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         await self.receive_json(content, **kwargs)
 
     async def receive_json(self, content, **kwargs) -> None:
+        if self.node_id is None:
+            return  # a frame that raced the close of a link turned away at connect
         try:
             event = parse(content, allowed=EVENTS)
         except MessageError as exc:

@@ -79,6 +79,8 @@ def _clean_gpu(gpu: dict) -> dict:
 def doctor_problems(inventory: Any) -> list[str]:
     """What the node's doctor found that stops it serving ("name: detail (fix: ...)"); [] when
     nothing does, or when its agent sent no report (an agent older than the doctor)."""
+    if isinstance(inventory, dict) and "doctor" in inventory and not _doctor(inventory["doctor"]):
+        return ["its doctor's report is unreadable (run python -m agent doctor on the box)"]
     doctor = clean_inventory(inventory).get("doctor")
     if doctor is None:
         return []
