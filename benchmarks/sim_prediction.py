@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from inference.families import family_for
 from inference.sim.local import STRATEGIES, EmulatedRates, MachineCosts, Options, Shape, predict
 
 STEP_SAMPLES = 60
@@ -87,7 +88,8 @@ def measure_machine(config: dict, expert_compute_s: float) -> tuple[MachineCosts
         t_big = _decode_step_s(_main_layer_model(config, big))
         layer = max(0.0, (t_big - t_small) / (big - small))
         fixed = max(0.0, t_small - small * layer)
-        shape = OverheadShape(config["hidden_size"], config["num_experts_per_tok"], config["num_local_experts"])
+        experts = family_for(config).n_experts(config)
+        shape = OverheadShape(config["hidden_size"], config["num_experts_per_tok"], experts)
         parts = component_times(shape, 300)
         dispatch = (
             parts["main: routing split"]
@@ -166,13 +168,14 @@ def rates_for(emulation: dict, config: dict, expert_bytes: int) -> EmulatedRates
     from benchmarks.overhead import sample_messages, stamp
 
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    request, result = sample_messages(OverheadShape(hidden, 1, config["num_local_experts"]))
+    request, result = sample_messages(OverheadShape(hidden, 1, family_for(config).n_experts(config)))
     request_bytes = sum(len(bytes(f)) for f in stamp(request))
     result_bytes = sum(len(bytes(f)) for f in stamp(result))
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    row_bytes = expert_bytes // (3 * config["intermediate_size"])  # a hidden row in the weights' dtype
+    intermediate = family_for(config).expert_intermediate(config)
+    row_bytes = expert_bytes // (3 * intermediate)  # a hidden row in the weights' dtype
     elem = row_bytes // hidden
     align = layers * 2 * kv_heads * head_dim * elem + 64
     return EmulatedRates(
@@ -185,7 +188,7 @@ def rates_for(emulation: dict, config: dict, expert_bytes: int) -> EmulatedRates
         align_bytes=align,
         host_memory_bytes_per_s=emulation.get("host_memory_bytes_per_s"),
         host_flops=emulation.get("host_flops"),
-        expert_flops=2.0 * 3 * hidden * config["intermediate_size"],
+        expert_flops=2.0 * 3 * hidden * family_for(config).expert_intermediate(config),
     )
 
 
@@ -249,7 +252,7 @@ def predict_for_run(
     rates = rates_for(emulation, config, expert_bytes)
     shape = Shape(
         layers=config["num_hidden_layers"],
-        experts=config["num_local_experts"],
+        experts=family_for(config).n_experts(config),
         top_k=config["num_experts_per_tok"],
         workers=workers,
         max_resident=max_resident,

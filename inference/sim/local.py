@@ -46,6 +46,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from inference.schedule import assign_experts
+
 Key = tuple[int, int, int]  # (step, layer, expert)
 # A routing trace of one generation: per decode step, per layer, the routed experts.
 Trace = list[list[list[int]]]
@@ -545,18 +547,7 @@ def _plan(strategy, experts, members, pool, step, layer, options, shape) -> dict
             plan[members[e % len(members)]].append(e)
         return plan
     predicted = _shadow_guess(experts, shape.experts, options.recall, step, layer) if strategy == "odmoe" else []
-    owner = {e: members[i % len(members)] for i, e in enumerate(sorted(set(predicted)))}
-    plan = {m: [] for m in members}
-    leftovers = []
-    for e in sorted(set(experts)):
-        if e in owner:
-            plan[owner[e]].append(e)
-        else:
-            leftovers.append(e)
-    for e in leftovers:
-        target = min(members, key=lambda m: (len(plan[m]), members.index(m)))
-        plan[target].append(e)
-    return plan
+    return assign_experts(experts, sorted(set(predicted)), members)  # the runtime's own rule
 
 
 def predict(
