@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import inference
 from tests.controlplane.live import SERVED_MODEL, Served
 
 pytestmark = pytest.mark.slow
@@ -70,6 +71,10 @@ def test_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Serve
     page.wait_for_selector("#live:has-text('live')")
     page.wait_for_selector("tr[data-node] >> nth=2")  # three nodes, from the websocket
     assert page.locator("tr[data-node]").count() == 3
+    # Each agent's version, the server's own: no upgrade offered; no doctor failure under a name.
+    page.wait_for_selector(f"tr[data-node] td:has-text('{inference.__version__}') >> nth=2")
+    assert page.locator("tr[data-node] [data-upgrade]").count() == 0
+    assert page.locator("tr[data-node] [data-problem]").count() == 0
     assert page.locator(f"[data-deployment='{SERVED_MODEL}'] h3 .badge.ready").count() == 1
     page.fill("#token-form input[name=max_uses]", "2")
     page.click("#token-form button[type=submit]")

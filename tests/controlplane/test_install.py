@@ -155,7 +155,9 @@ def install(script: str, token: str, target: Path, deps: Path, *options: str) ->
         "PYTHONPATH": str(deps),
         "PYTHON": "python3",
         "ODMOE_JOIN_TOKEN": token,  # from the environment: not in the process list
+        "HOME": str(target.parent / "home"),  # a throwaway home: nothing of this machine's user is touched
     }
+    (target.parent / "home").mkdir(exist_ok=True)
     return subprocess.run(
         ["sh", "-s", "--", "--name", "installed-box", "--dir", str(target), "--no-service", *options],
         input=script,
