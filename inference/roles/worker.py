@@ -365,12 +365,16 @@ class WorkerRole:
     def _host_rates(self) -> HostRates:
         """The rates hybrid execution decides with: the emulated ones, else measured here at start."""
         settings = self.spec.settings
-        measured = measure_host_rates(self.store, self.device, self.act_fn)
-        rates = HostRates(
-            memory_bytes_per_s=settings.host_memory_bytes_per_s or measured.memory_bytes_per_s,
-            flops=settings.host_flops or measured.flops,
-            copy_bytes_per_s=settings.copy_bytes_per_s or measured.copy_bytes_per_s,
-        )
+        given = (settings.host_memory_bytes_per_s, settings.host_flops, settings.copy_bytes_per_s)
+        if all(given):  # emulated: nothing to measure
+            rates = HostRates(*given)  # type: ignore[arg-type]
+        else:
+            measured = measure_host_rates(self.store, self.device, self.act_fn)
+            rates = HostRates(
+                memory_bytes_per_s=settings.host_memory_bytes_per_s or measured.memory_bytes_per_s,
+                flops=settings.host_flops or measured.flops,
+                copy_bytes_per_s=settings.copy_bytes_per_s or measured.copy_bytes_per_s,
+            )
         log.info(
             "worker %d: hybrid execution, the CPU reads experts at %.0f MB/s and does %.1f GFLOP/s; "
             "copies run at %.0f MB/s",

@@ -460,6 +460,16 @@ def simulate_generation(
         worker.free_at = t
         return t
 
+    def shadow_pass(step_number: int, routing: list[list[int]], begin: float) -> float:
+        """The shadow's forward of one step from ``begin``: each layer's prediction sent as it
+        finishes; when the pass ends."""
+        for layer in range(shape.layers):
+            at = begin + (layer + 1) * shadow_layer
+            _send_prediction(
+                pool, groups, step_number, layer, routing[layer], at, shadow_link, rates, options.recall, shape.experts
+            )
+        return begin + shape.layers * shadow_layer
+
     now = 0.0
     step_starts: list[float] = []
     shadow_end = 0.0
@@ -470,38 +480,9 @@ def simulate_generation(
         if strategy == "odmoe":
             # The shadow, one token ahead, predicts step s + 1 while main runs step s.
             if s == 1:
-                first = now
-                for layer in range(shape.layers):
-                    _send_prediction(
-                        pool,
-                        groups,
-                        s,
-                        layer,
-                        step[layer],
-                        first + (layer + 1) * shadow_layer,
-                        shadow_link,
-                        rates,
-                        options.recall,
-                        shape.experts,
-                    )
-                shadow_end = first + shape.layers * shadow_layer
+                shadow_end = shadow_pass(s, step, now)
             if s < len(trace):
-                begin = max(shadow_end, start)
-                nxt = trace[s]
-                for layer in range(shape.layers):
-                    _send_prediction(
-                        pool,
-                        groups,
-                        s + 1,
-                        layer,
-                        nxt[layer],
-                        begin + (layer + 1) * shadow_layer,
-                        shadow_link,
-                        rates,
-                        options.recall,
-                        shape.experts,
-                    )
-                shadow_end = begin + shape.layers * shadow_layer
+                shadow_end = shadow_pass(s + 1, trace[s], max(shadow_end, start))
         for layer, experts in enumerate(step):
             now += costs.main_layer_s
             members = groups[layer % len(groups)]
