@@ -18,7 +18,10 @@ on disk even if the process is killed):
    kernels, and the GPU's own quantization, against the CPU's (needs bitsandbytes).
 4. ``checkpoint``: a random Mixtral-8x7B-shaped checkpoint of 4 layers (``inference.tiny.make_tiny``:
    hidden 4096, intermediate 14336, 8 experts, top-2, 32 heads, 8 KV heads, bf16; about 12 GB),
-   written at run time on the machine that runs the check (nothing that large travels).
+   written at run time on the machine that runs the check (nothing that large travels), and its
+   role shards. ``staging``: worker 0's experts copied to the device by the loader from its
+   page-locked "ram" store and from its "disk" store through the rotating pinned staging
+   buffers (``inference.staging``): ms per expert of each, every staged copy checked bit for bit.
 5. ``reference``: Transformers' greedy tokens on the same device (``reference_generate``).
 6. ``cluster``: that checkpoint served by main, shadow and W workers, all on the one device
    (``LocalCluster``), with every strategy and, for odmoe, every shadow dtype that can run here
@@ -76,9 +79,11 @@ from benchmarks.strategies import copy_bound, prompt_of
 from inference.constants import SHADOW_DTYPES
 from inference.experts import activation, expert_forward, fuse_expert
 from inference.launcher import ClusterOptions, LocalCluster
+from inference.loader import ExpertLoader
 from inference.reference import reference_generate
 from inference.sharding import build_shards
 from inference.spec import Settings
+from inference.store import DiskStore, HostMemoryStore
 from inference.strategies import STRATEGIES, get_strategy
 from inference.tiny import make_tiny
 
@@ -123,7 +128,9 @@ SCALES = {
         copy_repeats=10,
         expert_repeats=200,
         budget_s=420.0,
-        limits=dict(facts=30, copy=60, expert=60, nf4=30, checkpoint=200, shards=150, reference=120, run=150),
+        limits=dict(
+            facts=30, copy=60, expert=60, nf4=30, checkpoint=200, shards=150, staging=60, reference=120, run=150
+        ),
         min_run_s=40.0,
     ),
     # The same flow in seconds on a CPU; fp32 so that the runtime matches Transformers exactly.
@@ -146,7 +153,7 @@ SCALES = {
         copy_repeats=5,
         expert_repeats=50,
         budget_s=300.0,
-        limits=dict(facts=30, copy=30, expert=30, nf4=30, checkpoint=60, shards=60, reference=60, run=90),
+        limits=dict(facts=30, copy=30, expert=30, nf4=30, checkpoint=60, shards=60, staging=30, reference=60, run=90),
         min_run_s=3.0,
     ),
 }
@@ -585,6 +592,52 @@ def build_role_shards(model_dir: Path, shard_dir: Path, workers: int) -> dict:
     }
 
 
+def staged_copies(device: torch.device, worker_shard: Path, slots: int) -> dict:
+    """One worker's experts copied to ``device`` by the loader two ways: from its "ram" store,
+    page-locked where it lies on CUDA (copied directly), and from its "disk" store through ``slots``
+    rotating staging buffers (``inference.staging``; pinned on CUDA). Milliseconds per expert of
+    each (the disk reads come from the page cache: the shard was just written), the waits for a
+    buffer, and every staged expert compared bit for bit with the RAM store's."""
+    cuda = device.type == "cuda"
+    ram = HostMemoryStore.from_shard(worker_shard, pin=cuda, verify=False)
+    pairs = sorted(ram.keys())
+    expert_bytes = ram.nbytes(*pairs[0])
+    result: dict = {"experts": len(pairs), "expert_bytes": expert_bytes, "slots": slots, "pinned": cuda}
+    with DiskStore(worker_shard, verify=False) as disk:
+        for label, store, staging in (("ram", ram, 0), ("disk_staged", disk, slots)):
+            loader = ExpertLoader(store, device, max_resident=2, staging_slots=staging)
+            try:
+                keys = [(1, layer, expert) for layer, expert in pairs]
+                started = time.perf_counter()
+                for key in keys:
+                    loader.prefetch(key)
+                for key in keys:  # timed: nothing but the copies and their hand-over
+                    loader.acquire(key, timeout_s=60)
+                    loader.release(key)
+                seconds = time.perf_counter() - started
+                mismatched = 0
+                for key in keys:  # checked: a second pass, each copy read back
+                    loader.prefetch((2, *key[1:]))
+                for _, layer, expert in keys:
+                    resident, _, _ = loader.acquire((2, layer, expert), timeout_s=60)
+                    want = ram.get(layer, expert)
+                    got = (resident.weights.gate_up.cpu(), resident.weights.down.cpu())
+                    mismatched += not (torch.equal(got[0], want.gate_up) and torch.equal(got[1], want.down))
+                    loader.release((2, layer, expert))
+                result[label] = {
+                    "ms_per_expert": seconds / len(keys) * 1000,
+                    "gb_s": expert_bytes * len(keys) / seconds / 1e9,
+                    "staging_waits": loader.staging.stalls if loader.staging else None,
+                    "staging_wait_ms": loader.staging.stall_ms if loader.staging else None,
+                    "mismatched_experts": mismatched,
+                }
+            finally:
+                loader.close()
+    if result["disk_staged"]["mismatched_experts"] or result["ram"]["mismatched_experts"]:
+        raise RuntimeError(f"experts copied to the device differ from the store's: {result}")
+    return result
+
+
 def existing_checkpoint(model_dir: Path) -> dict:
     config = json.loads((model_dir / "config.json").read_text())
     return {"dir": str(model_dir), "given": True, "config": config}
@@ -923,6 +976,16 @@ def markdown(data: dict) -> str:
             f"{fmt(copy.get('pinned_gb_s'))} GB/s, pageable {fmt(copy.get('pageable_gb_s'))} GB/s "
             f"(median of {copy.get('repeats')}, CUDA events)"
         )
+    staging = (sections.get("staging") or {}).get("result") or {}
+    if staging:
+        ram, staged = staging["ram"], staging["disk_staged"]
+        lines.append(
+            f"The loader's copies of {staging['experts']} experts of {staging['expert_bytes']:,} B: from the "
+            f"{'page-locked ' if staging['pinned'] else ''}RAM store {ram['ms_per_expert']:.2f} ms each "
+            f"({ram['gb_s']:.2f} GB/s), from the disk store through {staging['slots']} staging buffers "
+            f"{staged['ms_per_expert']:.2f} ms each ({staged['gb_s']:.2f} GB/s, {staged['staging_waits']} waits "
+            f"for a buffer); staged copies that differ from the store: {staged['mismatched_experts']}"
+        )
     if expert:
         pipelined = expert.get("us_pipelined")
         lines.append(
@@ -1078,6 +1141,12 @@ def main(argv: list[str] | None = None) -> int:
                 scale.limits["shards"],
                 lambda: build_role_shards(model_dir, cluster_dir / "shards", args.workers),
             )
+            run_section(
+                report,
+                "staging",
+                scale.limits["staging"],
+                lambda: staged_copies(device, cluster_dir / "shards" / "worker-0", Settings.staging_buffers),
+            )
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             prompt = prompt_of(args.prompt_len, vocab, seed=0)
             reference = run_section(
@@ -1087,7 +1156,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: reference_tokens(model_dir, prompt, args.tokens, device),
             )
         else:
-            for name in ("shards", "reference"):
+            for name in ("shards", "staging", "reference"):
                 report.data["sections"][name] = {"status": "skipped", "reason": "no checkpoint"}
 
         def cluster() -> dict:

@@ -16,8 +16,13 @@ With a ``DeviceCache`` (the strategies that cache) a released expert stays on th
 in the cache, a cached expert is served without a load and never prefetched again, and
 ``preload`` fills the cache up front (``full-cache``).
 
-On CUDA the copies come from pinned host memory on a side stream; the compute stream waits
-for a copy's event before using it, and every expert the compute stream has read is handed
+On CUDA the copies come from pinned host memory on a side stream: the store's own tensors
+when they are page-locked where they lie (the "ram" store), else a few rotating pinned staging
+buffers (``staging_slots``, ``inference.staging``) that each expert is read into first, so the
+read of the next expert overlaps the copy of this one and a buffer is reused only once the copy
+out of it is done. Copies are queued as they are read, and an expert is handed over as soon as
+its own copy has finished, even while later ones of its pass are still being read. The compute
+stream waits for a copy's event before using it, and every expert the compute stream has read is handed
 back to the allocator with ``record_stream`` when it is freed or pushed out of the cache, so
 a later copy on the side stream can never overwrite memory a kernel still reads. On CPU a
 copy is a fresh buffer (what a GPU would hold). Resident bytes are counted from the experts'
@@ -29,7 +34,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +44,7 @@ import torch
 from inference.cache import DeviceCache
 from inference.experts import ExpertWeights
 from inference.hybrid import CopyState
+from inference.staging import StagingRing
 from inference.store import ExpertStore
 
 Key = tuple[int, int, int]  # (step, layer, expert)
@@ -76,9 +84,15 @@ class ExpertLoader:
         copy_bytes_per_s: float | None = None,
         cache: DeviceCache[Resident] | None = None,
         batch_loads: bool = True,
+        staging_slots: int = 0,
     ) -> None:
+        """``staging_slots``: stage each copy through that many rotating host buffers
+        (``inference.staging``; pinned on CUDA), for a store whose tensors are not page-locked;
+        0 copies from the store's own tensors."""
         if max_resident < 1:
             raise ValueError("max_resident must be >= 1")
+        if staging_slots < 0:
+            raise ValueError("staging_slots must be >= 0")
         self.store = store
         self.device = device
         self.max_resident = max_resident
@@ -100,6 +114,11 @@ class ExpertLoader:
         self._closed = False
         self._cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        self.staging: StagingRing | None = None
+        if staging_slots:
+            owned = store.keys()  # a store is not a dict: it has keys() only
+            largest = max(store.nbytes(*pair) for pair in owned)
+            self.staging = StagingRing(staging_slots, largest, pin=self._cuda)
         self._thread = threading.Thread(target=self._run, name="expert-loader", daemon=True)
         self._thread.start()
 
@@ -270,44 +289,71 @@ class ExpertLoader:
     def _copies(self, keys: list[Key]) -> Iterator[tuple[Key, Resident]]:
         """Copy the experts of ``keys`` to the device in one pass, yielding each once it is there.
 
-        On CUDA every copy is queued on the side stream first, each followed by an event of its
-        own, so the copy engine runs them back to back while the first ones are already used.
+        On CUDA each copy is queued on the side stream as soon as its expert is read, followed by
+        an event of its own, so the copy engine runs them back to back while the next ones are
+        read; each is yielded once its event has completed.
         """
         last = time.perf_counter()  # a disk store's read is part of the load
         if self._cuda:
             assert self._copy_stream is not None
-            queued = []
-            for _, layer, expert in keys:
-                host = self.store.get(layer, expert)
-                with torch.cuda.stream(self._copy_stream):
-                    weights = ExpertWeights(
-                        host.gate_up.to(self.device, non_blocking=True), host.down.to(self.device, non_blocking=True)
-                    )
-                    event = torch.cuda.Event()
-                    event.record(self._copy_stream)
-                queued.append((host, weights, event))  # the host tensors live until their copy is done
-            for key, (host, weights, event) in zip(keys, queued, strict=True):
-                event.synchronize()
+            queued: deque[tuple[Key, ExpertWeights, ExpertWeights, torch.cuda.Event]] = deque()
+            for key in keys:
+                _, layer, expert = key
+                with self._staging_lock():
+                    slot, host = self._host_source(layer, expert)
+                    with torch.cuda.stream(self._copy_stream):
+                        weights = ExpertWeights(
+                            host.gate_up.to(self.device, non_blocking=True),
+                            host.down.to(self.device, non_blocking=True),
+                        )
+                        event = torch.cuda.Event()
+                        event.record(self._copy_stream)
+                    if self.staging is not None and slot is not None:
+                        self.staging.copied(slot, event)  # the buffer is free again once this completes
+                queued.append((key, host, weights, event))  # a store's host tensors live until their copy is done
+                while queued and queued[0][3].query():  # usable now, while later ones are still read
+                    done, host_done, on_device, copied = queued.popleft()
+                    last = self._account(last)
+                    yield done, Resident(on_device, host_done.nbytes, copied)
+            while queued:
+                done, host_done, on_device, copied = queued.popleft()
+                copied.synchronize()
                 last = self._account(last)
-                yield key, Resident(weights, host.nbytes, event)
+                yield done, Resident(on_device, host_done.nbytes, copied)
             return
         for key in keys:
             _, layer, expert = key
-            host = self.store.get(layer, expert)
-            copying = time.perf_counter()
+            with self._staging_lock():
+                slot, host = self._host_source(layer, expert)
+                copying = time.perf_counter()
+                if self.copy_bytes_per_s and self.staging is None:
+                    # Emulated hardware: the copy engine's time is the token bucket's below, and the CPU
+                    # a memcpy would burn here (a GPU's DMA engine does not) stays with the computation.
+                    weights = ExpertWeights(host.gate_up, host.down)
+                else:
+                    # A fresh buffer, as the device copy would be: the store's (or the staging buffer's)
+                    # tensors stay untouched.
+                    weights = ExpertWeights(host.gate_up.clone(), host.down.clone())
+                if self.staging is not None and slot is not None:
+                    self.staging.copied(slot, None)  # a CPU copy is done when it returns
             if self.copy_bytes_per_s:
-                # Emulated hardware: the copy engine's time is the token bucket's below, and the CPU
-                # a memcpy would burn here (a GPU's DMA engine does not) stays with the computation.
-                weights = ExpertWeights(host.gate_up, host.down)
                 floor = host.nbytes / self.copy_bytes_per_s
                 elapsed = time.perf_counter() - copying  # the copy follows the read, as a DMA from it does
                 if floor > elapsed:
                     time.sleep(floor - elapsed)
-            else:
-                # A fresh buffer, as the device copy would be: the store's tensors stay untouched.
-                weights = ExpertWeights(host.gate_up.clone(), host.down.clone())
             last = self._account(last)
             yield key, Resident(weights, host.nbytes, None)
+
+    def _staging_lock(self) -> threading.Lock | nullcontext[None]:
+        return self.staging.lock if self.staging is not None else nullcontext()
+
+    def _host_source(self, layer: int, expert: int) -> tuple[int | None, ExpertWeights]:
+        """Where the copy of this expert comes from: a staging buffer it is read into now (and
+        which one), or the store's own tensors. Call under ``_staging_lock``."""
+        if self.staging is None:
+            return None, self.store.get(layer, expert)
+        slot = self.staging.take()
+        return slot, self.staging.stage(slot, self.store, layer, expert)
 
     def _account(self, since: float) -> float:
         now = time.perf_counter()

@@ -21,7 +21,8 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   Its shard on disk is the converted model (the shard build pre-converts it), or the
   checkpoint's tensors when the shadow dtype is the checkpoint's own.
 - *worker i*: the experts ``placement(...).owned(i)`` gives it, in RAM (or on disk with
-  ``expert_store="disk"``, or ``hot_experts`` of them with ``"hot"``); on its GPU what the strategy keeps resident
+  ``expert_store="disk"``, or ``hot_experts`` of them with ``"hot"``, each read on a GPU box
+  through ``staging_buffers`` pinned buffers, ``inference.staging``); on its GPU what the strategy keeps resident
   (``inference.strategies``): ``max_resident_experts`` in flight for the cacheless ones,
   plus up to ``cache_experts`` per layer it serves for ``lru-offload``, every expert it is
   home to for ``full-cache``.
@@ -64,9 +65,6 @@ RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + trans
 CUDA_CONTEXT_BYTES = 820 * 10**6
 DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache each sequence of main and the shadow is sized for
 DEFAULT_MAX_BATCH = Settings.max_batch  # sequences main runs at once, each with its own KV cache
-# A disk store reads an expert into RAM on its way to the device; a load of several (a layer's
-# batch, inference.loader) holds each until its copy is done: as many as the worker's slots.
-DISK_STORE_STAGED_EXPERTS = 2
 NF4_BLOCKSIZE = 64  # elements per fp32 absmax in nf4 (``inference.quant.NF4_BLOCKSIZE``)
 QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absmax per block
 
@@ -287,6 +285,7 @@ def memory_from_checkpoint(
     expert_store: str = "",
     max_batch: int = DEFAULT_MAX_BATCH,
     hot_experts: int = Settings.hot_experts,
+    staging_buffers: int = Settings.staging_buffers,
 ) -> MemoryPlan:
     """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes.
 
@@ -309,6 +308,7 @@ def memory_from_checkpoint(
         expert_store=expert_store,
         max_batch=max_batch,
         hot_experts=hot_experts,
+        staging_buffers=staging_buffers,
     )
 
 
@@ -325,6 +325,7 @@ def memory_from_config(
     expert_store: str = "",
     max_batch: int = DEFAULT_MAX_BATCH,
     hot_experts: int = Settings.hot_experts,
+    staging_buffers: int = Settings.staging_buffers,
 ) -> MemoryPlan:
     """The same plan from a config alone (a ``config.json`` dict, sizes, or a known model's name).
 
@@ -355,6 +356,7 @@ def memory_from_config(
         expert_store=expert_store,
         max_batch=max_batch,
         hot_experts=hot_experts,
+        staging_buffers=staging_buffers,
     )
 
 
@@ -372,6 +374,7 @@ def plan_memory(
     expert_store: str,
     max_batch: int,
     hot_experts: int = Settings.hot_experts,
+    staging_buffers: int = Settings.staging_buffers,
 ) -> MemoryPlan:
     """Memory per role from a model's tensors and shape (what both entry points share).
 
@@ -387,9 +390,10 @@ def plan_memory(
         raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
     if expert_store not in EXPERT_STORES:
         raise ValueError(f"expert_store must be one of {', '.join(EXPERT_STORES)}, got {expert_store!r}")
-    if max_resident_experts < 1 or cache_experts < 0 or context_tokens < 0 or hot_experts < 1:
+    if max_resident_experts < 1 or cache_experts < 0 or context_tokens < 0 or hot_experts < 1 or staging_buffers < 1:
         raise ValueError(
-            "max_resident_experts >= 1, cache_experts >= 0, context_tokens >= 0 and hot_experts >= 1 are required"
+            "max_resident_experts >= 1, cache_experts >= 0, context_tokens >= 0, hot_experts >= 1 and "
+            "staging_buffers >= 1 are required"
         )
     if not 1 <= max_batch <= MAX_BATCH:
         raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
@@ -442,14 +446,14 @@ def plan_memory(
         on_gpu = _worker_device_bytes(
             plan, worker, strategy, experts, expert_bytes, max_resident_experts, cache_experts
         )
-        staged = max(DISK_STORE_STAGED_EXPERTS, max_resident_experts) * expert_bytes
-        if expert_store == "disk":
-            host = staged + RUNTIME_OVERHEAD_BYTES
-        elif expert_store == "hot":  # the hot set, plus what is read on its way to the device
-            host = min(owned, hot_experts * expert_bytes + staged) + RUNTIME_OVERHEAD_BYTES
-        else:
-            host = owned + RUNTIME_OVERHEAD_BYTES
-        roles.append(RoleMemory(f"worker-{worker}", host, on_gpu + CUDA_CONTEXT_BYTES, owned, host + on_gpu))
+        # What stays in host memory: a "ram" store's experts; a "disk" store's none, a "hot" one's
+        # its hot set. On a GPU box a disk or hot store's experts pass through the loader's pinned
+        # staging buffers; on a CPU box what is read is the "device" copy itself (``on_gpu``).
+        kept = {"disk": 0, "hot": min(owned, hot_experts * expert_bytes)}.get(expert_store, owned)
+        staged = 0 if expert_store == "ram" else staging_buffers * expert_bytes
+        host = kept + staged + RUNTIME_OVERHEAD_BYTES
+        cpu = kept + on_gpu + RUNTIME_OVERHEAD_BYTES
+        roles.append(RoleMemory(f"worker-{worker}", host, on_gpu + CUDA_CONTEXT_BYTES, owned, cpu))
     return MemoryPlan(
         model=name,
         checkpoint_dtype_bytes=element,

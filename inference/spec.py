@@ -38,6 +38,10 @@ class Settings:
     device: str = "auto"  # "auto" picks CUDA when present, else CPU
     dtype: str = "auto"  # what main and workers compute in: "auto" = the checkpoint's dtype
     max_resident_experts: int = 2
+    # Pinned host buffers a GPU worker whose experts are not page-locked (the "disk" and "hot"
+    # stores) reads each expert into on its way to the device, used in turn (inference.staging):
+    # the copy of one, the read of the next, and one spare so a read never waits on a copy.
+    staging_buffers: int = 3
     timeout_s: float = 60.0  # the longest any role waits for a peer before failing
     lookahead: int = 2  # how many steps the shadow may run ahead of main
     # When aligned every step, the shadow runs the next step on its own guess of main's token
@@ -168,8 +172,10 @@ def validate_settings(s: Settings) -> Settings:
         raise SpecError("prefill_step must be >= 0 (0 = the whole prompt in one step)")
     if s.prefill_chunk < 0:
         raise SpecError("prefill_chunk must be >= 0 (0 = no mini-batches)")
-    if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0:
-        raise SpecError("max_resident_experts, threads >= 1, timeout_s > 0 and lookahead >= 0 are required")
+    if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0 or s.staging_buffers < 1:
+        raise SpecError(
+            "max_resident_experts, staging_buffers, threads >= 1, timeout_s > 0 and lookahead >= 0 are required"
+        )
     if s.dtype not in COMPUTE_DTYPES:
         raise SpecError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {s.dtype!r}")
     if s.strategy not in RUNTIME_STRATEGIES:

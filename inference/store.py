@@ -171,11 +171,13 @@ class DiskStore:
     ``pread`` moves no file position, so one descriptor per part serves every thread (the
     loader's copy thread, ``preload``).
 
-    With ``pin=True`` each ``get`` returns freshly allocated pinned tensors. PyTorch's
-    caching host allocator recycles them once freed, and only after any non-blocking copy
-    from them has finished, so host memory stays at about the experts in flight without a
-    pool of our own; the loader's CPU paths may keep the returned tensors as the "device"
-    copy, which a reused buffer would corrupt.
+    ``read_into`` reads an expert straight into memory the caller gives: a GPU worker's
+    loader reads each expert into one of its rotating pinned staging buffers
+    (``inference.staging``) and copies it to the device from there, so its pinned memory is
+    those few buffers, exactly. With ``pin=True`` each ``get`` instead returns freshly
+    allocated pinned tensors from PyTorch's caching host allocator (recycled once freed and
+    their copies done, but each rounded up to a power of two and kept cached); the loader's
+    CPU paths may keep ``get``'s tensors as the "device" copy, which a reused buffer would corrupt.
 
     ``read_bytes_per_s`` emulates a slower disk: reads share one token bucket (a clock of
     when the disk is next free), so reading n bytes takes at least n / rate even when
@@ -268,12 +270,38 @@ class DiskStore:
         gate_up, down = self._read(entry)
         return ExpertWeights(gate_up, down)
 
-    def _read(self, entry: _ExpertIndex) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert's fused (gate_up, down) in the file's dtype (pinned unless a cast follows)."""
+    def expert_layout(self, layer: int, expert: int) -> tuple[torch.Size, torch.Size, torch.dtype]:
+        """The (gate_up shape, down shape, dtype) ``get`` returns for this expert."""
+        entry = self._entry(layer, expert)
+        return torch.Size(entry.gate_up_shape), torch.Size(entry.down_shape), self.dtype or entry.dtype
+
+    def read_into(self, layer: int, expert: int, out: ExpertWeights) -> None:
+        """Read this expert straight into ``out`` (contiguous, laid out as ``expert_layout`` says):
+        a staging buffer (``inference.staging``), filled with no copy in between unless a cast is due."""
+        entry = self._entry(layer, expert)
+        layout = (tuple(out.gate_up.shape), tuple(out.down.shape), out.gate_up.dtype, out.down.dtype)
+        want = self.expert_layout(layer, expert)
+        if layout != (tuple(want[0]), tuple(want[1]), want[2], want[2]):
+            raise ValueError(f"expert {expert} of layer {layer} is {want}, not laid out as {layout}")
+        if not (out.gate_up.is_contiguous() and out.down.is_contiguous()):
+            raise ValueError("read_into needs contiguous tensors")
+        if want[2] != entry.dtype:
+            gate_up, down = self._read(entry)
+            out.gate_up.copy_(gate_up)
+            out.down.copy_(down)
+            return
+        self._read(entry, out.gate_up, out.down)
+
+    def _read(
+        self, entry: _ExpertIndex, gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's fused (gate_up, down) in the file's dtype, into the given tensors or fresh ones
+        (pinned unless a cast follows)."""
         pin = self.pin and (self.dtype is None or self.dtype == entry.dtype)
         start = time.perf_counter()
-        gate_up = torch.empty(entry.gate_up_shape, dtype=entry.dtype, pin_memory=pin)
-        down = torch.empty(entry.down_shape, dtype=entry.dtype, pin_memory=pin)
+        if gate_up is None or down is None:
+            gate_up = torch.empty(entry.gate_up_shape, dtype=entry.dtype, pin_memory=pin)
+            down = torch.empty(entry.down_shape, dtype=entry.dtype, pin_memory=pin)
         rows = _writable_bytes(gate_up)
         first = entry.gate_up[0].nbytes
         _pread_into(entry.gate_up[0], rows[:first])

@@ -16,7 +16,7 @@ from benchmarks import gpu
 from inference.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("facts", "copy", "expert", "checkpoint", "shards", "reference", "cluster")
+SECTIONS = ("facts", "copy", "expert", "checkpoint", "shards", "staging", "reference", "cluster")
 
 
 def report_at(tmp_path: Path, budget_s: float = 60.0) -> gpu.Report:
@@ -136,6 +136,9 @@ def test_the_whole_check_runs_on_a_cpu_at_tiny_scale(tmp_path: Path) -> None:
     copy = data["sections"]["copy"]["result"]
     assert copy["pinned_gb_s"] is None and copy["pageable_gb_s"] is None and "no CUDA device" in copy["reason"]
     assert data["sections"]["expert"]["result"]["us_median"] > 0
+    staging = data["sections"]["staging"]["result"]  # the loader's staged path, unpinned on a CPU
+    assert staging["pinned"] is False and staging["experts"] > 0
+    assert staging["disk_staged"]["mismatched_experts"] == 0 and staging["disk_staged"]["ms_per_expert"] > 0
 
     cluster = data["sections"]["cluster"]["result"]
     assert [r["strategy"] for r in cluster["runs"]] == ["odmoe", "full-cache", "reactive", "lru-offload"]

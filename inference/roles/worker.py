@@ -87,10 +87,14 @@ class WorkerRole:
         config = _read_config(spec.shard_dir)
         self.act_fn = activation(config.get("hidden_act", "silu"))
         self.store_kind = expert_store_for(spec.settings.strategy, spec.settings.expert_store)
+        on_gpu = self.device.type == "cuda"
+        # The "ram" store is page-locked where it lies and copied from directly; the others are
+        # read into the loader's rotating pinned staging buffers on their way to the GPU.
+        staged = on_gpu and self.store_kind != "ram"
         self.store = open_store(
             self.store_kind,
             spec.shard_dir,
-            pin=self.device.type == "cuda",
+            pin=on_gpu and not staged,
             verify=False,  # verified just above, with this worker's identity
             read_bytes_per_s=spec.settings.disk_bytes_per_s,
             dtype=compute_dtype(spec.settings.dtype, config),
@@ -111,6 +115,7 @@ class WorkerRole:
             max_resident=spec.settings.max_resident_experts,
             copy_bytes_per_s=spec.settings.copy_bytes_per_s,
             cache=cache,
+            staging_slots=spec.settings.staging_buffers if staged else 0,
         )
         if self.strategy.cache == "all":
             self.loader.preload(home_experts(self.placement, self.index))
