@@ -7,7 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.strategies import add_ratios, copy_bound, deployment_for, parse_pairs, summarize
+from benchmarks.strategies import (
+    DEFAULT_PROFILE,
+    Calibration,
+    add_ratios,
+    aggregate_rounds,
+    build_parser,
+    calibration_given,
+    copy_bound,
+    deployment_for,
+    parse_pairs,
+    run_record,
+    summarize,
+)
+from inference.emulation import emulation_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -24,16 +37,20 @@ def test_lru_offload_runs_on_one_box_and_the_others_on_the_network() -> None:
     assert deployment_for("odmoe", 8).workers == 8 and deployment_for("full-cache", 8).networked
 
 
-def test_ratios_are_taken_against_full_cache_of_the_same_run() -> None:
-    def run(decode: float) -> dict:
-        return {
-            "decode_tok_s": decode,
-            "e2e_tok_s": decode / 2,
-            "ttft_ms": 10.0,
-            "recall": None,
-            "peak_expert_bytes_per_worker": 1,
-        }
+def run(decode: float, peak: int = 1) -> dict:
+    """One length pair's figures as ``run_strategy`` records them."""
+    return {
+        "input": 6,
+        "output": 4,
+        "decode_tok_s": decode,
+        "e2e_tok_s": decode / 2,
+        "ttft_ms": 10.0,
+        "recall": None,
+        "peak_expert_bytes_per_worker": peak,
+    }
 
+
+def test_ratios_are_taken_against_full_cache_of_the_same_run() -> None:
     results = {
         name: summarize([run(v), run(v)]) for name, v in [("full-cache", 10.0), ("odmoe", 9.0), ("lru-offload", 3.0)]
     }
@@ -41,6 +58,115 @@ def test_ratios_are_taken_against_full_cache_of_the_same_run() -> None:
     assert results["odmoe"]["decode_tok_s_vs_full_cache"] == pytest.approx(0.9)
     assert results["odmoe"]["decode_vs_lru_offload"] == pytest.approx(3.0)
     assert results["full-cache"]["e2e_tok_s_vs_full_cache"] == 1.0
+
+
+def test_rounds_report_medians_of_ratios_taken_within_each_round() -> None:
+    decode = {  # per round; full cache is fastest in round 3, odmoe slowest there: drift of the machine
+        "full-cache": [10.0, 8.0, 12.0],
+        "odmoe": [8.0, 7.0, 6.0],
+        "lru-offload": [2.0, 2.0, 3.0],
+        "odmoe+hybrid": [14.0, 14.0, 9.0],
+    }
+    peaks = {"odmoe": [1, 3, 2]}
+    rounds = [
+        {
+            name: summarize([run(rates[i], peaks.get(name, [1, 1, 1])[i])] * 2) | {"token_agreement": 1.0}
+            for name, rates in decode.items()
+        }
+        for i in range(3)
+    ]
+    given = json.dumps(rounds)
+    results = aggregate_rounds(rounds)
+    assert json.dumps(rounds) == given  # pure: the rounds are left as they were
+    odmoe, full = results["odmoe"], results["full-cache"]
+    assert odmoe["decode_tok_s"] == 7.0 and odmoe["decode_tok_s_range"] == [6.0, 8.0]
+    assert odmoe["decode_tok_s_spread"] == pytest.approx(2 / 7)
+    assert odmoe["e2e_tok_s"] == 3.5 and odmoe["ttft_ms"] == 10.0 and odmoe["ttft_ms_spread"] == 0
+    assert full["decode_tok_s"] == 10.0 and full["decode_tok_s_spread"] == pytest.approx(0.4)
+    # odmoe ÷ full cache in each round: 0.8, 0.875, 0.5; median 0.8, not the ratio of the medians (0.7)
+    assert odmoe["decode_tok_s_vs_full_cache"] == pytest.approx(0.8)
+    assert odmoe["decode_tok_s_vs_full_cache_range"] == pytest.approx([0.5, 0.875])
+    assert odmoe["decode_tok_s_vs_full_cache_spread"] == pytest.approx(0.375 / 0.8)
+    assert [r["decode_tok_s_vs_full_cache"] for r in odmoe["rounds"]] == pytest.approx([0.8, 0.875, 0.5])
+    assert full["decode_tok_s_vs_full_cache"] == 1.0 and full["decode_tok_s_vs_full_cache_spread"] == 0
+    # odmoe ÷ lru-offload: 4, 3.5, 2; odmoe+hybrid ÷ odmoe: 1.75, 2, 1.5
+    assert odmoe["decode_vs_lru_offload"] == pytest.approx(3.5)
+    assert odmoe["decode_vs_lru_offload_range"] == pytest.approx([2.0, 4.0])
+    assert results["odmoe+hybrid"]["decode_vs_without_hybrid"] == pytest.approx(1.75)
+    assert results["odmoe+hybrid"]["decode_vs_without_hybrid_spread"] == pytest.approx(0.5 / 1.75)
+    assert odmoe["peak_expert_bytes_per_worker"] == 3  # a peak is the largest over the rounds
+    assert [p["decode_tok_s"] for p in odmoe["pairs"]] == [7.0, 7.0]  # each pair's median too
+    assert odmoe["pairs"][0]["input"] == 6 and odmoe["pairs"][0]["recall"] is None
+    assert odmoe["recall"] is None and odmoe["token_agreement"] == 1.0 and len(odmoe["rounds"]) == 3
+
+
+def test_one_round_gives_the_figures_of_a_single_run() -> None:
+    single = {name: summarize([run(v), run(v / 2)]) for name, v in [("full-cache", 10.0), ("odmoe", 9.0)]}
+    results = aggregate_rounds([single])
+    add_ratios(single)
+    for name, figures in single.items():
+        assert {key: results[name][key] for key in figures} == figures
+        assert results[name]["decode_tok_s_range"] == [figures["decode_tok_s"]] * 2
+        assert results[name]["decode_tok_s_spread"] == 0 and results[name]["rounds"] == [figures]
+
+
+def test_the_ratios_are_none_without_full_cache_and_get_no_range() -> None:
+    results = aggregate_rounds([{"odmoe": summarize([run(v)])} for v in (8.0, 6.0)])
+    assert results["odmoe"]["decode_tok_s"] == 7.0 and results["odmoe"]["decode_tok_s_vs_full_cache"] is None
+    assert "decode_tok_s_vs_full_cache_range" not in results["odmoe"]
+
+
+def _write_record(path: Path, expert_compute_s: float) -> None:
+    """A ``--json`` file as the benchmark writes it, for a run scaled by ``expert_compute_s``."""
+    emulation = emulation_for(DEFAULT_PROFILE, expert_compute_s, 1000, 10)
+    calibration = Calibration("measured", expert_compute_s, expert_compute_s)
+    record = run_record(build_parser().parse_args([]), emulation, calibration, [(6, 4)], [], True, {}, {})
+    path.write_text(json.dumps(record, indent=2))
+
+
+def test_calibration_takes_the_time_a_previous_runs_json_was_scaled_by(tmp_path: Path) -> None:
+    previous = tmp_path / "previous.json"
+    _write_record(previous, 0.00153)
+    assert json.loads(previous.read_text())["calibration"] == {
+        "source": "measured",
+        "expert_compute_here_s": 0.00153,
+        "measured_here_s": 0.00153,
+    }
+    parser = build_parser()
+    assert calibration_given(parser.parse_args(["--calibration", str(previous)]), parser) == (str(previous), 0.00153)
+    source, seconds = calibration_given(parser.parse_args(["--expert-compute-ms", "1.53"]), parser)
+    assert source == "--expert-compute-ms" and seconds == pytest.approx(0.00153)
+    assert calibration_given(parser.parse_args([]), parser) is None  # measured
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        (["--expert-compute-ms", "1.5", "--calibration", "{previous}"], "not allowed with"),
+        (["--expert-compute-ms", "0"], "--expert-compute-ms must be a positive number"),
+        (["--expert-compute-ms", "-1.5"], "--expert-compute-ms must be a positive number"),
+        (["--expert-compute-ms", "nan"], "--expert-compute-ms must be a positive number"),
+        (["--calibration", "{missing}"], "cannot read"),
+        (["--calibration", "{not_json}"], "cannot read"),
+        (["--calibration", "{without_key}"], "has no emulation.expert_compute_here_s"),
+        (["--calibration", "{zero}"], "must be a positive number, got 0"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+    ],
+)
+def test_bad_calibration_and_repeats_are_refused_before_running(
+    arguments: list[str], says: str, tmp_path: Path, capsys
+) -> None:
+    from benchmarks.strategies import main
+
+    files = {name: tmp_path / f"{name}.json" for name in ("previous", "missing", "not_json", "without_key", "zero")}
+    _write_record(files["previous"], 0.0015)
+    files["not_json"].write_text("decode 7.0 tok/s")
+    files["without_key"].write_text(json.dumps({"emulation": {"scale": 1.0}, "strategies": {}}))
+    files["zero"].write_text(json.dumps({"emulation": {"expert_compute_here_s": 0}}))
+    with pytest.raises(SystemExit) as refused:
+        main([argument.format(**files) for argument in arguments])
+    assert refused.value.code == 2
+    assert says in capsys.readouterr().err
 
 
 def test_the_copy_bound_is_each_workers_share_of_a_tokens_loads() -> None:
@@ -62,6 +188,8 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
             "2",
             "--pairs",
             "6:4,10:4",
+            "--expert-compute-ms",
+            "0.02",  # about what the tiny model's expert takes here: the run takes as long as measured
             "--json",
             str(out),
             "--plots",
@@ -76,6 +204,10 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
         assert result["decode_tok_s"] > 0 and result["ttft_ms"] > 0 and len(result["pairs"]) == 2, name
     assert figures["strategies"]["full-cache"]["decode_tok_s_vs_full_cache"] == 1.0
     assert figures["emulation"]["load_to_compute"] > 10
+    assert figures["emulation"]["expert_compute_here_s"] == pytest.approx(2e-5)  # scaled by the given time
+    calibration = figures["calibration"]
+    assert calibration["source"] == "--expert-compute-ms" and calibration["measured_here_s"] > 0
+    assert calibration["expert_compute_here_s"] == pytest.approx(2e-5) and figures["repeats"] == 1
     printed = capsys.readouterr().out
     assert "| odmoe |" in printed and "profile 3090-pcie4-1gbe" in printed and "copy-bound ceiling" in printed
     assert figures["strategies"]["odmoe"]["copy_bound"]["tok_s"] > 0
@@ -94,7 +226,9 @@ def test_an_approximate_strategy_on_a_model_without_its_table_is_refused_before_
 
 
 @pytest.mark.slow
-def test_an_approximate_strategy_is_marked_and_its_agreement_measured(tiny_model: Path, tmp_path: Path) -> None:
+def test_an_approximate_strategy_is_marked_and_its_agreement_measured_in_every_round(
+    tiny_model: Path, tmp_path: Path, capsys
+) -> None:
     import shutil
 
     import torch
@@ -108,10 +242,17 @@ def test_an_approximate_strategy_is_marked_and_its_agreement_measured(tiny_model
     write_similarity(model, calibrate(model, ids, window=100), len(ids))
     out = tmp_path / "strategies.json"
     arguments = ["--model", str(model), "--workers", "2", "--pairs", "6:8", "--strategies", "full-cache,importance"]
-    code = main([*arguments, "--json", str(out)])
+    code = main([*arguments, "--repeats", "2", "--json", str(out)])
     assert code == 0
     figures = json.loads(out.read_text())
-    assert figures["exact"] is True  # the exact strategy's tokens; importance's are measured, not required
+    assert figures["exact"] is True  # the exact strategy's tokens in both rounds; importance's are measured
+    assert figures["repeats"] == 2 and figures["calibration"]["source"] == "measured"
     full, importance = figures["strategies"]["full-cache"], figures["strategies"]["importance"]
     assert not full["approximate"] and full["token_agreement"] == 1.0
     assert importance["approximate"] and 0 <= importance["token_agreement"] <= 1
+    assert len(full["rounds"]) == len(importance["rounds"]) == 2 and len(importance["pairs"]) == 1
+    low, high = importance["decode_tok_s_range"]
+    assert low <= importance["decode_tok_s"] <= high and importance["decode_tok_s_spread"] >= 0
+    assert [r["decode_tok_s_vs_full_cache"] for r in full["rounds"]] == [1.0, 1.0]
+    full_low, full_high = full["decode_tok_s_range"]
+    assert f"| {full['decode_tok_s']:.2f} ({full_low:.2f}–{full_high:.2f}) |" in capsys.readouterr().out
