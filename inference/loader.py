@@ -4,30 +4,33 @@
 compute device in the order they will be needed, never holding more than
 ``max_resident`` experts on the device (the one being computed plus the next one). When it
 starts a load it takes a *batch*: every pending expert of the same (step, layer) that fits in
-the free slots, copied in one pass (on CUDA all the copies are queued on the side stream at
-once, each behind an event of its own), and each expert is usable as soon as its own copy is
-done. A batch forms when a layer's experts are pending while slots are free (a layer's
-predictions arriving together); with every slot busy, loads start one at a time as slots free. A
-request for an expert that was never predicted jumps the queue and, if the device is
-full, pushes out the prefetch needed furthest in the future: a wrong prediction costs a
-load on the critical path, never a wrong result.
+the free slots, copied in one pass (on CUDA each copy is queued on the side stream as soon as
+its expert is read, each behind an event of its own), and each expert is usable once its own
+copy is done (checked between reads, and after the pass's last read). A batch forms when a
+layer's experts are pending while slots are free (a layer's predictions arriving together);
+with every slot busy, loads start one at a time as slots free. A request for an expert that
+was never predicted jumps the queue and, if the device is full, pushes out the prefetch
+needed furthest in the future: a wrong prediction costs a load on the critical path, never a
+wrong result.
 
 With a ``DeviceCache`` (the strategies that cache) a released expert stays on the device
 in the cache, a cached expert is served without a load and never prefetched again, and
 ``preload`` fills the cache up front (``full-cache``).
 
 On CUDA the copies come from pinned host memory on a side stream: the store's own tensors
-when they are page-locked where they lie (the "ram" store), else a few rotating pinned staging
-buffers (``staging_slots``, ``inference.staging``) that each expert is read into first, so the
-read of the next expert overlaps the copy of this one and a buffer is reused only once the copy
-out of it is done. Copies are queued as they are read, and an expert is handed over as soon as
-its own copy has finished, even while later ones of its pass are still being read. The compute
-stream waits for a copy's event before using it, and every expert the compute stream has read is handed
-back to the allocator with ``record_stream`` when it is freed or pushed out of the cache, so
-a later copy on the side stream can never overwrite memory a kernel still reads. On CPU a
-copy is a fresh buffer (what a GPU would hold). Resident bytes are counted from the experts'
-own tensors on both, never from ``torch.cuda.memory_allocated`` (which counts activations
-and every other allocation of the process too).
+when they are pinned (the "ram" store, page-locked where it lies; a "hot" store's, from torch's
+pinned allocator), else rotating pinned staging buffers (``staging_slots``,
+``inference.staging``; the "disk" store) that each expert is read into first. A pass never
+copies more than ``max_resident`` experts and ends with its last copy, so the ring has
+``min(staging_slots, max_resident)`` buffers: within a pass of several experts the read of the
+next overlaps the copy of this one; from one pass to the next it does not. A buffer is reused
+only once the copy out of it is done. The compute stream waits for a copy's event before
+using it, and every expert the compute stream has read is handed back to the allocator with
+``record_stream`` when it is freed or pushed out of the cache, so a later copy on the side
+stream can never overwrite memory a kernel still reads. On CPU a copy is a fresh buffer (what
+a GPU would hold). Resident bytes are counted from the experts' own tensors on both, never
+from ``torch.cuda.memory_allocated`` (which counts activations and every other allocation of
+the process too).
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ class ExpertLoader:
         if staging_slots:
             owned = store.keys()  # a store is not a dict: it has keys() only
             largest = max(store.nbytes(*pair) for pair in owned)
-            self.staging = StagingRing(staging_slots, largest, pin=self._cuda)
+            # A pass copies at most max_resident experts: a buffer more could never be used.
+            self.staging = StagingRing(min(staging_slots, max_resident), largest, pin=self._cuda)
         self._thread = threading.Thread(target=self._run, name="expert-loader", daemon=True)
         self._thread.start()
 
@@ -278,6 +282,7 @@ class ExpertLoader:
                             self._ready[key] = resident
                             self._note_peak(key)
                         self._cond.notify_all()
+                resident = None  # the loop's last expert: not kept alive (on the device) past its release
                 with self._cond:
                     self.stats.batches += 1
         except BaseException as exc:  # surfaced to the worker loop by acquire()
@@ -301,15 +306,17 @@ class ExpertLoader:
                 _, layer, expert = key
                 with self._staging_lock():
                     slot, host = self._host_source(layer, expert)
-                    with torch.cuda.stream(self._copy_stream):
-                        weights = ExpertWeights(
-                            host.gate_up.to(self.device, non_blocking=True),
-                            host.down.to(self.device, non_blocking=True),
-                        )
-                        event = torch.cuda.Event()
+                    event = torch.cuda.Event()
+                    try:
+                        with torch.cuda.stream(self._copy_stream):
+                            weights = ExpertWeights(
+                                host.gate_up.to(self.device, non_blocking=True),
+                                host.down.to(self.device, non_blocking=True),
+                            )
+                    finally:  # recorded even if the second copy failed: the first may still read the buffer
                         event.record(self._copy_stream)
-                    if self.staging is not None and slot is not None:
-                        self.staging.copied(slot, event)  # the buffer is free again once this completes
+                        if self.staging is not None and slot is not None:
+                            self.staging.copied(slot, event)  # the buffer is free again once this completes
                 queued.append((key, host, weights, event))  # a store's host tensors live until their copy is done
                 while queued and queued[0][3].query():  # usable now, while later ones are still read
                     done, host_done, on_device, copied = queued.popleft()

@@ -21,8 +21,9 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   Its shard on disk is the converted model (the shard build pre-converts it), or the
   checkpoint's tensors when the shadow dtype is the checkpoint's own.
 - *worker i*: the experts ``placement(...).owned(i)`` gives it, in RAM (or on disk with
-  ``expert_store="disk"``, or ``hot_experts`` of them with ``"hot"``, each read on a GPU box
-  through ``staging_buffers`` pinned buffers, ``inference.staging``); on its GPU what the strategy keeps resident
+  ``expert_store="disk"``, each read on a GPU box through up to ``staging_buffers`` pinned
+  buffers, ``inference.staging``; or ``hot_experts`` of them with ``"hot"``); on its GPU what
+  the strategy keeps resident
   (``inference.strategies``): ``max_resident_experts`` in flight for the cacheless ones,
   plus up to ``cache_experts`` per layer it serves for ``lru-offload``, every expert it is
   home to for ``full-cache``.
@@ -446,14 +447,17 @@ def plan_memory(
         on_gpu = _worker_device_bytes(
             plan, worker, strategy, experts, expert_bytes, max_resident_experts, cache_experts
         )
-        # What stays in host memory: a "ram" store's experts; a "disk" store's none, a "hot" one's
-        # its hot set. On a GPU box a disk or hot store's experts pass through the loader's pinned
-        # staging buffers; on a CPU box what is read is the "device" copy itself (``on_gpu``).
-        kept = {"disk": 0, "hot": min(owned, hot_experts * expert_bytes)}.get(expert_store, owned)
-        staged = 0 if expert_store == "ram" else staging_buffers * expert_bytes
-        host = kept + staged + RUNTIME_OVERHEAD_BYTES
-        cpu = kept + on_gpu + RUNTIME_OVERHEAD_BYTES
-        roles.append(RoleMemory(f"worker-{worker}", host, on_gpu + CUDA_CONTEXT_BYTES, owned, cpu))
+        # On a GPU box a disk store's experts pass through the loader's pinned staging buffers
+        # (as many as a copy pass holds, at most); a hot store's are read into pinned tensors of
+        # their own, held until their copies are done, beside its hot set.
+        in_flight = max_resident_experts * expert_bytes
+        if expert_store == "disk":
+            host = min(staging_buffers, max_resident_experts) * expert_bytes + RUNTIME_OVERHEAD_BYTES
+        elif expert_store == "hot":
+            host = min(owned, hot_experts * expert_bytes + in_flight) + RUNTIME_OVERHEAD_BYTES
+        else:
+            host = owned + RUNTIME_OVERHEAD_BYTES
+        roles.append(RoleMemory(f"worker-{worker}", host, on_gpu + CUDA_CONTEXT_BYTES, owned, host + on_gpu))
     return MemoryPlan(
         model=name,
         checkpoint_dtype_bytes=element,

@@ -38,9 +38,9 @@ class Settings:
     device: str = "auto"  # "auto" picks CUDA when present, else CPU
     dtype: str = "auto"  # what main and workers compute in: "auto" = the checkpoint's dtype
     max_resident_experts: int = 2
-    # Pinned host buffers a GPU worker whose experts are not page-locked (the "disk" and "hot"
-    # stores) reads each expert into on its way to the device, used in turn (inference.staging):
-    # the copy of one, the read of the next, and one spare so a read never waits on a copy.
+    # Pinned host buffers a GPU worker with the "disk" store reads each expert into on its way to
+    # the device, used in turn (inference.staging); a copy pass holds at most
+    # max_resident_experts, so no more than that many are made.
     staging_buffers: int = 3
     timeout_s: float = 60.0  # the longest any role waits for a peer before failing
     lookahead: int = 2  # how many steps the shadow may run ahead of main

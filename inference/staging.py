@@ -1,18 +1,19 @@
 """Rotating pinned staging buffers for expert copies from pageable host memory.
 
-A GPU's copy engine copies asynchronously only from page-locked memory. A worker whose experts
-are not page-locked where they lie — read from disk at each load (``DiskStore``) or held in a
-hot set (``HotSetStore``) — stages each expert through one of a few pinned buffers of its own,
-used in turn: while the copy engine moves buffer *i* to the device, the loader's thread reads
-the next expert from disk into buffer *i + 1*. A buffer is written again only once the copy out
-of it has finished (the event recorded after it on the copy stream), so a worker's pinned host
-memory is exactly ``slots x`` its largest expert, whatever it owns and however long it runs.
-The buffers are page-locked where they lie (``inference.store.page_lock``), not taken from
-torch's pinned allocator, which rounds each block up to a power of two (a Mixtral-8x7B bf16
-expert's 336 MiB would take 512) and keeps freed blocks cached.
+A GPU's copy engine copies asynchronously only from page-locked memory. A worker that reads
+its experts from disk at each load (``DiskStore``) stages each one through one of a few pinned
+buffers of its own, used in turn: while the copy engine moves buffer *i* to the device, the
+loader's thread reads the next expert of the pass from disk into buffer *i + 1*. A buffer is
+written again only once the copy out of it has finished (the event recorded after it on the
+copy stream), so a worker's pinned host memory is exactly ``slots x`` its largest expert,
+whatever it owns and however long it runs. The buffers are page-locked where they lie
+(``inference.store.page_lock``), not taken from torch's pinned allocator, which rounds each
+block up to a power of two (a Mixtral-8x7B bf16 expert's 224 MiB gate_up and 112 MiB down
+would take 256 and 128) and keeps freed blocks cached.
 
 A store that can read an expert straight into given memory (``read_into``: the disk store,
-with ``os.preadv``) fills the buffer with no copy in between; any other is copied in.
+with ``os.preadv``) fills the buffer with no copy in between, unless a cast to the compute
+dtype is due; any other store's expert is copied in.
 
 On CPU the same ring runs unpinned and with no events (a copy is done when it returns); the
 loader uses it there only when asked (``ExpertLoader(staging_slots=...)``), which is how the
@@ -28,6 +29,7 @@ from typing import Protocol
 import torch
 
 from inference.experts import ExpertWeights
+from inference.store import page_lock
 
 
 class _Event(Protocol):
@@ -62,8 +64,6 @@ class StagingRing:
         self.slot_bytes = slot_bytes
         self._buffers = [torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(slots)]
         if pin:
-            from inference.store import page_lock  # the store module imports this one's users
-
             for buffer in self._buffers:
                 page_lock(buffer)
         self._copied: list[_Event | None] = [None] * slots  # the last copy out of each buffer

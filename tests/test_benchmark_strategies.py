@@ -208,6 +208,9 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
     calibration = figures["calibration"]
     assert calibration["source"] == "--expert-compute-ms" and calibration["measured_here_s"] > 0
     assert calibration["expert_compute_here_s"] == pytest.approx(2e-5) and figures["repeats"] == 1
+    # The simulator is told what an expert takes here now: the workers compute at this machine's speed.
+    machine = figures["sim_prediction"]["plain"]["machine"]
+    assert machine["expert_compute_s"] == calibration["measured_here_s"]
     printed = capsys.readouterr().out
     assert "| odmoe |" in printed and "profile 3090-pcie4-1gbe" in printed and "copy-bound ceiling" in printed
     assert figures["strategies"]["odmoe"]["copy_bound"]["tok_s"] > 0

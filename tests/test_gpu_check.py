@@ -139,6 +139,7 @@ def test_the_whole_check_runs_on_a_cpu_at_tiny_scale(tmp_path: Path) -> None:
     staging = data["sections"]["staging"]["result"]  # the loader's staged path, unpinned on a CPU
     assert staging["pinned"] is False and staging["experts"] > 0
     assert staging["disk_staged"]["mismatched_experts"] == 0 and staging["disk_staged"]["ms_per_expert"] > 0
+    assert staging["disk_one_buffer"]["mismatched_experts"] == 0
 
     cluster = data["sections"]["cluster"]["result"]
     assert [r["strategy"] for r in cluster["runs"]] == ["odmoe", "full-cache", "reactive", "lru-offload"]

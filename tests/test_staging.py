@@ -161,6 +161,15 @@ def test_a_staging_loader_under_emulated_copies_still_hands_out_its_own_copies(s
             loader.close()
 
 
+def test_the_ring_has_no_more_buffers_than_a_copy_pass_holds(shards: ShardSet) -> None:
+    with DiskStore(shards.worker(0)) as disk:
+        loader = ExpertLoader(disk, CPU, max_resident=2, staging_slots=3)
+        try:
+            assert loader.staging is not None and loader.staging.slots == 2
+        finally:
+            loader.close()
+
+
 def test_a_negative_slot_count_is_refused(shards: ShardSet) -> None:
     with DiskStore(shards.worker(0)) as disk, pytest.raises(ValueError, match="staging_slots must be >= 0"):
         ExpertLoader(disk, CPU, staging_slots=-1)

@@ -88,9 +88,10 @@ class WorkerRole:
         self.act_fn = activation(config.get("hidden_act", "silu"))
         self.store_kind = expert_store_for(spec.settings.strategy, spec.settings.expert_store)
         on_gpu = self.device.type == "cuda"
-        # The "ram" store is page-locked where it lies and copied from directly; the others are
-        # read into the loader's rotating pinned staging buffers on their way to the GPU.
-        staged = on_gpu and self.store_kind != "ram"
+        # The "ram" store is page-locked where it lies and a "hot" one's experts are pinned as
+        # they are read (a hit is then copied with no memcpy first), both copied from directly; a
+        # "disk" store's are read into the loader's rotating pinned staging buffers on their way.
+        staged = on_gpu and self.store_kind == "disk"
         self.store = open_store(
             self.store_kind,
             spec.shard_dir,
