@@ -520,7 +520,9 @@ def main(argv: list[str] | None = None) -> int:
             write_similarity(model_dir, calibrate(model_dir, ids), len(ids))
         expected = [reference_generate(model_dir, prompt, n) for prompt, n in prompts]
         # The simulator's prediction of this run, made before it starts (nothing of the run goes in).
-        machine, _ = measure_machine(config, emulation.expert_compute_here_s)
+        # The workers compute their experts at this machine's own speed (only copies, links and the
+        # host path are emulated), so the model gets the time measured now, whatever the scale.
+        machine, _ = measure_machine(config, calibration.measured_here_s)
         predictions: dict[str, dict] = {}
         for with_hybrid, names in ((False, strategies), (True, hybrid)):
             if names:
