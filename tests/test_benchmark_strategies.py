@@ -18,6 +18,7 @@ from benchmarks.strategies import (
     deployment_for,
     parse_pairs,
     run_record,
+    split_bound,
     summarize,
 )
 from inference.emulation import emulation_for
@@ -175,6 +176,18 @@ def test_the_copy_bound_is_each_workers_share_of_a_tokens_loads() -> None:
     assert bound["tok_s"] == pytest.approx(50.0)  # 2 loads x 10 ms per token
 
 
+def test_the_split_bound_balances_the_copies_against_the_cpu_experts_on_the_critical_path() -> None:
+    # copies 10 ms and CPU 5 ms per expert: 16 experts, x on the CPUs, (16 - x) x 10 / 8 = x / 2 x 5
+    bound = split_bound(8, 2, 8, 1000, copy_bytes_per_s=100_000, host_memory_bytes_per_s=200_000)
+    assert bound["cpu_experts_per_token"] == pytest.approx(16 / 3)
+    assert bound["tok_s"] == pytest.approx(1000 / (16 / 3 / 2 * 5))  # 13.3 ms per token
+    plain = copy_bound(8, 2, 8, 1000, 100_000)
+    assert bound["tok_s"] / plain["tok_s"] == pytest.approx(1 + 2 * 10 / (8 * 5))
+    # a CPU far slower than the copies leaves (almost) everything to them
+    slow_cpu = split_bound(8, 2, 8, 1000, copy_bytes_per_s=100_000, host_memory_bytes_per_s=1)
+    assert slow_cpu["tok_s"] == pytest.approx(plain["tok_s"], rel=1e-3)
+
+
 @pytest.mark.slow
 def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: Path, capsys) -> None:
     from benchmarks.strategies import main
@@ -214,6 +227,9 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
     printed = capsys.readouterr().out
     assert "| odmoe |" in printed and "profile 3090-pcie4-1gbe" in printed and "copy-bound ceiling" in printed
     assert figures["strategies"]["odmoe"]["copy_bound"]["tok_s"] > 0
+    assert "copy + host-memory ceiling" in printed
+    odmoe = figures["strategies"]["odmoe"]
+    assert odmoe["split_bound"]["tok_s"] > odmoe["copy_bound"]["tok_s"]
     assert (tmp_path / "strategies.png").read_bytes().startswith(PNG_MAGIC)
 
 
