@@ -361,6 +361,12 @@ def memory_from_config(
     )
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """What torch's pinned host allocator takes for a tensor of ``nbytes``: the next power of two
+    (``CachingHostAllocator`` rounds every block so, and keeps freed blocks for reuse)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 def plan_memory(
     tensors: Sequence[TensorSize],
     sizes: ModelSizes,
@@ -402,13 +408,16 @@ def plan_memory(
         raise ValueError("the model has no tensors")
     plan = placement(sizes.layers, sizes.experts, sizes.top_k, workers)
     experts: dict[tuple[int, int], int] = {}
+    pinned: dict[tuple[int, int], int] = {}  # each expert as torch's pinned host allocator holds it
     dense = 0
     for tensor in tensors:
         key = parse_expert_key(tensor.name)
         if key is None:
             dense += tensor.nbytes
         else:
-            experts[(key.layer, key.expert)] = experts.get((key.layer, key.expert), 0) + tensor.nbytes
+            pair = (key.layer, key.expert)
+            experts[pair] = experts.get(pair, 0) + tensor.nbytes
+            pinned[pair] = pinned.get(pair, 0) + pinned_block_bytes(tensor.nbytes)
     element = _checkpoint_element_bytes(tensors)
     expert_bytes = max(experts.values(), default=0)
     total = sum(t.nbytes for t in tensors)
@@ -449,12 +458,13 @@ def plan_memory(
         )
         # On a GPU box a disk store's experts pass through the loader's pinned staging buffers
         # (as many as a copy pass holds, at most); a hot store's are read into pinned tensors of
-        # their own, held until their copies are done, beside its hot set.
-        in_flight = max_resident_experts * expert_bytes
+        # their own from torch's allocator, its hot set and the reads whose copies are in flight.
         if expert_store == "disk":
             host = min(staging_buffers, max_resident_experts) * expert_bytes + RUNTIME_OVERHEAD_BYTES
         elif expert_store == "hot":
-            host = min(owned, hot_experts * expert_bytes + in_flight) + RUNTIME_OVERHEAD_BYTES
+            owned_pinned = sum(pinned.get(pair, 0) for pair in plan.owned(worker))
+            held = (hot_experts + max_resident_experts) * max(pinned.values(), default=0)
+            host = min(owned_pinned, held) + RUNTIME_OVERHEAD_BYTES
         else:
             host = owned + RUNTIME_OVERHEAD_BYTES
         roles.append(RoleMemory(f"worker-{worker}", host, on_gpu + CUDA_CONTEXT_BYTES, owned, host + on_gpu))
