@@ -113,7 +113,12 @@ def test_a_cancelled_generation_stops_and_the_cluster_serves_the_next(tiny_model
                 cluster.cancel("stop-me")
 
         stopped = cluster.generate(PROMPTS[0], 200, during=stop_early, request_id="stop-me")
+        # A cancel may overtake its request (the platform sends them over different connections):
+        # the request then ends at once, and main serves the next one as usual.
+        cluster.cancel("overtaken")
+        overtaken = cluster.generate(PROMPTS[0], 200, request_id="overtaken")
         after = cluster.generate(PROMPTS[0], 8)
+    assert overtaken.finish_reason == "cancelled" and overtaken.token_ids == []
     assert stopped.finish_reason == "cancelled"
     assert 5 <= len(stopped.token_ids) < 200
     assert stopped.token_ids == reference_generate(tiny_model, PROMPTS[0], len(stopped.token_ids))

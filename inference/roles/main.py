@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import torch
@@ -84,6 +84,8 @@ from inference.strategies import dispatch_plan, get_strategy, predictor_for
 from inference.transport import Received
 
 log = logging.getLogger(__name__)
+
+MAX_CANCELLED_EARLY = 1024  # cancels remembered for requests not yet come (a peer flooding cancels forgets)
 
 
 class GenerationAborted(RuntimeError):
@@ -151,6 +153,9 @@ class MainRole:
         # Continuous batching: the sequences running, the requests waiting for a place.
         self.batch: dict[str, Sequence] = {}
         self.waiting: deque[tuple[GenerateRequest, bytes]] = deque()
+        # Cancels that came before their request: a client's cancel travels another connection than
+        # its request and may overtake it; the request then ends at once (as many as are remembered).
+        self.cancelled_early: OrderedDict[str, None] = OrderedDict()
         # A session runs while any sequence does; workers key their loads by its steps.
         self.session = ""
         self.step = -1
@@ -256,6 +261,11 @@ class MainRole:
 
     def admit(self, msg: GenerateRequest, client: bytes) -> None:
         """Queue a generation, or refuse it at once with the reason."""
+        if msg.request_id in self.cancelled_early:
+            del self.cancelled_early[msg.request_id]
+            done = GenerateDone(request_id=msg.request_id, token_ids=[], finish_reason="cancelled", metrics={})
+            self.endpoint.reply(client, done)
+            return
         error = self._check_request(msg)
         if not error and (msg.request_id in self.batch or any(w.request_id == msg.request_id for w, _ in self.waiting)):
             error = f"a generation with id {msg.request_id!r} is already running"
@@ -282,6 +292,10 @@ class MainRole:
                 self.endpoint.reply(
                     entry[1], GenerateDone(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
                 )
+                return
+        self.cancelled_early[request_id] = None  # not here yet (or long done): its request may still come
+        while len(self.cancelled_early) > MAX_CANCELLED_EARLY:
+            self.cancelled_early.popitem(last=False)
 
     def serve_batch(self) -> None:
         """Run batch steps until no sequence runs and none waits (or main is told to stop)."""
