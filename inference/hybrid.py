@@ -16,6 +16,22 @@ request first, then its own); it runs where it finishes first, and a CPU expert'
 copy is dropped, which moves every later copy up. A late (mispredicted) expert is the common
 case: its copy has not even started.
 
+The CPU can also take work the copies would otherwise do. Under a cacheless strategy that loads
+ahead (odmoe), the copy links bound decode: each of a layer group's workers copies its share of
+every predicted expert. Leaving some (step, layer)s' predicted experts uncopied and computing
+them on the CPUs when main's request comes frees link time for the rest, at a CPU expert's time
+on the critical path (it cannot start before its layer's hidden state arrives). A layer's
+experts are dealt over its group's workers, so its CPU experts run on several CPUs at once; per
+token a group copies ``(L_g - y) n c`` per worker (``n`` experts per worker and layer, ``c`` a
+copy) and the ``G`` groups' CPU layers add ``G y n h`` to the critical path (``h`` a CPU
+expert). Equal, they give the share of a group's (step, layer)s planned on the CPU:
+``y / L_g = c / (G h + c)`` (``predicted_share``), the split behind the strategies benchmark's
+copy + host-memory ceiling; main's own layers are left out, so it assumes the copies bind.
+Every worker of a group picks the same (step, layer)s from the step and layer alone, evenly
+spaced, the groups' picks interleaved in time (``planned_on_cpu``): no message. At main's
+request the rule above still decides each such expert (one that the CPU would finish after its
+copy gets copied then).
+
 Everything here is pure arithmetic on rates and a snapshot of the loader's queue; the worker
 (``inference.roles.worker``) takes the snapshot and runs the result.
 
@@ -27,10 +43,12 @@ kernel than the GPU and may round differently, so hybrid execution is off by def
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -113,6 +131,40 @@ def split(units: list[tuple[int, float, CopyState]], copy_s: float, rates: HostR
             if state.where == "queued":
                 dropped.append(state.position)
     return on_cpu
+
+
+# The planned share is kept as a fraction of a small denominator: every worker of a group must
+# pick the same (step, layer)s, and workers that measured their rates a little differently then
+# still hold the same share (a disagreement costs speed, never exactness).
+SHARE_DENOMINATOR = 16
+
+
+def predicted_share(copy_s: float, cpu_s: float, groups: int) -> Fraction:
+    """The share of a decode group's (step, layer)s whose predicted experts its workers compute on
+    their CPUs instead of copying them: ``c / (G h + c)`` for a copy time ``c``, a CPU time ``h``
+    and ``G`` decode groups, the split at which the copies and the CPU layers on the critical
+    path take equally long (module docstring)."""
+    if copy_s <= 0 or cpu_s <= 0 or groups < 1:
+        raise ValueError("copy and CPU times must be positive and there must be at least one group")
+    return Fraction(copy_s / (groups * cpu_s + copy_s)).limit_denominator(SHARE_DENOMINATOR)
+
+
+def planned_on_cpu(step: int, layer: int, group_layers: Sequence[int], groups: int, share: Fraction) -> bool:
+    """Whether ``layer``'s predicted experts at ``step`` are planned on the CPUs of its group.
+
+    A group's (step, layer)s are numbered in the order a generation needs them,
+    ``n = step x len(group_layers) + position``; ``n`` is picked when ``n x share + phase``
+    crosses an integer, which picks ``share`` of them evenly spaced. Layer ``l`` belongs to
+    group ``l mod G``, so group ``j``'s ``n``-th is the generation's ``n G + j``-th (step,
+    layer); the phase ``j (1 + share) / G`` puts the groups' picks ``1 / share`` apart in that
+    order, not all at once.
+    """
+    if share <= 0:
+        return False
+    group = layer % groups
+    n = step * len(group_layers) + group_layers.index(layer)
+    phase = (group * (1 + share) / groups) % 1
+    return math.floor((n + 1) * share + phase) > math.floor(n * share + phase)
 
 
 # --- measuring a worker's own rates (when no emulation gives them) ----------------------------------

@@ -3,6 +3,7 @@ CPU path, and a cluster that computes late experts on its workers' CPUs with exa
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,17 @@ import torch
 from inference.checkpoint import Checkpoint, expert_key_name
 from inference.emulation import emulation_for, real_times
 from inference.experts import activation
-from inference.hybrid import CopyState, HostRates, copy_eta, cpu_seconds, expert_flops, measure_host_rates, split
+from inference.hybrid import (
+    CopyState,
+    HostRates,
+    copy_eta,
+    cpu_seconds,
+    expert_flops,
+    measure_host_rates,
+    planned_on_cpu,
+    predicted_share,
+    split,
+)
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.loader import ExpertLoader
 from inference.sim.hardware import get_profile
@@ -64,6 +75,38 @@ def test_a_copy_almost_done_stays_and_dropped_copies_move_the_later_ones_up() ->
     assert split(queued, 0.0001, fast_copy) == [False, False]
 
 
+def test_the_planned_share_balances_a_groups_copies_against_its_cpu_layers_on_the_critical_path() -> None:
+    # The emulated edge profile: 14.1 ms a copy, 8.8 ms on the CPU, 4 groups: c / (G h + c) = 0.286.
+    share = predicted_share(0.0141, 0.0088, 4)
+    assert share == Fraction(2, 7)
+    # With it a group's link copies (1 - 2/7) of its 2 layers' experts per token, as long as the
+    # four groups' CPU layers (8 x 2/7 per token) take on the critical path: 20.1 against 20.1 ms.
+    assert 2 * (1 - share) * 14.1 == pytest.approx(8 * share * 8.8, rel=0.01)
+    assert predicted_share(0.02, 0.002, 1) == Fraction(10, 11)  # one group: most layers on the CPUs
+    assert predicted_share(0.001, 0.1, 4) == Fraction(0)  # a CPU 100x slower than a copy: never planned
+    with pytest.raises(ValueError, match="positive"):
+        predicted_share(0.0, 0.01, 4)
+
+
+@pytest.mark.parametrize(("groups", "share"), [(4, Fraction(2, 7)), (1, Fraction(1, 4)), (2, Fraction(1, 3))])
+def test_planned_layers_are_the_share_of_each_group_evenly_spaced_in_the_generations_order(
+    groups: int, share: Fraction
+) -> None:
+    layers, tokens = 8, 42
+    picked = [
+        (step, layer)
+        for step in range(1, tokens + 1)
+        for layer in range(layers)
+        if planned_on_cpu(step, layer, [la for la in range(layers) if la % groups == layer % groups], groups, share)
+    ]
+    per_group = [sum(1 for _, layer in picked if layer % groups == g) for g in range(groups)]
+    slots = tokens * layers // groups
+    assert all(abs(n - share * slots) <= 1 for n in per_group)
+    per_token = {step: sum(1 for s, _ in picked if s == step) for step in range(1, tokens + 1)}
+    assert set(per_token.values()) <= {int(share * layers), int(share * layers) + 1}  # never bunched in one token
+    assert not any(planned_on_cpu(s, la, [la], 1, Fraction(0)) for s in range(9) for la in range(8))
+
+
 def test_the_loader_reports_where_each_copy_stands(request: pytest.FixtureRequest) -> None:
     loader = ExpertLoader(MemoryStore(), torch.device("cpu"), max_resident=2, copy_bytes_per_s=EXPERT_BYTES / 0.2)
     request.addfinalizer(loader.close)  # 200 ms a copy
@@ -109,11 +152,12 @@ def test_hybrid_execution_needs_experts_in_host_memory() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["reactive", "lru-offload"])
+@pytest.mark.parametrize("strategy", ["reactive", "lru-offload", "odmoe"])
 def test_late_experts_computed_on_the_workers_cpus_give_the_reference_tokens(tiny_model: Path, strategy: str) -> None:
     checkpoint = Checkpoint(tiny_model)
     expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, p)) for p in ("w1", "w2", "w3"))
-    # Copies of 20 ms against 2 ms on the CPU: every expert that is not on the device goes to the CPU.
+    # Copies of 20 ms against 2 ms on the CPU: every expert that is not on the device goes to the CPU,
+    # and under odmoe (one group of two) 10 of every 11 layers' predicted experts are planned there.
     settings = Settings(
         strategy=strategy,
         hybrid=True,

@@ -7,7 +7,9 @@ in the device cache under a caching strategy (``inference.strategies``). Stale p
 (a layer already served, a wrong prediction) are dropped when main's request for that
 layer shows what was really needed. With hybrid execution (``Settings.hybrid``,
 ``inference.hybrid``) an expert whose copy would finish later than the worker's CPU could
-compute it from host memory runs on the CPU instead, beside the device's experts.
+compute it from host memory runs on the CPU instead, beside the device's experts; under a
+cacheless strategy that loads ahead, a planned share of the group's (step, layer)s is not
+copied at all and runs on the CPUs when main's request comes (``planned_on_cpu``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -23,7 +26,15 @@ import torch
 from inference.cache import DeviceCache
 from inference.experts import activation, expert_forward
 from inference.hotset import HotSetStore
-from inference.hybrid import HostRates, cpu_seconds, expert_flops, measure_host_rates, split
+from inference.hybrid import (
+    HostRates,
+    cpu_seconds,
+    expert_flops,
+    measure_host_rates,
+    planned_on_cpu,
+    predicted_share,
+    split,
+)
 from inference.loader import ExpertLoader, Key, Resident
 from inference.placement import placement_from_dict
 from inference.protocol import (
@@ -83,7 +94,8 @@ class WorkerRole:
                 f"{len(spec.addresses.workers)}"
             )
         self.members = self.placement.groups[self.placement.group_of_worker(self.index)]
-        self.decode_layers = set(self.placement.decode_layers(self.index))
+        self.group_layers = self.placement.decode_layers(self.index)
+        self.decode_layers = set(self.group_layers)
         config = _read_config(spec.shard_dir)
         self.act_fn = activation(config.get("hidden_act", "silu"))
         self.store_kind = expert_store_for(spec.settings.strategy, spec.settings.expert_store)
@@ -125,6 +137,11 @@ class WorkerRole:
         # The host CPU's own queue of experts: one thread, beside the device's work on this one.
         self.host = ThreadPoolExecutor(1, thread_name_prefix="host-experts") if self.rates else None
         self.cpu_experts = 0  # experts of this session computed on the CPU
+        # Of the group's (step, layer)s, the share whose predicted experts are left uncopied and
+        # computed on the CPUs (hybrid execution under a cacheless strategy that loads ahead).
+        self.cpu_share = self._cpu_share()
+        # Per planned (session step, layer): the predicted experts this worker would have loaded.
+        self.planned: dict[tuple[int, int], set[int]] = {}
         self.endpoint = open_endpoint(spec)
         self.request_id = ""  # main's session: one or more sequences batched, in lockstep
         self.joined: dict[str, int] = {}  # a sequence of the session -> the session step of its prefill
@@ -189,6 +206,7 @@ class WorkerRole:
         self.request_id = msg.request_id
         self.joined.clear()
         self.predicted.clear()
+        self.planned.clear()
         self._clear_pins()
         self.flooded = 0
         self.served = (-1, -1)
@@ -225,6 +243,9 @@ class WorkerRole:
         sources[msg.request_id] = msg.experts  # a newer prediction from the same source replaces its older one
         union = sorted(set().union(*sources.values()))
         mine = set(prefetch_on_prediction(self.strategy, union, self.members, self.index))
+        if planned_on_cpu(step, msg.layer, self.group_layers, self.placement.n_groups, self.cpu_share):
+            self.planned[(step, msg.layer)] = mine  # computed on the CPU when main asks: nothing to copy
+            mine = set()
         self._pin(step, msg.layer, mine)
         self.loader.discard(lambda key: (key[0], key[1]) != (step, msg.layer) or key[2] in mine)
         for expert in sorted(mine):
@@ -245,10 +266,17 @@ class WorkerRole:
             for key in [k for k in self.predicted if k <= here]:
                 del self.predicted[key]
             self._unpin_through(here)
+        planned = set()
+        for key in [k for k in self.planned if k <= here]:
+            experts = self.planned.pop(key)
+            if key == here:
+                planned = experts
+        if planned:  # the layer's other requests (more sequences' rows) find the same plan
+            self.planned[here] = planned
         wanted = set(msg.experts)
         self.loader.discard(lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted))
         if msg.experts:
-            self._compute(msg, identity)
+            self._compute(msg, identity, planned)
 
     def _malformed(self, msg: ExpertRequest) -> str:
         """What is wrong with ``msg``, or "": checked before anything is loaded or computed."""
@@ -269,7 +297,7 @@ class WorkerRole:
             return f"weights are {tuple(msg.weights.shape)}, expected ({rows},)"
         return ""
 
-    def _compute(self, msg: ExpertRequest, identity: bytes) -> None:
+    def _compute(self, msg: ExpertRequest, identity: bytes, planned: set[int]) -> None:
         assert msg.rows is not None and msg.weights is not None
         rows = msg.rows.to(self.device)
         weights = msg.weights.to(self.device)
@@ -281,7 +309,7 @@ class WorkerRole:
         for _, count in units:
             spans.append(slice(start, start + count))
             start += count
-        on_cpu = self._on_cpu(msg, units)
+        on_cpu = self._on_cpu(msg, units, planned)
         outputs: list[torch.Tensor | Future[torch.Tensor]] = []
         for (expert, _), span in zip(units, spans, strict=True):
             if expert in on_cpu:
@@ -297,6 +325,7 @@ class WorkerRole:
                 resident, predicted, waited = self.loader.acquire(key, timeout_s=self.spec.settings.timeout_s)
                 self.held[key] = resident
                 wait_ms += waited
+                predicted = predicted or expert in planned  # planned on the CPU, but its copy came first
                 hits += predicted
                 misses += not predicted
             computing = time.perf_counter()
@@ -322,8 +351,11 @@ class WorkerRole:
         )
         self.endpoint.reply(identity, result)
 
-    def _on_cpu(self, msg: ExpertRequest, units: list[tuple[int, int]]) -> CpuExperts:
-        """The request's experts to compute on the CPU (hybrid execution), their copies dropped."""
+    def _on_cpu(self, msg: ExpertRequest, units: list[tuple[int, int]], planned: set[int]) -> CpuExperts:
+        """The request's experts to compute on the CPU (hybrid execution), their copies dropped.
+
+        ``planned``: the experts this worker was predicted to load for the layer but left on the
+        CPU's plan; one of them computed on the CPU was predicted (a hit), though never copied."""
         chosen = CpuExperts()
         if self.rates is None:
             return chosen
@@ -343,7 +375,7 @@ class WorkerRole:
         for key, take in zip(keys, split(candidates, copy_s, self.rates), strict=True):
             if take:
                 chosen.add(key[2])
-                chosen.predicted += states[key].where in ("loading", "queued")
+                chosen.predicted += states[key].where in ("loading", "queued") or key[2] in planned
         if chosen:
             here = (msg.step, msg.layer)
             self.loader.discard(lambda key: key[:2] != here or key[2] not in chosen)
@@ -367,6 +399,20 @@ class WorkerRole:
             if left > 0:
                 time.sleep(left)
         return out.to(self.device)
+
+    def _cpu_share(self) -> Fraction:
+        """The planned CPU share of the group's (step, layer)s (``inference.hybrid.predicted_share``):
+        none without hybrid execution, or under a strategy that caches or loads nothing ahead."""
+        if self.rates is None or self.strategy.cache != "none" or self.strategy.predictor is None:
+            return Fraction(0)
+        flops = expert_flops(self.hidden, self.intermediate, 1)
+        share = predicted_share(
+            self.expert_bytes / self.rates.copy_bytes_per_s,
+            cpu_seconds(self.expert_bytes, flops, self.rates),
+            self.placement.n_groups,
+        )
+        log.info("worker %d: %s of the group's decode layers planned on the CPUs", self.index, share)
+        return share
 
     def _host_rates(self) -> HostRates:
         """The rates hybrid execution decides with: the emulated ones, else measured here at start."""
@@ -461,6 +507,7 @@ class WorkerRole:
         self.request_id = ""
         self.joined.clear()
         self.predicted.clear()
+        self.planned.clear()
         self._clear_pins()
         self.flooded = 0
 

@@ -29,7 +29,9 @@ module. Every rule here is the runtime's own, not a fit:
 - hybrid execution (``hybrid=True``, `inference.hybrid`): when main's request reaches a worker,
   each requested expert not on the device runs where it finishes first — its copy (what is left
   of it) plus the compute, or the worker's CPU straight from host memory — and a copy not yet
-  started for an expert sent to the CPU is dropped.
+  started for an expert sent to the CPU is dropped; under odmoe a worker also leaves the predicted
+  experts of the (step, layer)s its group plans on the CPUs uncopied (`inference.hybrid.
+  predicted_share`, `planned_on_cpu`, with the runtime's CPU time from the emulated rates).
 
 What it needs measured (`MachineCosts`, by `benchmarks.sim_prediction` before a run) is this
 machine's own time for what the emulation does not scale: main's layer, the per-layer Python
@@ -45,7 +47,9 @@ import statistics
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 
+from inference.hybrid import planned_on_cpu, predicted_share
 from inference.schedule import assign_experts
 
 Key = tuple[int, int, int]  # (step, layer, expert)
@@ -408,6 +412,12 @@ def simulate_generation(
         cpu_s = max(costs.expert_compute_s, rates.expert_bytes / rates.host_memory_bytes_per_s)
         if rates.host_flops:
             cpu_s = max(cpu_s, rates.expert_flops / rates.host_flops)
+    share = Fraction(0)
+    if options.hybrid and strategy == "odmoe":  # the runtime's share: from its rates alone
+        host_s = rates.expert_bytes / rates.host_memory_bytes_per_s
+        if rates.host_flops:
+            host_s = max(host_s, rates.expert_flops / rates.host_flops)
+        share = predicted_share(rates.copy_s, host_s, len(groups))
 
     def deliver_predictions(worker: WorkerSim, until: float) -> None:
         while worker.predictions and worker.predictions[0][0] <= until:
@@ -421,6 +431,9 @@ def simulate_generation(
                 mine = sorted({e for e in experts if members[e % len(members)] == index})
             else:
                 mine = [e for i, e in enumerate(sorted(set(experts))) if members[i % len(members)] == index]
+                group_layers = [la for la in range(shape.layers) if la % len(groups) == layer % len(groups)]
+                if planned_on_cpu(step, layer, group_layers, len(groups), share):
+                    mine = []
             worker.loader.discard(lambda k, s=step, la=layer, m=set(mine): (k[0], k[1]) != (s, la) or k[2] in m, t)
             for e in mine:
                 worker.loader.prefetch((step, layer, e), t)
