@@ -55,9 +55,10 @@ from benchmarks.plots import bar_plot
 from benchmarks.sim_prediction import measure_machine, predict_for_run
 from inference.checkpoint import Checkpoint, expert_key_name
 from inference.emulation import Emulation, emulation_for, measure_expert_compute
-from inference.hybrid import expert_flops
+from inference.hybrid import expert_flops, predicted_share
 from inference.importance import SIMILARITY_FILE, calibrate, write_similarity
 from inference.launcher import ClusterOptions, LocalCluster
+from inference.placement import placement
 from inference.reference import reference_generate
 from inference.sim import hardware as sim_hardware
 from inference.sim.hardware import PROFILES
@@ -624,10 +625,20 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("odmoe", "odmoe" + HYBRID)
             if name in results
         ]
+        groups = placement(
+            config["num_hidden_layers"], config["num_local_experts"], config["num_experts_per_tok"], args.workers
+        ).n_groups
+        cpu_ms = split["cpu_ms"]  # the workers' CPU time also counts their arithmetic (hybrid.cpu_seconds)
+        if emulation.host_flops:
+            flops = expert_flops(config["hidden_size"], config["intermediate_size"], 1)
+            cpu_ms = max(cpu_ms, flops / emulation.host_flops * 1000)
+        share = predicted_share(split["copy_ms"], cpu_ms, groups)
+        split["planned_share_ceiling"] = float(share)
         print(
             f"the copy + host-memory ceiling: {split['tok_s']:.2f} tok/s ({split['cpu_experts_per_token']:.1f} "
             f"of each token's experts on the workers' CPUs at {split['cpu_ms']:.1f} ms each, the rest copied at "
-            f"{split['copy_ms']:.1f} ms; a split of predicted experts is not built); {', '.join(reached)}"
+            f"{split['copy_ms']:.1f} ms; odmoe{HYBRID} plans up to {share} of each of its {groups} groups' decode "
+            f"layers on the CPUs, as far as the tokens' periods shorten); {', '.join(reached)}"
         )
     if args.json:
         record = run_record(args, emulation, calibration, pairs, hybrid, exact, results, predictions)

@@ -21,14 +21,20 @@ ahead (odmoe), the copy links bound decode: each of a layer group's workers copi
 every predicted expert. Leaving some (step, layer)s' predicted experts uncopied and computing
 them on the CPUs when main's request comes frees link time for the rest, at a CPU expert's time
 on the critical path (it cannot start before its layer's hidden state arrives). A layer's
-experts are dealt over its group's workers, so its CPU experts run on several CPUs at once; per
-token a group copies ``(L_g - y) n c`` per worker (``n`` experts per worker and layer, ``c`` a
-copy) and the ``G`` groups' CPU layers add ``G y n h`` to the critical path (``h`` a CPU
-expert). Equal, they give the share of a group's (step, layer)s planned on the CPU:
-``y / L_g = c / (G h + c)`` (``predicted_share``), the split behind the strategies benchmark's
-copy + host-memory ceiling; main's own layers are left out, so it assumes the copies bind.
-Every worker of a group picks the same (step, layer)s from the step and layer alone, evenly
-spaced, the groups' picks interleaved in time (``planned_on_cpu``): no message. At main's
+experts are dealt over its group's workers, so its CPU experts run on several CPUs at once. Per
+token, with a share ``s`` of the (step, layer)s planned on the CPUs, a worker's copies take
+``C (1 - s)`` and the token's critical path ``B + H s``: ``C`` its copies with none planned,
+``H`` every group's CPU layers with all planned, ``B`` the rest of the critical path (main's
+layers, the hops, the device's experts). Decode runs at the longer of the two, so the best share
+makes them equal: ``s = (C - B) / (C + H)``, at most ``c / (G h + c)`` (``B = 0``,
+``predicted_share``) for a copy time ``c``, a CPU time ``h`` and ``G`` groups. ``B`` is not
+known ahead (on a 2-core test machine it is most of a token), and a worker cannot tell its part
+of it from its own copy waits (they gather at whichever group the copies fall behind in), so the
+share is found from what every worker of a group sees alike, the decode tokens' period
+(``ShareController``): it starts at 0 and climbs a step while each step shortens the period,
+up to that ceiling. Every
+worker of a group picks the same (step, layer)s from the step, the layer and the share alone,
+evenly spaced, the groups' picks interleaved in time (``planned_on_cpu``): no message. At main's
 request the rule above still decides each such expert (one that the CPU would finish after its
 copy gets copied then).
 
@@ -133,20 +139,68 @@ def split(units: list[tuple[int, float, CopyState]], copy_s: float, rates: HostR
     return on_cpu
 
 
-# The planned share is kept as a fraction of a small denominator: every worker of a group must
-# pick the same (step, layer)s, and workers that measured their rates a little differently then
-# still hold the same share (a disagreement costs speed, never exactness).
-SHARE_DENOMINATOR = 16
+# The planned share is a multiple of 1 / SHARE_STEPS: every worker of a group must pick the same
+# (step, layer)s, and workers whose measurements differ a little then still hold the same share,
+# or neighbouring ones (a disagreement costs speed, never exactness).
+SHARE_STEPS = 16
+# Decode tokens one share is measured over (their mean period: the decode rate over the window).
+SHARE_WINDOW = 8
+# A step up is kept when it shortens the mean period by this much: less is within the noise of
+# one window on a loaded machine. A held share's period growing by REMEASURE starts the climb over.
+SHARE_GAIN = 0.02
+REMEASURE = 0.10
 
 
 def predicted_share(copy_s: float, cpu_s: float, groups: int) -> Fraction:
-    """The share of a decode group's (step, layer)s whose predicted experts its workers compute on
-    their CPUs instead of copying them: ``c / (G h + c)`` for a copy time ``c``, a CPU time ``h``
-    and ``G`` decode groups, the split at which the copies and the CPU layers on the critical
-    path take equally long (module docstring)."""
+    """The share of a decode group's (step, layer)s worth planning on the CPUs if nothing but the
+    copies and the CPU layers took time: ``c / (G h + c)`` for a copy time ``c``, a CPU time
+    ``h`` and ``G`` decode groups, rounded down to a step (module docstring). A ceiling: the
+    rest of a real critical path only lowers the best share."""
     if copy_s <= 0 or cpu_s <= 0 or groups < 1:
         raise ValueError("copy and CPU times must be positive and there must be at least one group")
-    return Fraction(copy_s / (groups * cpu_s + copy_s)).limit_denominator(SHARE_DENOMINATOR)
+    return Fraction(math.floor(copy_s / (groups * cpu_s + copy_s) * SHARE_STEPS), SHARE_STEPS)
+
+
+class ShareController:
+    """A worker's planned share, found from its decode tokens' periods.
+
+    It starts at 0 (every predicted expert copied, as without hybrid execution). Every
+    ``window`` decode tokens it takes their mean period (a planned layer shortens some tokens
+    and leaves the copies of the others less far behind: a median misses it): a step up that shortened it by
+    ``SHARE_GAIN`` is kept and the next step tried (up to ``ceiling``); one that did not is
+    undone and the best share held. A held share whose period grows by ``REMEASURE`` (the
+    machine or the load changed) starts the climb again from 0. Each worker of a group runs its
+    own controller on the same periods, so they agree but for noise at a threshold. Pure: the
+    worker feeds it, and the simulator feeds it the same way.
+    """
+
+    def __init__(self, ceiling: Fraction, window: int = SHARE_WINDOW) -> None:
+        if not 0 <= ceiling <= 1 or window < 1:
+            raise ValueError("the ceiling must lie in [0, 1] and the window hold at least one token")
+        self.ceiling, self.window = ceiling, window
+        self.share = Fraction(0)
+        self.best: tuple[Fraction, float] | None = None  # the best share so far and its mean period
+        self.holding = False
+        self._periods: list[float] = []
+
+    def observe(self, period_s: float) -> None:
+        """One decode token's period, at the current share."""
+        self._periods.append(period_s)
+        if len(self._periods) < self.window:
+            return
+        period = statistics.fmean(self._periods)
+        self._periods.clear()
+        if self.holding:
+            assert self.best is not None
+            if period > self.best[1] * (1 + REMEASURE):
+                self.share, self.best, self.holding = Fraction(0), None, False
+            return
+        if self.best is None or period < self.best[1] * (1 - SHARE_GAIN):
+            self.best = (self.share, period)
+            if self.share + Fraction(1, SHARE_STEPS) <= self.ceiling:
+                self.share += Fraction(1, SHARE_STEPS)
+                return
+        self.share, self.holding = self.best[0], True
 
 
 def planned_on_cpu(step: int, layer: int, group_layers: Sequence[int], groups: int, share: Fraction) -> bool:

@@ -15,6 +15,7 @@ from inference.experts import activation
 from inference.hybrid import (
     CopyState,
     HostRates,
+    ShareController,
     copy_eta,
     cpu_seconds,
     expert_flops,
@@ -75,20 +76,57 @@ def test_a_copy_almost_done_stays_and_dropped_copies_move_the_later_ones_up() ->
     assert split(queued, 0.0001, fast_copy) == [False, False]
 
 
-def test_the_planned_share_balances_a_groups_copies_against_its_cpu_layers_on_the_critical_path() -> None:
-    # The emulated edge profile: 14.1 ms a copy, 8.8 ms on the CPU, 4 groups: c / (G h + c) = 0.286.
+def test_the_planned_shares_ceiling_balances_a_groups_copies_against_its_cpu_layers_alone() -> None:
+    # The emulated edge profile: 14.1 ms a copy, 8.8 ms on the CPU, 4 groups: c / (G h + c) = 0.286,
+    # rounded down to sixteenths: the last at which a group's link, copying (1 - s) of its 2 layers'
+    # experts per token, takes no less than the four groups' CPU layers (8 s per token) on the critical path.
     share = predicted_share(0.0141, 0.0088, 4)
-    assert share == Fraction(2, 7)
-    # With it a group's link copies (1 - 2/7) of its 2 layers' experts per token, as long as the
-    # four groups' CPU layers (8 x 2/7 per token) take on the critical path: 20.1 against 20.1 ms.
-    assert 2 * (1 - share) * 14.1 == pytest.approx(8 * share * 8.8, rel=0.01)
-    assert predicted_share(0.02, 0.002, 1) == Fraction(10, 11)  # one group: most layers on the CPUs
+    assert share == Fraction(4, 16)
+    assert 2 * (1 - share) * 14.1 >= 8 * share * 8.8
+    assert 2 * (1 - share - Fraction(1, 16)) * 14.1 < 8 * (share + Fraction(1, 16)) * 8.8
+    assert predicted_share(0.02, 0.002, 1) == Fraction(14, 16)  # one group: most layers on the CPUs
     assert predicted_share(0.001, 0.1, 4) == Fraction(0)  # a CPU 100x slower than a copy: never planned
     with pytest.raises(ValueError, match="positive"):
         predicted_share(0.0, 0.01, 4)
 
 
-@pytest.mark.parametrize(("groups", "share"), [(4, Fraction(2, 7)), (1, Fraction(1, 4)), (2, Fraction(1, 3))])
+def feed(control: ShareController, period_of) -> list[Fraction]:
+    """Shares held after each window, the period a function of the share."""
+    shares = []
+    for _ in range(12):
+        for _ in range(control.window):
+            control.observe(period_of(control.share))
+        shares.append(control.share)
+    return shares
+
+
+def test_the_share_climbs_while_the_decode_period_shortens_and_holds_the_best() -> None:
+    # Decode at the longer of a worker's copies, 78 (1 - s) ms, and the critical path, 27 + 195 s ms:
+    # the best sixteenth is 3/16 (63.4 and 63.6 ms); 4/16, the ceiling, is tried and undone (75.8 ms).
+    control = ShareController(Fraction(4, 16), window=4)
+    shares = feed(control, lambda s: max(0.078 * (1 - float(s)), 0.027 + 0.195 * float(s)))
+    assert shares[:5] == [Fraction(n, 16) for n in (1, 2, 3, 4, 3)]
+    assert control.holding and set(shares[4:]) == {Fraction(3, 16)}
+    # Copies that do not bind: the first step up gains nothing and is undone.
+    idle = ShareController(Fraction(4, 16), window=4)
+    assert set(feed(idle, lambda s: 0.1 + 0.195 * float(s))[1:]) == {Fraction(0)}
+    # Never past the ceiling, however much each step gains.
+    capped = ShareController(Fraction(2, 16), window=1)
+    assert max(feed(capped, lambda s: 1.0 - float(s))) == Fraction(2, 16)
+
+
+def test_a_held_share_whose_period_grows_is_measured_again_from_zero() -> None:
+    control = ShareController(Fraction(4, 16), window=2)
+    feed(control, lambda s: max(0.078 * (1 - float(s)), 0.027 + 0.195 * float(s)))
+    assert control.holding and control.share == Fraction(3, 16)
+    for _ in range(2):
+        control.observe(0.2)  # the machine slowed: 3x the best period
+    assert (control.share, control.holding, control.best) == (Fraction(0), False, None)
+    with pytest.raises(ValueError, match="ceiling"):
+        ShareController(Fraction(3, 2))
+
+
+@pytest.mark.parametrize(("groups", "share"), [(4, Fraction(4, 16)), (1, Fraction(3, 16)), (2, Fraction(5, 16))])
 def test_planned_layers_are_the_share_of_each_group_evenly_spaced_in_the_generations_order(
     groups: int, share: Fraction
 ) -> None:
@@ -157,7 +195,7 @@ def test_late_experts_computed_on_the_workers_cpus_give_the_reference_tokens(tin
     checkpoint = Checkpoint(tiny_model)
     expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, p)) for p in ("w1", "w2", "w3"))
     # Copies of 20 ms against 2 ms on the CPU: every expert that is not on the device goes to the CPU,
-    # and under odmoe (one group of two) 10 of every 11 layers' predicted experts are planned there.
+    # and under odmoe (one group of two) up to 14 of every 16 layers' predicted experts may be planned there.
     settings = Settings(
         strategy=strategy,
         hybrid=True,

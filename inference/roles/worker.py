@@ -9,7 +9,8 @@ layer shows what was really needed. With hybrid execution (``Settings.hybrid``,
 ``inference.hybrid``) an expert whose copy would finish later than the worker's CPU could
 compute it from host memory runs on the CPU instead, beside the device's experts; under a
 cacheless strategy that loads ahead, a planned share of the group's (step, layer)s is not
-copied at all and runs on the CPUs when main's request comes (``planned_on_cpu``).
+copied at all and runs on the CPUs when main's request comes (``planned_on_cpu``), the share
+corrected from the decode tokens' measured periods (``ShareController``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from inference.experts import activation, expert_forward
 from inference.hotset import HotSetStore
 from inference.hybrid import (
     HostRates,
+    ShareController,
     cpu_seconds,
     expert_flops,
     measure_host_rates,
@@ -138,8 +140,11 @@ class WorkerRole:
         self.host = ThreadPoolExecutor(1, thread_name_prefix="host-experts") if self.rates else None
         self.cpu_experts = 0  # experts of this session computed on the CPU
         # Of the group's (step, layer)s, the share whose predicted experts are left uncopied and
-        # computed on the CPUs (hybrid execution under a cacheless strategy that loads ahead).
-        self.cpu_share = self._cpu_share()
+        # computed on the CPUs (hybrid execution under a cacheless strategy that loads ahead),
+        # found from the decode tokens' periods: the session step and time of the last token's
+        # first request to the group.
+        self.share_control = self._share_control()
+        self.token_mark: tuple[int, float] | None = None
         # Per planned (session step, layer): the predicted experts this worker would have loaded.
         self.planned: dict[tuple[int, int], set[int]] = {}
         self.endpoint = open_endpoint(spec)
@@ -207,6 +212,7 @@ class WorkerRole:
         self.joined.clear()
         self.predicted.clear()
         self.planned.clear()
+        self.token_mark = None
         self._clear_pins()
         self.flooded = 0
         self.served = (-1, -1)
@@ -243,7 +249,9 @@ class WorkerRole:
         sources[msg.request_id] = msg.experts  # a newer prediction from the same source replaces its older one
         union = sorted(set().union(*sources.values()))
         mine = set(prefetch_on_prediction(self.strategy, union, self.members, self.index))
-        if planned_on_cpu(step, msg.layer, self.group_layers, self.placement.n_groups, self.cpu_share):
+        if len(self.joined) == 1 and planned_on_cpu(
+            step, msg.layer, self.group_layers, self.placement.n_groups, self.cpu_share
+        ):  # one sequence: batched rows make the CPU slower than the share was measured for
             self.planned[(step, msg.layer)] = mine  # computed on the CPU when main asks: nothing to copy
             mine = set()
         self._pin(step, msg.layer, mine)
@@ -275,6 +283,8 @@ class WorkerRole:
             self.planned[here] = planned
         wanted = set(msg.experts)
         self.loader.discard(lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted))
+        if msg.layer == self.group_layers[0]:
+            self._mark_token(msg.step)
         if msg.experts:
             self._compute(msg, identity, planned)
 
@@ -400,19 +410,36 @@ class WorkerRole:
                 time.sleep(left)
         return out.to(self.device)
 
-    def _cpu_share(self) -> Fraction:
-        """The planned CPU share of the group's (step, layer)s (``inference.hybrid.predicted_share``):
-        none without hybrid execution, or under a strategy that caches or loads nothing ahead."""
+    @property
+    def cpu_share(self) -> Fraction:
+        """The share of the group's (step, layer)s planned on the CPUs now."""
+        return self.share_control.share if self.share_control else Fraction(0)
+
+    def _share_control(self) -> ShareController | None:
+        """The planned share's controller (``inference.hybrid.ShareController``), its ceiling from
+        this worker's rates: none without hybrid execution, or under a strategy that caches or
+        loads nothing ahead."""
         if self.rates is None or self.strategy.cache != "none" or self.strategy.predictor is None:
-            return Fraction(0)
-        flops = expert_flops(self.hidden, self.intermediate, 1)
-        share = predicted_share(
-            self.expert_bytes / self.rates.copy_bytes_per_s,
-            cpu_seconds(self.expert_bytes, flops, self.rates),
-            self.placement.n_groups,
-        )
-        log.info("worker %d: %s of the group's decode layers planned on the CPUs", self.index, share)
-        return share
+            return None
+        cpu = cpu_seconds(self.expert_bytes, expert_flops(self.hidden, self.intermediate, 1), self.rates)
+        ceiling = predicted_share(self.expert_bytes / self.rates.copy_bytes_per_s, cpu, self.placement.n_groups)
+        log.info("worker %d: up to %s of the group's decode layers may be planned on the CPUs", self.index, ceiling)
+        return ShareController(ceiling)
+
+    def _mark_token(self, step: int) -> None:
+        """Main's first request to the group for session step ``step``: the previous decode
+        token's period (since the last mark) goes to the share's controller."""
+        now = time.perf_counter()
+        mark, self.token_mark = self.token_mark, (step, now)
+        if self.share_control is None or mark is None or len(self.joined) != 1:
+            return
+        first_step = next(iter(self.joined.values()))  # the sequence's prefill
+        if mark[0] == step - 1 and mark[0] > first_step:  # two decode tokens in a row
+            before = self.share_control.share
+            self.share_control.observe(now - mark[1])
+            share = self.share_control.share
+            if share != before:
+                log.info("worker %d: %s of the group's decode layers planned on the CPUs", self.index, share)
 
     def _host_rates(self) -> HostRates:
         """The rates hybrid execution decides with: the emulated ones, else measured here at start."""
@@ -508,6 +535,7 @@ class WorkerRole:
         self.joined.clear()
         self.predicted.clear()
         self.planned.clear()
+        self.token_mark = None
         self._clear_pins()
         self.flooded = 0
 

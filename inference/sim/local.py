@@ -31,7 +31,8 @@ module. Every rule here is the runtime's own, not a fit:
   of it) plus the compute, or the worker's CPU straight from host memory — and a copy not yet
   started for an expert sent to the CPU is dropped; under odmoe a worker also leaves the predicted
   experts of the (step, layer)s its group plans on the CPUs uncopied (`inference.hybrid.
-  predicted_share`, `planned_on_cpu`, with the runtime's CPU time from the emulated rates).
+  planned_on_cpu`), the share set by the runtime's controller (`ShareController`, its ceiling
+  from the emulated rates) from the simulated tokens' periods.
 
 What it needs measured (`MachineCosts`, by `benchmarks.sim_prediction` before a run) is this
 machine's own time for what the emulation does not scale: main's layer, the per-layer Python
@@ -49,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
-from inference.hybrid import planned_on_cpu, predicted_share
+from inference.hybrid import ShareController, planned_on_cpu, predicted_share
 from inference.schedule import assign_experts
 
 Key = tuple[int, int, int]  # (step, layer, expert)
@@ -306,6 +307,8 @@ class WorkerSim:
     uplink_free: float = 0.0
     cpu_experts: int = 0
     predictions: list[tuple[float, int, int, list[int]]] = field(default_factory=list)
+    share_control: ShareController | None = None  # hybrid odmoe: the planned CPU share
+    token_mark: tuple[int, float] | None = None  # the last token's first request: its step and time
 
 
 class Link:
@@ -412,12 +415,22 @@ def simulate_generation(
         cpu_s = max(costs.expert_compute_s, rates.expert_bytes / rates.host_memory_bytes_per_s)
         if rates.host_flops:
             cpu_s = max(cpu_s, rates.expert_flops / rates.host_flops)
-    share = Fraction(0)
-    if options.hybrid and strategy == "odmoe":  # the runtime's share: from its rates alone
+    group_layers = [[la for la in range(shape.layers) if la % len(groups) == g] for g in range(len(groups))]
+    if options.hybrid and strategy == "odmoe":  # the runtime's controller, with its rates alone
         host_s = rates.expert_bytes / rates.host_memory_bytes_per_s
         if rates.host_flops:
             host_s = max(host_s, rates.expert_flops / rates.host_flops)
-        share = predicted_share(rates.copy_s, host_s, len(groups))
+        for worker in pool:
+            worker.share_control = ShareController(predicted_share(rates.copy_s, host_s, len(groups)))
+
+    def share_of(worker: WorkerSim) -> Fraction:
+        return worker.share_control.share if worker.share_control else Fraction(0)
+
+    def mark_token(worker: WorkerSim, step: int, at: float) -> None:
+        """`WorkerRole._mark_token`: the previous decode token's period."""
+        mark, worker.token_mark = worker.token_mark, (step, at)
+        if worker.share_control and mark and mark[0] == step - 1:  # (the trace holds decode steps only)
+            worker.share_control.observe(at - mark[1])
 
     def deliver_predictions(worker: WorkerSim, until: float) -> None:
         while worker.predictions and worker.predictions[0][0] <= until:
@@ -431,8 +444,7 @@ def simulate_generation(
                 mine = sorted({e for e in experts if members[e % len(members)] == index})
             else:
                 mine = [e for i, e in enumerate(sorted(set(experts))) if members[i % len(members)] == index]
-                group_layers = [la for la in range(shape.layers) if la % len(groups) == layer % len(groups)]
-                if planned_on_cpu(step, layer, group_layers, len(groups), share):
+                if planned_on_cpu(step, layer, group_layers[layer % len(groups)], len(groups), share_of(worker)):
                     mine = []
             worker.loader.discard(lambda k, s=step, la=layer, m=set(mine): (k[0], k[1]) != (s, la) or k[2] in m, t)
             for e in mine:
@@ -444,6 +456,8 @@ def simulate_generation(
         t = max(arrive, worker.free_at)
         loader = worker.loader
         here = (step, layer)
+        if layer == group_layers[layer % len(groups)][0]:
+            mark_token(worker, step, t)
         if here > worker.served:
             worker.served = here
         wanted = set(experts)
