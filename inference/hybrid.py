@@ -32,11 +32,12 @@ known ahead (on a 2-core test machine it is most of a token), and a worker canno
 of it from its own copy waits (they gather at whichever group the copies fall behind in), so the
 share is found from what every worker of a group sees alike, the decode tokens' period
 (``ShareController``): it starts at 0 and climbs a step while each step shortens the period,
-up to that ceiling. Every
-worker of a group picks the same (step, layer)s from the step, the layer and the share alone,
-evenly spaced, the groups' picks interleaved in time (``planned_on_cpu``): no message. At main's
-request the rule above still decides each such expert (one that the CPU would finish after its
-copy gets copied then).
+up to that ceiling. The balance also overstates what a step gains: the link time a planned layer
+frees is of use only for copies whose predictions are already there, and the shadow predicts one
+token ahead. Every worker of a group picks the same (step, layer)s from the step, the layer and
+the share alone, evenly spaced, the groups' picks interleaved in time (``planned_on_cpu``): no
+message. At main's request the rule above still decides each such expert (one that the CPU
+would finish after its copy gets copied then).
 
 Everything here is pure arithmetic on rates and a snapshot of the loader's queue; the worker
 (``inference.roles.worker``) takes the snapshot and runs the result.
