@@ -184,6 +184,11 @@ class ShareController:
         self.holding = False
         self._periods: list[float] = []
 
+    def new_session(self) -> None:
+        """A session begins: the periods gathered so far belong to another one and are dropped
+        (the share reached, and the period it was reached at, stand)."""
+        self._periods.clear()
+
     def observe(self, period_s: float) -> None:
         """One decode token's period, at the current share."""
         self._periods.append(period_s)

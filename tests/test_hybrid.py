@@ -126,6 +126,16 @@ def test_a_held_share_whose_period_grows_is_measured_again_from_zero() -> None:
         ShareController(Fraction(3, 2))
 
 
+def test_a_window_of_periods_never_spans_two_sessions() -> None:
+    control = ShareController(Fraction(4, 16), window=2)
+    control.observe(0.1)  # the last token of one session
+    control.new_session()
+    control.observe(0.1)  # one token of the next: the window is not full yet
+    assert control.best is None and control.share == 0
+    control.observe(0.1)
+    assert control.best == (Fraction(0), pytest.approx(0.1)) and control.share == Fraction(1, 16)
+
+
 @pytest.mark.parametrize(("groups", "share"), [(4, Fraction(4, 16)), (1, Fraction(3, 16)), (2, Fraction(5, 16))])
 def test_planned_layers_are_the_share_of_each_group_evenly_spaced_in_the_generations_order(
     groups: int, share: Fraction

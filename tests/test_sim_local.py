@@ -120,12 +120,14 @@ def test_hybrid_odmoe_plans_layers_on_the_cpus_when_that_shortens_the_tokens() -
     trace = steps(60, 4, (3, 5))
     plain = simulate_generation(Options("odmoe"), shape, COSTS, fast_host, trace)
     hybrid = simulate_generation(Options("odmoe", hybrid=True), shape, COSTS, fast_host, trace)
-    assert plain["cpu_experts"] == 0 and plain["loads"] == 480
-    assert hybrid["loads"] < 480 and hybrid["cpu_experts"] > 0  # planned experts are never copied
+    assert plain["cpu_experts"] == 0 and plain["loads"] == 480 and plain["planned_experts"] == 0
+    assert hybrid["planned_experts"] > 0 and hybrid["loads"] <= 480 - hybrid["planned_experts"]  # never copied
+    assert hybrid["cpu_experts"] >= hybrid["planned_experts"]
     assert hybrid["decode_tok_s"] > plain["decode_tok_s"]
     # A CPU 100x slower than a copy: nothing is planned, nothing changes.
     slow_host = EmulatedRates(**{**RATES.__dict__, "host_memory_bytes_per_s": 1e6})
-    assert simulate_generation(Options("odmoe", hybrid=True), shape, COSTS, slow_host, trace)["loads"] == 480
+    slow = simulate_generation(Options("odmoe", hybrid=True), shape, COSTS, slow_host, trace)
+    assert slow["loads"] == 480 and slow["planned_experts"] == 0
 
 
 @pytest.mark.parametrize(

@@ -213,6 +213,8 @@ class WorkerRole:
         self.predicted.clear()
         self.planned.clear()
         self.token_mark = None
+        if self.share_control is not None:
+            self.share_control.new_session()
         self._clear_pins()
         self.flooded = 0
         self.served = (-1, -1)
@@ -536,6 +538,8 @@ class WorkerRole:
         self.predicted.clear()
         self.planned.clear()
         self.token_mark = None
+        if self.share_control is not None:
+            self.share_control.new_session()
         self._clear_pins()
         self.flooded = 0
 

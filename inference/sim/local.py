@@ -306,6 +306,7 @@ class WorkerSim:
     served: tuple[int, int] = (-1, -1)
     uplink_free: float = 0.0
     cpu_experts: int = 0
+    planned_experts: int = 0  # predicted experts planned on the CPU, never copied
     predictions: list[tuple[float, int, int, list[int]]] = field(default_factory=list)
     share_control: ShareController | None = None  # hybrid odmoe: the planned CPU share
     token_mark: tuple[int, float] | None = None  # the last token's first request: its step and time
@@ -445,6 +446,7 @@ def simulate_generation(
             else:
                 mine = [e for i, e in enumerate(sorted(set(experts))) if members[i % len(members)] == index]
                 if planned_on_cpu(step, layer, group_layers[layer % len(groups)], len(groups), share_of(worker)):
+                    worker.planned_experts += len(mine)
                     mine = []
             worker.loader.discard(lambda k, s=step, la=layer, m=set(mine): (k[0], k[1]) != (s, la) or k[2] in m, t)
             for e in mine:
@@ -536,6 +538,7 @@ def simulate_generation(
         "loads": sum(w.loader.loads for w in pool),
         "wasted_loads": sum(w.loader.wasted for w in pool),
         "cpu_experts": sum(w.cpu_experts for w in pool),
+        "planned_experts": sum(w.planned_experts for w in pool),
     }
 
 
