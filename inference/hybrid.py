@@ -30,9 +30,11 @@ makes them equal: ``s = (C - B) / (C + H)``, at most ``c / (G h + c)`` (``B = 0`
 ``predicted_share``) for a copy time ``c``, a CPU time ``h`` and ``G`` groups. ``B`` is not
 known ahead (on a 2-core test machine it is most of a token), and a worker cannot tell its part
 of it from its own copy waits (they gather at whichever group the copies fall behind in), so the
-share is found from what every worker of a group sees alike, the decode tokens' period
-(``ShareController``): it starts at 0 and climbs a step while each step shortens the period,
-up to that ceiling. The balance also overstates what a step gains: the link time a planned layer
+share is found from what every worker of a group sees nearly alike, the decode tokens' period
+as main's requests mark it (``ShareController``; each worker times them on its own clock, so
+noise at a threshold can still split a group: output stays exact, the split layer gains
+nothing): it starts at 0 and climbs a step while each step shortens the period, up to that
+ceiling. The balance also overstates what a step gains: the link time a planned layer
 frees is of use only for copies whose predictions are already there, and the shadow predicts one
 token ahead. Every worker of a group picks the same (step, layer)s from the step, the layer and
 the share alone, evenly spaced, the groups' picks interleaved in time (``planned_on_cpu``): no

@@ -209,14 +209,7 @@ class WorkerRole:
         self.store_counts_at_begin = self._store_counts()
         self.cpu_experts = 0
         self.request_id = msg.request_id
-        self.joined.clear()
-        self.predicted.clear()
-        self.planned.clear()
-        self.token_mark = None
-        if self.share_control is not None:
-            self.share_control.new_session()
-        self._clear_pins()
-        self.flooded = 0
+        self._forget_session()
         self.served = (-1, -1)
         for layer, expert in prefill_prefetch(self.strategy, self.placement, self.index):
             self.loader.prefetch((0, layer, expert))
@@ -534,6 +527,10 @@ class WorkerRole:
             ),
         )
         self.request_id = ""
+        self._forget_session()
+
+    def _forget_session(self) -> None:
+        """What a session learnt of its sequences, predictions and plans: dropped at its begin and end."""
         self.joined.clear()
         self.predicted.clear()
         self.planned.clear()
