@@ -48,6 +48,7 @@ from agent.messages import (
     StartRole,
     StopRole,
     TaskDone,
+    loads,
     parse,
 )
 from agent.roles import Roles
@@ -204,7 +205,7 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
     async def listen() -> None:
         async for raw in ws:
             try:
-                command = parse(json.loads(raw), allowed=COMMANDS)
+                command = parse(loads(raw), allowed=COMMANDS)
             except (MessageError, ValueError) as exc:
                 log.warning("ignored a bad command: %s", exc)
                 continue

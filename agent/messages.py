@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -29,6 +30,17 @@ CLOSE_PROTOCOL_MISMATCH = 4426  # the websocket close code for "upgrade the agen
 
 class MessageError(ValueError):
     """An object that is not a valid agent-link message."""
+
+
+def loads(text: str | bytes) -> Any:
+    """A frame's JSON. ``NaN`` and ``Infinity`` are refused (``ValueError``, as for any text
+    that is not JSON): Python's decoder takes them, JSON has no such numbers, and a database's
+    JSON column refuses them, so an inventory holding one could never be recorded."""
+    return json.loads(text, parse_constant=_not_a_json_number)
+
+
+def _not_a_json_number(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 @dataclass(frozen=True, kw_only=True)

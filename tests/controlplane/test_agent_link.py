@@ -95,6 +95,31 @@ def test_heartbeats_bring_a_node_online_and_a_closed_link_takes_it_offline(chann
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+def test_a_heartbeat_with_a_number_json_has_not_is_refused_and_records_nothing(
+    channel_layer_on_test_redis, number: str
+) -> None:
+    """Python's decoder takes NaN; the inventory's JSON column does not (a fuzz run found the
+    heartbeat's write failing with a logged error)."""
+    from asgiref.sync import async_to_sync
+
+    node, secret = enrolled()
+
+    async def session() -> dict:
+        comm = communicator(f"Node {node.pk}:{secret}")
+        assert (await comm.connect())[0]
+        await comm.send_to(text_data='{"type": "heartbeat", "inventory": {"cpu_count": ' + number + "}}")
+        answer = await comm.receive_json_from(timeout=5)
+        await comm.disconnect()
+        return answer
+
+    answer = async_to_sync(session)()
+    assert answer["type"] == "error" and f"{number} is not a JSON number" in answer["detail"]
+    node.refresh_from_db()
+    assert node.inventory == {} and node.status != NodeStatus.ONLINE
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_rotated_credential_replaces_the_old_once_the_agent_has_saved_it(channel_layer_on_test_redis) -> None:
     from asgiref.sync import async_to_sync
 

@@ -37,6 +37,7 @@ from agent.messages import (
     RotateCredential,
     TaskDone,
     TaskProgress,
+    loads,
     parse,
 )
 
@@ -137,6 +138,10 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 generation_group(request_id), {"type": "generation.event", "event": failed.to_json()}
             )
         self.generations.clear()
+
+    @classmethod
+    async def decode_json(cls, text_data):
+        return loads(text_data)  # NaN and Infinity refused: the inventory's JSON column would refuse them
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         """A frame that is not JSON text is refused like a malformed message: Channels' own JSON
