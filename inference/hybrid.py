@@ -30,16 +30,16 @@ makes them equal: ``s = (C - B) / (C + H)``, at most ``c / (G h + c)`` (``B = 0`
 ``predicted_share``) for a copy time ``c``, a CPU time ``h`` and ``G`` groups. ``B`` is not
 known ahead (on a 2-core test machine it is most of a token), and a worker cannot tell its part
 of it from its own copy waits (they gather at whichever group the copies fall behind in), so the
-share is found from what every worker of a group sees nearly alike, the decode tokens' period
-as main's requests mark it (``ShareController``; each worker times them on its own clock, so
-noise at a threshold can still split a group: output stays exact, the split layer gains
-nothing): it starts at 0 and climbs a step while each step shortens the period, up to that
-ceiling. The balance also overstates what a step gains: the link time a planned layer
-frees is of use only for copies whose predictions are already there, and the shadow predicts one
-token ahead. Every worker of a group picks the same (step, layer)s from the step, the layer and
-the share alone, evenly spaced, the groups' picks interleaved in time (``planned_on_cpu``): no
-message. At main's request the rule above still decides each such expert (one that the CPU
-would finish after its copy gets copied then).
+share is found from what every worker of a group hears alike, the decode tokens' periods as main
+times them and stamps them on its requests (``ShareController``; each change plans from a fixed
+later step, so a group's workers hold the same share for every step): it starts at 0
+and climbs a step while each step shortens the period, up to that ceiling. The balance also
+overstates what a step gains: the link time a planned layer frees is of use only for copies
+whose predictions are already there, and the shadow predicts one token ahead. Every worker of a
+group picks the same (step, layer)s from the step, the layer and the share alone, evenly spaced,
+the groups' picks interleaved in time (``planned_on_cpu``): no message. At main's request the
+rule above still decides each such expert (one that the CPU would finish after its copy gets
+copied then).
 
 Everything here is pure arithmetic on rates and a snapshot of the loader's queue; the worker
 (``inference.roles.worker``) takes the snapshot and runs the result.
@@ -164,6 +164,18 @@ def predicted_share(copy_s: float, cpu_s: float, groups: int) -> Fraction:
     return Fraction(math.floor(copy_s / (groups * cpu_s + copy_s) * SHARE_STEPS), SHARE_STEPS)
 
 
+def share_delay(lookahead: int) -> int:
+    """How many session steps after a decode token a share changed on that token's period first
+    plans: ``2 + max(lookahead, 1)``. A worker hears token ``t``'s period with main's request of
+    step ``t + 1``; main waits at that layer for every worker of the group, so no prediction sent
+    by then is for a step past ``t + 1 + max(lookahead, 1)`` (the shadow runs at most ``lookahead``
+    steps ahead of main, or one when it guesses main's token), and each worker of the group may
+    already have planned any of them. From the step after those, every worker plans alike."""
+    if lookahead < 0:
+        raise ValueError("the lookahead must not be negative")
+    return 2 + max(lookahead, 1)
+
+
 class ShareController:
     """A worker's planned share, found from its decode tokens' periods.
 
@@ -172,43 +184,66 @@ class ShareController:
     and leaves the copies of the others less far behind: a median misses it): a step up that shortened it by
     ``SHARE_GAIN`` is kept and the next step tried (up to ``ceiling``); one that did not is
     undone and the best share held. A held share whose period grows by ``REMEASURE`` (the
-    machine or the load changed) starts the climb again from 0. Each worker of a group runs its
-    own controller on the same periods, so they agree but for noise at a threshold. Pure: the
-    worker feeds it, and the simulator feeds it the same way.
+    machine or the load changed) starts the climb again from 0.
+
+    The workers of a group must plan the same (step, layer)s, so each change is tied to steps:
+    made on token ``t``'s period, it plans from step ``t + delay`` on (``share_delay``; the
+    steps before keep the share they may already have been planned with, ``share_at``), and
+    only tokens from that step on count towards the next window. Main stamps each token's period
+    on its requests, so every worker of a group feeds its controller the same periods for the
+    same tokens and holds the same share for every step. Pure: the worker feeds it, and the
+    simulator feeds it the same way.
     """
 
-    def __init__(self, ceiling: Fraction, window: int = SHARE_WINDOW) -> None:
-        if not 0 <= ceiling <= 1 or window < 1:
-            raise ValueError("the ceiling must lie in [0, 1] and the window hold at least one token")
-        self.ceiling, self.window = ceiling, window
-        self.share = Fraction(0)
+    def __init__(self, ceiling: Fraction, window: int = SHARE_WINDOW, delay: int = 0) -> None:
+        if not 0 <= ceiling <= 1 or window < 1 or delay < 0:
+            raise ValueError(
+                "the ceiling must lie in [0, 1], the window hold at least one token and the delay not be negative"
+            )
+        self.ceiling, self.window, self.delay = ceiling, window, delay
+        self.share = Fraction(0)  # the share decided last: it plans from step ``effective`` on
+        self.effective = 0
+        self._before = Fraction(0)  # the share that plans the steps before ``effective``
         self.best: tuple[Fraction, float] | None = None  # the best share so far and its mean period
         self.holding = False
         self._periods: list[float] = []
 
-    def new_session(self) -> None:
-        """A session begins: the periods gathered so far belong to another one and are dropped
-        (the share reached, and the period it was reached at, stand)."""
-        self._periods.clear()
+    def share_at(self, step: int) -> Fraction:
+        """The share that plans session step ``step``'s layers."""
+        return self.share if step >= self.effective else self._before
 
-    def observe(self, period_s: float) -> None:
-        """One decode token's period, at the current share."""
+    def new_session(self) -> None:
+        """A session begins: the periods gathered so far belong to another one and are dropped,
+        and the share reached plans from its first step (session steps count from 0 again; the
+        period it was reached at stands)."""
+        self._periods.clear()
+        self._before, self.effective = self.share, 0
+
+    def observe(self, step: int, period_s: float) -> None:
+        """Decode token ``step``'s period. A token planned with an earlier share (one before the
+        current share's first step) does not count."""
+        if step < self.effective:
+            return
         self._periods.append(period_s)
         if len(self._periods) < self.window:
             return
         period = statistics.fmean(self._periods)
         self._periods.clear()
+        share = self.share
         if self.holding:
             assert self.best is not None
             if period > self.best[1] * (1 + REMEASURE):
-                self.share, self.best, self.holding = Fraction(0), None, False
-            return
-        if self.best is None or period < self.best[1] * (1 - SHARE_GAIN):
+                share, self.best, self.holding = Fraction(0), None, False
+        elif self.best is None or period < self.best[1] * (1 - SHARE_GAIN):
             self.best = (self.share, period)
             if self.share + Fraction(1, SHARE_STEPS) <= self.ceiling:
-                self.share += Fraction(1, SHARE_STEPS)
-                return
-        self.share, self.holding = self.best[0], True
+                share = self.share + Fraction(1, SHARE_STEPS)
+            else:
+                self.holding = True
+        else:
+            share, self.holding = self.best[0], True
+        if share != self.share:
+            self._before, self.share, self.effective = self.share, share, step + max(self.delay, 1)
 
 
 def planned_on_cpu(step: int, layer: int, group_layers: Sequence[int], groups: int, share: Fraction) -> bool:

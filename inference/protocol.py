@@ -249,7 +249,9 @@ class ExpertRequest(Message):
     ``counts[i]`` rows starting at row ``offsets[i]`` of that expert's rows, and
     ``weights`` their routing weights. A long prefill arrives as several such requests
     (mini-batches); the worker keeps an expert on the device until a ``final`` request
-    for it, the one carrying its last rows.
+    for it, the one carrying its last rows. ``previous_step_s`` is how long the session's
+    previous step took as main timed it (0 for its first): every worker of a layer group hears
+    the same periods, and finds its hybrid share from them (``inference.hybrid``).
     """
 
     TYPE = "expert_request"
@@ -261,6 +263,7 @@ class ExpertRequest(Message):
     counts: list[int]
     offsets: list[int]
     final: bool = True
+    previous_step_s: float = 0.0
     rows: torch.Tensor | None = None
     weights: torch.Tensor | None = None
 

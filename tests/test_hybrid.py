@@ -3,6 +3,7 @@ CPU path, and a cluster that computes late experts on its workers' CPUs with exa
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from inference.hybrid import (
     measure_host_rates,
     planned_on_cpu,
     predicted_share,
+    share_delay,
     split,
 )
 from inference.launcher import ClusterOptions, LocalCluster
@@ -91,11 +93,13 @@ def test_the_planned_shares_ceiling_balances_a_groups_copies_against_its_cpu_lay
 
 
 def feed(control: ShareController, period_of) -> list[Fraction]:
-    """Shares held after each window, the period a function of the share."""
+    """Shares held after each window, the period a function of the share (one token a step)."""
     shares = []
+    step = 0
     for _ in range(12):
         for _ in range(control.window):
-            control.observe(period_of(control.share))
+            step += 1
+            control.observe(step, period_of(control.share))
         shares.append(control.share)
     return shares
 
@@ -119,8 +123,8 @@ def test_a_held_share_whose_period_grows_is_measured_again_from_zero() -> None:
     control = ShareController(Fraction(4, 16), window=2)
     feed(control, lambda s: max(0.078 * (1 - float(s)), 0.027 + 0.195 * float(s)))
     assert control.holding and control.share == Fraction(3, 16)
-    for _ in range(2):
-        control.observe(0.2)  # the machine slowed: 3x the best period
+    for step in (100, 101):
+        control.observe(step, 0.2)  # the machine slowed: 3x the best period
     assert (control.share, control.holding, control.best) == (Fraction(0), False, None)
     with pytest.raises(ValueError, match="ceiling"):
         ShareController(Fraction(3, 2))
@@ -128,12 +132,34 @@ def test_a_held_share_whose_period_grows_is_measured_again_from_zero() -> None:
 
 def test_a_window_of_periods_never_spans_two_sessions() -> None:
     control = ShareController(Fraction(4, 16), window=2)
-    control.observe(0.1)  # the last token of one session
+    control.observe(20, 0.1)  # the last token of one session
     control.new_session()
-    control.observe(0.1)  # one token of the next: the window is not full yet
+    control.observe(1, 0.1)  # one token of the next: the window is not full yet
     assert control.best is None and control.share == 0
-    control.observe(0.1)
+    control.observe(2, 0.1)
     assert control.best == (Fraction(0), pytest.approx(0.1)) and control.share == Fraction(1, 16)
+
+
+def test_a_changed_share_plans_from_a_fixed_later_step_and_counts_only_its_own_tokens() -> None:
+    # lookahead 2: token 4's period is heard with step 5's request, when predictions up to step 7
+    # may already have been planned; the change plans from step 8 on.
+    assert share_delay(2) == 4 and share_delay(0) == 3
+    control = ShareController(Fraction(4, 16), window=2, delay=share_delay(2))
+    control.observe(3, 0.1)
+    control.observe(4, 0.1)  # the window of share 0 is full: 1/16 is tried, from step 8
+    assert control.share == Fraction(1, 16) and control.effective == 8
+    assert [control.share_at(s) for s in (5, 7, 8, 30)] == [0, 0, Fraction(1, 16), Fraction(1, 16)]
+    for step in range(5, 8):
+        control.observe(step, 0.01)  # planned with share 0 still: not counted, however fast
+    assert control.best == (Fraction(0), pytest.approx(0.1)) and control.share == Fraction(1, 16)
+    control.observe(8, 0.1)
+    control.observe(9, 0.1)  # 1/16 gained nothing: back to 0, from step 13
+    assert (control.share, control.effective, control.holding) == (Fraction(0), 13, True)
+    assert [control.share_at(s) for s in (12, 13)] == [Fraction(1, 16), 0]
+    control.new_session()  # session steps count from 0 again: the share reached plans them all
+    assert control.share_at(0) == 0 and control.effective == 0
+    with pytest.raises(ValueError, match="lookahead"):
+        share_delay(-1)
 
 
 @pytest.mark.parametrize(("groups", "share"), [(4, Fraction(4, 16)), (1, Fraction(3, 16)), (2, Fraction(5, 16))])
@@ -215,6 +241,13 @@ def test_late_experts_computed_on_the_workers_cpus_give_the_reference_tokens(tin
     )
     with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings)) as cluster:
         results = [cluster.generate(prompt, 12) for prompt in PROMPTS[:2]]
+        logs = [(cluster.work_dir / f"worker-{w}.log").read_text() for w in range(2)]
     for prompt, result in zip(PROMPTS[:2], results, strict=True):
         assert result.token_ids == reference_generate(tiny_model, prompt, 12)
         assert result.metrics["cpu_experts"] > 0
+    if strategy == "odmoe":
+        # The group's two workers change the share alike, from the same steps: they hear the same
+        # periods from main. The first change is certain (8 decode periods in, 1/16 is tried).
+        change = re.compile(r"(\S+) of the group's decode layers planned on the CPUs from session step (\d+)")
+        changes = [change.findall(log) for log in logs]
+        assert changes[0] == changes[1] and changes[0][0] == ("1/16", "12"), changes

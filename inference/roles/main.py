@@ -159,6 +159,11 @@ class MainRole:
         # A session runs while any sequence does; workers key their loads by its steps.
         self.session = ""
         self.step = -1
+        # When the session's current step began, and how long its previous one took (0: none yet),
+        # as main times them: stamped on every expert request, the period each worker's hybrid
+        # share is found from (``inference.hybrid.ShareController``), the same for all of them.
+        self.step_began = 0.0
+        self.previous_step_s = 0.0
         self.stopping = False  # a Shutdown came: end the batch and stop
         self.pending_results: list[tuple[str, ExpertResult]] = []
         self.worker_stats: dict[int, WorkerStats] = {}
@@ -370,6 +375,8 @@ class MainRole:
     def _batch_step(self) -> None:
         """Every sequence's next token: each layer's experts served once for the whole batch."""
         self.step += 1
+        began, self.step_began = self.step_began, time.perf_counter()
+        self.previous_step_s = self.step_began - began if self.step > 0 else 0.0
         size = len(self.batch)
         for layer in range(self.placement.n_layers):
             calls = [s for s in self.batch.values() if s.call is not None]
@@ -649,6 +656,7 @@ class MainRole:
                     counts=[p.count for p in pieces],
                     offsets=[p.offset for p in pieces],
                     final=final,
+                    previous_step_s=self.previous_step_s,
                     rows=torch.cat([rows[p.expert][p.offset : p.offset + p.count] for p in pieces]) if pieces else None,
                     weights=torch.cat([weights[p.expert][p.offset : p.offset + p.count] for p in pieces])
                     if pieces

@@ -10,13 +10,14 @@ layer shows what was really needed. With hybrid execution (``Settings.hybrid``,
 compute it from host memory runs on the CPU instead, beside the device's experts; under a
 cacheless strategy that loads ahead, a planned share of the group's (step, layer)s is not
 copied at all and runs on the CPUs when main's request comes (``planned_on_cpu``), the share
-corrected from the decode tokens' measured periods (``ShareController``).
+found from the decode tokens' periods main stamps on its requests (``ShareController``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
@@ -35,6 +36,7 @@ from inference.hybrid import (
     measure_host_rates,
     planned_on_cpu,
     predicted_share,
+    share_delay,
     split,
 )
 from inference.loader import ExpertLoader, Key, Resident
@@ -141,10 +143,10 @@ class WorkerRole:
         self.cpu_experts = 0  # experts of this session computed on the CPU
         # Of the group's (step, layer)s, the share whose predicted experts are left uncopied and
         # computed on the CPUs (hybrid execution under a cacheless strategy that loads ahead),
-        # found from the decode tokens' periods: the session step and time of the last token's
-        # first request to the group.
+        # found from the decode tokens' periods main stamps on its requests: the session step of
+        # the last token's first request to the group.
         self.share_control = self._share_control()
-        self.token_mark: tuple[int, float] | None = None
+        self.token_mark: int | None = None
         # Per planned (session step, layer): the predicted experts this worker would have loaded.
         self.planned: dict[tuple[int, int], set[int]] = {}
         self.endpoint = open_endpoint(spec)
@@ -245,7 +247,7 @@ class WorkerRole:
         union = sorted(set().union(*sources.values()))
         mine = set(prefetch_on_prediction(self.strategy, union, self.members, self.index))
         if len(self.joined) == 1 and planned_on_cpu(
-            step, msg.layer, self.group_layers, self.placement.n_groups, self.cpu_share
+            step, msg.layer, self.group_layers, self.placement.n_groups, self.cpu_share(step)
         ):  # one sequence: batched rows make the CPU slower than the share was measured for
             self.planned[(step, msg.layer)] = mine  # computed on the CPU when main asks: nothing to copy
             mine = set()
@@ -279,7 +281,7 @@ class WorkerRole:
         wanted = set(msg.experts)
         self.loader.discard(lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted))
         if msg.layer == self.group_layers[0]:
-            self._mark_token(msg.step)
+            self._mark_token(msg.step, msg.previous_step_s)
         if msg.experts:
             self._compute(msg, identity, planned)
 
@@ -293,6 +295,8 @@ class WorkerRole:
             return f"experts {missing} of layer {msg.layer} are not this worker's"
         if any(c < 1 for c in msg.counts) or any(o < 0 for o in msg.offsets):
             return "counts must be positive and offsets non-negative"
+        if not math.isfinite(msg.previous_step_s) or msg.previous_step_s < 0:
+            return f"the previous step's time is {msg.previous_step_s}, not a finite number of seconds"
         rows = sum(msg.counts)
         if n and (msg.rows is None or msg.weights is None):
             return "rows or weights are missing"
@@ -405,10 +409,9 @@ class WorkerRole:
                 time.sleep(left)
         return out.to(self.device)
 
-    @property
-    def cpu_share(self) -> Fraction:
-        """The share of the group's (step, layer)s planned on the CPUs now."""
-        return self.share_control.share if self.share_control else Fraction(0)
+    def cpu_share(self, step: int) -> Fraction:
+        """The share of the group's (step, layer)s planned on the CPUs at session step ``step``."""
+        return self.share_control.share_at(step) if self.share_control else Fraction(0)
 
     def _share_control(self) -> ShareController | None:
         """The planned share's controller (``inference.hybrid.ShareController``), its ceiling from
@@ -419,22 +422,26 @@ class WorkerRole:
         cpu = cpu_seconds(self.expert_bytes, expert_flops(self.hidden, self.intermediate, 1), self.rates)
         ceiling = predicted_share(self.expert_bytes / self.rates.copy_bytes_per_s, cpu, self.placement.n_groups)
         log.info("worker %d: up to %s of the group's decode layers may be planned on the CPUs", self.index, ceiling)
-        return ShareController(ceiling)
+        return ShareController(ceiling, delay=share_delay(self.spec.settings.lookahead))
 
-    def _mark_token(self, step: int) -> None:
+    def _mark_token(self, step: int, previous_step_s: float) -> None:
         """Main's first request to the group for session step ``step``: the previous decode
-        token's period (since the last mark) goes to the share's controller."""
-        now = time.perf_counter()
-        mark, self.token_mark = self.token_mark, (step, now)
-        if self.share_control is None or mark is None or len(self.joined) != 1:
+        token's period, as main stamped it, goes to the share's controller."""
+        mark, self.token_mark = self.token_mark, step
+        if self.share_control is None or mark is None or len(self.joined) != 1 or previous_step_s <= 0:
             return
         first_step = next(iter(self.joined.values()))  # the sequence's prefill
-        if mark[0] == step - 1 and mark[0] > first_step:  # two decode tokens in a row
+        if mark == step - 1 and mark > first_step:  # two decode tokens in a row
             before = self.share_control.share
-            self.share_control.observe(now - mark[1])
+            self.share_control.observe(mark, previous_step_s)
             share = self.share_control.share
             if share != before:
-                log.info("worker %d: %s of the group's decode layers planned on the CPUs", self.index, share)
+                log.info(
+                    "worker %d: %s of the group's decode layers planned on the CPUs from session step %d",
+                    self.index,
+                    share,
+                    self.share_control.effective,
+                )
 
     def _host_rates(self) -> HostRates:
         """The rates hybrid execution decides with: the emulated ones, else measured here at start."""

@@ -50,8 +50,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
-from inference.hybrid import ShareController, planned_on_cpu, predicted_share
+from inference.hybrid import ShareController, planned_on_cpu, predicted_share, share_delay
 from inference.schedule import assign_experts
+from inference.spec import Settings
 
 Key = tuple[int, int, int]  # (step, layer, expert)
 # A routing trace of one generation: per decode step, per layer, the routed experts.
@@ -309,7 +310,7 @@ class WorkerSim:
     planned_experts: int = 0  # predicted experts planned on the CPU, never copied
     predictions: list[tuple[float, int, int, list[int]]] = field(default_factory=list)
     share_control: ShareController | None = None  # hybrid odmoe: the planned CPU share
-    token_mark: tuple[int, float] | None = None  # the last token's first request: its step and time
+    token_mark: int | None = None  # the step of the last token's first request
 
 
 class Link:
@@ -336,6 +337,7 @@ class Options:
     recall: float = 1.0  # odmoe: share of routed experts the shadow names (1: a shadow of the same precision)
     hybrid: bool = False
     shadow_layer_s: float | None = None  # the shadow's own layer time here (default: main's layer + top_k experts)
+    lookahead: int = Settings.lookahead  # the runtime's: how many steps after a token a share changed on it plans
 
 
 STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")
@@ -422,16 +424,18 @@ def simulate_generation(
         if rates.host_flops:
             host_s = max(host_s, rates.expert_flops / rates.host_flops)
         for worker in pool:
-            worker.share_control = ShareController(predicted_share(rates.copy_s, host_s, len(groups)))
+            worker.share_control = ShareController(
+                predicted_share(rates.copy_s, host_s, len(groups)), delay=share_delay(options.lookahead)
+            )
 
-    def share_of(worker: WorkerSim) -> Fraction:
-        return worker.share_control.share if worker.share_control else Fraction(0)
+    def share_of(worker: WorkerSim, step: int) -> Fraction:
+        return worker.share_control.share_at(step) if worker.share_control else Fraction(0)
 
-    def mark_token(worker: WorkerSim, step: int, at: float) -> None:
-        """`WorkerRole._mark_token`: the previous decode token's period."""
-        mark, worker.token_mark = worker.token_mark, (step, at)
-        if worker.share_control and mark and mark[0] == step - 1:  # (the trace holds decode steps only)
-            worker.share_control.observe(at - mark[1])
+    def mark_token(worker: WorkerSim, step: int) -> None:
+        """`WorkerRole._mark_token`: the previous decode token's period, as main timed it."""
+        mark, worker.token_mark = worker.token_mark, step
+        if worker.share_control and mark is not None and mark == step - 1:  # (the trace holds decode steps only)
+            worker.share_control.observe(mark, step_starts[step - 1] - step_starts[step - 2])
 
     def deliver_predictions(worker: WorkerSim, until: float) -> None:
         while worker.predictions and worker.predictions[0][0] <= until:
@@ -445,7 +449,7 @@ def simulate_generation(
                 mine = sorted({e for e in experts if members[e % len(members)] == index})
             else:
                 mine = [e for i, e in enumerate(sorted(set(experts))) if members[i % len(members)] == index]
-                if planned_on_cpu(step, layer, group_layers[layer % len(groups)], len(groups), share_of(worker)):
+                if planned_on_cpu(step, layer, group_layers[layer % len(groups)], len(groups), share_of(worker, step)):
                     worker.planned_experts += len(mine)
                     mine = []
             worker.loader.discard(lambda k, s=step, la=layer, m=set(mine): (k[0], k[1]) != (s, la) or k[2] in m, t)
@@ -459,7 +463,7 @@ def simulate_generation(
         loader = worker.loader
         here = (step, layer)
         if layer == group_layers[layer % len(groups)][0]:
-            mark_token(worker, step, t)
+            mark_token(worker, step)
         if here > worker.served:
             worker.served = here
         wanted = set(experts)
