@@ -207,6 +207,18 @@ class SequenceJoin(Message):
 
 @message
 @dataclass(frozen=True, kw_only=True)
+class SequenceLeave(Message):
+    """A sequence left the batch of session ``request_id``: session step ``last_step`` ran its
+    last token. The session goes on with the others (its end is ``End``)."""
+
+    TYPE = "sequence_leave"
+    request_id: str
+    sequence: str
+    last_step: int
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
 class ShadowBegin(Message):
     """The shadow starts emulating a request: it prefills the prompt on its own."""
 

@@ -328,6 +328,7 @@ def expert_requests(draw, hidden: int, experts_per_layer: int, layers: int) -> p
         counts=counts,
         offsets=offsets,
         final=draw(st.booleans()),
+        previous_step_s=draw(mostly(st.floats(0.0, 1.0), -1.0, float("nan"), float("inf"))),
         rows=draw(mostly(st.just(torch.full((rows, width), draw(st.sampled_from(FILLS))).to(dtype)), None)),
         weights=draw(mostly(st.just(torch.full((rows,), draw(st.sampled_from(FILLS)))), None)),
     )
@@ -343,6 +344,7 @@ def near_messages(config: dict):
         st.builds(protocol.Begin, request_id=st.just(REQUEST), prompt_len=ids, max_new_tokens=ids),
         st.builds(protocol.Prediction, request_id=st.just(REQUEST), step=steps, layer=layers, experts=st.lists(ids)),
         st.builds(protocol.SequenceJoin, request_id=st.just(REQUEST), sequence=st.just(REQUEST), first_step=steps),
+        st.builds(protocol.SequenceLeave, request_id=st.just(REQUEST), sequence=st.just(REQUEST), last_step=steps),
         expert_requests(config["hidden_size"], n_experts, n_layers),
         st.builds(protocol.End, request_id=st.just(REQUEST)),
         st.builds(protocol.Cancel, request_id=st.just(REQUEST)),

@@ -28,10 +28,12 @@ from inference.hybrid import (
 )
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.loader import ExpertLoader
+from inference.protocol import GenerateDone
 from inference.sim.hardware import get_profile
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.spec import Settings, SpecError, validate_settings
 from tests.reference import PROMPTS, reference_generate
+from tests.streams import run_streams
 from tests.test_loader import EXPERT_BYTES, MemoryStore, _wait_until
 
 RATES = HostRates(memory_bytes_per_s=1e9, flops=1e12, copy_bytes_per_s=1e8)
@@ -225,20 +227,29 @@ def test_hybrid_execution_needs_experts_in_host_memory() -> None:
         validate_settings(Settings(hybrid=True, host_memory_bytes_per_s=0.0))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["reactive", "lru-offload", "odmoe"])
-def test_late_experts_computed_on_the_workers_cpus_give_the_reference_tokens(tiny_model: Path, strategy: str) -> None:
-    checkpoint = Checkpoint(tiny_model)
+# The group's two workers log each change of the share, and the step it plans from.
+SHARE_CHANGE = re.compile(r"(\S+) of the group's decode layers planned on the CPUs from session step (\d+)")
+
+
+def fast_cpu_settings(model: Path, strategy: str) -> Settings:
+    """Copies of 20 ms against 2 ms on the CPU: every expert that is not on the device goes to the
+    CPU, and under odmoe (one group of two) up to 14 of every 16 layers' predicted experts may be
+    planned there."""
+    checkpoint = Checkpoint(model)
     expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, p)) for p in ("w1", "w2", "w3"))
-    # Copies of 20 ms against 2 ms on the CPU: every expert that is not on the device goes to the CPU,
-    # and under odmoe (one group of two) up to 14 of every 16 layers' predicted experts may be planned there.
-    settings = Settings(
+    return Settings(
         strategy=strategy,
         hybrid=True,
         copy_bytes_per_s=expert_bytes / 0.020,
         host_memory_bytes_per_s=expert_bytes / 0.002,
         host_flops=1e15,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["reactive", "lru-offload", "odmoe"])
+def test_late_experts_computed_on_the_workers_cpus_give_the_reference_tokens(tiny_model: Path, strategy: str) -> None:
+    settings = fast_cpu_settings(tiny_model, strategy)
     with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings)) as cluster:
         results = [cluster.generate(prompt, 12) for prompt in PROMPTS[:2]]
         logs = [(cluster.work_dir / f"worker-{w}.log").read_text() for w in range(2)]
@@ -248,6 +259,27 @@ def test_late_experts_computed_on_the_workers_cpus_give_the_reference_tokens(tin
     if strategy == "odmoe":
         # The group's two workers change the share alike, from the same steps: they hear the same
         # periods from main. The first change is certain (8 decode periods in, 1/16 is tried).
-        change = re.compile(r"(\S+) of the group's decode layers planned on the CPUs from session step (\d+)")
-        changes = [change.findall(log) for log in logs]
+        changes = [SHARE_CHANGE.findall(log) for log in logs]
         assert changes[0] == changes[1] and changes[0][0] == ("1/16", "12"), changes
+
+
+@pytest.mark.slow
+def test_a_sequence_left_alone_in_its_session_is_planned_again_from_a_step_every_worker_agrees_on(
+    tiny_model: Path,
+) -> None:
+    # A long stream and a short one that joins it: once the short one has left, the group's
+    # workers plan for the long one again, from the same step, and change its share alike.
+    prompts, new_tokens = [PROMPTS[0], PROMPTS[1]], [30, 4]
+    options = ClusterOptions(workers=2, settings=fast_cpu_settings(tiny_model, "odmoe"))
+    with LocalCluster(tiny_model, options) as cluster:
+        results = run_streams(cluster, prompts, new_tokens, stagger_s=0.05)
+        logs = [(cluster.work_dir / f"worker-{w}.log").read_text() for w in range(2)]
+    for prompt, n, result in zip(prompts, new_tokens, results, strict=True):
+        assert isinstance(result, GenerateDone), result
+        assert result.token_ids == reference_generate(tiny_model, prompt, n)
+    assert results[1].metrics["max_batch"] == 2  # the short one ran beside the long one
+    left = results[1].metrics["joined_step"] + len(results[1].token_ids) - 1  # the session step of its last token
+    alone = [re.findall(r"one sequence again, planned from session step (\d+)", log) for log in logs]
+    assert alone[0] == alone[1] == [str(left + share_delay(Settings().lookahead))], alone
+    changes = [SHARE_CHANGE.findall(log) for log in logs]
+    assert changes[0] == changes[1], changes

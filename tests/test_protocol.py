@@ -69,6 +69,7 @@ SAMPLES: list[P.Message] = [
     _make(P.SetAlignment, token_period=1, kv_period=4, from_step=17),
     _make(P.Begin, request_id="r", prompt_len=9, max_new_tokens=3),
     _make(P.SequenceJoin, request_id="r", sequence="s", first_step=4),
+    _make(P.SequenceLeave, request_id="r", sequence="s", last_step=9),
     _make(
         P.ShadowBegin,
         request_id="r",
@@ -105,6 +106,7 @@ SAMPLES: list[P.Message] = [
         layer=1,
         experts=[3, 5],
         counts=[2, 1],
+        previous_step_s=0.0815,
         rows=_gen(torch.float32, 3, 16),
         weights=_gen(torch.float32, 3),
     ),

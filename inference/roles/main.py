@@ -60,6 +60,7 @@ from inference.protocol import (
     Pong,
     Prediction,
     SequenceJoin,
+    SequenceLeave,
     SetAlignment,
     ShadowBegin,
     ShadowStats,
@@ -433,6 +434,12 @@ class MainRole:
         last = not self.batch and not self.waiting
         if last:
             self._end_session()  # workers report the session's statistics, which this answer carries
+        else:  # the others go on: the workers forget its predictions (and may plan for one sequence again)
+            leave = SequenceLeave(
+                request_id=self.session, sequence=state.request_id, last_step=max(self.step, sequence.joined_step)
+            )
+            for w in self.live_workers():
+                self.endpoint.send(f"worker-{w}", leave)
         if sequence.error is not None:
             exc = sequence.error
             if isinstance(exc, (GenerationAborted, SequenceAborted)):

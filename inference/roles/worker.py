@@ -48,6 +48,7 @@ from inference.protocol import (
     ExpertResult,
     Prediction,
     SequenceJoin,
+    SequenceLeave,
     Shutdown,
     WorkerStats,
 )
@@ -152,6 +153,9 @@ class WorkerRole:
         self.endpoint = open_endpoint(spec)
         self.request_id = ""  # main's session: one or more sequences batched, in lockstep
         self.joined: dict[str, int] = {}  # a sequence of the session -> the session step of its prefill
+        # The first session step of the session's one sequence: once others have left, the step
+        # from which every worker of the group knows it (``on_leave``); 0 before any left.
+        self.alone_from = 0
         # Per (session step, layer), what each source predicted (main, or the shadow per sequence).
         self.predicted: dict[tuple[int, int], dict[str, list[int]]] = {}
         self.flooded = 0  # predictions dropped this session because too many layers ahead were predicted
@@ -195,6 +199,8 @@ class WorkerRole:
             self.begin(msg)
         elif isinstance(msg, SequenceJoin):
             self.on_join(msg)
+        elif isinstance(msg, SequenceLeave):
+            self.on_leave(msg)
         elif isinstance(msg, Prediction):
             self.on_prediction(msg)
         elif isinstance(msg, ExpertRequest):
@@ -223,6 +229,20 @@ class WorkerRole:
             self.joined.pop(next(iter(self.joined)))  # the oldest: long gone, or a peer flooding us
         self.joined[msg.sequence] = msg.first_step
 
+    def on_leave(self, msg: SequenceLeave) -> None:
+        """A sequence left, the session goes on: its predictions are dropped, and with one sequence
+        left the group may plan layers on its CPUs again, from a step every worker of it agrees
+        on. Main sends the leave before its next step, as it would a share's period, so by the
+        step ``share_delay`` gives after the last no worker has planned a later one as batched."""
+        if msg.request_id != self.request_id or msg.sequence not in self.joined or msg.last_step < 0:
+            return
+        del self.joined[msg.sequence]
+        for sources in self.predicted.values():
+            sources.pop(msg.sequence, None)  # a sequence that stopped early: its shadow ran on
+        if len(self.joined) == 1 and self.share_control is not None:
+            self.alone_from = max(self.alone_from, msg.last_step + share_delay(self.spec.settings.lookahead))
+            log.info("worker %d: one sequence again, planned from session step %d", self.index, self.alone_from)
+
     def on_prediction(self, msg: Prediction) -> None:
         """Load ahead what the batch's predictions for a layer name together.
 
@@ -246,9 +266,9 @@ class WorkerRole:
         sources[msg.request_id] = msg.experts  # a newer prediction from the same source replaces its older one
         union = sorted(set().union(*sources.values()))
         mine = set(prefetch_on_prediction(self.strategy, union, self.members, self.index))
-        if len(self.joined) == 1 and planned_on_cpu(
+        if self._alone(step) and planned_on_cpu(
             step, msg.layer, self.group_layers, self.placement.n_groups, self.cpu_share(step)
-        ):  # one sequence: batched rows make the CPU slower than the share was measured for
+        ):
             self.planned[(step, msg.layer)] = mine  # computed on the CPU when main asks: nothing to copy
             mine = set()
         self._pin(step, msg.layer, mine)
@@ -428,7 +448,7 @@ class WorkerRole:
         """Main's first request to the group for session step ``step``: the previous decode
         token's period, as main stamped it, goes to the share's controller."""
         mark, self.token_mark = self.token_mark, step
-        if self.share_control is None or mark is None or len(self.joined) != 1 or previous_step_s <= 0:
+        if self.share_control is None or mark is None or not self._alone(mark) or previous_step_s <= 0:
             return
         first_step = next(iter(self.joined.values()))  # the sequence's prefill
         if mark == step - 1 and mark > first_step:  # two decode tokens in a row
@@ -442,6 +462,12 @@ class WorkerRole:
                     share,
                     self.share_control.effective,
                 )
+
+    def _alone(self, step: int) -> bool:
+        """Whether session step ``step`` runs the session's one sequence (as every worker knows
+        it), the only steps a share is planned for and measured on: batched rows make the CPU
+        slower than the share was found for."""
+        return len(self.joined) == 1 and step >= self.alone_from
 
     def _host_rates(self) -> HostRates:
         """The rates hybrid execution decides with: the emulated ones, else measured here at start."""
@@ -539,6 +565,7 @@ class WorkerRole:
     def _forget_session(self) -> None:
         """What a session learnt of its sequences, predictions and plans: dropped at its begin and end."""
         self.joined.clear()
+        self.alone_from = 0
         self.predicted.clear()
         self.planned.clear()
         self.token_mark = None
