@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -33,14 +34,22 @@ class MessageError(ValueError):
 
 
 def loads(text: str | bytes) -> Any:
-    """A frame's JSON. ``NaN`` and ``Infinity`` are refused (``ValueError``, as for any text
-    that is not JSON): Python's decoder takes them, JSON has no such numbers, and a database's
-    JSON column refuses them, so an inventory holding one could never be recorded."""
-    return json.loads(text, parse_constant=_not_a_json_number)
+    """A frame's JSON. ``NaN`` and ``Infinity``, and numbers too large for a float (``1e999``,
+    which Python reads as infinity), are refused (``ValueError``, as for any text that is not
+    JSON): a database's JSON column refuses them, so an inventory holding one could never be
+    recorded."""
+    return json.loads(text, parse_constant=_not_a_json_number, parse_float=_finite_float)
 
 
 def _not_a_json_number(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is past what a float holds")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -166,14 +166,17 @@ def predicted_share(copy_s: float, cpu_s: float, groups: int) -> Fraction:
 
 def share_delay(lookahead: int) -> int:
     """How many session steps after a decode token a share changed on that token's period first
-    plans: ``2 + max(lookahead, 1)``. A worker hears token ``t``'s period with main's request of
-    step ``t + 1``; main waits at that layer for every worker of the group, so no prediction sent
-    by then is for a step past ``t + 1 + max(lookahead, 1)`` (the shadow runs at most ``lookahead``
-    steps ahead of main, or one when it guesses main's token), and each worker of the group may
-    already have planned any of them. From the step after those, every worker plans alike."""
+    plans: ``2 + lookahead``. A worker hears token ``t``'s period with main's request of step
+    ``t + 1``; main waits at that layer for every worker it sent experts to, and aligns the
+    shadow with a step only once the step is done, so no prediction sent by then is for a step
+    past ``t + 1 + lookahead`` (the shadow runs at most ``lookahead`` steps ahead of the step it
+    was last aligned with, its guesses included), and each worker of the group may already have
+    planned any of them. From the step after those, every worker plans alike. Not covered: a
+    worker sent only an empty request at that layer is not waited for, so if it stalls (a hot
+    store's read, say) main may run on and a later prediction reach it first."""
     if lookahead < 0:
         raise ValueError("the lookahead must not be negative")
-    return 2 + max(lookahead, 1)
+    return 2 + lookahead
 
 
 class ShareController:
@@ -190,9 +193,11 @@ class ShareController:
     made on token ``t``'s period, it plans from step ``t + delay`` on (``share_delay``; the
     steps before keep the share they may already have been planned with, ``share_at``), and
     only tokens from that step on count towards the next window. Main stamps each token's period
-    on its requests, so every worker of a group feeds its controller the same periods for the
-    same tokens and holds the same share for every step. Pure: the worker feeds it, and the
-    simulator feeds it the same way.
+    on its requests, so the workers of a group feed their controllers the same periods for the
+    same tokens and hold the same share for every step, provided they have the same ceiling (the
+    same rates: emulated, or measured alike) and the same history (a worker restarted, or one
+    that missed tokens while it was lost, starts again from 0 beside peers that did not). Pure:
+    the worker feeds it, and the simulator feeds it the same way.
     """
 
     def __init__(self, ceiling: Fraction, window: int = SHARE_WINDOW, delay: int = 0) -> None:
@@ -227,8 +232,8 @@ class ShareController:
         self._periods.append(period_s)
         if len(self._periods) < self.window:
             return
-        period = statistics.fmean(self._periods)
-        self._periods.clear()
+        periods, self._periods = self._periods, []
+        period = statistics.fmean(periods)
         share = self.share
         if self.holding:
             assert self.best is not None

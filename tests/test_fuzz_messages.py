@@ -328,7 +328,7 @@ def expert_requests(draw, hidden: int, experts_per_layer: int, layers: int) -> p
         counts=counts,
         offsets=offsets,
         final=draw(st.booleans()),
-        previous_step_s=draw(mostly(st.floats(0.0, 1.0), -1.0, float("nan"), float("inf"))),
+        previous_step_s=draw(mostly(st.floats(0.0, 1.0), -1.0, float("nan"), float("inf"), 1.7e308)),
         rows=draw(mostly(st.just(torch.full((rows, width), draw(st.sampled_from(FILLS))).to(dtype)), None)),
         weights=draw(mostly(st.just(torch.full((rows,), draw(st.sampled_from(FILLS)))), None)),
     )

@@ -446,9 +446,12 @@ class WorkerRole:
 
     def _mark_token(self, step: int, previous_step_s: float) -> None:
         """Main's first request to the group for session step ``step``: the previous decode
-        token's period, as main stamped it, goes to the share's controller."""
+        token's period, as main stamped it, goes to the share's controller. One no decode step
+        can take (every layer waits at most ``timeout_s``) is a peer's invention and is left out,
+        by every worker of the group alike."""
         mark, self.token_mark = self.token_mark, step
-        if self.share_control is None or mark is None or not self._alone(mark) or previous_step_s <= 0:
+        longest = self.spec.settings.timeout_s * self.placement.n_layers
+        if self.share_control is None or mark is None or not self._alone(mark) or not 0 < previous_step_s <= longest:
             return
         first_step = next(iter(self.joined.values()))  # the sequence's prefill
         if mark == step - 1 and mark > first_step:  # two decode tokens in a row
