@@ -200,10 +200,10 @@ class ShareController:
     the worker feeds it, and the simulator feeds it the same way.
     """
 
-    def __init__(self, ceiling: Fraction, window: int = SHARE_WINDOW, delay: int = 0) -> None:
-        if not 0 <= ceiling <= 1 or window < 1 or delay < 0:
+    def __init__(self, ceiling: Fraction, window: int = SHARE_WINDOW, delay: int = 1) -> None:
+        if not 0 <= ceiling <= 1 or window < 1 or delay < 1:
             raise ValueError(
-                "the ceiling must lie in [0, 1], the window hold at least one token and the delay not be negative"
+                "the ceiling must lie in [0, 1], the window hold at least one token and the delay be a step or more"
             )
         self.ceiling, self.window, self.delay = ceiling, window, delay
         self.share = Fraction(0)  # the share decided last: it plans from step ``effective`` on
@@ -248,7 +248,7 @@ class ShareController:
         else:
             share, self.holding = self.best[0], True
         if share != self.share:
-            self._before, self.share, self.effective = self.share, share, step + max(self.delay, 1)
+            self._before, self.share, self.effective = self.share, share, step + self.delay
 
 
 def planned_on_cpu(step: int, layer: int, group_layers: Sequence[int], groups: int, share: Fraction) -> bool:

@@ -239,9 +239,10 @@ class WorkerRole:
         del self.joined[msg.sequence]
         for sources in self.predicted.values():
             sources.pop(msg.sequence, None)  # a sequence that stopped early: its shadow ran on
-        if len(self.joined) == 1 and self.share_control is not None:
+        if len(self.joined) == 1:
             self.alone_from = max(self.alone_from, msg.last_step + share_delay(self.spec.settings.lookahead))
-            log.info("worker %d: one sequence again, planned from session step %d", self.index, self.alone_from)
+            if self.share_control is not None:
+                log.info("worker %d: one sequence again, planned from session step %d", self.index, self.alone_from)
 
     def on_prediction(self, msg: Prediction) -> None:
         """Load ahead what the batch's predictions for a layer name together.

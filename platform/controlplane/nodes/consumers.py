@@ -141,7 +141,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
 
     @classmethod
     async def decode_json(cls, text_data):
-        return loads(text_data)  # NaN and Infinity refused: the inventory's JSON column would refuse them
+        return loads(text_data)  # numbers JSON has not (NaN, Infinity, 1e999) refused, as the database would
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         """A frame that is not JSON text is refused like a malformed message: Channels' own JSON
