@@ -49,6 +49,7 @@ import zmq
 from inference.curve import CurveKeys, new_keys
 from inference.families import family_for
 from inference.launcher import ClusterOptions, LocalCluster, free_port
+from inference.metrics import BREAKDOWN
 from inference.protocol import ExpertRequest, ExpertResult, TokenEvent, decode, encode
 from inference.routing import Routing
 from inference.spec import Settings
@@ -80,6 +81,18 @@ def layer_samples(reports: list[dict]) -> list[tuple[float, float]]:
             continue
         samples.extend((layer["dispatch_ms"], layer["worker_ms"]) for layer in report["layers"])
     return samples
+
+
+def layer_parts_ms(reports: list[dict]) -> dict[str, list[float]]:
+    """Per part of the round trip (`inference.metrics.BREAKDOWN`), its ms in every decode layer."""
+    parts: dict[str, list[float]] = {name: [] for name in BREAKDOWN}
+    for report in reports:
+        if report is None or report["step"] == 0:
+            continue
+        for layer in report["layers"]:
+            for name in BREAKDOWN:
+                parts[name].append(layer["breakdown_ms"][name])
+    return parts
 
 
 def layer_gaps_ms(reports: list[dict]) -> list[float]:
@@ -131,6 +144,7 @@ def run_cluster(model_dir: Path, *, workers: int, shadow: bool, new_tokens: int,
     summary = summarize(layer_samples(reports))
     gaps = layer_gaps_ms(reports)
     summary.update(
+        parts_ms_median={name: statistics.median(v) for name, v in layer_parts_ms(reports).items()},
         workers=workers,
         shadow=shadow,
         processes=workers + 1 + shadow,
@@ -396,6 +410,15 @@ def measure(model_dir: Path, *, workers: int, new_tokens: int, full: bool, full_
     return figures
 
 
+PART_NAMES = {
+    "main_before_send": "main: routing split, plan, build + encode + send the requests",
+    "hops": "hops both ways: framing and decoding, CURVE, ZeroMQ, wake-ups",
+    "worker_python": "worker: its own Python around the load wait + compute",
+    "worker_busy": "worker: load wait + compute",
+    "main_after_answers": "main: scatter + combine the answers",
+}
+
+
 def render(figures: dict) -> str:
     m = figures["measured"]
     lines = [
@@ -413,7 +436,14 @@ def render(figures: dict) -> str:
         f"| main's expert round trip (dispatch) | {m['dispatch_ms_median']:.3f} | |",
         f"| busiest worker: load wait + compute | {m['worker_ms_median']:.3f} | |",
         "",
-        "| breakdown (same message sizes) | median (µs) |",
+        "| the round trip in the cluster, by part (main's clock; the worker's parts are the answer main "
+        "waited for last) | median (ms) |",
+        "|---|---:|",
+    ]
+    lines += [f"| {PART_NAMES[name]} | {ms:.3f} |" for name, ms in m["parts_ms_median"].items()]
+    lines += [
+        "",
+        "| breakdown (same message sizes, each timed alone in a tight loop) | median (µs) |",
         "|---|---:|",
     ]
     lines += [f"| {name} | {us:.1f} |" for name, us in figures["breakdown_us"].items()]

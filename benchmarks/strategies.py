@@ -58,10 +58,12 @@ from inference.emulation import Emulation, emulation_for, measure_expert_compute
 from inference.hybrid import expert_flops, predicted_share
 from inference.importance import SIMILARITY_FILE, calibrate, write_similarity
 from inference.launcher import ClusterOptions, LocalCluster
+from inference.metrics import BREAKDOWN
 from inference.placement import placement
 from inference.reference import reference_generate
 from inference.sim import hardware as sim_hardware
 from inference.sim.hardware import PROFILES
+from inference.sim.local import MachineCosts
 from inference.spec import Settings
 from inference.strategies import RUNTIME_STRATEGIES, STRATEGIES, get_strategy, needed_files
 from inference.tiny import make_tiny
@@ -139,8 +141,18 @@ def summarize(runs: list[dict]) -> dict:
         "peak_expert_bytes_per_worker": max(r["peak_expert_bytes_per_worker"] for r in runs),
         "cpu_experts_per_token": sum(r.get("cpu_experts", 0) for r in runs)
         / max(1, sum(r.get("output", 0) for r in runs)),
+        # Where a decode layer's time went in the cluster (medians over the pairs of each pair's medians).
+        "main_between_layers_ms": _median_of(r.get("main_between_layers_ms") for r in runs),
+        "layer_parts_ms": {
+            name: _median_of((r.get("layer_parts_ms") or {}).get(name) for r in runs) for name in BREAKDOWN
+        },
         "pairs": runs,
     }
+
+
+def _median_of(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def add_ratios(results: dict[str, dict]) -> None:
@@ -195,6 +207,10 @@ def _over_rounds(key: str, values: list) -> object:
         return max(values)
     if all(value == values[0] for value in values):
         return values[0]
+    if all(isinstance(value, dict) for value in values):  # figure by figure
+        return {k: _over_rounds(k, [value[k] for value in values]) for k in values[0]}
+    if any(value is None for value in values):
+        return _median_of(values)
     return statistics.median(values)
 
 
@@ -293,6 +309,8 @@ def run_strategy(
                     "peak_expert_bytes_per_worker": max(m["worker_peak_expert_bytes"].values()),
                     "expert_bytes": m["expert_bytes"],
                     "cpu_experts": m["cpu_experts"],
+                    "main_between_layers_ms": m["decode_main_between_layers_ms_median"],
+                    "layer_parts_ms": m["decode_layer_breakdown_ms_median"],
                 }
             )
             print(
@@ -301,6 +319,33 @@ def run_strategy(
                 file=sys.stderr,
             )
     return summarize(runs), outputs
+
+
+def print_layer_parts(results: dict[str, dict], machine: MachineCosts, layers: int) -> None:
+    """Where a decode layer's time went in each strategy's cluster, beside what the simulator was
+    given for the same parts (each measured alone, in a tight loop, before the run)."""
+
+    def ms(value: float | None) -> str:
+        return "" if value is None else f"{value:.3f}"
+
+    print(
+        "\nwhere a decode layer's time went in the cluster (ms, medians; the worker's parts are the answer main "
+        "waited for last; hops include an emulated link)\n"
+        "| strategy | main between layers | main before send | hops both ways | worker Python | worker load wait "
+        "+ compute | main after answers |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
+    for name, r in results.items():
+        parts = r.get("layer_parts_ms") or {}
+        print(
+            f"| {name} | {ms(r.get('main_between_layers_ms'))} | "
+            + " | ".join(ms(parts.get(part)) for part in BREAKDOWN)
+            + " |"
+        )
+    print(
+        f"| the simulator's costs | {(machine.main_layer_s + machine.step_fixed_s / layers) * 1000:.3f} "
+        f"| {machine.main_dispatch_s * 1000:.3f} (before + after) | {machine.round_trip_s * 1000:.3f} (hops + "
+        f"worker Python) + the link | | {machine.expert_compute_s * 1000:.3f} per expert (+ copy waits) | |"
+    )
 
 
 def print_table(
@@ -612,6 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         emulation.host_memory_bytes_per_s,
     )
     print_table(results, emulation, calibration, args, exact)
+    print_layer_parts(results, machine, config["num_hidden_layers"])
     if "odmoe" in results:
         results["odmoe"]["copy_bound"] = bound
         results["odmoe"]["split_bound"] = split

@@ -12,8 +12,33 @@ import statistics
 
 from inference.placement import Placement
 from inference.protocol import ShadowStats, WorkerStats
-from inference.records import RequestState, StepRecord
+from inference.records import LayerRecord, RequestState, StepRecord
 from inference.schedule import recall
+
+# The parts of a decode layer's expert round trip, in the order they happen (`layer_breakdown`).
+BREAKDOWN = (
+    "main_before_send",  # routing split, dispatch plan, build + encode + send every request
+    "hops",  # both ways: framing, encryption, ZeroMQ, wake-ups (and an emulated link)
+    "worker_python",  # the last-answering worker's own time around its load wait + compute
+    "worker_busy",  # that worker's load wait + compute
+    "main_after_answers",  # scatter the answers and combine them
+)
+
+
+def layer_breakdown(rec: LayerRecord) -> dict[str, float]:
+    """Where one layer's round trip went, in ms, from main's own clock and the answer main
+    waited for last: the parts sum to ``dispatch_ms`` (each clamped at 0 against a worker's
+    clock that disagrees). The worker's parts are the last answer's, not the busiest worker's:
+    they are what main was waiting on."""
+    handled = min(rec.last_handled_ms, rec.await_ms)
+    busy = min(rec.last_busy_ms, handled)
+    return {
+        "main_before_send": rec.send_ms,
+        "hops": rec.await_ms - handled,
+        "worker_python": handled - busy,
+        "worker_busy": busy,
+        "main_after_answers": max(0.0, rec.dispatch_ms - rec.send_ms - rec.await_ms),
+    }
 
 
 def step_report(step: StepRecord, placement: Placement) -> dict:
@@ -29,6 +54,7 @@ def step_report(step: StepRecord, placement: Placement) -> dict:
             "wait_ms": round(rec.wait_ms, 3),
             "worker_ms": round(rec.worker_ms, 3),
             "dispatch_ms": round(rec.dispatch_ms, 3),
+            "breakdown_ms": {k: round(v, 3) for k, v in layer_breakdown(rec).items()},
         }
         if decode:
             entry["predicted"] = list(rec.predicted) if rec.predicted is not None else None
@@ -68,6 +94,8 @@ def build_metrics(
     decode_wait: list[float] = []
     decode_coordination: list[float] = []
     decode_worker: list[float] = []
+    decode_parts: dict[str, list[float]] = {k: [] for k in BREAKDOWN}
+    main_between: list[float] = []  # per decode step, main's own time per layer outside the round trips
     late = 0  # decode experts computed that no prediction had named when main dispatched their layer
     for step in state.steps:
         layers = []
@@ -79,6 +107,7 @@ def build_metrics(
                 "wait_ms": round(rec.wait_ms, 3),
                 "worker_ms": round(rec.worker_ms, 3),
                 "dispatch_ms": round(rec.dispatch_ms, 3),
+                "breakdown_ms": {k: round(v, 3) for k, v in layer_breakdown(rec).items()},
                 "hits": rec.hits,
                 "misses": rec.misses,
             }
@@ -96,8 +125,13 @@ def build_metrics(
                 # What the layer cost beyond loading and computing: message hops and scheduling.
                 decode_coordination.append(max(0.0, rec.dispatch_ms - rec.worker_ms))
                 decode_worker.append(rec.worker_ms)
+                for k, v in layer_breakdown(rec).items():
+                    decode_parts[k].append(v)
             layers.append(entry)
         all_recalls.extend(step_recalls)
+        if step.step > 0 and step.layers and step.finished:
+            spent = (step.finished - step.started) * 1000 - sum(rec.dispatch_ms for rec in step.layers)
+            main_between.append(max(0.0, spent) / len(step.layers))
         per_step.append(
             {
                 "step": step.step,
@@ -148,6 +182,12 @@ def build_metrics(
         "decode_layer_coordination_ms_median": (
             statistics.median(decode_coordination) if decode_coordination else None
         ),
+        # Medians of each part of a decode layer's round trip (`layer_breakdown`); medians do not add up.
+        "decode_layer_breakdown_ms_median": (
+            {k: statistics.median(v) for k, v in decode_parts.items()} if decode_dispatch else None
+        ),
+        # Main's attention, norms and router per decode layer (and its per-token work spread over them).
+        "decode_main_between_layers_ms_median": statistics.median(main_between) if main_between else None,
         "shadow": None
         if shadow_stats is None
         else {

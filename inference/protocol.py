@@ -310,6 +310,10 @@ class ExpertResult(Message):
     compute_ms: float  # time spent computing the experts
     hits: int
     misses: int
+    # The worker's time from taking the request out of its inbox (decoded) to building this
+    # answer: its wait and compute plus its own Python around them. Main's wait for the answer
+    # less this is the hops (framing, encryption, ZeroMQ, wake-ups, an emulated link).
+    handled_ms: float = 0.0
 
 
 @message

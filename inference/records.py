@@ -23,6 +23,13 @@ class LayerRecord:
     hits: int = 0
     misses: int = 0
     dispatch_ms: float = 0.0  # main's own time for this layer's expert round trip
+    # Where the round trip went (`inference.metrics.layer_breakdown`): main's time until the last
+    # request left, then until the last answer arrived, and of that answer's worker its time from
+    # the request to the answer and the load wait + compute within it.
+    send_ms: float = 0.0
+    await_ms: float = 0.0
+    last_handled_ms: float = 0.0
+    last_busy_ms: float = 0.0
 
 
 @dataclass

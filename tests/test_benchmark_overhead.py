@@ -30,6 +30,15 @@ def test_layer_samples_and_gaps_keep_decode_steps_only() -> None:
     assert overhead.layer_gaps_ms(reports) == [0.75, 1.0]
 
 
+def test_layer_parts_keep_decode_steps_only() -> None:
+    def layer(hops: float) -> dict:
+        return {"breakdown_ms": {name: (hops if name == "hops" else 0.0) for name in overhead.BREAKDOWN}}
+
+    reports = [{"step": 0, "layers": [layer(9.0)]}, None, {"step": 1, "layers": [layer(0.5), layer(0.25)]}]
+    parts = overhead.layer_parts_ms(reports)
+    assert parts["hops"] == [0.5, 0.25] and parts["worker_busy"] == [0.0, 0.0]
+
+
 def test_summary_and_percentiles() -> None:
     summary = overhead.summarize([(1.0, 0.5), (2.0, 0.5), (0.2, 0.5), (3.0, 1.0)])
     # coordination: 0.5, 1.5, 0 (never negative), 2.0
@@ -55,6 +64,9 @@ def test_benchmark_runs_and_reports_sane_figures(tmp_path: Path, tiny_model: Pat
     assert measured["layers"] == len(overhead.PROMPTS) * 5 * 4  # 5 decode steps x 4 layers per prompt
     assert 0 <= measured["coordination_ms_median"] <= measured["coordination_ms_p90"]
     assert measured["dispatch_ms_median"] > 0 and measured["worker_ms_median"] > 0
+    parts = measured["parts_ms_median"]  # the round trip in the cluster, by part
+    assert list(parts) == list(overhead.BREAKDOWN) and min(parts.values()) >= 0
+    assert parts["hops"] > 0 and parts["worker_busy"] > 0
     assert set(figures["breakdown_us"]) >= {"main: routing split", "worker: decode request"}
     assert all(us > 0 for us in figures["breakdown_us"].values())
     floors = (figures["raw_zmq_round_trip_us"], figures["raw_zmq_round_trip_in_rhythm_us"])
@@ -63,3 +75,4 @@ def test_benchmark_runs_and_reports_sane_figures(tmp_path: Path, tiny_model: Pat
     printed = capsys.readouterr().out
     assert "| coordination = round trip - busiest worker |" in printed
     assert "acceptance: median coordination <= 0.3 ms" in printed
+    assert "| hops both ways: framing and decoding, CURVE, ZeroMQ, wake-ups |" in printed

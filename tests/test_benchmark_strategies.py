@@ -101,6 +101,23 @@ def test_rounds_report_medians_of_ratios_taken_within_each_round() -> None:
     assert odmoe["recall"] is None and odmoe["token_agreement"] == 1.0 and len(odmoe["rounds"]) == 3
 
 
+def test_rounds_report_where_a_layer_went_part_by_part() -> None:
+    def with_parts(hops: float | None) -> dict:
+        figures = run(8.0)
+        figures["main_between_layers_ms"] = None if hops is None else 1.0
+        figures["layer_parts_ms"] = None if hops is None else {"hops": hops, "worker_busy": 2.0}
+        return figures
+
+    rounds = [{"odmoe": summarize([with_parts(h), with_parts(None)])} for h in (0.5, 0.75, 0.25)]
+    odmoe = aggregate_rounds(rounds)["odmoe"]
+    # A pair that reported nothing (None) is left out; then each part is the median over the rounds.
+    assert odmoe["layer_parts_ms"]["hops"] == 0.5 and odmoe["layer_parts_ms"]["worker_busy"] == 2.0
+    assert odmoe["layer_parts_ms"]["main_before_send"] is None
+    assert odmoe["main_between_layers_ms"] == 1.0
+    assert odmoe["pairs"][0]["layer_parts_ms"] == {"hops": 0.5, "worker_busy": 2.0}
+    assert odmoe["pairs"][1]["layer_parts_ms"] is None
+
+
 def test_one_round_gives_the_figures_of_a_single_run() -> None:
     single = {name: summarize([run(v), run(v / 2)]) for name, v in [("full-cache", 10.0), ("odmoe", 9.0)]}
     results = aggregate_rounds([single])

@@ -459,3 +459,29 @@ def test_undeclared_tensor_descriptor_is_a_protocol_error() -> None:
     header = {"v": 1, "t": "ping", "tensors": {"x": {"dtype": "float32", "shape": [1]}}}
     with pytest.raises(ProtocolError):
         decode([msgpack.packb(header), b"\0" * 4])
+
+
+def test_an_answer_says_how_long_its_worker_had_the_request_and_an_older_one_need_not() -> None:
+    answer = _make(
+        P.ExpertResult,
+        request_id="r",
+        step=1,
+        layer=0,
+        experts=[3],
+        counts=[1],
+        offsets=[0],
+        output=torch.ones(1, 4),
+        wait_ms=0.5,
+        compute_ms=0.25,
+        hits=1,
+        misses=0,
+        handled_ms=1.25,
+    )
+    assert decode([bytes(f) for f in encode(answer)]).handled_ms == 1.25
+    frames = [bytes(f) for f in encode(answer)]
+    header = _header(frames)
+    del header["handled_ms"]  # what a worker from before the field sends
+    assert decode([msgpack.packb(header), *frames[1:]]).handled_ms == 0.0
+    header["handled_ms"] = "soon"
+    with pytest.raises(ProtocolError, match="handled_ms"):
+        decode([msgpack.packb(header), *frames[1:]])

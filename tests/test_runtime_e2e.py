@@ -33,6 +33,17 @@ def test_greedy_output_is_token_identical_to_transformers(model_name: str, worke
         decode_steps = [s for s in metrics["per_step"] if s["step"] > 0]
         assert len(decode_steps) == NEW_TOKENS - 1
         assert all(s["recall"] == 1.0 for s in decode_steps)
+        # Where each decode layer's round trip went: parts that add up to it, none negative, and a
+        # worker that had the request for part of main's wait (every layer has experts to compute).
+        # (In one layer the hops can read 0: main, preempted between its send and its clock, finds
+        # the answer waiting; over the run they cannot.)
+        for layer in (layer for s in decode_steps for layer in s["layers"]):
+            parts = layer["breakdown_ms"]
+            assert sum(parts.values()) == pytest.approx(layer["dispatch_ms"], abs=0.01)
+            assert min(parts.values()) >= 0
+            assert parts["worker_python"] + parts["worker_busy"] > 0
+        assert metrics["decode_layer_breakdown_ms_median"]["hops"] > 0
+        assert metrics["decode_main_between_layers_ms_median"] > 0
 
 
 def test_workers_never_hold_more_than_two_experts_during_decode(tiny_model: Path) -> None:

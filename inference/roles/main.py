@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -674,11 +675,14 @@ class MainRole:
                     sent.setdefault(peer, []).append(request)
             if requests:
                 expected[peer] = len(requests)
+        sent_at = time.perf_counter()
+        answers_in = self._collect(expected, self.step, layer, sent, holders)
+        answered_at = time.perf_counter()
         outputs = {e: torch.empty_like(rows[e]) for e in real}
         busy: dict[str, float] = {}
         wait_ms = compute_ms = 0.0
         hits = misses = 0
-        for peer, result in self._collect(expected, self.step, layer, sent, holders):
+        for peer, result in answers_in:
             start = 0
             for expert, count, offset in zip(result.experts, result.counts, result.offsets, strict=True):
                 outputs[expert][offset : offset + count] = result.output[start : start + count]
@@ -697,6 +701,12 @@ class MainRole:
             record.wait_ms, record.compute_ms, record.hits, record.misses = wait_ms, compute_ms, hits, misses
             record.worker_ms = max(busy.values(), default=0.0)
             record.dispatch_ms = dispatch_ms
+            record.send_ms = (sent_at - started) * 1000
+            record.await_ms = (answered_at - sent_at) * 1000
+            if answers_in:  # the answer main waited for last
+                last = answers_in[-1][1]
+                handled = last.handled_ms if math.isfinite(last.handled_ms) and last.handled_ms >= 0 else 0.0
+                record.last_handled_ms, record.last_busy_ms = handled, last.wait_ms + last.compute_ms
         return answers
 
     def _predict_next_layer(self, layer: int, batch: list[Sequence]) -> None:

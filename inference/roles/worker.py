@@ -278,6 +278,7 @@ class WorkerRole:
             self.loader.prefetch((step, msg.layer, expert))
 
     def on_request(self, msg: ExpertRequest, identity: bytes) -> None:
+        started = time.perf_counter()
         if not self.request_id or msg.request_id != self.request_id:
             log.warning("dropped a request for %r while serving %r", msg.request_id, self.request_id)
             return
@@ -304,7 +305,7 @@ class WorkerRole:
         if msg.layer == self.group_layers[0]:
             self._mark_token(msg.step, msg.previous_step_s)
         if msg.experts:
-            self._compute(msg, identity, planned)
+            self._compute(msg, identity, planned, started)
 
     def _malformed(self, msg: ExpertRequest) -> str:
         """What is wrong with ``msg``, or "": checked before anything is loaded or computed."""
@@ -327,7 +328,7 @@ class WorkerRole:
             return f"weights are {tuple(msg.weights.shape)}, expected ({rows},)"
         return ""
 
-    def _compute(self, msg: ExpertRequest, identity: bytes, planned: set[int]) -> None:
+    def _compute(self, msg: ExpertRequest, identity: bytes, planned: set[int], started: float) -> None:
         assert msg.rows is not None and msg.weights is not None
         rows = msg.rows.to(self.device)
         weights = msg.weights.to(self.device)
@@ -378,6 +379,7 @@ class WorkerRole:
             compute_ms=compute_ms,
             hits=hits + on_cpu.predicted,
             misses=misses + len(on_cpu) - on_cpu.predicted,
+            handled_ms=(time.perf_counter() - started) * 1000,
         )
         self.endpoint.reply(identity, result)
 

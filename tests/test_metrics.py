@@ -1,0 +1,64 @@
+"""A generation's figures: where each decode layer's round trip went (`inference.metrics`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.metrics import BREAKDOWN, build_metrics, layer_breakdown
+from inference.placement import placement
+from inference.records import LayerRecord, RequestState, StepRecord
+
+
+def _layer(**times: float) -> LayerRecord:
+    return LayerRecord(layer=0, real=[1, 2], predicted=[1, 2], **times)
+
+
+def test_the_parts_of_a_round_trip_add_up_to_it() -> None:
+    rec = _layer(dispatch_ms=2.0, send_ms=0.25, await_ms=1.5, last_handled_ms=0.75, last_busy_ms=0.5)
+    parts = layer_breakdown(rec)
+    assert list(parts) == list(BREAKDOWN)
+    assert parts == {
+        "main_before_send": 0.25,
+        "hops": 0.75,  # main waited 1.5 ms, of which the worker had the request 0.75 ms
+        "worker_python": 0.25,
+        "worker_busy": 0.5,
+        "main_after_answers": 0.25,
+    }
+    assert sum(parts.values()) == pytest.approx(rec.dispatch_ms)
+
+
+def test_a_worker_clock_that_disagrees_never_makes_a_part_negative() -> None:
+    # A worker that says it had the request longer than main waited, and was busier than that.
+    rec = _layer(dispatch_ms=1.0, send_ms=0.25, await_ms=0.5, last_handled_ms=9.0, last_busy_ms=20.0)
+    parts = layer_breakdown(rec)
+    assert parts["hops"] == 0.0 and parts["worker_python"] == 0.0 and parts["worker_busy"] == 0.5
+    assert all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(rec.dispatch_ms)
+    # A worker that does not say (an older one): its whole answer counts as hops.
+    quiet = layer_breakdown(_layer(dispatch_ms=1.0, send_ms=0.25, await_ms=0.5, last_busy_ms=0.25))
+    assert quiet["hops"] == 0.5 and quiet["worker_busy"] == 0.0
+
+
+def test_a_generation_reports_the_medians_of_its_decode_layers_parts() -> None:
+    state = RequestState("r", b"c", prompt_len=4, max_new_tokens=3, token_period=1, kv_period=1, started=0.0)
+    prefill = StepRecord(0, 4, started=0.0, finished=0.5)
+    prefill.layers = [LayerRecord(0, [1], None, dispatch_ms=100.0, send_ms=50.0, await_ms=40.0)]  # not decode
+    state.steps = [prefill]
+    for step, (send, finished) in enumerate([(0.25, 0.504), (0.75, 0.512)], start=1):
+        record = StepRecord(step, 1, started=finished - 0.004, finished=finished)
+        record.layers = [
+            LayerRecord(0, [1], [1], dispatch_ms=1.0, send_ms=send, await_ms=0.5, last_handled_ms=0.25),
+            LayerRecord(1, [2], [2], dispatch_ms=1.0, send_ms=send, await_ms=0.5, last_handled_ms=0.25),
+        ]
+        state.steps.append(record)
+    state.token_times = [0.5, 0.504, 0.512]
+    metrics = build_metrics(state, {}, None, placement(2, 4, 1, 1), token_period=1, kv_period=1)
+    parts = metrics["decode_layer_breakdown_ms_median"]
+    assert parts["main_before_send"] == pytest.approx(0.5)  # the median of 0.25, 0.25, 0.75, 0.75
+    assert parts["hops"] == pytest.approx(0.25)
+    # After the answers: 0.25 ms in step 1; in step 2 send + await exceed the round trip: clamped at 0.
+    assert parts["main_after_answers"] == pytest.approx(0.125)
+    # Each decode step took 4 ms for two layers whose round trips took 1 ms each: 1 ms per layer besides.
+    assert metrics["decode_main_between_layers_ms_median"] == pytest.approx(1.0)
+    decode_layer = metrics["per_step"][1]["layers"][0]
+    assert decode_layer["breakdown_ms"]["worker_python"] == 0.25
