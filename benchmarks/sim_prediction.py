@@ -3,12 +3,20 @@
     python -m benchmarks.sim_prediction --validate benchmarks/results/strategies.json [--json OUT]
 
 `predict_for_run(...)` is what `benchmarks.strategies` calls before it starts any cluster: it
-measures, in a few seconds, what the emulation leaves at this machine's speed (main's decode layer
-at the checkpoint's shape, main's per-layer Python around the experts, an expert request's round
-trip between two processes), takes the routing of the run's own prompts from Transformers' greedy
-reference (the tokens the benchmark checks every strategy against, computed before any run), and
-runs `inference.sim.local`'s model of our runtime with the emulation's copy and link rates. Nothing
-of a run's measurements goes in.
+measures, in under a minute, what the emulation leaves at this machine's speed (main's decode
+layer, main's per-layer Python around the experts, an expert request's round trip, an expert's
+compute), takes the routing of the run's own prompts from Transformers' greedy reference (the
+tokens the benchmark checks every strategy against, computed before any run), and runs
+`inference.sim.local`'s model of our runtime with the emulation's copy and link rates. Nothing of
+a run's measurements goes in.
+
+The per-layer costs come from a running main + one worker of the runtime on the run's checkpoint
+(`measure_in_rhythm`: full cache, no shadow, no emulation, a core each), split as the step reports
+split every layer. They were first timed piece by piece in tight loops; the cluster's own
+breakdown (`inference.metrics.layer_breakdown`) showed each piece taking 1.5-5x as long in the
+cluster as alone (right after a wait, with cold caches and the runtime's code around it), so a
+model fed the tight-loop figures leaves out most of what a layer costs wherever copies do not hide
+it. The prediction with the tight-loop costs is still made and recorded beside the other.
 
 `--validate FILE` does the same for a recorded run (its emulation, pairs and workers; the
 checkpoint is re-made from `benchmarks.strategies.BENCH_MODEL` with the same seed) and reports each
@@ -74,8 +82,66 @@ def _decode_step_s(model, prompt_len: int = 32, steps: int = STEP_SAMPLES) -> fl
     return statistics.median(times)
 
 
-def measure_machine(config: dict, expert_compute_s: float) -> tuple[MachineCosts, dict]:
-    """This machine's un-emulated costs at the checkpoint's shape (one thread, as a role runs)."""
+RHYTHM_PROMPTS = 3  # generations of the in-rhythm measurement...
+RHYTHM_TOKENS = 24  # ...of this many tokens each, after a warm-up
+
+
+def measure_in_rhythm(model_dir: Path, config: dict) -> dict:
+    """Where a decode layer's time goes in a running main + one worker of the runtime itself.
+
+    The checkpoint's own cluster, reduced to two processes (each with a core, as on separate
+    boxes): full cache (the worker holds every expert, so nothing waits for a copy), no shadow, no
+    emulation, one torch thread per role. Every decode layer is split as the step reports split
+    it (`inference.metrics.layer_breakdown`), and main's time between layers comes with it. What
+    this measures that the same pieces timed alone in a tight loop do not: each piece right after
+    the process slept through a wait, as it runs in a cluster — with a cold cache, a slower
+    wake-up, and the runtime's own code around each piece.
+    """
+    from inference.launcher import ClusterOptions, LocalCluster
+    from inference.spec import Settings
+
+    generator = torch.Generator().manual_seed(7)
+    vocab = config["vocab_size"]
+    prompts = [[1, *torch.randint(3, vocab, (15,), generator=generator).tolist()] for _ in range(RHYTHM_PROMPTS)]
+    options = ClusterOptions(workers=1, shadow=False, settings=Settings(threads=1, strategy="full-cache"))
+    between, parts = [], []
+    with LocalCluster(model_dir, options) as cluster:
+        cluster.generate(prompts[0][:8], 4)  # warm-up: first-call allocations in both processes
+        for prompt in prompts:
+            metrics = cluster.generate(prompt, RHYTHM_TOKENS).metrics
+            between.append(metrics["decode_main_between_layers_ms_median"])
+            parts.append(metrics["decode_layer_breakdown_ms_median"])
+    return {
+        "main_between_layers_ms": statistics.median(between),
+        "parts_ms": {name: statistics.median(p[name] for p in parts) for name in parts[0]},
+        "generations": len(prompts),
+        "tokens_each": RHYTHM_TOKENS,
+    }
+
+
+def costs_in_rhythm(rhythm: dict, top_k: int) -> MachineCosts:
+    """`MachineCosts` from `measure_in_rhythm`'s figures (pure). Main's time between layers holds its
+    per-token work too (spread over the layers), so nothing is left per token; the worker's load
+    wait + compute is one request's ``top_k`` experts (one sequence, nothing to wait for)."""
+    parts = rhythm["parts_ms"]
+    return MachineCosts(
+        expert_compute_s=max(parts["worker_busy"], 1e-3) / top_k / 1000,
+        main_layer_s=rhythm["main_between_layers_ms"] / 1000,
+        main_dispatch_s=(parts["main_before_send"] + parts["main_after_answers"]) / 1000,
+        round_trip_s=(parts["hops"] + parts["worker_python"]) / 1000,
+        step_fixed_s=0.0,
+    )
+
+
+def measure_machine(
+    config: dict, expert_compute_s: float, *, model_dir: Path | None = None
+) -> tuple[MachineCosts, dict]:
+    """This machine's un-emulated costs at the checkpoint's shape (one thread, as a role runs).
+
+    Each piece timed alone in a tight loop; with ``model_dir`` (the run's checkpoint) the costs
+    returned are those measured in the runtime's rhythm instead (`measure_in_rhythm`), and the
+    tight-loop ones are kept in the record under ``tight_loop``.
+    """
     from benchmarks.overhead import Shape as OverheadShape
     from benchmarks.overhead import component_times, endpoint_round_trip_us
 
@@ -107,7 +173,13 @@ def measure_machine(config: dict, expert_compute_s: float) -> tuple[MachineCosts
         round_trip_s=round_trip,
         step_fixed_s=fixed,
     )
-    return costs, {"components_us": parts, "seconds": time.perf_counter() - started}
+    record: dict = {"components_us": parts, "tight_loop": costs.as_dict()}
+    if model_dir is not None:
+        rhythm = measure_in_rhythm(model_dir, config)
+        record["in_rhythm"] = rhythm
+        costs = costs_in_rhythm(rhythm, config["num_experts_per_tok"])
+    record["seconds"] = time.perf_counter() - started
+    return costs, record
 
 
 def routing_traces(model_dir: Path, prompts: list[list[int]], outputs: list[list[int]]) -> list[dict]:
@@ -238,16 +310,19 @@ def predict_for_run(
     max_resident: int = 2,
     hybrid: bool = False,
     machine: MachineCosts | None = None,
+    measurement: dict | None = None,
 ) -> dict:
     """{strategy: predicted decode tok/s} for a `benchmarks.strategies` run, plus what it rests on.
 
     ``emulation`` is `Emulation.as_dict()`; ``outputs`` are Transformers' greedy tokens for
     ``prompts`` (the benchmark's ``expected``); strategies the local model does not cover (the
-    approximate ones) get None.
+    approximate ones) get None. ``machine`` and ``measurement`` are what `measure_machine`
+    returned (measured here when not given). Where the costs were measured in the runtime's
+    rhythm, the prediction with the tight-loop costs is made too (the model before it used them).
     """
-    costs, measured = (
-        (machine, {}) if machine is not None else measure_machine(config, emulation["expert_compute_here_s"])
-    )
+    if machine is None:
+        machine, measurement = measure_machine(config, emulation["expert_compute_here_s"], model_dir=model_dir)
+    costs, measured = machine, measurement or {}
     generations = routing_traces(model_dir, prompts, outputs)
     rates = rates_for(emulation, config, expert_bytes)
     shape = Shape(
@@ -259,8 +334,12 @@ def predict_for_run(
         cache_experts=cache_experts,
     )
     predicted = predict_strategies(strategies, shape, costs, rates, generations, hybrid=hybrid)
+    tight = measured.get("tight_loop") if "in_rhythm" in measured else None
     return {
         "predicted_decode_tok_s": predicted,
+        "predicted_decode_tok_s_tight_loop_costs": None
+        if tight is None
+        else predict_strategies(strategies, shape, MachineCosts(**tight), rates, generations, hybrid=hybrid),
         "inputs": {
             "shape": dataclasses.asdict(shape),
             "rates": dataclasses.asdict(rates),
@@ -274,6 +353,9 @@ def predict_for_run(
             "odmoe's shadow has the model's own precision (recall 1); one token ahead",
             "each role computes on a core of its own: CPU contention between roles is not modelled",
             "per-layer costs measured at prediction time; the run may see the machine in another state",
+            "per-layer costs measured in a main + one worker of the runtime (its rhythm), not in the run's cluster"
+            if tight is not None
+            else "per-layer costs timed piece by piece in tight loops",
         ],
     }
 

@@ -321,7 +321,7 @@ def run_strategy(
     return summarize(runs), outputs
 
 
-def print_layer_parts(results: dict[str, dict], machine: MachineCosts, layers: int) -> None:
+def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measurement: dict, layers: int) -> None:
     """Where a decode layer's time went in each strategy's cluster, beside what the simulator was
     given for the same parts (each measured alone, in a tight loop, before the run)."""
 
@@ -341,11 +341,16 @@ def print_layer_parts(results: dict[str, dict], machine: MachineCosts, layers: i
             + " | ".join(ms(parts.get(part)) for part in BREAKDOWN)
             + " |"
         )
-    print(
-        f"| the simulator's costs | {(machine.main_layer_s + machine.step_fixed_s / layers) * 1000:.3f} "
-        f"| {machine.main_dispatch_s * 1000:.3f} (before + after) | {machine.round_trip_s * 1000:.3f} (hops + "
-        f"worker Python) + the link | | {machine.expert_compute_s * 1000:.3f} per expert (+ copy waits) | |"
-    )
+    rows = [("the simulator's costs", machine)]
+    if "tight_loop" in measurement and "in_rhythm" in measurement:
+        rows[0] = ("the simulator's costs (main + 1 worker of the runtime)", machine)
+        rows.append(("the same timed alone in tight loops", MachineCosts(**measurement["tight_loop"])))
+    for label, costs in rows:
+        print(
+            f"| {label} | {(costs.main_layer_s + costs.step_fixed_s / layers) * 1000:.3f} "
+            f"| {costs.main_dispatch_s * 1000:.3f} (before + after) | {costs.round_trip_s * 1000:.3f} (hops + "
+            f"worker Python) + the link | | {costs.expert_compute_s * 1000:.3f} per expert (+ copy waits) | |"
+        )
 
 
 def print_table(
@@ -363,9 +368,10 @@ def print_table(
     print()
     print(
         "| strategy | | decode tok/s | e2e tok/s | TTFT ms | decode ÷ full cache | recall "
-        "| peak expert bytes per worker | token agreement | simulator's prediction (decode tok/s) |"
+        "| peak expert bytes per worker | token agreement | simulator's prediction (decode tok/s) "
+        "| ... with tight-loop costs |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         ratio = "" if r["decode_tok_s_vs_full_cache"] is None else _figure(r, "decode_tok_s_vs_full_cache", ".2f")
         recall = "" if r["recall"] is None else f"{r['recall']:.1%}"
@@ -373,7 +379,8 @@ def print_table(
             f"| {name} | {'approximate' if r['approximate'] else 'exact'} | {_figure(r, 'decode_tok_s', '.2f')} "
             f"| {_figure(r, 'e2e_tok_s', '.2f')} | {_figure(r, 'ttft_ms', '.0f')} | {ratio} | {recall} "
             f"| {r['peak_expert_bytes_per_worker']:,} | {r['token_agreement']:.1%} "
-            f"| {_predicted(r.get('sim_predicted_decode_tok_s'), r['decode_tok_s'])} |"
+            f"| {_predicted(r.get('sim_predicted_decode_tok_s'), r['decode_tok_s'])} "
+            f"| {_predicted(r.get('sim_predicted_decode_tok_s_tight_loop_costs'), r['decode_tok_s'])} |"
         )
     for name, r in results.items():
         if "decode_vs_without_hybrid" in r:
@@ -600,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         # The simulator's prediction of this run, made before it starts (nothing of the run goes in).
         # The workers compute their experts at this machine's own speed (only copies, links and the
         # host path are emulated), so the model gets the time measured now, whatever the scale.
-        machine, _ = measure_machine(config, calibration.measured_here_s)
+        machine, measurement = measure_machine(config, calibration.measured_here_s, model_dir=model_dir)
         predictions: dict[str, dict] = {}
         for with_hybrid, names in ((False, strategies), (True, hybrid)):
             if names:
@@ -616,12 +623,16 @@ def main(argv: list[str] | None = None) -> int:
                     cache_experts=args.cache_experts,
                     hybrid=with_hybrid,
                     machine=machine,
+                    measurement=measurement,
                 )
-        predicted = {
-            name + (HYBRID if kind == "hybrid" else ""): tok_s
-            for kind, prediction in predictions.items()
-            for name, tok_s in prediction["predicted_decode_tok_s"].items()
-        }
+        predicted, predicted_tight = (
+            {
+                name + (HYBRID if kind == "hybrid" else ""): tok_s
+                for kind, prediction in predictions.items()
+                for name, tok_s in (prediction[key] or {}).items()
+            }
+            for key in ("predicted_decode_tok_s", "predicted_decode_tok_s_tight_loop_costs")
+        )
         print(f"the simulator's prediction (decode tok/s): {predicted}", file=sys.stderr)
         rounds: list[dict[str, dict]] = []
         exact = True
@@ -641,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     results = aggregate_rounds(rounds)
     for name, figures in results.items():
         figures["sim_predicted_decode_tok_s"] = predicted.get(name)
+        figures["sim_predicted_decode_tok_s_tight_loop_costs"] = predicted_tight.get(name)
     bound = copy_bound(
         config["num_hidden_layers"],
         config["num_experts_per_tok"],
@@ -657,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         emulation.host_memory_bytes_per_s,
     )
     print_table(results, emulation, calibration, args, exact)
-    print_layer_parts(results, machine, config["num_hidden_layers"])
+    print_layer_parts(results, machine, measurement, config["num_hidden_layers"])
     if "odmoe" in results:
         results["odmoe"]["copy_bound"] = bound
         results["odmoe"]["split_bound"] = split

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.sim_prediction import costs_in_rhythm
 from benchmarks.strategies import (
     DEFAULT_PROFILE,
     Calibration,
@@ -22,6 +23,7 @@ from benchmarks.strategies import (
     summarize,
 )
 from inference.emulation import emulation_for
+from inference.metrics import BREAKDOWN
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -116,6 +118,24 @@ def test_rounds_report_where_a_layer_went_part_by_part() -> None:
     assert odmoe["main_between_layers_ms"] == 1.0
     assert odmoe["pairs"][0]["layer_parts_ms"] == {"hops": 0.5, "worker_busy": 2.0}
     assert odmoe["pairs"][1]["layer_parts_ms"] is None
+
+
+def test_the_costs_in_the_runtimes_rhythm_come_from_its_layer_breakdown() -> None:
+    rhythm = {
+        "main_between_layers_ms": 1.5,
+        "parts_ms": {
+            "main_before_send": 0.25,
+            "hops": 0.5,
+            "worker_python": 0.25,
+            "worker_busy": 2.0,
+            "main_after_answers": 0.125,
+        },
+    }
+    costs = costs_in_rhythm(rhythm, top_k=2)
+    assert costs.main_layer_s == pytest.approx(1.5e-3) and costs.step_fixed_s == 0.0  # per token: in the layers
+    assert costs.main_dispatch_s == pytest.approx(0.375e-3)
+    assert costs.round_trip_s == pytest.approx(0.75e-3)  # hops + the worker's own Python
+    assert costs.expert_compute_s == pytest.approx(1e-3)  # the request's two experts
 
 
 def test_one_round_gives_the_figures_of_a_single_run() -> None:
@@ -238,14 +258,21 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
     calibration = figures["calibration"]
     assert calibration["source"] == "--expert-compute-ms" and calibration["measured_here_s"] > 0
     assert calibration["expert_compute_here_s"] == pytest.approx(2e-5) and figures["repeats"] == 1
-    # The simulator is told what an expert takes here now: the workers compute at this machine's speed.
-    machine = figures["sim_prediction"]["plain"]["machine"]
-    assert machine["expert_compute_s"] == calibration["measured_here_s"]
+    # The simulator is given the costs of a main + one worker of the runtime measured just before the
+    # run; the same pieces timed alone (an expert: this machine's own time, whatever the scale) are kept.
+    prediction = figures["sim_prediction"]["plain"]
+    measurement = prediction["measurement"]
+    assert prediction["machine"] == costs_in_rhythm(measurement["in_rhythm"], 2).as_dict()
+    assert measurement["tight_loop"]["expert_compute_s"] == calibration["measured_here_s"]
+    assert set(measurement["in_rhythm"]["parts_ms"]) == set(BREAKDOWN)
+    odmoe = figures["strategies"]["odmoe"]
+    assert odmoe["sim_predicted_decode_tok_s"] > 0 and odmoe["sim_predicted_decode_tok_s_tight_loop_costs"] > 0
+    assert odmoe["layer_parts_ms"]["worker_busy"] > 0 and odmoe["main_between_layers_ms"] > 0
     printed = capsys.readouterr().out
     assert "| odmoe |" in printed and "profile 3090-pcie4-1gbe" in printed and "copy-bound ceiling" in printed
     assert figures["strategies"]["odmoe"]["copy_bound"]["tok_s"] > 0
     assert "copy + host-memory ceiling" in printed
-    odmoe = figures["strategies"]["odmoe"]
+    assert "| the same timed alone in tight loops |" in printed
     assert odmoe["split_bound"]["tok_s"] > odmoe["copy_bound"]["tok_s"]
     assert (tmp_path / "strategies.png").read_bytes().startswith(PNG_MAGIC)
 

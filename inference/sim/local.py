@@ -36,10 +36,14 @@ module. Every rule here is the runtime's own, not a fit:
 
 What it needs measured (`MachineCosts`, by `benchmarks.sim_prediction` before a run) is this
 machine's own time for what the emulation does not scale: main's layer, the per-layer Python
-around the experts, a message over loopback, and an expert's compute. What it does not model, and
-is therefore a known source of error: CPU contention between the roles that share this machine's
-cores (main, shadow and workers are assumed to each have a core when they compute), the shadow's
-speed beyond its own layer times, and the jitter of process wake-ups.
+around the experts, a message over loopback, and an expert's compute — measured in a running
+main + one worker of the runtime (`benchmarks.sim_prediction.measure_in_rhythm`), so that each
+cost holds what it costs right after a wait, as in a cluster. What it does not model, and is
+therefore a known source of error: CPU contention between the roles that share this machine's
+cores (main, shadow and workers are assumed to each have a core when they compute), a worker's
+slower compute after the longer idle of a larger cluster (the measuring worker computes every
+layer), the shadow's speed beyond its own layer times, and the tails of process wake-ups (the
+costs are medians; the decode rate is a mean).
 """
 
 from __future__ import annotations
