@@ -119,28 +119,65 @@ def measure_in_rhythm(model_dir: Path, config: dict) -> dict:
     }
 
 
-def costs_in_rhythm(rhythm: dict, top_k: int) -> MachineCosts:
+def hold_wake_s(latency_s: float, messages: int = 200, gap_s: float = 0.002) -> float:
+    """Median of how late an emulated link hands a held message out after its delivery time.
+
+    Two endpoints in this process, the sender's link emulating ``latency_s``; one expert request
+    at a time, ``gap_s`` apart. The receiver holds each message until its stamp and then returns
+    from a timed wait, as every role's inbox does under the emulation.
+    """
+    from benchmarks.overhead import DEPLOYMENT, sample_messages
+    from benchmarks.overhead import Shape as OverheadShape
+    from inference.launcher import free_port
+    from inference.transport import Endpoint
+
+    request, _ = sample_messages(OverheadShape(64, 2, 8))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    inbox = Endpoint("worker-0", DEPLOYMENT, bind=address)
+    sender = Endpoint("main", DEPLOYMENT, link_latency_s=latency_s)
+    sender.connect("worker-0", address)
+    late = []
+    try:
+        for i in range(messages + 20):
+            time.sleep(gap_s)
+            sender.send("worker-0", request)
+            received = inbox.recv(timeout_s=5.0)
+            if received is None:
+                raise RuntimeError("the emulated link delivered nothing within 5 s")
+            if i >= 20:  # after a warm-up
+                late.append(time.monotonic() - received.msg.deliver_at)
+    finally:
+        sender.close()
+        inbox.close()
+    return max(0.0, statistics.median(late))
+
+
+def costs_in_rhythm(rhythm: dict, top_k: int, hold_wake: float = 0.0) -> MachineCosts:
     """`MachineCosts` from `measure_in_rhythm`'s figures (pure). Main's time between layers holds its
     per-token work too (spread over the layers), so nothing is left per token; the worker's load
-    wait + compute is one request's ``top_k`` experts (one sequence, nothing to wait for)."""
+    wait + compute is one request's ``top_k`` experts (one sequence, nothing to wait for); its own
+    Python is charged after the request reaches it, the hops as the loopback round trip."""
     parts = rhythm["parts_ms"]
     return MachineCosts(
         expert_compute_s=max(parts["worker_busy"], 1e-3) / top_k / 1000,
         main_layer_s=rhythm["main_between_layers_ms"] / 1000,
         main_dispatch_s=(parts["main_before_send"] + parts["main_after_answers"]) / 1000,
-        round_trip_s=(parts["hops"] + parts["worker_python"]) / 1000,
+        round_trip_s=parts["hops"] / 1000,
         step_fixed_s=0.0,
+        worker_python_s=parts["worker_python"] / 1000,
+        hold_wake_s=hold_wake,
     )
 
 
 def measure_machine(
-    config: dict, expert_compute_s: float, *, model_dir: Path | None = None
+    config: dict, expert_compute_s: float, *, model_dir: Path | None = None, link_latency_s: float = 0.0
 ) -> tuple[MachineCosts, dict]:
     """This machine's un-emulated costs at the checkpoint's shape (one thread, as a role runs).
 
     Each piece timed alone in a tight loop; with ``model_dir`` (the run's checkpoint) the costs
-    returned are those measured in the runtime's rhythm instead (`measure_in_rhythm`), and the
-    tight-loop ones are kept in the record under ``tight_loop``.
+    returned are those measured in the runtime's rhythm instead (`measure_in_rhythm`, and how late
+    a held message wakes its receiver on a link emulating ``link_latency_s``: `hold_wake_s`), and
+    the tight-loop ones are kept in the record under ``tight_loop``.
     """
     from benchmarks.overhead import Shape as OverheadShape
     from benchmarks.overhead import component_times, endpoint_round_trip_us
@@ -176,8 +213,9 @@ def measure_machine(
     record: dict = {"components_us": parts, "tight_loop": costs.as_dict()}
     if model_dir is not None:
         rhythm = measure_in_rhythm(model_dir, config)
+        rhythm["hold_wake_s"] = hold_wake_s(link_latency_s) if link_latency_s > 0 else 0.0
         record["in_rhythm"] = rhythm
-        costs = costs_in_rhythm(rhythm, config["num_experts_per_tok"])
+        costs = costs_in_rhythm(rhythm, config["num_experts_per_tok"], rhythm["hold_wake_s"])
     record["seconds"] = time.perf_counter() - started
     return costs, record
 
@@ -321,7 +359,9 @@ def predict_for_run(
     rhythm, the prediction with the tight-loop costs is made too (the model before it used them).
     """
     if machine is None:
-        machine, measurement = measure_machine(config, emulation["expert_compute_here_s"], model_dir=model_dir)
+        machine, measurement = measure_machine(
+            config, emulation["expert_compute_here_s"], model_dir=model_dir, link_latency_s=emulation["link_latency_s"]
+        )
     costs, measured = machine, measurement or {}
     generations = routing_traces(model_dir, prompts, outputs)
     rates = rates_for(emulation, config, expert_bytes)

@@ -607,7 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         # The simulator's prediction of this run, made before it starts (nothing of the run goes in).
         # The workers compute their experts at this machine's own speed (only copies, links and the
         # host path are emulated), so the model gets the time measured now, whatever the scale.
-        machine, measurement = measure_machine(config, calibration.measured_here_s, model_dir=model_dir)
+        machine, measurement = measure_machine(
+            config, calibration.measured_here_s, model_dir=model_dir, link_latency_s=emulation.link_latency_s
+        )
         predictions: dict[str, dict] = {}
         for with_hybrid, names in ((False, strategies), (True, hybrid)):
             if names:

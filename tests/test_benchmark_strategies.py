@@ -131,10 +131,11 @@ def test_the_costs_in_the_runtimes_rhythm_come_from_its_layer_breakdown() -> Non
             "main_after_answers": 0.125,
         },
     }
-    costs = costs_in_rhythm(rhythm, top_k=2)
+    costs = costs_in_rhythm(rhythm, top_k=2, hold_wake=1e-4)
     assert costs.main_layer_s == pytest.approx(1.5e-3) and costs.step_fixed_s == 0.0  # per token: in the layers
     assert costs.main_dispatch_s == pytest.approx(0.375e-3)
-    assert costs.round_trip_s == pytest.approx(0.75e-3)  # hops + the worker's own Python
+    assert costs.round_trip_s == pytest.approx(0.5e-3)  # the hops; the worker's own Python comes after them
+    assert costs.worker_python_s == pytest.approx(0.25e-3) and costs.hold_wake_s == 1e-4
     assert costs.expert_compute_s == pytest.approx(1e-3)  # the request's two experts
 
 
@@ -262,7 +263,9 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
     # run; the same pieces timed alone (an expert: this machine's own time, whatever the scale) are kept.
     prediction = figures["sim_prediction"]["plain"]
     measurement = prediction["measurement"]
-    assert prediction["machine"] == costs_in_rhythm(measurement["in_rhythm"], 2).as_dict()
+    rhythm = measurement["in_rhythm"]
+    assert prediction["machine"] == costs_in_rhythm(rhythm, 2, rhythm["hold_wake_s"]).as_dict()
+    assert 0 < rhythm["hold_wake_s"] < 0.05  # the emulated link's held messages are handed out late
     assert measurement["tight_loop"]["expert_compute_s"] == calibration["measured_here_s"]
     assert set(measurement["in_rhythm"]["parts_ms"]) == set(BREAKDOWN)
     odmoe = figures["strategies"]["odmoe"]

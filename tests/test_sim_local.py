@@ -52,6 +52,30 @@ def test_reactive_layer_by_hand() -> None:
     assert out["loads"] == 2
 
 
+def test_a_workers_python_and_a_late_wake_up_are_never_hidden_under_the_links_latency() -> None:
+    # A 1 ms emulated latency dwarfs the 0.2 ms loopback hop it overlaps, but not what comes after
+    # delivery: the worker's own Python, and the receiver's late wake-up from its timed wait.
+    networked = EmulatedRates(
+        copy_bytes_per_s=1e9,
+        link_bytes_per_s=1e9,
+        link_latency_s=1e-3,
+        expert_bytes=40_000_000,
+        request_bytes=2_000,
+        result_bytes=2_000,
+    )
+    shape = Shape(layers=2, experts=8, top_k=2, workers=2)
+    trace = steps(4, 2, (0, 1))
+    base = simulate_generation(Options("full-cache"), shape, COSTS, networked, trace)
+    slower = MachineCosts(**{**COSTS.as_dict(), "worker_python_s": 3e-4, "hold_wake_s": 1e-4})
+    out = simulate_generation(Options("full-cache"), shape, slower, networked, trace)
+    # Per layer: the worker's 0.3 ms, and 0.1 ms late on each of the request's and the answer's hops.
+    assert 1 / out["decode_tok_s"] - 1 / base["decode_tok_s"] == pytest.approx(2 * (3e-4 + 2 * 1e-4))
+    # On one box (no emulated link) nothing is held, so only the worker's Python counts.
+    alone = simulate_generation(Options("full-cache"), shape, slower, RATES, trace)
+    plain = simulate_generation(Options("full-cache"), shape, COSTS, RATES, trace)
+    assert 1 / alone["decode_tok_s"] - 1 / plain["decode_tok_s"] == pytest.approx(2 * 3e-4)
+
+
 def test_full_cache_needs_no_copies_and_a_shared_home_serialises() -> None:
     shape = Shape(layers=2, experts=8, top_k=2, workers=2)
     apart = simulate_generation(Options("full-cache"), shape, COSTS, RATES, steps(4, 2, (0, 1)))

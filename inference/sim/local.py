@@ -24,8 +24,10 @@ module. Every rule here is the runtime's own, not a fit:
   it goes; ``lru-offload``: main sends the next layer's router guess before the layer's
   requests (`MainRole._predict_next_layer`), on one box (no emulated link);
 - the emulated link (`inference.transport`): a message leaves after the sender's earlier ones
-  have left its uplink (``bytes / rate`` each) and is delivered ``latency`` after its last byte,
-  or when it really arrives over loopback, whichever is later;
+  have left its uplink (``bytes / rate`` each) and is delivered ``latency`` after its last byte
+  (plus how late the receiver's timed wait for that moment wakes up, measured), or when it
+  really arrives over loopback, whichever is later; a worker's own Python around its experts
+  comes after the delivery, never under the latency;
 - hybrid execution (``hybrid=True``, `inference.hybrid`): when main's request reaches a worker,
   each requested expert not on the device runs where it finishes first — its copy (what is left
   of it) plus the compute, or the worker's CPU straight from host memory — and a copy not yet
@@ -72,6 +74,12 @@ class MachineCosts:
     main_dispatch_s: float  # main's Python per layer around the experts: split, requests, combine
     round_trip_s: float  # an expert request and its result through two processes' endpoints
     step_fixed_s: float  # main's time per token outside its layers (embedding, final norm, LM head)
+    # A worker's own Python around its load wait + compute (checks, the loader's calls, the
+    # answer): after the request is handed to it, so never hidden under an emulated link's latency.
+    worker_python_s: float = 0.0
+    # How late an emulated link's held message is handed out after its delivery time (the
+    # transport releases it from a timed wait, which wakes up late).
+    hold_wake_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -324,15 +332,17 @@ class Link:
         self.rate = rates.link_bytes_per_s if networked else None
         self.latency = rates.link_latency_s if networked else 0.0
         self.one_way = costs.one_way_s
+        self.wake = costs.hold_wake_s
         self.free = 0.0
 
     def send(self, t: float, nbytes: int) -> float:
-        """Delivery time of a message sent at ``t``."""
+        """Delivery time of a message sent at ``t``: when it really arrives over loopback or, if
+        later, when the receiver's timed wait for its delivery time ends."""
         real = t + self.one_way
         if self.rate is None:
             return real
         self.free = max(self.free, t) + nbytes / self.rate
-        return max(real, self.free + self.latency)
+        return max(real, self.free + self.latency + self.wake)
 
 
 @dataclass(frozen=True)
@@ -472,6 +482,8 @@ def simulate_generation(
             worker.served = here
         wanted = set(experts)
         loader.discard(lambda k: (k[0], k[1]) > here or ((k[0], k[1]) == here and k[2] in wanted), t)
+        if experts:  # the worker's own Python before its first expert (the checks, the loader's calls)
+            t += costs.worker_python_s
         # The runtime decides every expert of the request first, then runs the CPU's on a host
         # thread beside the device's: two chains from the request's arrival, the later one ends it.
         cpu_t = t
