@@ -346,10 +346,12 @@ def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measureme
         rows[0] = ("the simulator's costs (main + 1 worker of the runtime)", machine)
         rows.append(("the same timed alone in tight loops", MachineCosts(**measurement["tight_loop"])))
     for label, costs in rows:
+        wake = f" + {costs.hold_wake_s * 1000:.3f} late per held message" if costs.hold_wake_s else ""
+        python = f"{costs.worker_python_s * 1000:.3f}" if costs.worker_python_s else "(in the round trip)"
         print(
             f"| {label} | {(costs.main_layer_s + costs.step_fixed_s / layers) * 1000:.3f} "
-            f"| {costs.main_dispatch_s * 1000:.3f} (before + after) | {costs.round_trip_s * 1000:.3f} (hops + "
-            f"worker Python) + the link | | {costs.expert_compute_s * 1000:.3f} per expert (+ copy waits) | |"
+            f"| {costs.main_dispatch_s * 1000:.3f} (before + after) | {costs.round_trip_s * 1000:.3f} loopback "
+            f"+ the link{wake} | {python} | {costs.expert_compute_s * 1000:.3f} per expert (+ copy waits) | |"
         )
 
 
