@@ -144,7 +144,7 @@ def run_cluster(model_dir: Path, *, workers: int, shadow: bool, new_tokens: int,
     summary = summarize(layer_samples(reports))
     gaps = layer_gaps_ms(reports)
     summary.update(
-        parts_ms_median={name: statistics.median(v) for name, v in layer_parts_ms(reports).items()},
+        parts_ms_median={name: statistics.median(v) if v else None for name, v in layer_parts_ms(reports).items()},
         workers=workers,
         shadow=shadow,
         processes=workers + 1 + shadow,
@@ -412,7 +412,7 @@ def measure(model_dir: Path, *, workers: int, new_tokens: int, full: bool, full_
 
 PART_NAMES = {
     "main_before_send": "main: routing split, plan, build + encode + send the requests",
-    "hops": "hops both ways: framing and decoding, CURVE, ZeroMQ, wake-ups",
+    "hops": "hops both ways: framing and decoding, CURVE, ZeroMQ, wake-ups, both receive loops",
     "worker_python": "worker: its own Python around the load wait + compute",
     "worker_busy": "worker: load wait + compute",
     "main_after_answers": "main: scatter + combine the answers",
@@ -440,7 +440,7 @@ def render(figures: dict) -> str:
         "waited for last) | median (ms) |",
         "|---|---:|",
     ]
-    lines += [f"| {PART_NAMES[name]} | {ms:.3f} |" for name, ms in m["parts_ms_median"].items()]
+    lines += [f"| {PART_NAMES[name]} | {ms:.3f} |" for name, ms in m["parts_ms_median"].items() if ms is not None]
     lines += [
         "",
         "| breakdown (same message sizes, each timed alone in a tight loop) | median (µs) |",

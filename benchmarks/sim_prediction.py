@@ -13,7 +13,7 @@ a run's measurements goes in.
 The per-layer costs come from a running main + one worker of the runtime on the run's checkpoint
 (`measure_in_rhythm`: full cache, no shadow, no emulation, a core each), split as the step reports
 split every layer. They were first timed piece by piece in tight loops; the cluster's own
-breakdown (`inference.metrics.layer_breakdown`) showed each piece taking 1.5-5x as long in the
+breakdown (`inference.metrics.layer_breakdown`) showed each piece taking 1.5-6x as long in the
 cluster as alone (right after a wait, with cold caches and the runtime's code around it), so a
 model fed the tight-loop figures leaves out most of what a layer costs wherever copies do not hide
 it. The prediction with the tight-loop costs is still made and recorded beside the other.
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -119,65 +120,99 @@ def measure_in_rhythm(model_dir: Path, config: dict) -> dict:
     }
 
 
-def hold_wake_s(latency_s: float, messages: int = 200, gap_s: float = 0.002) -> float:
+def hold_wake_s(
+    config: dict, latency_s: float, bytes_per_s: float | None, messages: int = 200, gap_s: float = 0.002
+) -> float:
     """Median of how late an emulated link hands a held message out after its delivery time.
 
-    Two endpoints in this process, the sender's link emulating ``latency_s``; one expert request
-    at a time, ``gap_s`` apart. The receiver holds each message until its stamp and then returns
-    from a timed wait, as every role's inbox does under the emulation.
+    Two endpoints in this process, encrypted as every deployment's are, the sender's link
+    emulating the run's ``latency_s`` and ``bytes_per_s``; one expert request of the checkpoint's
+    size at a time, ``gap_s`` apart. The receiver holds each message until its stamp and then
+    returns from a timed wait, as every role's inbox does under the emulation. A message that
+    arrived after its stamp would count its transit instead; with the emulated latencies of the
+    profiles (0.25 ms and more here, against a loopback hop of about 0.1 ms) none does.
     """
     from benchmarks.overhead import DEPLOYMENT, sample_messages
     from benchmarks.overhead import Shape as OverheadShape
+    from inference.curve import new_keys
     from inference.launcher import free_port
     from inference.transport import Endpoint
 
-    request, _ = sample_messages(OverheadShape(64, 2, 8))
+    shape = OverheadShape(config["hidden_size"], config["num_experts_per_tok"], family_for(config).n_experts(config))
+    request, _ = sample_messages(shape)
     address = f"tcp://127.0.0.1:{free_port()}"
-    inbox = Endpoint("worker-0", DEPLOYMENT, bind=address)
-    sender = Endpoint("main", DEPLOYMENT, link_latency_s=latency_s)
-    sender.connect("worker-0", address)
+    keys = new_keys()
+    inbox = Endpoint("worker-0", DEPLOYMENT, bind=address, curve=keys)
     late = []
     try:
-        for i in range(messages + 20):
-            time.sleep(gap_s)
-            sender.send("worker-0", request)
-            received = inbox.recv(timeout_s=5.0)
-            if received is None:
-                raise RuntimeError("the emulated link delivered nothing within 5 s")
-            if i >= 20:  # after a warm-up
-                late.append(time.monotonic() - received.msg.deliver_at)
+        sender = Endpoint("main", DEPLOYMENT, link_bytes_per_s=bytes_per_s, link_latency_s=latency_s, curve=keys)
+        try:
+            sender.connect("worker-0", address)
+            for i in range(messages + 20):
+                time.sleep(gap_s)
+                sender.send("worker-0", request)
+                received = inbox.recv(timeout_s=5.0)
+                if received is None:
+                    raise RuntimeError("the emulated link delivered nothing within 5 s")
+                if i >= 20:  # after a warm-up (and the CURVE handshake)
+                    late.append(time.monotonic() - received.msg.deliver_at)
+        finally:
+            sender.close()
     finally:
-        sender.close()
         inbox.close()
     return max(0.0, statistics.median(late))
 
 
+def _too_big_for_one_worker(model_dir: Path) -> str:
+    """Why `measure_in_rhythm` cannot run here ("" where it can): its one worker holds every expert."""
+    from inference.checkpoint import Checkpoint, is_expert_key
+
+    checkpoint = Checkpoint(model_dir)
+    expert_bytes = sum(checkpoint.nbytes(name) for name in checkpoint if is_expert_key(name))
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if expert_bytes > available // 3:
+        return (
+            f"the checkpoint's experts ({expert_bytes / 2**30:.1f} GiB) would not fit one worker here "
+            f"({available / 2**30:.1f} GiB available): the tight-loop costs are used"
+        )
+    return ""
+
+
 def costs_in_rhythm(rhythm: dict, top_k: int, hold_wake: float = 0.0) -> MachineCosts:
     """`MachineCosts` from `measure_in_rhythm`'s figures (pure). Main's time between layers holds its
-    per-token work too (spread over the layers), so nothing is left per token; the worker's load
+    per-token work too (its token intervals, spread over the layers), so nothing is left per token;
+    main's Python before its requests leave and after the answers come apart; the worker's load
     wait + compute is one request's ``top_k`` experts (one sequence, nothing to wait for); its own
     Python is charged after the request reaches it, the hops as the loopback round trip."""
     parts = rhythm["parts_ms"]
     return MachineCosts(
         expert_compute_s=max(parts["worker_busy"], 1e-3) / top_k / 1000,
         main_layer_s=rhythm["main_between_layers_ms"] / 1000,
-        main_dispatch_s=(parts["main_before_send"] + parts["main_after_answers"]) / 1000,
+        main_dispatch_s=parts["main_after_answers"] / 1000,
         round_trip_s=parts["hops"] / 1000,
         step_fixed_s=0.0,
         worker_python_s=parts["worker_python"] / 1000,
         hold_wake_s=hold_wake,
+        main_before_send_s=parts["main_before_send"] / 1000,
     )
 
 
 def measure_machine(
-    config: dict, expert_compute_s: float, *, model_dir: Path | None = None, link_latency_s: float = 0.0
+    config: dict,
+    expert_compute_s: float,
+    *,
+    model_dir: Path | None = None,
+    link_latency_s: float = 0.0,
+    link_bytes_per_s: float | None = None,
 ) -> tuple[MachineCosts, dict]:
     """This machine's un-emulated costs at the checkpoint's shape (one thread, as a role runs).
 
     Each piece timed alone in a tight loop; with ``model_dir`` (the run's checkpoint) the costs
     returned are those measured in the runtime's rhythm instead (`measure_in_rhythm`, and how late
-    a held message wakes its receiver on a link emulating ``link_latency_s``: `hold_wake_s`), and
-    the tight-loop ones are kept in the record under ``tight_loop``.
+    a held message wakes its receiver on a link emulating ``link_latency_s`` and
+    ``link_bytes_per_s``: `hold_wake_s`), and the tight-loop ones are kept in the record under
+    ``tight_loop``. A checkpoint whose experts would not fit one worker process here keeps the
+    tight-loop costs (the record says so).
     """
     from benchmarks.overhead import Shape as OverheadShape
     from benchmarks.overhead import component_times, endpoint_round_trip_us
@@ -212,10 +247,15 @@ def measure_machine(
     )
     record: dict = {"components_us": parts, "tight_loop": costs.as_dict()}
     if model_dir is not None:
-        rhythm = measure_in_rhythm(model_dir, config)
-        rhythm["hold_wake_s"] = hold_wake_s(link_latency_s) if link_latency_s > 0 else 0.0
-        record["in_rhythm"] = rhythm
-        costs = costs_in_rhythm(rhythm, config["num_experts_per_tok"], rhythm["hold_wake_s"])
+        too_big = _too_big_for_one_worker(model_dir)
+        if too_big:
+            record["in_rhythm_skipped"] = too_big
+        else:
+            rhythm = measure_in_rhythm(model_dir, config)
+            emulated = link_latency_s > 0 or bool(link_bytes_per_s)
+            rhythm["hold_wake_s"] = hold_wake_s(config, link_latency_s, link_bytes_per_s) if emulated else 0.0
+            record["in_rhythm"] = rhythm
+            costs = costs_in_rhythm(rhythm, config["num_experts_per_tok"], rhythm["hold_wake_s"])
     record["seconds"] = time.perf_counter() - started
     return costs, record
 
@@ -360,7 +400,11 @@ def predict_for_run(
     """
     if machine is None:
         machine, measurement = measure_machine(
-            config, emulation["expert_compute_here_s"], model_dir=model_dir, link_latency_s=emulation["link_latency_s"]
+            config,
+            emulation["expert_compute_here_s"],
+            model_dir=model_dir,
+            link_latency_s=emulation["link_latency_s"],
+            link_bytes_per_s=emulation.get("link_bytes_per_s"),
         )
     costs, measured = machine, measurement or {}
     generations = routing_traces(model_dir, prompts, outputs)
@@ -395,7 +439,7 @@ def predict_for_run(
             "per-layer costs measured at prediction time; the run may see the machine in another state",
             "per-layer costs measured in a main + one worker of the runtime (its rhythm), not in the run's cluster"
             if tight is not None
-            else "per-layer costs timed piece by piece in tight loops",
+            else measured.get("in_rhythm_skipped") or "per-layer costs timed piece by piece in tight loops",
         ],
     }
 

@@ -323,7 +323,8 @@ def run_strategy(
 
 def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measurement: dict, layers: int) -> None:
     """Where a decode layer's time went in each strategy's cluster, beside what the simulator was
-    given for the same parts (each measured alone, in a tight loop, before the run)."""
+    given for the same parts before the run (from a main + one worker of the runtime) and the same
+    pieces timed alone in tight loops."""
 
     def ms(value: float | None) -> str:
         return "" if value is None else f"{value:.3f}"
@@ -350,7 +351,8 @@ def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measureme
         python = f"{costs.worker_python_s * 1000:.3f}" if costs.worker_python_s else "(in the round trip)"
         print(
             f"| {label} | {(costs.main_layer_s + costs.step_fixed_s / layers) * 1000:.3f} "
-            f"| {costs.main_dispatch_s * 1000:.3f} (before + after) | {costs.round_trip_s * 1000:.3f} loopback "
+            f"| {(costs.main_before_send_s + costs.main_dispatch_s) * 1000:.3f} (before + after) "
+            f"| {costs.round_trip_s * 1000:.3f} loopback "
             f"+ the link{wake} | {python} | {costs.expert_compute_s * 1000:.3f} per expert (+ copy waits) | |"
         )
 
@@ -610,7 +612,11 @@ def main(argv: list[str] | None = None) -> int:
         # The workers compute their experts at this machine's own speed (only copies, links and the
         # host path are emulated), so the model gets the time measured now, whatever the scale.
         machine, measurement = measure_machine(
-            config, calibration.measured_here_s, model_dir=model_dir, link_latency_s=emulation.link_latency_s
+            config,
+            calibration.measured_here_s,
+            model_dir=model_dir,
+            link_latency_s=emulation.link_latency_s,
+            link_bytes_per_s=emulation.link_bytes_per_s,
         )
         predictions: dict[str, dict] = {}
         for with_hybrid, names in ((False, strategies), (True, hybrid)):

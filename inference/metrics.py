@@ -8,6 +8,7 @@ compute device, during prefill and during decode.
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from inference.placement import Placement
@@ -18,7 +19,7 @@ from inference.schedule import recall
 # The parts of a decode layer's expert round trip, in the order they happen (`layer_breakdown`).
 BREAKDOWN = (
     "main_before_send",  # routing split, dispatch plan, build + encode + send every request
-    "hops",  # both ways: framing, encryption, ZeroMQ, wake-ups (and an emulated link)
+    "hops",  # both ways: framing, encryption, ZeroMQ, wake-ups, both receive loops (and an emulated link)
     "worker_python",  # the last-answering worker's own time around its load wait + compute
     "worker_busy",  # that worker's load wait + compute
     "main_after_answers",  # scatter the answers and combine them
@@ -26,12 +27,15 @@ BREAKDOWN = (
 
 
 def layer_breakdown(rec: LayerRecord) -> dict[str, float]:
-    """Where one layer's round trip went, in ms, from main's own clock and the answer main
-    waited for last: the parts sum to ``dispatch_ms`` (each clamped at 0 against a worker's
-    clock that disagrees). The worker's parts are the last answer's, not the busiest worker's:
-    they are what main was waiting on."""
-    handled = min(rec.last_handled_ms, rec.await_ms)
-    busy = min(rec.last_busy_ms, handled)
+    """Where one layer's round trip went, in ms, from main's own clock and the worker whose
+    answer came last: the parts sum to ``dispatch_ms`` (each clamped at 0 against a worker's
+    clock that disagrees). The worker's parts are that worker's (all its requests of the
+    layer), not the busiest worker's: they are what main was waiting on. The hops are main's
+    wait less the worker's time with the requests: framing, encryption, ZeroMQ and wake-ups,
+    and each side's receive loop around them (main's handling of other messages meanwhile, the
+    worker's encoding of its answer)."""
+    handled = min(_time(rec.last_handled_ms), rec.await_ms)
+    busy = min(_time(rec.last_busy_ms), handled)
     return {
         "main_before_send": rec.send_ms,
         "hops": rec.await_ms - handled,
@@ -39,6 +43,11 @@ def layer_breakdown(rec: LayerRecord) -> dict[str, float]:
         "worker_busy": busy,
         "main_after_answers": max(0.0, rec.dispatch_ms - rec.send_ms - rec.await_ms),
     }
+
+
+def _time(ms: float) -> float:
+    """A time from another process's clock: 0 where it is none (NaN, infinite, negative)."""
+    return ms if math.isfinite(ms) and ms > 0 else 0.0
 
 
 def step_report(step: StepRecord, placement: Placement) -> dict:
@@ -95,19 +104,23 @@ def build_metrics(
     decode_coordination: list[float] = []
     decode_worker: list[float] = []
     decode_parts: dict[str, list[float]] = {k: [] for k in BREAKDOWN}
-    main_between: list[float] = []  # per decode step, main's own time per layer outside the round trips
+    # Per decode step, main's own time per layer outside the round trips: the step's whole token
+    # interval (what the decode rate counts: the embedding, layer 0's attention before its first
+    # round trip, streaming the token) less the round trips, spread over the layers.
+    main_between: list[float] = []
     late = 0  # decode experts computed that no prediction had named when main dispatched their layer
     for step in state.steps:
         layers = []
         step_recalls = []
         for rec in step.layers:
+            parts = layer_breakdown(rec)
             entry = {
                 "layer": rec.layer,
                 "real": rec.real,
                 "wait_ms": round(rec.wait_ms, 3),
                 "worker_ms": round(rec.worker_ms, 3),
                 "dispatch_ms": round(rec.dispatch_ms, 3),
-                "breakdown_ms": {k: round(v, 3) for k, v in layer_breakdown(rec).items()},
+                "breakdown_ms": {k: round(v, 3) for k, v in parts.items()},
                 "hits": rec.hits,
                 "misses": rec.misses,
             }
@@ -125,12 +138,13 @@ def build_metrics(
                 # What the layer cost beyond loading and computing: message hops and scheduling.
                 decode_coordination.append(max(0.0, rec.dispatch_ms - rec.worker_ms))
                 decode_worker.append(rec.worker_ms)
-                for k, v in layer_breakdown(rec).items():
+                for k, v in parts.items():
                     decode_parts[k].append(v)
             layers.append(entry)
         all_recalls.extend(step_recalls)
-        if step.step > 0 and step.layers and step.finished:
-            spent = (step.finished - step.started) * 1000 - sum(rec.dispatch_ms for rec in step.layers)
+        if step.step > 0 and step.layers and step.step < len(times):  # decode step s made token s
+            interval_ms = (times[step.step] - times[step.step - 1]) * 1000
+            spent = interval_ms - sum(rec.dispatch_ms for rec in step.layers)
             main_between.append(max(0.0, spent) / len(step.layers))
         per_step.append(
             {

@@ -75,4 +75,4 @@ def test_benchmark_runs_and_reports_sane_figures(tmp_path: Path, tiny_model: Pat
     printed = capsys.readouterr().out
     assert "| coordination = round trip - busiest worker |" in printed
     assert "acceptance: median coordination <= 0.3 ms" in printed
-    assert "| hops both ways: framing and decoding, CURVE, ZeroMQ, wake-ups |" in printed
+    assert "| hops both ways: framing and decoding, CURVE, ZeroMQ, wake-ups, both receive loops |" in printed

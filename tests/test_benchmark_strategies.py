@@ -133,7 +133,7 @@ def test_the_costs_in_the_runtimes_rhythm_come_from_its_layer_breakdown() -> Non
     }
     costs = costs_in_rhythm(rhythm, top_k=2, hold_wake=1e-4)
     assert costs.main_layer_s == pytest.approx(1.5e-3) and costs.step_fixed_s == 0.0  # per token: in the layers
-    assert costs.main_dispatch_s == pytest.approx(0.375e-3)
+    assert costs.main_before_send_s == pytest.approx(0.25e-3) and costs.main_dispatch_s == pytest.approx(0.125e-3)
     assert costs.round_trip_s == pytest.approx(0.5e-3)  # the hops; the worker's own Python comes after them
     assert costs.worker_python_s == pytest.approx(0.25e-3) and costs.hold_wake_s == 1e-4
     assert costs.expert_compute_s == pytest.approx(1e-3)  # the request's two experts
@@ -322,3 +322,13 @@ def test_an_approximate_strategy_is_marked_and_its_agreement_measured_in_every_r
     assert [r["decode_tok_s_vs_full_cache"] for r in full["rounds"]] == [1.0, 1.0]
     full_low, full_high = full["decode_tok_s_range"]
     assert f"| {full['decode_tok_s']:.2f} ({full_low:.2f}–{full_high:.2f}) |" in capsys.readouterr().out
+
+
+def test_a_checkpoint_too_big_for_one_worker_here_keeps_the_tight_loop_costs(tiny_model: Path, monkeypatch) -> None:
+    from benchmarks import sim_prediction
+
+    config = json.loads((tiny_model / "config.json").read_text())
+    monkeypatch.setattr(sim_prediction.os, "sysconf", lambda name: 1)  # a machine with (almost) no memory free
+    costs, record = sim_prediction.measure_machine(config, 1e-3, model_dir=tiny_model, link_latency_s=1e-3)
+    assert "would not fit one worker here" in record["in_rhythm_skipped"] and "in_rhythm" not in record
+    assert costs.as_dict() == record["tight_loop"] and costs.expert_compute_s == 1e-3

@@ -34,6 +34,12 @@ def test_a_worker_clock_that_disagrees_never_makes_a_part_negative() -> None:
     assert parts["hops"] == 0.0 and parts["worker_python"] == 0.0 and parts["worker_busy"] == 0.5
     assert all(v >= 0 for v in parts.values())
     assert sum(parts.values()) == pytest.approx(rec.dispatch_ms)
+    # What is not a time (a hostile or broken worker's NaN, infinity, negative) counts as nothing.
+    for bad in (float("nan"), float("inf"), float("-inf"), -1.0):
+        odd = layer_breakdown(
+            _layer(dispatch_ms=1.0, send_ms=0.25, await_ms=0.5, last_handled_ms=bad, last_busy_ms=bad)
+        )
+        assert odd == {**odd, "hops": 0.5, "worker_python": 0.0, "worker_busy": 0.0}, bad
     # A worker that does not say (an older one): its whole answer counts as hops.
     quiet = layer_breakdown(_layer(dispatch_ms=1.0, send_ms=0.25, await_ms=0.5, last_busy_ms=0.25))
     assert quiet["hops"] == 0.5 and quiet["worker_busy"] == 0.0
@@ -51,14 +57,16 @@ def test_a_generation_reports_the_medians_of_its_decode_layers_parts() -> None:
             LayerRecord(1, [2], [2], dispatch_ms=1.0, send_ms=send, await_ms=0.5, last_handled_ms=0.25),
         ]
         state.steps.append(record)
-    state.token_times = [0.5, 0.504, 0.512]
+    # Each step's record starts at layer 0's round trip; the token interval starts before it (the
+    # embedding, layer 0's attention), and the decode rate counts the whole interval.
+    state.token_times = [0.5, 0.504, 0.510]
     metrics = build_metrics(state, {}, None, placement(2, 4, 1, 1), token_period=1, kv_period=1)
     parts = metrics["decode_layer_breakdown_ms_median"]
     assert parts["main_before_send"] == pytest.approx(0.5)  # the median of 0.25, 0.25, 0.75, 0.75
     assert parts["hops"] == pytest.approx(0.25)
     # After the answers: 0.25 ms in step 1; in step 2 send + await exceed the round trip: clamped at 0.
     assert parts["main_after_answers"] == pytest.approx(0.125)
-    # Each decode step took 4 ms for two layers whose round trips took 1 ms each: 1 ms per layer besides.
-    assert metrics["decode_main_between_layers_ms_median"] == pytest.approx(1.0)
+    # Tokens 4 and 6 ms apart, for two layers whose round trips took 1 ms each: 1 and 2 ms per layer besides.
+    assert metrics["decode_main_between_layers_ms_median"] == pytest.approx(1.5)
     decode_layer = metrics["per_step"][1]["layers"][0]
     assert decode_layer["breakdown_ms"]["worker_python"] == 0.25

@@ -70,6 +70,12 @@ def test_a_workers_python_and_a_late_wake_up_are_never_hidden_under_the_links_la
     out = simulate_generation(Options("full-cache"), shape, slower, networked, trace)
     # Per layer: the worker's 0.3 ms, and 0.1 ms late on each of the request's and the answer's hops.
     assert 1 / out["decode_tok_s"] - 1 / base["decode_tok_s"] == pytest.approx(2 * (3e-4 + 2 * 1e-4))
+    # Main's Python before its sends instead of after the answers: the same for a full-cache layer
+    # (nothing overlaps either), only the sends leave later.
+    moved = MachineCosts(**{**COSTS.as_dict(), "main_dispatch_s": 0.0, "main_before_send_s": COSTS.main_dispatch_s})
+    assert simulate_generation(Options("full-cache"), shape, moved, networked, trace)["decode_tok_s"] == pytest.approx(
+        base["decode_tok_s"]
+    )
     # On one box (no emulated link) nothing is held, so only the worker's Python counts.
     alone = simulate_generation(Options("full-cache"), shape, slower, RATES, trace)
     plain = simulate_generation(Options("full-cache"), shape, COSTS, RATES, trace)

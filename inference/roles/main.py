@@ -680,6 +680,7 @@ class MainRole:
         answered_at = time.perf_counter()
         outputs = {e: torch.empty_like(rows[e]) for e in real}
         busy: dict[str, float] = {}
+        handled: dict[str, float] = {}
         wait_ms = compute_ms = 0.0
         hits = misses = 0
         for peer, result in answers_in:
@@ -687,9 +688,12 @@ class MainRole:
             for expert, count, offset in zip(result.experts, result.counts, result.offsets, strict=True):
                 outputs[expert][offset : offset + count] = result.output[start : start + count]
                 start += count
-            wait_ms += result.wait_ms
-            compute_ms += result.compute_ms
-            busy[peer] = busy.get(peer, 0.0) + result.wait_ms + result.compute_ms
+            # A worker's own figures, for the records only: what is not a time is not counted.
+            waited, computed = _reported_ms(result.wait_ms), _reported_ms(result.compute_ms)
+            wait_ms += waited
+            compute_ms += computed
+            busy[peer] = busy.get(peer, 0.0) + waited + computed
+            handled[peer] = handled.get(peer, 0.0) + _reported_ms(result.handled_ms)
             hits += result.hits
             misses += result.misses
         answers = []
@@ -703,10 +707,9 @@ class MainRole:
             record.dispatch_ms = dispatch_ms
             record.send_ms = (sent_at - started) * 1000
             record.await_ms = (answered_at - sent_at) * 1000
-            if answers_in:  # the answer main waited for last
-                last = answers_in[-1][1]
-                handled = last.handled_ms if math.isfinite(last.handled_ms) and last.handled_ms >= 0 else 0.0
-                record.last_handled_ms, record.last_busy_ms = handled, last.wait_ms + last.compute_ms
+            if answers_in:  # the worker main waited for last, all its requests of the layer
+                last = answers_in[-1][0]
+                record.last_handled_ms, record.last_busy_ms = handled[last], busy[last]
         return answers
 
     def _predict_next_layer(self, layer: int, batch: list[Sequence]) -> None:
@@ -943,6 +946,11 @@ class MainRole:
         received = self.endpoint.recv(timeout_s=max(0.0, deadline - time.monotonic()))
         if received is not None:
             handle_safely(self.handle_side_message, received)
+
+
+def _reported_ms(value: float) -> float:
+    """A time a worker reported, or 0 where it is not one (NaN, infinite, negative)."""
+    return value if math.isfinite(value) and value > 0 else 0.0
 
 
 def worker_index(peer: str) -> int:

@@ -366,6 +366,9 @@ class WorkerRole:
                 self._release_held({key})  # its last rows are done: free it before loading the next
         waiting = time.perf_counter()
         done = [out.result() if isinstance(out, Future) else out for out in outputs]
+        # The answer goes to the host here rather than in the encoder: on a device that waits for
+        # the kernels queued above, so that compute_ms and handled_ms hold them (on CPU a no-op).
+        output = (torch.cat(done) if len(done) > 1 else done[0]).cpu()
         compute_ms += (time.perf_counter() - waiting) * 1000  # the CPU's experts not done beside the device's
         result = ExpertResult(
             request_id=msg.request_id,
@@ -374,7 +377,7 @@ class WorkerRole:
             experts=msg.experts,
             counts=msg.counts,
             offsets=msg.offsets,
-            output=torch.cat(done) if len(done) > 1 else done[0],
+            output=output,
             wait_ms=wait_ms,
             compute_ms=compute_ms,
             hits=hits + on_cpu.predicted,

@@ -77,6 +77,9 @@ class MachineCosts:
     # A worker's own Python around its load wait + compute (checks, the loader's calls, the
     # answer): after the request is handed to it, so never hidden under an emulated link's latency.
     worker_python_s: float = 0.0
+    # Of main's Python per layer, the part before its requests leave (split, plan, build, send),
+    # where it is known apart; ``main_dispatch_s`` is then the part after the answers.
+    main_before_send_s: float = 0.0
     # How late an emulated link's held message is handed out after its delivery time (the
     # transport releases it from a timed wait, which wakes up late).
     hold_wake_s: float = 0.0
@@ -533,7 +536,7 @@ def simulate_generation(
             if s < len(trace):
                 shadow_end = shadow_pass(s + 1, trace[s], max(shadow_end, start))
         for layer, experts in enumerate(step):
-            now += costs.main_layer_s
+            now += costs.main_layer_s + costs.main_before_send_s
             members = groups[layer % len(groups)]
             if strategy == "lru-offload" and layer + 1 < shape.layers:
                 guess = next_gate[s - 1][layer + 1]
