@@ -436,8 +436,8 @@ def render(figures: dict) -> str:
         f"| main's expert round trip (dispatch) | {m['dispatch_ms_median']:.3f} | |",
         f"| busiest worker: load wait + compute | {m['worker_ms_median']:.3f} | |",
         "",
-        "| the round trip in the cluster, by part (main's clock; the worker's parts are the answer main "
-        "waited for last) | median (ms) |",
+        "| the round trip in the cluster, by part (main's clock; the worker's parts are those of the worker "
+        "main waited for last) | median (ms) |",
         "|---|---:|",
     ]
     lines += [f"| {PART_NAMES[name]} | {ms:.3f} |" for name, ms in m["parts_ms_median"].items() if ms is not None]

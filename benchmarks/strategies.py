@@ -330,8 +330,8 @@ def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measureme
         return "" if value is None else f"{value:.3f}"
 
     print(
-        "\nwhere a decode layer's time went in the cluster (ms, medians; the worker's parts are the answer main "
-        "waited for last; hops include an emulated link)\n"
+        "\nwhere a decode layer's time went in the cluster (ms, medians; the worker's parts are those of the "
+        "worker main waited for last; hops include an emulated link)\n"
         "| strategy | main between layers | main before send | hops both ways | worker Python | worker load wait "
         "+ compute | main after answers |\n|---|---:|---:|---:|---:|---:|---:|"
     )
@@ -342,10 +342,13 @@ def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measureme
             + " | ".join(ms(parts.get(part)) for part in BREAKDOWN)
             + " |"
         )
-    rows = [("the simulator's costs", machine)]
-    if "tight_loop" in measurement and "in_rhythm" in measurement:
-        rows[0] = ("the simulator's costs (main + 1 worker of the runtime)", machine)
-        rows.append(("the same timed alone in tight loops", MachineCosts(**measurement["tight_loop"])))
+    if "in_rhythm" in measurement:
+        rows = [
+            ("the simulator's costs (main + 1 worker of the runtime)", machine),
+            ("the same timed alone in tight loops", MachineCosts(**measurement["tight_loop"])),
+        ]
+    else:
+        rows = [("the simulator's costs", machine)]
     for label, costs in rows:
         wake = f" + {costs.hold_wake_s * 1000:.3f} late per held message" if costs.hold_wake_s else ""
         python = f"{costs.worker_python_s * 1000:.3f}" if costs.worker_python_s else "(in the round trip)"

@@ -34,8 +34,8 @@ def layer_breakdown(rec: LayerRecord) -> dict[str, float]:
     wait less the worker's time with the requests: framing, encryption, ZeroMQ and wake-ups,
     and each side's receive loop around them (main's handling of other messages meanwhile, the
     worker's encoding of its answer)."""
-    handled = min(_time(rec.last_handled_ms), rec.await_ms)
-    busy = min(_time(rec.last_busy_ms), handled)
+    handled = min(reported_ms(rec.last_handled_ms), rec.await_ms)
+    busy = min(reported_ms(rec.last_busy_ms), handled)
     return {
         "main_before_send": rec.send_ms,
         "hops": rec.await_ms - handled,
@@ -45,7 +45,7 @@ def layer_breakdown(rec: LayerRecord) -> dict[str, float]:
     }
 
 
-def _time(ms: float) -> float:
+def reported_ms(ms: float) -> float:
     """A time from another process's clock: 0 where it is none (NaN, infinite, negative)."""
     return ms if math.isfinite(ms) and ms > 0 else 0.0
 

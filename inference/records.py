@@ -24,8 +24,8 @@ class LayerRecord:
     misses: int = 0
     dispatch_ms: float = 0.0  # main's own time for this layer's expert round trip
     # Where the round trip went (`inference.metrics.layer_breakdown`): main's time until the last
-    # request left, then until the last answer arrived, and of that answer's worker its time from
-    # the request to the answer and the load wait + compute within it.
+    # request left, then until the last answer arrived, and of the worker that answered last its
+    # time from its requests to its answers and the load wait + compute within it (its totals).
     send_ms: float = 0.0
     await_ms: float = 0.0
     last_handled_ms: float = 0.0

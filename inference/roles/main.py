@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -43,7 +42,7 @@ from inference.batching import (
 )
 from inference.failover import NoSurvivor, reroute, taker
 from inference.importance import ResidentExperts, load_similarity, substitute
-from inference.metrics import build_metrics, step_report
+from inference.metrics import build_metrics, reported_ms, step_report
 from inference.model import build_main_model, expert_dims, family_of
 from inference.placement import Placement, placement_from_dict
 from inference.prerouter import SequenceRoutes, attach_lora, load_prerouter, matching_slots, prerouted_weights
@@ -689,11 +688,11 @@ class MainRole:
                 outputs[expert][offset : offset + count] = result.output[start : start + count]
                 start += count
             # A worker's own figures, for the records only: what is not a time is not counted.
-            waited, computed = _reported_ms(result.wait_ms), _reported_ms(result.compute_ms)
+            waited, computed = reported_ms(result.wait_ms), reported_ms(result.compute_ms)
             wait_ms += waited
             compute_ms += computed
             busy[peer] = busy.get(peer, 0.0) + waited + computed
-            handled[peer] = handled.get(peer, 0.0) + _reported_ms(result.handled_ms)
+            handled[peer] = handled.get(peer, 0.0) + reported_ms(result.handled_ms)
             hits += result.hits
             misses += result.misses
         answers = []
@@ -946,11 +945,6 @@ class MainRole:
         received = self.endpoint.recv(timeout_s=max(0.0, deadline - time.monotonic()))
         if received is not None:
             handle_safely(self.handle_side_message, received)
-
-
-def _reported_ms(value: float) -> float:
-    """A time a worker reported, or 0 where it is not one (NaN, infinite, negative)."""
-    return value if math.isfinite(value) and value > 0 else 0.0
 
 
 def worker_index(peer: str) -> int:
