@@ -49,7 +49,7 @@ import zmq
 from inference.curve import CurveKeys, new_keys
 from inference.families import family_for
 from inference.launcher import ClusterOptions, LocalCluster, free_port
-from inference.metrics import BREAKDOWN
+from inference.metrics import BREAKDOWN, HOPS_SPLIT
 from inference.protocol import ExpertRequest, ExpertResult, TokenEvent, decode, encode
 from inference.routing import Routing
 from inference.spec import Settings
@@ -84,26 +84,18 @@ def layer_samples(reports: list[dict]) -> list[tuple[float, float]]:
 
 
 def layer_parts_ms(reports: list[dict]) -> dict[str, list[float]]:
-    """Per part of the round trip (`inference.metrics.BREAKDOWN`), its ms in every decode layer."""
-    parts: dict[str, list[float]] = {name: [] for name in BREAKDOWN}
+    """Per part of the round trip (`inference.metrics.BREAKDOWN`, then the hops' split,
+    `HOPS_SPLIT`), its ms in every decode layer."""
+    parts: dict[str, list[float]] = {name: [] for name in (*BREAKDOWN, *HOPS_SPLIT)}
     for report in reports:
         if report is None or report["step"] == 0:
             continue
         for layer in report["layers"]:
             for name in BREAKDOWN:
                 parts[name].append(layer["breakdown_ms"][name])
+            for name in HOPS_SPLIT:
+                parts[name].append(layer["hops_split_ms"][name])
     return parts
-
-
-def layer_gaps_ms(reports: list[dict]) -> list[float]:
-    """Per decode step, main's own time per layer outside the expert round trips (attention, norms...)."""
-    gaps = []
-    for report in reports:
-        if report is None or report["step"] == 0 or not report["layers"] or report["ms"] is None:
-            continue
-        dispatch = sum(layer["dispatch_ms"] for layer in report["layers"])
-        gaps.append(max(0.0, report["ms"] - dispatch) / len(report["layers"]))
-    return gaps
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -134,6 +126,8 @@ def run_cluster(model_dir: Path, *, workers: int, shadow: bool, new_tokens: int,
     """Generate greedily on a local cluster and summarize its decode layers."""
     options = ClusterOptions(workers=workers, shadow=shadow, settings=Settings(threads=1))
     reports: list[dict] = []
+    # Main's time per layer outside the round trips, per generation (from its token intervals).
+    gaps: list[float] = []
     with LocalCluster(model_dir, options) as cluster:
         assert cluster.client is not None
         cluster.generate(prompts[0], 4)  # warm-up: first-call allocations in every process
@@ -141,8 +135,9 @@ def run_cluster(model_dir: Path, *, workers: int, shadow: bool, new_tokens: int,
             for event in cluster.client.stream(prompt, new_tokens, idle=cluster.check_processes):
                 if isinstance(event, TokenEvent):
                     reports.append(event.step)  # type: ignore[arg-type]
+                elif event.metrics.get("decode_main_between_layers_ms_median") is not None:
+                    gaps.append(event.metrics["decode_main_between_layers_ms_median"])
     summary = summarize(layer_samples(reports))
-    gaps = layer_gaps_ms(reports)
     summary.update(
         parts_ms_median={name: statistics.median(v) if v else None for name, v in layer_parts_ms(reports).items()},
         workers=workers,
@@ -416,6 +411,8 @@ PART_NAMES = {
     "worker_python": "worker: its own Python around the load wait + compute",
     "worker_busy": "worker: load wait + compute",
     "main_after_answers": "main: scatter + combine the answers",
+    "receiving": "... of the hops, in the receiving processes: decoding, other messages first (both sides)",
+    "between_sockets": "... of the hops, between the sockets: encryption, ZeroMQ, the kernel, wake-ups",
 }
 
 
@@ -440,7 +437,9 @@ def render(figures: dict) -> str:
         "main waited for last) | median (ms) |",
         "|---|---:|",
     ]
-    lines += [f"| {PART_NAMES[name]} | {ms:.3f} |" for name, ms in m["parts_ms_median"].items() if ms is not None]
+    parts = m["parts_ms_median"]
+    order = [n for name in BREAKDOWN for n in ((name, *HOPS_SPLIT) if name == "hops" else (name,))]
+    lines += [f"| {PART_NAMES[name]} | {parts[name]:.3f} |" for name in order if parts.get(name) is not None]
     lines += [
         "",
         "| breakdown (same message sizes, each timed alone in a tight loop) | median (µs) |",

@@ -58,7 +58,7 @@ from inference.emulation import Emulation, emulation_for, measure_expert_compute
 from inference.hybrid import expert_flops, predicted_share
 from inference.importance import SIMILARITY_FILE, calibrate, write_similarity
 from inference.launcher import ClusterOptions, LocalCluster
-from inference.metrics import BREAKDOWN
+from inference.metrics import BREAKDOWN, HOPS_SPLIT
 from inference.placement import placement
 from inference.reference import reference_generate
 from inference.sim import hardware as sim_hardware
@@ -145,6 +145,9 @@ def summarize(runs: list[dict]) -> dict:
         "main_between_layers_ms": _median_of(r.get("main_between_layers_ms") for r in runs),
         "layer_parts_ms": {
             name: _median_of((r.get("layer_parts_ms") or {}).get(name) for r in runs) for name in BREAKDOWN
+        },
+        "hops_split_ms": {
+            name: _median_of((r.get("hops_split_ms") or {}).get(name) for r in runs) for name in HOPS_SPLIT
         },
         "pairs": runs,
     }
@@ -311,6 +314,7 @@ def run_strategy(
                     "cpu_experts": m["cpu_experts"],
                     "main_between_layers_ms": m["decode_main_between_layers_ms_median"],
                     "layer_parts_ms": m["decode_layer_breakdown_ms_median"],
+                    "hops_split_ms": m["decode_hops_split_ms_median"],
                 }
             )
             print(
@@ -331,17 +335,18 @@ def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measureme
 
     print(
         "\nwhere a decode layer's time went in the cluster (ms, medians; the worker's parts are those of the "
-        "worker main waited for last; hops include an emulated link)\n"
+        "worker main waited for last; hops include an emulated link, and of them the receiving processes' time "
+        "with the messages before handling them: decoding, other messages first, a held message's late wake-up)\n"
         "| strategy | main between layers | main before send | hops both ways | worker Python | worker load wait "
         "+ compute | main after answers |\n|---|---:|---:|---:|---:|---:|---:|"
     )
     for name, r in results.items():
         parts = r.get("layer_parts_ms") or {}
-        print(
-            f"| {name} | {ms(r.get('main_between_layers_ms'))} | "
-            + " | ".join(ms(parts.get(part)) for part in BREAKDOWN)
-            + " |"
-        )
+        receiving = (r.get("hops_split_ms") or {}).get("receiving")
+        cells = [ms(parts.get(part)) for part in BREAKDOWN]
+        if receiving is not None:
+            cells[BREAKDOWN.index("hops")] += f" ({receiving:.3f} receiving)"
+        print(f"| {name} | {ms(r.get('main_between_layers_ms'))} | " + " | ".join(cells) + " |")
     if "in_rhythm" in measurement:
         rows = [
             ("the simulator's costs (main + 1 worker of the runtime)", machine),

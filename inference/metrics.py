@@ -45,6 +45,21 @@ def layer_breakdown(rec: LayerRecord) -> dict[str, float]:
     }
 
 
+# The hops, split: in the receiving processes (each side's time with a message off its socket
+# before handling it) and between the sockets (the rest: encoding after the worker's stamp,
+# encryption, ZeroMQ's queues and I/O threads, the kernel, wake-ups, an emulated link's hold).
+HOPS_SPLIT = ("receiving", "between_sockets")
+
+
+def hops_split(rec: LayerRecord) -> dict[str, float]:
+    """``layer_breakdown``'s hops of one layer in ms, split as ``HOPS_SPLIT`` says: the receiving
+    part is the last-answering worker's time with its requests before handling them plus main's
+    with that answer (`LayerRecord.last_received_ms`), clamped at the hops."""
+    hops = layer_breakdown(rec)["hops"]
+    receiving = min(reported_ms(rec.last_received_ms), hops)
+    return {"receiving": receiving, "between_sockets": hops - receiving}
+
+
 def reported_ms(ms: float) -> float:
     """A time from another process's clock: 0 where it is none (NaN, infinite, negative)."""
     return ms if math.isfinite(ms) and ms > 0 else 0.0
@@ -64,6 +79,7 @@ def step_report(step: StepRecord, placement: Placement) -> dict:
             "worker_ms": round(rec.worker_ms, 3),
             "dispatch_ms": round(rec.dispatch_ms, 3),
             "breakdown_ms": {k: round(v, 3) for k, v in layer_breakdown(rec).items()},
+            "hops_split_ms": {k: round(v, 3) for k, v in hops_split(rec).items()},
         }
         if decode:
             entry["predicted"] = list(rec.predicted) if rec.predicted is not None else None
@@ -104,6 +120,7 @@ def build_metrics(
     decode_coordination: list[float] = []
     decode_worker: list[float] = []
     decode_parts: dict[str, list[float]] = {k: [] for k in BREAKDOWN}
+    decode_hops: dict[str, list[float]] = {k: [] for k in HOPS_SPLIT}
     # Per decode step, main's own time per layer outside the round trips: the step's whole token
     # interval (what the decode rate counts: the embedding, layer 0's attention before its first
     # round trip, streaming the token) less the round trips, spread over the layers.
@@ -113,7 +130,7 @@ def build_metrics(
         layers = []
         step_recalls = []
         for rec in step.layers:
-            parts = layer_breakdown(rec)
+            parts, hops = layer_breakdown(rec), hops_split(rec)
             entry = {
                 "layer": rec.layer,
                 "real": rec.real,
@@ -121,6 +138,7 @@ def build_metrics(
                 "worker_ms": round(rec.worker_ms, 3),
                 "dispatch_ms": round(rec.dispatch_ms, 3),
                 "breakdown_ms": {k: round(v, 3) for k, v in parts.items()},
+                "hops_split_ms": {k: round(v, 3) for k, v in hops.items()},
                 "hits": rec.hits,
                 "misses": rec.misses,
             }
@@ -140,6 +158,8 @@ def build_metrics(
                 decode_worker.append(rec.worker_ms)
                 for k, v in parts.items():
                     decode_parts[k].append(v)
+                for k, v in hops.items():
+                    decode_hops[k].append(v)
             layers.append(entry)
         all_recalls.extend(step_recalls)
         if step.step > 0 and step.layers and step.step < len(times):  # decode step s made token s
@@ -199,6 +219,9 @@ def build_metrics(
         # Medians of each part of a decode layer's round trip (`layer_breakdown`); medians do not add up.
         "decode_layer_breakdown_ms_median": (
             {k: statistics.median(v) for k, v in decode_parts.items()} if decode_dispatch else None
+        ),
+        "decode_hops_split_ms_median": (
+            {k: statistics.median(v) for k, v in decode_hops.items()} if decode_dispatch else None
         ),
         # Main's attention, norms and router per decode layer (and its per-token work spread over them).
         "decode_main_between_layers_ms_median": statistics.median(main_between) if main_between else None,

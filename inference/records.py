@@ -25,11 +25,14 @@ class LayerRecord:
     dispatch_ms: float = 0.0  # main's own time for this layer's expert round trip
     # Where the round trip went (`inference.metrics.layer_breakdown`): main's time until the last
     # request left, then until the last answer arrived, and of the worker that answered last its
-    # time from its requests to its answers and the load wait + compute within it (its totals).
+    # time from its requests to its answers and the load wait + compute within it (its totals);
+    # of the hops, the time its requests and main the last answer spent in the receiving process
+    # before being handled (decoding, other messages first, an emulated link's late wake-up).
     send_ms: float = 0.0
     await_ms: float = 0.0
     last_handled_ms: float = 0.0
     last_busy_ms: float = 0.0
+    last_received_ms: float = 0.0
 
 
 @dataclass

@@ -60,11 +60,15 @@ _WATCHED_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 @dataclass(frozen=True)
 class Received:
-    """A message and where it came from: ``via`` is "inbox" or the name of a link."""
+    """A message and where it came from: ``via`` is "inbox" or the name of a link. ``ready_at``
+    (``time.monotonic()``) is when it was here to be handled: its frames off the socket, or its
+    emulated delivery time if that is later; a handler's start less it is the receiving side's
+    time with it (decoding, the checks, waiting behind other messages, a held message's wake-up)."""
 
     msg: Message
     via: str
     identity: bytes = b""
+    ready_at: float = 0.0
 
 
 def link_schedule(
@@ -256,6 +260,7 @@ class Endpoint:
         heapq.heappush(self._held, (due, next(self._arrivals), received))
 
     def _read(self, sock: zmq.Socket) -> Received | None:
+        read_at = time.monotonic()
         frames = _recv_frames(sock)
         identity = b""
         if sock is self.inbox:
@@ -288,7 +293,7 @@ class Endpoint:
             log.warning("%s: dropped stale %s from %s (seq %d <= %d)", self.name, msg.TYPE, msg.sender, msg.seq, last)
             return None
         self._last_seq[key] = msg.seq
-        return Received(msg, via, identity)
+        return Received(msg, via, identity, max(read_at, msg.deliver_at))
 
     def _frames(self, msg: Message) -> list:
         self._seq += 1

@@ -19,7 +19,7 @@ def _report(step: int, ms: float, layers: list[tuple[float, float]]) -> dict:
     }
 
 
-def test_layer_samples_and_gaps_keep_decode_steps_only() -> None:
+def test_layer_samples_keep_decode_steps_only() -> None:
     reports = [
         _report(0, 50.0, [(9.0, 1.0)]),  # prefill
         _report(1, 4.0, [(1.0, 0.5), (1.5, 1.0)]),
@@ -27,16 +27,19 @@ def test_layer_samples_and_gaps_keep_decode_steps_only() -> None:
         _report(2, 3.0, [(0.5, 0.25), (0.5, 0.5)]),
     ]
     assert overhead.layer_samples(reports) == [(1.0, 0.5), (1.5, 1.0), (0.5, 0.25), (0.5, 0.5)]
-    assert overhead.layer_gaps_ms(reports) == [0.75, 1.0]
 
 
 def test_layer_parts_keep_decode_steps_only() -> None:
     def layer(hops: float) -> dict:
-        return {"breakdown_ms": {name: (hops if name == "hops" else 0.0) for name in overhead.BREAKDOWN}}
+        return {
+            "breakdown_ms": {name: (hops if name == "hops" else 0.0) for name in overhead.BREAKDOWN},
+            "hops_split_ms": {"receiving": hops / 4, "between_sockets": hops * 3 / 4},
+        }
 
     reports = [{"step": 0, "layers": [layer(9.0)]}, None, {"step": 1, "layers": [layer(0.5), layer(0.25)]}]
     parts = overhead.layer_parts_ms(reports)
     assert parts["hops"] == [0.5, 0.25] and parts["worker_busy"] == [0.0, 0.0]
+    assert parts["receiving"] == [0.125, 0.0625] and parts["between_sockets"] == [0.375, 0.1875]
 
 
 def test_summary_and_percentiles() -> None:
@@ -65,8 +68,8 @@ def test_benchmark_runs_and_reports_sane_figures(tmp_path: Path, tiny_model: Pat
     assert 0 <= measured["coordination_ms_median"] <= measured["coordination_ms_p90"]
     assert measured["dispatch_ms_median"] > 0 and measured["worker_ms_median"] > 0
     parts = measured["parts_ms_median"]  # the round trip in the cluster, by part
-    assert list(parts) == list(overhead.BREAKDOWN) and min(parts.values()) >= 0
-    assert parts["hops"] > 0 and parts["worker_busy"] > 0
+    assert list(parts) == [*overhead.BREAKDOWN, *overhead.HOPS_SPLIT] and min(parts.values()) >= 0
+    assert parts["hops"] > 0 and parts["worker_busy"] > 0 and parts["receiving"] > 0
     assert set(figures["breakdown_us"]) >= {"main: routing split", "worker: decode request"}
     assert all(us > 0 for us in figures["breakdown_us"].values())
     floors = (figures["raw_zmq_round_trip_us"], figures["raw_zmq_round_trip_in_rhythm_us"])
@@ -76,3 +79,4 @@ def test_benchmark_runs_and_reports_sane_figures(tmp_path: Path, tiny_model: Pat
     assert "| coordination = round trip - busiest worker |" in printed
     assert "acceptance: median coordination <= 0.3 ms" in printed
     assert "| hops both ways: framing and decoding, CURVE, ZeroMQ, wake-ups, both receive loops |" in printed
+    assert "| ... of the hops, in the receiving processes: decoding, other messages first (both sides) |" in printed

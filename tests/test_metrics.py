@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.metrics import BREAKDOWN, build_metrics, layer_breakdown
+from inference.metrics import BREAKDOWN, HOPS_SPLIT, build_metrics, hops_split, layer_breakdown
 from inference.placement import placement
 from inference.records import LayerRecord, RequestState, StepRecord
 
@@ -43,6 +43,23 @@ def test_a_worker_clock_that_disagrees_never_makes_a_part_negative() -> None:
     # A worker that does not say (an older one): its whole answer counts as hops.
     quiet = layer_breakdown(_layer(dispatch_ms=1.0, send_ms=0.25, await_ms=0.5, last_busy_ms=0.25))
     assert quiet["hops"] == 0.5 and quiet["worker_busy"] == 0.0
+
+
+def test_the_hops_split_into_the_receiving_processes_and_between_the_sockets() -> None:
+    # Main waited 1.5 ms, the worker had the requests 0.75: 0.75 of hops, of which the requests
+    # and the answer spent 0.25 in their receivers before being handled.
+    rec = _layer(dispatch_ms=2.0, send_ms=0.25, await_ms=1.5, last_handled_ms=0.75, last_received_ms=0.25)
+    split = hops_split(rec)
+    assert list(split) == list(HOPS_SPLIT)
+    assert split == {"receiving": 0.25, "between_sockets": 0.5}
+    # Never more than the hops, and what is not a time counts as nothing.
+    assert hops_split(_layer(dispatch_ms=2.0, await_ms=1.5, last_handled_ms=0.75, last_received_ms=9.0)) == {
+        "receiving": 0.75,
+        "between_sockets": 0.0,
+    }
+    for bad in (float("nan"), float("inf"), -1.0):
+        odd = hops_split(_layer(dispatch_ms=2.0, await_ms=1.5, last_handled_ms=0.75, last_received_ms=bad))
+        assert odd == {"receiving": 0.0, "between_sockets": 0.75}, bad
 
 
 def test_a_generation_reports_the_medians_of_its_decode_layers_parts() -> None:

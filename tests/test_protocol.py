@@ -476,9 +476,13 @@ def test_an_answer_says_how_long_its_worker_had_the_request_and_an_older_one_nee
         hits=1,
         misses=0,
         handled_ms=1.25,
+        received_ms=0.125,
     )
-    assert decode([bytes(f) for f in encode(answer)]).handled_ms == 1.25
-    # What a worker from before the field sends.
-    assert decode(_with_header(answer, lambda h: h.pop("handled_ms"))).handled_ms == 0.0
-    with pytest.raises(ProtocolError, match="handled_ms"):
-        decode(_with_header(answer, lambda h: h.update(handled_ms="soon")))
+    back = decode([bytes(f) for f in encode(answer)])
+    assert (back.handled_ms, back.received_ms) == (1.25, 0.125)
+    # What a worker from before the fields sends.
+    older = decode(_with_header(answer, lambda h: [h.pop("handled_ms"), h.pop("received_ms")]))
+    assert (older.handled_ms, older.received_ms) == (0.0, 0.0)
+    for field in ("handled_ms", "received_ms"):
+        with pytest.raises(ProtocolError, match=field):
+            decode(_with_header(answer, lambda h, field=field: h.update({field: "soon"})))

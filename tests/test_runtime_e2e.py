@@ -42,7 +42,12 @@ def test_greedy_output_is_token_identical_to_transformers(model_name: str, worke
             assert sum(parts.values()) == pytest.approx(layer["dispatch_ms"], abs=0.01)
             assert min(parts.values()) >= 0
             assert parts["worker_python"] + parts["worker_busy"] > 0
+            # The hops, split: the receivers' time with the messages (decoding at least) and the rest.
+            hops = layer["hops_split_ms"]
+            assert sum(hops.values()) == pytest.approx(parts["hops"], abs=0.002)
+            assert min(hops.values()) >= 0
         assert metrics["decode_layer_breakdown_ms_median"]["hops"] > 0
+        assert metrics["decode_hops_split_ms_median"]["receiving"] > 0
         assert metrics["decode_main_between_layers_ms_median"] > 0
 
 

@@ -223,6 +223,48 @@ def test_link_schedule_is_a_token_bucket() -> None:
     assert link_schedule(10.0, 0.0, 10**9, None, 0.25) == (10.0, 10.25)
 
 
+def test_a_message_says_when_it_was_here_to_be_handled() -> None:
+    main_address, worker_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    main = Endpoint("main", DEPLOYMENT, bind=main_address)
+    worker = Endpoint("worker-0", DEPLOYMENT, bind=worker_address)
+    client = Endpoint("client", DEPLOYMENT)
+    try:
+        main.connect("worker-0", worker_address)
+        client.connect("main", main_address)
+        main.send("worker-0", Ping())
+        asked = worker.recv(5.0)
+        assert asked is not None
+        worker.reply(asked.identity, Pong(role="worker-0", ready=True))
+        client.send("main", Ping())
+        time.sleep(0.2)  # a message on the inbox and one on the link are both waiting at main
+        before = time.monotonic()
+        first = main.recv(5.0)
+        # Off its socket in this call, not when it reached the machine (ZeroMQ's queues come before).
+        assert first is not None and before <= first.ready_at <= time.monotonic()
+        time.sleep(0.02)  # handling the first: the other, read in the same poll, waits meanwhile
+        second = main.recv(5.0)
+        assert second is not None and {first.via, second.via} == {"inbox", "worker-0"}
+        assert before <= second.ready_at and time.monotonic() - second.ready_at >= 0.02
+    finally:
+        for endpoint in (client, worker, main):
+            endpoint.close()
+
+
+def test_a_held_message_was_here_to_be_handled_at_its_delivery_time() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server, client = _emulated_pair(address, link_bytes_per_s=None, link_latency_s=0.03)
+    try:
+        _roundtrip_works(server, client)
+        client.send("server", TokenEvent(request_id="r", index=1, token_id=2))
+        got = server.recv(5.0)
+        assert got is not None
+        assert got.ready_at == got.msg.deliver_at  # read off the socket before it was due
+        assert 0 <= time.monotonic() - got.ready_at < 0.03  # what is left is the wake-up's lateness
+    finally:
+        client.close()
+        server.close()
+
+
 def test_emulated_link_delays_delivery_without_blocking_the_sender() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     server, client = _emulated_pair(address, link_bytes_per_s=10 * MB, link_latency_s=0.005)

@@ -675,11 +675,12 @@ class MainRole:
             if requests:
                 expected[peer] = len(requests)
         sent_at = time.perf_counter()
-        answers_in = self._collect(expected, self.step, layer, sent, holders)
+        answers_in, last_receive_ms = self._collect(expected, self.step, layer, sent, holders)
         answered_at = time.perf_counter()
         outputs = {e: torch.empty_like(rows[e]) for e in real}
         busy: dict[str, float] = {}
         handled: dict[str, float] = {}
+        received: dict[str, float] = {}
         wait_ms = compute_ms = 0.0
         hits = misses = 0
         for peer, result in answers_in:
@@ -693,6 +694,7 @@ class MainRole:
             compute_ms += computed
             busy[peer] = busy.get(peer, 0.0) + waited + computed
             handled[peer] = handled.get(peer, 0.0) + reported_ms(result.handled_ms)
+            received[peer] = received.get(peer, 0.0) + reported_ms(result.received_ms)
             hits += result.hits
             misses += result.misses
         answers = []
@@ -709,6 +711,7 @@ class MainRole:
             if answers_in:  # the worker main waited for last, all its requests of the layer
                 last = answers_in[-1][0]
                 record.last_handled_ms, record.last_busy_ms = handled[last], busy[last]
+                record.last_received_ms = received[last] + last_receive_ms
         return answers
 
     def _predict_next_layer(self, layer: int, batch: list[Sequence]) -> None:
@@ -878,12 +881,15 @@ class MainRole:
         layer: int,
         sent: dict[str, list[ExpertRequest]],
         holders: tuple[int, ...],
-    ) -> list[tuple[str, ExpertResult]]:
-        """Wait for every worker's ``expected`` answers to (step, layer), within the timeout.
+    ) -> tuple[list[tuple[str, ExpertResult]], float]:
+        """Wait for every worker's ``expected`` answers to (step, layer), within the timeout; with
+        them, main's time with the last one from its frames off the socket (decoding, other
+        messages read with it) to here, in ms.
 
         A worker lost meanwhile has what it had not answered sent to a survivor of its group.
         """
         results: list[tuple[str, ExpertResult]] = []
+        last_receive_ms = 0.0
         remaining_by_peer = dict(expected)
         deadline = time.monotonic() + self.spec.settings.timeout_s
         self.pending_results.clear()
@@ -907,10 +913,11 @@ class MainRole:
                 if remaining_by_peer.get(peer) and (result.step, result.layer) == (step, layer):
                     results.append((peer, result))
                     remaining_by_peer[peer] -= 1
+                    last_receive_ms = max(0.0, time.monotonic() - received.ready_at) * 1000
                 else:
                     log.warning("dropped a stale result from %s for step %d layer %d", peer, result.step, result.layer)
             self.pending_results.clear()
-        return results
+        return results, last_receive_ms
 
     def _end_session(self) -> None:
         """Tell the workers the session is over and gather their statistics (bounded)."""

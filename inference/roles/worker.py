@@ -204,7 +204,7 @@ class WorkerRole:
         elif isinstance(msg, Prediction):
             self.on_prediction(msg)
         elif isinstance(msg, ExpertRequest):
-            self.on_request(msg, received.identity)
+            self.on_request(msg, received.identity, received.ready_at)
         elif isinstance(msg, End):
             self.end(msg, received.identity)
         else:
@@ -277,8 +277,10 @@ class WorkerRole:
         for expert in sorted(mine):
             self.loader.prefetch((step, msg.layer, expert))
 
-    def on_request(self, msg: ExpertRequest, identity: bytes) -> None:
+    def on_request(self, msg: ExpertRequest, identity: bytes, ready_at: float = 0.0) -> None:
         started = time.perf_counter()
+        # How long the request was here before this: decoding, checks, other messages first.
+        received_ms = max(0.0, time.monotonic() - ready_at) * 1000 if ready_at else 0.0
         if not self.request_id or msg.request_id != self.request_id:
             log.warning("dropped a request for %r while serving %r", msg.request_id, self.request_id)
             return
@@ -305,7 +307,7 @@ class WorkerRole:
         if msg.layer == self.group_layers[0]:
             self._mark_token(msg.step, msg.previous_step_s)
         if msg.experts:
-            self._compute(msg, identity, planned, started)
+            self._compute(msg, identity, planned, started, received_ms)
 
     def _malformed(self, msg: ExpertRequest) -> str:
         """What is wrong with ``msg``, or "": checked before anything is loaded or computed."""
@@ -328,7 +330,9 @@ class WorkerRole:
             return f"weights are {tuple(msg.weights.shape)}, expected ({rows},)"
         return ""
 
-    def _compute(self, msg: ExpertRequest, identity: bytes, planned: set[int], started: float) -> None:
+    def _compute(
+        self, msg: ExpertRequest, identity: bytes, planned: set[int], started: float, received_ms: float
+    ) -> None:
         assert msg.rows is not None and msg.weights is not None
         rows = msg.rows.to(self.device)
         weights = msg.weights.to(self.device)
@@ -383,6 +387,7 @@ class WorkerRole:
             hits=hits + on_cpu.predicted,
             misses=misses + len(on_cpu) - on_cpu.predicted,
             handled_ms=(time.perf_counter() - started) * 1000,
+            received_ms=received_ms,
         )
         self.endpoint.reply(identity, result)
 
