@@ -315,8 +315,9 @@ class ExpertResult(Message):
     # less this is the hops (framing, encryption, ZeroMQ, wake-ups, an emulated link).
     handled_ms: float = 0.0
     # Of the hops, the worker's time with the request before that: from its frames off the
-    # socket (or its emulated delivery) to taking it out of its inbox, its decoding and whatever
-    # the worker handled first. Optional like ``handled_ms``: an older worker's counts as 0.
+    # socket (or its emulated delivery; or its previous answer, if later) to taking it out of its
+    # inbox, its decoding and whatever else the worker handled first. Optional like
+    # ``handled_ms``: an older worker's counts as 0.
     received_ms: float = 0.0
 
 

@@ -67,6 +67,7 @@ def test_benchmark_runs_and_reports_sane_figures(tmp_path: Path, tiny_model: Pat
     assert measured["layers"] == len(overhead.PROMPTS) * 5 * 4  # 5 decode steps x 4 layers per prompt
     assert 0 <= measured["coordination_ms_median"] <= measured["coordination_ms_p90"]
     assert measured["dispatch_ms_median"] > 0 and measured["worker_ms_median"] > 0
+    assert measured["main_ms_between_layers_median"] > 0  # from main's token intervals
     parts = measured["parts_ms_median"]  # the round trip in the cluster, by part
     assert list(parts) == [*overhead.BREAKDOWN, *overhead.HOPS_SPLIT] and min(parts.values()) >= 0
     assert parts["hops"] > 0 and parts["worker_busy"] > 0 and parts["receiving"] > 0

@@ -7,6 +7,7 @@ import pytest
 from inference.metrics import BREAKDOWN, HOPS_SPLIT, build_metrics, hops_split, layer_breakdown
 from inference.placement import placement
 from inference.records import LayerRecord, RequestState, StepRecord
+from inference.roles.worker import received_ms
 
 
 def _layer(**times: float) -> LayerRecord:
@@ -60,6 +61,16 @@ def test_the_hops_split_into_the_receiving_processes_and_between_the_sockets() -
     for bad in (float("nan"), float("inf"), -1.0):
         odd = hops_split(_layer(dispatch_ms=2.0, await_ms=1.5, last_handled_ms=0.75, last_received_ms=bad))
         assert odd == {"receiving": 0.0, "between_sockets": 0.75}, bad
+
+
+def test_a_worker_counts_a_request_s_time_before_its_handling_once() -> None:
+    # Two requests of one layer, both there at 10.0 s; the first handled until its answer at 10.005.
+    assert received_ms(ready_at=10.0, answered_at=9.0, now=10.001) == pytest.approx(1.0)
+    # The second waited behind it from 10.0, but that wait is the first's handled_ms: from 10.005.
+    assert received_ms(ready_at=10.0, answered_at=10.005, now=10.006) == pytest.approx(1.0)
+    # No time (an endpoint that did not stamp one), or one in the future (a hostile delivery stamp).
+    assert received_ms(ready_at=0.0, answered_at=0.0, now=10.0) == 0.0
+    assert received_ms(ready_at=float("inf"), answered_at=0.0, now=10.0) == 0.0
 
 
 def test_a_generation_reports_the_medians_of_its_decode_layers_parts() -> None:

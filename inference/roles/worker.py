@@ -86,6 +86,16 @@ def session_step(source: str, step: int, session: str, joined: dict[str, int]) -
     return None
 
 
+def received_ms(ready_at: float, answered_at: float, now: float) -> float:
+    """A request's time at this worker before its handling (ms, ``time.monotonic()`` seconds in):
+    from when it was there (``ready_at``, `Received`) or, if later, when the worker sent its
+    previous answer, to ``now``. The previous request's handling is in that answer's
+    ``handled_ms``; counting it here again would count it twice in main's hops. 0 without a time."""
+    if not ready_at:
+        return 0.0
+    return max(0.0, now - max(ready_at, answered_at)) * 1000
+
+
 class WorkerRole:
     def __init__(self, spec: RoleSpec) -> None:
         self.spec = spec
@@ -161,6 +171,7 @@ class WorkerRole:
         self.flooded = 0  # predictions dropped this session because too many layers ahead were predicted
         self.served: tuple[int, int] = (-1, -1)  # the last (step, layer) main asked for
         self.held: dict[Key, Resident] = {}  # experts on the device until the layer's final request
+        self.answered_at = 0.0  # when the last answer left (time.monotonic()): `received_ms`
         # A hot store's pins (inference.hotset): per (session step, layer), the predicted experts
         # it keeps in RAM until main has served that layer.
         self.pins: dict[tuple[int, int], set[int]] = {}
@@ -280,7 +291,7 @@ class WorkerRole:
     def on_request(self, msg: ExpertRequest, identity: bytes, ready_at: float = 0.0) -> None:
         started = time.perf_counter()
         # How long the request was here before this: decoding, checks, other messages first.
-        received_ms = max(0.0, time.monotonic() - ready_at) * 1000 if ready_at else 0.0
+        waited_here_ms = received_ms(ready_at, self.answered_at, time.monotonic())
         if not self.request_id or msg.request_id != self.request_id:
             log.warning("dropped a request for %r while serving %r", msg.request_id, self.request_id)
             return
@@ -307,7 +318,7 @@ class WorkerRole:
         if msg.layer == self.group_layers[0]:
             self._mark_token(msg.step, msg.previous_step_s)
         if msg.experts:
-            self._compute(msg, identity, planned, started, received_ms)
+            self._compute(msg, identity, planned, started, waited_here_ms)
 
     def _malformed(self, msg: ExpertRequest) -> str:
         """What is wrong with ``msg``, or "": checked before anything is loaded or computed."""
@@ -331,7 +342,7 @@ class WorkerRole:
         return ""
 
     def _compute(
-        self, msg: ExpertRequest, identity: bytes, planned: set[int], started: float, received_ms: float
+        self, msg: ExpertRequest, identity: bytes, planned: set[int], started: float, waited_here_ms: float
     ) -> None:
         assert msg.rows is not None and msg.weights is not None
         rows = msg.rows.to(self.device)
@@ -387,9 +398,10 @@ class WorkerRole:
             hits=hits + on_cpu.predicted,
             misses=misses + len(on_cpu) - on_cpu.predicted,
             handled_ms=(time.perf_counter() - started) * 1000,
-            received_ms=received_ms,
+            received_ms=waited_here_ms,
         )
         self.endpoint.reply(identity, result)
+        self.answered_at = time.monotonic()
 
     def _on_cpu(self, msg: ExpertRequest, units: list[tuple[int, int]], planned: set[int]) -> CpuExperts:
         """The request's experts to compute on the CPU (hybrid execution), their copies dropped.
