@@ -2,7 +2,7 @@
 
     python -m benchmarks.strategies [--profile 3090-pcie4-1gbe] [--model DIR] [--workers 8]
         [--pairs 16:32,16:64,64:32,64:64] [--strategies odmoe,full-cache,reactive,lru-offload]
-        [--hybrid odmoe,reactive,lru-offload] [--repeats 1]
+        [--hybrid odmoe,reactive,lru-offload] [--repeats 1] [--max-resident-experts N]
         [--expert-compute-ms MS | --calibration PREVIOUS.json] [--json OUT] [--plots DIR]
 
 Every strategy runs the same greedy generations on the same checkpoint through the real
@@ -34,6 +34,9 @@ random model importance's similarity table is calibrated on random ids first (it
 random too), while the prerouter needs a ``--model`` whose heads were trained (``train-prerouter``).
 ``--hybrid`` names strategies to run a second time with hybrid CPU/GPU execution on the workers
 (``inference.hybrid``; rows ``NAME+hybrid``), the CPU path emulated from the profile's host DRAM.
+Each worker holds as many experts at once as the profile's prefetch depth (``inference.depth``:
+1 + ceil(compute / copy) of an expert at the profile's proportions, 2 on every profile here);
+``--max-resident-experts N`` sets it instead.
 """
 
 from __future__ import annotations
@@ -286,6 +289,7 @@ def run_strategy(
         strategy=deployment.strategy,
         shadow_dtype=args.shadow_dtype,
         cache_experts=args.cache_experts,
+        max_resident_experts=prefetch_depth_of(args, emulation),
         token_period=args.token_period,
         kv_period=args.kv_period,
         hybrid=deployment.hybrid,
@@ -373,7 +377,9 @@ def print_table(
     print(
         f"pairs (input:output) {args.pairs}; {args.workers} workers for the cluster strategies, lru-offload on one "
         f"box with {args.cache_experts} experts cached per layer; {args.shadow_dtype} shadow, token aligned every "
-        f"{args.token_period} step(s), KV cache every {args.kv_period} step(s) (0 = never)"
+        f"{args.token_period} step(s), KV cache every {args.kv_period} step(s) (0 = never); "
+        f"{prefetch_depth_of(args, emulation)} experts held per worker at once "
+        f"({'--max-resident-experts' if args.max_resident_experts else 'the prefetch depth of the profile'})"
     )
     if args.repeats > 1:
         print(f"each figure the median (min–max) of {args.repeats} interleaved rounds, each ratio taken within a round")
@@ -510,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-period", type=int, default=1, help="odmoe: align the shadow's KV cache every N steps")
     parser.add_argument("--cache-experts", type=int, default=2, help="lru-offload: experts cached per layer")
     parser.add_argument(
+        "--max-resident-experts",
+        type=int,
+        metavar="N",
+        help="experts a worker holds at once (default: the profile's prefetch depth, inference.depth)",
+    )
+    parser.add_argument(
         "--hybrid",
         default="",
         help="comma-separated strategies to run again with hybrid CPU/GPU execution on the workers (rows NAME+hybrid)",
@@ -536,6 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plots", type=Path, help="write strategies.png here")
     return parser
+
+
+def prefetch_depth_of(args: argparse.Namespace, emulation: Emulation) -> int:
+    """The experts each worker holds at once: ``--max-resident-experts``, else what the profile's
+    copy and compute of an expert need (`Emulation.prefetch_depth`)."""
+    return args.max_resident_experts or emulation.prefetch_depth
 
 
 def calibration_given(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, float] | None:
@@ -570,6 +588,7 @@ def run_record(
         "calibration": asdict(calibration),
         "pairs": pairs,
         "workers": args.workers,
+        "max_resident_experts": prefetch_depth_of(args, emulation),
         "hybrid": hybrid,
         "repeats": args.repeats,
         "exact": exact,
@@ -585,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.max_resident_experts is not None and args.max_resident_experts < 1:
+        parser.error(f"--max-resident-experts must be at least 1, got {args.max_resident_experts}")
     given = calibration_given(args, parser)
     try:
         pairs = parse_pairs(args.pairs)
@@ -639,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
                     prompts=[p for p, _ in prompts],
                     outputs=expected,
                     cache_experts=args.cache_experts,
+                    max_resident=prefetch_depth_of(args, emulation),
                     hybrid=with_hybrid,
                     machine=machine,
                     measurement=measurement,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.depth import prefetch_depth
 from inference.experts import ExpertWeights, activation, expert_forward
 from inference.sim.hardware import Profile, get_profile
 from inference.sim.model_sizes import ModelSizes, mixtral_8x7b
@@ -59,6 +60,12 @@ class Emulation:
     def load_to_compute(self) -> float:
         return self.expert_load_real_s / self.expert_compute_real_s
 
+    @property
+    def prefetch_depth(self) -> int:
+        """The experts a worker needs to hold at once on this profile (`inference.depth`): its
+        expert's copy against its compute (the same at any time scale)."""
+        return prefetch_depth(self.expert_load_real_s, self.expert_compute_real_s)
+
     def settings(self, base: Settings, *, networked: bool = True) -> Settings:
         """``base`` with the emulated copy bandwidth, and the emulated link if roles are on separate boxes."""
         link = (
@@ -84,11 +91,13 @@ class Emulation:
             f"{self.copy_bytes_per_s / 1e6:.1f} MB/s (disk reads at {self.disk_bytes_per_s / 1e6:.1f} MB/s), "
             f"links at {self.link_bytes_per_s / 1e6:.2f} MB/s + "
             f"{self.link_latency_s * 1e3:.3f} ms; on a worker's CPU from host memory an expert takes "
-            f"{self.expert_cpu_real_s * 1e3:.2f} ms there, so {self.host_memory_bytes_per_s / 1e6:.1f} MB/s here"
+            f"{self.expert_cpu_real_s * 1e3:.2f} ms there, so {self.host_memory_bytes_per_s / 1e6:.1f} MB/s here; "
+            f"a worker's prefetch depth for these proportions: {self.prefetch_depth} experts"
         )
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "load_to_compute": self.load_to_compute}
+        derived = {"load_to_compute": self.load_to_compute, "prefetch_depth": self.prefetch_depth}
+        return {**dataclasses.asdict(self), **derived}
 
 
 def real_times(profile: Profile, model: ModelSizes | None = None) -> tuple[float, float, float]:

@@ -190,6 +190,7 @@ def test_calibration_takes_the_time_a_previous_runs_json_was_scaled_by(tmp_path:
         (["--calibration", "{without_key}"], "has no emulation.expert_compute_here_s"),
         (["--calibration", "{zero}"], "must be a positive number, got 0"),
         (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--max-resident-experts", "0"], "--max-resident-experts must be at least 1"),
     ],
 )
 def test_bad_calibration_and_repeats_are_refused_before_running(
@@ -255,6 +256,7 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
         assert result["decode_tok_s"] > 0 and result["ttft_ms"] > 0 and len(result["pairs"]) == 2, name
     assert figures["strategies"]["full-cache"]["decode_tok_s_vs_full_cache"] == 1.0
     assert figures["emulation"]["load_to_compute"] > 10
+    assert figures["max_resident_experts"] == figures["emulation"]["prefetch_depth"] == 2  # the profile's depth
     assert figures["emulation"]["expert_compute_here_s"] == pytest.approx(2e-5)  # scaled by the given time
     calibration = figures["calibration"]
     assert calibration["source"] == "--expert-compute-ms" and calibration["measured_here_s"] > 0

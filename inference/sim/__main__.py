@@ -8,7 +8,7 @@ import sys
 
 from inference.sim.hardware import DEFAULT_PROFILE, PROFILES, get_profile, with_host_to_device
 from inference.sim.model_sizes import resolve_model
-from inference.sim.report import compare, markdown_table, memory_lines
+from inference.sim.report import compare, depth_line, markdown_table, memory_lines
 from inference.sim.strategies import STRATEGIES, Cluster
 from inference.sim.strategies.base import SHADOW_BITS
 from inference.sim.traces import load_trace, synthetic_trace
@@ -29,6 +29,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-prefetch", action="store_true", help="lru-offload as released (the default)")
     p.add_argument("--hybrid", action="store_true", help="odmoe/reactive workers may compute experts on their CPU")
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        help="experts a cacheless worker holds at once (default: 1 + ceil(compute / copy) of an expert)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the full result as JSON here")
     return p
@@ -44,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             shadow_dtype=args.shadow_dtype,
             lru_prefetch=args.prefetch,
             hybrid=args.hybrid,
+            prefetch_depth=args.prefetch_depth,
             seed=args.seed,
         )
         trace = load_trace(args.trace, model) if args.trace else synthetic_trace(model, 256, args.seed)
@@ -56,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"Mixtral-8x7B on {result['profile']['name']}, averaged over (input, output) = {result['pairs']}\n")
     print(markdown_table(result))
+    print("\n" + depth_line(result))
     print("\nMemory per node, adjusted model:\n" + memory_lines(result))
     if args.json:
         with open(args.json, "w") as out:

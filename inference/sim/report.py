@@ -7,11 +7,15 @@ of 2, 1 GbE, Mixtral-8x7B fp16; results averaged over (input, output) = (16, 64)
 
 from __future__ import annotations
 
+from inference.depth import prefetch_depth
+from inference.sim.costs import Costs
+from inference.sim.efficiency import for_strategy
 from inference.sim.hardware import Profile, get_profile
 from inference.sim.model_sizes import ModelSizes
 from inference.sim.simulate import average, run_pair
 from inference.sim.sources import constants_table
 from inference.sim.strategies import STRATEGIES, Cluster
+from inference.sim.strategies.base import Setup
 from inference.sim.traces import Trace
 
 PAPER_PAIRS = [(16, 64), (16, 256), (128, 64), (128, 256)]
@@ -44,10 +48,32 @@ def compare(
     return {
         "profile": profile.as_dict(),
         "cluster": cluster.__dict__,
+        "prefetch_depth": depth_of(model, profile, cluster),
         "pairs": PAPER_PAIRS,
         "strategies": rows,
         "constants": constants_table(),
     }
+
+
+def depth_of(model: ModelSizes, profile: Profile, cluster: Cluster) -> dict:
+    """The workers' prefetch depth in the adjusted model, with what the rule weighs (`inference.depth`)."""
+    setup = Setup(Costs(model, profile, for_strategy("odmoe", ideal=False)), cluster)
+    return {
+        "depth": setup.prefetch_depth,
+        "chosen_by": "the rule" if cluster.prefetch_depth is None else "--prefetch-depth",
+        "expert_copy_ms": setup.costs.expert_load() * 1000,
+        "expert_compute_ms": setup.costs.expert_call(1) * 1000,
+    }
+
+
+def depth_line(result: dict) -> str:
+    d = result["prefetch_depth"]
+    experts = "expert" if d["depth"] == 1 else "experts"
+    return (
+        f"Prefetch depth per worker: {d['depth']} {experts} ({d['chosen_by']}; an expert's copy "
+        f"{d['expert_copy_ms']:.2f} ms, its compute {d['expert_compute_ms']:.3f} ms: 1 + ceil(compute / copy) "
+        f"= {prefetch_depth(d['expert_copy_ms'], d['expert_compute_ms'])})"
+    )
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from inference.depth import prefetch_depth
 from inference.sim.costs import Costs
 from inference.sim.sources import value
 from inference.sim.traces import Trace
@@ -22,6 +23,9 @@ class Cluster:
     lru_cache_per_layer: int = int(value("mixtral_offloading_cache_per_layer"))
     lru_prefetch: bool = False  # Mixtral-Offloading's released code has no speculative prefetch
     hybrid: bool = False  # workers compute a not-yet-copied expert on their CPU when that is sooner
+    # Experts a cacheless worker holds at once (computing, copying, copied ahead); None: the rule
+    # of `inference.depth` from the profile's link and the expert (`Setup.prefetch_depth`).
+    prefetch_depth: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -33,6 +37,8 @@ class Cluster:
             raise ValueError(f"shadow_dtype must be one of {', '.join(SHADOW_BITS)}, got {self.shadow_dtype!r}")
         if self.shadow_gpus < 1 or self.full_cache_gpus < 1 or self.lru_cache_per_layer < 0:
             raise ValueError("GPU counts must be positive and the LRU cache size non-negative")
+        if self.prefetch_depth is not None and self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be at least 1 (or None: from the link), got {self.prefetch_depth}")
 
     @property
     def groups(self) -> int:
@@ -48,6 +54,14 @@ class Setup:
     costs: Costs
     cluster: Cluster
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def prefetch_depth(self) -> int:
+        """The cluster's depth, or the one the profile's link needs for this expert (`inference.depth`):
+        its copy against its compute on the worker's GPU."""
+        if self.cluster.prefetch_depth is not None:
+            return self.cluster.prefetch_depth
+        return prefetch_depth(self.costs.expert_load(), self.costs.expert_call(1))
 
 
 class Strategy(Protocol):

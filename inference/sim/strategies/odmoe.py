@@ -88,7 +88,7 @@ class OdMoe:
     def memory(self, context_tokens: int) -> dict[str, float]:
         c = self.costs
         m = c.model
-        memory = worker_memory(self.setup, context_tokens, experts_resident=2)
+        memory = worker_memory(self.setup, context_tokens, experts_resident=self.setup.prefetch_depth)
         bits = self.setup.cluster.shadow_bits
         quantised = m.layers * (m.experts * m.expert_params + m.attention_params) * bits / 8
         kept_fp16 = (m.non_expert_params - m.layers * m.attention_params) * 2  # embeddings, head, norms, gates

@@ -1,9 +1,10 @@
-"""The worker side shared by the cacheless strategies: groups, per-worker PCIe, two expert slots.
+"""The worker side shared by the cacheless strategies: groups, per-worker PCIe, the prefetch depth's slots.
 
-A worker copies one expert at a time over its PCIe link and holds at most two experts (one being
-computed, one being loaded), so the load for a worker's next layer can start only once the expert of
-the layer before its previous one is freed. Main sends each layer's hidden state and expert ids to the
-layer's group; the workers answer; the layer ends when the last answer is in.
+A worker copies one expert at a time over its PCIe link and holds at most ``D`` experts
+(`Setup.prefetch_depth`, two at every profile's proportions: one being computed, one being
+loaded), so a load can start only once the expert ``D`` loads before it is freed. Main sends each
+layer's hidden state and expert ids to the layer's group; the workers answer; the layer ends when
+the last answer is in.
 
 With `Cluster.hybrid` (the runtime's `Settings.hybrid`, `inference.hybrid`), when main's request
 reaches a worker each requested expert runs where it finishes first: on the GPU once its copy is
@@ -13,6 +14,8 @@ is dropped, which frees the worker's PCIe link for the next one.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from inference.sim.sources import value
 from inference.sim.strategies.base import Setup, kv_cache_bytes, tokens_per_expert
@@ -24,7 +27,8 @@ class WorkerPool:
         self.costs = setup.costs
         workers = setup.cluster.workers
         self.pcie_free = [0.0] * workers
-        self.freed = [[0.0, 0.0] for _ in range(workers)]  # compute-done times of its last two experts
+        # Per worker, the compute-done times of its last D experts, oldest first.
+        self.freed = [deque([0.0] * setup.prefetch_depth) for _ in range(workers)]
         self.loads = 0
         self.wasted_loads = 0
         self.misses = 0
@@ -108,7 +112,8 @@ class WorkerPool:
             if loaded < 0:
                 continue  # computed on the CPU above
             done = max(loaded, arrive) + c.expert_call(1)
-            self.freed[worker] = [self.freed[worker][1], done]
+            self.freed[worker].popleft()
+            self.freed[worker].append(done)
             answers.append(done)
         return max(answers) + c.message(hidden, count=len(answers))
 
@@ -125,7 +130,7 @@ def prefill_on_workers(setup: Setup, prompt_tokens: int, *, preload: bool, chunk
     workers = setup.cluster.workers
     split = tokens_per_expert(prompt_tokens, m.experts, m.top_k)
     pcie_free = [0.0] * workers
-    freed = [[0.0, 0.0] for _ in range(workers)]
+    freed = [deque([0.0] * setup.prefetch_depth) for _ in range(workers)]
     now = 0.0
     for _layer in range(m.layers):
         routed = now + c.attention_layer(prompt_tokens, prompt_tokens)
@@ -142,7 +147,8 @@ def prefill_on_workers(setup: Setup, prompt_tokens: int, *, preload: bool, chunk
             stages = [sent, compute, sent]
             overlap = max(stages) + (sum(stages) - max(stages)) / chunks
             done = max(loaded + compute, routed + overlap)
-            freed[worker] = [freed[worker][1], done]
+            freed[worker].popleft()
+            freed[worker].append(done)
             answers.append(done)
         now = max(answers)
     return now + c.head()
