@@ -119,9 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--max-resident-experts",
         type=int,
-        default=2,
-        help="experts a worker holds in flight on its device (fine-grained families on fewer workers than "
-        "top-k: a worker's experts per layer + 1, so a layer's predicted experts can load together)",
+        default=0,
+        help="experts a worker holds in flight on its device (default 0: its layer's experts + 1, at least 2, "
+        "from its group and the model's top-k; inference.depth)",
     )
     gen.add_argument(
         "--hybrid",

@@ -24,7 +24,8 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   ``expert_store="disk"``, each read on a GPU box through up to ``staging_buffers`` pinned
   buffers, ``inference.staging``; or ``hot_experts`` of them with ``"hot"``); on its GPU what
   the strategy keeps resident
-  (``inference.strategies``): ``max_resident_experts`` in flight for the cacheless ones,
+  (``inference.strategies``): ``max_resident_experts`` in flight for the cacheless ones (0,
+  the default: the worker's prefetch depth from its group, ``inference.depth.resolve_depth``),
   plus up to ``cache_experts`` per layer it serves for ``lru-offload``, every expert it is
   home to for ``full-cache``.
 
@@ -48,6 +49,7 @@ from typing import Any
 
 from inference.checkpoint import Checkpoint, CheckpointError, parse_expert_key
 from inference.constants import EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES, SHADOW_STATES_PER_SEQUENCE
+from inference.depth import resolve_depth
 from inference.families import FAMILIES, family_for, is_router_name
 from inference.families.releases import RELEASES
 from inference.placement import Placement, placement
@@ -397,10 +399,10 @@ def plan_memory(
         raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
     if expert_store not in EXPERT_STORES:
         raise ValueError(f"expert_store must be one of {', '.join(EXPERT_STORES)}, got {expert_store!r}")
-    if max_resident_experts < 1 or cache_experts < 0 or context_tokens < 0 or hot_experts < 1 or staging_buffers < 1:
+    if max_resident_experts < 0 or cache_experts < 0 or context_tokens < 0 or hot_experts < 1 or staging_buffers < 1:
         raise ValueError(
-            "max_resident_experts >= 1, cache_experts >= 0, context_tokens >= 0, hot_experts >= 1 and "
-            "staging_buffers >= 1 are required"
+            "max_resident_experts >= 0 (0: from each worker's group), cache_experts >= 0, context_tokens >= 0, "
+            "hot_experts >= 1 and staging_buffers >= 1 are required"
         )
     if not 1 <= max_batch <= MAX_BATCH:
         raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
@@ -453,17 +455,17 @@ def plan_memory(
     roles = [main, shadow]
     for worker in range(workers):
         owned = sum(experts.get(pair, 0) for pair in plan.owned(worker))
-        on_gpu = _worker_device_bytes(
-            plan, worker, strategy, experts, expert_bytes, max_resident_experts, cache_experts
-        )
+        members = len(plan.groups[plan.group_of_worker(worker)])
+        depth = resolve_depth(max_resident_experts, plan.top_k, members)  # what its loader will hold
+        on_gpu = _worker_device_bytes(plan, worker, strategy, experts, expert_bytes, depth, cache_experts)
         # On a GPU box a disk store's experts pass through the loader's pinned staging buffers
         # (as many as a copy pass holds, at most); a hot store's are read into pinned tensors of
         # their own from torch's allocator, its hot set and the reads whose copies are in flight.
         if expert_store == "disk":
-            host = min(staging_buffers, max_resident_experts) * expert_bytes + RUNTIME_OVERHEAD_BYTES
+            host = min(staging_buffers, depth) * expert_bytes + RUNTIME_OVERHEAD_BYTES
         elif expert_store == "hot":
             owned_pinned = sum(pinned.get(pair, 0) for pair in plan.owned(worker))
-            held = (hot_experts + max_resident_experts) * max(pinned.values(), default=0)
+            held = (hot_experts + depth) * max(pinned.values(), default=0)
             host = min(owned_pinned, held) + RUNTIME_OVERHEAD_BYTES
         else:
             host = owned + RUNTIME_OVERHEAD_BYTES

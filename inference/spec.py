@@ -37,7 +37,10 @@ class Settings:
     kv_period: int = 1
     device: str = "auto"  # "auto" picks CUDA when present, else CPU
     dtype: str = "auto"  # what main and workers compute in: "auto" = the checkpoint's dtype
-    max_resident_experts: int = 2
+    # Experts a worker holds on its device at once (computing, copying, copied ahead); 0: its
+    # prefetch depth, from its group and the model's top-k (inference.depth: 2 for Mixtral on
+    # groups of 2 or more), which the memory plans and the fit check reserve too.
+    max_resident_experts: int = 0
     # Pinned host buffers a GPU worker with the "disk" store reads each expert into on its way to
     # the device, used in turn (inference.staging); a copy pass holds at most
     # max_resident_experts, so no more than that many are made.
@@ -172,9 +175,10 @@ def validate_settings(s: Settings) -> Settings:
         raise SpecError("prefill_step must be >= 0 (0 = the whole prompt in one step)")
     if s.prefill_chunk < 0:
         raise SpecError("prefill_chunk must be >= 0 (0 = no mini-batches)")
-    if s.max_resident_experts < 1 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0 or s.staging_buffers < 1:
+    if s.max_resident_experts < 0 or s.timeout_s <= 0 or s.threads < 1 or s.lookahead < 0 or s.staging_buffers < 1:
         raise SpecError(
-            "max_resident_experts, staging_buffers, threads >= 1, timeout_s > 0 and lookahead >= 0 are required"
+            "max_resident_experts >= 0 (0: from the worker's group), staging_buffers, threads >= 1, "
+            "timeout_s > 0 and lookahead >= 0 are required"
         )
     if s.dtype not in COMPUTE_DTYPES:
         raise SpecError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {s.dtype!r}")

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from inference.depth import prefetch_depth
+from benchmarks.sim_prediction import predict_from_inputs
+from inference.depth import LINK_DEPTH, prefetch_depth, resolve_depth, worker_depth
 from inference.emulation import emulation_for
+from inference.memory import CUDA_CONTEXT_BYTES, memory_from_config
 from inference.sim.hardware import PROFILES
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.sim.report import compare
 from inference.sim.strategies import Cluster
 from inference.sim.traces import synthetic_trace
+
+VALIDATION = Path(__file__).parents[1] / "inference" / "sim" / "validation"
 
 
 @pytest.mark.parametrize(
@@ -63,3 +69,60 @@ def test_the_paper_simulator_takes_the_rules_depth_and_holds_a_slot_per_expert()
 def test_a_depth_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="prefetch_depth must be at least 1"):
         Cluster(prefetch_depth=0)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "members", "depth"),
+    [
+        (2, 2, 2),  # Mixtral on groups of two: one expert a layer each, the link's 2
+        (2, 4, 2),
+        (2, 1, 3),  # both of a layer's experts on one worker, and a slot for the next layer's
+        (8, 2, 5),  # a fine-grained family on fewer workers than its top-k
+        (6, 4, 3),
+    ],
+)
+def test_a_workers_depth_is_the_links_or_its_layers_experts_and_one(top_k: int, members: int, depth: int) -> None:
+    assert worker_depth(top_k, members) == depth
+    assert resolve_depth(0, top_k, members) == depth  # 0: the default, from the group
+    assert resolve_depth(7, top_k, members) == 7  # a setting is kept
+    assert worker_depth(2, 2, link_depth=4) == 4  # a link that needs more
+
+
+def test_the_depth_refuses_what_is_no_deployment() -> None:
+    assert LINK_DEPTH == 2
+    with pytest.raises(ValueError, match="at least 1"):
+        worker_depth(0, 2)
+    with pytest.raises(ValueError, match="at least 1"):
+        worker_depth(2, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        resolve_depth(-1, 2, 2)
+
+
+def test_the_memory_plan_reserves_each_workers_own_depth() -> None:
+    """A cacheless worker's device holds its depth's experts: 2 on Mixtral's groups of two, 3 when one
+    worker serves the whole layer, and what a setting says when it says one."""
+    expert = 3 * 4096 * 14336 * 2  # a bf16 Mixtral-8x7B expert
+
+    def device(workers: int, setting: int) -> int:
+        plan = memory_from_config("mixtral-8x7b", workers=workers, max_resident_experts=setting)
+        return plan.role("worker-0").gpu_bytes - CUDA_CONTEXT_BYTES
+
+    assert device(8, 0) == 2 * expert
+    assert device(1, 0) == 3 * expert
+    assert device(1, 2) == 2 * expert and device(8, 4) == 4 * expert
+
+
+def test_our_runtimes_model_gains_nothing_past_the_rules_depth_on_the_recorded_run() -> None:
+    """`inference.sim.local` on the recorded 8-worker inputs at 1 to 4 slots (README, *Prefetch
+    depth*): one slot fewer than the rule is slower, more are no faster for odmoe."""
+    recorded = json.loads((VALIDATION / "strategies-8-workers.json").read_text())
+    assert recorded["inputs"]["shape"]["max_resident"] == LINK_DEPTH  # what the run held
+
+    def odmoe_at(depth: int) -> float:
+        inputs = dict(recorded["inputs"], shape=dict(recorded["inputs"]["shape"], max_resident=depth))
+        return predict_from_inputs(inputs, ["odmoe"])["odmoe"]
+
+    at = {depth: odmoe_at(depth) for depth in (1, 2, 3, 4)}
+    assert at[1] < at[2]
+    assert at[3] == pytest.approx(at[2], rel=1e-9) and at[4] == pytest.approx(at[2], rel=1e-9)
+    assert at[2] == pytest.approx(recorded["predicted_decode_tok_s"]["odmoe"], rel=1e-9)

@@ -110,7 +110,7 @@ INVALID = [
     ("bad shadow dtype", _edit("settings.shadow_dtype", "fp64"), "shadow_dtype must be one of"),
     ("negative token period", _edit("settings.token_period", -1), "token_period must be >= 0"),
     ("negative kv period", _edit("settings.kv_period", -3), "kv_period must be >= 0"),
-    ("zero max resident", _edit("settings.max_resident_experts", 0), "max_resident_experts"),
+    ("negative max resident", _edit("settings.max_resident_experts", -1), "max_resident_experts"),
     ("zero timeout", _edit("settings.timeout_s", 0), "timeout_s"),
     ("zero threads", _edit("settings.threads", 0), "threads"),
     ("negative lookahead", _edit("settings.lookahead", -1), "lookahead"),

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from inference.cache import DeviceCache
+from inference.depth import resolve_depth
 from inference.experts import activation, expert_forward
 from inference.hotset import HotSetStore
 from inference.hybrid import (
@@ -140,7 +141,7 @@ class WorkerRole:
         self.loader = ExpertLoader(
             self.store,
             self.device,
-            max_resident=spec.settings.max_resident_experts,
+            max_resident=resolve_depth(spec.settings.max_resident_experts, self.placement.top_k, len(self.members)),
             copy_bytes_per_s=spec.settings.copy_bytes_per_s,
             cache=cache,
             staging_slots=spec.settings.staging_buffers if staged else 0,
