@@ -3,7 +3,7 @@
     python -m benchmarks.concurrency [--profile 3090-pcie4-1gbe] [--model DIR] [--workers 8]
         [--streams 1,2,4,8,16] [--strategies odmoe,full-cache,reactive,lru-offload]
         [--prompt-len 16] [--new-tokens 32] [--repeats 3] [--batch-arithmetic exact|fused]
-        [--max-resident-experts 2]
+        [--max-resident-experts 2 (0: from each worker's group)]
         [--json OUT] [--plots DIR]
 
 For each strategy one cluster is started, deployed as in ``benchmarks.strategies`` (the
@@ -38,6 +38,7 @@ from benchmarks.plots import line_plot
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, prompt_of, yield_cpu_to_the_pipeline
 from inference.client import RuntimeClient
 from inference.constants import BATCH_ARITHMETICS
+from inference.depth import LINK_DEPTH
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.protocol import GenerateDone
 from inference.reference import reference_generate
@@ -162,7 +163,8 @@ def print_table(results: dict[str, dict[int, dict]], args: argparse.Namespace, e
     print(
         f"profile {args.profile}; {args.workers} workers for the cluster strategies (lru-offload on one box); "
         f"prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens per stream; {args.batch_arithmetic} "
-        f"batch arithmetic; {args.max_resident_experts} resident experts per worker; "
+        f"batch arithmetic; {args.max_resident_experts or 'the prefetch depth of its group (inference.depth) as'} "
+        "resident experts per worker; "
         f"median of {args.repeats} runs (min–max)"
     )
     print()
@@ -210,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-resident-experts",
         type=int,
-        default=Settings.max_resident_experts,
-        help="experts a cacheless worker may hold on its device at once",
+        default=LINK_DEPTH,
+        help=f"experts a cacheless worker may hold on its device at once (default {LINK_DEPTH}, the link's prefetch "
+        "depth on every profile, as in benchmarks.strategies; 0: the runtime's default, from each worker's group)",
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plots", type=Path, help="write concurrency.png here")
@@ -224,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
-    if args.prompt_len < 1 or args.new_tokens < 2 or args.repeats < 1:
-        parser.error("--prompt-len >= 1, --new-tokens >= 2 and --repeats >= 1 are required")
+    if args.prompt_len < 1 or args.new_tokens < 2 or args.repeats < 1 or args.max_resident_experts < 0:
+        parser.error(
+            "--prompt-len >= 1, --new-tokens >= 2, --repeats >= 1 and --max-resident-experts >= 0 are required"
+        )
     results: dict[str, dict[int, dict]] = {}
     exact = True
     with tempfile.TemporaryDirectory(prefix="odmoe-concurrency-") as tmp:

@@ -34,8 +34,10 @@ random model importance's similarity table is calibrated on random ids first (it
 random too), while the prerouter needs a ``--model`` whose heads were trained (``train-prerouter``).
 ``--hybrid`` names strategies to run a second time with hybrid CPU/GPU execution on the workers
 (``inference.hybrid``; rows ``NAME+hybrid``), the CPU path emulated from the profile's host DRAM.
-Each worker holds as many experts at once as the profile's prefetch depth (``inference.depth``:
-1 + ceil(compute / copy) of an expert at the profile's proportions, 2 on every profile here);
+Each worker holds as many experts at once as the link's term of the prefetch depth
+(``inference.depth``: 1 + ceil(compute / copy) of an expert at the profile's proportions, 2 on
+every profile here, what every recorded run held), lru-offload's one worker too, where the
+runtime's default would add the layer's term (its layer's two experts + 1: 3);
 ``--max-resident-experts N`` sets it instead.
 """
 
@@ -379,7 +381,7 @@ def print_table(
         f"box with {args.cache_experts} experts cached per layer; {args.shadow_dtype} shadow, token aligned every "
         f"{args.token_period} step(s), KV cache every {args.kv_period} step(s) (0 = never); "
         f"{prefetch_depth_of(args, emulation)} experts held per worker at once "
-        f"({'--max-resident-experts' if args.max_resident_experts else 'the prefetch depth of the profile'})"
+        f"({'--max-resident-experts' if args.max_resident_experts else 'the link term of the profile'})"
     )
     if args.repeats > 1:
         print(f"each figure the median (min–max) of {args.repeats} interleaved rounds, each ratio taken within a round")
@@ -552,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def prefetch_depth_of(args: argparse.Namespace, emulation: Emulation) -> int:
     """The experts each worker holds at once: ``--max-resident-experts``, else what the profile's
-    copy and compute of an expert need (`Emulation.prefetch_depth`)."""
+    copy and compute of an expert need (`Emulation.prefetch_depth`, the link's term of the depth)."""
     return args.max_resident_experts or emulation.prefetch_depth
 
 

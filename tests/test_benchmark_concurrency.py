@@ -21,6 +21,17 @@ def test_stream_counts_are_parsed_and_checked() -> None:
             concurrency.parse_counts(bad)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [["--streams", "0"], ["--strategies", "nope"], ["--new-tokens", "1"], ["--max-resident-experts", "-1"]],
+)
+def test_bad_arguments_are_refused_before_any_process_starts(bad: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        concurrency.main(bad)
+    assert exited.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
 def test_figures_are_medians_with_spread_and_scale_against_one_stream() -> None:
     runs = [{"aggregate_decode_tok_s": v, "per_stream_decode_tok_s": v / 2} for v in (10.0, 12.0, 11.0)]
     one = concurrency.summarize(runs)

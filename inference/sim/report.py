@@ -7,6 +7,8 @@ of 2, 1 GbE, Mixtral-8x7B fp16; results averaged over (input, output) = (16, 64)
 
 from __future__ import annotations
 
+import math
+
 from inference.depth import prefetch_depth
 from inference.sim.costs import Costs
 from inference.sim.efficiency import for_strategy
@@ -63,6 +65,7 @@ def depth_of(model: ModelSizes, profile: Profile, cluster: Cluster) -> dict:
         "chosen_by": "the rule" if cluster.prefetch_depth is None else "--prefetch-depth",
         "expert_copy_ms": setup.costs.expert_load() * 1000,
         "expert_compute_ms": setup.costs.expert_call(1) * 1000,
+        "layer_term": math.ceil(model.top_k / cluster.group_size) + 1,
     }
 
 
@@ -71,8 +74,9 @@ def depth_line(result: dict) -> str:
     experts = "expert" if d["depth"] == 1 else "experts"
     return (
         f"Prefetch depth per worker: {d['depth']} {experts} ({d['chosen_by']}; an expert's copy "
-        f"{d['expert_copy_ms']:.2f} ms, its compute {d['expert_compute_ms']:.3f} ms: 1 + ceil(compute / copy) "
-        f"= {prefetch_depth(d['expert_copy_ms'], d['expert_compute_ms'])})"
+        f"{d['expert_copy_ms']:.2f} ms, its compute {d['expert_compute_ms']:.3f} ms: the link's term, "
+        f"1 + ceil(compute / copy), is {prefetch_depth(d['expert_copy_ms'], d['expert_compute_ms'])}; the layer's, "
+        f"ceil(top-k / group) + 1, is {d['layer_term']})"
     )
 
 
