@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                     "new_tokens": args.new_tokens,
                     "repeats": args.repeats,
                     "batch_arithmetic": args.batch_arithmetic,
-                    "max_resident_experts": args.max_resident_experts,
+                    "max_resident_experts": args.max_resident_experts,  # 0: each worker's group's depth
                     "exact": exact,
                     "strategies": {name: {str(c): f for c, f in pc.items()} for name, pc in results.items()},
                 },

@@ -47,6 +47,7 @@ import torch
 import zmq
 
 from inference.curve import CurveKeys, new_keys
+from inference.depth import LINK_DEPTH
 from inference.families import family_for
 from inference.launcher import ClusterOptions, LocalCluster, free_port
 from inference.metrics import BREAKDOWN, HOPS_SPLIT
@@ -124,7 +125,9 @@ def summarize(samples: list[tuple[float, float]]) -> dict:
 
 def run_cluster(model_dir: Path, *, workers: int, shadow: bool, new_tokens: int, prompts: list[list[int]]) -> dict:
     """Generate greedily on a local cluster and summarize its decode layers."""
-    options = ClusterOptions(workers=workers, shadow=shadow, settings=Settings(threads=1))
+    # The link's two slots whatever the group's size, as every recorded run held (inference.depth).
+    settings = Settings(threads=1, max_resident_experts=LINK_DEPTH)
+    options = ClusterOptions(workers=workers, shadow=shadow, settings=settings)
     reports: list[dict] = []
     # Main's time per layer outside the round trips, per generation (from its token intervals).
     gaps: list[float] = []

@@ -26,7 +26,11 @@ workers, `inference.placement`), fewer than ``n + 1`` slots leave the rest to be
 the request, on the critical path, and nothing of the next layer copied meanwhile (README,
 *Model families*: all of a layer's experts in flight took a layer 30 % less time than two
 slots). A worker's depth is the larger of the two terms: 2 for Mixtral wherever a group has
-two workers or more, more for a fine-grained family on fewer workers than its top-k.
+two workers or more, more for a fine-grained family on fewer workers than its top-k. The layer's
+term counts a balanced share, as OD-MoE's placement routes a token's experts across the group;
+strategies whose experts have a fixed home (full-cache, lru-offload: expert ``e`` on member
+``e % members``) can send one worker more of a layer's experts, which then wait for a slot as
+before: slower, never wrong.
 
 More than that buys nothing while copies are the bottleneck: the link is already busy all the
 time, and an expert copied further ahead only waits longer for its request (the shadow

@@ -42,8 +42,8 @@ class Settings:
     # groups of 2 or more), which the memory plans and the fit check reserve too.
     max_resident_experts: int = 0
     # Pinned host buffers a GPU worker with the "disk" store reads each expert into on its way to
-    # the device, used in turn (inference.staging); a copy pass holds at most
-    # max_resident_experts, so no more than that many are made.
+    # the device, used in turn (inference.staging); a copy pass holds at most the worker's
+    # resolved depth (above), so no more than that many are made.
     staging_buffers: int = 3
     timeout_s: float = 60.0  # the longest any role waits for a peer before failing
     lookahead: int = 2  # how many steps the shadow may run ahead of main

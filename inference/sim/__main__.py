@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefetch-depth",
         type=int,
-        help="experts a cacheless worker holds at once (default: 1 + ceil(compute / copy) of an expert)",
+        help="experts a cacheless worker holds at once (default: 1 + ceil(compute / copy) of an expert, "
+        "or its layer's experts + 1 if larger; inference.depth)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the full result as JSON here")

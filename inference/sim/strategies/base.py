@@ -38,7 +38,9 @@ class Cluster:
         if self.shadow_gpus < 1 or self.full_cache_gpus < 1 or self.lru_cache_per_layer < 0:
             raise ValueError("GPU counts must be positive and the LRU cache size non-negative")
         if self.prefetch_depth is not None and self.prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be at least 1 (or None: from the link), got {self.prefetch_depth}")
+            raise ValueError(
+                f"prefetch_depth must be at least 1 (or None: from the link and the group), got {self.prefetch_depth}"
+            )
 
     @property
     def groups(self) -> int:

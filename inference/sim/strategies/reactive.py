@@ -37,4 +37,5 @@ class Reactive:
         return times
 
     def memory(self, context_tokens: int) -> dict[str, float]:
-        return worker_memory(self.setup, context_tokens, experts_resident=1)
+        # Its loads hold the same slots as odmoe's prefetches (WorkerPool: prefetch_depth a worker).
+        return worker_memory(self.setup, context_tokens, experts_resident=self.setup.prefetch_depth)
