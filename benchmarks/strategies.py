@@ -154,6 +154,11 @@ def summarize(runs: list[dict]) -> dict:
         "hops_split_ms": {
             name: _median_of((r.get("hops_split_ms") or {}).get(name) for r in runs) for name in HOPS_SPLIT
         },
+        # The same parts' means (averaged over the pairs, as the rates are): they add up to a token.
+        "main_between_layers_mean_ms": _mean_of(r.get("main_between_layers_mean_ms") for r in runs),
+        "layer_parts_mean_ms": {
+            name: _mean_of((r.get("layer_parts_mean_ms") or {}).get(name) for r in runs) for name in BREAKDOWN
+        },
         "pairs": runs,
     }
 
@@ -161,6 +166,11 @@ def summarize(runs: list[dict]) -> dict:
 def _median_of(values) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
+
+
+def _mean_of(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def add_ratios(results: dict[str, dict]) -> None:
@@ -321,6 +331,8 @@ def run_strategy(
                     "main_between_layers_ms": m["decode_main_between_layers_ms_median"],
                     "layer_parts_ms": m["decode_layer_breakdown_ms_median"],
                     "hops_split_ms": m["decode_hops_split_ms_median"],
+                    "main_between_layers_mean_ms": m["decode_main_between_layers_ms_mean"],
+                    "layer_parts_mean_ms": m["decode_layer_breakdown_ms_mean"],
                 }
             )
             print(
@@ -353,6 +365,7 @@ def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measureme
         if receiving is not None:
             cells[BREAKDOWN.index("hops")] += f" ({receiving:.3f} receiving)"
         print(f"| {name} | {ms(r.get('main_between_layers_ms'))} | " + " | ".join(cells) + " |")
+    print_layer_means(results, layers)
     if "in_rhythm" in measurement:
         rows = [
             ("the simulator's costs (main + 1 worker of the runtime)", machine),
@@ -369,6 +382,27 @@ def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measureme
             f"| {costs.round_trip_s * 1000:.3f} loopback "
             f"+ the link{wake} | {python} | {costs.expert_compute_s * 1000:.3f} per expert (+ copy waits) | |"
         )
+
+
+def print_layer_means(results: dict[str, dict], layers: int) -> None:
+    """The same parts' means, which add up to a token (``layers`` × their sum, beside the measured
+    interval ``1000 / decode_tok_s``): where a mean is well above its median, that part has a tail."""
+    rows = [(name, r) for name, r in results.items() if r.get("main_between_layers_mean_ms") is not None]
+    if not rows:
+        return
+    print(
+        f"\nthe same, means (ms; × {layers} layers they make a token, beside the measured interval)\n"
+        "| strategy | main between layers | main before send | hops both ways | worker Python | worker load wait "
+        "+ compute | main after answers | × layers | measured per token |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for name, r in rows:
+        parts = r.get("layer_parts_mean_ms") or {}
+        means = [r["main_between_layers_mean_ms"]] + [parts.get(part) for part in BREAKDOWN]
+        known = [v for v in means if v is not None]
+        cells = ["" if v is None else f"{v:.3f}" for v in means]
+        measured = f"{1000 / r['decode_tok_s']:.1f}" if r.get("decode_tok_s") else ""
+        print(f"| {name} | " + " | ".join(cells) + f" | {layers * sum(known):.1f} | {measured} |")
 
 
 def print_table(

@@ -220,11 +220,17 @@ def build_metrics(
         "decode_layer_breakdown_ms_median": (
             {k: statistics.median(v) for k, v in decode_parts.items()} if decode_dispatch else None
         ),
+        # Their means, which add up where medians do not: a decode token took about
+        # layers × (main between layers + the parts), so a tail shows as a mean above its median.
+        "decode_layer_breakdown_ms_mean": (
+            {k: statistics.fmean(v) for k, v in decode_parts.items()} if decode_dispatch else None
+        ),
         "decode_hops_split_ms_median": (
             {k: statistics.median(v) for k, v in decode_hops.items()} if decode_dispatch else None
         ),
         # Main's attention, norms and router per decode layer (and its per-token work spread over them).
         "decode_main_between_layers_ms_median": statistics.median(main_between) if main_between else None,
+        "decode_main_between_layers_ms_mean": statistics.fmean(main_between) if main_between else None,
         "shadow": None
         if shadow_stats is None
         else {

@@ -18,6 +18,7 @@ from benchmarks.strategies import (
     copy_bound,
     deployment_for,
     parse_pairs,
+    print_layer_means,
     run_record,
     split_bound,
     summarize,
@@ -118,6 +119,25 @@ def test_rounds_report_where_a_layer_went_part_by_part() -> None:
     assert odmoe["main_between_layers_ms"] == 1.0
     assert odmoe["pairs"][0]["layer_parts_ms"] == {"hops": 0.5, "worker_busy": 2.0}
     assert odmoe["pairs"][1]["layer_parts_ms"] is None
+
+
+def test_the_means_of_a_layers_parts_are_averaged_over_the_pairs_and_printed_per_token(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    def with_means(between: float, hops: float) -> dict:
+        figures = run(100.0)  # a token every 10 ms
+        figures["main_between_layers_mean_ms"] = between
+        figures["layer_parts_mean_ms"] = {"hops": hops, "worker_busy": 2.0}
+        return figures
+
+    odmoe = summarize([with_means(1.0, 1.0), with_means(2.0, 2.0)])
+    assert odmoe["main_between_layers_mean_ms"] == 1.5
+    assert odmoe["layer_parts_mean_ms"]["hops"] == 1.5 and odmoe["layer_parts_mean_ms"]["worker_python"] is None
+    reactive = summarize([run(100.0)])  # recorded before the means: no row
+    print_layer_means({"odmoe": odmoe, "reactive": reactive}, layers=2)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[-1] == "| odmoe | 1.500 |  | 1.500 |  | 2.000 |  | 10.0 | 10.0 |"  # 2 × (1.5 + 1.5 + 2.0)
+    assert not any(row.startswith("| reactive") for row in rows)
 
 
 def test_the_costs_in_the_runtimes_rhythm_come_from_its_layer_breakdown() -> None:
@@ -273,6 +293,7 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
     odmoe = figures["strategies"]["odmoe"]
     assert odmoe["sim_predicted_decode_tok_s"] > 0 and odmoe["sim_predicted_decode_tok_s_tight_loop_costs"] > 0
     assert odmoe["layer_parts_ms"]["worker_busy"] > 0 and odmoe["main_between_layers_ms"] > 0
+    assert odmoe["layer_parts_mean_ms"]["worker_busy"] > 0 and odmoe["main_between_layers_mean_ms"] > 0
     printed = capsys.readouterr().out
     assert "| odmoe |" in printed and "profile 3090-pcie4-1gbe" in printed and "copy-bound ceiling" in printed
     assert figures["strategies"]["odmoe"]["copy_bound"]["tok_s"] > 0

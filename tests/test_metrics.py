@@ -98,3 +98,29 @@ def test_a_generation_reports_the_medians_of_its_decode_layers_parts() -> None:
     assert metrics["decode_main_between_layers_ms_median"] == pytest.approx(1.5)
     decode_layer = metrics["per_step"][1]["layers"][0]
     assert decode_layer["breakdown_ms"]["worker_python"] == 0.25
+
+
+def test_the_means_of_a_decode_layers_parts_add_up_to_a_token_and_show_a_tail() -> None:
+    state = RequestState("r", b"c", prompt_len=4, max_new_tokens=4, token_period=1, kv_period=1, started=0.0)
+    state.steps = [StepRecord(0, 4, started=0.0, finished=0.5)]
+    # Three decode steps of two layers; in the third, layer 0's answer comes 4 ms late.
+    for step, (slow_ms, finished) in enumerate([(0.0, 0.505), (0.0, 0.510), (4.0, 0.525)], start=1):
+        record = StepRecord(step, 1, started=finished - 0.004, finished=finished)
+        record.layers = [
+            LayerRecord(
+                0, [1], [1], dispatch_ms=1.0 + slow_ms, send_ms=0.25, await_ms=0.5 + slow_ms, last_handled_ms=0.25
+            ),
+            LayerRecord(1, [2], [2], dispatch_ms=1.0, send_ms=0.25, await_ms=0.5, last_handled_ms=0.25),
+        ]
+        state.steps.append(record)
+    state.token_times = [0.5, 0.505, 0.510, 0.525]  # tokens 5, 5 and 15 ms apart
+    metrics = build_metrics(state, {}, None, placement(2, 4, 1, 1), token_period=1, kv_period=1)
+    median, mean = metrics["decode_layer_breakdown_ms_median"], metrics["decode_layer_breakdown_ms_mean"]
+    assert median["hops"] == pytest.approx(0.25)
+    assert mean["hops"] == pytest.approx(0.25 + 4.0 / 6)  # the late answer: one layer in six
+    assert mean["main_before_send"] == median["main_before_send"] == pytest.approx(0.25)
+    # Main's time besides the round trips: (5 - 2) / 2, (5 - 2) / 2 and (15 - 6) / 2 ms per layer.
+    assert metrics["decode_main_between_layers_ms_median"] == pytest.approx(1.5)
+    assert metrics["decode_main_between_layers_ms_mean"] == pytest.approx(2.5)
+    per_token = 2 * (metrics["decode_main_between_layers_ms_mean"] + sum(mean.values()))
+    assert per_token == pytest.approx(1000 / metrics["decode_tok_s"])  # 25 ms for three tokens
