@@ -2,7 +2,7 @@
 
 | variable | meaning | default |
 |---|---|---|
-| ``DJANGO_SECRET_KEY`` | signing key | ``local``: this install's own (``var/secret_key``) |
+| ``DJANGO_SECRET_KEY`` | signing key (required in production) | none; ``local``: its own in ``var/`` |
 | ``DJANGO_DEBUG`` | ``1`` to enable debug | off |
 | ``DJANGO_ALLOWED_HOSTS`` | comma-separated host names | ``localhost,127.0.0.1`` |
 | ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` | SQLite under ``ODMOE_VAR_DIR`` |
@@ -28,8 +28,13 @@ VAR_DIR = Path(os.environ.get("ODMOE_VAR_DIR", REPO_DIR / "var"))
 # Empty: ``VAR_DIR / "models"`` (decided where it is used, so a test that moves VAR_DIR moves it too).
 MODELS_DIR = os.environ.get("ODMOE_MODELS_DIR", "")
 
+# Once the default here, so published with the source: production refuses it by name, since an
+# install set up before it was dropped may still carry it in its environment.
 INSECURE_DEV_SECRET = "odmoe-insecure-development-key-change-me"
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", INSECURE_DEV_SECRET)
+# No fallback: an empty key makes Django refuse to sign anything. Each purpose's settings say
+# where the key comes from (local: this install's own file; test: the suite's; production: the
+# environment, checked).
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "")
 DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
 ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1").split(",") if h]
 

@@ -1,0 +1,58 @@
+"""The settings a production server runs with: no published key, HTTPS only, strong passwords.
+
+Each settings module is loaded in a Python of its own (as the servers load it), never reloaded
+inside the test process, whose settings are the suite's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def settings_probe(module: str, code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """Run ``code`` after ``django.setup()`` with ``module`` as the settings, in a fresh Python."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "ODMOE_")) and k != "DATABASE_URL"}
+    environment = {
+        **clean,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
+        "DJANGO_SETTINGS_MODULE": f"controlplane.config.settings.{module}",
+        "ODMOE_VAR_DIR": str(tmp_path / "var"),
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        **env,
+    }
+    script = "import django\ndjango.setup()\nfrom django.conf import settings\n" + code
+    return subprocess.run(
+        [sys.executable, "-c", script], env=environment, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_shared_settings_have_no_signing_key_to_fall_back_on(tmp_path: Path) -> None:
+    """Without DJANGO_SECRET_KEY the shared settings give no key at all (Django refuses to sign),
+    never one published with the source."""
+    run = settings_probe("base", "print(repr(settings.SECRET_KEY))", tmp_path)
+    assert run.returncode != 0 and "The SECRET_KEY setting must not be empty" in run.stderr, run.stdout
+    source = (REPO / "platform" / "controlplane" / "config" / "settings" / "base.py").read_text()
+    assert 'os.environ.get("DJANGO_SECRET_KEY", "")' in source
+
+
+def test_the_test_and_local_settings_each_bring_their_own_key(tmp_path: Path) -> None:
+    test = settings_probe("test", "print(settings.SECRET_KEY)", tmp_path)
+    local = settings_probe("local", "print(settings.SECRET_KEY)", tmp_path)
+    assert test.returncode == 0 and local.returncode == 0, test.stderr + local.stderr
+    assert test.stdout.strip() and local.stdout.strip() != test.stdout.strip()
+    assert local.stdout.strip() == (tmp_path / "var" / "secret_key").read_text().strip()
+
+
+@pytest.mark.parametrize("key", ["", "odmoe-insecure-development-key-change-me", "replace-with-64-random-characters"])
+def test_production_refuses_a_missing_or_published_key(tmp_path: Path, key: str) -> None:
+    env = {"DJANGO_SECRET_KEY": key} if key else {}
+    run = settings_probe("production", "print('started')", tmp_path, **env)
+    assert run.returncode != 0 and "set DJANGO_SECRET_KEY to a random value" in run.stderr
+    assert "started" not in run.stdout
