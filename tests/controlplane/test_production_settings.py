@@ -6,7 +6,9 @@ inside the test process, whose settings are the suite's.
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +58,40 @@ def test_production_refuses_a_missing_or_published_key(tmp_path: Path, key: str)
     run = settings_probe("production", "print('started')", tmp_path, **env)
     assert run.returncode != 0 and "set DJANGO_SECRET_KEY to a random value" in run.stderr
     assert "started" not in run.stdout
+
+
+PRODUCTION_PROBE = """
+from django.core.management import call_command
+from django.test import Client
+import json
+plain = Client().get("/api/schema/")
+secure = Client().get("/accounts/login/", secure=True)
+call_command("check", deploy=True, fail_level="WARNING")  # raises on any warning
+print(json.dumps({
+    "plain": [plain.status_code, plain.get("Location")],
+    "hsts": secure.get("Strict-Transport-Security"),
+    "secure_status": secure.status_code,
+    "cookies_secure": [settings.SESSION_COOKIE_SECURE, settings.CSRF_COOKIE_SECURE],
+}))
+"""
+
+
+def test_production_sends_plain_http_to_https_and_asks_for_https_only(tmp_path: Path) -> None:
+    """Behind the proxy: a plain-HTTP request is redirected, HTTPS answers carry HSTS for a year,
+    and Django's deployment checks find nothing left to warn about."""
+    key = secrets.token_urlsafe(48)
+    migrate = settings_probe(
+        "production",
+        "from django.core.management import call_command\ncall_command('migrate', verbosity=0)",
+        tmp_path,
+        DJANGO_SECRET_KEY=key,
+    )
+    assert migrate.returncode == 0, migrate.stderr
+    run = settings_probe(
+        "production", PRODUCTION_PROBE, tmp_path, DJANGO_SECRET_KEY=key, DJANGO_ALLOWED_HOSTS="testserver"
+    )
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["plain"] == [301, "https://testserver/api/schema/"]
+    assert seen["secure_status"] == 200 and seen["hsts"] == "max-age=31536000"
+    assert seen["cookies_secure"] == [True, True]

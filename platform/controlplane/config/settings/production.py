@@ -1,4 +1,11 @@
-"""Production: refuses to start with debug on or with the development secret key."""
+"""Production: refuses to start with debug on or without a secret key of its own; HTTPS only.
+
+It runs behind the TLS proxy of ``deploy/`` (the proxy passes ``X-Forwarded-Proto``, which the
+ASGI server trusts from 127.0.0.1): a plain-HTTP request is redirected to HTTPS, and browsers are
+told to use HTTPS only for a year (HSTS; ``ODMOE_HSTS_SECONDS``, 0 turns it off).
+"""
+
+import os
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -27,3 +34,10 @@ CACHES = {
 SESSION_COOKIE_SECURE = True
 CSRF_COOKIE_SECURE = True
 SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_SSL_REDIRECT = True
+SECURE_HSTS_SECONDS = int(os.environ.get("ODMOE_HSTS_SECONDS", str(365 * 24 * 3600)))
+# Left to the operator: other names under this domain may not serve HTTPS, and a preload list
+# entry is hard to undo. (A browser ignores HSTS from a certificate it does not trust, so a
+# self-signed server is not locked out by it.)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = os.environ.get("ODMOE_HSTS_INCLUDE_SUBDOMAINS", "") == "1"
+SILENCED_SYSTEM_CHECKS = ["security.W005", "security.W021"]  # the two choices above, made on purpose
