@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,3 +98,20 @@ def test_production_sends_plain_http_to_https_and_asks_for_https_only(tmp_path: 
     assert seen["plain"] == [301, "https://testserver/api/schema/"]
     assert seen["secure_status"] == 200 and seen["hsts"] == "max-age=31536000"
     assert seen["cookies_secure"] == [True, True]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "password, why",
+    [
+        ("short1!", "too short"),
+        ("password123", "too common"),
+        ("8273645019283", "entirely numeric"),
+        ("margaret.hamilton", "too similar to the username"),
+    ],
+)
+def test_weak_passwords_are_refused_for_every_reason_django_knows(password: str, why: str) -> None:
+    user = get_user_model()(username="margaret.hamilton", email="mh@example.org")
+    with pytest.raises(ValidationError, match=why):
+        validate_password(password, user)
+    validate_password("correct-horse-battery-staple", user)  # a good one passes every validator
