@@ -14,6 +14,9 @@
 | ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
 | ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
 | ``ODMOE_LOG_LEVEL`` | log level of every process | INFO |
+| ``ODMOE_LOGIN_FAILURE_LIMIT`` | failed logins that lock one username out from one address | 5 |
+| ``ODMOE_LOGIN_USER_FAILURE_LIMIT`` | failed logins that lock one username out from every address | 20 |
+| ``ODMOE_LOGIN_LOCKOUT_HOURS`` | how long a lockout lasts | 0.25 |
 """
 
 from __future__ import annotations
@@ -72,12 +75,16 @@ MIDDLEWARE = [
 ]
 
 # Login lockout (django-axes): 5 failed logins for one username from one address lock that
-# pair out for 15 minutes; a success resets the count. Counted in the database, so every
-# server process sees the same.
+# pair out for 15 minutes, and 20 for one username from any addresses lock that username out
+# everywhere (a guesser spread over many addresses); a success resets its own address's count.
+# Counted in the database, so every server process sees the same (controlplane/accounts/lockout.py).
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_HANDLER = "controlplane.accounts.lockout.LockoutHandler"
 AXES_FAILURE_LIMIT = int(os.environ.get("ODMOE_LOGIN_FAILURE_LIMIT", "5"))
+LOGIN_USERNAME_FAILURE_LIMIT = int(os.environ.get("ODMOE_LOGIN_USER_FAILURE_LIMIT", "20"))
 AXES_COOLOFF_TIME = float(os.environ.get("ODMOE_LOGIN_LOCKOUT_HOURS", "0.25"))
-AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# The pair first: a success resets only that (controlplane.accounts.lockout).
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"], "username"]
 AXES_RESET_ON_SUCCESS = True
 AXES_VERBOSE = False
 
