@@ -1,0 +1,89 @@
+"""What ``deploy/`` ships for a real host, read as the host reads it: the units, the proxy, the
+environment file and the hash locks. (``make prod-check`` runs them; these are the fast checks.)"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from deploy.units import (
+    UNIT_DIR,
+    Unit,
+    UnitError,
+    celery_role,
+    control_plane_units,
+    read_unit,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = REPO / "platform" / "controlplane" / "config" / "settings"
+
+
+def units() -> dict[str, Unit]:
+    return {unit.name: unit for unit in control_plane_units()}
+
+
+def test_every_queue_the_settings_route_to_is_consumed_and_beat_runs_exactly_once(settings) -> None:
+    """Under the shipped units every task has a worker: the default queue and every queue of
+    CELERY_TASK_ROUTES (jobs too), and one beat, in a unit of its own, not inside a worker."""
+    routed = {route["queue"] for route in settings.CELERY_TASK_ROUTES.values()} | {settings.CELERY_TASK_DEFAULT_QUEUE}
+    roles = {name: celery_role(unit) for name, unit in units().items()}
+    consumed = {queue for role in roles.values() if role and role[0].startswith("worker") for queue in role[1]}
+    assert routed <= consumed, f"queues no unit consumes: {sorted(routed - consumed)}"
+    beats = [name for name, role in roles.items() if role and "beat" in role[0]]
+    assert beats == ["odmoe-beat.service"]
+    assert roles["odmoe-beat.service"] == ("beat", [])
+
+
+def test_the_web_unit_runs_two_asgi_workers_on_loopback_behind_the_proxy() -> None:
+    argv = units()["odmoe-web.service"].argv
+    assert Path(argv[0]).name == "uvicorn" and argv[1] == "controlplane.config.asgi:application"
+    option = dict(itertools.pairwise(argv))
+    assert option["--host"] == "127.0.0.1" and int(option["--workers"]) >= 2
+    assert "--proxy-headers" in argv and option["--forwarded-allow-ips"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in UNIT_DIR.glob("*.service")))
+def test_every_control_plane_unit_runs_unprivileged_and_sandboxed(name: str) -> None:
+    unit = read_unit(UNIT_DIR / name)
+    assert unit.get("User") not in (None, "root") and unit.get("EnvironmentFile") == "/etc/odmoe/odmoe.env"
+    sandbox = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes"}
+    assert {key: unit.get(key) for key in sandbox} == sandbox
+    assert unit.all("ReadWritePaths") == ["/var/lib/odmoe"] and unit.all("CapabilityBoundingSet") == []
+
+
+def test_the_unit_reader_refuses_what_it_would_read_wrongly(tmp_path: Path) -> None:
+    path = tmp_path / "x.service"
+    path.write_text("[Service]\nExecStart=/bin/celery -A x worker --hostname a@%h\n")
+    with pytest.raises(UnitError, match="specifiers"):
+        _ = read_unit(path).argv
+    path.write_text("[Service]\nExecStart=/bin/x \\\n  --y\n")
+    with pytest.raises(UnitError, match="continuations"):
+        read_unit(path)
+    path.write_text("[Service]\nExecStart=/bin/celery -A x worker --hostname a@%%h\n")
+    assert read_unit(path).argv[-1] == "a@%h"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_accepts_every_unit(tmp_path: Path) -> None:
+    """``systemd-analyze verify`` on each unit, its paths moved to ones that exist here."""
+    moved = tmp_path / "units"
+    moved.mkdir()
+    venv_bin = Path(shutil.which("celery") or REPO / ".venv" / "bin" / "celery").parent
+    for path in UNIT_DIR.glob("*.service"):
+        text = path.read_text().replace("/opt/odmoe/.venv/bin", str(venv_bin)).replace("/opt/odmoe", str(REPO))
+        text = text.replace("/etc/odmoe/odmoe.env", str(REPO / "deploy" / "odmoe.env.example"))
+        text = re.sub(r"^After=.*$", "After=network-online.target", text, flags=re.M)  # no PostgreSQL unit here
+        (moved / path.name).write_text(text)
+    run = subprocess.run(
+        ["systemd-analyze", "verify", *sorted(str(p) for p in moved.glob("*.service"))],
+        capture_output=True,
+        text=True,
+    )
+    problems = [line for line in run.stderr.splitlines() if "Failed to" not in line or "Unit" not in line]
+    assert run.returncode == 0 and not problems, run.stderr
