@@ -17,6 +17,7 @@ from deploy.units import (
     UnitError,
     celery_role,
     control_plane_units,
+    read_environment_file,
     read_unit,
 )
 
@@ -67,6 +68,40 @@ def test_the_unit_reader_refuses_what_it_would_read_wrongly(tmp_path: Path) -> N
         read_unit(path)
     path.write_text("[Service]\nExecStart=/bin/celery -A x worker --hostname a@%%h\n")
     assert read_unit(path).argv[-1] == "a@%h"
+
+
+def settings_variables() -> set[str]:
+    found = set()
+    for path in SETTINGS.glob("*.py"):
+        found |= set(re.findall(r"""os\.environ(?:\.get)?\(\s*["']([A-Z][A-Z0-9_]+)["']""", path.read_text()))
+        found |= set(re.findall(r"""["']([A-Z][A-Z0-9_]+)["'] (?:not )?in os\.environ""", path.read_text()))
+    return found
+
+
+def test_the_environment_file_template_names_every_variable_the_settings_read() -> None:
+    example = (REPO / "deploy" / "odmoe.env.example").read_text()
+    named = set(re.findall(r"^#?([A-Z][A-Z0-9_]+)=", example, flags=re.M))
+    assert settings_variables() - named == set()
+    required = read_environment_file(REPO / "deploy" / "odmoe.env.example")
+    assert required["DJANGO_SETTINGS_MODULE"] == "controlplane.config.settings.production"
+    assert "REDIS-PASSWORD@" in required["REDIS_URL"]  # Redis with a password, carried by the URL
+
+
+def nginx_locations(text: str) -> dict[str, str]:
+    return dict(re.findall(r"location (\S+) \{(.*?)\n    \}", text, flags=re.S))
+
+
+def test_the_proxy_caps_bodies_as_the_app_does_and_forwards_https_and_websockets(settings) -> None:
+    text = (REPO / "deploy" / "nginx" / "odmoe.conf").read_text()
+    (cap,) = re.findall(r"client_max_body_size (\d+)k;", text)
+    assert int(cap) * 1024 == settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    locations = nginx_locations(text)
+    assert set(locations) == {"/", "/ws/"}
+    for body in locations.values():
+        assert "proxy_set_header X-Forwarded-Proto $scheme;" in body and "proxy_set_header Host $http_host;" in body
+    assert "proxy_set_header Upgrade $http_upgrade;" in locations["/ws/"]
+    assert "proxy_buffering off;" in text  # SSE streams as produced
+    assert re.search(r"server 127\.0\.0\.1:8000;", text)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")

@@ -17,6 +17,12 @@
 | ``ODMOE_LOGIN_FAILURE_LIMIT`` | failed logins that lock one username out from one address | 5 |
 | ``ODMOE_LOGIN_USER_FAILURE_LIMIT`` | failed logins that lock one username out from every address | 20 |
 | ``ODMOE_LOGIN_LOCKOUT_HOURS`` | how long a lockout lasts | 0.25 |
+| ``ODMOE_THROTTLE_USER``, ``ODMOE_THROTTLE_ANON`` | API rates per user, per anonymous address | 600/min, 60/min |
+| ``ODMOE_NUM_PROXIES`` | reverse proxies in front that set ``X-Forwarded-For`` (see ``REST_FRAMEWORK``) | 0 |
+| ``ODMOE_MAX_GENERATIONS_PER_USER`` | generations one user runs at once | 4 |
+| ``ODMOE_HSTS_SECONDS``, ``ODMOE_HSTS_INCLUDE_SUBDOMAINS`` | HSTS in production (``1``: subdomains too) | a year, off |
+
+``deploy/odmoe.env.example`` lists them all for a production host.
 """
 
 from __future__ import annotations
