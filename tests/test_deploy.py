@@ -10,6 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from deploy.units import (
     UNIT_DIR,
@@ -102,6 +104,50 @@ def test_the_proxy_caps_bodies_as_the_app_does_and_forwards_https_and_websockets
     assert "proxy_set_header Upgrade $http_upgrade;" in locations["/ws/"]
     assert "proxy_buffering off;" in text  # SSE streams as produced
     assert re.search(r"server 127\.0\.0\.1:8000;", text)
+
+
+def locked(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9._-]+)==([^ ;\\]+)", line)
+        if match:
+            pins[canonicalize_name(match[1])] = match[2]
+    return pins
+
+
+def constraints() -> dict[str, str]:
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version.strip()
+    return pins
+
+
+@pytest.mark.parametrize(
+    "lock, requirement_files",
+    [
+        ("deploy/requirements.lock", ["agent/requirements.txt", "platform/requirements.txt"]),
+        ("agent/requirements.lock", ["agent/requirements.txt"]),
+    ],
+)
+def test_the_hash_locks_pin_what_constraints_pins_each_wheel_by_sha256(lock: str, requirement_files: list[str]) -> None:
+    """Every package of a lock is at constraints.txt's version where that pins it, every direct
+    requirement is there, and every line has its hashes (run deploy/lock.py after a change)."""
+    pins, tested = locked(REPO / lock), constraints()
+    drifted = {
+        name: (version, tested[name]) for name, version in pins.items() if name in tested and tested[name] != version
+    }
+    assert drifted == {}, f"{lock} disagrees with constraints.txt (lock, constraints): run deploy/lock.py"
+    for path in requirement_files:
+        for line in (REPO / path).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                assert canonicalize_name(Requirement(line).name) in pins, f"{line} is not in {lock}"
+    blocks = re.split(r"\n(?=[A-Za-z0-9])", (REPO / lock).read_text().split("\n\n")[-1])
+    for block in blocks:
+        if "==" in block:
+            assert re.search(r"--hash=sha256:[0-9a-f]{64}", block), block.splitlines()[0]
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
