@@ -5,13 +5,16 @@ package's file name and its sha256 filled in (the script refuses a package that 
 it, so a package swapped on the way, over plain HTTP say, is never installed);
 ``/agent/<wheel>`` is the agent's own wheel (``agent_wheel``: the agent and the runtime, with
 only their dependencies) built from this checkout, so a box runs the code its control plane
-runs; ``/agent/facts`` is what the agent's doctor compares its box with (the server's version
-and agent protocol, the largest shard it sends). All are public: they hold no secret, and a box
-has no credential before it enrolls.
+runs; ``/agent/requirements.lock`` is the agent's dependencies, hash-locked
+(``agent/requirements.lock``, written by ``deploy/lock.py``), whose sha256 the script pins too,
+so pip checks every dependency against its sha256; ``/agent/facts`` is what the agent's doctor
+compares its box with (the server's version and agent protocol, the largest shard it sends).
+All are public: they hold no secret, and a box has no credential before it enrolls.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from django.conf import settings
@@ -24,11 +27,20 @@ from controlplane.nodes.agent_wheel import served_wheel, version
 SERVER_PLACEHOLDER = "@SERVER@"
 SHA256_PLACEHOLDER = "@AGENT_SHA256@"
 WHEEL_PLACEHOLDER = "@AGENT_WHEEL@"
+LOCK_PLACEHOLDER = "@AGENT_LOCK@"
+LOCK_SHA256_PLACEHOLDER = "@AGENT_LOCK_SHA256@"
+LOCK_NAME = "requirements.lock"
 
 
 def agent_wheel() -> tuple[str, bytes, str]:
     """(file name, bytes, sha256) of the agent package this control plane serves."""
     return served_wheel(Path(settings.REPO_DIR))
+
+
+def agent_lock() -> tuple[str, bytes, str]:
+    """(file name, bytes, sha256) of the agent's hash-locked dependencies."""
+    data = (Path(settings.REPO_DIR) / "agent" / LOCK_NAME).read_bytes()
+    return LOCK_NAME, data, hashlib.sha256(data).hexdigest()
 
 
 def package_sha256() -> str:
@@ -41,17 +53,26 @@ def install_script(request: HttpRequest) -> HttpResponse:
     script = (Path(settings.REPO_DIR) / "agent" / "install.sh").read_text()
     server = request.build_absolute_uri("/").rstrip("/")
     name, _, sha256 = agent_wheel()
-    script = (
-        script.replace(SERVER_PLACEHOLDER, server).replace(SHA256_PLACEHOLDER, sha256).replace(WHEEL_PLACEHOLDER, name)
-    )
+    lock_name, _, lock_sha256 = agent_lock()
+    for placeholder, value in (
+        (SERVER_PLACEHOLDER, server),
+        (SHA256_PLACEHOLDER, sha256),
+        (WHEEL_PLACEHOLDER, name),
+        (LOCK_SHA256_PLACEHOLDER, lock_sha256),
+        (LOCK_PLACEHOLDER, lock_name),
+    ):
+        script = script.replace(placeholder, value)
     return HttpResponse(script, content_type="text/x-shellscript")
 
 
 @require_GET
 def agent_package(request: HttpRequest, filename: str) -> HttpResponse:
+    lock_name, lock, _ = agent_lock()
+    if filename == lock_name:
+        return HttpResponse(lock, content_type="text/plain; charset=utf-8")
     name, data, _ = agent_wheel()
     if filename != name:
-        raise Http404(f"this control plane serves the agent package {name}")
+        raise Http404(f"this control plane serves the agent package {name} and its {lock_name}")
     response = HttpResponse(data, content_type="application/zip")
     response["Content-Disposition"] = f'attachment; filename="{name}"'
     return response
