@@ -63,6 +63,31 @@ def test_production_refuses_a_missing_or_published_key(tmp_path: Path, key: str)
     assert "started" not in run.stdout
 
 
+def test_a_rotated_key_still_accepts_what_the_old_one_signed(tmp_path: Path) -> None:
+    """DJANGO_SECRET_KEY_FALLBACKS: a value signed with the old key still checks out after the
+    rotation, and nothing new is signed with it; a published key there is refused."""
+    old, new = secrets.token_urlsafe(48), secrets.token_urlsafe(48)
+    sign = "from django.core import signing\nprint(signing.dumps('session'))"
+    signed = settings_probe("production", sign, tmp_path, DJANGO_SECRET_KEY=old).stdout.strip()
+    check = f"from django.core import signing\nprint(signing.loads({signed!r}))\nprint(signing.dumps('x'))"
+    rotated = settings_probe("production", check, tmp_path, DJANGO_SECRET_KEY=new, DJANGO_SECRET_KEY_FALLBACKS=old)
+    assert rotated.returncode == 0, rotated.stderr
+    loaded, fresh = rotated.stdout.split()
+    assert loaded == "session"
+    verify_new_only = f"from django.core import signing\nprint(signing.loads({fresh!r}))"
+    assert settings_probe("production", verify_new_only, tmp_path, DJANGO_SECRET_KEY=old).returncode != 0
+    dropped = settings_probe("production", check, tmp_path, DJANGO_SECRET_KEY=new)
+    assert dropped.returncode != 0 and "BadSignature" in dropped.stderr
+    published = settings_probe(
+        "production",
+        "",
+        tmp_path,
+        DJANGO_SECRET_KEY=new,
+        DJANGO_SECRET_KEY_FALLBACKS="odmoe-insecure-development-key-change-me",
+    )
+    assert published.returncode != 0 and "holds a published key" in published.stderr
+
+
 PRODUCTION_PROBE = """
 from django.core.management import call_command
 from django.test import Client

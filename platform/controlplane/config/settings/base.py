@@ -3,6 +3,7 @@
 | variable | meaning | default |
 |---|---|---|
 | ``DJANGO_SECRET_KEY`` | signing key (required in production) | none; ``local``: its own in ``var/`` |
+| ``DJANGO_SECRET_KEY_FALLBACKS`` | earlier keys, comma-separated: still accepted, never used to sign | none |
 | ``DJANGO_DEBUG`` | ``1`` to enable debug | off |
 | ``DJANGO_ALLOWED_HOSTS`` | comma-separated host names | ``localhost,127.0.0.1`` |
 | ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` | SQLite under ``ODMOE_VAR_DIR`` |
@@ -44,6 +45,9 @@ INSECURE_DEV_SECRET = "odmoe-insecure-development-key-change-me"
 # where the key comes from (local: this install's own file; test: the suite's; production: the
 # environment, checked).
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "")
+# Earlier keys, still accepted for what they signed (sessions, reset links), never used to sign:
+# a key is rotated without logging everyone out (docs/production.md).
+SECRET_KEY_FALLBACKS = [k for k in os.environ.get("DJANGO_SECRET_KEY_FALLBACKS", "").split(",") if k]
 DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
 ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1").split(",") if h]
 

@@ -10,7 +10,7 @@ import os
 from django.core.exceptions import ImproperlyConfigured
 
 from .base import *  # noqa: F403
-from .base import DEBUG, INSECURE_DEV_SECRET, REDIS_URL, SECRET_KEY
+from .base import DEBUG, INSECURE_DEV_SECRET, REDIS_URL, SECRET_KEY, SECRET_KEY_FALLBACKS
 
 if DEBUG:
     raise ImproperlyConfigured("DJANGO_DEBUG must be off in production")
@@ -21,6 +21,8 @@ if SECRET_KEY in PUBLISHED_SECRETS or SECRET_KEY.startswith("replace-with") or l
         "set DJANGO_SECRET_KEY to a random value of at least 32 characters "
         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(48))'), not the example's"
     )
+if PUBLISHED_SECRETS & set(SECRET_KEY_FALLBACKS):
+    raise ImproperlyConfigured("DJANGO_SECRET_KEY_FALLBACKS holds a published key: remove it")
 
 # Throttle counts and generation slots shared by every server process.
 CACHES = {
