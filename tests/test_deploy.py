@@ -168,3 +168,32 @@ def test_systemd_accepts_every_unit(tmp_path: Path) -> None:
     )
     problems = [line for line in run.stderr.splitlines() if "Failed to" not in line or "Unit" not in line]
     assert run.returncode == 0 and not problems, run.stderr
+
+
+def test_the_production_check_moves_every_host_path_of_the_units(tmp_path: Path) -> None:
+    """What ``make prod-check`` runs for each unit: no host path left, every program there to run."""
+    from deploy.prodcheck import HostPaths
+
+    paths = HostPaths(tmp_path, web_port=18000)
+    for unit in control_plane_units():
+        argv = paths.argv(unit)
+        assert not [w for w in argv if w.startswith(("/opt/odmoe", "/var/lib/odmoe", "/etc/odmoe"))], argv
+        assert Path(argv[0]).exists(), argv[0]
+    web = paths.argv(units()["odmoe-web.service"])
+    assert web[web.index("--port") + 1] == "18000"
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists(), reason="no nginx")
+def test_nginx_accepts_the_proxy_configuration_as_the_production_check_renders_it(tmp_path: Path) -> None:
+    from deploy.prodcheck import make_certificate, render_nginx
+
+    (tmp_path / "logs").mkdir()
+    cert, key = make_certificate(tmp_path / "tls")
+    root = render_nginx(tmp_path, cert, key, web_port=18000, https_port=18443, http_port=18080)
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    run = subprocess.run(
+        [nginx, "-t", "-q", "-p", str(root), "-e", "stderr", "-c", str(root / "nginx.conf")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
