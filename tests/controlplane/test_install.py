@@ -121,6 +121,8 @@ def test_the_agent_package_imports_without_any_control_plane_distribution(tmp_pa
         ([], "--token is required"),
         (["--token", "t", "--server", "ftp://x"], "must be an http(s) URL"),
         (["--token", "t", "--bogus"], "unknown option --bogus"),
+        (["--token", "t", "--server", "http://10.0.0.1:8000"], "refusing plain http to 10.0.0.1"),
+        (["--token", "t", "--server", "http://127.example.com"], "refusing plain http to 127.example.com"),
     ],
 )
 def test_the_install_script_refuses_bad_arguments_before_touching_anything(db, tmp_path: Path, args, error) -> None:
