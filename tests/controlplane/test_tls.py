@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.core.management.base import SystemCheckError
+from django.core.management.base import CommandError, SystemCheckError
 from django.test import Client
 from rest_framework.test import APIClient
 
@@ -111,3 +111,23 @@ def test_production_takes_the_proxys_word_that_a_request_came_over_https(monkeyp
     importlib.reload(base)
     production = importlib.reload(importlib.import_module("controlplane.config.settings.production"))
     assert production.SECURE_PROXY_SSL_HEADER == PROXY_HEADER
+
+
+@pytest.mark.django_db
+def test_a_script_gets_a_fresh_token_and_its_one_liner_from_manage_py(identity: ServerIdentity) -> None:
+    from io import StringIO
+
+    out, err = StringIO(), StringIO()
+    call_command("join_token", "--server", "https://cp.example/", "--max-uses", "3", "--json", stdout=out, stderr=err)
+    made = json.loads(out.getvalue())
+    assert split_join_token(made["token"])[1] == identity.pin and JoinToken.objects.get().max_uses == 3
+    assert made["install_command"].startswith(f"curl -fsSL --pinnedpubkey '{identity.pin}' -k https://cp.example/")
+    assert made["warning"] == "" and err.getvalue() == ""
+    out = StringIO()
+    call_command("join_token", "--server", "http://10.0.0.1:8000", stdout=out, stderr=err)
+    assert out.getvalue().startswith("curl -fsSL http://10.0.0.1:8000/agent/install.sh | ODMOE_JOIN_TOKEN=")
+    assert "--insecure" in err.getvalue()  # agents refuse it without
+    for bad in (["--server", "ftp://x"], ["--server", "https://cp", "--ttl-s", "5"]):
+        with pytest.raises(CommandError):
+            call_command("join_token", *bad, stdout=StringIO())
+    assert JoinToken.objects.count() == 2  # nothing made by a refused call
