@@ -4,12 +4,15 @@ the box, and a pinned trust against a real TLS server on loopback (renewed certi
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import re
 import secrets
+import socket
 import ssl
 import stat
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +22,7 @@ import pytest
 
 from agent import credentials
 from agent.http import ControlPlaneError, request_json
+from agent.inventory import peer_address
 from agent.tls import (
     ServerTrust,
     check_pin,
@@ -30,6 +34,8 @@ from agent.tls import (
     split_join_token,
 )
 from tests.certificates import ServerIdentity, server_identity
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_pin_is_what_curl_pins_the_servers_key_by(tmp_path: Path) -> None:
@@ -185,3 +191,55 @@ def test_first_contact_with_another_key_sends_nothing_and_keeps_nothing(tmp_path
         with pytest.raises(ControlPlaneError, match=r"not trusted .* enroll with a join token from its console"):
             request_json("GET", f"{server.url}/enroll")
         assert server.requests == []
+
+
+# --- the agent's command line ----------------------------------------------------------------------
+
+
+def run_agent(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=timeout_s, cwd=REPO
+    )
+
+
+@pytest.mark.slow
+def test_the_agent_refuses_plain_http_off_the_box_before_any_traffic_and_warns_with_insecure(tmp_path: Path) -> None:
+    """A listener on this box's own network address (not loopback) stands for a server off the box: the
+    agent and its doctor refuse it without a connection; with --insecure the agent connects, warning."""
+    address = peer_address("10.255.255.255")  # the address that routes off the box; no packet is sent
+    if ipaddress.ip_address(address).is_loopback:
+        pytest.skip("this machine has no network address besides loopback")
+    with socket.create_server((address, 0)) as listener:
+        server = f"http://{address}:{listener.getsockname()[1]}"
+        state = tmp_path / "state"
+        for args in (
+            ["--server", server, "--token", "odmoe-join-x", "--state-dir", str(state), "--enroll-only"],
+            ["--server", "http://10.0.0.1:8000", "--token", "odmoe-join-x", "--state-dir", str(state)],
+            ["doctor", "--server", server, "--state-dir", str(state)],
+        ):
+            refused = run_agent(*args)
+            assert refused.returncode == 2, refused.stderr
+            assert "refusing plain http" in refused.stderr and "--insecure" in refused.stderr
+            assert "Traceback" not in refused.stderr
+        listener.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody knocked
+        assert not state.exists()
+
+        listener.settimeout(60)
+        accepted: list[str] = []
+
+        def answer_one() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                accepted.append(connection.recv(4096).decode(errors="replace"))  # then close: no answer
+
+        knock = threading.Thread(target=answer_one)
+        knock.start()
+        lab = run_agent("--server", server, "--token", "odmoe-join-x", "--state-dir", str(state), "--insecure")
+        knock.join(timeout=60)
+    assert lab.returncode == 1 and "cannot reach the control plane" in lab.stderr  # it tried: the flag let it
+    assert re.search(
+        rf"WARNING --insecure: plain http to {re.escape(server)}: the join token, .* travel in clear", lab.stderr
+    )
+    assert accepted and accepted[0].startswith("POST /api/agents/enroll")
