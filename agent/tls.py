@@ -40,6 +40,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent import credentials
@@ -265,7 +266,7 @@ class ServerTrust:
     def _learn(self) -> str:
         """Handshake, compare the certificate's pin with ours, keep it on a match."""
         certificate = probe_certificate(self.server)
-        found = pin_of_der(certificate)
+        found = self._pin_presented(certificate)
         if found != self.pin:
             raise TrustError(self._other_key(found))
         return self._keep(ssl.DER_cert_to_PEM_cert(certificate))
@@ -274,6 +275,13 @@ class ServerTrust:
         if self.state_dir is not None:
             credentials.save_certificate(self.state_dir, certificate_pem)
         return certificate_pem
+
+    def _pin_presented(self, certificate: bytes) -> str:
+        """The pin of what the server presented; TrustError for what is not a certificate we can read."""
+        try:
+            return pin_of_der(certificate)
+        except (ValueError, UnsupportedAlgorithm) as exc:
+            raise TrustError(f"{self.server} presented a certificate this agent cannot read ({exc}): refused") from None
 
     def _other_key(self, found: str) -> str:
         return (
@@ -299,7 +307,7 @@ class ServerTrust:
             if failed is not None and self._context is not failed:
                 return  # another connection renewed it meanwhile
             der = probe_certificate(self.server)
-            found = pin_of_der(der)
+            found = self._pin_presented(der)
             if found != self.pin:
                 raise TrustError(self._other_key(found))
             pem = ssl.DER_cert_to_PEM_cert(der)

@@ -25,6 +25,7 @@ from agent.http import ControlPlaneError, request_json
 from agent.inventory import peer_address
 from agent.tls import (
     ServerTrust,
+    TrustError,
     check_pin,
     check_server_url,
     install_command,
@@ -200,6 +201,12 @@ def run_agent(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=timeout_s, cwd=REPO
     )
+
+
+def test_a_certificate_the_agent_cannot_read_is_refused_with_a_reason_not_a_crash(tmp_path: Path) -> None:
+    trust = ServerTrust("https://127.0.0.1:9", server_identity(tmp_path, "a").pin)
+    with pytest.raises(TrustError, match="presented a certificate this agent cannot read"):
+        trust._pin_presented(b"0\x03\x02\x01\x00")  # what a hostile server could send instead of one
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import functools
 from pathlib import Path
 from urllib.parse import urlparse
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
@@ -39,7 +40,7 @@ def _pin_of_file(path: str, mtime_ns: int, size: int) -> str:
     """Read once per version of the file (``mtime_ns`` and ``size`` tell a changed one)."""
     try:
         return pin_of_pem(Path(path).read_bytes())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UnsupportedAlgorithm) as exc:
         raise ImproperlyConfigured(
             f"ODMOE_TLS_CERT_FILE={path} is not a PEM certificate ({exc}): name the certificate file the "
             "reverse proxy presents, or unset it for a publicly trusted certificate"
