@@ -10,7 +10,9 @@ problems next to it and never gives a role to a node whose doctor failed. The ch
 - free disk at the state directory against the largest shard this server would send;
 - whether the data-plane ports the agent offers can be bound on the box's address and reached
   there (a firewall on the box itself; one between boxes is out of its sight);
-- the server's reachability, its protocol against this agent's, and the clock skew between them.
+- the server's reachability, its protocol against this agent's, and the clock skew between them,
+  through the same trust the agent uses (``agent.tls``): a pinned server's certificate alone, and
+  plain http only on loopback unless ``--insecure``.
 
 A check is ``ok``, ``warn`` (works, but worse than it could) or ``fail`` (cannot serve). Pure
 ``evaluate_*`` functions decide from facts; the ``probe_*`` functions gather them.
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Literal
 
 from agent.messages import AGENT_PROTOCOL as PROTOCOL_VERSION
+from agent.tls import CLEAR_TEXT, ServerTrust, TrustError, check_pin, check_server_url, install_command
 
 Status = Literal["ok", "warn", "fail"]
 # What the runtime imports (distribution name, import name); bitsandbytes only for int8/nf4 shadows on CUDA.
@@ -128,13 +131,16 @@ def evaluate_ports(address: str, results: dict[int, str]) -> Check:
     return Check("ports", "ok", f"ports {', '.join(map(str, sorted(results)))} bind and answer on {address}")
 
 
-def evaluate_server(server: str, reached: bool, error: str, skew_s: float | None, protocol: int | None) -> Check:
+def evaluate_server(
+    server: str, reached: bool, error: str, skew_s: float | None, protocol: int | None, pin: str = ""
+) -> Check:
+    """``pin``: the server's, which the upgrade command it suggests gives curl."""
     if not reached:
         return Check("server", "fail", f"{server} cannot be reached: {error}", "check the URL, the network and DNS")
     problems, fixes = [], []
     if protocol is not None and protocol != PROTOCOL_VERSION:
         problems.append(f"the server speaks agent protocol {protocol}, this agent {PROTOCOL_VERSION}")
-        fixes.append(f"upgrade the agent: curl -fsSL {server}/agent/install.sh | sh")
+        fixes.append(f"upgrade the agent: {install_command(server, pin)}")
     if skew_s is not None and abs(skew_s) > MAX_CLOCK_SKEW_S:
         problems.append(f"this box's clock is {skew_s:+.0f} s off the server's")
         fixes.append("turn on time sync (timedatectl set-ntp true)")
@@ -199,14 +205,16 @@ def probe_ports(address: str, ports: list[int]) -> dict[int, str]:
     return results
 
 
-def probe_server(server: str) -> tuple[bool, str, float | None, dict]:
+def probe_server(server: str, trust: ServerTrust | None = None) -> tuple[bool, str, float | None, dict]:
     """(reached, error, clock skew in s (box - server), the server's agent facts) from ``/agent/facts``."""
     try:
         sent = time.time()
-        with urllib.request.urlopen(f"{server}/agent/facts", timeout=10) as response:
+        with (trust or ServerTrust(server)).open(urllib.request.Request(f"{server}/agent/facts"), timeout_s=10) as r:
             received = time.time()
-            facts = json.loads(response.read())
-            date = response.headers.get("Date")
+            facts = json.loads(r.read())
+            date = r.headers.get("Date")
+    except TrustError as exc:
+        return False, str(exc), None, {}
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return False, str(getattr(exc, "reason", exc)), None, {}
     skew = None
@@ -219,7 +227,8 @@ def probe_server(server: str) -> tuple[bool, str, float | None, dict]:
     return True, "", skew, facts if isinstance(facts, dict) else {}
 
 
-def run_checks(server: str | None, state_dir: Path) -> list[Check]:
+def run_checks(server: str | None, state_dir: Path, trust: ServerTrust | None = None) -> list[Check]:
+    """``trust``: how the server is trusted (default: the system's CAs for https)."""
     from agent.inventory import FREE_PORTS, peer_address, shard_bytes
     from inference.launcher import free_port
 
@@ -230,9 +239,10 @@ def run_checks(server: str | None, state_dir: Path) -> list[Check]:
         from urllib.parse import urlparse
 
         host = urlparse(server).hostname or host
-        reached, error, skew, facts = probe_server(server.rstrip("/"))
+        reached, error, skew, facts = probe_server(server.rstrip("/"), trust)
         protocol = facts.get("protocol") if isinstance(facts.get("protocol"), int) else None
-        checks.append(evaluate_server(server.rstrip("/"), reached, error, skew, protocol))
+        pin = trust.pin if trust is not None else ""
+        checks.append(evaluate_server(server.rstrip("/"), reached, error, skew, protocol, pin))
     where = state_dir
     while not where.exists() and where != where.parent:
         where = where.parent  # the state directory is made at enrollment: measure the disk it will be on
@@ -264,24 +274,41 @@ def report(checks: list[Check]) -> dict:
     }
 
 
-def safe_checks(server: str | None, state_dir: Path) -> list[Check]:
+def safe_checks(server: str | None, state_dir: Path, *, trust: ServerTrust | None = None) -> list[Check]:
     """``run_checks``, with an unexpected error in the doctor itself reported as a failed check
     instead of stopping the agent that runs it."""
     try:
-        return run_checks(server, state_dir)
+        return run_checks(server, state_dir, trust)
     except Exception as exc:
         return [Check("doctor", "fail", f"the doctor itself failed: {exc!r}", "report this with the agent's log")]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from agent.__main__ import DEFAULT_STATE_DIR
+    from agent import credentials
+    from agent.__main__ import DEFAULT_STATE_DIR, EXIT_USAGE
 
     parser = argparse.ArgumentParser(prog="python -m agent doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--server", help="the control plane's URL (checks reachability, protocol, clock, shard sizes)")
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--pin", default="", help="the server's key as sha256//BASE64 (default: the stored one)")
+    parser.add_argument("--insecure", action="store_true", help=f"allow plain http off this box: {CLEAR_TEXT} in clear")
     args = parser.parse_args(argv)
-    checks = safe_checks(args.server, args.state_dir)
+    server, trust = args.server, None
+    if server:
+        try:  # before anything goes on the network
+            server = check_server_url(server, insecure=args.insecure)
+            pin = check_pin(args.pin) if args.pin else ""
+            stored = credentials.load(args.state_dir)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        mine = stored is not None and stored.server == server
+        pin = pin or (stored.pin if mine else "")
+        # The agent's stored certificate when it is the agent's own server and pin; else learned in memory only.
+        kept = mine and pin == stored.pin
+        trust = ServerTrust(server, pin, args.state_dir if kept else None)
+    checks = safe_checks(server, args.state_dir, trust=trust)
     if args.json:
         print(json.dumps(report(checks), indent=2))
     else:

@@ -4,7 +4,8 @@ Each file listed by the role's manifest is downloaded to ``NAME.part`` and conti
 an HTTP Range request if a previous attempt stopped; a finished file is checked against
 the manifest's sha256 before it takes its real name. A file that fails the check is
 fetched once more from scratch; if it fails again the shard is refused. The runtime
-verifies the whole shard again before it loads it.
+verifies the whole shard again before it loads it. Every request goes through the server's
+trust (``agent.tls``): a pinned server's certificate alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent.credentials import NodeCredential
-from agent.http import ControlPlaneError
+from agent.http import ControlPlaneError, unreachable_message
+from agent.tls import ServerTrust, TrustError
 from inference.sharding import (
     MANIFEST_FILE,
     ShardError,
@@ -36,17 +38,25 @@ def shard_url(credential: NodeCredential, model_id: int, role: str, name: str) -
 
 
 def fetch_shard(
-    credential: NodeCredential, model_id: int, role: str, dest: Path, *, progress: Progress | None = None
+    credential: NodeCredential,
+    model_id: int,
+    role: str,
+    dest: Path,
+    *,
+    progress: Progress | None = None,
+    trust: ServerTrust | None = None,
 ) -> dict:
     """Download role ``role`` of model ``model_id`` into ``dest``; returns its manifest.
 
     Nothing the server sends is obeyed before it is checked: the shard's name and every file
     name must be plain names (no directories, no ``..``), so every write stays in ``dest``;
-    sizes and digests must be well formed, and no file is read past its listed size.
+    sizes and digests must be well formed, and no file is read past its listed size. ``trust``:
+    the agent's shared trust in the server (default: one of its own, from the credential's pin).
     """
+    trust = trust or ServerTrust(credential.server, credential.pin)
     if not is_role_dirname(role):
         raise ShardError(f"refused to fetch shard {role!r}: not a shard name")
-    manifest_bytes = _get(credential, shard_url(credential, model_id, role, MANIFEST_FILE), offset=0)
+    manifest_bytes = _get(credential, trust, shard_url(credential, model_id, role, MANIFEST_FILE))
     files = _checked_files(manifest_bytes, role)
     manifest = json.loads(manifest_bytes)
     dest.mkdir(parents=True, exist_ok=True)
@@ -61,7 +71,7 @@ def fetch_shard(
                 progress(base + received, total)
 
         for attempt in range(0 if already else 2):
-            _download(credential, shard_url(credential, model_id, role, name), _part(target), size, report)
+            _download(credential, trust, shard_url(credential, model_id, role, name), _part(target), size, report)
             if file_sha256(_part(target)) == digest:
                 _part(target).replace(target)
                 break
@@ -108,7 +118,9 @@ def _part(target: Path) -> Path:
     return target.with_name(target.name + ".part")
 
 
-def _download(credential: NodeCredential, url: str, part: Path, size: int, progress: Callable[[int], None]) -> None:
+def _download(
+    credential: NodeCredential, trust: ServerTrust, url: str, part: Path, size: int, progress: Callable[[int], None]
+) -> None:
     """Continue the partial file ``part`` up to ``size`` bytes."""
     have = part.stat().st_size if part.exists() else 0
     if have > size:
@@ -118,7 +130,7 @@ def _download(credential: NodeCredential, url: str, part: Path, size: int, progr
         return
     request = _request(credential, url, offset=have)
     try:
-        with urllib.request.urlopen(request, timeout=60) as response, part.open("ab" if have else "wb") as out:
+        with trust.open(request, timeout_s=60) as response, part.open("ab" if have else "wb") as out:
             if have and response.status != 206:  # the server ignored the range: start over
                 out.truncate(0)
                 have = 0
@@ -130,18 +142,22 @@ def _download(credential: NodeCredential, url: str, part: Path, size: int, progr
                 raise ControlPlaneError(f"GET {url} sent more than the manifest's {size} bytes")
     except urllib.error.HTTPError as exc:
         raise ControlPlaneError(f"GET {url}: {exc.code} {exc.reason}", status=exc.code) from None
+    except TrustError as exc:
+        raise ControlPlaneError(str(exc)) from None
     except (urllib.error.URLError, OSError) as exc:
         raise ControlPlaneError(f"download of {url} stopped: {getattr(exc, 'reason', exc)}") from None
 
 
-def _get(credential: NodeCredential, url: str, *, offset: int) -> bytes:
+def _get(credential: NodeCredential, trust: ServerTrust, url: str) -> bytes:
     try:
-        with urllib.request.urlopen(_request(credential, url, offset=offset), timeout=60) as response:
+        with trust.open(_request(credential, url, offset=0), timeout_s=60) as response:
             return response.read()
     except urllib.error.HTTPError as exc:
         raise ControlPlaneError(f"GET {url}: {exc.code} {exc.reason}", status=exc.code) from None
+    except TrustError as exc:
+        raise ControlPlaneError(str(exc)) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise ControlPlaneError(f"cannot reach the control plane at {url}: {getattr(exc, 'reason', exc)}") from None
+        raise ControlPlaneError(unreachable_message(url, exc)) from None
 
 
 def _request(credential: NodeCredential, url: str, *, offset: int) -> urllib.request.Request:

@@ -1,10 +1,13 @@
-"""JSON over HTTP to the control plane, with the standard library only."""
+"""JSON over HTTP to the control plane, with the standard library only, through the server's trust (``agent.tls``)."""
 
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
+
+from agent.tls import ServerTrust, TrustError
 
 
 class ControlPlaneError(RuntimeError):
@@ -20,8 +23,15 @@ class ControlPlaneError(RuntimeError):
 
 
 def request_json(
-    method: str, url: str, body: dict | None = None, *, authorization: str = "", timeout_s: float = 30
+    method: str,
+    url: str,
+    body: dict | None = None,
+    *,
+    authorization: str = "",
+    timeout_s: float = 30,
+    trust: ServerTrust | None = None,
 ) -> dict:
+    """``trust``: how the server is trusted (default: the system's certificate authorities for https)."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Accept": "application/json"}
     if data is not None:
@@ -30,13 +40,25 @@ def request_json(
         headers["Authorization"] = authorization
     req = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as response:
+        with (trust or ServerTrust(url)).open(req, timeout_s=timeout_s) as response:
             return json.loads(response.read() or b"{}")
     except urllib.error.HTTPError as exc:
         raise ControlPlaneError(f"{method} {url}: {exc.code} {_reason(exc)}", status=exc.code) from None
+    except TrustError as exc:
+        raise ControlPlaneError(str(exc)) from None
     except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ControlPlaneError(f"cannot reach the control plane at {url}: {reason}") from None
+        raise ControlPlaneError(unreachable_message(url, exc)) from None
+
+
+def unreachable_message(url: str, exc: BaseException) -> str:
+    """Why ``url`` could not be used, for a person: a certificate this box does not trust says so."""
+    reason = getattr(exc, "reason", exc)
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        return (
+            f"{url}: the server's certificate is not trusted ({reason.verify_message}); a self-signed "
+            "control plane is trusted by its pin: enroll with a join token from its console, or pass --pin"
+        )
+    return f"cannot reach the control plane at {url}: {reason}"
 
 
 def _reason(exc: urllib.error.HTTPError) -> str:

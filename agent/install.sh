@@ -1,13 +1,13 @@
 #!/bin/sh
 # Install the odmoe agent on this box and enroll it with the control plane; run it again to upgrade.
 #
-#   curl -fsSL SERVER/agent/install.sh | ODMOE_JOIN_TOKEN=TOKEN sh -s -- --server SERVER [options]
+#   curl -fsSL [--pinnedpubkey PIN -k] SERVER/agent/install.sh | ODMOE_JOIN_TOKEN=T sh -s -- --server SERVER
 #
 # As root, the agent (and so every runtime role it starts) runs as an unprivileged system user
 # under a sandboxed systemd unit; as another user, as that user's own unit.
 #
 # Options:
-#   --server URL     the control plane (default: the one that served this script)
+#   --server URL     the control plane, https (default: the one that served this script)
 #   --token T        a join token from the console (first install only: an upgrade keeps the credential)
 #   --name N         this node's name (default: the host name)
 #   --dir DIR        where the venv and the agent's state live (default: ~/.local/share/odmoe-agent;
@@ -20,6 +20,7 @@
 #   --no-deps        do not install the agent's dependencies: they are importable already (e.g. a venv
 #                    of your own PyTorch build); otherwise pip installs them, each checked against
 #                    the sha256 in the control plane's hash-locked list
+#   --insecure       allow a plain http server off this box (a lab network: everything travels in clear)
 #   --dry-run        print what would be done, change nothing
 #   --uninstall      stop and remove the agent's unit and venv (the credential stays unless --purge)
 #   --purge          with --uninstall: remove the agent's state (its node credential, shards) too
@@ -28,6 +29,8 @@
 set -eu
 
 SERVER="@SERVER@"
+PIN="@TLS_PIN@"                # the server's key (sha256//...; curl --pinnedpubkey); empty: CAs
+case "$PIN" in @*) PIN="" ;; esac  # not served by a control plane: no pin
 WHEEL="@AGENT_WHEEL@"          # the agent package this script was served with
 AGENT_SHA256="@AGENT_SHA256@"  # and its sha256
 LOCK="@AGENT_LOCK@"            # the agent's dependencies, each with its sha256 (pip --require-hashes)
@@ -43,6 +46,7 @@ PYTHON="${PYTHON:-python3}"
 DRY_RUN="no"
 ACTION="install"
 PURGE="no"
+INSECURE=""
 
 die() { echo "odmoe install: error: $*" >&2; exit 1; }
 say() { echo "odmoe install: $*"; }
@@ -59,10 +63,11 @@ while [ $# -gt 0 ]; do
         --no-service) SERVICE="no"; shift ;;
         --unit-dir) [ $# -ge 2 ] || die "--unit-dir needs a value"; UNIT_DIR_GIVEN="$2"; shift 2 ;;
         --no-deps) DEPS="no"; shift ;;
+        --insecure) INSECURE="--insecure"; shift ;;
         --dry-run) DRY_RUN="yes"; shift ;;
         --uninstall) ACTION="uninstall"; shift ;;
         --purge) PURGE="yes"; shift ;;
-        -h|--help) sed -n '2,30p' "$0" 2>/dev/null || true; exit 0 ;;
+        -h|--help) sed -n '2,29p' "$0" 2>/dev/null || true; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
@@ -129,6 +134,36 @@ UPGRADE="no"
 [ -f "$DIR/state/node.json" ] && UPGRADE="yes"
 [ -n "$TOKEN" ] || [ "$UPGRADE" = "yes" ] || \
     die "--token is required (or ODMOE_JOIN_TOKEN): create a join token in the console (Enroll)"
+
+# The server's host: after the scheme and any user, before the port and path ([::1] keeps its brackets).
+HOST="${SERVER#*://}"; HOST="${HOST%%/*}"; HOST="${HOST##*@}"
+case "$HOST" in \[*) HOST="${HOST%%]*}]" ;; *) HOST="${HOST%%:*}" ;; esac
+LOOPBACK="no"
+case "$HOST" in
+    localhost|\[::1\]) LOOPBACK="yes" ;;
+    *[!0-9.]*) ;;  # a name (127.example.com is not this box)
+    127.*) LOOPBACK="yes" ;;
+esac
+case "$SERVER" in https://*) ;; *) PIN="" ;; esac  # a pin is for TLS
+if [ "${SERVER%%://*}" = "http" ] && [ "$LOOPBACK" = "no" ]; then
+    [ -n "$INSECURE" ] || die "refusing plain http to $HOST: off this box the control plane is reached over https \
+(the join token, the node credential, role specs with secret keys, prompts and shards would travel in clear); \
+use https://, or add --insecure on a lab network you trust"
+    say "WARNING: --insecure: plain http to $HOST: the join token, the node credential, role specs with secret keys, \
+prompts and shards travel in clear"
+fi
+# curl as the one-liner ran it: pinned to the server's key when it has a pin (-k drops only the CA check the pin replaces).
+fetch() {  # fetch URL FILE
+    if [ -n "$PIN" ]; then
+        curl -fsSL --pinnedpubkey "$PIN" -k -o "$2" "$1"
+    else
+        curl -fsSL -o "$2" "$1"
+    fi
+}
+PIN_ARGS=""
+[ -z "$PIN" ] || PIN_ARGS="--pin $PIN"
+
+command -v curl >/dev/null 2>&1 || die "curl not found: install curl (Debian/Ubuntu: apt install curl)"
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python 3.11 or newer (or set PYTHON)"
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "$PYTHON is older than 3.11: install Python 3.11 or newer"
 "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || \
@@ -174,29 +209,30 @@ else
 fi
 VPY="$DIR/venv/bin/python"
 
-# Download $1 from the control plane to $2 and check it against the sha256 $3 this script was served with.
-fetch() {
-    "$VPY" - "$SERVER/agent/$1" "$2" "$3" <<'PY'
-import hashlib, sys, urllib.request
-url, path, want = sys.argv[1:]
-data = urllib.request.urlopen(url, timeout=120).read()
-got = hashlib.sha256(data).hexdigest()
+# Download the server's agent/$1 to $2 as curl did the script, and keep it only if its sha256 is $3.
+fetch_checked() {
+    rm -f "$2.part"
+    fetch "$SERVER/agent/$1" "$2.part" || { echo "odmoe install: $1 did not download from $SERVER (curl's reason is above)" >&2; return 1; }
+    "$VPY" - "$2.part" "$3" <<'PY' || { rm -f "$2.part"; return 1; }
+import hashlib, sys
+path, want = sys.argv[1:]
+got = hashlib.sha256(open(path, "rb").read()).hexdigest()
 if got != want:
-    sys.exit(f"odmoe install: {url} has sha256 {got}, expected {want}")
-open(path, "wb").write(data)
+    sys.exit(f"odmoe install: the download has sha256 {got}, expected {want}")
 PY
+    mv "$2.part" "$2"
 }
 
 PACKAGE="$DIR/$WHEEL"
-say "downloading the agent package $WHEEL from $SERVER (sha256 $AGENT_SHA256)"
+say "downloading the agent package $WHEEL from $SERVER (sha256 $AGENT_SHA256${PIN:+, key $PIN})"
 if [ "$DRY_RUN" = "no" ]; then
-    fetch "$WHEEL" "$PACKAGE" "$AGENT_SHA256" || \
+    fetch_checked "$WHEEL" "$PACKAGE" "$AGENT_SHA256" || \
         die "the agent package did not download or does not match the sha256 this script was served with"
 fi
 if [ "$DEPS" = "yes" ]; then
     say "downloading the list of the agent's dependencies $LOCK (sha256 $LOCK_SHA256)"
     if [ "$DRY_RUN" = "no" ]; then
-        fetch "$LOCK" "$DIR/$LOCK" "$LOCK_SHA256" || \
+        fetch_checked "$LOCK" "$DIR/$LOCK" "$LOCK_SHA256" || \
             die "the dependency list did not download or does not match the sha256 this script was served with"
     fi
     say "installing the agent's dependencies, each checked against its sha256 (the first time takes a few minutes)"
@@ -212,24 +248,25 @@ run "$VPY" -m pip install --quiet --disable-pip-version-check --no-deps --force-
     die "pip could not put the agent's own files in place (its messages are above)"
 
 say "checking this box (python -m agent doctor)"
-# shellcheck disable=SC2086  # AS_AGENT is a command and its options
-run $AS_AGENT "$VPY" -m agent doctor --server "$SERVER" --state-dir "$STATE" || \
+# shellcheck disable=SC2086  # AS_AGENT, PIN_ARGS and INSECURE are a command, options or nothing
+run $AS_AGENT "$VPY" -m agent doctor --server "$SERVER" --state-dir "$STATE" $PIN_ARGS $INSECURE || \
     say "the doctor found problems (above): the box enrolls, but is given no role until they are fixed"
 
 if [ "$UPGRADE" = "yes" ]; then
     say "checking the stored node credential with $SERVER"
+    # With a pin (this script's, which curl checked), a box whose server changed its key follows it.
     # shellcheck disable=SC2086
-    run $AS_AGENT "$VPY" -m agent --server "$SERVER" --state-dir "$STATE" --enroll-only || \
+    run $AS_AGENT "$VPY" -m agent --server "$SERVER" --state-dir "$STATE" --enroll-only $PIN_ARGS $INSECURE || \
         die "the stored credential in $STATE is not accepted by $SERVER (revoked? --uninstall --purge, then install with a new token)"
 else
     say "enrolling $NAME"
     ODMOE_JOIN_TOKEN="$TOKEN"; export ODMOE_JOIN_TOKEN  # the agent reads it there: not on a command line
     # shellcheck disable=SC2086
-    run $AS_AGENT "$VPY" -m agent --server "$SERVER" --name "$NAME" --state-dir "$STATE" --enroll-only || \
+    run $AS_AGENT "$VPY" -m agent --server "$SERVER" --name "$NAME" --state-dir "$STATE" --enroll-only $PIN_ARGS $INSECURE || \
         die "enrollment failed (the reason is above)"
 fi
 
-RUN="$VPY -m agent --server $SERVER --state-dir $STATE"
+RUN="$VPY -m agent --server $SERVER --state-dir $STATE${INSECURE:+ $INSECURE}"
 if [ -n "$UNIT_DIR" ]; then
     say "installing the systemd unit $UNIT_DIR/$UNIT"
     if [ "$DRY_RUN" = "no" ]; then
@@ -245,8 +282,9 @@ Wants=network-online.target
 ExecStart=$RUN
 Restart=always
 RestartSec=5
-# 3: the control plane refused the agent (credential revoked, protocol too old): a restart cannot help
-RestartPreventExitStatus=3
+# 3: the control plane refused the agent (credential revoked, protocol too old); 2: refused
+# arguments (plain http off the box without --insecure): a restart cannot help
+RestartPreventExitStatus=2 3
 UNIT
             if [ "$ROOT" = "yes" ]; then
                 # The home directories stay hidden unless the agent's own state lies under one.

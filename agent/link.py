@@ -3,6 +3,10 @@
 Connects with the node credential, sends a heartbeat at once and then every few seconds,
 answers commands, and reconnects with backoff whenever the link drops (a control-plane
 restart, a network blip). A refused credential is final: the agent stops with the reason.
+Over https the websocket goes through the agent's trust in the server (``agent.tls``): a
+pinned server's certificate alone; one renewed with the same key is taken, another key is
+refused and retried with backoff (saying what to do), never sent the credential. Plain http
+off the box (``--insecure``) is logged as a warning each time the link comes up.
 The runtime roles (``agent.roles.Roles``, one ``RoleRunner`` each) live across reconnections;
 what they send while the link is down is dropped, and the next heartbeat carries every role's
 state again.
@@ -16,6 +20,7 @@ import dataclasses
 import json
 import logging
 import re
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +29,7 @@ from urllib.parse import urlparse
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from agent import credentials, inventory
+from agent import credentials, inventory, tls
 from agent.backoff import reconnect_delay
 from agent.credentials import NodeCredential
 from agent.messages import (
@@ -53,6 +58,7 @@ from agent.messages import (
 )
 from agent.roles import Roles
 from agent.runtime import fetch_with_progress, shard_dir
+from agent.tls import ServerTrust, TrustError
 from inference import __version__
 
 log = logging.getLogger(__name__)
@@ -82,14 +88,17 @@ async def run_link(
     on_connect: Callable[[], None] | None = None,
     facts: dict | None = None,
     recheck: Callable[[], dict] | None = None,
+    trust: ServerTrust | None = None,
 ) -> None:
     """Keep the link up until ``stop`` is set; raises LinkRefused if the credential is refused.
 
     ``facts`` go up with every heartbeat's inventory (the agent's version, the doctor's report);
     ``recheck`` gives the doctor's report again, asked each time the link comes up and every
     ``RECHECK_EVERY_S`` while it stays up (a box whose server, clock or disk was not ready
-    when the agent started is not held to that first report).
+    when the agent started is not held to that first report). ``trust``: the agent's trust in the
+    server, shared with every download (default: one from the credential's pin and ``state_dir``).
     """
+    trust = trust or ServerTrust(credential.server, credential.pin, state_dir)
     uplink = Uplink()
     link = Link(
         credential=credential,
@@ -98,7 +107,8 @@ async def run_link(
         heartbeat_s=heartbeat_s,
         stop=stop or asyncio.Event(),
         uplink=uplink,
-        roles=Roles(credential, state_dir, uplink.send),
+        roles=Roles(credential, state_dir, uplink.send, trust),
+        trust=trust,
         facts=facts or {},
         recheck=recheck,
     )
@@ -134,6 +144,7 @@ class Link:
     stop: asyncio.Event
     uplink: Uplink
     roles: Roles
+    trust: ServerTrust  # how the server is trusted (agent.tls), shared with every download
     facts: dict = dataclasses.field(default_factory=dict)  # sent with every inventory
     recheck: Callable[[], dict] | None = None  # the doctor's report, asked again
 
@@ -141,9 +152,12 @@ class Link:
 async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
     stop = link.stop
     attempt = 0
+    trust = link.trust
     while not stop.is_set():
         credential = link.credential  # the newest: a rotation may have replaced it
+        context = None
         try:
+            context = await asyncio.to_thread(trust.context)  # may learn a pinned certificate: a handshake
             async with connect(
                 link_url(credential.server),
                 additional_headers={
@@ -153,9 +167,12 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
                 },
                 open_timeout=10,
                 proxy=None,
+                **({"ssl": context} if context is not None else {}),
             ) as ws:
                 attempt = 0
                 log.info("link to %s is up", credential.server)
+                if tls.in_clear_off_the_box(credential.server):
+                    log.warning("%s", tls.clear_text_warning(credential.server))
                 if on_connect is not None:
                     on_connect()
                 link.uplink.ws = ws
@@ -171,9 +188,19 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
             if exc.rcvd is not None and exc.rcvd.code == CLOSE_UNAUTHENTICATED:
                 raise LinkRefused("the control plane refused this node's credential; enroll again") from None
             if exc.rcvd is not None and exc.rcvd.code == CLOSE_PROTOCOL_MISMATCH:
-                upgrade = f"curl -fsSL {credential.server}/agent/install.sh | sh"
+                upgrade = tls.install_command(credential.server, credential.pin)
                 raise LinkRefused(f"the control plane turned this agent away ({exc.rcvd.reason}): {upgrade}") from None
             log.warning("link closed (%s); reconnecting", exc)
+        except ssl.SSLCertVerificationError as exc:
+            try:
+                await asyncio.to_thread(trust.renew, context, exc.verify_message)
+                continue  # the same key in a renewed certificate: connect again at once
+            except TrustError as refused:
+                log.error("%s", refused)
+            except OSError as probe_failed:
+                log.warning("cannot reach %s (%s); retrying", credential.server, probe_failed)
+        except TrustError as exc:
+            log.error("%s", exc)
         except OSError as exc:
             log.warning("cannot reach %s (%s); retrying", credential.server, exc)
         if stop.is_set():
@@ -251,7 +278,13 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
                 await send(TaskDone(task_id=command.task_id, ok=False, detail=str(exc)))
                 return
             reason = await fetch_with_progress(
-                link.credential, command.model_id, command.role, dest, task_id=command.task_id, send=send
+                link.credential,
+                command.model_id,
+                command.role,
+                dest,
+                task_id=command.task_id,
+                send=send,
+                trust=link.trust,
             )
             if reason:
                 log.warning("fetching %s of model %s failed: %s", command.role, command.model_id, reason)

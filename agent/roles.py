@@ -15,13 +15,17 @@ from pathlib import Path
 from agent.credentials import NodeCredential
 from agent.messages import ApplyAlignment, CancelGeneration, Generate, GenerationFailed, StartRole
 from agent.runtime import RoleRunner, Send, role_name_of
+from agent.tls import ServerTrust
 
 
 class Roles:
-    def __init__(self, credential: NodeCredential, state_dir: Path, send: Send) -> None:
+    def __init__(
+        self, credential: NodeCredential, state_dir: Path, send: Send, trust: ServerTrust | None = None
+    ) -> None:
         self.credential = credential
         self.state_dir = state_dir
         self.send = send
+        self.trust = trust  # the agent's trust in the server, shared by every runner's downloads
         self.runners: dict[tuple[str, str], RoleRunner] = {}  # (deployment, role name) -> its runner
 
     def use_credential(self, credential: NodeCredential) -> None:
@@ -42,7 +46,7 @@ class Roles:
         key = (command.deployment, role_name_of(command.spec))
         runner = self.runners.get(key)
         if runner is None:
-            runner = self.runners[key] = RoleRunner(self.credential, self.state_dir, self.send)
+            runner = self.runners[key] = RoleRunner(self.credential, self.state_dir, self.send, self.trust)
         await runner.start(command)
 
     async def stop(self, deployment: str, role_name: str = "") -> None:

@@ -47,6 +47,7 @@ from agent.messages import (
     TaskDone,
     TaskProgress,
 )
+from agent.tls import ServerTrust
 from inference.client import GenerationFailed as RuntimeGenerationFailed
 from inference.client import RuntimeClient
 from inference.curve import CurveKeys
@@ -91,10 +92,18 @@ def shard_dir(state_dir: Path, model_id: int, shard: str) -> Path:
 
 
 async def fetch_with_progress(
-    credential: NodeCredential, model_id: int, shard: str, dest: Path, *, task_id: str, send: Send
+    credential: NodeCredential,
+    model_id: int,
+    shard: str,
+    dest: Path,
+    *,
+    task_id: str,
+    send: Send,
+    trust: ServerTrust | None = None,
 ) -> str:
     """Download and verify a shard into ``dest``, reporting TaskProgress and then TaskDone for
-    ``task_id``; returns "" when it is there, else the reason it is not."""
+    ``task_id``; returns "" when it is there, else the reason it is not. ``trust``: the agent's
+    trust in the server (``agent.tls``)."""
     loop = asyncio.get_running_loop()
     last = [0.0]
 
@@ -105,7 +114,7 @@ async def fetch_with_progress(
             asyncio.run_coroutine_threadsafe(send(TaskProgress(task_id=task_id, done=done, total=total)), loop)
 
     try:
-        await asyncio.to_thread(fetch_shard, credential, model_id, shard, dest, progress=progress)
+        await asyncio.to_thread(fetch_shard, credential, model_id, shard, dest, progress=progress, trust=trust)
     except (ControlPlaneError, ShardError, OSError, ValueError, KeyError) as exc:
         await send(TaskDone(task_id=task_id, ok=False, detail=str(exc)))
         return str(exc)
@@ -152,10 +161,13 @@ def role_name_of(spec: dict) -> str:
 class RoleRunner:
     """One role process of one deployment on this box (``agent.roles.Roles`` holds them all)."""
 
-    def __init__(self, credential: NodeCredential, state_dir: Path, send: Send) -> None:
+    def __init__(
+        self, credential: NodeCredential, state_dir: Path, send: Send, trust: ServerTrust | None = None
+    ) -> None:
         self.credential = credential
         self.state_dir = state_dir
         self.send = send  # to the control plane; drops messages while the link is down
+        self.trust = trust  # how shard downloads trust the server (None: from the credential's pin)
         self.state: RoleState | None = None
         self.command: StartRole | None = None
         self.process: asyncio.subprocess.Process | None = None
@@ -279,7 +291,13 @@ class RoleRunner:
             await self._set("failed", str(exc))
             return None
         reason = await fetch_with_progress(
-            self.credential, command.model_id, command.shard, dest, task_id=command.task_id, send=self.send
+            self.credential,
+            command.model_id,
+            command.shard,
+            dest,
+            task_id=command.task_id,
+            send=self.send,
+            trust=self.trust,
         )
         if reason:
             await self._set("failed", f"shard {command.shard}: {reason}")

@@ -81,7 +81,7 @@ def test_a_report_holds_one_printable_line_per_field_and_a_broken_doctor_is_a_fa
     assert sent["detail"].startswith("CUDA error: driver init failed") and len(sent["detail"]) == doctor.MAX_FIELD
     assert sent["fix"] == "fix it" and all(v.isprintable() for v in sent.values())
 
-    def broken(server, state_dir):
+    def broken(server, state_dir, trust=None):
         raise RuntimeError("surprise")
 
     monkeypatch.setattr(doctor, "run_checks", broken)

@@ -70,6 +70,44 @@ def test_the_agent_package_is_a_wheel_of_the_agent_and_runtime_with_only_their_d
     assert build_wheel(REPO) == data  # the same bytes every time: the sha256 in the script holds
 
 
+def test_the_agent_package_ships_only_the_files_git_tracks(tmp_path: Path) -> None:
+    """A file left untracked in agent/ or inference/ (a scratch script, a key) never reaches the boxes;
+    without git, or in a folder that is not a checkout's top, the package holds what the folders hold."""
+
+    def tree(root: Path) -> Path:
+        for name, text in {
+            "agent/__init__.py": "",
+            "agent/requirements.txt": "numpy>=2\n",
+            "agent/gone.py": "",
+            "inference/__init__.py": '__version__ = "9.9.9"\n',
+        }.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+        return root
+
+    def shipped(repo: Path) -> set[str]:
+        with zipfile.ZipFile(io.BytesIO(build_wheel(repo))) as wheel:
+            return {n for n in wheel.namelist() if ".dist-info/" not in n}
+
+    def git(*args: str, cwd: Path) -> None:
+        identity = ["-c", "user.name=test", "-c", "user.email=test@example.invalid"]
+        subprocess.run(["git", *identity, *args], cwd=cwd, check=True, capture_output=True)
+
+    repo = tree(tmp_path / "checkout")
+    git("init", "-q", cwd=repo)
+    git("add", "agent", "inference", cwd=repo)
+    git("commit", "-q", "-m", "tracked", cwd=repo)
+    (repo / "agent" / "gone.py").unlink()  # tracked, deleted in the working tree: not there to ship
+    (repo / "agent" / "stray_key.py").write_text("SECRET = 'x'\n")
+    (repo / "inference" / "notes.txt").write_text("scratch\n")
+    assert shipped(repo) == {"agent/__init__.py", "inference/__init__.py"}
+
+    plain = tree(tmp_path / "outer" / "tarball")  # inside another repository, not its top: its folders
+    git("init", "-q", cwd=tmp_path / "outer")
+    (plain / "agent" / "extra.py").write_text("")
+    assert shipped(plain) == {"agent/__init__.py", "agent/gone.py", "agent/extra.py", "inference/__init__.py"}
+
+
 def test_the_agent_package_imports_without_any_control_plane_distribution(tmp_path: Path) -> None:
     """The wheel's files with only its dependencies' distributions: the agent and the runtime import,
     and no control-plane distribution is there to be found."""
@@ -95,6 +133,8 @@ def test_the_agent_package_imports_without_any_control_plane_distribution(tmp_pa
         ([], "--token is required"),
         (["--token", "t", "--server", "ftp://x"], "must be an http(s) URL"),
         (["--token", "t", "--bogus"], "unknown option --bogus"),
+        (["--token", "t", "--server", "http://10.0.0.1:8000"], "refusing plain http to 10.0.0.1"),
+        (["--token", "t", "--server", "http://127.example.com"], "refusing plain http to 127.example.com"),
     ],
 )
 def test_the_install_script_refuses_bad_arguments_before_touching_anything(db, tmp_path: Path, args, error) -> None:

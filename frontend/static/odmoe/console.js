@@ -68,7 +68,7 @@
   function agentOf(n) {
     if (!n.agent_version) return el("span", { class: "muted" }, "unknown");
     if (n.agent_version === state.server_version) return n.agent_version;
-    const upgrade = `curl -fsSL ${location.origin}/agent/install.sh | sh`;
+    const upgrade = JSON.parse($("upgrade-command").textContent);  // with the server's pin, if it has one
     return el("span", { "data-upgrade": "" }, `${n.agent_version} (server ${state.server_version}): upgrade with `,
       el("code", {}, upgrade));
   }
@@ -230,6 +230,9 @@
     const token = await api("POST", "/api/join-tokens", { name: form.get("name"), max_uses: Number(form.get("max_uses")) });
     $("install-command").textContent = token.install_command;
     $("agent-command").textContent = token.agent_command;
+    // Reached over plain http off loopback: agents refuse this server without --insecure.
+    $("token-warning").textContent = token.warning;
+    $("token-warning").hidden = !token.warning;
     $("token-result").hidden = false;
   });
   $("model-form").addEventListener("submit", async (event) => {

@@ -8,6 +8,7 @@ from django.shortcuts import render
 from django.views.decorators.csrf import ensure_csrf_cookie
 
 from controlplane.deployments.services import DEFAULT_MAX_BATCH
+from controlplane.nodes.tls import upgrade_command
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
 from inference.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 
@@ -30,6 +31,8 @@ def console(request: HttpRequest) -> HttpResponse:
         "own_predictors": {s: get_strategy(s).predictor for s in RUNTIME_STRATEGIES},
         "default_max_batch": DEFAULT_MAX_BATCH,
         "max_batch_limit": MAX_BATCH,
+        # What an outdated node runs to upgrade, for the URL this page was reached at (with its pin).
+        "upgrade_command": upgrade_command(request.build_absolute_uri("/")),
     }
     return render(request, "console/console.html", context)
 

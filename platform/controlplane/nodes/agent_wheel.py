@@ -6,8 +6,11 @@ pyzmq, ...), so installing it brings no part of the control plane (Django, Celer
 Channels, matplotlib). It is built from this checkout the first time it is asked for, in
 memory, and byte for byte the same every time (sorted entries, fixed timestamps and modes),
 so every process of one checkout serves the same bytes under the same sha256, which the install
-script pins. The format is the wheel specification's (PEP 427 / PEP 491): the files, then a
-``.dist-info`` with METADATA, WHEEL, entry_points.txt and a RECORD of every file's sha256.
+script pins. In a git checkout it holds the files git tracks only: a stray file left in
+``agent/`` or ``inference/`` (a scratch script, a key, a notebook) never ships to every box; a
+tree without git (a release tarball) ships what its folders hold. The format is the wheel
+specification's (PEP 427 / PEP 491): the files, then a ``.dist-info`` with METADATA, WHEEL,
+entry_points.txt and a RECORD of every file's sha256.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import base64
 import functools
 import hashlib
 import io
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -47,19 +51,46 @@ def wheel_name(repo: Path) -> str:
 
 def _files(repo: Path) -> list[tuple[str, bytes]]:
     found = []
-    for package in PACKAGES:
-        for path in sorted((repo / package).rglob("*")):
-            relative = path.relative_to(repo)
-            if path.is_dir() or any(part in SKIPPED for part in relative.parts) or path.suffix == ".pyc":
-                continue
-            if relative.parts[:1] == ("agent",) and path.name in (
-                "install.sh",
-                "requirements.txt",
-                "requirements.lock",
-            ):
-                continue  # served or read by the control plane, not run on the box from the package
-            found.append((relative.as_posix(), path.read_bytes()))
+    for relative in _package_paths(repo):
+        path = repo / relative
+        if any(part in SKIPPED for part in relative.parts) or path.suffix == ".pyc":
+            continue
+        if relative.parts[:1] == ("agent",) and path.name in SERVED_BESIDE:
+            continue  # served or read by the control plane, not run on the box from the package
+        found.append((relative.as_posix(), path.read_bytes()))
     return found
+
+
+def _package_paths(repo: Path) -> list[Path]:
+    """The files of ``PACKAGES`` relative to ``repo``, sorted: the tracked ones when ``repo`` is
+    the top of a git checkout (as they are in the working tree, local edits included), else
+    every file under the packages' folders."""
+    tracked = _tracked_files(repo)
+    if tracked is None:
+        walked = (path for package in PACKAGES for path in (repo / package).rglob("*"))
+        return sorted(path.relative_to(repo) for path in walked if path.is_file())
+    # A tracked file deleted from the working tree is not there to ship.
+    return sorted(path for path in tracked if (repo / path).is_file())
+
+
+def _tracked_files(repo: Path) -> list[Path] | None:
+    """What git tracks under ``PACKAGES`` in ``repo``; None when ``repo`` is not the top of a
+    git checkout (no git, no checkout, or a folder inside another project's repository)."""
+    try:
+        top = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=30
+        )
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != repo.resolve():
+            return None
+        listed = subprocess.run(
+            ["git", "-C", str(repo), "ls-files", "-z", "--", *PACKAGES],
+            capture_output=True,
+            check=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [Path(name) for name in listed.stdout.decode().split("\0") if name]
 
 
 def _metadata(repo: Path) -> bytes:

@@ -17,6 +17,7 @@ from controlplane.pagination import paginated
 from . import selectors, services
 from .authentication import IsNode, NodeCredentialAuthentication
 from .models import JoinToken, Node, NodeTask
+from .tls import enroll_commands
 
 
 class NodeOutput(serializers.ModelSerializer):
@@ -109,11 +110,10 @@ class JoinTokenApi(APIView):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         token, clear = services.create_join_token(created_by=request.user, **data.validated_data)
-        server = request.build_absolute_uri("/").rstrip("/")
         body = dict(self.OutputSerializer(token).data)
         body["token"] = clear  # shown once: only its digest is stored
-        body["install_command"] = f"curl -fsSL {server}/agent/install.sh | sh -s -- --server {server} --token {clear}"
-        body["agent_command"] = f"python -m agent --server {server} --token {clear}"
+        # The commands name the URL this request came to (https behind the TLS proxy), with its pin.
+        body |= enroll_commands(request.build_absolute_uri("/"), clear)
         return Response(body, status=status.HTTP_201_CREATED)
 
 

@@ -8,3 +8,5 @@ class NodesConfig(AppConfig):
 
     def ready(self) -> None:
         from controlplane import schema  # noqa: F401 - registers the OpenAPI auth schemes
+
+        from . import tls  # noqa: F401 - registers the check of ODMOE_TLS_CERT_FILE

@@ -1,15 +1,16 @@
 """What a box downloads to become a node: the install script and the agent's package.
 
-``/agent/install.sh`` is ``agent/install.sh`` with this control plane's URL, the agent
-package's file name and its sha256 filled in (the script refuses a package that does not match
-it, so a package swapped on the way, over plain HTTP say, is never installed);
-``/agent/<wheel>`` is the agent's own wheel (``agent_wheel``: the agent and the runtime, with
-only their dependencies) built from this checkout, so a box runs the code its control plane
-runs; ``/agent/requirements.lock`` is the agent's dependencies, hash-locked
+``/agent/install.sh`` is ``agent/install.sh`` with this control plane's URL, its certificate's
+pin (``controlplane.nodes.tls``), the agent package's file name and its sha256 filled in: the
+script downloads the package with curl pinned to that key and refuses one that does not match
+the sha256. ``/agent/<wheel>`` is the agent's own wheel (``agent_wheel``: the agent and the
+runtime, with only their dependencies) built from this checkout, so a box runs the code its
+control plane runs; ``/agent/requirements.lock`` is the agent's dependencies, hash-locked
 (``agent/requirements.lock``, written by ``deploy/lock.py``), whose sha256 the script pins too,
 so pip checks every dependency against its sha256; ``/agent/facts`` is what the agent's doctor
 compares its box with (the server's version and agent protocol, the largest shard it sends).
-All are public: they hold no secret, and a box has no credential before it enrolls.
+All are public: they hold no secret (a pin is not one), and a box has no credential before it
+enrolls.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from django.views.decorators.http import require_GET
 
 from agent.messages import AGENT_PROTOCOL
 from controlplane.nodes.agent_wheel import served_wheel, version
+from controlplane.nodes.tls import server_pin, upgrade_command
 
 SERVER_PLACEHOLDER = "@SERVER@"
 SHA256_PLACEHOLDER = "@AGENT_SHA256@"
+PIN_PLACEHOLDER = "@TLS_PIN@"
 WHEEL_PLACEHOLDER = "@AGENT_WHEEL@"
 LOCK_PLACEHOLDER = "@AGENT_LOCK@"
 LOCK_SHA256_PLACEHOLDER = "@AGENT_LOCK_SHA256@"
@@ -54,13 +57,15 @@ def install_script(request: HttpRequest) -> HttpResponse:
     server = request.build_absolute_uri("/").rstrip("/")
     name, _, sha256 = agent_wheel()
     lock_name, _, lock_sha256 = agent_lock()
-    for placeholder, value in (
-        (SERVER_PLACEHOLDER, server),
-        (SHA256_PLACEHOLDER, sha256),
-        (WHEEL_PLACEHOLDER, name),
-        (LOCK_SHA256_PLACEHOLDER, lock_sha256),
-        (LOCK_PLACEHOLDER, lock_name),
-    ):
+    filled = {
+        SERVER_PLACEHOLDER: server,
+        SHA256_PLACEHOLDER: sha256,
+        WHEEL_PLACEHOLDER: name,
+        PIN_PLACEHOLDER: server_pin(),  # the script uses it for https servers only
+        LOCK_SHA256_PLACEHOLDER: lock_sha256,
+        LOCK_PLACEHOLDER: lock_name,
+    }
+    for placeholder, value in filled.items():
         script = script.replace(placeholder, value)
     return HttpResponse(script, content_type="text/x-shellscript")
 
@@ -88,6 +93,6 @@ def agent_facts(request: HttpRequest) -> JsonResponse:
             "version": version(Path(settings.REPO_DIR)),
             "protocol": AGENT_PROTOCOL,
             "largest_shard_bytes": largest_shard_bytes(),
-            "install_command": f"curl -fsSL {request.build_absolute_uri('/').rstrip('/')}/agent/install.sh | sh",
+            "install_command": upgrade_command(request.build_absolute_uri("/")),
         }
     )

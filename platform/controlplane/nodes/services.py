@@ -13,10 +13,14 @@ from django.db import IntegrityError, transaction
 from django.db.models import Case, Value, When
 from django.utils import timezone
 
+from agent.tls import join_token as clear_join_token
+from agent.tls import split_join_token
+
 from . import signals
 from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
 from .inventory import clean_inventory
 from .models import JoinToken, Node, NodeStatus, NodeTask, TaskState
+from .tls import server_pin
 
 log = logging.getLogger(__name__)
 
@@ -30,28 +34,42 @@ class EnrollmentError(ValueError):
 def create_join_token(
     *, created_by: AbstractBaseUser | None, name: str = "", ttl_s: int | None = None, max_uses: int = 1
 ) -> tuple[JoinToken, str]:
-    """A new join token and its clear value, which is shown once and never stored."""
+    """A new join token and its clear value, which is shown once and never stored.
+
+    The clear value carries this control plane's certificate pin when it has one
+    (``agent.tls.join_token``): the box that spends it trusts that key alone. Only the
+    secret part is stored, hashed.
+    """
     ttl_s = settings.JOIN_TOKEN_TTL_S if ttl_s is None else ttl_s
     if not 60 <= ttl_s <= MAX_TOKEN_TTL_S:
         raise ValueError(f"a join token lives between 60 s and {MAX_TOKEN_TTL_S} s, got {ttl_s}")
     if not 1 <= max_uses <= 1000:
         raise ValueError(f"max_uses must be between 1 and 1000, got {max_uses}")
-    clear = new_secret(JOIN_TOKEN_PREFIX)
+    secret = new_secret(JOIN_TOKEN_PREFIX)
+    pin = server_pin()
     token = JoinToken.objects.create(
         name=name,
-        token_hash=digest(clear),
-        prefix=clear[len(JOIN_TOKEN_PREFIX) : len(JOIN_TOKEN_PREFIX) + 6],
+        token_hash=digest(secret),
+        prefix=secret[len(JOIN_TOKEN_PREFIX) : len(JOIN_TOKEN_PREFIX) + 6],
         created_by=created_by,
         expires_at=timezone.now() + timedelta(seconds=ttl_s),
         max_uses=max_uses,
     )
-    return token, clear
+    return token, clear_join_token(secret, pin)
 
 
 @transaction.atomic
 def enroll_node(*, token: str, name: str, inventory: dict, address: str = "") -> tuple[Node, str]:
-    """Spend one use of ``token`` on a new node; returns the node and its clear credential."""
-    join_token = JoinToken.objects.select_for_update().filter(token_hash=digest(token)).first()
+    """Spend one use of ``token`` on a new node; returns the node and its clear credential.
+
+    The token's pin, if it carries one, is the agent's business (it checked the server's key
+    before sending it): the secret part alone is looked up, so tokens without a pin work alike.
+    """
+    try:
+        secret_part, _ = split_join_token(token)
+    except ValueError as exc:
+        raise EnrollmentError(str(exc)) from None
+    join_token = JoinToken.objects.select_for_update().filter(token_hash=digest(secret_part)).first()
     if join_token is None:
         raise EnrollmentError("unknown join token; check it was copied whole, or create a new one")
     reason = join_token.unusable_reason()

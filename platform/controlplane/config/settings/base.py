@@ -11,6 +11,7 @@
 | ``ODMOE_MODELS_DIR`` | where models registered by Hub repo id are downloaded | ``models/`` in ``ODMOE_VAR_DIR`` |
 | ``HF_TOKEN`` | Hugging Face token, for gated or private repos (read by ``huggingface_hub``) | none |
 | ``ODMOE_JOIN_TOKEN_TTL_S`` | default lifetime of a join token | 86400 |
+| ``ODMOE_TLS_CERT_FILE`` | the PEM certificate the TLS proxy presents, which boxes pin (docs/tls.md) | none: no pin |
 | ``REDIS_URL`` | Redis for Celery and the Channels layer | ``redis://127.0.0.1:6379/0`` |
 | ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
 | ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
@@ -207,6 +208,8 @@ SPECTACULAR_SETTINGS = {
 }
 
 JOIN_TOKEN_TTL_S = int(os.environ.get("ODMOE_JOIN_TOKEN_TTL_S", "86400"))
+# The certificate boxes pin (controlplane/nodes/tls.py); empty: no pin.
+TLS_CERT_FILE = os.environ.get("ODMOE_TLS_CERT_FILE", "")
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 CELERY_BROKER_URL = REDIS_URL

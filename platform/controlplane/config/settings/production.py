@@ -35,6 +35,9 @@ CACHES = {
 
 SESSION_COOKIE_SECURE = True
 CSRF_COOKIE_SECURE = True
+# The TLS proxy sets X-Forwarded-Proto (overwriting any a client sent): a request it took over
+# https is secure, so the console shows https commands with the certificate's pin.
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_SSL_REDIRECT = True
 SECURE_HSTS_SECONDS = int(os.environ.get("ODMOE_HSTS_SECONDS", str(365 * 24 * 3600)))
