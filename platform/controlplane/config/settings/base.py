@@ -6,7 +6,8 @@
 | ``DJANGO_SECRET_KEY_FALLBACKS`` | earlier keys, comma-separated: still accepted, never used to sign | none |
 | ``DJANGO_DEBUG`` | ``1`` to enable debug | off |
 | ``DJANGO_ALLOWED_HOSTS`` | comma-separated host names | ``localhost,127.0.0.1`` |
-| ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` | SQLite under ``ODMOE_VAR_DIR`` |
+| ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` (docs/database.md) | SQLite under ``ODMOE_VAR_DIR`` |
+| ``ODMOE_DB_CONN_MAX_AGE`` | seconds a PostgreSQL connection is kept between requests or tasks | 0 |
 | ``ODMOE_VAR_DIR`` | where the control plane keeps its data | ``var/`` in the checkout |
 | ``ODMOE_MODELS_DIR`` | where models registered by Hub repo id are downloaded | ``models/`` in ``ODMOE_VAR_DIR`` |
 | ``HF_TOKEN`` | Hugging Face token, for gated or private repos (read by ``huggingface_hub``) | none |
@@ -118,11 +119,6 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {
-    "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}"), conn_max_age=60
-    )
-}
 # SQLite serves several processes here (ASGI server, Celery, ``manage.py``): write-ahead
 # logging lets readers and a writer overlap, and transactions that take the write lock at
 # their start wait their turn instead of failing with "database is locked" mid-way.
@@ -131,9 +127,24 @@ SQLITE_OPTIONS = {
     "transaction_mode": "IMMEDIATE",
     "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
 }
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    DATABASES["default"]["OPTIONS"] = {**SQLITE_OPTIONS, **DATABASES["default"].get("OPTIONS", {})}
-    DATABASES["default"]["CONN_MAX_AGE"] = 0
+# Seconds a server connection is kept for the next request or task. 0 by default, as Django
+# says for ASGI: each request's synchronous code runs on a thread of its own, so a kept
+# connection is never reused and only piles up (400 requests, 16 at a time, left 65 idle
+# PostgreSQL connections behind one uvicorn at 60 s, none at 0). Health checks make a kept
+# connection that the server dropped (a restart) a new one, not a failed request.
+DB_CONN_MAX_AGE = int(os.environ.get("ODMOE_DB_CONN_MAX_AGE", "0"))
+
+
+def database_from_url(url: str) -> dict:
+    """The ``DATABASES`` entry for ``url``, with what each engine needs here."""
+    database = dj_database_url.parse(url, conn_max_age=DB_CONN_MAX_AGE, conn_health_checks=True)
+    if database["ENGINE"] == "django.db.backends.sqlite3":
+        database["OPTIONS"] = {**SQLITE_OPTIONS, **database.get("OPTIONS", {})}
+        database["CONN_MAX_AGE"] = 0  # a file: opening it costs nothing to keep
+    return database
+
+
+DATABASES = {"default": database_from_url(os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}"))}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Django's full set: not like the account's own name or e-mail, 8 characters or more, not one of
