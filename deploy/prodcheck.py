@@ -15,8 +15,9 @@ Brings up, without systemd, what ``docs/production.md`` installs on a host:
   ``celery`` and ``jobs`` queues, beat;
 - Debian's nginx with ``deploy/nginx/odmoe.conf`` (only addresses, ports and paths replaced);
 - ``--agents`` agents, each installed by the console's one-liner for a fresh join token over
-  https, then run from the unit the install script wrote, as the user it names (as root the
-  script makes a system user: this check's own, removed after).
+  https, pinned to the certificate's key (``ODMOE_TLS_CERT_FILE``), then run from the unit the
+  install script wrote, as the user it names (as root the script makes a system user: this
+  check's own, removed after).
 
 Then it checks the edge (plain HTTP redirected, HSTS, the body cap answered by the proxy),
 deploys a small model through the REST API, checks every role runs as the agents' user, and
@@ -28,9 +29,9 @@ What differs from a host, on purpose: the paths (``/opt/odmoe`` is this checkout
 and ``/etc/odmoe`` a scratch directory), the ports (free ones, on 127.0.0.1), no systemd (so
 the units' sandboxing is checked by ``systemd-analyze verify`` in the tests, not applied here),
 the control plane running as this user, and the agents' dependencies, linked in from this
-checkout's environment rather than downloaded (``--no-deps``: no PyTorch download). Until
-the agent pins the certificate itself, it trusts the proxy's through ``SSL_CERT_FILE``
-(``agent_trust``: the one place to change).
+checkout's environment rather than downloaded (``--no-deps``: no PyTorch download). Nothing
+trusts the certificate but by its pin: the installer and the agents run without a CA bundle
+that holds it.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def make_certificate(tls: Path) -> tuple[Path, Path]:
     if run.returncode != 0:
         raise CheckFailed(f"openssl could not make the certificate: {run.stderr}")
     key.chmod(0o600)
-    cert.chmod(0o644)  # public: the agents' user reads it (SSL_CERT_FILE, for now)
+    cert.chmod(0o644)  # public: the web workers read it for its pin (ODMOE_TLS_CERT_FILE)
     return cert, key
 
 
@@ -175,7 +176,7 @@ def write_environment(work: Path, values: dict[str, str]) -> tuple[Path, dict[st
     """deploy/odmoe.env.example with ``values`` in place of its own; every key must be the example's."""
     example = DEPLOY / "odmoe.env.example"
     known = set(re.findall(r"^#?([A-Z][A-Z0-9_]*)=", example.read_text(), flags=re.M))
-    unknown = set(values) - known - {"ODMOE_TLS_CERT_FILE"}
+    unknown = set(values) - known
     if unknown:
         raise CheckFailed(f"the environment file template has no {sorted(unknown)}")
     lines, done = [], set()
@@ -263,13 +264,6 @@ def render_nginx(work: Path, cert: Path, key: Path, web_port: int, https_port: i
     return root
 
 
-def agent_trust(cert: Path) -> dict[str, str]:
-    """How the installer and the agent trust the proxy's self-signed certificate, for now: as their
-    CA bundle. (Once join tokens carry the certificate's pin, the one-liner and the agent pin it
-    themselves, and this gives nothing.)"""
-    return {"SSL_CERT_FILE": str(cert), "CURL_CA_BUNDLE": str(cert)}
-
-
 # --- talking to it ------------------------------------------------------------------------------
 
 
@@ -343,6 +337,13 @@ class Stack:
     agent_pids: dict[str, int] = field(default_factory=dict)
     made_user: bool = False
 
+    @property
+    def pin(self) -> str:
+        """The certificate's key as curl's --pinnedpubkey takes it (what join tokens carry)."""
+        from agent.tls import pin_of_pem
+
+        return pin_of_pem(self.cert.read_bytes())
+
     def check(self) -> None:
         self.group.check()
 
@@ -367,6 +368,8 @@ class Stack:
         for name in names:
             token = self.api.json("POST", "/api/join-tokens", {"name": name, "ttl_s": 600}, expect=201)
             commands[name] = token["install_command"]
+            if f"--pinnedpubkey '{self.pin}'" not in commands[name] or not commands[name].startswith("curl "):
+                raise CheckFailed(f"the console's one-liner does not pin the proxy's key {self.pin}: {commands[name]}")
         results: dict[str, subprocess.CompletedProcess] = {}
 
         def install(name: str) -> None:
@@ -374,9 +377,10 @@ class Stack:
             options = ["--name", name, "--dir", str(box), "--unit-dir", str(box / "unit"), "--no-deps"]
             if os.geteuid() == 0:
                 options += ["--user", AGENT_USER]
+            # No CA bundle of ours: the one-liner pins the proxy's key (curl --pinnedpubkey) and
+            # passes the pin to the agent, which pins it for every request and its link.
             env = {
                 **os.environ,
-                **agent_trust(self.cert),
                 "PYTHONPATH": str(deps),
                 "PYTHON": SYSTEM_PYTHON,
                 "HOME": str(box / "home"),
@@ -405,7 +409,7 @@ class Stack:
                 raise CheckFailed(f"the one-liner failed for {name} (exit {run.returncode}):\n{log[-3000:]}")
         for name in names:
             unit = read_unit(boxes / name / "unit" / "odmoe-agent.service")
-            env = {**unit.environment, **agent_trust(self.cert), "PYTHONPATH": str(deps)}
+            env = {**unit.environment, "PYTHONPATH": str(deps)}
             child = self.group.start(f"agent-{name}", unit.argv, env=env, cwd=boxes / name, user=unit.get("User"))
             self.agent_pids[name] = child.process.pid
         nodes = {}
@@ -694,7 +698,10 @@ def run_checks(stack: Stack, agents: int, model: Path) -> None:
     names = [f"prodcheck-{i}" for i in range(agents)]
     started = time.monotonic()
     node_ids = stack.join(names)
-    step(f"{agents} agents installed by the one-liner over https and online in {time.monotonic() - started:.1f} s")
+    step(
+        f"{agents} agents installed by the one-liner (curl pinned to {stack.pin[:19]}…) over https and online "
+        f"in {time.monotonic() - started:.1f} s"
+    )
     started = time.monotonic()
     deployment = stack.deploy(model, node_ids)
     step(f"deployment {deployment['name']} ready in {time.monotonic() - started:.1f} s")
