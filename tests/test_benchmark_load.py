@@ -60,6 +60,22 @@ def test_chat_messages_are_complete_failed_or_lost() -> None:
     assert (judged["sent"], judged["complete"], judged["failed"], judged["lost"]) == (5, 1, 1, 3)
 
 
+def test_api_streams_are_complete_failed_or_lost() -> None:
+    def record(finish: str | None, error: str = "", broken: bool = False) -> dict:
+        return {"finish": finish, "error": error, "chunks": 1, **({"broken": True} if broken else {})}
+
+    records = [
+        record("length"),
+        record("stop"),
+        record(None, "HTTP 429: too many generations"),  # refused: the client was told
+        record(None, "the stream broke: RemoteProtocolError()", broken=True),
+        record(None),  # ended without a finish reason
+    ]
+    judged = load.judge_streams(records)
+    assert (judged["sent"], judged["complete"], judged["failed"], judged["lost"]) == (5, 2, 1, 2)
+    assert judged["reasons"]["no finish reason"] == 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_small_load_loses_nothing(tmp_path: Path) -> None:
