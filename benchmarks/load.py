@@ -43,7 +43,11 @@ For ``--duration`` seconds, after every simulated agent is online, it measures:
   control plane writing it to the node's row (``last_seen``, ``inventory``): a trigger in
   the benchmark's own SQLite database notes, for every heartbeat written, its ``bench_seq``
   and SQLite's clock (1 ms resolution; the same machine, so the same clock as the sender's).
-  A heartbeat sent and never written is *lost*.
+  The control plane writes a node's newest heartbeat (``nodes.consumers``: liveness is never
+  queued behind anything), so when its writes fall behind, a heartbeat that a later one of the
+  same agent overtook is never written: it is counted *superseded* (what it said is in the
+  newer one). A heartbeat sent and never written, with no later one of its agent written, is
+  *lost*.
 - nodes wrongly marked offline: a second trigger notes every change of a node's status, by
   whichever process made it (the link closing in the ASGI server, the silence check in
   Celery beat). Any node that turned offline before the benchmark started closing the links
@@ -146,12 +150,13 @@ def summary(values: list[float]) -> dict:
 def heartbeat_figures(
     sent: dict[tuple[str, int], float], written: dict[tuple[str, int], float], window, judged_until: float
 ) -> dict:
-    """Latency (ms) of the heartbeats sent within ``window`` (start, end); lost: sent before
-    ``judged_until`` and never written; a timeline of the latency from the window's start on."""
+    """Latency (ms) of the heartbeats sent within ``window`` (start, end); of those sent before
+    ``judged_until``, the ones never written, superseded (a later one of the same agent was
+    written) or lost (none was); a timeline of the latency from the window's start on."""
     start, end = window
     latencies = [(written[key] - at) * 1000 for key, at in sent.items() if start <= at < end and key in written]
     judged = [key for key, at in sent.items() if at < judged_until]
-    lost = sorted(key for key in judged if key not in written)
+    superseded, lost = unwritten(judged, written)
     in_window = [at for at in sent.values() if start <= at < end]
     timeline = []
     bucket = start
@@ -171,7 +176,8 @@ def heartbeat_figures(
     return {
         "sent": len(judged),
         "sent_in_window": len(in_window),
-        "written": len(judged) - len(lost),
+        "written": len(judged) - len(lost) - len(superseded),
+        "superseded": len(superseded),
         "lost": len(lost),
         "lost_examples": [f"{name}#{seq}" for name, seq in lost[:10]],
         "sent_after_judging": len(sent) - len(judged),
@@ -180,6 +186,17 @@ def heartbeat_figures(
         "ms": summary(latencies),
         "timeline": timeline,
     }
+
+
+def unwritten(judged, written) -> tuple[list, list]:
+    """The judged heartbeats never written, as (superseded, lost), each sorted: superseded when a
+    later heartbeat of the same agent was written (the control plane keeps a node's newest)."""
+    newest: dict[str, int] = {}
+    for name, seq in written:
+        newest[name] = max(seq, newest.get(name, seq))
+    missing = sorted(key for key in judged if key not in written)
+    superseded = [(name, seq) for name, seq in missing if newest.get(name, -1) > seq]
+    return superseded, [(name, seq) for name, seq in missing if newest.get(name, -1) <= seq]
 
 
 def wrongly_offline(transitions: list[tuple[str, str, str, float]], names: set[str], cutoff: float) -> list[str]:
@@ -250,7 +267,8 @@ def markdown(results: dict) -> str:
         "| count | value | goal |",
         "|---|---:|---:|",
         f"| nodes wrongly marked offline | {results['nodes']['wrongly_offline']} | 0 |",
-        f"| heartbeats lost (sent, never written) | {hb['lost']} of {hb['sent']} | 0 |",
+        f"| heartbeats lost (neither it nor a later one of its agent written) | {hb['lost']} of {hb['sent']} | 0 |",
+        f"| heartbeats superseded (a later one of its agent written instead) | {hb.get('superseded', 0)} | |",
         f"| chat messages lost | {chat['lost']} of {chat['sent']} | 0 |",
         f"| chat answers failed (user told why) | {chat['failed']} | 0 |",
         f"| API streams lost | {results['streams']['lost']} of {results['streams']['sent']} | 0 |",
@@ -865,7 +883,7 @@ async def run_load(load: Load, work: Path) -> dict:
     missing, progress_at = len(judged), time.monotonic()
     while missing:
         rows = await asyncio.to_thread(read_db, plane.db, "SELECT name, seq FROM bench_heartbeat")
-        now_missing = len(judged - set(rows))
+        now_missing = len(unwritten(judged, set(rows))[1])  # a superseded one will never be written
         if now_missing < missing:
             missing, progress_at = now_missing, time.monotonic()
         if missing and time.monotonic() - progress_at > STALL_S:
