@@ -1,10 +1,13 @@
-"""Limits: login lockout (django-axes), DRF throttles per user and per address, and the cap on one
-user's generations at once (a 429 with Retry-After, in OpenAI's error shape)."""
+"""Limits: the edge's cap on request bodies and websocket frames, login lockout (django-axes), DRF
+throttles per user and per address, and the cap on one user's generations at once (a 429 with
+Retry-After, in OpenAI's error shape)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import uuid
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -91,3 +94,177 @@ def test_the_openai_api_answers_429_past_the_cap(settings, tiny_model) -> None:
     )
     assert response.status_code == 429 and response["Retry-After"] == "1"
     assert response.json()["error"]["code"] == "too_many_generations"
+
+
+# --- the edge: request bodies and websocket frames past the cap -----------------------------------
+
+MIB = 2**20
+
+
+def http_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
+def test_a_declared_body_past_the_cap_is_a_413_before_a_byte_of_it_is_read(settings) -> None:
+    """A 200 MB enrollment, padded JSON that the view would take: refused from its header alone,
+    the body never sent, and no node made (before, Django read it all and the view enrolled)."""
+    from asgiref.testing import ApplicationCommunicator
+
+    from controlplane.config.asgi import application
+    from controlplane.nodes.models import Node
+    from controlplane.nodes.services import create_join_token
+
+    _, token = create_join_token(created_by=None)
+    enroll = json.dumps({"token": token, "name": "box", "inventory": {}}).encode()
+
+    async def post(path: str, length: int, body: bytes | None = None) -> tuple[dict, dict]:
+        comm = ApplicationCommunicator(application, http_scope(path, [(b"content-length", str(length).encode())]))
+        if body is not None:
+            await comm.send_input({"type": "http.request", "body": body, "more_body": False})
+        start = await comm.receive_output(timeout=30)  # without a body: answered with none of it sent
+        answer = await comm.receive_output(timeout=5)
+        await comm.wait(timeout=5)
+        return start, json.loads(answer["body"])
+
+    start, body = asyncio.run(post("/api/agents/enroll", 200 * 10**6))
+    assert start["status"] == 413 and (b"connection", b"close") in start["headers"]
+    assert body == {
+        "detail": f"the request body is larger than {settings.MAX_REQUEST_BYTES} bytes, the most this server takes"
+    }
+    _, unknown = asyncio.run(post("/no-such-page", 200 * 10**6))
+    assert "larger than" in unknown["detail"]
+    _, openai_shaped = asyncio.run(post("/v1/completions", settings.MAX_REQUEST_BYTES + 1))
+    assert openai_shaped["error"]["type"] == "invalid_request_error"
+    assert openai_shaped["error"]["code"] == "request_too_large" and openai_shaped["error"]["param"] is None
+    assert not Node.objects.exists()
+    # At the cap, the same body is read and the view runs: the cap is where it says.
+    padded = enroll + b" " * (settings.MAX_REQUEST_BYTES - len(enroll))
+    start, enrolled = asyncio.run(post("/api/agents/enroll", len(padded), padded))
+    assert start["status"] == 201 and Node.objects.get().pk == uuid.UUID(enrolled["node_id"])
+
+
+def test_a_chunked_body_is_counted_as_it_comes_and_refused_once_past_the_cap(settings) -> None:
+    """No Content-Length: the body is read a chunk at a time and refused at the first byte past the
+    cap; the chunks after it are never read."""
+    from asgiref.testing import ApplicationCommunicator
+
+    from controlplane.config.asgi import application
+
+    chunks = settings.MAX_REQUEST_BYTES // MIB + 20
+
+    async def post() -> tuple[int, dict, int]:
+        comm = ApplicationCommunicator(application, http_scope("/v1/chat/completions", []))
+        sent = 0
+        while sent < chunks:
+            await comm.send_input({"type": "http.request", "body": b" " * MIB, "more_body": True})
+            sent += 1
+            while not comm.input_queue.empty():  # the app took the chunk...
+                await asyncio.sleep(0.001)
+            if not await comm.receive_nothing(timeout=0.2):  # ...and answered, or asks for more
+                break
+        start = await comm.receive_output(timeout=5)
+        body = await comm.receive_output(timeout=5)
+        await comm.wait(timeout=5)  # the app is done, though the client promised more
+        return sent, start, json.loads(body["body"])
+
+    sent, start, body = asyncio.run(post())
+    assert start["status"] == 413 and body["error"]["code"] == "request_too_large"
+    assert sent == settings.MAX_REQUEST_BYTES // MIB + 1  # the chunk that passed the cap, and no more
+
+
+def test_a_websocket_frame_past_the_cap_closes_the_socket_before_a_consumer_reads_it(settings) -> None:
+    from channels.layers import channel_layers
+    from channels.testing import WebsocketCommunicator
+
+    from agent.messages import LINK_PATH
+    from controlplane.config.asgi import application
+    from controlplane.nodes.models import NodeStatus
+    from controlplane.nodes.services import create_join_token, enroll_node
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    channel_layers.backends.clear()
+    _, token = create_join_token(created_by=None)
+    node, secret = enroll_node(token=token, name="box", inventory={})
+    heartbeat = json.dumps({"type": "heartbeat", "inventory": {"hostname": "x" * settings.MAX_REQUEST_BYTES}})
+
+    async def link() -> dict:
+        comm = WebsocketCommunicator(
+            application, LINK_PATH, headers=[(b"authorization", f"Node {node.pk}:{secret}".encode())]
+        )
+        assert (await comm.connect())[0]
+        await comm.send_to(text_data=heartbeat)
+        closed = await comm.receive_output(timeout=5)
+        await comm.wait(timeout=5)
+        return closed
+
+    try:
+        closed = asyncio.run(link())
+    finally:
+        channel_layers.backends.clear()
+    assert closed == {"type": "websocket.close", "code": 1009}
+    node.refresh_from_db()
+    assert node.inventory == {} and node.status == NodeStatus.OFFLINE  # the frame was never handled
+
+
+@pytest.mark.slow
+def test_uvicorn_answers_a_declared_200_mb_body_at_once_and_stops_a_chunked_one(tmp_path) -> None:
+    """The server as deployed: a client announcing 200 MB gets its 413 without sending any of it,
+    and one streaming chunks without end is cut off just past the cap (1 MiB here, from
+    ODMOE_MAX_REQUEST_BYTES). Before, Django read both bodies whole, for a URL that does not exist."""
+    import socket
+
+    from django.db import connection
+
+    from controlplane.ops.processes import ProcessGroup, python_env
+    from inference.launcher import free_port
+    from tests.controlplane.live import Api, LiveControlPlane
+
+    env = python_env(
+        DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
+        DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+        ODMOE_VAR_DIR=str(tmp_path / "var"),
+        ODMOE_MAX_REQUEST_BYTES=str(MIB),
+    )
+    port = free_port()
+    with ProcessGroup(tmp_path / "logs", env) as group:
+        LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", ""), tmp_path / "agents").start_server()
+
+        def answer_of(sock: socket.socket) -> bytes:
+            answer = b""
+            while piece := sock.recv(65536):  # until the server closes the connection
+                answer += piece
+            return answer
+
+        def request(head: str) -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(f"POST /no-such-page HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}\r\n".encode())
+            return sock
+
+        with request(f"Content-Length: {200 * 10**6}\r\n") as sock:
+            answer = answer_of(sock)
+        assert answer.startswith(b"HTTP/1.1 413") and b"larger than 1048576 bytes" in answer
+
+        sent = 0
+        with request("Transfer-Encoding: chunked\r\n") as sock:
+            chunk = b"%x\r\n%s\r\n" % (64 * 1024, b" " * 64 * 1024)
+            # The server closes with the rest unread, so its kernel resets the connection: a client
+            # still sending learns it from a failed send (a proxy in front lingers, and relays the 413).
+            with contextlib.suppress(OSError):
+                while sent < 200 * MIB:
+                    sock.sendall(chunk)
+                    sent += 64 * 1024
+        assert sent < 16 * MIB, sent  # the cap, and what the kernels' buffers took on top of it
+        group.check()  # the server is still up

@@ -54,6 +54,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         try:
             if not text_data:
                 raise ValueError("a message must be a JSON text frame")
+            if len(text_data) > protocol.MAX_FRAME_CHARS:
+                raise ValueError(f"a message is at most {protocol.MAX_CONTENT_CHARS} characters")
             content = await self.decode_json(text_data)
         except (ValueError, RecursionError) as exc:
             await self.send_json(protocol.error(f"not a JSON message: {exc}"))

@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_CONTENT_CHARS = 20_000
+# The longest frame a valid message can be: its content with every character escaped as JSON
+# may write it (\ud83d\ude00, 12 characters for one), and room for the other fields. A longer
+# frame is refused before it is decoded (the edge caps every frame at MAX_REQUEST_BYTES).
+MAX_FRAME_CHARS = 12 * MAX_CONTENT_CHARS + 1024
 DEFAULT_MAX_TOKENS = 128
 MAX_TOKENS = 1024
 

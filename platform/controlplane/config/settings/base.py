@@ -14,6 +14,7 @@
 | ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
 | ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
 | ``ODMOE_LOG_LEVEL`` | log level of every process | INFO |
+| ``ODMOE_MAX_REQUEST_BYTES`` | the largest request body and websocket frame taken (413 / close 1009) | 16777216 |
 """
 
 from __future__ import annotations
@@ -159,6 +160,15 @@ REST_FRAMEWORK = {
 }
 # Generations one user may run at once (OpenAI API and chat); more are a 429 with Retry-After.
 MAX_GENERATIONS_PER_USER = int(os.environ.get("ODMOE_MAX_GENERATIONS_PER_USER", "4"))
+
+# The largest request body (and websocket frame) the server reads, checked before any view
+# (controlplane/edge.py; past it: 413, or a socket closed with 1009). 16 MiB: the largest
+# request that has a use is a job of 100 prompts (serving.jobs.MAX_PROMPTS) that each fill a
+# 32k-token context (Mixtral's) at about 4 bytes a token, some 13 MB; it is also uvicorn's own
+# default for a websocket frame. Django's cap on a body it reads into memory is the same, so
+# the two never disagree about a request.
+MAX_REQUEST_BYTES = int(os.environ.get("ODMOE_MAX_REQUEST_BYTES", str(16 * 2**20)))
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "odmoe control plane API",
