@@ -268,3 +268,53 @@ def test_uvicorn_answers_a_declared_200_mb_body_at_once_and_stops_a_chunked_one(
                     sent += 64 * 1024
         assert sent < 16 * MIB, sent  # the cap, and what the kernels' buffers took on top of it
         group.check()  # the server is still up
+
+
+# --- /v1: the prompt's length before it is tokenized --------------------------------------------
+
+
+def test_text_past_the_context_in_characters_is_refused_and_text_that_can_fit_is_not(tiny_model) -> None:
+    """The bound is the context (less max_tokens) times the longest token's characters: text made
+    of that token's text, as many times as there is room, fits exactly and passes; one character
+    more cannot fit in any tokenization and is refused."""
+    from controlplane.serving.text import InputError, check_text_fits, longest_token_chars, tokenizer_for
+
+    tokenizer = tokenizer_for(str(tiny_model))
+    longest = longest_token_chars(tokenizer)
+    piece = max(tokenizer.get_vocab(), key=len)
+    text = tokenizer.convert_tokens_to_string([piece])
+    assert len(text) == longest
+    context, max_tokens = 1024, 16
+    room = context - max_tokens
+    fitting = text * (room - 1)  # and the BOS token the tokenizer adds
+    assert len(tokenizer(fitting)["input_ids"]) == room  # it fits, exactly...
+    check_text_fits(tokenizer, [fitting], max_tokens, context, param="prompt")  # ...and passes
+    check_text_fits(tokenizer, [text * room], max_tokens, context, param="prompt")  # the bound itself passes
+    with pytest.raises(InputError, match="at least 1009 tokens") as refused:
+        check_text_fits(tokenizer, [text * room + "x"], max_tokens, context, param="prompt")
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "prompt"
+    check_text_fits(tokenizer, ["x" * 10**7], max_tokens, None, param="prompt")  # no known context: no bound
+
+
+def test_the_openai_api_refuses_a_prompt_too_long_in_characters_without_tokenizing_it(tiny_model) -> None:
+    """A 2.4 MB prompt took 1.6 s of the server's CPU to tokenize before it was found too long for
+    the tiny model's 1024 tokens; now its length alone refuses it (the message counts characters)."""
+    from controlplane.artifacts.services import register_model
+    from controlplane.deployments.models import Deployment, DeploymentStatus
+
+    model = register_model(name="tiny", path=str(tiny_model))
+    Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
+    _, key = create_api_key(user=get_user_model().objects.create_user("user"))
+    huge = "hello world " * 200_000
+    asks = [
+        ("/v1/completions", {"prompt": huge}, "prompt"),
+        ("/v1/completions", {"prompt": ["hi", huge]}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+    ]
+    for path, ask, param in asks:
+        body = json.dumps({"model": "d", "max_tokens": 8, **ask})
+        response = Client().post(path, body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
+        assert response.status_code == 400, response.content[:300]
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == param
+        assert f"the prompt has {len(huge)} characters" in error["message"]

@@ -17,7 +17,7 @@ from controlplane.deployments import generation
 from controlplane.serving import completions
 from controlplane.serving import metrics as served
 from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, TextDelta
-from controlplane.serving.text import InputError, Sampling, check_lengths, encode_chat
+from controlplane.serving.text import InputError, Sampling, check_lengths, check_text_fits, encode_chat
 from controlplane.throttles import TooManyGenerations, generation_slot
 
 from . import protocol, services
@@ -129,6 +129,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
 
 def _prepare(history: list[dict], max_tokens: int):
     target = completions.find_target()
+    contents = [m["content"] for m in history]
+    try:  # a conversation too long for the context in characters is not even tokenized
+        check_text_fits(target.tokenizer, contents, max_tokens, target.context, param="messages")
+    except InputError as exc:
+        raise InputError(f"{exc}; start a new conversation") from None
     prompt_ids = encode_chat(target.tokenizer, history)
     try:
         check_lengths(len(prompt_ids), max_tokens, target.context)

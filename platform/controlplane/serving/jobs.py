@@ -22,7 +22,7 @@ from controlplane.deployments import generation
 from . import metrics
 from .completions import ClusterGenerationError, ClusterUnavailable, complete, find_target
 from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
-from .text import InputError, Sampling, check_lengths, encode_prompt
+from .text import InputError, Sampling, check_lengths, check_prompt, check_text_fits, encode_prompt
 
 MAX_PROMPTS = 100
 
@@ -44,6 +44,8 @@ def submit_job(
     lengths = []
     for i, prompt in enumerate(prompts):
         try:
+            check_prompt(prompt)
+            check_text_fits(target.tokenizer, [prompt], max_tokens, target.context, param="prompt")
             ids = encode_prompt(target.tokenizer, prompt)
             check_lengths(len(ids), max_tokens, target.context)
         except InputError as exc:

@@ -48,7 +48,18 @@ from .completions import (
     new_request_id,
 )
 from .stops import StopScanner
-from .text import MAX_SEED, InputError, Sampling, check_lengths, check_sampling, encode_chat, encode_prompt
+from .text import (
+    MAX_SEED,
+    InputError,
+    Sampling,
+    check_lengths,
+    check_messages,
+    check_prompt,
+    check_sampling,
+    check_text_fits,
+    encode_chat,
+    encode_prompt,
+)
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 4
@@ -233,8 +244,12 @@ def _parse(body: dict, chat: bool) -> Ask:
         raise InputError('stream_options must be an object, e.g. {"include_usage": true}', param="stream_options")
     target = find_target(model)
     tokenizer = target.tokenizer
+    # Text that cannot fit the context is refused from its length before it is tokenized.
     if chat:
-        prompts = [encode_chat(tokenizer, body.get("messages"))]
+        messages = body.get("messages")
+        check_messages(messages)
+        check_text_fits(tokenizer, [m["content"] for m in messages], max_tokens, target.context, param="messages")
+        prompts = [encode_chat(tokenizer, messages)]
     else:
         prompt = body.get("prompt")
         texts = prompt if isinstance(prompt, list) and prompt else [prompt]
@@ -243,7 +258,11 @@ def _parse(body: dict, chat: bool) -> Ask:
                 f"{len(texts)} prompts × n={n} are more than the {limit} generations one user may run at once",
                 param="prompt",
             )
-        prompts = [encode_prompt(tokenizer, text) for text in texts]
+        prompts = []
+        for text in texts:
+            check_prompt(text)
+            check_text_fits(tokenizer, [text], max_tokens, target.context, param="prompt")
+            prompts.append(encode_prompt(tokenizer, text))
     for prompt_ids in prompts:
         check_lengths(len(prompt_ids), max_tokens, target.context)
     return Ask(target, prompts, n, max_tokens, sampling, stops, stream, bool(options.get("include_usage")))
