@@ -16,6 +16,9 @@ from collections.abc import AsyncIterator
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.cache import cache
+from django.http import HttpRequest
+from rest_framework.request import Request
+from rest_framework.settings import api_settings
 from rest_framework.throttling import AnonRateThrottle, UserRateThrottle
 
 SLOT_TTL_S = 3600  # a slot a dead process never gave back expires after this long
@@ -35,6 +38,22 @@ class UserThrottle(UserRateThrottle):
 class AnonThrottle(AnonRateThrottle):
     def allow_request(self, request, view) -> bool:
         return _is_node(request) or super().allow_request(request, view)
+
+
+def throttle_wait(request: HttpRequest, user, auth=None) -> float | None:
+    """The REST API's throttles (``DEFAULT_THROTTLE_CLASSES``: the same rates, the same counts) for
+    a call that ``user`` makes outside DRF (the OpenAI API) with ``auth`` (its API key, or None):
+    None when it is allowed, else the seconds to wait before the next one is."""
+    call = Request(request)
+    call.user, call.auth = user, auth  # both: a request without them would authenticate itself
+    waits = []
+    for throttle_class in api_settings.DEFAULT_THROTTLE_CLASSES:
+        throttle = throttle_class()
+        if not throttle.allow_request(call, None):
+            waits.append(throttle.wait())
+    if not waits:
+        return None
+    return max((wait for wait in waits if wait is not None), default=0.0)
 
 
 class TooManyGenerations(Exception):

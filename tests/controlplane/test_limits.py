@@ -318,3 +318,31 @@ def test_the_openai_api_refuses_a_prompt_too_long_in_characters_without_tokenizi
         error = response.json()["error"]
         assert error["code"] == "context_length_exceeded" and error["param"] == param
         assert f"the prompt has {len(huge)} characters" in error["message"]
+
+
+# --- /v1: throttled as the REST API is --------------------------------
+
+
+def test_the_openai_api_counts_against_the_rest_apis_throttle_and_answers_in_openais_shape(monkeypatch) -> None:
+    rates = {"user": "3/minute", "anon": "2/minute"}
+    monkeypatch.setattr(throttles.UserThrottle, "THROTTLE_RATES", rates)
+    monkeypatch.setattr(throttles.AnonThrottle, "THROTTLE_RATES", rates)
+    staff = get_user_model().objects.create_user("admin", is_staff=True)
+    _, key = create_api_key(user=staff)
+    rest = APIClient()
+    rest.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert rest.get("/api/nodes").status_code == 200
+    openai_calls = [Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {key}") for _ in range(3)]
+    assert [r.status_code for r in openai_calls] == [200, 200, 429]  # the same count as the REST API's
+    refused = openai_calls[-1]
+    assert int(refused["Retry-After"]) >= 1
+    error = refused.json()["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+    body = json.dumps({"model": "m", "prompt": "hi"})
+    completion = Client().post(
+        "/v1/completions", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}"
+    )
+    assert completion.status_code == 429  # refused before the body is looked at
+    assert rest.get("/api/nodes").status_code == 429
+    _, other = create_api_key(user=get_user_model().objects.create_user("other"))
+    assert Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {other}").status_code == 200  # per user

@@ -18,11 +18,13 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -33,7 +35,7 @@ from controlplane.accounts.services import authenticate_api_key, bearer_key
 from controlplane.deployments import generation
 from controlplane.deployments.generation import ClusterBusy
 from controlplane.deployments.models import Deployment, DeploymentStatus
-from controlplane.throttles import GenerationSlot, TooManyGenerations
+from controlplane.throttles import GenerationSlot, TooManyGenerations, throttle_wait
 
 from . import metrics
 from .completions import (
@@ -68,11 +70,19 @@ MAX_STOPS = 4
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait: a restarting role is back in seconds
 
 
-def error(status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None) -> JsonResponse:
+def error(
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    param=None,
+    code=None,
+    retry_after: int | None = None,
+) -> JsonResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     response = JsonResponse(body, status=status)
     if status in (429, 503):
-        response["Retry-After"] = str(RETRY_AFTER_S if status == 503 else 1)
+        response["Retry-After"] = str(retry_after or (RETRY_AFTER_S if status == 503 else 1))
     return response
 
 
@@ -83,7 +93,8 @@ class _Refused(Exception):
 
 async def _user(request: HttpRequest):
     """The caller: an API key's user (the key holding the ``inference`` scope), or a logged-in
-    browser session; raises _Refused with the 401 or 403 to answer otherwise."""
+    browser session; raises _Refused with the 401, 403 or 429 to answer otherwise. Calls count
+    against the REST API's throttles (the same rates)."""
     key = bearer_key(request.headers.get("Authorization", ""))
     if key:
         found = await database_sync_to_async(authenticate_api_key)(key=key)
@@ -92,10 +103,16 @@ async def _user(request: HttpRequest):
         if not found.allows(Scope.INFERENCE):
             message = f"this API key lacks the '{Scope.INFERENCE}' scope (it has: {', '.join(found.scopes)})"
             raise _Refused(error(403, message, kind="permission_error", code="insufficient_scope"))
-        return found.user
-    user = await request.auser()
-    if not user.is_authenticated:
-        raise _Refused(_unauthenticated())
+        user, auth = found.user, found
+    else:
+        user, auth = await request.auser(), None
+        if not user.is_authenticated:
+            raise _Refused(_unauthenticated())
+    wait = await sync_to_async(throttle_wait, thread_sensitive=False)(request, user, auth)
+    if wait is not None:
+        seconds = max(1, math.ceil(wait))
+        message = f"too many requests: this user's API calls are past their rate; try again in {seconds} s"
+        raise _Refused(error(429, message, kind="rate_limit_error", code="rate_limit_exceeded", retry_after=seconds))
     return user
 
 
