@@ -320,7 +320,7 @@ def test_the_openai_api_refuses_a_prompt_too_long_in_characters_without_tokenizi
         assert f"the prompt has {len(huge)} characters" in error["message"]
 
 
-# --- /v1: throttled as the REST API is --------------------------------
+# --- /v1: throttled as the REST API is, and CSRF for browser sessions --------------------------------
 
 
 def test_the_openai_api_counts_against_the_rest_apis_throttle_and_answers_in_openais_shape(monkeypatch) -> None:
@@ -346,3 +346,24 @@ def test_the_openai_api_counts_against_the_rest_apis_throttle_and_answers_in_ope
     assert rest.get("/api/nodes").status_code == 429
     _, other = create_api_key(user=get_user_model().objects.create_user("other"))
     assert Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {other}").status_code == 200  # per user
+
+
+def test_a_browser_session_needs_a_csrf_token_for_the_openai_api_and_an_api_key_does_not() -> None:
+    """Before, any page on another site could make a logged-in user's browser run generations."""
+    user = get_user_model().objects.create_user("reader", password=PASSWORD)
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(user)
+    body = json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    forged = browser.post("/v1/chat/completions", body, content_type="application/json")
+    assert forged.status_code == 403, forged.content
+    assert forged.json()["error"]["code"] == "csrf_failed" and "CSRF" in forged.json()["error"]["message"]
+    assert browser.get("/v1/models").status_code == 200  # reading needs no token
+    browser.get("/accounts/login/")  # a page of ours sets the CSRF cookie
+    token = browser.cookies["csrftoken"].value
+    same_site = browser.post("/v1/chat/completions", body, content_type="application/json", HTTP_X_CSRFTOKEN=token)
+    assert same_site.status_code == 404 and same_site.json()["error"]["code"] == "model_not_found"  # past the check
+    _, key = create_api_key(user=user)
+    program = Client(enforce_csrf_checks=True).post(
+        "/v1/chat/completions", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}"
+    )
+    assert program.status_code == 404

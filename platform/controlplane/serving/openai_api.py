@@ -29,6 +29,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
+from rest_framework.authentication import CSRFCheck
 
 from controlplane.accounts.scopes import Scope
 from controlplane.accounts.services import authenticate_api_key, bearer_key
@@ -93,8 +94,9 @@ class _Refused(Exception):
 
 async def _user(request: HttpRequest):
     """The caller: an API key's user (the key holding the ``inference`` scope), or a logged-in
-    browser session; raises _Refused with the 401, 403 or 429 to answer otherwise. Calls count
-    against the REST API's throttles (the same rates)."""
+    browser session with a valid CSRF token (as DRF's SessionAuthentication asks: another site's
+    page must not spend a logged-in user's generations); raises _Refused with the 401, 403 or
+    429 to answer otherwise. Calls count against the REST API's throttles (the same rates)."""
     key = bearer_key(request.headers.get("Authorization", ""))
     if key:
         found = await database_sync_to_async(authenticate_api_key)(key=key)
@@ -108,6 +110,11 @@ async def _user(request: HttpRequest):
         user, auth = await request.auser(), None
         if not user.is_authenticated:
             raise _Refused(_unauthenticated())
+        check = CSRFCheck(lambda _: None)
+        check.process_request(request)  # reads the CSRF cookie, as DRF's SessionAuthentication does
+        reason = check.process_view(request, None, (), {})
+        if reason:
+            raise _Refused(error(403, f"CSRF Failed: {reason}", kind="permission_error", code="csrf_failed"))
     wait = await sync_to_async(throttle_wait, thread_sensitive=False)(request, user, auth)
     if wait is not None:
         seconds = max(1, math.ceil(wait))
@@ -127,6 +134,8 @@ def _unauthenticated() -> JsonResponse:
     return response
 
 
+# The views are CSRF-exempt for Django's middleware, which would refuse API-key callers (no cookie,
+# no token); ``_user`` holds session callers to the token, as DRF does.
 @csrf_exempt
 async def models(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
