@@ -367,3 +367,38 @@ def test_a_browser_session_needs_a_csrf_token_for_the_openai_api_and_an_api_key_
         "/v1/chat/completions", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}"
     )
     assert program.status_code == 404
+
+
+# --- per-user caps: prompts in a user's active jobs --------------------------------------------------
+
+
+def test_a_users_jobs_hold_at_most_the_cap_of_prompts_queued_or_running(settings, tiny_model) -> None:
+    from controlplane.artifacts.services import register_model
+    from controlplane.deployments.models import Deployment, DeploymentStatus
+    from controlplane.serving.models import Job, JobOutput
+    from tests.controlplane.live import purge_stale_tasks
+
+    settings.MAX_ACTIVE_JOB_PROMPTS_PER_USER = 5
+    model = register_model(name="tiny", path=str(tiny_model))
+    Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
+    users = get_user_model().objects
+    alice, bob = APIClient(), APIClient()
+    alice.credentials(HTTP_AUTHORIZATION=f"Bearer {create_api_key(user=users.create_user('alice'))[1]}")
+    bob.credentials(HTTP_AUTHORIZATION=f"Bearer {create_api_key(user=users.create_user('bob'))[1]}")
+
+    def submit(client: APIClient, prompts: int):
+        return client.post("/api/jobs", {"model": "d", "prompts": ["hi"] * prompts, "max_tokens": 4}, format="json")
+
+    try:
+        first = submit(alice, 3)
+        assert first.status_code == 201
+        refused = submit(alice, 3)
+        assert refused.status_code == 429, refused.content
+        assert refused.json()["detail"].startswith("your jobs already have 3 prompts queued or running")
+        assert (Job.objects.count(), JobOutput.objects.count()) == (1, 3)  # nothing of it was stored
+        assert submit(alice, 2).status_code == 201  # up to the cap
+        assert submit(bob, 3).status_code == 201  # a cap per user
+        assert alice.post(f"/api/jobs/{first.json()['id']}/cancel").status_code == 200
+        assert submit(alice, 3).status_code == 201  # cancelled prompts no longer count
+    finally:
+        purge_stale_tasks()  # queued for a worker this test has not

@@ -15,6 +15,7 @@
 | ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
 | ``ODMOE_LOG_LEVEL`` | log level of every process | INFO |
 | ``ODMOE_MAX_REQUEST_BYTES`` | the largest request body and websocket frame taken (413 / close 1009) | 16777216 |
+| ``ODMOE_MAX_ACTIVE_JOB_PROMPTS_PER_USER`` | prompts a user's jobs may have queued or running (429) | 200 |
 """
 
 from __future__ import annotations
@@ -169,6 +170,10 @@ MAX_GENERATIONS_PER_USER = int(os.environ.get("ODMOE_MAX_GENERATIONS_PER_USER", 
 # the two never disagree about a request.
 MAX_REQUEST_BYTES = int(os.environ.get("ODMOE_MAX_REQUEST_BYTES", str(16 * 2**20)))
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
+# Prompts one user's jobs may have queued or running at once (serving/jobs.py; past it, 429):
+# jobs run from one queue in the order they came, so a user's many prompts hold everyone
+# else's behind them. 200: two jobs of the most prompts one job takes (100).
+MAX_ACTIVE_JOB_PROMPTS_PER_USER = int(os.environ.get("ODMOE_MAX_ACTIVE_JOB_PROMPTS_PER_USER", "200"))
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "odmoe control plane API",
