@@ -96,6 +96,9 @@ CHAT_TIMEOUT_S = 300.0  # past the control plane's own 120 s wait for a first to
 STALL_S = 30.0  # heartbeats still missing with none written for this long are lost
 TIMELINE_S = 10.0  # the heartbeat latency is also reported per this many seconds of the run
 ANON_RATE = "100000/minute"
+# Its chat users ask again as soon as an answer ends (no pause unless --think-s), faster than the
+# chat's rate per user lets a person (ODMOE_THROTTLE_CHAT): the run measures the control plane.
+CHAT_RATE = "100000/minute"
 LAG_TICK_S = 0.1
 PROMPTS = [
     "In Python, a dictionary",
@@ -267,6 +270,7 @@ def configure_django(work: Path, redis_url: str) -> None:
         DATABASE_URL=f"sqlite:///{work / 'db.sqlite3'}",
         REDIS_URL=redis_url,
         ODMOE_THROTTLE_ANON=ANON_RATE,
+        ODMOE_THROTTLE_CHAT=CHAT_RATE,
     )
     import logging
 

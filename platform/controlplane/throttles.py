@@ -19,7 +19,7 @@ from django.core.cache import cache
 from django.http import HttpRequest
 from rest_framework.request import Request
 from rest_framework.settings import api_settings
-from rest_framework.throttling import AnonRateThrottle, UserRateThrottle
+from rest_framework.throttling import AnonRateThrottle, SimpleRateThrottle, UserRateThrottle
 
 SLOT_TTL_S = 3600  # a slot a dead process never gave back expires after this long
 
@@ -38,6 +38,22 @@ class UserThrottle(UserRateThrottle):
 class AnonThrottle(AnonRateThrottle):
     def allow_request(self, request, view) -> bool:
         return _is_node(request) or super().allow_request(request, view)
+
+
+class ChatMessageThrottle(SimpleRateThrottle):
+    """Messages one user sends the chat (``DEFAULT_THROTTLE_RATES["chat"]``): DRF's counting,
+    keyed by the user, for a websocket message that has no HTTP request (``allow_request(user, None)``)."""
+
+    scope = "chat"
+
+    def get_cache_key(self, request, view) -> str:  # ``request`` is the user
+        return self.cache_format % {"scope": self.scope, "ident": request.pk}
+
+
+def chat_message_wait(user) -> float | None:
+    """None when ``user`` may send the chat another message now, else the seconds until they may."""
+    throttle = ChatMessageThrottle()
+    return None if throttle.allow_request(user, None) else (throttle.wait() or 0.0)
 
 
 def throttle_wait(request: HttpRequest, user, auth=None) -> float | None:

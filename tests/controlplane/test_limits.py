@@ -402,3 +402,50 @@ def test_a_users_jobs_hold_at_most_the_cap_of_prompts_queued_or_running(settings
         assert submit(alice, 3).status_code == 201  # cancelled prompts no longer count
     finally:
         purge_stale_tasks()  # queued for a worker this test has not
+
+
+# --- per-user caps: chat messages per minute --------------------------------------------------------
+
+
+def test_the_chat_refuses_a_users_messages_past_the_rate_and_stores_nothing_of_them(monkeypatch, settings) -> None:
+    """No deployment is ready, so each message taken is stored with an answer that failed; the
+    third within the minute is refused before anything of it is stored, and says so (the page
+    then gives the text back to its box)."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import channel_layers
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.chat.consumers import ChatConsumer
+    from controlplane.chat.models import Message
+
+    monkeypatch.setattr(throttles.ChatMessageThrottle, "THROTTLE_RATES", {"chat": "2/minute"})
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    channel_layers.backends.clear()
+    users = get_user_model().objects
+
+    async def talk(user, messages: int) -> list[dict]:
+        comm = WebsocketCommunicator(ChatConsumer.as_asgi(), "/ws/chat/")
+        comm.scope["user"] = user
+        assert (await comm.connect())[0]
+        last = []
+        for i in range(messages):
+            await comm.send_json_to({"type": "send", "conversation": None, "content": f"question {i}"})
+            events = [await comm.receive_json_from(timeout=10)]
+            while events[-1]["type"] != "done" and not events[-1].get("refused"):
+                events.append(await comm.receive_json_from(timeout=10))
+            last = events
+        await comm.disconnect()
+        return last
+
+    try:
+        refused = async_to_sync(talk)(users.create_user("alice"), 3)
+        assert (
+            refused == [{"type": "error", "detail": refused[0]["detail"], "refused": True}]
+            and "faster than this server takes them" in refused[0]["detail"]
+        )
+        stored = list(Message.objects.order_by("pk").values_list("role", "content"))
+        assert stored == [("user", "question 0"), ("assistant", ""), ("user", "question 1"), ("assistant", "")]
+        (done,) = [e for e in async_to_sync(talk)(users.create_user("bob"), 1) if e["type"] == "done"]
+        assert done["status"] == "failed"  # taken (and answered: no deployment); bob has a count of his own
+    finally:
+        channel_layers.backends.clear()

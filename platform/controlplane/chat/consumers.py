@@ -1,7 +1,9 @@
 """The chat websocket: a user's message in, the answer's tokens out as the cluster makes them.
 
-Only logged-in users connect (the session cookie); one answer at a time per socket; a
-``stop`` message really stops the generation on the cluster, and so does closing the page.
+Only logged-in users connect (the session cookie); one answer at a time per socket, and at
+most ``DEFAULT_THROTTLE_RATES["chat"]`` messages a user (past it a message is refused before
+anything of it is stored); a ``stop`` message really stops the generation on the cluster, and
+so does closing the page.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
@@ -18,7 +22,7 @@ from controlplane.serving import completions
 from controlplane.serving import metrics as served
 from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, TextDelta
 from controlplane.serving.text import InputError, Sampling, check_lengths, check_text_fits, encode_chat
-from controlplane.throttles import TooManyGenerations, generation_slot
+from controlplane.throttles import TooManyGenerations, chat_message_wait, generation_slot
 
 from . import protocol, services
 from .models import MessageStatus
@@ -71,7 +75,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(message, protocol.Stop):
             await self._stop_generation()
         elif self.answering is not None and not self.answering.done():
-            await self.send_json(protocol.error("an answer is still being written: wait for it or stop it"))
+            await self.send_json(protocol.refused("an answer is still being written: wait for it or stop it"))
+        elif (wait := await sync_to_async(chat_message_wait)(self.scope["user"])) is not None:
+            # Refused before anything is stored; the page keeps what was written.
+            detail = f"you are sending messages faster than this server takes them; try again in {math.ceil(wait)} s"
+            await self.send_json(protocol.refused(detail))
         else:
             self.answering = asyncio.create_task(self._answer(message))
 
@@ -87,7 +95,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 user=user, conversation_id=send.conversation, content=send.content
             )
         except services.ChatError as exc:
-            await self.send_json(protocol.error(str(exc)))
+            await self.send_json(protocol.refused(str(exc)))
             return
         await self.send_json(protocol.conversation(conversation.pk, conversation.title))
         text, status, metrics, error = "", MessageStatus.FAILED, {}, ""

@@ -3,7 +3,9 @@
 Browser → server: ``{"type": "send", "conversation": ID | null, "content": TEXT, "max_tokens": N?}``
 and ``{"type": "stop"}``. Server → browser: ``conversation`` (the conversation the answer
 belongs to), ``token`` (a piece of text), ``done`` (the saved answer with its figures) and
-``error`` (a reason to show). ``parse_client`` validates what arrives and says what is wrong.
+``error`` (a reason to show; with ``"refused": true`` when the message was turned away and
+nothing of it stored, so the page gives the text back). ``parse_client`` validates what
+arrives and says what is wrong.
 """
 
 from __future__ import annotations
@@ -81,3 +83,8 @@ def done(message_id: int, content: str, status: str, metrics: dict) -> dict:
 
 def error(detail: str) -> dict:
     return {"type": "error", "detail": detail}
+
+
+def refused(detail: str) -> dict:
+    """An error that turns a ``send`` away before anything of it is stored: the page keeps the text."""
+    return {"type": "error", "detail": detail, "refused": True}

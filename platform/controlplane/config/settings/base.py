@@ -15,6 +15,9 @@
 | ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
 | ``ODMOE_LOG_LEVEL`` | log level of every process | INFO |
 | ``ODMOE_MAX_REQUEST_BYTES`` | the largest request body and websocket frame taken (413 / close 1009) | 16777216 |
+| ``ODMOE_THROTTLE_USER`` | API calls per user (REST and ``/v1``) | 600/minute |
+| ``ODMOE_THROTTLE_ANON`` | API calls per anonymous address | 60/minute |
+| ``ODMOE_THROTTLE_CHAT`` | chat messages per user | 20/minute |
 | ``ODMOE_MAX_ACTIVE_JOB_PROMPTS_PER_USER`` | prompts a user's jobs may have queued or running (429) | 200 |
 """
 
@@ -157,6 +160,8 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_RATES": {
         "user": os.environ.get("ODMOE_THROTTLE_USER", "600/minute"),
         "anon": os.environ.get("ODMOE_THROTTLE_ANON", "60/minute"),
+        # Messages one user sends the chat (each one a generation); past it, the message is refused.
+        "chat": os.environ.get("ODMOE_THROTTLE_CHAT", "20/minute"),
     },
 }
 # Generations one user may run at once (OpenAI API and chat); more are a 429 with Retry-After.
