@@ -16,8 +16,9 @@ Then, from this one asyncio process:
   ``agent.messages.Heartbeat`` at once and every ``--heartbeat-s`` (the agent's default:
   5 s), answers pings, and reconnects with the agent's backoff if the link drops. A
   simulated box runs no role, so its heartbeat carries ``roles=[]``; its inventory is
-  collected once (``agent.inventory.collect``) and sent every time with one extra field,
-  ``bench_seq``, the heartbeat's number.
+  collected once (``agent.inventory.collect``) and sent every time with the heartbeat's
+  number in its host name (``bench-seq-N``: the control plane keeps only the entries it
+  knows, and a simulated box's host name is shown, never acted on).
 - ``--chats`` users, each logged in with a session of its own, talk on the chat websocket
   (``/ws/chat/``) as the browser does: a question, every ``token`` event until ``done``,
   the next question (a new conversation each time, ``--chat-tokens`` tokens at most).
@@ -28,7 +29,7 @@ For ``--duration`` seconds, after every simulated agent is online, it measures:
 - heartbeat latency. The agent link has no acknowledgement for a heartbeat (events go up,
   nothing answers them), so the honest figure is the time from the agent sending it to the
   control plane writing it to the node's row (``last_seen``, ``inventory``): a trigger in
-  the benchmark's own SQLite database notes, for every heartbeat written, its ``bench_seq``
+  the benchmark's own SQLite database notes, for every heartbeat written, its number
   and SQLite's clock (1 ms resolution; the same machine, so the same clock as the sender's).
   A heartbeat sent and never written is *lost*.
 - nodes wrongly marked offline: a second trigger notes every change of a node's status, by
@@ -280,13 +281,17 @@ def configure_django(work: Path, redis_url: str) -> None:
     logging.getLogger("axes").setLevel(logging.WARNING)  # one line per chat user's login otherwise
 
 
+SEQ_PREFIX = "bench-seq-"  # a simulated box's host name: the heartbeat's number follows
 TRIGGERS = """
 CREATE TABLE bench_heartbeat (name TEXT, seq INTEGER, at REAL);
 CREATE TRIGGER bench_heartbeat_written AFTER UPDATE OF inventory ON {nodes}
-WHEN json_extract(NEW.inventory, '$.bench_seq') IS NOT NULL
+WHEN json_extract(NEW.inventory, '$.hostname') LIKE '{seq_prefix}%'
 BEGIN
-  INSERT INTO bench_heartbeat VALUES
-    (NEW.name, json_extract(NEW.inventory, '$.bench_seq'), (julianday('now') - 2440587.5) * 86400.0);
+  INSERT INTO bench_heartbeat VALUES (
+    NEW.name,
+    CAST(substr(json_extract(NEW.inventory, '$.hostname'), {seq_start}) AS INTEGER),
+    (julianday('now') - 2440587.5) * 86400.0
+  );
 END;
 CREATE TABLE bench_status (name TEXT, old TEXT, new TEXT, at REAL);
 CREATE TRIGGER bench_status_changed AFTER UPDATE OF status ON {nodes}
@@ -310,7 +315,12 @@ def install_triggers(db: Path) -> None:
     from controlplane.nodes.models import Node
 
     with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
-        script = TRIGGERS.format(nodes=Node._meta.db_table, deployments=Deployment._meta.db_table)
+        script = TRIGGERS.format(
+            nodes=Node._meta.db_table,
+            deployments=Deployment._meta.db_table,
+            seq_prefix=SEQ_PREFIX,
+            seq_start=len(SEQ_PREFIX) + 1,  # SQLite counts from 1
+        )
         conn.executescript(script)
         conn.commit()
 
@@ -507,7 +517,7 @@ async def serve_link(load: Load, agent: SimAgent, ws) -> bool:
         while not load.stop_beats.is_set():
             agent.seq += 1
             seq = agent.seq
-            message = Heartbeat(inventory={**agent.inventory, "bench_seq": seq}, roles=[])
+            message = Heartbeat(inventory={**agent.inventory, "hostname": f"{SEQ_PREFIX}{seq}"}, roles=[])
             payload = json.dumps(message.to_json())
             agent.sent[seq] = time.time()
             try:
