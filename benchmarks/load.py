@@ -85,7 +85,7 @@ from agent.__main__ import enroll_or_resume
 from agent.backoff import reconnect_delay
 from agent.http import ControlPlaneError, request_json
 from agent.link import CLOSE_UNAUTHENTICATED, link_url
-from agent.messages import COMMANDS, Heartbeat, MessageError, Ping, Pong, parse
+from agent.messages import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, Pong, parse
 from benchmarks.overhead import percentile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -479,7 +479,10 @@ async def run_agent(load: Load, agent: SimAgent) -> None:
         try:
             async with connect(
                 link_url(agent.credential.server),
-                additional_headers={"Authorization": agent.credential.authorization},
+                additional_headers={
+                    "Authorization": agent.credential.authorization,
+                    PROTOCOL_HEADER: str(AGENT_PROTOCOL),
+                },
                 open_timeout=10,
                 proxy=None,
             ) as ws:

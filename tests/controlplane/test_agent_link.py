@@ -21,7 +21,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from agent.backoff import reconnect_delay
-from agent.messages import LINK_PATH, Heartbeat, MessageError, Ping, parse
+from agent.messages import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, parse
 from controlplane.config.asgi import application
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes
@@ -38,7 +38,9 @@ def enrolled(name: str = "box") -> tuple[Node, str]:
 
 
 def communicator(authorization: str | None) -> WebsocketCommunicator:
-    headers = [(b"authorization", authorization.encode())] if authorization else []
+    """A link as an agent of this protocol opens it (with ``authorization``, its credential)."""
+    headers = [(PROTOCOL_HEADER.lower().encode(), str(AGENT_PROTOCOL).encode())]
+    headers += [(b"authorization", authorization.encode())] if authorization else []
     return WebsocketCommunicator(application, LINK_PATH, headers=headers)
 
 

@@ -189,7 +189,7 @@ def test_a_websocket_frame_past_the_cap_closes_the_socket_before_a_consumer_read
     from channels.layers import channel_layers
     from channels.testing import WebsocketCommunicator
 
-    from agent.messages import LINK_PATH
+    from agent.messages import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER
     from controlplane.config.asgi import application
     from controlplane.nodes.models import NodeStatus
     from controlplane.nodes.services import create_join_token, enroll_node
@@ -202,7 +202,12 @@ def test_a_websocket_frame_past_the_cap_closes_the_socket_before_a_consumer_read
 
     async def link() -> dict:
         comm = WebsocketCommunicator(
-            application, LINK_PATH, headers=[(b"authorization", f"Node {node.pk}:{secret}".encode())]
+            application,
+            LINK_PATH,
+            headers=[
+                (b"authorization", f"Node {node.pk}:{secret}".encode()),
+                (PROTOCOL_HEADER.lower().encode(), str(AGENT_PROTOCOL).encode()),
+            ],
         )
         assert (await comm.connect())[0]
         await comm.send_to(text_data=heartbeat)
