@@ -17,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-from inference.constants import BATCH_ARITHMETICS, COMPUTE_DTYPES, EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES
+from inference.constants import (
+    BATCH_ARITHMETICS,
+    COMPUTE_DTYPES,
+    DEFAULT_MAX_PER_USER,
+    DEFAULT_MAX_WAITING,
+    EXPERT_STORES,
+    MAX_BATCH,
+    SHADOW_DTYPES,
+)
 from inference.curve import CurveError, CurveKeys, check_keys
 from inference.routing import ARITHMETICS
 from inference.strategies import DEFAULT_STRATEGY, RUNTIME_STRATEGIES, expert_store_for, predictor_for
@@ -80,12 +88,12 @@ class Settings:
     # Continuous batching (inference.batching): sequences main runs at once, and requests it
     # holds beyond them before it refuses new ones.
     max_batch: int = 8
-    max_waiting: int = 64
+    max_waiting: int = DEFAULT_MAX_WAITING
     # Generations one user may have in main at once, running and waiting (inference.batching.
     # admission); more are refused as "too many generations", not "full". Below max_batch +
     # max_waiting, so that one user sending many leaves room for the others: 32 lets an
     # evaluation harness or a batch client send 32 at once and leaves 40 places to everyone else.
-    max_per_user: int = 32
+    max_per_user: int = DEFAULT_MAX_PER_USER
     # How a worker computes an expert's rows of several sequences: "exact" (each sequence's
     # rows on their own, so every token is its own run's) or "fused" (one GEMM over all of
     # them: the expert's weights read once, but a GEMM over several rows may round

@@ -7,8 +7,9 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.csrf import ensure_csrf_cookie
 
-from controlplane.deployments.services import DEFAULT_MAX_BATCH
+from controlplane.deployments.services import DEFAULT_MAX_BATCH, DEFAULT_MAX_PER_USER
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
+from inference.spec import Settings
 from inference.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 
 from .snapshot import snapshot
@@ -17,7 +18,8 @@ from .snapshot import snapshot
 @staff_member_required
 @ensure_csrf_cookie  # the page's script sends the cookie's token with its API calls
 def console(request: HttpRequest) -> HttpResponse:
-    """The console page; its deployment form's limits are the API's (``max_batch`` from 1 to ``MAX_BATCH``).
+    """The console page; its deployment form's limits are the API's (``max_batch`` from 1 to ``MAX_BATCH``,
+    ``max_per_user`` below ``max_batch`` + main's queue).
 
     ``own_predictors`` (strategy -> its own predictor, or None) tells the form's script whether
     a deployment has a shadow seat, so its estimate counts the workers the role map will have.
@@ -30,6 +32,9 @@ def console(request: HttpRequest) -> HttpResponse:
         "own_predictors": {s: get_strategy(s).predictor for s in RUNTIME_STRATEGIES},
         "default_max_batch": DEFAULT_MAX_BATCH,
         "max_batch_limit": MAX_BATCH,
+        "default_max_per_user": DEFAULT_MAX_PER_USER,
+        "max_per_user_limit": MAX_BATCH + Settings.max_waiting - 1,
+        "max_waiting": Settings.max_waiting,
     }
     return render(request, "console/console.html", context)
 
