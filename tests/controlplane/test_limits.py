@@ -1,6 +1,8 @@
 """Limits: the edge's cap on request bodies and websocket frames, login lockout (django-axes), DRF
-throttles per user and per address, and the cap on one user's generations at once (a 429 with
-Retry-After, in OpenAI's error shape)."""
+throttles per user and per address (the OpenAI API's too), CSRF for browser sessions on /v1, the
+prompt's length before tokenizing, the per-user caps on job prompts and chat messages, and the
+parse-time bound on one request's generations. (Main's own bound on a user's generations is
+tested in tests/test_batching*.py and end to end in test_serving_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -61,39 +63,30 @@ def test_api_calls_past_the_rate_are_429_per_user_and_anonymous_per_address(monk
     assert anonymous == [400, 400, 429]
 
 
-def test_one_user_runs_at_most_the_cap_of_generations_at_once(settings) -> None:
-    settings.MAX_GENERATIONS_PER_USER = 2
-
-    async def scenario() -> list:
-        first = await throttles.GenerationSlot.take(7)
-        second = await throttles.GenerationSlot.take(7)
-        with pytest.raises(throttles.TooManyGenerations, match="at most 2 generations at once"):
-            await throttles.GenerationSlot.take(7)
-        other = await throttles.GenerationSlot.take(8)  # another user has slots of their own
-        await first.release()
-        await first.release()  # twice: given back once
-        third = await throttles.GenerationSlot.take(7)
-        for slot in (second, other, third):
-            await slot.release()
-        return [await throttles.GenerationSlot.take(7) for _ in range(2)]
-
-    assert len(asyncio.run(scenario())) == 2
-
-
-def test_the_openai_api_answers_429_past_the_cap(settings, tiny_model) -> None:
+def test_a_request_for_more_generations_than_one_user_may_have_is_a_400_at_parse_time(tiny_model) -> None:
+    """The bound is the deployment's (``max_per_user``); a request within it is not refused here
+    (main queues a user's generations past its batch, and refuses past the bound with a 429)."""
     from controlplane.artifacts.services import register_model
     from controlplane.deployments.models import Deployment, DeploymentStatus
 
-    settings.MAX_GENERATIONS_PER_USER = 0  # no slot at all: the first request is past the cap
     model = register_model(name="tiny", path=str(tiny_model))
-    Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
+    Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY, max_per_user=4)
     _, key = create_api_key(user=get_user_model().objects.create_user("user"))
-    body = {"model": "d", "messages": [{"role": "user", "content": "hi"}]}
-    response = Client().post(
-        "/v1/chat/completions", json.dumps(body), content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}"
-    )
-    assert response.status_code == 429 and response["Retry-After"] == "1"
-    assert response.json()["error"]["code"] == "too_many_generations"
+
+    def ask(path: str, body: dict):
+        body = json.dumps({"model": "d", "max_tokens": 4, **body})
+        return Client().post(path, body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    too_many_choices = ask("/v1/chat/completions", {**chat, "n": 5})
+    assert too_many_choices.status_code == 400 and too_many_choices.json()["error"]["param"] == "n"
+    assert "from 1 to 4" in too_many_choices.json()["error"]["message"]
+    too_many_prompts = ask("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2})
+    assert too_many_prompts.status_code == 400 and too_many_prompts.json()["error"]["param"] == "prompt"
+    # Within the bound: past the parse, to the cluster (this deployment has no main: 503).
+    for path, body in [("/v1/chat/completions", {**chat, "n": 4}), ("/v1/completions", {"prompt": ["a", "b"], "n": 2})]:
+        within = ask(path, body)
+        assert within.status_code == 503 and within.json()["error"]["code"] == "model_not_ready", within.content
 
 
 # --- the edge: request bodies and websocket frames past the cap -----------------------------------

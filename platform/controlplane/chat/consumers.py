@@ -22,7 +22,7 @@ from controlplane.serving import completions
 from controlplane.serving import metrics as served
 from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, TextDelta
 from controlplane.serving.text import InputError, Sampling, check_lengths, check_text_fits, encode_chat
-from controlplane.throttles import TooManyGenerations, chat_message_wait, generation_slot
+from controlplane.throttles import chat_message_wait
 
 from . import protocol, services
 from .models import MessageStatus
@@ -105,20 +105,20 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             )
             await database_sync_to_async(services.set_model)(answer_id=answer.pk, model_name=target.name)
             request_id = completions.new_request_id()
-            async with generation_slot(user.pk):  # the same per-user cap as the OpenAI API
-                self.running = (target.deployment_id, request_id)
-                stream = completions.astream(
-                    target, prompt_ids, send.max_tokens, GREEDY, request_id=request_id, user=user.pk
-                )
-                async for item in stream:
-                    if isinstance(item, TextDelta):
-                        text += item.text
-                        await self.send_json(protocol.token(item.text))
-                    elif isinstance(item, CompletionResult):
-                        text, metrics = item.text, item.metrics
-                        status = MessageStatus.STOPPED if item.finish_reason == "cancelled" else MessageStatus.COMPLETE
-                        served.record("chat", ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
-        except (ClusterUnavailable, ClusterGenerationError, InputError, TooManyGenerations) as exc:
+            self.running = (target.deployment_id, request_id)
+            # Main bounds the user's generations (the API's and jobs' too): past it, ClusterGenerationError.
+            stream = completions.astream(
+                target, prompt_ids, send.max_tokens, GREEDY, request_id=request_id, user=user.pk
+            )
+            async for item in stream:
+                if isinstance(item, TextDelta):
+                    text += item.text
+                    await self.send_json(protocol.token(item.text))
+                elif isinstance(item, CompletionResult):
+                    text, metrics = item.text, item.metrics
+                    status = MessageStatus.STOPPED if item.finish_reason == "cancelled" else MessageStatus.COMPLETE
+                    served.record("chat", ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
+        except (ClusterUnavailable, ClusterGenerationError, InputError) as exc:
             error = str(exc)
             served.record("chat", ok=False)
         except asyncio.CancelledError:

@@ -355,10 +355,14 @@ class DeploymentGenerateApi(APIView):
         _deployment(deployment_id)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        request_fields = {**data.validated_data, "user": str(request.user.pk)}  # main bounds each user's
         try:
-            done = generation.generate(deployment_id, generation.GenerationRequest(**data.validated_data))
+            done = generation.generate(deployment_id, generation.GenerationRequest(**request_fields))
         except generation.ClusterUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        except generation.TooManyGenerations as exc:
+            headers = {"Retry-After": "1"}
+            return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS, headers=headers)
         except generation.ClusterGenerationError as exc:
             if exc.retryable:  # main is being restarted: the same request can succeed shortly
                 headers = {"Retry-After": str(RETRY_AFTER_S)}

@@ -164,9 +164,6 @@ REST_FRAMEWORK = {
         "chat": os.environ.get("ODMOE_THROTTLE_CHAT", "20/minute"),
     },
 }
-# Generations one user may run at once (OpenAI API and chat); more are a 429 with Retry-After.
-MAX_GENERATIONS_PER_USER = int(os.environ.get("ODMOE_MAX_GENERATIONS_PER_USER", "4"))
-
 # The largest request body (and websocket frame) the server reads, checked before any view
 # (controlplane/edge.py; past it: 413, or a socket closed with 1009). 16 MiB: the largest
 # request that has a use is a job of 100 prompts (serving.jobs.MAX_PROMPTS) that each fill a
