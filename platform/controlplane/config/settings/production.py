@@ -15,7 +15,7 @@ if SECRET_KEY in PUBLISHED_SECRETS or SECRET_KEY.startswith("replace-with") or l
         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(48))'), not the example's"
     )
 
-# Throttle counts and generation slots shared by every server process.
+# Throttle counts shared by every server process.
 CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
