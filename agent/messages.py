@@ -22,7 +22,9 @@ from inference.typecheck import checker
 LINK_PATH = "/ws/agent"
 # The version of what travels here: an agent reports it in its inventory, and the control plane
 # turns away, with the command that upgrades it, an agent whose protocol is not its own.
-AGENT_PROTOCOL = 1
+# 2: GenerationFailed.too_many_generations, and main enforces Settings.max_per_user (the control
+# plane no longer caps a user's generations itself, so it takes no agent whose main does not).
+AGENT_PROTOCOL = 2
 FIRST_AGENT_PROTOCOL = 1  # what an agent that sends no protocol header speaks
 PROTOCOL_HEADER = "X-Odmoe-Agent-Protocol"  # how the agent says it when it connects
 VERSION_HEADER = "X-Odmoe-Agent-Version"
@@ -165,13 +167,16 @@ class GenerationDone(LinkMessage):
 class GenerationFailed(LinkMessage):
     """A generation ended without a result; ``retryable``: the same request can succeed shortly
     (main died and is being restarted), as opposed to one that cannot (a bad request);
-    ``busy``: main's batch and queue were full, so it never started (ask again later)."""
+    ``busy``: main's batch and queue were full, so it never started (ask again later);
+    ``too_many_generations``: its user already had the most generations one user may have in
+    main (``Settings.max_per_user``), so it never started (send it when one of theirs ends)."""
 
     TYPE = "generation_failed"
     request_id: str
     error: str
     retryable: bool = False
     busy: bool = False
+    too_many_generations: bool = False
 
 
 # --- commands: control plane -> agent ---------------------------------------------------

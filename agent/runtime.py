@@ -470,7 +470,8 @@ class RoleRunner:
         except MainExited as exc:
             post(GenerationFailed(request_id=command.request_id, error=str(exc), retryable=True))
         except RuntimeGenerationFailed as exc:
-            post(GenerationFailed(request_id=command.request_id, error=str(exc), busy=exc.busy))
+            refused = {"busy": exc.busy, "too_many_generations": exc.too_many_generations}
+            post(GenerationFailed(request_id=command.request_id, error=str(exc), **refused))
         return None
 
     def _check_main_alive(self) -> None:

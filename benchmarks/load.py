@@ -17,8 +17,9 @@ Then, from this one asyncio process:
   ``agent.messages.Heartbeat`` at once and every ``--heartbeat-s`` (the agent's default:
   5 s), answers pings, and reconnects with the agent's backoff if the link drops. A
   simulated box runs no role, so its heartbeat carries ``roles=[]``; its inventory is
-  collected once (``agent.inventory.collect``) and sent every time with one extra field,
-  ``bench_seq``, the heartbeat's number.
+  collected once (``agent.inventory.collect``) and sent every time with the heartbeat's
+  number in its host name (``bench-seq-N``: the control plane keeps only the entries it
+  knows, and a simulated box's host name is shown, never acted on).
 - ``--chats`` users, each logged in with a session of its own, talk on the chat websocket
   (``/ws/chat/``) as the browser does: a question, every ``token`` event until ``done``,
   the next question (a new conversation each time, ``--chat-tokens`` tokens at most).
@@ -41,7 +42,7 @@ For ``--duration`` seconds, after every simulated agent is online, it measures:
 - heartbeat latency. The agent link has no acknowledgement for a heartbeat (events go up,
   nothing answers them), so the honest figure is the time from the agent sending it to the
   control plane writing it to the node's row (``last_seen``, ``inventory``): a trigger in
-  the benchmark's own SQLite database notes, for every heartbeat written, its ``bench_seq``
+  the benchmark's own SQLite database notes, for every heartbeat written, its number
   and SQLite's clock (1 ms resolution; the same machine, so the same clock as the sender's).
   The control plane writes a node's newest heartbeat (``nodes.consumers``: liveness is never
   queued behind anything), so when its writes fall behind, a heartbeat that a later one of the
@@ -68,10 +69,11 @@ the heartbeat latency per 10 s of the run (a backlog that grows shows here), and
 part used during the window, with what the rest of the machine used (on a shared machine
 every figure is worse).
 
-One setting differs from a production install: the limit on anonymous calls per address
-(60/minute) is raised for this server, since every simulated box enrolls from 127.0.0.1
-while real boxes each have an address of their own. Prints a Markdown table; ``--json``
-writes every figure.
+Two settings differ from a production install (``--production`` too): the limit on anonymous
+calls per address (60/minute) is raised for this server, since every simulated box enrolls
+from 127.0.0.1 while real boxes each have an address of their own, and so is the chat's per
+user (its users ask again at once). Prints a Markdown table; ``--json`` writes every figure,
+``--markdown`` the tables.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ from agent.__main__ import enroll_or_resume
 from agent.backoff import reconnect_delay
 from agent.http import ControlPlaneError, request_json
 from agent.link import CLOSE_UNAUTHENTICATED, link_url
-from agent.messages import COMMANDS, Heartbeat, MessageError, Ping, Pong, parse
+from agent.messages import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, Pong, parse
 from agent.tls import ServerTrust
 from benchmarks.overhead import percentile
 
@@ -116,6 +118,9 @@ CHAT_TIMEOUT_S = 300.0  # past the control plane's own 120 s wait for a first to
 STALL_S = 30.0  # heartbeats still missing with none written for this long are lost
 TIMELINE_S = 10.0  # the heartbeat latency is also reported per this many seconds of the run
 ANON_RATE = "100000/minute"
+# Its chat users ask again as soon as an answer ends (no pause unless --think-s), faster than the
+# chat's rate per user lets a person (ODMOE_THROTTLE_CHAT): the run measures the control plane.
+CHAT_RATE = "100000/minute"
 LAG_TICK_S = 0.1
 PROMPTS = [
     "In Python, a dictionary",
@@ -306,6 +311,7 @@ def configure_django(work: Path, redis_url: str) -> None:
         DATABASE_URL=f"sqlite:///{work / 'db.sqlite3'}",
         REDIS_URL=redis_url,
         ODMOE_THROTTLE_ANON=ANON_RATE,
+        ODMOE_THROTTLE_CHAT=CHAT_RATE,
     )
     import logging
 
@@ -315,13 +321,17 @@ def configure_django(work: Path, redis_url: str) -> None:
     logging.getLogger("axes").setLevel(logging.WARNING)  # one line per chat user's login otherwise
 
 
+SEQ_PREFIX = "bench-seq-"  # a simulated box's host name: the heartbeat's number follows
 TRIGGERS = """
 CREATE TABLE bench_heartbeat (name TEXT, seq INTEGER, at REAL);
 CREATE TRIGGER bench_heartbeat_written AFTER UPDATE OF inventory ON {nodes}
-WHEN json_extract(NEW.inventory, '$.bench_seq') IS NOT NULL
+WHEN json_extract(NEW.inventory, '$.hostname') LIKE '{seq_prefix}%'
 BEGIN
-  INSERT INTO bench_heartbeat VALUES
-    (NEW.name, json_extract(NEW.inventory, '$.bench_seq'), (julianday('now') - 2440587.5) * 86400.0);
+  INSERT INTO bench_heartbeat VALUES (
+    NEW.name,
+    CAST(substr(json_extract(NEW.inventory, '$.hostname'), {seq_start}) AS INTEGER),
+    (julianday('now') - 2440587.5) * 86400.0
+  );
 END;
 CREATE TABLE bench_status (name TEXT, old TEXT, new TEXT, at REAL);
 CREATE TRIGGER bench_status_changed AFTER UPDATE OF status ON {nodes}
@@ -345,7 +355,12 @@ def install_triggers(db: Path) -> None:
     from controlplane.nodes.models import Node
 
     with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
-        script = TRIGGERS.format(nodes=Node._meta.db_table, deployments=Deployment._meta.db_table)
+        script = TRIGGERS.format(
+            nodes=Node._meta.db_table,
+            deployments=Deployment._meta.db_table,
+            seq_prefix=SEQ_PREFIX,
+            seq_start=len(SEQ_PREFIX) + 1,  # SQLite counts from 1
+        )
         conn.executescript(script)
         conn.commit()
 
@@ -366,9 +381,12 @@ POSTGRES_TRIGGERS = """
 CREATE TABLE bench_heartbeat (name text, seq bigint, at double precision);
 CREATE FUNCTION bench_heartbeat_written() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-  IF NEW.inventory ? 'bench_seq' THEN
-    INSERT INTO bench_heartbeat
-      VALUES (NEW.name, (NEW.inventory ->> 'bench_seq')::bigint, extract(epoch FROM clock_timestamp()));
+  IF NEW.inventory ->> 'hostname' LIKE '{seq_prefix}%' THEN
+    INSERT INTO bench_heartbeat VALUES (
+      NEW.name,
+      substr(NEW.inventory ->> 'hostname', {seq_start})::bigint,
+      extract(epoch FROM clock_timestamp())
+    );
   END IF;
   RETURN NEW;
 END $$;
@@ -402,7 +420,12 @@ def install_postgres_triggers(url: str) -> None:
     from controlplane.deployments.models import Deployment
     from controlplane.nodes.models import Node
 
-    script = POSTGRES_TRIGGERS.format(nodes=Node._meta.db_table, deployments=Deployment._meta.db_table)
+    script = POSTGRES_TRIGGERS.format(
+        nodes=Node._meta.db_table,
+        deployments=Deployment._meta.db_table,
+        seq_prefix=SEQ_PREFIX,
+        seq_start=len(SEQ_PREFIX) + 1,  # PostgreSQL counts from 1 too
+    )
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(script)
 
@@ -595,7 +618,10 @@ async def run_agent(load: Load, agent: SimAgent) -> None:
         try:
             async with connect(
                 link_url(agent.credential.server),
-                additional_headers={"Authorization": agent.credential.authorization},
+                additional_headers={
+                    "Authorization": agent.credential.authorization,
+                    PROTOCOL_HEADER: str(AGENT_PROTOCOL),
+                },
                 open_timeout=10,
                 proxy=None,
                 **({"ssl": agent.tls} if agent.tls is not None else {}),
@@ -634,7 +660,7 @@ async def serve_link(load: Load, agent: SimAgent, ws) -> bool:
         while not load.stop_beats.is_set():
             agent.seq += 1
             seq = agent.seq
-            message = Heartbeat(inventory={**agent.inventory, "bench_seq": seq}, roles=[])
+            message = Heartbeat(inventory={**agent.inventory, "hostname": f"{SEQ_PREFIX}{seq}"}, roles=[])
             payload = json.dumps(message.to_json())
             agent.sent[seq] = time.time()
             try:
@@ -1187,7 +1213,8 @@ def run_on_production(args: argparse.Namespace, work: Path, loadavg_before) -> d
     from deploy.prodcheck import CheckFailed, production_stack
 
     try:
-        with production_stack(work, keep=args.keep, settings={"ODMOE_THROTTLE_ANON": ANON_RATE}) as stack:
+        rates = {"ODMOE_THROTTLE_ANON": ANON_RATE, "ODMOE_THROTTLE_CHAT": CHAT_RATE}
+        with production_stack(work, keep=args.keep, settings=rates) as stack:
             # This process: the production settings on the stack's PostgreSQL and Redis. Its simulated
             # agents pin the proxy's key from their join token as the real ones do; the API poller
             # and the chat and stream clients trust the certificate as a CA of their own.

@@ -1,6 +1,6 @@
 """Several prompts at once through a running platform's OpenAI API, against one after another.
 
-    ODMOE_MAX_GENERATIONS_PER_USER=8 python manage.py up   # another terminal: the demo cluster
+    python manage.py up   # another terminal: the demo cluster
     python -m benchmarks.openai_concurrency --api-key "$(python manage.py create_api_key admin)" \\
         [--base-url http://127.0.0.1:8000/v1] [--model demo] [--prompts 8] [--max-tokens 32] \\
         [--repeats 3] [--json OUT]
@@ -10,8 +10,8 @@ With the official ``openai`` client: ``--prompts`` different prompts sent one af
 many threads; the wall time of each, and their ratio (together ÷ one after another), for
 ``--repeats`` rounds, reported as medians with their spread. Greedy answers, so every
 answer sent together is checked to be the answer the same prompt got alone. One user sends
-them all, so the server must let a user run that many at once (4 by default:
-``ODMOE_MAX_GENERATIONS_PER_USER``); main's own batch holds 8 by default (``max_batch``).
+them all: main runs 8 at once by default (``max_batch``) and queues the rest, up to the
+deployment's ``max_per_user`` (32 by default) of one user's running and waiting.
 """
 
 from __future__ import annotations

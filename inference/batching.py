@@ -18,6 +18,7 @@ would alone.
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,6 +145,34 @@ def current_sequence() -> Sequence | None:
 def enter_sequence(sequence: Sequence) -> None:
     """Mark the calling thread as ``sequence``'s (its body's first act)."""
     _CURRENT.sequence = sequence
+
+
+class Admission(enum.Enum):
+    """What main does with a new request: queue it, or refuse it and say why."""
+
+    ADMIT = "admit"
+    FULL = "full"  # the queue is full: the deployment is busy for everyone
+    TOO_MANY = "too_many"  # this user already has the most generations one user may have here
+
+
+def admission(
+    user: str, running_users: list[str], waiting_users: list[str], *, max_waiting: int, max_per_user: int
+) -> Admission:
+    """Whether main queues a new request of ``user``, given who runs and who waits.
+
+    A user's requests beyond the batch wait in the queue (and join in turn: ``next_to_join``)
+    rather than being refused, up to ``max_per_user`` running and waiting at once; that bound
+    is set below the batch and queue together, so one user who sends many still leaves room
+    for others. The queue itself holds at most ``max_waiting``. Decided here, in main, for
+    every caller (chat, the API and jobs, through any number of web processes) at once: one
+    count, taken where the requests are. Requests without a user (a runtime client of the
+    deployment's own, such as a benchmark) count against the queue only.
+    """
+    if user and running_users.count(user) + waiting_users.count(user) >= max_per_user:
+        return Admission.TOO_MANY
+    if len(waiting_users) >= max_waiting:
+        return Admission.FULL
+    return Admission.ADMIT
 
 
 def next_to_join(waiting_users: list[str], running_users: list[str]) -> int:

@@ -30,12 +30,15 @@ from inference.transport import Endpoint
 class GenerationFailed(RuntimeError):
     """Main refused or could not finish a generation; the message is main's reason.
 
-    ``busy``: main's batch and queue were full, so the generation never started.
+    ``busy``: main's batch and queue were full, so the generation never started;
+    ``too_many_generations``: its user already had the most generations one user may have in
+    main (``Settings.max_per_user``), so it never started either.
     """
 
-    def __init__(self, message: str, *, busy: bool = False) -> None:
+    def __init__(self, message: str, *, busy: bool = False, too_many_generations: bool = False) -> None:
         super().__init__(message)
         self.busy = busy
+        self.too_many_generations = too_many_generations
 
 
 class RuntimeClient:
@@ -126,7 +129,7 @@ class RuntimeClient:
                 yield msg
                 return
             elif isinstance(msg, GenerateError):
-                raise GenerationFailed(msg.error, busy=msg.busy)
+                raise GenerationFailed(msg.error, busy=msg.busy, too_many_generations=msg.too_many_generations)
         raise GenerationFailed(f"the generation did not finish within {timeout_s:.0f} s")
 
     def generate(

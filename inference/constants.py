@@ -16,6 +16,10 @@ EXPERT_STORES = ("ram", "disk", "hot")
 
 # The most sequences main may run at once (``Settings.max_batch``): each holds a thread and a KV cache.
 MAX_BATCH = 64
+# Requests main holds beyond its batch (``Settings.max_waiting``), and the generations one user may
+# have in main at once, running and waiting (``Settings.max_per_user``), by default.
+DEFAULT_MAX_WAITING = 64
+DEFAULT_MAX_PER_USER = 32
 # The shadow follows at most this many sequences per sequence main may run (``max_batch``), each
 # with its own KV cache: main ends a sequence on the shadow (and waits for its statistics)
 # before another takes its place, on the same ordered link, so more is a stale state (left

@@ -146,12 +146,14 @@ class GenerateDone(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class GenerateError(Message):
-    """A generation main did not run or could not finish; ``busy``: its batch and queue were full."""
+    """A generation main did not run or could not finish; ``busy``: its batch and queue were full;
+    ``too_many_generations``: its user already had the most generations one user may have in main."""
 
     TYPE = "error"
     request_id: str
     error: str
     busy: bool = False
+    too_many_generations: bool = False
 
 
 @message

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-from inference.constants import BATCH_ARITHMETICS, COMPUTE_DTYPES, EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES
+from inference.constants import (
+    BATCH_ARITHMETICS,
+    COMPUTE_DTYPES,
+    DEFAULT_MAX_PER_USER,
+    DEFAULT_MAX_WAITING,
+    EXPERT_STORES,
+    MAX_BATCH,
+    SHADOW_DTYPES,
+)
 from inference.curve import CurveError, CurveKeys, check_keys
 from inference.routing import ARITHMETICS
 from inference.strategies import DEFAULT_STRATEGY, RUNTIME_STRATEGIES, expert_store_for, predictor_for
@@ -80,7 +88,12 @@ class Settings:
     # Continuous batching (inference.batching): sequences main runs at once, and requests it
     # holds beyond them before it refuses new ones.
     max_batch: int = 8
-    max_waiting: int = 64
+    max_waiting: int = DEFAULT_MAX_WAITING
+    # Generations one user may have in main at once, running and waiting (inference.batching.
+    # admission); more are refused as "too many generations", not "full". Below max_batch +
+    # max_waiting, so that one user sending many leaves room for the others: 32 lets an
+    # evaluation harness or a batch client send 32 at once and leaves 40 places to everyone else.
+    max_per_user: int = DEFAULT_MAX_PER_USER
     # How a worker computes an expert's rows of several sequences: "exact" (each sequence's
     # rows on their own, so every token is its own run's) or "fused" (one GEMM over all of
     # them: the expert's weights read once, but a GEMM over several rows may round
@@ -161,6 +174,15 @@ def _check_types(obj: object, where: str) -> None:
             raise SpecError(f"{where}{f.name} has the wrong type: {value!r:.60} (expected {hints[f.name]})")
 
 
+def check_max_per_user(max_per_user: int, max_batch: int, max_waiting: int) -> None:
+    """``SpecError`` unless one user's bound leaves others a place: 1 <= it < max_batch + max_waiting."""
+    if not 1 <= max_per_user < max_batch + max_waiting:
+        raise SpecError(
+            f"max_per_user must be at least 1 and below max_batch + max_waiting ({max_batch} + {max_waiting}), "
+            f"so that one user leaves room for others; got {max_per_user}"
+        )
+
+
 def validate_settings(s: Settings) -> Settings:
     """Raise ``SpecError`` saying what is wrong with the runtime settings ``s``."""
     _check_types(s, "settings.")
@@ -171,6 +193,7 @@ def validate_settings(s: Settings) -> Settings:
             raise SpecError(f"{name} must be >= 0 (0 = never align)")
     if not 1 <= s.max_batch <= MAX_BATCH or s.max_waiting < 0:
         raise SpecError(f"max_batch must be from 1 to {MAX_BATCH} and max_waiting >= 0")
+    check_max_per_user(s.max_per_user, s.max_batch, s.max_waiting)
     if s.prefill_step < 0:
         raise SpecError("prefill_step must be >= 0 (0 = the whole prompt in one step)")
     if s.prefill_chunk < 0:

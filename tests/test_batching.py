@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from inference.batching import (
+    Admission,
     LayerCall,
     Segment,
     Sequence,
     SequenceAborted,
+    admission,
     current_sequence,
     enter_sequence,
     next_to_join,
@@ -112,6 +114,20 @@ def test_the_next_to_join_is_the_oldest_request_of_the_user_with_the_fewest_runn
     assert next_to_join(["alice", "alice", "bob", "alice"], ["alice", "alice", "alice"]) == 2
     assert next_to_join(["alice", "bob"], []) == 0  # nobody running: first come, first served
     assert next_to_join(["carol", "bob", "carol"], ["bob", "carol", "carol"]) == 1
+
+
+def test_a_users_requests_past_the_batch_wait_up_to_their_bound_and_the_queue_refuses_past_its_size() -> None:
+    def decide(user: str, running: list[str], waiting: list[str]) -> Admission:
+        return admission(user, running, waiting, max_waiting=4, max_per_user=3)
+
+    assert decide("alice", ["alice"], ["alice"]) is Admission.ADMIT  # waits for its turn, not refused
+    assert decide("alice", ["alice", "alice"], ["alice"]) is Admission.TOO_MANY  # running and waiting count
+    assert decide("alice", [], ["alice"] * 3) is Admission.TOO_MANY
+    assert decide("bob", ["alice", "alice"], ["alice"]) is Admission.ADMIT  # another user still gets in
+    assert decide("bob", [], ["alice", "carol", "dave", "erin"]) is Admission.FULL  # the queue is full
+    assert decide("alice", [], ["alice"] * 3 + ["bob"]) is Admission.TOO_MANY  # the user's own reason first
+    assert decide("", [""] * 8, [""] * 3) is Admission.ADMIT  # no user: only the queue's size counts
+    assert decide("", [], [""] * 4) is Admission.FULL
 
 
 def test_a_prompt_is_prefilled_in_pieces_of_the_step_size_the_last_one_the_rest() -> None:

@@ -170,3 +170,48 @@ def test_chunked_prefill_joins_a_long_prompt_in_pieces_between_decode_steps(tiny
             for r, p, n in zip(results, prompts, new_tokens, strict=True)
         ],  # type: ignore[union-attr]
     )
+
+
+def test_main_queues_a_users_requests_up_to_its_bound_and_says_which_limit_refused_one(tiny_model: Path) -> None:
+    """One place in the batch, two in the queue, two per user: alice's second request waits (it is
+    not refused), her third is too many for one user; bob still gets the last place in the queue,
+    and carol, with nothing running, finds main full. Each refusal says which it is."""
+    settings = Settings(max_batch=1, max_waiting=2, max_per_user=2)
+    with LocalCluster(tiny_model, ClusterOptions(workers=1, settings=settings)) as cluster:
+        results: dict[str, GenerateDone | BaseException] = {}
+        started = threading.Event()
+
+        def ask(name: str, user: str) -> None:
+            client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.curve)
+            try:
+                results[name] = client.generate(
+                    PROMPTS[0], 600, user=user, request_id=name, on_token=lambda _: started.set(), timeout_s=180
+                )
+            except GenerationFailed as exc:
+                results[name] = exc
+            finally:
+                client.close()
+
+        def in_background(name: str, user: str) -> threading.Thread:
+            thread = threading.Thread(target=ask, args=(name, user))
+            thread.start()
+            time.sleep(0.5)  # it reached main before the next one
+            return thread
+
+        running = in_background("alice-1", "alice")
+        assert started.wait(60)  # alice's first runs
+        waiting = [in_background("alice-2", "alice")]
+        ask("alice-3", "alice")
+        waiting.append(in_background("bob-1", "bob"))
+        ask("carol-1", "carol")
+        assert cluster.client is not None
+        for name in ("alice-1", "alice-2", "bob-1"):
+            cluster.client.cancel(name)
+        for thread in (running, *waiting):
+            thread.join(timeout=120)
+    too_many, full = results["alice-3"], results["carol-1"]
+    assert isinstance(too_many, GenerationFailed) and too_many.too_many_generations and not too_many.busy
+    assert "already has 2 generations running or waiting" in str(too_many)
+    assert isinstance(full, GenerationFailed) and full.busy and not full.too_many_generations
+    for name in ("alice-1", "alice-2", "bob-1"):  # taken, and ended by the cancel
+        assert isinstance(results[name], GenerateDone) and results[name].finish_reason == "cancelled", results[name]

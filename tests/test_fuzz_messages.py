@@ -498,7 +498,9 @@ def in_memory_channel_layer(settings):
 
 async def feed(authorization: str, frames: list[tuple[str, object]]) -> list[dict]:
     """Open a node's link, send ``frames``, then a probe; what came back until the probe's answer."""
-    comm = WebsocketCommunicator(application, link.LINK_PATH, headers=[(b"authorization", authorization.encode())])
+    headers = [(b"authorization", authorization.encode())]
+    headers.append((link.PROTOCOL_HEADER.lower().encode(), str(link.AGENT_PROTOCOL).encode()))  # as an agent
+    comm = WebsocketCommunicator(application, link.LINK_PATH, headers=headers)
     connected, _ = await comm.connect()
     assert connected
     for kind, data in frames:  # as the server hands frames on (an empty one too, which send_to refuses)

@@ -116,6 +116,9 @@ INVALID = [
     ("negative lookahead", _edit("settings.lookahead", -1), "lookahead"),
     ("bad arithmetic", _edit("settings.experts_arithmetic", "fast"), "experts_arithmetic must be one of"),
     ("bad device", _edit("settings.device", "tpu"), "device must be auto, cpu or cuda"),
+    ("no place per user", _edit("settings.max_per_user", 0), "max_per_user must be at least 1"),
+    # One user's bound must leave others a place: below the batch and the queue together (8 + 64).
+    ("one user fills main", _edit("settings.max_per_user", 72), r"below max_batch \+ max_waiting \(8 \+ 64\)"),
     ("missing shard dir", _edit("shard_dir", "/nonexistent/shard/dir"), "shard directory .* does not exist"),
     ("curve not a map", _edit("curve", "secret"), "spec file"),
     ("curve half missing", _edit("curve", {"public": "x" * 40}), "spec file"),

@@ -30,10 +30,12 @@ from transformers.generation.streamers import BaseStreamer
 
 from inference import schedule
 from inference.batching import (
+    Admission,
     LayerCall,
     Segment,
     Sequence,
     SequenceAborted,
+    admission,
     current_sequence,
     enter_sequence,
     next_to_join,
@@ -275,14 +277,32 @@ class MainRole:
         error = self._check_request(msg)
         if not error and (msg.request_id in self.batch or any(w.request_id == msg.request_id for w, _ in self.waiting)):
             error = f"a generation with id {msg.request_id!r} is already running"
-        full = not error and len(self.waiting) >= self.spec.settings.max_waiting
-        if full:
+        if error:
+            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=error))
+            return
+        settings = self.spec.settings
+        running, waiting = [s.user for s in self.batch.values()], [m.user for m, _ in self.waiting]
+        decision = admission(
+            msg.user, running, waiting, max_waiting=settings.max_waiting, max_per_user=settings.max_per_user
+        )
+        if decision is Admission.TOO_MANY:
+            error = (
+                f"this user already has {settings.max_per_user} generations running or waiting on this deployment, "
+                "the most one user may have at once; send more when one ends"
+            )
+        elif decision is Admission.FULL:
             error = (
                 f"main is full: {len(self.batch)} sequences running and {len(self.waiting)} waiting; "
                 "try again when one ends"
             )
         if error:
-            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=error, busy=full))
+            refusal = GenerateError(
+                request_id=msg.request_id,
+                error=error,
+                busy=decision is Admission.FULL,
+                too_many_generations=decision is Admission.TOO_MANY,
+            )
+            self.endpoint.reply(client, refusal)
             return
         self.waiting.append((msg, client))
 

@@ -216,10 +216,11 @@ def tiny_cluster(
     agents: int = 3,
     predictor: str = "",
     agent_python: Path | None = None,
+    max_per_user: int | None = None,
 ) -> Iterator[tuple[Served, OwnRedis | None]]:
     """A real ASGI server, Celery worker and ``agents`` agents serving ``tiny_model`` as one ready deployment
-    with ``predictor``, on ``redis_url``; with ``own_redis_port``, that Redis is started first, in the
-    cluster's process group.
+    with ``predictor`` (and ``max_per_user``, if given), on ``redis_url``; with ``own_redis_port``, that
+    Redis is started first, in the cluster's process group.
 
     The deployment is started through the live server's REST API, so nothing is enqueued from this
     process (whose Celery producer stays on the session's Redis: ``celery_on_test_redis``). With
@@ -269,11 +270,13 @@ def tiny_cluster(
                 f"{agents} agents", lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == agents, 90
             )
             model = register_model(name="tiny", path=str(tiny_model))
+            bound = {} if max_per_user is None else {"max_per_user": max_per_user}
             deployment = create_deployment(
                 name=SERVED_MODEL,
                 model=model,
                 node_ids=[str(pk) for pk in Node.objects.values_list("pk", flat=True)],
                 predictor=predictor,
+                **bound,
             )
             plane.api.post(f"/api/deployments/{deployment.pk}/start", expect=202)
             plane.wait_for("ready", lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", 180)

@@ -21,10 +21,11 @@ from django.test import override_settings
 from django.utils import timezone
 
 from agent.backoff import reconnect_delay
-from agent.messages import LINK_PATH, Heartbeat, MessageError, Ping, parse
+from agent.messages import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, parse
 from controlplane.config.asgi import application
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes
+from controlplane.ops.processes import http_up
 from inference.launcher import free_port
 from tests.controlplane.conftest import redis_channel_layers
 
@@ -37,7 +38,9 @@ def enrolled(name: str = "box") -> tuple[Node, str]:
 
 
 def communicator(authorization: str | None) -> WebsocketCommunicator:
-    headers = [(b"authorization", authorization.encode())] if authorization else []
+    """A link as an agent of this protocol opens it (with ``authorization``, its credential)."""
+    headers = [(PROTOCOL_HEADER.lower().encode(), str(AGENT_PROTOCOL).encode())]
+    headers += [(b"authorization", authorization.encode())] if authorization else []
     return WebsocketCommunicator(application, LINK_PATH, headers=headers)
 
 
@@ -467,3 +470,167 @@ def test_an_old_links_late_close_does_not_take_a_reconnected_node_offline() -> N
     assert Node.objects.get(pk=node.pk).status == NodeStatus.ONLINE
     mark_offline(node_id=str(node.pk), link_since=Node.objects.get(pk=node.pk).connected_at)
     assert Node.objects.get(pk=node.pk).status == NodeStatus.OFFLINE
+
+
+# --- a hostile node: what its frames can make the control plane hold and store -----------------------
+
+
+def test_an_inventory_keeps_only_the_entries_its_readers_know_each_within_its_size() -> None:
+    from controlplane.nodes.inventory import MAX_GPUS, clean_inventory
+
+    sent = {
+        "cpu_count": 8,
+        "hostname": "box",
+        "junk": "x" * 100_000,  # kept as sent, before
+        "shard_bytes": {f"1/worker-{i}": 10 for i in range(1000)},
+        "free_ports": list(range(1, 5000)),
+        "gpus": [{"index": 0, "memory_bytes": 24, "evil": "y" * 1000}] * 1000,
+        "ram_bytes": 2**70,
+        "address": "a" * 10_000,
+    }
+    kept = clean_inventory(sent)
+    assert kept == {"cpu_count": 8, "hostname": "box", "gpus": [{"index": 0, "memory_bytes": 24}] * MAX_GPUS}
+    assert clean_inventory({"free_ports": [9300, 9301], "shard_bytes": {"1/main": 5}}) == {
+        "free_ports": [9300, 9301],
+        "shard_bytes": {"1/main": 5},
+    }
+
+
+def test_a_role_report_keeps_its_known_figures_within_their_sizes() -> None:
+    from controlplane.nodes.reports import MAX_DETAIL_CHARS, clean_role_report, clean_role_reports
+
+    report = {
+        "type": "role_state",
+        "deployment": "dep1-1",
+        "role": "main",
+        "role_name": "main",
+        "state": "ready",
+        "detail": "d" * 100_000,
+        "metrics": {"recall": 0.5, "groups": [[0, 1]], "recall_per_layer": [0.5] * 100_000, "junk": 1},
+        "memory": {"host_bytes": 7, "device_bytes": 2**64, "evil": 3},
+        "extra": "z" * 1000,
+    }
+    cleaned = clean_role_report(report)
+    assert cleaned == {
+        "deployment": "dep1-1",
+        "role": "main",
+        "role_name": "main",
+        "state": "ready",
+        "detail": "d" * MAX_DETAIL_CHARS,
+        "metrics": {"recall": 0.5, "groups": [[0, 1]]},  # the figure too large to keep is left out
+        "memory": {"host_bytes": 7},
+    }
+    assert "metrics" not in clean_role_report({"state": "ready"})  # none sent: the last ones stay
+    assert len(clean_role_reports([report] * 10_000)) == 64
+    assert clean_role_reports("x") == [] and clean_role_report(3) is None
+
+
+def test_pending_writes_keep_one_per_kind_the_latest_and_at_most_their_limit() -> None:
+    from controlplane.nodes.reports import PendingWrites
+
+    pending = PendingWrites(limit=3)
+    for i in range(10_000):
+        assert pending.put(("roles",), print, {"n": i})
+        assert pending.put(("role", "dep1-1", "main"), print, {"n": i})
+    assert len(pending) == 2
+    assert pending.put(("progress", "t1"), print, {"n": 1})
+    assert not pending.put(("progress", "t2"), print, {"n": 2})  # a new kind past the limit
+    assert pending.put(("roles",), print, {"n": "last"})  # a known kind still replaces its write
+    assert [pending.take()[1]["n"] for _ in range(len(pending))] == [9999, 1, "last"]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_hostile_node_flooding_its_link_gets_bounded_rows_and_an_answering_link(
+    redis_url: str, tmp_path: Path, tiny_model: Path
+) -> None:
+    """A node credential sends thousands of frames, as fast as the socket takes them, with huge and
+    unknown fields: its node row and its role's row keep what is known and small, no task appears,
+    the server does not hold the frames (its memory grows by less than they add up to), and the link
+    still answers."""
+    import uuid
+
+    from django.db import connection
+    from websockets.asyncio.client import connect
+
+    from agent.messages import AGENT_PROTOCOL, MEMORY_FIGURES, PROTOCOL_HEADER, RUNTIME_METRICS
+    from controlplane.artifacts.services import register_model
+    from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, Role
+    from controlplane.nodes.inventory import ENTRIES
+    from controlplane.nodes.models import NodeTask
+
+    node, secret = enrolled("hostile")
+    deployment = Deployment.objects.create(
+        name="d", model=register_model(name="tiny", path=str(tiny_model)), status=DeploymentStatus.READY, epoch=1
+    )
+    DeploymentNode.objects.create(deployment=deployment, node=node, role=Role.MAIN, port=9300, state="ready")
+    port = free_port()
+    env = service_env(connection.settings_dict["NAME"], redis_url)
+    server = start_server(port, env, tmp_path)
+    junk = "x" * 20_000
+    heartbeat = {
+        "type": "heartbeat",
+        "inventory": {"cpu_count": 4, "junk": junk, "gpus": [{"memory_bytes": 1, "evil": "y" * 100}] * 50},
+        "roles": [{"deployment": deployment.runtime_key, "role_name": "main", "state": "ready", "x": "z" * 1000}] * 20,
+    }
+    role_state = {
+        "type": "role_state",
+        "deployment": deployment.runtime_key,
+        "role": "main",
+        "role_name": "main",
+        "state": "ready",
+        "metrics": {"recall": 0.5, "recall_per_layer": [0.25] * 5000, "junk": junk},
+        "memory": {"host_bytes": 1, "evil": 2},
+    }
+    frames = 1000
+
+    def rss_kib() -> int:
+        status = Path(f"/proc/{server.pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+
+    async def flood() -> tuple[int, list[dict]]:
+        headers = {"Authorization": f"Node {node.pk}:{secret}", PROTOCOL_HEADER: str(AGENT_PROTOCOL)}
+        url = f"ws://127.0.0.1:{port}{LINK_PATH}"
+        texts = [json.dumps(heartbeat), json.dumps(role_state)]
+        sent, answers = 0, []
+        async with connect(url, additional_headers=headers, max_size=None) as ws:
+            for i in range(frames):
+                progress = {"type": "task_progress", "task_id": str(uuid.uuid4()), "done": i, "total": frames}
+                for text in (*texts, json.dumps(progress)):
+                    await ws.send(text)
+                    sent += len(text)
+                if i % 250 == 249:  # now and then, a frame the link must answer, and it does
+                    await ws.send(json.dumps({"type": "nonsense"}))
+                    while (answer := json.loads(await asyncio.wait_for(ws.recv(), timeout=60)))["type"] != "error":
+                        pass  # a command the control plane sent it meanwhile
+                    answers.append(answer)
+        return sent, answers
+
+    try:
+        deadline = time.monotonic() + 60
+        while not http_up(f"http://127.0.0.1:{port}/api/schema/") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        before = rss_kib()
+        began = time.monotonic()
+        sent, answers = asyncio.run(flood())
+        grown = rss_kib() - before
+        assert len(answers) == frames // 250 and all("nonsense" in a["detail"] for a in answers)  # it still answers
+        print(
+            f"sent {sent / 2**20:.0f} MiB in {3 * frames} frames in {time.monotonic() - began:.0f} s; "
+            f"the server's memory grew {grown / 1024:.0f} MiB"
+        )
+        assert grown * 1024 < sent / 4  # holding the frames grew it by 76 MiB of 94 sent; now by 9
+        deadline = time.monotonic() + 30
+        while Node.objects.get(pk=node.pk).inventory.get("cpu_count") != 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        inventory = Node.objects.get(pk=node.pk).inventory
+        assert set(inventory) <= set(ENTRIES) | {"gpus"} and "junk" not in inventory
+        assert all(set(gpu) == {"memory_bytes"} for gpu in inventory["gpus"]) and len(json.dumps(inventory)) < 4096
+        member = DeploymentNode.objects.get(deployment=deployment)
+        assert set(member.metrics) <= set(RUNTIME_METRICS) and member.metrics.get("recall") in (None, 0.5)
+        assert set(member.memory) <= set(MEMORY_FIGURES)
+        assert len(json.dumps(member.metrics)) + len(member.detail) < 4096
+        assert not NodeTask.objects.exists()
+    finally:
+        server.kill()
+        server.wait(timeout=20)

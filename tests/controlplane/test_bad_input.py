@@ -184,10 +184,11 @@ CHAT_FRAMES = [
     '{"type": "send", "conversation": ' + "9" * 5000 + ', "content": "hi"}',
     '{"type": "send", "conversation": null, "content": "\\ud800"}',
     '{"type": "send", "conversation": null, "content": "a\\u0000b"}',
+    '{"type": "send", "conversation": null, "content": "' + "a" * 300_000 + '"}',  # refused before decoding
 ]
 
 
-@pytest.mark.parametrize("frame", CHAT_FRAMES, ids=["not-json", "deep", "huge-int", "surrogate", "nul"])
+@pytest.mark.parametrize("frame", CHAT_FRAMES, ids=["not-json", "deep", "huge-int", "surrogate", "nul", "long"])
 def test_the_chat_answers_a_frame_it_cannot_use_with_an_error_and_saves_nothing(settings, frame: str) -> None:
     from asgiref.sync import async_to_sync
     from channels.layers import channel_layers

@@ -96,6 +96,46 @@ def test_the_deployment_form_sets_max_batch_within_its_limits(tiny_model: Path) 
 
 
 @pytest.mark.django_db
+def test_the_deployment_form_sets_a_users_bound_below_the_batch_and_queue(tiny_model: Path) -> None:
+    """The form's max_per_user field, what its script posts, and the role spec main gets: 1 up to
+    below max_batch + main's queue (64), so that one user leaves the others a place."""
+    from controlplane.deployments.lifecycle import role_spec
+
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(get_user_model().objects.create_user("boss", is_staff=True))
+    page = browser.get("/console/")
+    field = '<input name="max_per_user" type="number" min="1" max="127" value="32" required>'
+    assert field in page.content.decode(), page.content.decode()
+    model = register_model(name="tiny", path=str(tiny_model))
+    nodes = []
+    for name in ("a", "b", "c"):
+        _, token = create_join_token(created_by=None)
+        nodes.append(str(enroll_node(token=token, name=name, inventory={"gpus": [{"memory_bytes": 8 * 2**30}]})[0].pk))
+    form = {"name": "bounded", "model": model.pk, "nodes": nodes, "shadow_dtype": "fp32", "strategy": "odmoe"}
+    form |= {"token_period": 1, "kv_period": 1, "max_batch": 8}
+
+    def post(body: dict):
+        headers = {"HTTP_X_CSRFTOKEN": page.cookies["csrftoken"].value}
+        return browser.post("/api/deployments", json.dumps(body), content_type="application/json", **headers)
+
+    for bad in (0, 72, 128, "abc", None):  # 72: not below 8 + 64
+        refused = post({**form, "max_per_user": bad})
+        assert refused.status_code == 400 and "max_per_user" in str(refused.json()), refused.content
+        assert Deployment.objects.count() == 0
+    created = post({**form, "max_per_user": 71})
+    assert created.status_code == 201, created.content
+    deployment = Deployment.objects.get()
+    assert created.json()["max_per_user"] == 71 and deployment.max_per_user == 71
+    assert browser.get("/console/state.json").json()["deployments"][0]["max_per_user"] == 71
+    members = list(deployment.members.select_related("node"))
+    main = next(m for m in members if m.role == "main")
+    assert role_spec(deployment, main, members)["settings"]["max_per_user"] == 71
+    from controlplane.deployments.api import DeploymentListApi
+
+    assert DeploymentListApi.InputSerializer().fields["max_per_user"].default == 32  # left out: 32
+
+
+@pytest.mark.django_db
 def test_the_deployment_form_chooses_a_predictor_and_a_next_gate_deployment_has_no_shadow(tiny_model: Path) -> None:
     """The form's Predictor select, and what its script posts with it: two nodes are a whole next-gate deployment."""
     browser = Client(enforce_csrf_checks=True)

@@ -19,7 +19,7 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
-from agent.messages import COMMANDS, LINK_PATH, RoleState, StartRole, StopRole, parse
+from agent.messages import AGENT_PROTOCOL, COMMANDS, LINK_PATH, PROTOCOL_HEADER, RoleState, StartRole, StopRole, parse
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.artifacts.services import register_model
 from controlplane.config.asgi import application
@@ -36,6 +36,8 @@ from inference.sharding import verify_shard
 from inference.spec import RoleSpec, validate_spec
 
 # --- the peer table: pure decisions ----------------------------------------------------------
+
+AGENT_HEADER = (PROTOCOL_HEADER.lower().encode(), str(AGENT_PROTOCOL).encode())  # as an agent of this protocol
 
 
 def test_ports_come_from_what_each_node_offered_and_never_collide() -> None:
@@ -296,7 +298,7 @@ def test_a_roles_memory_travels_from_its_agent_to_the_api_and_the_console(cluste
         return tuple({m["role"]: m["memory"] for m in d["members"]} for d in (listed, detail, console))
 
     async def agent_session() -> tuple:
-        headers = [(b"authorization", f"Node {main.node_id}:{secret}".encode())]
+        headers = [(b"authorization", f"Node {main.node_id}:{secret}".encode()), AGENT_HEADER]
         comm = WebsocketCommunicator(application, LINK_PATH, headers=headers)
         connected, _ = await comm.connect()
         assert connected
@@ -394,7 +396,7 @@ def test_a_removed_nodes_open_link_is_closed_at_once(cluster) -> None:
 
     async def run() -> int:
         link = WebsocketCommunicator(
-            application, LINK_PATH, headers=[(b"authorization", f"Node {node.pk}:{secret}".encode())]
+            application, LINK_PATH, headers=[(b"authorization", f"Node {node.pk}:{secret}".encode()), AGENT_HEADER]
         )
         connected, _ = await link.connect()
         assert connected

@@ -7,10 +7,12 @@ one worker; or 2 without a shadow) serving the tiny model, and runs several chec
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -151,7 +153,7 @@ def check_many_at_once(served: Served) -> None:
     assert max(a["metrics"]["max_batch"] for a in answers.values()) >= 2
 
     # The benchmark of the issue's acceptance, as a user runs it against a live server: four
-    # prompts (a user's limit here) one after another, then together; the same answers.
+    # prompts one after another, then together; the same answers.
     timed = openai_concurrency.one_round(client, MODEL, openai_concurrency.PROMPTS[:4], 12)
     assert timed["identical"] is True
     print(f"4 chat completions together took {timed['ratio']:.2f} of one after another")
@@ -290,3 +292,75 @@ def test_other_families_register_shard_deploy_and_chat(served_family: Served) ->
     assert deployment["status"] == "ready"
     check_openai_text(served_family)
     check_chat(served_family)
+
+
+@pytest.fixture
+def served_bounded(transactional_db, redis_url: str, tmp_path, tiny_model) -> Iterator[Served]:
+    """``served``, with at most 16 generations of one user in main at once (running and waiting)."""
+    from tests.controlplane.conftest import tiny_cluster
+    from tests.controlplane.live import purge_stale_tasks
+
+    purge_stale_tasks()
+    with tiny_cluster(tmp_path, tiny_model, redis_url, max_per_user=16) as (served, _):
+        yield served
+
+
+def test_one_key_sends_16_at_once_and_past_its_bound_is_told_so_while_another_user_gets_in(
+    served_bounded: Served,
+) -> None:
+    """The issue's acceptance. One API key sends 16 completions at once (different prompts,
+    temperature 0): all are answered (main runs 8 and queues the rest; before, the 5th was a
+    429), each with the answer it gets alone. With 16 of its long ones in main (its bound here),
+    its 17th is a 429 ``too_many_generations``, and another user's request is still taken."""
+    served = served_bounded
+    base = f"{served.plane.server}/v1"
+    prompts = [f"Question {i}: which experts does token {i} need?" for i in range(16)]
+    alice_sync = served.client()
+    alone = [
+        alice_sync.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+        for p in prompts
+    ]
+
+    async def scenario() -> tuple[list[str], openai.RateLimitError, str]:
+        alice = openai.AsyncOpenAI(base_url=base, api_key=served.user_key, max_retries=0, timeout=300)
+        bob = openai.AsyncOpenAI(base_url=base, api_key=served.other_key, max_retries=0, timeout=300)
+        answers = await asyncio.gather(
+            *(alice.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0) for p in prompts)
+        )
+        together = [a.choices[0].text for a in answers]
+
+        running = asyncio.Semaphore(0)
+
+        async def long_one(prompt: str) -> None:
+            stream = await alice.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=600, temperature=0, stream=True
+            )
+            running.release()
+            async for _ in stream:  # until it is cancelled below
+                pass
+
+        longs = [asyncio.create_task(long_one(p)) for p in prompts]
+        for _ in range(8):  # main's batch is running alice's first eight...
+            await asyncio.wait_for(running.acquire(), timeout=120)
+        await asyncio.sleep(3)  # ...and holds her other eight in its queue
+        with pytest.raises(openai.RateLimitError) as refused:
+            await alice.completions.create(model=MODEL, prompt="one more", max_tokens=4, temperature=0)
+        assert not any(task.done() for task in longs)  # all sixteen of hers still in main
+        # Bob asks now, while alice is at her bound: he waits in main's queue for his turn, not refused.
+        taken = asyncio.create_task(bob.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0))
+        await asyncio.sleep(3)
+        assert not taken.done() or taken.exception() is None, taken
+        for task in longs:  # alice's clients go away: their generations stop on the cluster
+            task.cancel()
+        await asyncio.gather(*longs, return_exceptions=True)
+        bobs = await asyncio.wait_for(taken, timeout=120)
+        await alice.close()
+        await bob.close()
+        return together, refused.value, bobs.choices[0].text
+
+    together, refused, bobs = asyncio.run(scenario())
+    assert together == alone  # all 16 answered, each as alone
+    assert refused.status_code == 429 and refused.response.headers["Retry-After"] == "1"
+    assert refused.body["code"] == "too_many_generations" and refused.body["type"] == "rate_limit_error"
+    assert "16 generations running or waiting" in refused.body["message"]
+    assert bobs == alone[0]

@@ -10,6 +10,7 @@
   const status = document.getElementById("status");
   let conversation = list.dataset.conversation ? Number(list.dataset.conversation) : null;
   let answer = null; // the <li> being written
+  let sent = null; // the message on its way: { text, bubble } until the server takes or refuses it
   let socket = null;
 
   function connect() {
@@ -57,6 +58,7 @@
 
   function handle(message) {
     if (message.type === "conversation") {
+      sent = null; // taken: the server has stored it
       if (conversation !== message.id) {
         conversation = message.id;
         history.replaceState(null, "", `/chat/${conversation}/`);
@@ -73,6 +75,16 @@
       answer.dataset.id = message.message_id;
       answer = null;
       setBusy(false);
+    } else if (message.type === "error" && message.refused && sent) {
+      // Turned away before anything was stored: the text goes back where it was written.
+      sent.bubble.remove();
+      if (answer) answer.remove();
+      if (!prompt.value) prompt.value = sent.text;
+      answer = null;
+      sent = null;
+      setBusy(false);
+      status.textContent = message.detail;
+      status.className = "error";
     } else if (message.type === "error") {
       status.textContent = message.detail;
       status.className = "error";
@@ -86,7 +98,7 @@
     if (!text.trim() || !socket || socket.readyState !== WebSocket.OPEN) return;
     status.textContent = "";
     status.className = "";
-    bubble("user", text);
+    sent = { text: text, bubble: bubble("user", text) };
     answer = bubble("assistant", "", "streaming");
     setBusy(true);
     socket.send(JSON.stringify({ type: "send", conversation: conversation, content: text }));

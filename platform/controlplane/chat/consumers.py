@@ -1,7 +1,9 @@
 """The chat websocket: a user's message in, the answer's tokens out as the cluster makes them.
 
-Only logged-in users connect (the session cookie); one answer at a time per socket; a
-``stop`` message really stops the generation on the cluster, and so does closing the page.
+Only logged-in users connect (the session cookie); one answer at a time per socket, and at
+most ``DEFAULT_THROTTLE_RATES["chat"]`` messages a user (past it a message is refused before
+anything of it is stored); a ``stop`` message really stops the generation on the cluster, and
+so does closing the page.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
@@ -17,8 +21,8 @@ from controlplane.deployments import generation
 from controlplane.serving import completions
 from controlplane.serving import metrics as served
 from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, TextDelta
-from controlplane.serving.text import InputError, Sampling, check_lengths, encode_chat
-from controlplane.throttles import TooManyGenerations, generation_slot
+from controlplane.serving.text import InputError, Sampling, check_lengths, check_text_fits, encode_chat
+from controlplane.throttles import chat_message_wait
 
 from . import protocol, services
 from .models import MessageStatus
@@ -54,6 +58,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         try:
             if not text_data:
                 raise ValueError("a message must be a JSON text frame")
+            if len(text_data) > protocol.MAX_FRAME_CHARS:
+                raise ValueError(f"a message is at most {protocol.MAX_CONTENT_CHARS} characters")
             content = await self.decode_json(text_data)
         except (ValueError, RecursionError) as exc:
             await self.send_json(protocol.error(f"not a JSON message: {exc}"))
@@ -69,7 +75,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(message, protocol.Stop):
             await self._stop_generation()
         elif self.answering is not None and not self.answering.done():
-            await self.send_json(protocol.error("an answer is still being written: wait for it or stop it"))
+            await self.send_json(protocol.refused("an answer is still being written: wait for it or stop it"))
+        elif (wait := await sync_to_async(chat_message_wait)(self.scope["user"])) is not None:
+            # Refused before anything is stored; the page keeps what was written.
+            detail = f"you are sending messages faster than this server takes them; try again in {math.ceil(wait)} s"
+            await self.send_json(protocol.refused(detail))
         else:
             self.answering = asyncio.create_task(self._answer(message))
 
@@ -85,7 +95,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 user=user, conversation_id=send.conversation, content=send.content
             )
         except services.ChatError as exc:
-            await self.send_json(protocol.error(str(exc)))
+            await self.send_json(protocol.refused(str(exc)))
             return
         await self.send_json(protocol.conversation(conversation.pk, conversation.title))
         text, status, metrics, error = "", MessageStatus.FAILED, {}, ""
@@ -95,20 +105,20 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             )
             await database_sync_to_async(services.set_model)(answer_id=answer.pk, model_name=target.name)
             request_id = completions.new_request_id()
-            async with generation_slot(user.pk):  # the same per-user cap as the OpenAI API
-                self.running = (target.deployment_id, request_id)
-                stream = completions.astream(
-                    target, prompt_ids, send.max_tokens, GREEDY, request_id=request_id, user=user.pk
-                )
-                async for item in stream:
-                    if isinstance(item, TextDelta):
-                        text += item.text
-                        await self.send_json(protocol.token(item.text))
-                    elif isinstance(item, CompletionResult):
-                        text, metrics = item.text, item.metrics
-                        status = MessageStatus.STOPPED if item.finish_reason == "cancelled" else MessageStatus.COMPLETE
-                        served.record("chat", ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
-        except (ClusterUnavailable, ClusterGenerationError, InputError, TooManyGenerations) as exc:
+            self.running = (target.deployment_id, request_id)
+            # Main bounds the user's generations (the API's and jobs' too): past it, ClusterGenerationError.
+            stream = completions.astream(
+                target, prompt_ids, send.max_tokens, GREEDY, request_id=request_id, user=user.pk
+            )
+            async for item in stream:
+                if isinstance(item, TextDelta):
+                    text += item.text
+                    await self.send_json(protocol.token(item.text))
+                elif isinstance(item, CompletionResult):
+                    text, metrics = item.text, item.metrics
+                    status = MessageStatus.STOPPED if item.finish_reason == "cancelled" else MessageStatus.COMPLETE
+                    served.record("chat", ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
+        except (ClusterUnavailable, ClusterGenerationError, InputError) as exc:
             error = str(exc)
             served.record("chat", ok=False)
         except asyncio.CancelledError:
@@ -127,6 +137,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
 
 def _prepare(history: list[dict], max_tokens: int):
     target = completions.find_target()
+    contents = [m["content"] for m in history]
+    try:  # a conversation too long for the context in characters is not even tokenized
+        check_text_fits(target.tokenizer, contents, max_tokens, target.context, param="messages")
+    except InputError as exc:
+        raise InputError(f"{exc}; start a new conversation") from None
     prompt_ids = encode_chat(target.tokenizer, history)
     try:
         check_lengths(len(prompt_ids), max_tokens, target.context)

@@ -3,7 +3,9 @@
 Browser → server: ``{"type": "send", "conversation": ID | null, "content": TEXT, "max_tokens": N?}``
 and ``{"type": "stop"}``. Server → browser: ``conversation`` (the conversation the answer
 belongs to), ``token`` (a piece of text), ``done`` (the saved answer with its figures) and
-``error`` (a reason to show). ``parse_client`` validates what arrives and says what is wrong.
+``error`` (a reason to show; with ``"refused": true`` when the message was turned away and
+nothing of it stored, so the page gives the text back). ``parse_client`` validates what
+arrives and says what is wrong.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_CONTENT_CHARS = 20_000
+# The longest frame a valid message can be: its content with every character escaped as JSON
+# may write it (\ud83d\ude00, 12 characters for one), and room for the other fields. A longer
+# frame is refused before it is decoded (the edge caps every frame at MAX_REQUEST_BYTES).
+MAX_FRAME_CHARS = 12 * MAX_CONTENT_CHARS + 1024
 DEFAULT_MAX_TOKENS = 128
 MAX_TOKENS = 1024
 
@@ -77,3 +83,8 @@ def done(message_id: int, content: str, status: str, metrics: dict) -> dict:
 
 def error(detail: str) -> dict:
     return {"type": "error", "detail": detail}
+
+
+def refused(detail: str) -> dict:
+    """An error that turns a ``send`` away before anything of it is stored: the page keeps the text."""
+    return {"type": "error", "detail": detail, "refused": True}

@@ -80,6 +80,7 @@ def _deployment(deployment: Deployment) -> dict:
         "approximate": not get_strategy(deployment.strategy).exact,
         "predictor": deployment.predictor,
         "max_batch": deployment.max_batch,
+        "max_per_user": deployment.max_per_user,
         "members": [
             {
                 "node": str(m.node_id),

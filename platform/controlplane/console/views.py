@@ -7,9 +7,10 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.csrf import ensure_csrf_cookie
 
-from controlplane.deployments.services import DEFAULT_MAX_BATCH
+from controlplane.deployments.services import DEFAULT_MAX_BATCH, DEFAULT_MAX_PER_USER
 from controlplane.nodes.tls import upgrade_command
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
+from inference.spec import Settings
 from inference.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 
 from .snapshot import snapshot
@@ -18,7 +19,8 @@ from .snapshot import snapshot
 @staff_member_required
 @ensure_csrf_cookie  # the page's script sends the cookie's token with its API calls
 def console(request: HttpRequest) -> HttpResponse:
-    """The console page; its deployment form's limits are the API's (``max_batch`` from 1 to ``MAX_BATCH``).
+    """The console page; its deployment form's limits are the API's (``max_batch`` from 1 to ``MAX_BATCH``,
+    ``max_per_user`` below ``max_batch`` + main's queue).
 
     ``own_predictors`` (strategy -> its own predictor, or None) tells the form's script whether
     a deployment has a shadow seat, so its estimate counts the workers the role map will have.
@@ -31,6 +33,9 @@ def console(request: HttpRequest) -> HttpResponse:
         "own_predictors": {s: get_strategy(s).predictor for s in RUNTIME_STRATEGIES},
         "default_max_batch": DEFAULT_MAX_BATCH,
         "max_batch_limit": MAX_BATCH,
+        "default_max_per_user": DEFAULT_MAX_PER_USER,
+        "max_per_user_limit": MAX_BATCH + Settings.max_waiting - 1,
+        "max_waiting": Settings.max_waiting,
         # What an outdated node runs to upgrade, for the URL this page was reached at (with its pin).
         "upgrade_command": upgrade_command(request.build_absolute_uri("/")),
     }

@@ -20,6 +20,7 @@ class DeploymentAdmin(admin.ModelAdmin):
         "strategy",
         "predictor",
         "max_batch",
+        "max_per_user",
         "created_at",
     ]
     inlines = [MemberInline]

@@ -20,6 +20,7 @@ from controlplane.names import name_field
 from controlplane.pagination import paginated
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
 from inference.sim import hardware as sim_profiles
+from inference.spec import Settings
 from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES, STRATEGIES, get_strategy
 
 from . import generation, lifecycle, services
@@ -85,6 +86,7 @@ class DeploymentOutput(serializers.ModelSerializer):
             "approximate",
             "predictor",
             "max_batch",
+            "max_per_user",
             "created_at",
             "updated_at",
             "members",
@@ -167,6 +169,19 @@ def max_batch_field() -> serializers.IntegerField:
     )
 
 
+def max_per_user_field() -> serializers.IntegerField:
+    """A deployment's ``max_per_user``: generations one user may have in main at once, running and
+    waiting; past it a request is a 429 ``too_many_generations``. Below ``max_batch`` + main's queue
+    (``Settings.max_waiting``), checked against the deployment's ``max_batch`` when it is created."""
+    return serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_BATCH + Settings.max_waiting - 1,
+        default=services.DEFAULT_MAX_PER_USER,
+        help_text=f"generations one user may have in main at once, running and waiting; below max_batch + "
+        f"{Settings.max_waiting} (main's queue), so that other users still get in",
+    )
+
+
 class SuggestApi(APIView):
     """POST /api/deployments/suggest {model, nodes[, shadow_dtype, strategy, predictor, max_batch]}: a role map.
 
@@ -223,6 +238,7 @@ class DeploymentListApi(APIView):
         strategy = serializers.ChoiceField(choices=RUNTIME_STRATEGIES, default=DEFAULT_STRATEGY)
         predictor = predictor_field()
         max_batch = max_batch_field()
+        max_per_user = max_per_user_field()
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:
@@ -339,10 +355,14 @@ class DeploymentGenerateApi(APIView):
         _deployment(deployment_id)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        request_fields = {**data.validated_data, "user": str(request.user.pk)}  # main bounds each user's
         try:
-            done = generation.generate(deployment_id, generation.GenerationRequest(**data.validated_data))
+            done = generation.generate(deployment_id, generation.GenerationRequest(**request_fields))
         except generation.ClusterUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        except generation.TooManyGenerations as exc:
+            headers = {"Retry-After": "1"}
+            return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS, headers=headers)
         except generation.ClusterGenerationError as exc:
             if exc.retryable:  # main is being restarted: the same request can succeed shortly
                 headers = {"Retry-After": str(RETRY_AFTER_S)}

@@ -55,7 +55,16 @@ class ClusterGenerationError(RuntimeError):
 
 class ClusterBusy(ClusterGenerationError):
     """Main's batch and queue were full: the generation never started; the same request can
-    succeed once others end (the OpenAI API answers 429 with Retry-After)."""
+    succeed once others end (the OpenAI API answers 429 ``deployment_busy`` with Retry-After)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)
+
+
+class TooManyGenerations(ClusterGenerationError):
+    """The user already had the most generations one user may have in main at once (the
+    deployment's ``max_per_user``, running and waiting): this one never started; it can once
+    one of theirs ends (the OpenAI API answers 429 ``too_many_generations`` with Retry-After)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, retryable=True)
@@ -120,6 +129,8 @@ async def astream(
             timeout = NEXT_EVENT_TIMEOUT_S
             event = parse(message["event"], allowed=GENERATION_EVENTS)
             if isinstance(event, GenerationFailed):
+                if event.too_many_generations:
+                    raise TooManyGenerations(event.error)
                 if event.busy:
                     raise ClusterBusy(event.error)
                 raise ClusterGenerationError(event.error, retryable=event.retryable)

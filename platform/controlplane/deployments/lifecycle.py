@@ -247,6 +247,7 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
         strategy=deployment.strategy,
         predictor=deployment.predictor,
         max_batch=deployment.max_batch,
+        max_per_user=deployment.max_per_user,
         device=role_device(member.node.inventory, member.gpu),
     )
     return {

@@ -9,7 +9,7 @@ from django.db import models
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
-from inference.constants import MAX_BATCH, SHADOW_DTYPES
+from inference.constants import DEFAULT_MAX_PER_USER, DEFAULT_MAX_WAITING, MAX_BATCH, SHADOW_DTYPES
 from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES, predictor_for
 
 
@@ -73,6 +73,12 @@ class Deployment(models.Model):
         validators=[MinValueValidator(1), MaxValueValidator(MAX_BATCH)],
         help_text="sequences main runs at once (continuous batching); applied on the next start",
     )
+    max_per_user = models.PositiveSmallIntegerField(
+        default=DEFAULT_MAX_PER_USER,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_BATCH + DEFAULT_MAX_WAITING - 1)],
+        help_text="generations one user may have in main at once, running and waiting (more: 429 "
+        "too_many_generations); below max_batch + the queue's 64, so others still get in",
+    )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
     # The data plane's CURVE key pair (inference.curve), new on every start: it reaches the roles
     # in their specs over the agents' links, and no API shows it.
@@ -93,6 +99,10 @@ class Deployment(models.Model):
             predictor_for(self.strategy, self.predictor)
         except ValueError as exc:
             raise ValidationError({"predictor": str(exc)}) from None
+        if not 1 <= self.max_per_user < self.max_batch + DEFAULT_MAX_WAITING:
+            raise ValidationError(
+                {"max_per_user": f"must be from 1 to below max_batch + {DEFAULT_MAX_WAITING} (the queue)"}
+            )
 
     @property
     def runtime_key(self) -> str:

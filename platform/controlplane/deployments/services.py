@@ -12,6 +12,10 @@ A deployment has a shadow seat only when its predictor (``Deployment.predictor``
 strategy's own; ``inference.strategies.predictor_for``) is the shadow: odmoe with
 ``next-gate``, lru-offload, and the strategies that load nothing ahead (full-cache,
 reactive) run on main and workers alone, and their memory plan has no shadow to fit.
+
+A deployment's ``max_per_user`` bounds the generations one user has in main at once (main
+queues a user's requests past its batch up to it, ``inference.batching.admission``); it must be
+below ``max_batch`` + main's queue (``Settings.max_waiting``), so one user leaves others room.
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ from inference.memory import (
 from inference.schedule import validate_periods
 from inference.sharding import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
-from inference.spec import Settings
+from inference.spec import Settings, check_max_per_user
 from inference.strategies import DEFAULT_STRATEGY, needed_files, predictor_for
 
 from .models import ACTIVE, Deployment, DeploymentNode
 from .roles import RoleError, RoleMap, check_roles, fixed_seats, needs_shadow, parse_seat, seats_of, suggest_roles
 
 DEFAULT_MAX_BATCH = Settings.max_batch
+DEFAULT_MAX_PER_USER = Settings.max_per_user
 
 
 class DeploymentError(ValueError):
@@ -182,6 +187,7 @@ def create_deployment(
     strategy: str = DEFAULT_STRATEGY,
     predictor: str = "",
     max_batch: int = DEFAULT_MAX_BATCH,
+    max_per_user: int = DEFAULT_MAX_PER_USER,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
@@ -202,6 +208,7 @@ def create_deployment(
         shadow = needs_shadow(strategy, predictor)
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
+        check_max_per_user(max_per_user, max_batch, Settings.max_waiting)
     except (ModelError, ValueError) as exc:
         raise DeploymentError(str(exc)) from None
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
@@ -238,6 +245,7 @@ def create_deployment(
                 strategy=strategy,
                 predictor=predictor,
                 max_batch=max_batch,
+                max_per_user=max_per_user,
                 created_by=created_by,
             )
     except IntegrityError:

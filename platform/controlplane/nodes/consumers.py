@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 
 from channels.db import database_sync_to_async
@@ -42,6 +41,8 @@ from agent.messages import (
 )
 
 from . import services
+from .inventory import clean_inventory
+from .reports import MAX_DETAIL_CHARS, PendingWrites, clean_role_report, clean_role_reports
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +82,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         # What arrives to be recorded is written in the background, so the link keeps reading
         # (generation tokens go on at once) however slow the database is. Two lanes: the node's
         # liveness (the newest heartbeat's inventory: never queued behind anything, so a busy
-        # node is not taken for a silent one), and the rest in order (role states; a newer roles
-        # report or progress report replaces one of its kind not written yet).
+        # node is not taken for a silent one), and the rest in order, one write per kind (a
+        # heartbeat's roles, one role's state, one task's progress or end), a newer one replacing
+        # the one not written yet: a flood of frames neither grows this queue nor the writes.
         self._liveness: dict | None = None
         self._liveness_writer: asyncio.Task | None = None
-        self._writes: deque[tuple[tuple, Callable, dict]] = deque()
+        self._writes = PendingWrites()
         self._writer: asyncio.Task | None = None
 
     async def connect(self) -> None:
@@ -168,27 +170,35 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(event, GENERATION_EVENTS):
             await self._relay_generation(event)
         elif isinstance(event, Heartbeat):
-            self._liveness = event.inventory
+            # Known inventory entries only, each within its size, before it is held or stored.
+            self._liveness = clean_inventory(event.inventory)
             if self._liveness_writer is None or self._liveness_writer.done():
                 self._liveness_writer = asyncio.create_task(self._write_liveness())
-            self._record(("roles",), services.record_runtime, reports=event.roles, complete=True)
+            reports = clean_role_reports(event.roles)
+            self._record(("roles",), services.record_runtime, reports=reports, complete=True)
         elif isinstance(event, RoleState):
-            self._record((), services.record_runtime, reports=[event.to_json()], complete=False)
+            report = clean_role_report(event.to_json())
+            key = ("role", report["deployment"], report["role_name"])
+            self._record(key, services.record_runtime, reports=[report], complete=False)
+        elif isinstance(event, TaskProgress | TaskDone) and not services.is_task_id(event.task_id):
+            pass  # names no task of any node's: nothing to record, nor to hold meanwhile
         elif isinstance(event, TaskProgress):
             key = ("progress", event.task_id)
             self._record(key, services.record_task_progress, task_id=event.task_id, done=event.done, total=event.total)
-        elif isinstance(event, CredentialSaved):
-            self._record((), services.confirm_rotation)
         elif isinstance(event, TaskDone):
-            self._record((), services.record_task_done, task_id=event.task_id, ok=event.ok, detail=event.detail)
+            detail = event.detail[:MAX_DETAIL_CHARS]
+            self._record(
+                ("done", event.task_id), services.record_task_done, task_id=event.task_id, ok=event.ok, detail=detail
+            )
+        elif isinstance(event, CredentialSaved):
+            self._record(("credential_saved",), services.confirm_rotation)
 
     def _record(self, key: tuple, write: Callable, **kwargs) -> None:
-        """Queue ``write(node_id=…, **kwargs)``; with a ``key``, it replaces a queued write of that key."""
-        if key:
-            kept = [entry for entry in self._writes if entry[0] != key]
-            self._writes.clear()
-            self._writes.extend(kept)
-        self._writes.append((key, write, kwargs))
+        """Queue ``write(node_id=…, **kwargs)``, replacing a queued write of the same ``key``."""
+        if not self._writes.put(key, write, kwargs) and self._writes.dropped == 1:
+            log.warning(
+                "node %s: %d writes wait already; what else it reports is dropped", self.node_id, len(self._writes)
+            )
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write())
 
@@ -202,7 +212,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
 
     async def _write(self) -> None:
         while self._writes:
-            _, write, kwargs = self._writes.popleft()
+            write, kwargs = self._writes.take()
             try:
                 await _db(write)(node_id=self.node_id, **kwargs)
             except Exception:

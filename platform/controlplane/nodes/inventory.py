@@ -1,11 +1,13 @@
-"""A box's inventory as the control plane keeps it: what its agent reported, each known entry
-only when it has the type that the entry's readers expect.
+"""A box's inventory as the control plane keeps it: the entries its readers know, each only when it
+has the type and size that the entry's readers expect.
 
-An agent reports its inventory on enrollment and in every heartbeat (``agent.inventory.collect``);
-the console, role placement, the fit check and the role ports read it. A known entry of the
-wrong type (an agent with a bug, or a hostile one: ``"gpus": "x"``, a negative RAM size) is
-left out here, once, so that none of those readers meets it and none turns it into a server
-error. Entries this module does not know are kept as they came.
+An agent reports its inventory on enrollment and in every heartbeat (``agent.inventory.collect``
+and the facts ``agent.link`` adds); the console, role placement, the fit check and the role
+ports read it. An entry of the wrong type (an agent with a bug, or a hostile one: ``"gpus":
+"x"``, a negative RAM size) is left out here, once, so that none of those readers meets it and
+none turns it into a server error. Entries this module does not know are dropped, and lists,
+maps and texts are kept within their sizes: a node's credential cannot make its row, or what
+its link holds before writing it, grow with what it sends.
 """
 
 from __future__ import annotations
@@ -13,18 +15,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+MAX_GPUS = 64  # GPUs one box reports (the largest servers hold 16)
+MAX_PORTS = 64  # free ports offered per heartbeat (the agent offers 4)
+MAX_SHARDS = 256  # shards one box holds (one per role of each model it serves)
+MAX_CHECKS = 64  # checks of a doctor's report (it runs about ten)
+MAX_TEXT = 255  # a name, a host name, an address (Node.address's length)
+
 
 def _count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value < 2**63  # a 64-bit column holds it
 
 
-def _text(value: Any) -> bool:
+def _text(value: Any, limit: int = MAX_TEXT) -> bool:
     # Printable: no NUL, no lone surrogate, no control character, which no column (nor jsonb) takes.
-    return type(value) is str and value.isprintable()
-
-
-def _address(value: Any) -> bool:
-    return _text(value) and len(value) <= 255  # Node.address's length
+    return type(value) is str and len(value) <= limit and value.isprintable()
 
 
 def _doctor(value: Any) -> bool:
@@ -32,23 +36,30 @@ def _doctor(value: Any) -> bool:
     if type(value) is not dict or type(value.get("ok")) is not bool or type(value.get("checks")) is not list:
         return False
     fields = ("name", "status", "detail", "fix")
-    return all(
-        type(c) is dict and all(_text(c.get(f, "")) and len(c.get(f, "")) <= 2000 for f in fields)
-        for c in value["checks"]
+    return len(value["checks"]) <= MAX_CHECKS and all(
+        type(c) is dict and all(_text(c.get(f, ""), 2000) for f in fields) for c in value["checks"]
     )
 
 
+def _ports(value: Any) -> bool:
+    return type(value) is list and len(value) <= MAX_PORTS and all(type(p) is int and 0 < p < 65536 for p in value)
+
+
+def _shard_bytes(value: Any) -> bool:
+    return type(value) is dict and len(value) <= MAX_SHARDS and all(_text(k) and _count(n) for k, n in value.items())
+
+
 ENTRIES: dict[str, Callable[[Any], bool]] = {
-    "agent_version": lambda v: _text(v) and len(v) <= 40,
+    "agent_version": lambda v: _text(v, 40),
     "protocol": _count,
     "doctor": _doctor,
     "hostname": _text,
-    "address": _address,
+    "address": _text,
     "cpu_count": _count,
     "ram_bytes": _count,
     "disk_free_bytes": _count,
-    "free_ports": lambda v: type(v) is list and all(type(p) is int and 0 < p < 65536 for p in v),
-    "shard_bytes": lambda v: type(v) is dict and all(_count(n) for n in v.values()),
+    "free_ports": _ports,
+    "shard_bytes": _shard_bytes,
 }
 GPU_ENTRIES: dict[str, Callable[[Any], bool]] = {
     "index": _count,
@@ -59,21 +70,22 @@ GPU_ENTRIES: dict[str, Callable[[Any], bool]] = {
 
 
 def clean_inventory(inventory: Any) -> dict:
-    """``inventory`` without its known entries of the wrong type (and GPUs that are not objects)."""
+    """``inventory`` with only its known entries, each of the right type and within its size (and
+    at most ``MAX_GPUS`` GPUs, each an object of known entries)."""
     if not isinstance(inventory, dict):
         return {}
     cleaned = {}
     for key, value in inventory.items():
         if key == "gpus":
             if type(value) is list:
-                cleaned[key] = [_clean_gpu(gpu) for gpu in value if type(gpu) is dict]
-        elif key not in ENTRIES or ENTRIES[key](value):
+                cleaned[key] = [_clean_gpu(gpu) for gpu in value[:MAX_GPUS] if type(gpu) is dict]
+        elif key in ENTRIES and ENTRIES[key](value):
             cleaned[key] = value
     return cleaned
 
 
 def _clean_gpu(gpu: dict) -> dict:
-    return {key: value for key, value in gpu.items() if key not in GPU_ENTRIES or GPU_ENTRIES[key](value)}
+    return {key: gpu[key] for key, valid in GPU_ENTRIES.items() if key in gpu and valid(gpu[key])}
 
 
 def doctor_problems(inventory: Any) -> list[str]:

@@ -20,6 +20,7 @@ from . import signals
 from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
 from .inventory import clean_inventory
 from .models import JoinToken, Node, NodeStatus, NodeTask, TaskState
+from .reports import MAX_DETAIL_CHARS
 from .tls import server_pin
 
 log = logging.getLogger(__name__)
@@ -281,7 +282,7 @@ def request_fetch(*, node: Node, model_id: int, role: str) -> NodeTask:
 
 
 def record_task_progress(*, node_id: str, task_id: str, done: int, total: int) -> None:
-    if not _is_task_id(task_id) or not all(-(2**63) <= n < 2**63 for n in (done, total)):
+    if not is_task_id(task_id) or not all(-(2**63) <= n < 2**63 for n in (done, total)):
         return  # no task of any node's, or figures no 64-bit column holds: nothing to record
     # Only the node's own tasks: a node's credential acts for that node alone.
     NodeTask.objects.filter(pk=task_id, node_id=node_id).exclude(state__in=[TaskState.DONE, TaskState.FAILED]).update(
@@ -290,14 +291,14 @@ def record_task_progress(*, node_id: str, task_id: str, done: int, total: int) -
 
 
 def record_task_done(*, node_id: str, task_id: str, ok: bool, detail: str) -> None:
-    if not _is_task_id(task_id):
+    if not is_task_id(task_id):
         return
     NodeTask.objects.filter(pk=task_id, node_id=node_id).update(
-        state=TaskState.DONE if ok else TaskState.FAILED, detail=detail
+        state=TaskState.DONE if ok else TaskState.FAILED, detail=detail[:MAX_DETAIL_CHARS]
     )
 
 
-def _is_task_id(task_id: str) -> bool:
+def is_task_id(task_id: str) -> bool:
     """Whether ``task_id`` can name a task at all (a UUID): an agent's link may report any string."""
     try:
         uuid.UUID(task_id)

@@ -160,8 +160,13 @@ def redis_up(url: str) -> bool:
 
 
 def asgi_argv(port: int, host: str = "127.0.0.1") -> list[str]:
+    """uvicorn serving the control plane; it refuses a websocket frame past the edge's cap before
+    buffering it (``MAX_REQUEST_BYTES``; the app checks it too, for servers told nothing)."""
+    from django.conf import settings
+
     app = "controlplane.config.asgi:application"
-    return [sys.executable, "-m", "uvicorn", app, "--host", host, "--port", str(port), "--log-level", "warning"]
+    argv = [sys.executable, "-m", "uvicorn", app, "--host", host, "--port", str(port), "--log-level", "warning"]
+    return [*argv, "--ws-max-size", str(settings.MAX_REQUEST_BYTES)]
 
 
 def celery_argv(

@@ -16,9 +16,11 @@ from channels.db import database_sync_to_async
 from agent.messages import GenerationDone, GenerationToken
 from controlplane.deployments import generation
 from controlplane.deployments.generation import (
+    ClusterBusy,
     ClusterGenerationError,
     ClusterUnavailable,
     GenerationRequest,
+    TooManyGenerations,
     can_serve,
 )
 from controlplane.deployments.models import Deployment, DeploymentStatus
@@ -26,7 +28,15 @@ from inference.textstream import IncrementalDecoder
 
 from .text import Sampling, tokenizer_for
 
-__all__ = ["ClusterGenerationError", "ClusterUnavailable", "ModelNotFound", "Target", "find_target"]
+__all__ = [
+    "ClusterBusy",
+    "ClusterGenerationError",
+    "ClusterUnavailable",
+    "ModelNotFound",
+    "Target",
+    "TooManyGenerations",
+    "find_target",
+]
 
 
 class ModelNotFound(LookupError):
@@ -35,12 +45,14 @@ class ModelNotFound(LookupError):
 
 @dataclass(frozen=True)
 class Target:
-    """A deployment that serves text: its id, name, checkpoint and context length."""
+    """A deployment that serves text: its id, name, checkpoint, context length, and the generations
+    one user may have in its main at once (``Deployment.max_per_user``)."""
 
     deployment_id: int
     name: str
     model_path: str
     context: int | None
+    max_per_user: int
 
     @property
     def tokenizer(self):
@@ -63,7 +75,8 @@ def find_target(name: str | None = None) -> Target:
         reason = f" ({deployment.status_reason})" if deployment.status_reason else ""
         raise ClusterUnavailable(f"deployment {deployment.name} is {deployment.status}{reason}; try again when ready")
     context = deployment.model.summary.get("max_position_embeddings")
-    return Target(deployment.pk, deployment.name, deployment.model.path, context if isinstance(context, int) else None)
+    context = context if isinstance(context, int) else None
+    return Target(deployment.pk, deployment.name, deployment.model.path, context, deployment.max_per_user)
 
 
 @dataclass(frozen=True)

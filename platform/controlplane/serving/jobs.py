@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import uuid
 
+from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
@@ -22,9 +24,32 @@ from controlplane.deployments import generation
 from . import metrics
 from .completions import ClusterGenerationError, ClusterUnavailable, complete, find_target
 from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
-from .text import InputError, Sampling, check_lengths, encode_prompt
+from .text import InputError, Sampling, check_lengths, check_prompt, check_text_fits, encode_prompt
 
 MAX_PROMPTS = 100
+
+
+class TooManyActivePrompts(Exception):
+    """The user's queued and running jobs already hold as many prompts as one user may have waiting."""
+
+    def __init__(self, active: int, adding: int, limit: int) -> None:
+        super().__init__(
+            f"your jobs already have {active} prompts queued or running and this one adds {adding}: at most "
+            f"{limit} at once per user; submit it when some have finished, or cancel a job"
+        )
+
+
+def active_prompts(owner: AbstractBaseUser) -> int:
+    """Prompts of ``owner``'s jobs that are queued or running, in jobs that have not ended."""
+    unfinished = JobOutput.objects.filter(job__owner=owner, status__in=(OutputStatus.QUEUED, OutputStatus.RUNNING))
+    return unfinished.exclude(job__status__in=ENDED).count()
+
+
+def _check_active_prompts(owner: AbstractBaseUser, adding: int) -> None:
+    limit = settings.MAX_ACTIVE_JOB_PROMPTS_PER_USER
+    active = active_prompts(owner)
+    if active + adding > limit:
+        raise TooManyActivePrompts(active, adding, limit)
 
 
 def submit_job(
@@ -35,21 +60,32 @@ def submit_job(
     max_tokens: int,
     sampling: Sampling,
 ) -> Job:
-    """Check every prompt against the model now (clear errors, nothing stored), then queue them."""
+    """Check every prompt against the model now (clear errors, nothing stored), then queue them.
+
+    A user's jobs hold at most ``MAX_ACTIVE_JOB_PROMPTS_PER_USER`` prompts that are queued or
+    running (``TooManyActivePrompts``): jobs run from one queue in the order they came, so one
+    user's thousands of prompts would hold everyone else's behind them.
+    """
     from .tasks import run_job_output_task
 
     if not 1 <= len(prompts) <= MAX_PROMPTS:
         raise InputError(f"a job takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompts")
+    _check_active_prompts(owner, len(prompts))  # before tokenizing them: cheap, and said at once
     target = find_target(model)
     lengths = []
     for i, prompt in enumerate(prompts):
         try:
+            check_prompt(prompt)
+            check_text_fits(target.tokenizer, [prompt], max_tokens, target.context, param="prompt")
             ids = encode_prompt(target.tokenizer, prompt)
             check_lengths(len(ids), max_tokens, target.context)
         except InputError as exc:
             raise InputError(f"prompts[{i}]: {exc}", param=f"prompts[{i}]", code=exc.code) from None
         lengths.append(len(ids))
     with transaction.atomic():
+        # Counted again under a lock on the owner: two submits at once cannot both pass the cap.
+        get_user_model().objects.select_for_update().get(pk=owner.pk)
+        _check_active_prompts(owner, len(prompts))
         job = Job.objects.create(
             owner=owner,
             deployment_id=target.deployment_id,

@@ -1,6 +1,7 @@
 """Jobs REST API: ``POST /api/jobs``, ``GET /api/jobs``, ``GET /api/jobs/<id>``, ``POST /api/jobs/<id>/cancel``.
 
-Any logged-in user or API key may submit jobs; each sees their own, staff see all.
+Any logged-in user or API key may submit jobs; each sees their own, staff see all. A job that
+would take a user past ``MAX_ACTIVE_JOB_PROMPTS_PER_USER`` prompts queued or running is a 429.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class JobListApi(APIView):
             )
         except InputError as exc:
             return Response({"detail": str(exc), "param": exc.param}, status=status.HTTP_400_BAD_REQUEST)
+        except jobs.TooManyActivePrompts as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS)
         except ModelNotFound as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_404_NOT_FOUND)
         except ClusterUnavailable as exc:

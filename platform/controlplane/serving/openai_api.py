@@ -8,8 +8,11 @@ the matching status. Temperature 0 is greedy; ``stop`` sequences end the answer 
 generation on the cluster) as soon as one appears. A client that disconnects mid-stream
 stops the generation too. ``n`` choices per prompt, and for ``/v1/completions`` a list of
 prompts, run at once in the deployment's batch, each choice a generation of its own (with a
-seed, choice ``j`` samples with ``seed + j``). A deployment whose batch and queue are full
-answers 429 with ``Retry-After``.
+seed, choice ``j`` samples with ``seed + j``). A user's generations past main's batch wait in
+its queue, in fair turns with other users', up to the deployment's ``max_per_user`` running
+and waiting at once: past it a request is a 429 ``too_many_generations`` (and one that asks for
+more choices than that is a 400), while a deployment whose batch and queue are full answers 429
+``deployment_busy``, both with ``Retry-After``. Calls count against the REST API's throttles.
 """
 
 from __future__ import annotations
@@ -18,37 +21,51 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
-from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
+from rest_framework.authentication import CSRFCheck
 
 from controlplane.accounts.scopes import Scope
 from controlplane.accounts.services import authenticate_api_key, bearer_key
 from controlplane.deployments import generation
-from controlplane.deployments.generation import ClusterBusy
 from controlplane.deployments.models import Deployment, DeploymentStatus
-from controlplane.throttles import GenerationSlot, TooManyGenerations
+from controlplane.throttles import throttle_wait
 
 from . import metrics
 from .completions import (
+    ClusterBusy,
     ClusterGenerationError,
     ClusterUnavailable,
     CompletionResult,
     ModelNotFound,
     Target,
     TextDelta,
+    TooManyGenerations,
     astream,
     find_target,
     new_request_id,
 )
 from .stops import StopScanner
-from .text import MAX_SEED, InputError, Sampling, check_lengths, check_sampling, encode_chat, encode_prompt
+from .text import (
+    MAX_SEED,
+    InputError,
+    Sampling,
+    check_lengths,
+    check_messages,
+    check_prompt,
+    check_sampling,
+    check_text_fits,
+    encode_chat,
+    encode_prompt,
+)
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOPS = 4
@@ -57,11 +74,19 @@ MAX_STOPS = 4
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait: a restarting role is back in seconds
 
 
-def error(status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None) -> JsonResponse:
+def error(
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    param=None,
+    code=None,
+    retry_after: int | None = None,
+) -> JsonResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     response = JsonResponse(body, status=status)
     if status in (429, 503):
-        response["Retry-After"] = str(RETRY_AFTER_S if status == 503 else 1)
+        response["Retry-After"] = str(retry_after or (RETRY_AFTER_S if status == 503 else 1))
     return response
 
 
@@ -72,7 +97,9 @@ class _Refused(Exception):
 
 async def _user(request: HttpRequest):
     """The caller: an API key's user (the key holding the ``inference`` scope), or a logged-in
-    browser session; raises _Refused with the 401 or 403 to answer otherwise."""
+    browser session with a valid CSRF token (as DRF's SessionAuthentication asks: another site's
+    page must not spend a logged-in user's generations); raises _Refused with the 401, 403 or
+    429 to answer otherwise. Calls count against the REST API's throttles (the same rates)."""
     key = bearer_key(request.headers.get("Authorization", ""))
     if key:
         found = await database_sync_to_async(authenticate_api_key)(key=key)
@@ -81,10 +108,21 @@ async def _user(request: HttpRequest):
         if not found.allows(Scope.INFERENCE):
             message = f"this API key lacks the '{Scope.INFERENCE}' scope (it has: {', '.join(found.scopes)})"
             raise _Refused(error(403, message, kind="permission_error", code="insufficient_scope"))
-        return found.user
-    user = await request.auser()
-    if not user.is_authenticated:
-        raise _Refused(_unauthenticated())
+        user, auth = found.user, found
+    else:
+        user, auth = await request.auser(), None
+        if not user.is_authenticated:
+            raise _Refused(_unauthenticated())
+        check = CSRFCheck(lambda _: None)
+        check.process_request(request)  # reads the CSRF cookie, as DRF's SessionAuthentication does
+        reason = check.process_view(request, None, (), {})
+        if reason:
+            raise _Refused(error(403, f"CSRF Failed: {reason}", kind="permission_error", code="csrf_failed"))
+    wait = await sync_to_async(throttle_wait, thread_sensitive=False)(request, user, auth)
+    if wait is not None:
+        seconds = max(1, math.ceil(wait))
+        message = f"too many requests: this user's API calls are past their rate; try again in {seconds} s"
+        raise _Refused(error(429, message, kind="rate_limit_error", code="rate_limit_exceeded", retry_after=seconds))
     return user
 
 
@@ -99,6 +137,8 @@ def _unauthenticated() -> JsonResponse:
     return response
 
 
+# The views are CSRF-exempt for Django's middleware, which would refuse API-key callers (no cookie,
+# no token); ``_user`` holds session callers to the token, as DRF does.
 @csrf_exempt
 async def models(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
@@ -179,28 +219,31 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
         return error(404, str(exc), param="model", code="model_not_found")
     except ClusterUnavailable as exc:
         return error(503, str(exc), kind="server_error", code="model_not_ready")
-    try:
-        slot = await GenerationSlot.take(user.pk, count=len(ask.prompts) * ask.n)
-    except TooManyGenerations as exc:
-        return error(429, str(exc), kind="rate_limit_error", code="too_many_generations")
-    answer = _Answer(ask, chat, slot)
+    answer = _Answer(ask, chat)
     try:
         if not ask.stream:
             return JsonResponse(await answer.whole())
-        # The first piece before the headers: a deployment that is full is a 429, not a broken stream.
+        # The first piece before the headers: a refused generation is a 429, not a broken stream.
         first = await answer.start()
-    except ClusterBusy as exc:
-        return error(429, f"the deployment is busy: {exc}", kind="rate_limit_error", code="deployment_busy")
-    except ClusterUnavailable as exc:
-        return error(503, str(exc), kind="server_error", code="model_not_ready")
-    except ClusterGenerationError as exc:
-        if exc.retryable:
-            return error(503, f"the cluster could not finish: {exc}", kind="server_error", code="model_restarting")
-        return error(502, f"the cluster could not finish: {exc}", kind="server_error", code="generation_failed")
+    except (ClusterUnavailable, ClusterGenerationError) as exc:
+        return _failure(exc)
     response = StreamingHttpResponse(answer.events(first), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return response
+
+
+def _failure(exc: ClusterUnavailable | ClusterGenerationError) -> JsonResponse:
+    """The answer to a generation the cluster refused or could not finish."""
+    if isinstance(exc, TooManyGenerations):
+        return error(429, str(exc), kind="rate_limit_error", code="too_many_generations")
+    if isinstance(exc, ClusterBusy):
+        return error(429, f"the deployment is busy: {exc}", kind="rate_limit_error", code="deployment_busy")
+    if isinstance(exc, ClusterUnavailable):
+        return error(503, str(exc), kind="server_error", code="model_not_ready")
+    if exc.retryable:
+        return error(503, f"the cluster could not finish: {exc}", kind="server_error", code="model_restarting")
+    return error(502, f"the cluster could not finish: {exc}", kind="server_error", code="generation_failed")
 
 
 def _parse(body: dict, chat: bool) -> Ask:
@@ -210,11 +253,8 @@ def _parse(body: dict, chat: bool) -> Ask:
     n = body.get("n", 1)
     if n is None:
         n = 1
-    limit = max(1, settings.MAX_GENERATIONS_PER_USER)  # more choices than a user may ever run is a 400
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= limit:
-        raise InputError(
-            f"n must be an integer from 1 to {limit} (the generations one user may run at once)", param="n"
-        )
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InputError("n must be an integer of at least 1", param="n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
@@ -232,18 +272,34 @@ def _parse(body: dict, chat: bool) -> Ask:
     if not isinstance(options, dict):
         raise InputError('stream_options must be an object, e.g. {"include_usage": true}', param="stream_options")
     target = find_target(model)
+    # More choices than one user may have in main at once could never all run: refused now.
+    limit = target.max_per_user
+    if n > limit:
+        raise InputError(
+            f"n must be from 1 to {limit}, the generations one user may have on this deployment at once",
+            param="n",
+        )
     tokenizer = target.tokenizer
+    # Text that cannot fit the context is refused from its length before it is tokenized.
     if chat:
-        prompts = [encode_chat(tokenizer, body.get("messages"))]
+        messages = body.get("messages")
+        check_messages(messages)
+        check_text_fits(tokenizer, [m["content"] for m in messages], max_tokens, target.context, param="messages")
+        prompts = [encode_chat(tokenizer, messages)]
     else:
         prompt = body.get("prompt")
         texts = prompt if isinstance(prompt, list) and prompt else [prompt]
         if len(texts) * n > limit:
             raise InputError(
-                f"{len(texts)} prompts × n={n} are more than the {limit} generations one user may run at once",
+                f"{len(texts)} prompts × n={n} are more than the {limit} generations one user may have "
+                "on this deployment at once",
                 param="prompt",
             )
-        prompts = [encode_prompt(tokenizer, text) for text in texts]
+        prompts = []
+        for text in texts:
+            check_prompt(text)
+            check_text_fits(tokenizer, [text], max_tokens, target.context, param="prompt")
+            prompts.append(encode_prompt(tokenizer, text))
     for prompt_ids in prompts:
         check_lengths(len(prompt_ids), max_tokens, target.context)
     return Ask(target, prompts, n, max_tokens, sampling, stops, stream, bool(options.get("include_usage")))
@@ -298,8 +354,8 @@ _DONE = object()
 class _Answer:
     """One response in OpenAI's shape, whole or as a stream of chunks, of one or more choices."""
 
-    def __init__(self, ask: Ask, chat: bool, slot: GenerationSlot) -> None:
-        self.ask, self.chat, self.slot = ask, chat, slot
+    def __init__(self, ask: Ask, chat: bool) -> None:
+        self.ask, self.chat = ask, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.api = "openai_chat" if chat else "openai_completions"
@@ -337,7 +393,6 @@ class _Answer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.slot.release()
 
     async def start(self) -> tuple[int, str, CompletionResult | None]:
         """Run the choices and wait for the first piece (raises as ``run`` does)."""
@@ -380,9 +435,7 @@ class _Answer:
             if self.ask.include_usage:
                 yield _sse({**self._chunk_base(), "choices": [], "usage": _usage(results, self.ask.n)})
         except (ClusterUnavailable, ClusterGenerationError) as exc:
-            yield _sse(
-                {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "generation_failed"}}
-            )
+            yield _sse(json.loads(_failure(exc).content))  # OpenAI's error shape, mid-stream
         finally:
             await self._pieces.aclose()
         yield "data: [DONE]\n\n"

@@ -6,6 +6,7 @@ Pure decisions plus a small tokenizer cache; nothing here talks to the cluster.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -53,9 +54,13 @@ def tokenizer_for(model_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+def check_prompt(prompt: object) -> None:
     if not isinstance(prompt, str) or not prompt:
         raise InputError("prompt must be a non-empty string", param="prompt")
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    check_prompt(prompt)
     return list(tokenizer(prompt)["input_ids"])
 
 
@@ -101,15 +106,64 @@ def check_messages(messages: object) -> None:
             raise InputError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
 
 
-def check_lengths(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
-    """Refuse a request that cannot fit the model's context, with the numbers."""
+def check_max_tokens(max_new_tokens: int) -> None:
     if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise InputError(f"max_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}", param="max_tokens")
+
+
+def check_lengths(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
+    """Refuse a request that cannot fit the model's context, with the numbers."""
+    check_max_tokens(max_new_tokens)
     if context and prompt_tokens + max_new_tokens > context:
         raise InputError(
             f"this model's context is {context} tokens; the prompt has {prompt_tokens} and "
             f"max_tokens asks for {max_new_tokens} more",
             param="messages",
+            code="context_length_exceeded",
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters of text one token of ``tokenizer`` stands for.
+
+    A vocabulary entry is written in at least as many characters as the text it encodes: a
+    byte-level BPE (GPT-2, Qwen, Llama 3) writes one character per byte, SentencePiece (Mixtral)
+    writes the text itself with ``▁`` for a space, and a special token is its own text.
+    """
+    return max((len(piece) for piece in tokenizer.get_vocab()), default=1) or 1
+
+
+def check_text_fits(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], max_new_tokens: int, context: int | None, *, param: str
+) -> None:
+    """Refuse, before tokenizing it, text that cannot fit the model's context whatever its tokens.
+
+    A model's tokenizer keeps every character of the text (decoding gives it back), so text
+    of N characters is at least N / L tokens, L being ``longest_token_chars``: past
+    ``(context - max_new_tokens) * L`` characters no prompt can fit, and none that could is
+    refused. A tokenizer whose normalizer may shorten text (Unicode composition: NFC, NFKC)
+    is given the normalized text's length, worked out only for text past the bound. Text
+    that passes is tokenized and held to the exact count (``check_lengths``).
+    """
+    check_max_tokens(max_new_tokens)
+    if not context:
+        return
+    longest = longest_token_chars(tokenizer)
+    bound = max(0, context - max_new_tokens) * longest
+    chars = sum(len(text) for text in texts)
+    if chars <= bound:
+        return
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None)
+    if normalizer is not None:
+        chars = sum(len(normalizer.normalize_str(text)) for text in texts)
+    if chars > bound:
+        raise InputError(
+            f"this model's context is {context} tokens; the prompt has {chars} characters, so at least "
+            f"{math.ceil(chars / longest)} tokens (one of this model's tokens is at most {longest} characters), "
+            f"and max_tokens asks for {max_new_tokens} more",
+            param=param,
             code="context_length_exceeded",
         )
 

@@ -20,10 +20,13 @@
 | ``ODMOE_LOGIN_FAILURE_LIMIT`` | failed logins that lock one username out from one address | 5 |
 | ``ODMOE_LOGIN_USER_FAILURE_LIMIT`` | failed logins that lock one username out from every address | 20 |
 | ``ODMOE_LOGIN_LOCKOUT_HOURS`` | how long a lockout lasts | 0.25 |
-| ``ODMOE_THROTTLE_USER``, ``ODMOE_THROTTLE_ANON`` | API rates per user, per anonymous address | 600/min, 60/min |
 | ``ODMOE_NUM_PROXIES`` | reverse proxies in front that set ``X-Forwarded-For`` (see ``REST_FRAMEWORK``) | 0 |
-| ``ODMOE_MAX_GENERATIONS_PER_USER`` | generations one user runs at once | 4 |
 | ``ODMOE_HSTS_SECONDS``, ``ODMOE_HSTS_INCLUDE_SUBDOMAINS`` | HSTS in production (``1``: subdomains too) | a year, off |
+| ``ODMOE_MAX_REQUEST_BYTES`` | the largest request body and websocket frame taken (413 / close 1009) | 16777216 |
+| ``ODMOE_THROTTLE_USER`` | API calls per user (REST and ``/v1``) | 600/minute |
+| ``ODMOE_THROTTLE_ANON`` | API calls per anonymous address | 60/minute |
+| ``ODMOE_THROTTLE_CHAT`` | chat messages per user | 20/minute |
+| ``ODMOE_MAX_ACTIVE_JOB_PROMPTS_PER_USER`` | prompts a user's jobs may have queued or running (429) | 200 |
 
 ``deploy/odmoe.env.example`` lists them all for a production host.
 """
@@ -193,10 +196,22 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_RATES": {
         "user": os.environ.get("ODMOE_THROTTLE_USER", "600/minute"),
         "anon": os.environ.get("ODMOE_THROTTLE_ANON", "60/minute"),
+        # Messages one user sends the chat (each one a generation); past it, the message is refused.
+        "chat": os.environ.get("ODMOE_THROTTLE_CHAT", "20/minute"),
     },
 }
-# Generations one user may run at once (OpenAI API and chat); more are a 429 with Retry-After.
-MAX_GENERATIONS_PER_USER = int(os.environ.get("ODMOE_MAX_GENERATIONS_PER_USER", "4"))
+# The largest request body (and websocket frame) the server reads, checked before any view
+# (controlplane/edge.py; past it: 413, or a socket closed with 1009). 16 MiB: the largest
+# request that has a use is a job of 100 prompts (serving.jobs.MAX_PROMPTS) that each fill a
+# 32k-token context (Mixtral's) at about 4 bytes a token, some 13 MB; it is also uvicorn's own
+# default for a websocket frame. Django's cap on a body it reads into memory is the same, so
+# the two never disagree about a request.
+MAX_REQUEST_BYTES = int(os.environ.get("ODMOE_MAX_REQUEST_BYTES", str(16 * 2**20)))
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
+# Prompts one user's jobs may have queued or running at once (serving/jobs.py; past it, 429):
+# jobs run from one queue in the order they came, so a user's many prompts hold everyone
+# else's behind them. 200: two jobs of the most prompts one job takes (100).
+MAX_ACTIVE_JOB_PROMPTS_PER_USER = int(os.environ.get("ODMOE_MAX_ACTIVE_JOB_PROMPTS_PER_USER", "200"))
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "odmoe control plane API",

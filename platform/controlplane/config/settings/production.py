@@ -24,7 +24,7 @@ if SECRET_KEY in PUBLISHED_SECRETS or SECRET_KEY.startswith("replace-with") or l
 if PUBLISHED_SECRETS & set(SECRET_KEY_FALLBACKS):
     raise ImproperlyConfigured("DJANGO_SECRET_KEY_FALLBACKS holds a published key: remove it")
 
-# Throttle counts and generation slots shared by every server process.
+# Throttle counts shared by every server process.
 CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
