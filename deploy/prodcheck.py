@@ -567,11 +567,21 @@ def check_edge(stack: Stack) -> None:
     status, headers, _ = stack.api.request("GET", "/accounts/login/")
     if status != 200 or "max-age=" not in headers.get("Strict-Transport-Security", ""):
         raise CheckFailed(f"the login page over https: {status}, HSTS {headers.get('Strict-Transport-Security')!r}")
-    big = b'{"prompt": "' + b"x" * (2560 * 1024) + b'"}'
-    status, headers, data = stack.api.request("POST", "/api/jobs", big, headers={"Content-Type": "application/json"})
+    cap = int(stack.env.get("ODMOE_MAX_REQUEST_BYTES") or 16 * 2**20)  # the app's, as its settings read it
+    json_body = {"Content-Type": "application/json"}
+    big = b'{"prompt": "' + b"x" * cap + b'"}'
+    status, _, data = stack.api.request("POST", "/api/jobs", big, headers=json_body)
     if status != 413 or b"nginx" not in data:
         raise CheckFailed(f"a body over the cap got {status} (expected the proxy's 413): {data[:200]!r}")
-    step("edge: plain HTTP redirected to https, HSTS sent, a 2.5 MiB body refused by the proxy (413)")
+    # A body under the cap goes through to the app, which answers it (here: no such model).
+    under = b'{"model": "none", "prompt": "' + b"x" * (cap // 4) + b'"}'
+    status, _, data = stack.api.request("POST", "/api/jobs", under, headers=json_body)
+    if status in (0, 413) or b"nginx" in data:
+        raise CheckFailed(f"a body of a quarter of the cap did not reach the app: {status} {data[:200]!r}")
+    step(
+        f"edge: plain HTTP redirected to https, HSTS sent, a body over the app's {cap >> 20} MiB cap refused "
+        f"by the proxy (413), one under it answered by the app ({status})"
+    )
 
 
 def check_roles_run_as_the_agents_user(stack: Stack) -> None:

@@ -95,8 +95,8 @@ def nginx_locations(text: str) -> dict[str, str]:
 
 def test_the_proxy_caps_bodies_as_the_app_does_and_forwards_https_and_websockets(settings) -> None:
     text = (REPO / "deploy" / "nginx" / "odmoe.conf").read_text()
-    (cap,) = re.findall(r"client_max_body_size (\d+)k;", text)
-    assert int(cap) * 1024 == settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    (cap,) = re.findall(r"client_max_body_size (\d+)m;", text)
+    assert int(cap) * 2**20 == settings.MAX_REQUEST_BYTES == settings.DATA_UPLOAD_MAX_MEMORY_SIZE
     locations = nginx_locations(text)
     assert set(locations) == {"/", "/ws/"}
     for body in locations.values():
