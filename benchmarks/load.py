@@ -814,15 +814,18 @@ async def stream_once(client, developer: int, prompt: str, max_tokens: int) -> d
         record["answer_ms"] = (time.perf_counter() - started) * 1000
     except openai.APIStatusError as exc:
         record["error"] = f"HTTP {exc.status_code}: {str(exc)[:200]}"
-    except (openai.APIError, OSError) as exc:
+    except (openai.APIConnectionError, OSError) as exc:  # the connection broke or timed out: nothing said
         record["error"] = f"the stream broke: {exc!r}"[:300]
         record["broken"] = True
+    except openai.APIError as exc:  # an error event in the stream: the server said why it stopped
+        record["error"] = f"error event: {exc.message}"[:300]
     return record
 
 
 def judge_streams(records: list[dict]) -> dict:
-    """Every API stream's fate: complete (a finish reason came), failed (an error status: the client
-    was told), or lost (it broke off, or ended without a finish reason)."""
+    """Every API stream's fate: complete (a finish reason came), failed (an error status, or an
+    error event in the stream: the client was told why), or lost (the connection broke, or the
+    stream ended without a finish reason)."""
     complete = failed = lost = 0
     reasons: Counter = Counter()
     for record in records:

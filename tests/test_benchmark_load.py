@@ -78,11 +78,12 @@ def test_api_streams_are_complete_failed_or_lost() -> None:
         record("length"),
         record("stop"),
         record(None, "HTTP 429: too many generations"),  # refused: the client was told
+        record(None, "error event: the link to main's node closed mid-generation"),  # told why, mid-stream
         record(None, "the stream broke: RemoteProtocolError()", broken=True),
         record(None),  # ended without a finish reason
     ]
     judged = load.judge_streams(records)
-    assert (judged["sent"], judged["complete"], judged["failed"], judged["lost"]) == (5, 2, 1, 2)
+    assert (judged["sent"], judged["complete"], judged["failed"], judged["lost"]) == (6, 2, 2, 2)
     assert judged["reasons"]["no finish reason"] == 1
 
 
