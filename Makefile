@@ -12,7 +12,7 @@ WORKERS ?= 8
 PORT ?= 8000
 AGENTS ?= 10
 
-.PHONY: run runtime test check lint install bench clean chromium demo-model gpu-check gpu-wheels
+.PHONY: run runtime test check lint install bench clean chromium nginx prod-check lock demo-model gpu-check gpu-wheels
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,8 +46,28 @@ chromium:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; } || \
 	  { echo "error: could not install chromium; install the Debian packages chromium and chromium-driver" >&2; exit 1; }; }
 
-test: lint chromium
+# The production check needs Debian's nginx as its TLS proxy; install it where it is missing (needs root or sudo).
+nginx:
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || { \
+	  echo "installing Debian's nginx for the production check"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q nginx >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q nginx >/dev/null; } || \
+	  { echo "error: could not install nginx; install the Debian package nginx" >&2; exit 1; }; }
+
+# The production path of deploy/ on this machine, without systemd (deploy/prodcheck.py, about 2 minutes):
+# PostgreSQL at 127.0.0.1:5432 (ODMOE_PRODCHECK_POSTGRES), Redis with a password, nginx with TLS, 2 web
+# workers, Celery on both queues and beat, 3 agents by the one-liner, a chat, a job and an OpenAI call.
+prod-check: $(STAMP) nginx
+	$(PY) -m deploy.prodcheck
+
+# The hash-locked requirement files (deploy/requirements.lock, agent/requirements.lock) from constraints.txt.
+lock: $(STAMP)
+	$(PY) deploy/lock.py
+
+test: lint chromium nginx
 	$(PY) -m pytest -q
+	$(PY) -m deploy.prodcheck
 
 # Train the shipped demo model again (about 13 minutes on 2 cores; needs Debian's python3.11-doc).
 demo-model: $(STAMP)

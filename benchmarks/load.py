@@ -1,6 +1,7 @@
 r"""The control plane under load on loopback: many agents heartbeating, chats answering, the API polled.
 
-    python -m benchmarks.load [--agents 300] [--chats 20] [--duration 60] [--heartbeat-s 5] [--json OUT]
+    python -m benchmarks.load [--agents 300] [--chats 20] [--streams 0] [--duration 60] [--heartbeat-s 5]
+                              [--production] [--json OUT]
 
 Sets up a control plane of its own in a temporary directory, as ``manage.py up`` does: a
 private Redis (``REDIS_URL`` if set), a fresh SQLite database, migrated, the ASGI server
@@ -23,6 +24,18 @@ Then, from this one asyncio process:
   (``/ws/chat/``) as the browser does: a question, every ``token`` event until ``done``,
   the next question (a new conversation each time, ``--chat-tokens`` tokens at most).
 - A staff API key polls ``GET --api-path`` (default ``/api/nodes``) every ``--api-interval-s``.
+- ``--streams`` developers, each with an API key of their own, stream answers from the
+  OpenAI-compatible API with the official ``openai`` client (``/v1/chat/completions``, SSE), one
+  after another (``--chat-tokens`` tokens at most). A stream is *lost* when it ends without a
+  finish reason; one refused or failed with an error status is counted apart, as failed.
+
+``--production`` runs all of it against the production stack of ``deploy/`` instead, brought up
+as ``make prod-check`` brings it up (``deploy.prodcheck.production_stack``): PostgreSQL, Redis
+with a password, uvicorn with 2 workers behind Debian's nginx with TLS, Celery on both queues and
+beat, the 3 serving agents installed by the console's one-liner and running as their own user.
+Every request, link and socket of the load then goes through the proxy over https and wss: the
+simulated agents pin its self-signed certificate's key from their join token, as agents do, and
+the other clients trust the certificate; the bookkeeping triggers are PostgreSQL's.
 
 For ``--duration`` seconds, after every simulated agent is online, it measures:
 
@@ -31,7 +44,11 @@ For ``--duration`` seconds, after every simulated agent is online, it measures:
   control plane writing it to the node's row (``last_seen``, ``inventory``): a trigger in
   the benchmark's own SQLite database notes, for every heartbeat written, its number
   and SQLite's clock (1 ms resolution; the same machine, so the same clock as the sender's).
-  A heartbeat sent and never written is *lost*.
+  The control plane writes a node's newest heartbeat (``nodes.consumers``: liveness is never
+  queued behind anything), so when its writes fall behind, a heartbeat that a later one of the
+  same agent overtook is never written: it is counted *superseded* (what it said is in the
+  newer one). A heartbeat sent and never written, with no later one of its agent written, is
+  *lost*.
 - nodes wrongly marked offline: a second trigger notes every change of a node's status, by
   whichever process made it (the link closing in the ASGI server, the silence check in
   Celery beat). Any node that turned offline before the benchmark started closing the links
@@ -52,10 +69,11 @@ the heartbeat latency per 10 s of the run (a backlog that grows shows here), and
 part used during the window, with what the rest of the machine used (on a shared machine
 every figure is worse).
 
-One setting differs from a production install: the limit on anonymous calls per address
-(60/minute) is raised for this server, since every simulated box enrolls from 127.0.0.1
-while real boxes each have an address of their own. Prints a Markdown table; ``--json``
-writes every figure.
+Two settings differ from a production install (``--production`` too): the limit on anonymous
+calls per address (60/minute) is raised for this server, since every simulated box enrolls
+from 127.0.0.1 while real boxes each have an address of their own, and so is the chat's per
+user (its users ask again at once). Prints a Markdown table; ``--json`` writes every figure,
+``--markdown`` the tables.
 """
 
 from __future__ import annotations
@@ -68,7 +86,9 @@ import os
 import resource
 import shutil
 import sqlite3
+import ssl
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,6 +106,7 @@ from agent.backoff import reconnect_delay
 from agent.http import ControlPlaneError, request_json
 from agent.link import CLOSE_UNAUTHENTICATED, link_url
 from agent.messages import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, Pong, parse
+from agent.tls import ServerTrust
 from benchmarks.overhead import percentile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,12 +155,13 @@ def summary(values: list[float]) -> dict:
 def heartbeat_figures(
     sent: dict[tuple[str, int], float], written: dict[tuple[str, int], float], window, judged_until: float
 ) -> dict:
-    """Latency (ms) of the heartbeats sent within ``window`` (start, end); lost: sent before
-    ``judged_until`` and never written; a timeline of the latency from the window's start on."""
+    """Latency (ms) of the heartbeats sent within ``window`` (start, end); of those sent before
+    ``judged_until``, the ones never written, superseded (a later one of the same agent was
+    written) or lost (none was); a timeline of the latency from the window's start on."""
     start, end = window
     latencies = [(written[key] - at) * 1000 for key, at in sent.items() if start <= at < end and key in written]
     judged = [key for key, at in sent.items() if at < judged_until]
-    lost = sorted(key for key in judged if key not in written)
+    superseded, lost = unwritten(judged, written)
     in_window = [at for at in sent.values() if start <= at < end]
     timeline = []
     bucket = start
@@ -159,7 +181,8 @@ def heartbeat_figures(
     return {
         "sent": len(judged),
         "sent_in_window": len(in_window),
-        "written": len(judged) - len(lost),
+        "written": len(judged) - len(lost) - len(superseded),
+        "superseded": len(superseded),
         "lost": len(lost),
         "lost_examples": [f"{name}#{seq}" for name, seq in lost[:10]],
         "sent_after_judging": len(sent) - len(judged),
@@ -168,6 +191,17 @@ def heartbeat_figures(
         "ms": summary(latencies),
         "timeline": timeline,
     }
+
+
+def unwritten(judged, written) -> tuple[list, list]:
+    """The judged heartbeats never written, as (superseded, lost), each sorted: superseded when a
+    later heartbeat of the same agent was written (the control plane keeps a node's newest)."""
+    newest: dict[str, int] = {}
+    for name, seq in written:
+        newest[name] = max(seq, newest.get(name, seq))
+    missing = sorted(key for key in judged if key not in written)
+    superseded = [(name, seq) for name, seq in missing if newest.get(name, -1) > seq]
+    return superseded, [(name, seq) for name, seq in missing if newest.get(name, -1) <= seq]
 
 
 def wrongly_offline(transitions: list[tuple[str, str, str, float]], names: set[str], cutoff: float) -> list[str]:
@@ -210,7 +244,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"{setup['agents']} simulated agents (heartbeat every {setup['heartbeat_s']:g} s) + "
         f"{setup['real_agents']} real ones serving {Path(setup['model']).name}, {setup['chats']} chats, "
-        f"{setup['duration_s']:g} s on loopback, {setup['cores']} cores "
+        f"{setup.get('streams', 0)} API streams, {setup['duration_s']:g} s on loopback against {setup['server']}; "
+        f"{setup['cores']} cores "
         f"(load average {setup['loadavg_before'][0]:.2f} before, {setup['loadavg_after'][0]:.2f} after)",
         "",
         "| latency (ms) | p50 | p90 | p99 | max | n |",
@@ -221,6 +256,8 @@ def markdown(results: dict) -> str:
         (f"API GET {setup['api_path']}", results["api"]["ms"]),
         ("chat: time to first token", results["chat"]["ttft_ms"]),
         ("chat: whole answer", results["chat"]["answer_ms"]),
+        ("API stream (OpenAI, SSE): time to first token", results["streams"]["ttft_ms"]),
+        ("API stream: whole answer", results["streams"]["answer_ms"]),
         ("enrollment (POST /api/agents/enroll)", results["enrollment"]["ms"]),
         ("agent link opened", results["links"]["open_ms"]),
         ("load generator's event-loop lag", results["client_loop_lag_ms"]),
@@ -235,9 +272,12 @@ def markdown(results: dict) -> str:
         "| count | value | goal |",
         "|---|---:|---:|",
         f"| nodes wrongly marked offline | {results['nodes']['wrongly_offline']} | 0 |",
-        f"| heartbeats lost (sent, never written) | {hb['lost']} of {hb['sent']} | 0 |",
+        f"| heartbeats lost (neither it nor a later one of its agent written) | {hb['lost']} of {hb['sent']} | 0 |",
+        f"| heartbeats superseded (a later one of its agent written instead) | {hb.get('superseded', 0)} | |",
         f"| chat messages lost | {chat['lost']} of {chat['sent']} | 0 |",
         f"| chat answers failed (user told why) | {chat['failed']} | 0 |",
+        f"| API streams lost | {results['streams']['lost']} of {results['streams']['sent']} | 0 |",
+        f"| API streams failed or refused (client told why) | {results['streams']['failed']} | 0 |",
         f"| agent links dropped (simulated + serving) | {results['links']['drops']} + "
         f"{results['nodes']['real_agent_link_drops']} | 0 |",
         f"| API errors | {results['api']['errors']} of {results['api']['requests']} | 0 |",
@@ -325,29 +365,136 @@ def install_triggers(db: Path) -> None:
         conn.commit()
 
 
-def read_db(db: Path, query: str) -> list[tuple]:
-    """A read on its own connection (WAL: never blocks the server's writes); safe in any thread."""
+def read_db(db: Path | str, query: str) -> list[tuple]:
+    """A read on its own connection (SQLite in WAL mode: never blocks the server's writes; or the
+    PostgreSQL database at the URL ``db``); safe in any thread."""
+    if isinstance(db, str):
+        import psycopg
+
+        with psycopg.connect(db, connect_timeout=30) as conn:
+            return conn.execute(query).fetchall()
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as conn:
         return conn.execute(query).fetchall()
+
+
+POSTGRES_TRIGGERS = """
+CREATE TABLE bench_heartbeat (name text, seq bigint, at double precision);
+CREATE FUNCTION bench_heartbeat_written() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.inventory ->> 'hostname' LIKE '{seq_prefix}%' THEN
+    INSERT INTO bench_heartbeat VALUES (
+      NEW.name,
+      substr(NEW.inventory ->> 'hostname', {seq_start})::bigint,
+      extract(epoch FROM clock_timestamp())
+    );
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER bench_heartbeat_written AFTER UPDATE OF inventory ON {nodes}
+  FOR EACH ROW EXECUTE FUNCTION bench_heartbeat_written();
+CREATE TABLE bench_status (name text, old text, new text, at double precision);
+CREATE FUNCTION bench_status_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  INSERT INTO bench_status VALUES (NEW.name, OLD.status, NEW.status, extract(epoch FROM clock_timestamp()));
+  RETURN NEW;
+END $$;
+CREATE TRIGGER bench_status_changed AFTER UPDATE OF status ON {nodes}
+  FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status) EXECUTE FUNCTION bench_status_changed();
+CREATE TABLE bench_deployment (name text, old text, new text, reason text, at double precision);
+CREATE FUNCTION bench_deployment_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  INSERT INTO bench_deployment
+    VALUES (NEW.name, OLD.status, NEW.status, NEW.status_reason, extract(epoch FROM clock_timestamp()));
+  RETURN NEW;
+END $$;
+CREATE TRIGGER bench_deployment_changed AFTER UPDATE OF status ON {deployments}
+  FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status) EXECUTE FUNCTION bench_deployment_changed();
+"""
+
+
+def install_postgres_triggers(url: str) -> None:
+    """The same bookkeeping as ``TRIGGERS`` in the production stack's PostgreSQL database (the wall
+    clock of the trigger's run, as SQLite's ``julianday('now')`` there)."""
+    import psycopg
+
+    from controlplane.deployments.models import Deployment
+    from controlplane.nodes.models import Node
+
+    script = POSTGRES_TRIGGERS.format(
+        nodes=Node._meta.db_table,
+        deployments=Deployment._meta.db_table,
+        seq_prefix=SEQ_PREFIX,
+        seq_start=len(SEQ_PREFIX) + 1,  # PostgreSQL counts from 1 too
+    )
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(script)
 
 
 @dataclass
 class Plane:
     server: str
-    db: Path
+    db: Path | str  # the SQLite file, or the PostgreSQL URL of the production stack
     staff_key: str
     sessions: list[str]  # one session cookie per chat user
     agent_token: str  # a join token for the simulated agents
     deployment_id: int
+    stream_keys: list[str] = field(default_factory=list)  # one API key per streaming developer
+    tls: ssl.SSLContext | None = None  # trusting the production stack's certificate
+
+    def ws(self, path: str) -> str:
+        return self.server.replace("https://", "wss://", 1).replace("http://", "ws://", 1) + path
+
+    def ws_options(self) -> dict:
+        return {"ssl": self.tls} if self.tls is not None else {}
+
+
+def make_users(args: argparse.Namespace) -> tuple[str, list[str], list[str], str]:
+    """The staff API key, the chat users' session cookies, the streaming developers' API keys and a
+    join token for the simulated agents, made in the database as ``start_plane`` does."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    from controlplane.accounts.services import create_api_key
+    from controlplane.nodes.services import create_join_token
+
+    users = get_user_model().objects
+    _, staff_key = create_api_key(user=users.create_user("load-staff", is_staff=True))
+    sessions = []
+    for i in range(args.chats):
+        browser = Client()
+        browser.force_login(users.create_user(f"chat-{i:03d}"))
+        sessions.append(browser.cookies["sessionid"].value)
+    stream_keys = [create_api_key(user=users.create_user(f"dev-{i:03d}"))[1] for i in range(args.streams)]
+    if args.agents > 1000:
+        raise SystemExit("--agents above 1000 needs more than one join token; not supported")
+    token = create_join_token(created_by=None, name="load", ttl_s=3600, max_uses=args.agents)[1]
+    return staff_key, sessions, stream_keys, token
+
+
+def start_production_plane(stack, args: argparse.Namespace) -> Plane:
+    """On the production stack: its database's triggers, the users, 3 serving agents by the
+    one-liner and the deployment they serve, through its REST API."""
+    install_postgres_triggers(stack.env["DATABASE_URL"])
+    staff_key, sessions, stream_keys, token = make_users(args)
+    names = [f"serve-{i}" for i in range(REAL_AGENTS)]
+    node_ids = stack.join(names)
+    print(f"· {REAL_AGENTS} serving agents installed by the one-liner, online", flush=True)
+    model_dir = args.model
+    if not (model_dir / "config.json").exists():
+        from inference.tiny import make_tiny
+
+        model_dir = make_tiny(stack.work / "tiny-model", seed=0)
+    deployment = stack.deploy(model_dir, node_ids, name=DEPLOYMENT)
+    print(f"· {DEPLOYMENT} ready on {REAL_AGENTS} agents", flush=True)
+    tls = ssl.create_default_context(cafile=str(stack.cert))
+    url = stack.env["DATABASE_URL"]
+    return Plane(stack.server, url, staff_key, sessions, token, deployment["id"], stream_keys, tls)
 
 
 def start_plane(group, work: Path, args: argparse.Namespace) -> Plane:
     """Migrate, create the users, start the ASGI server, Celery and the serving deployment."""
-    from django.contrib.auth import get_user_model
     from django.core.management import call_command
-    from django.test import Client
 
-    from controlplane.accounts.services import create_api_key
     from controlplane.artifacts.services import register_model
     from controlplane.deployments import lifecycle
     from controlplane.deployments.models import Deployment, DeploymentStatus
@@ -360,19 +507,7 @@ def start_plane(group, work: Path, args: argparse.Namespace) -> Plane:
     db = work / "db.sqlite3"
     call_command("migrate", interactive=False, verbosity=0)
     install_triggers(db)
-    users = get_user_model().objects
-    _, staff_key = create_api_key(user=users.create_user("load-staff", is_staff=True))
-    sessions = []
-    for i in range(args.chats):
-        browser = Client()
-        browser.force_login(users.create_user(f"chat-{i:03d}"))
-        sessions.append(browser.cookies["sessionid"].value)
-    tokens = []
-    for start in range(0, args.agents, 1000):  # a join token takes at most 1000 uses
-        uses = min(1000, args.agents - start)
-        tokens.append(create_join_token(created_by=None, name="load", ttl_s=3600, max_uses=uses)[1])
-    if len(tokens) > 1:
-        raise SystemExit("--agents above 1000 needs more than one join token; not supported")
+    staff_key, sessions, stream_keys, agent_token = make_users(args)
     _, serve_token = create_join_token(created_by=None, name="serving", ttl_s=3600, max_uses=REAL_AGENTS)
 
     port = free_port()
@@ -410,7 +545,7 @@ def start_plane(group, work: Path, args: argparse.Namespace) -> Plane:
         return status == DeploymentStatus.READY
 
     wait_until("the deployment ready", ready, timeout_s=300, check=group.check)
-    return Plane(server, db, staff_key, sessions, tokens[0], deployment.pk)
+    return Plane(server, db, staff_key, sessions, agent_token, deployment.pk, stream_keys)
 
 
 # --- the load -----------------------------------------------------------------------------------
@@ -432,6 +567,7 @@ class SimAgent:
     refused: str = ""
     commands: Counter = field(default_factory=Counter)
     connected: asyncio.Event = field(default_factory=asyncio.Event)
+    tls: ssl.SSLContext | None = None  # pinned to the server's key, as the agent's link pins it
 
 
 @dataclass
@@ -447,6 +583,7 @@ class Load:
     agents: list[SimAgent] = field(default_factory=list)
     chats: list[dict] = field(default_factory=list)
     chat_errors: list[str] = field(default_factory=list)
+    streams: list[dict] = field(default_factory=list)
     api_ms: list[float] = field(default_factory=list)
     api_errors: list[str] = field(default_factory=list)
     lag_ms: list[float] = field(default_factory=list)
@@ -465,6 +602,8 @@ def enroll(agent: SimAgent, server: str, token: str) -> None:
         agent.enroll_error = str(exc)
         return
     agent.enroll_ms = (time.perf_counter() - started) * 1000
+    # The link's TLS as the agent's own: the pinned certificate alone (https), nothing (http).
+    agent.tls = ServerTrust(agent.credential.server, agent.credential.pin, agent.state_dir).context()
     # What it sends in every heartbeat: the box's inventory, collected once (it does not change
     # on a simulated box), as the real agent collects it.
     agent.inventory = inventory.collect(agent.state_dir, "127.0.0.1")
@@ -485,6 +624,7 @@ async def run_agent(load: Load, agent: SimAgent) -> None:
                 },
                 open_timeout=10,
                 proxy=None,
+                **({"ssl": agent.tls} if agent.tls is not None else {}),
             ) as ws:
                 agent.open_ms.append((time.perf_counter() - started) * 1000)
                 attempt = 0
@@ -558,12 +698,17 @@ async def serve_link(load: Load, agent: SimAgent, ws) -> bool:
 async def run_chat(load: Load, user: int, session: str) -> None:
     """One user on the chat page: a question, its answer streamed, the next question, until stopped."""
     server = load.plane.server
-    url = server.replace("http://", "ws://", 1) + "/ws/chat/"
+    url = load.plane.ws("/ws/chat/")
     asked = 0
     while not load.stop_chats.is_set():
         try:
             async with connect(
-                url, additional_headers={"Cookie": f"sessionid={session}"}, origin=server, open_timeout=10, proxy=None
+                url,
+                additional_headers={"Cookie": f"sessionid={session}"},
+                origin=server,
+                open_timeout=10,
+                proxy=None,
+                **load.plane.ws_options(),
             ) as ws:
                 while not load.stop_chats.is_set():
                     prompt = PROMPTS[(user + asked) % len(PROMPTS)]
@@ -625,6 +770,76 @@ async def poll_api(load: Load) -> None:
             await asyncio.wait_for(load.stop_chats.wait(), timeout=max(0.0, load.args.api_interval_s - elapsed))
 
 
+async def run_stream(load: Load, developer: int, key: str) -> None:
+    """One developer's app: an answer streamed from /v1/chat/completions with the official client,
+    the next as soon as it ends, until stopped."""
+    import openai
+
+    options = {}
+    if load.plane.tls is not None:
+        options["http_client"] = openai.DefaultAsyncHttpx2Client(verify=load.plane.tls)
+    client = openai.AsyncOpenAI(
+        base_url=load.plane.server + "/v1", api_key=key, max_retries=0, timeout=CHAT_TIMEOUT_S, **options
+    )
+    asked = 0
+    async with client:
+        while not load.stop_chats.is_set():
+            prompt = PROMPTS[(developer + asked) % len(PROMPTS)]
+            asked += 1
+            load.streams.append(await stream_once(client, developer, prompt, load.args.chat_tokens))
+            if load.streams[-1]["error"]:
+                await asyncio.sleep(1)  # refused or failed: the app waits a moment, as a client would
+
+
+async def stream_once(client, developer: int, prompt: str, max_tokens: int) -> dict:
+    import openai
+
+    record: dict = {"developer": developer, "sent_at": time.time(), "ttft_ms": None, "answer_ms": None}
+    record.update(chunks=0, text="", finish=None, error="")
+    started = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=DEPLOYMENT, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True
+        )
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            if choice.delta.content:
+                if record["ttft_ms"] is None:
+                    record["ttft_ms"] = (time.perf_counter() - started) * 1000
+                record["chunks"] += 1
+                record["text"] += choice.delta.content
+            record["finish"] = choice.finish_reason or record["finish"]
+        record["answer_ms"] = (time.perf_counter() - started) * 1000
+    except openai.APIStatusError as exc:
+        record["error"] = f"HTTP {exc.status_code}: {str(exc)[:200]}"
+    except (openai.APIConnectionError, OSError) as exc:  # the connection broke or timed out: nothing said
+        record["error"] = f"the stream broke: {exc!r}"[:300]
+        record["broken"] = True
+    except openai.APIError as exc:  # an error event in the stream: the server said why it stopped
+        record["error"] = f"error event: {exc.message}"[:300]
+    return record
+
+
+def judge_streams(records: list[dict]) -> dict:
+    """Every API stream's fate: complete (a finish reason came), failed (an error status, or an
+    error event in the stream: the client was told why), or lost (the connection broke, or the
+    stream ended without a finish reason)."""
+    complete = failed = lost = 0
+    reasons: Counter = Counter()
+    for record in records:
+        if record["error"] and not record.get("broken"):
+            failed += 1
+            reasons["failed: " + record["error"][:120]] += 1
+        elif record["error"] or record["finish"] is None:
+            lost += 1
+            reasons[record["error"][:120] or "no finish reason"] += 1
+        else:
+            complete += 1
+    return {"sent": len(records), "complete": complete, "failed": failed, "lost": lost, "reasons": dict(reasons)}
+
+
 async def watch_loop_lag(load: Load) -> None:
     """How late this process's event loop wakes up: a busy load generator would show here."""
     while not load.close_links.is_set():
@@ -680,6 +895,7 @@ async def run_load(load: Load, work: Path) -> dict:
     t0 = time.time()
     load.cpu["start"] = cpu_seconds(load.families)
     traffic = [asyncio.create_task(run_chat(load, i, s)) for i, s in enumerate(plane.sessions)]
+    traffic += [asyncio.create_task(run_stream(load, i, key)) for i, key in enumerate(plane.stream_keys)]
     traffic.append(asyncio.create_task(poll_api(load)))
     await asyncio.sleep(args.duration)
     load.window = (t0, time.time())
@@ -696,7 +912,7 @@ async def run_load(load: Load, work: Path) -> dict:
     missing, progress_at = len(judged), time.monotonic()
     while missing:
         rows = await asyncio.to_thread(read_db, plane.db, "SELECT name, seq FROM bench_heartbeat")
-        now_missing = len(judged - set(rows))
+        now_missing = len(unwritten(judged, set(rows))[1])  # a superseded one will never be written
         if now_missing < missing:
             missing, progress_at = now_missing, time.monotonic()
         if missing and time.monotonic() - progress_at > STALL_S:
@@ -741,6 +957,7 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
             "agents": args.agents,
             "real_agents": REAL_AGENTS,
             "chats": args.chats,
+            "streams": args.streams,
             "duration_s": args.duration,
             "heartbeat_s": args.heartbeat_s,
             "real_heartbeat_s": REAL_HEARTBEAT_S,
@@ -752,11 +969,13 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
             "cores": os.cpu_count(),
             "loadavg_before": list(outcome["loadavg_before"]),
             "loadavg_after": list(os.getloadavg()),
-            "server": "uvicorn, 1 process; Celery worker (threads) with beat; SQLite (WAL)",
+            "server": outcome["server"],
+            "stack": "production" if args.production else "local",
             "redis": outcome["redis"],
             "node_heartbeat_timeout_s": outcome["timeout_s"],
             "open_files_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
             "anon_throttle": ANON_RATE,
+            "commit": outcome.get("commit", ""),
             "python": sys.version.split()[0],
         },
         "enrollment": {
@@ -810,6 +1029,13 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
                 for _name, o, new, reason, at in deployment_changes
                 if t0 <= at < outcome["cutoff"]
             ],
+        },
+        "streams": {
+            **judge_streams(load.streams),
+            "chunks": sum(r["chunks"] for r in load.streams),
+            "sent_in_window": sum(r["sent_at"] < load.window[1] for r in load.streams),
+            "ttft_ms": summary([r["ttft_ms"] for r in load.streams if r["ttft_ms"] is not None]),
+            "answer_ms": summary([r["answer_ms"] for r in load.streams if r["answer_ms"] is not None]),
         },
         "client_loop_lag_ms": summary(load.lag_ms),
         "cpu": cpu_figures(load.cpu.get("start", {}), load.cpu.get("end", {}), load.window[1] - load.window[0]),
@@ -914,6 +1140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", type=int, default=300, help="simulated agents (default 300)")
     parser.add_argument("--chats", type=int, default=20, help="concurrent chat users (default 20)")
+    parser.add_argument("--streams", type=int, default=0, help="concurrent OpenAI API streams (default 0)")
+    parser.add_argument("--production", action="store_true", help="against the production stack of deploy/")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds measured (default 60)")
     parser.add_argument("--heartbeat-s", type=float, default=5.0, help="seconds between heartbeats (agent default 5)")
     parser.add_argument("--chat-tokens", type=int, default=32, help="max_tokens of each chat message")
@@ -924,14 +1152,102 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="the served checkpoint (default: demo)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, database)")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--markdown", type=Path, help="write the tables here, with the command, commit and date")
     args = parser.parse_args(argv)
-    if args.agents < 1 or args.chats < 0 or args.duration <= 0:
-        parser.error("--agents must be >= 1, --chats >= 0 and --duration > 0")
+    if args.agents < 1 or args.chats < 0 or args.streams < 0 or args.duration <= 0:
+        parser.error("--agents must be >= 1, --chats and --streams >= 0 and --duration > 0")
     args.model = args.model.resolve()
-    raise_open_files(4 * (args.agents + args.chats) + 1024)
+    raise_open_files(4 * (args.agents + args.chats + args.streams) + 1024)
     loadavg_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="odmoe-load-"))
     sys.path.append(str(REPO / "platform"))
+    if args.production:
+        results = run_on_production(args, work, loadavg_before)
+        if results is None:
+            return 1
+    else:
+        results = run_locally(args, work, loadavg_before)
+        if results is None:
+            return 1
+    print()
+    print(markdown(results))
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        command = "python -m benchmarks.load " + " ".join(argv if argv is not None else sys.argv[1:])
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        header = f"`{command}` at {results['setup']['commit']}, {when}\n\n"
+        args.markdown.write_text(header + markdown(results) + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def commit() -> str:
+    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return run.stdout.strip()
+
+
+def postgres_server_pids() -> list[int]:
+    """The PostgreSQL server's own processes (its postmaster), whose backends serve the stack."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            name, rest = (entry / "stat").read_text().rsplit(")", 1)
+            parent = int(rest.split()[1])
+            if name.endswith("(postgres") and "postgres" not in Path(f"/proc/{parent}/comm").read_text():
+                found.append(int(entry.name))
+    return found
+
+
+PRODUCTION_SERVER = (
+    "deploy/: uvicorn with 2 workers behind nginx (TLS); Celery workers for the celery and jobs queues, "
+    "beat apart; PostgreSQL; Redis with a password"
+)
+
+
+def run_on_production(args: argparse.Namespace, work: Path, loadavg_before) -> dict | None:
+    """The load against the production stack (``deploy.prodcheck.production_stack``), through its proxy."""
+    import django
+
+    from controlplane.ops.processes import ChildFailed
+    from deploy.prodcheck import CheckFailed, production_stack
+
+    try:
+        rates = {"ODMOE_THROTTLE_ANON": ANON_RATE, "ODMOE_THROTTLE_CHAT": CHAT_RATE}
+        with production_stack(work, keep=args.keep, settings=rates) as stack:
+            # This process: the production settings on the stack's PostgreSQL and Redis. Its simulated
+            # agents pin the proxy's key from their join token as the real ones do; the API poller
+            # and the chat and stream clients trust the certificate as a CA of their own.
+            os.environ.update(stack.env)
+            os.environ["SSL_CERT_FILE"] = str(stack.cert)
+            import logging
+
+            django.setup()
+            logging.getLogger("axes").setLevel(logging.WARNING)
+            logging.getLogger("httpx2").setLevel(logging.WARNING)  # a line per API stream otherwise
+            from django.conf import settings
+
+            plane = start_production_plane(stack, args)
+            families: dict[str, list[int]] = {"load generator (this process)": [os.getpid()]}
+            for child in stack.group.children:
+                family = "agents + their roles" if child.name.startswith("agent-") else child.name
+                families.setdefault(family, []).append(child.process.pid)
+            families["postgresql (the whole server)"] = postgres_server_pids()
+            load = Load(plane, args, families)
+            outcome = asyncio.run(run_load(load, work))
+            stack.check()  # every process of the stack is still up
+            outcome.update(loadavg_before=loadavg_before, timeout_s=settings.NODE_HEARTBEAT_TIMEOUT_S)
+            outcome.update(redis="private redis-server with a password", server=PRODUCTION_SERVER, commit=commit())
+            return collect_results(load, plane, outcome, stack.group.log_dir)
+    except (CheckFailed, ChildFailed) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def run_locally(args: argparse.Namespace, work: Path, loadavg_before) -> dict | None:
     from controlplane.ops.processes import ChildFailed, ProcessGroup, python_env
 
     group = ProcessGroup(work / "logs", {})
@@ -955,12 +1271,13 @@ def main(argv: list[str] | None = None) -> int:
         group.check()  # every process of the control plane is still up
         outcome.update(loadavg_before=loadavg_before, timeout_s=settings.NODE_HEARTBEAT_TIMEOUT_S)
         outcome["redis"] = "REDIS_URL" if redis_given else "private redis-server"
+        outcome.update(server="uvicorn, 1 process; Celery worker (threads) with beat; SQLite (WAL)", commit=commit())
         results = collect_results(load, plane, outcome, group.log_dir)
     except BaseException as exc:
         keep = True
         if isinstance(exc, ChildFailed):
             print(f"error: {exc}", file=sys.stderr)
-            return 1
+            return None
         raise
     finally:
         with contextlib.suppress(Exception):
@@ -970,12 +1287,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"· logs and database kept in {work}", flush=True)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    print()
-    print(markdown(results))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    return results
 
 
 if __name__ == "__main__":

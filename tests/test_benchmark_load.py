@@ -28,10 +28,20 @@ def test_heartbeats_are_judged_written_or_lost() -> None:
     written = {("a", 1): 10.01, ("a", 2): 15.5, ("b", 2): 21.002}
     figures = load.heartbeat_figures(sent, written, (10.0, 30.0), judged_until=30.0)
     assert figures["sent"] == 4 and figures["written"] == 3  # ("b", 3) came after judging
-    assert figures["lost"] == 1 and figures["lost_examples"] == ["b#1"]
+    assert figures["superseded"] == 1 and figures["lost"] == 0  # b#1 never written, but b#2 was
     assert figures["sent_after_judging"] == 1
     assert figures["ms"]["n"] == 3 and figures["ms"]["max"] == pytest.approx(500)
     assert [t["sent"] for t in figures["timeline"]] == [3, 1]
+
+
+def test_a_heartbeat_overtaken_by_a_later_one_written_is_superseded_not_lost() -> None:
+    """The control plane writes a node's newest heartbeat: when its writes fall behind, an older
+    one overtaken by a later one of the same agent is never written, and that is no loss."""
+    sent = {("a", 1): 10.0, ("a", 2): 15.0, ("a", 3): 20.0, ("b", 1): 11.0, ("b", 2): 16.0}
+    written = {("a", 3): 21.0, ("b", 1): 11.5}
+    figures = load.heartbeat_figures(sent, written, (10.0, 30.0), judged_until=30.0)
+    assert (figures["written"], figures["superseded"], figures["lost"]) == (2, 2, 1)
+    assert figures["lost_examples"] == ["b#2"]  # nothing of b's was written after it
 
 
 def test_only_offline_before_the_cutoff_is_wrong() -> None:
@@ -58,6 +68,23 @@ def test_chat_messages_are_complete_failed_or_lost() -> None:
     saved = {1: ("hi", "complete"), 2: ("", "failed"), 3: ("abc", "complete"), 4: ("y", "complete")}
     judged = load.judge_chats(records, saved)
     assert (judged["sent"], judged["complete"], judged["failed"], judged["lost"]) == (5, 1, 1, 3)
+
+
+def test_api_streams_are_complete_failed_or_lost() -> None:
+    def record(finish: str | None, error: str = "", broken: bool = False) -> dict:
+        return {"finish": finish, "error": error, "chunks": 1, **({"broken": True} if broken else {})}
+
+    records = [
+        record("length"),
+        record("stop"),
+        record(None, "HTTP 429: too many generations"),  # refused: the client was told
+        record(None, "error event: the link to main's node closed mid-generation"),  # told why, mid-stream
+        record(None, "the stream broke: RemoteProtocolError()", broken=True),
+        record(None),  # ended without a finish reason
+    ]
+    judged = load.judge_streams(records)
+    assert (judged["sent"], judged["complete"], judged["failed"], judged["lost"]) == (6, 2, 2, 2)
+    assert judged["reasons"]["no finish reason"] == 1
 
 
 @pytest.mark.slow

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import io
 import os
+import pwd
 import re
+import shutil
 import stat
 import subprocess
+import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,10 +21,11 @@ from django.test import Client
 
 import inference
 from controlplane.nodes.agent_wheel import build_wheel, requirements
-from controlplane.nodes.install import agent_wheel, package_sha256
+from controlplane.nodes.install import agent_lock, agent_wheel, package_sha256
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import create_join_token
 from controlplane.ops.processes import ProcessGroup, asgi_argv, http_up, python_env, wait_until
+from deploy.units import read_unit
 from inference.launcher import free_port
 from tests.controlplane.isolated import CONTROL_PLANE, REPO, install_isolated, link_dependencies
 
@@ -35,6 +41,12 @@ def test_the_install_script_is_served_with_this_server_filled_in(db, settings) -
     package = Client().get(f"/agent/{name}", HTTP_HOST="cp.example:8000").content
     assert hashlib.sha256(package).hexdigest() == package_sha256() == sha256
     assert Client().get("/agent/odmoe_agent-0.0.1-py3-none-any.whl", HTTP_HOST="cp.example").status_code == 404
+    # The dependencies' hash-locked list is pinned the same way, and every line of it carries hashes.
+    lock_name, lock, lock_sha256 = agent_lock()
+    assert f'LOCK="{lock_name}"' in script and f'LOCK_SHA256="{lock_sha256}"' in script and "@AGENT_LOCK" not in script
+    served_lock = Client().get(f"/agent/{lock_name}", HTTP_HOST="cp.example:8000").content
+    assert served_lock == lock and hashlib.sha256(served_lock).hexdigest() == lock_sha256
+    assert "--require-hashes" in script and "--only-binary :all:" in script
     check = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True)
     assert check.returncode == 0, check.stderr
 
@@ -135,7 +147,9 @@ def test_the_install_script_refuses_bad_arguments_before_touching_anything(db, t
 
 
 @pytest.mark.slow
-def test_the_one_liner_installs_the_agent_and_enrolls_the_box(transactional_db, tmp_path: Path) -> None:
+def test_the_one_liner_installs_the_agent_and_enrolls_the_box(transactional_db, tmp_path: Path, box: Path) -> None:
+    """An ordinary user's install (run as root, the test makes it as nobody): a venv, the credential,
+    the doctor, an upgrade in place, the uninstall."""
     import urllib.request
 
     from django.db import connection
@@ -154,14 +168,14 @@ def test_the_one_liner_installs_the_agent_and_enrolls_the_box(transactional_db, 
             script = response.read().decode()
         # A package that is not the one the script was served with is never installed.
         tampered = re.sub(r'AGENT_SHA256="[0-9a-f]{64}"', 'AGENT_SHA256="' + "0" * 64 + '"', script)
-        refused = install(tampered, token, tmp_path / "tampered", tmp_path)
+        refused = install(tampered, token, box / "tampered", box)
         assert refused.returncode != 0 and "does not match the sha256" in refused.stderr
-        assert not (tmp_path / "tampered" / "venv" / "bin" / "odmoe-agent").exists()
+        assert not (box / "tampered" / "venv" / "bin" / "odmoe-agent").exists()
         assert not Node.objects.filter(name="installed-box").exists()
-        deps = tmp_path / "deps"
+        deps = box / "deps"
         deps.mkdir()
         link_dependencies(deps, requirements(REPO))  # the agent's dependencies only, no control plane
-        target = tmp_path / "odmoe-agent"
+        target = box / "odmoe-agent"
         dry = install(script, token, target, deps, "--dry-run")
         assert dry.returncode == 0, dry.stdout + dry.stderr
         assert "would run:" in dry.stdout and not target.exists()  # a dry run changes nothing
@@ -187,26 +201,115 @@ def test_the_one_liner_installs_the_agent_and_enrolls_the_box(transactional_db, 
     assert not target.exists()
 
 
-def install(script: str, token: str, target: Path, deps: Path, *options: str) -> subprocess.CompletedProcess:
+NOBODY = pwd.getpwnam("nobody")
+
+
+@pytest.fixture
+def box() -> Iterator[Path]:
+    """A directory of the installing user's own: this user's, or nobody's when the tests run as root
+    (the ordinary user's install is then made as nobody, since root's is another path)."""
+    path = Path(tempfile.mkdtemp(prefix="odmoe-box-"))
+    path.chmod(0o755)
+    if os.geteuid() == 0:
+        os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def install(
+    script: str, token: str, target: Path, deps: Path, *options: str, as_root: bool = False
+) -> subprocess.CompletedProcess:
+    """Run the install script for ``target`` with the dependencies linked in ``deps`` (``--no-deps``:
+    a box would install them from the hash-locked list); as nobody when the tests run as root,
+    unless ``as_root``."""
+    home = target.parent / "home"  # a throwaway home: nothing of this machine's user is touched
     env = {
         **os.environ,
-        # Dependencies are linked in from this test run (a box would download them from the package index).
-        "ODMOE_PIP_ARGS": "--no-deps",
         "PYTHONPATH": str(deps),
-        "PYTHON": "python3",
+        "PYTHON": "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3",  # the box's own
         "ODMOE_JOIN_TOKEN": token,  # from the environment: not in the process list
-        "HOME": str(target.parent / "home"),  # a throwaway home: nothing of this machine's user is touched
+        "HOME": str(home),
     }
-    (target.parent / "home").mkdir(exist_ok=True)
+    home.mkdir(exist_ok=True)
+    who = {}
+    if os.geteuid() == 0 and not as_root:
+        os.chown(home, NOBODY.pw_uid, NOBODY.pw_gid)
+        who = {"user": NOBODY.pw_uid, "group": NOBODY.pw_gid, "extra_groups": []}
+    service = [] if "--unit-dir" in options else ["--no-service"]
     return subprocess.run(
-        ["sh", "-s", "--", "--name", "installed-box", "--dir", str(target), "--no-service", *options],
+        ["sh", "-s", "--", "--name", "installed-box", "--dir", str(target), "--no-deps", *service, *options],
         input=script,
         text=True,
         capture_output=True,
         env=env,
         cwd=target.parent,
         timeout=600,
+        **who,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="installs as root")
+def test_installed_as_root_the_agent_runs_as_a_system_user_of_its_own_in_a_sandboxed_unit(
+    transactional_db, tmp_path: Path, box: Path
+) -> None:
+    """As root the script makes a system user (in the GPU's groups), gives it the agent's state and
+    nothing else, enrolls as it, and writes a unit that runs the agent, and so every runtime role
+    it starts, as that user, sandboxed; systemd accepts the unit."""
+    import urllib.request
+
+    from django.db import connection
+
+    user = f"odmoe-t{os.getpid()}"
+    _, token = create_join_token(created_by=None)
+    port = free_port()
+    server = f"http://127.0.0.1:{port}"
+    env = python_env(
+        DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
+        DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+    )
+    try:
+        with ProcessGroup(tmp_path / "logs", env) as group:
+            group.start("asgi", asgi_argv(port))
+            wait_until("the ASGI server", lambda: http_up(server + "/api/schema/"), timeout_s=60, check=group.check)
+            with urllib.request.urlopen(f"{server}/agent/install.sh") as response:
+                script = response.read().decode()
+            deps = box / "deps"
+            deps.mkdir()
+            link_dependencies(deps, requirements(REPO))
+            target, units = box / "agent", box / "units"
+            run = install(script, token, target, deps, "--user", user, "--unit-dir", str(units), as_root=True)
+            assert run.returncode == 0, run.stdout + run.stderr
+        account = pwd.getpwnam(user)
+        assert account.pw_uid != 0 and account.pw_shell == "/usr/sbin/nologin"
+        groups = {g.gr_name for g in grp.getgrall() if user in g.gr_mem}
+        assert groups == {g for g in ("video", "render") if g in {x.gr_name for x in grp.getgrall()}}
+        state, credential = target / "state", target / "state" / "node.json"
+        assert (state.stat().st_uid, stat.S_IMODE(state.stat().st_mode)) == (account.pw_uid, 0o700)
+        assert credential.stat().st_uid == account.pw_uid  # enrolled as the agent's user, not as root
+        assert (target / "venv").stat().st_uid == 0  # the code stays root's: the agent cannot change it
+        assert Node.objects.filter(name="installed-box").exists()
+        unit = read_unit(units / "odmoe-agent.service")
+        assert unit.argv == [
+            str(target / "venv" / "bin" / "python"),
+            "-m",
+            "agent",
+            "--server",
+            server,
+            "--state-dir",
+            str(state),
+        ]
+        assert (unit.get("User"), unit.get("Group")) == (user, user)
+        sandbox = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes"}
+        assert {key: unit.get(key) for key in sandbox} == sandbox
+        assert unit.all("ReadWritePaths") == [str(state)] and unit.environment == {"HOME": str(state)}
+        if shutil.which("systemd-analyze"):
+            verify = subprocess.run(
+                ["systemd-analyze", "verify", str(units / "odmoe-agent.service")], capture_output=True, text=True
+            )
+            assert verify.returncode == 0 and not verify.stderr.strip(), verify.stderr
+    finally:
+        subprocess.run(["userdel", user], capture_output=True)
 
 
 @pytest.mark.slow

@@ -46,6 +46,41 @@ def test_five_failed_logins_lock_that_username_from_that_address_out(settings) -
     assert elsewhere.status_code == 302  # another address is not locked out
 
 
+def test_failed_logins_spread_over_addresses_lock_the_username_out_everywhere(settings) -> None:
+    """A guesser on many addresses, each below the pair's limit, still gets only
+    LOGIN_USERNAME_FAILURE_LIMIT tries; then the username is locked out from every address,
+    a fresh one too, and the owner's own success elsewhere does not lift it."""
+    get_user_model().objects.create_user("alice", password=PASSWORD)
+    per_address = settings.AXES_FAILURE_LIMIT - 1  # never enough to lock a pair
+    addresses = [f"10.1.0.{i}" for i in range(settings.LOGIN_USERNAME_FAILURE_LIMIT // per_address + 1)]
+    failures = [a for a in addresses for _ in range(per_address)][: settings.LOGIN_USERNAME_FAILURE_LIMIT]
+    codes = [
+        Client(REMOTE_ADDR=a).post("/accounts/login/", {"username": "alice", "password": "wrong"}).status_code
+        for a in failures
+    ]
+    assert codes == [200] * (len(failures) - 1) + [429]  # the last of the username's failures locks it
+    fresh = Client(REMOTE_ADDR="10.2.0.1").post("/accounts/login/", {"username": "alice", "password": PASSWORD})
+    assert fresh.status_code == 429  # every address, the right password too, until the cool-off
+    other = get_user_model().objects.create_user("bob", password=PASSWORD)
+    assert (
+        Client(REMOTE_ADDR=failures[0])
+        .post("/accounts/login/", {"username": other.username, "password": PASSWORD})
+        .status_code
+        == 302
+    )
+
+
+def test_a_success_resets_only_its_own_addresss_failures(settings) -> None:
+    """The owner logging in from home clears home's count, not what a guesser elsewhere spent."""
+    get_user_model().objects.create_user("alice", password=PASSWORD)
+    guesser, home = Client(REMOTE_ADDR="10.3.0.1"), Client(REMOTE_ADDR="10.3.0.2")
+    for _ in range(settings.AXES_FAILURE_LIMIT - 1):
+        guesser.post("/accounts/login/", {"username": "alice", "password": "wrong"})
+        home.post("/accounts/login/", {"username": "alice", "password": "typo"})
+    assert home.post("/accounts/login/", {"username": "alice", "password": PASSWORD}).status_code == 302
+    assert guesser.post("/accounts/login/", {"username": "alice", "password": "wrong"}).status_code == 429
+
+
 def test_api_calls_past_the_rate_are_429_per_user_and_anonymous_per_address(monkeypatch) -> None:
     monkeypatch.setattr(throttles.UserThrottle, "THROTTLE_RATES", {"user": "3/minute", "anon": "2/minute"})
     monkeypatch.setattr(throttles.AnonThrottle, "THROTTLE_RATES", {"user": "3/minute", "anon": "2/minute"})

@@ -26,6 +26,7 @@ from pathlib import Path
 DISTRIBUTION = "odmoe-agent"
 PACKAGES = ("agent", "inference")
 SKIPPED = ("__pycache__", ".pytest_cache")
+SERVED_BESIDE = ("install.sh", "requirements.txt", "requirements.lock")  # agent/ files that are not code
 # A zip entry's timestamp: the earliest a zip can hold, so the bytes do not depend on when they were built.
 EPOCH = (1980, 1, 1, 0, 0, 0)
 
@@ -54,7 +55,7 @@ def _files(repo: Path) -> list[tuple[str, bytes]]:
         path = repo / relative
         if any(part in SKIPPED for part in relative.parts) or path.suffix == ".pyc":
             continue
-        if relative.parts[:1] == ("agent",) and path.name in ("install.sh", "requirements.txt"):
+        if relative.parts[:1] == ("agent",) and path.name in SERVED_BESIDE:
             continue  # served or read by the control plane, not run on the box from the package
         found.append((relative.as_posix(), path.read_bytes()))
     return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -59,12 +60,24 @@ class ProcessGroup:
         self.stop_all()
 
     def start(
-        self, name: str, argv: Sequence[str], *, env: dict[str, str | None] | None = None, cwd: Path | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str | None] | None = None,
+        cwd: Path | None = None,
+        user: str | None = None,
     ) -> Child:
         """Start ``argv`` with the group's environment updated by ``env`` (a None value removes
-        the variable), in ``cwd`` (default: the repository)."""
+        the variable), in ``cwd`` (default: the repository); as ``user`` with that user's groups
+        (as systemd's ``User=`` does), when given."""
         log_path = self.log_dir / f"{name}.log"
         merged = {**self.env, **(env or {})}
+        identity = {}
+        if user is not None:
+            account = pwd.getpwnam(user)
+            groups = os.getgrouplist(user, account.pw_gid)
+            identity = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": groups}
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 list(argv),
@@ -75,6 +88,7 @@ class ProcessGroup:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches the parent only, which stops children in order
                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+                **identity,
             )
         child = Child(name, process, log_path)
         self.children.append(child)

@@ -2,10 +2,12 @@
 
 | variable | meaning | default |
 |---|---|---|
-| ``DJANGO_SECRET_KEY`` | signing key | ``local``: this install's own (``var/secret_key``) |
+| ``DJANGO_SECRET_KEY`` | signing key (required in production) | none; ``local``: its own in ``var/`` |
+| ``DJANGO_SECRET_KEY_FALLBACKS`` | earlier keys, comma-separated: still accepted, never used to sign | none |
 | ``DJANGO_DEBUG`` | ``1`` to enable debug | off |
 | ``DJANGO_ALLOWED_HOSTS`` | comma-separated host names | ``localhost,127.0.0.1`` |
-| ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` | SQLite under ``ODMOE_VAR_DIR`` |
+| ``DATABASE_URL`` | e.g. ``postgres://user@127.0.0.1:5432/odmoe`` (docs/database.md) | SQLite under ``ODMOE_VAR_DIR`` |
+| ``ODMOE_DB_CONN_MAX_AGE`` | seconds a PostgreSQL connection is kept between requests or tasks | 0 |
 | ``ODMOE_VAR_DIR`` | where the control plane keeps its data | ``var/`` in the checkout |
 | ``ODMOE_MODELS_DIR`` | where models registered by Hub repo id are downloaded | ``models/`` in ``ODMOE_VAR_DIR`` |
 | ``HF_TOKEN`` | Hugging Face token, for gated or private repos (read by ``huggingface_hub``) | none |
@@ -15,11 +17,18 @@
 | ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
 | ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
 | ``ODMOE_LOG_LEVEL`` | log level of every process | INFO |
+| ``ODMOE_LOGIN_FAILURE_LIMIT`` | failed logins that lock one username out from one address | 5 |
+| ``ODMOE_LOGIN_USER_FAILURE_LIMIT`` | failed logins that lock one username out from every address | 20 |
+| ``ODMOE_LOGIN_LOCKOUT_HOURS`` | how long a lockout lasts | 0.25 |
+| ``ODMOE_NUM_PROXIES`` | reverse proxies in front that set ``X-Forwarded-For`` (see ``REST_FRAMEWORK``) | 0 |
+| ``ODMOE_HSTS_SECONDS``, ``ODMOE_HSTS_INCLUDE_SUBDOMAINS`` | HSTS in production (``1``: subdomains too) | a year, off |
 | ``ODMOE_MAX_REQUEST_BYTES`` | the largest request body and websocket frame taken (413 / close 1009) | 16777216 |
 | ``ODMOE_THROTTLE_USER`` | API calls per user (REST and ``/v1``) | 600/minute |
 | ``ODMOE_THROTTLE_ANON`` | API calls per anonymous address | 60/minute |
 | ``ODMOE_THROTTLE_CHAT`` | chat messages per user | 20/minute |
 | ``ODMOE_MAX_ACTIVE_JOB_PROMPTS_PER_USER`` | prompts a user's jobs may have queued or running (429) | 200 |
+
+``deploy/odmoe.env.example`` lists them all for a production host.
 """
 
 from __future__ import annotations
@@ -34,8 +43,16 @@ VAR_DIR = Path(os.environ.get("ODMOE_VAR_DIR", REPO_DIR / "var"))
 # Empty: ``VAR_DIR / "models"`` (decided where it is used, so a test that moves VAR_DIR moves it too).
 MODELS_DIR = os.environ.get("ODMOE_MODELS_DIR", "")
 
+# Once the default here, so published with the source: production refuses it by name, since an
+# install set up before it was dropped may still carry it in its environment.
 INSECURE_DEV_SECRET = "odmoe-insecure-development-key-change-me"
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", INSECURE_DEV_SECRET)
+# No fallback: an empty key makes Django refuse to sign anything. Each purpose's settings say
+# where the key comes from (local: this install's own file; test: the suite's; production: the
+# environment, checked).
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "")
+# Earlier keys, still accepted for what they signed (sessions, reset links), never used to sign:
+# a key is rotated without logging everyone out (docs/production.md).
+SECRET_KEY_FALLBACKS = [k for k in os.environ.get("DJANGO_SECRET_KEY_FALLBACKS", "").split(",") if k]
 DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
 ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1").split(",") if h]
 
@@ -73,12 +90,16 @@ MIDDLEWARE = [
 ]
 
 # Login lockout (django-axes): 5 failed logins for one username from one address lock that
-# pair out for 15 minutes; a success resets the count. Counted in the database, so every
-# server process sees the same.
+# pair out for 15 minutes, and 20 for one username from any addresses lock that username out
+# everywhere (a guesser spread over many addresses); a success resets its own address's count.
+# Counted in the database, so every server process sees the same (controlplane/accounts/lockout.py).
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_HANDLER = "controlplane.accounts.lockout.LockoutHandler"
 AXES_FAILURE_LIMIT = int(os.environ.get("ODMOE_LOGIN_FAILURE_LIMIT", "5"))
+LOGIN_USERNAME_FAILURE_LIMIT = int(os.environ.get("ODMOE_LOGIN_USER_FAILURE_LIMIT", "20"))
 AXES_COOLOFF_TIME = float(os.environ.get("ODMOE_LOGIN_LOCKOUT_HOURS", "0.25"))
-AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# The pair first: a success resets only that (controlplane.accounts.lockout).
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"], "username"]
 AXES_RESET_ON_SUCCESS = True
 AXES_VERBOSE = False
 
@@ -101,11 +122,6 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {
-    "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}"), conn_max_age=60
-    )
-}
 # SQLite serves several processes here (ASGI server, Celery, ``manage.py``): write-ahead
 # logging lets readers and a writer overlap, and transactions that take the write lock at
 # their start wait their turn instead of failing with "database is locked" mid-way.
@@ -114,14 +130,33 @@ SQLITE_OPTIONS = {
     "transaction_mode": "IMMEDIATE",
     "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
 }
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    DATABASES["default"]["OPTIONS"] = {**SQLITE_OPTIONS, **DATABASES["default"].get("OPTIONS", {})}
-    DATABASES["default"]["CONN_MAX_AGE"] = 0
+# Seconds a server connection is kept for the next request or task. 0 by default, as Django
+# says for ASGI: each request's synchronous code runs on a thread of its own, so a kept
+# connection is never reused and only piles up (400 requests, 16 at a time, left 65 idle
+# PostgreSQL connections behind one uvicorn at 60 s, none at 0). Health checks make a kept
+# connection that the server dropped (a restart) a new one, not a failed request.
+DB_CONN_MAX_AGE = int(os.environ.get("ODMOE_DB_CONN_MAX_AGE", "0"))
+
+
+def database_from_url(url: str) -> dict:
+    """The ``DATABASES`` entry for ``url``, with what each engine needs here."""
+    database = dj_database_url.parse(url, conn_max_age=DB_CONN_MAX_AGE, conn_health_checks=True)
+    if database["ENGINE"] == "django.db.backends.sqlite3":
+        database["OPTIONS"] = {**SQLITE_OPTIONS, **database.get("OPTIONS", {})}
+        database["CONN_MAX_AGE"] = 0  # a file: opening it costs nothing to keep
+    return database
+
+
+DATABASES = {"default": database_from_url(os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}"))}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# Django's full set: not like the account's own name or e-mail, 8 characters or more, not one of
+# the 20,000 most common passwords, not all digits.
 AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
 
 LANGUAGE_CODE = "en-us"

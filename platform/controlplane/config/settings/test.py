@@ -1,4 +1,4 @@
-"""The test suite: fast password hashing and a file-backed SQLite test database.
+"""The test suite: fast password hashing, its own signing key and a file-backed SQLite test database.
 
 The database is a file (not in memory) so that a real Celery worker process started by
 the tests sees what the tests write. ``DATABASE_URL`` overrides it (e.g. PostgreSQL).
@@ -8,6 +8,9 @@ import os
 
 from .base import *  # noqa: F403
 from .base import SQLITE_OPTIONS, VAR_DIR
+
+# The suite's own key, the same in every process it starts (they share sessions); never a production one.
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or "odmoe-test-suite-only-key-not-for-any-server"
 
 if "DATABASE_URL" not in os.environ:
     (VAR_DIR / "test").mkdir(parents=True, exist_ok=True)
