@@ -16,7 +16,11 @@ On the box that runs main, the runner also carries the control plane's generatio
 (``RuntimeClient``), one at a time in arrival order, and applies new alignment periods.
 
 The runner talks to its role with the keys of the role seat's client (``StartRole.client_keys``,
-``inference.curve``): the role admits them, and no other role does.
+``inference.curve``): the role admits them, and no other role does. The role's spec file
+(``runtime/<deployment>/<shard>.spec.json``, readable by the agent's user only) holds the role's
+secret key: it is there while the role runs, and removed when the role stops, fails to start or
+fails for good, and when the agent stops; one left by an agent that was killed goes when the
+next one starts (``remove_stale_specs``).
 """
 
 from __future__ import annotations
@@ -161,6 +165,14 @@ def client_keys_of(command: StartRole, spec: RoleSpec) -> EndpointKeys:
     )
 
 
+def remove_stale_specs(state_dir: Path) -> None:
+    """Remove the role spec files (each holds a role's secret key) that an agent killed before it
+    could clean up left behind; its role processes died with it (``die_with_parent``)."""
+    for path in (state_dir / "runtime").glob("*/*.spec.json"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 def role_name_of(spec: dict) -> str:
     """main, shadow or worker-N: which of its deployment's roles a ``StartRole`` spec describes."""
     role = str(spec.get("role", "?"))
@@ -273,6 +285,7 @@ class RoleRunner:
             await proc.wait()
 
     async def _run(self, command: StartRole) -> None:
+        spec_path: Path | None = None
         try:
             dest = await self._fetch(command)
             if dest is None:
@@ -296,6 +309,12 @@ class RoleRunner:
         except Exception as exc:  # a bug must show up as a failed role, not a silent agent
             log.exception("role of %s failed", command.deployment)
             await self._set("failed", f"agent error: {exc}")
+        finally:
+            # Stopped, failed to start or failed for good, or the agent is stopping: the role's
+            # secret key leaves the disk (the process read it when it started).
+            if spec_path is not None:
+                with contextlib.suppress(OSError):
+                    spec_path.unlink(missing_ok=True)
 
     async def _fetch(self, command: StartRole) -> Path | None:
         await self._set("fetching", f"shard {command.shard}")
