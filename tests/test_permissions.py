@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from inference import permissions
 from inference.permissions import (
     CLIENT,
     INBOX,
@@ -117,5 +119,11 @@ def test_each_role_gets_the_keys_of_those_it_talks_with_only() -> None:
 def test_the_table_is_pure_python() -> None:
     """The control plane derives keys from it: importing it pulls in neither torch nor zmq."""
     code = "import sys, inference.permissions; print(sorted({'torch', 'zmq'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, cwd=root)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_security_page_shows_the_table_as_the_code_has_it() -> None:
+    page = Path(__file__).resolve().parents[1] / "docs" / "data-plane-security.md"
+    assert permissions.markdown_table() in page.read_text()
