@@ -24,7 +24,8 @@ LINK_PATH = "/ws/agent"
 # turns away, with the command that upgrades it, an agent whose protocol is not its own.
 # 2: GenerationFailed.too_many_generations, and main enforces Settings.max_per_user (the control
 # plane no longer caps a user's generations itself, so it takes no agent whose main does not).
-AGENT_PROTOCOL = 2
+# 3: a key pair per role seat (``StartRole.client_keys``, and the spec's keys per role).
+AGENT_PROTOCOL = 3
 FIRST_AGENT_PROTOCOL = 1  # what an agent that sends no protocol header speaks
 PROTOCOL_HEADER = "X-Odmoe-Agent-Protocol"  # how the agent says it when it connects
 VERSION_HEADER = "X-Odmoe-Agent-Version"
@@ -215,8 +216,10 @@ class StartRole(LinkMessage):
     """Fetch shard ``shard`` of model ``model_id`` (progress under ``task_id``), then run the role.
 
     ``spec`` is the role's ``inference.spec.RoleSpec`` as JSON, without ``shard_dir``: the
-    agent fills in where it keeps the shard. Idempotent: a box already running (or starting)
-    this role of this deployment ignores the repeat.
+    agent fills in where it keeps the shard. ``client_keys`` (``{"public", "secret"}``) is the
+    role seat's client pair (``inference.curve``), which the agent talks to its role with: its
+    health probes, and on main's box the generations. Idempotent: a box already running (or
+    starting) this role of this deployment ignores the repeat.
     """
 
     TYPE = "start_role"
@@ -225,6 +228,13 @@ class StartRole(LinkMessage):
     model_id: int
     shard: str
     spec: dict
+    client_keys: dict
+
+    def __repr__(self) -> str:  # the spec and the client keys hold secrets: never in a log line
+        return (
+            f"StartRole(task_id={self.task_id!r}, deployment={self.deployment!r}, model_id={self.model_id!r}, "
+            f"shard={self.shard!r}, spec=<hidden>, client_keys=<hidden>)"
+        )
 
 
 @_register

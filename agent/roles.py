@@ -14,7 +14,7 @@ from pathlib import Path
 
 from agent.credentials import NodeCredential
 from agent.messages import ApplyAlignment, CancelGeneration, Generate, GenerationFailed, StartRole
-from agent.runtime import RoleRunner, Send, role_name_of
+from agent.runtime import RoleRunner, Send, remove_stale_specs, role_name_of
 from agent.tls import ServerTrust
 
 
@@ -27,6 +27,7 @@ class Roles:
         self.send = send
         self.trust = trust  # the agent's trust in the server, shared by every runner's downloads
         self.runners: dict[tuple[str, str], RoleRunner] = {}  # (deployment, role name) -> its runner
+        remove_stale_specs(state_dir)  # no role runs before this agent starts one
 
     def use_credential(self, credential: NodeCredential) -> None:
         """The node credential was rotated: every later download uses the new one."""

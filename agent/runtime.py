@@ -14,6 +14,13 @@ it is worth one (``memory_changed``); smaller drifts ride with the next heartbea
 
 On the box that runs main, the runner also carries the control plane's generations to main
 (``RuntimeClient``), one at a time in arrival order, and applies new alignment periods.
+
+The runner talks to its role with the keys of the role seat's client (``StartRole.client_keys``,
+``inference.curve``): the role admits them, and no other role does. The role's spec file
+(``runtime/<deployment>/<shard>.spec.json``, readable by the agent's user only) holds the role's
+secret key: it is there while the role runs, and removed when the role stops, fails to start or
+fails for good, and when the agent stops; one left by an agent that was killed goes when the
+next one starts (``remove_stale_specs``).
 """
 
 from __future__ import annotations
@@ -50,11 +57,11 @@ from agent.messages import (
 from agent.tls import ServerTrust
 from inference.client import GenerationFailed as RuntimeGenerationFailed
 from inference.client import RuntimeClient
-from inference.curve import CurveKeys
+from inference.curve import CurveError, CurveKeys, EndpointKeys, check_endpoint_keys
 from inference.launcher import die_with_parent
 from inference.protocol import GenerateDone, Pong
 from inference.sharding import ShardError, is_plain_file_name, is_role_dirname
-from inference.spec import SpecError, load_spec, write_private
+from inference.spec import RoleSpec, SpecError, load_spec, write_private
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +153,24 @@ class MainExited(RuntimeError):
     """Main's process died while a generation waited on it."""
 
 
-def curve_of(spec: dict) -> CurveKeys | None:
-    """The deployment's data-plane keys in a ``StartRole`` spec (checked when the role started)."""
-    keys = spec.get("curve")
-    return CurveKeys(**keys) if isinstance(keys, dict) else None
+def client_keys_of(command: StartRole, spec: RoleSpec) -> EndpointKeys:
+    """The keys this box's client of the role uses: the seat's client pair (``command``) and the
+    role's public key (its checked ``spec``); ``CurveError`` if the pair is not a usable one."""
+    pair = command.client_keys
+    if set(pair) != {"public", "secret"}:
+        raise CurveError('the client keys must be an object with exactly "public" and "secret"')
+    assert spec.curve is not None  # load_spec refuses a spec without keys
+    return check_endpoint_keys(
+        EndpointKeys(CurveKeys(pair["public"], pair["secret"]), {spec.name: spec.curve.pair.public})
+    )
+
+
+def remove_stale_specs(state_dir: Path) -> None:
+    """Remove the role spec files (each holds a role's secret key) that an agent killed before it
+    could clean up left behind; its role processes died with it (``die_with_parent``)."""
+    for path in (state_dir / "runtime").glob("*/*.spec.json"):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def role_name_of(spec: dict) -> str:
@@ -177,6 +198,7 @@ class RoleRunner:
         self._cancelled: set[str] = set()
         self._running_generations: set[str] = set()
         self._reported_memory: dict[str, int] = {}  # what the control plane last got
+        self.client_keys: EndpointKeys | None = None  # the seat's client keys, once the role's spec was checked
 
     # --- what the heartbeat reports ------------------------------------------------------------
 
@@ -228,7 +250,7 @@ class RoleRunner:
         ):
             return
         await self.stop()
-        self.command = command
+        self.command, self.client_keys = command, None
         self._work = asyncio.create_task(self._run(command))
 
     async def stop(self, deployment: str | None = None) -> None:
@@ -263,6 +285,7 @@ class RoleRunner:
             await proc.wait()
 
     async def _run(self, command: StartRole) -> None:
+        spec_path: Path | None = None
         try:
             dest = await self._fetch(command)
             if dest is None:
@@ -270,18 +293,28 @@ class RoleRunner:
             spec_path = self._run_dir(command) / f"{command.shard}.spec.json"
             write_private(spec_path, json.dumps({**command.spec, "shard_dir": str(dest)}, indent=2))
             try:
-                load_spec(spec_path)  # the runtime checks it again; a bad spec is reported here, clearly
+                spec = load_spec(spec_path)  # the runtime checks it again; a bad spec is reported here, clearly
+                self.client_keys = client_keys_of(command, spec)
             except SpecError as exc:
                 await self._set("failed", f"bad role spec: {exc}")
                 return
+            except CurveError as exc:
+                await self._set("failed", f"bad client keys: {exc}")
+                return
             await self._set("starting", "waiting for the role to answer")
             await self._spawn(command, spec_path)
-            await self._watch(command)
+            await self._watch(command, spec, spec_path)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must show up as a failed role, not a silent agent
             log.exception("role of %s failed", command.deployment)
             await self._set("failed", f"agent error: {exc}")
+        finally:
+            # Stopped, failed to start or failed for good, or the agent is stopping: the role's
+            # secret key leaves the disk (the process read it when it started).
+            if spec_path is not None:
+                with contextlib.suppress(OSError):
+                    spec_path.unlink(missing_ok=True)
 
     async def _fetch(self, command: StartRole) -> Path | None:
         await self._set("fetching", f"shard {command.shard}")
@@ -329,10 +362,16 @@ class RoleRunner:
                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
             )
 
-    async def _watch(self, command: StartRole) -> None:
+    async def _watch(self, command: StartRole, spec: RoleSpec, spec_path: Path) -> None:
         """Ping the role while its process lives: for its readiness, then (less often) for its memory."""
-        spec = load_spec(self._run_dir(command) / f"{command.shard}.spec.json")
-        probe = RuntimeClient(spec.bind_address, spec.deployment, name=f"agent-probe-{command.shard}", curve=spec.curve)
+        assert self.client_keys is not None
+        probe = RuntimeClient(
+            spec.bind_address,
+            spec.deployment,
+            role=spec.name,
+            name=f"agent-probe-{command.shard}",
+            curve=self.client_keys,
+        )
         ping: asyncio.Future | None = None
         loop = asyncio.get_running_loop()
         asked = -MEMORY_EVERY_S
@@ -356,7 +395,7 @@ class RoleRunner:
                     await asyncio.sleep(delay)
                     restarts.append(loop.time())
                     was_ready = False
-                    await self._spawn(command, self._run_dir(command) / f"{command.shard}.spec.json")
+                    await self._spawn(command, spec_path)
                     continue
                 ready = self.state is not None and self.state.state == "ready"
                 was_ready = was_ready or ready
@@ -403,9 +442,9 @@ class RoleRunner:
         command = self.command
         if command is None or command.deployment != deployment or command.spec.get("role") != "main":
             return None
-        if self.state is None or self.state.state != "ready":
+        if self.state is None or self.state.state != "ready" or self.client_keys is None:
             return None
-        return RuntimeClient(command.spec["addresses"]["main"], deployment, curve=curve_of(command.spec))
+        return RuntimeClient(command.spec["addresses"]["main"], deployment, curve=self.client_keys)
 
     async def apply_alignment(self, command: ApplyAlignment) -> None:
         client = self._main_client(command.deployment)
@@ -486,11 +525,9 @@ class RoleRunner:
                 self._cancelled.clear()
             self._cancelled.add(command.request_id)  # still queued: it ends before it starts
             return
-        if self.command is None:
+        if self.command is None or self.client_keys is None:
             return
-        client = RuntimeClient(
-            self.command.spec["addresses"]["main"], self.command.deployment, curve=curve_of(self.command.spec)
-        )
+        client = RuntimeClient(self.command.spec["addresses"]["main"], self.command.deployment, curve=self.client_keys)
         try:
             client.cancel(command.request_id)
         finally:

@@ -60,7 +60,7 @@ class Stream:
         self.error = ""
 
     def run(self, cluster: LocalCluster, start: threading.Barrier) -> None:
-        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.curve)
+        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
         try:
             start.wait()
             self.sent = time.perf_counter()

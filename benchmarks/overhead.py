@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import zmq
 
-from inference.curve import CurveKeys, new_keys
+from inference.curve import EndpointKeys, new_seat_keys, role_keys
 from inference.depth import LINK_DEPTH
 from inference.families import family_for
 from inference.launcher import ClusterOptions, LocalCluster, free_port
@@ -273,7 +273,7 @@ def _raw_echo(address: str, reply: list[bytes], count: int, compute_s: float) ->
     sock.close()
 
 
-def _endpoint_echo(address: str, hidden: int, top_k: int, count: int, keys: CurveKeys) -> None:
+def _endpoint_echo(address: str, hidden: int, top_k: int, count: int, keys: EndpointKeys) -> None:
     """An Endpoint that decodes each request and answers with an ``ExpertResult`` of its rows."""
     torch.set_num_threads(1)
     endpoint = Endpoint("worker-0", DEPLOYMENT, bind=address, curve=keys)
@@ -343,12 +343,14 @@ def endpoint_round_trip_us(shape: Shape, iterations: int) -> float:
     address = f"tcp://127.0.0.1:{free_port()}"
     warm = min(50, iterations)
     ctx = multiprocessing.get_context("spawn")
-    keys = new_keys()  # CURVE, as every deployment's data plane runs
+    seats = new_seat_keys(["main", "worker-0"])  # CURVE and every message's checks, as every data plane runs
     proc = ctx.Process(
-        target=_endpoint_echo, args=(address, shape.hidden, shape.top_k, iterations + warm, keys), daemon=True
+        target=_endpoint_echo,
+        args=(address, shape.hidden, shape.top_k, iterations + warm, role_keys("worker-0", seats)),
+        daemon=True,
     )
     proc.start()
-    endpoint = Endpoint("main", DEPLOYMENT, curve=keys)
+    endpoint = Endpoint("main", DEPLOYMENT, curve=role_keys("main", seats))
     endpoint.connect("worker-0", address)
     try:
         times = []

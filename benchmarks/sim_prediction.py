@@ -134,18 +134,20 @@ def hold_wake_s(
     """
     from benchmarks.overhead import DEPLOYMENT, sample_messages
     from benchmarks.overhead import Shape as OverheadShape
-    from inference.curve import new_keys
+    from inference.curve import new_seat_keys, role_keys
     from inference.launcher import free_port
     from inference.transport import Endpoint
 
     shape = OverheadShape(config["hidden_size"], config["num_experts_per_tok"], family_for(config).n_experts(config))
     request, _ = sample_messages(shape)
     address = f"tcp://127.0.0.1:{free_port()}"
-    keys = new_keys()
-    inbox = Endpoint("worker-0", DEPLOYMENT, bind=address, curve=keys)
+    seats = new_seat_keys(["main", "worker-0"])
+    inbox = Endpoint("worker-0", DEPLOYMENT, bind=address, curve=role_keys("worker-0", seats))
     late = []
     try:
-        sender = Endpoint("main", DEPLOYMENT, link_bytes_per_s=bytes_per_s, link_latency_s=latency_s, curve=keys)
+        sender = Endpoint(
+            "main", DEPLOYMENT, link_bytes_per_s=bytes_per_s, link_latency_s=latency_s, curve=role_keys("main", seats)
+        )
         try:
             sender.connect("worker-0", address)
             for i in range(messages + 20):

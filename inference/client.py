@@ -1,8 +1,11 @@
-"""A client of a running main role: health, streamed generation, alignment, cancel, stop.
+"""A client of a running role: health, and of main streamed generation, alignment, cancel, stop.
 
 This is how anything outside the runtime talks to it — the local launcher, and the agent
-that runs main on a box. It connects one DEALER link to main's inbox and speaks the
-messages of ``inference.protocol``; every wait is bounded.
+that runs a role on a box (its health probes; on main's box the generations too). It
+connects one DEALER link to the role's inbox and speaks the messages of
+``inference.protocol``; every wait is bounded. It holds the keys of the role seat's client
+(``inference.curve.client_keys``) and is named "client:<suffix>", so that several clients
+of one seat can be connected at once (``inference.permissions``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-from inference.curve import CurveKeys
+from inference.curve import EndpointKeys
+from inference.permissions import client_name
 from inference.protocol import (
     Cancel,
     GenerateDone,
@@ -42,24 +46,27 @@ class GenerationFailed(RuntimeError):
 
 
 class RuntimeClient:
-    """``curve``: the deployment's data-plane keys (main admits no one without them)."""
+    """A client of role ``role`` (main unless said) at ``address``. ``curve``: the role seat's client
+    keys (no role admits anyone without them); ``name``: the suffix of this client's
+    "client:<suffix>" (a random one unless given)."""
 
     def __init__(
-        self, main_address: str, deployment: str, *, name: str | None = None, curve: CurveKeys | None = None
+        self, address: str, deployment: str, *, curve: EndpointKeys, role: str = "main", name: str | None = None
     ) -> None:
-        self.endpoint = Endpoint(name or f"client-{uuid.uuid4().hex[:8]}", deployment, curve=curve)
-        self.endpoint.connect("main", main_address)
+        self.role = role
+        self.endpoint = Endpoint(client_name(name or uuid.uuid4().hex[:8]), deployment, curve=curve)
+        self.endpoint.connect(role, address)
         self._nonces = itertools.count(1)
 
     def ping(self, timeout_s: float = 0.5) -> Pong | None:
-        """Main's answer to this ping, or None if it did not come in time.
+        """The role's answer to this ping, or None if it did not come in time.
 
-        Pings sent while main was still starting wait in its inbox and are all answered once
+        Pings sent while the role was still starting wait in its inbox and are all answered once
         it is up; those answers are read past (each Pong carries its Ping's nonce), so that a
         caller never acts on a stale one, nor keeps a backlog of them cycling.
         """
         nonce = next(self._nonces)
-        self.endpoint.send("main", Ping(nonce=nonce))
+        self.endpoint.send(self.role, Ping(nonce=nonce))
         deadline = time.monotonic() + timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             received = self.endpoint.recv(timeout_s=remaining)
@@ -112,7 +119,7 @@ class RuntimeClient:
             seed=seed,
             user=user,
         )
-        self.endpoint.send("main", request)
+        self.endpoint.send(self._main("generations"), request)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             received = self.endpoint.recv(timeout_s=0.5)
@@ -153,15 +160,22 @@ class RuntimeClient:
 
     def set_alignment(self, token_period: int, kv_period: int) -> None:
         """New shadow alignment periods, from main's next step on (also mid-generation)."""
-        self.endpoint.send("main", SetAlignment(token_period=token_period, kv_period=kv_period))
+        self.endpoint.send(
+            self._main("alignment periods"), SetAlignment(token_period=token_period, kv_period=kv_period)
+        )
 
     def cancel(self, request_id: str) -> None:
         """Stop a running generation after its current step (finish_reason "cancelled")."""
-        self.endpoint.send("main", Cancel(request_id=request_id))
+        self.endpoint.send(self._main("cancels"), Cancel(request_id=request_id))
 
     def shutdown(self) -> None:
         """Ask main to stop, and with it every role it is linked to."""
-        self.endpoint.send("main", Shutdown())
+        self.endpoint.send(self._main("a shutdown"), Shutdown())
+
+    def _main(self, what: str) -> str:
+        if self.role != "main":
+            raise ValueError(f"only main takes {what} from its client; this client talks to {self.role}")
+        return self.role
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the link; ``linger_ms`` gives messages still queued (a cancel) time to leave."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from inference.checkpoint import Checkpoint
 from inference.client import GenerationFailed, RuntimeClient
-from inference.curve import new_keys
+from inference.curve import EndpointKeys, SeatKeys, client_keys, new_seat_keys, role_keys
 from inference.protocol import GenerateDone
 from inference.sharding import ShardSet, build_shards, shadow_dtypes_to_build
 from inference.spec import Addresses, RoleSpec, Settings, write_private
@@ -108,7 +108,9 @@ class LocalCluster:
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="odmoe-"))
         self.progress = progress or (lambda line: None)
         self.deployment = f"local-{uuid.uuid4().hex[:8]}"
-        self.curve = new_keys()  # ephemeral data-plane keys: only this cluster's roles and client hold them
+        # Ephemeral data-plane keys, a role pair and a client pair per seat (``inference.curve``),
+        # made when the cluster starts: only this cluster's roles and clients hold them.
+        self.keys: dict[str, SeatKeys] = {}
         self.processes: dict[str, subprocess.Popen] = {}
         self.client: RuntimeClient | None = None
 
@@ -155,18 +157,24 @@ class LocalCluster:
         if self.options.runs_shadow:
             roles.append(("shadow", "shadow", None, shadow_dir))
         roles += [(f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)]
+        self.keys = new_seat_keys(name for name, *_ in roles)
         for name, role, worker, role_dir in roles:
-            spec = RoleSpec(
-                self.deployment, role, str(role_dir), addresses, worker, self.options.settings, curve=self.curve
-            )
+            keys = role_keys(name, self.keys)
+            spec = RoleSpec(self.deployment, role, str(role_dir), addresses, worker, self.options.settings, curve=keys)
             spec_path = self.work_dir / f"{name}.spec.json"
             write_private(spec_path, spec.to_json())
             self._spawn(name, role, spec_path)
-        self.client = RuntimeClient(addresses.main, self.deployment, curve=self.curve)
+        self.client = RuntimeClient(addresses.main, self.deployment, curve=self.client_keys())
         self.progress(f"started {len(roles)} role processes; waiting for them to be ready")
         started = time.monotonic()
         self._wait_ready()
         self.progress(f"every role ready in {time.monotonic() - started:.1f} s")
+
+    def client_keys(self, seat: str = "main") -> EndpointKeys:
+        """The keys of ``seat``'s client (main's: what this launcher and any other client of main use)."""
+        if seat not in self.keys:
+            raise ClusterError(f"no role {seat} in this cluster (started: {', '.join(self.keys) or 'none yet'})")
+        return client_keys(seat, self.keys)
 
     def restart_role(self, name: str) -> None:
         """Start role ``name`` (main, shadow, worker-N) again after it died, as its agent would.

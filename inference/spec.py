@@ -1,9 +1,11 @@
 """A role's launch spec: what an agent (or ``generate``) hands to ``serve-role``.
 
-The spec names the role, its shard, the peer table (every role's inbox address), the
-deployment's data-plane keys (``inference.curve``) and the runtime settings. It is JSON on
-disk (the agent writes it readable by its own user only: it holds the secret key);
-``load_spec`` validates it and says what is wrong.
+The spec names the role, its shard, the peer table (every role's inbox address), the role's
+data-plane keys (``inference.curve``: its own pair, and by principal the public keys of the
+roles it talks with and of its own client) and the runtime settings. It is JSON on disk (the
+agent writes it readable by its own user only: it holds the role's secret key); ``load_spec``
+validates it and says what is wrong. A spec without keys is refused: no role serves an
+unauthenticated data plane.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from inference.constants import (
     MAX_BATCH,
     SHADOW_DTYPES,
 )
-from inference.curve import CurveError, CurveKeys, check_keys
+from inference.curve import CurveError, EndpointKeys, check_endpoint_keys, endpoint_keys_from_json
+from inference.permissions import CLIENT, correspondents
 from inference.routing import ARITHMETICS
 from inference.strategies import DEFAULT_STRATEGY, RUNTIME_STRATEGIES, expert_store_for, predictor_for
 from inference.typecheck import checker
@@ -131,13 +134,19 @@ class RoleSpec:
     addresses: Addresses
     worker: int | None = None
     settings: Settings = field(default_factory=Settings)
-    # The deployment's CURVE key pair; None: an unauthenticated data plane (tests of the
-    # transport only: the control plane and the local launcher always give one).
-    curve: CurveKeys | None = None
+    # The role's data-plane keys (inference.curve). Required: None is only how a spec that
+    # lacks them reads before ``validate_spec`` refuses it.
+    curve: EndpointKeys | None = None
 
     @property
     def name(self) -> str:
         return f"worker-{self.worker}" if self.role == "worker" else self.role
+
+    @property
+    def roles(self) -> list[str]:
+        """Every role of the peer table by its principal name: main, the shadow if any, the workers."""
+        shadow = ["shadow"] if self.addresses.shadow is not None else []
+        return ["main", *shadow, *(f"worker-{i}" for i in range(len(self.addresses.workers)))]
 
     @property
     def bind_address(self) -> str:
@@ -251,14 +260,31 @@ def validate_spec(spec: RoleSpec) -> RoleSpec:
     if spec.role == "shadow" and spec.addresses.shadow is None:
         raise SpecError("role is shadow but the peer table has no shadow address")
     validate_settings(spec.settings)
-    if spec.curve is not None:
-        try:
-            check_keys(spec.curve)
-        except CurveError as exc:
-            raise SpecError(f"curve: {exc}") from None
+    validate_keys(spec)
     if not Path(spec.shard_dir).is_dir():
         raise SpecError(f"shard directory {spec.shard_dir} does not exist")
     return spec
+
+
+def validate_keys(spec: RoleSpec) -> EndpointKeys:
+    """The spec's keys, or ``SpecError``: a pair, and the public keys of exactly the roles this
+    role talks with (``inference.permissions``) and of its own client."""
+    if spec.curve is None:
+        raise SpecError(
+            "the spec has no data-plane keys (curve): a role never serves an unauthenticated data plane; "
+            "the control plane and the local launcher give every role its own"
+        )
+    try:
+        check_endpoint_keys(spec.curve)
+    except CurveError as exc:
+        raise SpecError(f"curve: {exc}") from None
+    expected = {*correspondents(spec.name, spec.roles), CLIENT}
+    missing, extra = expected - set(spec.curve.peers), set(spec.curve.peers) - expected
+    if missing or extra:
+        said = [f"lacks {', '.join(sorted(missing))}"] if missing else []
+        said += [f"has {', '.join(sorted(extra))}, which {spec.name} does not talk with"] if extra else []
+        raise SpecError(f"curve: the public keys of {spec.name}'s peers {' and '.join(said)}")
+    return spec.curve
 
 
 def write_private(path: str | Path, text: str) -> None:
@@ -290,10 +316,12 @@ def load_spec(path: str | Path) -> RoleSpec:
             addresses=Addresses(**data["addresses"]),
             worker=data.get("worker"),
             settings=Settings(**data.get("settings", {})),
-            curve=CurveKeys(**data["curve"]) if data.get("curve") is not None else None,
+            curve=endpoint_keys_from_json(data["curve"]) if data.get("curve") is not None else None,
         )
     except KeyError as exc:
         raise SpecError(f"spec file {path} lacks the field {exc}") from None
+    except CurveError as exc:
+        raise SpecError(f"spec file {path}: curve: {exc}") from None
     except TypeError as exc:
         raise SpecError(f"spec file {path} has an unknown or misplaced field: {exc}") from None
     return validate_spec(spec)

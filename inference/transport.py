@@ -4,11 +4,15 @@ Each role binds one ROUTER socket (its *inbox*) at the address the peer table gi
 and opens one DEALER *link* per peer it talks to, connected to that peer's inbox with the
 role's name as identity. A peer answers a request on the same link (ROUTER replies reach
 the DEALER that asked), so there is one connection per ordered pair of roles and message
-order is kept on it. With the deployment's CURVE keys (``inference.curve``) every socket
-is encrypted and the inbox admits only peers that hold them. Every message is stamped with
-the deployment id, the sender and a sequence number; what belongs to another deployment (or
-to none) or arrives out of order is dropped with a log line, as is anything that does not
-decode.
+order is kept on it. With the role's keys (``inference.curve``) every socket is encrypted,
+the inbox admits only the principals that may send on it, and every message must pass the
+sender rule and the permission table (``inference.permissions``): on the inbox the key that
+delivered it (the ZAP handler's User-Id) names its principal, on a link the peer is the
+principal. Every message is stamped with the deployment id, the sender and a sequence
+number; what belongs to another deployment (or to none), says another sender than the key
+that brought it, is not its sender's to send here, or arrives out of order is dropped with a
+log line, as is anything that does not decode. The endpoint without keys is the bare
+transport, for the transport's own tests: a role never runs one (``inference.spec``).
 
 A link can be *watched* (main watches its workers): a ZeroMQ monitor reports when its
 connection drops or comes back, and ZMTP heartbeats drop a connection whose peer stopped
@@ -45,7 +49,8 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from inference.curve import CurveKeys, make_client, make_server
+from inference.curve import CurveError, EndpointKeys, forget, make_client, make_server
+from inference.permissions import INBOX, LINK, NOTHING, admitted_kinds, permitted, refusal, sender_kind
 from inference.protocol import Message, ProtocolError, decode, encode, restamp_delivery
 
 log = logging.getLogger(__name__)
@@ -91,9 +96,12 @@ def frames_nbytes(frames: list) -> int:
 
 class Endpoint:
     """One role's sockets. ``link_bytes_per_s`` / ``link_latency_s`` emulate its network link
-    (None / 0: no bandwidth limit / no latency; both: no emulation at all). With ``curve`` (the
-    deployment's keys, ``inference.curve``) the inbox admits only peers holding them and every
-    link presents them; ``max_frame_bytes`` disconnects a peer that sends a bigger frame."""
+    (None / 0: no bandwidth limit / no latency; both: no emulation at all). With ``curve`` (this
+    endpoint's keys, ``inference.curve``; its ``name`` then must be a principal, or
+    "client:<suffix>") the inbox admits only the principals that may send on it, each link
+    reaches only the peer whose public key it holds, and every message is checked against its
+    principal (``inference.permissions``); ``max_frame_bytes`` disconnects a peer that sends a
+    bigger frame."""
 
     def __init__(
         self,
@@ -103,7 +111,7 @@ class Endpoint:
         *,
         link_bytes_per_s: float | None = None,
         link_latency_s: float = 0.0,
-        curve: CurveKeys | None = None,
+        curve: EndpointKeys | None = None,
         max_frame_bytes: int | None = None,
     ) -> None:
         if link_bytes_per_s is not None and link_bytes_per_s < 0:
@@ -116,6 +124,13 @@ class Endpoint:
         self.link_latency_s = link_latency_s
         self.curve = curve
         self.max_frame_bytes = max_frame_bytes
+        # With keys, what each principal may send here: on the inbox by the key that delivered it
+        # (Z85, as the ZAP handler reports it), on a link by the link's peer.
+        self.kind = sender_kind(name) if curve is not None else ""
+        self._principal_of_key: dict[str, str] = {}
+        self._inbox_allowed: dict[str | None, frozenset[str]] = {}
+        self._link_allowed: dict[str, frozenset[str]] = {}
+        self._zap_domain = ""
         self._emulated = self.link_bytes_per_s is not None or link_latency_s > 0
         self._link_free_at = 0.0  # when this role's uplink has sent everything queued on it
         self._ctx = zmq.Context.instance()
@@ -126,7 +141,7 @@ class Endpoint:
         self._link_events: deque[tuple[str, str]] = deque()
         # Sequence numbers start from the clock so that a restarted sender is not stale.
         self._seq = time.time_ns() // 1000
-        self._last_seq: dict[tuple[str, str], int] = {}
+        self._last_seq: dict[tuple[str, str, bytes], int] = {}
         # Messages read in the last poll and not handed out yet, in socket order (fairness).
         self._ready: deque[Received] = deque()
         # Messages received before their emulated delivery time: (due, arrival, message).
@@ -140,7 +155,7 @@ class Endpoint:
             self.inbox.setsockopt(zmq.ROUTER_MANDATORY, 0)
             self._limit(self.inbox)
             if curve is not None:
-                make_server(self.inbox, curve)
+                self._admit(curve)
             self.inbox.bind(bind)
             self._poller.register(self.inbox, zmq.POLLIN)
 
@@ -151,7 +166,12 @@ class Endpoint:
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
         self._limit(sock)
         if self.curve is not None:
-            make_client(sock, self.curve)
+            server_public = self.curve.peers.get(peer)
+            if server_public is None:
+                sock.close(0)
+                raise CurveError(f"{self.name} holds no public key of {peer}: it cannot link to it")
+            make_client(sock, self.curve.pair, server_public)
+            self._link_allowed[peer] = permitted(self.kind, sender_kind(peer), LINK)
         if watch:
             sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
@@ -162,6 +182,15 @@ class Endpoint:
         self._links[peer] = sock
         self._link_of_socket[sock] = peer
         self._poller.register(sock, zmq.POLLIN)
+
+    def _admit(self, curve: EndpointKeys) -> None:
+        """Make the inbox a CURVE server that admits the principals that may send on it."""
+        assert self.inbox is not None
+        kinds = admitted_kinds(self.kind)
+        admitted = {principal: key for principal, key in curve.peers.items() if sender_kind(principal) in kinds}
+        self._principal_of_key = {key: principal for principal, key in admitted.items()}
+        self._inbox_allowed = {p: permitted(self.kind, sender_kind(p), INBOX) for p in admitted}
+        self._zap_domain = make_server(self.inbox, curve.pair, admitted.values())
 
     def _limit(self, sock: zmq.Socket) -> None:
         if self.max_frame_bytes is not None:
@@ -220,6 +249,9 @@ class Endpoint:
         for sock in [*self._links.values(), *([self.inbox] if self.inbox is not None else [])]:
             sock.close(linger_ms)
         self._links.clear()
+        if self._zap_domain:
+            forget(self._ctx, self._zap_domain)
+            self._zap_domain = ""
         self._ready.clear()
         self._held.clear()
 
@@ -286,8 +318,19 @@ class Endpoint:
                 self.deployment,
             )
             return None
-        # Order is only guaranteed per connection, so staleness is judged per connection.
-        key = (msg.sender, via)
+        if self.curve is not None:
+            if via == "inbox":  # the key its connection's handshake proved names the principal
+                principal = self._principal_of_key.get(_user_id(frames[0]))
+                allowed = self._inbox_allowed.get(principal, NOTHING)
+            else:  # CURVE proved that the link's peer answers
+                principal, allowed = via, self._link_allowed[via]
+            refused = refusal(principal, msg.sender, msg.TYPE, allowed)
+            if refused:
+                log.warning("%s: dropped %s via %s: %s", self.name, msg.TYPE, via, refused)
+                return None
+        # Order is only guaranteed per connection, so staleness is judged per connection (and
+        # sender: a client holder's sockets each say their own name).
+        key = (msg.sender, via, identity)
         last = self._last_seq.get(key, -1)
         if msg.seq <= last:
             log.warning("%s: dropped stale %s from %s (seq %d <= %d)", self.name, msg.TYPE, msg.sender, msg.seq, last)
@@ -306,6 +349,14 @@ class Endpoint:
         )
         frames[0] = restamp_delivery(frames[0], deliver_at)
         return frames
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The User-Id the ZAP handler gave the frame's connection (its client's public key), if any."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:  # none: a connection the handler did not vouch for
+        return None
 
 
 def _send_frames(sock: zmq.Socket, frames: list) -> None:

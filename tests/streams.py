@@ -22,7 +22,7 @@ def run_streams(
     results: list[GenerateDone | BaseException] = [RuntimeError("did not run")] * len(prompts)
 
     def stream(i: int) -> None:
-        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.curve)
+        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
         try:
             time.sleep(stagger_s * i)
             options = per_stream[i] if per_stream else {}

@@ -12,7 +12,9 @@ from agent.roles import Roles
 def start(deployment: str, role: str, worker: int | None = None) -> StartRole:
     shard = role if worker is None else f"worker-{worker}"
     spec = {"deployment": deployment, "role": role, "worker": worker, "addresses": {}, "settings": {}}
-    return StartRole(task_id=f"{deployment}-{shard}", deployment=deployment, model_id=1, shard=shard, spec=spec)
+    return StartRole(
+        task_id=f"{deployment}-{shard}", deployment=deployment, model_id=1, shard=shard, spec=spec, client_keys={}
+    )
 
 
 def test_roles_are_kept_per_deployment_and_role_name(tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ def test_a_full_batch_makes_requests_wait_and_a_cancel_frees_its_place(
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS[:6], NEW_TOKENS[:6], stagger_s=0.0)
         # A cancelled sequence leaves after its current step; the other one runs on unchanged.
-        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.curve)
+        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
         try:
             cancelled: list[GenerateDone] = []
 
@@ -182,7 +182,7 @@ def test_main_queues_a_users_requests_up_to_its_bound_and_says_which_limit_refus
         started = threading.Event()
 
         def ask(name: str, user: str) -> None:
-            client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.curve)
+            client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
             try:
                 results[name] = client.generate(
                     PROMPTS[0], 600, user=user, request_id=name, on_token=lambda _: started.set(), timeout_s=180

@@ -6,6 +6,7 @@ import threading
 import time
 
 from inference.client import RuntimeClient
+from inference.curve import client_keys, new_seat_keys, role_keys
 from inference.launcher import free_port
 from inference.protocol import Ping, Pong
 from inference.transport import Endpoint
@@ -15,12 +16,13 @@ DEPLOYMENT = "dep-ping"
 
 def test_ping_reads_past_the_answers_to_pings_sent_before_main_was_up() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
-    client = RuntimeClient(address, DEPLOYMENT)
+    seats = new_seat_keys(["main", "worker-0"])
+    client = RuntimeClient(address, DEPLOYMENT, curve=client_keys("main", seats))
     stop = threading.Event()
     answered: list[int] = []
 
     def main_role() -> None:  # answers every ping in order: "answer N", ready from the 6th on
-        main = Endpoint("main", DEPLOYMENT, bind=address)
+        main = Endpoint("main", DEPLOYMENT, bind=address, curve=role_keys("main", seats))
         try:
             while not stop.is_set():
                 got = main.recv(0.05)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from inference.curve import new_seat_keys, role_keys
 from inference.launcher import ClusterError, ClusterOptions, LocalCluster
 from inference.sharding import build_shards
 from tests.reference import PROMPTS
@@ -78,9 +81,18 @@ def test_serve_role_refuses_a_corrupted_shard(tiny_model: Path, tmp_path: Path) 
     build_shards(tiny_model, shards, workers=1)
     _corrupt(sorted((shards / "main").glob("*.safetensors"))[0])
     spec = tmp_path / "main.json"
+    keys = asdict(role_keys("main", new_seat_keys(["main", "worker-0"])))
+    addresses = {"main": "tcp://127.0.0.1:1", "workers": ["tcp://127.0.0.1:2"]}
     spec.write_text(
-        '{"deployment": "d", "role": "main", "shard_dir": "%s", '
-        '"addresses": {"main": "tcp://127.0.0.1:1", "workers": ["tcp://127.0.0.1:2"]}}' % (shards / "main")
+        json.dumps(
+            {
+                "deployment": "d",
+                "role": "main",
+                "shard_dir": str(shards / "main"),
+                "addresses": addresses,
+                "curve": keys,
+            }
+        )
     )
     result = run_cli("serve-role", "--role", "main", "--spec", str(spec))
     assert result.returncode == 1

@@ -6,8 +6,9 @@ mutated (fields dropped, added or of the wrong type, integers at the edges of 64
 nested inside, the message type swapped, tensor descriptors and frames that do not match).
 
 Then the same junk goes to live endpoints: a real cluster's main and worker, from a peer that
-holds the deployment's keys, answer a ping afterwards and generate exactly the tokens they
-did before; the control plane's agent-link consumer, fed fuzzed frames on an authenticated
+holds keys they admit (main's client's for main, main's own for the worker, so that the fuzz
+reaches the handlers behind the permission table), answer a ping afterwards and generate
+exactly the tokens they did before; the control plane's agent-link consumer, fed fuzzed frames on an authenticated
 node's socket, never raises, answers what it cannot use with an error, and leaves the node
 readable by the API and the console.
 """
@@ -362,16 +363,17 @@ def near_messages(config: dict):
     )
 
 
-def probe(sock: zmq.Socket, deployment: str, timeout_s: float = 20.0, *, replies: list | None = None) -> protocol.Pong:
-    """Ping over ``sock`` and wait for the answer; what the fuzzing brought back before it goes
-    to ``replies``.
+def probe(
+    sock: zmq.Socket, deployment: str, sender: str, seq: int, timeout_s: float = 20.0, *, replies: list | None = None
+) -> protocol.Pong:
+    """Ping over ``sock`` as ``sender`` (the principal of its key) with sequence number ``seq``
+    and wait for the answer; what the fuzzing brought back before it goes to ``replies``.
 
     On the connection the fuzz went over, so the answer also says that everything sent
     before it was read and handled.
     """
     nonce = int(time.time_ns() % 2**62)
-    sender = f"prober-{uuid.uuid4().hex[:8]}"  # its own sequence numbers: the fuzz may have sent any
-    sock.send_multipart(protocol.encode(protocol.Ping(nonce=nonce), deployment=deployment, sender=sender, seq=1))
+    sock.send_multipart(protocol.encode(protocol.Ping(nonce=nonce), deployment=deployment, sender=sender, seq=seq))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if sock.poll(100):
@@ -393,25 +395,32 @@ def test_fuzzed_frames_from_a_keyed_peer_leave_main_and_a_worker_serving_exactly
     options = ClusterOptions(workers=1, settings=Settings(timeout_s=10.0))
     with LocalCluster(tiny_model, options, work_dir=tmp_path) as cluster:
         before = cluster.generate(PROMPTS[0], 8)
-        targets = {"worker-0": cluster.addresses.workers[0], "main": cluster.addresses.main}
-        sockets = {}
-        for name, address in targets.items():
+        # Who the fuzz speaks as at each role: main's own key at the worker (what reaches all of a
+        # worker's handlers), main's client's at main; each socket under an identity of its own.
+        keys = cluster.keys["main"]
+        targets = {
+            "worker-0": (cluster.addresses.workers[0], keys.role, cluster.keys["worker-0"].role.public, "main"),
+            "main": (cluster.addresses.main, keys.client, keys.role.public, "client:fuzzer"),
+        }
+        sockets, senders = {}, {}
+        for name, (address, pair, server_public, sender) in targets.items():
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, b"fuzzer")
-            make_client(sock, cluster.curve)
+            sock.setsockopt(zmq.IDENTITY, b"client:fuzzer")
+            make_client(sock, pair, server_public)
             sock.connect(address)
-            sockets[name] = sock
-            assert probe(sock, cluster.deployment).role == name
+            sockets[name], senders[name] = sock, sender
+            assert probe(sock, cluster.deployment, sender, seq=1).role == name
         sent = {name: 0 for name in targets}
         replies: dict[str, list[str]] = {name: [] for name in targets}
-        envelope = {"deployment": cluster.deployment, "sender": "fuzzer", "seq": 0}
         near = near_messages(json.loads((tiny_model / "config.json").read_text()))
         # The worker, then main: a Begin sent to a worker while main generates ends that generation
         # (by design, a worker serves one request), and main would stay busy until it timed out.
         for target, sock in sockets.items():
+            envelope = {"deployment": cluster.deployment, "sender": senders[target], "seq": 0}
             sent[target] = fuzz_role(sock, runtime_frames(envelope=envelope) | near.map(encoded(envelope)))
-            answer = probe(sock, cluster.deployment, replies=replies[target])  # alive, and done with all of it
+            # Alive, and done with all of it (a sequence number past every one the fuzz sent).
+            answer = probe(sock, cluster.deployment, senders[target], seq=10**6, replies=replies[target])
             assert answer.role == target, answer
             sock.close()
         cluster.check_processes()  # every role still running
@@ -435,8 +444,8 @@ def fuzz_role(sock: zmq.Socket, frames) -> int:
         if header is not None and header.get("t") == protocol.Shutdown.TYPE:
             return  # the one message meant to take a role down
         sent += 1
-        if header is not None:  # a fresh sequence number: the message gets past the transport
-            header["seq"] = sent
+        if header is not None:  # a fresh sequence number (past the first probe's 1): it gets past the transport
+            header["seq"] = 1 + sent
             if header.get("t") == protocol.GenerateRequest.TYPE and _long(header.get("max_new_tokens")):
                 header["max_new_tokens"] = 8  # a generation of its own, kept short
             frames = [msgpack.packb(header, use_bin_type=True), *frames[1:]]

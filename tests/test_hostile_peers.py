@@ -1,29 +1,60 @@
-"""A malformed or out-of-range message from a peer is dropped with a log line; the role stays
-up and the next generation is exact (real role processes on 127.0.0.1)."""
+"""A hostile peer gets nowhere (real role processes on 127.0.0.1): a malformed or out-of-range
+message is dropped with a log line, a box's keys speak only as its own principals and only
+what the permission table lets them say, and a socket without an admitted key never completes
+the handshake. The role stays up and the next generation is exact."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import zmq
 
+from inference.curve import CurveKeys, EndpointKeys, make_client
 from inference.launcher import ClusterOptions, LocalCluster
-from inference.protocol import ExpertRequest, Prediction
+from inference.protocol import (
+    ExpertRequest,
+    Message,
+    Ping,
+    Pong,
+    Prediction,
+    SetAlignment,
+    ShadowBegin,
+    Shutdown,
+    encode,
+)
 from inference.transport import Endpoint
 from tests.reference import PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow
+_seq = itertools.count(1)
+
+
+def keyed_socket(pair: CurveKeys, server_public: str, address: str, identity: bytes) -> zmq.Socket:
+    """A raw DEALER presenting ``pair`` to the role whose public key is ``server_public``: what a
+    compromised box can do with the keys it holds, under an identity of its own."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    make_client(sock, pair, server_public)
+    sock.connect(address)
+    return sock
+
+
+def say(sock: zmq.Socket, deployment: str, sender: str, msg: Message) -> None:
+    sock.send_multipart(encode(msg, deployment=deployment, sender=sender, seq=next(_seq)))
 
 
 def test_malformed_requests_and_predictions_do_not_take_a_worker_down(tiny_model: Path) -> None:
     hidden = 64
     with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
         before = cluster.generate(PROMPTS[0], 8)
-        # A peer that holds the deployment's keys (a compromised box) but sends nonsense.
-        intruder = Endpoint("intruder", cluster.deployment, curve=cluster.curve)
-        intruder.connect("worker-0", cluster.addresses.workers[0])
+        # A peer that holds main's keys (a compromised box) but sends nonsense.
+        main_pair, worker_public = cluster.keys["main"].role, cluster.keys["worker-0"].role.public
+        intruder = keyed_socket(main_pair, worker_public, cluster.addresses.workers[0], b"intruder")
         request_id = "not-running"
         bad = [
             ExpertRequest(
@@ -49,8 +80,8 @@ def test_malformed_requests_and_predictions_do_not_take_a_worker_down(tiny_model
             Prediction(request_id="", step=1, layer=0, experts=[0, 99, 1000]),
         ]
         for message in bad:
-            intruder.send("worker-0", message)
-        intruder.close(linger_ms=2000)  # let the messages leave before the socket goes
+            say(intruder, cluster.deployment, "main", message)
+        intruder.close()  # its linger lets the messages leave before the socket goes
         time.sleep(1.0)
         after = [cluster.generate(prompt, 8) for prompt in PROMPTS[:2]]
         cluster.check_processes()  # every role still running
@@ -61,12 +92,9 @@ def test_malformed_requests_and_predictions_do_not_take_a_worker_down(tiny_model
     assert "dropped" in log
 
 
-def test_without_the_deployments_keys_nothing_reaches_a_role(tiny_model: Path) -> None:
+def test_without_an_admitted_key_nothing_reaches_a_role(tiny_model: Path) -> None:
     """The attack of issue 11: a plain ZeroMQ socket sent main a shutdown and the deployment went down."""
-    import zmq
-
     from inference.curve import new_keys
-    from inference.protocol import Shutdown, encode
 
     with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
         raw = zmq.Context.instance().socket(zmq.DEALER)
@@ -77,7 +105,7 @@ def test_without_the_deployments_keys_nothing_reaches_a_role(tiny_model: Path) -
         own = new_keys()
         forger = zmq.Context.instance().socket(zmq.DEALER)
         forger.setsockopt(zmq.LINGER, 2000)
-        forger.curve_serverkey = cluster.curve.public.encode()
+        forger.curve_serverkey = cluster.keys["main"].role.public.encode()
         forger.curve_publickey, forger.curve_secretkey = own.public.encode(), own.secret.encode()
         forger.connect(cluster.addresses.main)
         forger.send_multipart(encode(Shutdown(), deployment=cluster.deployment, sender="client", seq=2**62))
@@ -114,14 +142,13 @@ def test_a_frame_bigger_than_the_model_can_need_is_refused_unread(tiny_model: Pa
     over = limit // (hidden * 4) + 1
     assert over * hidden * 4 > limit
     with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
-        intruder = Endpoint("intruder", cluster.deployment, curve=cluster.curve)
-        intruder.connect("worker-0", cluster.addresses.workers[0])
-        intruder.send("worker-0", request("huge-one", over))
-        intruder.close(linger_ms=2000)
-        intruder = Endpoint("intruder-2", cluster.deployment, curve=cluster.curve)
-        intruder.connect("worker-0", cluster.addresses.workers[0])
-        intruder.send("worker-0", request("small-one", 4))
-        intruder.close(linger_ms=2000)
+        main_pair, worker_public = cluster.keys["main"].role, cluster.keys["worker-0"].role.public
+        intruder = keyed_socket(main_pair, worker_public, cluster.addresses.workers[0], b"intruder")
+        say(intruder, cluster.deployment, "main", request("huge-one", over))
+        intruder.close()
+        intruder = keyed_socket(main_pair, worker_public, cluster.addresses.workers[0], b"intruder-2")
+        say(intruder, cluster.deployment, "main", request("small-one", 4))
+        intruder.close()
         time.sleep(1.0)
         done = cluster.generate(PROMPTS[0], 8)
         cluster.check_processes()
@@ -129,3 +156,82 @@ def test_a_frame_bigger_than_the_model_can_need_is_refused_unread(tiny_model: Pa
     assert done.token_ids == reference_generate(tiny_model, PROMPTS[0], 8)
     assert "small-one" in log  # read, and dropped by the worker's own checks
     assert "huge-one" not in log  # never read: ZeroMQ closed the connection at the frame's size
+
+
+def test_a_compromised_box_speaks_only_as_its_own_principals_and_only_what_they_may_say(tiny_model: Path) -> None:
+    """Issue 37: with one key pair per deployment, a worker's box could speak to the shadow as
+    main or send anyone a Shutdown. Now each of its keys is admitted only where its principal
+    talks, a message must name the principal of its key, and a principal says only what the
+    permission table lets it: every attempt below is refused and logged, nothing is acted on."""
+    with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
+        dep, keys, addresses = cluster.deployment, cluster.keys, cluster.addresses
+        public = {seat: seat_keys.role.public for seat, seat_keys in keys.items()}
+        worker, its_client, shadow = keys["worker-1"].role, keys["worker-1"].client, keys["shadow"].role
+        sockets = [
+            # worker-1's key tells the shadow, as main, to change its alignment and start a sequence ...
+            (
+                keyed_socket(worker, public["shadow"], addresses.shadow, b"w1-a"),
+                "main",
+                SetAlignment(token_period=0, kv_period=0),
+            ),
+            (
+                keyed_socket(worker, public["shadow"], addresses.shadow, b"w1-b"),
+                "main",
+                ShadowBegin(
+                    request_id="evil", max_new_tokens=4, token_period=1, kv_period=1, prompt_ids=torch.tensor([1, 2])
+                ),
+            ),
+            # ... and to shut down worker-0, main and the shadow, as itself, as main, as a client.
+            (keyed_socket(worker, public["worker-0"], addresses.workers[0], b"w1-c"), "main", Shutdown()),
+            (keyed_socket(worker, public["main"], addresses.main, b"w1-d"), "worker-1", Shutdown()),
+            (keyed_socket(worker, public["shadow"], addresses.shadow, b"w1-e"), "worker-1", Shutdown()),
+            # The agent's client key on worker-1's box: nothing at main, only pings at its own role.
+            (keyed_socket(its_client, public["main"], addresses.main, b"client:w1"), "client", Shutdown()),
+            (keyed_socket(its_client, public["worker-1"], addresses.workers[1], b"client:w1"), "client", Shutdown()),
+            # The shadow's key at a worker: as main, or as itself with what only main may send.
+            (keyed_socket(shadow, public["worker-0"], addresses.workers[0], b"s-a"), "main", Shutdown()),
+            (keyed_socket(shadow, public["worker-0"], addresses.workers[0], b"s-b"), "shadow", Shutdown()),
+        ]
+        for sock, sender, msg in sockets:
+            say(sock, dep, sender, msg)
+        for sock, *_ in sockets:
+            sock.close()
+        time.sleep(1.0)
+        worker_1_log = (cluster.work_dir / "worker-1.log").read_text()  # its restart below starts a new one
+        # worker-1's box answers main's link with a Shutdown, and with a Pong as main: its role
+        # process goes, an impostor holding its keys takes its address, and main reconnects.
+        cluster.processes["worker-1"].kill()
+        cluster.processes["worker-1"].wait()
+        worker_keys = EndpointKeys(worker, {"main": public["main"], "shadow": public["shadow"]})
+        impostor = Endpoint("worker-1", dep, bind=addresses.workers[1], curve=worker_keys)
+        try:
+            asked = None
+            deadline = time.monotonic() + 30
+            while asked is None and time.monotonic() < deadline:
+                got = impostor.recv(1.0)
+                asked = got if got is not None and isinstance(got.msg, Ping) else None
+            assert asked is not None, "main did not come back to worker-1's address"
+            assert impostor.inbox is not None
+            for sender, msg in (("worker-1", Shutdown()), ("main", Pong(role="main", ready=True))):
+                frames = encode(msg, deployment=dep, sender=sender, seq=time.time_ns())
+                impostor.inbox.send_multipart([asked.identity, *frames])
+            time.sleep(1.0)
+        finally:
+            impostor.close(linger_ms=1000)
+        cluster.restart_role("worker-1")
+        time.sleep(1.0)
+        done = cluster.generate(PROMPTS[0], 8)
+        cluster.check_processes()  # nobody was shut down
+        logs = {
+            name: (cluster.work_dir / f"{name}.log").read_text() for name in ("main", "shadow", "worker-0", "worker-1")
+        }
+    assert done.token_ids == reference_generate(tiny_model, PROMPTS[0], 8)
+    assert "refused a data-plane connection" in logs["shadow"]  # a worker's key is no peer of the shadow's
+    assert "alignment periods now" not in logs["shadow"] and "evil" not in logs["shadow"]
+    assert "refused a data-plane connection" in logs["main"]  # neither a worker's key nor its client's
+    assert "refused a data-plane connection" in logs["worker-0"]  # nor at another worker
+    assert "dropped shutdown via inbox: client may not send it here" in worker_1_log
+    assert "dropped shutdown via inbox: it says it is from 'main' but came with the key of shadow" in logs["worker-0"]
+    assert "dropped shutdown via inbox: shadow may not send it here" in logs["worker-0"]
+    assert "dropped shutdown via worker-1: worker-1 may not send it here" in logs["main"]
+    assert "dropped pong via worker-1: it says it is from 'main' but came with the key of worker-1" in logs["main"]

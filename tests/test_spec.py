@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from inference.curve import new_keys, new_seat_keys, role_keys
 from inference.spec import RoleSpec, Settings, SpecError, load_spec
+
+SEATS = new_seat_keys(["main", "shadow", "worker-0", "worker-1"])
+
+
+def _curve(seat: str) -> dict:
+    return asdict(role_keys(seat, SEATS))
 
 
 @pytest.fixture
@@ -31,6 +39,7 @@ def _base(shard: Path) -> dict[str, Any]:
             "workers": ["tcp://127.0.0.1:5002", "tcp://127.0.0.1:5003"],
         },
         "settings": {"token_period": 2, "kv_period": 0, "max_resident_experts": 3},
+        "curve": _curve("worker-1"),
     }
 
 
@@ -57,6 +66,7 @@ def test_valid_worker_spec(tmp_path: Path, shard: Path) -> None:
 def test_valid_main_and_shadow(tmp_path: Path, shard: Path, role: str) -> None:
     data = _base(shard)
     data["role"] = role
+    data["curve"] = _curve(role)
     del data["worker"]
     del data["settings"]
     spec = load_spec(_write(tmp_path, data))
@@ -120,16 +130,38 @@ INVALID = [
     # One user's bound must leave others a place: below the batch and the queue together (8 + 64).
     ("one user fills main", _edit("settings.max_per_user", 72), r"below max_batch \+ max_waiting \(8 \+ 64\)"),
     ("missing shard dir", _edit("shard_dir", "/nonexistent/shard/dir"), "shard directory .* does not exist"),
-    ("curve not a map", _edit("curve", "secret"), "spec file"),
-    ("curve half missing", _edit("curve", {"public": "x" * 40}), "spec file"),
-    ("curve key not z85", _edit("curve", {"public": "~" * 40, "secret": "~" * 40}), "curve: the CURVE public key"),
-    ("curve keys of two pairs", lambda d: d.update(curve=_mismatched()), "does not belong"),
+    ("no keys", _edit("curve", ...), "no data-plane keys"),
+    ("null keys", _edit("curve", None), "no data-plane keys"),
+    ("keys not a map", _edit("curve", "secret"), 'curve: the keys must be an object with exactly "pair" and "peers"'),
+    ("keys with another field", _edit("curve.colour", 1), "exactly"),
+    ("pair half missing", _edit("curve.pair", {"public": "x" * 40}), '"pair" must be an object'),
+    ("pair not z85", _edit("curve.pair", {"public": "~" * 40, "secret": "~" * 40}), "CURVE public key must be 40"),
+    ("pair of two pairs", lambda d: d["curve"].update(pair=_mismatched()), "does not belong"),
+    ("peers not a map", _edit("curve.peers", ["main"]), '"peers" must be an object'),
+    ("peer not a principal", _edit("curve.peers.worker-01", new_keys().public), "'worker-01' is not a principal"),
+    ("peer key not z85", _edit("curve.peers.main", "x" * 39), "public key of main's key must be 40"),
+    (
+        "peer with this role's key",
+        lambda d: d["curve"]["peers"].update(main=d["curve"]["pair"]["public"]),
+        "main has the public key of this endpoint",
+    ),
+    (
+        "two peers one key",
+        lambda d: d["curve"]["peers"].update(shadow=d["curve"]["peers"]["main"]),
+        "has the public key of main",
+    ),
+    ("a peer missing", _edit("curve.peers.shadow", ...), "the public keys of worker-1's peers lacks shadow"),
+    ("its client missing", _edit("curve.peers.client", ...), "lacks client"),
+    (
+        "a role it never talks with",
+        _edit("curve.peers.worker-0", new_keys().public),
+        "has worker-0, which worker-1 does not talk with",
+    ),
+    ("a role not in the table", _edit("curve.peers.worker-7", new_keys().public), "has worker-7"),
 ]
 
 
 def _mismatched() -> dict:
-    from inference.curve import new_keys
-
     return {"public": new_keys().public, "secret": new_keys().secret}
 
 
@@ -186,14 +218,38 @@ def test_unknown_top_level_field_is_a_spec_error(tmp_path: Path, shard: Path, ke
         load_spec(_write(tmp_path, data))
 
 
-def test_a_spec_with_the_deployments_keys_is_written_for_its_owner_only(tmp_path: Path, shard: Path) -> None:
-    from inference.curve import new_keys
+def test_a_spec_with_the_roles_keys_is_written_for_its_owner_only(tmp_path: Path, shard: Path) -> None:
     from inference.spec import write_private
 
-    keys = new_keys()
     path = tmp_path / "spec.json"
     path.write_text("{}")
     path.chmod(0o644)  # a file that was there before, readable by all
-    write_private(path, json.dumps(_base(shard) | {"curve": {"public": keys.public, "secret": keys.secret}}))
+    write_private(path, json.dumps(_base(shard)))
     assert path.stat().st_mode & 0o777 == 0o600
-    assert load_spec(path).curve == keys
+    keys = load_spec(path).curve
+    assert keys == role_keys("worker-1", SEATS)
+    assert keys.pair.secret not in repr(keys)
+
+
+def test_each_role_gets_its_own_pair_and_only_the_public_keys_of_those_it_talks_with() -> None:
+    seats = new_seat_keys(["main", "shadow", "worker-0", "worker-1"])
+    pairs = {seat: role_keys(seat, seats).pair for seat in seats}
+    assert len({pair.public for pair in pairs.values()}) == 4  # one pair per seat
+    assert set(role_keys("main", seats).peers) == {"shadow", "worker-0", "worker-1", "client"}
+    assert set(role_keys("shadow", seats).peers) == {"main", "worker-0", "worker-1", "client"}
+    assert set(role_keys("worker-1", seats).peers) == {"main", "shadow", "client"}  # no other worker's key
+    # Every seat's client pair is its own: the worker's client key is nobody's at main.
+    clients = {seat: role_keys(seat, seats).peers["client"] for seat in seats}
+    assert len(set(clients.values())) == 4
+    assert clients["main"] == seats["main"].client.public != seats["worker-1"].client.public
+
+
+def test_a_role_refuses_to_open_its_endpoint_without_keys(shard: Path) -> None:
+    from inference.roles.common import open_endpoint
+    from inference.spec import Addresses
+
+    spec = RoleSpec(
+        "dep-1", "worker", str(shard), Addresses(main="tcp://127.0.0.1:5000", workers=["tcp://127.0.0.1:5002"]), 0
+    )
+    with pytest.raises(SpecError, match="no data-plane keys"):
+        open_endpoint(spec)

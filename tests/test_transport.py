@@ -448,35 +448,175 @@ def test_a_busy_inbox_does_not_starve_the_links() -> None:
 # --- the authenticated data plane (CurveZMQ) ---------------------------------------------------
 
 
-def test_with_the_deployments_keys_peers_talk_and_nobody_else_gets_in() -> None:
-    from inference.curve import new_keys
+SEATS = ("main", "shadow", "worker-0", "worker-1")
 
-    keys = new_keys()
+
+@pytest.fixture
+def seats():
+    from inference.curve import new_seat_keys
+
+    return new_seat_keys(SEATS)
+
+
+@pytest.fixture
+def opened() -> Iterator[list]:
+    """Endpoints and sockets a test opens, closed after it."""
+    found: list = []
+    yield found
+    for thing in found:
+        thing.close(0) if isinstance(thing, zmq.Socket) else thing.close()
+
+
+def _keyed(opened: list, name: str, keys, *, bind: str | None = None, link: tuple[str, str] | None = None) -> Endpoint:
+    endpoint = Endpoint(name, DEPLOYMENT, bind=bind, curve=keys)
+    opened.append(endpoint)
+    if link is not None:
+        endpoint.connect(*link)
+    return endpoint
+
+
+def _all_received(endpoint: Endpoint, wait_s: float = 1.0) -> list:
+    got, deadline = [], time.monotonic() + wait_s
+    while (received := endpoint.recv(max(0.0, deadline - time.monotonic()))) is not None:
+        got.append(received)
+    return got
+
+
+def test_a_roles_inbox_admits_only_the_principals_that_may_send_on_it(seats, opened, caplog) -> None:
+    from inference.curve import EndpointKeys, client_keys, new_keys, role_keys
+    from inference.protocol import Prediction
+
     address = f"tcp://127.0.0.1:{free_port()}"
-    server = Endpoint("main", DEPLOYMENT, bind=address, curve=keys)
-    peer = Endpoint("worker-0", DEPLOYMENT, curve=keys)
-    stranger = Endpoint("worker-1", DEPLOYMENT, curve=new_keys())  # well formed, but another pair
-    plain = Endpoint("worker-2", DEPLOYMENT)  # no CURVE at all
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
+    _keyed(opened, "worker-0", role_keys("worker-0", seats), bind=address)
+    inbox = opened[0]
+    to_worker = ("worker-0", address)
+    worker_public = {"worker-0": seats["worker-0"].role.public}  # public keys are no secret
+    admitted = [
+        _keyed(opened, "main", role_keys("main", seats), link=to_worker),
+        _keyed(opened, "shadow", role_keys("shadow", seats), link=to_worker),
+        _keyed(opened, "client:probe", client_keys("worker-0", seats), link=to_worker),
+    ]
+    refused = [
+        _keyed(opened, "worker-1", EndpointKeys(seats["worker-1"].role, worker_public), link=to_worker),
+        _keyed(opened, "client:other-seat", EndpointKeys(seats["main"].client, worker_public), link=to_worker),
+        _keyed(opened, "main", EndpointKeys(new_keys(), worker_public), link=to_worker),  # a stranger's pair
+    ]
+    plain = Endpoint("plain", DEPLOYMENT)  # no CURVE at all
+    opened.append(plain)
+    plain.connect("worker-0", address)
+    for endpoint in [*admitted, *refused, plain]:  # what each of the admitted may send a worker
+        endpoint.send(
+            "worker-0",
+            Prediction(request_id="r", step=1, layer=0, experts=[1]) if endpoint.kind == "shadow" else Ping(),
+        )
+    with caplog.at_level("WARNING"):
+        got = _all_received(inbox)
+    assert sorted(r.msg.sender for r in got) == ["client:probe", "main", "shadow"]
+    assert all(r.via == "inbox" for r in got)
+    assert "refused a data-plane connection" in caplog.text
+
+
+def test_a_message_whose_sender_is_not_its_keys_principal_is_dropped(seats, opened, caplog) -> None:
+    """A compromised shadow's or client's key cannot speak as main; a client's sockets say client:<suffix>."""
+    from inference.curve import EndpointKeys, client_keys, make_client, role_keys
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    inbox = _keyed(opened, "worker-0", role_keys("worker-0", seats), bind=address)
+    to_worker = ("worker-0", address)
+    worker_public = {"worker-0": seats["worker-0"].role.public}
+    as_main_with_shadows_key = _keyed(opened, "main", EndpointKeys(seats["shadow"].role, worker_public), link=to_worker)
+    # A socket of the client's holder under its own identity (a second "main" would wait behind the first).
+    as_main_with_clients_key = zmq.Context.instance().socket(zmq.DEALER)
+    opened.append(as_main_with_clients_key)
+    as_main_with_clients_key.setsockopt(zmq.IDENTITY, b"client:x")
+    make_client(as_main_with_clients_key, seats["worker-0"].client, seats["worker-0"].role.public)
+    as_main_with_clients_key.connect(address)
+    clients = [
+        _keyed(opened, name, client_keys("worker-0", seats), link=to_worker) for name in ("client:a", "client:b")
+    ]
+    with caplog.at_level("WARNING"):
+        as_main_with_shadows_key.send("worker-0", Ping(nonce=1))
+        as_main_with_clients_key.send_multipart(_stamped(Ping(nonce=2), sender="main", seq=1))
+        for client in clients:
+            client.send("worker-0", Ping(nonce=3))
+        got = _all_received(inbox)
+    assert sorted(r.msg.sender for r in got) == ["client:a", "client:b"]  # two sockets of one holder at once
+    assert "it says it is from 'main' but came with the key of shadow" in caplog.text
+    assert "it says it is from 'main' but came with the key of client" in caplog.text
+    for received in got:  # each client hears its own answer
+        inbox.reply(received.identity, Pong(role="worker-0", ready=True, nonce=len(received.msg.sender)))
+    assert [c.recv(5.0).msg.nonce for c in clients] == [len("client:a"), len("client:b")]
+
+
+def test_a_principal_may_send_a_role_only_what_the_table_permits(seats, opened, caplog) -> None:
+    from inference.curve import client_keys, role_keys
+    from inference.protocol import Prediction, Shutdown
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    inbox = _keyed(opened, "worker-0", role_keys("worker-0", seats), bind=address)
+    to_worker = ("worker-0", address)
+    shadow = _keyed(opened, "shadow", role_keys("shadow", seats), link=to_worker)
+    client = _keyed(opened, "client:agent", client_keys("worker-0", seats), link=to_worker)
+    with caplog.at_level("WARNING"):
+        shadow.send("worker-0", Shutdown())
+        client.send("worker-0", Shutdown())
+        shadow.send("worker-0", Prediction(request_id="r", step=1, layer=0, experts=[1]))
+        got = _all_received(inbox)
+    assert [(r.msg.TYPE, r.msg.sender) for r in got] == [("prediction", "shadow")]
+    assert "dropped shutdown via inbox: shadow may not send it here" in caplog.text
+    assert "dropped shutdown via inbox: client may not send it here" in caplog.text
+
+
+def test_on_a_link_only_its_peer_answers_and_only_with_what_it_may(seats, opened, caplog) -> None:
+    from inference.curve import role_keys
+    from inference.protocol import Shutdown
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    worker = _keyed(opened, "worker-0", role_keys("worker-0", seats), bind=address)
+    main = _keyed(opened, "main", role_keys("main", seats), link=("worker-0", address))
+    main.send("worker-0", Ping(nonce=1))
+    asked = worker.recv(5.0)
+    assert asked is not None
+    assert worker.inbox is not None
+    with caplog.at_level("WARNING"):
+        for frames in (
+            encode(Pong(role="shadow", ready=True), deployment=DEPLOYMENT, sender="shadow", seq=2**40),
+            encode(Shutdown(), deployment=DEPLOYMENT, sender="worker-0", seq=2**40 + 1),
+        ):
+            worker.inbox.send_multipart([asked.identity, *frames])
+        worker.reply(asked.identity, Pong(role="worker-0", ready=True, nonce=1))
+        got = _all_received(main)
+    assert [(r.msg.TYPE, r.msg.sender, r.via) for r in got] == [("pong", "worker-0", "worker-0")]
+    assert "it says it is from 'shadow' but came with the key of worker-0" in caplog.text
+    assert "dropped shutdown via worker-0: worker-0 may not send it here" in caplog.text
+
+
+def test_a_link_reaches_only_the_holder_of_its_peers_secret(seats, opened) -> None:
+    """Main's link to worker-0 holds worker-0's public key: an impostor bound at that address
+    (another seat's pair, which admits main) never completes the handshake."""
+    from inference.curve import EndpointKeys, role_keys
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    impostor_keys = EndpointKeys(seats["worker-1"].role, {"main": seats["main"].role.public})
+    impostor = _keyed(opened, "worker-0", impostor_keys, bind=address)
+    main = _keyed(opened, "main", role_keys("main", seats), link=("worker-0", address))
+    main.send("worker-0", Ping(nonce=1))
+    assert impostor.recv(1.0) is None
+
+
+def test_a_keyed_endpoint_is_a_principal_and_links_only_where_it_holds_a_key(seats) -> None:
+    from inference.curve import CurveError, role_keys
+    from inference.permissions import PrincipalError
+
+    with pytest.raises(PrincipalError, match="'intruder' is not a principal"):
+        Endpoint("intruder", DEPLOYMENT, curve=role_keys("main", seats))
+    worker = Endpoint("worker-1", DEPLOYMENT, curve=role_keys("worker-1", seats))
     try:
-        for endpoint in (peer, stranger, plain):
-            endpoint.connect("main", address)
-        raw.connect(address)
-        stranger.send("main", Ping())
-        plain.send("main", Ping())
-        raw.send_multipart(_stamped(Ping(), deployment=DEPLOYMENT, seq=1))
-        peer.send("main", TokenEvent(request_id="ok", index=0, token_id=1))
-        got = server.recv(5.0)
-        assert got is not None and got.via == "inbox" and got.msg.sender == "worker-0"
-        assert server.recv(0.5) is None  # the stranger, the plain socket and the raw one never got in
-        server.reply(got.identity, Pong(role="main", ready=True))
-        answer = peer.recv(5.0)
-        assert answer is not None and isinstance(answer.msg, Pong)
+        with pytest.raises(CurveError, match="worker-1 holds no public key of worker-0"):
+            worker.connect("worker-0", f"tcp://127.0.0.1:{free_port()}")
+        assert worker.peers == []
     finally:
-        raw.close(0)
-        for endpoint in (peer, stranger, plain, server):
-            endpoint.close()
+        worker.close()
 
 
 def test_a_message_without_the_deployment_id_is_dropped(pair: tuple[Endpoint, Endpoint, str], raw_dealer) -> None:

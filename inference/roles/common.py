@@ -16,7 +16,7 @@ import torch
 
 from inference.frame_limit import max_frame_bytes_of
 from inference.protocol import Ping, Pong
-from inference.spec import RoleSpec
+from inference.spec import RoleSpec, validate_keys
 from inference.transport import Endpoint, Received
 
 log = logging.getLogger(__name__)
@@ -81,11 +81,12 @@ def pick_device(setting: str) -> torch.device:
 def open_endpoint(spec: RoleSpec) -> Endpoint:
     """The role's endpoint, bound to its inbox, with the emulated network link if one is set.
 
-    With the deployment's keys in the spec only its own peers get through (``inference.curve``);
-    a frame bigger than the model can need disconnects its sender (``inference.frame_limit``).
+    With the role's keys in the spec only the principals that may talk to it get through, each
+    saying only what it may (``inference.curve``, ``inference.permissions``); a frame bigger
+    than the model can need disconnects its sender (``inference.frame_limit``). A spec without
+    keys is refused (``SpecError``): a role never serves an unauthenticated data plane.
     """
-    if spec.curve is None:
-        log.warning("the spec has no data-plane keys: anyone who reaches %s can talk to this role", spec.bind_address)
+    validate_keys(spec)
     return Endpoint(
         spec.name,
         spec.deployment,

@@ -43,7 +43,9 @@ def test_a_running_role_reports_its_memory_when_it_moves_and_with_every_heartbea
         sent.append(message)
 
     runner = RoleRunner(None, tmp_path, send)  # no credential: nothing is downloaded here
-    runner.command = StartRole(task_id="t1", deployment="dep1-1", model_id=1, shard="main", spec={"role": "main"})
+    runner.command = StartRole(
+        task_id="t1", deployment="dep1-1", model_id=1, shard="main", spec={"role": "main"}, client_keys={}
+    )
 
     async def scenario() -> None:
         await runner._set("starting", "waiting for the role to answer")

@@ -32,6 +32,7 @@ from controlplane.nodes.consumers import node_group
 from controlplane.nodes.credentials import NODE_SECRET_PREFIX, digest, new_secret
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes, record_heartbeat
+from inference.curve import CurveKeys, check_keys, endpoint_keys_from_json
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec, validate_spec
 
@@ -163,7 +164,15 @@ def test_starting_sends_each_node_a_valid_role_spec_with_one_peer_table(cluster,
         spec = command.spec
         specs.append(spec)
         validate_spec(
-            RoleSpec(spec["deployment"], spec["role"], str(shard), _addresses(spec), spec["worker"], _settings(spec))
+            RoleSpec(
+                spec["deployment"],
+                spec["role"],
+                str(shard),
+                _addresses(spec),
+                spec["worker"],
+                _settings(spec),
+                endpoint_keys_from_json(spec["curve"]),
+            )
         )
         assert spec["settings"]["kv_period"] == 2
         assert spec["settings"]["strategy"] == "lru-offload"  # the deployment's strategy reaches every role
@@ -460,23 +469,41 @@ def test_a_box_with_four_gpus_runs_a_role_on_each_and_reports_them_together(
     assert inbox.take(node) == [StopRole(deployment=deployment.runtime_key)]  # one stop for all four
 
 
-def test_each_start_gives_the_roles_new_data_plane_keys_that_no_api_shows(cluster) -> None:
-    from inference.curve import CurveKeys, check_keys
+def _seat_keys(commands: list) -> tuple[dict, dict]:
+    """By role name, the role's keys and its client's pair, as each StartRole carries them."""
+    from agent.runtime import role_name_of
 
+    roles = {role_name_of(c.spec): endpoint_keys_from_json(c.spec["curve"]) for c in commands}
+    clients = {role_name_of(c.spec): check_keys(CurveKeys(**c.client_keys)) for c in commands}
+    return roles, clients
+
+
+def test_each_start_gives_every_seat_its_own_new_keys_that_no_api_shows(cluster) -> None:
     deployment, nodes, inbox = cluster
     deployment = pushed(deployment)
-    first = {CurveKeys(**c.spec["curve"]) for node in nodes for c in inbox.take(node)}
-    assert len(first) == 1  # one pair for the whole deployment
-    (keys,) = first
-    check_keys(keys)
+    commands = [c for node in nodes for c in inbox.take(node)]
+    roles, clients = _seat_keys(commands)
+    assert sorted(roles) == ["main", "shadow", "worker-0", "worker-1"]
+    publics = {k.pair.public for k in roles.values()} | {c.public for c in clients.values()}
+    assert len(publics) == 8  # a role pair and a client pair per seat, all different
+    for seat, keys in roles.items():  # each admits its own client, and knows its peers' own keys
+        assert keys.peers.pop("client") == clients[seat].public
+        assert all(public == roles[peer].pair.public for peer, public in keys.peers.items())
+    assert set(roles["worker-0"].peers) == {"main", "shadow"}  # no other worker's key
     staff = APIClient()
     staff.force_authenticate(get_user_model().objects.create_user("admin", is_staff=True))
     shown = staff.get(f"/api/deployments/{deployment.pk}").content + staff.get("/api/deployments").content
-    assert keys.secret.encode() not in shown and b"curve" not in shown
+    secrets = [k.pair.secret for k in roles.values()] + [c.secret for c in clients.values()]
+    assert not any(secret.encode() in shown for secret in secrets)
+    assert b"curve" not in shown and b"_key" not in shown
+    member = deployment.members.get(role="main")
+    shown_elsewhere = repr(member) + str(member) + "".join(repr(c) for c in commands)  # what a log line could hold
+    assert not any(secret in shown_elsewhere for secret in secrets)
     lifecycle.stop_deployment(deployment=deployment)
     again = pushed(Deployment.objects.get(pk=deployment.pk))
-    second = {CurveKeys(**c.spec["curve"]) for node in nodes for c in inbox.take(node) if isinstance(c, StartRole)}
-    assert len(second) == 1 and second != first and again.epoch == 2
+    roles_again, clients_again = _seat_keys([c for node in nodes for c in inbox.take(node) if isinstance(c, StartRole)])
+    publics_again = {k.pair.public for k in roles_again.values()} | {c.public for c in clients_again.values()}
+    assert len(publics_again) == 8 and not publics_again & publics and again.epoch == 2
 
 
 def test_a_next_gate_deployment_runs_without_a_shadow_and_builds_no_shadow_shard(
@@ -505,7 +532,15 @@ def test_a_next_gate_deployment_runs_without_a_shadow_and_builds_no_shadow_shard
         spec = command.spec
         specs.append(spec)
         validate_spec(
-            RoleSpec(spec["deployment"], spec["role"], str(shard), _addresses(spec), spec["worker"], _settings(spec))
+            RoleSpec(
+                spec["deployment"],
+                spec["role"],
+                str(shard),
+                _addresses(spec),
+                spec["worker"],
+                _settings(spec),
+                endpoint_keys_from_json(spec["curve"]),
+            )
         )
         assert spec["settings"]["predictor"] == "next-gate" and spec["settings"]["strategy"] == "odmoe"
         assert spec["addresses"]["shadow"] is None and len(spec["addresses"]["workers"]) == 2

@@ -140,7 +140,9 @@ def test_the_agent_never_starts_a_role_on_a_shard_that_fails_verification(
         runner = RoleRunner(NodeCredential(live_server.url, str(node.pk), secret, node.name), tmp_path, send)
         spec = {"deployment": "dep1-1", "role": "worker", "worker": 0, "addresses": {}, "settings": {}}
         await runner.start(
-            StartRole(task_id="t1", deployment="dep1-1", model_id=shards.pk, shard="worker-0", spec=spec)
+            StartRole(
+                task_id="t1", deployment="dep1-1", model_id=shards.pk, shard="worker-0", spec=spec, client_keys={}
+            )
         )
         await asyncio.wait_for(runner._work, timeout=60)
         return runner

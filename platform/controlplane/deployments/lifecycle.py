@@ -27,7 +27,7 @@ from controlplane.artifacts.services import (
 )
 from controlplane.nodes.models import Node, NodeStatus, NodeTask
 from controlplane.nodes.services import send_command
-from inference.curve import new_keys
+from inference.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
 from inference.memory import gpu_index
 from inference.spec import Settings
 
@@ -38,6 +38,7 @@ from .services import DeploymentError, check_fits, check_nodes_free, check_predi
 log = logging.getLogger(__name__)
 
 RESEND_AFTER_S = 15.0  # a start command not acted on within this long is sent again
+KEY_FIELDS = ("role_public_key", "role_secret_key", "client_public_key", "client_secret_key")
 UNAVAILABLE = (NodeStatus.OFFLINE, NodeStatus.ENROLLED)
 
 
@@ -75,10 +76,15 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
         locked.epoch += 1
         locked.status = DeploymentStatus.DEPLOYING
         locked.status_reason = "queued"
-        keys = new_keys()  # a new pair per start: roles of an earlier run cannot talk to this one
-        locked.curve_public, locked.curve_secret = keys.public, keys.secret
-        locked.save(update_fields=["epoch", "status", "status_reason", "curve_public", "curve_secret", "updated_at"])
+        locked.save(update_fields=["epoch", "status", "status_reason", "updated_at"])
         locked.members.update(state=MemberState.PENDING, detail="", port=None, start_sent_at=None, memory={})
+        # New keys per seat and per start: roles of an earlier run cannot talk to this one.
+        keys = new_seat_keys(m.role_name for m in members)
+        for member in members:
+            seat = keys[member.role_name]
+            member.role_public_key, member.role_secret_key = seat.role.public, seat.role.secret
+            member.client_public_key, member.client_secret_key = seat.client.public, seat.client.secret
+        DeploymentNode.objects.bulk_update(members, KEY_FIELDS)
         epoch = locked.epoch
         transaction.on_commit(lambda: push_deployment_task.delay(locked.pk, epoch))
     return locked
@@ -224,6 +230,7 @@ def _send_start(deployment: Deployment, member: DeploymentNode, members: list[De
         model_id=deployment.model_id,
         shard=shard_name(deployment, member),
         spec=role_spec(deployment, member, members),
+        client_keys=asdict(seat_keys(member).client),
     ).to_json()
     DeploymentNode.objects.filter(pk=member.pk).update(start_sent_at=timezone.now())
     transaction.on_commit(lambda: send_command(node_id=str(member.node_id), command=command))
@@ -256,8 +263,16 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
         "addresses": table,
         "worker": member.worker_index,
         "settings": asdict(settings),
-        "curve": {"public": deployment.curve_public, "secret": deployment.curve_secret},
+        "curve": asdict(role_keys(member.role_name, {m.role_name: seat_keys(m) for m in members})),
     }
+
+
+def seat_keys(member: DeploymentNode) -> SeatKeys:
+    """The keys of ``member``'s seat, as its deployment's last start made them."""
+    return SeatKeys(
+        role=CurveKeys(member.role_public_key, member.role_secret_key),
+        client=CurveKeys(member.client_public_key, member.client_secret_key),
+    )
 
 
 def role_device(inventory: dict, gpu: int | None = None) -> str:

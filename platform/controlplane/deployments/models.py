@@ -80,10 +80,6 @@ class Deployment(models.Model):
         "too_many_generations); below max_batch + the queue's 64, so others still get in",
     )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
-    # The data plane's CURVE key pair (inference.curve), new on every start: it reaches the roles
-    # in their specs over the agents' links, and no API shows it.
-    curve_public = models.CharField(max_length=40, blank=True, editable=False)
-    curve_secret = models.CharField(max_length=40, blank=True, editable=False)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -133,6 +129,13 @@ class DeploymentNode(models.Model):
         help_text="the role's memory when it last answered: host_bytes, peak_host_bytes, device_bytes",
     )
     start_sent_at = models.DateTimeField(null=True, blank=True)
+    # The seat's data-plane keys (inference.curve), new on every start of the deployment: the
+    # role's own CURVE pair and its client's (the agent on the node talks to the role with it).
+    # They reach the node in its StartRole over the agent's link; no API or form shows them.
+    role_public_key = models.CharField(max_length=40, blank=True, editable=False)
+    role_secret_key = models.CharField(max_length=40, blank=True, editable=False)
+    client_public_key = models.CharField(max_length=40, blank=True, editable=False)
+    client_secret_key = models.CharField(max_length=40, blank=True, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
