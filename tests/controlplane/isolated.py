@@ -31,6 +31,8 @@ CONTROL_PLANE = {
     "drf-spectacular-sidecar",
     "django-axes",
     "dj-database-url",
+    "psycopg",
+    "psycopg-binary",
     "uvicorn",
     "prometheus-client",
     "matplotlib",
