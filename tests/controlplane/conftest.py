@@ -18,7 +18,7 @@ from django.test import override_settings
 
 from controlplane.ops.processes import Child, ProcessGroup, python_env, redis_up, wait_until
 from inference.launcher import free_port
-from tests.controlplane.live import SERVED_MODEL, Api, LiveControlPlane, Served, purge_stale_tasks
+from tests.controlplane.live import SERVED_MODEL, Api, LiveControlPlane, Served, database_url, purge_stale_tasks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,15 +90,13 @@ def channel_layer_on_test_redis(settings, redis_url: str) -> Iterator[None]:
 
 @pytest.fixture
 def celery_worker(transactional_db, redis_url: str, settings, tmp_path: Path) -> Iterator[subprocess.Popen]:
-    """A real Celery worker process on the test database (a file) and the test Redis."""
-    from django.db import connection
-
+    """A real Celery worker process on the test database and the test Redis."""
     settings.VAR_DIR = tmp_path / "var"  # shards land here, not in the checkout
     purge_stale_tasks()
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "controlplane.config.settings.test",
-        "DATABASE_URL": f"sqlite:///{connection.settings_dict['NAME']}",
+        "DATABASE_URL": database_url(),
         "REDIS_URL": redis_url,
         "ODMOE_VAR_DIR": str(settings.VAR_DIR),
         "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
@@ -228,7 +226,6 @@ def tiny_cluster(
     """
     from channels.layers import channel_layers
     from django.contrib.auth import get_user_model
-    from django.db import connection
 
     from controlplane.accounts.services import create_api_key
     from controlplane.artifacts.services import register_model
@@ -247,7 +244,7 @@ def tiny_cluster(
         ]
         env = python_env(
             DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
-            DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+            DATABASE_URL=database_url(),
             REDIS_URL=redis_url,
             ODMOE_VAR_DIR=str(tmp_path / "var"),
             ODMOE_TASK_REDELIVERY_S="5",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,26 @@ from typing import Any
 import openai
 
 from controlplane.ops.processes import Child, ProcessGroup, agent_argv, asgi_argv, celery_argv, http_up, wait_until
+
+
+def database_url() -> str:
+    """``DATABASE_URL`` of this run's test database, for the processes a test starts (ASGI server,
+    Celery, ``manage.py``): with it, the test settings use that very database, SQLite or PostgreSQL."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    if db["ENGINE"] == "django.db.backends.sqlite3":
+        return f"sqlite:///{db['NAME']}"
+    if db["ENGINE"] == "django.db.backends.postgresql":
+        user = urllib.parse.quote(db["USER"] or "", safe="")
+        if db["PASSWORD"]:
+            user += ":" + urllib.parse.quote(db["PASSWORD"], safe="")
+        host = db["HOST"] or ""  # empty: libpq's default Unix socket
+        host = f"[{host}]" if ":" in host else urllib.parse.quote(host, safe="")  # an IPv6 address, or a socket folder
+        port = f":{db['PORT']}" if db["PORT"] else ""
+        options = f"?{urllib.parse.urlencode(db['OPTIONS'])}" if db.get("OPTIONS") else ""
+        return f"postgres://{user}@{host}{port}/{urllib.parse.quote(db['NAME'], safe='')}{options}"
+    raise ValueError(f"the processes of these tests run on SQLite or PostgreSQL, not {db['ENGINE']}")
 
 
 def purge_stale_tasks() -> None:

@@ -28,6 +28,7 @@ from controlplane.nodes.services import create_join_token, enroll_node, expire_s
 from controlplane.ops.processes import http_up
 from inference.launcher import free_port
 from tests.controlplane.conftest import redis_channel_layers
+from tests.controlplane.live import database_url
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -207,11 +208,9 @@ def test_reconnect_delays_grow_are_capped_and_jittered() -> None:
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_real_agent_keeps_its_node_online_and_reconnects(redis_url: str, tmp_path: Path) -> None:
-    from django.db import connection
-
     node, secret = enrolled("real-box")
     port = free_port()
-    env = service_env(connection.settings_dict["NAME"], redis_url)
+    env = service_env(redis_url)
     server = start_server(port, env, tmp_path)
     agent = start_agent(port, node, secret, tmp_path / "state", env, tmp_path)
     try:
@@ -245,11 +244,11 @@ def test_a_real_agent_keeps_its_node_online_and_reconnects(redis_url: str, tmp_p
                 proc.kill()
 
 
-def service_env(database: str, redis_url: str) -> dict:
+def service_env(redis_url: str) -> dict:
     return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "controlplane.config.settings.test",
-        "DATABASE_URL": f"sqlite:///{database}",
+        "DATABASE_URL": database_url(),
         "REDIS_URL": redis_url,
         "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
     }
@@ -317,7 +316,6 @@ def test_a_fetch_command_reaches_the_agent_which_downloads_the_shard(
     redis_url: str, channel_layer_on_test_redis, settings, tmp_path: Path, tiny_model: Path
 ) -> None:
     from django.contrib.auth import get_user_model
-    from django.db import connection
     from rest_framework.test import APIClient
 
     from controlplane.artifacts.services import build_model_shards, register_model
@@ -328,7 +326,7 @@ def test_a_fetch_command_reaches_the_agent_which_downloads_the_shard(
     artifact = build_model_shards(artifact_id=register_model(name="tiny", path=str(tiny_model)).pk, workers=2)
     node, secret = enrolled("fetcher")
     port = free_port()
-    env = service_env(connection.settings_dict["NAME"], redis_url)
+    env = service_env(redis_url)
     state = tmp_path / "state"
     server = start_server(port, env, tmp_path)
     agent = start_agent(port, node, secret, state, env, tmp_path)
@@ -550,7 +548,6 @@ def test_a_hostile_node_flooding_its_link_gets_bounded_rows_and_an_answering_lin
     still answers."""
     import uuid
 
-    from django.db import connection
     from websockets.asyncio.client import connect
 
     from agent.messages import AGENT_PROTOCOL, MEMORY_FIGURES, PROTOCOL_HEADER, RUNTIME_METRICS
@@ -565,7 +562,7 @@ def test_a_hostile_node_flooding_its_link_gets_bounded_rows_and_an_answering_lin
     )
     DeploymentNode.objects.create(deployment=deployment, node=node, role=Role.MAIN, port=9300, state="ready")
     port = free_port()
-    env = service_env(connection.settings_dict["NAME"], redis_url)
+    env = service_env(redis_url)
     server = start_server(port, env, tmp_path)
     junk = "x" * 20_000
     heartbeat = {

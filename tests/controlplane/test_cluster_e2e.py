@@ -20,7 +20,7 @@ import pytest
 
 from controlplane.ops.processes import ProcessGroup, python_env
 from inference.launcher import free_port
-from tests.controlplane.live import Api, LiveControlPlane, purge_stale_tasks
+from tests.controlplane.live import Api, LiveControlPlane, database_url, purge_stale_tasks
 from tests.reference import PROMPTS, reference_generate
 
 AGENTS = 10
@@ -31,14 +31,13 @@ NEW_TOKENS = 10
 @pytest.fixture
 def live(transactional_db, redis_url: str, channel_layer_on_test_redis, tmp_path: Path) -> Iterator[LiveControlPlane]:
     from django.contrib.auth import get_user_model
-    from django.db import connection
 
     from controlplane.accounts.services import create_api_key
 
     purge_stale_tasks()
     env = python_env(
         DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
-        DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+        DATABASE_URL=database_url(),
         REDIS_URL=redis_url,
         ODMOE_VAR_DIR=str(tmp_path / "var"),
         ODMOE_NODE_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S),

@@ -35,7 +35,7 @@ from schemathesis.core.control import SkipTest
 from controlplane.ops.processes import ProcessGroup, python_env
 from inference.launcher import free_port
 from tests.controlplane.conftest import redis_channel_layers
-from tests.controlplane.live import Api, LiveControlPlane, purge_stale_tasks
+from tests.controlplane.live import Api, LiveControlPlane, database_url, purge_stale_tasks
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -60,7 +60,6 @@ if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:
 def live(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -> Iterator[Live]:
     """A real ASGI server on the test database, with a staff key, a node, a model and a draft deployment."""
     from django.contrib.auth import get_user_model
-    from django.db import connection
 
     from controlplane.accounts.services import create_api_key
     from controlplane.artifacts.services import register_model
@@ -81,7 +80,7 @@ def live(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -> 
         create_deployment(name=DRAFT, model=model, node_ids=[str(node.pk)])
         env = python_env(
             DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
-            DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+            DATABASE_URL=database_url(),
             REDIS_URL=redis_url,
             ODMOE_VAR_DIR=str(tmp_path / "var"),
         )

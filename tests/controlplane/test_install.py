@@ -28,6 +28,7 @@ from controlplane.ops.processes import ProcessGroup, asgi_argv, http_up, python_
 from deploy.units import read_unit
 from inference.launcher import free_port
 from tests.controlplane.isolated import CONTROL_PLANE, REPO, install_isolated, link_dependencies
+from tests.controlplane.live import database_url
 
 
 def test_the_install_script_is_served_with_this_server_filled_in(db, settings) -> None:
@@ -152,14 +153,12 @@ def test_the_one_liner_installs_the_agent_and_enrolls_the_box(transactional_db, 
     the doctor, an upgrade in place, the uninstall."""
     import urllib.request
 
-    from django.db import connection
-
     _, token = create_join_token(created_by=None)
     port = free_port()
     server = f"http://127.0.0.1:{port}"
     env = python_env(
         DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
-        DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+        DATABASE_URL=database_url(),
     )
     with ProcessGroup(tmp_path / "logs", env) as group:
         group.start("asgi", asgi_argv(port))
@@ -258,15 +257,13 @@ def test_installed_as_root_the_agent_runs_as_a_system_user_of_its_own_in_a_sandb
     it starts, as that user, sandboxed; systemd accepts the unit."""
     import urllib.request
 
-    from django.db import connection
-
     user = f"odmoe-t{os.getpid()}"
     _, token = create_join_token(created_by=None)
     port = free_port()
     server = f"http://127.0.0.1:{port}"
     env = python_env(
         DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
-        DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+        DATABASE_URL=database_url(),
     )
     try:
         with ProcessGroup(tmp_path / "logs", env) as group:

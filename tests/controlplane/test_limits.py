@@ -19,6 +19,7 @@ from rest_framework.test import APIClient
 
 from controlplane import throttles
 from controlplane.accounts.services import create_api_key
+from tests.controlplane.live import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 PASSWORD = "a-long-test-password"
@@ -259,15 +260,13 @@ def test_uvicorn_answers_a_declared_200_mb_body_at_once_and_stops_a_chunked_one(
     ODMOE_MAX_REQUEST_BYTES). Before, Django read both bodies whole, for a URL that does not exist."""
     import socket
 
-    from django.db import connection
-
     from controlplane.ops.processes import ProcessGroup, python_env
     from inference.launcher import free_port
     from tests.controlplane.live import Api, LiveControlPlane
 
     env = python_env(
         DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
-        DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+        DATABASE_URL=database_url(),
         ODMOE_VAR_DIR=str(tmp_path / "var"),
         ODMOE_MAX_REQUEST_BYTES=str(MIB),
     )

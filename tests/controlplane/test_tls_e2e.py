@@ -25,6 +25,7 @@ from inference.launcher import free_port
 from inference.sharding import verify_shard
 from tests.certificates import ServerIdentity, server_identity
 from tests.controlplane.isolated import REPO, link_dependencies
+from tests.controlplane.live import database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -58,7 +59,6 @@ def wait_for(what: str, ready, group: ProcessGroup, timeout_s: float = 60) -> No
 def test_a_box_enrolls_over_pinned_https_links_over_wss_downloads_and_follows_its_servers_key(
     redis_url: str, channel_layer_on_test_redis, settings, tmp_path: Path, tiny_model: Path
 ) -> None:
-    from django.db import connection
 
     settings.VAR_DIR = tmp_path / "var"
     artifact = build_model_shards(artifact_id=register_model(name="tiny", path=str(tiny_model)).pk, workers=2)
@@ -73,7 +73,7 @@ def test_a_box_enrolls_over_pinned_https_links_over_wss_downloads_and_follows_it
     server, state, logs = f"https://127.0.0.1:{port}", tmp_path / "state", tmp_path / "logs"
     env = python_env(
         DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
-        DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+        DATABASE_URL=database_url(),
         REDIS_URL=redis_url,
         ODMOE_TLS_CERT_FILE=str(a.cert_path),
     )
@@ -135,7 +135,6 @@ def test_a_box_enrolls_over_pinned_https_links_over_wss_downloads_and_follows_it
 def test_the_pinned_one_liner_installs_and_enrolls_a_box_and_with_another_key_installs_nothing(
     settings, tmp_path: Path
 ) -> None:
-    from django.db import connection
 
     a = server_identity(tmp_path / "certs", "a")
     settings.TLS_CERT_FILE = str(a.cert_path)
@@ -144,7 +143,7 @@ def test_the_pinned_one_liner_installs_and_enrolls_a_box_and_with_another_key_in
     server = f"https://127.0.0.1:{port}"
     env = python_env(
         DJANGO_SETTINGS_MODULE="controlplane.config.settings.test",
-        DATABASE_URL=f"sqlite:///{connection.settings_dict['NAME']}",
+        DATABASE_URL=database_url(),
         ODMOE_TLS_CERT_FILE=str(a.cert_path),
     )
     one_liner = enroll_commands(server, token)["install_command"]  # what the console shows for this URL
