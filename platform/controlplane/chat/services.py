@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
+from controlplane.storable import storable_json, storable_text
+
 from .models import TITLE_CHARS, Conversation, Message, MessageStatus
 
 SHOWN_METRICS = ("ttft_ms", "decode_tok_s", "recall", "generated_tokens")
@@ -57,8 +59,11 @@ def prompt_history(messages: Iterable[Message]) -> list[dict]:
 
 
 def finish_turn(*, answer_id: int, content: str, status: str, metrics: dict | None = None, error: str = "") -> None:
+    """Store the answer as it ended; generated text and the cluster's error text made storable."""
     shown = {k: (metrics or {}).get(k) for k in SHOWN_METRICS if (metrics or {}).get(k) is not None}
-    Message.objects.filter(pk=answer_id).update(content=content, status=status, metrics=shown, error=error)
+    Message.objects.filter(pk=answer_id).update(
+        content=storable_text(content), status=status, metrics=storable_json(shown), error=storable_text(error)
+    )
 
 
 def set_model(*, answer_id: int, model_name: str) -> None:

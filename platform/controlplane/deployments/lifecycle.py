@@ -27,6 +27,7 @@ from controlplane.artifacts.services import (
 )
 from controlplane.nodes.models import Node, NodeStatus, NodeTask
 from controlplane.nodes.services import send_command
+from controlplane.storable import storable_json, storable_text
 from inference.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
 from inference.memory import gpu_index
 from inference.spec import Settings
@@ -329,8 +330,8 @@ def reconcile(*, node_id: str, reports: list[dict], complete: bool) -> None:
 
 
 def _record_state(member: DeploymentNode, report: dict, state: str) -> None:
-    detail = str(report.get("detail", ""))[:4000]
-    metrics = report.get("metrics") if isinstance(report.get("metrics"), dict) else member.metrics
+    detail = storable_text(str(report.get("detail", ""))[:4000])
+    metrics = storable_json(report["metrics"]) if isinstance(report.get("metrics"), dict) else member.metrics
     memory = role_memory(report.get("memory"))
     if (member.state, member.detail, member.metrics, member.memory) != (state, detail, metrics, memory):
         member.state, member.detail, member.metrics, member.memory = state, detail, metrics, memory

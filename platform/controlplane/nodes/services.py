@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from agent.tls import join_token as clear_join_token
 from agent.tls import split_join_token
+from controlplane.storable import storable_text
 
 from . import signals
 from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
@@ -294,7 +295,7 @@ def record_task_done(*, node_id: str, task_id: str, ok: bool, detail: str) -> No
     if not is_task_id(task_id):
         return
     NodeTask.objects.filter(pk=task_id, node_id=node_id).update(
-        state=TaskState.DONE if ok else TaskState.FAILED, detail=detail[:MAX_DETAIL_CHARS]
+        state=TaskState.DONE if ok else TaskState.FAILED, detail=storable_text(detail[:MAX_DETAIL_CHARS])
     )
 
 

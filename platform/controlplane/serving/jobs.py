@@ -20,9 +20,10 @@ from django.utils import timezone
 from redis.exceptions import RedisError
 
 from controlplane.deployments import generation
+from controlplane.storable import storable_json, storable_text
 
 from . import metrics
-from .completions import ClusterGenerationError, ClusterUnavailable, complete, find_target
+from .completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, complete, find_target
 from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
 from .text import InputError, Sampling, check_lengths, check_prompt, check_text_fits, encode_prompt
 
@@ -144,31 +145,36 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
         retryable = not isinstance(exc, ClusterGenerationError) or exc.retryable
         if retryable and attempt < JOB_RETRIES:
             JobOutput.objects.filter(pk=output.pk, status=OutputStatus.RUNNING).update(
-                status=OutputStatus.QUEUED, error=f"will try again: {exc}"
+                status=OutputStatus.QUEUED, error=storable_text(f"will try again: {exc}")
             )
             raise RetryLater(RETRY_AFTER_S * 2**attempt) from None
         metrics.record("jobs", ok=False)
         JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
-            status=OutputStatus.FAILED, error=str(exc), finished_at=timezone.now()
+            status=OutputStatus.FAILED, error=storable_text(str(exc)), finished_at=timezone.now()
         )
     except (InputError, LookupError) as exc:
         metrics.record("jobs", ok=False)
         JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
-            status=OutputStatus.FAILED, error=str(exc), finished_at=timezone.now()
+            status=OutputStatus.FAILED, error=storable_text(str(exc)), finished_at=timezone.now()
         )
     else:
         metrics.record("jobs", ok=True, prompt_tokens=result.prompt_tokens, metrics=result.metrics)
-        status = OutputStatus.CANCELLED if result.finish_reason == "cancelled" else OutputStatus.DONE
-        JobOutput.objects.filter(pk=output.pk).update(
-            status=status,
-            text=result.text,
-            token_ids=result.token_ids,
-            finish_reason=result.finish_reason,
-            metrics=result.metrics,
-            error="",
-            finished_at=timezone.now(),
-        )
+        record_result(output_id=output.pk, result=result)
     _finish_if_done(job.pk)
+
+
+def record_result(*, output_id: int, result: CompletionResult) -> None:
+    """What the cluster returned for an output: its generated text and metrics made storable."""
+    status = OutputStatus.CANCELLED if result.finish_reason == "cancelled" else OutputStatus.DONE
+    JobOutput.objects.filter(pk=output_id).update(
+        status=status,
+        text=storable_text(result.text),
+        token_ids=result.token_ids,
+        finish_reason=result.finish_reason,
+        metrics=storable_json(result.metrics),
+        error="",
+        finished_at=timezone.now(),
+    )
 
 
 def cancel_job(*, job: Job) -> Job:
