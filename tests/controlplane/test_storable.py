@@ -1,19 +1,20 @@
 """What comes from agents and models is written on PostgreSQL as on SQLite.
 
-PostgreSQL refuses a NUL in text and ``\\u0000`` in jsonb; SQLite keeps both. Each test here
-failed on PostgreSQL (a DataError, the write lost) before ``controlplane.storable``, and
-passes on both.
+PostgreSQL refuses a NUL in text and ``\\u0000`` in jsonb, and a value longer than its
+varchar; SQLite keeps them all. Each test here failed on PostgreSQL (a DataError, the write
+lost) before ``controlplane.storable`` and the finish-reason check, and passes on both.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 from asgiref.sync import async_to_sync
 from channels.testing import WebsocketCommunicator
 
-from agent.messages import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, RoleState, TaskDone
+from agent.messages import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, GenerationDone, RoleState, TaskDone
 from controlplane.artifacts.services import register_model
 from controlplane.config.asgi import application
 from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
@@ -97,3 +98,34 @@ def test_a_generated_nul_is_kept_in_a_chat_answer_and_a_job_output(tiny_model: P
     output.refresh_from_db()
     assert (output.status, output.text, output.finish_reason) == (OutputStatus.DONE, f"{R}!", "length")
     assert Message.objects.filter(content__contains=R).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_finish_reason_main_never_sends_fails_the_generation(channel_layer_on_test_redis, tiny_model: Path) -> None:
+    from controlplane.deployments.generation import ClusterGenerationError, GenerationRequest, astream
+
+    node, secret = enrolled()
+    deployment = Deployment.objects.create(
+        name="d", model=register_model(name="tiny", path=str(tiny_model)), status=DeploymentStatus.READY
+    )
+    DeploymentNode.objects.create(deployment=deployment, node=node, role=Role.MAIN, port=9300)
+
+    async def session() -> str:
+        comm = link(node, secret)
+        assert (await comm.connect())[0]
+        request = GenerationRequest(prompt_ids=[1, 2], max_new_tokens=2)
+        # The first event is awaited in the background: it sends the command down the link first.
+        first = asyncio.ensure_future(astream(deployment.pk, request).__anext__())
+        command = await comm.receive_json_from(timeout=10)
+        assert command["type"] == "generate" and command["request_id"] == request.request_id
+        done = GenerationDone(request_id=request.request_id, token_ids=[5], finish_reason="x" * 40, metrics={})
+        await comm.send_json_to(done.to_json())
+        try:
+            await first
+        except ClusterGenerationError as exc:
+            return str(exc)
+        finally:
+            await comm.disconnect()
+        return "no error"
+
+    assert async_to_sync(session)() == "main ended the generation with an unknown finish reason '" + "x" * 39

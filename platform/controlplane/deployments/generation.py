@@ -36,6 +36,9 @@ from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, Membe
 
 FIRST_EVENT_TIMEOUT_S = 120.0  # prefill and a queue behind other generations
 NEXT_EVENT_TIMEOUT_S = 60.0
+# How main ends a generation (inference.roles.main). Another value is a broken or hostile main's:
+# it would reach API clients, and PostgreSQL refuses what is longer than JobOutput.finish_reason.
+FINISH_REASONS = ("stop", "length", "cancelled")
 
 
 class ClusterUnavailable(RuntimeError):
@@ -134,6 +137,9 @@ async def astream(
                 if event.busy:
                     raise ClusterBusy(event.error)
                 raise ClusterGenerationError(event.error, retryable=event.retryable)
+            if isinstance(event, GenerationDone) and event.finish_reason not in FINISH_REASONS:
+                reason = f"{event.finish_reason!r:.40}"
+                raise ClusterGenerationError(f"main ended the generation with an unknown finish reason {reason}")
             yield event
             if isinstance(event, GenerationDone):
                 return

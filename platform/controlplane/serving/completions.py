@@ -89,7 +89,7 @@ class TextDelta:
 class CompletionResult:
     text: str
     token_ids: list[int]
-    finish_reason: str  # stop, length or cancelled
+    finish_reason: str  # stop, length or cancelled (generation.FINISH_REASONS)
     prompt_tokens: int
     metrics: dict = field(default_factory=dict)
 
