@@ -4,6 +4,10 @@ Their credentials live under var/ and name the URL they enrolled with; a real ag
 send one to any other server, and must go on refusing. ``up`` owns both ends, so before starting
 its own agents it moves a credential this database issued to the new URL (the same nodes, so the
 demo deployment is the same), and forgets one this database does not know.
+
+``up`` keeps its data in its own SQLite under var/, as ``make run`` does; when the suite runs
+on PostgreSQL, ``up`` is given the test database instead (``DATABASE_URL``), as production's
+would be: the same test then checks ``up`` on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from agent.__main__ import enroll_or_resume
 from controlplane.nodes.services import create_join_token, enroll_node
 from controlplane.ops import demo
 from inference.launcher import free_port
+from tests.controlplane.live import database_url
 
 REPO = Path(__file__).resolve().parents[2]
 OLD, NEW = "http://127.0.0.1:41919", "http://127.0.0.1:52609"
@@ -89,9 +94,16 @@ def test_a_credential_whose_secret_does_not_check_out_is_not_moved(tmp_path: Pat
 AGENTS = 3
 
 
+def on_postgres() -> bool:
+    from django.db import connection
+
+    return connection.vendor == "postgresql"
+
+
 def up_env(var: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    # Its own SQLite and Redis under ``var``, as ``make run`` does.
+    # Its own Redis under ``var``, as ``make run`` does, and its own SQLite there unless the suite is on PostgreSQL.
+    env |= {"DATABASE_URL": database_url()} if on_postgres() else {}
     return {**env, "DJANGO_SETTINGS_MODULE": "controlplane.config.settings.local", "ODMOE_VAR_DIR": str(var)}
 
 
@@ -119,17 +131,24 @@ def run_up_until_ready(var: Path, port: int, model: Path, log: Path, timeout_s: 
 
 
 def node_ids(var: Path) -> set[str]:
+    if on_postgres():
+        from controlplane.nodes.models import Node
+
+        return {str(pk) for pk in Node.objects.values_list("pk", flat=True)}
     with sqlite3.connect(var / "db.sqlite3") as db:
         return {row[0] for row in db.execute("SELECT id FROM nodes_node")}
 
 
 @pytest.mark.slow
-def test_up_again_on_another_port_becomes_ready_and_generates(tmp_path: Path, tiny_model: Path) -> None:
+def test_up_again_on_another_port_becomes_ready_and_generates(
+    transactional_db, tmp_path: Path, tiny_model: Path
+) -> None:
     var = tmp_path / "var"
     first = run_up_until_ready(var, free_port(), tiny_model, tmp_path / "first.log")
     assert " tokens" in first
     nodes = node_ids(var)
     assert len(nodes) == AGENTS
+    assert (var / "db.sqlite3").exists() is not on_postgres()  # the database it was given, and no other
 
     port = free_port()
     second = run_up_until_ready(var, port, tiny_model, tmp_path / "second.log")
