@@ -124,10 +124,12 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
     now) gets the prompt again later: ``RetryLater``, up to ``JOB_RETRIES`` times; nothing is lost.
     """
     with transaction.atomic():
-        output = JobOutput.objects.select_for_update().select_related("job").filter(pk=output_id).first()
-        if output is None or output.status in (OutputStatus.DONE, OutputStatus.CANCELLED):
+        # The job's lock first, then the output's: the order cancel_job takes them in. Locking both
+        # at once took the output's first, and a cancel at that moment deadlocked on PostgreSQL.
+        job = Job.objects.select_for_update(of=("self",)).filter(outputs__pk=output_id).first()
+        output = JobOutput.objects.select_for_update().filter(pk=output_id).first()
+        if job is None or output is None or output.status in (OutputStatus.DONE, OutputStatus.CANCELLED):
             return
-        job = output.job
         if job.status in ENDED:
             return
         output.status, output.request_id = OutputStatus.RUNNING, uuid.uuid4().hex
