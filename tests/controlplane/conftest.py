@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,9 +19,23 @@ from django.test import override_settings
 
 from controlplane.ops.processes import Child, ProcessGroup, python_env, redis_up, wait_until
 from inference.launcher import free_port
+from tests.controlplane.isolated import NOBODY
 from tests.controlplane.live import SERVED_MODEL, Api, LiveControlPlane, Served, database_url, purge_stale_tasks
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def box() -> Iterator[Path]:
+    """A directory of the installing user's own: this user's, or nobody's when the tests run as root
+    (an ordinary user's install is then made as nobody: ``isolated.as_ordinary_user``). Not under
+    pytest's temporary directory, which only root may enter."""
+    path = Path(tempfile.mkdtemp(prefix="odmoe-box-"))
+    path.chmod(0o755)
+    if os.geteuid() == 0:
+        os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import os
+import pwd
 import subprocess
 import sys
 import zipfile
@@ -20,6 +21,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
+# Who installs an agent as an ordinary user when the tests run as root: as root, the install
+# script makes a system user of its own, which is another path (tests/controlplane/test_install.py).
+NOBODY = pwd.getpwnam("nobody")
 # The control plane's distributions: none may come with the agent.
 CONTROL_PLANE = {
     "django",
@@ -111,3 +115,12 @@ def install_isolated(wheel: bytes, target: Path) -> Path:
         ]
     link_dependencies(site, requires)
     return target / "venv" / "bin" / "python"
+
+
+def as_ordinary_user(home: Path) -> dict:
+    """``subprocess.run`` arguments that run an install as an ordinary user: nothing when the tests
+    do not run as root, else as nobody, who is given ``home``."""
+    if os.geteuid() != 0:
+        return {}
+    os.chown(home, NOBODY.pw_uid, NOBODY.pw_gid)
+    return {"user": NOBODY.pw_uid, "group": NOBODY.pw_gid, "extra_groups": []}

@@ -11,9 +11,7 @@ import re
 import shutil
 import stat
 import subprocess
-import tempfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from controlplane.nodes.services import create_join_token
 from controlplane.ops.processes import ProcessGroup, asgi_argv, http_up, python_env, wait_until
 from deploy.units import read_unit
 from inference.launcher import free_port
-from tests.controlplane.isolated import CONTROL_PLANE, REPO, install_isolated, link_dependencies
+from tests.controlplane.isolated import CONTROL_PLANE, REPO, as_ordinary_user, install_isolated, link_dependencies
 from tests.controlplane.live import database_url
 
 
@@ -200,21 +198,6 @@ def test_the_one_liner_installs_the_agent_and_enrolls_the_box(transactional_db, 
     assert not target.exists()
 
 
-NOBODY = pwd.getpwnam("nobody")
-
-
-@pytest.fixture
-def box() -> Iterator[Path]:
-    """A directory of the installing user's own: this user's, or nobody's when the tests run as root
-    (the ordinary user's install is then made as nobody, since root's is another path)."""
-    path = Path(tempfile.mkdtemp(prefix="odmoe-box-"))
-    path.chmod(0o755)
-    if os.geteuid() == 0:
-        os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def install(
     script: str, token: str, target: Path, deps: Path, *options: str, as_root: bool = False
 ) -> subprocess.CompletedProcess:
@@ -230,10 +213,7 @@ def install(
         "HOME": str(home),
     }
     home.mkdir(exist_ok=True)
-    who = {}
-    if os.geteuid() == 0 and not as_root:
-        os.chown(home, NOBODY.pw_uid, NOBODY.pw_gid)
-        who = {"user": NOBODY.pw_uid, "group": NOBODY.pw_gid, "extra_groups": []}
+    who = {} if as_root else as_ordinary_user(home)
     service = [] if "--unit-dir" in options else ["--no-service"]
     return subprocess.run(
         ["sh", "-s", "--", "--name", "installed-box", "--dir", str(target), "--no-deps", *service, *options],

@@ -24,7 +24,7 @@ from controlplane.ops.processes import Child, ProcessGroup, agent_argv, python_e
 from inference.launcher import free_port
 from inference.sharding import verify_shard
 from tests.certificates import ServerIdentity, server_identity
-from tests.controlplane.isolated import REPO, link_dependencies
+from tests.controlplane.isolated import REPO, as_ordinary_user, link_dependencies
 from tests.controlplane.live import database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -133,7 +133,7 @@ def test_a_box_enrolls_over_pinned_https_links_over_wss_downloads_and_follows_it
 
 
 def test_the_pinned_one_liner_installs_and_enrolls_a_box_and_with_another_key_installs_nothing(
-    settings, tmp_path: Path
+    settings, tmp_path: Path, box: Path
 ) -> None:
 
     a = server_identity(tmp_path / "certs", "a")
@@ -148,38 +148,45 @@ def test_the_pinned_one_liner_installs_and_enrolls_a_box_and_with_another_key_in
     )
     one_liner = enroll_commands(server, token)["install_command"]  # what the console shows for this URL
     assert one_liner.startswith(f"curl -fsSL --pinnedpubkey '{a.pin}' -k {server}/agent/install.sh | ")
-    deps = tmp_path / "deps"
+    deps = box / "deps"  # the installing user's own (nobody's, when the tests run as root)
     deps.mkdir()
     link_dependencies(deps, requirements(REPO))  # the agent's dependencies only (no network here)
     with ProcessGroup(tmp_path / "logs", env) as group:
         start_tls_server(group, port, a, "asgi")
         wrong = one_liner.replace(a.pin, server_identity(tmp_path / "certs", "b").pin)
-        refused = one_liner_run(wrong, tmp_path / "refused", deps)
+        refused = one_liner_run(wrong, box / "refused", deps)
         assert "public key does not match pinned public key" in refused.stderr, refused.stderr
-        assert not (tmp_path / "refused").exists() and not Node.objects.exists()
+        assert not (box / "refused").exists() and not Node.objects.exists()
 
-        run = one_liner_run(one_liner, tmp_path / "box", deps)
+        run = one_liner_run(one_liner, box / "odmoe-agent", deps)
         assert run.returncode == 0, run.stdout + run.stderr
         assert f"key {a.pin}" in run.stdout  # the package came over the pinned channel
         assert f"OK   server   {server} answers" in run.stdout  # and the doctor reached the server pinned too
     node = Node.objects.get(name="installed-box")
-    stored = credentials.load(tmp_path / "box" / "state")
+    stored = credentials.load(box / "odmoe-agent" / "state")
     assert stored is not None and stored.node_id == str(node.pk) and stored.pin == a.pin
-    assert credentials.load_certificate(tmp_path / "box" / "state") == a.pem
+    assert credentials.load_certificate(box / "odmoe-agent" / "state") == a.pem
 
 
 def one_liner_run(command: str, target: Path, deps: Path) -> subprocess.CompletedProcess:
-    """Run the console's one-liner as a person would paste it, installing into ``target``."""
+    """Run the console's one-liner as an ordinary user would paste it (nobody, when the tests run as
+    root: as root the script installs for a system user, tests/controlplane/test_install.py),
+    installing into ``target``; the dependencies are linked in from this test run (no network)."""
     home = target.parent / "home"
     home.mkdir(exist_ok=True)
     env = {
         **os.environ,
-        "ODMOE_PIP_ARGS": "--no-deps",  # dependencies are linked in from this test run (no network here)
         "PYTHONPATH": str(deps),
-        "PYTHON": "python3",
+        "PYTHON": "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3",  # the box's own
         "HOME": str(home),
     }
-    options = f" --name installed-box --dir {target} --no-service"
+    options = f" --name installed-box --dir {target} --no-service --no-deps"
     return subprocess.run(
-        ["sh", "-c", command + options], capture_output=True, text=True, env=env, cwd=target.parent, timeout=600
+        ["sh", "-c", command + options],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=target.parent,
+        timeout=600,
+        **as_ordinary_user(home),
     )
