@@ -85,6 +85,11 @@ RESTART_BACKOFF_S = 1.0
 LOG_TAIL_LINES = 12
 PROGRESS_EVERY_S = 0.5  # how often a download reports its progress
 HANDOVER_MS = 2000  # how long a one-message client may take to hand its message to main
+# The most a generation's metrics may take as JSON on the link. The control plane closes a frame
+# past its cap (ODMOE_MAX_REQUEST_BYTES, 16 MiB by default) with 1009, and the per-step record
+# grows with layers x tokens: about 450 bytes a layer, so a 2,048-token answer of a 32-layer
+# model is about 29 MB. Steps past this budget are left out of it, and counted.
+MAX_METRICS_BYTES = 4 * 2**20
 
 
 def shard_dir(state_dir: Path, model_id: int, shard: str) -> Path:
@@ -147,6 +152,26 @@ def memory_changed(before: dict[str, int], after: dict[str, int]) -> bool:
         if abs(new - old) > max(MEMORY_CHANGE_BYTES, MEMORY_CHANGE_FRACTION * old):
             return True
     return False
+
+
+def bounded_metrics(metrics: dict, max_bytes: int = MAX_METRICS_BYTES) -> dict:
+    """``metrics`` as a generation's result carries them up the link: whole when they fit in
+    ``max_bytes`` as JSON, else with the per-step record (``per_step``, the only part that grows
+    with the answer) cut to the first steps that fit, and ``per_step_omitted`` saying how many
+    steps were left out. The summary figures are never cut."""
+    steps = metrics.get("per_step")
+    if not isinstance(steps, list) or len(json.dumps(metrics)) <= max_bytes:
+        return metrics
+    summary = {key: value for key, value in metrics.items() if key != "per_step"}
+    budget = max_bytes - len(json.dumps({**summary, "per_step": [], "per_step_omitted": len(steps)}))
+    kept: list = []
+    for step in steps:
+        size = len(json.dumps(step)) + 2  # the step and the separator before the next one
+        if size > budget:
+            break
+        budget -= size
+        kept.append(step)
+    return {**summary, "per_step": kept, "per_step_omitted": len(steps) - len(kept)}
 
 
 class MainExited(RuntimeError):
@@ -497,7 +522,7 @@ class RoleRunner:
                             request_id=event.request_id,
                             token_ids=list(event.token_ids),
                             finish_reason=event.finish_reason,
-                            metrics=event.metrics,
+                            metrics=bounded_metrics(event.metrics),
                         )
                     )
                     return event.metrics

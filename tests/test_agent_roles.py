@@ -1,12 +1,15 @@
-"""The agent's roles: one runner per role of its deployment, a box with several GPUs runs several."""
+"""The agent's roles: one runner per role of its deployment, a box with several GPUs runs several;
+and what a generation's result carries up the link."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from agent.messages import CancelGeneration, Generate, GenerationFailed, RoleState, StartRole
 from agent.roles import Roles
+from agent.runtime import MAX_METRICS_BYTES, bounded_metrics
 
 
 def start(deployment: str, role: str, worker: int | None = None) -> StartRole:
@@ -48,3 +51,50 @@ def test_roles_are_kept_per_deployment_and_role_name(tmp_path: Path) -> None:
     assert len(refused) == 1 and "does not run a ready main for deployment dep9-9" in refused[0].error
     states = [m for m in sent if isinstance(m, RoleState)]
     assert {s.role_name for s in states} == {"main", "worker-0", "worker-1", "shadow"}
+
+
+def _step(step: int, layers: int) -> dict:
+    """A decode step's record as ``inference.metrics.build_metrics`` writes it (about 450 bytes a layer)."""
+    layer = {
+        "layer": 0,
+        "real": [1, 5],
+        "wait_ms": 0.123,
+        "worker_ms": 1.234,
+        "dispatch_ms": 2.345,
+        "breakdown_ms": {"main_before_send": 0.1, "hops": 0.2, "worker_python": 0.3, "wait_compute": 0.4},
+        "hops_split_ms": {"receivers": 0.1, "between_sockets": 0.2},
+        "hits": 2,
+        "misses": 0,
+        "predicted": [1, 5],
+        "predicted_in_time": True,
+        "recall": 1.0,
+    }
+    return {
+        "step": step,
+        "tokens": 1,
+        "ms": 12.5,
+        "recall": 1.0,
+        "layers": [{**layer, "layer": i} for i in range(layers)],
+    }
+
+
+def test_a_long_answers_metrics_fit_the_link_with_its_per_step_record_cut_and_counted() -> None:
+    """A 2,048-token answer of a 32-layer model records about 29 MB of steps, past the link's 16 MiB
+    frame cap: its steps past the budget are left out and counted, the summary is whole."""
+    summary = {"ttft_ms": 40.0, "decode_tok_s": 9.5, "recall": 0.97, "generated_tokens": 2048}
+    metrics = {**summary, "per_step": [_step(s, 32) for s in range(2049)]}
+    assert len(json.dumps(metrics)) > 16 * 2**20
+
+    bounded = bounded_metrics(metrics)
+
+    assert len(json.dumps(bounded)) <= MAX_METRICS_BYTES
+    assert {k: bounded[k] for k in summary} == summary
+    kept = bounded["per_step"]
+    assert kept == metrics["per_step"][: len(kept)] and len(kept) > 100
+    assert bounded["per_step_omitted"] == 2049 - len(kept)
+
+
+def test_metrics_that_fit_the_link_go_up_unchanged() -> None:
+    metrics = {"ttft_ms": 40.0, "per_step": [_step(s, 4) for s in range(48)]}
+    assert bounded_metrics(metrics) is metrics
+    assert bounded_metrics({"ttft_ms": 1.0}, max_bytes=4) == {"ttft_ms": 1.0}  # nothing to cut: kept whole
