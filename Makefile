@@ -12,7 +12,7 @@ WORKERS ?= 8
 PORT ?= 8000
 AGENTS ?= 10
 
-.PHONY: run runtime test check lint install bench clean chromium nginx prod-check lock demo-model gpu-check gpu-wheels
+.PHONY: run runtime test check lint install bench clean chromium nginx postgresql prod-check lock demo-model gpu-check gpu-wheels
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,17 +55,27 @@ nginx:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q nginx >/dev/null; } || \
 	  { echo "error: could not install nginx; install the Debian package nginx" >&2; exit 1; }; }
 
+# The production check puts its database on the PostgreSQL at 127.0.0.1:5432, or where none answers
+# there on a private server of its own: install Debian's postgresql where neither can be (root or sudo).
+postgresql:
+	@pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  echo "installing Debian's postgresql for the production check"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q postgresql >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q postgresql >/dev/null; } || \
+	  { echo "error: could not install postgresql; install the Debian package postgresql" >&2; exit 1; }; }
+
 # The production path of deploy/ on this machine, without systemd (deploy/prodcheck.py, about 2 minutes):
-# PostgreSQL at 127.0.0.1:5432 (ODMOE_PRODCHECK_POSTGRES), Redis with a password, nginx with TLS, 2 web
+# PostgreSQL at 127.0.0.1:5432 or a private one (ODMOE_PRODCHECK_POSTGRES), Redis with a password, nginx with TLS, 2 web
 # workers, Celery on both queues and beat, 3 agents by the one-liner, a chat, a job and an OpenAI call.
-prod-check: $(STAMP) nginx
+prod-check: $(STAMP) nginx postgresql
 	$(PY) -m deploy.prodcheck
 
 # The hash-locked requirement files (deploy/requirements.lock, agent/requirements.lock) from constraints.txt.
 lock: $(STAMP)
 	$(PY) deploy/lock.py
 
-test: lint chromium nginx
+test: lint chromium nginx postgresql
 	$(PY) -m pytest -q
 	$(PY) -m deploy.prodcheck
 

@@ -5,7 +5,9 @@ r"""``make prod-check``: the production stack of ``deploy/`` on this machine, dr
 Brings up, without systemd, what ``docs/production.md`` installs on a host:
 
 - PostgreSQL: a fresh database and role on the server at ``ODMOE_PRODCHECK_POSTGRES`` (default
-  ``postgres://postgres@127.0.0.1:5432/postgres``), dropped after;
+  ``postgres://postgres@127.0.0.1:5432/postgres``), dropped after; where none answers there, a
+  private server of Debian's PostgreSQL in the work directory (``private`` forces it), so a
+  machine without one runs the check too;
 - a private Redis from ``deploy/redis/odmoe.conf`` with a password, which ``REDIS_URL`` carries;
 - a self-signed certificate, made with the command the docs give;
 - the environment file, from ``deploy/odmoe.env.example`` with this host's values;
@@ -41,6 +43,7 @@ import contextlib
 import http.cookiejar
 import json
 import os
+import pwd
 import re
 import secrets
 import shutil
@@ -72,7 +75,11 @@ from inference.launcher import free_port  # noqa: E402
 
 DEPLOY = REPO / "deploy"
 DEMO_MODEL = REPO / "platform" / "demo-model"
-POSTGRES = os.environ.get("ODMOE_PRODCHECK_POSTGRES", "postgres://postgres@127.0.0.1:5432/postgres")
+LOCAL_POSTGRES = "postgres://postgres@127.0.0.1:5432/postgres"
+# The server to make the check's database on; "private" (or none answering at the default): one of
+# this run's own (``private_postgres``).
+POSTGRES = os.environ.get("ODMOE_PRODCHECK_POSTGRES", "")
+PRIVATE = "private"
 AGENT_USER = "odmoe-prodcheck"  # made by the install script when this runs as root, removed after
 ADMIN = "admin"
 DEPLOYMENT = "prodcheck"
@@ -129,6 +136,71 @@ class Database:
         with self._admin() as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.name)))
             conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(self.name)))
+
+
+def postgres_answers(url: str) -> bool:
+    import psycopg
+
+    try:
+        psycopg.connect(url, connect_timeout=3).close()
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+def postgres_binaries() -> Path:
+    """The newest ``bin/`` of Debian's PostgreSQL server packages (``/usr/lib/postgresql/N/bin``)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3]))
+    if not found:
+        raise CheckFailed(
+            "no PostgreSQL answers at 127.0.0.1:5432 and none is installed to start one: "
+            "make prod-check installs Debian's postgresql (apt-get install postgresql), "
+            "or set ODMOE_PRODCHECK_POSTGRES to a server's admin URL"
+        )
+    return found[-1].parent
+
+
+def private_postgres(group: ProcessGroup, work: Path) -> str:
+    """A PostgreSQL server of this run's own (initdb in ``work``, on a free port of 127.0.0.1, trust
+    for its own admin only on loopback); its admin URL. It stops with the group. As root it runs as
+    Debian's ``postgres`` user (the server refuses to run as root), else as this user."""
+    binaries = postgres_binaries()
+    user = "postgres" if os.geteuid() == 0 else None
+    data, sockets = work / "postgres", work / "postgres-sockets"
+    for path in (data, sockets):
+        path.mkdir(mode=0o700)
+        if user is not None:
+            account = pwd.getpwnam(user)
+            os.chown(path, account.pw_uid, account.pw_gid)
+    identity = {}
+    if user is not None:
+        account = pwd.getpwnam(user)
+        identity = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+    init = subprocess.run(
+        [str(binaries / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        **identity,
+    )
+    if init.returncode != 0:
+        raise CheckFailed(f"initdb could not make a private PostgreSQL: {init.stderr[-2000:]}")
+    port = free_port()
+    argv = [str(binaries / "postgres"), "-D", str(data), "-p", str(port), "-k", str(sockets)]
+    argv += ["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"]
+    group.start("postgres", argv, user=user, cwd=work)
+    url = f"postgres://postgres@127.0.0.1:{port}/postgres"
+    wait_until("the private PostgreSQL answering", lambda: postgres_answers(url), timeout_s=60, check=group.check)
+    return url
+
+
+def postgres_server(group: ProcessGroup, work: Path) -> str:
+    """The admin URL of the server the check's database goes on (see ``POSTGRES``)."""
+    if POSTGRES and POSTGRES != PRIVATE:
+        return POSTGRES
+    if not POSTGRES and postgres_answers(LOCAL_POSTGRES):
+        return LOCAL_POSTGRES
+    return private_postgres(group, work)
 
 
 def start_redis(group: ProcessGroup, work: Path) -> str:
@@ -467,13 +539,14 @@ def production_stack(work: Path, *, keep: bool = False, settings: dict[str, str]
     work.chmod(0o755)  # the agents' user reaches its box under it
     (work / "logs").mkdir()
     group = ProcessGroup(work / "logs", {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")})
-    database = Database(POSTGRES)
+    database: Database | None = None
     stack = None
     failed = True
     try:
         step(f"work directory {work}")
+        database = Database(postgres_server(group, work))
         database.create()
-        step(f"PostgreSQL database {database.name}")
+        step(f"PostgreSQL database {database.name} on {urllib.parse.urlsplit(database.admin_url).netloc}")
         redis_url = start_redis(group, work)
         step("Redis with a password")
         cert, key = make_certificate(work / "etc-tls")
@@ -537,9 +610,12 @@ def production_stack(work: Path, *, keep: bool = False, settings: dict[str, str]
             stack.stop_deployments()
         for child in [c for c in group.children if c.name.startswith("agent-")]:
             group.stop(child)
-        group.stop_all()
-        with contextlib.suppress(Exception):
-            database.drop()
+        for child in reversed([c for c in group.children if c.name != "postgres"]):
+            group.stop(child)
+        if database is not None:
+            with contextlib.suppress(Exception):
+                database.drop()
+        group.stop_all()  # a private PostgreSQL last, once its database is dropped
         if stack is not None and stack.made_user:
             subprocess.run(["userdel", AGENT_USER], capture_output=True)
         if keep or failed:

@@ -7,6 +7,7 @@ import itertools
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,30 @@ def test_nginx_accepts_the_proxy_configuration_as_the_production_check_renders_i
         text=True,
     )
     assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.skipif(not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")), reason="no PostgreSQL server package")
+def test_the_production_check_starts_a_postgresql_of_its_own_where_none_answers() -> None:
+    """A machine with no PostgreSQL running (a user's fresh one) still runs ``make prod-check``: the
+    check starts a private server (as Debian's postgres user when root), makes its database on it,
+    and leaves nothing running."""
+    import psycopg
+
+    from controlplane.ops.processes import ProcessGroup
+    from deploy.prodcheck import Database, private_postgres
+
+    work = Path(tempfile.mkdtemp(prefix="odmoe-pg-"))  # not under pytest's root-only directory
+    work.chmod(0o755)
+    try:
+        with ProcessGroup(work / "logs", {}) as group:
+            url = private_postgres(group, work)
+            assert not url.startswith("postgres://postgres@127.0.0.1:5432/")
+            database = Database(url)
+            database.create()
+            with psycopg.connect(database.url) as conn:
+                assert conn.execute("SELECT current_user, current_database()").fetchone() == (database.name,) * 2
+            database.drop()
+            server = group.children[0].process
+        assert server.poll() is not None  # stopped with the group
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
