@@ -163,17 +163,7 @@ def test_starting_sends_each_node_a_valid_role_spec_with_one_peer_table(cluster,
         shard.mkdir()
         spec = command.spec
         specs.append(spec)
-        validate_spec(
-            RoleSpec(
-                spec["deployment"],
-                spec["role"],
-                str(shard),
-                _addresses(spec),
-                spec["worker"],
-                _settings(spec),
-                endpoint_keys_from_json(spec["curve"]),
-            )
-        )
+        _validate(spec, shard)
         assert spec["settings"]["kv_period"] == 2
         assert spec["settings"]["strategy"] == "lru-offload"  # the deployment's strategy reaches every role
         assert spec["settings"]["predictor"] == "shadow"  # and its predictor
@@ -191,6 +181,21 @@ def _settings(spec: dict):
     from inference.spec import Settings
 
     return Settings(**spec["settings"])
+
+
+def _validate(spec: dict, shard: Path) -> None:
+    """Check a StartRole's spec as the runtime does (``validate_spec``), with its shard at ``shard``."""
+    validate_spec(
+        RoleSpec(
+            spec["deployment"],
+            spec["role"],
+            str(shard),
+            _addresses(spec),
+            spec["worker"],
+            _settings(spec),
+            endpoint_keys_from_json(spec["curve"]),
+        )
+    )
 
 
 def test_ready_only_when_every_role_is_and_a_failed_role_fails_the_deployment(cluster) -> None:
@@ -531,17 +536,7 @@ def test_a_next_gate_deployment_runs_without_a_shadow_and_builds_no_shadow_shard
         shard.mkdir()
         spec = command.spec
         specs.append(spec)
-        validate_spec(
-            RoleSpec(
-                spec["deployment"],
-                spec["role"],
-                str(shard),
-                _addresses(spec),
-                spec["worker"],
-                _settings(spec),
-                endpoint_keys_from_json(spec["curve"]),
-            )
-        )
+        _validate(spec, shard)
         assert spec["settings"]["predictor"] == "next-gate" and spec["settings"]["strategy"] == "odmoe"
         assert spec["addresses"]["shadow"] is None and len(spec["addresses"]["workers"]) == 2
     assert sorted(s["role"] for s in specs) == ["main", "worker", "worker"]
