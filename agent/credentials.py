@@ -35,7 +35,11 @@ def load(state_dir: Path) -> NodeCredential | None:
     if not path.exists():
         return None
     try:
-        return NodeCredential(**json.loads(path.read_text()))
+        text = path.read_text()
+    except OSError as exc:  # another user's file (a state moved from root's install, say)
+        raise ValueError(f"cannot read {path} ({exc.strerror}): it must belong to the user the agent runs as") from None
+    try:
+        return NodeCredential(**json.loads(text))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path} is not a node credential ({exc}); move it away to enroll again") from None
 

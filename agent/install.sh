@@ -81,6 +81,11 @@ if [ -z "$DIR" ]; then
     if [ "$ROOT" = "yes" ]; then DIR=/var/lib/odmoe-agent; else DIR="${HOME}/.local/share/odmoe-agent"; fi
 fi
 case "$DIR" in /*) ;; *) DIR="$(pwd)/$DIR" ;; esac
+case "$UNIT_DIR_GIVEN" in /*|"") ;; *) UNIT_DIR_GIVEN="$(pwd)/$UNIT_DIR_GIVEN" ;; esac
+# From here on, nothing of the directory this was started in: Python puts the current directory
+# first on its import path for -c, -m and a script on stdin, so run as root from /tmp, a module
+# another user left there (/tmp/hashlib.py, /tmp/pip/__main__.py) would run as root.
+cd /
 
 # Where a systemd unit goes for this user, and how to drive it (nothing when there is no systemd).
 UNIT_DIR=""; CTL=""; WANTED=""
@@ -124,14 +129,16 @@ fi
 case "$SERVER" in http://*|https://*) ;; *) die "--server must be an http(s) URL, got '$SERVER'" ;; esac
 SERVER="${SERVER%/}"
 LEGACY="${HOME}/.local/share/odmoe-agent"
+MOVED="no"
 if [ "$ROOT" = "yes" ] && [ "$DIR" = /var/lib/odmoe-agent ] && [ ! -e "$DIR/state" ] && [ -f "$LEGACY/state/node.json" ]; then
     # Installed as root before the agent had a user of its own: its credential moves to the new place.
     say "moving the agent's state from $LEGACY/state to $DIR/state (the agent now runs as $AGENT_USER)"
     run mkdir -p "$DIR"
     run mv "$LEGACY/state" "$DIR/state"
+    MOVED="yes"
 fi
 UPGRADE="no"
-[ -f "$DIR/state/node.json" ] && UPGRADE="yes"
+{ [ -f "$DIR/state/node.json" ] || [ "$MOVED" = "yes" ]; } && UPGRADE="yes"  # (a dry run moved nothing)
 [ -n "$TOKEN" ] || [ "$UPGRADE" = "yes" ] || \
     die "--token is required (or ODMOE_JOIN_TOKEN): create a join token in the console (Enroll)"
 
@@ -195,6 +202,12 @@ if [ "$ROOT" = "yes" ]; then
     done
     run mkdir -p "$STATE"
     run chown "$AGENT_USER:" "$STATE"
+    if [ "$MOVED" = "yes" ]; then
+        # Root's files until now (the credential, shards, the server's certificate), the agent's
+        # from now on. Only here: root never chowns the agent's own state recursively (a link the
+        # agent made there could point anywhere).
+        run chown -R "$AGENT_USER:" "$STATE"
+    fi
     run chmod 0700 "$STATE"
     # The agent's own identity for what it runs here; HOME is its state (pip's, torch's caches).
     AS_AGENT="env HOME=$STATE setpriv --reuid=$AGENT_USER --regid=$AGENT_USER --init-groups --"

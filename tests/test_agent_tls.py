@@ -250,3 +250,10 @@ def test_the_agent_refuses_plain_http_off_the_box_before_any_traffic_and_warns_w
         rf"WARNING --insecure: plain http to {re.escape(server)}: the join token, .* travel in clear", lab.stderr
     )
     assert accepted and accepted[0].startswith("POST /api/agents/enroll")
+
+
+def test_a_credential_the_agent_cannot_read_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    """A state another user owns (moved from root's install) is a clear error, not a traceback."""
+    (tmp_path / credentials.FILE_NAME).mkdir()  # unreadable as a file, whoever runs the test
+    with pytest.raises(ValueError, match="must belong to the user the agent runs as"):
+        credentials.load(tmp_path)

@@ -145,6 +145,55 @@ def test_the_install_script_refuses_bad_arguments_before_touching_anything(db, t
     assert not (tmp_path / "agent").exists()
 
 
+def test_the_install_script_imports_nothing_from_the_directory_it_was_started_in(db, tmp_path: Path) -> None:
+    """Python puts the current directory first on its import path for -c, -m and stdin scripts: a
+    module another user left where root started the one-liner (cd /tmp) must never run."""
+    script = Client().get("/agent/install.sh").content.decode()
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    for module in ("venv", "ensurepip", "hashlib"):
+        (planted / f"{module}.py").write_text(f"open({str(marker)!r}, 'a').write({module!r})\n")
+    options = ["--server", "http://127.0.0.1:9", "--token", "t", "--dir", str(tmp_path / "agent"), "--no-service"]
+    run = subprocess.run(
+        ["sh", "-s", "--", *options, "--dry-run"],
+        input=script,
+        text=True,
+        capture_output=True,
+        cwd=planted,
+        env={**os.environ, "PYTHON": "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3"},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not marker.exists(), marker.read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="installs as root")
+def test_as_root_a_state_kept_before_the_agent_had_a_user_moves_and_becomes_that_users(db, tmp_path: Path) -> None:
+    """A box enrolled by root before the agent had a user of its own keeps its credential: the
+    state moves to /var/lib/odmoe-agent and is chown'ed to the agent's user (a dry run: the plan)."""
+    if Path("/var/lib/odmoe-agent/state").exists():
+        pytest.skip("this machine has an agent installed as root")
+    script = Client().get("/agent/install.sh").content.decode()
+    home = tmp_path / "home"
+    legacy = home / ".local" / "share" / "odmoe-agent" / "state"
+    legacy.mkdir(parents=True)
+    (legacy / "node.json").write_text("{}")
+    run = subprocess.run(
+        ["sh", "-s", "--", "--server", "http://127.0.0.1:9", "--no-service", "--dry-run"],
+        input=script,
+        text=True,
+        capture_output=True,
+        env={**os.environ, "HOME": str(home)},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    moved = lines.index(f"odmoe install: would run: mv {legacy} /var/lib/odmoe-agent/state")
+    owned = lines.index("odmoe install: would run: chown -R odmoe-agent: /var/lib/odmoe-agent/state")
+    made = next(i for i, line in enumerate(lines) if "would run: useradd" in line)
+    assert moved < made < owned  # moved, the user made, then the moved files are that user's
+    assert "upgrading the agent" in run.stdout  # the moved credential is kept: no token needed
+
+
 @pytest.mark.slow
 def test_the_one_liner_installs_the_agent_and_enrolls_the_box(transactional_db, tmp_path: Path, box: Path) -> None:
     """An ordinary user's install (run as root, the test makes it as nobody): a venv, the credential,
