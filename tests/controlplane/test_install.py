@@ -25,7 +25,14 @@ from controlplane.nodes.services import create_join_token
 from controlplane.ops.processes import ProcessGroup, asgi_argv, http_up, python_env, wait_until
 from deploy.units import read_unit
 from inference.launcher import free_port
-from tests.controlplane.isolated import CONTROL_PLANE, REPO, as_ordinary_user, install_isolated, link_dependencies
+from tests.controlplane.isolated import (
+    CONTROL_PLANE,
+    NOBODY,
+    REPO,
+    as_ordinary_user,
+    install_isolated,
+    link_dependencies,
+)
 from tests.controlplane.live import database_url
 
 
@@ -100,6 +107,14 @@ def test_the_agent_package_ships_only_the_files_git_tracks(tmp_path: Path) -> No
     (repo / "agent" / "stray_key.py").write_text("SECRET = 'x'\n")
     (repo / "inference" / "notes.txt").write_text("scratch\n")
     assert shipped(repo) == {"agent/__init__.py", "inference/__init__.py"}
+    if os.geteuid() == 0:  # production: the checkout is another user's than the server's
+        for path in [repo, *repo.rglob("*")]:
+            os.lchown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+        assert shipped(repo) == {"agent/__init__.py", "inference/__init__.py"}
+    with pytest.MonkeyPatch.context() as patch:  # a checkout git cannot list: refused, never walked
+        patch.setenv("PATH", str(tmp_path / "no-git-here"))
+        with pytest.raises(RuntimeError, match="git cannot list its files"):
+            build_wheel(repo)
 
     plain = tree(tmp_path / "outer" / "tarball")  # inside another repository, not its top: its folders
     git("init", "-q", cwd=tmp_path / "outer")

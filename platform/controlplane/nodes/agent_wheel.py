@@ -7,8 +7,9 @@ Channels, matplotlib). It is built from this checkout the first time it is asked
 memory, and byte for byte the same every time (sorted entries, fixed timestamps and modes),
 so every process of one checkout serves the same bytes under the same sha256, which the install
 script pins. In a git checkout it holds the files git tracks only: a stray file left in
-``agent/`` or ``inference/`` (a scratch script, a key, a notebook) never ships to every box; a
-tree without git (a release tarball) ships what its folders hold. The format is the wheel
+``agent/`` or ``inference/`` (a scratch script, a key, a notebook) never ships to every box, and
+a checkout git cannot list is an error rather than a walk of its folders; a tree without git (a
+release tarball) ships what its folders hold. The format is the wheel
 specification's (PEP 427 / PEP 491): the files, then a ``.dist-info`` with METADATA, WHEEL,
 entry_points.txt and a RECORD of every file's sha256.
 """
@@ -64,32 +65,27 @@ def _files(repo: Path) -> list[tuple[str, bytes]]:
 def _package_paths(repo: Path) -> list[Path]:
     """The files of ``PACKAGES`` relative to ``repo``, sorted: the tracked ones when ``repo`` is
     the top of a git checkout (as they are in the working tree, local edits included), else
-    every file under the packages' folders."""
-    tracked = _tracked_files(repo)
-    if tracked is None:
+    (a release unpacked without git) every file under the packages' folders."""
+    if not (repo / ".git").exists():
         walked = (path for package in PACKAGES for path in (repo / package).rglob("*"))
         return sorted(path.relative_to(repo) for path in walked if path.is_file())
     # A tracked file deleted from the working tree is not there to ship.
-    return sorted(path for path in tracked if (repo / path).is_file())
+    return sorted(path for path in _tracked_files(repo) if (repo / path).is_file())
 
 
-def _tracked_files(repo: Path) -> list[Path] | None:
-    """What git tracks under ``PACKAGES`` in ``repo``; None when ``repo`` is not the top of a
-    git checkout (no git, no checkout, or a folder inside another project's repository)."""
+def _tracked_files(repo: Path) -> list[Path]:
+    """What git tracks under ``PACKAGES`` in the checkout at ``repo``. A checkout git cannot list
+    is an error, never a walk of the folders: in production the checkout is root's and the
+    services run as another user, which git refuses to read ("dubious ownership") unless told the
+    folder is safe, as it is here, where the checkout is what this server runs."""
+    argv = ["git", "-c", f"safe.directory={repo.resolve()}", "-C", str(repo), "ls-files", "-z", "--", *PACKAGES]
     try:
-        top = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=30
-        )
-        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != repo.resolve():
-            return None
-        listed = subprocess.run(
-            ["git", "-C", str(repo), "ls-files", "-z", "--", *PACKAGES],
-            capture_output=True,
-            check=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
+        listed = subprocess.run(argv, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{repo} is a git checkout, but git cannot list its files ({exc}): install git") from None
+    if listed.returncode != 0:
+        reason = listed.stderr.decode(errors="replace").strip()
+        raise RuntimeError(f"git cannot list the files of the checkout {repo}: {reason}")
     return [Path(name) for name in listed.stdout.decode().split("\0") if name]
 
 
