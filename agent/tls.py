@@ -11,11 +11,12 @@ its certificate's SubjectPublicKeyInfo, written as curl's ``--pinnedpubkey`` tak
 carries it (``odmoe-join-<secret>.<pin in base64url>``). On first contact the agent does a TLS
 handshake only, compares the certificate's pin with the token's and keeps the certificate
 beside its credential (``server.pem``, mode 0600; the pin goes into ``node.json``). From then on
-every connection (requests, shard downloads, the link's websocket, the doctor) trusts that
-certificate alone, so OpenSSL refuses any other server during the handshake, before the
-credential is sent. When the server's certificate stops verifying (the proxy renewed it) the
-agent looks again: a new certificate with the same key replaces the stored one; another key is
-refused, with what to do. Without a pin, https uses the system's certificate authorities.
+every connection (requests, shard downloads, the link's websocket, the doctor) trusts the
+server's own certificates alone, so OpenSSL refuses any other server during the handshake,
+before the credential is sent. When the server's certificate stops verifying (the proxy renewed
+it, or another proxy sharing the key answered) the agent looks again: a certificate with the
+same key not seen before is kept beside the others (the newest ``KEPT_CERTIFICATES``); another
+key is refused, with what to do. Without a pin, https uses the system's certificate authorities.
 
 Why the pin replaces the host name check: a self-signed certificate names whatever its maker
 typed, and the boxes reach the server by whatever address they were given; the key is what
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 PIN_PREFIX = "sha256//"
 TOKEN_PIN_SEPARATOR = "."  # not in a token secret's alphabet (secrets.token_urlsafe)
 PROBE_TIMEOUT_S = 10.0
+KEPT_CERTIFICATES = 4  # certificates with the pinned key trusted at once, the newest kept
 CLEAR_TEXT = "the join token, this node's credential, role specs with the data plane's secret keys, prompts and shards"
 
 
@@ -207,15 +209,25 @@ def _is_address(host: str) -> bool:
     return True
 
 
-def pinned_context(certificate_pem: str) -> ssl.SSLContext:
-    """A client context that trusts this one certificate and nothing else, whatever name it holds:
-    OpenSSL refuses any other server during the handshake."""
+def certificates_of(pem: str) -> list[str]:
+    """Each certificate of a PEM text, written again from what was parsed (nothing else of the text
+    is kept); ValueError for a text that holds none or one that cannot be read."""
+    try:
+        parsed = x509.load_pem_x509_certificates(pem.encode())
+    except ValueError as exc:
+        raise ValueError(f"not PEM certificates: {exc}") from None
+    return [certificate.public_bytes(Encoding.PEM).decode() for certificate in parsed]
+
+
+def pinned_context(certificates_pem: str) -> ssl.SSLContext:
+    """A client context that trusts these certificates (the server's own, all with the pinned key)
+    and nothing else, whatever names they hold: OpenSSL refuses any other server during the handshake."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.check_hostname = False  # the pin replaces the name check; the chain is still verified
     context.verify_mode = ssl.CERT_REQUIRED
     context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the server's own certificate is the anchor
-    context.load_verify_locations(cadata=certificate_pem)
+    context.load_verify_locations(cadata=certificates_pem)
     return context
 
 
@@ -234,7 +246,9 @@ class ServerTrust:
         self.pin = check_pin(pin) if pin and self.https else ""
         self.state_dir = state_dir  # where the pinned certificate is kept; None: in memory only
         self._lock = threading.Lock()
-        self._certificate = ""  # the pinned certificate (PEM) in use
+        # The certificates with the pinned key this agent has seen (PEM, newest first): several
+        # proxies may share the key with certificates of their own, or a renewal be half rolled out.
+        self._certificates: list[str] = []
         self._context: ssl.SSLContext | None = None
 
     def context(self) -> ssl.SSLContext | None:
@@ -250,31 +264,32 @@ class ServerTrust:
     def _build(self) -> ssl.SSLContext:
         if not self.pin:
             return ssl.create_default_context()
-        self._certificate = self._kept() or self._learn()
-        return pinned_context(self._certificate)
+        self._certificates = self._kept() or self._keep([self._learn()])
+        return pinned_context("".join(self._certificates))
 
-    def _kept(self) -> str:
-        """The certificate kept in ``state_dir``, if it has the pin (a stale one is ignored)."""
+    def _kept(self) -> list[str]:
+        """The certificates kept in ``state_dir`` that have the pin; anything else there (a stale
+        certificate, another key's, a line that is not a certificate) is not trusted."""
         if self.state_dir is None:
-            return ""
+            return []
         try:
-            kept = credentials.load_certificate(self.state_dir)
-            return kept if kept and pin_of_pem(kept) == self.pin else ""
+            kept = certificates_of(credentials.load_certificate(self.state_dir))
         except ValueError:
-            return ""  # unreadable, or not a certificate: learn it again
+            return []  # unreadable, or no certificate: learn it again
+        return [pem for pem in kept if pin_of_pem(pem) == self.pin][:KEPT_CERTIFICATES]
 
     def _learn(self) -> str:
-        """Handshake, compare the certificate's pin with ours, keep it on a match."""
+        """Handshake, compare the certificate's pin with ours: the certificate (PEM) on a match."""
         certificate = probe_certificate(self.server)
         found = self._pin_presented(certificate)
         if found != self.pin:
             raise TrustError(self._other_key(found))
-        return self._keep(ssl.DER_cert_to_PEM_cert(certificate))
+        return ssl.DER_cert_to_PEM_cert(certificate)
 
-    def _keep(self, certificate_pem: str) -> str:
+    def _keep(self, certificates: list[str]) -> list[str]:
         if self.state_dir is not None:
-            credentials.save_certificate(self.state_dir, certificate_pem)
-        return certificate_pem
+            credentials.save_certificate(self.state_dir, "".join(certificates))
+        return certificates
 
     def _pin_presented(self, certificate: bytes) -> str:
         """The pin of what the server presented; TrustError for what is not a certificate we can read."""
@@ -294,9 +309,10 @@ class ServerTrust:
     def renew(self, failed: ssl.SSLContext | None, reason: object) -> None:
         """A connection made with ``failed`` did not verify: look at the server's certificate again.
 
-        The same key in a new certificate (the proxy renewed it): kept, and the caller retries.
-        Another key: TrustError. The same certificate that failed (expired, say): TrustError too,
-        since looking again cannot help. Without a pin there is nothing to renew.
+        The same key in a certificate not seen before (the proxy renewed it, or another proxy
+        sharing the key answered): kept beside the others, and the caller retries. Another key:
+        TrustError. A certificate already trusted that failed (expired, say): TrustError too, since
+        looking again cannot help. Without a pin there is nothing to renew.
         """
         if not self.pin:
             raise TrustError(
@@ -306,19 +322,15 @@ class ServerTrust:
         with self._lock:
             if failed is not None and self._context is not failed:
                 return  # another connection renewed it meanwhile
-            der = probe_certificate(self.server)
-            found = self._pin_presented(der)
-            if found != self.pin:
-                raise TrustError(self._other_key(found))
-            pem = ssl.DER_cert_to_PEM_cert(der)
-            if pem == self._certificate:
+            pem = certificates_of(self._learn())[0]
+            if pem in self._certificates:
                 raise TrustError(
                     f"{self.server}'s certificate has the pinned key but does not verify ({reason}): "
                     "renew it on the server (same key: agents follow by themselves)"
                 )
-            self._certificate = self._keep(pem)
-            self._context = pinned_context(pem)
-        log.warning("%s presents a renewed certificate with the pinned key: kept it", self.server)
+            self._certificates = self._keep([pem, *self._certificates][:KEPT_CERTIFICATES])
+            self._context = pinned_context("".join(self._certificates))
+        log.warning("%s presents a new certificate with the pinned key: kept it", self.server)
 
     def open(self, request: urllib.request.Request, *, timeout_s: float) -> HTTPResponse:
         """``urlopen`` through this trust, renewing a certificate that stopped verifying once."""

@@ -121,11 +121,13 @@ class _Answer(BaseHTTPRequestHandler):
 
 
 class TLSServer(ThreadingHTTPServer):
-    """An https server on loopback whose certificate a test swaps; it records every request it reads."""
+    """An https server on loopback whose certificate a test swaps; it records every request it reads
+    and counts the connections it accepts."""
 
     def __init__(self, identity: ServerIdentity) -> None:
         super().__init__(("127.0.0.1", 0), _Answer)
         self.requests: list[tuple[str, str | None]] = []
+        self.handshakes = 0  # connections accepted: a request's own, or a probe's
         self.present(identity)
 
     def present(self, identity: ServerIdentity) -> None:
@@ -135,6 +137,7 @@ class TLSServer(ThreadingHTTPServer):
 
     def get_request(self):
         sock, address = super().get_request()
+        self.handshakes += 1
         return self.context.wrap_socket(sock, server_side=True), address  # a failed handshake is dropped
 
     @property
@@ -169,7 +172,13 @@ def test_a_pinned_server_is_trusted_followed_through_a_renewal_and_refused_with_
         # The proxy renews its certificate with the same key: the stored one no longer verifies it.
         server.present(renewed)
         assert request_json("GET", f"{server.url}/y", trust=trust) == {"path": "/y"}
-        assert kept.read_text() == renewed.pem
+        assert kept.read_text() == renewed.pem + a.pem  # the newest first, both with the pinned key
+        # Two proxies that share the key, each with its own certificate, answer in turn: both are
+        # trusted, so no connection needs to look again (the agent does not flap between them).
+        server.present(a)
+        probes = server.handshakes
+        assert request_json("GET", f"{server.url}/again", trust=trust) == {"path": "/again"}
+        assert server.handshakes == probes + 1  # the request's own handshake, no probe
         # A new agent process reads the kept certificate: no probe needed, same answer.
         assert request_json("GET", f"{server.url}/z", trust=ServerTrust(server.url, a.pin, state)) == {"path": "/z"}
         # Another key: refused during the handshake, before the request (and its credential) is sent.
@@ -179,7 +188,19 @@ def test_a_pinned_server_is_trusted_followed_through_a_renewal_and_refused_with_
         with pytest.raises(ControlPlaneError, match=expected) as refused:
             request_json("GET", f"{server.url}/secret", authorization="Node n:s", trust=trust)
         assert "run the install one-liner from its console again" in str(refused.value)
-        assert len(server.requests) == seen and kept.read_text() == renewed.pem
+        assert len(server.requests) == seen and kept.read_text() == renewed.pem + a.pem
+
+
+def test_only_certificates_with_the_pin_are_trusted_from_the_kept_file(tmp_path: Path) -> None:
+    """Anything else written into the kept file (another server's certificate, a CA appended) is
+    not trusted: the agent keeps only what has the pin, re-written from what it parsed."""
+    a, other = server_identity(tmp_path / "certs", "a"), server_identity(tmp_path / "certs", "b")
+    state = tmp_path / "state"
+    credentials.save_certificate(state, a.pem + other.pem + "# a note\n")
+    with tls_server(other) as server:
+        with pytest.raises(ControlPlaneError, match="not the pinned"):
+            request_json("GET", f"{server.url}/secret", trust=ServerTrust(server.url, a.pin, state))
+        assert server.requests == []
 
 
 def test_first_contact_with_another_key_sends_nothing_and_keeps_nothing(tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ def test_a_box_enrolls_over_pinned_https_links_over_wss_downloads_and_follows_it
         # The proxy renews its certificate, same key: the agent takes it and its link comes back.
         group.stop(asgi)
         asgi = start_tls_server(group, port, renewed, "asgi-renewed")
-        renewal = lambda: credentials.load_certificate(state) == renewed.pem and online()  # noqa: E731
+        renewal = lambda: credentials.load_certificate(state) == renewed.pem + a.pem and online()  # noqa: E731
         wait_for("the link on the renewed certificate", renewal, group)
 
         # Another key: the link is refused and says what to do; a new box with the same pinned token too,
@@ -119,7 +119,7 @@ def test_a_box_enrolls_over_pinned_https_links_over_wss_downloads_and_follows_it
         assert not (tmp_path / "new-box" / credentials.FILE_NAME).exists()
         assert not (tmp_path / "new-box" / credentials.CERTIFICATE_FILE).exists()
         assert requests_in(logs / "asgi-b.log") == [] and JoinToken.objects.get(pk=spare.pk).uses == 0
-        assert credentials.load_certificate(state) == renewed.pem  # the other key's certificate is not kept
+        assert credentials.load_certificate(state) == renewed.pem + a.pem  # the other key's is not kept
         control = subprocess.run(["curl", "-fsSk", f"{server}/agent/facts"], capture_output=True, timeout=30)
         assert control.returncode == 0  # and a request it does read shows in its log:
         wait_for("the access log", lambda: requests_in(logs / "asgi-b.log") == ['"GET /agent/facts HTTP/1.1"'], group)
