@@ -40,7 +40,7 @@ def test_a_join_token_is_shown_once_and_stored_hashed(staff: APIClient) -> None:
     body = new_token(staff, name="rack A")
     clear = body["token"]
     assert clear.startswith("odmoe-join-")
-    assert body["agent_command"].endswith(f"--token {clear}")
+    assert body["agent_command"].startswith(f"ODMOE_JOIN_TOKEN={clear} python -m agent --server ")  # not in ps
     stored = JoinToken.objects.get()
     assert stored.token_hash == digest(clear) and clear not in stored.token_hash
     listed = staff.get("/api/join-tokens").json()

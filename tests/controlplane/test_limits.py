@@ -380,6 +380,20 @@ def test_the_openai_api_counts_against_the_rest_apis_throttle_and_answers_in_ope
     assert Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {other}").status_code == 200  # per user
 
 
+def test_calls_without_a_valid_key_are_throttled_by_their_address_as_anonymous_ones(monkeypatch) -> None:
+    """Before, a call with no key or a wrong one was answered 401 before any throttle: guessing keys
+    (each guess a database lookup) had no rate at all."""
+    rates = {"user": "100/minute", "anon": "2/minute"}
+    monkeypatch.setattr(throttles.UserThrottle, "THROTTLE_RATES", rates)
+    monkeypatch.setattr(throttles.AnonThrottle, "THROTTLE_RATES", rates)
+    guesses = [Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer odmoe-key-guess{i}") for i in range(3)]
+    assert [r.status_code for r in guesses] == [401, 401, 429]
+    assert guesses[-1].json()["error"]["code"] == "rate_limit_exceeded" and int(guesses[-1]["Retry-After"]) >= 1
+    assert Client().post("/v1/completions", "{}", content_type="application/json").status_code == 429  # no key
+    _, key = create_api_key(user=get_user_model().objects.create_user("holder"))
+    assert Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {key}").status_code == 200  # a user's own count
+
+
 def test_a_browser_session_needs_a_csrf_token_for_the_openai_api_and_an_api_key_does_not() -> None:
     """Before, any page on another site could make a logged-in user's browser run generations."""
     user = get_user_model().objects.create_user("reader", password=PASSWORD)

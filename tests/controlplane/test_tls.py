@@ -54,7 +54,7 @@ def test_a_join_token_made_behind_the_proxy_carries_the_pin_and_its_one_liner_pi
         f"curl -fsSL --pinnedpubkey '{identity.pin}' -k https://cp.example/agent/install.sh"
         f" | ODMOE_JOIN_TOKEN={token} sh -s -- --server https://cp.example"
     )
-    assert body["agent_command"] == f"python -m agent --server https://cp.example --token {token}"
+    assert body["agent_command"] == f"ODMOE_JOIN_TOKEN={token} python -m agent --server https://cp.example"
     assert body["warning"] == ""
     # The whole token enrolls, as the agent sends it; a damaged pin part is refused and spends nothing.
     damaged = APIClient().post("/api/agents/enroll", {"token": token[:-3], "name": "box"}, format="json")

@@ -66,7 +66,8 @@ def enroll_commands(server: str, token: str) -> dict[str, str]:
         )
     return {
         "install_command": install_command(server, pin_for(server), token=token),
-        "agent_command": f"python -m agent --server {server} --token {token}",
+        # The token in the environment, as the one-liner passes it: a --token would show in the process list.
+        "agent_command": f"ODMOE_JOIN_TOKEN={token} python -m agent --server {server}",
         "warning": warning,
     }
 

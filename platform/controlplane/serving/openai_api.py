@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
+from django.contrib.auth.models import AnonymousUser
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authentication import CSRFCheck
@@ -99,31 +100,40 @@ async def _user(request: HttpRequest):
     """The caller: an API key's user (the key holding the ``inference`` scope), or a logged-in
     browser session with a valid CSRF token (as DRF's SessionAuthentication asks: another site's
     page must not spend a logged-in user's generations); raises _Refused with the 401, 403 or
-    429 to answer otherwise. Calls count against the REST API's throttles (the same rates)."""
+    429 to answer otherwise. Every call counts against the REST API's throttles (the same rates),
+    refused ones too: a caller without a valid key counts by its address, as an anonymous one, so
+    guessing keys is throttled like any other anonymous call."""
+    user, auth, refusal = await _identify(request)
+    wait = await sync_to_async(throttle_wait, thread_sensitive=False)(request, user, auth)
+    if wait is not None:
+        seconds = max(1, math.ceil(wait))
+        message = f"too many requests: this caller's API calls are past their rate; try again in {seconds} s"
+        raise _Refused(error(429, message, kind="rate_limit_error", code="rate_limit_exceeded", retry_after=seconds))
+    if refusal is not None:
+        raise _Refused(refusal)
+    return user
+
+
+async def _identify(request: HttpRequest) -> tuple[object, object, JsonResponse | None]:
+    """(who calls, their API key or None, the refusal to answer or None)."""
     key = bearer_key(request.headers.get("Authorization", ""))
     if key:
         found = await database_sync_to_async(authenticate_api_key)(key=key)
         if found is None:
-            raise _Refused(_unauthenticated())
+            return AnonymousUser(), None, _unauthenticated()
         if not found.allows(Scope.INFERENCE):
             message = f"this API key lacks the '{Scope.INFERENCE}' scope (it has: {', '.join(found.scopes)})"
-            raise _Refused(error(403, message, kind="permission_error", code="insufficient_scope"))
-        user, auth = found.user, found
-    else:
-        user, auth = await request.auser(), None
-        if not user.is_authenticated:
-            raise _Refused(_unauthenticated())
-        check = CSRFCheck(lambda _: None)
-        check.process_request(request)  # reads the CSRF cookie, as DRF's SessionAuthentication does
-        reason = check.process_view(request, None, (), {})
-        if reason:
-            raise _Refused(error(403, f"CSRF Failed: {reason}", kind="permission_error", code="csrf_failed"))
-    wait = await sync_to_async(throttle_wait, thread_sensitive=False)(request, user, auth)
-    if wait is not None:
-        seconds = max(1, math.ceil(wait))
-        message = f"too many requests: this user's API calls are past their rate; try again in {seconds} s"
-        raise _Refused(error(429, message, kind="rate_limit_error", code="rate_limit_exceeded", retry_after=seconds))
-    return user
+            return found.user, found, error(403, message, kind="permission_error", code="insufficient_scope")
+        return found.user, found, None
+    user = await request.auser()
+    if not user.is_authenticated:
+        return user, None, _unauthenticated()
+    check = CSRFCheck(lambda _: None)
+    check.process_request(request)  # reads the CSRF cookie, as DRF's SessionAuthentication does
+    reason = check.process_view(request, None, (), {})
+    if reason:
+        return user, None, error(403, f"CSRF Failed: {reason}", kind="permission_error", code="csrf_failed")
+    return user, None, None
 
 
 def _unauthenticated() -> JsonResponse:
