@@ -93,6 +93,14 @@ class CheckFailed(RuntimeError):
     """A check of the running stack failed; the message says what was expected and what came."""
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` readable by this user only from the start (a password or key in it is never
+    another user's to read, not even for a moment)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
 def step(text: str) -> None:
     print(f"· {text}", flush=True)
 
@@ -212,11 +220,11 @@ def start_redis(group: ProcessGroup, work: Path) -> str:
     data = work / "redis"
     data.mkdir()
     conf = work / "redis.conf"
-    conf.write_text(
+    write_private(
+        conf,
         f"include {DEPLOY / 'redis' / 'odmoe.conf'}\n"
-        f'port {port}\ndir {data}\nrequirepass {password}\nbind 127.0.0.1\nsave ""\n'
+        f'port {port}\ndir {data}\nrequirepass {password}\nbind 127.0.0.1\nsave ""\n',
     )
-    conf.chmod(0o600)
     group.start("redis", [binary, str(conf)])
     url = f"redis://:{password}@127.0.0.1:{port}/0"
     wait_until("Redis answering", lambda: redis_up(url), timeout_s=30, check=group.check)
@@ -261,8 +269,7 @@ def write_environment(work: Path, values: dict[str, str]) -> tuple[Path, dict[st
     lines += [f"{key}={value}" for key, value in values.items() if key not in done]
     path = work / "etc" / "odmoe.env"
     path.parent.mkdir()
-    path.write_text("\n".join(lines) + "\n")
-    path.chmod(0o600)
+    write_private(path, "\n".join(lines) + "\n")
     return path, read_environment_file(path)
 
 
