@@ -156,6 +156,9 @@ def test_ctrl_c_stops_every_role_process(tiny_model: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # A shell that started the suite in the background (``nohup ... &``) ignores SIGINT,
+        # and children inherit that: give this one the default handling a terminal's has.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     children: list[int] = []
     try:
