@@ -351,25 +351,9 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     else:
         prompt_ids = _parse_ids(args.prompt_ids)
-    settings = Settings(
-        shadow_dtype=args.shadow_dtype,
-        token_period=args.token_period,
-        kv_period=args.kv_period,
-        device=args.device,
-        dtype=args.dtype,
-        prefill_chunk=args.prefill_chunk,
-        prefill_step=args.prefill_step,
-        speculate=not args.no_speculate,
-        timeout_s=args.timeout,
-        strategy="reactive" if args.no_shadow else args.strategy,
-        predictor=args.predictor,
-        importance_threshold=args.importance_threshold,
-        cache_experts=args.cache_experts,
-        max_resident_experts=args.max_resident_experts,
-        hybrid=args.hybrid,
-        expert_store=args.expert_store,
-        hot_experts=args.hot_experts,
-    )
+    values = {name: getattr(args, dest) for dest, name in GENERATE_SETTINGS.items()}
+    values["strategy"] = "reactive" if args.no_shadow else args.strategy
+    settings = Settings(**values, speculate=not args.no_speculate)
     validate_settings(settings)
     options = ClusterOptions(workers=args.workers, settings=settings)
     say = (lambda line: print(line, file=sys.stderr)) if not args.json else (lambda line: None)

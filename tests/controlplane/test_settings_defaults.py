@@ -16,7 +16,7 @@ from rest_framework import serializers
 from rest_framework.fields import empty
 
 from controlplane.deployments import api, services
-from controlplane.deployments.models import Deployment
+from controlplane.deployments.models import SETTINGS_COLUMNS, Deployment
 from inference import memory
 from inference.__main__ import GENERATE_SETTINGS, _parser
 from inference.settings import DEFAULTS, INFO, DeploymentSettings
@@ -54,15 +54,7 @@ def test_the_role_spec_is_the_declaration() -> None:
 
 def test_every_settings_column_of_a_deployment_defaults_to_the_declaration() -> None:
     columns = [f for f in Deployment._meta.get_fields() if f.name in INFO]
-    assert {f.name for f in columns} == {
-        "shadow_dtype",
-        "token_period",
-        "kv_period",
-        "strategy",
-        "predictor",
-        "max_batch",
-        "max_per_user",
-    }
+    assert {f.name for f in columns} == set(SETTINGS_COLUMNS)  # what a role's spec takes from its deployment
     for column in columns:
         assert column.default == getattr(DEFAULTS, column.name), column.name
         if INFO[column.name].choices:

@@ -32,7 +32,7 @@ from inference.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
 from inference.memory import gpu_index
 from inference.settings import DeploymentSettings
 
-from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
+from .models import RUNNING, SETTINGS_COLUMNS, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 from .peers import PeerError, Seat, peer_table, pick_ports
 from .services import DeploymentError, check_fits, check_nodes_free, check_predictor
 
@@ -249,13 +249,7 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
     workers = sum(1 for m in members if m.role == Role.WORKER)
     table = peer_table({m.role_name: m.node.address for m in members}, {m.role_name: m.port for m in members}, workers)
     settings = DeploymentSettings(
-        shadow_dtype=deployment.shadow_dtype,
-        token_period=deployment.token_period,
-        kv_period=deployment.kv_period,
-        strategy=deployment.strategy,
-        predictor=deployment.predictor,
-        max_batch=deployment.max_batch,
-        max_per_user=deployment.max_per_user,
+        **{name: getattr(deployment, name) for name in SETTINGS_COLUMNS},
         device=role_device(member.node.inventory, member.gpu),
     )
     return {

@@ -23,6 +23,9 @@ def choices(name: str) -> list[tuple[str, str]]:
     return [(c, c) for c in info(name).choices]
 
 
+# The runtime settings a deployment keeps as its own columns (the rest are the declaration's defaults,
+# but ``device``, which each role's node decides: ``lifecycle.role_device``).
+SETTINGS_COLUMNS = ("shadow_dtype", "token_period", "kv_period", "strategy", "predictor", "max_batch", "max_per_user")
 # One user's bound leaves others a place in main: below max_batch + main's queue (``max_waiting``).
 MAX_PER_USER = MAX_BATCH + DEFAULTS.max_waiting - 1
 
