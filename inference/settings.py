@@ -187,6 +187,7 @@ class DeploymentSettings:
         DEFAULT_MAX_PER_USER,
         "generations one user may have in main at once, running and waiting (more are refused as too many "
         "generations, not full); below max_batch + max_waiting, so others still get in",
+        minimum=1,
     )
     batch_arithmetic: str = setting(
         "exact",
@@ -288,3 +289,41 @@ def validate_settings(s: DeploymentSettings) -> DeploymentSettings:
     if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):
         raise SpecError(f"device must be auto, cpu or cuda[:N], got {s.device!r}")
     return s
+
+
+# --- the reference table (docs/deployment-settings.md) ---------------------------------------
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _accepts(item: SettingInfo) -> str:
+    if item.choices:
+        return ", ".join(f"`{c}`" for c in item.choices) + (' or `""`' if item.blank else "")
+    if item.type is bool:
+        return "true, false"
+    low, high = item.minimum, item.maximum
+    null = " or null" if item.nullable else ""
+    if low is not None and high is not None:
+        return f"{low:g} to {high:g}{null}"
+    if low is not None:
+        return f"{'>' if item.exclusive else '>='} {low:g}{null}"
+    return "see its meaning"
+
+
+def markdown_table() -> str:
+    """Every setting with its default, what it accepts and what it means, as a Markdown table."""
+    rows = ["| setting | default | accepts | meaning |", "|---|---|---|---|"]
+    for item in INFO.values():
+        doc = item.doc.replace("|", "\\|")
+        rows.append(f"| `{item.name}` | `{_shown(item.default)}` | {_accepts(item)} | {doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -10,6 +10,7 @@ has no model of a deployment's default fp32 shadow.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 from rest_framework import serializers
@@ -19,7 +20,7 @@ from controlplane.deployments import api, services
 from controlplane.deployments.models import SETTINGS_COLUMNS, Deployment
 from inference import memory
 from inference.__main__ import GENERATE_SETTINGS, _parser
-from inference.settings import DEFAULTS, INFO, DeploymentSettings
+from inference.settings import DEFAULTS, INFO, DeploymentSettings, markdown_table
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 from inference.spec import Addresses, RoleSpec, Settings
 
@@ -111,3 +112,9 @@ def test_the_cli_flags_of_generate_default_to_the_declaration() -> None:
     for dest, name in GENERATE_SETTINGS.items():
         assert actions[dest].default == getattr(DEFAULTS, name), dest
     assert actions["no_speculate"].default is (not DEFAULTS.speculate)
+
+
+def test_the_docs_table_is_the_declarations() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "deployment-settings.md").read_text()
+    table = page.split("<!-- settings-table:start -->\n")[1].split("<!-- settings-table:end -->")[0]
+    assert table == markdown_table(), "run python -m inference.settings and paste its table into the page"

@@ -23,7 +23,7 @@ MAX_PERIOD = 2**31 - 1  # the most the alignment periods' columns (PositiveInteg
 _CONTROL_PLANE_BOUNDS: dict[str, dict[str, int]] = {
     "token_period": {"max_value": MAX_PERIOD},
     "kv_period": {"max_value": MAX_PERIOD},
-    "max_per_user": {"min_value": 1, "max_value": MAX_PER_USER},
+    "max_per_user": {"max_value": MAX_PER_USER},
 }
 
 
