@@ -56,7 +56,7 @@ from inference.placement import Placement, placement
 from inference.prerouter_shape import PrerouterShape
 from inference.settings import DEFAULTS
 from inference.sim.model_sizes import KNOWN_MODELS, ModelSizes, from_hf_config
-from inference.strategies import DEFAULT_STRATEGY, expert_store_for, get_strategy, home_worker
+from inference.strategies import expert_store_for, get_strategy, home_worker
 
 GB = 10**9  # what the console and the messages print (decimal, as disks are sold)
 RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + transformers, before weights
@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="a checkpoint directory instead of a known model (real tensor sizes)")
     parser.add_argument("--workers", type=int, nargs="+", default=[8])
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(CHECKPOINT_DTYPE_BYTES))
-    parser.add_argument("--strategy", default=DEFAULT_STRATEGY)
+    parser.add_argument("--strategy", default=DEFAULTS.strategy)
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT_TOKENS, help="KV cache tokens per sequence")
     parser.add_argument(
         "--max-batch",
@@ -767,7 +767,8 @@ def main(argv: list[str] | None = None) -> int:
         help="sequences main runs at once, each with its own KV cache "
         f"(the shadow follows {SHADOW_STATES_PER_SEQUENCE} x max_batch, each with its own too)",
     )
-    parser.add_argument("--expert-store", default="", choices=("", *EXPERT_STORES), help="default: the strategy's own")
+    stores = ("", *EXPERT_STORES)
+    parser.add_argument("--expert-store", default=DEFAULTS.expert_store, choices=stores, help="default: the strategy's")
     parser.add_argument("--hot-experts", type=int, default=DEFAULTS.hot_experts, help="hot store: experts in RAM")
     args = parser.parse_args(argv)
     if not 1 <= args.max_batch <= MAX_BATCH:
