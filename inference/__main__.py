@@ -9,9 +9,30 @@ from pathlib import Path
 
 from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
 from inference.families import FAMILIES
-from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES
+from inference.settings import DEFAULTS
+from inference.strategies import PREDICTORS, RUNTIME_STRATEGIES
 
 EXIT_ERROR = 1
+# ``generate``'s flags that set a runtime setting (inference.settings), by argparse dest; their
+# defaults are the declaration's (tests/test_settings_defaults.py holds them to it).
+GENERATE_SETTINGS = {
+    "shadow_dtype": "shadow_dtype",
+    "strategy": "strategy",
+    "predictor": "predictor",
+    "cache_experts": "cache_experts",
+    "max_resident_experts": "max_resident_experts",
+    "hybrid": "hybrid",
+    "importance_threshold": "importance_threshold",
+    "token_period": "token_period",
+    "kv_period": "kv_period",
+    "prefill_chunk": "prefill_chunk",
+    "prefill_step": "prefill_step",
+    "expert_store": "expert_store",
+    "hot_experts": "hot_experts",
+    "device": "device",
+    "dtype": "dtype",
+    "timeout": "timeout_s",
+}
 EXIT_INTERRUPTED = 130
 
 
@@ -97,11 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--max-new-tokens", type=int, required=True)
     gen.add_argument("--workers", type=int, default=8)
-    gen.add_argument("--shadow-dtype", choices=SHADOW_DTYPES, default="fp32")
+    gen.add_argument("--shadow-dtype", choices=SHADOW_DTYPES, default=DEFAULTS.shadow_dtype)
     gen.add_argument(
         "--strategy",
         choices=RUNTIME_STRATEGIES,
-        default=DEFAULT_STRATEGY,
+        default=DEFAULTS.strategy,
         help="what workers keep on the device: odmoe (shadow-predicted, cacheless), full-cache, reactive, lru-offload; "
         "importance (approximate: substitutes held experts for unimportant ones; needs `calibrate`); "
         "prerouter (approximate: trained heads' prediction is the routing; needs `train-prerouter`)",
@@ -109,17 +130,20 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--predictor",
         choices=PREDICTORS,
-        default="",
+        default=DEFAULTS.predictor,
         help="who names the experts to load ahead (default: the strategy's own; odmoe: shadow, lru-offload: "
         "next-gate, main's next-layer router, no shadow node; prerouter: main's trained heads, no shadow node)",
     )
     gen.add_argument(
-        "--cache-experts", type=int, default=2, help="lru-offload, importance: experts cached per layer per worker"
+        "--cache-experts",
+        type=int,
+        default=DEFAULTS.cache_experts,
+        help="lru-offload, importance: experts cached per layer per worker",
     )
     gen.add_argument(
         "--max-resident-experts",
         type=int,
-        default=0,
+        default=DEFAULTS.max_resident_experts,
         help="experts a worker holds in flight on its device (default 0: its layer's experts + 1, at least 2, "
         "from its group and the model's top-k; inference.depth)",
     )
@@ -132,37 +156,51 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--importance-threshold",
         type=float,
-        default=0.3,
+        default=DEFAULTS.importance_threshold,
         help="importance: a routing weight below which a routed expert no worker holds is substituted",
     )
     gen.add_argument("--no-shadow", action="store_true", help="same as --strategy reactive")
-    gen.add_argument("--token-period", type=int, default=1, help="align the shadow's token every P steps (0 never)")
-    gen.add_argument("--kv-period", type=int, default=1, help="align the shadow's KV cache every P steps (0 never)")
+    gen.add_argument(
+        "--token-period",
+        type=int,
+        default=DEFAULTS.token_period,
+        help="align the shadow's token every P steps (0 never)",
+    )
+    gen.add_argument(
+        "--kv-period", type=int, default=DEFAULTS.kv_period, help="align the shadow's KV cache every P steps (0 never)"
+    )
     gen.add_argument("--no-speculate", action="store_true", help="the shadow waits for main's token every step")
-    gen.add_argument("--prefill-chunk", type=int, default=64, help="prefill rows per expert per message (0 = whole)")
+    gen.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULTS.prefill_chunk,
+        help="prefill rows per expert per message (0 = whole)",
+    )
     gen.add_argument(
         "--prefill-step",
         type=int,
-        default=0,
+        default=DEFAULTS.prefill_step,
         help="prompt tokens prefilled per batch step (chunked prefill; not bit-exact); 0 = the whole prompt",
     )
     gen.add_argument(
         "--expert-store",
         choices=EXPERT_STORES,
-        default="",
+        default=DEFAULTS.expert_store,
         help="where workers keep their experts: ram (read at start), disk (read from the shard at each load) or "
         "hot (read from disk, the last --hot-experts kept in RAM, predicted ones pinned until used); "
         "default: the strategy's own (prerouter: hot, the others: ram)",
     )
-    gen.add_argument("--hot-experts", type=int, default=16, help="hot store: experts each worker keeps in RAM")
-    gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    gen.add_argument(
+        "--hot-experts", type=int, default=DEFAULTS.hot_experts, help="hot store: experts each worker keeps in RAM"
+    )
+    gen.add_argument("--device", default=DEFAULTS.device, help="auto, cpu or cuda[:N]")
     gen.add_argument(
         "--dtype",
         choices=COMPUTE_DTYPES,
-        default="auto",
+        default=DEFAULTS.dtype,
         help="what main and the workers compute in: auto = the checkpoint's own dtype (as Transformers' dtype='auto')",
     )
-    gen.add_argument("--timeout", type=float, default=60.0, help="seconds any role waits for a peer")
+    gen.add_argument("--timeout", type=float, default=DEFAULTS.timeout_s, help="seconds any role waits for a peer")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -313,25 +351,9 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     else:
         prompt_ids = _parse_ids(args.prompt_ids)
-    settings = Settings(
-        shadow_dtype=args.shadow_dtype,
-        token_period=args.token_period,
-        kv_period=args.kv_period,
-        device=args.device,
-        dtype=args.dtype,
-        prefill_chunk=args.prefill_chunk,
-        prefill_step=args.prefill_step,
-        speculate=not args.no_speculate,
-        timeout_s=args.timeout,
-        strategy="reactive" if args.no_shadow else args.strategy,
-        predictor=args.predictor,
-        importance_threshold=args.importance_threshold,
-        cache_experts=args.cache_experts,
-        max_resident_experts=args.max_resident_experts,
-        hybrid=args.hybrid,
-        expert_store=args.expert_store,
-        hot_experts=args.hot_experts,
-    )
+    values = {name: getattr(args, dest) for dest, name in GENERATE_SETTINGS.items()}
+    values["strategy"] = "reactive" if args.no_shadow else args.strategy
+    settings = Settings(**values, speculate=not args.no_speculate)
     validate_settings(settings)
     options = ClusterOptions(workers=args.workers, settings=settings)
     say = (lambda line: print(line, file=sys.stderr)) if not args.json else (lambda line: None)

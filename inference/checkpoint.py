@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from inference.families import SHARD_EXPERT_RE, SHARD_PROJS, ExpertSource, Family, FamilyError, family_for
 from inference.families.base import shard_expert_name
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
 CONFIG_FILE = "config.json"
@@ -323,7 +323,7 @@ class Checkpoint:
         # re-open a file per tensor.
         cached = self._headers.get(file)
         if cached is None:
-            with _open(file) as handle:
+            with _open(file, framework="numpy") as handle:  # headers only: no torch needed (nor imported)
                 cached = {}
                 names = handle.keys()  # a method of safe_open, which is not iterable itself
                 for name in names:
@@ -407,11 +407,13 @@ def _no_weights_message(directory: Path) -> str:
     return f"{directory} has no weights: expected {SINGLE_WEIGHTS_FILE} or {INDEX_FILE}{hint}"
 
 
-def _open(file: Path) -> Any:
+def _open(file: Path, framework: str = "pt") -> Any:
     # safe_open validates the whole header (and that the data region is fully present),
     # so truncated or garbage files fail here; turn that into an error naming the file.
+    # framework="pt" imports torch; sizing a checkpoint (headers only) opens it with "numpy",
+    # so the control plane's web and Celery processes size models without torch.
     try:
-        return safe_open(str(file), framework="pt")
+        return safe_open(str(file), framework=framework)
     except Exception as exc:  # SafetensorError or OSError
         raise CheckpointError(f"cannot read weights file {file}: {exc}; the file is damaged or incomplete") from exc
 

@@ -28,6 +28,8 @@ DEFAULT_MAX_PER_USER = 32
 SHADOW_STATES_PER_SEQUENCE = 1
 # How a worker computes an expert's rows of several batched sequences (``Settings.batch_arithmetic``).
 BATCH_ARITHMETICS = ("exact", "fused")
+# How main sums expert outputs (``Settings.experts_arithmetic``, inference.routing).
+EXPERTS_ARITHMETICS = ("auto", "grouped", "eager")
 
 # Files a strategy or predictor needs beside a checkpoint's weights (``shard`` carries them into
 # main's shard): the importance strategy's expert similarity table (``python -m inference

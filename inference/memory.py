@@ -8,7 +8,7 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
 
 - *main*: every non-expert tensor (routers included) in the checkpoint dtype, in RAM while
   it loads and on its GPU with the KV caches of the ``max_batch`` sequences it runs at once
-  (continuous batching, ``Settings.max_batch``), each at its full ``context_tokens`` tokens:
+  (continuous batching, ``DeploymentSettings.max_batch``), each at its full ``context_tokens`` tokens:
   ``max_batch * kv_cache_bytes(context_tokens)``.
 - *shadow*: the whole model in the shadow dtype (``SHADOW_DTYPES``; int8/nf4 quantize the
   2-D linear weights, nf4 with each expert's w1 and w3 fused as one [2I, H] tensor, as
@@ -53,10 +53,10 @@ from inference.depth import resolve_depth
 from inference.families import FAMILIES, family_for, is_router_name
 from inference.families.releases import RELEASES
 from inference.placement import Placement, placement
-from inference.prerouter import PrerouterShape
+from inference.prerouter_shape import PrerouterShape
+from inference.settings import DEFAULTS
 from inference.sim.model_sizes import KNOWN_MODELS, ModelSizes, from_hf_config
-from inference.spec import Settings
-from inference.strategies import DEFAULT_STRATEGY, expert_store_for, get_strategy, home_worker
+from inference.strategies import expert_store_for, get_strategy, home_worker
 
 GB = 10**9  # what the console and the messages print (decimal, as disks are sold)
 RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + transformers, before weights
@@ -67,7 +67,7 @@ RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + trans
 # drivers and torch versions differ by some tens of MB.
 CUDA_CONTEXT_BYTES = 820 * 10**6
 DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache each sequence of main and the shadow is sized for
-DEFAULT_MAX_BATCH = Settings.max_batch  # sequences main runs at once, each with its own KV cache
+DEFAULT_MAX_BATCH = DEFAULTS.max_batch  # sequences main runs at once, each with its own KV cache
 NF4_BLOCKSIZE = 64  # elements per fp32 absmax in nf4 (``inference.quant.NF4_BLOCKSIZE``)
 QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absmax per block
 
@@ -280,15 +280,15 @@ def memory_from_checkpoint(
     ckpt: Checkpoint | str | os.PathLike[str],
     *,
     workers: int,
-    shadow_dtype: str = "fp32",
-    strategy: str = DEFAULT_STRATEGY,
-    max_resident_experts: int = Settings.max_resident_experts,
-    cache_experts: int = Settings.cache_experts,
+    shadow_dtype: str = DEFAULTS.shadow_dtype,
+    strategy: str = DEFAULTS.strategy,
+    max_resident_experts: int = DEFAULTS.max_resident_experts,
+    cache_experts: int = DEFAULTS.cache_experts,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-    expert_store: str = "",
+    expert_store: str = DEFAULTS.expert_store,
     max_batch: int = DEFAULT_MAX_BATCH,
-    hot_experts: int = Settings.hot_experts,
-    staging_buffers: int = Settings.staging_buffers,
+    hot_experts: int = DEFAULTS.hot_experts,
+    staging_buffers: int = DEFAULTS.staging_buffers,
 ) -> MemoryPlan:
     """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes.
 
@@ -320,15 +320,15 @@ def memory_from_config(
     *,
     workers: int,
     dtype: str | None = None,
-    shadow_dtype: str = "fp32",
-    strategy: str = DEFAULT_STRATEGY,
-    max_resident_experts: int = Settings.max_resident_experts,
-    cache_experts: int = Settings.cache_experts,
+    shadow_dtype: str = DEFAULTS.shadow_dtype,
+    strategy: str = DEFAULTS.strategy,
+    max_resident_experts: int = DEFAULTS.max_resident_experts,
+    cache_experts: int = DEFAULTS.cache_experts,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-    expert_store: str = "",
+    expert_store: str = DEFAULTS.expert_store,
     max_batch: int = DEFAULT_MAX_BATCH,
-    hot_experts: int = Settings.hot_experts,
-    staging_buffers: int = Settings.staging_buffers,
+    hot_experts: int = DEFAULTS.hot_experts,
+    staging_buffers: int = DEFAULTS.staging_buffers,
 ) -> MemoryPlan:
     """The same plan from a config alone (a ``config.json`` dict, sizes, or a known model's name).
 
@@ -382,8 +382,8 @@ def plan_memory(
     context_tokens: int,
     expert_store: str,
     max_batch: int,
-    hot_experts: int = Settings.hot_experts,
-    staging_buffers: int = Settings.staging_buffers,
+    hot_experts: int = DEFAULTS.hot_experts,
+    staging_buffers: int = DEFAULTS.staging_buffers,
 ) -> MemoryPlan:
     """Memory per role from a model's tensors and shape (what both entry points share).
 
@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="a checkpoint directory instead of a known model (real tensor sizes)")
     parser.add_argument("--workers", type=int, nargs="+", default=[8])
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(CHECKPOINT_DTYPE_BYTES))
-    parser.add_argument("--strategy", default=DEFAULT_STRATEGY)
+    parser.add_argument("--strategy", default=DEFAULTS.strategy)
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT_TOKENS, help="KV cache tokens per sequence")
     parser.add_argument(
         "--max-batch",
@@ -767,8 +767,9 @@ def main(argv: list[str] | None = None) -> int:
         help="sequences main runs at once, each with its own KV cache "
         f"(the shadow follows {SHADOW_STATES_PER_SEQUENCE} x max_batch, each with its own too)",
     )
-    parser.add_argument("--expert-store", default="", choices=("", *EXPERT_STORES), help="default: the strategy's own")
-    parser.add_argument("--hot-experts", type=int, default=Settings.hot_experts, help="hot store: experts in RAM")
+    stores = ("", *EXPERT_STORES)
+    parser.add_argument("--expert-store", default=DEFAULTS.expert_store, choices=stores, help="default: the strategy's")
+    parser.add_argument("--hot-experts", type=int, default=DEFAULTS.hot_experts, help="hot store: experts in RAM")
     args = parser.parse_args(argv)
     if not 1 <= args.max_batch <= MAX_BATCH:
         parser.error(f"--max-batch must be from 1 to {MAX_BATCH}")

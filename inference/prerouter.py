@@ -39,26 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.constants import PREROUTER_FILE
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # main's attention projections
-
-
-@dataclass(frozen=True)
-class PrerouterShape:
-    """The sizes a prerouter file is for, and its own."""
-
-    layers: int
-    experts: int
-    top_k: int
-    hidden: int
-    head_width: int = 128
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] = LORA_TARGETS
-
-    @property
-    def lora_scale(self) -> float:
-        return self.lora_alpha / self.lora_rank
+from inference.prerouter_shape import PrerouterShape
 
 
 def multi_hot(

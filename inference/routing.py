@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ARITHMETICS = ("auto", "grouped", "eager")
+from inference.constants import EXPERTS_ARITHMETICS as ARITHMETICS
 
 
 @dataclass

@@ -20,6 +20,10 @@ Layout::
     out_dir/shadow/              same, with every tensor
     out_dir/shadow-{dtype}/      the shadow's model converted to dtype (inference.shadow_model's records)
     out_dir/worker-{i}/          manifest.json, config.json, parts with the owned experts
+
+Importing this module does not import torch: the control plane's web and Celery processes
+read manifests and shard names from it; only the functions that write or read tensors
+(a shard build, a role loading its shard) import torch, when they run.
 """
 
 from __future__ import annotations
@@ -32,10 +36,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING, Any
 
 from inference.checkpoint import (
     CONFIG_FILE,
@@ -47,7 +48,9 @@ from inference.checkpoint import (
 )
 from inference.constants import MAIN_EXTRAS, OWN_SHADOW_DTYPE, SHADOW_DTYPES
 from inference.placement import LayerExpert, Placement, placement, placement_from_dict
-from inference.tensorfile import TensorFileError, iter_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 SHARD_FORMAT = "odmoe-shard/1"
 SET_FORMAT = "odmoe-shards/1"
@@ -355,6 +358,8 @@ class _PartWriter:
     def flush(self) -> None:
         if not self._buffer:
             return
+        from safetensors.torch import save_file  # imports torch: only a shard build writes tensors
+
         path = self.directory / f"part-{len(self.files) + 1:05d}.safetensors"
         save_file(self._buffer, path, metadata={"format": "pt"})
         self.files.append(path)
@@ -380,6 +385,8 @@ def _build_role(
 
     records: Iterable[tuple[str, torch.Tensor]] = read()
     if role.shadow_dtype is not None:
+        import torch
+
         from inference.shadow_model import convert_tensors  # needs transformers: imported when used
 
         records = convert_tensors(records, ckpt.hf_config(), role.shadow_dtype, torch.device("cpu"))
@@ -569,6 +576,8 @@ def role_experts(manifest: dict[str, Any]) -> list[LayerExpert]:
 def _iter_parts(directory: Path, parts: list[str], wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
     # Plain reads, not safe_open's memory map: a role's resident memory is then what it keeps
     # (see inference.tensorfile), not every page of every part it has read.
+    from inference.tensorfile import TensorFileError, iter_tensors  # torch: only a role reads tensors
+
     found: set[str] = set()
     for part in parts:
         file = directory / part

@@ -1,11 +1,17 @@
-"""Turn generated token ids into text as they arrive, for a terminal or a log."""
+"""Turn generated token ids into text as they arrive, for a terminal or a log.
+
+Transformers is imported only by ``load_tokenizer``: ``IncrementalDecoder`` works with any
+tokenizer that has ``decode(ids, skip_special_tokens=...)``, such as the control plane's
+torch-free one (``controlplane/serving/tokenizer.py``), whose web process must not import it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
@@ -13,6 +19,8 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     directory = Path(model_dir)
     if not any((directory / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         return None
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(directory)
 
 

@@ -10,7 +10,7 @@ from inference.sim.hardware import DEFAULT_PROFILE, PROFILES, get_profile, with_
 from inference.sim.model_sizes import resolve_model
 from inference.sim.report import compare, depth_line, markdown_table, memory_lines
 from inference.sim.strategies import STRATEGIES, Cluster
-from inference.sim.strategies.base import SHADOW_BITS
+from inference.sim.strategies.base import SHADOW_BITS, SIMULATED_SHADOW_DTYPE
 from inference.sim.traces import load_trace, synthetic_trace
 
 
@@ -20,7 +20,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=list(PROFILES))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--group-size", type=int, default=2)
-    p.add_argument("--shadow-dtype", default="int8", choices=list(SHADOW_BITS))
+    p.add_argument("--shadow-dtype", default=SIMULATED_SHADOW_DTYPE, choices=list(SHADOW_BITS))
     p.add_argument("--strategy", action="append", choices=list(STRATEGIES), help="repeatable; default all")
     p.add_argument("--trace", help="JSON routing trace (see inference/sim/traces.py for the format)")
     p.add_argument("--pcie-gbps", type=float, help="override host->GPU bandwidth, GB/s")

@@ -12,6 +12,7 @@ from inference.sim.hardware import list_profiles as _list_profiles
 from inference.sim.model_sizes import ModelSizes, resolve_model
 from inference.sim.simulate import run_pair
 from inference.sim.strategies import STRATEGIES, Cluster
+from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 from inference.sim.traces import Trace, synthetic_trace, validate_trace
 
 MAX_TOKENS = 32768
@@ -45,7 +46,7 @@ def estimate(
     profile: str = DEFAULT_PROFILE,
     workers: int = 8,
     group_size: int = 2,
-    shadow_dtype: str = "int8",
+    shadow_dtype: str = SIMULATED_SHADOW_DTYPE,
     strategy: str = "odmoe",
     input_tokens: int = 128,
     output_tokens: int = 128,

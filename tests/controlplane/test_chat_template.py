@@ -4,6 +4,9 @@ The tiny checkpoint gets a Mixtral-Instruct-like template (``chat_template.jinja
 Transformers 5 reads next to ``tokenizer_config.json``); the same function serves the chat
 UI and ``/v1/chat/completions``, and a template that refuses the messages is the request's
 fault (a 400 in OpenAI's error shape, an error line in the chat), never a 500.
+
+The web process reads tokenizers without Transformers (``controlplane/serving/tokenizer.py``);
+every id, text and prompt it makes is compared here with Transformers' ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from controlplane.artifacts.services import register_model
 from controlplane.chat.models import Message, MessageStatus
 from controlplane.chat.services import prompt_history
 from controlplane.deployments.models import Deployment, DeploymentStatus
-from controlplane.serving.text import InputError, encode_chat
+from controlplane.serving.text import InputError, encode_chat, render_chat
+from controlplane.serving.tokenizer import TextTokenizer
+from inference.families import FAMILIES
 from inference.textstream import load_tokenizer
-from inference.tiny import BOS_ID, EOS_ID
+from inference.tiny import BOS_ID, EOS_ID, make_tiny
 
 # Mixtral-Instruct's layout: one BOS, [INST] ... [/INST] around user turns, EOS after answers.
 INSTRUCT_TEMPLATE = (
@@ -35,6 +40,11 @@ NO_SYSTEM_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}"
     "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}"
 )
+
+
+def reference_ids(reference, messages: list[dict]) -> list[int]:
+    """Transformers' own prompt ids for ``messages``."""
+    return reference.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
 def with_template(tiny_model: Path, where: Path, template: str) -> Path:
@@ -55,10 +65,11 @@ def strict_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_a_template_renders_the_prompt_with_exactly_one_bos(instruct_model: Path) -> None:
-    tokenizer = load_tokenizer(instruct_model)
-    assert tokenizer.chat_template == INSTRUCT_TEMPLATE  # read from chat_template.jinja
+    tokenizer, reference = TextTokenizer(instruct_model), load_tokenizer(instruct_model)
+    assert tokenizer.chat_template == reference.chat_template == INSTRUCT_TEMPLATE  # read from chat_template.jinja
     ids = encode_chat(tokenizer, [{"role": "user", "content": "hi there"}])
-    assert ids == [BOS_ID, *tokenizer("[INST] hi there [/INST]", add_special_tokens=False)["input_ids"]]
+    assert ids == [BOS_ID, *reference("[INST] hi there [/INST]", add_special_tokens=False)["input_ids"]]
+    assert ids == reference_ids(reference, [{"role": "user", "content": "hi there"}])
     assert ids.count(BOS_ID) == 1
 
     turns = [
@@ -67,23 +78,115 @@ def test_a_template_renders_the_prompt_with_exactly_one_bos(instruct_model: Path
         {"role": "user", "content": "route me"},
     ]
     ids = encode_chat(tokenizer, turns)
-    expected = [BOS_ID, *tokenizer("[INST] hi [/INST]hello", add_special_tokens=False)["input_ids"], EOS_ID]
-    expected += tokenizer("[INST] route me [/INST]", add_special_tokens=False)["input_ids"]
+    expected = [BOS_ID, *reference("[INST] hi [/INST]hello", add_special_tokens=False)["input_ids"], EOS_ID]
+    expected += reference("[INST] route me [/INST]", add_special_tokens=False)["input_ids"]
     assert ids == expected
+    assert ids == reference_ids(reference, turns)
 
 
 def test_without_a_template_messages_are_concatenated(tiny_model: Path) -> None:
-    tokenizer = load_tokenizer(tiny_model)
-    assert not tokenizer.chat_template
+    tokenizer, reference = TextTokenizer(tiny_model), load_tokenizer(tiny_model)
+    assert not tokenizer.chat_template and not reference.chat_template
     ids = encode_chat(tokenizer, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
-    assert ids == tokenizer("system: be brief\nuser: hi\nassistant:")["input_ids"]
+    assert ids == reference("system: be brief\nuser: hi\nassistant:")["input_ids"]
     assert ids.count(BOS_ID) == 1 and ids[0] == BOS_ID
 
 
 def test_a_template_that_refuses_the_messages_is_an_input_error(strict_model: Path) -> None:
     with pytest.raises(InputError, match="System role not supported") as refused:
-        encode_chat(load_tokenizer(strict_model), [{"role": "system", "content": "x"}])
+        encode_chat(TextTokenizer(strict_model), [{"role": "system", "content": "x"}])
     assert (refused.value.param, refused.value.code) == ("messages", "chat_template_error")
+
+
+# A template that uses every piece of Transformers' environment: the special tokens, tojson with
+# its options (and no HTML escaping), namespace, dict, loop controls, trim/lstrip blocks, and
+# the {% generation %} tag of assistant masks.
+RICH_TEMPLATE = """{{ bos_token }}
+{% set ns = namespace(count=0) %}
+{% for m in messages %}
+    {% if m['role'] == 'system' %}{% continue %}{% endif %}
+    {% set ns.count = ns.count + 1 %}
+    {% if ns.count > 4 %}{% break %}{% endif %}
+    <{{ m['role'] }}> {{ m['content'] | tojson }} {{ m | tojson(indent=2, sort_keys=True) }}
+    {% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}{% endif %}
+{% endfor %}
+{{ dict(a=1, b=unk_token) | tojson(separators=(',', ':')) }}
+{% if add_generation_prompt %}<assistant>{% endif %}"""
+
+CONVERSATION = [
+    {"role": "system", "content": "be <brief> & kind"},
+    {"role": "user", "content": 'héllo "quoted" \u2603'},
+    {"role": "assistant", "content": "hi!  two  spaces"},
+    {"role": "user", "content": "<script>x</script>"},
+]
+TEXTS = ["Hello, world!", "  leading and trailing  ", "héllo ☃ 日本語 🙂", "a\nb\tc", "<s>inside</s>", "don't ."]
+
+
+def models_to_compare() -> list[tuple[str, str]]:
+    """(name, how it is made): the demo model, every family's tiny model, and tokenizer configs that
+    set BOS/EOS or clean-up flags."""
+    return [
+        ("demo", ""),
+        *((f, "") for f in FAMILIES),
+        ("mixtral", "bos-eos"),
+        ("mixtral", "no-post-processor"),
+        ("mixtral", "clean-up"),
+    ]
+
+
+@pytest.fixture(scope="module", params=models_to_compare(), ids=lambda p: "-".join(x for x in p if x))
+def compared_model(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    name, variant = request.param
+    if name == "demo":
+        source = Path(__file__).resolve().parents[2] / "platform" / "demo-model"
+        copy = tmp_path_factory.mktemp("demo") / "model"
+        copy.mkdir()
+        for file in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            shutil.copy(source / file, copy / file)
+    else:
+        copy = make_tiny(tmp_path_factory.mktemp(name) / "model", seed=0, layers=1, family=name)
+    config_file = copy / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    if variant == "bos-eos":
+        config |= {"add_bos_token": False, "add_eos_token": True}
+    elif variant == "no-post-processor":
+        config |= {"add_bos_token": True}
+        backend = json.loads((copy / "tokenizer.json").read_text())
+        (copy / "tokenizer.json").write_text(json.dumps(backend | {"post_processor": None}))
+    elif variant == "clean-up":
+        config |= {"clean_up_tokenization_spaces": True}
+    config_file.write_text(json.dumps(config))
+    (copy / "chat_template.jinja").write_text(RICH_TEMPLATE)
+    return copy
+
+
+def test_the_web_tokenizer_matches_transformers(compared_model: Path) -> None:
+    tokenizer, reference = TextTokenizer(compared_model), load_tokenizer(compared_model)
+    assert tokenizer.special_tokens == reference.special_tokens_map
+    assert tokenizer.get_vocab() == reference.get_vocab()
+    for text in TEXTS:
+        for special in (True, False):
+            ids = tokenizer.encode(text, add_special_tokens=special)
+            assert ids == reference(text, add_special_tokens=special)["input_ids"], (text, special)
+            for skip in (True, False):
+                assert tokenizer.decode(ids, skip_special_tokens=skip) == reference.decode(
+                    ids, skip_special_tokens=skip
+                ), (text, skip)
+    for turns in (CONVERSATION, CONVERSATION[:2], CONVERSATION * 2):
+        for prompt in (True, False):
+            rendered = tokenizer.render_chat(turns, add_generation_prompt=prompt)
+            assert rendered == reference.apply_chat_template(turns, add_generation_prompt=prompt, tokenize=False)
+        assert encode_chat(tokenizer, turns) == reference_ids(reference, turns)
+
+
+def test_strftime_now_and_raise_exception_are_there_as_in_transformers(instruct_model: Path, tmp_path: Path) -> None:
+    dated = with_template(instruct_model, tmp_path, "{{ strftime_now('%Y') }}{{ raise_exception('no ' ~ 1) }}")
+    with pytest.raises(InputError, match="no 1") as refused:
+        render_chat(TextTokenizer(dated), [{"role": "user", "content": "x"}])
+    assert refused.value.code == "chat_template_error"
+    (dated / "chat_template.jinja").write_text("{{ strftime_now('%Y') }}")
+    year = TextTokenizer(dated).render_chat([{"role": "user", "content": "x"}])
+    assert year == load_tokenizer(dated).apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
 
 
 def test_a_failed_turn_is_left_out_of_the_prompt_whole() -> None:

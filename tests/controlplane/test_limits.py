@@ -314,12 +314,12 @@ def test_text_past_the_context_in_characters_is_refused_and_text_that_can_fit_is
     tokenizer = tokenizer_for(str(tiny_model))
     longest = longest_token_chars(tokenizer)
     piece = max(tokenizer.get_vocab(), key=len)
-    text = tokenizer.convert_tokens_to_string([piece])
+    text = tokenizer.decode([tokenizer.get_vocab()[piece]])
     assert len(text) == longest
     context, max_tokens = 1024, 16
     room = context - max_tokens
     fitting = text * (room - 1)  # and the BOS token the tokenizer adds
-    assert len(tokenizer(fitting)["input_ids"]) == room  # it fits, exactly...
+    assert len(tokenizer.encode(fitting)) == room  # it fits, exactly...
     check_text_fits(tokenizer, [fitting], max_tokens, context, param="prompt")  # ...and passes
     check_text_fits(tokenizer, [text * room], max_tokens, context, param="prompt")  # the bound itself passes
     with pytest.raises(InputError, match="at least 1009 tokens") as refused:

@@ -32,9 +32,9 @@ def reference_text(served: Served, prompt_ids: list[int], tokens: int) -> str:
 
 
 def chat_prompt_ids(served: Served, messages: list[dict]) -> list[int]:
-    from controlplane.serving.text import encode_chat
+    from controlplane.serving.text import encode_chat, tokenizer_for
 
-    return encode_chat(load_tokenizer(served.model_dir), messages)
+    return encode_chat(tokenizer_for(served.model_dir), messages)
 
 
 MESSAGES = [{"role": "user", "content": "Which experts does this token need?"}]

@@ -7,10 +7,10 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.csrf import ensure_csrf_cookie
 
-from controlplane.deployments.services import DEFAULT_MAX_BATCH, DEFAULT_MAX_PER_USER
+from controlplane.deployments.fields import MAX_PER_USER
 from controlplane.nodes.tls import upgrade_command
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
-from inference.spec import Settings
+from inference.settings import DEFAULTS
 from inference.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 
 from .snapshot import snapshot
@@ -31,11 +31,12 @@ def console(request: HttpRequest) -> HttpResponse:
         "strategies": [(s, s if get_strategy(s).exact else f"{s} (approximate)") for s in RUNTIME_STRATEGIES],
         "predictors": PREDICTORS,
         "own_predictors": {s: get_strategy(s).predictor for s in RUNTIME_STRATEGIES},
-        "default_max_batch": DEFAULT_MAX_BATCH,
+        "defaults": DEFAULTS,  # the form's initial values are a deployment's declared defaults
+        "default_max_batch": DEFAULTS.max_batch,
         "max_batch_limit": MAX_BATCH,
-        "default_max_per_user": DEFAULT_MAX_PER_USER,
-        "max_per_user_limit": MAX_BATCH + Settings.max_waiting - 1,
-        "max_waiting": Settings.max_waiting,
+        "default_max_per_user": DEFAULTS.max_per_user,
+        "max_per_user_limit": MAX_PER_USER,
+        "max_waiting": DEFAULTS.max_waiting,
         # What an outdated node runs to upgrade, for the URL this page was reached at (with its pin).
         "upgrade_command": upgrade_command(request.build_absolute_uri("/")),
     }

@@ -18,17 +18,16 @@ from controlplane.artifacts.models import ModelArtifact, ModelStatus
 from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.names import name_field
 from controlplane.pagination import paginated
-from inference.constants import MAX_BATCH, SHADOW_DTYPES
 from inference.sim import hardware as sim_profiles
-from inference.spec import Settings
-from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES, STRATEGIES, get_strategy
+from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
+from inference.strategies import STRATEGIES, get_strategy
 
 from . import generation, lifecycle, services
+from .fields import setting_field
 from .models import Deployment, DeploymentNode
 from .roles import RoleMap
 
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait: a restarting role is back in seconds
-MAX_PERIOD = 2**31 - 1  # the most the alignment periods' columns (PositiveIntegerField) hold on every database
 MAX_INT64 = 2**63 - 1  # token ids and seeds reach main as 64-bit integers: a larger one cannot be sent at all
 
 
@@ -146,42 +145,6 @@ def role_map(roles: dict) -> RoleMap:
     return RoleMap(roles["main"], roles.get("shadow"), tuple(roles["workers"]))
 
 
-def predictor_field() -> serializers.ChoiceField:
-    """A deployment's ``predictor``: who names the experts workers load ahead; "" is the strategy's own.
-
-    Only the shadow gets a seat of its own: with any other (``next-gate``, or a strategy that
-    loads nothing ahead) the deployment runs on main and workers alone. A strategy that takes
-    no predictor (full-cache, reactive) refuses one (400, ``inference.strategies.predictor_for``).
-    """
-    return serializers.ChoiceField(
-        choices=PREDICTORS,
-        allow_blank=True,
-        default="",
-        help_text="who predicts the experts to load ahead: shadow (a node of its own), next-gate (main's "
-        "next-layer router, no shadow seat), or blank for the strategy's own",
-    )
-
-
-def max_batch_field() -> serializers.IntegerField:
-    """A deployment's ``max_batch``: main runs that many sequences at once, each with its own KV cache."""
-    return serializers.IntegerField(
-        min_value=1, max_value=MAX_BATCH, default=services.DEFAULT_MAX_BATCH, help_text="sequences main runs at once"
-    )
-
-
-def max_per_user_field() -> serializers.IntegerField:
-    """A deployment's ``max_per_user``: generations one user may have in main at once, running and
-    waiting; past it a request is a 429 ``too_many_generations``. Below ``max_batch`` + main's queue
-    (``Settings.max_waiting``), checked against the deployment's ``max_batch`` when it is created."""
-    return serializers.IntegerField(
-        min_value=1,
-        max_value=MAX_BATCH + Settings.max_waiting - 1,
-        default=services.DEFAULT_MAX_PER_USER,
-        help_text=f"generations one user may have in main at once, running and waiting; below max_batch + "
-        f"{Settings.max_waiting} (main's queue), so that other users still get in",
-    )
-
-
 class SuggestApi(APIView):
     """POST /api/deployments/suggest {model, nodes[, shadow_dtype, strategy, predictor, max_batch]}: a role map.
 
@@ -197,10 +160,10 @@ class SuggestApi(APIView):
     class InputSerializer(serializers.Serializer):
         model = ReadyModelField()
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
-        shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
-        strategy = serializers.ChoiceField(choices=RUNTIME_STRATEGIES, default=DEFAULT_STRATEGY)
-        predictor = predictor_field()
-        max_batch = max_batch_field()
+        shadow_dtype = setting_field("shadow_dtype")
+        strategy = setting_field("strategy")
+        predictor = setting_field("predictor")
+        max_batch = setting_field("max_batch")
 
     @extend_schema(request=InputSerializer, responses=RolesInput)
     def post(self, request: Request) -> Response:
@@ -232,13 +195,13 @@ class DeploymentListApi(APIView):
         model = ReadyModelField()
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
         roles = RolesInput(required=False)
-        shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="fp32")
-        token_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
-        kv_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD, default=1)
-        strategy = serializers.ChoiceField(choices=RUNTIME_STRATEGIES, default=DEFAULT_STRATEGY)
-        predictor = predictor_field()
-        max_batch = max_batch_field()
-        max_per_user = max_per_user_field()
+        shadow_dtype = setting_field("shadow_dtype")
+        token_period = setting_field("token_period")
+        kv_period = setting_field("kv_period")
+        strategy = setting_field("strategy")
+        predictor = setting_field("predictor")
+        max_batch = setting_field("max_batch")
+        max_per_user = setting_field("max_per_user")
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:
@@ -279,8 +242,8 @@ class DeploymentSettingsApi(APIView):
 
     @extend_schema_serializer(component_name="DeploymentSettingsInput")
     class InputSerializer(serializers.Serializer):
-        token_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD)
-        kv_period = serializers.IntegerField(min_value=0, max_value=MAX_PERIOD)
+        token_period = setting_field("token_period", required=True)
+        kv_period = setting_field("kv_period", required=True)
 
     @extend_schema(request=InputSerializer, responses=DeploymentOutput)
     def patch(self, request: Request, deployment_id: int) -> Response:
@@ -398,12 +361,13 @@ class EstimateApi(APIView):
         model = serializers.PrimaryKeyRelatedField(queryset=ModelArtifact.objects.all(), required=False)
         profile = serializers.ChoiceField(choices=sorted(sim_profiles.PROFILES), default=sim_profiles.DEFAULT_PROFILE)
         workers = serializers.IntegerField(min_value=1, max_value=1024)
-        strategy = serializers.ChoiceField(choices=RUNTIME_STRATEGIES, default=DEFAULT_STRATEGY)
-        predictor = predictor_field()
-        shadow_dtype = serializers.ChoiceField(choices=SHADOW_DTYPES, default="int8")
+        strategy = setting_field("strategy")
+        predictor = setting_field("predictor")
+        # The simulator's shadow unless told (int8): it has no model of a deployment's default fp32 shadow.
+        shadow_dtype = setting_field("shadow_dtype", default=SIMULATED_SHADOW_DTYPE)
         input_tokens = serializers.IntegerField(min_value=1, max_value=32768, default=128)
         output_tokens = serializers.IntegerField(min_value=2, max_value=32768, default=128)
-        max_batch = max_batch_field()
+        max_batch = setting_field("max_batch")
 
         def validate_strategy(self, value: str) -> str:
             if value not in STRATEGIES:

@@ -30,9 +30,9 @@ from controlplane.nodes.services import send_command
 from controlplane.storable import storable_json, storable_text
 from inference.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
 from inference.memory import gpu_index
-from inference.spec import Settings
+from inference.settings import DeploymentSettings
 
-from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
+from .models import RUNNING, SETTINGS_COLUMNS, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 from .peers import PeerError, Seat, peer_table, pick_ports
 from .services import DeploymentError, check_fits, check_nodes_free, check_predictor
 
@@ -248,14 +248,8 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
     """``inference.spec.RoleSpec`` as JSON, less ``shard_dir`` (the agent knows where its shard is)."""
     workers = sum(1 for m in members if m.role == Role.WORKER)
     table = peer_table({m.role_name: m.node.address for m in members}, {m.role_name: m.port for m in members}, workers)
-    settings = Settings(
-        shadow_dtype=deployment.shadow_dtype,
-        token_period=deployment.token_period,
-        kv_period=deployment.kv_period,
-        strategy=deployment.strategy,
-        predictor=deployment.predictor,
-        max_batch=deployment.max_batch,
-        max_per_user=deployment.max_per_user,
+    settings = DeploymentSettings(
+        **{name: getattr(deployment, name) for name in SETTINGS_COLUMNS},
         device=role_device(member.node.inventory, member.gpu),
     )
     return {

@@ -1,4 +1,8 @@
-"""A deployment: one model served by a set of nodes in main / shadow / worker roles."""
+"""A deployment: one model served by a set of nodes in main / shadow / worker roles.
+
+Its settings columns take their defaults and allowed values from the one declaration,
+``inference.settings.DeploymentSettings``.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,21 @@ from django.db import models
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
-from inference.constants import DEFAULT_MAX_PER_USER, DEFAULT_MAX_WAITING, MAX_BATCH, SHADOW_DTYPES
-from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES, predictor_for
+from inference.constants import MAX_BATCH
+from inference.settings import DEFAULTS, info
+from inference.strategies import predictor_for
+
+
+def choices(name: str) -> list[tuple[str, str]]:
+    """A setting's allowed values (``inference.settings``) as a column's choices."""
+    return [(c, c) for c in info(name).choices]
+
+
+# The runtime settings a deployment keeps as its own columns (the rest are the declaration's defaults,
+# but ``device``, which each role's node decides: ``lifecycle.role_device``).
+SETTINGS_COLUMNS = ("shadow_dtype", "token_period", "kv_period", "strategy", "predictor", "max_batch", "max_per_user")
+# One user's bound leaves others a place in main: below max_batch + main's queue (``max_waiting``).
+MAX_PER_USER = MAX_BATCH + DEFAULTS.max_waiting - 1
 
 
 class DeploymentStatus(models.TextChoices):
@@ -49,33 +66,37 @@ class Deployment(models.Model):
     model = models.ForeignKey(ModelArtifact, on_delete=models.PROTECT, related_name="deployments")
     status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.DRAFT)
     status_reason = models.TextField(blank=True)
-    shadow_dtype = models.CharField(max_length=8, choices=[(d, d) for d in SHADOW_DTYPES], default="fp32")
-    token_period = models.PositiveIntegerField(default=1, help_text="align the shadow's token every N steps (0 never)")
-    kv_period = models.PositiveIntegerField(default=1, help_text="align the shadow's KV cache every N steps (0 never)")
+    shadow_dtype = models.CharField(max_length=8, choices=choices("shadow_dtype"), default=DEFAULTS.shadow_dtype)
+    token_period = models.PositiveIntegerField(
+        default=DEFAULTS.token_period, help_text="align the shadow's token every N steps (0 never)"
+    )
+    kv_period = models.PositiveIntegerField(
+        default=DEFAULTS.kv_period, help_text="align the shadow's KV cache every N steps (0 never)"
+    )
     strategy = models.CharField(
         max_length=16,
-        choices=[(s, s) for s in RUNTIME_STRATEGIES],
-        default=DEFAULT_STRATEGY,
+        choices=choices("strategy"),
+        default=DEFAULTS.strategy,
         help_text="what workers keep on their GPUs (inference/strategies.py; importance and prerouter are "
         "approximate); applied on the next start",
     )
     predictor = models.CharField(
         max_length=16,
-        choices=[("", "the strategy's own"), *((p, p) for p in PREDICTORS)],
-        default="",
+        choices=[("", "the strategy's own"), *choices("predictor")],
+        default=DEFAULTS.predictor,
         blank=True,
         help_text="who names the experts workers load ahead (inference/strategies.py): the shadow, main's "
         "next-layer router (next-gate) or main's trained heads (prerouter; both without a shadow seat); "
         "blank: the strategy's own",
     )
     max_batch = models.PositiveSmallIntegerField(
-        default=8,
+        default=DEFAULTS.max_batch,
         validators=[MinValueValidator(1), MaxValueValidator(MAX_BATCH)],
         help_text="sequences main runs at once (continuous batching); applied on the next start",
     )
     max_per_user = models.PositiveSmallIntegerField(
-        default=DEFAULT_MAX_PER_USER,
-        validators=[MinValueValidator(1), MaxValueValidator(MAX_BATCH + DEFAULT_MAX_WAITING - 1)],
+        default=DEFAULTS.max_per_user,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_PER_USER)],
         help_text="generations one user may have in main at once, running and waiting (more: 429 "
         "too_many_generations); below max_batch + the queue's 64, so others still get in",
     )
@@ -95,9 +116,9 @@ class Deployment(models.Model):
             predictor_for(self.strategy, self.predictor)
         except ValueError as exc:
             raise ValidationError({"predictor": str(exc)}) from None
-        if not 1 <= self.max_per_user < self.max_batch + DEFAULT_MAX_WAITING:
+        if not 1 <= self.max_per_user < self.max_batch + DEFAULTS.max_waiting:
             raise ValidationError(
-                {"max_per_user": f"must be from 1 to below max_batch + {DEFAULT_MAX_WAITING} (the queue)"}
+                {"max_per_user": f"must be from 1 to below max_batch + {DEFAULTS.max_waiting} (the queue)"}
             )
 
     @property

@@ -15,7 +15,9 @@ reactive) run on main and workers alone, and their memory plan has no shadow to 
 
 A deployment's ``max_per_user`` bounds the generations one user has in main at once (main
 queues a user's requests past its batch up to it, ``inference.batching.admission``); it must be
-below ``max_batch`` + main's queue (``Settings.max_waiting``), so one user leaves others room.
+below ``max_batch`` + main's queue (``max_waiting``), so one user leaves others room.
+
+Every keyword default of a setting here is the declaration's (``inference.settings.DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from controlplane.nodes.inventory import doctor_problems
 from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
 from inference.checkpoint import Checkpoint, CheckpointError
-from inference.constants import MAX_BATCH
 from inference.memory import (
     MemoryPlan,
     Placed,
@@ -42,16 +43,17 @@ from inference.memory import (
     memory_from_config,
 )
 from inference.schedule import validate_periods
+from inference.settings import DEFAULTS, SpecError, check_max_per_user, check_value, info
 from inference.sharding import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
-from inference.spec import Settings, check_max_per_user
-from inference.strategies import DEFAULT_STRATEGY, needed_files, predictor_for
+from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
+from inference.strategies import needed_files, predictor_for
 
 from .models import ACTIVE, Deployment, DeploymentNode
 from .roles import RoleError, RoleMap, check_roles, fixed_seats, needs_shadow, parse_seat, seats_of, suggest_roles
 
-DEFAULT_MAX_BATCH = Settings.max_batch
-DEFAULT_MAX_PER_USER = Settings.max_per_user
+DEFAULT_MAX_BATCH = DEFAULTS.max_batch
+DEFAULT_MAX_PER_USER = DEFAULTS.max_per_user
 
 
 class DeploymentError(ValueError):
@@ -74,10 +76,10 @@ def suggest_for(
     *,
     model: ModelArtifact,
     node_ids: list[str],
-    shadow_dtype: str = "fp32",
-    strategy: str = DEFAULT_STRATEGY,
-    predictor: str = "",
-    max_batch: int = DEFAULT_MAX_BATCH,
+    shadow_dtype: str = DEFAULTS.shadow_dtype,
+    strategy: str = DEFAULTS.strategy,
+    predictor: str = DEFAULTS.predictor,
+    max_batch: int = DEFAULTS.max_batch,
     memory: MemoryPlan | None = None,
 ) -> RoleMap:
     """The suggested role map: only one whose nodes hold their roles' memory (main's KV caches for ``max_batch``).
@@ -181,13 +183,13 @@ def create_deployment(
     model: ModelArtifact,
     node_ids: list[str],
     roles: RoleMap | None = None,
-    shadow_dtype: str = "fp32",
-    token_period: int = 1,
-    kv_period: int = 1,
-    strategy: str = DEFAULT_STRATEGY,
-    predictor: str = "",
-    max_batch: int = DEFAULT_MAX_BATCH,
-    max_per_user: int = DEFAULT_MAX_PER_USER,
+    shadow_dtype: str = DEFAULTS.shadow_dtype,
+    token_period: int = DEFAULTS.token_period,
+    kv_period: int = DEFAULTS.kv_period,
+    strategy: str = DEFAULTS.strategy,
+    predictor: str = DEFAULTS.predictor,
+    max_batch: int = DEFAULTS.max_batch,
+    max_per_user: int = DEFAULTS.max_per_user,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
@@ -206,10 +208,9 @@ def create_deployment(
                     f"{what} needs the model's {needed}: run `{command} {model.path}` on the control plane, then deploy"
                 )
         shadow = needs_shadow(strategy, predictor)
-        if not 1 <= max_batch <= MAX_BATCH:
-            raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
-        check_max_per_user(max_per_user, max_batch, Settings.max_waiting)
-    except (ModelError, ValueError) as exc:
+        check_value(info("max_batch"), max_batch)
+        check_max_per_user(max_per_user, max_batch, DEFAULTS.max_waiting)
+    except (ModelError, SpecError, ValueError) as exc:
         raise DeploymentError(str(exc)) from None
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
     _check_nodes(nodes, node_ids)
@@ -315,12 +316,12 @@ def estimate(
     workers: int,
     model: ModelArtifact | None = None,
     profile: str = DEFAULT_PROFILE,
-    strategy: str = DEFAULT_STRATEGY,
-    predictor: str = "",
-    shadow_dtype: str = "int8",
+    strategy: str = DEFAULTS.strategy,
+    predictor: str = DEFAULTS.predictor,
+    shadow_dtype: str = SIMULATED_SHADOW_DTYPE,  # not the deployments' fp32: the simulator has no fp32 shadow
     input_tokens: int = 128,
     output_tokens: int = 128,
-    max_batch: int = DEFAULT_MAX_BATCH,
+    max_batch: int = DEFAULTS.max_batch,
 ) -> dict:
     """The cluster simulator's prediction for a planned deployment (``inference.sim.estimate``).
 

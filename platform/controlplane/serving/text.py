@@ -1,6 +1,8 @@
 """Text in, text out for a deployment: the model's tokenizer, chat prompts, and input limits.
 
-Pure decisions plus a small tokenizer cache; nothing here talks to the cluster.
+Pure decisions plus a small tokenizer cache; nothing here talks to the cluster. The tokenizer
+is ``TextTokenizer`` (``tokenizer.py``): the model's ``tokenizer.json`` and chat template read as
+Transformers reads them, without importing Transformers or torch into the web process.
 """
 
 from __future__ import annotations
@@ -10,9 +12,8 @@ import math
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
-from transformers import PreTrainedTokenizerBase
 
-from inference.textstream import load_tokenizer
+from .tokenizer import TextTokenizer, TokenizerFilesError, load_text_tokenizer
 
 MAX_NEW_TOKENS = 4096
 # Without a chat template in the tokenizer, conversations are laid out like this.
@@ -47,10 +48,15 @@ class Sampling:
 
 
 @functools.lru_cache(maxsize=8)
-def tokenizer_for(model_path: str) -> PreTrainedTokenizerBase:
-    tokenizer = load_tokenizer(model_path)
+def tokenizer_for(model_path: str) -> TextTokenizer:
+    try:
+        tokenizer = load_text_tokenizer(model_path)
+    except TokenizerFilesError as exc:
+        raise InputError(f"the model at {model_path} cannot take text: {exc}", code="no_tokenizer") from None
     if tokenizer is None:
-        raise InputError(f"the model at {model_path} ships no tokenizer, so it cannot take text", code="no_tokenizer")
+        raise InputError(
+            f"the model at {model_path} ships no tokenizer.json, so it cannot take text", code="no_tokenizer"
+        )
     return tokenizer
 
 
@@ -59,12 +65,12 @@ def check_prompt(prompt: object) -> None:
         raise InputError("prompt must be a non-empty string", param="prompt")
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: TextTokenizer, prompt: str) -> list[int]:
     check_prompt(prompt)
-    return list(tokenizer(prompt)["input_ids"])
+    return tokenizer.encode(prompt)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer: TextTokenizer, messages: list[dict]) -> list[int]:
     """The prompt ids of a conversation, with the tokenizer's chat template when it has one.
 
     The one place where messages become a prompt: the chat UI and ``/v1/chat/completions``
@@ -73,21 +79,21 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> lis
     Without a template, the messages are laid out as plain ``role: content`` lines.
     """
     check_messages(messages)
-    if getattr(tokenizer, "chat_template", None):
+    if tokenizer.chat_template:
         text = render_chat(tokenizer, messages)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return tokenizer.encode(text, add_special_tokens=False)
     text = "".join(FALLBACK_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
-    return list(tokenizer(text + FALLBACK_ASSISTANT)["input_ids"])
+    return tokenizer.encode(text + FALLBACK_ASSISTANT)
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+def render_chat(tokenizer: TextTokenizer, messages: list[dict]) -> str:
     """The conversation as the model's chat template writes it, ready for the answer to follow.
 
     A template may refuse a conversation (Mixtral-Instruct's raises on a system message or
     on two user turns in a row) or be broken: either is the request's problem, not a crash.
     """
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.render_chat(messages, add_generation_prompt=True)
     except (TemplateError, TypeError, ValueError) as exc:
         raise InputError(
             f"this model's chat template cannot render these messages: {exc}",
@@ -124,7 +130,7 @@ def check_lengths(prompt_tokens: int, max_new_tokens: int, context: int | None) 
 
 
 @functools.lru_cache(maxsize=8)
-def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+def longest_token_chars(tokenizer: TextTokenizer) -> int:
     """The most characters of text one token of ``tokenizer`` stands for.
 
     A vocabulary entry is written in at least as many characters as the text it encodes: a
@@ -135,7 +141,7 @@ def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def check_text_fits(
-    tokenizer: PreTrainedTokenizerBase, texts: list[str], max_new_tokens: int, context: int | None, *, param: str
+    tokenizer: TextTokenizer, texts: list[str], max_new_tokens: int, context: int | None, *, param: str
 ) -> None:
     """Refuse, before tokenizing it, text that cannot fit the model's context whatever its tokens.
 
@@ -154,8 +160,7 @@ def check_text_fits(
     chars = sum(len(text) for text in texts)
     if chars <= bound:
         return
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    normalizer = getattr(backend, "normalizer", None)
+    normalizer = tokenizer.normalizer
     if normalizer is not None:
         chars = sum(len(normalizer.normalize_str(text)) for text in texts)
     if chars > bound:

@@ -183,9 +183,9 @@ class Command(BaseCommand):
 
     def _generate_once(self, deployment, model_dir: Path) -> None:
         from controlplane.deployments import generation
-        from inference.textstream import load_tokenizer
+        from controlplane.serving.tokenizer import load_text_tokenizer  # the web's: no Transformers to import
 
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_text_tokenizer(model_dir)
         prompt_ids = tokenizer.encode(DEMO_PROMPT) if tokenizer is not None else [1, 5, 6, 7, 8]
         self.step("generating through the cluster")
         try:

@@ -1,0 +1,243 @@
+"""A model's tokenizer and chat template for the web process, without Transformers (nor torch).
+
+The web process turns text into prompt ids and generated ids back into text; Transformers'
+``AutoTokenizer`` does that by wrapping the ``tokenizers`` library and rendering the chat
+template with jinja2, but importing it costs seconds and pulls in torch. ``TextTokenizer``
+reads the same files (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``
+and ``chat_templates/*.jinja``) and does what Transformers 5 does with them:
+
+- encoding with the ``tokenizers`` model in ``tokenizer.json``, its post-processor (BOS/EOS) as
+  it is: Transformers' generic ``TokenizersBackend`` (what ``AutoTokenizer`` gives for these
+  files) keeps it whatever ``add_bos_token`` / ``add_eos_token`` the config names (measured:
+  the tests compare configs that set them and a tokenizer.json without a post-processor);
+- decoding with ``tokenizers``, and ``clean_up_tokenization_spaces`` where the config asks for
+  it and the model is not a BPE (as ``TokenizersBackend._decode``);
+- chat templates rendered in the environment of ``transformers.utils.chat_template_utils``:
+  an immutable sandbox with ``trim_blocks``, ``lstrip_blocks`` and ``loopcontrols``,
+  ``raise_exception``, ``strftime_now``, a ``tojson`` that does not escape HTML and takes
+  ``ensure_ascii``/``indent``/``separators``/``sort_keys``, a restricted ``dict`` and
+  ``namespace``, and the named special tokens (``bos_token``, ``eos_token``...) of
+  ``tokenizer_config.json`` as variables.
+
+A model that ships only a SentencePiece ``tokenizer.model`` (no ``tokenizer.json``) is not
+read here: converting it is Transformers' job. tests/controlplane/test_chat_template.py
+compares ids, text and rendered prompts with ``AutoTokenizer`` for the demo model and the
+families' tiny tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # older checkpoints: merged into the config
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "chat_templates"
+# The named special tokens a template sees (Transformers' ``SPECIAL_TOKENS_ATTRIBUTES``).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class TokenizerFilesError(ValueError):
+    """A model directory whose tokenizer files cannot be read; the message says which and why."""
+
+
+class TextTokenizer:
+    """Encode, decode and render chat templates as the model's Transformers tokenizer does."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.config = _read_config(self.directory)
+        try:
+            self.backend = Tokenizer.from_file(str(self.directory / TOKENIZER_FILE))
+        except Exception as exc:  # tokenizers raises its own Exception subclass for a bad file
+            raise TokenizerFilesError(f"cannot read {self.directory / TOKENIZER_FILE}: {exc}") from None
+        self.special_tokens = {name: text for name in SPECIAL_TOKENS if (text := _token_text(self.config.get(name)))}
+        self.chat_template = _chat_template(self.directory, self.config)
+        self.clean_up_spaces = bool(self.config.get("clean_up_tokenization_spaces", False))
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self.clean_up_spaces and type(self.backend.model).__name__ != "BPE":
+            text = _clean_up_tokenization(text)
+        return text
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    @property
+    def normalizer(self) -> Any:
+        return self.backend.normalizer
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        return chat_environment().from_string(self.chat_template)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The conversation as the chat template writes it (``apply_chat_template(tokenize=False)``).
+
+        Raises ``jinja2.TemplateError`` where the template refuses the messages or is broken.
+        """
+        return self._compiled_template.render(
+            **self.special_tokens,
+            messages=[dict(m) for m in messages],
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+
+def load_text_tokenizer(directory: str | Path) -> TextTokenizer | None:
+    """The model's tokenizer, or None when it ships no ``tokenizer.json``."""
+    if not (Path(directory) / TOKENIZER_FILE).is_file():
+        return None
+    return TextTokenizer(directory)
+
+
+# --- Transformers' chat-template environment ---------------------------------------------
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+    # Jinja's own tojson escapes HTML characters; a prompt wants them as they are.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    # A limited stand-in for dict, so that a template cannot reach dict's attributes.
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    # A namespace refuses underscore-prefixed names, which could reach CPython internals.
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}."
+            )
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: Transformers marks the assistant's tokens with it;
+    rendering a prompt only needs its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def chat_environment() -> ImmutableSandboxedEnvironment:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    environment.globals["dict"] = _TemplateDict()
+    environment.globals["namespace"] = _TemplateNamespace
+    return environment
+
+
+# --- reading the files -------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerFilesError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise TokenizerFilesError(f"{path} must hold a JSON object")
+    return data
+
+
+def _read_config(directory: Path) -> dict:
+    config = _read_json(directory / CONFIG_FILE) if (directory / CONFIG_FILE).is_file() else {}
+    legacy = directory / SPECIAL_TOKENS_MAP_FILE
+    if legacy.is_file():  # Transformers merges it in without overriding the config's own
+        for key, value in _read_json(legacy).items():
+            config.setdefault(key, value)
+    return config
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: its text, or an AddedToken's ``content``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(directory: Path, config: dict) -> str | None:
+    """The template Transformers would use: ``chat_template.jinja`` (and ``chat_templates/``) over the
+    config's ``chat_template``; of several named ones, "default"."""
+    templates: dict[str, str] = {}
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        templates["default"] = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (directory / CHAT_TEMPLATE_DIR).is_dir():
+        for file in sorted((directory / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            templates[file.stem] = file.read_text(encoding="utf-8")
+    if not templates:
+        given = config.get("chat_template")
+        if isinstance(given, str):
+            templates["default"] = given
+        elif isinstance(given, list):
+            templates = {t["name"]: t["template"] for t in given if isinstance(t, dict) and "name" in t}
+    return templates.get("default")
+
+
+def _clean_up_tokenization(text: str) -> str:
+    return (
+        text.replace(" .", ".")
+        .replace(" ?", "?")
+        .replace(" !", "!")
+        .replace(" ,", ",")
+        .replace(" ' ", "'")
+        .replace(" n't", "n't")
+        .replace(" 'm", "'m")
+        .replace(" 's", "'s")
+        .replace(" 've", "'ve")
+        .replace(" 're", "'re")
+    )
