@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from agent.credentials import NodeCredential
-from agent.messages import StartRole
 from agent.roles import Roles
 from agent.runtime import RoleRunner
 from controlplane.artifacts.services import build_model_shards, register_model
@@ -25,6 +24,7 @@ from controlplane.nodes.models import NodeTask
 from controlplane.nodes.services import create_join_token, enroll_node
 from inference.curve import new_seat_keys, role_keys
 from inference.launcher import free_port
+from inference.wire.link import StartRole
 
 DEPLOYMENT = "dep1-1"
 
