@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import msgspec
+import pytest
 import torch
 
 import inference.wire
@@ -61,6 +62,16 @@ def test_each_transport_keeps_the_tags_its_frames_had() -> None:
     tags = [cls(**_required(cls)).to_json()["type"] for cls in (Token, Done, Failed, Generate)]
     assert tags == ["generation_token", "generation_done", "generation_failed", "generate"]
     assert len({cls.TYPE for cls in RUNTIME_MESSAGES}) == len(RUNTIME_MESSAGES)
+
+
+@pytest.mark.parametrize("cls", [*RUNTIME_MESSAGES, *link.LINK_MESSAGES], ids=lambda c: f"{c.__module__}.{c.__name__}")
+def test_every_message_is_frozen_keyword_only_and_tagged(cls: type) -> None:
+    # kw_only is a per-class option in msgspec: a class that forgets it takes positional fields.
+    with pytest.raises(TypeError):
+        cls("positional")
+    config = cls.__struct_config__
+    assert config.frozen and config.forbid_unknown_fields and config.tag_field == "type" and config.tag == cls.TAG
+    assert cls.TYPE
 
 
 def test_a_tensor_field_travels_as_a_frame_not_in_the_header() -> None:

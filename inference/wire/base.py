@@ -46,7 +46,7 @@ class WireStruct(
         return msgspec.to_builtins(self)
 
 
-class Message(WireStruct):
+class Message(WireStruct, kw_only=True):
     """Base of every message that crosses ZeroMQ: who sent it, for which deployment, in which order."""
 
     deployment: str = ""

@@ -60,7 +60,7 @@ def _finite_float(text: str) -> float:
     return value
 
 
-class LinkMessage(WireStruct):
+class LinkMessage(WireStruct, kw_only=True):
     """Base of the messages that travel only on the agent link."""
 
 
