@@ -27,9 +27,9 @@ from urllib.parse import urlparse
 from agent import credentials, doctor, inventory, tls
 from agent.http import ControlPlaneError, request_json
 from agent.link import LinkRefused, run_link
-from agent.messages import AGENT_PROTOCOL
 from agent.tls import ServerTrust
 from inference import __version__
+from inference.wire.link import AGENT_PROTOCOL
 
 DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "odmoe-agent"
 # The control plane refused this agent for good (credential revoked, link protocol too old): the

@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from agent.messages import AGENT_PROTOCOL as PROTOCOL_VERSION
 from agent.tls import CLEAR_TEXT, ServerTrust, TrustError, check_pin, check_server_url, install_command
+from inference.wire.link import AGENT_PROTOCOL as PROTOCOL_VERSION
 
 Status = Literal["ok", "warn", "fail"]
 # What the runtime imports (distribution name, import name); bitsandbytes only for int8/nf4 shadows on CUDA.

@@ -32,7 +32,13 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from agent import credentials, inventory, tls
 from agent.backoff import reconnect_delay
 from agent.credentials import NodeCredential
-from agent.messages import (
+from agent.roles import Roles
+from agent.runtime import fetch_with_progress, shard_dir
+from agent.tls import ServerTrust, TrustError
+from inference import __version__
+from inference.wire.base import WireStruct
+from inference.wire.generation import Generate
+from inference.wire.link import (
     AGENT_PROTOCOL,
     CLOSE_PROTOCOL_MISMATCH,
     COMMANDS,
@@ -43,9 +49,7 @@ from agent.messages import (
     CancelGeneration,
     CredentialSaved,
     FetchShard,
-    Generate,
     Heartbeat,
-    LinkMessage,
     MessageError,
     Ping,
     Pong,
@@ -56,10 +60,6 @@ from agent.messages import (
     loads,
     parse,
 )
-from agent.roles import Roles
-from agent.runtime import fetch_with_progress, shard_dir
-from agent.tls import ServerTrust, TrustError
-from inference import __version__
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class Uplink:
     def __init__(self) -> None:
         self.ws: ClientConnection | None = None
 
-    async def send(self, message: LinkMessage) -> None:
+    async def send(self, message: WireStruct) -> None:
         ws = self.ws
         if ws is None:
             log.debug("link down: dropped %s", message.TYPE)

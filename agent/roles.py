@@ -13,9 +13,10 @@ import asyncio
 from pathlib import Path
 
 from agent.credentials import NodeCredential
-from agent.messages import ApplyAlignment, CancelGeneration, Generate, GenerationFailed, StartRole
 from agent.runtime import RoleRunner, Send, remove_stale_specs, role_name_of
 from agent.tls import ServerTrust
+from inference.wire.generation import Failed, Generate
+from inference.wire.link import ApplyAlignment, CancelGeneration, StartRole
 
 
 class Roles:
@@ -75,7 +76,7 @@ class Roles:
         runner = self.main(command.deployment)
         if runner is None:
             error = f"this box does not run a ready main for deployment {command.deployment}"
-            await self.send(GenerationFailed(request_id=command.request_id, error=error))
+            await self.send(Failed(request_id=command.request_id, error=error))
             return
         await runner.generate(command)
 

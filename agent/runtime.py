@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import subprocess
@@ -36,36 +35,34 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
+
 from agent.credentials import NodeCredential
 from agent.download import fetch_shard
 from agent.http import ControlPlaneError
-from agent.messages import (
+from agent.tls import ServerTrust
+from inference.client import GenerationError, RuntimeClient
+from inference.curve import CurveError, CurveKeys, EndpointKeys, check_endpoint_keys
+from inference.launcher import die_with_parent
+from inference.sharding import ShardError, is_plain_file_name, is_role_dirname
+from inference.spec import RoleSpec, SpecError, load_spec, write_private
+from inference.wire.base import WireStruct
+from inference.wire.generation import Done, Failed, Generate
+from inference.wire.link import (
     MEMORY_FIGURES,
     RUNTIME_METRICS,
     ApplyAlignment,
     CancelGeneration,
-    Generate,
-    GenerationDone,
-    GenerationFailed,
-    GenerationToken,
-    LinkMessage,
     RoleState,
     StartRole,
     TaskDone,
     TaskProgress,
 )
-from agent.tls import ServerTrust
-from inference.client import GenerationFailed as RuntimeGenerationFailed
-from inference.client import RuntimeClient
-from inference.curve import CurveError, CurveKeys, EndpointKeys, check_endpoint_keys
-from inference.launcher import die_with_parent
-from inference.protocol import GenerateDone, Pong
-from inference.sharding import ShardError, is_plain_file_name, is_role_dirname
-from inference.spec import RoleSpec, SpecError, load_spec, write_private
+from inference.wire.runtime import Pong
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[LinkMessage], Awaitable[None]]
+Send = Callable[[WireStruct], Awaitable[None]]
 WATCH_EVERY_S = 0.5
 # Generations one main streams at once: main's batch and its queue (Settings.max_batch,
 # max_waiting) say how many it takes; beyond them it answers "full" at once.
@@ -453,7 +450,7 @@ class RoleRunner:
         elif memory_changed(self._reported_memory, memory):
             await self._set(current.state, current.detail, memory=memory)
         else:  # kept for the next heartbeat
-            self.state = dataclasses.replace(current, memory=memory)
+            self.state = msgspec.structs.replace(current, memory=memory)
 
     def _log_tail(self, command: StartRole) -> str:
         path = self._run_dir(command) / f"{command.shard}.log"
@@ -485,13 +482,13 @@ class RoleRunner:
         """Run one generation on main, beside any others (main batches them); events go to the control plane."""
         if command.request_id in self._cancelled:
             self._cancelled.discard(command.request_id)
-            done = GenerationDone(request_id=command.request_id, token_ids=[], finish_reason="cancelled", metrics={})
+            done = Done(request_id=command.request_id, token_ids=[], finish_reason="cancelled", metrics={})
             await self.send(done)
             return
         client = self._main_client(command.deployment)
         if client is None:
             error = f"this box does not run a ready main for deployment {command.deployment}"
-            await self.send(GenerationFailed(request_id=command.request_id, error=error))
+            await self.send(Failed(request_id=command.request_id, error=error))
             return
         self._running_generations.add(command.request_id)
         loop = asyncio.get_running_loop()
@@ -506,36 +503,21 @@ class RoleRunner:
     def _stream(self, client: RuntimeClient, command: Generate, loop: asyncio.AbstractEventLoop) -> dict | None:
         """Relay one generation's events; returns its metrics when it finished."""
 
-        def post(message: LinkMessage) -> None:
+        def post(message: WireStruct) -> None:
             asyncio.run_coroutine_threadsafe(self.send(message), loop).result(timeout=30)
 
         try:
-            for event in client.stream(
-                **command.generation_fields(),
-                request_id=command.request_id,
-                timeout_s=600.0,
-                idle=self._check_main_alive,
-            ):
-                if isinstance(event, GenerateDone):
-                    post(
-                        GenerationDone(
-                            request_id=event.request_id,
-                            token_ids=list(event.token_ids),
-                            finish_reason=event.finish_reason,
-                            metrics=bounded_metrics(event.metrics),
-                        )
-                    )
+            # The events go up as main sent them; only a result's figures are cut to what the link carries.
+            for event in client.stream_request(command, timeout_s=600.0, idle=self._check_main_alive):
+                if isinstance(event, Done):
+                    post(msgspec.structs.replace(event, metrics=bounded_metrics(event.metrics)))
                     return event.metrics
-                post(
-                    GenerationToken(
-                        request_id=event.request_id, index=event.index, token_id=event.token_id, step=event.step
-                    )
-                )
+                post(event)
         except MainExited as exc:
-            post(GenerationFailed(request_id=command.request_id, error=str(exc), retryable=True))
-        except RuntimeGenerationFailed as exc:
+            post(Failed(request_id=command.request_id, error=str(exc), retryable=True))
+        except GenerationError as exc:
             refused = {"busy": exc.busy, "too_many_generations": exc.too_many_generations}
-            post(GenerationFailed(request_id=command.request_id, error=str(exc), **refused))
+            post(Failed(request_id=command.request_id, error=str(exc), **refused))
         return None
 
     def _check_main_alive(self) -> None:

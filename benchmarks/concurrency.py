@@ -40,11 +40,11 @@ from inference.client import RuntimeClient
 from inference.constants import BATCH_ARITHMETICS
 from inference.depth import LINK_DEPTH
 from inference.launcher import ClusterOptions, LocalCluster
-from inference.protocol import GenerateDone
 from inference.reference import reference_generate
 from inference.sim.hardware import PROFILES
 from inference.spec import Settings
 from inference.strategies import STRATEGIES
+from inference.wire.generation import Done
 
 DEFAULT_STREAMS = "1,2,4,8,16"
 
@@ -56,7 +56,7 @@ class Stream:
         self.prompt, self.new_tokens = prompt, new_tokens
         self.sent = 0.0
         self.token_times: list[float] = []
-        self.done: GenerateDone | None = None
+        self.done: Done | None = None
         self.error = ""
 
     def run(self, cluster: LocalCluster, start: threading.Barrier) -> None:
@@ -65,7 +65,7 @@ class Stream:
             start.wait()
             self.sent = time.perf_counter()
             for event in client.stream(self.prompt, self.new_tokens, timeout_s=600):
-                if isinstance(event, GenerateDone):
+                if isinstance(event, Done):
                     self.done = event
                 else:
                     self.token_times.append(time.perf_counter())

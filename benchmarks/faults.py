@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from inference.launcher import ClusterOptions, LocalCluster
-from inference.protocol import GenerateDone, TokenEvent
 from inference.spec import Settings
+from inference.wire.generation import Done, Token
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "platform" / "demo-model"
 PROMPT = [1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
@@ -36,12 +36,12 @@ def trial(cluster: LocalCluster, victim: str, tokens: int) -> dict:
     stamps: list[float] = []
     done = None
     for event in cluster.client.stream(PROMPT, tokens, timeout_s=120):
-        if isinstance(event, TokenEvent):
+        if isinstance(event, Token):
             got.append(event.token_id)
             stamps.append(time.monotonic())
             if len(got) == kill_at:
                 cluster.processes[victim].kill()
-        elif isinstance(event, GenerateDone):
+        elif isinstance(event, Done):
             done = event
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     return {

@@ -14,7 +14,7 @@ Then, from this one asyncio process:
 - ``--agents`` simulated agents speak the real agent protocol. Each enrolls over HTTP with
   a join token through the agent's own ``enroll_or_resume`` (inventory, credential file and
   all), opens the agent link with its node credential as ``agent.link`` does, sends an
-  ``agent.messages.Heartbeat`` at once and every ``--heartbeat-s`` (the agent's default:
+  ``inference.wire.link.Heartbeat`` at once and every ``--heartbeat-s`` (the agent's default:
   5 s), answers pings, and reconnects with the agent's backoff if the link drops. A
   simulated box runs no role, so its heartbeat carries ``roles=[]``; its inventory is
   collected once (``agent.inventory.collect``) and sent every time with the heartbeat's
@@ -105,9 +105,9 @@ from agent.__main__ import enroll_or_resume
 from agent.backoff import reconnect_delay
 from agent.http import ControlPlaneError, request_json
 from agent.link import CLOSE_UNAUTHENTICATED, link_url
-from agent.messages import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, Pong, parse
 from agent.tls import ServerTrust
 from benchmarks.overhead import percentile
+from inference.wire.link import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, Pong, parse
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "platform" / "demo-model"

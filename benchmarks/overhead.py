@@ -51,11 +51,13 @@ from inference.depth import LINK_DEPTH
 from inference.families import family_for
 from inference.launcher import ClusterOptions, LocalCluster, free_port
 from inference.metrics import BREAKDOWN, HOPS_SPLIT
-from inference.protocol import ExpertRequest, ExpertResult, TokenEvent, decode, encode
+from inference.protocol import decode, encode
 from inference.routing import Routing
 from inference.spec import Settings
 from inference.tiny import make_tiny
 from inference.transport import Endpoint
+from inference.wire.generation import Token
+from inference.wire.runtime import ExpertRequest, ExpertResult
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200, 300, 17, 23], [1, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 ACCEPTANCE_MS = 0.3
@@ -75,7 +77,7 @@ class Shape:
 
 
 def layer_samples(reports: list[dict]) -> list[tuple[float, float]]:
-    """(dispatch_ms, worker_ms) of every decode layer in ``TokenEvent`` step reports."""
+    """(dispatch_ms, worker_ms) of every decode layer in ``Token`` step reports."""
     samples = []
     for report in reports:
         if report is None or report["step"] == 0:
@@ -136,7 +138,7 @@ def run_cluster(model_dir: Path, *, workers: int, shadow: bool, new_tokens: int,
         cluster.generate(prompts[0], 4)  # warm-up: first-call allocations in every process
         for prompt in prompts:
             for event in cluster.client.stream(prompt, new_tokens, idle=cluster.check_processes):
-                if isinstance(event, TokenEvent):
+                if isinstance(event, Token):
                     reports.append(event.step)  # type: ignore[arg-type]
                 elif event.metrics.get("decode_main_between_layers_ms_median") is not None:
                     gaps.append(event.metrics["decode_main_between_layers_ms_median"])

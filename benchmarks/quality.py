@@ -172,7 +172,7 @@ def _teacher_forced_perplexity(model, ids: list[int], before_token: Callable[[in
 
 
 def serve_once(model_dir: Path, strategy: str, threshold: float, prompts, emulation, args, work_dir: Path) -> list:
-    """One fresh cluster of ``strategy``: the same warm-up, then every prompt once (its ``GenerateDone``s).
+    """One fresh cluster of ``strategy``: the same warm-up, then every prompt once (its ``Done``s).
 
     The warm-up is the same every time, so an approximate strategy's caches start alike and it
     gives the same tokens in every repeat.

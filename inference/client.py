@@ -3,7 +3,7 @@
 This is how anything outside the runtime talks to it — the local launcher, and the agent
 that runs a role on a box (its health probes; on main's box the generations too). It
 connects one DEALER link to the role's inbox and speaks the messages of
-``inference.protocol``; every wait is bounded. It holds the keys of the role seat's client
+``inference.wire.runtime``; every wait is bounded. It holds the keys of the role seat's client
 (``inference.curve.client_keys``) and is named "client:<suffix>", so that several clients
 of one seat can be connected at once (``inference.permissions``).
 """
@@ -17,21 +17,12 @@ from collections.abc import Callable, Iterator
 
 from inference.curve import EndpointKeys
 from inference.permissions import client_name
-from inference.protocol import (
-    Cancel,
-    GenerateDone,
-    GenerateError,
-    GenerateRequest,
-    Ping,
-    Pong,
-    SetAlignment,
-    Shutdown,
-    TokenEvent,
-)
 from inference.transport import Endpoint
+from inference.wire.generation import Done, Failed, Generate, Token
+from inference.wire.runtime import Cancel, Ping, Pong, SetAlignment, Shutdown
 
 
-class GenerationFailed(RuntimeError):
+class GenerationError(RuntimeError):
     """Main refused or could not finish a generation; the message is main's reason.
 
     ``busy``: main's batch and queue were full, so the generation never started;
@@ -102,15 +93,14 @@ class RuntimeClient:
         request_id: str | None = None,
         timeout_s: float = 600.0,
         idle: Callable[[], None] | None = None,
-    ) -> Iterator[TokenEvent | GenerateDone]:
+    ) -> Iterator[Token | Done]:
         """Send a generation and yield its tokens as they come, then the final result.
 
         ``idle`` runs whenever nothing arrived for half a second (e.g. to check that the
-        role processes are alive). Raises GenerationFailed with main's reason.
+        role processes are alive). Raises GenerationError with main's reason.
         """
-        request_id = request_id or uuid.uuid4().hex[:12]
-        request = GenerateRequest(
-            request_id=request_id,
+        request = Generate(
+            request_id=request_id or uuid.uuid4().hex[:12],
             prompt_ids=list(prompt_ids),
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
@@ -119,6 +109,13 @@ class RuntimeClient:
             seed=seed,
             user=user,
         )
+        return self.stream_request(request, timeout_s=timeout_s, idle=idle)
+
+    def stream_request(
+        self, request: Generate, *, timeout_s: float = 600.0, idle: Callable[[], None] | None = None
+    ) -> Iterator[Token | Done]:
+        """``stream`` for a ``Generate`` made elsewhere (the control plane's, which the agent hands on as it is)."""
+        request_id = request.request_id
         self.endpoint.send(self._main("generations"), request)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -130,14 +127,14 @@ class RuntimeClient:
             msg = received.msg
             if getattr(msg, "request_id", None) != request_id:
                 continue  # a late answer to an earlier request
-            if isinstance(msg, TokenEvent):
+            if isinstance(msg, Token):
                 yield msg
-            elif isinstance(msg, GenerateDone):
+            elif isinstance(msg, Done):
                 yield msg
                 return
-            elif isinstance(msg, GenerateError):
-                raise GenerationFailed(msg.error, busy=msg.busy, too_many_generations=msg.too_many_generations)
-        raise GenerationFailed(f"the generation did not finish within {timeout_s:.0f} s")
+            elif isinstance(msg, Failed):
+                raise GenerationError(msg.error, busy=msg.busy, too_many_generations=msg.too_many_generations)
+        raise GenerationError(f"the generation did not finish within {timeout_s:.0f} s")
 
     def generate(
         self,
@@ -147,16 +144,16 @@ class RuntimeClient:
         on_token: Callable[[int], None] | None = None,
         during: Callable[[int], None] | None = None,
         **kwargs,
-    ) -> GenerateDone:
+    ) -> Done:
         """Generate and return the result; ``during(n)`` runs after the n-th token arrives."""
         for event in self.stream(prompt_ids, max_new_tokens, **kwargs):
-            if isinstance(event, GenerateDone):
+            if isinstance(event, Done):
                 return event
             if on_token is not None:
                 on_token(event.token_id)
             if during is not None:
                 during(event.index + 1)
-        raise AssertionError("unreachable: stream ends with GenerateDone or raises")
+        raise AssertionError("unreachable: stream ends with Done or raises")
 
     def set_alignment(self, token_period: int, kv_period: int) -> None:
         """New shadow alignment periods, from main's next step on (also mid-generation)."""

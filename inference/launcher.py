@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference.checkpoint import Checkpoint
-from inference.client import GenerationFailed, RuntimeClient
+from inference.client import GenerationError, RuntimeClient
 from inference.curve import EndpointKeys, SeatKeys, client_keys, new_seat_keys, role_keys
-from inference.protocol import GenerateDone
 from inference.sharding import ShardSet, build_shards, shadow_dtypes_to_build
 from inference.spec import Addresses, RoleSpec, Settings, write_private
 from inference.strategies import predictor_for
+from inference.wire.generation import Done
 
 BIND_ATTEMPTS = 3
 
@@ -265,7 +265,7 @@ class LocalCluster:
         *,
         timeout_s: float | None = None,
         **kwargs,
-    ) -> GenerateDone:
+    ) -> Done:
         """Generate through the cluster (see ``RuntimeClient.generate`` for the options).
 
         A worker or the shadow that dies meanwhile is served around by main (``inference.failover``);
@@ -275,7 +275,7 @@ class LocalCluster:
         limit = timeout_s or (self.options.settings.timeout_s * 2 + max_new_tokens * 5)
         try:
             return self.client.generate(prompt_ids, max_new_tokens, timeout_s=limit, idle=self.check_main, **kwargs)
-        except GenerationFailed as exc:
+        except GenerationError as exc:
             self.check_main()  # a dead main is the better explanation
             raise ClusterError(f"generation failed: {exc}") from None
 

@@ -12,9 +12,9 @@ import math
 import statistics
 
 from inference.placement import Placement
-from inference.protocol import ShadowStats, WorkerStats
 from inference.records import LayerRecord, RequestState, StepRecord
 from inference.schedule import recall
+from inference.wire.runtime import ShadowStats, WorkerStats
 
 # The parts of a decode layer's expert round trip, in the order they happen (`layer_breakdown`).
 BREAKDOWN = (

@@ -1,30 +1,37 @@
-"""Every message the runtime's processes exchange over ZeroMQ, and how it is framed.
+"""How the runtime's messages (``inference.wire.runtime``) travel over ZeroMQ: the codec.
 
-A message travels as ``[header, *tensor_frames]``: the header is msgpack (type, deployment
-id, sender, sequence number, the message's plain fields and a dtype/shape descriptor per
-tensor), and each tensor follows as its own raw frame so that big hidden states and KV
-blocks are never copied into the header, and nothing is ever pickled.
+A message travels as ``[header, *tensor_frames]``: the header is msgpack (``v`` the protocol
+version, ``t`` the message's ``TYPE``, the message's plain fields, the envelope, and a
+dtype/shape descriptor per tensor under ``tensors``), and each tensor follows as its own raw
+frame so that big hidden states and KV blocks are never copied into the header, and nothing
+is ever pickled. Emulated links stamp ``deliver_at`` last, so that ``restamp_delivery`` can
+change it in place.
 
-Messages are frozen dataclasses declared once here; ``decode`` validates the header
-against the declared field types and raises ``ProtocolError`` on anything malformed, so a
-receiver can log and drop it.
+The messages are declared once, torch-free, in ``inference.wire``; this module is the torch
+side of them: ``decode`` checks the envelope and the tensors (dtype, shape within ``_MAX_DIMS``
+and ``_MAX_DIM``, bytes against the shape), then lets msgspec's strict conversion validate
+every field against its declaration, and raises ``ProtocolError`` on anything malformed, so
+that a receiver can log and drop it.
+
+Why this way: msgspec builds and checks a message in C (one ``convert`` per message, and one
+``encode`` per header), where the hand-written plans this replaced looped over the fields in
+Python.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import re
 import struct
-import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
+import msgspec
 import torch
 import zmq
 
-from inference.generation_fields import GenerationFields
-from inference.typecheck import Checker, checker, is_optional
+from inference.wire.base import Message, Tensor
+from inference.wire.runtime import RUNTIME_MESSAGES
 
 PROTOCOL_VERSION = 1
 
@@ -41,369 +48,53 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _MAX_DIMS = 8
 _MAX_DIM = 2**40  # far beyond any real tensor; rejects shapes whose size would overflow
 
+# A field declared ``Tensor`` holds a torch.Tensor: what msgspec checks a decoded one against.
+Tensor.register(torch.Tensor)
+
+_REGISTRY: dict[str, type[Message]] = {cls.TYPE: cls for cls in RUNTIME_MESSAGES}
+assert len(_REGISTRY) == len(RUNTIME_MESSAGES), "two runtime messages share a TYPE"
+
 
 class ProtocolError(ValueError):
     """A frame sequence that is not a valid message of this protocol."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Message:
-    """Base of every message: who sent it, for which deployment, in which order."""
-
-    TYPE: ClassVar[str] = ""
-    TENSORS: ClassVar[tuple[str, ...]] = ()
-
-    deployment: str = ""
-    sender: str = ""
-    seq: int = 0
-    # Emulated links only: when the receiver may hand the message on (time.monotonic seconds,
-    # system-wide on Linux); 0 = at once. Stamped per hop by the sending transport.
-    deliver_at: float = 0.0
-
-
-_REGISTRY: dict[str, type[Message]] = {}
-
-
-def message(cls: type[Message]) -> type[Message]:
-    """Register a message class under its ``TYPE``."""
-    assert cls.TYPE and cls.TYPE not in _REGISTRY, cls
-    _REGISTRY[cls.TYPE] = cls
-    return cls
-
-
-# --- lifecycle and health -------------------------------------------------------------
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class Ping(Message):
-    """Health question. ``nonce``, the asker's number for it, comes back in the Pong."""
-
-    TYPE = "ping"
-    nonce: int = 0
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class Pong(Message):
-    """Health answer. ``ready`` is true once the role can serve; ``detail`` says why not.
-
-    The role's memory, measured when it answers: ``host_bytes`` and ``peak_host_bytes`` its
-    process's resident set now and at its highest, ``device_bytes`` what it holds on its GPU
-    (0 on a CPU). ``nonce`` is the Ping's: an asker tells its answer from those to earlier pings.
-    """
-
-    TYPE = "pong"
-    role: str
-    ready: bool
-    detail: str = ""
-    host_bytes: int = 0
-    peak_host_bytes: int = 0
-    device_bytes: int = 0
-    nonce: int = 0
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class Shutdown(Message):
-    TYPE = "shutdown"
-
-
-# --- client <-> main --------------------------------------------------------------------
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class GenerateRequest(Message, GenerationFields):
-    """A client asks main for a generation (its fields: ``inference.generation_fields``)."""
-
-    TYPE = "generate"
-    request_id: str
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class TokenEvent(Message):
-    """A generated token, with what the step that made it did per layer (``metrics.step_report``)."""
-
-    TYPE = "token"
-    request_id: str
-    index: int
-    token_id: int
-    step: dict | None = None
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class GenerateDone(Message):
-    TYPE = "done"
-    request_id: str
-    token_ids: list[int]
-    finish_reason: str
-    metrics: dict
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class GenerateError(Message):
-    """A generation main did not run or could not finish; ``busy``: its batch and queue were full;
-    ``too_many_generations``: its user already had the most generations one user may have in main."""
-
-    TYPE = "error"
-    request_id: str
-    error: str
-    busy: bool = False
-    too_many_generations: bool = False
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class Cancel(Message):
-    TYPE = "cancel"
-    request_id: str
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class SetAlignment(Message):
-    """Change the shadow's alignment periods; applies from the next decode step on.
-
-    A period of 0 means never align. Sent by a client to main, and by main to the shadow
-    with ``from_step`` filled in.
-    """
-
-    TYPE = "set_alignment"
-    token_period: int
-    kv_period: int
-    from_step: int = 0
-
-
-# --- main -> workers / shadow -------------------------------------------------------------
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class Begin(Message):
-    """A session starts (the first of a batch of sequences): workers reset and prefetch their prefill experts."""
-
-    TYPE = "begin"
-    request_id: str
-    prompt_len: int
-    max_new_tokens: int
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class SequenceJoin(Message):
-    """A sequence joins the batch of session ``request_id``: its prefill is session step ``first_step``.
-
-    Main runs several sequences in lockstep, one step each per session step, so the shadow's
-    prediction for the sequence's step ``s`` is one for session step ``first_step + s``.
-    """
-
-    TYPE = "sequence_join"
-    request_id: str
-    sequence: str
-    first_step: int
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class SequenceLeave(Message):
-    """A sequence left the batch of session ``request_id``: session step ``last_step`` ran its
-    last token. The session goes on with the others (its end is ``End``)."""
-
-    TYPE = "sequence_leave"
-    request_id: str
-    sequence: str
-    last_step: int
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class ShadowBegin(Message):
-    """The shadow starts emulating a request: it prefills the prompt on its own."""
-
-    TYPE = "shadow_begin"
-    TENSORS = ("prompt_ids",)
-    request_id: str
-    max_new_tokens: int
-    token_period: int
-    kv_period: int
-    prompt_ids: torch.Tensor
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class Align(Message):
-    """Main's state at the start of decode step ``step``.
-
-    Always carries main's progress; carries main's input token for the step when tokens
-    are aligned at this step, and main's KV cache for positions ``[kv_from, kv_to)`` of
-    every layer (``keys``/``values`` shaped [L, B, kvH, P, D]) when KV is aligned.
-    """
-
-    TYPE = "align"
-    TENSORS = ("keys", "values")
-    request_id: str
-    step: int
-    token: int | None = None
-    kv_from: int = 0
-    kv_to: int = 0
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class ExpertRequest(Message):
-    """Compute these experts for (step, layer); an empty list releases any prefetch.
-
-    ``rows`` holds, segment after segment, hidden-state rows routed to ``experts[i]``:
-    ``counts[i]`` rows starting at row ``offsets[i]`` of that expert's rows, and
-    ``weights`` their routing weights. A long prefill arrives as several such requests
-    (mini-batches); the worker keeps an expert on the device until a ``final`` request
-    for it, the one carrying its last rows. ``previous_step_s`` is how long the session's
-    previous step took as main timed it (0 for its first): every worker of a layer group hears
-    the same periods, and finds its hybrid share from them (``inference.hybrid``).
-    """
-
-    TYPE = "expert_request"
-    TENSORS = ("rows", "weights")
-    request_id: str
-    step: int
-    layer: int
-    experts: list[int]
-    counts: list[int]
-    offsets: list[int]
-    final: bool = True
-    previous_step_s: float = 0.0
-    rows: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class End(Message):
-    """The session (workers) or the sequence (shadow) is over: free everything and report statistics."""
-
-    TYPE = "end"
-    request_id: str
-
-
-# --- workers / shadow -> main -------------------------------------------------------------
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class ExpertResult(Message):
-    """Weighted expert outputs for the request's segments, in the order of its rows."""
-
-    TYPE = "expert_result"
-    TENSORS = ("output",)
-    request_id: str
-    step: int
-    layer: int
-    experts: list[int]
-    counts: list[int]
-    offsets: list[int]
-    output: torch.Tensor
-    wait_ms: float  # time spent waiting for experts to reach the device
-    compute_ms: float  # time spent computing the experts
-    hits: int
-    misses: int
-    # The worker's time from taking the request out of its inbox (decoded) to building this
-    # answer: its wait and compute plus its own Python around them. Main's wait for the answer
-    # less this is the hops (framing, encryption, ZeroMQ, wake-ups, an emulated link).
-    handled_ms: float = 0.0
-    # Of the hops, the worker's time with the request before that: from its frames off the
-    # socket (or its emulated delivery; or its previous answer, if later) to taking it out of its
-    # inbox, its decoding and whatever else the worker handled first. Optional like
-    # ``handled_ms``: an older worker's counts as 0.
-    received_ms: float = 0.0
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class WorkerStats(Message):
-    TYPE = "worker_stats"
-    request_id: str
-    worker: int
-    expert_bytes: int
-    peak_decode_bytes: int
-    peak_prefill_bytes: int
-    loads: int
-    hits: int
-    misses: int
-    wasted_loads: int
-    load_ms: float
-    # A "hot" expert store (inference.hotset): experts read from disk, and served from RAM.
-    disk_reads: int = 0
-    hot_hits: int = 0
-    cpu_experts: int = 0  # hybrid execution: experts computed on the worker's CPU, not copied
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class Prediction(Message):
-    """The shadow's routing for (step, layer): the experts main will most likely pick."""
-
-    TYPE = "prediction"
-    request_id: str
-    step: int
-    layer: int
-    experts: list[int]
-    version: int = 0
-
-
-@message
-@dataclass(frozen=True, kw_only=True)
-class ShadowStats(Message):
-    TYPE = "shadow_stats"
-    request_id: str
-    steps_done: int
-    rewinds: int
-    token_aligns: int
-    kv_aligns: int
-    speculations: int = 0  # steps run ahead of main on the shadow's own guess of main's token
-    speculation_misses: int = 0  # ... of which the guess was wrong and the step was redone
-
-
-# --- framing ----------------------------------------------------------------------------------
-#
-# Every message of a decode step passes here four times (main encodes a request, the worker
-# decodes it, encodes its result, main decodes that), so each message class is compiled once
-# into a ``_Plan``: which fields go into the header, which travel as frames, and a validator
-# per field. Encoding and decoding then only loop over those tuples; no per-message reflection.
-
-_ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
-_EMPTY = b""
-_FLOAT64 = 0xCB  # msgpack's float 64 marker
-_BE_DOUBLE = struct.Struct(">d")
-
-
-@dataclass(frozen=True)
-class _FieldSpec:
-    name: str
-    check: Checker
-    required: bool
-    tensor: bool
 
 
 @dataclass(frozen=True)
 class _Plan:
     """A message class compiled for framing."""
 
-    cls: type[Message]
-    plain: tuple[str, ...]  # header fields, declaration order
-    checks: tuple[tuple[str, Checker, bool], ...]  # (name, validator, required) per header field
+    fields: frozenset[str]  # every field's name, tensors included
     tensors: tuple[tuple[str, bool], ...]  # (name, required) per tensor field, declaration order
     tensor_names: frozenset[str]
-    defaults: dict[str, Any]  # what an absent optional field is
-    plain_init: bool  # True: build instances without running the generated __init__
 
 
-_PLANS: dict[type[Message], _Plan] = {}
+def _plan(cls: type[Message]) -> _Plan:
+    fields = msgspec.structs.fields(cls)
+    tensors = tuple((f.name, f.required) for f in fields if f.name in cls.TENSORS)
+    assert len(tensors) == len(cls.TENSORS), f"{cls.__name__}.TENSORS names a field it has not"
+    return _Plan(frozenset(f.name for f in fields), tensors, frozenset(cls.TENSORS))
+
+
+_PLANS: dict[type[Message], _Plan] = {cls: _plan(cls) for cls in RUNTIME_MESSAGES}
+_EMPTY = b""
+_FLOAT64 = 0xCB  # msgpack's float 64 marker
+_BE_DOUBLE = struct.Struct(">d")
+_ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
+_pack = msgspec.msgpack.Encoder().encode
+
+
+def _no_extensions(code: int, data: bytes) -> None:
+    raise ValueError(f"msgpack extension type {code} is not part of this protocol")
+
+
+def _unpack(header: bytes) -> Any:
+    """The header's msgpack, as plain values: maps keyed by text only (at every depth, as
+    ``msgpack``'s ``strict_map_key`` has it, which msgspec's decoder has not), no extension types
+    (timestamps read as seconds), so that whatever decodes also encodes, and as JSON too."""
+    return msgpack.unpackb(header, raw=False, ext_hook=_no_extensions, timestamp=1)
+
+
+_asdict = msgspec.structs.asdict
 
 
 def encode(
@@ -422,11 +113,11 @@ def encode(
     so that ``restamp_delivery`` can change it in place. Tensor frames share memory with the
     tensors (zmq copies small ones, sends big ones as they are).
     """
-    plan = _PLANS.get(type(msg)) or _plan(type(msg))
-    values = msg.__dict__
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
-    for name in plan.plain:
-        header[name] = values[name]
+    cls = type(msg)
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": cls.TYPE}
+    header.update(_asdict(msg))
+    # The delivery stamp is per hop: only a transport that emulates a link writes it.
+    del header["deliver_at"]
     if deployment is not None:
         header["deployment"] = deployment
     if sender is not None:
@@ -434,17 +125,17 @@ def encode(
     if seq is not None:
         header["seq"] = seq
     tensors: dict[str, Any] = {}
-    header["tensors"] = tensors
-    frames: list[Any] = [b""]
-    for name, _ in plan.tensors:
-        value = values[name]
+    frames: list[Any] = [_EMPTY]
+    for name in cls.TENSORS:
+        value = header.pop(name)
         if value is not None:
-            descriptor, frame = _tensor_frame(msg.TYPE, name, value)
+            descriptor, frame = _tensor_frame(cls.TYPE, name, value)
             tensors[name] = descriptor
             frames.append(frame)
+    header["tensors"] = tensors
     if deliver_at is not None:
         header["deliver_at"] = float(deliver_at)
-    frames[0] = msgpack.packb(header, use_bin_type=True)
+    frames[0] = _pack(header)
     return frames
 
 
@@ -464,20 +155,20 @@ def decode(frames: list[Any]) -> Message:
     if not frames:
         raise ProtocolError("empty message")
     try:
-        header = msgpack.unpackb(_as_bytes(frames[0]), raw=False)
+        header = _unpack(_as_bytes(frames[0]))
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"header is not msgpack: {exc}") from None
     if type(header) is not dict:
         raise ProtocolError("header is not a map")
-    version = header.get("v")
+    version = header.pop("v", None)
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r:.40}, expected {PROTOCOL_VERSION}")
-    type_name = header.get("t")
+    type_name = header.pop("t", None)
     cls = _REGISTRY.get(type_name) if type(type_name) is str else None
     if cls is None:
         raise ProtocolError(f"unknown message type {type_name!r:.40}")
-    plan = _PLANS.get(cls) or _plan(cls)
-    described = header.get("tensors")
+    plan = _PLANS[cls]
+    described = header.pop("tensors", None)
     if type(described) is not dict:
         raise ProtocolError(f"{cls.TYPE}: tensor descriptors missing")
     for name in described:
@@ -485,29 +176,38 @@ def decode(frames: list[Any]) -> Message:
             raise ProtocolError(f"{cls.TYPE}: carries no tensor named {str(name)!r:.40}")
     if len(frames) - 1 != len(described):
         raise ProtocolError(f"{cls.TYPE}: {len(described)} tensors described, {len(frames) - 1} frames sent")
-    values = dict(plan.defaults)
-    for name, check, required in plan.checks:
-        if name in header:
-            value = header[name]
-            if not check(value):
-                raise ProtocolError(f"{cls.TYPE}: field {name!r} has a bad value {value!r:.80}")
-            values[name] = value
-        elif required:
-            raise ProtocolError(f"{cls.TYPE}: field {name!r} missing")
+    # Tensors travel only as frames: a tensor field in the header itself is not one.
+    for name in plan.tensor_names & header.keys():
+        del header[name]
     index = 1
     for name, required in plan.tensors:
         if name in described:
-            values[name] = _tensor(cls.TYPE, name, described[name], frames[index])
+            header[name] = _tensor(cls.TYPE, name, described[name], frames[index])
             index += 1
         elif required:
             raise ProtocolError(f"{cls.TYPE}: tensor {name!r} missing")
-    if not plan.plain_init:
-        return cls(**values)
-    # Every field was validated and defaulted above: fill the frozen instance directly,
-    # which is what its generated __init__ would do, one setattr per field, only slower.
-    msg = object.__new__(cls)
-    msg.__dict__.update(values)
-    return msg
+    # A newer peer's fields (and the link's "type" tag) are not this message's: read past them.
+    for name in header.keys() - plan.fields:
+        del header[name]
+    try:
+        return msgspec.convert(header, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(_explain(cls, header, exc)) from None
+
+
+_MISSING = re.compile(r"Object missing required field `(\w+)`")
+_AT = re.compile(r"at `\$\.(\w+)")
+
+
+def _explain(cls: type[Message], header: dict, exc: msgspec.ValidationError) -> str:
+    """msgspec's reason, said as the rest of this module says it: which field, and its value."""
+    reason = str(exc)
+    if missing := _MISSING.match(reason):
+        return f"{cls.TYPE}: field {missing[1]!r} missing"
+    if at := _AT.search(reason):
+        name = at[1]
+        return f"{cls.TYPE}: field {name!r} has a bad value {header.get(name)!r:.80} ({reason})"
+    return f"{cls.TYPE}: {reason}"
 
 
 def _tensor_frame(type_name: str, name: str, tensor: torch.Tensor) -> tuple[dict[str, Any], Any]:
@@ -558,36 +258,4 @@ def _as_bytes(frame: Any) -> bytes:
     return frame.bytes if type(frame) is zmq.Frame else bytes(frame)
 
 
-def _plan(cls: type[Message]) -> _Plan:
-    """Compile ``cls`` once: each field's validator from its type hints, its default, its role."""
-    specs = _specs(cls)
-    fields = dataclasses.fields(cls)
-    plan = _Plan(
-        cls=cls,
-        # The delivery stamp is per hop: only a transport that emulates a link writes it.
-        plain=tuple(s.name for s in specs if not s.tensor and s.name != "deliver_at"),
-        checks=tuple((s.name, s.check, s.required) for s in specs if not s.tensor),
-        tensors=tuple((s.name, s.required) for s in specs if s.tensor),
-        tensor_names=frozenset(s.name for s in specs if s.tensor),
-        defaults={f.name: f.default for f in fields if f.default is not dataclasses.MISSING},
-        plain_init=all(f.default_factory is dataclasses.MISSING for f in fields) and not hasattr(cls, "__post_init__"),
-    )
-    _PLANS[cls] = plan
-    return plan
-
-
-@functools.cache
-def _specs(cls: type[Message]) -> tuple[_FieldSpec, ...]:
-    """Each field's validator, compiled once per message class from its type hints."""
-    hints = typing.get_type_hints(cls, globalns={**globals(), "torch": torch})
-    specs = []
-    for f in dataclasses.fields(cls):
-        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        tensor = f.name in cls.TENSORS
-        required = not is_optional(hints[f.name]) if tensor else not has_default
-        specs.append(_FieldSpec(f.name, checker(hints[f.name]), required, tensor))
-    return tuple(specs)
-
-
-__all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Message)]
-__all__ += ["PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "restamp_delivery"]
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "restamp_delivery"]

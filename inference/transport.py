@@ -51,7 +51,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from inference.curve import CurveError, EndpointKeys, forget, make_client, make_server
 from inference.permissions import INBOX, LINK, NOTHING, admitted_kinds, permitted, refusal, sender_kind
-from inference.protocol import Message, ProtocolError, decode, encode, restamp_delivery
+from inference.protocol import ProtocolError, decode, encode, restamp_delivery
+from inference.wire.base import Message
 
 log = logging.getLogger(__name__)
 

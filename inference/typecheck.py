@@ -1,6 +1,6 @@
-"""Fast predicates for values decoded from JSON or msgpack, built once from type hints.
+"""Fast predicates for values decoded from JSON, built once from type hints.
 
-Messages and specs declare their fields with plain hints (``int``, ``str | None``,
+The deployment's specs (``inference.spec``) declare their fields with plain hints (``int``, ``str | None``,
 ``list[int]``...); ``checker(hint)`` turns a hint into a predicate that says whether a
 decoded value has that type (``bool`` is not an ``int`` here, an ``int`` is a ``float``).
 Nested dataclasses are not covered: they are checked on their own.
@@ -39,7 +39,3 @@ def checker(hint: Any) -> Checker:
         check_item = checker(item)
         return lambda v: type(v) is list and all(check_item(x) for x in v)
     return lambda v: False
-
-
-def is_optional(hint: Any) -> bool:
-    return isinstance(hint, types.UnionType) and type(None) in hint.__args__

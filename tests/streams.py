@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from inference.client import GenerationFailed, RuntimeClient
+from inference.client import GenerationError, RuntimeClient
 from inference.launcher import LocalCluster
-from inference.protocol import GenerateDone
+from inference.wire.generation import Done
 
 
 def run_streams(
@@ -17,9 +17,9 @@ def run_streams(
     *,
     stagger_s: float = 0.03,
     per_stream: list[dict] | None = None,
-) -> list[GenerateDone | BaseException]:
+) -> list[Done | BaseException]:
     """Each prompt on its own client and thread, started ``stagger_s`` apart (``per_stream``: options)."""
-    results: list[GenerateDone | BaseException] = [RuntimeError("did not run")] * len(prompts)
+    results: list[Done | BaseException] = [RuntimeError("did not run")] * len(prompts)
 
     def stream(i: int) -> None:
         client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
@@ -27,7 +27,7 @@ def run_streams(
             time.sleep(stagger_s * i)
             options = per_stream[i] if per_stream else {}
             results[i] = client.generate(prompts[i], new_tokens[i], timeout_s=180, **options)
-        except (GenerationFailed, TimeoutError) as exc:
+        except (GenerationError, TimeoutError) as exc:
             results[i] = exc
         finally:
             client.close()

@@ -11,7 +11,7 @@ import pytest
 
 from agent import doctor
 from agent.doctor import Check, evaluate_disk, evaluate_gpus, evaluate_packages, evaluate_ports, evaluate_server
-from agent.messages import AGENT_PROTOCOL
+from inference.wire.link import AGENT_PROTOCOL
 
 GIB = 2**30
 

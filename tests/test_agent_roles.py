@@ -7,9 +7,10 @@ import asyncio
 import json
 from pathlib import Path
 
-from agent.messages import CancelGeneration, Generate, GenerationFailed, RoleState, StartRole
 from agent.roles import Roles
 from agent.runtime import MAX_METRICS_BYTES, bounded_metrics
+from inference.wire.generation import Failed, Generate
+from inference.wire.link import CancelGeneration, RoleState, StartRole
 
 
 def start(deployment: str, role: str, worker: int | None = None) -> StartRole:
@@ -47,7 +48,7 @@ def test_roles_are_kept_per_deployment_and_role_name(tmp_path: Path) -> None:
     assert named == ["main", "worker-0", "worker-1"]
     assert after_one == {"main": "failed", "worker-0": "failed", "worker-1": "stopped"}
     assert last == [("dep2-1", "shadow")]
-    refused = [m for m in sent if isinstance(m, GenerationFailed)]
+    refused = [m for m in sent if isinstance(m, Failed)]
     assert len(refused) == 1 and "does not run a ready main for deployment dep9-9" in refused[0].error
     states = [m for m in sent if isinstance(m, RoleState)]
     assert {s.role_name for s in states} == {"main", "worker-0", "worker-1", "shadow"}

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from inference.batching import prefill_pieces
-from inference.client import GenerationFailed, RuntimeClient
+from inference.client import GenerationError, RuntimeClient
 from inference.launcher import ClusterOptions, LocalCluster
-from inference.protocol import GenerateDone
 from inference.spec import Settings
 from inference.strategies import STRATEGIES
+from inference.wire.generation import Done
 from tests.reference import PROMPTS, reference_generate
 from tests.streams import run_streams
 
@@ -52,7 +52,7 @@ def test_every_sequence_of_a_batch_is_token_identical_to_its_own_run(
     with LocalCluster(model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS)
     for i, (want, got) in enumerate(zip(expected, results, strict=True)):
-        assert isinstance(got, GenerateDone), f"stream {i}: {got!r}"
+        assert isinstance(got, Done), f"stream {i}: {got!r}"
         assert got.token_ids == want, f"stream {i} (prompt {STREAM_PROMPTS[i]}): tokens differ from its own run"
         assert got.finish_reason == "length"
     sizes = [r.metrics["max_batch"] for r in results]  # type: ignore[union-attr]
@@ -72,7 +72,7 @@ def test_a_full_batch_makes_requests_wait_and_a_cancel_frees_its_place(
         # A cancelled sequence leaves after its current step; the other one runs on unchanged.
         client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
         try:
-            cancelled: list[GenerateDone] = []
+            cancelled: list[Done] = []
 
             def cancel_after_three(tokens: int) -> None:
                 if tokens == 3:
@@ -89,13 +89,13 @@ def test_a_full_batch_makes_requests_wait_and_a_cancel_frees_its_place(
         finally:
             client.close()
     for i, got in enumerate(results):
-        assert isinstance(got, GenerateDone), f"stream {i}: {got!r}"
+        assert isinstance(got, Done), f"stream {i}: {got!r}"
         assert got.token_ids == expected[i]
         assert got.metrics["max_batch"] <= 2
     assert max(r.metrics["joined_step"] for r in results) > 0  # type: ignore[union-attr]
     (done,) = cancelled
     assert done.finish_reason == "cancelled" and 3 <= len(done.token_ids) < 200
-    assert isinstance(other, GenerateDone) and other.token_ids == expected[7]
+    assert isinstance(other, Done) and other.token_ids == expected[7]
 
 
 def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(tiny_model: Path) -> None:
@@ -106,7 +106,7 @@ def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(tiny_model: Path) 
         together = run_streams(
             cluster, PROMPTS[:4], [16] * 4, stagger_s=0.0, per_stream=[{"seed": seed} | sampling for seed in seeds]
         )
-    assert all(isinstance(r, GenerateDone) for r in together), together
+    assert all(isinstance(r, Done) for r in together), together
     assert [r.token_ids for r in together] == alone  # type: ignore[union-attr]
     assert max(r.metrics["max_batch"] for r in together) >= 2  # type: ignore[union-attr]
 
@@ -119,7 +119,7 @@ def test_fused_batch_arithmetic_serves_a_whole_batch(tiny_model: Path) -> None:
     options = ClusterOptions(workers=2, settings=Settings(strategy="full-cache", batch_arithmetic="fused"))
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS, stagger_s=0.0)
-    assert all(isinstance(r, GenerateDone) for r in results), results
+    assert all(isinstance(r, Done) for r in results), results
     assert [len(r.token_ids) for r in results] == NEW_TOKENS  # type: ignore[union-attr]
     assert max(r.metrics["max_batch"] for r in results) >= 2  # type: ignore[union-attr]
     same = [r.token_ids == want for r, want in zip(results, references(tiny_model), strict=True)]  # type: ignore[union-attr]
@@ -128,7 +128,7 @@ def test_fused_batch_arithmetic_serves_a_whole_batch(tiny_model: Path) -> None:
 
 def test_a_shutdown_ends_the_running_batch_and_tells_its_clients(tiny_model: Path) -> None:
     with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
-        results: list[GenerateDone | BaseException] = []
+        results: list[Done | BaseException] = []
         streams = threading.Thread(
             target=lambda: results.extend(run_streams(cluster, PROMPTS[:2], [600, 600], stagger_s=0.0))
         )
@@ -141,7 +141,7 @@ def test_a_shutdown_ends_the_running_batch_and_tells_its_clients(tiny_model: Pat
         assert main.wait(timeout=30) == 0  # it stopped, cleanly
     assert len(results) == 2
     for result in results:
-        assert isinstance(result, GenerationFailed) and "shutting down" in str(result), result
+        assert isinstance(result, GenerationError) and "shutting down" in str(result), result
 
 
 def test_chunked_prefill_joins_a_long_prompt_in_pieces_between_decode_steps(tiny_model: Path) -> None:
@@ -155,7 +155,7 @@ def test_chunked_prefill_joins_a_long_prompt_in_pieces_between_decode_steps(tiny
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, prompts, new_tokens, stagger_s=0.05)
     for i, (prompt, n, got) in enumerate(zip(prompts, new_tokens, results, strict=True)):
-        assert isinstance(got, GenerateDone), f"stream {i}: {got!r}"
+        assert isinstance(got, Done), f"stream {i}: {got!r}"
         assert got.token_ids == reference_generate(tiny_model, prompt, n, prefill_step=step), f"stream {i}"
         assert got.metrics["prefill_pieces"] == len(prefill_pieces(len(prompt), step))
     long_ones = results[2:]
@@ -178,7 +178,7 @@ def test_main_queues_a_users_requests_up_to_its_bound_and_says_which_limit_refus
     and carol, with nothing running, finds main full. Each refusal says which it is."""
     settings = Settings(max_batch=1, max_waiting=2, max_per_user=2)
     with LocalCluster(tiny_model, ClusterOptions(workers=1, settings=settings)) as cluster:
-        results: dict[str, GenerateDone | BaseException] = {}
+        results: dict[str, Done | BaseException] = {}
         started = threading.Event()
 
         def ask(name: str, user: str) -> None:
@@ -187,7 +187,7 @@ def test_main_queues_a_users_requests_up_to_its_bound_and_says_which_limit_refus
                 results[name] = client.generate(
                     PROMPTS[0], 600, user=user, request_id=name, on_token=lambda _: started.set(), timeout_s=180
                 )
-            except GenerationFailed as exc:
+            except GenerationError as exc:
                 results[name] = exc
             finally:
                 client.close()
@@ -210,8 +210,8 @@ def test_main_queues_a_users_requests_up_to_its_bound_and_says_which_limit_refus
         for thread in (running, *waiting):
             thread.join(timeout=120)
     too_many, full = results["alice-3"], results["carol-1"]
-    assert isinstance(too_many, GenerationFailed) and too_many.too_many_generations and not too_many.busy
+    assert isinstance(too_many, GenerationError) and too_many.too_many_generations and not too_many.busy
     assert "already has 2 generations running or waiting" in str(too_many)
-    assert isinstance(full, GenerationFailed) and full.busy and not full.too_many_generations
+    assert isinstance(full, GenerationError) and full.busy and not full.too_many_generations
     for name in ("alice-1", "alice-2", "bob-1"):  # taken, and ended by the cancel
-        assert isinstance(results[name], GenerateDone) and results[name].finish_reason == "cancelled", results[name]
+        assert isinstance(results[name], Done) and results[name].finish_reason == "cancelled", results[name]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from inference.client import GenerationFailed, RuntimeClient
+from inference.client import GenerationError, RuntimeClient
 from inference.launcher import ClusterOptions, LocalCluster
-from inference.protocol import GenerateDone, TokenEvent
+from inference.wire.generation import Done, Token
 from tests.reference import PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow
@@ -21,13 +21,13 @@ def test_a_second_client_streams_tokens_then_the_result(tiny_model: Path) -> Non
             pong = client.ping(timeout_s=5)
             assert pong is not None and pong.ready and pong.role == "main"
             events = list(client.stream(PROMPTS[1], 12))
-            with pytest.raises(GenerationFailed, match="prompt is empty"):
+            with pytest.raises(GenerationError, match="prompt is empty"):
                 client.generate([], 4)
         finally:
             client.close()
     tokens, done = events[:-1], events[-1]
-    assert all(isinstance(e, TokenEvent) for e in tokens)
-    assert isinstance(done, GenerateDone)
+    assert all(isinstance(e, Token) for e in tokens)
+    assert isinstance(done, Done)
     assert [e.index for e in tokens] == list(range(12))
     assert [e.token_id for e in tokens] == done.token_ids == reference_generate(tiny_model, PROMPTS[1], 12)
 

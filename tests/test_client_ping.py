@@ -8,8 +8,8 @@ import time
 from inference.client import RuntimeClient
 from inference.curve import client_keys, new_seat_keys, role_keys
 from inference.launcher import free_port
-from inference.protocol import Ping, Pong
 from inference.transport import Endpoint
+from inference.wire.runtime import Ping, Pong
 
 DEPLOYMENT = "dep-ping"
 

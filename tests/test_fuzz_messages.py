@@ -15,7 +15,6 @@ readable by the API and the console.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 import torch
 import zmq
@@ -34,12 +34,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from agent import messages as link
 from controlplane.config.asgi import application  # imported first: it configures logging, which caplog follows
 from inference import protocol
 from inference.curve import make_client
 from inference.launcher import ClusterError, ClusterOptions, LocalCluster
 from inference.spec import Settings
+from inference.wire import link, runtime
+from inference.wire.base import Tensor
 from tests.reference import PROMPTS, reference_generate
 
 # Hypothesis keeps its caches under var/ (which git ignores), not in a .hypothesis/ of the checkout;
@@ -115,7 +116,7 @@ def plausible(hint, *, ints, text, junk, tensors=None):
         return st.dictionaries(text, SMALL_INT | ints, max_size=3)
     if hint is dict or origin is dict:
         return st.dictionaries(text, junk, max_size=3)
-    if hint is torch.Tensor and tensors is not None:
+    if hint is Tensor and tensors is not None:
         return tensors
     raise AssertionError(f"the fuzzer has no values for {hint!r}: teach it this message field's type")
 
@@ -127,19 +128,16 @@ def instances(classes, *, ints, text, junk, tensors=None):
         hints = typing.get_type_hints(cls)
         fields = {
             f.name: plausible(hints[f.name], ints=ints, text=text, junk=junk, tensors=tensors)
-            for f in dataclasses.fields(cls)
+            for f in msgspec.structs.fields(cls)
         }
         return st.builds(cls, **fields)
 
     return st.sampled_from(classes).flatmap(of)
 
 
-# --- the runtime's messages (inference.protocol) ------------------------------------------------
+# --- the runtime's messages (inference.wire.runtime) ------------------------------------------------
 
-RUNTIME_MESSAGES = sorted(
-    (c for c in vars(protocol).values() if isinstance(c, type) and issubclass(c, protocol.Message) and c.TYPE),
-    key=lambda c: c.TYPE,
-)
+RUNTIME_MESSAGES = sorted(runtime.RUNTIME_MESSAGES, key=lambda c: c.TYPE)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 DTYPE_NAMES = [str(d).removeprefix("torch.") for d in DTYPES]
 TENSORS = st.builds(
@@ -151,7 +149,9 @@ RUNTIME_TYPES = [c.TYPE for c in RUNTIME_MESSAGES]
 RUNTIME_INSTANCES = instances(
     RUNTIME_MESSAGES, ints=MSGPACK_INT, text=st.text(max_size=16), junk=MSGPACK_VALUES, tensors=TENSORS
 )
-HEADER_KEYS = sorted({"v", "t", "tensors", "extra"} | {f.name for c in RUNTIME_MESSAGES for f in dataclasses.fields(c)})
+HEADER_KEYS = sorted(
+    {"v", "t", "tensors", "extra"} | {f.name for c in RUNTIME_MESSAGES for f in msgspec.structs.fields(c)}
+)
 TENSOR_NAMES = sorted({name for c in RUNTIME_MESSAGES for name in c.TENSORS})
 DESCRIPTORS = st.fixed_dictionaries(
     {
@@ -199,7 +199,7 @@ def runtime_frames(draw, *, envelope: dict | None = None) -> list[bytes]:
     return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
 
 
-def decodes_or_refuses(frames: list) -> protocol.Message | None:
+def decodes_or_refuses(frames: list) -> runtime.Message | None:
     """The message ``frames`` make, None for a ProtocolError; anything else raised fails the test."""
     try:
         msg = protocol.decode(frames)
@@ -249,16 +249,16 @@ def test_random_headers_of_every_type_decode_or_are_refused(header: dict, tensor
 
 @fuzz(100)
 @given(msg=RUNTIME_INSTANCES)
-def test_every_valid_runtime_message_decodes_as_itself(msg: protocol.Message) -> None:
+def test_every_valid_runtime_message_decodes_as_itself(msg: runtime.Message) -> None:
     decoded = decodes_or_refuses(protocol.encode(msg))
     assert decoded is not None and type(decoded) is type(msg)
 
 
-# --- the agent link's messages (agent.messages) -------------------------------------------------
+# --- the agent link's messages (inference.wire.link) -------------------------------------------------
 
 LINK_MESSAGES = sorted(set(link.EVENTS) | set(link.COMMANDS), key=lambda c: c.TYPE)
 LINK_INSTANCES = instances(LINK_MESSAGES, ints=JSON_INT, text=TEXT, junk=JSON_JUNK)
-LINK_FIELDS = sorted({"type", "extra"} | {f.name for c in LINK_MESSAGES for f in dataclasses.fields(c)})
+LINK_FIELDS = sorted({"type", "extra"} | {f.name for c in LINK_MESSAGES for f in msgspec.structs.fields(c)})
 # A box's inventory as an agent reports it (agent.inventory.collect), any entry possibly wrong.
 INVENTORY_KEYS = ["hostname", "cpu_count", "ram_bytes", "disk_free_bytes", "gpus", "shard_bytes", "address"]
 GPU_KEYS = ["index", "name", "memory_bytes", "free_bytes"]
@@ -312,7 +312,7 @@ def mostly(good, *bad):
 
 
 @st.composite
-def expert_requests(draw, hidden: int, experts_per_layer: int, layers: int) -> protocol.ExpertRequest:
+def expert_requests(draw, hidden: int, experts_per_layer: int, layers: int) -> runtime.ExpertRequest:
     """Requests for experts that are nearly right: sizes near the model's, now and then off by one."""
     experts = draw(st.lists(mostly(st.integers(0, experts_per_layer - 1), -1, experts_per_layer), max_size=3))
     n = len(experts) + draw(mostly(st.just(0), 1))
@@ -321,7 +321,7 @@ def expert_requests(draw, hidden: int, experts_per_layer: int, layers: int) -> p
     rows = sum(max(c, 0) for c in counts) + draw(mostly(st.just(0), 1))
     dtype = draw(mostly(st.just(torch.float32), torch.bfloat16, torch.float16, torch.int64))
     width = draw(mostly(st.just(hidden), hidden + 1, 0))
-    return protocol.ExpertRequest(
+    return runtime.ExpertRequest(
         request_id=REQUEST,
         step=draw(st.integers(-1, 3)),
         layer=draw(mostly(st.integers(0, layers - 1), -1, layers)),
@@ -342,16 +342,16 @@ def near_messages(config: dict):
     n_layers, n_experts = config["num_hidden_layers"], config["num_local_experts"]
     steps, layers = st.integers(-1, 3), st.integers(-1, n_layers)
     return st.one_of(
-        st.builds(protocol.Begin, request_id=st.just(REQUEST), prompt_len=ids, max_new_tokens=ids),
-        st.builds(protocol.Prediction, request_id=st.just(REQUEST), step=steps, layer=layers, experts=st.lists(ids)),
-        st.builds(protocol.SequenceJoin, request_id=st.just(REQUEST), sequence=st.just(REQUEST), first_step=steps),
-        st.builds(protocol.SequenceLeave, request_id=st.just(REQUEST), sequence=st.just(REQUEST), last_step=steps),
+        st.builds(runtime.Begin, request_id=st.just(REQUEST), prompt_len=ids, max_new_tokens=ids),
+        st.builds(runtime.Prediction, request_id=st.just(REQUEST), step=steps, layer=layers, experts=st.lists(ids)),
+        st.builds(runtime.SequenceJoin, request_id=st.just(REQUEST), sequence=st.just(REQUEST), first_step=steps),
+        st.builds(runtime.SequenceLeave, request_id=st.just(REQUEST), sequence=st.just(REQUEST), last_step=steps),
         expert_requests(config["hidden_size"], n_experts, n_layers),
-        st.builds(protocol.End, request_id=st.just(REQUEST)),
-        st.builds(protocol.Cancel, request_id=st.just(REQUEST)),
-        st.builds(protocol.SetAlignment, token_period=st.integers(-1, 3), kv_period=st.integers(-1, 3)),
+        st.builds(runtime.End, request_id=st.just(REQUEST)),
+        st.builds(runtime.Cancel, request_id=st.just(REQUEST)),
+        st.builds(runtime.SetAlignment, token_period=st.integers(-1, 3), kv_period=st.integers(-1, 3)),
         st.builds(
-            protocol.GenerateRequest,
+            runtime.Generate,
             request_id=st.just(REQUEST),
             prompt_ids=st.lists(ids, max_size=6),
             max_new_tokens=st.integers(-1, 4) | st.sampled_from([2**31, 2**63 - 1]),
@@ -365,7 +365,7 @@ def near_messages(config: dict):
 
 def probe(
     sock: zmq.Socket, deployment: str, sender: str, seq: int, timeout_s: float = 20.0, *, replies: list | None = None
-) -> protocol.Pong:
+) -> runtime.Pong:
     """Ping over ``sock`` as ``sender`` (the principal of its key) with sequence number ``seq``
     and wait for the answer; what the fuzzing brought back before it goes to ``replies``.
 
@@ -373,13 +373,13 @@ def probe(
     before it was read and handled.
     """
     nonce = int(time.time_ns() % 2**62)
-    sock.send_multipart(protocol.encode(protocol.Ping(nonce=nonce), deployment=deployment, sender=sender, seq=seq))
+    sock.send_multipart(protocol.encode(runtime.Ping(nonce=nonce), deployment=deployment, sender=sender, seq=seq))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if sock.poll(100):
             msg = decodes_or_refuses(sock.recv_multipart())
             assert msg is not None  # what a role sends back is a valid message, whatever it was sent
-            if isinstance(msg, protocol.Pong) and msg.nonce == nonce:
+            if isinstance(msg, runtime.Pong) and msg.nonce == nonce:
                 return msg
             if replies is not None:
                 replies.append(msg.TYPE)
@@ -441,12 +441,12 @@ def fuzz_role(sock: zmq.Socket, frames) -> int:
     def send(frames: list[bytes]) -> None:
         nonlocal sent
         header = _header(frames)
-        if header is not None and header.get("t") == protocol.Shutdown.TYPE:
+        if header is not None and header.get("t") == runtime.Shutdown.TYPE:
             return  # the one message meant to take a role down
         sent += 1
         if header is not None:  # a fresh sequence number (past the first probe's 1): it gets past the transport
             header["seq"] = 1 + sent
-            if header.get("t") == protocol.GenerateRequest.TYPE and _long(header.get("max_new_tokens")):
+            if header.get("t") == runtime.Generate.TYPE and _long(header.get("max_new_tokens")):
                 header["max_new_tokens"] = 8  # a generation of its own, kept short
             frames = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
         sock.send_multipart(frames or [b""])

@@ -15,18 +15,10 @@ import zmq
 
 from inference.curve import CurveKeys, EndpointKeys, make_client
 from inference.launcher import ClusterOptions, LocalCluster
-from inference.protocol import (
-    ExpertRequest,
-    Message,
-    Ping,
-    Pong,
-    Prediction,
-    SetAlignment,
-    ShadowBegin,
-    Shutdown,
-    encode,
-)
+from inference.protocol import encode
 from inference.transport import Endpoint
+from inference.wire.base import Message
+from inference.wire.runtime import ExpertRequest, Ping, Pong, Prediction, SetAlignment, ShadowBegin, Shutdown
 from tests.reference import PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow

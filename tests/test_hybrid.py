@@ -28,10 +28,10 @@ from inference.hybrid import (
 )
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.loader import ExpertLoader
-from inference.protocol import GenerateDone
 from inference.sim.hardware import get_profile
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.spec import Settings, SpecError, validate_settings
+from inference.wire.generation import Done
 from tests.reference import PROMPTS, reference_generate
 from tests.streams import run_streams
 from tests.test_loader import EXPERT_BYTES, MemoryStore, _wait_until
@@ -275,7 +275,7 @@ def test_a_sequence_left_alone_in_its_session_is_planned_again_from_a_step_every
         results = run_streams(cluster, prompts, new_tokens, stagger_s=0.05)
         logs = [(cluster.work_dir / f"worker-{w}.log").read_text() for w in range(2)]
     for prompt, n, result in zip(prompts, new_tokens, results, strict=True):
-        assert isinstance(result, GenerateDone), result
+        assert isinstance(result, Done), result
         assert result.token_ids == reference_generate(tiny_model, prompt, n)
     assert results[1].metrics["max_batch"] == 2  # the short one ran beside the long one
     left = results[1].metrics["joined_step"] + len(results[1].token_ids) - 1  # the session step of its last token

@@ -27,13 +27,13 @@ from inference.prerouter import (
     previous_token_routes,
     save_prerouter,
 )
-from inference.protocol import GenerateDone
 from inference.sharding import build_shards
 from inference.spec import Settings, SpecError, validate_settings
 from inference.store import DiskStore
 from inference.strategies import get_strategy, needed_files, predictor_for
 from inference.tiny import make_tiny
 from inference.train_prerouter import PrerouterRecipe, train_prerouter
+from inference.wire.generation import Done
 from tests.reference import PROMPTS, random_prerouter, reference_generate
 from tests.streams import run_streams
 
@@ -279,7 +279,7 @@ def test_a_batch_under_the_prerouter_gives_each_sequence_its_own_runs_tokens(pre
     with LocalCluster(prerouted, options) as cluster:
         results = run_streams(cluster, prompts, lengths)
     for prompt, n, result in zip(prompts, lengths, results, strict=True):
-        assert isinstance(result, GenerateDone), result
+        assert isinstance(result, Done), result
         assert result.token_ids == prerouted_generate(prerouted, prompt, n)
         assert result.metrics["late_experts"] == 0
     assert max(r.metrics["max_batch"] for r in results) >= 2  # type: ignore[union-attr]

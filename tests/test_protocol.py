@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 import torch
 import zmq
 
 from inference import protocol as P
 from inference.protocol import ProtocolError, decode, encode
+from inference.wire import runtime as W
 
 
 def _gen(dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -24,13 +25,13 @@ def _gen(dtype: torch.dtype, *shape: int) -> torch.Tensor:
     return torch.randint(0, 200, shape, generator=g).to(dtype)
 
 
-def _make(cls: type[P.Message], **fields: Any) -> P.Message:
+def _make(cls: type[W.Message], **fields: Any) -> W.Message:
     """``cls(**fields)``; required fields added to the protocol since this test was written get
     a neutral value of their declared type, so the round-trip still covers them."""
-    hints = typing.get_type_hints(cls, vars(P))
+    hints = typing.get_type_hints(cls)
     neutral = {int: 0, float: 0.0, str: "", bool: False, dict: {}}
-    for f in dataclasses.fields(cls):
-        if f.name in fields or f.default is not dataclasses.MISSING:
+    for f in msgspec.structs.fields(cls):
+        if f.name in fields or not f.required:
             continue
         hint = hints[f.name]
         fields[f.name] = [] if typing.get_origin(hint) is list else neutral.get(hint, torch.zeros(1))
@@ -38,15 +39,15 @@ def _make(cls: type[P.Message], **fields: Any) -> P.Message:
 
 
 # At least one sample per registered type; some types several times (tensors present/absent).
-SAMPLES: list[P.Message] = [
-    _make(P.Ping),
-    _make(P.Ping, deployment="dep", sender="main", seq=2**62),
-    _make(P.Pong, role="worker-3", ready=False, detail="loading shard"),
-    _make(P.Pong, role="main", ready=True),
-    _make(P.Shutdown),
-    _make(P.GenerateRequest, request_id="r1", prompt_ids=[1, 2, 3], max_new_tokens=4),
+SAMPLES: list[W.Message] = [
+    _make(W.Ping),
+    _make(W.Ping, deployment="dep", sender="main", seq=2**62),
+    _make(W.Pong, role="worker-3", ready=False, detail="loading shard"),
+    _make(W.Pong, role="main", ready=True),
+    _make(W.Shutdown),
+    _make(W.Generate, request_id="r1", prompt_ids=[1, 2, 3], max_new_tokens=4),
     _make(
-        P.GenerateRequest,
+        W.Generate,
         request_id="r2",
         prompt_ids=[],
         max_new_tokens=0,
@@ -55,23 +56,23 @@ SAMPLES: list[P.Message] = [
         top_p=0.9,
         seed=1234,
     ),
-    _make(P.TokenEvent, request_id="r", index=0, token_id=31999),
+    _make(W.Token, request_id="r", index=0, token_id=31999),
     _make(
-        P.GenerateDone,
+        W.Done,
         request_id="r",
         token_ids=[5, 6],
         finish_reason="length",
         metrics={"tokens_per_s": 1.5, "nested": {"a": [1, 2]}, "name": "x"},
     ),
-    _make(P.GenerateError, request_id="r", error="boom ✗ unicode"),
-    _make(P.Cancel, request_id="r"),
-    _make(P.SetAlignment, token_period=2, kv_period=0),
-    _make(P.SetAlignment, token_period=1, kv_period=4, from_step=17),
-    _make(P.Begin, request_id="r", prompt_len=9, max_new_tokens=3),
-    _make(P.SequenceJoin, request_id="r", sequence="s", first_step=4),
-    _make(P.SequenceLeave, request_id="r", sequence="s", last_step=9),
+    _make(W.Failed, request_id="r", error="boom ✗ unicode"),
+    _make(W.Cancel, request_id="r"),
+    _make(W.SetAlignment, token_period=2, kv_period=0),
+    _make(W.SetAlignment, token_period=1, kv_period=4, from_step=17),
+    _make(W.Begin, request_id="r", prompt_len=9, max_new_tokens=3),
+    _make(W.SequenceJoin, request_id="r", sequence="s", first_step=4),
+    _make(W.SequenceLeave, request_id="r", sequence="s", last_step=9),
     _make(
-        P.ShadowBegin,
+        W.ShadowBegin,
         request_id="r",
         max_new_tokens=8,
         token_period=1,
@@ -79,16 +80,16 @@ SAMPLES: list[P.Message] = [
         prompt_ids=torch.tensor([[1, 5, 9]], dtype=torch.int64),
     ),
     _make(
-        P.ShadowBegin,
+        W.ShadowBegin,
         request_id="r",
         max_new_tokens=8,
         token_period=1,
         kv_period=2,
         prompt_ids=torch.empty(1, 0, dtype=torch.int64),
     ),
-    _make(P.Align, request_id="r", step=3),
+    _make(W.Align, request_id="r", step=3),
     _make(
-        P.Align,
+        W.Align,
         request_id="r",
         step=4,
         token=77,
@@ -97,10 +98,10 @@ SAMPLES: list[P.Message] = [
         keys=_gen(torch.bfloat16, 2, 1, 2, 2, 8),
         values=_gen(torch.bfloat16, 2, 1, 2, 2, 8),
     ),
-    _make(P.Align, request_id="r", step=5, kv_from=4, kv_to=5, keys=_gen(torch.float16, 2, 1, 2, 1, 8)),
-    _make(P.ExpertRequest, request_id="r", step=1, layer=2, experts=[], counts=[]),
+    _make(W.Align, request_id="r", step=5, kv_from=4, kv_to=5, keys=_gen(torch.float16, 2, 1, 2, 1, 8)),
+    _make(W.ExpertRequest, request_id="r", step=1, layer=2, experts=[], counts=[]),
     _make(
-        P.ExpertRequest,
+        W.ExpertRequest,
         request_id="r",
         step=0,
         layer=1,
@@ -111,7 +112,7 @@ SAMPLES: list[P.Message] = [
         weights=_gen(torch.float32, 3),
     ),
     _make(
-        P.ExpertRequest,
+        W.ExpertRequest,
         request_id="r",
         step=2,
         layer=0,
@@ -120,9 +121,9 @@ SAMPLES: list[P.Message] = [
         rows=torch.empty(0, 16),
         weights=torch.empty(0),
     ),
-    _make(P.End, request_id="r"),
+    _make(W.End, request_id="r"),
     _make(
-        P.ExpertResult,
+        W.ExpertResult,
         request_id="r",
         step=1,
         layer=2,
@@ -133,18 +134,18 @@ SAMPLES: list[P.Message] = [
         misses=0,
     ),
     _make(
-        P.ExpertResult,
+        W.ExpertResult,
         request_id="r",
         step=1,
         layer=2,
         experts=[],
         output=torch.empty(0, 16),
-        wait_ms=0,
+        wait_ms=0.0,
         hits=0,
         misses=0,
     ),
     _make(
-        P.WorkerStats,
+        W.WorkerStats,
         request_id="r",
         worker=1,
         expert_bytes=1 << 40,
@@ -156,15 +157,15 @@ SAMPLES: list[P.Message] = [
         wasted_loads=7,
         load_ms=8.5,
     ),
-    _make(P.Prediction, request_id="r", step=3, layer=4, experts=[0, 7]),
-    _make(P.Prediction, request_id="r", step=3, layer=4, experts=[], version=2),
-    _make(P.ShadowStats, request_id="r", steps_done=10, rewinds=1, token_aligns=10, kv_aligns=5),
+    _make(W.Prediction, request_id="r", step=3, layer=4, experts=[0, 7]),
+    _make(W.Prediction, request_id="r", step=3, layer=4, experts=[], version=2),
+    _make(W.ShadowStats, request_id="r", steps_done=10, rewinds=1, token_aligns=10, kv_aligns=5),
 ]
 
 
-def _assert_same(a: P.Message, b: P.Message) -> None:
+def _assert_same(a: W.Message, b: W.Message) -> None:
     assert type(a) is type(b)
-    for f in dataclasses.fields(a):
+    for f in msgspec.structs.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor), f.name
@@ -184,7 +185,7 @@ def test_samples_cover_every_registered_type() -> None:
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).TYPE)
-def test_round_trip(msg: P.Message) -> None:
+def test_round_trip(msg: W.Message) -> None:
     frames = encode(msg)
     tensors = [getattr(msg, n) for n in msg.TENSORS if getattr(msg, n) is not None]
     assert len(frames) == 1 + len(tensors)
@@ -194,11 +195,11 @@ def test_round_trip(msg: P.Message) -> None:
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).TYPE)
-def test_messages_are_frozen(msg: P.Message) -> None:
-    assert dataclasses.is_dataclass(msg)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+def test_messages_are_frozen(msg: W.Message) -> None:
+    assert type(msg).__struct_config__.frozen
+    with pytest.raises(AttributeError):
         msg.seq = 5  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         msg.deployment = "other"  # type: ignore[misc]
 
 
@@ -206,7 +207,9 @@ def test_messages_are_frozen(msg: P.Message) -> None:
 @pytest.mark.parametrize("shape", [(), (1,), (3, 5), (0,), (0, 4), (4, 0, 2), (2, 3, 4)])
 def test_tensor_dtypes_and_shapes_round_trip(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     output = _gen(dtype, *shape) if shape else _gen(dtype, 1).reshape(())
-    msg = _make(P.ExpertResult, request_id="r", step=0, layer=0, experts=[], output=output, wait_ms=0, hits=0, misses=0)
+    msg = _make(
+        W.ExpertResult, request_id="r", step=0, layer=0, experts=[], output=output, wait_ms=0.0, hits=0, misses=0
+    )
     for frames in (encode(msg), _as_zmq_frames(encode(msg))):
         got = decode(frames)
         _assert_same(msg, got)
@@ -214,7 +217,9 @@ def test_tensor_dtypes_and_shapes_round_trip(dtype: torch.dtype, shape: tuple[in
 
 def test_non_contiguous_tensor_is_sent_as_its_values() -> None:
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    msg = _make(P.ExpertResult, request_id="r", step=0, layer=0, experts=[], output=base.T, wait_ms=0, hits=0, misses=0)
+    msg = _make(
+        W.ExpertResult, request_id="r", step=0, layer=0, experts=[], output=base.T, wait_ms=0.0, hits=0, misses=0
+    )
     got = decode(_as_zmq_frames(encode(msg)))
     assert got.output.shape == (4, 3)
     assert torch.equal(got.output, base.T)
@@ -222,7 +227,9 @@ def test_non_contiguous_tensor_is_sent_as_its_values() -> None:
 
 def test_decoded_tensor_is_writable_and_independent() -> None:
     source = torch.ones(2, 3)
-    msg = _make(P.ExpertResult, request_id="r", step=0, layer=0, experts=[], output=source, wait_ms=0, hits=0, misses=0)
+    msg = _make(
+        W.ExpertResult, request_id="r", step=0, layer=0, experts=[], output=source, wait_ms=0.0, hits=0, misses=0
+    )
     frames = _as_zmq_frames(encode(msg))
     got = decode(frames)
     got.output.add_(1)  # must not raise, nor touch the frame or the source
@@ -232,13 +239,13 @@ def test_decoded_tensor_is_writable_and_independent() -> None:
 
 def test_unsendable_dtype_is_a_protocol_error() -> None:
     msg = _make(
-        P.ExpertResult,
+        W.ExpertResult,
         request_id="r",
         step=0,
         layer=0,
         experts=[],
         output=torch.zeros(2, dtype=torch.float64),
-        wait_ms=0,
+        wait_ms=0.0,
         hits=0,
         misses=0,
     )
@@ -247,7 +254,7 @@ def test_unsendable_dtype_is_a_protocol_error() -> None:
 
 
 def test_encode_stamps_the_envelope_and_keeps_fields() -> None:
-    msg = _make(P.TokenEvent, request_id="r", index=1, token_id=2)
+    msg = _make(W.Token, request_id="r", index=1, token_id=2)
     stamped = decode(encode(msg, deployment="d", sender="main", seq=9))
     assert (stamped.deployment, stamped.sender, stamped.seq) == ("d", "main", 9)
     assert (stamped.request_id, stamped.index, stamped.token_id) == ("r", 1, 2)
@@ -262,16 +269,16 @@ def _header(frames: list[Any]) -> dict:
     return msgpack.unpackb(bytes(frames[0]), raw=False)
 
 
-def _with_header(msg: P.Message, edit) -> list[Any]:
+def _with_header(msg: W.Message, edit) -> list[Any]:
     frames = [bytes(f) for f in encode(msg)]
     header = _header(frames)
     edit(header)
     return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
 
 
-REQUEST = _make(P.GenerateRequest, request_id="r", prompt_ids=[1, 2], max_new_tokens=3, seed=None)
+REQUEST = _make(W.Generate, request_id="r", prompt_ids=[1, 2], max_new_tokens=3, seed=None)
 EXPERTS = _make(
-    P.ExpertRequest,
+    W.ExpertRequest,
     request_id="r",
     step=1,
     layer=0,
@@ -335,13 +342,13 @@ def test_garbage_headers(frames: list[bytes], match: str) -> None:
         (REQUEST, _set("seq", -1.5), "'seq' has a bad value"),
         (REQUEST, _set("sender", 5), "'sender' has a bad value"),
         (
-            _make(P.GenerateDone, request_id="r", token_ids=[], finish_reason="eos", metrics={}),
+            _make(W.Done, request_id="r", token_ids=[], finish_reason="eos", metrics={}),
             _set("metrics", []),
             "'metrics'",
         ),
     ],
 )
-def test_bad_headers(msg: P.Message, edit, match: str) -> None:
+def test_bad_headers(msg: W.Message, edit, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         decode(_with_header(msg, edit))
 
@@ -355,7 +362,7 @@ def test_tensor_frame_count_mismatch() -> None:
     with pytest.raises(ProtocolError, match="0 tensors described, 1 frames"):
         decode(
             [
-                *encode(_make(P.Ping)),
+                *encode(_make(W.Ping)),
                 b"x",
             ]
         )
@@ -406,7 +413,15 @@ def test_bad_tensor_descriptors(descriptor: Any, match: str) -> None:
 
 def test_required_tensor_missing() -> None:
     msg = _make(
-        P.ExpertResult, request_id="r", step=0, layer=0, experts=[], output=torch.zeros(1), wait_ms=0, hits=0, misses=0
+        W.ExpertResult,
+        request_id="r",
+        step=0,
+        layer=0,
+        experts=[],
+        output=torch.zeros(1),
+        wait_ms=0.0,
+        hits=0,
+        misses=0,
     )
     frames = [bytes(f) for f in encode(msg)]
     header = _header(frames)
@@ -463,7 +478,7 @@ def test_undeclared_tensor_descriptor_is_a_protocol_error() -> None:
 
 def test_an_answer_says_how_long_its_worker_had_the_request_and_an_older_one_need_not() -> None:
     answer = _make(
-        P.ExpertResult,
+        W.ExpertResult,
         request_id="r",
         step=1,
         layer=0,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from inference.launcher import ClusterOptions, LocalCluster
-from inference.protocol import GenerateDone, TokenEvent
 from inference.spec import Settings
+from inference.wire.generation import Done, Token
 from tests.reference import PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow
@@ -28,13 +28,13 @@ def stream_killing(cluster: LocalCluster, prompt: list[int], victim: str, after:
     done = None
     for event in cluster.client.stream(prompt, TOKENS, timeout_s=120):
         now = time.monotonic()
-        if isinstance(event, TokenEvent):
+        if isinstance(event, Token):
             tokens.append(event.token_id)
             gaps.append(now - last)
             last = now
             if len(tokens) == after:
                 cluster.processes[victim].kill()
-        elif isinstance(event, GenerateDone):
+        elif isinstance(event, Done):
             done = event
     assert done is not None and done.token_ids == tokens
     assert done.metrics["roles_lost"] == [victim]

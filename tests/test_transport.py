@@ -11,8 +11,10 @@ import torch
 import zmq
 
 from inference.launcher import free_port
-from inference.protocol import Align, Ping, Pong, ProtocolError, TokenEvent, encode
+from inference.protocol import ProtocolError, encode
 from inference.transport import Endpoint, link_schedule
+from inference.wire.generation import Token
+from inference.wire.runtime import Align, Ping, Pong
 
 DEPLOYMENT = "dep-test"
 
@@ -47,9 +49,9 @@ def _stamped(msg, *, deployment: str = DEPLOYMENT, sender: str = "raw", seq: int
 
 
 def _roundtrip_works(server: Endpoint, client: Endpoint) -> None:
-    client.send("server", TokenEvent(request_id="probe", index=1, token_id=2))
+    client.send("server", Token(request_id="probe", index=1, token_id=2))
     got = server.recv(5.0)
-    assert got is not None and isinstance(got.msg, TokenEvent) and got.msg.request_id == "probe"
+    assert got is not None and isinstance(got.msg, Token) and got.msg.request_id == "probe"
 
 
 def test_send_and_reply(pair: tuple[Endpoint, Endpoint, str]) -> None:
@@ -77,7 +79,7 @@ def test_send_and_reply(pair: tuple[Endpoint, Endpoint, str]) -> None:
 def test_order_is_kept_and_seq_increases(pair: tuple[Endpoint, Endpoint, str]) -> None:
     server, client, _ = pair
     for i in range(20):
-        client.send("server", TokenEvent(request_id="r", index=i, token_id=i))
+        client.send("server", Token(request_id="r", index=i, token_id=i))
     got = [server.recv(5.0) for _ in range(20)]
     assert [g.msg.index for g in got] == list(range(20))  # type: ignore[union-attr]
     seqs = [g.msg.seq for g in got]  # type: ignore[union-attr]
@@ -102,8 +104,8 @@ def test_other_deployment_is_dropped_before_later_messages(
 ) -> None:
     server, _, address = pair
     raw_dealer.connect(address)
-    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="x", index=0, token_id=0), deployment="other", seq=1))
-    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="ok", index=1, token_id=1), seq=2))
+    raw_dealer.send_multipart(_stamped(Token(request_id="x", index=0, token_id=0), deployment="other", seq=1))
+    raw_dealer.send_multipart(_stamped(Token(request_id="ok", index=1, token_id=1), seq=2))
     # Order is kept on the connection, so the first message served is the second one sent.
     got = server.recv(5.0)
     assert got is not None and got.msg.request_id == "ok"  # type: ignore[union-attr]
@@ -113,15 +115,15 @@ def test_other_deployment_is_dropped_before_later_messages(
 def test_replayed_message_is_dropped(pair: tuple[Endpoint, Endpoint, str], raw_dealer: zmq.Socket) -> None:
     server, client, address = pair
     raw_dealer.connect(address)
-    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="r", index=0, token_id=0), seq=10))
+    raw_dealer.send_multipart(_stamped(Token(request_id="r", index=0, token_id=0), seq=10))
     first = server.recv(5.0)
     assert first is not None and first.msg.seq == 10
     # The same frames again, then an older one: both stale.
-    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="r", index=0, token_id=0), seq=10))
-    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="r", index=1, token_id=1), seq=3))
+    raw_dealer.send_multipart(_stamped(Token(request_id="r", index=0, token_id=0), seq=10))
+    raw_dealer.send_multipart(_stamped(Token(request_id="r", index=1, token_id=1), seq=3))
     assert server.recv(0.3) is None
     # A newer one passes again.
-    raw_dealer.send_multipart(_stamped(TokenEvent(request_id="r", index=2, token_id=2), seq=11))
+    raw_dealer.send_multipart(_stamped(Token(request_id="r", index=2, token_id=2), seq=11))
     fresh = server.recv(5.0)
     assert fresh is not None and fresh.msg.index == 2  # type: ignore[union-attr]
     # Staleness is per sender: another sender's low numbers are fine.
@@ -262,7 +264,7 @@ def test_a_held_message_was_here_to_be_handled_at_its_delivery_time() -> None:
     server, client = _emulated_pair(address, link_bytes_per_s=None, link_latency_s=0.3)
     try:
         _roundtrip_works(server, client)
-        client.send("server", TokenEvent(request_id="r", index=1, token_id=2))
+        client.send("server", Token(request_id="r", index=1, token_id=2))
         got = server.recv(5.0)
         assert got is not None
         assert got.ready_at == got.msg.deliver_at  # read off the socket before it was due
@@ -301,12 +303,12 @@ def test_back_to_back_messages_queue_on_the_link_and_keep_their_order() -> None:
         _roundtrip_works(server, client)
         start = time.monotonic()
         client.send("server", _payload(MB))
-        client.send("server", TokenEvent(request_id="after", index=1, token_id=1))  # tiny, but queued behind
+        client.send("server", Token(request_id="after", index=1, token_id=1))  # tiny, but queued behind
         first = server.recv(5.0)
         first_at = time.monotonic() - start
         second = server.recv(5.0)
         assert first is not None and isinstance(first.msg, Align)
-        assert second is not None and isinstance(second.msg, TokenEvent)
+        assert second is not None and isinstance(second.msg, Token)
         assert first_at >= 0.105
         assert second.msg.deliver_at >= first.msg.deliver_at
 
@@ -326,13 +328,13 @@ def test_many_emulated_messages_arrive_in_order() -> None:
     server, client = _emulated_pair(address, link_bytes_per_s=50 * MB, link_latency_s=0.002)
     try:
         for i in range(30):
-            client.send("server", TokenEvent(request_id="r", index=i, token_id=i))
+            client.send("server", Token(request_id="r", index=i, token_id=i))
         got = [server.recv(5.0) for _ in range(30)]
         assert [g.msg.index for g in got] == list(range(30))  # type: ignore[union-attr]
         # Replies travel over the server's emulated link back to the client, in order too.
         identity = got[0].identity  # type: ignore[union-attr]
         for i in range(10):
-            server.reply(identity, TokenEvent(request_id="back", index=i, token_id=i))
+            server.reply(identity, Token(request_id="back", index=i, token_id=i))
         back = [client.recv(5.0) for _ in range(10)]
         assert [b.msg.index for b in back] == list(range(10))  # type: ignore[union-attr]
     finally:
@@ -345,7 +347,7 @@ def test_recv_times_out_before_a_held_message_is_due() -> None:
     server, client = _emulated_pair(address, link_latency_s=0.3)
     try:
         start = time.monotonic()
-        client.send("server", TokenEvent(request_id="late", index=0, token_id=0))
+        client.send("server", Token(request_id="late", index=0, token_id=0))
         assert server.recv(0.1) is None  # it arrived, but is not due for another 0.2 s
         assert server.recv(0.0) is None
         got = server.recv(5.0)
@@ -361,10 +363,10 @@ def test_a_held_message_does_not_hold_up_other_connections(pair: tuple[Endpoint,
     slow = Endpoint("slow", DEPLOYMENT, link_latency_s=0.5)
     slow.connect("server", address)
     try:
-        slow.send("server", TokenEvent(request_id="slow", index=0, token_id=0))
+        slow.send("server", Token(request_id="slow", index=0, token_id=0))
         time.sleep(0.05)
         assert server.recv(0.05) is None  # held
-        client.send("server", TokenEvent(request_id="fast", index=0, token_id=0))
+        client.send("server", Token(request_id="fast", index=0, token_id=0))
         got = server.recv(0.3)
         assert got is not None and got.msg.request_id == "fast"  # type: ignore[union-attr]
         later = server.recv(5.0)
@@ -375,11 +377,11 @@ def test_a_held_message_does_not_hold_up_other_connections(pair: tuple[Endpoint,
 
 def test_without_emulation_nothing_is_stamped(pair: tuple[Endpoint, Endpoint, str]) -> None:
     server, client, _ = pair
-    client.send("server", TokenEvent(request_id="r", index=0, token_id=0))
+    client.send("server", Token(request_id="r", index=0, token_id=0))
     assert server.inbox is not None
     frames = server.inbox.recv_multipart()
     assert "deliver_at" not in msgpack.unpackb(frames[1], raw=False)
-    client.send("server", TokenEvent(request_id="r", index=1, token_id=1))
+    client.send("server", Token(request_id="r", index=1, token_id=1))
     got = server.recv(5.0)
     assert got is not None and got.msg.deliver_at == 0.0
 
@@ -395,7 +397,7 @@ def test_zero_link_settings_mean_no_emulation(pair: tuple[Endpoint, Endpoint, st
     plain = Endpoint("plain", DEPLOYMENT, link_bytes_per_s=0.0, link_latency_s=0.0)
     plain.connect("server", address)
     try:
-        plain.send("server", TokenEvent(request_id="r", index=0, token_id=0))
+        plain.send("server", Token(request_id="r", index=0, token_id=0))
         got = server.recv(5.0)
         assert got is not None and got.msg.deliver_at == 0.0
     finally:
@@ -484,7 +486,7 @@ def _all_received(endpoint: Endpoint, wait_s: float = 1.0) -> list:
 
 def test_a_roles_inbox_admits_only_the_principals_that_may_send_on_it(seats, opened, caplog) -> None:
     from inference.curve import EndpointKeys, client_keys, new_keys, role_keys
-    from inference.protocol import Prediction
+    from inference.wire.runtime import Prediction
 
     address = f"tcp://127.0.0.1:{free_port()}"
     _keyed(opened, "worker-0", role_keys("worker-0", seats), bind=address)
@@ -550,7 +552,7 @@ def test_a_message_whose_sender_is_not_its_keys_principal_is_dropped(seats, open
 
 def test_a_principal_may_send_a_role_only_what_the_table_permits(seats, opened, caplog) -> None:
     from inference.curve import client_keys, role_keys
-    from inference.protocol import Prediction, Shutdown
+    from inference.wire.runtime import Prediction, Shutdown
 
     address = f"tcp://127.0.0.1:{free_port()}"
     inbox = _keyed(opened, "worker-0", role_keys("worker-0", seats), bind=address)
@@ -569,7 +571,7 @@ def test_a_principal_may_send_a_role_only_what_the_table_permits(seats, opened, 
 
 def test_on_a_link_only_its_peer_answers_and_only_with_what_it_may(seats, opened, caplog) -> None:
     from inference.curve import role_keys
-    from inference.protocol import Shutdown
+    from inference.wire.runtime import Shutdown
 
     address = f"tcp://127.0.0.1:{free_port()}"
     worker = _keyed(opened, "worker-0", role_keys("worker-0", seats), bind=address)

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from inference.frame_limit import max_frame_bytes_of
-from inference.protocol import Ping, Pong
 from inference.spec import RoleSpec, validate_keys
 from inference.transport import Endpoint, Received
+from inference.wire.runtime import Ping, Pong
 
 log = logging.getLogger(__name__)
 

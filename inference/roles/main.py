@@ -48,28 +48,6 @@ from inference.metrics import build_metrics, reported_ms, step_report
 from inference.model import build_main_model, expert_dims, family_of
 from inference.placement import Placement, placement_from_dict
 from inference.prerouter import SequenceRoutes, attach_lora, load_prerouter, matching_slots, prerouted_weights
-from inference.protocol import (
-    Align,
-    Begin,
-    Cancel,
-    End,
-    ExpertRequest,
-    ExpertResult,
-    GenerateDone,
-    GenerateError,
-    GenerateRequest,
-    Ping,
-    Pong,
-    Prediction,
-    SequenceJoin,
-    SequenceLeave,
-    SetAlignment,
-    ShadowBegin,
-    ShadowStats,
-    Shutdown,
-    TokenEvent,
-    WorkerStats,
-)
 from inference.records import LayerRecord, RequestState, StepRecord
 from inference.roles.common import (
     PeerHealth,
@@ -85,6 +63,25 @@ from inference.sharding import verify_shard
 from inference.spec import RoleSpec, compute_dtype
 from inference.strategies import dispatch_plan, get_strategy, predictor_for
 from inference.transport import Received
+from inference.wire.generation import Done, Failed, Generate, Token
+from inference.wire.runtime import (
+    Align,
+    Begin,
+    Cancel,
+    End,
+    ExpertRequest,
+    ExpertResult,
+    Ping,
+    Pong,
+    Prediction,
+    SequenceJoin,
+    SequenceLeave,
+    SetAlignment,
+    ShadowBegin,
+    ShadowStats,
+    Shutdown,
+    WorkerStats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +152,7 @@ class MainRole:
         self.kv_period = spec.settings.kv_period
         # Continuous batching: the sequences running, the requests waiting for a place.
         self.batch: dict[str, Sequence] = {}
-        self.waiting: deque[tuple[GenerateRequest, bytes]] = deque()
+        self.waiting: deque[tuple[Generate, bytes]] = deque()
         # Cancels that came before their request: a client's cancel travels another connection than
         # its request and may overtake it; the request then ends at once (as many as are remembered).
         self.cancelled_early: OrderedDict[str, None] = OrderedDict()
@@ -242,7 +239,7 @@ class MainRole:
                 self.worker_stats[msg.worker] = msg
         elif isinstance(msg, ShadowStats):
             self.shadow_stats[msg.request_id] = msg
-        elif isinstance(msg, GenerateRequest):
+        elif isinstance(msg, Generate):
             self.admit(msg, received.identity)
         elif isinstance(msg, Shutdown):
             self.stopping = True  # the running batch ends after its step, its clients told why
@@ -267,18 +264,18 @@ class MainRole:
 
     # --- the batch ------------------------------------------------------------------------
 
-    def admit(self, msg: GenerateRequest, client: bytes) -> None:
+    def admit(self, msg: Generate, client: bytes) -> None:
         """Queue a generation, or refuse it at once with the reason."""
         if msg.request_id in self.cancelled_early:
             del self.cancelled_early[msg.request_id]
-            done = GenerateDone(request_id=msg.request_id, token_ids=[], finish_reason="cancelled", metrics={})
+            done = Done(request_id=msg.request_id, token_ids=[], finish_reason="cancelled", metrics={})
             self.endpoint.reply(client, done)
             return
         error = self._check_request(msg)
         if not error and (msg.request_id in self.batch or any(w.request_id == msg.request_id for w, _ in self.waiting)):
             error = f"a generation with id {msg.request_id!r} is already running"
         if error:
-            self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=error))
+            self.endpoint.reply(client, Failed(request_id=msg.request_id, error=error))
             return
         settings = self.spec.settings
         running, waiting = [s.user for s in self.batch.values()], [m.user for m, _ in self.waiting]
@@ -296,7 +293,7 @@ class MainRole:
                 "try again when one ends"
             )
         if error:
-            refusal = GenerateError(
+            refusal = Failed(
                 request_id=msg.request_id,
                 error=error,
                 busy=decision is Admission.FULL,
@@ -316,7 +313,7 @@ class MainRole:
             if entry[0].request_id == request_id:
                 self.waiting.remove(entry)
                 self.endpoint.reply(
-                    entry[1], GenerateDone(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
+                    entry[1], Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
                 )
                 return
         self.cancelled_early[request_id] = None  # not here yet (or long done): its request may still come
@@ -337,7 +334,7 @@ class MainRole:
                 self._abort(sequence, reason)
             while self.waiting:
                 msg, client = self.waiting.popleft()
-                self.endpoint.reply(client, GenerateError(request_id=msg.request_id, error=reason))
+                self.endpoint.reply(client, Failed(request_id=msg.request_id, error=reason))
             if self.session:
                 self._end_session()
 
@@ -427,7 +424,7 @@ class MainRole:
         while (received := self.endpoint.recv(timeout_s=0.0)) is not None:
             handle_safely(self.handle_side_message, received)
 
-    def _begin_session(self, first: GenerateRequest) -> None:
+    def _begin_session(self, first: Generate) -> None:
         self.session = f"session-{uuid.uuid4().hex[:12]}"
         self.step = -1
         self.worker_stats.clear()
@@ -468,7 +465,7 @@ class MainRole:
             else:
                 log.error("generation %s failed", state.request_id, exc_info=exc)
                 error = f"{type(exc).__name__}: {exc}"
-            self.endpoint.reply(state.client, GenerateError(request_id=state.request_id, error=error))
+            self.endpoint.reply(state.client, Failed(request_id=state.request_id, error=error))
             return
         generated = sequence.result[0, state.prompt_len :].tolist()  # type: ignore[index]
         finish_reason = "length"
@@ -490,9 +487,7 @@ class MainRole:
         metrics["max_batch"] = max((step.batch for step in state.steps), default=1)
         self.endpoint.reply(
             state.client,
-            GenerateDone(
-                request_id=state.request_id, token_ids=generated, finish_reason=finish_reason, metrics=metrics
-            ),
+            Done(request_id=state.request_id, token_ids=generated, finish_reason=finish_reason, metrics=metrics),
         )
 
     def _abort(self, sequence: Sequence, reason: str) -> None:
@@ -501,7 +496,7 @@ class MainRole:
             sequence.answer_with(None, abort=reason)
         self._finish(sequence)
 
-    def _check_request(self, msg: GenerateRequest) -> str:
+    def _check_request(self, msg: Generate) -> str:
         if not self.health.ready:
             return f"the cluster is not ready: waiting for {', '.join(sorted(self.health.waiting))}"
         if not msg.prompt_ids:
@@ -523,7 +518,7 @@ class MainRole:
             )
         return ""
 
-    def _generate(self, sequence: Sequence, msg: GenerateRequest, prompt: torch.Tensor) -> torch.Tensor:
+    def _generate(self, sequence: Sequence, msg: Generate, prompt: torch.Tensor) -> torch.Tensor:
         """The sequence's thread: Transformers' ``generate``, exactly as for one sequence alone."""
         enter_sequence(sequence)
         state = sequence.state
@@ -565,7 +560,7 @@ class MainRole:
         report = step_report(state.steps[-1], self.placement) if state.steps else None
         self.endpoint.reply(
             state.client,
-            TokenEvent(request_id=state.request_id, index=len(state.generated) - 1, token_id=token, step=report),
+            Token(request_id=state.request_id, index=len(state.generated) - 1, token_id=token, step=report),
         )
         next_step = len(state.generated)
         if self.shadow_serving and next_step < state.max_new_tokens:

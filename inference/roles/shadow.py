@@ -22,7 +22,6 @@ from inference import schedule
 from inference.constants import SHADOW_STATES_PER_SEQUENCE
 from inference.model import expert_dims, load_config, routers
 from inference.placement import placement_from_dict
-from inference.protocol import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
 from inference.roles.common import (
     answer_ping,
     connect_peers,
@@ -36,6 +35,7 @@ from inference.shadow_model import CAST_DTYPES, build_shadow_model
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec
 from inference.transport import Received
+from inference.wire.runtime import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
 
 log = logging.getLogger(__name__)
 

@@ -42,17 +42,6 @@ from inference.hybrid import (
 )
 from inference.loader import ExpertLoader, Key, Resident
 from inference.placement import placement_from_dict
-from inference.protocol import (
-    Begin,
-    End,
-    ExpertRequest,
-    ExpertResult,
-    Prediction,
-    SequenceJoin,
-    SequenceLeave,
-    Shutdown,
-    WorkerStats,
-)
 from inference.roles.common import answer_ping, handle_safely, open_endpoint, release_free_heap, setup_process
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec, compute_dtype
@@ -65,6 +54,17 @@ from inference.strategies import (
     prefill_prefetch,
 )
 from inference.transport import Received
+from inference.wire.runtime import (
+    Begin,
+    End,
+    ExpertRequest,
+    ExpertResult,
+    Prediction,
+    SequenceJoin,
+    SequenceLeave,
+    Shutdown,
+    WorkerStats,
+)
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from django.test import override_settings
 from django.utils import timezone
 
 from agent.backoff import reconnect_delay
-from agent.messages import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, parse
 from controlplane.config.asgi import application
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes
 from controlplane.ops.processes import http_up
 from inference.launcher import free_port
+from inference.wire.link import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, parse
 from tests.controlplane.conftest import redis_channel_layers
 from tests.controlplane.live import database_url
 
@@ -372,8 +372,8 @@ def test_a_node_relays_only_generations_it_was_given(channel_layer_on_test_redis
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
 
-    from agent.messages import Generate, GenerationDone, GenerationToken
     from controlplane.nodes.consumers import generation_group, node_group
+    from inference.wire.generation import Done, Generate, Token
 
     node, secret = enrolled()
 
@@ -385,14 +385,14 @@ def test_a_node_relays_only_generations_it_was_given(channel_layer_on_test_redis
         comm = communicator(f"Node {node.pk}:{secret}")
         assert (await comm.connect())[0]
         # Not given r2: its "tokens" are dropped.
-        await comm.send_json_to(GenerationToken(request_id="r2", index=0, token_id=7).to_json())
+        await comm.send_json_to(Token(request_id="r2", index=0, token_id=7).to_json())
         command = Generate(request_id="r1", deployment="dep1-1", prompt_ids=[1, 2], max_new_tokens=2).to_json()
         await layer.group_send(node_group(str(node.pk)), {"type": "agent.command", "command": command})
         assert await comm.receive_json_from(timeout=5) == command
-        await comm.send_json_to(GenerationToken(request_id="r1", index=0, token_id=5).to_json())
-        done = GenerationDone(request_id="r1", token_ids=[5, 6], finish_reason="length", metrics={})
+        await comm.send_json_to(Token(request_id="r1", index=0, token_id=5).to_json())
+        done = Done(request_id="r1", token_ids=[5, 6], finish_reason="length", metrics={})
         await comm.send_json_to(done.to_json())
-        await comm.send_json_to(GenerationToken(request_id="r1", index=2, token_id=9).to_json())  # after done
+        await comm.send_json_to(Token(request_id="r1", index=2, token_id=9).to_json())  # after done
         relayed = []
         with contextlib.suppress(TimeoutError):
             while True:
@@ -411,8 +411,8 @@ def test_a_link_that_closes_mid_generation_fails_it_as_retryable_at_once(channel
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
 
-    from agent.messages import Generate
     from controlplane.nodes.consumers import generation_group, node_group
+    from inference.wire.generation import Generate
 
     node, secret = enrolled()
 
@@ -550,11 +550,11 @@ def test_a_hostile_node_flooding_its_link_gets_bounded_rows_and_an_answering_lin
 
     from websockets.asyncio.client import connect
 
-    from agent.messages import AGENT_PROTOCOL, MEMORY_FIGURES, PROTOCOL_HEADER, RUNTIME_METRICS
     from controlplane.artifacts.services import register_model
     from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, Role
     from controlplane.nodes.inventory import ENTRIES
     from controlplane.nodes.models import NodeTask
+    from inference.wire.link import AGENT_PROTOCOL, MEMORY_FIGURES, PROTOCOL_HEADER, RUNTIME_METRICS
 
     node, secret = enrolled("hostile")
     deployment = Deployment.objects.create(

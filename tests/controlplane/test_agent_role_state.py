@@ -1,6 +1,6 @@
 """What an agent says about its running role: state, readiness and memory, without a role process.
 
-``RoleRunner`` hears its role's health answers (``inference.protocol.Pong``) and turns them
+``RoleRunner`` hears its role's health answers (``inference.wire.runtime.Pong``) and turns them
 into ``RoleState`` events; these tests feed it answers and read what it would send.
 """
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.messages import EVENTS, MessageError, RoleState, StartRole, parse
 from agent.runtime import RoleRunner, memory_changed
-from inference.protocol import Pong
+from inference.wire.link import EVENTS, MessageError, RoleState, StartRole, parse
+from inference.wire.runtime import Pong
 
 MB = 2**20
 GB = 2**30

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from agent.credentials import NodeCredential
-from agent.messages import StartRole
 from agent.roles import Roles
 from agent.runtime import RoleRunner
 from controlplane.artifacts.services import build_model_shards, register_model
@@ -25,6 +25,7 @@ from controlplane.nodes.models import NodeTask
 from controlplane.nodes.services import create_join_token, enroll_node
 from inference.curve import new_seat_keys, role_keys
 from inference.launcher import free_port
+from inference.wire.link import StartRole
 
 DEPLOYMENT = "dep1-1"
 
@@ -116,7 +117,7 @@ def test_a_roles_spec_file_goes_when_the_role_stops_when_the_agent_stops_and_whe
 def _bad_client_keys(model_id: int) -> StartRole:
     command = start_worker(model_id)
     other = new_seat_keys(["worker-0"])["worker-0"]
-    return StartRole(**{**asdict(command), "client_keys": {**command.client_keys, "secret": other.client.secret}})
+    return msgspec.structs.replace(command, client_keys={**command.client_keys, "secret": other.client.secret})
 
 
 def test_spec_files_an_agent_left_behind_go_when_the_next_agent_starts(tmp_path: Path) -> None:

@@ -15,13 +15,13 @@ from django.test import Client, override_settings
 from rest_framework.test import APIClient
 
 import inference
-from agent.messages import AGENT_PROTOCOL, CLOSE_PROTOCOL_MISMATCH, LINK_PATH, PROTOCOL_HEADER
 from controlplane.artifacts.services import register_model
 from controlplane.config.asgi import application
 from controlplane.console.snapshot import snapshot
 from controlplane.nodes.inventory import clean_inventory, doctor_problems
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import create_join_token, enroll_node
+from inference.wire.link import AGENT_PROTOCOL, CLOSE_PROTOCOL_MISMATCH, LINK_PATH, PROTOCOL_HEADER
 from tests.controlplane.conftest import redis_channel_layers
 
 GIB = 2**30

@@ -19,7 +19,6 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
-from agent.messages import AGENT_PROTOCOL, COMMANDS, LINK_PATH, PROTOCOL_HEADER, RoleState, StartRole, StopRole, parse
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.artifacts.services import register_model
 from controlplane.config.asgi import application
@@ -35,6 +34,16 @@ from controlplane.nodes.services import create_join_token, enroll_node, expire_s
 from inference.curve import CurveKeys, check_keys, endpoint_keys_from_json
 from inference.sharding import verify_shard
 from inference.spec import RoleSpec, validate_spec
+from inference.wire.link import (
+    AGENT_PROTOCOL,
+    COMMANDS,
+    LINK_PATH,
+    PROTOCOL_HEADER,
+    RoleState,
+    StartRole,
+    StopRole,
+    parse,
+)
 
 # --- the peer table: pure decisions ----------------------------------------------------------
 

@@ -218,10 +218,10 @@ def test_a_websocket_frame_past_the_cap_closes_the_socket_before_a_consumer_read
     from channels.layers import channel_layers
     from channels.testing import WebsocketCommunicator
 
-    from agent.messages import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER
     from controlplane.config.asgi import application
     from controlplane.nodes.models import NodeStatus
     from controlplane.nodes.services import create_join_token, enroll_node
+    from inference.wire.link import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER
 
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
     channel_layers.backends.clear()

@@ -123,8 +123,8 @@ def test_the_agent_never_starts_a_role_on_a_shard_that_fails_verification(
 ) -> None:
     import asyncio
 
-    from agent.messages import RoleState, StartRole, TaskDone
     from agent.runtime import RoleRunner
+    from inference.wire.link import RoleState, StartRole, TaskDone
 
     node, secret = node_auth
     grant(node, shards.pk, "worker-0")

@@ -14,13 +14,14 @@ import pytest
 from asgiref.sync import async_to_sync
 from channels.testing import WebsocketCommunicator
 
-from agent.messages import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, GenerationDone, RoleState, TaskDone
 from controlplane.artifacts.services import register_model
 from controlplane.config.asgi import application
 from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 from controlplane.nodes.models import Node, NodeTask, TaskState
 from controlplane.nodes.services import create_join_token, enroll_node
 from controlplane.storable import REPLACEMENT, storable_json, storable_text
+from inference.wire.generation import Done
+from inference.wire.link import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, RoleState, TaskDone
 
 R = REPLACEMENT
 
@@ -102,7 +103,7 @@ def test_a_generated_nul_is_kept_in_a_chat_answer_and_a_job_output(tiny_model: P
 
 @pytest.mark.django_db(transaction=True)
 def test_a_finish_reason_main_never_sends_fails_the_generation(channel_layer_on_test_redis, tiny_model: Path) -> None:
-    from controlplane.deployments.generation import ClusterGenerationError, GenerationRequest, astream
+    from controlplane.deployments.generation import ClusterGenerationError, astream, new_request
 
     node, secret = enrolled()
     deployment = Deployment.objects.create(
@@ -113,12 +114,12 @@ def test_a_finish_reason_main_never_sends_fails_the_generation(channel_layer_on_
     async def session() -> str:
         comm = link(node, secret)
         assert (await comm.connect())[0]
-        request = GenerationRequest(prompt_ids=[1, 2], max_new_tokens=2)
+        request = new_request(prompt_ids=[1, 2], max_new_tokens=2)
         # The first event is awaited in the background: it sends the command down the link first.
         first = asyncio.ensure_future(astream(deployment.pk, request).__anext__())
         command = await comm.receive_json_from(timeout=10)
         assert command["type"] == "generate" and command["request_id"] == request.request_id
-        done = GenerationDone(request_id=request.request_id, token_ids=[5], finish_reason="x" * 40, metrics={})
+        done = Done(request_id=request.request_id, token_ids=[5], finish_reason="x" * 40, metrics={})
         await comm.send_json_to(done.to_json())
         try:
             await first

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from agent import credentials
-from agent.messages import LINK_PATH
 from agent.tls import probe_certificate
 from controlplane.artifacts.services import build_model_shards, register_model
 from controlplane.nodes.agent_wheel import requirements
@@ -23,6 +22,7 @@ from controlplane.nodes.tls import enroll_commands
 from controlplane.ops.processes import Child, ProcessGroup, agent_argv, python_env, wait_until
 from inference.launcher import free_port
 from inference.sharding import verify_shard
+from inference.wire.link import LINK_PATH
 from tests.certificates import ServerIdentity, server_identity
 from tests.controlplane.isolated import REPO, as_ordinary_user, link_dependencies
 from tests.controlplane.live import database_url

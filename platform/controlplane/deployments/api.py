@@ -320,7 +320,7 @@ class DeploymentGenerateApi(APIView):
         data.is_valid(raise_exception=True)
         request_fields = {**data.validated_data, "user": str(request.user.pk)}  # main bounds each user's
         try:
-            done = generation.generate(deployment_id, generation.GenerationRequest(**request_fields))
+            done = generation.generate(deployment_id, generation.new_request(**request_fields))
         except generation.ClusterUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         except generation.TooManyGenerations as exc:

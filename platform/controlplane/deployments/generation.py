@@ -1,8 +1,9 @@
 """Generate through the cluster: send a request to a deployment's main node, yield tokens as they come.
 
-The request goes down the main node's agent link (``Generate``); the agent runs it on main
-and sends tokens back up, and the link's consumer relays them to the channel-layer group
-``generation.<request_id>``, where ``astream`` listens. ``stream`` is the same for
+The request (``inference.wire.generation.Generate``) goes down the main node's agent link; the
+agent hands it to main and sends main's events (``Token``, ``Done``, ``Failed``) back up as they
+are, and the link's consumer relays them to the channel-layer group ``generation.<request_id>``,
+where ``astream`` listens. ``stream`` is the same for
 synchronous callers (Celery tasks, views): it runs ``astream`` on its own event loop in a
 thread and hands events over through a queue.
 """
@@ -14,23 +15,16 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 from channels import DEFAULT_CHANNEL_LAYER
 from channels.db import database_sync_to_async
 from channels.layers import BaseChannelLayer, channel_layers, get_channel_layer
 
-from agent.messages import (
-    GENERATION_EVENTS,
-    CancelGeneration,
-    Generate,
-    GenerationDone,
-    GenerationFailed,
-    GenerationToken,
-    parse,
-)
 from controlplane.nodes.consumers import generation_group, node_group
-from inference.generation_fields import GenerationFields
+from inference.wire.generation import GENERATION_EVENTS, Done, Failed, Generate, Token
+from inference.wire.link import CancelGeneration, parse
 
 from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 
@@ -73,11 +67,10 @@ class TooManyGenerations(ClusterGenerationError):
         super().__init__(message, retryable=True)
 
 
-@dataclass(frozen=True, kw_only=True)
-class GenerationRequest(GenerationFields):
-    """A generation the control plane sends to a deployment (its fields: ``inference.generation_fields``)."""
-
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+def new_request(**fields: Any) -> Generate:
+    """A generation to send to a deployment, under a fresh request id unless ``fields`` name one
+    (``astream`` fills in the deployment's runtime key)."""
+    return Generate(**{"request_id": uuid.uuid4().hex, **fields})
 
 
 def can_serve(deployment: Deployment) -> bool:
@@ -112,15 +105,15 @@ def _main_node(deployment_id: int) -> str:
 
 
 async def astream(
-    deployment_id: int, request: GenerationRequest, *, layer: BaseChannelLayer | None = None
-) -> AsyncIterator[GenerationToken | GenerationDone]:
+    deployment_id: int, request: Generate, *, layer: BaseChannelLayer | None = None
+) -> AsyncIterator[Token | Done]:
     """Tokens as main produces them, then the result with its metrics; raises on failure."""
     node_id, key = await database_sync_to_async(_target, thread_sensitive=False)(deployment_id)
     layer = layer or get_channel_layer()
     channel = await layer.new_channel()
     group = generation_group(request.request_id)
     await layer.group_add(group, channel)
-    command = Generate(request_id=request.request_id, deployment=key, **request.generation_fields())
+    command = msgspec.structs.replace(request, deployment=key)
     try:
         await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
         timeout = FIRST_EVENT_TIMEOUT_S
@@ -131,17 +124,17 @@ async def astream(
                 raise ClusterGenerationError(f"no answer from the cluster within {timeout:.0f} s") from None
             timeout = NEXT_EVENT_TIMEOUT_S
             event = parse(message["event"], allowed=GENERATION_EVENTS)
-            if isinstance(event, GenerationFailed):
+            if isinstance(event, Failed):
                 if event.too_many_generations:
                     raise TooManyGenerations(event.error)
                 if event.busy:
                     raise ClusterBusy(event.error)
                 raise ClusterGenerationError(event.error, retryable=event.retryable)
-            if isinstance(event, GenerationDone) and event.finish_reason not in FINISH_REASONS:
+            if isinstance(event, Done) and event.finish_reason not in FINISH_REASONS:
                 reason = f"{event.finish_reason!r:.40}"
                 raise ClusterGenerationError(f"main ended the generation with an unknown finish reason {reason}")
             yield event
-            if isinstance(event, GenerationDone):
+            if isinstance(event, Done):
                 return
     finally:
         await layer.group_discard(group, channel)
@@ -154,7 +147,7 @@ async def acancel(deployment_id: int, request_id: str) -> None:
     await get_channel_layer().group_send(node_group(node_id), {"type": "agent.command", "command": command})
 
 
-def stream(deployment_id: int, request: GenerationRequest) -> Iterator[GenerationToken | GenerationDone]:
+def stream(deployment_id: int, request: Generate) -> Iterator[Token | Done]:
     """``astream`` for synchronous code."""
     events: queue.Queue = queue.Queue()
     end = object()
@@ -181,10 +174,10 @@ def stream(deployment_id: int, request: GenerationRequest) -> Iterator[Generatio
     thread.join()
 
 
-def generate(deployment_id: int, request: GenerationRequest) -> GenerationDone:
+def generate(deployment_id: int, request: Generate) -> Done:
     """The whole generation (synchronous)."""
     for event in stream(deployment_id, request):
-        if isinstance(event, GenerationDone):
+        if isinstance(event, Done):
             return event
     raise ClusterGenerationError("the cluster ended the generation without a result")
 

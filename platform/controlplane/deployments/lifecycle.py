@@ -17,7 +17,6 @@ from datetime import timedelta
 from django.db import transaction
 from django.utils import timezone
 
-from agent.messages import MEMORY_FIGURES, ApplyAlignment, StartRole, StopRole
 from controlplane.artifacts.services import (
     ModelError,
     build_model_shards,
@@ -31,6 +30,7 @@ from controlplane.storable import storable_json, storable_text
 from inference.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
 from inference.memory import gpu_index
 from inference.settings import DeploymentSettings
+from inference.wire.link import MEMORY_FIGURES, ApplyAlignment, StartRole, StopRole
 
 from .models import RUNNING, SETTINGS_COLUMNS, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 from .peers import PeerError, Seat, peer_table, pick_ports

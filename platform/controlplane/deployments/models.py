@@ -44,7 +44,7 @@ RUNNING = (DeploymentStatus.DEPLOYING, DeploymentStatus.READY, DeploymentStatus.
 
 
 class MemberState(models.TextChoices):
-    """How one node's role is doing, as its agent reports it (``agent.messages.ROLE_STATES``)."""
+    """How one node's role is doing, as its agent reports it (``inference.wire.link.ROLE_STATES``)."""
 
     PENDING = "pending", "pending"
     FETCHING = "fetching", "fetching its shard"

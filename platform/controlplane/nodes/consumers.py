@@ -2,7 +2,7 @@
 
 The agent opens it with its node credential in the ``Authorization`` header; anything
 else is refused before the socket is accepted. Events are validated with
-``agent.messages`` and each calls one service; commands for a node reach its socket
+``inference.wire.link`` and each calls one service; commands for a node reach its socket
 through the channel-layer group ``node.<id>`` (a ``{"type": "agent.command", ...}`` event).
 
 Generation events are relayed to the group ``generation.<request_id>``, where the caller
@@ -19,17 +19,14 @@ from collections.abc import Callable
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from agent.messages import (
+from inference.wire.generation import GENERATION_EVENTS, Failed, Generate, Token
+from inference.wire.link import (
     AGENT_PROTOCOL,
     CLOSE_PROTOCOL_MISMATCH,
     EVENTS,
     FIRST_AGENT_PROTOCOL,
-    GENERATION_EVENTS,
     PROTOCOL_HEADER,
     CredentialSaved,
-    Generate,
-    GenerationFailed,
-    GenerationToken,
     Heartbeat,
     MessageError,
     RoleState,
@@ -133,7 +130,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         """Generations sent down this link and not finished will never be answered on it: their
         callers hear at once that the same request can be tried again, instead of timing out."""
         for request_id in list(self.generations):
-            failed = GenerationFailed(
+            failed = Failed(
                 request_id=request_id, error="the link to main's node closed mid-generation", retryable=True
             )
             await self.channel_layer.group_send(
@@ -231,7 +228,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def agent_command(self, event: dict) -> None:
         """A command for this node from a service or task: forward it to the agent."""
         command = event["command"]
-        if command.get("type") == Generate.TYPE:
+        if command.get("type") == Generate.TAG:
             self.generations[command["request_id"]] = command["deployment"]
         try:
             await self.send_json(command)
@@ -245,12 +242,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             log.warning("node %s sent an event for a generation it was not given", self.node_id)
             return
         deployment = self.generations[event.request_id]
-        if not isinstance(event, GenerationToken):
+        if not isinstance(event, Token):
             del self.generations[event.request_id]
         await self.channel_layer.group_send(
             generation_group(event.request_id), {"type": "generation.event", "event": event.to_json()}
         )
-        if isinstance(event, GenerationToken) and event.step is not None:
+        if isinstance(event, Token) and event.step is not None:
             step = {"deployment": deployment, "request_id": event.request_id, "index": event.index, "step": event.step}
             await self.channel_layer.group_send(STEPS_GROUP, {"type": "cluster.step", **step})
 

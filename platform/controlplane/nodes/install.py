@@ -22,9 +22,9 @@ from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
-from agent.messages import AGENT_PROTOCOL
 from controlplane.nodes.agent_wheel import served_wheel, version
 from controlplane.nodes.tls import server_pin, upgrade_command
+from inference.wire.link import AGENT_PROTOCOL
 
 SERVER_PLACEHOLDER = "@SERVER@"
 SHA256_PLACEHOLDER = "@AGENT_SHA256@"

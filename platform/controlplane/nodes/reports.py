@@ -4,7 +4,7 @@ link holds until the database has them.
 An agent's link is its node credential's to write with: a buggy or hostile agent can send
 role reports with fields nobody reads, figures of any size, and frames as fast as the socket
 takes them. ``clean_role_report`` keeps a report's known fields only, each within its size
-(``metrics`` and ``memory`` by the names the runtime reports, ``agent.messages.RUNTIME_METRICS``
+(``metrics`` and ``memory`` by the names the runtime reports, ``inference.wire.link.RUNTIME_METRICS``
 and ``MEMORY_FIGURES``), before anything of it is queued or stored. ``PendingWrites`` holds
 what the link is to write: one write per kind (a node's roles report, one role's state, one
 task's progress), the latest replacing an older one of its kind not written yet, so however
@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from agent.messages import MEMORY_FIGURES, RUNTIME_METRICS
+from inference.wire.link import MEMORY_FIGURES, RUNTIME_METRICS
 
 MAX_DETAIL_CHARS = 4000  # a role's or a task's reason, as the console shows it
 MAX_FIGURE_BYTES = 8192  # one figure as JSON: recall per layer of a 94-layer model is about 2 KB

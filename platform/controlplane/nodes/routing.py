@@ -1,6 +1,6 @@
 from django.urls import path
 
-from agent.messages import LINK_PATH
+from inference.wire.link import LINK_PATH
 
 from . import consumers
 

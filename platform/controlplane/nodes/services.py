@@ -272,7 +272,7 @@ def send_command(*, node_id: str, command: dict) -> None:
 
 def request_fetch(*, node: Node, model_id: int, role: str) -> NodeTask:
     """Ask ``node``'s agent to download a role shard; progress comes back on the link."""
-    from agent.messages import FetchShard
+    from inference.wire.link import FetchShard
 
     if node.status != NodeStatus.ONLINE:
         raise NodeError(f"node {node.name} is {node.status}: its agent must be connected to fetch shards")

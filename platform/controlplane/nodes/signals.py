@@ -1,7 +1,7 @@
 """What the nodes app tells other apps, without knowing them (the deployments app listens).
 
 ``runtime_reported``: a node's agent said what its runtime roles are doing; ``reports`` is a
-list of ``agent.messages.RoleState`` as JSON, ``complete`` when it is every role the box runs
+list of ``inference.wire.link.RoleState`` as JSON, ``complete`` when it is every role the box runs
 (a heartbeat, ``[]`` when it runs none) rather than one that changed (a role-state event).
 ``nodes_went_offline``: these nodes' agents fell silent or disconnected. ``node_removing``:
 this node is about to be deleted; let go of it (inside the deleting transaction, so a

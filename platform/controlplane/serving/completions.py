@@ -13,18 +13,17 @@ from dataclasses import dataclass, field
 
 from channels.db import database_sync_to_async
 
-from agent.messages import GenerationDone, GenerationToken
 from controlplane.deployments import generation
 from controlplane.deployments.generation import (
     ClusterBusy,
     ClusterGenerationError,
     ClusterUnavailable,
-    GenerationRequest,
     TooManyGenerations,
     can_serve,
 )
 from controlplane.deployments.models import Deployment, DeploymentStatus
 from inference.textstream import IncrementalDecoder
+from inference.wire.generation import Done, Generate, Token
 
 from .text import Sampling, tokenizer_for
 
@@ -101,8 +100,8 @@ class Assembler:
         self.decoder = IncrementalDecoder(tokenizer)
         self.prompt_tokens = prompt_tokens
 
-    def feed(self, event: GenerationToken | GenerationDone) -> list[TextDelta | CompletionResult]:
-        if isinstance(event, GenerationToken):
+    def feed(self, event: Token | Done) -> list[TextDelta | CompletionResult]:
+        if isinstance(event, Token):
             delta = self.decoder.add(event.token_id)
             return [TextDelta(delta, event.token_id)] if delta else []
         tail = self.decoder.flush()  # a last incomplete character, if any
@@ -122,8 +121,8 @@ def new_request_id() -> str:
 
 def _request(
     prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, request_id: str | None, user: object
-) -> GenerationRequest:
-    return GenerationRequest(
+) -> Generate:
+    return Generate(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         request_id=request_id or new_request_id(),

@@ -190,7 +190,7 @@ class Command(BaseCommand):
         self.step("generating through the cluster")
         try:
             done = generation.generate(
-                deployment.pk, generation.GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=DEMO_TOKENS)
+                deployment.pk, generation.new_request(prompt_ids=prompt_ids, max_new_tokens=DEMO_TOKENS)
             )
         except (generation.ClusterUnavailable, generation.ClusterGenerationError) as exc:
             raise CommandError(f"the first generation through the cluster failed: {exc}") from None

@@ -1,0 +1,250 @@
+"""What the runtime's processes say to each other over ZeroMQ (framing: ``inference.protocol``).
+
+Client and main: ``Generate`` and its events (``inference.wire.generation``), ``Cancel``,
+``SetAlignment``, ``Shutdown``; every role: ``Ping``/``Pong``. Main to workers and the shadow:
+the session and its steps (``Begin``, ``SequenceJoin``/``Leave``, ``ShadowBegin``, ``Align``,
+``ExpertRequest``, ``End``); back: ``ExpertResult``, ``Prediction`` and the statistics.
+
+A field declared ``Tensor`` holds a ``torch.Tensor``; it travels as a raw frame after the
+header, never pickled, never copied into the header. ``TENSORS`` names those fields.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from inference.wire.base import Message, Tensor, declared
+from inference.wire.generation import Done, Failed, Generate, Token
+
+# --- lifecycle and health -------------------------------------------------------------
+
+
+class Ping(Message, kw_only=True, tag="ping"):
+    """Health question. ``nonce``, the asker's number for it, comes back in the Pong."""
+
+    nonce: int = 0
+
+
+class Pong(Message, kw_only=True, tag="pong"):
+    """Health answer. ``ready`` is true once the role can serve; ``detail`` says why not.
+
+    The role's memory, measured when it answers: ``host_bytes`` and ``peak_host_bytes`` its
+    process's resident set now and at its highest, ``device_bytes`` what it holds on its GPU
+    (0 on a CPU). ``nonce`` is the Ping's: an asker tells its answer from those to earlier pings.
+    """
+
+    role: str
+    ready: bool
+    detail: str = ""
+    host_bytes: int = 0
+    peak_host_bytes: int = 0
+    device_bytes: int = 0
+    nonce: int = 0
+
+
+class Shutdown(Message, kw_only=True, tag="shutdown"):
+    pass
+
+
+# --- client -> main (and Generate, Token, Done, Failed: inference.wire.generation) ---------
+
+
+class Cancel(Message, kw_only=True, tag="cancel"):
+    request_id: str
+
+
+class SetAlignment(Message, kw_only=True, tag="set_alignment"):
+    """Change the shadow's alignment periods; applies from the next decode step on.
+
+    A period of 0 means never align. Sent by a client to main, and by main to the shadow
+    with ``from_step`` filled in.
+    """
+
+    token_period: int
+    kv_period: int
+    from_step: int = 0
+
+
+# --- main -> workers / shadow -------------------------------------------------------------
+
+
+class Begin(Message, kw_only=True, tag="begin"):
+    """A session starts (the first of a batch of sequences): workers reset and prefetch their prefill experts."""
+
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+
+
+class SequenceJoin(Message, kw_only=True, tag="sequence_join"):
+    """A sequence joins the batch of session ``request_id``: its prefill is session step ``first_step``.
+
+    Main runs several sequences in lockstep, one step each per session step, so the shadow's
+    prediction for the sequence's step ``s`` is one for session step ``first_step + s``.
+    """
+
+    request_id: str
+    sequence: str
+    first_step: int
+
+
+class SequenceLeave(Message, kw_only=True, tag="sequence_leave"):
+    """A sequence left the batch of session ``request_id``: session step ``last_step`` ran its
+    last token. The session goes on with the others (its end is ``End``)."""
+
+    request_id: str
+    sequence: str
+    last_step: int
+
+
+class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
+    """The shadow starts emulating a request: it prefills the prompt on its own."""
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("prompt_ids",)
+    request_id: str
+    max_new_tokens: int
+    token_period: int
+    kv_period: int
+    prompt_ids: Tensor
+
+
+class Align(Message, kw_only=True, tag="align"):
+    """Main's state at the start of decode step ``step``.
+
+    Always carries main's progress; carries main's input token for the step when tokens
+    are aligned at this step, and main's KV cache for positions ``[kv_from, kv_to)`` of
+    every layer (``keys``/``values`` shaped [L, B, kvH, P, D]) when KV is aligned.
+    """
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("keys", "values")
+    request_id: str
+    step: int
+    token: int | None = None
+    kv_from: int = 0
+    kv_to: int = 0
+    keys: Tensor | None = None
+    values: Tensor | None = None
+
+
+class ExpertRequest(Message, kw_only=True, tag="expert_request"):
+    """Compute these experts for (step, layer); an empty list releases any prefetch.
+
+    ``rows`` holds, segment after segment, hidden-state rows routed to ``experts[i]``:
+    ``counts[i]`` rows starting at row ``offsets[i]`` of that expert's rows, and
+    ``weights`` their routing weights. A long prefill arrives as several such requests
+    (mini-batches); the worker keeps an expert on the device until a ``final`` request
+    for it, the one carrying its last rows. ``previous_step_s`` is how long the session's
+    previous step took as main timed it (0 for its first): every worker of a layer group hears
+    the same periods, and finds its hybrid share from them (``inference.hybrid``).
+    """
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("rows", "weights")
+    request_id: str
+    step: int
+    layer: int
+    experts: list[int]
+    counts: list[int]
+    offsets: list[int]
+    final: bool = True
+    previous_step_s: float = 0.0
+    rows: Tensor | None = None
+    weights: Tensor | None = None
+
+
+class End(Message, kw_only=True, tag="end"):
+    """The session (workers) or the sequence (shadow) is over: free everything and report statistics."""
+
+    request_id: str
+
+
+# --- workers / shadow -> main -------------------------------------------------------------
+
+
+class ExpertResult(Message, kw_only=True, tag="expert_result"):
+    """Weighted expert outputs for the request's segments, in the order of its rows."""
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("output",)
+    request_id: str
+    step: int
+    layer: int
+    experts: list[int]
+    counts: list[int]
+    offsets: list[int]
+    output: Tensor
+    wait_ms: float  # time spent waiting for experts to reach the device
+    compute_ms: float  # time spent computing the experts
+    hits: int
+    misses: int
+    # The worker's time from taking the request out of its inbox (decoded) to building this
+    # answer: its wait and compute plus its own Python around them. Main's wait for the answer
+    # less this is the hops (framing, encryption, ZeroMQ, wake-ups, an emulated link).
+    handled_ms: float = 0.0
+    # Of the hops, the worker's time with the request before that: from its frames off the
+    # socket (or its emulated delivery; or its previous answer, if later) to taking it out of its
+    # inbox, its decoding and whatever else the worker handled first. Optional like
+    # ``handled_ms``: an older worker's counts as 0.
+    received_ms: float = 0.0
+
+
+class WorkerStats(Message, kw_only=True, tag="worker_stats"):
+    request_id: str
+    worker: int
+    expert_bytes: int
+    peak_decode_bytes: int
+    peak_prefill_bytes: int
+    loads: int
+    hits: int
+    misses: int
+    wasted_loads: int
+    load_ms: float
+    # A "hot" expert store (inference.hotset): experts read from disk, and served from RAM.
+    disk_reads: int = 0
+    hot_hits: int = 0
+    cpu_experts: int = 0  # hybrid execution: experts computed on the worker's CPU, not copied
+
+
+class Prediction(Message, kw_only=True, tag="prediction"):
+    """The shadow's routing for (step, layer): the experts main will most likely pick."""
+
+    request_id: str
+    step: int
+    layer: int
+    experts: list[int]
+    version: int = 0
+
+
+class ShadowStats(Message, kw_only=True, tag="shadow_stats"):
+    request_id: str
+    steps_done: int
+    rewinds: int
+    token_aligns: int
+    kv_aligns: int
+    speculations: int = 0  # steps run ahead of main on the shadow's own guess of main's token
+    speculation_misses: int = 0  # ... of which the guess was wrong and the step was redone
+
+
+# Every message a runtime process may receive, the generation's included.
+RUNTIME_MESSAGES: tuple[type[Message], ...] = declared(
+    Ping,
+    Pong,
+    Shutdown,
+    Generate,
+    Token,
+    Done,
+    Failed,
+    Cancel,
+    SetAlignment,
+    Begin,
+    SequenceJoin,
+    SequenceLeave,
+    ShadowBegin,
+    Align,
+    ExpertRequest,
+    End,
+    ExpertResult,
+    WorkerStats,
+    Prediction,
+    ShadowStats,
+)
+
+__all__ = [cls.__name__ for cls in RUNTIME_MESSAGES] + ["RUNTIME_MESSAGES", "Message", "Tensor"]
