@@ -1,0 +1,518 @@
+"""Render the benchmark pages of the docs site from the recorded results, so no figure is typed by hand.
+
+    python -m benchmarks.render_docs            # write docs/benchmarks/*.md and README's status table
+    python -m benchmarks.render_docs --check    # render in memory; fail on any error or a stale README
+
+Each page under ``docs/benchmarks/`` comes from a template under ``benchmarks/pages/`` and the
+results its ``PAGES`` entry claims (globs over ``benchmarks/results/*.json``). A template is
+Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
+
+- ``{{ runs }}``: one row per result of the page: file, command, commit, date, machine (from the
+  JSON where it records them; the commit and date otherwise from git, the last commit that wrote
+  the file, and "not recorded" where neither says), and whether it is stale (below).
+- ``{{ value: strategies.json:strategies.odmoe.decode_tok_s | .2f }}``: one recorded number.
+- ``{{ summary: strategies-depth*.json:strategies.odmoe.decode_tok_s | .2f }}``: median, min, max
+  and n over *every* file the glob matches (stale ones and bad ones too, and it says how many
+  are stale); a matched file without the path is an error, never a silent skip.
+- ``{{ series: GLOB:PATH | FORMAT }}``: that one value in each matched run, a row per run.
+- ``{{ table: FILE:PATH | FORMAT }}``: a mapping (or list) of records as a table of their
+  scalar fields.
+- ``{{ image: NAME.png }}``: a plot from ``benchmarks/results/``, copied beside the page.
+
+**Staleness.** ``MOVED_BY`` declares the changes that move results: a result whose name matches
+a rule's pattern and whose recording date (the JSON's ``date``/``started``, else its git commit's
+date) is before the rule's commit date is shown stale, with the rule's reason, in every table and
+summary. A rule whose commit has not landed (``commit=None``) is listed on the page as pending.
+
+**Prose.** The notes moved here from the old README keep their figures, which were copied by hand
+before this renderer existed. Every decimal figure in a template's prose is traced against the
+numbers of the page's results (as recorded, ×100 as a percentage, ×1000 or ÷1000 as a unit
+change, at the precision written); one not found is marked ‡ on the page and counted.
+``UNTRACED_BUDGET`` holds today's counts and the check fails when a page has more: the count can
+only fall, as notes are re-run or turned into directives.
+
+**Why generated at build time, not committed.** The pages hold git facts (the commit and date
+of each result) that change with every commit that records a run; generating them in ``make
+docs`` (before ``mkdocs build --strict``) means they cannot drift, and there is no generated
+file to forget. README's status table is the exception: README must read well on the forge, so
+it is committed, between markers, and ``--check`` (run by ``tests/test_render_docs.py``) fails
+while it differs from what the results say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+TEMPLATES = REPO / "benchmarks" / "pages"
+OUT = REPO / "docs" / "benchmarks"
+README = REPO / "README.md"
+
+
+@dataclass(frozen=True)
+class MovedBy:
+    """A change after which results of the matching names no longer describe the code."""
+
+    patterns: tuple[str, ...]  # fnmatch globs over result file names
+    commit: str | None  # None: the change has not landed; the rule is listed as pending
+    date: str | None  # the commit's date, ISO 8601 (declared, so the check needs no history)
+    reason: str
+
+
+MOVED_BY: tuple[MovedBy, ...] = (
+    MovedBy(
+        patterns=("load-run*.json",),
+        commit="3222a96",
+        date="2026-12-01T04:17:22+00:00",
+        reason="recorded before continuous batching in main (issue 12): one generation at a time then",
+    ),
+    MovedBy(
+        patterns=("concurrency*.json", "openai-concurrency*.json", "chunked-prefill*.json"),
+        commit=None,
+        date=None,
+        reason="the engine rewrite (a scheduler that owns its loop) moves every batched figure once it lands",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Page:
+    slug: str
+    title: str
+    globs: tuple[str, ...]
+
+
+PAGES: tuple[Page, ...] = (
+    Page("status", "Status, part by part", ("*.json",)),
+    Page("decode", "Decode on one machine", ()),
+    Page("strategies", "Strategies side by side", ("strategies.json", "strategies-16-workers.json")),
+    Page("hybrid", "Hybrid CPU/GPU execution", ("strategies-hybrid-*.json",)),
+    Page("repeats", "Repeated runs and one time scale", ("strategies-repeats-*.json", "strategies-rhythm-*.json")),
+    Page("split", "Splitting predicted experts", ("strategies-split-*.json",)),
+    Page("depth", "Prefetch depth", ("strategies-depth*.json",)),
+    Page(
+        "concurrency", "Many streams at once", ("concurrency*.json", "openai-concurrency.json", "chunked-prefill.json")
+    ),
+    Page("overhead", "Coordination overhead per layer", ("overhead*.json",)),
+    Page("memory", "Memory per role", ("main-memory-threads.json",)),
+    Page("families", "Model families", ()),
+    Page("gpu", "GPU check", ("gpu-*.json",)),
+    Page("faults", "Faults", ("faults.json",)),
+    Page("load", "The control plane under load", ("load-*.json",)),
+    Page("not-reached", "Not reached", ()),
+    Page("simulator", "Cluster simulator", ("strategies-16-workers-2026-*.json", "strategies-16-workers-tails*.json")),
+    Page("quality", "Quality beside speed", ("quality.json",)),
+    Page("prerouter", "The prerouter", ("quality-prerouter*.json", "predictors-prerouter.json")),
+    Page("predictors", "The shadow against main's next gate", ("predictors.json",)),
+    Page("recall", "Shadow recall", ("recall.json",)),
+)
+
+# Today's count of figures in each page's notes that no result of the page records (see Prose).
+UNTRACED_BUDGET: dict[str, int] = {
+    "decode": 16,
+    "strategies": 3,
+    "hybrid": 1,
+    "split": 3,
+    "depth": 22,
+    "overhead": 28,
+    "memory": 194,
+    "families": 177,
+    "gpu": 3,
+    "load": 1,
+    "not-reached": 96,
+    "simulator": 165,
+    "quality": 6,
+    "prerouter": 13,
+    "predictors": 7,
+    "recall": 3,
+}
+
+# README's status table: (what, page, GLOB:PATH, format, unit). Each cell summarizes every run.
+STATUS: tuple[tuple[str, str, str, str, str], ...] = (
+    (
+        "odmoe ÷ full cache, decode, emulated 3090 cluster (every strategies run with both)",
+        "strategies",
+        "strategies-[!d]*.json:strategies.odmoe.decode_tok_s_vs_full_cache",
+        ".2f",
+        "",
+    ),
+    (
+        "odmoe decode at prefetch depth 2–4, emulated",
+        "depth",
+        "strategies-depth*.json:strategies.odmoe.decode_tok_s",
+        ".2f",
+        "tok/s",
+    ),
+    (
+        "8 prompts through the OpenAI API at once ÷ one after another",
+        "concurrency",
+        "openai-concurrency.json:ratio.runs",
+        ".2f",
+        "",
+    ),
+    ("chats lost per load run", "load", "load-*.json:chat.lost", "d", ""),
+    ("chats failed (with a reason told to the client) per load run", "load", "load-*.json:chat.failed", "d", ""),
+)
+
+DIRECTIVE = re.compile(r"\{\{\s*(\w+)\s*(?::\s*(.*?))?\s*\}\}")
+DECIMAL = re.compile(r"(?<![\w.`/-])(\d{1,3}(?:,\d{3})+|\d+)\.(\d+)(?![\w.]*`)(?!\.\d)")
+UNTRACED_MARK = "‡"
+NOT_RECORDED = "not recorded"
+
+
+class RenderError(Exception):
+    pass
+
+
+def load(name: str) -> dict:
+    path = RESULTS / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise RenderError(f"{name}: {error}") from error
+
+
+def results_matching(glob: str) -> list[str]:
+    names = sorted(p.name for p in RESULTS.glob("*.json") if fnmatch.fnmatchcase(p.name, glob))
+    if not names:
+        raise RenderError(f"{glob}: no result matches")
+    return names
+
+
+def lookup(data: object, path: str, where: str) -> object:
+    for key in path.split(".") if path else []:
+        if isinstance(data, list) and key.lstrip("-").isdigit():
+            data = data[int(key)]
+        elif isinstance(data, dict) and key in data:
+            data = data[key]
+        else:
+            raise RenderError(f"{where}: no {path!r} (stopped at {key!r})")
+    return data
+
+
+def git_recordings() -> dict[str, tuple[str, str]]:
+    """Each result file's last commit (short hash, ISO date), from one git log."""
+    try:
+        log = subprocess.run(
+            ["git", "log", "--format=@%h %cI", "--name-only", "--", "benchmarks/results"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    seen: dict[str, tuple[str, str]] = {}
+    commit = ("", "")
+    for line in log.splitlines():
+        if line.startswith("@"):
+            sha, date = line[1:].split(" ", 1)
+            commit = (sha, date)
+        elif line.strip():
+            seen.setdefault(Path(line).name, commit)
+    return seen
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    command: str
+    commit: str
+    date: str
+    machine: str
+    stale: str  # the reason, or ""
+
+
+def describe(name: str, recordings: dict[str, tuple[str, str]]) -> Run:
+    data = load(name)
+    meta = data if isinstance(data, dict) else {}
+    sha, git_date = recordings.get(name, ("", ""))
+    command = meta.get("command") or NOT_RECORDED
+    commit = meta.get("commit") or (f"{sha} (git)" if sha else "not committed yet")
+    date = meta.get("date") or meta.get("started") or (f"{git_date[:10]} (git)" if git_date else NOT_RECORDED)
+    machine = meta.get("machine") or meta.get("gpu_name") or meta.get("device") or NOT_RECORDED
+    if isinstance(machine, dict):
+        machine = ", ".join(f"{k} {v}" for k, v in machine.items() if isinstance(v, str | int | float))
+    when = str(meta.get("date") or meta.get("started") or git_date or "9999")
+    stale = ""
+    for rule in MOVED_BY:
+        if rule.date and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns) and when[:19] < rule.date[:19]:
+            stale = f"stale: {rule.reason} ({rule.commit})"
+    return Run(name, str(command), str(commit), str(date), str(machine), stale)
+
+
+def fmt(value: object, spec: str) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float) and spec:
+        if spec == "d":
+            return f"{round(value):,d}" if abs(value) >= 10000 else f"{round(value):d}"
+        return format(value, spec)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,d}" if abs(value) >= 10000 else str(value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def split_ref(arg: str) -> tuple[str, str, str]:
+    ref, _, spec = (arg or "").partition("|")
+    target, _, path = ref.strip().partition(":")
+    return target.strip(), path.strip(), spec.strip()
+
+
+def numbers(value: object) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)] if math.isfinite(value) else []
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in numbers(v)]
+    return []
+
+
+class Renderer:
+    def __init__(self) -> None:
+        self.recordings = git_recordings()
+        self.runs: dict[str, Run] = {}
+        self.used: set[str] = set()
+
+    def run(self, name: str) -> Run:
+        if name not in self.runs:
+            self.runs[name] = describe(name, self.recordings)
+        return self.runs[name]
+
+    def values(self, glob: str, path: str) -> list[tuple[str, object]]:
+        out = []
+        for name in results_matching(glob):
+            self.used.add(name)
+            out.append((name, lookup(load(name), path, name)))
+        return out
+
+    def summary(self, glob: str, path: str, spec: str, unit: str = "") -> str:
+        pairs = self.values(glob, path)
+        # A list is a result's own repeats: each counts as a run.
+        pairs = [(name, v) for name, value in pairs for v in (value if isinstance(value, list) else [value])]
+        nums = [float(v) for _, v in pairs if isinstance(v, int | float) and not isinstance(v, bool)]
+        if len(nums) != len(pairs):
+            raise RenderError(f"{glob}:{path}: not a number in every run")
+        stale = sum(1 for name, _ in pairs if self.run(name).stale)
+        u = f" {unit}" if unit else ""
+        text = (
+            f"median {fmt(statistics.median(nums), spec)}{u} (min {fmt(min(nums), spec)}, "
+            f"max {fmt(max(nums), spec)}; n = {len(nums)} run{'s' if len(nums) != 1 else ''}"
+        )
+        return text + (f", {stale} stale)" if stale else ")")
+
+    def runs_table(self, names: list[str]) -> str:
+        rows = ["| result | command | commit | date | machine | |", "|---|---|---|---|---|---|"]
+        for name in names:
+            r = self.run(name)
+            self.used.add(name)
+            cmd = f"`{r.command}`" if r.command != NOT_RECORDED else r.command
+            rows.append(f"| `{name}` | {cmd} | {r.commit} | {r.date} | {r.machine} | {r.stale} |")
+        return "\n".join(rows)
+
+    def series(self, glob: str, path: str, spec: str) -> str:
+        rows = [f"| result | `{path}` | |", "|---|---:|---|"]
+        for name, value in self.values(glob, path):
+            rows.append(f"| `{name}` | {fmt(value, spec)} | {self.run(name).stale} |")
+        return "\n".join(rows)
+
+    def table(self, name: str, path: str, spec: str) -> str:
+        self.used.add(name)
+        data = lookup(load(name), path, name)
+        items = list(data.items()) if isinstance(data, dict) else list(enumerate(data))
+        columns: list[str] = []
+        for _, record in items:
+            if not isinstance(record, dict):
+                raise RenderError(f"{name}:{path}: not a table of records")
+            for key, value in record.items():
+                if key not in columns and (value is None or isinstance(value, int | float | bool | str)):
+                    columns.append(key)
+        rows = ["| | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+        for key, record in items:
+            rows.append(f"| {key} | " + " | ".join(fmt(record.get(c), spec) for c in columns) + " |")
+        stale = self.run(name).stale
+        return "\n".join(rows) + (f"\n\n*`{name}` is {stale}.*" if stale else "")
+
+    def directive(self, page: Page, kind: str, arg: str | None, names: list[str], images: list[str]) -> str:
+        target, path, spec = split_ref(arg or "")
+        if kind == "runs":
+            return self.runs_table(names) if names else "No result of this page is recorded as JSON."
+        if kind == "value":
+            self.used.add(target)
+            return fmt(lookup(load(target), path, target), spec)
+        if kind == "summary":
+            return self.summary(target, path, spec)
+        if kind == "series":
+            return self.series(target, path, spec)
+        if kind == "table":
+            return self.table(target, path, spec)
+        if kind == "image":
+            if not (RESULTS / target).is_file():
+                raise RenderError(f"{page.slug}: no plot {target}")
+            images.append(target)
+            return f"![{target}](img/{target.replace('/', '-')})"
+        raise RenderError(f"{page.slug}: unknown directive {kind!r}")
+
+    def page(self, page: Page) -> tuple[str, list[str], int]:
+        template = (TEMPLATES / f"{page.slug}.md").read_text()
+        names = sorted({n for g in page.globs for n in results_matching(g)})
+        known = [n for name in names for n in numbers(load(name))]
+        images: list[str] = []
+        out, untraced = [], 0
+        fenced = False
+        for line in template.splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                out.append(line)
+                continue
+            if fenced:
+                out.append(line)
+                continue
+            parts, last = [], 0
+            for m in DIRECTIVE.finditer(line):
+                prose, n = trace(line[last : m.start()], known)
+                untraced += n
+                parts += [prose, self.directive(page, m.group(1), m.group(2), names, images)]
+                last = m.end()
+            prose, n = trace(line[last:], known)
+            untraced += n
+            out.append("".join([*parts, prose]))
+        text = "\n".join(out).rstrip() + "\n"
+        pending = [
+            r for r in MOVED_BY if r.commit is None and any(fnmatch.fnmatch(n, p) for n in names for p in r.patterns)
+        ]
+        for rule in pending:
+            text += (
+                f'\n!!! note "Pending"\n    Results of {", ".join(f"`{p}`" for p in rule.patterns)}: {rule.reason}.\n'
+            )
+        if untraced:
+            text += (
+                f"\n---\n\n{UNTRACED_MARK} {untraced} figure{'s' if untraced != 1 else ''} of these notes "
+                "(copied by hand before the renderer) match no number this page's results record: "
+                "re-run them, or turn them into directives of `benchmarks/render_docs.py`.\n"
+            )
+        return text, images, untraced
+
+    def status(self) -> str:
+        rows = ["| what | every recorded run | page |", "|---|---|---|"]
+        for label, slug, ref, spec, unit in STATUS:
+            glob, _, path = ref.partition(":")
+            rows.append(f"| {label} | {self.summary(glob, path, spec, unit)} | [{slug}](docs/benchmarks/{slug}.md) |")
+        return "\n".join(rows)
+
+
+def trace(prose: str, known: list[float]) -> tuple[str, int]:
+    """Mark each decimal figure of the prose that no recorded number gives at its precision."""
+    untraced = 0
+
+    def check(m: re.Match[str]) -> str:
+        nonlocal untraced
+        written = float(m.group(1).replace(",", "") + "." + m.group(2))
+        tolerance = 0.5 * 10 ** -len(m.group(2)) + 1e-9
+        for k in (1, 100, 1000, 0.001, 1e-6, 1e-9, 1 / 2**20, 1 / 2**30):
+            if any(abs(v * k - written) <= tolerance for v in known):
+                return m.group(0)
+        untraced += 1
+        return m.group(0) + UNTRACED_MARK
+
+    # Leave code spans alone: commands, file names and versions are not figures.
+    pieces = re.split(r"(`[^`]*`)", prose)
+    return "".join(p if p.startswith("`") else DECIMAL.sub(check, p) for p in pieces), untraced
+
+
+STATUS_BEGIN, STATUS_END = "<!-- status: rendered by benchmarks/render_docs.py -->", "<!-- /status -->"
+
+
+def render_readme(status: str) -> str:
+    text = README.read_text()
+    start, end = text.find(STATUS_BEGIN), text.find(STATUS_END)
+    if start < 0 or end < start:
+        raise RenderError("README.md: no status markers")
+    return text[: start + len(STATUS_BEGIN)] + "\n" + status + "\n" + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="render in memory; write nothing")
+    args = parser.parse_args(argv)
+    renderer = Renderer()
+    problems: list[str] = []
+    rendered: dict[str, tuple[str, list[str]]] = {}
+    for page in PAGES:
+        try:
+            text, images, untraced = renderer.page(page)
+        except RenderError as error:
+            problems.append(str(error))
+            continue
+        rendered[page.slug] = (text, images)
+        budget = UNTRACED_BUDGET.get(page.slug, 0)
+        if untraced > budget:
+            problems.append(f"{page.slug}: {untraced} untraced figures, budget {budget}")
+        elif untraced < budget:
+            print(f"{page.slug}: {untraced} untraced figures, under its budget {budget}: lower it", file=sys.stderr)
+    for name in sorted(p.name for p in RESULTS.glob("*.json")):
+        try:
+            renderer.run(name)
+        except RenderError as error:
+            problems.append(str(error))
+    # Every result belongs to a page of its own (the status page, which traces against all, aside).
+    claimed = {n for page in PAGES if page.slug != "status" for g in page.globs for n in results_matching(g)}
+    problems += [f"{p.name}: on no benchmark page" for p in sorted(RESULTS.glob("*.json")) if p.name not in claimed]
+    try:
+        readme = render_readme(renderer.status())
+        if args.check and readme != README.read_text():
+            problems.append(
+                "README.md: the status table differs from the results: run python -m benchmarks.render_docs"
+            )
+    except RenderError as error:
+        problems.append(str(error))
+        readme = None
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    if args.check:
+        return 0
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "img").mkdir(exist_ok=True)
+    for slug, (text, images) in rendered.items():
+        (OUT / f"{slug}.md").write_text(text)
+        for image in images:
+            shutil.copyfile(RESULTS / image, OUT / "img" / image.replace("/", "-"))
+    (OUT / "index.md").write_text(index_page())
+    if readme is not None and readme != README.read_text():
+        README.write_text(readme)
+    return 0
+
+
+def index_page() -> str:
+    lines = [(TEMPLATES / "index.md").read_text().rstrip(), "", "| page | results |", "|---|---|"]
+    for page in PAGES:
+        globs = ", ".join(f"`{g}`" for g in page.globs) or "none recorded as JSON"
+        lines.append(f"| [{page.title}]({page.slug}.md) | {globs} |")
+    lines += ["", "## What moves a result", ""]
+    for rule in MOVED_BY:
+        when = f"`{rule.commit}` ({rule.date[:10]})" if rule.commit and rule.date else "not landed yet"
+        lines.append(f"- {', '.join(f'`{p}`' for p in rule.patterns)} recorded before {when}: {rule.reason}.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
