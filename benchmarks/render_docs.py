@@ -25,11 +25,13 @@ date) is before the rule's commit date is shown stale, with the rule's reason, i
 summary. A rule whose commit has not landed (``commit=None``) is listed on the page as pending.
 
 **Prose.** The notes moved here from the old README keep their figures, which were copied by hand
-before this renderer existed. Every decimal figure in a template's prose is traced against the
-numbers of the page's results (as recorded, ×100 as a percentage, ×1000 or ÷1000 as a unit
-change, at the precision written); one not found is marked ‡ on the page and counted.
-``UNTRACED_BUDGET`` holds today's counts and the check fails when a page has more: the count can
-only fall, as notes are re-run or turned into directives.
+before this renderer existed. Every decimal figure in a template's prose (outside code) is traced
+against the numbers of the page's results and of its ``also_traced`` files: as recorded, ×100 as
+a percentage, or in another unit (×1000, ÷1000, ÷10⁶, ÷10⁹, in MiB or GiB), at the precision
+written. One not found is marked ‡ on the page and counted. ``UNTRACED_BUDGET`` holds today's
+counts and the check fails when a page has more: the count can only fall, as notes are re-run or
+turned into directives. Whole numbers are not traced: in these notes they are as often settings
+(8 workers, top-2, 300 agents) as figures, so a whole-number figure in prose is unchecked.
 
 **Why generated at build time, not committed.** The pages hold git facts (the commit and date
 of each result) that change with every commit that records a run; generating them in ``make
@@ -91,6 +93,8 @@ class Page:
     slug: str
     title: str
     globs: tuple[str, ...]
+    # Other recorded results, relative to the repository, that the notes' figures may come from.
+    also_traced: tuple[str, ...] = ()
 
 
 PAGES: tuple[Page, ...] = (
@@ -111,7 +115,12 @@ PAGES: tuple[Page, ...] = (
     Page("faults", "Faults", ("faults.json",)),
     Page("load", "The control plane under load", ("load-*.json",)),
     Page("not-reached", "Not reached", ()),
-    Page("simulator", "Cluster simulator", ("strategies-16-workers-2026-*.json", "strategies-16-workers-tails*.json")),
+    Page(
+        "simulator",
+        "Cluster simulator",
+        ("strategies-16-workers-2026-*.json", "strategies-16-workers-tails*.json"),
+        also_traced=("inference/sim/validation/*.json",),
+    ),
     Page("quality", "Quality beside speed", ("quality.json",)),
     Page("prerouter", "The prerouter", ("quality-prerouter*.json", "predictors-prerouter.json")),
     Page("predictors", "The shadow against main's next gate", ("predictors.json",)),
@@ -131,7 +140,7 @@ UNTRACED_BUDGET: dict[str, int] = {
     "gpu": 3,
     "load": 1,
     "not-reached": 96,
-    "simulator": 165,
+    "simulator": 144,
     "quality": 6,
     "prerouter": 13,
     "predictors": 7,
@@ -375,6 +384,8 @@ class Renderer:
         template = (TEMPLATES / f"{page.slug}.md").read_text()
         names = sorted({n for g in page.globs for n in results_matching(g)})
         known = [n for name in names for n in numbers(load(name))]
+        for glob in page.also_traced:
+            known += [n for path in sorted(REPO.glob(glob)) for n in numbers(json.loads(path.read_text()))]
         images: list[str] = []
         out, untraced = [], 0
         fenced = False
