@@ -12,7 +12,7 @@ Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
   the file, and "not recorded" where neither says), and whether it is stale (below).
 - ``{{ value: strategies.json:strategies.odmoe.decode_tok_s | .2f }}``: one recorded number.
 - ``{{ summary: strategies-depth*.json:strategies.odmoe.decode_tok_s | .2f }}``: median, min, max
-  and n over *every* file the glob matches (stale ones and bad ones too, and it says how many
+  and n over *every* file the glob matches (globs joined by commas) (stale ones and bad ones too, and it says how many
   are stale); a matched file without the path is an error, never a silent skip.
 - ``{{ series: GLOB:PATH | FORMAT }}``: that one value in each matched run, a row per run.
 - ``{{ table: FILE:PATH | FORMAT }}``: a mapping (or list) of records as a table of their
@@ -73,6 +73,12 @@ class MovedBy:
 
 
 MOVED_BY: tuple[MovedBy, ...] = (
+    MovedBy(
+        patterns=("strategies*.json", "overhead*.json", "recall*.json"),
+        commit="1346e9b",
+        date="2026-11-30T19:38:27+00:00",
+        reason="recorded before each role loaded only its part with plain reads (no memory map)",
+    ),
     MovedBy(
         patterns=("load-run*.json",),
         commit="3222a96",
@@ -152,7 +158,7 @@ STATUS: tuple[tuple[str, str, str, str, str], ...] = (
     (
         "odmoe ÷ full cache, decode, emulated 3090 cluster (every strategies run with both)",
         "strategies",
-        "strategies-[!d]*.json:strategies.odmoe.decode_tok_s_vs_full_cache",
+        "strategies.json,strategies-[!d]*.json:strategies.odmoe.decode_tok_s_vs_full_cache",
         ".2f",
         "",
     ),
@@ -193,7 +199,9 @@ def load(name: str) -> dict:
 
 
 def results_matching(glob: str) -> list[str]:
-    names = sorted(p.name for p in RESULTS.glob("*.json") if fnmatch.fnmatchcase(p.name, glob))
+    """The result files a glob names; several globs may be joined by commas."""
+    globs = [g.strip() for g in glob.split(",")]
+    names = sorted(p.name for p in RESULTS.glob("*.json") if any(fnmatch.fnmatchcase(p.name, g) for g in globs))
     if not names:
         raise RenderError(f"{glob}: no result matches")
     return names
@@ -254,10 +262,12 @@ def describe(name: str, recordings: dict[str, tuple[str, str]]) -> Run:
     if isinstance(machine, dict):
         machine = ", ".join(f"{k} {v}" for k, v in machine.items() if isinstance(v, str | int | float))
     when = str(meta.get("date") or meta.get("started") or git_date or "9999")
-    stale = ""
-    for rule in MOVED_BY:
-        if rule.date and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns) and when[:19] < rule.date[:19]:
-            stale = f"stale: {rule.reason} ({rule.commit})"
+    moved = [
+        f"{rule.reason} ({rule.commit})"
+        for rule in MOVED_BY
+        if rule.date and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns) and when[:19] < rule.date[:19]
+    ]
+    stale = "stale: " + "; ".join(moved) if moved else ""
     return Run(name, str(command), str(commit), str(date), str(machine), stale)
 
 
