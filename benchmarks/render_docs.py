@@ -77,19 +77,19 @@ MOVED_BY: tuple[MovedBy, ...] = (
         patterns=("strategies*.json", "overhead*.json", "recall*.json"),
         commit="1346e9b",
         date="2026-11-30T19:38:27+00:00",
-        reason="recorded before each role loaded only its part with plain reads (no memory map)",
+        reason="each role loads only its part, with plain reads and no memory map",
     ),
     MovedBy(
         patterns=("load-run*.json",),
         commit="3222a96",
         date="2026-12-01T04:17:22+00:00",
-        reason="recorded before continuous batching in main (issue 12): one generation at a time then",
+        reason="continuous batching in main (issue 12); these runs served one generation at a time",
     ),
     MovedBy(
         patterns=("concurrency*.json", "openai-concurrency*.json", "chunked-prefill*.json"),
         commit=None,
         date=None,
-        reason="the engine rewrite (a scheduler that owns its loop) moves every batched figure once it lands",
+        reason="the engine rewrite (a scheduler that owns its loop) moves every batched figure",
     ),
 )
 
@@ -263,7 +263,7 @@ def describe(name: str, recordings: dict[str, tuple[str, str]]) -> Run:
         machine = ", ".join(f"{k} {v}" for k, v in machine.items() if isinstance(v, str | int | float))
     when = str(meta.get("date") or meta.get("started") or git_date or "9999")
     moved = [
-        f"{rule.reason} ({rule.commit})"
+        f"moved by {rule.commit}: {rule.reason}"
         for rule in MOVED_BY
         if rule.date and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns) and when[:19] < rule.date[:19]
     ]
@@ -421,8 +421,10 @@ class Renderer:
             r for r in MOVED_BY if r.commit is None and any(fnmatch.fnmatch(n, p) for n in names for p in r.patterns)
         ]
         for rule in pending:
+            patterns = ", ".join(f"`{p}`" for p in rule.patterns)
             text += (
-                f'\n!!! note "Pending"\n    Results of {", ".join(f"`{p}`" for p in rule.patterns)}: {rule.reason}.\n'
+                f'\n!!! note "Pending"\n    Not landed yet: {rule.reason}. Results of {patterns} recorded before it '
+                "will be marked stale once its commit is declared in `MOVED_BY` (`benchmarks/render_docs.py`).\n"
             )
         if untraced:
             text += (
@@ -530,8 +532,12 @@ def index_page() -> str:
         lines.append(f"| [{page.title}]({page.slug}.md) | {globs} |")
     lines += ["", "## What moves a result", ""]
     for rule in MOVED_BY:
-        when = f"`{rule.commit}` ({rule.date[:10]})" if rule.commit and rule.date else "not landed yet"
-        lines.append(f"- {', '.join(f'`{p}`' for p in rule.patterns)} recorded before {when}: {rule.reason}.")
+        patterns = ", ".join(f"`{p}`" for p in rule.patterns)
+        if rule.commit and rule.date:
+            lines.append(f"- {patterns} recorded before `{rule.commit}` ({rule.date[:10]}) are stale: {rule.reason}.")
+        else:
+            lines.append(f"- {patterns}: not landed yet, {rule.reason}; stale once its commit is declared.")
+    lines += ["", "Declared in `MOVED_BY` of `benchmarks/render_docs.py`, by result name and commit date."]
     return "\n".join(lines) + "\n"
 
 
