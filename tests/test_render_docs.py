@@ -53,3 +53,14 @@ def test_the_rendered_pages_hold_no_directive() -> None:
     for page in render_docs.PAGES:
         text, _, _ = renderer.page(page)
         assert "{{" not in text, page.slug
+
+
+def test_every_decimal_figure_of_the_written_pages_is_a_recorded_number() -> None:
+    assert render_docs.untraced_in_written_pages() == []
+
+
+def test_an_arxiv_id_is_not_a_figure() -> None:
+    assert render_docs.trace("after Zhu et al. 2025, arXiv 2508.18983", []) == (
+        "after Zhu et al. 2025, arXiv 2508.18983",
+        0,
+    )
