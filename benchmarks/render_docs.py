@@ -253,17 +253,34 @@ def git_recordings() -> dict[str, tuple[str, str]]:
 class Run:
     name: str
     command: str
+    command_from_notes: bool  # the JSON does not record it; the notes give it
     commit: str
     date: str
     machine: str
     stale: str  # the reason, or ""
 
 
-def describe(name: str, recordings: dict[str, tuple[str, str]]) -> Run:
+def noted_commands() -> list[tuple[re.Pattern[str], str]]:
+    """The commands the notes give for a result (``--json benchmarks/results/NAME``): where a run's
+    JSON does not record its command, the notes' is shown, marked as theirs. In a noted name,
+    ``{a,b}`` is either and a capital letter a number (``strategies-depthD-2026-12-04-N.json``)."""
+    noted = []
+    for template in sorted(TEMPLATES.glob("*.md")):
+        for match in re.finditer(r"`(python -m benchmarks\.[^`]*)`", template.read_text(), re.S):
+            command = " ".join(match.group(1).split())
+            for name in re.findall(r"--json\s+(?:benchmarks/results/)?(\S+\.json)", command):
+                pattern = re.escape(name).replace(r"\{", "{").replace(r"\}", "}")
+                pattern = re.sub(r"\{([^}]*)\}", lambda m: "(" + m.group(1).replace(",", "|") + ")", pattern)
+                noted.append((re.compile(re.sub(r"[A-Z]", r"\\d+", pattern) + "$"), command))
+    return noted
+
+
+def describe(name: str, recordings: dict[str, tuple[str, str]], noted: list[tuple[re.Pattern[str], str]]) -> Run:
     data = load(name)
     meta = data if isinstance(data, dict) else {}
     sha, git_date = recordings.get(name, ("", ""))
-    command = meta.get("command") or NOT_RECORDED
+    from_notes = next((command for pattern, command in noted if pattern.match(name)), None)
+    command = meta.get("command") or from_notes or NOT_RECORDED
     commit = meta.get("commit") or (f"{sha} (git)" if sha else "not committed yet")
     date = meta.get("date") or meta.get("started") or (f"{git_date[:10]} (git)" if git_date else NOT_RECORDED)
     machine = meta.get("machine") or meta.get("gpu_name") or meta.get("device") or NOT_RECORDED
@@ -276,7 +293,9 @@ def describe(name: str, recordings: dict[str, tuple[str, str]]) -> Run:
         if rule.date and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns) and when[:19] < rule.date[:19]
     ]
     stale = "stale: " + "; ".join(moved) if moved else ""
-    return Run(name, str(command), str(commit), str(date), str(machine), stale)
+    return Run(
+        name, str(command), not meta.get("command") and bool(from_notes), str(commit), str(date), str(machine), stale
+    )
 
 
 def fmt(value: object, spec: str) -> str:
@@ -316,12 +335,13 @@ def numbers(value: object) -> list[float]:
 class Renderer:
     def __init__(self) -> None:
         self.recordings = git_recordings()
+        self.noted = noted_commands()
         self.runs: dict[str, Run] = {}
         self.used: set[str] = set()
 
     def run(self, name: str) -> Run:
         if name not in self.runs:
-            self.runs[name] = describe(name, self.recordings)
+            self.runs[name] = describe(name, self.recordings, self.noted)
         return self.runs[name]
 
     def values(self, glob: str, path: str) -> list[tuple[str, object]]:
@@ -352,6 +372,7 @@ class Renderer:
             r = self.run(name)
             self.used.add(name)
             cmd = f"`{r.command}`" if r.command != NOT_RECORDED else r.command
+            cmd += " (from the notes)" if r.command_from_notes else ""
             rows.append(f"| `{name}` | {cmd} | {r.commit} | {r.date} | {r.machine} | {r.stale} |")
         return "\n".join(rows)
 

@@ -64,3 +64,11 @@ def test_an_arxiv_id_is_not_a_figure() -> None:
         "after Zhu et al. 2025, arXiv 2508.18983",
         0,
     )
+
+
+def test_a_run_whose_json_has_no_command_shows_the_notes_command_marked_as_theirs() -> None:
+    renderer = render_docs.Renderer()
+    depth = renderer.run("strategies-depth3-2026-12-04-2.json")
+    assert depth.command_from_notes and "--max-resident-experts D" in depth.command
+    recorded = renderer.run("main-memory-threads.json")
+    assert not recorded.command_from_notes and recorded.command != render_docs.NOT_RECORDED
