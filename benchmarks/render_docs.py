@@ -226,8 +226,8 @@ def lookup(data: object, path: str, where: str) -> object:
     return data
 
 
-def git_recordings() -> dict[str, tuple[str, str]]:
-    """Each result file's last commit (short hash, ISO date), from one git log."""
+def git_recordings() -> dict[str, tuple[str, str]] | None:
+    """Each result file's last commit (short hash, ISO date), from one git log; None without git."""
     try:
         log = subprocess.run(
             ["git", "log", "--format=@%h %cI", "--name-only", "--", "benchmarks/results"],
@@ -237,7 +237,7 @@ def git_recordings() -> dict[str, tuple[str, str]]:
             check=True,
         ).stdout
     except (OSError, subprocess.CalledProcessError):
-        return {}
+        return None
     seen: dict[str, tuple[str, str]] = {}
     commit = ("", "")
     for line in log.splitlines():
@@ -275,22 +275,27 @@ def noted_commands() -> list[tuple[re.Pattern[str], str]]:
     return noted
 
 
-def describe(name: str, recordings: dict[str, tuple[str, str]], noted: list[tuple[re.Pattern[str], str]]) -> Run:
+def describe(name: str, recordings: dict[str, tuple[str, str]] | None, noted: list[tuple[re.Pattern[str], str]]) -> Run:
     data = load(name)
     meta = data if isinstance(data, dict) else {}
-    sha, git_date = recordings.get(name, ("", ""))
+    sha, git_date = (recordings or {}).get(name, ("", ""))
     from_notes = next((command for pattern, command in noted if pattern.match(name)), None)
     command = meta.get("command") or from_notes or NOT_RECORDED
-    commit = meta.get("commit") or (f"{sha} (git)" if sha else "not committed yet")
+    commit = meta.get("commit") or (
+        f"{sha} (git)" if sha else "not committed yet" if recordings is not None else NOT_RECORDED
+    )
     date = meta.get("date") or meta.get("started") or (f"{git_date[:10]} (git)" if git_date else NOT_RECORDED)
     machine = meta.get("machine") or meta.get("gpu_name") or meta.get("device") or NOT_RECORDED
     if isinstance(machine, dict):
         machine = ", ".join(f"{k} {v}" for k, v in machine.items() if isinstance(v, str | int | float))
-    when = str(meta.get("date") or meta.get("started") or git_date or "9999")
+    when = str(meta.get("date") or meta.get("started") or git_date or "")
     moved = [
-        f"moved by {rule.commit}: {rule.reason}"
+        # Without a recording date (no git, none in the JSON) a matching result may be stale: say so.
+        f"moved by {rule.commit}: {rule.reason}" if when else f"may be moved by {rule.commit} (date not recorded)"
         for rule in MOVED_BY
-        if rule.date and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns) and when[:19] < rule.date[:19]
+        if rule.date
+        and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns)
+        and (not when or when[:19] < rule.date[:19])
     ]
     stale = "stale: " + "; ".join(moved) if moved else ""
     return Run(
