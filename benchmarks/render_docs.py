@@ -10,7 +10,8 @@ Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
 - ``{{ runs }}``: one row per result of the page: file, command, commit, date, machine (from the
   JSON where it records them; the commit and date otherwise from git, the last commit that wrote
   the file, and "not recorded" where neither says), and whether it is stale (below).
-- ``{{ value: strategies.json:strategies.odmoe.decode_tok_s | .2f }}``: one recorded number.
+- ``{{ value: strategies.json:strategies.odmoe.decode_tok_s | .2f }}``: one recorded number (``| x1000 .1f``
+  scales it first, for a change of unit).
 - ``{{ summary: strategies-depth*.json:strategies.odmoe.decode_tok_s | .2f }}``: median, min, max
   and n over *every* file the glob matches (globs joined by commas) (stale ones and bad ones too, and it says how many
   are stale); a matched file without the path is an error, never a silent skip.
@@ -304,6 +305,11 @@ def describe(name: str, recordings: dict[str, tuple[str, str]] | None, noted: li
 
 
 def fmt(value: object, spec: str) -> str:
+    """A recorded value as written: a format spec (``.2f``, ``.1%``, ``,d`` or ``d``), optionally
+    after a scale for a change of unit (``x1000 .1f``: seconds as milliseconds)."""
+    scale = re.match(r"x([0-9.e+-]+)\s*", spec)
+    if scale and isinstance(value, int | float) and not isinstance(value, bool):
+        value, spec = value * float(scale.group(1)), spec[scale.end() :]
     if value is None:
         return "—"
     if isinstance(value, bool):
