@@ -15,7 +15,8 @@ Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
 - ``{{ summary: strategies-depth*.json:strategies.odmoe.decode_tok_s | .2f }}``: median, min, max
   and n over *every* file the glob matches (globs joined by commas) (stale ones and bad ones too, and it says how many
   are stale); a matched file without the path is an error, never a silent skip.
-- ``{{ series: GLOB:PATH | FORMAT }}``: that one value in each matched run, a row per run.
+- ``{{ series: GLOB:PATH | FORMAT }}``: that one value in each matched run, a row per run;
+  ``{{ list: GLOB:PATH | FORMAT }}`` the same values inline, comma-separated.
 - ``{{ table: FILE:PATH | FORMAT }}``: a mapping (or list) of records as a table of their
   scalar fields.
 - ``{{ image: NAME.png }}``: a plot from ``benchmarks/results/``, copied beside the page.
@@ -419,6 +420,9 @@ class Renderer:
             return fmt(lookup(load(target), path, target), spec)
         if kind == "summary":
             return self.summary(target, path, spec)
+        if kind == "list":
+            pairs = self.values(target, path)
+            return ", ".join(fmt(v, spec) + (" (stale)" if self.run(n).stale else "") for n, v in pairs)
         if kind == "series":
             return self.series(target, path, spec)
         if kind == "table":
