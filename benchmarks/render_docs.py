@@ -419,10 +419,17 @@ class Renderer:
             self.used.add(target)
             return fmt(lookup(load(target), path, target), spec)
         if kind == "summary":
-            return self.summary(target, path, spec)
+            # "FORMAT UNIT", after an optional scale: "x0.001 .1f s" gives "median 18.9 s (min ...)".
+            scale, fmt_spec, unit = re.fullmatch(r"(x\S+\s+)?(\S*)\s*(.*)", spec).groups()
+            return self.summary(target, path, (scale or "") + fmt_spec, unit)
         if kind == "list":
             pairs = self.values(target, path)
-            return ", ".join(fmt(v, spec) + (" (stale)" if self.run(n).stale else "") for n, v in pairs)
+            stale = [bool(self.run(n).stale) for n, _ in pairs]
+            if all(stale):  # one mark for a list of stale runs, not one per value
+                return ", ".join(fmt(v, spec) for _, v in pairs) + " (stale)"
+            return ", ".join(
+                fmt(v, spec) + (" (stale)" if old else "") for (_, v), old in zip(pairs, stale, strict=True)
+            )
         if kind == "series":
             return self.series(target, path, spec)
         if kind == "table":
