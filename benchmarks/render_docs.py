@@ -19,7 +19,7 @@ Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
   ``{{ list: GLOB:PATH | FORMAT }}`` the same values inline, comma-separated.
 - ``{{ table: FILE:PATH | FORMAT }}``: a mapping (or list) of records as a table of their
   scalar fields.
-- ``{{ image: NAME.png }}``: a plot from ``benchmarks/results/``, copied beside the page.
+- ``{{ image: NAME.png | ALT }}``: a plot from ``benchmarks/results/``, copied beside the page.
 
 **Staleness.** ``MOVED_BY`` declares the changes that move results: a result whose name matches
 a rule's pattern and whose recording date (the JSON's ``date``/``started``, else its git commit's
@@ -438,7 +438,7 @@ class Renderer:
             if not (RESULTS / target).is_file():
                 raise RenderError(f"{page.slug}: no plot {target}")
             images.append(target)
-            return f"![{target}](img/{target.replace('/', '-')})"
+            return f"![{spec or target}](img/{target.replace('/', '-')})"
         raise RenderError(f"{page.slug}: unknown directive {kind!r}")
 
     def page(self, page: Page) -> tuple[str, list[str], int]:
