@@ -364,17 +364,21 @@ class Renderer:
         return out
 
     def summary(self, glob: str, path: str, spec: str, unit: str = "") -> str:
-        pairs = self.values(glob, path)
-        # A list is a result's own repeats: each counts as a run.
-        pairs = [(name, v) for name, value in pairs for v in (value if isinstance(value, list) else [value])]
+        results = self.values(glob, path)
+        # A list is a result's own repeats: each counts, and the text says they are repeats.
+        pairs = [(name, v) for name, value in results for v in (value if isinstance(value, list) else [value])]
         nums = [float(v) for _, v in pairs if isinstance(v, int | float) and not isinstance(v, bool)]
         if len(nums) != len(pairs):
             raise RenderError(f"{glob}:{path}: not a number in every run")
-        stale = sum(1 for name, _ in pairs if self.run(name).stale)
+        stale = sum(1 for name, _ in results if self.run(name).stale)
         u = f" {unit}" if unit else ""
+        plural = "s" if len(results) != 1 else ""
+        n = f"{len(nums)} runs" if len(nums) == len(results) else f"{len(nums)} repeats of {len(results)} run{plural}"
+        if len(nums) == 1:
+            n = "1 run"
         text = (
             f"median {fmt(statistics.median(nums), spec)}{u} (min {fmt(min(nums), spec)}, "
-            f"max {fmt(max(nums), spec)}; n = {len(nums)} run{'s' if len(nums) != 1 else ''}"
+            f"max {fmt(max(nums), spec)}; n = {n}"
         )
         return text + (f", {stale} stale)" if stale else ")")
 
