@@ -12,6 +12,8 @@ Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
   the file, and "not recorded" where neither says), and whether it is stale (below).
 - ``{{ value: strategies.json:strategies.odmoe.decode_tok_s | .2f }}``: one recorded number (``| x1000 .1f``
   scales it first, for a change of unit).
+- ``{{ ratio: FILE:PATH / PATH | FORMAT }}``: one recorded number over another of the same result;
+  ``change`` gives the ratio less one (``| +.1%`` writes it as a signed percentage).
 - ``{{ summary: strategies-depth*.json:strategies.odmoe.decode_tok_s | .2f }}``: median, min, max
   and n over *every* file the glob matches (globs joined by commas) (stale ones and bad ones too, and it says how many
   are stale); a matched file without the path is an error, never a silent skip.
@@ -152,7 +154,7 @@ UNTRACED_BUDGET: dict[str, int] = {
     "load": 1,
     "not-reached": 96,
     "simulator": 140,
-    "quality": 6,
+    "quality": 4,
     "prerouter": 13,
     "predictors": 7,
     "recall": 3,
@@ -218,13 +220,20 @@ def results_matching(glob: str) -> list[str]:
 
 
 def lookup(data: object, path: str, where: str) -> object:
-    for key in path.split(".") if path else []:
-        if isinstance(data, list) and key.lstrip("-").isdigit():
-            data = data[int(key)]
-        elif isinstance(data, dict) and key in data:
-            data = data[key]
+    """The value at a dotted path; a key that holds dots itself (``importance@0.1``) is matched whole."""
+    parts = path.split(".") if path else []
+    i = 0
+    while i < len(parts):
+        if isinstance(data, list) and parts[i].lstrip("-").isdigit():
+            data, i = data[int(parts[i])], i + 1
+            continue
+        for j in range(len(parts), i, -1):  # the longest key first
+            key = ".".join(parts[i:j])
+            if isinstance(data, dict) and key in data:
+                data, i = data[key], j
+                break
         else:
-            raise RenderError(f"{where}: no {path!r} (stopped at {key!r})")
+            raise RenderError(f"{where}: no {path!r} (stopped at {parts[i]!r})")
     return data
 
 
@@ -422,6 +431,15 @@ class Renderer:
         if kind == "value":
             self.used.add(target)
             return fmt(lookup(load(target), path, target), spec)
+        if kind in ("ratio", "change"):
+            # FILE:PATH / PATH: one recorded number over another of the same result (change: minus 1).
+            top, _, bottom = path.partition("/")
+            self.used.add(target)
+            data = load(target)
+            a, b = lookup(data, top.strip(), target), lookup(data, bottom.strip(), target)
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b)) or not b:
+                raise RenderError(f"{target}:{path}: not two numbers")
+            return fmt(a / b - (1 if kind == "change" else 0), spec)
         if kind == "summary":
             # "FORMAT UNIT", after an optional scale: "x0.001 .1f s" gives "median 18.9 s (min ...)".
             scale, fmt_spec, unit = re.fullmatch(r"(x\S+\s+)?(\S*)\s*(.*)", spec).groups()

@@ -72,3 +72,9 @@ def test_a_run_whose_json_has_no_command_shows_the_notes_command_marked_as_their
     assert depth.command_from_notes and "--max-resident-experts D" in depth.command
     recorded = renderer.run("main-memory-threads.json")
     assert not recorded.command_from_notes and recorded.command != render_docs.NOT_RECORDED
+
+
+def test_a_key_with_dots_in_it_is_found_whole() -> None:
+    data = {"strategies": {"importance@0.1": {"ppl": 66.0}}, "runs": [1, 2]}
+    assert render_docs.lookup(data, "strategies.importance@0.1.ppl", "test") == 66.0
+    assert render_docs.lookup(data, "runs.1", "test") == 2
