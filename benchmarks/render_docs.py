@@ -156,7 +156,7 @@ UNTRACED_BUDGET: dict[str, int] = {
     "simulator": 140,
     "quality": 4,
     "prerouter": 13,
-    "predictors": 7,
+    "predictors": 2,
     "recall": 3,
 }
 
