@@ -2,6 +2,7 @@
 
     python -m benchmarks.render_docs            # write docs/benchmarks/*.md and README's status table
     python -m benchmarks.render_docs --check    # render in memory; fail on any error or a stale README
+    python -m benchmarks.render_docs --pages-only   # the pages alone (make docs): README is left as committed
 
 Each page under ``docs/benchmarks/`` comes from a template under ``benchmarks/pages/`` and the
 results its ``PAGES`` entry claims (globs over ``benchmarks/results/*.json``). A template is
@@ -566,6 +567,11 @@ def untraced_in_written_pages() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="render in memory; write nothing")
+    parser.add_argument(
+        "--pages-only",
+        action="store_true",
+        help="write the pages but not README's status table (make docs: a build never edits a tracked file)",
+    )
     args = parser.parse_args(argv)
     renderer = Renderer()
     problems: list[str] = []
@@ -613,7 +619,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copyfile(RESULTS / image, OUT / "img" / image.replace("/", "-"))
     (OUT / "index.md").write_text(index_page())
     if readme is not None and readme != README.read_text():
-        README.write_text(readme)
+        if args.pages_only:
+            print(
+                "README.md: the status table differs from the results: run python -m benchmarks.render_docs",
+                file=sys.stderr,
+            )
+        else:
+            README.write_text(readme)
     return 0
 
 
