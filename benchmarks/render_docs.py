@@ -1,0 +1,649 @@
+"""Render the benchmark pages of the docs site from the recorded results, so no figure is typed by hand.
+
+    python -m benchmarks.render_docs            # write docs/benchmarks/*.md and README's status table
+    python -m benchmarks.render_docs --check    # render in memory; fail on any error or a stale README
+    python -m benchmarks.render_docs --pages-only   # the pages alone (make docs): README is left as committed
+
+Each page under ``docs/benchmarks/`` comes from a template under ``benchmarks/pages/`` and the
+results its ``PAGES`` entry claims (globs over ``benchmarks/results/*.json``). A template is
+Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
+
+- ``{{ runs }}``: one row per result of the page: file, command, commit, date, machine (from the
+  JSON where it records them; the commit and date otherwise from git, the last commit that wrote
+  the file, and "not recorded" where neither says), and whether it is stale (below).
+- ``{{ value: strategies.json:strategies.odmoe.decode_tok_s | .2f }}``: one recorded number (``| x1000 .1f``
+  scales it first, for a change of unit).
+- ``{{ ratio: FILE:PATH / PATH | FORMAT }}``: one recorded number over another of the same result;
+  ``change`` gives the ratio less one (``| +.1%`` writes it as a signed percentage).
+- ``{{ summary: strategies-depth*.json:strategies.odmoe.decode_tok_s | .2f }}``: median, min, max
+  and n over *every* file the glob matches (globs joined by commas) (stale ones and bad ones too, and it says how many
+  are stale); a matched file without the path is an error, never a silent skip.
+- ``{{ series: GLOB:PATH | FORMAT }}``: that one value in each matched run, a row per run;
+  ``{{ list: GLOB:PATH | FORMAT }}`` the same values inline, comma-separated.
+- ``{{ table: FILE:PATH | FORMAT }}``: a mapping (or list) of records as a table of their
+  scalar fields.
+- ``{{ image: NAME.png | ALT }}``: a plot from ``benchmarks/results/``, copied beside the page.
+
+**Staleness.** ``MOVED_BY`` declares the changes that move results: a result whose name matches
+a rule's pattern and whose recording date (the JSON's ``date``/``started``, else its git commit's
+date) is before the rule's commit date is shown stale, with the rule's reason, in every table and
+summary. A rule whose commit has not landed (``commit=None``) is listed on the page as pending.
+
+**Prose.** The notes moved here from the old README keep their figures, which were copied by hand
+before this renderer existed. Every decimal figure in a template's prose (outside code) is traced
+against the numbers of the page's results and of its ``also_traced`` files: as recorded, ×100 as
+a percentage, or in another unit (×1000, ÷1000, ÷10⁶, ÷10⁹, in MiB or GiB), at the precision
+written. One not found is marked ‡ on the page and counted. ``UNTRACED_BUDGET`` holds today's
+counts and the check fails when a page has more: the count can only fall, as notes are re-run or
+turned into directives. Whole numbers are not traced: in these notes they are as often settings
+(8 workers, top-2, 300 agents) as figures, so a whole-number figure in prose is unchecked. The
+written pages of ``docs/`` (not rendered here) are held to the same rule with no budget: a decimal
+figure in them must be a number some recorded result holds. Tracing is by value, not by source: a
+figure equal to any number of the results it is traced against passes.
+
+**Why generated at build time, not committed.** The pages hold git facts (the commit and date
+of each result) that change with every commit that records a run; generating them in ``make
+docs`` (before ``mkdocs build --strict``) means they cannot drift, and there is no generated
+file to forget. README's status table is the exception: README must read well on the forge, so
+it is committed, between markers, and ``--check`` (run by ``tests/test_render_docs.py``) fails
+while it differs from what the results say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+TEMPLATES = REPO / "benchmarks" / "pages"
+OUT = REPO / "docs" / "benchmarks"
+README = REPO / "README.md"
+
+
+@dataclass(frozen=True)
+class MovedBy:
+    """A change after which results of the matching names no longer describe the code."""
+
+    patterns: tuple[str, ...]  # fnmatch globs over result file names
+    commit: str | None  # None: the change has not landed; the rule is listed as pending
+    date: str | None  # the commit's date, ISO 8601 (declared, so the check needs no history)
+    reason: str
+
+
+MOVED_BY: tuple[MovedBy, ...] = (
+    MovedBy(
+        patterns=("strategies*.json", "overhead*.json", "recall*.json"),
+        commit="1346e9b",
+        date="2026-11-30T19:38:27+00:00",
+        reason="each role loads only its part, with plain reads and no memory map",
+    ),
+    MovedBy(
+        patterns=("load-run*.json",),
+        commit="3222a96",
+        date="2026-12-01T04:17:22+00:00",
+        reason="continuous batching in main (issue 12); these runs served one generation at a time",
+    ),
+    MovedBy(
+        patterns=("concurrency*.json", "openai-concurrency*.json", "chunked-prefill*.json"),
+        commit=None,
+        date=None,
+        reason="the engine rewrite (a scheduler that owns its loop) moves every batched figure",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Page:
+    slug: str
+    title: str
+    globs: tuple[str, ...]
+    # Other recorded results, relative to the repository, that the notes' figures may come from.
+    also_traced: tuple[str, ...] = ()
+
+
+PAGES: tuple[Page, ...] = (
+    Page("status", "Status, part by part", ("*.json",)),
+    Page("decode", "Decode on one machine", ()),
+    Page("strategies", "Strategies side by side", ("strategies.json", "strategies-16-workers.json")),
+    Page("hybrid", "Hybrid CPU/GPU execution", ("strategies-hybrid-*.json",)),
+    Page("repeats", "Repeated runs and one time scale", ("strategies-repeats-*.json", "strategies-rhythm-*.json")),
+    Page("split", "Splitting predicted experts", ("strategies-split-*.json",)),
+    Page("depth", "Prefetch depth", ("strategies-depth*.json",)),
+    Page(
+        "concurrency", "Many streams at once", ("concurrency*.json", "openai-concurrency.json", "chunked-prefill.json")
+    ),
+    Page("overhead", "Coordination overhead per layer", ("overhead*.json",)),
+    Page("memory", "Memory per role", ("main-memory-threads.json",)),
+    Page("families", "Model families", ()),
+    Page("gpu", "GPU check", ("gpu-*.json",)),
+    Page("faults", "Faults", ("faults.json",)),
+    Page("load", "The control plane under load", ("load-*.json",)),
+    Page("not-reached", "Not reached", ()),
+    Page(
+        "simulator",
+        "Cluster simulator",
+        ("strategies-16-workers-2026-*.json", "strategies-16-workers-tails*.json"),
+        also_traced=("inference/sim/validation/*.json",),
+    ),
+    Page("quality", "Quality beside speed", ("quality.json",)),
+    Page("prerouter", "The prerouter", ("quality-prerouter*.json", "predictors-prerouter.json")),
+    Page("predictors", "The shadow against main's next gate", ("predictors.json",)),
+    Page("recall", "Shadow recall", ("recall.json",)),
+)
+
+# Today's count of figures in each page's notes that no result of the page records (see Prose).
+UNTRACED_BUDGET: dict[str, int] = {
+    "decode": 16,
+    "strategies": 3,
+    "hybrid": 1,
+    "split": 3,
+    "depth": 22,
+    "overhead": 28,
+    "memory": 194,
+    "families": 177,
+    "gpu": 3,
+    "load": 1,
+    "not-reached": 96,
+    "simulator": 140,
+    "quality": 4,
+    "prerouter": 13,
+    "predictors": 2,
+    "recall": 3,
+}
+
+# The written pages of docs/ (all but docs/benchmarks/) may quote figures too: each decimal one must be
+# a number some recorded result holds (benchmarks/results/, these files), as on the benchmark pages.
+WRITTEN_PAGES_TRACED_AGAINST: tuple[str, ...] = ("inference/sim/validation/*.json", "platform/demo-model/training.json")
+
+
+# README's status table: (what, page, GLOB:PATH, format, unit). Each cell summarizes every run.
+STATUS: tuple[tuple[str, str, str, str, str], ...] = (
+    (
+        "odmoe ÷ full cache, decode, emulated 3090 cluster (every strategies run with both)",
+        "strategies",
+        "strategies.json,strategies-[!d]*.json:strategies.odmoe.decode_tok_s_vs_full_cache",
+        ".2f",
+        "",
+    ),
+    (
+        "odmoe decode at prefetch depth 2–4, emulated",
+        "depth",
+        "strategies-depth*.json:strategies.odmoe.decode_tok_s",
+        ".2f",
+        "tok/s",
+    ),
+    (
+        "8 prompts through the OpenAI API at once ÷ one after another",
+        "concurrency",
+        "openai-concurrency.json:ratio.runs",
+        ".2f",
+        "",
+    ),
+    ("chats lost per load run", "load", "load-*.json:chat.lost", "d", ""),
+    ("chats failed (with a reason told to the client) per load run", "load", "load-*.json:chat.failed", "d", ""),
+)
+
+DIRECTIVE = re.compile(r"\{\{\s*(\w+)\s*(?::\s*(.*?))?\s*\}\}")
+DECIMAL = re.compile(r"(?<![\w.`/-])(\d{1,3}(?:,\d{3})+|\d+)\.(\d+)(?![\w.]*`)(?!\.\d)")
+UNTRACED_MARK = "‡"
+NOT_RECORDED = "not recorded"
+
+
+class RenderError(Exception):
+    pass
+
+
+def load(name: str) -> dict:
+    path = RESULTS / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise RenderError(f"{name}: {error}") from error
+
+
+def results_matching(glob: str) -> list[str]:
+    """The result files a glob names; several globs may be joined by commas."""
+    globs = [g.strip() for g in glob.split(",")]
+    names = sorted(p.name for p in RESULTS.glob("*.json") if any(fnmatch.fnmatchcase(p.name, g) for g in globs))
+    if not names:
+        raise RenderError(f"{glob}: no result matches")
+    return names
+
+
+def lookup(data: object, path: str, where: str) -> object:
+    """The value at a dotted path; a key that holds dots itself (``importance@0.1``) is matched whole."""
+    parts = path.split(".") if path else []
+    i = 0
+    while i < len(parts):
+        if isinstance(data, list) and parts[i].lstrip("-").isdigit():
+            data, i = data[int(parts[i])], i + 1
+            continue
+        for j in range(len(parts), i, -1):  # the longest key first
+            key = ".".join(parts[i:j])
+            if isinstance(data, dict) and key in data:
+                data, i = data[key], j
+                break
+        else:
+            raise RenderError(f"{where}: no {path!r} (stopped at {parts[i]!r})")
+    return data
+
+
+def git_recordings() -> dict[str, tuple[str, str]] | None:
+    """Each result file's last commit (short hash, ISO date), from one git log; None without git."""
+    try:
+        log = subprocess.run(
+            ["git", "log", "--format=@%h %cI", "--name-only", "--", "benchmarks/results"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    seen: dict[str, tuple[str, str]] = {}
+    commit = ("", "")
+    for line in log.splitlines():
+        if line.startswith("@"):
+            sha, date = line[1:].split(" ", 1)
+            commit = (sha, date)
+        elif line.strip():
+            seen.setdefault(Path(line).name, commit)
+    return seen
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    command: str
+    command_from_notes: bool  # the JSON does not record it; the notes give it
+    commit: str
+    date: str
+    machine: str
+    stale: str  # the reason, or ""
+
+
+def noted_commands() -> list[tuple[re.Pattern[str], str]]:
+    """The commands the notes give for a result (``--json benchmarks/results/NAME``): where a run's
+    JSON does not record its command, the notes' is shown, marked as theirs. In a noted name,
+    ``{a,b}`` is either and a capital letter a number (``strategies-depthD-2026-12-04-N.json``)."""
+    noted = []
+    for template in sorted(TEMPLATES.glob("*.md")):
+        for match in re.finditer(r"`(python -m benchmarks\.[^`]*)`", template.read_text(), re.S):
+            command = " ".join(match.group(1).split())
+            for name in re.findall(r"--json\s+(?:benchmarks/results/)?(\S+\.json)", command):
+                pattern = re.escape(name).replace(r"\{", "{").replace(r"\}", "}")
+                pattern = re.sub(r"\{([^}]*)\}", lambda m: "(" + m.group(1).replace(",", "|") + ")", pattern)
+                noted.append((re.compile(re.sub(r"[A-Z]", r"\\d+", pattern) + "$"), command))
+    return noted
+
+
+def describe(name: str, recordings: dict[str, tuple[str, str]] | None, noted: list[tuple[re.Pattern[str], str]]) -> Run:
+    data = load(name)
+    meta = data if isinstance(data, dict) else {}
+    sha, git_date = (recordings or {}).get(name, ("", ""))
+    from_notes = next((command for pattern, command in noted if pattern.match(name)), None)
+    command = meta.get("command") or from_notes or NOT_RECORDED
+    commit = meta.get("commit") or (
+        f"{sha} (git)" if sha else "not committed yet" if recordings is not None else NOT_RECORDED
+    )
+    date = meta.get("date") or meta.get("started") or (f"{git_date[:10]} (git)" if git_date else NOT_RECORDED)
+    machine = meta.get("machine") or meta.get("gpu_name") or meta.get("device") or NOT_RECORDED
+    if isinstance(machine, dict):
+        machine = ", ".join(f"{k} {v}" for k, v in machine.items() if isinstance(v, str | int | float))
+    when = str(meta.get("date") or meta.get("started") or git_date or "")
+    moved = [
+        # Without a recording date (no git, none in the JSON) a matching result may be stale: say so.
+        f"moved by {rule.commit}: {rule.reason}" if when else f"may be moved by {rule.commit} (date not recorded)"
+        for rule in MOVED_BY
+        if rule.date
+        and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns)
+        and (not when or when[:19] < rule.date[:19])
+    ]
+    stale = "stale: " + "; ".join(moved) if moved else ""
+    return Run(
+        name, str(command), not meta.get("command") and bool(from_notes), str(commit), str(date), str(machine), stale
+    )
+
+
+def fmt(value: object, spec: str) -> str:
+    """A recorded value as written: a format spec (``.2f``, ``.1%``, ``,d`` or ``d``), optionally
+    after a scale for a change of unit (``x1000 .1f``: seconds as milliseconds)."""
+    scale = re.match(r"x([0-9.e+-]+)\s*", spec)
+    if scale and isinstance(value, int | float) and not isinstance(value, bool):
+        value, spec = value * float(scale.group(1)), spec[scale.end() :]
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float) and spec:
+        if spec == "d":
+            return f"{round(value):,d}" if abs(value) >= 10000 else f"{round(value):d}"
+        return format(value, spec)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,d}" if abs(value) >= 10000 else str(value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def split_ref(arg: str) -> tuple[str, str, str]:
+    ref, _, spec = (arg or "").partition("|")
+    target, _, path = ref.strip().partition(":")
+    return target.strip(), path.strip(), spec.strip()
+
+
+def numbers(value: object) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)] if math.isfinite(value) else []
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in numbers(v)]
+    return []
+
+
+class Renderer:
+    def __init__(self) -> None:
+        self.recordings = git_recordings()
+        self.noted = noted_commands()
+        self.runs: dict[str, Run] = {}
+        self.used: set[str] = set()
+
+    def run(self, name: str) -> Run:
+        if name not in self.runs:
+            self.runs[name] = describe(name, self.recordings, self.noted)
+        return self.runs[name]
+
+    def values(self, glob: str, path: str) -> list[tuple[str, object]]:
+        out = []
+        for name in results_matching(glob):
+            self.used.add(name)
+            out.append((name, lookup(load(name), path, name)))
+        return out
+
+    def summary(self, glob: str, path: str, spec: str, unit: str = "") -> str:
+        results = self.values(glob, path)
+        # A list is a result's own repeats: each counts, and the text says they are repeats.
+        pairs = [(name, v) for name, value in results for v in (value if isinstance(value, list) else [value])]
+        nums = [float(v) for _, v in pairs if isinstance(v, int | float) and not isinstance(v, bool)]
+        if len(nums) != len(pairs):
+            raise RenderError(f"{glob}:{path}: not a number in every run")
+        stale = sum(1 for name, _ in results if self.run(name).stale)
+        u = f" {unit}" if unit else ""
+        plural = "s" if len(results) != 1 else ""
+        n = f"{len(nums)} runs" if len(nums) == len(results) else f"{len(nums)} repeats of {len(results)} run{plural}"
+        if len(nums) == 1:
+            n = "1 run"
+        text = (
+            f"median {fmt(statistics.median(nums), spec)}{u} (min {fmt(min(nums), spec)}, "
+            f"max {fmt(max(nums), spec)}; n = {n}"
+        )
+        return text + (f", {stale} stale)" if stale else ")")
+
+    def runs_table(self, names: list[str]) -> str:
+        rows = ["| result | command | commit | date | machine | |", "|---|---|---|---|---|---|"]
+        for name in names:
+            r = self.run(name)
+            self.used.add(name)
+            cmd = f"`{r.command}`" if r.command != NOT_RECORDED else r.command
+            cmd += " (from the notes)" if r.command_from_notes else ""
+            rows.append(f"| `{name}` | {cmd} | {r.commit} | {r.date} | {r.machine} | {r.stale} |")
+        return "\n".join(rows)
+
+    def series(self, glob: str, path: str, spec: str) -> str:
+        rows = [f"| result | `{path}` | |", "|---|---:|---|"]
+        for name, value in self.values(glob, path):
+            rows.append(f"| `{name}` | {fmt(value, spec)} | {self.run(name).stale} |")
+        return "\n".join(rows)
+
+    def table(self, name: str, path: str, spec: str) -> str:
+        self.used.add(name)
+        data = lookup(load(name), path, name)
+        items = list(data.items()) if isinstance(data, dict) else list(enumerate(data))
+        columns: list[str] = []
+        for _, record in items:
+            if not isinstance(record, dict):
+                raise RenderError(f"{name}:{path}: not a table of records")
+            for key, value in record.items():
+                if key not in columns and (value is None or isinstance(value, int | float | bool | str)):
+                    columns.append(key)
+        rows = ["| | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+        for key, record in items:
+            rows.append(f"| {key} | " + " | ".join(fmt(record.get(c), spec) for c in columns) + " |")
+        stale = self.run(name).stale
+        return "\n".join(rows) + (f"\n\n*`{name}` is {stale}.*" if stale else "")
+
+    def directive(self, page: Page, kind: str, arg: str | None, names: list[str], images: list[str]) -> str:
+        target, path, spec = split_ref(arg or "")
+        if kind == "runs":
+            return self.runs_table(names) if names else "No result of this page is recorded as JSON."
+        if kind == "value":
+            self.used.add(target)
+            return fmt(lookup(load(target), path, target), spec)
+        if kind in ("ratio", "change"):
+            # FILE:PATH / PATH: one recorded number over another of the same result (change: minus 1).
+            top, _, bottom = path.partition("/")
+            self.used.add(target)
+            data = load(target)
+            a, b = lookup(data, top.strip(), target), lookup(data, bottom.strip(), target)
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b)) or not b:
+                raise RenderError(f"{target}:{path}: not two numbers")
+            return fmt(a / b - (1 if kind == "change" else 0), spec)
+        if kind == "summary":
+            # "FORMAT UNIT", after an optional scale: "x0.001 .1f s" gives "median 18.9 s (min ...)".
+            scale, fmt_spec, unit = re.fullmatch(r"(x\S+\s+)?(\S*)\s*(.*)", spec).groups()
+            return self.summary(target, path, (scale or "") + fmt_spec, unit)
+        if kind == "list":
+            pairs = self.values(target, path)
+            stale = [bool(self.run(n).stale) for n, _ in pairs]
+            if all(stale):  # one mark for a list of stale runs, not one per value
+                return ", ".join(fmt(v, spec) for _, v in pairs) + " (stale)"
+            return ", ".join(
+                fmt(v, spec) + (" (stale)" if old else "") for (_, v), old in zip(pairs, stale, strict=True)
+            )
+        if kind == "series":
+            return self.series(target, path, spec)
+        if kind == "table":
+            return self.table(target, path, spec)
+        if kind == "image":
+            if not (RESULTS / target).is_file():
+                raise RenderError(f"{page.slug}: no plot {target}")
+            images.append(target)
+            return f"![{spec or target}](img/{target.replace('/', '-')})"
+        raise RenderError(f"{page.slug}: unknown directive {kind!r}")
+
+    def page(self, page: Page) -> tuple[str, list[str], int]:
+        template = (TEMPLATES / f"{page.slug}.md").read_text()
+        names = sorted({n for g in page.globs for n in results_matching(g)})
+        known = [n for name in names for n in numbers(load(name))]
+        for glob in page.also_traced:
+            known += [n for path in sorted(REPO.glob(glob)) for n in numbers(json.loads(path.read_text()))]
+        images: list[str] = []
+        out, untraced = [], 0
+        fenced = False
+        for line in template.splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                out.append(line)
+                continue
+            if fenced:
+                out.append(line)
+                continue
+            parts, last = [], 0
+            for m in DIRECTIVE.finditer(line):
+                prose, n = trace(line[last : m.start()], known)
+                untraced += n
+                parts += [prose, self.directive(page, m.group(1), m.group(2), names, images)]
+                last = m.end()
+            prose, n = trace(line[last:], known)
+            untraced += n
+            out.append("".join([*parts, prose]))
+        text = "\n".join(out).rstrip() + "\n"
+        pending = [
+            r for r in MOVED_BY if r.commit is None and any(fnmatch.fnmatch(n, p) for n in names for p in r.patterns)
+        ]
+        for rule in pending:
+            patterns = ", ".join(f"`{p}`" for p in rule.patterns)
+            text += (
+                f'\n!!! note "Pending"\n    Not landed yet: {rule.reason}. Results of {patterns} recorded before it '
+                "will be marked stale once its commit is declared in `MOVED_BY` (`benchmarks/render_docs.py`).\n"
+            )
+        if untraced:
+            text += (
+                f"\n---\n\n{UNTRACED_MARK} {untraced} figure{'s' if untraced != 1 else ''} of these notes "
+                "(copied by hand before the renderer) match no number this page's results record: "
+                "re-run them, or turn them into directives of `benchmarks/render_docs.py`.\n"
+            )
+        return text, images, untraced
+
+    def status(self) -> str:
+        rows = ["| what | every recorded run | page |", "|---|---|---|"]
+        for label, slug, ref, spec, unit in STATUS:
+            glob, _, path = ref.partition(":")
+            rows.append(f"| {label} | {self.summary(glob, path, spec, unit)} | [{slug}](docs/benchmarks/{slug}.md) |")
+        return "\n".join(rows)
+
+
+def trace(prose: str, known: list[float]) -> tuple[str, int]:
+    """Mark each decimal figure of the prose that no recorded number gives at its precision."""
+    untraced = 0
+
+    def check(m: re.Match[str]) -> str:
+        nonlocal untraced
+        written = float(m.group(1).replace(",", "") + "." + m.group(2))
+        tolerance = 0.5 * 10 ** -len(m.group(2)) + 1e-9
+        for k in (1, 100, 1000, 0.001, 1e-6, 1e-9, 1 / 2**20, 1 / 2**30):
+            if any(abs(v * k - written) <= tolerance for v in known):
+                return m.group(0)
+        untraced += 1
+        return m.group(0) + UNTRACED_MARK
+
+    # Leave code spans and arXiv ids alone: commands, file names, versions and papers are not figures.
+    pieces = re.split(r"(`[^`]*`|arXiv:? ?\d{4}\.\d{4,5})", prose)
+    return "".join(p if p.startswith(("`", "arXiv")) else DECIMAL.sub(check, p) for p in pieces), untraced
+
+
+STATUS_BEGIN, STATUS_END = "<!-- status: rendered by benchmarks/render_docs.py -->", "<!-- /status -->"
+
+
+def render_readme(status: str) -> str:
+    text = README.read_text()
+    start, end = text.find(STATUS_BEGIN), text.find(STATUS_END)
+    if start < 0 or end < start:
+        raise RenderError("README.md: no status markers")
+    return text[: start + len(STATUS_BEGIN)] + "\n" + status + "\n" + text[end:]
+
+
+def untraced_in_written_pages() -> list[str]:
+    """Each decimal figure of a written docs page (not a rendered one) that no recorded result holds."""
+    known = [n for path in sorted(RESULTS.glob("*.json")) for n in numbers(load(path.name))]
+    for glob in WRITTEN_PAGES_TRACED_AGAINST:
+        known += [n for path in sorted(REPO.glob(glob)) for n in numbers(json.loads(path.read_text()))]
+    found = []
+    for path in sorted((REPO / "docs").rglob("*.md")):
+        if OUT in path.parents:
+            continue
+        fenced = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced and trace(line, known)[1]:
+                found.append(f"{path.relative_to(REPO)}:{number}: a figure no recorded result holds: {line.strip()}")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="render in memory; write nothing")
+    parser.add_argument(
+        "--pages-only",
+        action="store_true",
+        help="write the pages but not README's status table (make docs: a build never edits a tracked file)",
+    )
+    args = parser.parse_args(argv)
+    renderer = Renderer()
+    problems: list[str] = []
+    rendered: dict[str, tuple[str, list[str]]] = {}
+    for page in PAGES:
+        try:
+            text, images, untraced = renderer.page(page)
+        except RenderError as error:
+            problems.append(str(error))
+            continue
+        rendered[page.slug] = (text, images)
+        budget = UNTRACED_BUDGET.get(page.slug, 0)
+        if untraced > budget:
+            problems.append(f"{page.slug}: {untraced} untraced figures, budget {budget}")
+        elif untraced < budget:
+            print(f"{page.slug}: {untraced} untraced figures, under its budget {budget}: lower it", file=sys.stderr)
+    for name in sorted(p.name for p in RESULTS.glob("*.json")):
+        try:
+            renderer.run(name)
+        except RenderError as error:
+            problems.append(str(error))
+    problems += untraced_in_written_pages()
+    # Every result belongs to a page of its own (the status page, which traces against all, aside).
+    claimed = {n for page in PAGES if page.slug != "status" for g in page.globs for n in results_matching(g)}
+    problems += [f"{p.name}: on no benchmark page" for p in sorted(RESULTS.glob("*.json")) if p.name not in claimed]
+    try:
+        readme = render_readme(renderer.status())
+        if args.check and readme != README.read_text():
+            problems.append(
+                "README.md: the status table differs from the results: run python -m benchmarks.render_docs"
+            )
+    except RenderError as error:
+        problems.append(str(error))
+        readme = None
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    if args.check:
+        return 0
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "img").mkdir(exist_ok=True)
+    for slug, (text, images) in rendered.items():
+        (OUT / f"{slug}.md").write_text(text)
+        for image in images:
+            shutil.copyfile(RESULTS / image, OUT / "img" / image.replace("/", "-"))
+    (OUT / "index.md").write_text(index_page())
+    if readme is not None and readme != README.read_text():
+        if args.pages_only:
+            print(
+                "README.md: the status table differs from the results: run python -m benchmarks.render_docs",
+                file=sys.stderr,
+            )
+        else:
+            README.write_text(readme)
+    return 0
+
+
+def index_page() -> str:
+    lines = [(TEMPLATES / "index.md").read_text().rstrip(), "", "| page | results |", "|---|---|"]
+    for page in PAGES:
+        globs = ", ".join(f"`{g}`" for g in page.globs) or "none recorded as JSON"
+        lines.append(f"| [{page.title}]({page.slug}.md) | {globs} |")
+    lines += ["", "## What moves a result", ""]
+    for rule in MOVED_BY:
+        patterns = ", ".join(f"`{p}`" for p in rule.patterns)
+        if rule.commit and rule.date:
+            lines.append(f"- {patterns} recorded before `{rule.commit}` ({rule.date[:10]}) are stale: {rule.reason}.")
+        else:
+            lines.append(f"- {patterns}: not landed yet, {rule.reason}; stale once its commit is declared.")
+    lines += ["", "Declared in `MOVED_BY` of `benchmarks/render_docs.py`, by result name and commit date."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

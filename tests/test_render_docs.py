@@ -1,0 +1,80 @@
+"""The benchmark pages of the docs are rendered from the recorded results (benchmarks/render_docs.py)."""
+
+from __future__ import annotations
+
+from benchmarks import render_docs
+
+
+def test_every_recorded_result_renders_and_readme_status_is_the_results_own() -> None:
+    # --check renders every page in memory from every JSON under benchmarks/results/: it fails
+    # on a result that does not load, a directive that names a missing figure, a result on no
+    # page, a page with more untraced figures than its budget, and a stale README status table.
+    assert render_docs.main(["--check"]) == 0
+
+
+def test_every_result_is_claimed_by_a_benchmark_page() -> None:
+    results = {p.name for p in render_docs.RESULTS.glob("*.json")}
+    claimed = {
+        name
+        for page in render_docs.PAGES
+        if page.slug != "status"
+        for glob in page.globs
+        for name in render_docs.results_matching(glob)
+    }
+    assert results <= claimed
+
+
+def test_a_figure_no_result_records_is_marked_and_one_that_is_recorded_is_not() -> None:
+    known = [10.835618046595187, 0.5505072324628776]
+    text, untraced = render_docs.trace("odmoe 10.84 tok/s, recall 55.1 %, and 3.14 from nowhere", known)
+    assert untraced == 1
+    assert "10.84 " in text and "55.1 " in text and "3.14" + render_docs.UNTRACED_MARK in text
+
+
+def test_code_spans_are_not_figures() -> None:
+    text, untraced = render_docs.trace("`torch 2.13.0` and `--alpha 0.25`", [])
+    assert untraced == 0 and render_docs.UNTRACED_MARK not in text
+
+
+def test_results_recorded_before_a_change_that_moves_them_are_stale() -> None:
+    renderer = render_docs.Renderer()
+    assert "continuous batching" in renderer.run("load-run1.json").stale
+    assert renderer.run("load-production-run1.json").stale == ""
+
+
+def test_a_summary_counts_every_run_and_says_how_many_are_stale() -> None:
+    summary = render_docs.Renderer().summary("load-*.json", "chat.failed", "d")
+    n = len(list(render_docs.RESULTS.glob("load-*.json")))
+    assert f"n = {n} runs, 3 stale" in summary
+
+
+def test_the_rendered_pages_hold_no_directive() -> None:
+    renderer = render_docs.Renderer()
+    for page in render_docs.PAGES:
+        text, _, _ = renderer.page(page)
+        assert "{{" not in text, page.slug
+
+
+def test_every_decimal_figure_of_the_written_pages_is_a_recorded_number() -> None:
+    assert render_docs.untraced_in_written_pages() == []
+
+
+def test_an_arxiv_id_is_not_a_figure() -> None:
+    assert render_docs.trace("after Zhu et al. 2025, arXiv 2508.18983", []) == (
+        "after Zhu et al. 2025, arXiv 2508.18983",
+        0,
+    )
+
+
+def test_a_run_whose_json_has_no_command_shows_the_notes_command_marked_as_theirs() -> None:
+    renderer = render_docs.Renderer()
+    depth = renderer.run("strategies-depth3-2026-12-04-2.json")
+    assert depth.command_from_notes and "--max-resident-experts D" in depth.command
+    recorded = renderer.run("main-memory-threads.json")
+    assert not recorded.command_from_notes and recorded.command != render_docs.NOT_RECORDED
+
+
+def test_a_key_with_dots_in_it_is_found_whole() -> None:
+    data = {"strategies": {"importance@0.1": {"ppl": 66.0}}, "runs": [1, 2]}
+    assert render_docs.lookup(data, "strategies.importance@0.1.ppl", "test") == 66.0
+    assert render_docs.lookup(data, "runs.1", "test") == 2
