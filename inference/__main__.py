@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from inference.checkpoint import CheckpointError
     from inference.launcher import ClusterError
-    from inference.sharding import ShardError
+    from inference.shards import ShardError
     from inference.spec import SpecError
 
     return (CheckpointError, ClusterError, ShardError, SpecError, ValueError, FileNotFoundError)  # CorpusError is one

@@ -29,7 +29,8 @@ from inference.checkpoint import Checkpoint
 from inference.client import GenerationFailed, RuntimeClient
 from inference.curve import EndpointKeys, SeatKeys, client_keys, new_seat_keys, role_keys
 from inference.protocol import GenerateDone
-from inference.sharding import ShardSet, build_shards, shadow_dtypes_to_build
+from inference.sharding import build_shards
+from inference.shards import ShardSet, shadow_dtypes_to_build
 from inference.spec import Addresses, RoleSpec, Settings, write_private
 from inference.strategies import predictor_for
 

@@ -42,7 +42,7 @@ from inference.memory import (
     memory_from_config,
 )
 from inference.schedule import validate_periods
-from inference.sharding import shadow_dtypes_to_build
+from inference.shards import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.spec import Settings, check_max_per_user
 from inference.strategies import DEFAULT_STRATEGY, needed_files, predictor_for
