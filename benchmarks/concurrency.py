@@ -35,7 +35,8 @@ from pathlib import Path
 
 from benchmarks.overhead import percentile
 from benchmarks.plots import line_plot
-from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, prompt_of, yield_cpu_to_the_pipeline
+from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
+from benchmarks.workload import prompt_of
 from inference.client import RuntimeClient
 from inference.constants import BATCH_ARITHMETICS
 from inference.depth import LINK_DEPTH
