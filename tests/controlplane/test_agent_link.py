@@ -320,7 +320,7 @@ def test_a_fetch_command_reaches_the_agent_which_downloads_the_shard(
 
     from controlplane.artifacts.services import build_model_shards, register_model
     from controlplane.nodes.models import NodeTask, TaskState
-    from inference.sharding import verify_shard
+    from inference.shards import verify_shard
 
     settings.VAR_DIR = tmp_path / "var"
     artifact = build_model_shards(artifact_id=register_model(name="tiny", path=str(tiny_model)).pk, workers=2)
@@ -373,7 +373,7 @@ def test_a_node_relays_only_generations_it_was_given(channel_layer_on_test_redis
     from channels.layers import get_channel_layer
 
     from agent.messages import Generate, GenerationDone, GenerationToken
-    from controlplane.nodes.consumers import generation_group, node_group
+    from controlplane.nodes.groups import generation_group, node_group
 
     node, secret = enrolled()
 
@@ -412,7 +412,7 @@ def test_a_link_that_closes_mid_generation_fails_it_as_retryable_at_once(channel
     from channels.layers import get_channel_layer
 
     from agent.messages import Generate
-    from controlplane.nodes.consumers import generation_group, node_group
+    from controlplane.nodes.groups import generation_group, node_group
 
     node, secret = enrolled()
 

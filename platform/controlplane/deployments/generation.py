@@ -29,7 +29,7 @@ from agent.messages import (
     GenerationToken,
     parse,
 )
-from controlplane.nodes.consumers import generation_group, node_group
+from controlplane.nodes.groups import generation_group, node_group
 from inference.generation_fields import GenerationFields
 
 from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
