@@ -261,22 +261,6 @@ def create_deployment(
     return deployment
 
 
-def change_alignment(*, deployment: Deployment, token_period: int, kv_period: int) -> Deployment:
-    try:
-        validate_periods(token_period, kv_period)
-    except ValueError as exc:
-        raise DeploymentError(str(exc)) from None
-    if deployment.status not in ACTIVE:
-        raise DeploymentError(f"deployment {deployment.name} is {deployment.status}; start it again to change it")
-    from .lifecycle import send_alignment
-
-    with transaction.atomic():
-        deployment.token_period, deployment.kv_period = token_period, kv_period
-        deployment.save(update_fields=["token_period", "kv_period", "updated_at"])
-        send_alignment(deployment=deployment)  # a running main takes it at its next step
-    return deployment
-
-
 def _nodes(node_ids: list[str]) -> list[Node]:
     nodes = list(Node.objects.filter(pk__in=node_ids))
     _check_nodes(nodes, node_ids)
