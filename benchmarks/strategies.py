@@ -58,10 +58,11 @@ from pathlib import Path
 from benchmarks.plots import bar_plot
 from benchmarks.sim_prediction import measure_machine, predict_for_run
 from benchmarks.workload import BENCH_MODEL, prompt_of
+from inference.calibration import calibrate
 from inference.checkpoint import Checkpoint, expert_key_name
 from inference.emulation import Emulation, emulation_for, measure_expert_compute
 from inference.hybrid import expert_flops, predicted_share
-from inference.importance import SIMILARITY_FILE, calibrate, write_similarity
+from inference.importance import SIMILARITY_FILE, write_similarity
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.metrics import BREAKDOWN, HOPS_SPLIT
 from inference.placement import placement

@@ -11,6 +11,9 @@ from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
 from inference.families import FAMILIES
 from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES
 
+# Each command imports what it runs inside its own function: torch, Transformers and a role's
+# whole stack load only for the command that needs them, so `--help` and each role start light.
+
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 
@@ -234,7 +237,8 @@ def _dtype_list(text: str) -> tuple[str, ...]:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from inference.importance import calibrate, write_similarity
+    from inference.calibration import calibrate
+    from inference.importance import write_similarity
     from inference.textstream import load_tokenizer
     from inference.train_demo import DEFAULT_CORPUS, corpus_texts
 
