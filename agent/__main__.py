@@ -25,17 +25,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from agent import credentials, doctor, inventory, tls
+from agent.defaults import DEFAULT_STATE_DIR, EXIT_REFUSED, EXIT_USAGE
 from agent.http import ControlPlaneError, request_json
 from agent.link import LinkRefused, run_link
 from agent.tls import ServerTrust
 from inference import __version__
 from inference.wire.link import AGENT_PROTOCOL
-
-DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "odmoe-agent"
-# The control plane refused this agent for good (credential revoked, link protocol too old): the
-# systemd unit does not restart on it (RestartPreventExitStatus in install.sh).
-EXIT_REFUSED = 3
-EXIT_USAGE = 2  # refused arguments (argparse's code too): a restart cannot help either
 
 log = logging.getLogger(__name__)
 

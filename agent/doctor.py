@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from agent import credentials
+from agent.defaults import DEFAULT_STATE_DIR, EXIT_USAGE
 from agent.tls import CLEAR_TEXT, ServerTrust, TrustError, check_pin, check_server_url, install_command
 from inference.wire.link import AGENT_PROTOCOL as PROTOCOL_VERSION
 
@@ -164,6 +166,8 @@ def probe_packages() -> dict[str, str | None]:
 
 
 def probe_gpus() -> Check:
+    # agent.inventory imports inference.launcher, hence torch: the doctor must still run (and
+    # report) where torch is missing or broken, so it is imported only when the checks run.
     from agent.inventory import gpus
 
     try:
@@ -229,6 +233,7 @@ def probe_server(server: str, trust: ServerTrust | None = None) -> tuple[bool, s
 
 def run_checks(server: str | None, state_dir: Path, trust: ServerTrust | None = None) -> list[Check]:
     """``trust``: how the server is trusted (default: the system's CAs for https)."""
+    # Imported here, not at the top: they bring torch (see probe_gpus).
     from agent.inventory import FREE_PORTS, peer_address, shard_bytes
     from inference.launcher import free_port
 
@@ -284,9 +289,6 @@ def safe_checks(server: str | None, state_dir: Path, *, trust: ServerTrust | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from agent import credentials
-    from agent.__main__ import DEFAULT_STATE_DIR, EXIT_USAGE
-
     parser = argparse.ArgumentParser(prog="python -m agent doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--server", help="the control plane's URL (checks reachability, protocol, clock, shard sizes)")
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)

@@ -44,7 +44,7 @@ from agent.tls import ServerTrust
 from inference.client import GenerationError, RuntimeClient
 from inference.curve import CurveError, CurveKeys, EndpointKeys, check_endpoint_keys
 from inference.launcher import die_with_parent
-from inference.sharding import ShardError, is_plain_file_name, is_role_dirname
+from inference.shards import ShardError, is_plain_file_name, is_role_dirname
 from inference.spec import RoleSpec, SpecError, load_spec, write_private
 from inference.wire.base import WireStruct
 from inference.wire.generation import Done, Failed, Generate

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from benchmarks.concurrency import Stream, median_with_spread
-from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, prompt_of, yield_cpu_to_the_pipeline
+from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
+from benchmarks.workload import prompt_of
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.reference import reference_generate
 from inference.sim.hardware import PROFILES

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from benchmarks.overhead import percentile
 from benchmarks.plots import line_plot
-from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, prompt_of, yield_cpu_to_the_pipeline
+from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
+from benchmarks.workload import prompt_of
 from inference.client import RuntimeClient
 from inference.constants import BATCH_ARITHMETICS
 from inference.depth import LINK_DEPTH
@@ -163,7 +164,8 @@ def print_table(results: dict[str, dict[int, dict]], args: argparse.Namespace, e
     print(
         f"profile {args.profile}; {args.workers} workers for the cluster strategies (lru-offload on one box); "
         f"prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens per stream; {args.batch_arithmetic} "
-        f"batch arithmetic; {args.max_resident_experts or 'the prefetch depth of its group (inference.depth) as'} "
+        "batch arithmetic; "
+        f"{args.max_resident_experts or 'the prefetch depth of its group (inference.depth) as'} "
         "resident experts per worker; "
         f"median of {args.repeats} runs (min–max)"
     )

@@ -75,7 +75,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.strategies import copy_bound, prompt_of
+from benchmarks.strategies import copy_bound
+from benchmarks.workload import prompt_of
 from inference.constants import SHADOW_DTYPES
 from inference.experts import activation, expert_forward, fuse_expert
 from inference.launcher import ClusterOptions, LocalCluster

@@ -19,7 +19,7 @@ model fed the tight-loop figures leaves out most of what a layer costs wherever 
 it. The prediction with the tight-loop costs is still made and recorded beside the other.
 
 `--validate FILE` does the same for a recorded run (its emulation, pairs and workers; the
-checkpoint is re-made from `benchmarks.strategies.BENCH_MODEL` with the same seed) and reports each
+checkpoint is re-made from `benchmarks.workload.BENCH_MODEL` with the same seed) and reports each
 strategy's prediction beside its recorded decode tok/s. The per-layer costs are measured *now*, so
 a recorded run from another day is predicted with today's machine: this box's speed has moved by
 2x between days (README, "Measured"), which is part of the error reported.
@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.workload import BENCH_MODEL, prompt_of
 from inference.families import family_for
 from inference.sim.local import STRATEGIES, EmulatedRates, MachineCosts, Options, Shape, predict
 
@@ -448,7 +449,6 @@ def predict_for_run(
 
 def validate(recorded: Path, *, strategies: list[str] | None = None) -> dict:
     """Predict a recorded `benchmarks.strategies` JSON's run and compare with what it measured."""
-    from benchmarks.strategies import BENCH_MODEL, prompt_of
     from inference.checkpoint import Checkpoint, expert_key_name
     from inference.reference import reference_generate
     from inference.tiny import make_tiny

@@ -49,7 +49,6 @@ import copy
 import json
 import math
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -58,10 +57,12 @@ from pathlib import Path
 
 from benchmarks.plots import bar_plot
 from benchmarks.sim_prediction import measure_machine, predict_for_run
+from benchmarks.workload import BENCH_MODEL, prompt_of
+from inference.calibration import calibrate
 from inference.checkpoint import Checkpoint, expert_key_name
 from inference.emulation import Emulation, emulation_for, measure_expert_compute
 from inference.hybrid import expert_flops, predicted_share
-from inference.importance import SIMILARITY_FILE, calibrate, write_similarity
+from inference.importance import SIMILARITY_FILE, write_similarity
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.metrics import BREAKDOWN, HOPS_SPLIT
 from inference.placement import placement
@@ -75,7 +76,6 @@ from inference.tiny import make_tiny
 
 DEFAULT_PROFILE = sim_hardware.DEFAULT_PROFILE
 DEFAULT_PAIRS = "16:32,16:64,64:32,64:64"
-BENCH_MODEL = dict(layers=8, hidden=512, intermediate=1792, heads=8, kv_heads=4)
 
 
 HYBRID = "+hybrid"  # the suffix of a strategy's row run with hybrid execution
@@ -122,11 +122,6 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
             raise ValueError(f"input must be >= 1 and output >= 2 tokens, got {item!r}")
         pairs.append((prompt_len, new_tokens))
     return pairs
-
-
-def prompt_of(length: int, vocab: int, seed: int) -> list[int]:
-    generator = random.Random(seed)
-    return [1] + [generator.randrange(3, vocab) for _ in range(length - 1)]
 
 
 def agreement(outputs: list[list[int]], expected: list[list[int]]) -> float:

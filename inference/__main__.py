@@ -12,6 +12,9 @@ from inference.families import FAMILIES
 from inference.settings import DEFAULTS
 from inference.strategies import PREDICTORS, RUNTIME_STRATEGIES
 
+# Each command imports what it runs inside its own function: torch, Transformers and a role's
+# whole stack load only for the command that needs them, so `--help` and each role start light.
+
 EXIT_ERROR = 1
 # ``generate``'s flags that set a runtime setting (inference.settings), by argparse dest; their
 # defaults are the declaration's (tests/test_settings_defaults.py holds them to it).
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from inference.checkpoint import CheckpointError
     from inference.launcher import ClusterError
-    from inference.sharding import ShardError
+    from inference.shards import ShardError
     from inference.spec import SpecError
 
     return (CheckpointError, ClusterError, ShardError, SpecError, ValueError, FileNotFoundError)  # CorpusError is one
@@ -272,7 +275,8 @@ def _dtype_list(text: str) -> tuple[str, ...]:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from inference.importance import calibrate, write_similarity
+    from inference.calibration import calibrate
+    from inference.importance import write_similarity
     from inference.textstream import load_tokenizer
     from inference.train_demo import DEFAULT_CORPUS, corpus_texts
 

@@ -1,6 +1,8 @@
 """Names shared by the CLI, the specs and the roles, kept free of heavy imports."""
 
 SHADOW_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
+# Elements per fp32 absmax in an nf4 shadow (inference.quant quantizes so; inference.memory sizes so).
+NF4_BLOCKSIZE = 64
 # The shadow dtype that is a checkpoint's own (config ``dtype``): no conversion needed.
 OWN_SHADOW_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 

@@ -54,16 +54,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    import torch
-
-    from inference.store import ExpertStore
+from typing import Literal
 
 Where = Literal["ready", "loading", "queued", "absent"]
 
@@ -267,47 +261,3 @@ def planned_on_cpu(step: int, layer: int, group_layers: Sequence[int], groups: i
     n = step * len(group_layers) + group_layers.index(layer)
     phase = (group * (1 + share) / groups) % 1
     return math.floor((n + 1) * share + phase) > math.floor(n * share + phase)
-
-
-# --- measuring a worker's own rates (when no emulation gives them) ----------------------------------
-
-
-def measure_host_rates(
-    store: ExpertStore, device: torch.device, act_fn: Callable[[torch.Tensor], torch.Tensor], *, rounds: int = 5
-) -> HostRates:
-    """This host's rates, timed on the store's own experts: one row through each of several
-    experts (their weights streamed from host memory, not a cache), many rows through one (the
-    arithmetic), and one expert's copy to ``device``. A few hundred milliseconds at start."""
-    import torch
-
-    from inference.experts import expert_forward
-
-    keys = sorted(store.keys())[:16]
-    first = store.get(*keys[0])
-    hidden, intermediate = first.down.shape
-    nbytes = store.nbytes(*keys[0])
-    one, many = torch.zeros(1, hidden, dtype=first.down.dtype), torch.zeros(64, hidden, dtype=first.down.dtype)
-    weight, weights = torch.ones(1, dtype=first.down.dtype), torch.ones(64, dtype=first.down.dtype)
-    reads, sums, copies = [], [], []
-    for _ in range(rounds):
-        for key in keys:
-            started = time.perf_counter()
-            expert_forward(one, weight, store.get(*key), act_fn)
-            reads.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        expert_forward(many, weights, first, act_fn)
-        sums.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        if device.type == "cuda":
-            on_device = (first.gate_up.to(device, non_blocking=True), first.down.to(device, non_blocking=True))
-            torch.cuda.synchronize(device)
-            del on_device
-        else:
-            _ = (first.gate_up.clone(), first.down.clone())
-        copies.append(time.perf_counter() - started)
-    floor = 1e-9  # a timer tick: a tiny expert may compute faster than the clock resolves
-    return HostRates(
-        memory_bytes_per_s=nbytes / max(floor, statistics.median(reads)),
-        flops=expert_flops(hidden, intermediate, 64) / max(floor, statistics.median(sums)),
-        copy_bytes_per_s=nbytes / max(floor, statistics.median(copies)),
-    )

@@ -12,10 +12,10 @@ approximate**, and its output depends on what earlier tokens left in the caches.
 
 - ``similarity_from_outputs``: one layer's table from every expert's outputs on the same
   calibration rows.
-- ``calibrate``: every layer's table for a checkpoint, from Transformers' own run over
-  calibration token ids (the inputs each MoE block really sees) and the checkpoint's expert
-  weights; ``python -m inference calibrate MODEL_DIR`` writes it beside the weights as
-  ``SIMILARITY_FILE``, and ``shard`` carries it into main's shard.
+- ``inference.calibration.calibrate``: every layer's table for a checkpoint (a tool: it runs
+  Transformers); ``write_similarity`` writes it beside the weights as ``SIMILARITY_FILE``
+  (``python -m inference calibrate MODEL_DIR``), ``shard`` carries it into main's shard and
+  ``load_similarity`` reads it back.
 - ``substitute``: the rule, on one layer's routing of some tokens.
 - ``ResidentExperts``: main's view of every worker's cache, kept by the rule the worker's
   ``DeviceCache`` follows (each expert used is the most recent; beyond the capacity the
@@ -138,54 +138,6 @@ def load_similarity(
             f"{expected[0]} of {expected[1]}: calibrate this model again"
         )
     return table
-
-
-def calibrate(model_dir: str | os.PathLike[str], token_ids: Sequence[int], *, window: int = 256) -> torch.Tensor:
-    """Every layer's similarity table for the checkpoint in ``model_dir`` ([L, E, E]).
-
-    Runs Transformers' model in fp32 over ``token_ids`` in windows of ``window`` tokens,
-    takes the hidden states each MoE block receives, and compares every expert's output on
-    them (weights read from the checkpoint, one layer at a time).
-    """
-    from transformers import AutoModelForCausalLM
-
-    from inference.checkpoint import Checkpoint, expert_key_name
-    from inference.experts import activation, expert_forward, fuse_expert
-    from inference.model import family_of
-
-    if len(token_ids) < 2:
-        raise ValueError("calibration needs at least 2 tokens")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    family = family_of(model.config)
-    inputs: dict[int, list[torch.Tensor]] = {}
-
-    def keep(layer: int):
-        def hook(_module, args) -> None:
-            inputs.setdefault(layer, []).append(args[0].reshape(-1, args[0].shape[-1]).detach())
-
-        return hook
-
-    handles = [family.moe_block(d).register_forward_pre_hook(keep(i)) for i, d in enumerate(model.model.layers)]
-    ids = torch.tensor(list(token_ids), dtype=torch.long)
-    try:
-        with torch.inference_mode():
-            for start in range(0, len(ids), window):
-                model(input_ids=ids[start : start + window].unsqueeze(0))
-    finally:
-        for handle in handles:
-            handle.remove()
-    ckpt = Checkpoint(model_dir)
-    act = activation(ckpt.config.get("hidden_act", "silu"))
-    tables = []
-    with torch.inference_mode():
-        for layer in range(ckpt.n_layers):
-            rows = torch.cat(inputs[layer])
-            outputs = []
-            for expert in range(ckpt.n_experts):
-                w1, w2, w3 = (ckpt.tensor(expert_key_name(layer, expert, p)).float() for p in ("w1", "w2", "w3"))
-                outputs.append(expert_forward(rows, torch.ones(rows.shape[0]), fuse_expert(w1, w2, w3), act))
-            tables.append(similarity_from_outputs(torch.stack(outputs)))
-    return torch.stack(tables)
 
 
 def write_similarity(model_dir: str | os.PathLike[str], table: torch.Tensor, tokens: int) -> Path:

@@ -28,7 +28,8 @@ from pathlib import Path
 from inference.checkpoint import Checkpoint
 from inference.client import GenerationError, RuntimeClient
 from inference.curve import EndpointKeys, SeatKeys, client_keys, new_seat_keys, role_keys
-from inference.sharding import ShardSet, build_shards, shadow_dtypes_to_build
+from inference.sharding import build_shards
+from inference.shards import ShardSet, shadow_dtypes_to_build
 from inference.spec import Addresses, RoleSpec, Settings, write_private
 from inference.strategies import predictor_for
 from inference.wire.generation import Done

@@ -35,6 +35,7 @@ the process too).
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -45,8 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.cache import DeviceCache
-from inference.experts import ExpertWeights
-from inference.hybrid import CopyState
+from inference.experts import ExpertWeights, expert_forward
+from inference.hybrid import CopyState, HostRates, expert_flops
 from inference.staging import StagingRing
 from inference.store import ExpertStore
 
@@ -413,3 +414,43 @@ class ExpertLoader:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"expert loader failed: {self._error}") from self._error
+
+
+# --- measuring a worker's own rates (when no emulation gives them; ``inference.hybrid`` decides from them) ---
+
+
+def measure_host_rates(
+    store: ExpertStore, device: torch.device, act_fn: Callable[[torch.Tensor], torch.Tensor], *, rounds: int = 5
+) -> HostRates:
+    """This host's rates, timed on the store's own experts: one row through each of several
+    experts (their weights streamed from host memory, not a cache), many rows through one (the
+    arithmetic), and one expert's copy to ``device``. A few hundred milliseconds at start."""
+    keys = sorted(store.keys())[:16]
+    first = store.get(*keys[0])
+    hidden, intermediate = first.down.shape
+    nbytes = store.nbytes(*keys[0])
+    one, many = torch.zeros(1, hidden, dtype=first.down.dtype), torch.zeros(64, hidden, dtype=first.down.dtype)
+    weight, weights = torch.ones(1, dtype=first.down.dtype), torch.ones(64, dtype=first.down.dtype)
+    reads, sums, copies = [], [], []
+    for _ in range(rounds):
+        for key in keys:
+            started = time.perf_counter()
+            expert_forward(one, weight, store.get(*key), act_fn)
+            reads.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        expert_forward(many, weights, first, act_fn)
+        sums.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        if device.type == "cuda":
+            on_device = (first.gate_up.to(device, non_blocking=True), first.down.to(device, non_blocking=True))
+            torch.cuda.synchronize(device)
+            del on_device
+        else:
+            _ = (first.gate_up.clone(), first.down.clone())
+        copies.append(time.perf_counter() - started)
+    floor = 1e-9  # a timer tick: a tiny expert may compute faster than the clock resolves
+    return HostRates(
+        memory_bytes_per_s=nbytes / max(floor, statistics.median(reads)),
+        flops=expert_flops(hidden, intermediate, 64) / max(floor, statistics.median(sums)),
+        copy_bytes_per_s=nbytes / max(floor, statistics.median(copies)),
+    )

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from inference.checkpoint import Checkpoint, CheckpointError, parse_expert_key
-from inference.constants import EXPERT_STORES, MAX_BATCH, SHADOW_DTYPES, SHADOW_STATES_PER_SEQUENCE
+from inference.constants import EXPERT_STORES, MAX_BATCH, NF4_BLOCKSIZE, SHADOW_DTYPES, SHADOW_STATES_PER_SEQUENCE
 from inference.depth import resolve_depth
 from inference.families import FAMILIES, family_for, is_router_name
 from inference.families.releases import RELEASES
@@ -68,7 +68,6 @@ RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + trans
 CUDA_CONTEXT_BYTES = 820 * 10**6
 DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache each sequence of main and the shadow is sized for
 DEFAULT_MAX_BATCH = DEFAULTS.max_batch  # sequences main runs at once, each with its own KV cache
-NF4_BLOCKSIZE = 64  # elements per fp32 absmax in nf4 (``inference.quant.NF4_BLOCKSIZE``)
 QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absmax per block
 
 # Bytes per element of the dtypes a checkpoint is released in (config ``dtype`` names).

@@ -25,7 +25,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from inference.checkpoint import parse_expert_key
 from inference.families import Family, family_for
-from inference.sharding import load_role_tensors
+from inference.shards import load_role_tensors
 
 REMOTE_EXPERTS = "odmoe_remote"
 

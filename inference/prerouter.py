@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.constants import PREROUTER_FILE
+from inference.model import expert_dims, family_of
 from inference.prerouter_shape import PrerouterShape
 
 
@@ -288,8 +289,6 @@ class PreroutedModel:
         # When a list: every layer's head inputs and router logits, (layer, source, here, before, logits).
         self.collect: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] | None = None
         self._handles = [model.model.embed_tokens.register_forward_hook(self._on_embeds)]
-        from inference.model import family_of  # Transformers: imported when a model is at hand
-
         family = family_of(model.config)
         for layer, block in enumerate(model.model.layers):
             self._handles.append(family.router(block).register_forward_hook(self._on_router(layer)))
@@ -402,8 +401,6 @@ def prerouted_generate(model_dir: str | os.PathLike[str], prompt_ids: list[int],
     What the runtime's ``prerouter`` strategy must give token for token (its own reference,
     as ``inference.reference`` is the exact strategies')."""
     from transformers import AutoModelForCausalLM
-
-    from inference.model import expert_dims
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
     config = model.config

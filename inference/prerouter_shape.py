@@ -1,7 +1,8 @@
-"""The sizes a prerouter file is for (``inference.prerouter``), torch-free.
+"""The shape of a prerouter file (``inference.prerouter``), kept free of torch.
 
-Apart from the heads and adapter themselves so that the memory planner (``inference.memory``),
-which the control plane's web and Celery processes import, can size a prerouter without torch.
+The memory plan (``inference.memory``) sizes main's prerouter from this shape before any model
+is at hand, and the control plane plans deployments with it; the prerouter's heads and
+adapter themselves (torch modules) live in ``inference.prerouter``.
 """
 
 from __future__ import annotations

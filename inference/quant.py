@@ -38,12 +38,11 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
-from inference.constants import SHADOW_DTYPES
+from inference.constants import NF4_BLOCKSIZE, SHADOW_DTYPES
 from inference.model import experts_modules, routers
 
 QUANT_SCHEMES = ("int8", "nf4")
 EXPERTS_IMPLEMENTATION = "odmoe_quantized"
-NF4_BLOCKSIZE = 64
 
 
 @functools.cache

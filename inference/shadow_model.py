@@ -33,7 +33,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from inference import quant
 from inference.checkpoint import parse_expert_key
-from inference.constants import SHADOW_DTYPES
+from inference.constants import NF4_BLOCKSIZE, SHADOW_DTYPES
 from inference.model import (
     expert_dims,
     family_of,
@@ -43,20 +43,12 @@ from inference.model import (
     routers,
     skeleton,
 )
-from inference.sharding import load_role_tensors, read_manifest, verify_shard
+from inference.shards import RECORDS_FORMAT, load_role_tensors, read_manifest, verify_shard
 
 CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 assert (*CAST_DTYPES, *quant.QUANT_SCHEMES) == SHADOW_DTYPES  # one list of names: inference.constants
 EXPERT_WEIGHTS = ("gate_up", "down")  # [2I, H] (w1 over w3) and [H, I] (w2), as Transformers fuses them
 
-# The converted layout, record by record (what ``convert_tensors`` yields and a pre-converted
-# shadow shard stores): a kept tensor under its Transformers name in its shadow dtype; a
-# quantized linear as ``{path}.weight_data`` / ``{path}.weight_state`` (``QuantizedLinear``'s
-# buffers); expert E of layer L as ``model.layers.L.mlp.experts.{gate_up|down}.E`` whatever the family
-# ``.qdata`` / ``.qstate`` appended when quantized.
-# Written into a pre-converted shard's manifest and checked on load: a shard converted by
-# another version's layout or quantizer is refused, not misread.
-RECORDS_FORMAT = f"odmoe-shadow-records/1; nf4 blocks of {quant.NF4_BLOCKSIZE}, high nibble first; int8 per row"
 _EXPERT_RECORD = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)\.(\d+)(?:\.(qdata|qstate))?")
 _LINEAR_RECORD = re.compile(r"(.+)\.weight_(data|state)")
 
@@ -288,7 +280,7 @@ class _RecordCheck:
                 raise ValueError(f"a dense expert record in a {self.dtype} shadow")
             return shape, CAST_DTYPES[self.dtype]
         if self.dtype == "nf4":
-            blocks = -(-n // quant.NF4_BLOCKSIZE)
+            blocks = -(-n // NF4_BLOCKSIZE)
             return (((n + 1) // 2, 1), torch.uint8) if part == "qdata" else ((blocks,), torch.float32)
         if self.dtype == "int8":
             return (shape, torch.int8) if part == "qdata" else ((out,), torch.float32)

@@ -5,8 +5,9 @@ A store hands out host-side expert weights by (layer, expert) in the fused layou
 front (pinned when a GPU will copy from it); ``DiskStore`` keeps only an index of where
 each expert lies in the shard's files and reads an expert when the loader asks for it, so
 a worker's host memory stays at its overhead plus the experts in flight, whatever it owns.
-``open_store`` picks one by the ``expert_store`` setting (``"ram"``, ``"disk"``, or ``"hot"``: a
-disk store with a hot set in RAM, ``inference.hotset``).
+``HotSetStore`` keeps the last experts a ``DiskStore`` read in RAM (the eviction rule:
+``inference.hotset``). ``open_store`` picks one by the ``expert_store`` setting (``"ram"``,
+``"disk"``, or ``"hot"``).
 """
 
 from __future__ import annotations
@@ -16,20 +17,19 @@ import os
 import threading
 import time
 import weakref
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from inference.checkpoint import EXPERT_PROJS, parse_expert_key
 from inference.constants import EXPERT_STORES
 from inference.experts import ExpertWeights
-from inference.sharding import MANIFEST_FILE, ShardError, role_experts, verify_shard
+from inference.hotset import hot_set_victims
+from inference.shards import MANIFEST_FILE, ShardError, role_experts, verify_shard
 from inference.tensorfile import TensorEntry, TensorFileError, read_header
-
-if TYPE_CHECKING:
-    from inference.hotset import HotSetStore
 
 LayerExpert = tuple[int, int]
 
@@ -64,8 +64,6 @@ def open_store(
         disk = DiskStore(shard_dir, pin=pin, verify=verify, read_bytes_per_s=read_bytes_per_s, dtype=dtype)
         if kind == "disk":
             return disk
-        from inference.hotset import HotSetStore
-
         try:
             return HotSetStore(disk, hot_experts)
         except ValueError:
@@ -339,6 +337,73 @@ class DiskStore:
         wait = done - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
+
+
+class HotSetStore:
+    """A ``DiskStore`` with the last ``capacity`` experts it read kept in RAM (``ExpertStore``)."""
+
+    def __init__(self, disk: DiskStore, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a hot set holds at least 1 expert, got {capacity}")
+        self.disk = disk
+        self.capacity = capacity
+        self._held: OrderedDict[LayerExpert, ExpertWeights] = OrderedDict()
+        self._pins: Counter[LayerExpert] = Counter()
+        self._lock = threading.Lock()
+        self.reads = 0  # experts read from disk
+        self.hits = 0  # experts served from the hot set
+
+    def keys(self) -> frozenset[LayerExpert]:
+        return self.disk.keys()
+
+    def nbytes(self, layer: int, expert: int) -> int:
+        return self.disk.nbytes(layer, expert)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        key = (layer, expert)
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                self._held.move_to_end(key)
+                self.hits += 1
+                return held
+        weights = self.disk.get(layer, expert)  # outside the lock: a read takes a while
+        with self._lock:
+            self.reads += 1
+            self._held[key] = weights
+            self._held.move_to_end(key)
+            for victim in hot_set_victims(list(self._held), set(self._pins), self.capacity):
+                del self._held[victim]
+        return weights
+
+    def pin(self, layer: int, expert: int) -> None:
+        """A prediction named this expert: keep it until it is used."""
+        with self._lock:
+            self._pins[(layer, expert)] += 1
+
+    def unpin(self, layer: int, expert: int) -> None:
+        with self._lock:
+            key = (layer, expert)
+            if self._pins[key] <= 1:
+                self._pins.pop(key, None)
+            else:
+                self._pins[key] -= 1
+
+    def clear_pins(self) -> None:
+        with self._lock:
+            self._pins.clear()
+
+    def held(self) -> list[LayerExpert]:
+        """The experts in RAM, least recently used first."""
+        with self._lock:
+            return list(self._held)
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(w.nbytes for w in self._held.values())
+
+    def close(self) -> None:
+        self.disk.close()
 
 
 def _manifest(shard_dir: Path) -> dict:

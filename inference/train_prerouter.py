@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from inference.model import expert_dims
 from inference.prerouter import (
     PreroutedModel,
     Prerouter,
@@ -81,8 +82,6 @@ def train_prerouter(
 ) -> Trained:
     """Train, write and return the prerouter of the checkpoint in ``model_dir`` on token ids ``stream``."""
     from transformers import AutoModelForCausalLM
-
-    from inference.model import expert_dims
 
     started = time.monotonic()
     torch.manual_seed(recipe.seed)

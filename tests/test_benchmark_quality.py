@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from benchmarks.quality import parse_strategies
-from inference.importance import calibrate, write_similarity
+from inference.calibration import calibrate
+from inference.importance import write_similarity
 from inference.prerouter import save_prerouter
 from tests.reference import random_prerouter
 

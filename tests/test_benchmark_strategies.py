@@ -323,7 +323,8 @@ def test_an_approximate_strategy_is_marked_and_its_agreement_measured_in_every_r
     import torch
 
     from benchmarks.strategies import main
-    from inference.importance import calibrate, write_similarity
+    from inference.calibration import calibrate
+    from inference.importance import write_similarity
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)

@@ -214,7 +214,8 @@ def test_the_memory_cli_plans_a_release_of_every_family_and_says_what_is_wrong(t
 
 @pytest.mark.parametrize("family", ["granitemoe", "qwen3_moe"])
 def test_experts_of_another_shape_than_the_configs_are_refused_before_sharding(family: str, tmp_path: Path) -> None:
-    from inference.sharding import ShardError, build_shards
+    from inference.sharding import build_shards
+    from inference.shards import ShardError
 
     model = make_tiny(tmp_path / "m", family=family, **FAMILY_SHAPE)
     config = json.loads((model / "config.json").read_text())

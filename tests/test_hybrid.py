@@ -20,14 +20,13 @@ from inference.hybrid import (
     copy_eta,
     cpu_seconds,
     expert_flops,
-    measure_host_rates,
     planned_on_cpu,
     predicted_share,
     share_delay,
     split,
 )
 from inference.launcher import ClusterOptions, LocalCluster
-from inference.loader import ExpertLoader
+from inference.loader import ExpertLoader, measure_host_rates
 from inference.sim.hardware import get_profile
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.spec import Settings, SpecError, validate_settings

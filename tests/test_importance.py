@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from inference.calibration import calibrate
 from inference.importance import (
     SIMILARITY_FILE,
     ResidentExperts,
-    calibrate,
     load_similarity,
     similarity_from_outputs,
     substitute,

@@ -24,7 +24,8 @@ from inference.memory import (
     table,
 )
 from inference.placement import placement
-from inference.sharding import Role, build_shards, keys_for_role, load_role_tensors
+from inference.sharding import build_shards, keys_for_role
+from inference.shards import Role, load_role_tensors
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.spec import Settings
 from inference.strategies import home_experts

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, MixtralForCausalLM
 
 from inference.constants import PREROUTER_FILE
-from inference.hotset import HotSetStore, hot_set_victims
+from inference.hotset import hot_set_victims
 from inference.launcher import ClusterError, ClusterOptions, LocalCluster
 from inference.prerouter import (
     LoraLinear,
@@ -29,7 +29,7 @@ from inference.prerouter import (
 )
 from inference.sharding import build_shards
 from inference.spec import Settings, SpecError, validate_settings
-from inference.store import DiskStore
+from inference.store import DiskStore, HotSetStore
 from inference.strategies import get_strategy, needed_files, predictor_for
 from inference.tiny import make_tiny
 from inference.train_prerouter import PrerouterRecipe, train_prerouter

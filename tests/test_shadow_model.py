@@ -16,15 +16,8 @@ from inference import quant
 from inference.checkpoint import Checkpoint, expert_key_name
 from inference.model import build_model, load_config
 from inference.shadow_model import build_shadow_model
-from inference.sharding import (
-    ShardError,
-    ShardSet,
-    add_shadow_shards,
-    build_shards,
-    file_sha256,
-    load_role_tensors,
-    verify_shard,
-)
+from inference.sharding import add_shadow_shards, build_shards
+from inference.shards import ShardError, ShardSet, file_sha256, load_role_tensors, verify_shard
 from inference.tiny import make_tiny
 from tests.reference import ODD_SHAPE
 

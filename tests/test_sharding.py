@@ -12,13 +12,8 @@ from safetensors import safe_open
 
 from inference.checkpoint import Checkpoint, is_expert_key, parse_expert_key
 from inference.placement import placement
-from inference.sharding import (
-    ShardError,
-    ShardSet,
-    build_shards,
-    load_role_tensors,
-    verify_shard,
-)
+from inference.sharding import build_shards
+from inference.shards import ShardError, ShardSet, load_role_tensors, verify_shard
 from inference.tiny import make_tiny
 
 WORKERS = 4  # 4 layers, top_k 2: two decode groups, so workers really own different experts

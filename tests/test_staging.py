@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from inference.experts import ExpertWeights
-from inference.hotset import HotSetStore
 from inference.loader import ExpertLoader
-from inference.sharding import ShardSet, build_shards
+from inference.sharding import build_shards
+from inference.shards import ShardSet
 from inference.spec import Settings, SpecError, validate_settings
 from inference.staging import StagingRing, expert_views
-from inference.store import DiskStore, HostMemoryStore
+from inference.store import DiskStore, HostMemoryStore, HotSetStore
 from inference.tiny import make_tiny
 from tests.test_store import reference_experts, same_bits
 

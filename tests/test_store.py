@@ -16,7 +16,8 @@ from inference.emulation import emulation_for, real_times
 from inference.experts import ExpertWeights, fuse_expert
 from inference.launcher import ClusterOptions, LocalCluster
 from inference.loader import ExpertLoader
-from inference.sharding import ShardError, ShardSet, build_shards, role_experts, verify_shard
+from inference.sharding import build_shards
+from inference.shards import ShardError, ShardSet, role_experts, verify_shard
 from inference.sim.hardware import get_profile, with_host_to_device
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.spec import Settings, SpecError, validate_settings

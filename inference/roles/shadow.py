@@ -32,7 +32,7 @@ from inference.roles.common import (
 )
 from inference.routing import resolve_arithmetic
 from inference.shadow_model import CAST_DTYPES, build_shadow_model
-from inference.sharding import verify_shard
+from inference.shards import verify_shard
 from inference.spec import RoleSpec
 from inference.transport import Received
 from inference.wire.runtime import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown

@@ -28,24 +28,22 @@ import torch
 from inference.cache import DeviceCache
 from inference.depth import resolve_depth
 from inference.experts import activation, expert_forward
-from inference.hotset import HotSetStore
 from inference.hybrid import (
     HostRates,
     ShareController,
     cpu_seconds,
     expert_flops,
-    measure_host_rates,
     planned_on_cpu,
     predicted_share,
     share_delay,
     split,
 )
-from inference.loader import ExpertLoader, Key, Resident
+from inference.loader import ExpertLoader, Key, Resident, measure_host_rates
 from inference.placement import placement_from_dict
 from inference.roles.common import answer_ping, handle_safely, open_endpoint, release_free_heap, setup_process
-from inference.sharding import verify_shard
+from inference.shards import verify_shard
 from inference.spec import RoleSpec, compute_dtype
-from inference.store import open_store
+from inference.store import HotSetStore, open_store
 from inference.strategies import (
     expert_store_for,
     get_strategy,

@@ -238,7 +238,8 @@ class LoaderSim:
         return "absent"
 
     def copy_eta(self, key: Key) -> float:
-        """When ``key`` would be on the device if copied (the runtime's estimate, `inference.hybrid.copy_eta`)."""
+        """When ``key`` would be on the device if copied (the runtime's estimate,
+        `inference.hybrid.copy_eta`)."""
         if self.state(key) == "ready":
             return self.clock
         for k, done in self.loading:

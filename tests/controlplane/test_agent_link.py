@@ -320,7 +320,7 @@ def test_a_fetch_command_reaches_the_agent_which_downloads_the_shard(
 
     from controlplane.artifacts.services import build_model_shards, register_model
     from controlplane.nodes.models import NodeTask, TaskState
-    from inference.sharding import verify_shard
+    from inference.shards import verify_shard
 
     settings.VAR_DIR = tmp_path / "var"
     artifact = build_model_shards(artifact_id=register_model(name="tiny", path=str(tiny_model)).pk, workers=2)
@@ -372,7 +372,7 @@ def test_a_node_relays_only_generations_it_was_given(channel_layer_on_test_redis
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
 
-    from controlplane.nodes.consumers import generation_group, node_group
+    from controlplane.nodes.groups import generation_group, node_group
     from inference.wire.generation import Done, Generate, Token
 
     node, secret = enrolled()
@@ -411,7 +411,7 @@ def test_a_link_that_closes_mid_generation_fails_it_as_retryable_at_once(channel
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
 
-    from controlplane.nodes.consumers import generation_group, node_group
+    from controlplane.nodes.groups import generation_group, node_group
     from inference.wire.generation import Generate
 
     node, secret = enrolled()

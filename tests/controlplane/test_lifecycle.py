@@ -27,12 +27,12 @@ from controlplane.deployments import lifecycle
 from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState
 from controlplane.deployments.peers import PeerError, Seat, peer_table, pick_ports
 from controlplane.deployments.services import DeploymentError, create_deployment
-from controlplane.nodes.consumers import node_group
 from controlplane.nodes.credentials import NODE_SECRET_PREFIX, digest, new_secret
+from controlplane.nodes.groups import node_group
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes, record_heartbeat
 from inference.curve import CurveKeys, check_keys, endpoint_keys_from_json
-from inference.sharding import verify_shard
+from inference.shards import verify_shard
 from inference.spec import RoleSpec, validate_spec
 from inference.wire.link import (
     AGENT_PROTOCOL,

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from controlplane.artifacts.models import ModelArtifact, ShardStatus
-from inference.sharding import MANIFEST_FILE
+from inference.shards import MANIFEST_FILE
 
 
 def largest_shard_bytes() -> int | None:

@@ -17,7 +17,8 @@ from django.db import IntegrityError, connection, transaction
 
 from inference.checkpoint import Checkpoint, CheckpointError
 from inference.constants import MAIN_EXTRAS
-from inference.sharding import ShardError, add_shadow_shards, build_shards, shadow_dtypes_to_build
+from inference.sharding import add_shadow_shards, build_shards
+from inference.shards import ShardError, shadow_dtypes_to_build
 
 from .models import ModelArtifact, ModelStatus, ShardStatus
 

@@ -251,7 +251,7 @@ class DeploymentSettingsApi(APIView):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         try:
-            deployment = services.change_alignment(deployment=deployment, **data.validated_data)
+            deployment = lifecycle.change_alignment(deployment=deployment, **data.validated_data)
         except services.DeploymentError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         return Response(DeploymentOutput(deployment).data)

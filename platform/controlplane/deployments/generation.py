@@ -22,7 +22,7 @@ from channels import DEFAULT_CHANNEL_LAYER
 from channels.db import database_sync_to_async
 from channels.layers import BaseChannelLayer, channel_layers, get_channel_layer
 
-from controlplane.nodes.consumers import generation_group, node_group
+from controlplane.nodes.groups import generation_group, node_group
 from inference.wire.generation import GENERATION_EVENTS, Done, Failed, Generate, Token
 from inference.wire.link import CancelGeneration, parse
 

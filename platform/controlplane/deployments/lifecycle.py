@@ -29,10 +29,11 @@ from controlplane.nodes.services import send_command
 from controlplane.storable import storable_json, storable_text
 from inference.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
 from inference.memory import gpu_index
+from inference.schedule import validate_periods
 from inference.settings import DeploymentSettings
 from inference.wire.link import MEMORY_FIGURES, ApplyAlignment, StartRole, StopRole
 
-from .models import RUNNING, SETTINGS_COLUMNS, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
+from .models import ACTIVE, RUNNING, SETTINGS_COLUMNS, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 from .peers import PeerError, Seat, peer_table, pick_ports
 from .services import DeploymentError, check_fits, check_nodes_free, check_predictor
 
@@ -188,6 +189,20 @@ def send_alignment(*, deployment: Deployment) -> None:
         deployment=deployment.runtime_key, token_period=deployment.token_period, kv_period=deployment.kv_period
     ).to_json()
     transaction.on_commit(lambda: send_command(node_id=str(main.node_id), command=command))
+
+
+def change_alignment(*, deployment: Deployment, token_period: int, kv_period: int) -> Deployment:
+    try:
+        validate_periods(token_period, kv_period)
+    except ValueError as exc:
+        raise DeploymentError(str(exc)) from None
+    if deployment.status not in ACTIVE:
+        raise DeploymentError(f"deployment {deployment.name} is {deployment.status}; start it again to change it")
+    with transaction.atomic():
+        deployment.token_period, deployment.kv_period = token_period, kv_period
+        deployment.save(update_fields=["token_period", "kv_period", "updated_at"])
+        send_alignment(deployment=deployment)  # a running main takes it at its next step
+    return deployment
 
 
 def _broadcast_stop(node_ids: list, key: str) -> None:

@@ -44,7 +44,7 @@ from inference.memory import (
 )
 from inference.schedule import validate_periods
 from inference.settings import DEFAULTS, SpecError, check_max_per_user, check_value, info
-from inference.sharding import shadow_dtypes_to_build
+from inference.shards import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 from inference.strategies import needed_files, predictor_for
@@ -259,22 +259,6 @@ def create_deployment(
             DeploymentNode(deployment=deployment, node_id=node, role=role, worker_index=worker_index, gpu=gpu)
         )
     DeploymentNode.objects.bulk_create(members)
-    return deployment
-
-
-def change_alignment(*, deployment: Deployment, token_period: int, kv_period: int) -> Deployment:
-    try:
-        validate_periods(token_period, kv_period)
-    except ValueError as exc:
-        raise DeploymentError(str(exc)) from None
-    if deployment.status not in ACTIVE:
-        raise DeploymentError(f"deployment {deployment.name} is {deployment.status}; start it again to change it")
-    from .lifecycle import send_alignment
-
-    with transaction.atomic():
-        deployment.token_period, deployment.kv_period = token_period, kv_period
-        deployment.save(update_fields=["token_period", "kv_period", "updated_at"])
-        send_alignment(deployment=deployment)  # a running main takes it at its next step
     return deployment
 
 

@@ -38,20 +38,13 @@ from inference.wire.link import (
 )
 
 from . import services
+from .groups import generation_group, node_group
 from .inventory import clean_inventory
 from .reports import MAX_DETAIL_CHARS, PendingWrites, clean_role_report, clean_role_reports
 
 log = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
-
-
-def node_group(node_id: str) -> str:
-    return f"node.{node_id}"
-
-
-def generation_group(request_id: str) -> str:
-    return f"generation.{request_id}"
 
 
 # Every step of every generation, for live views of the pipeline (the console).

@@ -19,6 +19,7 @@ from controlplane.storable import storable_text
 
 from . import signals
 from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
+from .groups import node_group
 from .inventory import clean_inventory
 from .models import JoinToken, Node, NodeStatus, NodeTask, TaskState
 from .reports import MAX_DETAIL_CHARS
@@ -119,8 +120,6 @@ def rotate_credential(*, node: Node) -> None:
         raise NodeError(f"node {node.name} is {node.status}: its agent must be connected to take a new credential")
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
-
-    from .consumers import node_group
 
     async_to_sync(get_channel_layer().group_send)(node_group(str(node.pk)), {"type": "agent.rotate"})
 
@@ -255,8 +254,6 @@ def close_agent_link(*, node_id: str) -> None:
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
 
-    from .consumers import node_group
-
     async_to_sync(get_channel_layer().group_send)(node_group(node_id), {"type": "agent.revoked"})
 
 
@@ -264,8 +261,6 @@ def send_command(*, node_id: str, command: dict) -> None:
     """Hand a command to the node's agent link (through the channel layer)."""
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
-
-    from .consumers import node_group
 
     async_to_sync(get_channel_layer().group_send)(node_group(node_id), {"type": "agent.command", "command": command})
 
