@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 class Admission(enum.Enum):
@@ -38,6 +39,37 @@ def admission(
     if len(waiting_users) >= max_waiting:
         return Admission.FULL
     return Admission.ADMIT
+
+
+class RequestFields(Protocol):
+    """What ``request_problem`` reads of a generation request."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_p: float
+
+
+def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:
+    """Why a generation request cannot be served by a model of ``vocab`` tokens and ``context``
+    positions ("" when it can)."""
+    if not msg.prompt_ids:
+        return "the prompt is empty"
+    if any(not 0 <= t < vocab for t in msg.prompt_ids):
+        return f"prompt token ids must be in [0, {vocab})"
+    if msg.max_new_tokens < 1:
+        return "max_new_tokens must be >= 1"
+    if msg.do_sample and not msg.temperature > 0:
+        return f"temperature must be > 0 when sampling, got {msg.temperature}"
+    if msg.do_sample and not 0 < msg.top_p <= 1:
+        return f"top_p must be in (0, 1], got {msg.top_p}"
+    if len(msg.prompt_ids) + msg.max_new_tokens > context:
+        return (
+            f"prompt ({len(msg.prompt_ids)} tokens) + max_new_tokens ({msg.max_new_tokens}) exceeds "
+            f"the model's context of {context} tokens"
+        )
+    return ""
 
 
 def next_to_join(waiting_users: list[str], running_users: list[str]) -> int:

@@ -30,7 +30,7 @@ from inference.engine.engine import Engine
 from inference.engine.exchange import Exchange, worker_index
 from inference.engine.guesses import Guesses
 from inference.engine.sampling import check_generation_config
-from inference.engine.scheduler import Admission, admission
+from inference.engine.scheduler import Admission, admission, request_problem
 from inference.importance import ResidentExperts, load_similarity
 from inference.model import build_main_model, expert_dims, family_of
 from inference.placement import Placement, placement_from_dict
@@ -282,7 +282,11 @@ class MainRole:
             done = GenerateDone(request_id=msg.request_id, token_ids=[], finish_reason="cancelled", metrics={})
             self.endpoint.reply(client, done)
             return
-        error = self._check_request(msg)
+        error = ""
+        if not self.health.ready:
+            error = f"the cluster is not ready: waiting for {', '.join(sorted(self.health.waiting))}"
+        config = self.model.config
+        error = error or request_problem(msg, vocab=config.vocab_size, context=config.max_position_embeddings)
         if not error and (
             msg.request_id in self.engine.batch or any(w.request_id == msg.request_id for w, _ in self.waiting)
         ):
@@ -391,28 +395,6 @@ class MainRole:
         leave = SequenceLeave(request_id=self.session, sequence=request_id, last_step=max(self.step, joined_step))
         for w in self.live_workers():
             self.endpoint.send(f"worker-{w}", leave)
-
-    def _check_request(self, msg: GenerateRequest) -> str:
-        if not self.health.ready:
-            return f"the cluster is not ready: waiting for {', '.join(sorted(self.health.waiting))}"
-        if not msg.prompt_ids:
-            return "the prompt is empty"
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in msg.prompt_ids):
-            return f"prompt token ids must be in [0, {vocab})"
-        if msg.max_new_tokens < 1:
-            return "max_new_tokens must be >= 1"
-        if msg.do_sample and not msg.temperature > 0:
-            return f"temperature must be > 0 when sampling, got {msg.temperature}"
-        if msg.do_sample and not 0 < msg.top_p <= 1:
-            return f"top_p must be in (0, 1], got {msg.top_p}"
-        limit = self.model.config.max_position_embeddings
-        if len(msg.prompt_ids) + msg.max_new_tokens > limit:
-            return (
-                f"prompt ({len(msg.prompt_ids)} tokens) + max_new_tokens ({msg.max_new_tokens}) exceeds "
-                f"the model's context of {limit} tokens"
-            )
-        return ""
 
     def live_workers(self) -> list[int]:
         return [w for w in range(self.placement.n_workers) if w not in self.lost]
