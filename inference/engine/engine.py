@@ -22,7 +22,7 @@ from inference import schedule
 from inference.engine.exchange import GenerationAborted
 from inference.engine.runner import ModelRunner
 from inference.engine.sampling import sampler_for
-from inference.engine.scheduler import Waiting, Work, prefill_pieces
+from inference.engine.scheduler import Waiting, Work, done, prefill_pieces
 from inference.engine.scheduler import schedule as plan_step
 from inference.engine.sequence import Sequence
 from inference.metrics import build_metrics, step_report
@@ -57,7 +57,8 @@ class Engine:
             reason = "main is shutting down"
         finally:
             for sequence in list(self.batch.values()):  # on a stop, or an error of main's own
-                sequence.error = sequence.error or reason
+                if not done(sequence.view()):
+                    sequence.error = sequence.error or reason
                 self._finish(sequence)
             while role.waiting:
                 msg, client = role.waiting.popleft()
@@ -93,9 +94,14 @@ class Engine:
                     self._on_token(s, s.sampler.next_token(s.tokens, last))
         except GenerationAborted as exc:
             self._fail([s for s, _ in batch], str(exc))
+            return
         except Exception as exc:  # main's own error: the step's sequences end, main serves on
             log.exception("a batch step failed")
             self._fail([s for s, _ in batch], f"{type(exc).__name__}: {exc}")
+            return
+        for s, _ in batch:  # its last token, or its end: its client is answered now, not a step later
+            if done(s.view()):
+                self._finish(s)
 
     def _fail(self, sequences: list[Sequence], error: str) -> None:
         for s in sequences:
