@@ -57,7 +57,7 @@ def check_generation_config(model: PreTrainedModel) -> None:
         config = resolve(model, do_sample=do_sample, max_new_tokens=1)
         for name, off in UNSUPPORTED.items():
             value = getattr(config, name, off)
-            if value not in (off, None) and value != off:
+            if value is not None and value != off:
                 raise UnsupportedGenerationConfig(
                     f"the model's generation_config sets {name}={value!r}, which main's engine does not implement"
                 )
