@@ -265,7 +265,9 @@ class MainRole:
             return
         self.token_period, self.kv_period = msg.token_period, msg.kv_period
         for sequence in self.engine.batch.values():
-            from_step = sequence.step + 1
+            # The step whose alignment is the first under the new periods: the one after the
+            # step the sequence is in (between steps, in its next one already).
+            from_step = sequence.at[0] + 1
             sequence.state.alignment_log.append(
                 {"from_step": from_step, "token_period": msg.token_period, "kv_period": msg.kv_period}
             )
