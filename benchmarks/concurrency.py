@@ -107,7 +107,7 @@ def measure(cluster: LocalCluster, prompts: list[list[int]], new_tokens: int) ->
     # Where a decode step goes: a batch step gives every stream one token, so its time is a
     # stream's gap between tokens; main's expert rounds (one per layer for the whole batch:
     # requests out, workers' loads and compute, results back) are timed by main; the rest is
-    # main's own work for every sequence (attention, routers, sampling, the turns between them).
+    # main's own work for every sequence (attention, routers, sampling).
     gaps = [statistics.median(b - a for a, b in itertools.pairwise(s.token_times)) * 1000 for s in streams]
     # Of the rounds, the busiest worker's load wait + compute per layer (the rest: messages).
     decode_steps = [step for s in streams for step in s.done.metrics["per_step"] if step["step"] > 0]  # type: ignore[union-attr]
@@ -121,6 +121,8 @@ def measure(cluster: LocalCluster, prompts: list[list[int]], new_tokens: int) ->
         "busiest_worker_ms_per_step": statistics.median(busiest) if busiest else 0.0,
         "main_ms_per_step": step_ms - rounds_ms,
         "aggregate_decode_tok_s": decoded / (last - first) if last > first else 0.0,
+        # From the first send to the last token: what sending them all at once took.
+        "wall_s": last - min(s.sent for s in streams),
         "per_stream_decode_tok_s": statistics.fmean(s.decode_tok_s for s in streams),
         "ttft_p50_ms": percentile([s.ttft_ms for s in streams], 0.5),
         "ttft_p95_ms": percentile([s.ttft_ms for s in streams], 0.95),
@@ -145,9 +147,11 @@ def add_scaling(per_count: dict[int, dict]) -> None:
     base = per_count.get(1)
     if base is None:
         return
-    for figures in per_count.values():
+    for count, figures in per_count.items():
         for key in ("aggregate_decode_tok_s", "per_stream_decode_tok_s"):
             figures[f"{key}_vs_1_stream"] = figures[key]["median"] / base[key]["median"]
+        if "wall_s" in base:  # sent at once against one after another (count times one stream's run), medians
+            figures["wall_vs_one_after_another"] = figures["wall_s"]["median"] / (count * base["wall_s"]["median"])
 
 
 def parse_counts(text: str) -> list[int]:
@@ -196,6 +200,13 @@ def print_table(results: dict[str, dict[int, dict]], args: argparse.Namespace, e
                 f"| {f['expert_rounds_ms_per_step']['median']:.1f} | {f['busiest_worker_ms_per_step']['median']:.1f} "
                 f"| {f['main_ms_per_step']['median']:.1f} |"
             )
+    print("\nall streams sent at once against one after another (wall time, medians)\n")
+    print("| strategy | streams | wall s | × one after another |")
+    print("|---|---:|---:|---:|")
+    for name, per_count in results.items():
+        for count, f in per_count.items():
+            ratio = f.get("wall_vs_one_after_another", float("nan"))
+            print(f"| {name} | {count} | {f['wall_s']['median']:.2f} | {ratio:.2f} |")
     print(f"\nevery stream's output token-identical to Transformers: {exact}")
 
 

@@ -2,8 +2,9 @@
 
 Transformers is the reference implementation, so main and the shadow reuse its model code
 (the family's own class: ``inference.families``) for everything but the routed experts:
-main's experts are computed remotely (the ``odmoe_remote`` experts implementation hands
-each layer's routed rows to the runtime),
+main's experts are computed remotely (main's engine runs the model layer by layer and hands
+each layer's routed rows to the workers: ``inference.engine``; the ``odmoe_remote`` experts
+implementation only refuses a whole-model call, which would have no experts to run),
 the shadow's are local and quantized. Weights come from the role's verified shard one
 tensor at a time and are assigned into a model first built on the meta device, so main
 never allocates the expert weights it does not hold. Shards keep every non-expert tensor
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
@@ -30,18 +30,13 @@ from inference.shards import load_role_tensors
 REMOTE_EXPERTS = "odmoe_remote"
 
 
-class ExpertDispatcher(Protocol):
-    """What main's experts call per layer: returns the layer's summed expert output."""
-
-    def moe(
-        self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor: ...
-
-
 def _remote_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    return self._odmoe_dispatcher.moe(self._odmoe_layer, hidden_states, top_k_index, top_k_weights)
+    raise RuntimeError(
+        f"main holds no expert weights: layer {self._odmoe_layer}'s experts are served by main's engine "
+        "(inference.engine.runner), which runs the model layer by layer, not by calling the whole model"
+    )
 
 
 ALL_EXPERTS_FUNCTIONS.register(REMOTE_EXPERTS, _remote_experts_forward)
@@ -133,10 +128,8 @@ def rebuild_rotary(model: PreTrainedModel, device: torch.device | str = "cpu") -
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
 
 
-def build_main_model(
-    shard_dir: str | Path, dispatcher: ExpertDispatcher, *, dtype: torch.dtype | None = None
-) -> PreTrainedModel:
-    """Main's model: everything but the experts, whose work goes to ``dispatcher``.
+def build_main_model(shard_dir: str | Path, *, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Main's model: everything but the experts, which main's engine serves with the workers.
 
     Weights keep the checkpoint's dtype (what ``from_pretrained(dtype="auto")`` gives) unless
     ``dtype`` says otherwise.
@@ -145,7 +138,6 @@ def build_main_model(
     model = build_model(config, cast_tensors(load_role_tensors(shard_dir), dtype), with_experts=False)
     for layer, module in enumerate(experts_modules(model)):
         module._odmoe_layer = layer
-        module._odmoe_dispatcher = dispatcher
     model.set_experts_implementation(REMOTE_EXPERTS)
     generation_config = load_generation_config(shard_dir)
     if generation_config is not None:

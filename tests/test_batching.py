@@ -1,99 +1,115 @@
-"""The pieces of continuous batching that need no cluster: turn-taking and request packing."""
+"""The pieces of continuous batching that need no cluster: the step plan, seeded draws, request packing.
+
+Main's engine runs the batch in one thread (``inference.engine``): the scheduler's plans say
+that every sequence of a step meets the others at each layer (one unit of work each), a
+sequence's random draws come from its own generator, and a failed layer ends the step's
+sequences (``tests/test_engine.py`` runs the runner itself against ``generate``).
+"""
 
 from __future__ import annotations
 
-import threading
+import tempfile
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from inference.batching import (
     Admission,
-    LayerCall,
     Segment,
-    Sequence,
-    SequenceAborted,
     admission,
-    current_sequence,
-    enter_sequence,
     next_to_join,
     pack_segments,
     prefill_pieces,
 )
+from inference.engine.runner import ModelRunner
+from inference.engine.sampling import Sampler
+from inference.engine.scheduler import Running, Waiting, Work, schedule
+from inference.engine.sequence import Sequence
+from inference.model import family_of
 from inference.records import RequestState
 from inference.roles.worker import session_step
+from inference.tiny import make_tiny
 
 
-def _sequence(name: str, body) -> Sequence:
-    state = RequestState(name, b"", 1, 1, 1, 1, 0.0)
-    return Sequence(state, body, torch.device("cpu"), threads=1)
+def _running(name: str, *, prompt: int = 4, computed: int = 4, generated: int = 0, **kw) -> Running:
+    return Running(name, kw.pop("user", ""), prompt, computed, prompt + generated, generated, kw.pop("limit", 8), **kw)
 
 
-def _call(layer: int) -> LayerCall:
-    row = torch.zeros(1, 2)
-    return LayerCall(layer, row, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))
+def test_every_running_sequence_does_one_unit_in_each_step_so_the_batch_meets_at_each_layer() -> None:
+    running = [_running("a", computed=5, generated=2), _running("b", prompt=10, computed=4)]
+    plan = schedule([], running, max_batch=4, prefill_step=4)
+    # a decodes its last token; b prefills its next piece; both in the same step, in batch order.
+    assert plan.work == [Work("a", 5, 6, samples=True), Work("b", 4, 8, samples=False)]
+    assert plan.leaves == [] and plan.joins == []
+    last_piece = schedule([], [_running("b", prompt=10, computed=8)], max_batch=4, prefill_step=4)
+    assert last_piece.work == [Work("b", 8, 10, samples=True)]  # the prompt's last piece samples
 
 
-def test_sequences_run_one_at_a_time_and_meet_at_each_layer() -> None:
-    log: list[str] = []
-    running = threading.Lock()
-
-    def body(sequence: Sequence) -> int:
-        enter_sequence(sequence)
-        total = 0
-        for layer in range(3):
-            assert running.acquire(blocking=False), "two sequences ran at once"
-            log.append(f"{sequence.request_id}@{layer}")
-            running.release()
-            total += int(sequence.wait_at(_call(layer)).sum())
-            assert current_sequence() is sequence
-        return total
-
-    batch = [_sequence("a", body), _sequence("b", body)]
-    for s in batch:
-        s.resume()
-    for layer in range(3):
-        assert [s.call.layer for s in batch] == [layer, layer]  # type: ignore[union-attr]
-        for i, s in enumerate(batch):
-            s.answer_with(torch.full((1, 2), float(i + 1)))
-    assert all(s.finished and s.error is None for s in batch)
-    assert [s.result for s in batch] == [6, 12]
-    assert log == ["a@0", "b@0", "a@1", "b@1", "a@2", "b@2"]
-    assert current_sequence() is None
+def test_finished_failed_and_cancelled_sequences_leave_before_anyone_joins_in_their_place() -> None:
+    running = [
+        _running("done", generated=8, limit=8),
+        _running("eos", generated=3, ended=True),
+        _running("cancelled", generated=1, cancelled=True),
+        _running("on", generated=1),
+    ]
+    waiting = [Waiting("new-1", "", 5, 4), Waiting("new-2", "", 3, 4), Waiting("new-3", "", 3, 4)]
+    plan = schedule(waiting, running, max_batch=3, prefill_step=0)
+    assert plan.leaves == [("done", "done"), ("eos", "done"), ("cancelled", "cancelled")]
+    assert plan.joins == [0, 1]  # two places freed up to the batch's size, oldest first
+    assert [w.request_id for w in plan.work] == ["on", "new-1", "new-2"]
+    assert plan.work[1] == Work("new-1", 0, 5, samples=True)
+    assert schedule(waiting, [], max_batch=3, prefill_step=0, admit=False).joins == []  # stopping: nobody joins
 
 
-def test_an_aborted_layer_ends_the_sequence_with_the_reason() -> None:
-    def body(sequence: Sequence) -> None:
-        enter_sequence(sequence)
-        sequence.wait_at(_call(0))
-
-    s = _sequence("a", body)
-    s.resume()
-    s.answer_with(None, abort="worker-1 did not answer")
-    assert s.finished and isinstance(s.error, SequenceAborted) and "worker-1" in str(s.error)
+def test_the_scheduler_lets_users_join_fairly() -> None:
+    waiting = [Waiting(f"alice-{i}", "alice", 2, 2) for i in range(3)] + [Waiting("bob-1", "bob", 2, 2)]
+    plan = schedule(waiting, [_running("alice-0", user="alice")], max_batch=3, prefill_step=0)
+    assert plan.joins == [3, 0]  # bob (nothing running) first, then alice's oldest
 
 
 def test_each_sequence_keeps_its_own_random_stream() -> None:
-    def body(sequence: Sequence) -> list[float]:
-        enter_sequence(sequence)
-        torch.manual_seed(int(sequence.request_id))
-        draws = []
-        for layer in range(3):
-            draws.append(float(torch.rand(1)))
-            sequence.wait_at(_call(layer))
-        return draws
-
+    probs = torch.softmax(torch.randn(1, 50), dim=-1)
+    logits = probs.log()
     alone = []
     for seed in (1, 2):
         torch.manual_seed(seed)
-        alone.append([float(torch.rand(1)) for _ in range(3)])
-    batch = [_sequence("1", body), _sequence("2", body)]
-    for s in batch:
-        s.resume()
-    while not all(s.finished for s in batch):
-        for s in batch:
-            s.answer_with(torch.zeros(1, 2))
-    assert [s.result for s in batch] == alone
+        alone.append([int(torch.multinomial(probs, 1)[0, 0]) for _ in range(5)])
+    samplers = [Sampler(_identity, True, torch.Generator().manual_seed(seed), frozenset()) for seed in (1, 2)]
+    torch.manual_seed(99)  # whatever else draws from the global generator meanwhile
+    interleaved: list[list[int]] = [[], []]
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for _ in range(5):
+        for i, sampler in enumerate(samplers):
+            interleaved[i].append(sampler.next_token(ids, logits))
+            torch.rand(3)
+    assert interleaved == alone
+
+
+def _identity(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    return scores
+
+
+class _Aborted(RuntimeError):
+    pass
+
+
+def test_an_aborted_layer_ends_the_step_with_the_reason() -> None:
+    """The runner does not swallow a layer the exchange gave up on: the engine ends the step's
+    sequences with its message (tests/test_role_loss.py and test_batching_e2e.py end to end)."""
+
+    def serve_layer(layer, batch):
+        raise _Aborted("worker-1 did not answer")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny(f"{tmp}/m", layers=1, hidden=16, intermediate=16, experts=2, top_k=1, heads=2, kv_heads=1)
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    runner = ModelRunner(model, family_of(model.config), serve_layer, lambda s, w, e: None)
+    state = RequestState("a", b"", 2, 2, 1, 1, 0.0)
+    state.cache = DynamicCache(config=model.config)
+    s = Sequence(state, "", Sampler(_identity, False, None, frozenset()), torch.tensor([[1, 2]]), joined_step=0)
+    with pytest.raises(_Aborted, match="worker-1"):
+        runner.run([(s, Work("a", 0, 2, samples=True))])
 
 
 def test_decode_segments_go_in_one_request() -> None:

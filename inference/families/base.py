@@ -240,6 +240,35 @@ class Family:
         """The experts module of a decoder layer (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
         return self.moe_block(decoder).experts
 
+    # -- the forward, piece by piece (main's engine runs it layer by layer: inference.engine.runner) --
+    # Each mirrors the family's Transformers forward; a family that differs overrides its piece.
+
+    def causal_masks(self, model: torch.nn.Module, **mask_kwargs: Any) -> list[Any]:
+        """Each decoder layer's attention mask, made as the family's model forward makes it
+        (``config``, ``inputs_embeds``, ``attention_mask``, ``cache``, ``position_ids``)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        config = model.config
+        sliding = getattr(config, "sliding_window", None) is not None
+        mask = (create_sliding_window_causal_mask if sliding else create_causal_mask)(config=config, **mask_kwargs)
+        return [mask] * config.num_hidden_layers
+
+    def scale_embeddings(self, config: Any, embeds: torch.Tensor) -> torch.Tensor:
+        """The decoder's input from the token embeddings."""
+        return embeds
+
+    def add_residual(self, decoder: torch.nn.Module, residual: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """A sublayer's (attention's, the MoE block's) output added to the residual stream."""
+        return residual + output
+
+    def moe_output(self, decoder: torch.nn.Module, hidden: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The MoE block's output for its [T, H] input ``hidden``, given its routed experts' sum."""
+        return routed
+
+    def scale_logits(self, config: Any, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's output as the family's forward returns it."""
+        return logits
+
 
 class PerExpertFamily(Family):
     """A family whose release stores each routed expert's projections as their own tensors,

@@ -13,9 +13,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference.families.base import ExpertSource, Family, Shapes
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,21 @@ class GraniteMoe(Family):
         h, i, e = config["hidden_size"], self.expert_intermediate(config), self.n_experts(config)
         prefix = f"model.layers.{layer}.block_sparse_moe"
         return [(f"{prefix}.input_linear.weight", (e, 2 * i, h)), (f"{prefix}.output_linear.weight", (e, h, i))]
+
+    # GraniteMoeModel.forward: no sliding window, embeddings times embedding_multiplier;
+    # GraniteMoeDecoderLayer: each sublayer's output times residual_multiplier;
+    # GraniteMoeForCausalLM: logits divided by logits_scaling.
+
+    def causal_masks(self, model: torch.nn.Module, **mask_kwargs: Any) -> list[Any]:
+        from transformers.masking_utils import create_causal_mask
+
+        return [create_causal_mask(config=model.config, **mask_kwargs)] * model.config.num_hidden_layers
+
+    def scale_embeddings(self, config: Any, embeds: torch.Tensor) -> torch.Tensor:
+        return embeds * config.embedding_multiplier
+
+    def add_residual(self, decoder: torch.nn.Module, residual: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        return residual + output * decoder.residual_multiplier
+
+    def scale_logits(self, config: Any, logits: torch.Tensor) -> torch.Tensor:
+        return logits / config.logits_scaling

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference.families.base import PerExpertFamily, Shapes, _attention_dims
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -35,3 +38,9 @@ class Olmoe(PerExpertFamily):
             (f"{prefix}.self_attn.q_norm.weight", (h,)),
             (f"{prefix}.self_attn.k_norm.weight", (h // q * kv,)),
         ]
+
+    # OlmoeModel.forward: no sliding window.
+    def causal_masks(self, model: torch.nn.Module, **mask_kwargs: Any) -> list[Any]:
+        from transformers.masking_utils import create_causal_mask
+
+        return [create_causal_mask(config=model.config, **mask_kwargs)] * model.config.num_hidden_layers

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference.families.base import FamilyError, PerExpertFamily, Shapes, _attention_dims, _positive
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_all_layers_sparse(config: Mapping[str, Any]) -> None:
@@ -75,3 +78,23 @@ class Qwen2Moe(PerExpertFamily):
             (f"{prefix}.mlp.shared_expert.down_proj.weight", (h, s)),
             (f"{prefix}.mlp.shared_expert_gate.weight", (1, h)),
         ]
+
+    # Qwen2MoeModel.forward: a full and a sliding-window mask, each layer taking its type's.
+    def causal_masks(self, model: torch.nn.Module, **mask_kwargs: Any) -> list[Any]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        config = model.config
+        masks = {
+            "full_attention": create_causal_mask(config=config, **mask_kwargs),
+            "sliding_attention": create_sliding_window_causal_mask(config=config, **mask_kwargs),
+        }
+        return [masks[config.layer_types[i]] for i in range(config.num_hidden_layers)]
+
+    # Qwen2MoeSparseMoeBlock.forward: the routed sum plus the shared expert under its sigmoid gate.
+    def moe_output(self, decoder: torch.nn.Module, hidden: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        block = self.moe_block(decoder)
+        shared = block.shared_expert(hidden)
+        shared = F.sigmoid(block.shared_expert_gate(hidden)) * shared
+        return routed + shared
