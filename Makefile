@@ -34,6 +34,7 @@ runtime: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	PYTHONPATH=.:platform $(VENV)/bin/lint-imports
 	$(PY) manage.py check
 	$(PY) manage.py makemigrations --check --dry-run
 

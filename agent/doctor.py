@@ -166,7 +166,7 @@ def probe_packages() -> dict[str, str | None]:
 
 
 def probe_gpus() -> Check:
-    # agent.inventory imports inference.launcher, hence torch: the doctor must still run (and
+    # agent.inventory imports inference.runtime.launcher, hence torch: the doctor must still run (and
     # report) where torch is missing or broken, so it is imported only when the checks run.
     from agent.inventory import gpus
 
@@ -235,7 +235,7 @@ def run_checks(server: str | None, state_dir: Path, trust: ServerTrust | None = 
     """``trust``: how the server is trusted (default: the system's CAs for https)."""
     # Imported here, not at the top: they bring torch (see probe_gpus).
     from agent.inventory import FREE_PORTS, peer_address, shard_bytes
-    from inference.launcher import free_port
+    from inference.runtime.launcher import free_port
 
     checks = [evaluate_python(sys.version_info[:3]), evaluate_packages(probe_packages()), probe_gpus()]
     facts: dict = {}

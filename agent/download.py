@@ -20,7 +20,14 @@ from pathlib import Path
 from agent.credentials import NodeCredential
 from agent.http import ControlPlaneError, unreachable_message
 from agent.tls import ServerTrust, TrustError
-from inference.shards import MANIFEST_FILE, ShardError, file_sha256, is_plain_file_name, is_role_dirname, verify_shard
+from inference.modelio.shards import (
+    MANIFEST_FILE,
+    ShardError,
+    file_sha256,
+    is_plain_file_name,
+    is_role_dirname,
+    verify_shard,
+)
 
 CHUNK = 1 << 20
 Progress = Callable[[int, int], None]

@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 
 FREE_PORTS = 4  # offered per heartbeat; the control plane picks a role's inbox port among them
 

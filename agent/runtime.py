@@ -16,7 +16,7 @@ On the box that runs main, the runner also carries the control plane's generatio
 (``RuntimeClient``), one at a time in arrival order, and applies new alignment periods.
 
 The runner talks to its role with the keys of the role seat's client (``StartRole.client_keys``,
-``inference.curve``): the role admits them, and no other role does. The role's spec file
+``inference.runtime.curve``): the role admits them, and no other role does. The role's spec file
 (``runtime/<deployment>/<shard>.spec.json``, readable by the agent's user only) holds the role's
 secret key: it is there while the role runs, and removed when the role stops, fails to start or
 fails for good, and when the agent stops; one left by an agent that was killed goes when the
@@ -41,11 +41,11 @@ from agent.credentials import NodeCredential
 from agent.download import fetch_shard
 from agent.http import ControlPlaneError
 from agent.tls import ServerTrust
-from inference.client import GenerationError, RuntimeClient
-from inference.curve import CurveError, CurveKeys, EndpointKeys, check_endpoint_keys
-from inference.launcher import die_with_parent
-from inference.shards import ShardError, is_plain_file_name, is_role_dirname
-from inference.spec import RoleSpec, SpecError, load_spec, write_private
+from inference.modelio.shards import ShardError, is_plain_file_name, is_role_dirname
+from inference.runtime.client import GenerationError, RuntimeClient
+from inference.runtime.curve import CurveError, CurveKeys, EndpointKeys, check_endpoint_keys
+from inference.runtime.launcher import die_with_parent
+from inference.runtime.spec import RoleSpec, SpecError, load_spec, write_private
 from inference.wire.base import WireStruct
 from inference.wire.generation import Done, Failed, Generate
 from inference.wire.link import (

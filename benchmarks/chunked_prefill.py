@@ -32,10 +32,10 @@ from pathlib import Path
 from benchmarks.concurrency import Stream, median_with_spread
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
 from benchmarks.workload import prompt_of
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.reference import reference_generate
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
 from inference.sim.hardware import PROFILES
-from inference.spec import Settings
+from inference.tools.reference import reference_generate
 
 SHORT_PROMPT = 16
 LONG_NEW_TOKENS = 8

@@ -37,14 +37,14 @@ from benchmarks.overhead import percentile
 from benchmarks.plots import line_plot
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
 from benchmarks.workload import prompt_of
-from inference.client import RuntimeClient
 from inference.constants import BATCH_ARITHMETICS
-from inference.depth import LINK_DEPTH
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.reference import reference_generate
+from inference.policies.depth import LINK_DEPTH
+from inference.policies.strategies import STRATEGIES
+from inference.runtime.client import RuntimeClient
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
 from inference.sim.hardware import PROFILES
-from inference.spec import Settings
-from inference.strategies import STRATEGIES
+from inference.tools.reference import reference_generate
 from inference.wire.generation import Done
 
 DEFAULT_STREAMS = "1,2,4,8,16"
@@ -169,7 +169,7 @@ def print_table(results: dict[str, dict[int, dict]], args: argparse.Namespace, e
         f"profile {args.profile}; {args.workers} workers for the cluster strategies (lru-offload on one box); "
         f"prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens per stream; {args.batch_arithmetic} "
         "batch arithmetic; "
-        f"{args.max_resident_experts or 'the prefetch depth of its group (inference.depth) as'} "
+        f"{args.max_resident_experts or 'the prefetch depth of its group (inference.policies.depth) as'} "
         "resident experts per worker; "
         f"median of {args.repeats} runs (min–max)"
     )

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.reference import reference_generate
-from inference.spec import Settings
-from inference.tiny import make_tiny
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
+from inference.tools.reference import reference_generate
+from inference.tools.tiny import make_tiny
 
 SIZES = {
     # name: make_tiny shape. "small" keeps expert compute visible next to message hops.

@@ -20,8 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.spec import Settings
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
 from inference.wire.generation import Done, Token
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "platform" / "demo-model"

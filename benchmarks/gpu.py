@@ -12,16 +12,16 @@ on disk even if the process is killed):
 2. ``copy``: host-to-device copy GB/s of one expert's bytes (352 MB for Mixtral-8x7B in bf16) on
    a side stream, from pinned memory and, for contrast, from pageable memory; median of several
    copies timed with CUDA events.
-3. ``expert``: one expert's compute time at batch 1 (``inference.experts.expert_forward`` on
+3. ``expert``: one expert's compute time at batch 1 (``inference.runtime.experts.expert_forward`` on
    ``fuse_expert`` weights on the device), CUDA-event timed, median of many.
    ``nf4``: nf4 data quantized by the CPU (as a pre-converted shadow shard is) read by the GPU's
    kernels, and the GPU's own quantization, against the CPU's (needs bitsandbytes).
-4. ``checkpoint``: a random Mixtral-8x7B-shaped checkpoint of 4 layers (``inference.tiny.make_tiny``:
+4. ``checkpoint``: a random Mixtral-8x7B-shaped checkpoint of 4 layers (``inference.tools.tiny.make_tiny``:
    hidden 4096, intermediate 14336, 8 experts, top-2, 32 heads, 8 KV heads, bf16; about 12 GB),
    written at run time on the machine that runs the check (nothing that large travels), and its
    role shards. ``staging``: worker 0's experts copied to the device by the loader from its
    page-locked "ram" store and from its "disk" store through the rotating pinned staging
-   buffers (``inference.staging``): ms per expert of each, every staged copy checked bit for bit.
+   buffers (``inference.runtime.staging``): ms per expert of each, every staged copy checked bit for bit.
 5. ``reference``: Transformers' greedy tokens on the same device (``reference_generate``).
 6. ``cluster``: that checkpoint served by main, shadow and W workers, all on the one device
    (``LocalCluster``), with every strategy and, for odmoe, every shadow dtype that can run here
@@ -77,16 +77,16 @@ import torch
 
 from benchmarks.strategies import copy_bound
 from benchmarks.workload import prompt_of
+from inference.building.sharding import build_shards
 from inference.constants import SHADOW_DTYPES
-from inference.experts import activation, expert_forward, fuse_expert
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.loader import ExpertLoader
-from inference.reference import reference_generate
-from inference.sharding import build_shards
-from inference.spec import Settings
-from inference.store import DiskStore, HostMemoryStore
-from inference.strategies import STRATEGIES, get_strategy
-from inference.tiny import make_tiny
+from inference.policies.strategies import STRATEGIES, get_strategy
+from inference.runtime.experts import activation, expert_forward, fuse_expert
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.loader import ExpertLoader
+from inference.runtime.spec import Settings
+from inference.runtime.store import DiskStore, HostMemoryStore
+from inference.tools.reference import reference_generate
+from inference.tools.tiny import make_tiny
 
 FORMAT = "odmoe-gpu-check/1"
 GIB = 1024**3
@@ -520,7 +520,7 @@ def nf4_across_devices(device: torch.device) -> dict:
     against the CPU's, the fused 4-bit matmul against a matmul with the CPU-dequantized weight,
     and CUDA quantization against the CPU's bytes.
     """
-    from inference import quant
+    from inference.shadow import quant
 
     if device.type != "cuda":
         raise Skipped("needs a CUDA device: this compares CPU and GPU kernels")
@@ -596,7 +596,7 @@ def build_role_shards(model_dir: Path, shard_dir: Path, workers: int) -> dict:
 def staged_copies(device: torch.device, worker_shard: Path, slots: int) -> dict:
     """One worker's experts copied to ``device`` by the loader: from its "ram" store, page-locked
     where it lies on CUDA (copied directly); from its "disk" store through ``slots`` rotating
-    staging buffers (``inference.staging``; pinned on CUDA, as many used as the 2 slots); and
+    staging buffers (``inference.runtime.staging``; pinned on CUDA, as many used as the 2 slots); and
     through one buffer for passes of 4, so that every read waits for the copy out of it.
     Milliseconds per expert of each (the disk reads come from the page cache: the shard was
     just written), the waits for a buffer, and every expert compared bit for bit with the RAM
@@ -655,7 +655,7 @@ def existing_checkpoint(model_dir: Path) -> dict:
 
 def release_reference_model() -> None:
     """Drop the reference model that ``reference_generate`` keeps loaded, and its device memory."""
-    from inference import reference
+    from inference.tools import reference
 
     with contextlib.suppress(AttributeError):
         reference._load.cache_clear()

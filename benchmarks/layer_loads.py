@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from inference.experts import ExpertWeights, expert_forward
-from inference.loader import ExpertLoader
+from inference.runtime.experts import ExpertWeights, expert_forward
+from inference.runtime.loader import ExpertLoader
 
 HIDDEN, WIDTH, EXPERTS = 64, 32, 64
 MAIN_BETWEEN_LAYERS_S = 0.001  # a layer's attention on main, while the prefetches run

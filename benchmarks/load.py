@@ -481,7 +481,7 @@ def start_production_plane(stack, args: argparse.Namespace) -> Plane:
     print(f"· {REAL_AGENTS} serving agents installed by the one-liner, online", flush=True)
     model_dir = args.model
     if not (model_dir / "config.json").exists():
-        from inference.tiny import make_tiny
+        from inference.tools.tiny import make_tiny
 
         model_dir = make_tiny(stack.work / "tiny-model", seed=0)
     deployment = stack.deploy(model_dir, node_ids, name=DEPLOYMENT)
@@ -502,7 +502,7 @@ def start_plane(group, work: Path, args: argparse.Namespace) -> Plane:
     from controlplane.nodes.models import Node, NodeStatus
     from controlplane.nodes.services import create_join_token
     from controlplane.ops.processes import agent_argv, asgi_argv, celery_argv, http_up, wait_until
-    from inference.launcher import free_port
+    from inference.runtime.launcher import free_port
 
     db = work / "db.sqlite3"
     call_command("migrate", interactive=False, verbosity=0)
@@ -529,7 +529,7 @@ def start_plane(group, work: Path, args: argparse.Namespace) -> Plane:
     wait_until(f"{REAL_AGENTS} serving agents online", online, timeout_s=180, check=group.check)
     model_dir = args.model
     if not (model_dir / "config.json").exists():
-        from inference.tiny import make_tiny
+        from inference.tools.tiny import make_tiny
 
         model_dir = make_tiny(work / "tiny-model", seed=0)
     model = register_model(name="load-model", path=str(model_dir))
@@ -1109,7 +1109,7 @@ def raise_open_files(needed: int) -> None:
 def start_redis(group, work: Path) -> str:
     """A private redis-server for this run, as ``manage.py up`` starts one; returns its URL."""
     from controlplane.ops.processes import ChildFailed, redis_up, wait_until
-    from inference.launcher import free_port
+    from inference.runtime.launcher import free_port
 
     binary = shutil.which("redis-server")
     if binary is None:

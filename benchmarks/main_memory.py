@@ -31,9 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from inference.client import RuntimeClient
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.tiny import make_tiny
+from inference.runtime.client import RuntimeClient
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.tools.tiny import make_tiny
 
 SHAPE = dict(layers=6, hidden=1024, intermediate=3584, experts=8, heads=8, kv_heads=4, shards=4)
 MAX_POSITION = 2048

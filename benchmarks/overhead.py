@@ -46,16 +46,16 @@ from typing import Any
 import torch
 import zmq
 
-from inference.curve import EndpointKeys, new_seat_keys, role_keys
-from inference.depth import LINK_DEPTH
-from inference.families import family_for
-from inference.launcher import ClusterOptions, LocalCluster, free_port
-from inference.metrics import BREAKDOWN, HOPS_SPLIT
-from inference.protocol import decode, encode
-from inference.routing import Routing
-from inference.spec import Settings
-from inference.tiny import make_tiny
-from inference.transport import Endpoint
+from inference.modelio.families import family_for
+from inference.policies.depth import LINK_DEPTH
+from inference.runtime.curve import EndpointKeys, new_seat_keys, role_keys
+from inference.runtime.launcher import ClusterOptions, LocalCluster, free_port
+from inference.runtime.metrics import BREAKDOWN, HOPS_SPLIT
+from inference.runtime.protocol import decode, encode
+from inference.runtime.routing import Routing
+from inference.runtime.spec import Settings
+from inference.runtime.transport import Endpoint
+from inference.tools.tiny import make_tiny
 from inference.wire.generation import Token
 from inference.wire.runtime import ExpertRequest, ExpertResult
 
@@ -87,7 +87,7 @@ def layer_samples(reports: list[dict]) -> list[tuple[float, float]]:
 
 
 def layer_parts_ms(reports: list[dict]) -> dict[str, list[float]]:
-    """Per part of the round trip (`inference.metrics.BREAKDOWN`, then the hops' split,
+    """Per part of the round trip (`inference.runtime.metrics.BREAKDOWN`, then the hops' split,
     `HOPS_SPLIT`), its ms in every decode layer."""
     parts: dict[str, list[float]] = {name: [] for name in (*BREAKDOWN, *HOPS_SPLIT)}
     for report in reports:
@@ -127,7 +127,7 @@ def summarize(samples: list[tuple[float, float]]) -> dict:
 
 def run_cluster(model_dir: Path, *, workers: int, shadow: bool, new_tokens: int, prompts: list[list[int]]) -> dict:
     """Generate greedily on a local cluster and summarize its decode layers."""
-    # The link's two slots whatever the group's size, as every recorded run held (inference.depth).
+    # The link's two slots whatever the group's size, as every recorded run held (inference.policies.depth).
     settings = Settings(threads=1, max_resident_experts=LINK_DEPTH)
     options = ClusterOptions(workers=workers, shadow=shadow, settings=settings)
     reports: list[dict] = []

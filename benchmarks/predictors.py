@@ -10,7 +10,7 @@ Each predictor names the experts odmoe's workers load ahead (``Settings.predicto
   main (aligned to main's token and KV cache every step, the defaults);
 - ``next-gate``: main applies the next layer's router to the current layer's input, the free
   baseline of Mixtral-Offloading's speculative prefetch: no node, no weights beyond main's;
-- ``prerouter``: main's trained heads (``inference.prerouter``, ``train-prerouter``), used here
+- ``prerouter``: main's trained heads (``inference.runtime.prerouter``, ``train-prerouter``), used here
   only as a prediction: no node, the heads' weights on main.
 
 For each, one odmoe cluster (``--workers`` workers, the emulated profile's copy and network
@@ -20,7 +20,7 @@ speeds as in ``benchmarks.strategies``) greedily generates ``--new-tokens`` toke
 named), the share of decode layers whose prediction reached main before it served the layer,
 the lead (how many layers ahead of the sequence a prediction arrived: median), and the decode
 rate (median over the prompts). The predictor's memory is what it adds to the cluster: the
-shadow node's GPU need from ``inference.memory`` (its model and KV cache), nothing for
+shadow node's GPU need from ``inference.building.memory`` (its model and KV cache), nothing for
 ``next-gate`` (the routers are main's), the heads' bytes for ``prerouter``. Every output is
 checked against Transformers: a predictor only decides what is loaded ahead, never what is computed.
 """
@@ -36,14 +36,14 @@ from pathlib import Path
 
 from benchmarks.recall import choose_prompts
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, yield_cpu_to_the_pipeline
+from inference.building.memory import memory_from_checkpoint
 from inference.constants import SHADOW_DTYPES
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.memory import memory_from_checkpoint
-from inference.prerouter import load_prerouter
-from inference.reference import reference_generate
+from inference.policies.strategies import PREDICTORS
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.prerouter import load_prerouter
+from inference.runtime.spec import Settings
 from inference.sim.hardware import PROFILES
-from inference.spec import Settings
-from inference.strategies import PREDICTORS
+from inference.tools.reference import reference_generate
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PREDICTORS = "shadow:fp32,shadow:int8,shadow:nf4,next-gate,prerouter"

@@ -13,9 +13,9 @@ worker for the caching strategies, so every caching strategy has the same device
   demo's corpus that ``train-demo`` holds out (``--ppl-tokens`` tokens, in windows of 256).
   The runtime serves generation, not scoring, so this is computed in one process with
   Transformers' model teacher-forced one token at a time, and for ``importance`` with its
-  own rule applied to every decode step's routing (``inference.importance.substitute`` with
+  own rule applied to every decode step's routing (``inference.runtime.importance.substitute`` with
   main's view of the caches, ``ResidentExperts``, kept as main keeps it), for ``prerouter``
-  with its heads routing every token and its recovery adapter on (``inference.prerouter``);
+  with its heads routing every token and its recovery adapter on (``inference.runtime.prerouter``);
   exact strategies compute exactly the routed experts, so theirs is the model's own.
 - ``token_agreement``: the share of greedy tokens, position by position, equal to exact
   odmoe's (Transformers' own) over ``--prompts`` prompts × ``--new-tokens`` tokens, served
@@ -54,15 +54,21 @@ import torch.nn.functional as F
 from benchmarks.plots import scatter_plot
 from benchmarks.recall import choose_prompts
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model
-from inference.importance import ResidentExperts, load_similarity, substitute
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.model import expert_dims, experts_modules
-from inference.placement import placement
-from inference.prerouter import PreroutedModel, attach_lora, load_prerouter, prerouted_generate
-from inference.reference import reference_generate
+from inference.modelio.model import expert_dims, experts_modules
+from inference.policies.placement import placement
+from inference.policies.strategies import (
+    RUNTIME_STRATEGIES,
+    dispatch_plan,
+    expert_store_for,
+    get_strategy,
+    needed_files,
+)
+from inference.runtime.importance import ResidentExperts, load_similarity, substitute
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.prerouter import PreroutedModel, attach_lora, load_prerouter, prerouted_generate
+from inference.runtime.spec import Settings
 from inference.sim.hardware import PROFILES
-from inference.spec import Settings
-from inference.strategies import RUNTIME_STRATEGIES, dispatch_plan, expert_store_for, get_strategy, needed_files
+from inference.tools.reference import reference_generate
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 256
@@ -88,8 +94,8 @@ def parse_strategies(text: str, thresholds: list[float]) -> list[tuple[str, str,
 def held_out_ids(model_dir: Path, tokens: int, text: Path | None = None) -> list[int]:
     """The first ``tokens`` of the demo corpus's held-out tail (what ``train-demo`` never trains
     on), or of ``text`` when one is given."""
-    from inference.textstream import load_tokenizer
-    from inference.train_demo import DEFAULT_CORPUS, Recipe, _token_stream, corpus_texts
+    from inference.runtime.textstream import load_tokenizer
+    from inference.tools.train_demo import DEFAULT_CORPUS, Recipe, _token_stream, corpus_texts
 
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:

@@ -53,10 +53,10 @@ from pathlib import Path
 
 from benchmarks.plots import heatmaps, line_plot
 from inference.constants import SHADOW_DTYPES
-from inference.launcher import ClusterError, ClusterOptions, LocalCluster
-from inference.spec import Settings
-from inference.textstream import load_tokenizer
-from inference.tiny import make_tiny
+from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
+from inference.runtime.textstream import load_tokenizer
+from inference.tools.tiny import make_tiny
 
 PROMPT_IDS = [
     [1, 5, 6, 7, 8],

@@ -13,7 +13,7 @@ a run's measurements goes in.
 The per-layer costs come from a running main + one worker of the runtime on the run's checkpoint
 (`measure_in_rhythm`: full cache, no shadow, no emulation, a core each), split as the step reports
 split every layer. They were first timed piece by piece in tight loops; the cluster's own
-breakdown (`inference.metrics.layer_breakdown`) showed each piece taking 1.5-6x as long in the
+breakdown (`inference.runtime.metrics.layer_breakdown`) showed each piece taking 1.5-6x as long in the
 cluster as alone (right after a wait, with cold caches and the runtime's code around it), so a
 model fed the tight-loop figures leaves out most of what a layer costs wherever copies do not hide
 it. The prediction with the tight-loop costs is still made and recorded beside the other.
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.workload import BENCH_MODEL, prompt_of
-from inference.families import family_for
+from inference.modelio.families import family_for
 from inference.sim.local import STRATEGIES, EmulatedRates, MachineCosts, Options, Shape, predict
 
 STEP_SAMPLES = 60
@@ -94,13 +94,13 @@ def measure_in_rhythm(model_dir: Path, config: dict) -> dict:
     The checkpoint's own cluster, reduced to two processes (each with a core, as on separate
     boxes): full cache (the worker holds every expert, so nothing waits for a copy), no shadow, no
     emulation, one torch thread per role. Every decode layer is split as the step reports split
-    it (`inference.metrics.layer_breakdown`), and main's time between layers comes with it. What
+    it (`inference.runtime.metrics.layer_breakdown`), and main's time between layers comes with it. What
     this measures that the same pieces timed alone in a tight loop do not: each piece right after
     the process slept through a wait, as it runs in a cluster — with a cold cache, a slower
     wake-up, and the runtime's own code around each piece.
     """
-    from inference.launcher import ClusterOptions, LocalCluster
-    from inference.spec import Settings
+    from inference.runtime.launcher import ClusterOptions, LocalCluster
+    from inference.runtime.spec import Settings
 
     generator = torch.Generator().manual_seed(7)
     vocab = config["vocab_size"]
@@ -135,9 +135,9 @@ def hold_wake_s(
     """
     from benchmarks.overhead import DEPLOYMENT, sample_messages
     from benchmarks.overhead import Shape as OverheadShape
-    from inference.curve import new_seat_keys, role_keys
-    from inference.launcher import free_port
-    from inference.transport import Endpoint
+    from inference.runtime.curve import new_seat_keys, role_keys
+    from inference.runtime.launcher import free_port
+    from inference.runtime.transport import Endpoint
 
     shape = OverheadShape(config["hidden_size"], config["num_experts_per_tok"], family_for(config).n_experts(config))
     request, _ = sample_messages(shape)
@@ -168,7 +168,7 @@ def hold_wake_s(
 
 def _too_big_for_one_worker(model_dir: Path) -> str:
     """Why `measure_in_rhythm` cannot run here ("" where it can): its one worker holds every expert."""
-    from inference.checkpoint import Checkpoint, is_expert_key
+    from inference.modelio.checkpoint import Checkpoint, is_expert_key
 
     checkpoint = Checkpoint(model_dir)
     expert_bytes = sum(checkpoint.nbytes(name) for name in checkpoint if is_expert_key(name))
@@ -449,9 +449,9 @@ def predict_for_run(
 
 def validate(recorded: Path, *, strategies: list[str] | None = None) -> dict:
     """Predict a recorded `benchmarks.strategies` JSON's run and compare with what it measured."""
-    from inference.checkpoint import Checkpoint, expert_key_name
-    from inference.reference import reference_generate
-    from inference.tiny import make_tiny
+    from inference.modelio.checkpoint import Checkpoint, expert_key_name
+    from inference.tools.reference import reference_generate
+    from inference.tools.tiny import make_tiny
 
     run = json.loads(recorded.read_text())
     names = strategies or [s for s in run["strategies"] if s in STRATEGIES]

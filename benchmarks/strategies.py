@@ -7,7 +7,7 @@
 
 Every strategy runs the same greedy generations on the same checkpoint through the real
 runtime (main, workers and, for odmoe, the shadow as processes on 127.0.0.1) with the
-profile's expert-copy and network proportions emulated (``inference.emulation``): full
+profile's expert-copy and network proportions emulated (``inference.tools.emulation``): full
 cache, reactive and odmoe as a cluster of ``--workers`` boxes over the emulated network;
 lru-offload as Mixtral-Offloading runs, on one box (main and one worker, no network hop,
 ``--cache-experts`` per layer). All roles share this machine's cores, which separate boxes
@@ -33,9 +33,9 @@ so in the table and its token agreement with Transformers is reported, not requi
 random model importance's similarity table is calibrated on random ids first (its experts are
 random too), while the prerouter needs a ``--model`` whose heads were trained (``train-prerouter``).
 ``--hybrid`` names strategies to run a second time with hybrid CPU/GPU execution on the workers
-(``inference.hybrid``; rows ``NAME+hybrid``), the CPU path emulated from the profile's host DRAM.
+(``inference.policies.hybrid``; rows ``NAME+hybrid``), the CPU path emulated from the profile's host DRAM.
 Each worker holds as many experts at once as the link's term of the prefetch depth
-(``inference.depth``: 1 + ceil(compute / copy) of an expert at the profile's proportions, 2 on
+(``inference.policies.depth``: 1 + ceil(compute / copy) of an expert at the profile's proportions, 2 on
 every profile here, what every recorded run held), lru-offload's one worker too, where the
 runtime's default would add the layer's term (its layer's two experts + 1: 3);
 ``--max-resident-experts N`` sets it instead.
@@ -58,21 +58,21 @@ from pathlib import Path
 from benchmarks.plots import bar_plot
 from benchmarks.sim_prediction import measure_machine, predict_for_run
 from benchmarks.workload import BENCH_MODEL, prompt_of
-from inference.calibration import calibrate
-from inference.checkpoint import Checkpoint, expert_key_name
-from inference.emulation import Emulation, emulation_for, measure_expert_compute
-from inference.hybrid import expert_flops, predicted_share
-from inference.importance import SIMILARITY_FILE, write_similarity
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.metrics import BREAKDOWN, HOPS_SPLIT
-from inference.placement import placement
-from inference.reference import reference_generate
+from inference.modelio.checkpoint import Checkpoint, expert_key_name
+from inference.policies.hybrid import expert_flops, predicted_share
+from inference.policies.placement import placement
+from inference.policies.strategies import RUNTIME_STRATEGIES, STRATEGIES, get_strategy, needed_files
+from inference.runtime.importance import SIMILARITY_FILE, write_similarity
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.metrics import BREAKDOWN, HOPS_SPLIT
+from inference.runtime.spec import Settings
 from inference.sim import hardware as sim_hardware
 from inference.sim.hardware import PROFILES
 from inference.sim.local import MachineCosts
-from inference.spec import Settings
-from inference.strategies import RUNTIME_STRATEGIES, STRATEGIES, get_strategy, needed_files
-from inference.tiny import make_tiny
+from inference.tools.calibration import calibrate
+from inference.tools.emulation import Emulation, emulation_for, measure_expert_compute
+from inference.tools.reference import reference_generate
+from inference.tools.tiny import make_tiny
 
 DEFAULT_PROFILE = sim_hardware.DEFAULT_PROFILE
 DEFAULT_PAIRS = "16:32,16:64,64:32,64:64"
@@ -98,7 +98,7 @@ class Deployment:
     strategy: str
     workers: int
     networked: bool  # roles on separate boxes, so the emulated network applies
-    hybrid: bool = False  # workers compute late experts on their CPUs (inference.hybrid)
+    hybrid: bool = False  # workers compute late experts on their CPUs (inference.policies.hybrid)
 
     @property
     def label(self) -> str:
@@ -550,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-resident-experts",
         type=int,
         metavar="N",
-        help="experts a worker holds at once (default: the profile's prefetch depth, inference.depth)",
+        help="experts a worker holds at once (default: the profile's prefetch depth, inference.policies.depth)",
     )
     parser.add_argument(
         "--hybrid",

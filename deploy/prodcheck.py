@@ -71,7 +71,7 @@ from controlplane.ops.processes import (  # noqa: E402
     wait_until,
 )
 from deploy.units import Unit, control_plane_units, read_environment_file, read_unit  # noqa: E402
-from inference.launcher import free_port  # noqa: E402
+from inference.runtime.launcher import free_port  # noqa: E402
 
 DEPLOY = REPO / "deploy"
 DEMO_MODEL = REPO / "platform" / "demo-model"

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
-from inference.families import FAMILIES
+from inference.modelio.families import FAMILIES
+from inference.policies.strategies import PREDICTORS, RUNTIME_STRATEGIES
 from inference.settings import DEFAULTS
-from inference.strategies import PREDICTORS, RUNTIME_STRATEGIES
 
 # Each command imports what it runs inside its own function: torch, Transformers and a role's
 # whole stack load only for the command that needs them, so `--help` and each role start light.
@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from inference.checkpoint import CheckpointError
-    from inference.launcher import ClusterError
-    from inference.shards import ShardError
-    from inference.spec import SpecError
+    from inference.modelio.checkpoint import CheckpointError
+    from inference.modelio.shards import ShardError
+    from inference.runtime.launcher import ClusterError
+    from inference.runtime.spec import SpecError
 
     return (CheckpointError, ClusterError, ShardError, SpecError, ValueError, FileNotFoundError)  # CorpusError is one
 
@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULTS.max_resident_experts,
         help="experts a worker holds in flight on its device (default 0: its layer's experts + 1, at least 2, "
-        "from its group and the model's top-k; inference.depth)",
+        "from its group and the model's top-k; inference.policies.depth)",
     )
     gen.add_argument(
         "--hybrid",
@@ -244,7 +244,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from inference.tiny import make_tiny
+    from inference.tools.tiny import make_tiny
 
     out = make_tiny(
         args.out_dir,
@@ -275,10 +275,10 @@ def _dtype_list(text: str) -> tuple[str, ...]:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from inference.calibration import calibrate
-    from inference.importance import write_similarity
-    from inference.textstream import load_tokenizer
-    from inference.train_demo import DEFAULT_CORPUS, corpus_texts
+    from inference.runtime.importance import write_similarity
+    from inference.runtime.textstream import load_tokenizer
+    from inference.tools.calibration import calibrate
+    from inference.tools.train_demo import DEFAULT_CORPUS, corpus_texts
 
     if args.tokens < 2:
         raise ValueError("--tokens must be >= 2")
@@ -301,7 +301,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
-    from inference.sharding import build_shards
+    from inference.building.sharding import build_shards
 
     def progress(done: int, total: int) -> None:
         width = 30
@@ -338,11 +338,11 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from inference.checkpoint import Checkpoint
-    from inference.launcher import ClusterOptions, LocalCluster
-    from inference.schedule import validate_periods
-    from inference.spec import Settings, validate_settings
-    from inference.textstream import TextStream, load_tokenizer
+    from inference.modelio.checkpoint import Checkpoint
+    from inference.policies.schedule import validate_periods
+    from inference.runtime.launcher import ClusterOptions, LocalCluster
+    from inference.runtime.spec import Settings, validate_settings
+    from inference.runtime.textstream import TextStream, load_tokenizer
 
     validate_periods(args.token_period, args.kv_period)
     if args.max_new_tokens < 1:
@@ -397,7 +397,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _train_demo(args: argparse.Namespace) -> int:
-    from inference.train_demo import Recipe, train_demo
+    from inference.tools.train_demo import Recipe, train_demo
 
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
@@ -408,10 +408,10 @@ def _train_demo(args: argparse.Namespace) -> int:
 def _train_prerouter(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from inference.checkpoint import Checkpoint
-    from inference.textstream import load_tokenizer
-    from inference.train_demo import DEFAULT_CORPUS, _token_stream, corpus_texts
-    from inference.train_prerouter import PrerouterRecipe, train_prerouter
+    from inference.modelio.checkpoint import Checkpoint
+    from inference.runtime.textstream import load_tokenizer
+    from inference.tools.train_demo import DEFAULT_CORPUS, _token_stream, corpus_texts
+    from inference.tools.train_prerouter import PrerouterRecipe, train_prerouter
 
     given = {k: v for k in ("head_steps", "lora_steps", "eval_tokens", "seed") if (v := getattr(args, k)) is not None}
     if given.get("head_steps", 0) < 0 or given.get("lora_steps", 0) < 0 or given.get("eval_tokens", 2) < 2:
@@ -427,17 +427,17 @@ def _train_prerouter(args: argparse.Namespace) -> int:
 
 
 def _serve_role(args: argparse.Namespace) -> int:
-    from inference.spec import SpecError, load_spec
+    from inference.runtime.spec import SpecError, load_spec
 
     spec = load_spec(args.spec)
     if spec.role != args.role:
         raise SpecError(f"--role {args.role} but the spec is for role {spec.role}")
     if spec.role == "main":
-        from inference.roles.main import serve
+        from inference.runtime.roles.main import serve
     elif spec.role == "shadow":
-        from inference.roles.shadow import serve
+        from inference.runtime.roles.shadow import serve
     else:
-        from inference.roles.worker import serve
+        from inference.runtime.roles.worker import serve
     serve(spec)
     return 0
 

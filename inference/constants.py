@@ -1,7 +1,7 @@
 """Names shared by the CLI, the specs and the roles, kept free of heavy imports."""
 
 SHADOW_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
-# Elements per fp32 absmax in an nf4 shadow (inference.quant quantizes so; inference.memory sizes so).
+# Elements per fp32 absmax in an nf4 shadow (inference.shadow.quant quantizes so; inference.building.memory sizes so).
 NF4_BLOCKSIZE = 64
 # The shadow dtype that is a checkpoint's own (config ``dtype``): no conversion needed.
 OWN_SHADOW_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -11,9 +11,9 @@ OWN_SHADOW_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # Where a worker keeps the experts it owns: "ram" reads its shard into host memory at start,
-# "disk" reads each expert from the shard files when it is loaded (inference/store.py), "hot"
+# "disk" reads each expert from the shard files when it is loaded (inference/runtime/store.py), "hot"
 # reads them from disk too but keeps the last ``hot_experts`` in RAM, predicted ones pinned
-# until used (inference/hotset.py).
+# until used (inference/policies/hotset.py).
 EXPERT_STORES = ("ram", "disk", "hot")
 
 # The most sequences main may run at once (``Settings.max_batch``): each holds a thread and a KV cache.
@@ -26,11 +26,11 @@ DEFAULT_MAX_PER_USER = 32
 # with its own KV cache: main ends a sequence on the shadow (and waits for its statistics)
 # before another takes its place, on the same ordered link, so more is a stale state (left
 # from a main that went away) or a peer misbehaving, and the shadow drops the oldest
-# (inference/roles/shadow.py); the memory estimate counts this many (inference/memory.py).
+# (inference/runtime/roles/shadow.py); the memory estimate counts this many (inference/building/memory.py).
 SHADOW_STATES_PER_SEQUENCE = 1
 # How a worker computes an expert's rows of several batched sequences (``Settings.batch_arithmetic``).
 BATCH_ARITHMETICS = ("exact", "fused")
-# How main sums expert outputs (``Settings.experts_arithmetic``, inference.routing).
+# How main sums expert outputs (``Settings.experts_arithmetic``, inference.runtime.routing).
 EXPERTS_ARITHMETICS = ("auto", "grouped", "eager")
 
 # Files a strategy or predictor needs beside a checkpoint's weights (``shard`` carries them into

@@ -1,8 +1,8 @@
 """A deployment's runtime settings, declared once: each field's default, allowed values and doc.
 
 Every place that holds a setting derives from this declaration instead of spelling it
-again: the role spec (``inference.spec.RoleSpec.settings``), the memory planner's
-keyword defaults (``inference.memory``), the control plane's ``Deployment`` model, its DRF
+again: the role spec (``inference.runtime.spec.RoleSpec.settings``), the memory planner's
+keyword defaults (``inference.building.memory``), the control plane's ``Deployment`` model, its DRF
 serializers and services, and the ``python -m inference generate`` flags. A field's
 metadata (``info(name)``) says what it accepts: ``choices`` (``blank`` when "" means "the
 strategy's own"), or a numeric ``minimum`` / ``maximum`` (``exclusive`` when the minimum
@@ -10,7 +10,7 @@ itself is refused), and its ``doc``. ``validate_settings`` checks a value agains
 metadata, then the rules that tie fields together.
 
 Why this way: the control plane's web and Celery processes must not import torch, and the
-role spec (``inference.spec``) does; this module imports only the torch-free policy modules
+role spec (``inference.runtime.spec``) does; this module imports only the torch-free policy modules
 (strategies, constants), so the web process can share the declaration with the runtime.
 A frozen dataclass rather than a msgspec Struct: the runtime builds, copies
 (``dataclasses.replace``) and serializes (``asdict``) it in many places, and a spec file is
@@ -35,7 +35,13 @@ from inference.constants import (
     MAX_BATCH,
     SHADOW_DTYPES,
 )
-from inference.strategies import DEFAULT_STRATEGY, PREDICTORS, RUNTIME_STRATEGIES, expert_store_for, predictor_for
+from inference.policies.strategies import (
+    DEFAULT_STRATEGY,
+    PREDICTORS,
+    RUNTIME_STRATEGIES,
+    expert_store_for,
+    predictor_for,
+)
 from inference.typecheck import checker
 
 
@@ -101,14 +107,14 @@ class DeploymentSettings:
     max_resident_experts: int = setting(
         0,
         "experts a worker holds on its device at once (computing, copying, copied ahead); 0: its prefetch "
-        "depth, from its group and the model's top-k (inference.depth: 2 for Mixtral on groups of 2 or more), "
+        "depth, from its group and the model's top-k (inference.policies.depth: 2 for Mixtral on groups of 2 or more), "
         "which the memory plans and the fit check reserve too",
         minimum=0,
     )
     staging_buffers: int = setting(
         3,
         'pinned host buffers a GPU worker with the "disk" store reads each expert into on its way to the '
-        "device, used in turn (inference.staging); a copy pass holds at most the worker's resolved depth, "
+        "device, used in turn (inference.runtime.staging); a copy pass holds at most the worker's resolved depth, "
         "so no more than that many are made",
         minimum=1,
     )
@@ -136,13 +142,13 @@ class DeploymentSettings:
     )
     strategy: str = setting(
         DEFAULT_STRATEGY,
-        "what workers keep on the device and who predicts (inference/strategies.py; importance and prerouter "
+        "what workers keep on the device and who predicts (inference/policies/strategies.py; importance and prerouter "
         "are approximate)",
         choices=RUNTIME_STRATEGIES,
     )
     predictor: str = setting(
         "",
-        "who names the experts to load ahead (inference.strategies.PREDICTORS): the shadow, main's next-layer "
+        "who names the experts to load ahead (inference.policies.strategies.PREDICTORS): the shadow, main's next-layer "
         "router (next-gate) or main's trained heads (prerouter); \"\" = the strategy's own",
         choices=PREDICTORS,
         blank=True,
@@ -150,7 +156,7 @@ class DeploymentSettings:
     importance_threshold: float = setting(
         0.3,
         "importance (approximate): a routed expert whose routing weight is below this and that no worker "
-        "holds is replaced by the most similar one that is held (inference.importance); 0 substitutes "
+        "holds is replaced by the most similar one that is held (inference.runtime.importance); 0 substitutes "
         "nothing. 0.3 was chosen before anything was measured; benchmarks.quality reports other values",
         minimum=0,
         maximum=1,
@@ -176,7 +182,7 @@ class DeploymentSettings:
         exclusive=True,
     )
     max_batch: int = setting(
-        8, "sequences main runs at once (continuous batching, inference.batching)", minimum=1, maximum=MAX_BATCH
+        8, "sequences main runs at once (continuous batching, inference.runtime.batching)", minimum=1, maximum=MAX_BATCH
     )
     max_waiting: int = setting(
         DEFAULT_MAX_WAITING, "requests main holds beyond its batch before it refuses new ones", minimum=0
@@ -205,7 +211,7 @@ class DeploymentSettings:
     )
     hybrid: bool = setting(
         False,
-        "hybrid CPU/GPU execution (inference.hybrid): a worker computes a requested expert on its CPU from "
+        "hybrid CPU/GPU execution (inference.policies.hybrid): a worker computes a requested expert on its CPU from "
         "host memory when that finishes before its copy to the device would; exact on CPU workers, on CUDA "
         'the CPU\'s kernels may round otherwise, hence off by default. Needs the "ram" expert store',
     )

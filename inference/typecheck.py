@@ -1,6 +1,6 @@
 """Fast predicates for values decoded from JSON, built once from type hints.
 
-The deployment's specs (``inference.spec``) declare their fields with plain hints (``int``, ``str | None``,
+The deployment's specs (``inference.runtime.spec``) declare their fields with plain hints (``int``, ``str | None``,
 ``list[int]``...); ``checker(hint)`` turns a hint into a predicate that says whether a
 decoded value has that type (``bool`` is not an ``int`` here, an ``int`` is a ``float``).
 Nested dataclasses are not covered: they are checked on their own.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.tiny import make_tiny
+from inference.tools.tiny import make_tiny
 from tests.reference import ODD_SHAPE
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from inference.prerouter import Prerouter, PrerouterShape, Trained, new_lora
-from inference.reference import reference_generate
+from inference.modelio.prerouter_shape import PrerouterShape
+from inference.runtime.prerouter import Prerouter, Trained, new_lora
+from inference.tools.reference import reference_generate
 
 # The second checkpoint differs in every size that placement and the protocol care about.
 ODD_SHAPE = dict(layers=3, hidden=75, head_dim=16, heads=4, kv_heads=2, intermediate=97, experts=6, top_k=3, shards=3)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from inference.client import GenerationError, RuntimeClient
-from inference.launcher import LocalCluster
+from inference.runtime.client import GenerationError, RuntimeClient
+from inference.runtime.launcher import LocalCluster
 from inference.wire.generation import Done
 
 

@@ -19,7 +19,7 @@ from agent.credentials import NodeCredential
 from agent.download import fetch_shard
 from agent.http import ControlPlaneError
 from agent.runtime import shard_dir
-from inference.shards import ShardError
+from inference.modelio.shards import ShardError
 
 
 class HostileServer:

@@ -55,7 +55,7 @@ def test_roles_are_kept_per_deployment_and_role_name(tmp_path: Path) -> None:
 
 
 def _step(step: int, layers: int) -> dict:
-    """A decode step's record as ``inference.metrics.build_metrics`` writes it (about 450 bytes a layer)."""
+    """A decode step's record as ``inference.runtime.metrics.build_metrics`` writes it (about 450 bytes a layer)."""
     layer = {
         "layer": 0,
         "real": [1, 5],

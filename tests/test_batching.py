@@ -1,6 +1,6 @@
 """The pieces of continuous batching that need no cluster: the step plan, seeded draws, request packing.
 
-Main's engine runs the batch in one thread (``inference.engine``): the scheduler's plans say
+Main's engine runs the batch in one thread (``inference.runtime.engine``): the scheduler's plans say
 that every sequence of a step meets the others at each layer (one unit of work each), a
 sequence's random draws come from its own generator, and a failed layer ends the step's
 sequences (``tests/test_engine.py`` runs the runner itself against ``generate``).
@@ -14,22 +14,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from inference.batching import (
+from inference.modelio.model import family_of
+from inference.runtime.batching import Segment, pack_segments
+from inference.runtime.engine.runner import ModelRunner
+from inference.runtime.engine.sampling import Sampler
+from inference.runtime.engine.scheduler import (
     Admission,
-    Segment,
+    Running,
+    Waiting,
+    Work,
     admission,
     next_to_join,
-    pack_segments,
     prefill_pieces,
+    schedule,
 )
-from inference.engine.runner import ModelRunner
-from inference.engine.sampling import Sampler
-from inference.engine.scheduler import Running, Waiting, Work, schedule
-from inference.engine.sequence import Sequence
-from inference.model import family_of
-from inference.records import RequestState
-from inference.roles.worker import session_step
-from inference.tiny import make_tiny
+from inference.runtime.engine.sequence import Sequence
+from inference.runtime.records import RequestState
+from inference.runtime.roles.worker import session_step
+from inference.tools.tiny import make_tiny
 
 
 def _running(name: str, *, prompt: int = 4, computed: int = 4, generated: int = 0, **kw) -> Running:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from inference.batching import prefill_pieces
-from inference.client import GenerationError, RuntimeClient
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.spec import Settings
-from inference.strategies import STRATEGIES
+from inference.policies.strategies import STRATEGIES
+from inference.runtime.client import GenerationError, RuntimeClient
+from inference.runtime.engine.scheduler import prefill_pieces
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
 from inference.wire.generation import Done
 from tests.reference import PROMPTS, reference_generate
 from tests.streams import run_streams

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import main_memory
-from inference.tiny import make_tiny
+from inference.tools.tiny import make_tiny
 
 pytestmark = pytest.mark.slow
 

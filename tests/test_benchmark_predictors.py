@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.predictors import parse_predictors
-from inference.prerouter import save_prerouter
+from inference.runtime.prerouter import save_prerouter
 from tests.reference import random_prerouter
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from benchmarks.quality import parse_strategies
-from inference.calibration import calibrate
-from inference.importance import write_similarity
-from inference.prerouter import save_prerouter
+from inference.runtime.importance import write_similarity
+from inference.runtime.prerouter import save_prerouter
+from inference.tools.calibration import calibrate
 from tests.reference import random_prerouter
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,8 +23,8 @@ from benchmarks.strategies import (
     split_bound,
     summarize,
 )
-from inference.emulation import emulation_for
-from inference.metrics import BREAKDOWN
+from inference.runtime.metrics import BREAKDOWN
+from inference.tools.emulation import emulation_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -323,8 +323,8 @@ def test_an_approximate_strategy_is_marked_and_its_agreement_measured_in_every_r
     import torch
 
     from benchmarks.strategies import main
-    from inference.calibration import calibrate
-    from inference.importance import write_similarity
+    from inference.runtime.importance import write_similarity
+    from inference.tools.calibration import calibrate
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.checkpoint import (
+from inference.modelio.checkpoint import (
     INDEX_FILE,
     Checkpoint,
     CheckpointError,
@@ -16,7 +16,7 @@ from inference.checkpoint import (
     expert_key_name,
     parse_expert_key,
 )
-from inference.tiny import make_tiny
+from inference.tools.tiny import make_tiny
 
 LAYERS, EXPERTS = 2, 4
 # embed, norm, lm_head + per layer: 2 norms, 4 attention, router, 3 per expert

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from inference.client import GenerationError, RuntimeClient
-from inference.launcher import ClusterOptions, LocalCluster
+from inference.runtime.client import GenerationError, RuntimeClient
+from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.wire.generation import Done, Token
 from tests.reference import PROMPTS, reference_generate
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
-from inference.client import RuntimeClient
-from inference.curve import client_keys, new_seat_keys, role_keys
-from inference.launcher import free_port
-from inference.transport import Endpoint
+from inference.runtime.client import RuntimeClient
+from inference.runtime.curve import client_keys, new_seat_keys, role_keys
+from inference.runtime.launcher import free_port
+from inference.runtime.transport import Endpoint
 from inference.wire.runtime import Ping, Pong
 
 DEPLOYMENT = "dep-ping"

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from inference.checkpoint import Checkpoint
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.prerouter import load_prerouter, prerouted_generate
-from inference.reference import reference_generate
-from inference.spec import Settings
-from inference.textstream import load_tokenizer
+from inference.modelio.checkpoint import Checkpoint
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.prerouter import load_prerouter, prerouted_generate
+from inference.runtime.spec import Settings
+from inference.runtime.textstream import load_tokenizer
+from inference.tools.reference import reference_generate
 
 DEMO = Path(__file__).resolve().parents[1] / "platform" / "demo-model"
 

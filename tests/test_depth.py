@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from benchmarks.sim_prediction import predict_from_inputs
-from inference.depth import LINK_DEPTH, prefetch_depth, resolve_depth, worker_depth
-from inference.emulation import emulation_for
-from inference.memory import CUDA_CONTEXT_BYTES, memory_from_config
+from inference.building.memory import CUDA_CONTEXT_BYTES, memory_from_config
+from inference.policies.depth import LINK_DEPTH, prefetch_depth, resolve_depth, worker_depth
 from inference.sim.hardware import PROFILES
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.sim.report import compare
 from inference.sim.strategies import Cluster
 from inference.sim.traces import synthetic_trace
+from inference.tools.emulation import emulation_for
 
 VALIDATION = Path(__file__).parents[1] / "inference" / "sim" / "validation"
 

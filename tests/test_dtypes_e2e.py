@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.spec import Settings
-from inference.tiny import make_tiny
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
+from inference.tools.tiny import make_tiny
 from tests.reference import ODD_SHAPE, PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow

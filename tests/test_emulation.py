@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from inference.emulation import emulation_for, measure_expert_compute, real_times
+from inference.runtime.spec import Settings
 from inference.sim.hardware import get_profile
-from inference.spec import Settings
+from inference.tools.emulation import emulation_for, measure_expert_compute, real_times
 
 MIXTRAL_EXPERT = 3 * 4096 * 14336 * 2  # fp16 bytes
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from inference.engine.runner import ModelRunner
-from inference.engine.sampling import check_generation_config, sampler_for
-from inference.engine.scheduler import Waiting, schedule
-from inference.engine.sequence import Sequence
-from inference.families import FAMILIES
-from inference.model import family_of
-from inference.records import RequestState, StepRecord
-from inference.reference import reference_generate
-from inference.tiny import make_tiny
+from inference.modelio.families import FAMILIES
+from inference.modelio.model import family_of
+from inference.runtime.engine.runner import ModelRunner
+from inference.runtime.engine.sampling import check_generation_config, sampler_for
+from inference.runtime.engine.scheduler import Waiting, schedule
+from inference.runtime.engine.sequence import Sequence
+from inference.runtime.records import RequestState, StepRecord
+from inference.tools.reference import reference_generate
+from inference.tools.tiny import make_tiny
 
 SHAPE = {"layers": 2, "hidden": 32, "intermediate": 48, "experts": 4, "top_k": 2, "heads": 4, "kv_heads": 2}
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [40, 2], [17, 17, 8, 60, 11, 4, 9, 12, 13, 50, 6]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.failover import NoSurvivor, reroute, taker
+from inference.policies.failover import NoSurvivor, reroute, taker
 
 
 def test_nothing_changes_without_a_lost_worker() -> None:

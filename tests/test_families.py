@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from inference.checkpoint import Checkpoint, CheckpointError, expert_key_name
-from inference.families import FAMILIES, FamilyError, family_for
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.reference import reference_generate
-from inference.spec import Settings
-from inference.tiny import make_tiny
+from inference.modelio.checkpoint import Checkpoint, CheckpointError, expert_key_name
+from inference.modelio.families import FAMILIES, FamilyError, family_for
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
+from inference.tools.reference import reference_generate
+from inference.tools.tiny import make_tiny
 from tests.reference import PROMPTS
 
 NEW_FAMILIES = ("qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
@@ -183,7 +183,7 @@ def test_every_family_in_half_precision_with_a_lossy_shadow(
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_the_memory_plan_of_a_config_is_its_checkpoints(family: str, family_models: dict[str, Path]) -> None:
-    from inference.memory import memory_from_checkpoint, memory_from_config
+    from inference.building.memory import memory_from_checkpoint, memory_from_config
 
     ckpt = Checkpoint(family_models[family])
     for shadow_dtype in ("fp32", "nf4"):
@@ -194,7 +194,7 @@ def test_the_memory_plan_of_a_config_is_its_checkpoints(family: str, family_mode
 
 
 def test_release_sizes_add_up_to_their_published_parameter_counts() -> None:
-    from inference.memory import memory_from_config
+    from inference.building.memory import memory_from_config
 
     # Total parameters as the model cards state them (bf16: two bytes each).
     for name, billions in (("qwen3-30b-a3b", 30.5), ("qwen1.5-moe-a2.7b", 14.3), ("olmoe-1b-7b", 6.9)):
@@ -203,7 +203,7 @@ def test_release_sizes_add_up_to_their_published_parameter_counts() -> None:
 
 
 def test_the_memory_cli_plans_a_release_of_every_family_and_says_what_is_wrong(tmp_path: Path, capsys) -> None:
-    from inference.memory import main as memory_cli
+    from inference.building.memory import main as memory_cli
 
     for name in ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "olmoe-1b-7b"):
         assert memory_cli(["--model", name, "--workers", "8"]) == 0
@@ -214,8 +214,8 @@ def test_the_memory_cli_plans_a_release_of_every_family_and_says_what_is_wrong(t
 
 @pytest.mark.parametrize("family", ["granitemoe", "qwen3_moe"])
 def test_experts_of_another_shape_than_the_configs_are_refused_before_sharding(family: str, tmp_path: Path) -> None:
-    from inference.sharding import build_shards
-    from inference.shards import ShardError
+    from inference.building.sharding import build_shards
+    from inference.modelio.shards import ShardError
 
     model = make_tiny(tmp_path / "m", family=family, **FAMILY_SHAPE)
     config = json.loads((model / "config.json").read_text())

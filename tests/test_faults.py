@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from inference.curve import new_seat_keys, role_keys
-from inference.launcher import ClusterError, ClusterOptions, LocalCluster
-from inference.sharding import build_shards
+from inference.building.sharding import build_shards
+from inference.runtime.curve import new_seat_keys, role_keys
+from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
 from tests.reference import PROMPTS
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inference.frame_limit import SLACK_BYTES, max_frame_bytes, max_frame_bytes_of
+from inference.runtime.frame_limit import SLACK_BYTES, max_frame_bytes, max_frame_bytes_of
 
 MIXTRAL_8X7B = {
     "hidden_size": 4096,

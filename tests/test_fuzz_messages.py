@@ -35,10 +35,10 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from controlplane.config.asgi import application  # imported first: it configures logging, which caplog follows
-from inference import protocol
-from inference.curve import make_client
-from inference.launcher import ClusterError, ClusterOptions, LocalCluster
-from inference.spec import Settings
+from inference.runtime import protocol
+from inference.runtime.curve import make_client
+from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
 from inference.wire import link, runtime
 from inference.wire.base import Tensor
 from tests.reference import PROMPTS, reference_generate

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu
-from inference.strategies import STRATEGIES
+from inference.policies.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("facts", "copy", "expert", "checkpoint", "shards", "staging", "reference", "cluster")

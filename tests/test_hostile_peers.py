@@ -13,10 +13,10 @@ import pytest
 import torch
 import zmq
 
-from inference.curve import CurveKeys, EndpointKeys, make_client
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.protocol import encode
-from inference.transport import Endpoint
+from inference.runtime.curve import CurveKeys, EndpointKeys, make_client
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.protocol import encode
+from inference.runtime.transport import Endpoint
 from inference.wire.base import Message
 from inference.wire.runtime import ExpertRequest, Ping, Pong, Prediction, SetAlignment, ShadowBegin, Shutdown
 from tests.reference import PROMPTS, reference_generate
@@ -86,7 +86,7 @@ def test_malformed_requests_and_predictions_do_not_take_a_worker_down(tiny_model
 
 def test_without_an_admitted_key_nothing_reaches_a_role(tiny_model: Path) -> None:
     """The attack of issue 11: a plain ZeroMQ socket sent main a shutdown and the deployment went down."""
-    from inference.curve import new_keys
+    from inference.runtime.curve import new_keys
 
     with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
         raw = zmq.Context.instance().socket(zmq.DEALER)
@@ -113,8 +113,8 @@ def test_without_an_admitted_key_nothing_reaches_a_role(tiny_model: Path) -> Non
 
 def test_a_frame_bigger_than_the_model_can_need_is_refused_unread(tiny_model: Path) -> None:
     """Even a peer holding the keys cannot make a role allocate without bound: a frame over the
-    limit from the model's sizes (inference/frame_limit.py) disconnects it before it is read."""
-    from inference.frame_limit import max_frame_bytes_of
+    limit from the model's sizes (inference/runtime/frame_limit.py) disconnects it before it is read."""
+    from inference.runtime.frame_limit import max_frame_bytes_of
 
     limit = max_frame_bytes_of(tiny_model)
     hidden = 64

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.checkpoint import Checkpoint, expert_key_name
-from inference.emulation import emulation_for, real_times
-from inference.experts import activation
-from inference.hybrid import (
+from inference.modelio.checkpoint import Checkpoint, expert_key_name
+from inference.policies.hybrid import (
     CopyState,
     HostRates,
     ShareController,
@@ -25,11 +23,13 @@ from inference.hybrid import (
     share_delay,
     split,
 )
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.loader import ExpertLoader, measure_host_rates
+from inference.runtime.experts import activation
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.loader import ExpertLoader, measure_host_rates
+from inference.runtime.spec import Settings, SpecError, validate_settings
 from inference.sim.hardware import get_profile
 from inference.sim.model_sizes import mixtral_8x7b
-from inference.spec import Settings, SpecError, validate_settings
+from inference.tools.emulation import emulation_for, real_times
 from inference.wire.generation import Done
 from tests.reference import PROMPTS, reference_generate
 from tests.streams import run_streams

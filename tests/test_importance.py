@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.calibration import calibrate
-from inference.importance import (
+from inference.policies.strategies import RUNTIME_STRATEGIES, STRATEGIES, get_strategy
+from inference.runtime.importance import (
     SIMILARITY_FILE,
     ResidentExperts,
     load_similarity,
@@ -18,9 +18,9 @@ from inference.importance import (
     substitute,
     write_similarity,
 )
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.spec import Settings, SpecError, validate_settings
-from inference.strategies import RUNTIME_STRATEGIES, STRATEGIES, get_strategy
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.tools.calibration import calibrate
 from tests.reference import PROMPTS, reference_generate
 
 

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from inference.experts import ExpertWeights
-from inference.loader import ExpertLoader, pick_victim
+from inference.runtime.experts import ExpertWeights
+from inference.runtime.loader import ExpertLoader, pick_victim
 
 CPU = torch.device("cpu")
 H, I = 8, 12  # noqa: E741

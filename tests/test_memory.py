@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.checkpoint import Checkpoint, parse_expert_key
-from inference.constants import SHADOW_STATES_PER_SEQUENCE
-from inference.memory import (
+from inference.building.memory import (
     CUDA_CONTEXT_BYTES,
     GB,
     RUNTIME_OVERHEAD_BYTES,
@@ -23,13 +21,15 @@ from inference.memory import (
     memory_from_config,
     table,
 )
-from inference.placement import placement
-from inference.sharding import build_shards, keys_for_role
-from inference.shards import Role, load_role_tensors
+from inference.building.sharding import build_shards, keys_for_role
+from inference.constants import SHADOW_STATES_PER_SEQUENCE
+from inference.modelio.checkpoint import Checkpoint, parse_expert_key
+from inference.modelio.shards import Role, load_role_tensors
+from inference.policies.placement import placement
+from inference.policies.strategies import home_experts
+from inference.runtime.spec import Settings
 from inference.sim.model_sizes import mixtral_8x7b
-from inference.spec import Settings
-from inference.strategies import home_experts
-from inference.tiny import make_tiny
+from inference.tools.tiny import make_tiny
 
 # Odd sizes, so that nf4's half bytes and partial blocks are rounded somewhere.
 SHAPE = dict(layers=3, hidden=75, head_dim=16, heads=4, kv_heads=2, intermediate=97, experts=6, top_k=3)
@@ -37,7 +37,7 @@ WORKERS = 4
 CONTEXT = 100
 BATCH = Settings.max_batch  # what a plan is for unless told: main's sequences at once (8)
 # The shadow follows as many sequences as main runs (main ends each there before another
-# takes its place; inference/roles/shadow.py), each with its own KV cache.
+# takes its place; inference/runtime/roles/shadow.py), each with its own KV cache.
 SHADOW_BATCH = SHADOW_STATES_PER_SEQUENCE * BATCH
 _CAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -95,7 +95,7 @@ def test_the_kv_caches_scale_with_the_sequences_main_runs_at_once(ckpt: Checkpoi
         assert plan.main.gpu_bytes - dense - CUDA_CONTEXT_BYTES == main_kv
         assert plan.main.cpu_bytes - dense - RUNTIME_OVERHEAD_BYTES == main_kv
         assert plan.main.host_bytes == dense + RUNTIME_OVERHEAD_BYTES  # on a GPU box the caches are on the GPU
-        # the shadow follows up to as many sequences as main runs (inference/roles/shadow.py),
+        # the shadow follows up to as many sequences as main runs (inference/runtime/roles/shadow.py),
         # in the dtype it computes in
         followed = SHADOW_STATES_PER_SEQUENCE * max_batch
         no_cache = memory_from_checkpoint(ckpt, workers=WORKERS, shadow_dtype=dtype, context_tokens=0)
@@ -117,7 +117,7 @@ def test_the_kv_caches_scale_with_the_sequences_main_runs_at_once(ckpt: Checkpoi
 
 
 def test_the_plan_and_its_shortfalls_say_what_the_kv_caches_are_for(ckpt: Checkpoint, capsys) -> None:
-    from inference.memory import main as memory_cli
+    from inference.building.memory import main as memory_cli
 
     plan = plan_of(ckpt, max_batch=3)
     followed = SHADOW_STATES_PER_SEQUENCE * 3  # the shadow's sequences
@@ -194,7 +194,7 @@ def test_a_cast_shadow_costs_what_its_cast_tensors_do(ckpt: Checkpoint, dtype: s
 
 @pytest.mark.parametrize("scheme", ["int8", "nf4"])
 def test_a_quantized_shadow_costs_what_the_quantizer_produces(ckpt: Checkpoint, scheme: str) -> None:
-    from inference.quant import quantize_weight
+    from inference.shadow.quant import quantize_weight
 
     tensors = dict(ckpt.iter_tensors())
     expected = 0

@@ -1,13 +1,13 @@
-"""A generation's figures: where each decode layer's round trip went (`inference.metrics`)."""
+"""A generation's figures: where each decode layer's round trip went (`inference.runtime.metrics`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from inference.metrics import BREAKDOWN, HOPS_SPLIT, build_metrics, hops_split, layer_breakdown
-from inference.placement import placement
-from inference.records import LayerRecord, RequestState, StepRecord
-from inference.roles.worker import received_ms
+from inference.policies.placement import placement
+from inference.runtime.metrics import BREAKDOWN, HOPS_SPLIT, build_metrics, hops_split, layer_breakdown
+from inference.runtime.records import LayerRecord, RequestState, StepRecord
+from inference.runtime.roles.worker import received_ms
 
 
 def _layer(**times: float) -> LayerRecord:

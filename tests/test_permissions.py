@@ -1,4 +1,4 @@
-"""Who may say what to whom on the data plane (``inference.permissions``): the table and its check."""
+"""Who may say what to whom on the data plane (``inference.runtime.permissions``): the table and its check."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from inference import permissions
-from inference.permissions import (
+from inference.runtime import permissions
+from inference.runtime.permissions import (
     CLIENT,
     INBOX,
     LINK,
@@ -30,7 +30,7 @@ from inference.permissions import (
 
 
 def test_every_message_type_in_the_table_is_one_of_the_protocols_and_each_has_a_sender() -> None:
-    from inference.protocol import _REGISTRY
+    from inference.runtime.protocol import _REGISTRY
 
     named = set().union(*RULES.values())
     assert named <= set(_REGISTRY), named - set(_REGISTRY)
@@ -118,7 +118,7 @@ def test_each_role_gets_the_keys_of_those_it_talks_with_only() -> None:
 
 def test_the_table_is_pure_python() -> None:
     """The control plane derives keys from it: importing it pulls in neither torch nor zmq."""
-    code = "import sys, inference.permissions; print(sorted({'torch', 'zmq'} & set(sys.modules)))"
+    code = "import sys, inference.runtime.permissions; print(sorted({'torch', 'zmq'} & set(sys.modules)))"
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, cwd=root)
     assert out.stdout.strip() == "[]"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from inference.placement import Placement, placement, placement_from_dict
+from inference.policies.placement import Placement, placement, placement_from_dict
 
 SHAPES = [
     (layers, experts, top_k)

@@ -12,10 +12,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache, MixtralForCausalLM
 
+from inference.building.sharding import build_shards
 from inference.constants import PREROUTER_FILE
-from inference.hotset import hot_set_victims
-from inference.launcher import ClusterError, ClusterOptions, LocalCluster
-from inference.prerouter import (
+from inference.policies.hotset import hot_set_victims
+from inference.policies.strategies import get_strategy, needed_files, predictor_for
+from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
+from inference.runtime.prerouter import (
     LoraLinear,
     PreroutedModel,
     SequenceRoutes,
@@ -27,12 +29,10 @@ from inference.prerouter import (
     previous_token_routes,
     save_prerouter,
 )
-from inference.sharding import build_shards
-from inference.spec import Settings, SpecError, validate_settings
-from inference.store import DiskStore, HotSetStore
-from inference.strategies import get_strategy, needed_files, predictor_for
-from inference.tiny import make_tiny
-from inference.train_prerouter import PrerouterRecipe, train_prerouter
+from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.runtime.store import DiskStore, HotSetStore
+from inference.tools.tiny import make_tiny
+from inference.tools.train_prerouter import PrerouterRecipe, train_prerouter
 from inference.wire.generation import Done
 from tests.reference import PROMPTS, random_prerouter, reference_generate
 from tests.streams import run_streams

@@ -11,8 +11,8 @@ import pytest
 import torch
 import zmq
 
-from inference import protocol as P
-from inference.protocol import ProtocolError, decode, encode
+from inference.runtime import protocol as P
+from inference.runtime.protocol import ProtocolError, decode, encode
 from inference.wire import runtime as W
 
 

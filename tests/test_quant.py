@@ -1,4 +1,4 @@
-"""The shadow's cast / quantized model copies (``inference.quant``) on a tiny random Mixtral."""
+"""The shadow's cast / quantized model copies (``inference.shadow.quant``) on a tiny random Mixtral."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
 
-from inference import quant
-from inference.quant import (
+from inference.shadow import quant
+from inference.shadow.quant import (
     EXPERTS_IMPLEMENTATION,
     SHADOW_DTYPES,
     QuantizedLinear,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.spec import Settings
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
 from inference.wire.generation import Done, Token
 from tests.reference import PROMPTS, reference_generate
 

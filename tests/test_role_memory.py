@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from inference.checkpoint import Checkpoint, expert_key_name, is_expert_key
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.placement import placement
-from inference.spec import Settings
-from inference.tiny import make_tiny
+from inference.modelio.checkpoint import Checkpoint, expert_key_name, is_expert_key
+from inference.policies.placement import placement
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
+from inference.tools.tiny import make_tiny
 
 pytestmark = pytest.mark.slow
 

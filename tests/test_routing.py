@@ -7,9 +7,9 @@ import torch
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from inference import routing as routing_module
-from inference.experts import ExpertWeights, activation, expert_forward
-from inference.routing import (
+from inference.runtime import routing as routing_module
+from inference.runtime.experts import ExpertWeights, activation, expert_forward
+from inference.runtime.routing import (
     Routing,
     combine_eager,
     combine_grouped,

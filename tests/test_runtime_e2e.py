@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from inference.launcher import ClusterError, ClusterOptions, LocalCluster
-from inference.spec import Settings
+from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings
 from tests.reference import PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from inference import schedule
-from inference.placement import placement
+from inference.policies import schedule
+from inference.policies.placement import placement
 
 
 def _random_cases(seed: int, n: int = 300):

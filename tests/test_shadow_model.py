@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import MixtralForCausalLM
 
-from inference import quant
-from inference.checkpoint import Checkpoint, expert_key_name
-from inference.model import build_model, load_config
-from inference.shadow_model import build_shadow_model
-from inference.sharding import add_shadow_shards, build_shards
-from inference.shards import ShardError, ShardSet, file_sha256, load_role_tensors, verify_shard
-from inference.tiny import make_tiny
+from inference.building.sharding import add_shadow_shards, build_shards
+from inference.modelio.checkpoint import Checkpoint, expert_key_name
+from inference.modelio.model import build_model, load_config
+from inference.modelio.shards import ShardError, ShardSet, file_sha256, load_role_tensors, verify_shard
+from inference.shadow import quant
+from inference.shadow.shadow_model import build_shadow_model
+from inference.tools.tiny import make_tiny
 from tests.reference import ODD_SHAPE
 
 SHADOW_DTYPES = ["fp32", "bf16", "fp16", "int8", "nf4"]

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from inference.checkpoint import Checkpoint, is_expert_key, parse_expert_key
-from inference.placement import placement
-from inference.sharding import build_shards
-from inference.shards import ShardError, ShardSet, load_role_tensors, verify_shard
-from inference.tiny import make_tiny
+from inference.building.sharding import build_shards
+from inference.modelio.checkpoint import Checkpoint, is_expert_key, parse_expert_key
+from inference.modelio.shards import ShardError, ShardSet, load_role_tensors, verify_shard
+from inference.policies.placement import placement
+from inference.tools.tiny import make_tiny
 
 WORKERS = 4  # 4 layers, top_k 2: two decode groups, so workers really own different experts
 MAX_FILE_BYTES = 60_000  # smaller than the embedding table (512 x 64 x 4 bytes)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.placement import placement
+from inference.policies.placement import placement
 from inference.sim.costs import Costs
 from inference.sim.efficiency import transformers_eager
 from inference.sim.hardware import get_profile

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from inference.curve import new_keys, new_seat_keys, role_keys
-from inference.spec import RoleSpec, Settings, SpecError, load_spec
+from inference.runtime.curve import new_keys, new_seat_keys, role_keys
+from inference.runtime.spec import RoleSpec, Settings, SpecError, load_spec
 
 SEATS = new_seat_keys(["main", "shadow", "worker-0", "worker-1"])
 
@@ -219,7 +219,7 @@ def test_unknown_top_level_field_is_a_spec_error(tmp_path: Path, shard: Path, ke
 
 
 def test_a_spec_with_the_roles_keys_is_written_for_its_owner_only(tmp_path: Path, shard: Path) -> None:
-    from inference.spec import write_private
+    from inference.runtime.spec import write_private
 
     path = tmp_path / "spec.json"
     path.write_text("{}")
@@ -245,8 +245,8 @@ def test_each_role_gets_its_own_pair_and_only_the_public_keys_of_those_it_talks_
 
 
 def test_a_role_refuses_to_open_its_endpoint_without_keys(shard: Path) -> None:
-    from inference.roles.common import open_endpoint
-    from inference.spec import Addresses
+    from inference.runtime.roles.common import open_endpoint
+    from inference.runtime.spec import Addresses
 
     spec = RoleSpec(
         "dep-1", "worker", str(shard), Addresses(main="tcp://127.0.0.1:5000", workers=["tcp://127.0.0.1:5002"]), 0

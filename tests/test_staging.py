@@ -9,14 +9,14 @@ import time
 import pytest
 import torch
 
-from inference.experts import ExpertWeights
-from inference.loader import ExpertLoader
-from inference.sharding import build_shards
-from inference.shards import ShardSet
-from inference.spec import Settings, SpecError, validate_settings
-from inference.staging import StagingRing, expert_views
-from inference.store import DiskStore, HostMemoryStore, HotSetStore
-from inference.tiny import make_tiny
+from inference.building.sharding import build_shards
+from inference.modelio.shards import ShardSet
+from inference.runtime.experts import ExpertWeights
+from inference.runtime.loader import ExpertLoader
+from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.runtime.staging import StagingRing, expert_views
+from inference.runtime.store import DiskStore, HostMemoryStore, HotSetStore
+from inference.tools.tiny import make_tiny
 from tests.test_store import reference_experts, same_bits
 
 CPU = torch.device("cpu")

@@ -11,18 +11,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inference.checkpoint import expert_key_name, parse_expert_key
-from inference.emulation import emulation_for, real_times
-from inference.experts import ExpertWeights, fuse_expert
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.loader import ExpertLoader
-from inference.sharding import build_shards
-from inference.shards import ShardError, ShardSet, role_experts, verify_shard
+from inference.building.sharding import build_shards
+from inference.modelio.checkpoint import expert_key_name, parse_expert_key
+from inference.modelio.shards import ShardError, ShardSet, role_experts, verify_shard
+from inference.runtime.experts import ExpertWeights, fuse_expert
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.loader import ExpertLoader
+from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.runtime.store import DiskStore, HostMemoryStore, open_store
 from inference.sim.hardware import get_profile, with_host_to_device
 from inference.sim.model_sizes import mixtral_8x7b
-from inference.spec import Settings, SpecError, validate_settings
-from inference.store import DiskStore, HostMemoryStore, open_store
-from inference.tiny import make_tiny
+from inference.tools.emulation import emulation_for, real_times
+from inference.tools.tiny import make_tiny
 from tests.reference import PROMPTS, reference_generate
 
 WORKERS = 4

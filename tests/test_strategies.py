@@ -7,12 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from inference.cache import DeviceCache
-from inference.depth import resolve_depth
-from inference.launcher import ClusterOptions, LocalCluster
-from inference.placement import placement
-from inference.spec import Settings, SpecError, validate_settings
-from inference.strategies import (
+from inference.policies.depth import resolve_depth
+from inference.policies.placement import placement
+from inference.policies.strategies import (
     STRATEGIES,
     dispatch_plan,
     get_strategy,
@@ -23,6 +20,9 @@ from inference.strategies import (
     prefetch_on_prediction,
     prefill_prefetch,
 )
+from inference.runtime.cache import DeviceCache
+from inference.runtime.launcher import ClusterOptions, LocalCluster
+from inference.runtime.spec import Settings, SpecError, validate_settings
 from tests.reference import PROMPTS, reference_generate
 
 PLAN = placement(n_layers=4, n_experts=8, top_k=2, n_workers=8)  # groups (0,1) (2,3) (4,5) (6,7)

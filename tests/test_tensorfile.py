@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference.tensorfile import TensorFileError, iter_tensors, read_header
+from inference.modelio.tensorfile import TensorFileError, iter_tensors, read_header
 
 
 def test_every_dtype_reads_as_the_reference_reader_does(tmp_path: Path) -> None:

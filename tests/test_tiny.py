@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from inference.checkpoint import Checkpoint, expert_key_name
-from inference.tiny import make_tiny
+from inference.modelio.checkpoint import Checkpoint, expert_key_name
+from inference.tools.tiny import make_tiny
 
 ODD = {
     "layers": 3,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from inference.checkpoint import Checkpoint
-from inference.train_demo import CorpusError, Recipe, Shape, corpus_texts, train_demo
+from inference.modelio.checkpoint import Checkpoint
+from inference.tools.train_demo import CorpusError, Recipe, Shape, corpus_texts, train_demo
 
 PAGE = """<html><head><title>t</title><script>var x = 1;</script></head><body><nav>menu</nav>
 <h1>Built-in Types</h1><p>{body}</p></body></html>"""

@@ -10,9 +10,9 @@ import pytest
 import torch
 import zmq
 
-from inference.launcher import free_port
-from inference.protocol import ProtocolError, encode
-from inference.transport import Endpoint, link_schedule
+from inference.runtime.launcher import free_port
+from inference.runtime.protocol import ProtocolError, encode
+from inference.runtime.transport import Endpoint, link_schedule
 from inference.wire.generation import Token
 from inference.wire.runtime import Align, Ping, Pong
 
@@ -455,7 +455,7 @@ SEATS = ("main", "shadow", "worker-0", "worker-1")
 
 @pytest.fixture
 def seats():
-    from inference.curve import new_seat_keys
+    from inference.runtime.curve import new_seat_keys
 
     return new_seat_keys(SEATS)
 
@@ -485,7 +485,7 @@ def _all_received(endpoint: Endpoint, wait_s: float = 1.0) -> list:
 
 
 def test_a_roles_inbox_admits_only_the_principals_that_may_send_on_it(seats, opened, caplog) -> None:
-    from inference.curve import EndpointKeys, client_keys, new_keys, role_keys
+    from inference.runtime.curve import EndpointKeys, client_keys, new_keys, role_keys
     from inference.wire.runtime import Prediction
 
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -520,7 +520,7 @@ def test_a_roles_inbox_admits_only_the_principals_that_may_send_on_it(seats, ope
 
 def test_a_message_whose_sender_is_not_its_keys_principal_is_dropped(seats, opened, caplog) -> None:
     """A compromised shadow's or client's key cannot speak as main; a client's sockets say client:<suffix>."""
-    from inference.curve import EndpointKeys, client_keys, make_client, role_keys
+    from inference.runtime.curve import EndpointKeys, client_keys, make_client, role_keys
 
     address = f"tcp://127.0.0.1:{free_port()}"
     inbox = _keyed(opened, "worker-0", role_keys("worker-0", seats), bind=address)
@@ -551,7 +551,7 @@ def test_a_message_whose_sender_is_not_its_keys_principal_is_dropped(seats, open
 
 
 def test_a_principal_may_send_a_role_only_what_the_table_permits(seats, opened, caplog) -> None:
-    from inference.curve import client_keys, role_keys
+    from inference.runtime.curve import client_keys, role_keys
     from inference.wire.runtime import Prediction, Shutdown
 
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -570,7 +570,7 @@ def test_a_principal_may_send_a_role_only_what_the_table_permits(seats, opened, 
 
 
 def test_on_a_link_only_its_peer_answers_and_only_with_what_it_may(seats, opened, caplog) -> None:
-    from inference.curve import role_keys
+    from inference.runtime.curve import role_keys
     from inference.wire.runtime import Shutdown
 
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -596,7 +596,7 @@ def test_on_a_link_only_its_peer_answers_and_only_with_what_it_may(seats, opened
 def test_a_link_reaches_only_the_holder_of_its_peers_secret(seats, opened) -> None:
     """Main's link to worker-0 holds worker-0's public key: an impostor bound at that address
     (another seat's pair, which admits main) never completes the handshake."""
-    from inference.curve import EndpointKeys, role_keys
+    from inference.runtime.curve import EndpointKeys, role_keys
 
     address = f"tcp://127.0.0.1:{free_port()}"
     impostor_keys = EndpointKeys(seats["worker-1"].role, {"main": seats["main"].role.public})
@@ -607,8 +607,8 @@ def test_a_link_reaches_only_the_holder_of_its_peers_secret(seats, opened) -> No
 
 
 def test_a_keyed_endpoint_is_a_principal_and_links_only_where_it_holds_a_key(seats) -> None:
-    from inference.curve import CurveError, role_keys
-    from inference.permissions import PrincipalError
+    from inference.runtime.curve import CurveError, role_keys
+    from inference.runtime.permissions import PrincipalError
 
     with pytest.raises(PrincipalError, match="'intruder' is not a principal"):
         Endpoint("intruder", DEPLOYMENT, curve=role_keys("main", seats))
@@ -630,7 +630,7 @@ def test_a_message_without_the_deployment_id_is_dropped(pair: tuple[Endpoint, En
 
 
 def test_keys_that_do_not_belong_together_are_refused() -> None:
-    from inference.curve import CurveError, CurveKeys, check_keys, new_keys
+    from inference.runtime.curve import CurveError, CurveKeys, check_keys, new_keys
 
     one, two = new_keys(), new_keys()
     assert check_keys(one) == one

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import inference.wire
-from inference.protocol import decode, encode
+from inference.runtime.protocol import decode, encode
 from inference.wire import link
 from inference.wire.generation import GENERATION_EVENTS, Done, Failed, Generate, Token
 from inference.wire.runtime import RUNTIME_MESSAGES, ExpertRequest

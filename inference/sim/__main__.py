@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
         "--prefetch-depth",
         type=int,
         help="experts a cacheless worker holds at once (default: 1 + ceil(compute / copy) of an expert, "
-        "or its layer's experts + 1 if larger; inference.depth)",
+        "or its layer's experts + 1 if larger; inference.policies.depth)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the full result as JSON here")

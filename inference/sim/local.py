@@ -3,16 +3,16 @@
 `inference.sim`'s strategy models describe the *paper's* systems on real GPUs (Transformers with
 `device_map`, Mixtral-Offloading's HQQ experts). To be checked against our own measured runs, the
 simulator also needs a model of what *our* runtime does on *this* machine when
-`inference.emulation` slows its copies and links down to a profile's proportions. That is this
+`inference.tools.emulation` slows its copies and links down to a profile's proportions. That is this
 module. Every rule here is the runtime's own, not a fit:
 
 - groups: layer ``l`` belongs to group ``l mod G``, ``G = max(1, min(W // top_k, L))``
-  (`inference.placement.placement`);
+  (`inference.policies.placement.placement`);
 - cacheless strategies deal predicted experts round-robin over the group and send each routed expert
-  to whoever loaded it, the rest to the least loaded (`inference.schedule.prefetch_assignment`,
+  to whoever loaded it, the rest to the least loaded (`inference.policies.schedule.prefetch_assignment`,
   `assign_experts`); caching strategies send expert ``e`` to ``members[e % len(members)]``
-  (`inference.strategies.home_worker`);
-- a worker's loader (`inference.loader.ExpertLoader`): one copy at a time (a batch of one
+  (`inference.policies.strategies.home_worker`);
+- a worker's loader (`inference.runtime.loader.ExpertLoader`): one copy at a time (a batch of one
   (step, layer)'s pending experts per pass, each usable when its own copy is done), at most
   ``max_resident`` experts ready or being copied (cached ones do not count), prefetches in
   (step, layer) order, a request for an expert not yet copied jumps the queue and pushes out the
@@ -23,16 +23,16 @@ module. Every rule here is the runtime's own, not a fit:
   ``s`` and main has started step ``s``, and sends each layer's routing to the layer's group as
   it goes; ``lru-offload``: main sends the next layer's router guess before the layer's
   requests (`MainRole._predict_next_layer`), on one box (no emulated link);
-- the emulated link (`inference.transport`): a message leaves after the sender's earlier ones
+- the emulated link (`inference.runtime.transport`): a message leaves after the sender's earlier ones
   have left its uplink (``bytes / rate`` each) and is delivered ``latency`` after its last byte
   (plus how late the receiver's timed wait for that moment wakes up, measured), or when it
   really arrives over loopback, whichever is later; a worker's own Python around its experts
   comes after the delivery, never under the latency;
-- hybrid execution (``hybrid=True``, `inference.hybrid`): when main's request reaches a worker,
+- hybrid execution (``hybrid=True``, `inference.policies.hybrid`): when main's request reaches a worker,
   each requested expert not on the device runs where it finishes first — its copy (what is left
   of it) plus the compute, or the worker's CPU straight from host memory — and a copy not yet
   started for an expert sent to the CPU is dropped; under odmoe a worker also leaves the predicted
-  experts of the (step, layer)s its group plans on the CPUs uncopied (`inference.hybrid.
+  experts of the (step, layer)s its group plans on the CPUs uncopied (`inference.policies.hybrid.
   planned_on_cpu`), the share set by the runtime's controller (`ShareController`, its ceiling
   from the emulated rates) from the simulated tokens' periods.
 
@@ -56,9 +56,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
-from inference.hybrid import ShareController, planned_on_cpu, predicted_share, share_delay
-from inference.schedule import assign_experts
-from inference.spec import Settings
+from inference.policies.hybrid import ShareController, planned_on_cpu, predicted_share, share_delay
+from inference.policies.schedule import assign_experts
+from inference.runtime.spec import Settings
 
 Key = tuple[int, int, int]  # (step, layer, expert)
 # A routing trace of one generation: per decode step, per layer, the routed experts.
@@ -101,7 +101,7 @@ class MachineCosts:
 
 @dataclass(frozen=True)
 class EmulatedRates:
-    """The token buckets of `inference.emulation.Emulation` (bytes/s, s), and the model's message sizes."""
+    """The token buckets of `inference.tools.emulation.Emulation` (bytes/s, s), and the model's message sizes."""
 
     copy_bytes_per_s: float
     link_bytes_per_s: float | None  # None: no emulated network (one box)
@@ -144,7 +144,7 @@ class Shape:
             raise ValueError("top_k cannot exceed experts")
 
     def groups(self) -> list[list[int]]:
-        """`inference.placement.placement`'s groups, re-stated (a test checks they agree)."""
+        """`inference.policies.placement.placement`'s groups, re-stated (a test checks they agree)."""
         n_groups = max(1, min(self.workers // self.top_k, self.layers))
         members: list[list[int]] = [[] for _ in range(n_groups)]
         full = n_groups * self.top_k
@@ -158,7 +158,7 @@ class Shape:
 
 
 class LoaderSim:
-    """`inference.loader.ExpertLoader`'s decisions on a clock (see the module docstring)."""
+    """`inference.runtime.loader.ExpertLoader`'s decisions on a clock (see the module docstring)."""
 
     def __init__(self, copy_s: float, max_resident: int, cache: int | str | None = "none") -> None:
         self.copy_s = copy_s
@@ -239,7 +239,7 @@ class LoaderSim:
 
     def copy_eta(self, key: Key) -> float:
         """When ``key`` would be on the device if copied (the runtime's estimate,
-        `inference.hybrid.copy_eta`)."""
+        `inference.policies.hybrid.copy_eta`)."""
         if self.state(key) == "ready":
             return self.clock
         for k, done in self.loading:
@@ -330,7 +330,7 @@ class WorkerSim:
 
 
 class Link:
-    """One role's uplink, emulated as `inference.transport` does (or loopback only)."""
+    """One role's uplink, emulated as `inference.runtime.transport` does (or loopback only)."""
 
     def __init__(self, rates: EmulatedRates, costs: MachineCosts, networked: bool) -> None:
         self.rate = rates.link_bytes_per_s if networked else None
@@ -575,7 +575,7 @@ def _send_prediction(pool, groups, step, layer, real, at, link, rates, recall, e
 
 
 def _plan(strategy, experts, members, pool, step, layer, options, shape) -> dict[int, list[int]]:
-    """Who computes each routed expert (`inference.strategies.dispatch_plan` for decode)."""
+    """Who computes each routed expert (`inference.policies.strategies.dispatch_plan` for decode)."""
     if strategy in ("full-cache", "lru-offload"):
         plan = {m: [] for m in members}
         for e in sorted(set(experts)):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from inference.families import family_for
-from inference.families.releases import RELEASES
+from inference.modelio.families import family_for
+from inference.modelio.families.releases import RELEASES
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class ModelSizes:
 
 
 def from_hf_config(config: dict) -> ModelSizes:
-    """Sizes from a Hugging Face ``config.json`` of any supported family (``inference.families``)."""
+    """Sizes from a Hugging Face ``config.json`` of any supported family (``inference.modelio.families``)."""
     family = family_for(config)
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -128,7 +128,7 @@ def from_hf_config(config: dict) -> ModelSizes:
 
 
 def release_sizes(name: str) -> ModelSizes:
-    """The sizes of a known release (``inference.families.releases``)."""
+    """The sizes of a known release (``inference.modelio.families.releases``)."""
     return from_hf_config({**RELEASES[name], "_name_or_path": name})
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from inference.depth import prefetch_depth
+from inference.policies.depth import prefetch_depth
 from inference.sim.costs import Costs
 from inference.sim.efficiency import for_strategy
 from inference.sim.hardware import Profile, get_profile
@@ -58,7 +58,7 @@ def compare(
 
 
 def depth_of(model: ModelSizes, profile: Profile, cluster: Cluster) -> dict:
-    """The workers' prefetch depth in the adjusted model, with what the rule weighs (`inference.depth`)."""
+    """The workers' prefetch depth in the adjusted model, with what the rule weighs (`inference.policies.depth`)."""
     setup = Setup(Costs(model, profile, for_strategy("odmoe", ideal=False)), cluster)
     return {
         "depth": setup.prefetch_depth,

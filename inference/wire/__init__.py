@@ -8,7 +8,7 @@ Three modules, one vocabulary:
   come back up the same way to the control plane's SSE and websocket adapters.
 - ``runtime``: what the runtime's processes say to each other over ZeroMQ. Tensor fields are
   declared with the ``Tensor`` marker; their bytes travel as raw frames, framed by
-  ``inference.protocol`` (the one module here that needs torch).
+  ``inference.runtime.protocol`` (the one module here that needs torch).
 - ``link``: the agent link's commands and events (JSON over a websocket).
 
 Every message is a frozen, keyword-only ``msgspec.Struct`` whose type is a tag: the agent

@@ -17,7 +17,7 @@ import msgspec
 class Tensor(abc.ABC):  # noqa: B024 - a marker, not an interface
     """Marks a field that holds a ``torch.Tensor``; declared here without importing torch.
 
-    ``inference.protocol`` registers ``torch.Tensor`` as a virtual subclass, so a decoded
+    ``inference.runtime.protocol`` registers ``torch.Tensor`` as a virtual subclass, so a decoded
     message's tensor field is validated as a tensor, and sends its bytes as a raw frame
     after the header (the header carries only its dtype and shape).
     """

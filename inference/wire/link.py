@@ -139,9 +139,9 @@ class FetchShard(LinkMessage, kw_only=True, tag="fetch_shard"):
 class StartRole(LinkMessage, kw_only=True, tag="start_role"):
     """Fetch shard ``shard`` of model ``model_id`` (progress under ``task_id``), then run the role.
 
-    ``spec`` is the role's ``inference.spec.RoleSpec`` as JSON, without ``shard_dir``: the
+    ``spec`` is the role's ``inference.runtime.spec.RoleSpec`` as JSON, without ``shard_dir``: the
     agent fills in where it keeps the shard. ``client_keys`` (``{"public", "secret"}``) is the
-    role seat's client pair (``inference.curve``), which the agent talks to its role with: its
+    role seat's client pair (``inference.runtime.curve``), which the agent talks to its role with: its
     health probes, and on main's box the generations. Idempotent: a box already running (or
     starting) this role of this deployment ignores the repeat.
     """

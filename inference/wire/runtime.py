@@ -1,4 +1,4 @@
-"""What the runtime's processes say to each other over ZeroMQ (framing: ``inference.protocol``).
+"""What the runtime's processes say to each other over ZeroMQ (framing: ``inference.runtime.protocol``).
 
 Client and main: ``Generate`` and its events (``inference.wire.generation``), ``Cancel``,
 ``SetAlignment``, ``Shutdown``; every role: ``Ping``/``Pong``. Main to workers and the shadow:
@@ -135,7 +135,7 @@ class ExpertRequest(Message, kw_only=True, tag="expert_request"):
     (mini-batches); the worker keeps an expert on the device until a ``final`` request
     for it, the one carrying its last rows. ``previous_step_s`` is how long the session's
     previous step took as main timed it (0 for its first): every worker of a layer group hears
-    the same periods, and finds its hybrid share from them (``inference.hybrid``).
+    the same periods, and finds its hybrid share from them (``inference.policies.hybrid``).
     """
 
     TENSORS: ClassVar[tuple[str, ...]] = ("rows", "weights")
@@ -197,7 +197,7 @@ class WorkerStats(Message, kw_only=True, tag="worker_stats"):
     misses: int
     wasted_loads: int
     load_ms: float
-    # A "hot" expert store (inference.hotset): experts read from disk, and served from RAM.
+    # A "hot" expert store (inference.policies.hotset): experts read from disk, and served from RAM.
     disk_reads: int = 0
     hot_hits: int = 0
     cpu_experts: int = 0  # hybrid execution: experts computed on the worker's CPU, not copied

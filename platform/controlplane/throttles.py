@@ -6,7 +6,7 @@ downloads and enrollment come in bursts) and are counted by neither. ``throttle_
 the same throttles for the OpenAI API's views, which are not DRF's, so a user's calls to both
 share one count; ``ChatMessageThrottle`` counts a user's chat messages. Counts live in
 Django's cache: per process by default, in Redis in production. How many generations a user
-has at once is no rate: main bounds it where they run (``inference.batching.admission``).
+has at once is no rate: main bounds it where they run (``inference.runtime.batching.admission``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import redis
 from django.test import override_settings
 
 from controlplane.ops.processes import Child, ProcessGroup, python_env, redis_up, wait_until
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 from tests.controlplane.isolated import NOBODY
 from tests.controlplane.live import SERVED_MODEL, Api, LiveControlPlane, Served, database_url, purge_stale_tasks
 
@@ -209,7 +209,7 @@ def served_without_shadow(transactional_db, redis_url: str, tmp_path: Path, tiny
 def served_family(request, transactional_db, redis_url: str, tmp_path: Path) -> Iterator[Served]:
     """``served`` on a checkpoint of another family: Qwen2-MoE in bf16 (a shared expert beside the
     routed ones) or GraniteMoE (experts fused on disk), in the release layout."""
-    from inference.tiny import make_tiny
+    from inference.tools.tiny import make_tiny
 
     family, dtype = request.param
     shape = dict(layers=3, hidden=36, intermediate=22, experts=7, top_k=3, heads=3, kv_heads=1, head_dim=12)

@@ -11,7 +11,7 @@ import pytest
 
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import create_join_token
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

@@ -25,7 +25,7 @@ from controlplane.config.asgi import application
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes
 from controlplane.ops.processes import http_up
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 from inference.wire.link import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, parse
 from tests.controlplane.conftest import redis_channel_layers
 from tests.controlplane.live import database_url
@@ -320,7 +320,7 @@ def test_a_fetch_command_reaches_the_agent_which_downloads_the_shard(
 
     from controlplane.artifacts.services import build_model_shards, register_model
     from controlplane.nodes.models import NodeTask, TaskState
-    from inference.shards import verify_shard
+    from inference.modelio.shards import verify_shard
 
     settings.VAR_DIR = tmp_path / "var"
     artifact = build_model_shards(artifact_id=register_model(name="tiny", path=str(tiny_model)).pk, workers=2)

@@ -23,8 +23,8 @@ from agent.runtime import RoleRunner
 from controlplane.artifacts.services import build_model_shards, register_model
 from controlplane.nodes.models import NodeTask
 from controlplane.nodes.services import create_join_token, enroll_node
-from inference.curve import new_seat_keys, role_keys
-from inference.launcher import free_port
+from inference.runtime.curve import new_seat_keys, role_keys
+from inference.runtime.launcher import free_port
 from inference.wire.link import StartRole
 
 DEPLOYMENT = "dep1-1"

@@ -26,9 +26,9 @@ from controlplane.chat.services import prompt_history
 from controlplane.deployments.models import Deployment, DeploymentStatus
 from controlplane.serving.text import InputError, encode_chat, render_chat
 from controlplane.serving.tokenizer import TextTokenizer
-from inference.families import FAMILIES
-from inference.textstream import load_tokenizer
-from inference.tiny import BOS_ID, EOS_ID, make_tiny
+from inference.modelio.families import FAMILIES
+from inference.runtime.textstream import load_tokenizer
+from inference.tools.tiny import BOS_ID, EOS_ID, make_tiny
 
 # Mixtral-Instruct's layout: one BOS, [INST] ... [/INST] around user turns, EOS after answers.
 INSTRUCT_TEMPLATE = (

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.ops.processes import ProcessGroup, python_env
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 from tests.controlplane.live import Api, LiveControlPlane, database_url, purge_stale_tasks
 from tests.reference import PROMPTS, reference_generate
 

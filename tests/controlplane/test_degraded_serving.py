@@ -76,7 +76,7 @@ def test_a_jobs_prompt_waits_while_redis_is_unreachable(deployment: Deployment, 
     """Redis restarting under a running job: the prompt is queued again, never left running for ever."""
     from channels.layers import channel_layers
 
-    from inference.launcher import free_port
+    from inference.runtime.launcher import free_port
 
     deployment.members.update(state=MemberState.READY, port=5000)
     Deployment.objects.filter(pk=deployment.pk).update(status=DeploymentStatus.READY)

@@ -230,7 +230,7 @@ def test_a_role_runs_on_its_nodes_largest_gpu(staff: APIClient, model) -> None:
 
 
 def test_the_estimate_has_memory_per_role(staff: APIClient, model) -> None:
-    from inference.memory import memory_from_checkpoint
+    from inference.building.memory import memory_from_checkpoint
 
     mixtral = staff.post("/api/deployments/estimate", {"workers": 8, "shadow_dtype": "nf4"}, format="json").json()
     roles = {r["role"]: r for r in mixtral["memory"]["roles"]}
@@ -354,7 +354,7 @@ def test_an_approximate_strategy_needs_the_models_similarity_table_and_is_marked
 
     import torch
 
-    from inference.importance import write_similarity
+    from inference.runtime.importance import write_similarity
 
     plain = register_model(name="plain", path=str(tiny_model))
     a, b = box("a", 8), box("b", 8)
@@ -386,8 +386,8 @@ def test_the_prerouter_needs_the_models_trained_heads_and_a_rebuilt_shard_set_ca
 
     from controlplane.artifacts.models import ShardStatus
     from controlplane.artifacts.services import shards_ready_for
+    from inference.building.sharding import build_shards
     from inference.constants import PREROUTER_FILE
-    from inference.sharding import build_shards
 
     plain = register_model(name="plain", path=str(tiny_model))
     a, b = box("a", 8), box("b", 8)

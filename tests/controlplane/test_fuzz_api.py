@@ -33,7 +33,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.control import SkipTest
 
 from controlplane.ops.processes import ProcessGroup, python_env
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 from tests.controlplane.conftest import redis_channel_layers
 from tests.controlplane.live import Api, LiveControlPlane, database_url, purge_stale_tasks
 

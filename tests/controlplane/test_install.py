@@ -24,7 +24,7 @@ from controlplane.nodes.models import Node
 from controlplane.nodes.services import create_join_token
 from controlplane.ops.processes import ProcessGroup, asgi_argv, http_up, python_env, wait_until
 from deploy.units import read_unit
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 from tests.controlplane.isolated import (
     CONTROL_PLANE,
     NOBODY,
@@ -66,7 +66,7 @@ def test_the_agent_package_is_a_wheel_of_the_agent_and_runtime_with_only_their_d
         names = wheel.namelist()
         metadata = wheel.read(f"odmoe_agent-{inference.__version__}.dist-info/METADATA").decode()
         record = wheel.read(f"odmoe_agent-{inference.__version__}.dist-info/RECORD").decode()
-    assert "agent/__main__.py" in names and "inference/spec.py" in names and "agent/doctor.py" in names
+    assert "agent/__main__.py" in names and "inference/runtime/spec.py" in names and "agent/doctor.py" in names
     assert not [n for n in names if n.split("/")[0] not in ("agent", "inference") and ".dist-info/" not in n]
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
     required = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines() if "Requires-Dist" in line]
@@ -133,7 +133,7 @@ def test_the_agent_package_imports_without_any_control_plane_distribution(tmp_pa
         f"assert not names & set({sorted(CONTROL_PLANE)!r}), names\n"
         "assert all(u.find_spec(n) is None for n in ('django', 'celery', 'rest_framework', 'channels', 'matplotlib'))\n"
         "import agent.__main__, agent.link, agent.doctor\n"
-        "import inference.roles.worker, inference.roles.main\n"
+        "import inference.runtime.roles.worker, inference.runtime.roles.main\n"
         "print(m.version('odmoe-agent'))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}

@@ -31,9 +31,9 @@ from controlplane.nodes.credentials import NODE_SECRET_PREFIX, digest, new_secre
 from controlplane.nodes.groups import node_group
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes, record_heartbeat
-from inference.curve import CurveKeys, check_keys, endpoint_keys_from_json
-from inference.shards import verify_shard
-from inference.spec import RoleSpec, validate_spec
+from inference.modelio.shards import verify_shard
+from inference.runtime.curve import CurveKeys, check_keys, endpoint_keys_from_json
+from inference.runtime.spec import RoleSpec, validate_spec
 from inference.wire.link import (
     AGENT_PROTOCOL,
     COMMANDS,
@@ -181,13 +181,13 @@ def test_starting_sends_each_node_a_valid_role_spec_with_one_peer_table(cluster,
 
 
 def _addresses(spec: dict):
-    from inference.spec import Addresses
+    from inference.runtime.spec import Addresses
 
     return Addresses(**spec["addresses"])
 
 
 def _settings(spec: dict):
-    from inference.spec import Settings
+    from inference.runtime.spec import Settings
 
     return Settings(**spec["settings"])
 

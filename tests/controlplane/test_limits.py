@@ -261,7 +261,7 @@ def test_uvicorn_answers_a_declared_200_mb_body_at_once_and_stops_a_chunked_one(
     import socket
 
     from controlplane.ops.processes import ProcessGroup, python_env
-    from inference.launcher import free_port
+    from inference.runtime.launcher import free_port
     from tests.controlplane.live import Api, LiveControlPlane
 
     env = python_env(

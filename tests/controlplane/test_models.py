@@ -10,7 +10,7 @@ from rest_framework.test import APIClient
 
 from controlplane.artifacts.models import ModelArtifact, ShardStatus
 from controlplane.artifacts.services import ModelError, build_model_shards, register_model
-from inference.shards import verify_shard
+from inference.modelio.shards import verify_shard
 
 pytestmark = pytest.mark.django_db
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from inference.textstream import load_tokenizer
+from inference.runtime.textstream import load_tokenizer
 from tests.controlplane.conftest import ServedOnOwnRedis
 from tests.controlplane.live import SERVED_MODEL, Served
 from tests.controlplane.test_serving_e2e import MESSAGES, chat_prompt_ids, reference_text, wait_job

@@ -132,7 +132,7 @@ def test_the_suggestion_seats_a_role_on_every_gpu_of_a_multi_gpu_box() -> None:
 
 
 def nf4_plan(workers: int):
-    from inference.memory import memory_from_config
+    from inference.building.memory import memory_from_config
 
     # main runs 8 sequences at once (the default max_batch): shadow 31.6 GB with the KV caches of
     # the 8 it follows, workers 31.6 GB

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from benchmarks import openai_concurrency
-from inference.textstream import load_tokenizer
+from inference.runtime.textstream import load_tokenizer
 from tests.controlplane.live import SERVED_MODEL, Api, Served
 from tests.reference import PROMPTS, reference_generate
 

@@ -18,11 +18,11 @@ from rest_framework.fields import empty
 
 from controlplane.deployments import api, services
 from controlplane.deployments.models import SETTINGS_COLUMNS, Deployment
-from inference import memory
 from inference.__main__ import GENERATE_SETTINGS, _parser
+from inference.building import memory
+from inference.runtime.spec import Addresses, RoleSpec, Settings
 from inference.settings import DEFAULTS, INFO, DeploymentSettings, markdown_table
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
-from inference.spec import Addresses, RoleSpec, Settings
 
 SERIALIZERS = {
     "suggest": api.SuggestApi.InputSerializer,

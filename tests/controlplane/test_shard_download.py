@@ -16,7 +16,7 @@ from controlplane.artifacts.ranges import RangeNotSatisfiable, parse_range
 from controlplane.artifacts.services import build_model_shards, register_model
 from controlplane.nodes.models import NodeTask
 from controlplane.nodes.services import create_join_token, enroll_node
-from inference.shards import MANIFEST_FILE, verify_shard
+from inference.modelio.shards import MANIFEST_FILE, verify_shard
 
 
 def test_range_headers() -> None:

@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
 from controlplane.artifacts.models import ModelArtifact, ShardStatus
-from inference.shards import verify_shard
+from inference.modelio.shards import verify_shard
 
 pytestmark = pytest.mark.slow
 

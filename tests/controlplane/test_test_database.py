@@ -11,7 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from controlplane.config.settings.test import ENGINES, choose_test_database
 from controlplane.ops.processes import python_env
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 from tests.controlplane.live import database_url
 
 

@@ -20,8 +20,8 @@ from controlplane.nodes.models import JoinToken, Node, NodeStatus, NodeTask, Tas
 from controlplane.nodes.services import create_join_token, request_fetch
 from controlplane.nodes.tls import enroll_commands
 from controlplane.ops.processes import Child, ProcessGroup, agent_argv, python_env, wait_until
-from inference.launcher import free_port
-from inference.shards import verify_shard
+from inference.modelio.shards import verify_shard
+from inference.runtime.launcher import free_port
 from inference.wire.link import LINK_PATH
 from tests.certificates import ServerIdentity, server_identity
 from tests.controlplane.isolated import REPO, as_ordinary_user, link_dependencies

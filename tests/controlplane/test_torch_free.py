@@ -2,7 +2,7 @@
 
 Torch takes seconds and hundreds of MB to import; the web process only tokenizes
 (``controlplane/serving/tokenizer.py``) and the Celery worker only builds shards with it, inside
-the functions that do (``inference.sharding``). Each check runs in a process of its own, so
+the functions that do (``inference.building.sharding``). Each check runs in a process of its own, so
 that what other tests imported cannot hide an import or fake one:
 
 - the ASGI application and every view its URLs name, imported as a server would;
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.ops.processes import asgi_argv, http_up, python_env, wait_until
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 from tests.controlplane.live import SERVED_MODEL, Served
 
 REPO = Path(__file__).resolve().parents[2]

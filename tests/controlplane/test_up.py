@@ -29,7 +29,7 @@ from agent import credentials
 from agent.__main__ import enroll_or_resume
 from controlplane.nodes.services import create_join_token, enroll_node
 from controlplane.ops import demo
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 from tests.controlplane.live import database_url
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inference.depth import prefetch_depth, worker_depth
+from inference.policies.depth import prefetch_depth, worker_depth
 from inference.sim.costs import Costs
 from inference.sim.sources import value
 from inference.sim.traces import Trace
@@ -27,7 +27,7 @@ class Cluster:
     lru_prefetch: bool = False  # Mixtral-Offloading's released code has no speculative prefetch
     hybrid: bool = False  # workers compute a not-yet-copied expert on their CPU when that is sooner
     # Experts a cacheless worker holds at once (computing, copying, copied ahead); None: the rule
-    # of `inference.depth` from the profile's link, the expert and the group (`Setup.prefetch_depth`).
+    # of `inference.policies.depth` from the profile's link, the expert and the group (`Setup.prefetch_depth`).
     prefetch_depth: int | None = None
     seed: int = 0
 
@@ -62,7 +62,7 @@ class Setup:
 
     @property
     def prefetch_depth(self) -> int:
-        """The cluster's depth, or the runtime's rule (`inference.depth`): the link's term (an
+        """The cluster's depth, or the runtime's rule (`inference.policies.depth`): the link's term (an
         expert's copy against its compute on the worker's GPU) or its layer's experts + 1."""
         if self.cluster.prefetch_depth is not None:
             return self.cluster.prefetch_depth

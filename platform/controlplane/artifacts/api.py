@@ -20,7 +20,7 @@ from controlplane.names import name_field
 from controlplane.nodes.authentication import IsNode, NodeCredentialAuthentication
 from controlplane.nodes.selectors import node_was_sent_shard
 from controlplane.pagination import paginated
-from inference.shards import MANIFEST_FILE, is_role_dirname
+from inference.modelio.shards import MANIFEST_FILE, is_role_dirname
 
 from . import services
 from .models import ModelArtifact, ModelStatus, ShardStatus

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from controlplane.artifacts.models import ModelArtifact, ShardStatus
-from inference.shards import MANIFEST_FILE
+from inference.modelio.shards import MANIFEST_FILE
 
 
 def largest_shard_bytes() -> int | None:

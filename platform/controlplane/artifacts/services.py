@@ -15,10 +15,10 @@ from pathlib import Path
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
-from inference.checkpoint import Checkpoint, CheckpointError
+from inference.building.sharding import add_shadow_shards, build_shards
 from inference.constants import MAIN_EXTRAS
-from inference.sharding import add_shadow_shards, build_shards
-from inference.shards import ShardError, shadow_dtypes_to_build
+from inference.modelio.checkpoint import Checkpoint, CheckpointError
+from inference.modelio.shards import ShardError, shadow_dtypes_to_build
 
 from .models import ModelArtifact, ModelStatus, ShardStatus
 

@@ -11,7 +11,7 @@ from controlplane.deployments.models import Deployment
 from controlplane.nodes.inventory import clean_inventory, doctor_problems
 from controlplane.nodes.models import Node, NodeTask, TaskState
 from inference import __version__
-from inference.strategies import get_strategy
+from inference.policies.strategies import get_strategy
 
 RECENT_TASKS = 50
 

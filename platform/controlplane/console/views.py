@@ -10,8 +10,8 @@ from django.views.decorators.csrf import ensure_csrf_cookie
 from controlplane.deployments.fields import MAX_PER_USER
 from controlplane.nodes.tls import upgrade_command
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
+from inference.policies.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 from inference.settings import DEFAULTS
-from inference.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 
 from .snapshot import snapshot
 

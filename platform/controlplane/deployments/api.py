@@ -18,9 +18,9 @@ from controlplane.artifacts.models import ModelArtifact, ModelStatus
 from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.names import name_field
 from controlplane.pagination import paginated
+from inference.policies.strategies import STRATEGIES, get_strategy
 from inference.sim import hardware as sim_profiles
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
-from inference.strategies import STRATEGIES, get_strategy
 
 from . import generation, lifecycle, services
 from .fields import setting_field
@@ -348,7 +348,7 @@ class EstimateApi(APIView):
     registered model, by its config.json; Mixtral-8x7B when omitted) with ``workers``
     workers on a hardware ``profile``, at the roofline (``ideal``) and with measured or
     published implementation efficiencies (``adjusted``); see inference/sim. ``memory``
-    is the host RAM, GPU memory and disk per role from the tensor sizes (inference/memory.py),
+    is the host RAM, GPU memory and disk per role from the tensor sizes (inference/building/memory.py),
     with main's KV caches for ``max_batch`` sequences, what creating and starting a deployment
     check each node against; without the shadow when ``predictor`` is not the shadow.
     """

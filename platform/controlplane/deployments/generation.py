@@ -30,7 +30,7 @@ from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, Membe
 
 FIRST_EVENT_TIMEOUT_S = 120.0  # prefill and a queue behind other generations
 NEXT_EVENT_TIMEOUT_S = 60.0
-# How main ends a generation (inference.roles.main). Another value is a broken or hostile main's:
+# How main ends a generation (inference.runtime.roles.main). Another value is a broken or hostile main's:
 # it would reach API clients, and PostgreSQL refuses what is longer than JobOutput.finish_reason.
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -74,7 +74,7 @@ def new_request(**fields: Any) -> Generate:
 
 
 def can_serve(deployment: Deployment) -> bool:
-    """Ready, or degraded with main ready: main serves around a lost worker or shadow (inference.failover)."""
+    """Ready, or degraded with main ready: main serves around a lost worker or shadow (inference.policies.failover)."""
     if deployment.status == DeploymentStatus.READY:
         return True
     if deployment.status != DeploymentStatus.DEGRADED:

@@ -27,9 +27,9 @@ from controlplane.artifacts.services import (
 from controlplane.nodes.models import Node, NodeStatus, NodeTask
 from controlplane.nodes.services import send_command
 from controlplane.storable import storable_json, storable_text
-from inference.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
-from inference.memory import gpu_index
-from inference.schedule import validate_periods
+from inference.building.memory import gpu_index
+from inference.policies.schedule import validate_periods
+from inference.runtime.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
 from inference.settings import DeploymentSettings
 from inference.wire.link import MEMORY_FIGURES, ApplyAlignment, StartRole, StopRole
 
@@ -260,7 +260,7 @@ def shard_name(deployment: Deployment, member: DeploymentNode) -> str:
 
 
 def role_spec(deployment: Deployment, member: DeploymentNode, members: list[DeploymentNode]) -> dict:
-    """``inference.spec.RoleSpec`` as JSON, less ``shard_dir`` (the agent knows where its shard is)."""
+    """``inference.runtime.spec.RoleSpec`` as JSON, less ``shard_dir`` (the agent knows where its shard is)."""
     workers = sum(1 for m in members if m.role == Role.WORKER)
     table = peer_table({m.role_name: m.node.address for m in members}, {m.role_name: m.port for m in members}, workers)
     settings = DeploymentSettings(

@@ -14,8 +14,8 @@ from django.db import models
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
 from inference.constants import MAX_BATCH
+from inference.policies.strategies import predictor_for
 from inference.settings import DEFAULTS, info
-from inference.strategies import predictor_for
 
 
 def choices(name: str) -> list[tuple[str, str]]:
@@ -77,7 +77,7 @@ class Deployment(models.Model):
         max_length=16,
         choices=choices("strategy"),
         default=DEFAULTS.strategy,
-        help_text="what workers keep on their GPUs (inference/strategies.py; importance and prerouter are "
+        help_text="what workers keep on their GPUs (inference/policies/strategies.py; importance and prerouter are "
         "approximate); applied on the next start",
     )
     predictor = models.CharField(
@@ -85,7 +85,7 @@ class Deployment(models.Model):
         choices=[("", "the strategy's own"), *choices("predictor")],
         default=DEFAULTS.predictor,
         blank=True,
-        help_text="who names the experts workers load ahead (inference/strategies.py): the shadow, main's "
+        help_text="who names the experts workers load ahead (inference/policies/strategies.py): the shadow, main's "
         "next-layer router (next-gate) or main's trained heads (prerouter; both without a shadow seat); "
         "blank: the strategy's own",
     )
@@ -150,7 +150,7 @@ class DeploymentNode(models.Model):
         help_text="the role's memory when it last answered: host_bytes, peak_host_bytes, device_bytes",
     )
     start_sent_at = models.DateTimeField(null=True, blank=True)
-    # The seat's data-plane keys (inference.curve), new on every start of the deployment: the
+    # The seat's data-plane keys (inference.runtime.curve), new on every start of the deployment: the
     # role's own CURVE pair and its client's (the agent on the node talks to the role with it).
     # They reach the node in its StartRole over the agent's link; no API or form shows them.
     role_public_key = models.CharField(max_length=40, blank=True, editable=False)

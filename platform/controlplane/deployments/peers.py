@@ -36,7 +36,7 @@ def pick_ports(seats: Sequence[Seat]) -> dict[str, int]:
 
 
 def peer_table(addresses: dict[str, str], ports: dict[str, int], workers: int) -> dict:
-    """``inference.spec.Addresses`` as JSON from each role's host and port; the shadow's is None
+    """``inference.runtime.spec.Addresses`` as JSON from each role's host and port; the shadow's is None
     in a deployment without a shadow seat (no ``shadow`` in ``addresses``)."""
 
     def url(role: str) -> str:

@@ -4,14 +4,14 @@ Roles take *seats*: a node with one GPU or none is one seat (its id); a node wit
 is one seat per GPU (``<node id>:<cuda index>``), so one box with four GPUs can run main, the
 shadow and two workers. The shadow runs the whole model (quantized), so it gets the seat with
 the most GPU memory; main holds attention, routers and the KV cache, so it gets the next one;
-every other seat is a worker, and workers form groups of top-k (see ``inference.placement``).
+every other seat is a worker, and workers form groups of top-k (see ``inference.policies.placement``).
 Seats without a GPU are ranked by RAM instead, after every seat that has one.
 
 Only a deployment whose predictor is the shadow has a shadow seat (``needs_shadow``): under
 any other (main's next-layer router, or none at all) main takes the largest seat and every
 other seat is a worker, so two seats are enough.
 
-Given the deployment's memory plan (``inference.memory``), only a map where every seat can
+Given the deployment's memory plan (``inference.building.memory``), only a map where every seat can
 hold its role is proposed: the shadow goes to the largest seat that holds it, main to the
 next that holds main, and the rest must hold their workers' experts; roles on one node share
 its RAM and disk, which is checked last. When no map fits, the error says which role no seat
@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from inference.memory import MemoryPlan, Placed, Shortfall, check_fit, check_plan_fit, gpu_indices
-from inference.placement import placement
-from inference.strategies import predictor_for
+from inference.building.memory import MemoryPlan, Placed, Shortfall, check_fit, check_plan_fit, gpu_indices
+from inference.policies.placement import placement
+from inference.policies.strategies import predictor_for
 
 MIN_SEATS = 3  # main, shadow and at least one worker
 MIN_SEATS_WITHOUT_SHADOW = 2  # main and at least one worker
@@ -57,7 +57,7 @@ class RoleError(ValueError):
 def needs_shadow(strategy: str, predictor: str = "") -> bool:
     """Whether a deployment of ``strategy`` with ``predictor`` ("" = the strategy's own) has a shadow seat.
 
-    ``ValueError`` for a combination the runtime refuses (``inference.strategies.predictor_for``).
+    ``ValueError`` for a combination the runtime refuses (``inference.policies.strategies.predictor_for``).
     """
     return predictor_for(strategy, predictor) == "shadow"
 
@@ -97,7 +97,7 @@ def seat_inventory(inventories: Mapping[str, Mapping], text: str) -> Mapping:
 
 
 def placed(inventories: Mapping[str, Mapping], roles: RoleMap, names: Mapping[str, str] | None = None) -> dict:
-    """Role name -> ``inference.memory.Placed`` for the fit check of a whole map."""
+    """Role name -> ``inference.building.memory.Placed`` for the fit check of a whole map."""
     out = {}
     for role, text in roles.seats().items():
         node, gpu = parse_seat(text)

@@ -1,20 +1,20 @@
 """Writes of the deployments app: create a deployment with its role map, change its settings.
 
 Starting, stopping and following a running deployment live in ``lifecycle``. A deployment
-whose nodes cannot hold their roles (``inference.memory``: RAM, GPU memory, disk, from the
+whose nodes cannot hold their roles (``inference.building.memory``: RAM, GPU memory, disk, from the
 checkpoint's tensor sizes) is refused when created and again when started, before anything
 is built or downloaded, with each node's shortfall. Main's and the shadow's memory include a KV
 cache per sequence: the deployment's ``max_batch`` sequences for main, as many for the shadow
-that follows them (``inference.memory.shadow_max_states``), each at the full
-``inference.memory.DEFAULT_CONTEXT_TOKENS``.
+that follows them (``inference.building.memory.shadow_max_states``), each at the full
+``inference.building.memory.DEFAULT_CONTEXT_TOKENS``.
 
 A deployment has a shadow seat only when its predictor (``Deployment.predictor``, "" = the
-strategy's own; ``inference.strategies.predictor_for``) is the shadow: odmoe with
+strategy's own; ``inference.policies.strategies.predictor_for``) is the shadow: odmoe with
 ``next-gate``, lru-offload, and the strategies that load nothing ahead (full-cache,
 reactive) run on main and workers alone, and their memory plan has no shadow to fit.
 
 A deployment's ``max_per_user`` bounds the generations one user has in main at once (main
-queues a user's requests past its batch up to it, ``inference.batching.admission``); it must be
+queues a user's requests past its batch up to it, ``inference.runtime.batching.admission``); it must be
 below ``max_batch`` + main's queue (``max_waiting``), so one user leaves others room.
 
 Every keyword default of a setting here is the declaration's (``inference.settings.DEFAULTS``).
@@ -33,8 +33,7 @@ from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.nodes.inventory import doctor_problems
 from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
-from inference.checkpoint import Checkpoint, CheckpointError
-from inference.memory import (
+from inference.building.memory import (
     MemoryPlan,
     Placed,
     check_plan_fit,
@@ -42,12 +41,13 @@ from inference.memory import (
     memory_from_checkpoint,
     memory_from_config,
 )
-from inference.schedule import validate_periods
+from inference.modelio.checkpoint import Checkpoint, CheckpointError
+from inference.modelio.shards import shadow_dtypes_to_build
+from inference.policies.schedule import validate_periods
+from inference.policies.strategies import needed_files, predictor_for
 from inference.settings import DEFAULTS, SpecError, check_max_per_user, check_value, info
-from inference.shards import shadow_dtypes_to_build
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
-from inference.strategies import needed_files, predictor_for
 
 from .models import ACTIVE, Deployment, DeploymentNode
 from .roles import RoleError, RoleMap, check_roles, fixed_seats, needs_shadow, parse_seat, seats_of, suggest_roles
@@ -122,7 +122,7 @@ def memory_plan(
     """Memory per role of ``model`` with ``workers`` workers, from its checkpoint's tensor sizes.
 
     Main's KV caches are for ``max_batch`` sequences at once, the shadow's for as many
-    (``inference.memory.shadow_max_states(max_batch)``); without a shadow seat (``shadow``
+    (``inference.building.memory.shadow_max_states(max_batch)``); without a shadow seat (``shadow``
     false) the plan has no shadow role.
     """
     try:
@@ -309,7 +309,7 @@ def estimate(
 ) -> dict:
     """The cluster simulator's prediction for a planned deployment (``inference.sim.estimate``).
 
-    ``memory`` holds the memory per role (``inference.memory``), from the checkpoint's
+    ``memory`` holds the memory per role (``inference.building.memory``), from the checkpoint's
     tensor sizes when ``model`` is given (Mixtral-8x7B in bf16 otherwise), with main's KV
     caches for ``max_batch`` sequences (the shadow's for as many): what creating and
     starting a deployment with that ``max_batch`` check. A ``predictor`` other than the

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import redis
 
-from inference.launcher import die_with_parent
+from inference.runtime.launcher import die_with_parent
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 STOP_GRACE_S = 10.0

@@ -22,7 +22,7 @@ from controlplane.deployments.generation import (
     can_serve,
 )
 from controlplane.deployments.models import Deployment, DeploymentStatus
-from inference.textstream import IncrementalDecoder
+from inference.runtime.textstream import IncrementalDecoder
 from inference.wire.generation import Done, Generate, Token
 
 from .text import Sampling, tokenizer_for

@@ -33,7 +33,7 @@ from controlplane.ops.processes import (
     redis_up,
     wait_until,
 )
-from inference.launcher import free_port
+from inference.runtime.launcher import free_port
 
 # The demo model: a small Mixtral trained on Python's documentation (python -m inference train-demo).
 SHIPPED_DEMO_MODEL = Path(settings.REPO_DIR) / "platform" / "demo-model"
@@ -139,7 +139,7 @@ class Command(BaseCommand):
         if not (model_dir / "config.json").exists():
             if options["model"] is not None:
                 raise CommandError(f"{model_dir} is not a checkpoint directory (no config.json)")
-            from inference.tiny import make_tiny
+            from inference.tools.tiny import make_tiny
 
             model_dir = var / "demo-model"
             self.step(f"the shipped demo model is missing; writing a random one to {model_dir}")

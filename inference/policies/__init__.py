@@ -1,0 +1,3 @@
+"""Pure policies (no torch, no zmq, no I/O): placement, schedule, failover, depth, hybrid shares,
+strategies, the hot set's eviction; the runtime and the simulator decide with the same ones.
+"""

@@ -1,0 +1,231 @@
+"""Main's engine: the step loop that owns every sequence from join to finish.
+
+One thread. Each step the scheduler (pure) says who leaves, who joins and what each
+sequence computes; the runner runs that work through the model, layer by layer, the
+experts by the exchange; each sequence that reached a new token samples it, streams it to
+its client (``Token``) and aligns the shadow; a sequence that is done leaves at the
+next plan and its client gets its ``Done`` (or ``Failed``). Between steps
+main reads whatever arrived (new requests, cancels, predictions). Peers, sessions and
+admission stay in main's role (``inference.runtime.roles.main``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from inference.policies import schedule
+from inference.runtime.engine.exchange import GenerationAborted
+from inference.runtime.engine.runner import ModelRunner
+from inference.runtime.engine.sampling import sampler_for
+from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
+from inference.runtime.engine.scheduler import schedule as plan_step
+from inference.runtime.engine.sequence import Sequence
+from inference.runtime.metrics import build_metrics, step_report
+from inference.runtime.prerouter import SequenceRoutes
+from inference.runtime.records import RequestState, StepRecord
+from inference.wire.runtime import Align, Done, Failed, Generate, Token
+
+if TYPE_CHECKING:
+    from inference.runtime.engine.guesses import Guesses
+    from inference.runtime.roles.main import MainRole
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """The batch of sequences and the loop that steps it."""
+
+    def __init__(self, role: MainRole, guesses: Guesses) -> None:
+        self.role = role
+        self.guesses = guesses
+        self.batch: dict[str, Sequence] = {}
+        self.runner = ModelRunner(role.model, role.family, role.exchange.serve_layer, self._embedded)
+
+    def serve(self) -> None:
+        """Run steps until no sequence runs and none waits (or main is told to stop)."""
+        role = self.role
+        reason = "main failed while serving the batch"
+        try:
+            while (self.batch or role.waiting) and not role.stopping:
+                self.step()
+                role.drain_inbox()
+            reason = "main is shutting down"
+        finally:
+            for sequence in list(self.batch.values()):  # on a stop, or an error of main's own
+                if not done(sequence.view()):
+                    sequence.error = sequence.error or reason
+                self._finish(sequence)
+            while role.waiting:
+                msg, client = role.waiting.popleft()
+                role.endpoint.reply(client, Failed(request_id=msg.request_id, error=reason))
+            if role.session:
+                role.end_session()
+
+    def step(self) -> None:
+        """One step: the scheduler's plan, the model over the batch, a token per sampling sequence."""
+        role, settings = self.role, self.role.spec.settings
+        waiting = [Waiting(m.request_id, m.user, len(m.prompt_ids), m.max_new_tokens) for m, _ in role.waiting]
+        plan = plan_step(
+            waiting,
+            [s.view() for s in self.batch.values()],
+            max_batch=settings.max_batch,
+            prefill_step=settings.prefill_step,
+        )
+        for request_id, _ in plan.leaves:
+            self._finish(self.batch[request_id])
+        joining = [role.waiting[i] for i in plan.joins]
+        for entry in joining:
+            role.waiting.remove(entry)
+            self._join(*entry)
+        if not plan.work:
+            return
+        batch = [(self.batch[w.request_id], w) for w in plan.work]
+        role.begin_step()
+        try:
+            logits = self.runner.run(batch)
+            for (s, work), last in zip(batch, logits, strict=True):
+                s.computed = work.end
+                if last is not None:
+                    self._on_token(s, s.sampler.next_token(s.tokens, last))
+        except GenerationAborted as exc:
+            self._fail([s for s, _ in batch], str(exc))
+            return
+        except Exception as exc:  # main's own error: the step's sequences end, main serves on
+            log.exception("a batch step failed")
+            self._fail([s for s, _ in batch], f"{type(exc).__name__}: {exc}")
+            return
+        for s, _ in batch:  # its last token, or its end: its client is answered now, not a step later
+            if done(s.view()):
+                self._finish(s)
+
+    def _fail(self, sequences: list[Sequence], error: str) -> None:
+        for s in sequences:
+            if s.request_id in self.batch:
+                s.error = error
+                self._finish(s)
+
+    def _join(self, msg: Generate, client: bytes) -> None:
+        """A waiting request joins the batch: its state, cache, sampler; the workers and shadow told."""
+        role = self.role
+        if not role.session:
+            role.begin_session(msg)
+        state = RequestState(
+            msg.request_id,
+            client,
+            len(msg.prompt_ids),
+            msg.max_new_tokens,
+            role.token_period,
+            role.kv_period,
+            time.perf_counter(),
+        )
+        if role.prerouter is not None:
+            state.routes = SequenceRoutes(role.prerouter)
+        state.cache = DynamicCache(config=role.model.config)
+        sampler = sampler_for(
+            role.model,
+            prompt_len=len(msg.prompt_ids),
+            max_new_tokens=msg.max_new_tokens,
+            do_sample=msg.do_sample,
+            temperature=msg.temperature,
+            top_p=msg.top_p,
+            seed=msg.seed,
+            device=role.device,
+        )
+        tokens = torch.tensor([msg.prompt_ids], dtype=torch.long, device=role.device)
+        # A prompt prefilled in pieces takes a step per piece; its step 0, as the workers
+        # and the shadow count, is the last piece's.
+        pieces = prefill_pieces(len(msg.prompt_ids), role.spec.settings.prefill_step)
+        sequence = Sequence(state, msg.user, sampler, tokens, joined_step=role.step + len(pieces))
+        self.batch[msg.request_id] = sequence
+        role.announce_join(msg, sequence.joined_step)
+
+    def _embedded(self, sequence: Sequence, work: Work, embeds: torch.Tensor) -> None:
+        """A sequence's step embedded its tokens: main's layer-0 guess, then the step's record."""
+        self.guesses.embedded(sequence, embeds)
+        state = sequence.state
+        if state.steps and not state.token_times:  # the next piece of a chunked prefill: still step 0
+            state.steps[-1].tokens += work.tokens
+        else:
+            state.steps.append(StepRecord(len(state.steps), work.tokens, time.perf_counter()))
+        state.steps[-1].batch = len(self.batch)
+        sequence.at = (sequence.step, 0)
+
+    def _on_token(self, sequence: Sequence, token: int) -> None:
+        """A new token: keep it, stream it, then align the shadow."""
+        role, state = self.role, sequence.state
+        now = time.perf_counter()
+        state.steps[-1].finished = now
+        state.token_times.append(now)
+        state.generated.append(token)
+        sequence.tokens = torch.cat([sequence.tokens, sequence.tokens.new_tensor([[token]])], dim=1)
+        sequence.ended = token in sequence.sampler.eos
+        sequence.at = (sequence.step + 1, 0)
+        report = step_report(state.steps[-1], role.placement) if state.steps else None
+        role.endpoint.reply(
+            state.client,
+            Token(request_id=state.request_id, index=len(state.generated) - 1, token_id=token, step=report),
+        )
+        next_step = len(state.generated)
+        if role.shadow_serving and next_step < state.max_new_tokens:
+            role.endpoint.send("shadow", self._align_message(state, next_step, token))
+
+    def _align_message(self, state: RequestState, step: int, token: int) -> Align:
+        role = self.role
+        token_due, kv_due = schedule.alignment_due(step, role.token_period, role.kv_period)
+        keys = values = None
+        kv_from = kv_to = 0
+        if kv_due and state.cache is not None:
+            # The shadow gets main's cache for the positions it has not been given yet.
+            kv_from, kv_to = state.kv_synced, state.cache.get_seq_length()
+            keys = torch.stack([layer.keys[:, :, kv_from:kv_to] for layer in state.cache.layers])
+            values = torch.stack([layer.values[:, :, kv_from:kv_to] for layer in state.cache.layers])
+            state.kv_synced = kv_to
+        return Align(
+            request_id=state.request_id,
+            step=step,
+            token=token if token_due else None,
+            kv_from=kv_from,
+            kv_to=kv_to,
+            keys=keys,
+            values=values,
+        )
+
+    def _finish(self, sequence: Sequence) -> None:
+        """A sequence left the batch: end it everywhere and answer its client."""
+        role, state = self.role, sequence.state
+        # Still in the batch while the shadow ends it: its last predictions may be on the way.
+        shadow_stats = role.end_shadow(state.request_id)
+        del self.batch[state.request_id]
+        last = not self.batch and not role.waiting
+        role.announce_leave(state.request_id, sequence.joined_step, last=last)
+        if sequence.error is not None:
+            log.error("generation %s failed: %s", state.request_id, sequence.error)
+            role.endpoint.reply(state.client, Failed(request_id=state.request_id, error=sequence.error))
+            return
+        generated = list(state.generated)
+        finish_reason = "length"
+        if state.cancelled:
+            finish_reason = "cancelled"
+        elif len(generated) < state.max_new_tokens:
+            finish_reason = "stop"
+        metrics = build_metrics(
+            state,
+            dict(role.worker_stats) if last else {},
+            shadow_stats,
+            role.placement,
+            token_period=role.token_period,
+            kv_period=role.kv_period,
+        )
+        metrics["roles_lost"] = sorted(state.roles_lost)
+        metrics["joined_step"] = sequence.joined_step
+        metrics["prefill_pieces"] = len(prefill_pieces(state.prompt_len, role.spec.settings.prefill_step))
+        metrics["max_batch"] = max((step.batch for step in state.steps), default=1)
+        role.endpoint.reply(
+            state.client,
+            Done(request_id=state.request_id, token_ids=generated, finish_reason=finish_reason, metrics=metrics),
+        )

@@ -1,0 +1,342 @@
+"""The layer exchange: one MoE layer's experts served by the workers for the whole batch.
+
+Three parts. ``plan_layer`` (pure) sorts each sequence's (token, expert) pairs as the
+reference grouped implementation does (``inference.runtime.routing``), lays every sequence's rows
+of an expert one after another (one segment per sequence and expert, so each expert is
+loaded once and each sequence's rows are computed as in its own run) and packs each
+worker's segments into requests. ``Exchange`` moves the bytes: it sends the requests and
+collects the answers within the timeout, sending what a lost worker had not answered to a
+survivor of its group. ``assemble`` (pure) puts the answers back in the reference order
+and sums each sequence's weighted outputs, so every sequence's output is the
+full-precision model's bit for bit; ``record_layer`` writes the layer's figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from inference.policies import schedule
+from inference.policies.failover import NoSurvivor, reroute, taker
+from inference.policies.strategies import dispatch_plan
+from inference.runtime.batching import Segment, pack_segments
+from inference.runtime.metrics import reported_ms
+from inference.runtime.records import LayerRecord
+from inference.runtime.routing import RoutedRows, Routing
+from inference.wire.runtime import ExpertRequest, ExpertResult
+
+if TYPE_CHECKING:
+    from inference.policies.placement import Placement
+    from inference.policies.strategies import Strategy
+    from inference.runtime.engine.guesses import Guesses
+    from inference.runtime.engine.sequence import Sequence
+    from inference.runtime.transport import Endpoint
+
+log = logging.getLogger(__name__)
+
+
+class GenerationAborted(RuntimeError):
+    """A peer failed or timed out during a generation."""
+
+
+def worker_index(peer: str) -> int:
+    """3 for the link "worker-3"."""
+    return int(peer.removeprefix("worker-"))
+
+
+def _pieces(sizes: list[int]) -> list[tuple[int, int]]:
+    """(offset, size) of consecutive pieces of the given sizes."""
+    out, offset = [], 0
+    for size in sizes:
+        out.append((offset, size))
+        offset += size
+    return out
+
+
+@dataclass
+class LayerPlan:
+    """What goes to the workers for one layer: each expert's rows and weights (every sequence's,
+    one after another), where each sequence's rows of an expert start, and per worker its
+    requests as (segments, final) pairs (an empty list: an empty request that releases its prefetch)."""
+
+    experts: list[int]
+    rows: dict[int, torch.Tensor]
+    weights: dict[int, torch.Tensor]
+    starts: list[dict[int, int]]
+    requests: dict[int, list[tuple[list[Segment], bool]]] = field(default_factory=dict)
+
+
+def plan_layer(
+    routed: list[RoutedRows],
+    prefill: list[bool],
+    assignment: dict[int, list[int]],
+    candidates: list[int] | tuple[int, ...],
+    chunk: int,
+) -> LayerPlan:
+    """The layer's rows and requests (pure): ``prefill[i]`` says sequence i prefills, whose rows
+    go in the mini-batches of ``chunk`` rows its own run would use."""
+    real = sorted(set().union(*(r.experts for r in routed)))
+    rows: dict[int, torch.Tensor] = {}
+    weights: dict[int, torch.Tensor] = {}
+    starts: list[dict[int, int]] = [{} for _ in routed]
+    for expert in real:
+        parts, part_weights, offset = [], [], 0
+        for i, r in enumerate(routed):
+            if expert in r.rows:
+                starts[i][expert] = offset
+                parts.append(r.rows[expert])
+                part_weights.append(r.weights[expert])
+                offset += r.count(expert)
+        rows[expert] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        weights[expert] = part_weights[0] if len(part_weights) == 1 else torch.cat(part_weights)
+    plan = LayerPlan(real, rows, weights, starts)
+    prefilling = any(prefill)
+    for worker in candidates:
+        segments = [
+            Segment(expert, starts[i][expert] + offset, size)
+            for expert in assignment.get(worker, [])
+            for i, r in enumerate(routed)
+            if expert in r.rows
+            for offset, size in _pieces(schedule.chunk_sizes(r.count(expert), chunk if prefill[i] else 0))
+        ]
+        plan.requests[worker] = pack_segments(segments, chunk if prefilling else 0)
+    return plan
+
+
+def assemble(
+    plan: LayerPlan,
+    routed: list[RoutedRows],
+    answers: list[tuple[str, ExpertResult]],
+    routing: Routing,
+    dtypes: list[torch.dtype],
+) -> list[torch.Tensor]:
+    """Each sequence's summed expert output [T, H] from the workers' answers (pure)."""
+    outputs = {e: torch.empty_like(plan.rows[e]) for e in plan.experts}
+    for _, result in answers:
+        start = 0
+        for expert, count, offset in zip(result.experts, result.counts, result.offsets, strict=True):
+            outputs[expert][offset : offset + count] = result.output[start : start + count]
+            start += count
+    combined = []
+    for i, r in enumerate(routed):
+        mine = {e: outputs[e][plan.starts[i][e] : plan.starts[i][e] + r.count(e)] for e in r.experts}
+        combined.append(routing.combine(r, mine, dtypes[i]))
+    return combined
+
+
+@dataclass
+class Timing:
+    """Main's clock around one layer's round trip (perf_counter seconds, and ms off the socket)."""
+
+    started: float
+    sent_at: float
+    answered_at: float
+    last_receive_ms: float
+
+
+def record_layer(records: list[LayerRecord], answers: list[tuple[str, ExpertResult]], timing: Timing) -> None:
+    """The layer's figures, shared by the batch: what the workers said, where main's time went."""
+    busy: dict[str, float] = {}
+    handled: dict[str, float] = {}
+    received: dict[str, float] = {}
+    wait_ms = compute_ms = 0.0
+    hits = misses = 0
+    for peer, result in answers:
+        # A worker's own figures, for the records only: what is not a time is not counted.
+        waited, computed = reported_ms(result.wait_ms), reported_ms(result.compute_ms)
+        wait_ms += waited
+        compute_ms += computed
+        busy[peer] = busy.get(peer, 0.0) + waited + computed
+        handled[peer] = handled.get(peer, 0.0) + reported_ms(result.handled_ms)
+        received[peer] = received.get(peer, 0.0) + reported_ms(result.received_ms)
+        hits += result.hits
+        misses += result.misses
+    dispatch_ms = (time.perf_counter() - timing.started) * 1000
+    for record in records:
+        record.wait_ms, record.compute_ms, record.hits, record.misses = wait_ms, compute_ms, hits, misses
+        record.worker_ms = max(busy.values(), default=0.0)
+        record.dispatch_ms = dispatch_ms
+        record.send_ms = (timing.sent_at - timing.started) * 1000
+        record.await_ms = (timing.answered_at - timing.sent_at) * 1000
+        if answers:  # the worker main waited for last, all its requests of the layer
+            last = answers[-1][0]
+            record.last_handled_ms, record.last_busy_ms = handled[last], busy[last]
+            record.last_received_ms = received[last] + timing.last_receive_ms
+
+
+class Peers(Protocol):
+    """What the exchange needs of main's role: its sockets, who is lost, the session's clock."""
+
+    endpoint: Endpoint
+    lost: set[int]
+    session: str
+    step: int
+    previous_step_s: float
+    pending_results: list[tuple[str, ExpertResult]]
+
+    def note_links(self) -> None: ...
+    def handle_side_message(self, received) -> None: ...
+
+
+class Exchange:
+    """Serves each layer's experts for the batch: plan, send, collect, assemble."""
+
+    def __init__(
+        self,
+        peers: Peers,
+        placement: Placement,
+        strategy: Strategy,
+        routing: Routing,
+        guesses: Guesses,
+        *,
+        prefill_chunk: int,
+        timeout_s: float,
+        on_used=None,
+    ) -> None:
+        self.peers = peers
+        self.placement = placement
+        self.strategy = strategy
+        self.routing = routing
+        self.guesses = guesses
+        self.prefill_chunk = prefill_chunk
+        self.timeout_s = timeout_s
+        self.on_used = on_used  # importance: which experts each worker was given (it now holds them)
+
+    def serve_layer(self, layer: int, batch: list[Sequence]) -> list[torch.Tensor]:
+        """The layer's experts for every sequence of ``batch``, each expert loaded once for all of them."""
+        started = time.perf_counter()
+        self.guesses.before_layer(layer, batch)
+        calls = [s.call for s in batch]
+        routed = [self.routing.split(c.hidden_states, c.top_k_index, c.top_k_weights) for c in calls]  # type: ignore[union-attr]
+        steps = [s.step for s in batch]
+        self.guesses.predict_next_layer(layer, batch)
+        predicted_each = [
+            s.state.predictions.get((step, layer)) if step > 0 else None for s, step in zip(batch, steps, strict=True)
+        ]
+        known = [p for p in predicted_each if p is not None]
+        predicted = sorted(set().union(*known)) if known else None
+        real = sorted(set().union(*(r.experts for r in routed)))
+        # A layer with a prefill in it is planned as a prefill (every worker takes a share).
+        session_step = 0 if 0 in steps else max(self.peers.step, 1)
+        assignment, candidates = dispatch_plan(self.strategy, self.placement, session_step, layer, real, predicted)
+        holders = self.placement.workers_for_layer(layer)
+        try:
+            assignment, candidates = reroute(assignment, candidates, self.peers.lost, holders, layer)
+        except NoSurvivor as exc:
+            raise GenerationAborted(str(exc)) from None
+        if self.on_used is not None:
+            for worker, experts in assignment.items():
+                self.on_used(worker, layer, experts)
+        records = [LayerRecord(layer, r.experts, p) for r, p in zip(routed, predicted_each, strict=True)]
+        for s, record in zip(batch, records, strict=True):
+            s.state.steps[-1].layers.append(record)
+        plan = plan_layer(routed, [step == 0 for step in steps], assignment, candidates, self.prefill_chunk)
+        expected, sent = self._send(layer, plan)
+        sent_at = time.perf_counter()
+        answers, last_receive_ms = self._collect(expected, self.peers.step, layer, sent, holders)
+        timing = Timing(started, sent_at, time.perf_counter(), last_receive_ms)
+        combined = assemble(plan, routed, answers, self.routing, [c.hidden_states.dtype for c in calls])  # type: ignore[union-attr]
+        record_layer(records, answers, timing)
+        return combined
+
+    def _send(self, layer: int, plan: LayerPlan) -> tuple[dict[str, int], dict[str, list[ExpertRequest]]]:
+        """Every worker's requests of the layer; how many answers each owes, and what it was sent."""
+        expected: dict[str, int] = {}
+        sent: dict[str, list[ExpertRequest]] = {}
+        rows, weights = plan.rows, plan.weights
+        for worker, requests in plan.requests.items():
+            peer = f"worker-{worker}"
+            for pieces, final in requests or [([], True)]:
+                request = ExpertRequest(
+                    request_id=self.peers.session,
+                    step=self.peers.step,
+                    layer=layer,
+                    experts=[p.expert for p in pieces],
+                    counts=[p.count for p in pieces],
+                    offsets=[p.offset for p in pieces],
+                    final=final,
+                    previous_step_s=self.peers.previous_step_s,
+                    rows=torch.cat([rows[p.expert][p.offset : p.offset + p.count] for p in pieces]) if pieces else None,
+                    weights=torch.cat([weights[p.expert][p.offset : p.offset + p.count] for p in pieces])
+                    if pieces
+                    else None,
+                )
+                self.peers.endpoint.send(peer, request)  # an empty one releases the worker's prefetch
+                if pieces:
+                    sent.setdefault(peer, []).append(request)
+            if requests:
+                expected[peer] = len(requests)
+        return expected, sent
+
+    def _resend_lost(
+        self,
+        remaining_by_peer: dict[str, int],
+        sent: dict[str, list[ExpertRequest]],
+        holders: tuple[int, ...],
+        layer: int,
+    ) -> None:
+        """Send what a lost worker had not answered yet to a surviving worker of the layer's group."""
+        lost = self.peers.lost
+        for peer in [p for p, n in remaining_by_peer.items() if n and worker_index(p) in lost]:
+            unanswered = sent.get(peer, [])[-remaining_by_peer[peer] :]
+            load = {worker_index(p): n for p, n in remaining_by_peer.items()}
+            try:
+                target = f"worker-{taker(holders, lost, load, layer)}"
+            except NoSurvivor as exc:
+                raise GenerationAborted(str(exc)) from None
+            for request in unanswered:
+                self.peers.endpoint.send(target, request)
+            sent.setdefault(target, []).extend(unanswered)
+            remaining_by_peer[target] = remaining_by_peer.get(target, 0) + len(unanswered)
+            remaining_by_peer[peer] = 0
+            log.warning("%s's %d request(s) for layer %d went to %s", peer, len(unanswered), layer, target)
+
+    def _collect(
+        self,
+        expected: dict[str, int],
+        step: int,
+        layer: int,
+        sent: dict[str, list[ExpertRequest]],
+        holders: tuple[int, ...],
+    ) -> tuple[list[tuple[str, ExpertResult]], float]:
+        """Wait for every worker's ``expected`` answers to (step, layer), within the timeout; with
+        them, main's time with the last one from its frames off the socket (decoding, other
+        messages read with it) to here, in ms.
+
+        A worker lost meanwhile has what it had not answered sent to a survivor of its group.
+        """
+        peers = self.peers
+        results: list[tuple[str, ExpertResult]] = []
+        last_receive_ms = 0.0
+        remaining_by_peer = dict(expected)
+        deadline = time.monotonic() + self.timeout_s
+        peers.pending_results.clear()
+        while True:
+            peers.note_links()
+            self._resend_lost(remaining_by_peer, sent, holders, layer)
+            if not any(remaining_by_peer.values()):
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(peer for peer, n in remaining_by_peer.items() if n)
+                raise GenerationAborted(
+                    f"{', '.join(missing)} did not answer layer {layer} of step {step} within "
+                    f"{self.timeout_s:.0f} s (is the process alive?)"
+                )
+            received = peers.endpoint.recv(timeout_s=remaining)
+            if received is None:
+                continue
+            peers.handle_side_message(received)
+            for peer, result in peers.pending_results:
+                if remaining_by_peer.get(peer) and (result.step, result.layer) == (step, layer):
+                    results.append((peer, result))
+                    remaining_by_peer[peer] -= 1
+                    last_receive_ms = max(0.0, time.monotonic() - received.ready_at) * 1000
+                else:
+                    log.warning("dropped a stale result from %s for step %d layer %d", peer, result.step, result.layer)
+            peers.pending_results.clear()
+        return results, last_receive_ms

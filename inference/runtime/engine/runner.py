@@ -1,0 +1,119 @@
+"""The engine's model runner: one step's work through main's model, layer by layer.
+
+Each sequence's embeddings, attention and norms run with the family's Transformers modules
+on its own shapes and its own ``DynamicCache``, exactly as the family's model forward runs
+them (``Family.causal_masks``, ``scale_embeddings``, ``add_residual``, ``moe_output``,
+``scale_logits`` mirror what differs between families), so every sequence computes what
+its own ``generate`` computes: no padding, no attention batched across sequences. At each
+layer the router's choice of every sequence goes to the exchange at once (one round of
+the workers for the whole batch); its answer is combined with the shared expert where the
+family has one and added to the residual stream. The LM head runs on the last position
+only (``generate``'s ``logits_to_keep=1``).
+
+A step either goes through ``generate``'s path (the prompt's last piece, or a decode: a
+2-D attention mask of ones over the whole sequence, positions as ``generate`` counts them)
+or is an earlier prefill piece fed to the model as-is (no mask), as the reference's
+chunked prefill does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from inference.modelio.families import Family
+from inference.runtime.batching import LayerCall
+from inference.runtime.engine.scheduler import Work
+from inference.runtime.engine.sequence import Sequence
+
+
+@dataclass
+class Forward:
+    """One sequence's pass through the model in this step."""
+
+    hidden: torch.Tensor  # [1, T, H], the residual stream
+    position_ids: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    masks: list[Any]  # per layer
+    residual: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # [T, H], the MoE block's input
+
+
+ServeLayer = Callable[[int, list[Sequence]], list[torch.Tensor]]
+Embedded = Callable[[Sequence, Work, torch.Tensor], None]
+
+
+class ModelRunner:
+    """Runs a step's work (``Work`` per sequence) through main's model, the experts by ``serve_layer``."""
+
+    def __init__(self, model: torch.nn.Module, family: Family, serve_layer: ServeLayer, embedded: Embedded) -> None:
+        self.model = model
+        self.family = family
+        self.serve_layer = serve_layer
+        self.embedded = embedded  # told each sequence's token embeddings, before any attention
+
+    def run(self, batch: list[tuple[Sequence, Work]]) -> list[torch.Tensor | None]:
+        """Each sequence's last-position logits [1, V] where its work samples (None where not)."""
+        with torch.inference_mode():
+            passes = [self._embed(s, w) for s, w in batch]
+            sequences = [s for s, _ in batch]
+            layers = self.model.model.layers[: self.model.config.num_hidden_layers]
+            for layer, decoder in enumerate(layers):
+                self._layer(layer, decoder, sequences, passes)
+            return [self._logits(f) if w.samples else None for (_, w), f in zip(batch, passes, strict=True)]
+
+    def _embed(self, sequence: Sequence, work: Work) -> Forward:
+        """The model forward's prologue for one sequence: embeddings, positions, masks, rotary."""
+        inner = self.model.model
+        ids = sequence.tokens[:, work.start : work.end]
+        embeds = inner.embed_tokens(ids)
+        self.embedded(sequence, work, embeds)
+        cache = sequence.state.cache
+        past = cache.get_seq_length()
+        assert past == work.start, f"{sequence.request_id}: cache holds {past} tokens, the step starts at {work.start}"
+        # generate's position ids (attention mask cumsum - 1) equal the model's own count here:
+        # one sequence, no padding.
+        position_ids = (torch.arange(work.tokens, device=embeds.device) + past).unsqueeze(0)
+        attention_mask = None
+        if work.samples:  # generate's path: its 2-D mask of ones over everything so far
+            attention_mask = torch.ones((1, work.end), dtype=torch.long, device=embeds.device)
+        masks = self.family.causal_masks(
+            self.model, inputs_embeds=embeds, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+        )
+        hidden = self.family.scale_embeddings(self.model.config, embeds)
+        position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+        return Forward(hidden, position_ids, position_embeddings, masks)
+
+    def _layer(self, layer: int, decoder: torch.nn.Module, sequences: list[Sequence], passes: list[Forward]) -> None:
+        """One decoder layer for every sequence: attention each on its own, the experts together."""
+        family = self.family
+        for s, f in zip(sequences, passes, strict=True):
+            normed = decoder.input_layernorm(f.hidden)
+            attended, _ = decoder.self_attn(
+                hidden_states=normed,
+                position_embeddings=f.position_embeddings,
+                attention_mask=f.masks[layer],
+                position_ids=f.position_ids,
+                cache=s.state.cache,
+                use_cache=True,
+            )
+            f.residual = family.add_residual(decoder, f.hidden, attended)
+            moe_input = decoder.post_attention_layernorm(f.residual)
+            f.flat = moe_input.view(-1, moe_input.shape[-1])
+            _, weights, index = family.router(decoder)(f.flat)
+            s.call = LayerCall(layer, f.flat, index, weights)
+            s.at = (s.step, layer)
+        routed = self.serve_layer(layer, sequences)
+        for s, f, out in zip(sequences, passes, routed, strict=True):
+            output = family.moe_output(decoder, f.flat, out).reshape(f.residual.shape)  # type: ignore[union-attr]
+            f.hidden = family.add_residual(decoder, f.residual, output)
+            s.call = None
+
+    def _logits(self, f: Forward) -> torch.Tensor:
+        """The final norm and the LM head on the last position (``logits_to_keep=1``)."""
+        hidden = self.model.model.norm(f.hidden)  # every position, then the last, as the model does
+        logits = self.model.lm_head(hidden[:, -1:, :])
+        return self.family.scale_logits(self.model.config, logits)[:, -1]

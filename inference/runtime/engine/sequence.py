@@ -1,0 +1,54 @@
+"""One sequence of main's batch: its request, its tokens and cache, where it is in its step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference.runtime.batching import LayerCall
+from inference.runtime.engine.sampling import Sampler
+from inference.runtime.engine.scheduler import Running
+from inference.runtime.records import RequestState
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A running sequence. ``tokens`` [1, L] holds its prompt then every token sampled, on main's
+    device; its cache (``state.cache``) holds the first ``computed`` of them."""
+
+    state: RequestState
+    user: str
+    sampler: Sampler
+    tokens: torch.Tensor
+    joined_step: int  # the session step of its prefill's last piece
+    computed: int = 0
+    call: LayerCall | None = None  # its rows of the layer being served
+    # Where it is, (its step, layer), for how early a prediction came: between steps, the
+    # first layer of its next step.
+    at: tuple[int, int] = (0, 0)
+    ended: bool = False  # it sampled an end-of-sequence token
+    error: str | None = None  # why it failed, told to its client
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    @property
+    def step(self) -> int:
+        """Its own step: 0 is its prefill (every piece of it)."""
+        return len(self.state.steps) - 1
+
+    def view(self) -> Running:
+        """What the scheduler sees of it."""
+        return Running(
+            self.request_id,
+            self.user,
+            self.state.prompt_len,
+            self.computed,
+            int(self.tokens.shape[1]),
+            len(self.state.generated),
+            self.state.max_new_tokens,
+            cancelled=self.state.cancelled,
+            ended=self.ended or self.error is not None,
+        )

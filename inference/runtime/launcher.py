@@ -1,0 +1,296 @@
+"""Run a whole OD-MoE cluster on this machine: main, shadow and N workers on 127.0.0.1.
+
+``LocalCluster`` builds the role shards, writes one spec per role, starts each role as
+its own OS process (``python -m inference serve-role``), waits until main reports every
+peer ready, and then talks to main as a client. Every wait is bounded, a role process
+that dies is reported with the tail of its log, and closing the cluster (also on Ctrl-C)
+stops every process it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inference.building.sharding import build_shards
+from inference.modelio.checkpoint import Checkpoint
+from inference.modelio.shards import ShardSet, shadow_dtypes_to_build
+from inference.policies.strategies import predictor_for
+from inference.runtime.client import GenerationError, RuntimeClient
+from inference.runtime.curve import EndpointKeys, SeatKeys, client_keys, new_seat_keys, role_keys
+from inference.runtime.spec import Addresses, RoleSpec, Settings, write_private
+from inference.wire.generation import Done
+
+BIND_ATTEMPTS = 3
+
+
+class ClusterError(RuntimeError):
+    """The local cluster could not start or a generation failed; the message says why."""
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    workers: int = 8
+    shadow: bool = True  # without a shadow, workers load reactively (no prediction)
+    settings: Settings = field(default_factory=Settings)
+    startup_timeout_s: float = 180.0
+
+    @property
+    def runs_shadow(self) -> bool:
+        """A shadow process only where it is wanted and the strategy uses its predictions."""
+        return self.shadow and predictor_for(self.settings.strategy, self.settings.predictor) == "shadow"
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port() -> int:
+    """A port free to listen on, chosen below the kernel's ephemeral range.
+
+    A port picked from the ephemeral range (what binding port 0 gives) can be taken by any
+    outgoing connection between the pick and the role's own bind; below that range only
+    another listener can take it.
+    """
+    low, _ = _ephemeral_range()
+    top = max(low - 1, 2048)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(max(1024, top - 12000), top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """Children get SIGTERM if the launcher dies, so no role outlives its cluster."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        options: ClusterOptions | None = None,
+        *,
+        work_dir: str | Path | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.options = options = options or ClusterOptions()
+        if options.workers < 1:
+            raise ClusterError(f"at least one worker is needed, got {options.workers}")
+        self._own_work_dir = work_dir is None
+        self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="odmoe-"))
+        self.progress = progress or (lambda line: None)
+        self.deployment = f"local-{uuid.uuid4().hex[:8]}"
+        # Ephemeral data-plane keys, a role pair and a client pair per seat (``inference.runtime.curve``),
+        # made when the cluster starts: only this cluster's roles and clients hold them.
+        self.keys: dict[str, SeatKeys] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.client: RuntimeClient | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalCluster:
+        for attempt in range(BIND_ATTEMPTS):
+            try:
+                self.start()
+                return self
+            except ClusterError as exc:
+                self.close(keep_work_dir=True, dump_stacks=True)
+                # Another program took a port between our pick and the role's bind: pick again.
+                if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS - 1:
+                    self.close()
+                    raise
+            except BaseException:
+                self.close(dump_stacks=True)
+                raise
+        raise AssertionError("unreachable")
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(dump_stacks=exc_type is not None)
+
+    def start(self) -> None:
+        checkpoint = Checkpoint(self.model_dir)  # a bad model dir fails here, clearly
+        shard_dir = self.work_dir / "shards"
+        shadow_dtype = self.options.settings.shadow_dtype
+        # A shadow in another dtype than the checkpoint's gets its shard converted by the shard
+        # build, as a deployment's does (a reused work_dir without that shard: converted at load).
+        preconvert = shadow_dtypes_to_build(checkpoint.config, shadow_dtype) if self.options.runs_shadow else ()
+        if not (shard_dir / "shards.json").exists():
+            self.progress(f"building shards for {self.options.workers} workers in {shard_dir}")
+            build_shards(checkpoint.path, shard_dir, workers=self.options.workers, shadow_dtypes=preconvert)
+        self.shard_dir = shard_dir
+        shadow_dir = ShardSet.load(shard_dir).shadow_for(shadow_dtype)
+        addresses = Addresses(
+            main=f"tcp://127.0.0.1:{free_port()}",
+            workers=[f"tcp://127.0.0.1:{free_port()}" for _ in range(self.options.workers)],
+            shadow=f"tcp://127.0.0.1:{free_port()}" if self.options.runs_shadow else None,
+        )
+        self.addresses = addresses
+        roles: list[tuple[str, str, int | None, Path]] = [("main", "main", None, shard_dir / "main")]
+        if self.options.runs_shadow:
+            roles.append(("shadow", "shadow", None, shadow_dir))
+        roles += [(f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)]
+        self.keys = new_seat_keys(name for name, *_ in roles)
+        for name, role, worker, role_dir in roles:
+            keys = role_keys(name, self.keys)
+            spec = RoleSpec(self.deployment, role, str(role_dir), addresses, worker, self.options.settings, curve=keys)
+            spec_path = self.work_dir / f"{name}.spec.json"
+            write_private(spec_path, spec.to_json())
+            self._spawn(name, role, spec_path)
+        self.client = RuntimeClient(addresses.main, self.deployment, curve=self.client_keys())
+        self.progress(f"started {len(roles)} role processes; waiting for them to be ready")
+        started = time.monotonic()
+        self._wait_ready()
+        self.progress(f"every role ready in {time.monotonic() - started:.1f} s")
+
+    def client_keys(self, seat: str = "main") -> EndpointKeys:
+        """The keys of ``seat``'s client (main's: what this launcher and any other client of main use)."""
+        if seat not in self.keys:
+            raise ClusterError(f"no role {seat} in this cluster (started: {', '.join(self.keys) or 'none yet'})")
+        return client_keys(seat, self.keys)
+
+    def restart_role(self, name: str) -> None:
+        """Start role ``name`` (main, shadow, worker-N) again after it died, as its agent would.
+
+        A worker rejoins by itself: main sees its link come back, asks whether it is ready and
+        serves with it again from the next request on.
+        """
+        proc = self.processes.get(name)
+        if proc is None:
+            raise ClusterError(f"no role {name} in this cluster")
+        if proc.poll() is None:
+            raise ClusterError(f"{name} is still running")
+        self._spawn(name, "worker" if name.startswith("worker-") else name, self.work_dir / f"{name}.spec.json")
+
+    def _spawn(self, name: str, role: str, spec_path: Path) -> None:
+        log_file = open(self.work_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "inference", "serve-role", "--role", role, "--spec", str(spec_path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        log_file.close()
+
+    def _wait_ready(self) -> None:
+        assert self.client is not None
+        try:
+            self.client.wait_ready(self.options.startup_timeout_s, check=self.check_processes)
+        except TimeoutError as exc:
+            raise ClusterError(str(exc)) from None
+
+    def check_processes(self) -> None:
+        """Raise ClusterError if any role process has exited."""
+        for name, proc in self.processes.items():
+            code = proc.poll()
+            if code is not None:
+                raise ClusterError(f"{name} exited with code {code}:\n{self.log_tail(name)}")
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.work_dir / f"{name}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join("    " + line for line in path.read_text(errors="replace").splitlines()[-lines:])
+
+    def dump_stacks(self, settle_s: float = 0.5) -> None:
+        """Have every live role write its threads' stacks to its log (SIGUSR1; see ``setup_process``)."""
+        alive = [proc for proc in self.processes.values() if proc.poll() is None]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGUSR1)
+        if alive:
+            time.sleep(settle_s)
+
+    def close(self, *, keep_work_dir: bool = False, dump_stacks: bool = False) -> None:
+        """Stop every role (asking main first); ``dump_stacks``: after a failure, their stacks go to their logs."""
+        if dump_stacks and hasattr(signal, "SIGUSR1"):
+            self.dump_stacks()
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.shutdown()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(p.poll() is None for p in self.processes.values()):
+                time.sleep(0.05)
+            self.client.close()
+            self.client = None
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.processes = {}
+        if self._own_work_dir and not keep_work_dir and not os.environ.get("ODMOE_KEEP_WORK_DIR"):
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    # --- talking to main ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        timeout_s: float | None = None,
+        **kwargs,
+    ) -> Done:
+        """Generate through the cluster (see ``RuntimeClient.generate`` for the options).
+
+        A worker or the shadow that dies meanwhile is served around by main (``inference.policies.failover``);
+        main dying ends the generation at once with ``ClusterError``.
+        """
+        assert self.client is not None, "the cluster is not started"
+        limit = timeout_s or (self.options.settings.timeout_s * 2 + max_new_tokens * 5)
+        try:
+            return self.client.generate(prompt_ids, max_new_tokens, timeout_s=limit, idle=self.check_main, **kwargs)
+        except GenerationError as exc:
+            self.check_main()  # a dead main is the better explanation
+            raise ClusterError(f"generation failed: {exc}") from None
+
+    def check_main(self) -> None:
+        """Raise ClusterError if main has exited."""
+        main = self.processes.get("main")
+        if main is not None and main.poll() is not None:
+            raise ClusterError(f"main exited with code {main.returncode}:\n{self.log_tail('main')}")
+
+    def set_alignment(self, token_period: int, kv_period: int) -> None:
+        assert self.client is not None
+        self.client.set_alignment(token_period, kv_period)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a running generation after its current step (finish_reason "cancelled")."""
+        assert self.client is not None
+        self.client.cancel(request_id)

@@ -1,0 +1,246 @@
+"""The figures a generation reports: speed, prediction recall, expert memory, overhead.
+
+Recall is the share of really-routed experts that the shadow had named for that
+(step, layer); a decode layer with no prediction counts as 0. It is reported overall,
+per layer and per step. Peak expert bytes are what each worker had resident on its
+compute device, during prefill and during decode.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from inference.policies.placement import Placement
+from inference.policies.schedule import recall
+from inference.runtime.records import LayerRecord, RequestState, StepRecord
+from inference.wire.runtime import ShadowStats, WorkerStats
+
+# The parts of a decode layer's expert round trip, in the order they happen (`layer_breakdown`).
+BREAKDOWN = (
+    "main_before_send",  # routing split, dispatch plan, build + encode + send every request
+    "hops",  # both ways: framing, encryption, ZeroMQ, wake-ups, both receive loops (and an emulated link)
+    "worker_python",  # the last-answering worker's own time around its load wait + compute
+    "worker_busy",  # that worker's load wait + compute
+    "main_after_answers",  # scatter the answers and combine them
+)
+
+
+def layer_breakdown(rec: LayerRecord) -> dict[str, float]:
+    """Where one layer's round trip went, in ms, from main's own clock and the worker whose
+    answer came last: the parts sum to ``dispatch_ms`` (each clamped at 0 against a worker's
+    clock that disagrees). The worker's parts are that worker's (all its requests of the
+    layer), not the busiest worker's: they are what main was waiting on. The hops are main's
+    wait less the worker's time with the requests: framing, encryption, ZeroMQ and wake-ups,
+    and each side's receive loop around them (main's handling of other messages meanwhile, the
+    worker's encoding of its answer)."""
+    handled = min(reported_ms(rec.last_handled_ms), rec.await_ms)
+    busy = min(reported_ms(rec.last_busy_ms), handled)
+    return {
+        "main_before_send": rec.send_ms,
+        "hops": rec.await_ms - handled,
+        "worker_python": handled - busy,
+        "worker_busy": busy,
+        "main_after_answers": max(0.0, rec.dispatch_ms - rec.send_ms - rec.await_ms),
+    }
+
+
+# The hops, split: in the receiving processes (each side's time with a message off its socket
+# before handling it) and between the sockets (the rest: encoding after the worker's stamp,
+# encryption, ZeroMQ's queues and I/O threads, the kernel, wake-ups, an emulated link's hold).
+HOPS_SPLIT = ("receiving", "between_sockets")
+
+
+def hops_split(rec: LayerRecord) -> dict[str, float]:
+    """``layer_breakdown``'s hops of one layer in ms, split as ``HOPS_SPLIT`` says: the receiving
+    part is the last-answering worker's time with its requests before handling them plus main's
+    with that answer (`LayerRecord.last_received_ms`), clamped at the hops."""
+    hops = layer_breakdown(rec)["hops"]
+    receiving = min(reported_ms(rec.last_received_ms), hops)
+    return {"receiving": receiving, "between_sockets": hops - receiving}
+
+
+def reported_ms(ms: float) -> float:
+    """A time from another process's clock: 0 where it is none (NaN, infinite, negative)."""
+    return ms if math.isfinite(ms) and ms > 0 else 0.0
+
+
+def step_report(step: StepRecord, placement: Placement) -> dict:
+    """One step as it happened, sent with its token: per layer the worker group, the experts
+    really routed and those predicted when main dispatched the layer, and where the time went."""
+    decode = step.step > 0
+    layers = []
+    for rec in step.layers:
+        entry = {
+            "layer": rec.layer,
+            "group": placement.group_of_layer(rec.layer) if decode else None,
+            "real": list(rec.real),
+            "wait_ms": round(rec.wait_ms, 3),
+            "worker_ms": round(rec.worker_ms, 3),
+            "dispatch_ms": round(rec.dispatch_ms, 3),
+            "breakdown_ms": {k: round(v, 3) for k, v in layer_breakdown(rec).items()},
+            "hops_split_ms": {k: round(v, 3) for k, v in hops_split(rec).items()},
+        }
+        if decode:
+            entry["predicted"] = list(rec.predicted) if rec.predicted is not None else None
+            entry["recall"] = recall(rec.predicted, rec.real)
+        layers.append(entry)
+    recalls = [entry["recall"] for entry in layers if "recall" in entry]
+    return {
+        "step": step.step,
+        "tokens": step.tokens,
+        "batch": step.batch,  # sequences main ran in this step, this one included
+        "ms": round((step.finished - step.started) * 1000, 3) if step.finished else None,
+        "recall": statistics.fmean(recalls) if recalls else None,
+        "layers": layers,
+    }
+
+
+def build_metrics(
+    state: RequestState,
+    worker_stats: dict[int, WorkerStats],
+    shadow_stats: ShadowStats | None,
+    placement: Placement,
+    *,
+    token_period: int,
+    kv_period: int,
+) -> dict:
+    times = state.token_times
+    ttft_ms = (times[0] - state.started) * 1000 if times else 0.0
+    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    decode_tok_s = (len(times) - 1) / decode_s if decode_s > 0 else 0.0
+    total_s = times[-1] - state.started if times else 0.0
+    per_layer: dict[int, list[float]] = {}
+    per_step = []
+    all_recalls: list[float] = []
+    covered = 0
+    in_time = 0
+    decode_dispatch: list[float] = []
+    decode_wait: list[float] = []
+    decode_coordination: list[float] = []
+    decode_worker: list[float] = []
+    decode_parts: dict[str, list[float]] = {k: [] for k in BREAKDOWN}
+    decode_hops: dict[str, list[float]] = {k: [] for k in HOPS_SPLIT}
+    # Per decode step, main's own time per layer outside the round trips: the step's whole token
+    # interval (what the decode rate counts: the embedding, layer 0's attention before its first
+    # round trip, streaming the token) less the round trips, spread over the layers.
+    main_between: list[float] = []
+    late = 0  # decode experts computed that no prediction had named when main dispatched their layer
+    for step in state.steps:
+        layers = []
+        step_recalls = []
+        for rec in step.layers:
+            parts, hops = layer_breakdown(rec), hops_split(rec)
+            entry = {
+                "layer": rec.layer,
+                "real": rec.real,
+                "wait_ms": round(rec.wait_ms, 3),
+                "worker_ms": round(rec.worker_ms, 3),
+                "dispatch_ms": round(rec.dispatch_ms, 3),
+                "breakdown_ms": {k: round(v, 3) for k, v in parts.items()},
+                "hops_split_ms": {k: round(v, 3) for k, v in hops.items()},
+                "hits": rec.hits,
+                "misses": rec.misses,
+            }
+            if step.step > 0:
+                predicted = state.predictions.get((step.step, rec.layer))
+                covered += predicted is not None
+                in_time += rec.predicted is not None
+                r = recall(predicted, rec.real)
+                entry.update(predicted=predicted, predicted_in_time=rec.predicted is not None, recall=r)
+                late += len(set(rec.real) - set(rec.predicted or ()))
+                step_recalls.append(r)
+                per_layer.setdefault(rec.layer, []).append(r)
+                decode_dispatch.append(rec.dispatch_ms)
+                decode_wait.append(rec.wait_ms)
+                # What the layer cost beyond loading and computing: message hops and scheduling.
+                decode_coordination.append(max(0.0, rec.dispatch_ms - rec.worker_ms))
+                decode_worker.append(rec.worker_ms)
+                for k, v in parts.items():
+                    decode_parts[k].append(v)
+                for k, v in hops.items():
+                    decode_hops[k].append(v)
+            layers.append(entry)
+        all_recalls.extend(step_recalls)
+        if step.step > 0 and step.layers and step.step < len(times):  # decode step s made token s
+            interval_ms = (times[step.step] - times[step.step - 1]) * 1000
+            spent = interval_ms - sum(rec.dispatch_ms for rec in step.layers)
+            main_between.append(max(0.0, spent) / len(step.layers))
+        per_step.append(
+            {
+                "step": step.step,
+                "tokens": step.tokens,
+                "ms": round((step.finished - step.started) * 1000, 3) if step.finished else None,
+                "recall": statistics.fmean(step_recalls) if step_recalls else None,
+                "layers": layers,
+            }
+        )
+    decode_layers = len(all_recalls)
+    return {
+        "recall": statistics.fmean(all_recalls) if all_recalls else None,
+        "recall_per_layer": [statistics.fmean(per_layer[k]) for k in sorted(per_layer)],
+        "prediction_coverage": covered / decode_layers if decode_layers else None,
+        # Share of decode layers whose prediction had reached main when it dispatched the layer.
+        "prediction_in_time": in_time / decode_layers if decode_layers else None,
+        # How many layers ahead of main the predictions that came in time arrived (median).
+        "prediction_lead_layers": statistics.median(state.prediction_leads) if state.prediction_leads else None,
+        # importance: the share of decode expert slots served from what workers held, and substitutions.
+        "cache_hit_rate": state.resident_slots / state.expert_slots if state.expert_slots else None,
+        "substitutions": state.substitutions,
+        "substitutions_per_token": state.substitutions / max(1, len(times) - 1),
+        "late_experts": late,
+        "late_experts_per_token": late / max(1, len(times) - 1),
+        # prerouter: the share of routed expert slots that the model's own router would have chosen too.
+        "router_agreement": state.router_matches / state.router_slots if state.router_slots else None,
+        "ttft_ms": ttft_ms,
+        "decode_tok_s": decode_tok_s,
+        "e2e_tok_s": len(times) / total_s if total_s > 0 else 0.0,
+        "prompt_tokens": state.prompt_len,
+        "generated_tokens": len(times),
+        "token_period": token_period,
+        "kv_period": kv_period,
+        "alignment_changes": state.alignment_log,
+        "expert_bytes": max((s.expert_bytes for s in worker_stats.values()), default=0),
+        "worker_peak_expert_bytes": {str(w): s.peak_decode_bytes for w, s in sorted(worker_stats.items())},
+        "worker_peak_prefill_bytes": {str(w): s.peak_prefill_bytes for w, s in sorted(worker_stats.items())},
+        "expert_loads": sum(s.loads for s in worker_stats.values()),
+        "prefetch_hits": sum(s.hits for s in worker_stats.values()),
+        "prefetch_misses": sum(s.misses for s in worker_stats.values()),
+        "wasted_loads": sum(s.wasted_loads for s in worker_stats.values()),
+        "disk_reads": sum(s.disk_reads for s in worker_stats.values()),
+        "hot_set_hits": sum(s.hot_hits for s in worker_stats.values()),
+        "cpu_experts": sum(s.cpu_experts for s in worker_stats.values()),
+        "decode_layer_dispatch_ms_median": statistics.median(decode_dispatch) if decode_dispatch else None,
+        "decode_layer_load_wait_ms_median": statistics.median(decode_wait) if decode_wait else None,
+        "decode_layer_worker_ms_median": statistics.median(decode_worker) if decode_worker else None,
+        "decode_layer_coordination_ms_median": (
+            statistics.median(decode_coordination) if decode_coordination else None
+        ),
+        # Medians of each part of a decode layer's round trip (`layer_breakdown`); medians do not add up.
+        "decode_layer_breakdown_ms_median": (
+            {k: statistics.median(v) for k, v in decode_parts.items()} if decode_dispatch else None
+        ),
+        # Their means, which add up where medians do not: a decode token took about
+        # layers × (main between layers + the parts), so a tail shows as a mean above its median.
+        "decode_layer_breakdown_ms_mean": (
+            {k: statistics.fmean(v) for k, v in decode_parts.items()} if decode_dispatch else None
+        ),
+        "decode_hops_split_ms_median": (
+            {k: statistics.median(v) for k, v in decode_hops.items()} if decode_dispatch else None
+        ),
+        # Main's attention, norms and router per decode layer (and its per-token work spread over them).
+        "decode_main_between_layers_ms_median": statistics.median(main_between) if main_between else None,
+        "decode_main_between_layers_ms_mean": statistics.fmean(main_between) if main_between else None,
+        "shadow": None
+        if shadow_stats is None
+        else {
+            "steps_done": shadow_stats.steps_done,
+            "rewinds": shadow_stats.rewinds,
+            "token_aligns": shadow_stats.token_aligns,
+            "kv_aligns": shadow_stats.kv_aligns,
+            "speculations": shadow_stats.speculations,
+            "speculation_misses": shadow_stats.speculation_misses,
+        },
+        "groups": [list(g) for g in placement.groups],
+        "per_step": per_step,
+    }

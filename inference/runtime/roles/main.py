@@ -1,0 +1,477 @@
+"""The main role: its sockets and peers, admission, sessions and health; the engine steps the batch.
+
+Main holds everything of the model but the experts: embeddings, attention, norms, routers,
+LM head and the KV caches. Its engine (``inference.runtime.engine``) runs every sequence of the
+batch in one thread, one step at a time: a pure scheduler decides who joins, leaves and
+prefills; the model runner runs each sequence's attention on its own shapes and, at each
+MoE layer, hands every sequence's routed rows to the layer exchange, which serves the layer
+for the whole batch in one round of the workers (each expert loaded once for every row
+routed to it) and gives each sequence exactly the full-precision model's output; then each
+sequence samples its token, streams it and aligns the shadow. This module is the role
+around it: requests admitted or refused, cancels, predictions and alignment changes taken
+at any time, sessions begun and ended with the workers, lost workers and shadow served
+around (``inference.policies.failover``). Which worker gets which expert, and whether main itself
+guesses the next layer's experts, is the deployment's strategy (``inference.policies.strategies``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict, deque
+from pathlib import Path
+
+import torch
+
+from inference.modelio.model import build_main_model, expert_dims, family_of
+from inference.modelio.shards import verify_shard
+from inference.policies import schedule
+from inference.policies.placement import Placement, placement_from_dict
+from inference.policies.strategies import get_strategy, predictor_for
+from inference.runtime.engine.engine import Engine
+from inference.runtime.engine.exchange import Exchange, worker_index
+from inference.runtime.engine.guesses import Guesses
+from inference.runtime.engine.sampling import check_generation_config
+from inference.runtime.engine.scheduler import Admission, admission, request_problem
+from inference.runtime.importance import ResidentExperts, load_similarity
+from inference.runtime.prerouter import attach_lora, load_prerouter
+from inference.runtime.roles.common import (
+    PeerHealth,
+    answer_ping,
+    connect_peers,
+    handle_safely,
+    open_endpoint,
+    release_free_heap,
+    setup_process,
+)
+from inference.runtime.routing import Routing, resolve_arithmetic
+from inference.runtime.spec import RoleSpec, compute_dtype
+from inference.runtime.transport import Received
+from inference.wire.runtime import (
+    Begin,
+    Cancel,
+    Done,
+    End,
+    ExpertResult,
+    Failed,
+    Generate,
+    Ping,
+    Pong,
+    Prediction,
+    SequenceJoin,
+    SequenceLeave,
+    SetAlignment,
+    ShadowBegin,
+    ShadowStats,
+    Shutdown,
+    WorkerStats,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_CANCELLED_EARLY = 1024  # cancels remembered for requests not yet come (a peer flooding cancels forgets)
+
+
+class MainRole:
+    def __init__(self, spec: RoleSpec) -> None:
+        self.spec = spec
+        self.device = setup_process(spec)
+        manifest = verify_shard(spec.shard_dir, expect_role="main")
+        self.placement: Placement = placement_from_dict(manifest["placement"])
+        if self.placement.n_workers != len(spec.addresses.workers):
+            raise RuntimeError(
+                f"shards were built for {self.placement.n_workers} workers but the peer table lists "
+                f"{len(spec.addresses.workers)}"
+            )
+        self._load_model()
+        self.strategy = get_strategy(spec.settings.strategy)
+        self.predictor = predictor_for(spec.settings.strategy, spec.settings.predictor)
+        guesses = self._load_guesses()
+        self.has_shadow = spec.addresses.shadow is not None and self.predictor == "shadow"
+        self.endpoint = open_endpoint(spec)
+        connect_peers(self.endpoint, spec, workers=True, shadow=self.has_shadow, main=False, watch=True)
+        self.health = PeerHealth(self.endpoint, self.endpoint.peers)
+        self.token_period = spec.settings.token_period
+        self.kv_period = spec.settings.kv_period
+        # Continuous batching: the requests waiting for a place (the engine holds those running).
+        self.waiting: deque[tuple[Generate, bytes]] = deque()
+        # Cancels that came before their request: a client's cancel travels another connection than
+        # its request and may overtake it; the request then ends at once (as many as are remembered).
+        self.cancelled_early: OrderedDict[str, None] = OrderedDict()
+        # A session runs while any sequence does; workers key their loads by its steps.
+        self.session = ""
+        self.step = -1
+        # When the session's current step began, and how long its previous one took (0: none yet),
+        # as main times them: stamped on every expert request, the period each worker's hybrid
+        # share is found from (``inference.policies.hybrid.ShareController``), the same for all of them.
+        self.step_began = 0.0
+        self.previous_step_s = 0.0
+        self.stopping = False  # a Shutdown came: end the batch and stop
+        self.pending_results: list[tuple[str, ExpertResult]] = []
+        self.worker_stats: dict[int, WorkerStats] = {}
+        self.shadow_stats: dict[str, ShadowStats] = {}
+        # Worker loss (inference.policies.failover): gone, reconnected and asked, back and ready.
+        self.lost: set[int] = set()
+        self.returning: set[int] = set()
+        self.rejoined: set[int] = set()
+        # Shadow loss: main serves without predictions (workers load what is routed) until it is back.
+        self.shadow_lost = self.shadow_returning = self.shadow_back = False
+        self.exchange = Exchange(
+            self,
+            self.placement,
+            self.strategy,
+            self.routing,
+            guesses,
+            prefill_chunk=spec.settings.prefill_chunk,
+            timeout_s=spec.settings.timeout_s,
+            on_used=self.resident.used if self.resident is not None else None,
+        )
+        self.engine = Engine(self, guesses)
+        log.info(
+            "main ready to connect: %d workers in groups %s, shadow %s, %s experts arithmetic, strategy %s, "
+            "up to %d sequences at once",
+            self.placement.n_workers,
+            self.placement.groups,
+            "yes" if self.has_shadow else "no",
+            self.routing.arithmetic,
+            self.strategy.name,
+            spec.settings.max_batch,
+        )
+
+    def _load_model(self) -> None:
+        """Main's part of the model from its shard, on its device, and the experts arithmetic."""
+        spec = self.spec
+        config = json.loads((Path(spec.shard_dir) / "config.json").read_text())
+        self.model = build_main_model(spec.shard_dir, dtype=compute_dtype(spec.settings.dtype, config))
+        self.model.to(self.device)
+        check_generation_config(self.model)  # refuse, at startup, what the engine would not honour
+        release_free_heap()
+        config = self.model.config
+        self.family = family_of(config)
+        _, intermediate = expert_dims(config)
+        self.routing = Routing(
+            resolve_arithmetic(
+                spec.settings.experts_arithmetic, config.hidden_size, intermediate, self.model.dtype, self.device
+            )
+        )
+
+    def _load_guesses(self) -> Guesses:
+        """Main's own guesses by strategy: importance's resident experts, the prerouter's heads."""
+        spec, config = self.spec, self.model.config
+        # importance substitutes experts from what workers hold.
+        self.resident: ResidentExperts | None = None
+        similarity = None
+        if self.strategy.substitutes:
+            similarity = load_similarity(
+                spec.shard_dir, layers=self.placement.n_layers, experts=self.placement.n_experts
+            )
+            self.resident = ResidentExperts(spec.settings.cache_experts)
+        # The prerouter's heads (inference.runtime.prerouter): the routing itself under the prerouter
+        # strategy (with its recovery adapter on main's attention), or odmoe's predictor.
+        self.prerouter = None
+        if self.predictor == "prerouter":
+            trained = load_prerouter(
+                spec.shard_dir,
+                layers=config.num_hidden_layers,
+                experts=expert_dims(config)[0],
+                hidden=config.hidden_size,
+                top_k=config.num_experts_per_tok,
+            )
+            self.prerouter = trained.prerouter.to(self.device)
+            if self.strategy.routes_by_prediction:
+                attach_lora(self.model, trained.lora, trained.shape, like_base=True)
+        return Guesses(
+            self,
+            self.model,
+            self.family,
+            self.placement,
+            self.strategy,
+            predictor=self.predictor,
+            prerouter=self.prerouter,
+            normalize_top_k=bool(getattr(config, "norm_topk_prob", True)),
+            resident=self.resident,
+            similarity=similarity,
+            importance_threshold=spec.settings.importance_threshold,
+        )
+
+    # --- idle loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                self.health.tick()
+                received = self.endpoint.recv(timeout_s=0.1)
+                self.note_links()
+                if received is not None:
+                    handle_safely(self.handle_side_message, received)
+                if self.waiting and not self.stopping:
+                    try:
+                        self.engine.serve()
+                    except Exception:  # main keeps serving; the batch's clients were told
+                        log.exception("the batch failed")
+                if self.stopping:
+                    for peer in self.endpoint.peers:
+                        self.endpoint.send(peer, Shutdown())
+                    return
+        finally:
+            time.sleep(0.2)  # let the Shutdown messages leave
+            self.endpoint.close()
+
+    def handle_side_message(self, received: Received) -> None:
+        """Everything that may arrive at any time, also while a generation runs."""
+        msg = received.msg
+        if isinstance(msg, Pong) and msg.ready and received.via.startswith("worker-"):
+            index = worker_index(received.via)
+            if index in self.returning:  # a lost worker is back and loaded: it serves from the next request
+                self.returning.discard(index)
+                self.rejoined.add(index)
+        elif isinstance(msg, Pong) and msg.ready and received.via == "shadow" and self.shadow_returning:
+            self.shadow_returning, self.shadow_back = False, True
+        if self.health.observe(received):
+            return
+        if isinstance(msg, Ping):
+            detail = "" if self.health.ready else f"waiting for {', '.join(sorted(self.health.waiting))}"
+            answer_ping(self.endpoint, received, "main", self.health.ready, detail)
+        elif isinstance(msg, Prediction):
+            sequence = self.engine.batch.get(msg.request_id)
+            if sequence is not None:
+                sequence.state.predictions[(msg.step, msg.layer)] = msg.experts
+                self.engine.guesses.note_lead(sequence, msg.step, msg.layer)
+        elif isinstance(msg, SetAlignment):
+            self.set_alignment(msg)
+        elif isinstance(msg, Cancel):
+            self.cancel(msg.request_id)
+        elif isinstance(msg, ExpertResult):
+            self.pending_results.append((received.via, msg))
+        elif isinstance(msg, WorkerStats):
+            if msg.request_id == self.session:
+                self.worker_stats[msg.worker] = msg
+        elif isinstance(msg, ShadowStats):
+            self.shadow_stats[msg.request_id] = msg
+        elif isinstance(msg, Generate):
+            self.admit(msg, received.identity)
+        elif isinstance(msg, Shutdown):
+            self.stopping = True  # the running batch ends after its step, its clients told why
+        else:
+            log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
+
+    def set_alignment(self, msg: SetAlignment) -> None:
+        try:
+            schedule.validate_periods(msg.token_period, msg.kv_period)
+        except ValueError as exc:
+            log.warning("ignored alignment change: %s", exc)
+            return
+        self.token_period, self.kv_period = msg.token_period, msg.kv_period
+        for sequence in self.engine.batch.values():
+            # The step whose alignment is the first under the new periods: the one after the
+            # step the sequence is in (between steps, in its next one already).
+            from_step = sequence.at[0] + 1
+            sequence.state.alignment_log.append(
+                {"from_step": from_step, "token_period": msg.token_period, "kv_period": msg.kv_period}
+            )
+        if self.engine.batch and self.shadow_serving:
+            self.endpoint.send("shadow", SetAlignment(token_period=msg.token_period, kv_period=msg.kv_period))
+        log.info("alignment periods now token=%d kv=%d", msg.token_period, msg.kv_period)
+
+    # --- the batch ------------------------------------------------------------------------
+
+    def admit(self, msg: Generate, client: bytes) -> None:
+        """Queue a generation, or refuse it at once with the reason."""
+        if msg.request_id in self.cancelled_early:
+            del self.cancelled_early[msg.request_id]
+            done = Done(request_id=msg.request_id, token_ids=[], finish_reason="cancelled", metrics={})
+            self.endpoint.reply(client, done)
+            return
+        error = ""
+        if not self.health.ready:
+            error = f"the cluster is not ready: waiting for {', '.join(sorted(self.health.waiting))}"
+        config = self.model.config
+        error = error or request_problem(msg, vocab=config.vocab_size, context=config.max_position_embeddings)
+        if not error and (
+            msg.request_id in self.engine.batch or any(w.request_id == msg.request_id for w, _ in self.waiting)
+        ):
+            error = f"a generation with id {msg.request_id!r} is already running"
+        if error:
+            self.endpoint.reply(client, Failed(request_id=msg.request_id, error=error))
+            return
+        settings = self.spec.settings
+        running, waiting = [s.user for s in self.engine.batch.values()], [m.user for m, _ in self.waiting]
+        decision = admission(
+            msg.user, running, waiting, max_waiting=settings.max_waiting, max_per_user=settings.max_per_user
+        )
+        if decision is Admission.TOO_MANY:
+            error = (
+                f"this user already has {settings.max_per_user} generations running or waiting on this deployment, "
+                "the most one user may have at once; send more when one ends"
+            )
+        elif decision is Admission.FULL:
+            error = (
+                f"main is full: {len(self.engine.batch)} sequences running and {len(self.waiting)} waiting; "
+                "try again when one ends"
+            )
+        if error:
+            refusal = Failed(
+                request_id=msg.request_id,
+                error=error,
+                busy=decision is Admission.FULL,
+                too_many_generations=decision is Admission.TOO_MANY,
+            )
+            self.endpoint.reply(client, refusal)
+            return
+        self.waiting.append((msg, client))
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a running sequence after its current step, or drop a waiting one at once."""
+        sequence = self.engine.batch.get(request_id)
+        if sequence is not None:
+            sequence.state.cancelled = True
+            return
+        for entry in list(self.waiting):
+            if entry[0].request_id == request_id:
+                self.waiting.remove(entry)
+                self.endpoint.reply(
+                    entry[1], Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
+                )
+                return
+        self.cancelled_early[request_id] = None  # not here yet (or long done): its request may still come
+        while len(self.cancelled_early) > MAX_CANCELLED_EARLY:
+            self.cancelled_early.popitem(last=False)
+
+    def begin_step(self) -> None:
+        """A batch step begins: the session's step count and clock move on."""
+        self.step += 1
+        began, self.step_began = self.step_began, time.perf_counter()
+        self.previous_step_s = self.step_began - began if self.step > 0 else 0.0
+
+    def drain_inbox(self) -> None:
+        """Between steps: whatever arrived (new requests, cancels, pings, predictions)."""
+        self.note_links()
+        while (received := self.endpoint.recv(timeout_s=0.0)) is not None:
+            handle_safely(self.handle_side_message, received)
+
+    def begin_session(self, first: Generate) -> None:
+        self.session = f"session-{uuid.uuid4().hex[:12]}"
+        self.step = -1
+        self.worker_stats.clear()
+        self.note_links()
+        if self.rejoined:
+            log.info("back in the cluster: %s", ", ".join(f"worker-{w}" for w in sorted(self.rejoined)))
+            self.lost -= self.rejoined
+            self.rejoined.clear()
+        if self.shadow_back:
+            log.info("the shadow is back: predictions again from this session on")
+            self.shadow_lost = self.shadow_back = False
+        for w in self.live_workers():
+            self.endpoint.send(
+                f"worker-{w}",
+                Begin(request_id=self.session, prompt_len=len(first.prompt_ids), max_new_tokens=first.max_new_tokens),
+            )
+
+    def announce_join(self, msg: Generate, joined_step: int) -> None:
+        """A sequence joined the batch: the workers count its steps, the shadow starts its copy."""
+        for w in self.live_workers():
+            self.endpoint.send(
+                f"worker-{w}",
+                SequenceJoin(request_id=self.session, sequence=msg.request_id, first_step=joined_step),
+            )
+        if self.shadow_serving:
+            self.endpoint.send(
+                "shadow",
+                ShadowBegin(
+                    request_id=msg.request_id,
+                    max_new_tokens=msg.max_new_tokens,
+                    token_period=self.token_period,
+                    kv_period=self.kv_period,
+                    prompt_ids=torch.tensor([msg.prompt_ids], dtype=torch.long)[0],
+                ),
+            )
+
+    def announce_leave(self, request_id: str, joined_step: int, *, last: bool) -> None:
+        """A sequence left: the last one ends the session (workers report its statistics), any
+        other is forgotten by the workers (who may plan for one sequence again)."""
+        if last:
+            self.end_session()
+            return
+        leave = SequenceLeave(request_id=self.session, sequence=request_id, last_step=max(self.step, joined_step))
+        for w in self.live_workers():
+            self.endpoint.send(f"worker-{w}", leave)
+
+    def live_workers(self) -> list[int]:
+        return [w for w in range(self.placement.n_workers) if w not in self.lost]
+
+    def note_links(self) -> None:
+        """Act on the workers' links: a lost one is served around, a returning one asked if it is ready."""
+        for event, peer in self.endpoint.take_link_events():
+            if peer == "shadow" and self.has_shadow:
+                self._note_shadow_link(event)
+                continue
+            if not peer.startswith("worker-"):
+                continue
+            index = worker_index(peer)
+            if event == "lost" and index not in self.lost:
+                self.lost.add(index)
+                if self.resident is not None:
+                    self.resident.forget(index)
+                for sequence in self.engine.batch.values():
+                    sequence.state.roles_lost.add(peer)
+                self.returning.discard(index)
+                self.rejoined.discard(index)
+                log.warning("%s is gone (its connection closed): the rest of its group serves its experts", peer)
+            elif event == "up" and index in self.lost:
+                self.returning.add(index)
+                self.endpoint.send(peer, Ping())
+
+    def _note_shadow_link(self, event: str) -> None:
+        if event == "lost" and not self.shadow_lost:
+            self.shadow_lost, self.shadow_returning, self.shadow_back = True, False, False
+            for sequence in self.engine.batch.values():
+                sequence.state.roles_lost.add("shadow")
+            log.warning("the shadow is gone (its connection closed): workers load what is routed until it is back")
+        elif event == "up" and self.shadow_lost:
+            self.shadow_returning = True
+            self.endpoint.send("shadow", Ping())
+
+    @property
+    def shadow_serving(self) -> bool:
+        """Whether the shadow takes part in this request: there is one, and it is not lost."""
+        return self.has_shadow and not self.shadow_lost
+
+    def end_session(self) -> None:
+        """Tell the workers the session is over and gather their statistics (bounded)."""
+        live = self.live_workers()
+        for w in live:
+            self.endpoint.send(f"worker-{w}", End(request_id=self.session))
+        deadline = time.monotonic() + self.spec.settings.timeout_s
+        try:
+            while time.monotonic() < deadline:
+                self.note_links()
+                if set(self.worker_stats) >= {w for w in self.live_workers() if w in live}:
+                    return
+                self._wait_for_side_message(deadline)
+            log.warning("some workers did not report statistics in time; metrics are partial")
+        finally:
+            self.session = ""
+
+    def end_shadow(self, request_id: str) -> ShadowStats | None:
+        """Tell the shadow a sequence is over; its statistics for it, if they come in time."""
+        if not self.shadow_serving:
+            return None
+        self.endpoint.send("shadow", End(request_id=request_id))
+        deadline = time.monotonic() + self.spec.settings.timeout_s
+        while request_id not in self.shadow_stats and self.shadow_serving and time.monotonic() < deadline:
+            self.note_links()
+            self._wait_for_side_message(deadline)
+        if request_id not in self.shadow_stats:
+            log.warning("the shadow did not report statistics for %s in time; metrics are partial", request_id)
+        return self.shadow_stats.pop(request_id, None)
+
+    def _wait_for_side_message(self, deadline: float) -> None:
+        received = self.endpoint.recv(timeout_s=max(0.0, deadline - time.monotonic()))
+        if received is not None:
+            handle_safely(self.handle_side_message, received)
+
+
+def serve(spec: RoleSpec) -> None:
+    MainRole(spec).run()

@@ -1,0 +1,320 @@
+"""The shadow role: a quantized copy of the whole model that emulates main a step ahead.
+
+It follows every sequence of main's batch, each with its own cache, stepping the one
+furthest behind first. For each decode step the shadow runs its copy on main's token (when tokens are aligned)
+or on its own guess, and its router decisions at every layer are sent at once to the
+workers that serve that layer, and to main, as the prediction of main's routing
+(Scaled Emulative Prediction). Main's ``Align`` messages bring its token and KV cache
+every ``token_period`` / ``kv_period`` steps; if the shadow had already run a step that
+main then aligns, it rewinds its cache and runs the step again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from transformers import DynamicCache
+
+from inference.constants import SHADOW_STATES_PER_SEQUENCE
+from inference.modelio.model import expert_dims, load_config, routers
+from inference.modelio.shards import verify_shard
+from inference.policies import schedule
+from inference.policies.placement import placement_from_dict
+from inference.runtime.roles.common import (
+    answer_ping,
+    connect_peers,
+    handle_safely,
+    open_endpoint,
+    release_free_heap,
+    setup_process,
+)
+from inference.runtime.routing import resolve_arithmetic
+from inference.runtime.spec import RoleSpec
+from inference.runtime.transport import Received
+from inference.shadow.shadow_model import CAST_DTYPES, build_shadow_model
+from inference.wire.runtime import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Emulation:
+    """The shadow's state for one request."""
+
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+    token_period: int
+    kv_period: int
+    cache: DynamicCache
+    next_step: int = 1
+    own_next: int = 0  # the shadow's own greedy token after its last step
+    main_step: int = 0  # the newest step main has announced
+    inputs: dict[int, int] = field(default_factory=dict)
+    aligns: dict[int, Align] = field(default_factory=dict)
+    ending: bool = False
+    speculated: set[int] = field(default_factory=set)  # steps run on a guess, not yet checked
+    speculations: int = 0
+    speculation_misses: int = 0
+    rewinds: int = 0
+    token_aligns: int = 0
+    kv_aligns: int = 0
+    version: int = 0
+
+
+class ShadowRole:
+    def __init__(self, spec: RoleSpec) -> None:
+        self.spec = spec
+        self.device = setup_process(spec)
+        manifest = verify_shard(spec.shard_dir, expect_role="shadow")
+        self.placement = placement_from_dict(manifest["placement"])
+        config = load_config(spec.shard_dir)
+        shadow_dtype = spec.settings.shadow_dtype
+        arithmetic = resolve_arithmetic(
+            spec.settings.experts_arithmetic,
+            config.hidden_size,
+            expert_dims(config)[1],
+            CAST_DTYPES.get(shadow_dtype, torch.float32),
+            self.device,
+        )
+        # Converted tensor by tensor as it is read: the full-precision model never exists here.
+        self.model, self.report = build_shadow_model(
+            spec.shard_dir, shadow_dtype, self.device, eager_experts=arithmetic == "eager", verify=False
+        )
+        release_free_heap()
+        # Main runs at most max_batch sequences and ends each here before another takes its
+        # place; beyond that the oldest state is stale (the memory estimate counts this many).
+        self.max_states = SHADOW_STATES_PER_SEQUENCE * spec.settings.max_batch
+        self.kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed_tokens" in n)
+        self.endpoint = open_endpoint(spec)
+        connect_peers(self.endpoint, spec, workers=True, shadow=False, main=True)
+        self.states: dict[str, Emulation] = {}  # the sequences it follows, by request id
+        self.run_state: Emulation | None = None  # the one its model is running now
+        self.layer_step = 0
+        for layer, router in enumerate(routers(self.model)):
+            router.register_forward_hook(self._router_hook(layer))
+        log.info("shadow ready: %s on %s (%s)", spec.settings.shadow_dtype, self.device, self.report)
+
+    # --- message loop -------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                # A sequence main has ended is answered as soon as no step is left, not after a
+                # quiet second on the inbox: health pings would otherwise keep postponing it.
+                for state in [s for s in self.states.values() if s.ending and not self._can_step(s)]:
+                    self.finish(state)
+                ready = self._next_to_step()
+                received = self.endpoint.recv(timeout_s=0.0 if ready else 1.0)
+                if received is not None:
+                    if isinstance(received.msg, Shutdown):
+                        return
+                    handle_safely(self.handle, received)
+                    continue
+                if ready is not None:
+                    self._guarded(ready, partial(self.step, ready))
+        finally:
+            self.endpoint.close()
+
+    def handle(self, received: Received) -> None:
+        msg = received.msg
+        if answer_ping(self.endpoint, received, self.spec.name, ready=True):
+            return
+        state = self.states.get(getattr(msg, "request_id", None) or "")
+        if isinstance(msg, ShadowBegin):
+            self.begin(msg)
+        elif isinstance(msg, SetAlignment):
+            for each in self.states.values():
+                each.token_period, each.kv_period = msg.token_period, msg.kv_period
+            log.info("alignment periods now token=%d kv=%d", msg.token_period, msg.kv_period)
+        elif isinstance(msg, End) and state is None:
+            # Nothing to finish (the request failed here, or never reached us): say so at once.
+            self.endpoint.send(
+                "main", ShadowStats(request_id=msg.request_id, steps_done=0, rewinds=0, token_aligns=0, kv_aligns=0)
+            )
+        elif state is None:
+            log.warning("dropped %s for a request that is not running", msg.TYPE)
+        elif isinstance(msg, Align):
+            self.on_align(state, msg)
+        elif isinstance(msg, End):
+            state.ending = True
+        else:
+            log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
+
+    def _guarded(self, state: Emulation, action) -> None:
+        """Run ``action``; if it fails, give up this sequence: main goes on without its predictions."""
+        try:
+            action()
+        except Exception:
+            log.exception("shadow failed on request %s; workers fall back to on-demand loading", state.request_id)
+            self.states.pop(state.request_id, None)
+        finally:
+            self.run_state = None
+
+    # --- one request ----------------------------------------------------------------------
+
+    def begin(self, msg: ShadowBegin) -> None:
+        if msg.request_id not in self.states and len(self.states) >= self.max_states:
+            oldest = next(iter(self.states))
+            log.warning("following more than %d sequences: dropped %s", self.max_states, oldest)
+            del self.states[oldest]
+        cache = DynamicCache(config=self.model.config)
+        state = Emulation(
+            msg.request_id,
+            int(msg.prompt_ids.numel()),
+            msg.max_new_tokens,
+            msg.token_period,
+            msg.kv_period,
+            cache,
+        )
+        self.states[msg.request_id] = state
+
+        def prefill() -> None:
+            self.run_state = state
+            self.layer_step = 0  # prefill: no predictions are sent
+            logits = self._forward(msg.prompt_ids.view(1, -1), cache)
+            state.own_next = int(logits.argmax())
+
+        self._guarded(state, prefill)
+
+    def on_align(self, state: Emulation, msg: Align) -> None:
+        state.aligns[msg.step] = msg
+        state.main_step = max(state.main_step, msg.step)
+        if msg.step >= state.next_step:
+            return
+        wrong_token = msg.token is not None and state.inputs.get(msg.step) != msg.token
+        if msg.step in state.speculated:
+            # We ran this step ahead of main on our own guess of its token.
+            state.speculated.discard(msg.step)
+            if not wrong_token:
+                # The guess was main's token: keep the predictions already sent and only take
+                # main's KV for the positions before this step.
+                state.token_aligns += msg.token is not None
+                if msg.keys is not None:
+                    self._splice_kv(state, msg)
+                    state.kv_aligns += 1
+                return
+            state.speculation_misses += 1
+        # Already ran this step: redo it if main's data differs from what we used.
+        if wrong_token or msg.keys is not None:
+            truncate_cache(state.cache, state.prompt_len + msg.step - 1)
+            state.next_step = msg.step
+            state.rewinds += 1
+
+    def _next_to_step(self) -> Emulation | None:
+        """The sequence that may step and is least far ahead of main, or None."""
+        ready = [s for s in self.states.values() if self._can_step(s)]
+        return min(ready, key=lambda s: s.next_step - s.main_step, default=None)
+
+    def _can_step(self, state: Emulation) -> bool:
+        if state.next_step >= state.max_new_tokens:
+            return False
+        s = state.next_step
+        if s > state.main_step + self.spec.settings.lookahead and not state.ending:
+            return False
+        token_due, kv_due = schedule.alignment_due(s, state.token_period, state.kv_period)
+        waiting_for_main = (token_due or kv_due) and s not in state.aligns
+        # Main's data for this step is not here yet: we may guess it and run one step ahead.
+        may_guess = self.spec.settings.speculate and s == state.main_step + 1 and not state.ending
+        if waiting_for_main and not may_guess:
+            return False
+        return not (state.ending and s > state.main_step)
+
+    def step(self, state: Emulation) -> None:
+        self.run_state = state
+        s = state.next_step
+        align = state.aligns.get(s)
+        if align is not None and align.keys is not None and align.values is not None:
+            self._apply_kv(state, align)
+            state.kv_aligns += 1
+        token = state.own_next
+        if align is not None and align.token is not None:
+            token = align.token
+            state.token_aligns += 1
+        if align is None and any(schedule.alignment_due(s, state.token_period, state.kv_period)):
+            state.speculated.add(s)
+            state.speculations += 1
+        state.inputs[s] = token
+        state.version += 1
+        self.layer_step = s
+        logits = self._forward(torch.tensor([[token]], device=self.device), state.cache)
+        state.own_next = int(logits.argmax())
+        state.next_step = s + 1
+
+    def finish(self, state: Emulation) -> None:
+        # On our link to main, behind every prediction we sent for this sequence: main keeps the
+        # sequence until these statistics come, so none of its predictions is lost. (As a reply
+        # on main's link to us, they overtook predictions still queued on ours.)
+        self.endpoint.send(
+            "main",
+            ShadowStats(
+                request_id=state.request_id,
+                steps_done=state.next_step - 1,
+                rewinds=state.rewinds,
+                token_aligns=state.token_aligns,
+                kv_aligns=state.kv_aligns,
+                speculations=state.speculations,
+                speculation_misses=state.speculation_misses,
+            ),
+        )
+        self.states.pop(state.request_id, None)
+
+    # --- model plumbing -----------------------------------------------------------------
+
+    def _apply_kv(self, state: Emulation, align: Align) -> None:
+        """Replace positions [kv_from, kv_to) of every layer's cache with main's."""
+        assert align.keys is not None and align.values is not None
+        truncate_cache(state.cache, align.kv_from)
+        keys = align.keys.to(self.device, self.kv_dtype)  # [L, B, kvH, P, D]
+        values = align.values.to(self.device, self.kv_dtype)
+        for layer in range(keys.shape[0]):
+            state.cache.update(keys[layer], values[layer], layer)
+
+    def _splice_kv(self, state: Emulation, align: Align) -> None:
+        """Put main's KV at positions [kv_from, kv_to), keeping our entries after them."""
+        assert align.keys is not None and align.values is not None
+        keys = align.keys.to(self.device, self.kv_dtype)  # [L, B, kvH, P, D]
+        values = align.values.to(self.device, self.kv_dtype)
+        start, stop = align.kv_from, align.kv_to
+        for layer, cached in enumerate(state.cache.layers):
+            cached.keys = torch.cat([cached.keys[:, :, :start], keys[layer], cached.keys[:, :, stop:]], dim=2)
+            cached.values = torch.cat([cached.values[:, :, :start], values[layer], cached.values[:, :, stop:]], dim=2)
+
+    @torch.inference_mode()
+    def _forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    def _router_hook(self, layer: int):
+        def hook(module, args, output) -> None:
+            state = self.run_state
+            if state is None or self.layer_step == 0:
+                return
+            _, _, indices = output  # [T, K]
+            experts = sorted(int(e) for e in indices[-1].tolist())
+            msg = Prediction(
+                request_id=state.request_id,
+                step=self.layer_step,
+                layer=layer,
+                experts=experts,
+                version=state.version,
+            )
+            self.endpoint.send("main", msg)
+            for worker in self.placement.workers_for_layer(layer):
+                self.endpoint.send(f"worker-{worker}", msg)
+
+        return hook
+
+
+def truncate_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def serve(spec: RoleSpec) -> None:
+    ShadowRole(spec).run()

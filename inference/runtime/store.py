@@ -1,0 +1,430 @@
+"""Expert stores: where a worker keeps the weights of the experts it owns, off the GPU.
+
+A store hands out host-side expert weights by (layer, expert) in the fused layout
+(``inference.runtime.experts.fuse_expert``). ``HostMemoryStore`` reads the whole shard into RAM up
+front (pinned when a GPU will copy from it); ``DiskStore`` keeps only an index of where
+each expert lies in the shard's files and reads an expert when the loader asks for it, so
+a worker's host memory stays at its overhead plus the experts in flight, whatever it owns.
+``HotSetStore`` keeps the last experts a ``DiskStore`` read in RAM (the eviction rule:
+``inference.policies.hotset``). ``open_store`` picks one by the ``expert_store`` setting (``"ram"``,
+``"disk"``, or ``"hot"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import weakref
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from inference.constants import EXPERT_STORES
+from inference.modelio.checkpoint import EXPERT_PROJS, parse_expert_key
+from inference.modelio.shards import MANIFEST_FILE, ShardError, role_experts, verify_shard
+from inference.modelio.tensorfile import TensorEntry, TensorFileError, read_header
+from inference.policies.hotset import hot_set_victims
+from inference.runtime.experts import ExpertWeights
+
+LayerExpert = tuple[int, int]
+
+
+class ExpertStore(Protocol):
+    def keys(self) -> frozenset[LayerExpert]: ...
+
+    def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    def nbytes(self, layer: int, expert: int) -> int: ...
+
+
+def open_store(
+    kind: str,
+    shard_dir: str | Path,
+    *,
+    pin: bool = False,
+    verify: bool = True,
+    read_bytes_per_s: float | None = None,
+    dtype: torch.dtype | None = None,
+    hot_experts: int = 0,
+) -> HostMemoryStore | DiskStore | HotSetStore:
+    """The ``kind`` store (``"ram"``, ``"disk"`` or ``"hot"``) of the worker shard in ``shard_dir``.
+
+    ``read_bytes_per_s`` emulates the disk's read bandwidth (``"disk"`` and ``"hot"``);
+    ``dtype`` casts every expert as it is read (None: the checkpoint's own dtype);
+    ``hot_experts`` is how many experts a ``"hot"`` store keeps in RAM.
+    """
+    if kind == "ram":
+        return HostMemoryStore.from_shard(shard_dir, pin=pin, verify=verify, dtype=dtype)
+    if kind in ("disk", "hot"):
+        disk = DiskStore(shard_dir, pin=pin, verify=verify, read_bytes_per_s=read_bytes_per_s, dtype=dtype)
+        if kind == "disk":
+            return disk
+        try:
+            return HotSetStore(disk, hot_experts)
+        except ValueError:
+            disk.close()
+            raise
+    raise ValueError(f"expert store must be one of {', '.join(EXPERT_STORES)}, got {kind!r}")
+
+
+def page_lock(tensor: torch.Tensor) -> None:
+    """Page-lock ``tensor``'s own host memory for fast, asynchronous copies to a GPU (exactly its bytes).
+
+    ``cudaHostRegister`` (portable, as torch's own ``_pin_memory_utils`` does); the memory is
+    unregistered when the tensor is freed. ``tensor.is_pinned()`` is then true, so
+    ``.to(device, non_blocking=True)`` copies it asynchronously.
+    """
+    pointer = tensor.data_ptr()
+    torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(pointer, tensor.nbytes, 1)))
+    weakref.finalize(tensor, _page_unlock, pointer)
+
+
+def _page_unlock(pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+def _missing(layer: int, expert: int) -> KeyError:
+    return KeyError(f"expert {expert} of layer {layer} is not in this worker's store")
+
+
+class HostMemoryStore:
+    def __init__(self, experts: dict[LayerExpert, ExpertWeights]) -> None:
+        self._experts = experts
+
+    @classmethod
+    def from_shard(
+        cls, shard_dir: str | Path, *, pin: bool = False, verify: bool = True, dtype: torch.dtype | None = None
+    ) -> HostMemoryStore:
+        """Read every expert of a worker shard into fused host tensors.
+
+        The shard is verified first unless ``verify=False`` (the caller just verified it).
+        Each expert is read by a ``DiskStore`` straight into its final tensors: no unfused
+        copies are held or freed on the way, so the peak is the owned bytes plus overhead.
+        With ``pin`` (a GPU will copy from them) each tensor is page-locked where it lies
+        (``page_lock``), not allocated by torch's pinned allocator, which rounds every block
+        up to a power of two: a Mixtral-8x7B expert's 224 MiB gate_up would take 256 MiB, and
+        a worker pinning 22 GB of experts would need 25.
+        """
+        experts = {}
+        with DiskStore(shard_dir, verify=verify, dtype=dtype) as disk:
+            for pair in sorted(disk.keys()):
+                weights = disk.get(*pair)
+                if pin:
+                    page_lock(weights.gate_up)
+                    page_lock(weights.down)
+                experts[pair] = weights
+        return cls(experts)
+
+    def keys(self) -> frozenset[LayerExpert]:
+        return frozenset(self._experts)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        try:
+            return self._experts[(layer, expert)]
+        except KeyError:
+            raise _missing(layer, expert) from None
+
+    def nbytes(self, layer: int, expert: int) -> int:
+        return self.get(layer, expert).nbytes
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Where one tensor's bytes lie: an open part file and an absolute byte range."""
+
+    fd: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _ExpertIndex:
+    dtype: torch.dtype
+    gate_up_shape: tuple[int, int]  # [2I, H]
+    down_shape: tuple[int, int]  # [H, I]
+    gate_up: tuple[_Span, _Span]  # w1 then w3: the rows of gate_up in order
+    down: _Span  # w2
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up[0].nbytes + self.gate_up[1].nbytes + self.down.nbytes
+
+
+class DiskStore:
+    """A worker's experts read from its shard files on demand (SSD streaming).
+
+    Construction reads only the safetensors headers (``inference.modelio.tensorfile.read_header``):
+    which part holds each expert's ``w1``/``w2``/``w3``, at which byte range, in which dtype
+    and shape. ``get`` reads the three ranges with ``os.preadv`` straight into the fused
+    layout (``w1`` and ``w3`` are consecutive row blocks of ``gate_up``): one copy from the
+    page cache, no ``torch.cat``. Reads go through file descriptors, not ``safe_open``'s
+    memory map: a mapped file's touched pages count in the process's resident memory, so a
+    long-running worker would grow to its whole shard (measured: +230 MiB of RssFile after
+    reading a 336 MiB shard once, and 15 ms per bf16 expert of 5.5 MB against 0.9 ms here).
+    ``pread`` moves no file position, so one descriptor per part serves every thread (the
+    loader's copy thread, ``preload``).
+
+    ``read_into`` reads an expert straight into memory the caller gives: a GPU worker's
+    loader reads each expert into one of its rotating pinned staging buffers
+    (``inference.runtime.staging``) and copies it to the device from there, so its pinned memory is
+    those few buffers, exactly. With ``pin=True`` each ``get`` instead returns freshly
+    allocated pinned tensors from PyTorch's caching host allocator (recycled once freed and
+    their copies done, but each rounded up to a power of two and kept cached); the loader's
+    CPU paths may keep ``get``'s tensors as the "device" copy, which a reused buffer would corrupt.
+
+    ``read_bytes_per_s`` emulates a slower disk: reads share one token bucket (a clock of
+    when the disk is next free), so reading n bytes takes at least n / rate even when
+    threads read at once. ``dtype`` casts each expert after reading it (a role computing in
+    another dtype than the checkpoint's); ``nbytes`` is then the cast expert's size.
+    """
+
+    def __init__(
+        self,
+        shard_dir: str | Path,
+        *,
+        pin: bool = False,
+        verify: bool = True,
+        read_bytes_per_s: float | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self._fds: list[int] = []  # first, so that close() works whatever fails below
+        if read_bytes_per_s is not None and read_bytes_per_s <= 0:
+            raise ValueError(f"read_bytes_per_s must be > 0 (or None), got {read_bytes_per_s}")
+        self.shard_dir = Path(shard_dir)
+        self.pin = pin
+        self.read_bytes_per_s = read_bytes_per_s
+        self.dtype = dtype
+        manifest = verify_shard(self.shard_dir, expect_role="worker") if verify else _manifest(self.shard_dir)
+        parts = sorted(e["path"] for e in manifest["files"] if e["path"].endswith(".safetensors"))
+        self._bucket_lock = threading.Lock()
+        self._disk_free_at = 0.0
+        try:
+            tensors: dict[str, tuple[int, TensorEntry]] = {}
+            for part in parts:
+                file = self.shard_dir / part
+                fd = os.open(file, os.O_RDONLY)  # not inherited by children (PEP 446)
+                self._fds.append(fd)
+                try:
+                    header = read_header(file)
+                except (TensorFileError, OSError) as exc:
+                    raise ShardError(f"shard {self.shard_dir}: cannot index {part}: {exc}") from exc
+                for name, entry in header.items():
+                    tensors[name] = (fd, entry)
+            self._index = self._build_index(tensors)
+            listed = set(role_experts(manifest))
+            if listed and listed != set(self._index):
+                raise ShardError(f"shard {self.shard_dir}: its files' experts do not match the manifest's expert list")
+        except BaseException:
+            self.close()
+            raise
+
+    def _build_index(self, tensors: dict[str, tuple[int, TensorEntry]]) -> dict[LayerExpert, _ExpertIndex]:
+        projs: dict[LayerExpert, dict[str, tuple[int, TensorEntry]]] = {}
+        for name, located in tensors.items():
+            key = parse_expert_key(name)
+            if key is not None:
+                projs.setdefault((key.layer, key.expert), {})[key.proj] = located
+        index: dict[LayerExpert, _ExpertIndex] = {}
+        for (layer, expert), found in projs.items():
+            where = f"shard {self.shard_dir}: expert {expert} of layer {layer}"
+            missing = sorted(set(EXPERT_PROJS) - found.keys())
+            if missing:
+                raise ShardError(f"{where} lacks {', '.join(missing)}")
+            (fd1, w1), (fd2, w2), (fd3, w3) = found["w1"], found["w2"], found["w3"]
+            if not w1.dtype == w2.dtype == w3.dtype:
+                raise ShardError(f"{where} has mixed dtypes {w1.dtype}/{w2.dtype}/{w3.dtype}")
+            if len(w1.shape) != 2 or w1.shape != w3.shape or w2.shape != w1.shape[::-1]:
+                raise ShardError(f"{where} has mismatched shapes w1 {w1.shape}, w2 {w2.shape}, w3 {w3.shape}")
+            inter, hidden = w1.shape
+            index[(layer, expert)] = _ExpertIndex(
+                dtype=w1.dtype,
+                gate_up_shape=(2 * inter, hidden),
+                down_shape=(hidden, inter),
+                gate_up=(_Span(fd1, w1.start, w1.nbytes), _Span(fd3, w3.start, w3.nbytes)),
+                down=_Span(fd2, w2.start, w2.nbytes),
+            )
+        return index
+
+    def keys(self) -> frozenset[LayerExpert]:
+        return frozenset(self._index)
+
+    def nbytes(self, layer: int, expert: int) -> int:
+        entry = self._entry(layer, expert)
+        if self.dtype is None:
+            return entry.nbytes
+        return entry.nbytes // entry.dtype.itemsize * self.dtype.itemsize
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        entry = self._entry(layer, expert)
+        if self.dtype is not None and self.dtype != entry.dtype:
+            read = self._read(entry)
+            cast = (torch.empty(t.shape, dtype=self.dtype, pin_memory=self.pin).copy_(t) for t in read)
+            return ExpertWeights(*cast)
+        gate_up, down = self._read(entry)
+        return ExpertWeights(gate_up, down)
+
+    def expert_layout(self, layer: int, expert: int) -> tuple[torch.Size, torch.Size, torch.dtype]:
+        """The (gate_up shape, down shape, dtype) ``get`` returns for this expert."""
+        entry = self._entry(layer, expert)
+        return torch.Size(entry.gate_up_shape), torch.Size(entry.down_shape), self.dtype or entry.dtype
+
+    def read_into(self, layer: int, expert: int, out: ExpertWeights) -> None:
+        """Read this expert straight into ``out`` (contiguous, laid out as ``expert_layout`` says):
+        a staging buffer (``inference.runtime.staging``), filled with no copy in between unless a cast is due."""
+        entry = self._entry(layer, expert)
+        layout = (tuple(out.gate_up.shape), tuple(out.down.shape), out.gate_up.dtype, out.down.dtype)
+        want = self.expert_layout(layer, expert)
+        if layout != (tuple(want[0]), tuple(want[1]), want[2], want[2]):
+            raise ValueError(f"expert {expert} of layer {layer} is {want}, not laid out as {layout}")
+        if not (out.gate_up.is_contiguous() and out.down.is_contiguous()):
+            raise ValueError("read_into needs contiguous tensors")
+        if want[2] != entry.dtype:
+            gate_up, down = self._read(entry)
+            out.gate_up.copy_(gate_up)
+            out.down.copy_(down)
+            return
+        self._read(entry, out.gate_up, out.down)
+
+    def _read(
+        self, entry: _ExpertIndex, gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's fused (gate_up, down) in the file's dtype, into the given tensors or fresh ones
+        (pinned unless a cast follows)."""
+        pin = self.pin and (self.dtype is None or self.dtype == entry.dtype)
+        start = time.perf_counter()
+        if gate_up is None or down is None:
+            gate_up = torch.empty(entry.gate_up_shape, dtype=entry.dtype, pin_memory=pin)
+            down = torch.empty(entry.down_shape, dtype=entry.dtype, pin_memory=pin)
+        rows = _writable_bytes(gate_up)
+        first = entry.gate_up[0].nbytes
+        _pread_into(entry.gate_up[0], rows[:first])
+        _pread_into(entry.gate_up[1], rows[first:])
+        _pread_into(entry.down, _writable_bytes(down))
+        if self.read_bytes_per_s:
+            self._throttle(entry.nbytes, start)
+        return gate_up, down
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _entry(self, layer: int, expert: int) -> _ExpertIndex:
+        try:
+            return self._index[(layer, expert)]
+        except KeyError:
+            raise _missing(layer, expert) from None
+
+    def _throttle(self, nbytes: int, start: float) -> None:
+        assert self.read_bytes_per_s is not None
+        with self._bucket_lock:
+            begin = max(start, self._disk_free_at)
+            self._disk_free_at = done = begin + nbytes / self.read_bytes_per_s
+        wait = done - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+
+
+class HotSetStore:
+    """A ``DiskStore`` with the last ``capacity`` experts it read kept in RAM (``ExpertStore``)."""
+
+    def __init__(self, disk: DiskStore, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a hot set holds at least 1 expert, got {capacity}")
+        self.disk = disk
+        self.capacity = capacity
+        self._held: OrderedDict[LayerExpert, ExpertWeights] = OrderedDict()
+        self._pins: Counter[LayerExpert] = Counter()
+        self._lock = threading.Lock()
+        self.reads = 0  # experts read from disk
+        self.hits = 0  # experts served from the hot set
+
+    def keys(self) -> frozenset[LayerExpert]:
+        return self.disk.keys()
+
+    def nbytes(self, layer: int, expert: int) -> int:
+        return self.disk.nbytes(layer, expert)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        key = (layer, expert)
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                self._held.move_to_end(key)
+                self.hits += 1
+                return held
+        weights = self.disk.get(layer, expert)  # outside the lock: a read takes a while
+        with self._lock:
+            self.reads += 1
+            self._held[key] = weights
+            self._held.move_to_end(key)
+            for victim in hot_set_victims(list(self._held), set(self._pins), self.capacity):
+                del self._held[victim]
+        return weights
+
+    def pin(self, layer: int, expert: int) -> None:
+        """A prediction named this expert: keep it until it is used."""
+        with self._lock:
+            self._pins[(layer, expert)] += 1
+
+    def unpin(self, layer: int, expert: int) -> None:
+        with self._lock:
+            key = (layer, expert)
+            if self._pins[key] <= 1:
+                self._pins.pop(key, None)
+            else:
+                self._pins[key] -= 1
+
+    def clear_pins(self) -> None:
+        with self._lock:
+            self._pins.clear()
+
+    def held(self) -> list[LayerExpert]:
+        """The experts in RAM, least recently used first."""
+        with self._lock:
+            return list(self._held)
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(w.nbytes for w in self._held.values())
+
+    def close(self) -> None:
+        self.disk.close()
+
+
+def _manifest(shard_dir: Path) -> dict:
+    try:
+        manifest = json.loads((shard_dir / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ShardError(f"shard {shard_dir}: cannot read {MANIFEST_FILE} ({exc})") from exc
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        raise ShardError(f"shard {shard_dir}: {MANIFEST_FILE} has no 'files' list")
+    return manifest
+
+
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's storage (any dtype, bf16 included)."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _pread_into(span: _Span, buffer: memoryview) -> None:
+    done = 0
+    while done < span.nbytes:  # a read may return less than asked (Linux caps one at ~2 GiB)
+        got = os.preadv(span.fd, [buffer[done:]], span.offset + done)
+        if got <= 0:
+            raise ShardError(f"a shard file ended {span.nbytes - done} bytes early while reading an expert")
+        done += got
