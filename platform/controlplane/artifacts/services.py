@@ -15,6 +15,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
+from controlplane.queueing import queue_task
 from inference.building.sharding import add_shadow_shards, build_shards
 from inference.constants import MAIN_EXTRAS
 from inference.modelio.checkpoint import Checkpoint, CheckpointError
@@ -22,6 +23,9 @@ from inference.modelio.shards import ShardError, shadow_dtypes_to_build
 
 from .models import ModelArtifact, ModelStatus, ShardStatus
 
+# The tasks this module queues, by name (controlplane.queueing): thin wrappers in tasks.py.
+BUILD_MODEL_SHARDS_TASK = "controlplane.artifacts.tasks.build_model_shards_task"
+DOWNLOAD_MODEL_TASK = "controlplane.artifacts.tasks.download_model_task"
 PROGRESS_EVERY_S = 0.5  # how often a shard build or a download writes its progress to the database
 # What a download fetches from a Hub repo: weights, configs, tokenizer and chat template
 # (no .bin or .pt duplicates of the weights, no original/ consolidated files).
@@ -113,8 +117,6 @@ def request_model_download(*, name: str, repo: str) -> ModelArtifact:
     or *failed* with the reason. Asking again for a failed download of the same repo retries
     it, from where it stopped.
     """
-    from .tasks import download_model_task
-
     repo_id, revision = parse_repo_id(repo)
     target = models_dir() / repo_id.replace("/", "--") / (revision or "main").replace("/", "--")
     with transaction.atomic():
@@ -135,7 +137,7 @@ def request_model_download(*, name: str, repo: str) -> ModelArtifact:
         artifact.error = ""
         artifact.download_done_bytes = artifact.download_total_bytes = 0
         artifact.save()
-        transaction.on_commit(lambda: download_model_task.delay(artifact.pk))
+        transaction.on_commit(lambda: queue_task(DOWNLOAD_MODEL_TASK, artifact.pk))
     return artifact
 
 
@@ -246,8 +248,6 @@ class _Nowhere:
 
 def request_shard_build(*, artifact: ModelArtifact, workers: int) -> ModelArtifact:
     """Queue a shard build for ``workers`` workers; it starts once this transaction commits."""
-    from .tasks import build_model_shards_task
-
     if workers < 1:
         raise ModelError(f"at least one worker is needed, got {workers}")
     with transaction.atomic():
@@ -260,7 +260,7 @@ def request_shard_build(*, artifact: ModelArtifact, workers: int) -> ModelArtifa
         locked.shard_done_bytes = locked.shard_total_bytes = 0
         locked.shard_error = ""
         locked.save()
-        transaction.on_commit(lambda: build_model_shards_task.delay(locked.pk, workers))
+        transaction.on_commit(lambda: queue_task(BUILD_MODEL_SHARDS_TASK, locked.pk, workers))
     return locked
 
 

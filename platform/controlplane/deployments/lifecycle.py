@@ -26,6 +26,7 @@ from controlplane.artifacts.services import (
 )
 from controlplane.nodes.models import Node, NodeStatus, NodeTask
 from controlplane.nodes.services import send_command
+from controlplane.queueing import queue_task
 from controlplane.storable import storable_json, storable_text
 from inference.building.memory import gpu_index
 from inference.policies.schedule import validate_periods
@@ -39,6 +40,7 @@ from .services import DeploymentError, check_fits, check_nodes_free, check_predi
 
 log = logging.getLogger(__name__)
 
+PUSH_DEPLOYMENT_TASK = "controlplane.deployments.tasks.push_deployment_task"  # queued by name (controlplane.queueing)
 RESEND_AFTER_S = 15.0  # a start command not acted on within this long is sent again
 KEY_FIELDS = ("role_public_key", "role_secret_key", "client_public_key", "client_secret_key")
 UNAVAILABLE = (NodeStatus.OFFLINE, NodeStatus.ENROLLED)
@@ -49,8 +51,6 @@ UNAVAILABLE = (NodeStatus.OFFLINE, NodeStatus.ENROLLED)
 
 def start_deployment(*, deployment: Deployment) -> Deployment:
     """Deploy: shards are built if needed and each agent told what to fetch and run (in Celery)."""
-    from .tasks import push_deployment_task
-
     with transaction.atomic():
         locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
         if locked.status in RUNNING:
@@ -88,7 +88,7 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
             member.client_public_key, member.client_secret_key = seat.client.public, seat.client.secret
         DeploymentNode.objects.bulk_update(members, KEY_FIELDS)
         epoch = locked.epoch
-        transaction.on_commit(lambda: push_deployment_task.delay(locked.pk, epoch))
+        transaction.on_commit(lambda: queue_task(PUSH_DEPLOYMENT_TASK, locked.pk, epoch))
     return locked
 
 

@@ -20,6 +20,7 @@ from django.utils import timezone
 from redis.exceptions import RedisError
 
 from controlplane.deployments import generation
+from controlplane.queueing import queue_task
 from controlplane.storable import storable_json, storable_text
 
 from . import metrics
@@ -28,6 +29,7 @@ from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
 from .text import InputError, Sampling, check_lengths, check_prompt, check_text_fits, encode_prompt
 
 MAX_PROMPTS = 100
+RUN_JOB_OUTPUT_TASK = "controlplane.serving.tasks.run_job_output_task"  # one prompt of a job (queueing.py)
 
 
 class TooManyActivePrompts(Exception):
@@ -67,8 +69,6 @@ def submit_job(
     running (``TooManyActivePrompts``): jobs run from one queue in the order they came, so one
     user's thousands of prompts would hold everyone else's behind them.
     """
-    from .tasks import run_job_output_task
-
     if not 1 <= len(prompts) <= MAX_PROMPTS:
         raise InputError(f"a job takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompts")
     _check_active_prompts(owner, len(prompts))  # before tokenizing them: cheap, and said at once
@@ -101,7 +101,7 @@ def submit_job(
             for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
         )
         ids = [o.pk for o in outputs]
-        transaction.on_commit(lambda: [run_job_output_task.delay(pk) for pk in ids])
+        transaction.on_commit(lambda: [queue_task(RUN_JOB_OUTPUT_TASK, pk) for pk in ids])
     return job
 
 
@@ -200,14 +200,12 @@ def cancel_job(*, job: Job) -> Job:
 def requeue_unfinished() -> int:
     """Queue again every output of a running job that is not finished: after Redis came back empty
     (restarted without its data), their tasks are gone. One that still runs somewhere runs twice, harmlessly."""
-    from .tasks import run_job_output_task
-
     unfinished = JobOutput.objects.filter(status__in=(OutputStatus.QUEUED, OutputStatus.RUNNING)).exclude(
         job__status__in=ENDED
     )
     ids = list(unfinished.values_list("pk", flat=True))
     for pk in ids:
-        run_job_output_task.delay(pk)
+        queue_task(RUN_JOB_OUTPUT_TASK, pk)
     return len(ids)
 
 

@@ -1,0 +1,23 @@
+"""Queue a Celery task by its name, from the service that decides the work.
+
+A service decides what to run and queues it; its app's ``tasks.py`` is the thin wrapper that
+calls the service back in a worker. Taking the task from the Celery app's registry by name,
+rather than importing it, keeps a service and its task module from importing each other
+(``.importlinter``: no import cycles). A task's name is its own (``module.function``), the
+string ``CELERY_TASK_ROUTES`` and the beat schedule know it by; each service names the tasks
+it queues in a constant, and ``tests/controlplane/test_queues.py`` checks every one of them
+against the registry.
+"""
+
+from __future__ import annotations
+
+from celery import current_app
+
+
+def queue_task(name: str, *args: object) -> None:
+    """Send the task ``name`` with ``args`` to its queue, as ``task.delay(*args)`` does."""
+    try:
+        task = current_app.tasks[name]  # the registry: every app's tasks module, autodiscovered
+    except KeyError:
+        raise LookupError(f"no Celery task is named {name!r}: is its app's tasks module discovered?") from None
+    task.delay(*args)
