@@ -95,9 +95,9 @@ MOVED_BY: tuple[MovedBy, ...] = (
     ),
     MovedBy(
         patterns=("concurrency*.json", "openai-concurrency*.json", "chunked-prefill*.json"),
-        commit=None,
-        date=None,
-        reason="the engine rewrite (a scheduler that owns its loop) moves every batched figure",
+        commit="c0c9024",
+        date="2026-12-05T05:06:28+00:00",
+        reason="main's engine (one thread, a scheduler that owns its loop) moves every batched figure",
     ),
 )
 
