@@ -16,8 +16,12 @@ from celery import current_app
 
 def queue_task(name: str, *args: object) -> None:
     """Send the task ``name`` with ``args`` to its queue, as ``task.delay(*args)`` does."""
+    if name not in current_app.tasks:
+        # Outside a worker nothing has imported the apps' tasks modules yet: Celery's
+        # autodiscovery runs when its loader imports the default modules, as a worker does at start.
+        current_app.loader.import_default_modules()
     try:
-        task = current_app.tasks[name]  # the registry: every app's tasks module, autodiscovered
+        task = current_app.tasks[name]
     except KeyError:
         raise LookupError(f"no Celery task is named {name!r}: is its app's tasks module discovered?") from None
     task.delay(*args)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
+
+from controlplane.ops.processes import python_env
 
 
 def test_jobs_have_a_queue_of_their_own_and_liveness_never_waits_behind_them() -> None:
@@ -43,3 +47,22 @@ def test_queueing_a_task_that_does_not_exist_says_so() -> None:
 
     with pytest.raises(LookupError, match=re.escape("no Celery task is named 'controlplane.nowhere.task'")):
         queue_task("controlplane.nowhere.task", 1)
+
+
+def test_a_process_that_never_imported_a_tasks_module_queues_by_name() -> None:
+    """The web process and ``manage.py`` commands queue tasks without having imported any tasks module."""
+    code = (
+        "import django\n"
+        "django.setup()\n"
+        "import sys\n"
+        "from celery.app.task import Task\n"
+        "assert 'controlplane.deployments.tasks' not in sys.modules\n"
+        "sent = []\n"
+        "Task.delay = lambda self, *args: sent.append((self.name, args))  # no broker: record the send\n"
+        "from controlplane.queueing import queue_task\n"
+        "queue_task('controlplane.deployments.tasks.push_deployment_task', 7, 2)\n"
+        "assert sent == [('controlplane.deployments.tasks.push_deployment_task', (7, 2))], sent\n"
+    )
+    env = python_env(DJANGO_SETTINGS_MODULE="controlplane.config.settings.test")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
