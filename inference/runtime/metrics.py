@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass, field
 
 from inference.policies.placement import Placement
 from inference.policies.schedule import recall
@@ -96,76 +97,73 @@ def step_report(step: StepRecord, placement: Placement) -> dict:
     }
 
 
-def build_metrics(
-    state: RequestState,
-    worker_stats: dict[int, WorkerStats],
-    shadow_stats: ShadowStats | None,
-    placement: Placement,
-    *,
-    token_period: int,
-    kv_period: int,
-) -> dict:
-    times = state.token_times
-    ttft_ms = (times[0] - state.started) * 1000 if times else 0.0
-    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
-    decode_tok_s = (len(times) - 1) / decode_s if decode_s > 0 else 0.0
-    total_s = times[-1] - state.started if times else 0.0
-    per_layer: dict[int, list[float]] = {}
-    per_step = []
-    all_recalls: list[float] = []
-    covered = 0
-    in_time = 0
-    decode_dispatch: list[float] = []
-    decode_wait: list[float] = []
-    decode_coordination: list[float] = []
-    decode_worker: list[float] = []
-    decode_parts: dict[str, list[float]] = {k: [] for k in BREAKDOWN}
-    decode_hops: dict[str, list[float]] = {k: [] for k in HOPS_SPLIT}
+@dataclass
+class DecodeTally:
+    """What the decode layers of a generation add up to, gathered in one walk over its steps."""
+
+    per_layer: dict[int, list[float]] = field(default_factory=dict)
+    recalls: list[float] = field(default_factory=list)
+    covered: int = 0
+    in_time: int = 0
+    late: int = 0  # decode experts computed that no prediction had named when main dispatched their layer
+    dispatch: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)
+    coordination: list[float] = field(default_factory=list)
+    worker: list[float] = field(default_factory=list)
+    parts: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in BREAKDOWN})
+    hops: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in HOPS_SPLIT})
     # Per decode step, main's own time per layer outside the round trips: the step's whole token
     # interval (what the decode rate counts: the embedding, layer 0's attention before its first
     # round trip, streaming the token) less the round trips, spread over the layers.
-    main_between: list[float] = []
-    late = 0  # decode experts computed that no prediction had named when main dispatched their layer
+    main_between: list[float] = field(default_factory=list)
+
+
+def _layer_entry(state: RequestState, step: StepRecord, rec: LayerRecord, tally: DecodeTally) -> dict:
+    """One layer's entry in ``per_step``; a decode layer's figures are added to ``tally``."""
+    parts, hops = layer_breakdown(rec), hops_split(rec)
+    entry = {
+        "layer": rec.layer,
+        "real": rec.real,
+        "wait_ms": round(rec.wait_ms, 3),
+        "worker_ms": round(rec.worker_ms, 3),
+        "dispatch_ms": round(rec.dispatch_ms, 3),
+        "breakdown_ms": {k: round(v, 3) for k, v in parts.items()},
+        "hops_split_ms": {k: round(v, 3) for k, v in hops.items()},
+        "hits": rec.hits,
+        "misses": rec.misses,
+    }
+    if step.step > 0:
+        predicted = state.predictions.get((step.step, rec.layer))
+        tally.covered += predicted is not None
+        tally.in_time += rec.predicted is not None
+        r = recall(predicted, rec.real)
+        entry.update(predicted=predicted, predicted_in_time=rec.predicted is not None, recall=r)
+        tally.late += len(set(rec.real) - set(rec.predicted or ()))
+        tally.per_layer.setdefault(rec.layer, []).append(r)
+        tally.dispatch.append(rec.dispatch_ms)
+        tally.wait.append(rec.wait_ms)
+        # What the layer cost beyond loading and computing: message hops and scheduling.
+        tally.coordination.append(max(0.0, rec.dispatch_ms - rec.worker_ms))
+        tally.worker.append(rec.worker_ms)
+        for k, v in parts.items():
+            tally.parts[k].append(v)
+        for k, v in hops.items():
+            tally.hops[k].append(v)
+    return entry
+
+
+def per_step_entries(state: RequestState, tally: DecodeTally) -> list[dict]:
+    """Every step as ``build_metrics`` reports it under ``per_step``, its decode layers tallied."""
+    times = state.token_times
+    per_step = []
     for step in state.steps:
-        layers = []
-        step_recalls = []
-        for rec in step.layers:
-            parts, hops = layer_breakdown(rec), hops_split(rec)
-            entry = {
-                "layer": rec.layer,
-                "real": rec.real,
-                "wait_ms": round(rec.wait_ms, 3),
-                "worker_ms": round(rec.worker_ms, 3),
-                "dispatch_ms": round(rec.dispatch_ms, 3),
-                "breakdown_ms": {k: round(v, 3) for k, v in parts.items()},
-                "hops_split_ms": {k: round(v, 3) for k, v in hops.items()},
-                "hits": rec.hits,
-                "misses": rec.misses,
-            }
-            if step.step > 0:
-                predicted = state.predictions.get((step.step, rec.layer))
-                covered += predicted is not None
-                in_time += rec.predicted is not None
-                r = recall(predicted, rec.real)
-                entry.update(predicted=predicted, predicted_in_time=rec.predicted is not None, recall=r)
-                late += len(set(rec.real) - set(rec.predicted or ()))
-                step_recalls.append(r)
-                per_layer.setdefault(rec.layer, []).append(r)
-                decode_dispatch.append(rec.dispatch_ms)
-                decode_wait.append(rec.wait_ms)
-                # What the layer cost beyond loading and computing: message hops and scheduling.
-                decode_coordination.append(max(0.0, rec.dispatch_ms - rec.worker_ms))
-                decode_worker.append(rec.worker_ms)
-                for k, v in parts.items():
-                    decode_parts[k].append(v)
-                for k, v in hops.items():
-                    decode_hops[k].append(v)
-            layers.append(entry)
-        all_recalls.extend(step_recalls)
+        layers = [_layer_entry(state, step, rec, tally) for rec in step.layers]
+        step_recalls = [entry["recall"] for entry in layers if "recall" in entry]
+        tally.recalls.extend(step_recalls)
         if step.step > 0 and step.layers and step.step < len(times):  # decode step s made token s
             interval_ms = (times[step.step] - times[step.step - 1]) * 1000
             spent = interval_ms - sum(rec.dispatch_ms for rec in step.layers)
-            main_between.append(max(0.0, spent) / len(step.layers))
+            tally.main_between.append(max(0.0, spent) / len(step.layers))
         per_step.append(
             {
                 "step": step.step,
@@ -175,72 +173,129 @@ def build_metrics(
                 "layers": layers,
             }
         )
-    decode_layers = len(all_recalls)
+    return per_step
+
+
+def prediction_metrics(state: RequestState, tally: DecodeTally) -> dict:
+    """How well the predictions and the expert choices served the decode layers."""
+    tokens = len(state.token_times)
+    decode_layers = len(tally.recalls)
+    per_layer = tally.per_layer
     return {
-        "recall": statistics.fmean(all_recalls) if all_recalls else None,
+        "recall": statistics.fmean(tally.recalls) if tally.recalls else None,
         "recall_per_layer": [statistics.fmean(per_layer[k]) for k in sorted(per_layer)],
-        "prediction_coverage": covered / decode_layers if decode_layers else None,
+        "prediction_coverage": tally.covered / decode_layers if decode_layers else None,
         # Share of decode layers whose prediction had reached main when it dispatched the layer.
-        "prediction_in_time": in_time / decode_layers if decode_layers else None,
+        "prediction_in_time": tally.in_time / decode_layers if decode_layers else None,
         # How many layers ahead of main the predictions that came in time arrived (median).
         "prediction_lead_layers": statistics.median(state.prediction_leads) if state.prediction_leads else None,
         # importance: the share of decode expert slots served from what workers held, and substitutions.
         "cache_hit_rate": state.resident_slots / state.expert_slots if state.expert_slots else None,
         "substitutions": state.substitutions,
-        "substitutions_per_token": state.substitutions / max(1, len(times) - 1),
-        "late_experts": late,
-        "late_experts_per_token": late / max(1, len(times) - 1),
+        "substitutions_per_token": state.substitutions / max(1, tokens - 1),
+        "late_experts": tally.late,
+        "late_experts_per_token": tally.late / max(1, tokens - 1),
         # prerouter: the share of routed expert slots that the model's own router would have chosen too.
         "router_agreement": state.router_matches / state.router_slots if state.router_slots else None,
+    }
+
+
+def speed_metrics(state: RequestState) -> dict:
+    """Time to the first token and the token rates, from main's token times."""
+    times = state.token_times
+    ttft_ms = (times[0] - state.started) * 1000 if times else 0.0
+    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    decode_tok_s = (len(times) - 1) / decode_s if decode_s > 0 else 0.0
+    total_s = times[-1] - state.started if times else 0.0
+    return {
         "ttft_ms": ttft_ms,
         "decode_tok_s": decode_tok_s,
         "e2e_tok_s": len(times) / total_s if total_s > 0 else 0.0,
         "prompt_tokens": state.prompt_len,
         "generated_tokens": len(times),
-        "token_period": token_period,
-        "kv_period": kv_period,
-        "alignment_changes": state.alignment_log,
-        "expert_bytes": max((s.expert_bytes for s in worker_stats.values()), default=0),
-        "worker_peak_expert_bytes": {str(w): s.peak_decode_bytes for w, s in sorted(worker_stats.items())},
-        "worker_peak_prefill_bytes": {str(w): s.peak_prefill_bytes for w, s in sorted(worker_stats.items())},
-        "expert_loads": sum(s.loads for s in worker_stats.values()),
-        "prefetch_hits": sum(s.hits for s in worker_stats.values()),
-        "prefetch_misses": sum(s.misses for s in worker_stats.values()),
-        "wasted_loads": sum(s.wasted_loads for s in worker_stats.values()),
-        "disk_reads": sum(s.disk_reads for s in worker_stats.values()),
-        "hot_set_hits": sum(s.hot_hits for s in worker_stats.values()),
-        "cpu_experts": sum(s.cpu_experts for s in worker_stats.values()),
-        "decode_layer_dispatch_ms_median": statistics.median(decode_dispatch) if decode_dispatch else None,
-        "decode_layer_load_wait_ms_median": statistics.median(decode_wait) if decode_wait else None,
-        "decode_layer_worker_ms_median": statistics.median(decode_worker) if decode_worker else None,
-        "decode_layer_coordination_ms_median": (
-            statistics.median(decode_coordination) if decode_coordination else None
-        ),
+    }
+
+
+def worker_metrics(worker_stats: dict[int, WorkerStats]) -> dict:
+    """The workers' expert memory and loads, from the stats each sent at the session's end."""
+    stats = worker_stats.values()
+    ordered = sorted(worker_stats.items())
+    return {
+        "expert_bytes": max((s.expert_bytes for s in stats), default=0),
+        "worker_peak_expert_bytes": {str(w): s.peak_decode_bytes for w, s in ordered},
+        "worker_peak_prefill_bytes": {str(w): s.peak_prefill_bytes for w, s in ordered},
+        "expert_loads": sum(s.loads for s in stats),
+        "prefetch_hits": sum(s.hits for s in stats),
+        "prefetch_misses": sum(s.misses for s in stats),
+        "wasted_loads": sum(s.wasted_loads for s in stats),
+        "disk_reads": sum(s.disk_reads for s in stats),
+        "hot_set_hits": sum(s.hot_hits for s in stats),
+        "cpu_experts": sum(s.cpu_experts for s in stats),
+    }
+
+
+def decode_layer_metrics(tally: DecodeTally) -> dict:
+    """Where a decode layer's time went: medians (and the parts' means) over the decode layers."""
+    any_layer = bool(tally.dispatch)
+    between = tally.main_between
+    return {
+        "decode_layer_dispatch_ms_median": statistics.median(tally.dispatch) if tally.dispatch else None,
+        "decode_layer_load_wait_ms_median": statistics.median(tally.wait) if tally.wait else None,
+        "decode_layer_worker_ms_median": statistics.median(tally.worker) if tally.worker else None,
+        "decode_layer_coordination_ms_median": (statistics.median(tally.coordination) if tally.coordination else None),
         # Medians of each part of a decode layer's round trip (`layer_breakdown`); medians do not add up.
         "decode_layer_breakdown_ms_median": (
-            {k: statistics.median(v) for k, v in decode_parts.items()} if decode_dispatch else None
+            {k: statistics.median(v) for k, v in tally.parts.items()} if any_layer else None
         ),
         # Their means, which add up where medians do not: a decode token took about
         # layers × (main between layers + the parts), so a tail shows as a mean above its median.
         "decode_layer_breakdown_ms_mean": (
-            {k: statistics.fmean(v) for k, v in decode_parts.items()} if decode_dispatch else None
+            {k: statistics.fmean(v) for k, v in tally.parts.items()} if any_layer else None
         ),
         "decode_hops_split_ms_median": (
-            {k: statistics.median(v) for k, v in decode_hops.items()} if decode_dispatch else None
+            {k: statistics.median(v) for k, v in tally.hops.items()} if any_layer else None
         ),
         # Main's attention, norms and router per decode layer (and its per-token work spread over them).
-        "decode_main_between_layers_ms_median": statistics.median(main_between) if main_between else None,
-        "decode_main_between_layers_ms_mean": statistics.fmean(main_between) if main_between else None,
-        "shadow": None
-        if shadow_stats is None
-        else {
-            "steps_done": shadow_stats.steps_done,
-            "rewinds": shadow_stats.rewinds,
-            "token_aligns": shadow_stats.token_aligns,
-            "kv_aligns": shadow_stats.kv_aligns,
-            "speculations": shadow_stats.speculations,
-            "speculation_misses": shadow_stats.speculation_misses,
-        },
+        "decode_main_between_layers_ms_median": statistics.median(between) if between else None,
+        "decode_main_between_layers_ms_mean": statistics.fmean(between) if between else None,
+    }
+
+
+def shadow_metrics(shadow_stats: ShadowStats | None) -> dict | None:
+    """The shadow's own counts, or None without a shadow."""
+    if shadow_stats is None:
+        return None
+    return {
+        "steps_done": shadow_stats.steps_done,
+        "rewinds": shadow_stats.rewinds,
+        "token_aligns": shadow_stats.token_aligns,
+        "kv_aligns": shadow_stats.kv_aligns,
+        "speculations": shadow_stats.speculations,
+        "speculation_misses": shadow_stats.speculation_misses,
+    }
+
+
+def build_metrics(
+    state: RequestState,
+    worker_stats: dict[int, WorkerStats],
+    shadow_stats: ShadowStats | None,
+    placement: Placement,
+    *,
+    token_period: int,
+    kv_period: int,
+) -> dict:
+    """A generation's figures, each part from its own function, in the order they are reported."""
+    tally = DecodeTally()
+    per_step = per_step_entries(state, tally)
+    return {
+        **prediction_metrics(state, tally),
+        **speed_metrics(state),
+        "token_period": token_period,
+        "kv_period": kv_period,
+        "alignment_changes": state.alignment_log,
+        **worker_metrics(worker_stats),
+        **decode_layer_metrics(tally),
+        "shadow": shadow_metrics(shadow_stats),
         "groups": [list(g) for g in placement.groups],
         "per_step": per_step,
     }
