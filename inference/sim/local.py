@@ -450,7 +450,7 @@ def simulate_generation(
         return worker.share_control.share_at(step) if worker.share_control else Fraction(0)
 
     def mark_token(worker: WorkerSim, step: int) -> None:
-        """`WorkerRole._mark_token`: the previous decode token's period, as main timed it."""
+        """`inference.runtime.roles.worker.hybrid.mark_token`: the previous decode token's period, as main timed it."""
         mark, worker.token_mark = worker.token_mark, step
         if worker.share_control and mark == step - 1:  # (the trace holds decode steps only)
             worker.share_control.observe(mark, step_starts[step - 1] - step_starts[step - 2])
