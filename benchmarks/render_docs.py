@@ -120,10 +120,10 @@ PAGES: tuple[Page, ...] = (
     Page("split", "Splitting predicted experts", ("strategies-split-*.json",)),
     Page("depth", "Prefetch depth", ("strategies-depth*.json",)),
     Page(
-        "concurrency", "Many streams at once", ("concurrency*.json", "openai-concurrency.json", "chunked-prefill.json")
+        "concurrency", "Many streams at once", ("concurrency*.json", "openai-concurrency*.json", "chunked-prefill.json")
     ),
     Page("overhead", "Coordination overhead per layer", ("overhead*.json",)),
-    Page("memory", "Memory per role", ("main-memory-threads.json",)),
+    Page("memory", "Memory per role", ("main-memory-*.json",)),
     Page("families", "Model families", ()),
     Page("gpu", "GPU check", ("gpu-*.json",)),
     Page("faults", "Faults", ("faults.json",)),
@@ -149,7 +149,7 @@ UNTRACED_BUDGET: dict[str, int] = {
     "split": 3,
     "depth": 22,
     "overhead": 28,
-    "memory": 194,
+    "memory": 192,
     "families": 177,
     "gpu": 3,
     "load": 1,
@@ -185,7 +185,7 @@ STATUS: tuple[tuple[str, str, str, str, str], ...] = (
     (
         "8 prompts through the OpenAI API at once ÷ one after another",
         "concurrency",
-        "openai-concurrency.json:ratio.runs",
+        "openai-concurrency*.json:ratio.runs",
         ".2f",
         "",
     ),
