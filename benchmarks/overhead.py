@@ -31,7 +31,6 @@ load average before and after is printed, and on a shared machine every figure i
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import zmq
 
@@ -214,7 +214,9 @@ def component_times(shape: Shape, iterations: int) -> dict[str, float]:
     weights = torch.softmax(torch.randn(1, shape.top_k), dim=-1)
     routed = routing.split(hidden, index, weights)
     request, result = sample_messages(shape)
-    result = dataclasses.replace(result, experts=list(routed.experts), counts=[routed.count(e) for e in routed.experts])
+    result = msgspec.structs.replace(
+        result, experts=list(routed.experts), counts=[routed.count(e) for e in routed.experts]
+    )
     request_frames = _as_received(stamp(request))
     result_frames = _as_received(stamp(result))
     outputs = {e: torch.randn(routed.count(e), shape.hidden) for e in routed.experts}
