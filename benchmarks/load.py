@@ -88,7 +88,6 @@ import shutil
 import sqlite3
 import ssl
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -107,6 +106,7 @@ from agent.http import ControlPlaneError, request_json
 from agent.link import CLOSE_UNAUTHENTICATED, link_url
 from agent.tls import ServerTrust
 from benchmarks.overhead import percentile
+from benchmarks.provenance import commit
 from inference.wire.link import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, Pong, parse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1181,11 +1181,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
-
-
-def commit() -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return run.stdout.strip()
 
 
 def postgres_server_pids() -> list[int]:

@@ -24,13 +24,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from benchmarks.provenance import commit
 from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.tools.tiny import make_tiny
@@ -118,14 +118,6 @@ def kv_bytes_per_sequence(config: dict, tokens: int) -> int:
     return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * element * tokens
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", default="1,2,4,8", help="sequence counts, comma-separated")
@@ -169,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "benchmark": "main_memory",
         "command": "python -m benchmarks.main_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": git_commit(),
+        "commit": commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
         "checkpoint_bytes": checkpoint_bytes,
