@@ -432,13 +432,9 @@ def _serve_role(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     if spec.role != args.role:
         raise SpecError(f"--role {args.role} but the spec is for role {spec.role}")
-    if spec.role == "main":
-        from inference.runtime.roles.main import serve
-    elif spec.role == "shadow":
-        from inference.runtime.roles.shadow import serve
-    else:
-        from inference.runtime.roles.worker import serve
-    serve(spec)
+    from inference.runtime.roles.dispatch import serve_role
+
+    serve_role(spec)
     return 0
 
 

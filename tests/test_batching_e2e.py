@@ -1,6 +1,7 @@
 """Continuous batching end to end: many sequences at once, each token-identical to its own run.
 
-Real main, shadow and worker processes on 127.0.0.1; one client per stream, the streams
+Real main, shadow and worker roles on 127.0.0.1 (threads of the test process, over the same
+authenticated sockets; the shutdown test's main is a process); one client per stream, the streams
 started at staggered times with different prompt and answer lengths, so sequences join
 a running batch and leave it mid-stream.
 """
@@ -48,7 +49,7 @@ def test_every_sequence_of_a_batch_is_token_identical_to_its_own_run(
 ) -> None:
     model: Path = request.getfixturevalue(model_name)
     expected = references(model)
-    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy))
+    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy), in_process=True)
     with LocalCluster(model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS)
     for i, (want, got) in enumerate(zip(expected, results, strict=True)):
@@ -66,7 +67,7 @@ def test_a_full_batch_makes_requests_wait_and_a_cancel_frees_its_place(
     tiny_model: Path, expected: list[list[int]]
 ) -> None:
     # Two places: six streams queue and join as others leave.
-    options = ClusterOptions(workers=2, settings=Settings(max_batch=2))
+    options = ClusterOptions(workers=2, settings=Settings(max_batch=2), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS[:6], NEW_TOKENS[:6], stagger_s=0.0)
         # A cancelled sequence leaves after its current step; the other one runs on unchanged.
@@ -101,7 +102,7 @@ def test_a_full_batch_makes_requests_wait_and_a_cancel_frees_its_place(
 def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(tiny_model: Path) -> None:
     sampling = dict(do_sample=True, temperature=0.9, top_p=0.95)
     seeds = [11, 12, 13, 14]
-    with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, in_process=True)) as cluster:
         alone = [cluster.generate(PROMPTS[i], 16, seed=seed, **sampling).token_ids for i, seed in enumerate(seeds)]
         together = run_streams(
             cluster, PROMPTS[:4], [16] * 4, stagger_s=0.0, per_stream=[{"seed": seed} | sampling for seed in seeds]
@@ -116,7 +117,9 @@ def test_fused_batch_arithmetic_serves_a_whole_batch(tiny_model: Path) -> None:
     (a GEMM over several rows may round differently from one row's): measured here, a bf16 tiny
     model gave one of eight streams other tokens, the fp32 one none; so the answers are checked
     to be complete and batched, and how many equal their own runs is printed, not asserted."""
-    options = ClusterOptions(workers=2, settings=Settings(strategy="full-cache", batch_arithmetic="fused"))
+    options = ClusterOptions(
+        workers=2, settings=Settings(strategy="full-cache", batch_arithmetic="fused"), in_process=True
+    )
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS, stagger_s=0.0)
     assert all(isinstance(r, Done) for r in results), results
@@ -151,7 +154,7 @@ def test_chunked_prefill_joins_a_long_prompt_in_pieces_between_decode_steps(tiny
     step = 4
     prompts = [PROMPTS[0], PROMPTS[2], [1, *range(300, 337)], [1, *range(400, 430)]]  # 38 and 31 tokens
     new_tokens = [60, 60, 12, 12]
-    options = ClusterOptions(workers=2, settings=Settings(prefill_step=step))
+    options = ClusterOptions(workers=2, settings=Settings(prefill_step=step), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, prompts, new_tokens, stagger_s=0.05)
     for i, (prompt, n, got) in enumerate(zip(prompts, new_tokens, results, strict=True)):
@@ -177,7 +180,7 @@ def test_main_queues_a_users_requests_up_to_its_bound_and_says_which_limit_refus
     not refused), her third is too many for one user; bob still gets the last place in the queue,
     and carol, with nothing running, finds main full. Each refusal says which it is."""
     settings = Settings(max_batch=1, max_waiting=2, max_per_user=2)
-    with LocalCluster(tiny_model, ClusterOptions(workers=1, settings=settings)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=1, settings=settings, in_process=True)) as cluster:
         results: dict[str, Done | BaseException] = {}
         started = threading.Event()
 

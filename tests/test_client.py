@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_second_client_streams_tokens_then_the_result(tiny_model: Path) -> None:
-    with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, in_process=True)) as cluster:
         client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
         try:
             pong = client.ping(timeout_s=5)
@@ -33,7 +33,7 @@ def test_a_second_client_streams_tokens_then_the_result(tiny_model: Path) -> Non
 
 
 def test_a_client_of_another_deployment_is_ignored(tiny_model: Path) -> None:
-    with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=1, in_process=True)) as cluster:
         stranger = RuntimeClient(cluster.addresses.main, "some-other-deployment", curve=cluster.client_keys())
         try:
             assert stranger.ping(timeout_s=1) is None

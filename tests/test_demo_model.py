@@ -31,7 +31,7 @@ def test_the_shipped_demo_model_is_the_checkpoint_its_record_describes() -> None
 def test_the_runtime_serves_the_demo_model_exactly() -> None:
     tokenizer = load_tokenizer(DEMO)
     prompt = tokenizer("In Python, a dictionary")["input_ids"]
-    with LocalCluster(DEMO, ClusterOptions(workers=2)) as cluster:
+    with LocalCluster(DEMO, ClusterOptions(workers=2, in_process=True)) as cluster:
         done = cluster.generate(prompt, 16)
     assert done.token_ids == reference_generate(DEMO, prompt, 16)
     assert done.metrics["recall"] > 0.9  # an fp32 shadow aligned every step
@@ -50,7 +50,9 @@ def test_the_shipped_prerouter_is_the_demo_models_and_its_record_says_how_it_was
 def test_the_runtime_serves_the_demo_models_prerouter_as_its_own_rule() -> None:
     tokenizer = load_tokenizer(DEMO)
     prompt = tokenizer("In Python, a dictionary")["input_ids"]
-    with LocalCluster(DEMO, ClusterOptions(workers=2, settings=Settings(strategy="prerouter"))) as cluster:
+    with LocalCluster(
+        DEMO, ClusterOptions(workers=2, settings=Settings(strategy="prerouter"), in_process=True)
+    ) as cluster:
         done = cluster.generate(prompt, 16)
     assert done.token_ids == prerouted_generate(DEMO, prompt, 16)
     assert done.metrics["late_experts"] == 0

@@ -135,7 +135,7 @@ def test_every_family_is_token_identical_to_transformers(
     model = family_models[family]
     prompts = [PROMPTS[0], PROMPTS[3]]
     expected = [reference_generate(model, prompt, NEW_TOKENS) for prompt in prompts]
-    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy))
+    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy), in_process=True)
     with LocalCluster(model, options) as cluster:
         results = [cluster.generate(prompt, NEW_TOKENS) for prompt in prompts]
     for prompt, want, got in zip(prompts, expected, results, strict=True):
@@ -152,7 +152,9 @@ def test_a_tied_lm_head_is_served_as_the_embedding(shadow: str, tmp_path: Path) 
     model = make_tiny(tmp_path / "g", family="granitemoe", seed=9, shards=2, tied_embeddings=True, **FAMILY_SHAPE)
     assert "lm_head.weight" not in Checkpoint(model)
     expected = reference_generate(model, PROMPTS[3], NEW_TOKENS)
-    with LocalCluster(model, ClusterOptions(workers=3, settings=Settings(shadow_dtype=shadow))) as cluster:
+    with LocalCluster(
+        model, ClusterOptions(workers=3, settings=Settings(shadow_dtype=shadow), in_process=True)
+    ) as cluster:
         done = cluster.generate(PROMPTS[3], NEW_TOKENS)
     assert done.token_ids == expected
     if shadow == "fp32":
@@ -174,7 +176,7 @@ def test_every_family_in_half_precision_with_a_lossy_shadow(
 ) -> None:
     model = _family_model(tmp_path, family, dtype)
     expected = reference_generate(model, PROMPTS[3], NEW_TOKENS, dtype="auto")
-    options = ClusterOptions(workers=3, settings=Settings(shadow_dtype=shadow))
+    options = ClusterOptions(workers=3, settings=Settings(shadow_dtype=shadow), in_process=True)
     with LocalCluster(model, options) as cluster:
         done = cluster.generate(PROMPTS[3], NEW_TOKENS)
     assert done.token_ids == expected

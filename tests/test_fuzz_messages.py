@@ -392,7 +392,7 @@ def test_fuzzed_frames_from_a_keyed_peer_leave_main_and_a_worker_serving_exactly
 ) -> None:
     # A generation the fuzzing started and then disturbed (a peer holding the keys can say anything
     # about a request in flight) waits for its peers this long before main gives it up.
-    options = ClusterOptions(workers=1, settings=Settings(timeout_s=10.0))
+    options = ClusterOptions(workers=1, settings=Settings(timeout_s=10.0), in_process=True)
     with LocalCluster(tiny_model, options, work_dir=tmp_path) as cluster:
         before = cluster.generate(PROMPTS[0], 8)
         # Who the fuzz speaks as at each role: main's own key at the worker (what reaches all of a

@@ -126,8 +126,8 @@ def test_a_table_calibrated_for_another_model_is_refused(tmp_path: Path) -> None
 def test_importance_serves_substitutes_and_without_a_threshold_is_exact(calibrated: Path) -> None:
     prompts = PROMPTS[:3]
     exact = Settings(strategy="importance", cache_experts=1, importance_threshold=0.0)
-    with LocalCluster(calibrated, ClusterOptions(workers=2, settings=exact)) as cluster:
-        assert "shadow" not in cluster.processes
+    with LocalCluster(calibrated, ClusterOptions(workers=2, settings=exact, in_process=True)) as cluster:
+        assert "shadow" not in cluster.roles
         plain = [cluster.generate(p, 16) for p in prompts]
     for prompt, result in zip(prompts, plain, strict=True):
         assert result.token_ids == reference_generate(calibrated, prompt, 16)
@@ -136,7 +136,7 @@ def test_importance_serves_substitutes_and_without_a_threshold_is_exact(calibrat
     lossy = Settings(strategy="importance", cache_experts=1, importance_threshold=1.0)
     runs = []
     for _ in range(2):  # a fresh cluster each time: the same requests give the same tokens
-        with LocalCluster(calibrated, ClusterOptions(workers=2, settings=lossy)) as cluster:
+        with LocalCluster(calibrated, ClusterOptions(workers=2, settings=lossy, in_process=True)) as cluster:
             runs.append([cluster.generate(p, 16) for p in prompts])
     first, second = runs
     assert [r.token_ids for r in first] == [r.token_ids for r in second]

@@ -245,7 +245,7 @@ def test_the_prerouter_strategy_computes_what_it_staged_and_what_its_one_process
     prerouted: Path,
 ) -> None:
     settings = Settings(strategy="prerouter", expert_store="hot", hot_experts=3)
-    options = ClusterOptions(workers=4, settings=settings)
+    options = ClusterOptions(workers=4, settings=settings, in_process=True)
     assert not options.runs_shadow
     with LocalCluster(prerouted, options) as cluster:
         results = [cluster.generate(prompt, 12) for prompt in PROMPTS[:2]]
@@ -263,7 +263,7 @@ def test_the_prerouter_strategy_computes_what_it_staged_and_what_its_one_process
 
 @pytest.mark.slow
 def test_odmoe_with_the_prerouter_as_its_predictor_is_exact_without_a_shadow(prerouted: Path) -> None:
-    options = ClusterOptions(workers=4, settings=Settings(strategy="odmoe", predictor="prerouter"))
+    options = ClusterOptions(workers=4, settings=Settings(strategy="odmoe", predictor="prerouter"), in_process=True)
     assert not options.runs_shadow
     with LocalCluster(prerouted, options) as cluster:
         result = cluster.generate(PROMPTS[0], 12)
@@ -274,7 +274,7 @@ def test_odmoe_with_the_prerouter_as_its_predictor_is_exact_without_a_shadow(pre
 
 @pytest.mark.slow
 def test_a_batch_under_the_prerouter_gives_each_sequence_its_own_runs_tokens(prerouted: Path) -> None:
-    options = ClusterOptions(workers=2, settings=Settings(strategy="prerouter"))
+    options = ClusterOptions(workers=2, settings=Settings(strategy="prerouter"), in_process=True)
     prompts, lengths = PROMPTS[:4], [10, 6, 12, 8]
     with LocalCluster(prerouted, options) as cluster:
         results = run_streams(cluster, prompts, lengths)
@@ -288,6 +288,6 @@ def test_a_batch_under_the_prerouter_gives_each_sequence_its_own_runs_tokens(pre
 def test_a_fresh_tiny_checkpoint_without_a_prerouter_is_refused_by_main_with_the_command(tmp_path: Path) -> None:
     model_dir = make_tiny(tmp_path / "model", seed=3)
     settings = Settings(strategy="prerouter")
-    options = ClusterOptions(workers=1, settings=settings, startup_timeout_s=60)
+    options = ClusterOptions(workers=1, settings=settings, startup_timeout_s=60, in_process=True)
     with pytest.raises(ClusterError, match="train-prerouter"), LocalCluster(model_dir, options):
         pass

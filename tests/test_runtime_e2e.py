@@ -1,4 +1,9 @@
-"""End to end: real main, shadow and worker processes on 127.0.0.1 against Transformers."""
+"""End to end: real main, shadow and worker roles on 127.0.0.1 against Transformers.
+
+The roles run as threads of the test process (``ClusterOptions.in_process``) over the same
+authenticated loopback sockets as processes; the tests that kill, freeze or measure a role
+(test_faults, test_role_loss, test_hostile_peers, test_role_memory, test_store) use processes.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ NEW_TOKENS = 64
 def test_greedy_output_is_token_identical_to_transformers(model_name: str, workers: int, request) -> None:
     model: Path = request.getfixturevalue(model_name)
     expected = [reference_generate(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
-    with LocalCluster(model, ClusterOptions(workers=workers)) as cluster:
+    with LocalCluster(model, ClusterOptions(workers=workers, in_process=True)) as cluster:
         results = [cluster.generate(prompt, NEW_TOKENS) for prompt in PROMPTS]
     for prompt, want, got in zip(PROMPTS, expected, results, strict=True):
         assert got.token_ids == want, f"prompt {prompt}: tokens differ from Transformers"
@@ -53,7 +58,7 @@ def test_greedy_output_is_token_identical_to_transformers(model_name: str, worke
 
 def test_workers_never_hold_more_than_two_experts_during_decode(tiny_model: Path) -> None:
     # 8 workers, top-2: groups of exactly top-k workers, the paper's configuration.
-    with LocalCluster(tiny_model, ClusterOptions(workers=8)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=8, in_process=True)) as cluster:
         done = cluster.generate(PROMPTS[3], 48)
     metrics = done.metrics
     expert_bytes = metrics["expert_bytes"]
@@ -67,7 +72,7 @@ def test_workers_never_hold_more_than_two_experts_during_decode(tiny_model: Path
 
 @pytest.mark.parametrize("dtype", ["int8", "nf4", "bf16"])
 def test_quantized_shadows_run_and_report_recall(tiny_model: Path, dtype: str) -> None:
-    options = ClusterOptions(workers=4, settings=Settings(shadow_dtype=dtype))
+    options = ClusterOptions(workers=4, settings=Settings(shadow_dtype=dtype), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         done = cluster.generate(PROMPTS[0], 32)
     # Predictions never change the output, only where experts are loaded from.
@@ -80,7 +85,7 @@ def test_quantized_shadows_run_and_report_recall(tiny_model: Path, dtype: str) -
 
 
 def test_alignment_periods_change_while_generating(tiny_model: Path) -> None:
-    with LocalCluster(tiny_model, ClusterOptions(workers=4)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=4, in_process=True)) as cluster:
 
         def slow_down_alignment(tokens_so_far: int) -> None:
             if tokens_so_far == 8:
@@ -103,7 +108,7 @@ def test_alignment_periods_change_while_generating(tiny_model: Path) -> None:
 
 
 def test_without_a_shadow_workers_load_on_demand_and_stay_exact(tiny_model: Path) -> None:
-    with LocalCluster(tiny_model, ClusterOptions(workers=8, shadow=False)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=8, shadow=False, in_process=True)) as cluster:
         done = cluster.generate(PROMPTS[2], 24)
     assert done.token_ids == reference_generate(tiny_model, PROMPTS[2], 24)
     assert done.metrics["recall"] == 0.0
@@ -114,7 +119,7 @@ def test_without_a_shadow_workers_load_on_demand_and_stay_exact(tiny_model: Path
 def test_long_prompts_prefilled_in_mini_batches_stay_exact(tiny_model: Path, workers: int) -> None:
     generator = random.Random(7)
     prompts = [[1] + [generator.randrange(3, 500) for _ in range(n)] for n in (180, 333)]
-    options = ClusterOptions(workers=workers, settings=Settings(prefill_chunk=16))
+    options = ClusterOptions(workers=workers, settings=Settings(prefill_chunk=16), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         results = [cluster.generate(prompt, 16) for prompt in prompts]
     for prompt, result in zip(prompts, results, strict=True):
@@ -122,7 +127,7 @@ def test_long_prompts_prefilled_in_mini_batches_stay_exact(tiny_model: Path, wor
 
 
 def test_a_cancelled_generation_stops_and_the_cluster_serves_the_next(tiny_model: Path) -> None:
-    with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, in_process=True)) as cluster:
 
         def stop_early(tokens_so_far: int) -> None:
             if tokens_so_far == 5:
@@ -157,7 +162,7 @@ def test_sampling_with_a_seed_matches_transformers(tiny_model: Path) -> None:
             temperature=0.8,
             top_p=0.9,
         )
-    with LocalCluster(tiny_model, ClusterOptions(workers=2)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, in_process=True)) as cluster:
         sampled = cluster.generate(PROMPTS[4], 24, do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
         again = cluster.generate(PROMPTS[4], 24, do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     assert sampled.token_ids == expected[0, prompt.shape[1] :].tolist()
@@ -169,7 +174,7 @@ def test_shadow_with_and_without_speculation(tiny_model: Path, speculate: bool) 
     # Slow expert copies (20 MB/s, ~5 ms an expert) keep main behind the shadow, as on real
     # hardware, so the shadow has steps to run ahead of main.
     settings = Settings(shadow_dtype="int8", speculate=speculate, copy_bytes_per_s=2e7)
-    options = ClusterOptions(workers=2, settings=settings)
+    options = ClusterOptions(workers=2, settings=settings, in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         done = cluster.generate(PROMPTS[3], 32)
     assert done.token_ids == reference_generate(tiny_model, PROMPTS[3], 32)
@@ -185,7 +190,7 @@ def test_shadow_with_and_without_speculation(tiny_model: Path, speculate: bool) 
 
 
 def test_bad_requests_get_a_clear_error_and_the_cluster_keeps_serving(tiny_model: Path) -> None:
-    with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
+    with LocalCluster(tiny_model, ClusterOptions(workers=1, in_process=True)) as cluster:
         for kwargs, reason in [
             (dict(prompt_ids=[], max_new_tokens=4), "prompt is empty"),
             (dict(prompt_ids=[1, 10**6], max_new_tokens=4), "token ids must be in"),

@@ -155,7 +155,7 @@ def test_emulation_scales_disk_reads_like_copies() -> None:
 
 @pytest.mark.slow
 def test_a_cluster_on_disk_stores_gives_the_reference_tokens(tiny_model: Path) -> None:
-    options = ClusterOptions(workers=3, settings=Settings(expert_store="disk"))
+    options = ClusterOptions(workers=3, settings=Settings(expert_store="disk"), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         results = [cluster.generate(prompt, 24) for prompt in PROMPTS[:2]]
     for prompt, result in zip(PROMPTS[:2], results, strict=True):

@@ -131,9 +131,9 @@ def test_every_strategy_is_token_identical_to_transformers(tiny_model: Path, str
     generator = random.Random(3)
     long_prompt = [1] + [generator.randrange(3, 500) for _ in range(90)]  # prefilled in mini-batches
     prompts = [PROMPTS[0], PROMPTS[2], long_prompt]
-    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy, prefill_chunk=16))
+    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy, prefill_chunk=16), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
-        assert ("shadow" in cluster.processes) == (strategy == "odmoe")
+        assert ("shadow" in cluster.roles) == (strategy == "odmoe")
         results = [cluster.generate(prompt, 24) for prompt in prompts]
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == reference_generate(tiny_model, prompt, 24)
@@ -157,9 +157,9 @@ def test_every_strategy_is_token_identical_to_transformers(tiny_model: Path, str
 @pytest.mark.slow
 def test_odmoe_on_mains_next_gate_predictor_runs_no_shadow_and_stays_exact(tiny_model: Path) -> None:
     """``predictor="next-gate"``: main's next-layer router names what the workers load ahead."""
-    options = ClusterOptions(workers=4, settings=Settings(strategy="odmoe", predictor="next-gate"))
+    options = ClusterOptions(workers=4, settings=Settings(strategy="odmoe", predictor="next-gate"), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
-        assert "shadow" not in cluster.processes
+        assert "shadow" not in cluster.roles
         results = [cluster.generate(prompt, 24) for prompt in PROMPTS[:3]]
     for prompt, result in zip(PROMPTS[:3], results, strict=True):
         assert result.token_ids == reference_generate(tiny_model, prompt, 24)

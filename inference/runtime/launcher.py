@@ -1,10 +1,11 @@
 """Run a whole OD-MoE cluster on this machine: main, shadow and N workers on 127.0.0.1.
 
 ``LocalCluster`` builds the role shards, writes one spec per role, starts each role as
-its own OS process (``python -m inference serve-role``), waits until main reports every
-peer ready, and then talks to main as a client. Every wait is bounded, a role process
-that dies is reported with the tail of its log, and closing the cluster (also on Ctrl-C)
-stops every process it started.
+its own OS process (``python -m inference serve-role``), or with ``in_process`` as a thread of
+this one (``inference.runtime.in_process``: the same sockets and keys, one torch import), waits
+until main reports every peer ready, and then talks to main as a client. Every wait is
+bounded, a role that dies is reported with the tail of its log, and closing the cluster (also
+on Ctrl-C) stops every role it started.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from inference.modelio.shards import ShardSet, shadow_dtypes_to_build
 from inference.policies.strategies import predictor_for
 from inference.runtime.client import GenerationError, RuntimeClient
 from inference.runtime.curve import EndpointKeys, SeatKeys, client_keys, new_seat_keys, role_keys
+from inference.runtime.in_process import ClusterLog, RoleThread
 from inference.runtime.spec import Addresses, RoleSpec, Settings, write_private
 from inference.wire.generation import Done
 
@@ -47,6 +49,9 @@ class ClusterOptions:
     shadow: bool = True  # without a shadow, workers load reactively (no prediction)
     settings: Settings = field(default_factory=Settings)
     startup_timeout_s: float = 180.0
+    # The roles as threads of this process (``inference.runtime.in_process``), for tests of what
+    # a cluster computes; a role that must be killed, frozen or measured on its own needs a process.
+    in_process: bool = False
 
     @property
     def runs_shadow(self) -> bool:
@@ -113,6 +118,8 @@ class LocalCluster:
         # made when the cluster starts: only this cluster's roles and clients hold them.
         self.keys: dict[str, SeatKeys] = {}
         self.processes: dict[str, subprocess.Popen] = {}
+        self.threads: dict[str, RoleThread] = {}
+        self._thread_log: ClusterLog | None = None
         self.client: RuntimeClient | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -159,14 +166,21 @@ class LocalCluster:
             roles.append(("shadow", "shadow", None, shadow_dir))
         roles += [(f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)]
         self.keys = new_seat_keys(name for name, *_ in roles)
+        if self.options.in_process and self._thread_log is None:
+            self._thread_log = ClusterLog(self.work_dir / "roles.log")
         for name, role, worker, role_dir in roles:
             keys = role_keys(name, self.keys)
             spec = RoleSpec(self.deployment, role, str(role_dir), addresses, worker, self.options.settings, curve=keys)
             spec_path = self.work_dir / f"{name}.spec.json"
             write_private(spec_path, spec.to_json())
-            self._spawn(name, role, spec_path)
+            if self.options.in_process:
+                self.threads[name] = RoleThread(name, spec)
+                self.threads[name].start()
+            else:
+                self._spawn(name, role, spec_path)
         self.client = RuntimeClient(addresses.main, self.deployment, curve=self.client_keys())
-        self.progress(f"started {len(roles)} role processes; waiting for them to be ready")
+        kind = "threads of this process" if self.options.in_process else "processes"
+        self.progress(f"started {len(roles)} roles as {kind}; waiting for them to be ready")
         started = time.monotonic()
         self._wait_ready()
         self.progress(f"every role ready in {time.monotonic() - started:.1f} s")
@@ -177,12 +191,19 @@ class LocalCluster:
             raise ClusterError(f"no role {seat} in this cluster (started: {', '.join(self.keys) or 'none yet'})")
         return client_keys(seat, self.keys)
 
+    @property
+    def roles(self) -> list[str]:
+        """The roles this cluster started (main, shadow if it runs one, worker-N)."""
+        return [*self.processes, *self.threads]
+
     def restart_role(self, name: str) -> None:
         """Start role ``name`` (main, shadow, worker-N) again after it died, as its agent would.
 
         A worker rejoins by itself: main sees its link come back, asks whether it is ready and
         serves with it again from the next request on.
         """
+        if self.options.in_process:
+            raise ClusterError("roles in threads are not restarted: a test that kills roles needs processes")
         proc = self.processes.get(name)
         if proc is None:
             raise ClusterError(f"no role {name} in this cluster")
@@ -211,20 +232,37 @@ class LocalCluster:
             raise ClusterError(str(exc)) from None
 
     def check_processes(self) -> None:
-        """Raise ClusterError if any role process has exited."""
+        """Raise ClusterError if any role has exited."""
         for name, proc in self.processes.items():
             code = proc.poll()
             if code is not None:
                 raise ClusterError(f"{name} exited with code {code}:\n{self.log_tail(name)}")
+        for name, thread in self.threads.items():
+            ended = thread.exited()
+            if ended is not None:
+                raise ClusterError(f"{name} ended: {ended}\n{self.log_tail(name)}")
 
     def log_tail(self, name: str, lines: int = 15) -> str:
-        path = self.work_dir / f"{name}.log"
+        path = self.work_dir / ("roles.log" if name in self.threads else f"{name}.log")
         if not path.exists():
             return "(no log)"
         return "\n".join("    " + line for line in path.read_text(errors="replace").splitlines()[-lines:])
 
+    def _stop_threads(self, timeout_s: float = 5.0) -> None:
+        """Wait for the role threads main's ``Shutdown`` reached; a thread cannot be killed, so one
+        that did not stop (main died before it could tell it) is left to end with this process."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        lingering = [name for name, thread in self.threads.items() if thread.is_alive()]
+        if lingering:
+            self.progress(f"roles still running in threads after the shutdown: {', '.join(lingering)}")
+        self.threads = {}
+
     def dump_stacks(self, settle_s: float = 0.5) -> None:
         """Have every live role write its threads' stacks to its log (SIGUSR1; see ``setup_process``)."""
+        if self._thread_log is not None and any(t.is_alive() for t in self.threads.values()):
+            self._thread_log.dump_stacks()
         alive = [proc for proc in self.processes.values() if proc.poll() is None]
         for proc in alive:
             with contextlib.suppress(ProcessLookupError):
@@ -240,10 +278,14 @@ class LocalCluster:
             with contextlib.suppress(Exception):
                 self.client.shutdown()
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and any(p.poll() is None for p in self.processes.values()):
+            while time.monotonic() < deadline and (
+                any(p.poll() is None for p in self.processes.values())
+                or any(t.is_alive() for t in self.threads.values())
+            ):
                 time.sleep(0.05)
             self.client.close()
             self.client = None
+        self._stop_threads()
         for proc in self.processes.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -254,6 +296,9 @@ class LocalCluster:
                 proc.kill()
                 proc.wait()
         self.processes = {}
+        if self._thread_log is not None:
+            self._thread_log.close()
+            self._thread_log = None
         if self._own_work_dir and not keep_work_dir and not os.environ.get("ODMOE_KEEP_WORK_DIR"):
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
@@ -285,6 +330,9 @@ class LocalCluster:
         main = self.processes.get("main")
         if main is not None and main.poll() is not None:
             raise ClusterError(f"main exited with code {main.returncode}:\n{self.log_tail('main')}")
+        thread = self.threads.get("main")
+        if thread is not None and (ended := thread.exited()) is not None:
+            raise ClusterError(f"main ended: {ended}\n{self.log_tail('main')}")
 
     def set_alignment(self, token_period: int, kv_period: int) -> None:
         assert self.client is not None

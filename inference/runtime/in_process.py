@@ -1,0 +1,66 @@
+"""Roles as threads of this process: the same role code, sockets and keys, torch imported once.
+
+``LocalCluster(in_process=True)`` starts each role here instead of as ``python -m inference
+serve-role``: every role still binds its own authenticated loopback inbox (CURVE keys, ZAP per
+inbox) and talks to its peers over TCP exactly as the processes do, so what a generation
+computes and sends is the same; what is saved is a Python, torch and Transformers start per
+role. A role's thread cannot be killed or measured on its own, so what needs a process of its
+own (SIGKILL, a frozen peer, resident memory per role, a hostile process) uses processes.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import threading
+import traceback
+from pathlib import Path
+
+from inference.runtime.roles.dispatch import serve_role
+from inference.runtime.spec import RoleSpec
+
+log = logging.getLogger(__name__)
+
+
+class RoleThread(threading.Thread):
+    """One role running in a daemon thread; ``failure`` holds its traceback if it raised."""
+
+    def __init__(self, name: str, spec: RoleSpec) -> None:
+        super().__init__(name=f"role-{name}", daemon=True)
+        self.role_name = name
+        self.spec = spec
+        self.failure: str | None = None
+
+    def run(self) -> None:
+        try:
+            serve_role(self.spec)
+        except BaseException:  # reported through ``failure``, as a process's exit code would be
+            self.failure = traceback.format_exc()
+            log.error("%s failed:\n%s", self.role_name, self.failure)
+
+    def exited(self) -> str | None:
+        """None while running, else how it ended (its traceback if it raised)."""
+        if self.is_alive():
+            return None
+        return self.failure or "its role returned"
+
+
+class ClusterLog:
+    """Every role thread's log records, while the cluster runs, in one file of its work dir."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handler = logging.FileHandler(path, encoding="utf-8")
+        self.handler.setLevel(logging.INFO)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s"))
+        logging.getLogger().addHandler(self.handler)
+
+    def dump_stacks(self) -> None:
+        """Every thread's stack into the file (where a role that does not answer is stuck)."""
+        self.handler.flush()
+        with self.path.open("a", encoding="utf-8") as out:
+            faulthandler.dump_traceback(out, all_threads=True)
+
+    def close(self) -> None:
+        logging.getLogger().removeHandler(self.handler)
+        self.handler.close()
