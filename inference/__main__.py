@@ -432,8 +432,10 @@ def _serve_role(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     if spec.role != args.role:
         raise SpecError(f"--role {args.role} but the spec is for role {spec.role}")
+    from inference.runtime.roles.common import setup_process
     from inference.runtime.roles.dispatch import serve_role
 
+    setup_process(spec)
     serve_role(spec)
     return 0
 

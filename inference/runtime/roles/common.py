@@ -42,7 +42,10 @@ def return_freed_memory_to_the_system() -> None:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
-def setup_process(spec: RoleSpec) -> torch.device:
+def setup_process(spec: RoleSpec) -> None:
+    """What a role's own process sets once, before the role starts (``serve-role``): its log
+    format, memory returned to the system, stacks on SIGUSR1, its intra-op threads. Roles run as
+    threads of another process (``inference.runtime.in_process``) leave that process's as they are."""
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
@@ -53,7 +56,6 @@ def setup_process(spec: RoleSpec) -> torch.device:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Many roles share a small machine: one intra-op thread each unless told otherwise.
     torch.set_num_threads(spec.settings.threads)
-    return pick_device(spec.settings.device)
 
 
 def pick_device(setting: str) -> torch.device:

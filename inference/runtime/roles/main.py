@@ -43,8 +43,8 @@ from inference.runtime.roles.common import (
     connect_peers,
     handle_safely,
     open_endpoint,
+    pick_device,
     release_free_heap,
-    setup_process,
 )
 from inference.runtime.routing import Routing, resolve_arithmetic
 from inference.runtime.spec import RoleSpec, compute_dtype
@@ -77,7 +77,7 @@ MAX_CANCELLED_EARLY = 1024  # cancels remembered for requests not yet come (a pe
 class MainRole:
     def __init__(self, spec: RoleSpec) -> None:
         self.spec = spec
-        self.device = setup_process(spec)
+        self.device = pick_device(spec.settings.device)
         manifest = verify_shard(spec.shard_dir, expect_role="main")
         self.placement: Placement = placement_from_dict(manifest["placement"])
         if self.placement.n_workers != len(spec.addresses.workers):

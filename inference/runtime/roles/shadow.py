@@ -28,8 +28,8 @@ from inference.runtime.roles.common import (
     connect_peers,
     handle_safely,
     open_endpoint,
+    pick_device,
     release_free_heap,
-    setup_process,
 )
 from inference.runtime.routing import resolve_arithmetic
 from inference.runtime.spec import RoleSpec
@@ -68,7 +68,7 @@ class Emulation:
 class ShadowRole:
     def __init__(self, spec: RoleSpec) -> None:
         self.spec = spec
-        self.device = setup_process(spec)
+        self.device = pick_device(spec.settings.device)
         manifest = verify_shard(spec.shard_dir, expect_role="shadow")
         self.placement = placement_from_dict(manifest["placement"])
         config = load_config(spec.shard_dir)

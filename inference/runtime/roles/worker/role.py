@@ -34,7 +34,7 @@ from inference.policies.strategies import (
 )
 from inference.runtime.experts import activation, expert_forward
 from inference.runtime.loader import Key, Resident
-from inference.runtime.roles.common import answer_ping, handle_safely, open_endpoint, setup_process
+from inference.runtime.roles.common import answer_ping, handle_safely, open_endpoint, pick_device
 from inference.runtime.roles.worker import hybrid
 from inference.runtime.roles.worker.requests import last_use, malformed, received_ms, spans_of, units_of
 from inference.runtime.roles.worker.session import MAX_PREDICTED, Session
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 class WorkerRole:
     def __init__(self, spec: RoleSpec) -> None:
         self.spec = spec
-        self.device = setup_process(spec)
+        self.device = pick_device(spec.settings.device)
         manifest = verify_shard(spec.shard_dir, expect_role="worker", expect_worker=spec.worker)
         self.index: int = spec.worker  # type: ignore[assignment]
         self.placement = placement_from_dict(manifest["placement"])
