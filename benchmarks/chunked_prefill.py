@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks import roles
 from benchmarks.concurrency import Stream, median_with_spread
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
 from benchmarks.workload import prompt_of
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    roles.add_argument(parser)
     args = parser.parse_args(argv)
     try:
         steps = [int(part) for part in args.steps.split(",") if part]
@@ -111,10 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         for step in steps:
             expected_long = reference_generate(model_dir, long, LONG_NEW_TOKENS, prefill_step=step)
             base = Settings(strategy="odmoe", max_batch=args.decoders + 1, prefill_step=step)
-            options = ClusterOptions(workers=deployment.workers, settings=emulation.settings(base, networked=True))
+            options = ClusterOptions(
+                workers=deployment.workers,
+                settings=emulation.settings(base, networked=True),
+                in_process=args.in_process,
+            )
             repeats = []
             with LocalCluster(model_dir, options, work_dir=Path(tmp) / f"step-{step}") as cluster:
-                yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
+                if "shadow" in cluster.processes:  # a process of its own, not a thread of this one
+                    yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
                 cluster.generate(short[0][:8], 4)  # warm-up: first-call allocations in every process
                 for _ in range(args.repeats):
                     figures, outputs = measure(cluster, short, long, args.new_tokens)
@@ -147,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps(
                 {
+                    "roles": roles.kind(args),
                     "profile": args.profile,
                     "emulation": emulation.as_dict(),
                     "workers": args.workers,

@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks import roles
 from benchmarks.overhead import percentile
 from benchmarks.plots import line_plot
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "depth on every profile, as in benchmarks.strategies; 0: the runtime's default, from each worker's group)",
     )
     parser.add_argument("--json", type=Path)
+    roles.add_argument(parser)
     parser.add_argument("--plots", type=Path, help="write concurrency.png here")
     args = parser.parse_args(argv)
     try:
@@ -260,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                 max_resident_experts=args.max_resident_experts,
             )
             options = ClusterOptions(
-                workers=deployment.workers, settings=emulation.settings(base, networked=deployment.networked)
+                workers=deployment.workers,
+                settings=emulation.settings(base, networked=deployment.networked),
+                in_process=args.in_process,
             )
             per_count: dict[int, dict] = {}
             with LocalCluster(model_dir, options, work_dir=Path(tmp) / strategy) as cluster:
@@ -283,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps(
                 {
+                    "roles": roles.kind(args),
                     "profile": args.profile,
                     "emulation": emulation.as_dict(),
                     "workers": args.workers,

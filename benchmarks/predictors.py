@@ -34,6 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import roles
 from benchmarks.recall import choose_prompts
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, yield_cpu_to_the_pipeline
 from inference.building.memory import memory_from_checkpoint
@@ -74,7 +75,9 @@ def measure(
     model_dir: Path, name: str, dtype: str | None, prompts: list[list[int]], args: argparse.Namespace, emulation, tmp
 ) -> tuple[dict, bool]:
     base = Settings(strategy="odmoe", predictor=name, shadow_dtype=dtype or "fp32")
-    options = ClusterOptions(workers=args.workers, settings=emulation.settings(base, networked=True))
+    options = ClusterOptions(
+        workers=args.workers, settings=emulation.settings(base, networked=True), in_process=args.in_process
+    )
     with LocalCluster(model_dir, options, work_dir=Path(tmp) / label(name, dtype).replace(":", "-")) as cluster:
         if "shadow" in cluster.processes:
             yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
@@ -112,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path)
+    roles.add_argument(parser)
     args = parser.parse_args(argv)
     try:
         chosen = parse_predictors(args.predictors)
@@ -148,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps(
                 {
+                    "roles": roles.kind(args),
                     "model": str(args.model),
                     "profile": args.profile,
                     "emulation": emulation.as_dict(),

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import roles
 from benchmarks.plots import scatter_plot
 from benchmarks.recall import choose_prompts
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model
@@ -189,7 +190,9 @@ def serve_once(model_dir: Path, strategy: str, threshold: float, prompts, emulat
         importance_threshold=threshold,
         hot_experts=args.hot_experts,
     )
-    options = ClusterOptions(workers=args.workers, settings=emulation.settings(base, networked=True))
+    options = ClusterOptions(
+        workers=args.workers, settings=emulation.settings(base, networked=True), in_process=args.in_process
+    )
     with LocalCluster(model_dir, options, work_dir=work_dir) as cluster:
         cluster.generate(prompts[0][:8], 4)  # first-call allocations in every process
         return [cluster.generate(prompt, args.new_tokens) for prompt in prompts]
@@ -269,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="fresh clusters per strategy for the decode rate")
     parser.add_argument("--baseline", default="lru-offload", help="decode rates are also given as ratios to this run")
     parser.add_argument("--json", type=Path)
+    roles.add_argument(parser)
     parser.add_argument("--plots", type=Path, help="write quality_vs_speed.png here")
     args = parser.parse_args(argv)
     try:
@@ -335,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps(
                 {
+                    "roles": roles.kind(args),
                     "model": str(args.model),
                     "profile": args.profile,
                     "workers": args.workers,

@@ -63,6 +63,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import roles
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 TEMPLATES = REPO / "benchmarks" / "pages"
@@ -204,11 +206,15 @@ class RenderError(Exception):
 
 
 def load(name: str) -> dict:
+    """A recorded result; one whose roles ran as threads (``--in-process``) is no measurement."""
     path = RESULTS / name
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise RenderError(f"{name}: {error}") from error
+    if isinstance(data, dict) and data.get("roles") == roles.THREADS:
+        raise RenderError(f"{name}: its roles ran as threads (--in-process): a check, not a measurement")
+    return data
 
 
 def results_matching(glob: str) -> list[str]:

@@ -55,6 +55,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks import roles
 from benchmarks.plots import bar_plot
 from benchmarks.sim_prediction import measure_machine, predict_for_run
 from benchmarks.workload import BENCH_MODEL, prompt_of
@@ -302,7 +303,7 @@ def run_strategy(
         hybrid=deployment.hybrid,
     )
     settings = emulation.settings(base, networked=deployment.networked)
-    options = ClusterOptions(workers=deployment.workers, settings=settings)
+    options = ClusterOptions(workers=deployment.workers, settings=settings, in_process=args.in_process)
     runs, outputs = [], []
     with LocalCluster(model_dir, options, work_dir=work_dir / f"w{deployment.workers}") as cluster:
         if "shadow" in cluster.processes:
@@ -577,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="scale the emulation by the expert compute time of a previous run's --json FILE (same --model)",
     )
     parser.add_argument("--json", type=Path)
+    roles.add_argument(parser)
     parser.add_argument("--plots", type=Path, help="write strategies.png here")
     return parser
 
@@ -614,6 +616,7 @@ def run_record(
 ) -> dict:
     """What ``--json`` writes: the run's settings, its emulation and what scaled it, every strategy's figures."""
     return {
+        "roles": roles.kind(args),
         "profile": args.profile,
         "emulation": emulation.as_dict(),
         "calibration": asdict(calibration),

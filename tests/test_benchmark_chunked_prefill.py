@@ -18,6 +18,7 @@ def test_a_short_run_measures_the_stall_whole_and_in_pieces(tmp_path: Path) -> N
     command = [
         *(sys.executable, "-m", "benchmarks.chunked_prefill", "--workers", "2", "--decoders", "2"),
         *("--long-prompt", "40", "--steps", "0,16", "--new-tokens", "16", "--repeats", "1", "--json", str(out)),
+        "--in-process",
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

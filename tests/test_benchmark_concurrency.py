@@ -62,6 +62,7 @@ def test_a_short_run_writes_its_json_and_every_stream_is_exact(tmp_path: Path) -
         "1",
         "--json",
         str(out),
+        "--in-process",
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -39,7 +39,7 @@ def test_a_short_run_compares_the_shadow_with_mains_next_gate_and_heads(tiny_mod
     command = [
         *(sys.executable, "-m", "benchmarks.predictors", "--model", str(model), "--workers", "2"),
         *("--predictors", "shadow:fp32,next-gate,prerouter", "--prompts", "2", "--new-tokens", "8"),
-        *("--json", str(out)),
+        *("--json", str(out), "--in-process"),
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

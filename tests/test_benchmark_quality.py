@@ -47,7 +47,7 @@ def test_a_short_run_scores_exact_and_approximate_strategies(tiny_model: Path, t
         *(sys.executable, "-m", "benchmarks.quality", "--model", str(model), "--workers", "2"),
         *("--strategies", "odmoe,importance,prerouter", "--thresholds", "0,1", "--held-out", str(text)),
         *("--ppl-tokens", "40", "--prompts", "2", "--new-tokens", "8", "--repeats", "2", "--json", str(out)),
-        *("--baseline", "odmoe"),
+        *("--baseline", "odmoe", "--in-process"),
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

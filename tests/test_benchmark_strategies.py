@@ -266,6 +266,7 @@ def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: P
             str(out),
             "--plots",
             str(tmp_path),
+            "--in-process",
         ]
     )
     assert code == 0  # every output token-identical to Transformers
@@ -332,7 +333,7 @@ def test_an_approximate_strategy_is_marked_and_its_agreement_measured_in_every_r
     write_similarity(model, calibrate(model, ids, window=100), len(ids))
     out = tmp_path / "strategies.json"
     arguments = ["--model", str(model), "--workers", "2", "--pairs", "6:8", "--strategies", "full-cache,importance"]
-    code = main([*arguments, "--repeats", "2", "--json", str(out)])
+    code = main([*arguments, "--repeats", "2", "--json", str(out), "--in-process"])
     assert code == 0
     figures = json.loads(out.read_text())
     assert figures["exact"] is True  # the exact strategy's tokens in both rounds; importance's are measured
