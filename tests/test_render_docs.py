@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
 from benchmarks import render_docs
 
 
@@ -78,3 +83,12 @@ def test_a_key_with_dots_in_it_is_found_whole() -> None:
     data = {"strategies": {"importance@0.1": {"ppl": 66.0}}, "runs": [1, 2]}
     assert render_docs.lookup(data, "strategies.importance@0.1.ppl", "test") == 66.0
     assert render_docs.lookup(data, "runs.1", "test") == 2
+
+
+def test_a_run_whose_roles_were_threads_is_refused_as_a_source(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "checked.json").write_text(json.dumps({"roles": "threads", "exact": True}))
+    (tmp_path / "measured.json").write_text(json.dumps({"roles": "processes", "exact": True}))
+    monkeypatch.setattr(render_docs, "RESULTS", tmp_path)
+    with pytest.raises(render_docs.RenderError, match="ran as threads"):
+        render_docs.load("checked.json")
+    assert render_docs.load("measured.json")["exact"] is True
