@@ -248,9 +248,19 @@ class LocalCluster:
             return "(no log)"
         return "\n".join("    " + line for line in path.read_text(errors="replace").splitlines()[-lines:])
 
+    def _threads_stopping(self) -> bool:
+        """Whether role threads are still running that main's ``Shutdown`` can reach (not when
+        main raised before it could pass it on: then nothing will stop them)."""
+        main = self.threads.get("main")
+        if main is not None and main.failure is not None:
+            return False
+        return any(t.is_alive() for t in self.threads.values())
+
     def _stop_threads(self, timeout_s: float = 5.0) -> None:
         """Wait for the role threads main's ``Shutdown`` reached; a thread cannot be killed, so one
         that did not stop (main died before it could tell it) is left to end with this process."""
+        if not self._threads_stopping():
+            timeout_s = 0.0
         deadline = time.monotonic() + timeout_s
         for thread in self.threads.values():
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -279,8 +289,7 @@ class LocalCluster:
                 self.client.shutdown()
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and (
-                any(p.poll() is None for p in self.processes.values())
-                or any(t.is_alive() for t in self.threads.values())
+                any(p.poll() is None for p in self.processes.values()) or self._threads_stopping()
             ):
                 time.sleep(0.05)
             self.client.close()
