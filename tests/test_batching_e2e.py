@@ -23,8 +23,6 @@ from inference.wire.generation import Done
 from tests.reference import PROMPTS, reference_generate
 from tests.streams import run_streams
 
-pytestmark = pytest.mark.slow
-
 # Eight streams: the five shared prompts and three more, each with its own answer length.
 STREAM_PROMPTS = [*PROMPTS, [1, 7], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309], [1, 2, 3]]
 NEW_TOKENS = [24, 10, 30, 16, 20, 6, 28, 12]
@@ -40,7 +38,11 @@ def expected(tiny_model: Path) -> list[list[int]]:
 
 
 # Every strategy on the tiny model; the odd one (eager arithmetic, 3 workers, top-3) under odmoe.
-CASES = [("tiny_model", strategy, 4) for strategy in STRATEGIES] + [("odd_model", "odmoe", 3)]
+# ``make check`` runs the odmoe batch; ``make test`` all of them.
+CASES = [
+    pytest.param("tiny_model", strategy, 4, marks=() if strategy == "odmoe" else (pytest.mark.slow,))
+    for strategy in STRATEGIES
+] + [pytest.param("odd_model", "odmoe", 3, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize(("model_name", "strategy", "workers"), CASES)
@@ -63,6 +65,7 @@ def test_every_sequence_of_a_batch_is_token_identical_to_its_own_run(
     assert len(joined) >= 2  # some joined a batch that was already decoding
 
 
+@pytest.mark.slow
 def test_a_full_batch_makes_requests_wait_and_a_cancel_frees_its_place(
     tiny_model: Path, expected: list[list[int]]
 ) -> None:
@@ -99,6 +102,7 @@ def test_a_full_batch_makes_requests_wait_and_a_cancel_frees_its_place(
     assert isinstance(other, Done) and other.token_ids == expected[7]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(tiny_model: Path) -> None:
     sampling = dict(do_sample=True, temperature=0.9, top_p=0.95)
     seeds = [11, 12, 13, 14]
@@ -112,6 +116,7 @@ def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(tiny_model: Path) 
     assert max(r.metrics["max_batch"] for r in together) >= 2  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_fused_batch_arithmetic_serves_a_whole_batch(tiny_model: Path) -> None:
     """``fused``: one GEMM per expert over the batch's rows, the weights read once. It is not exact
     (a GEMM over several rows may round differently from one row's): measured here, a bf16 tiny
@@ -129,6 +134,7 @@ def test_fused_batch_arithmetic_serves_a_whole_batch(tiny_model: Path) -> None:
     print(f"fused answers equal to their own runs: {same}")
 
 
+@pytest.mark.slow
 def test_a_shutdown_ends_the_running_batch_and_tells_its_clients(tiny_model: Path) -> None:
     with LocalCluster(tiny_model, ClusterOptions(workers=1)) as cluster:
         results: list[Done | BaseException] = []
@@ -147,6 +153,7 @@ def test_a_shutdown_ends_the_running_batch_and_tells_its_clients(tiny_model: Pat
         assert isinstance(result, GenerationError) and "shutting down" in str(result), result
 
 
+@pytest.mark.slow
 def test_chunked_prefill_joins_a_long_prompt_in_pieces_between_decode_steps(tiny_model: Path) -> None:
     """``prefill_step``: a long prompt joins a decoding batch a piece per step. Each answer is
     Transformers' own run with the same pieces (chunked prefill rounds differently from a whole
@@ -175,6 +182,7 @@ def test_chunked_prefill_joins_a_long_prompt_in_pieces_between_decode_steps(tiny
     )
 
 
+@pytest.mark.slow
 def test_main_queues_a_users_requests_up_to_its_bound_and_says_which_limit_refused_one(tiny_model: Path) -> None:
     """One place in the batch, two in the queue, two per user: alice's second request waits (it is
     not refused), her third is too many for one user; bob still gets the last place in the queue,

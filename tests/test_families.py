@@ -18,6 +18,7 @@ from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
+from tests.matrix import covered
 from tests.reference import PROMPTS
 
 NEW_FAMILIES = ("qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
@@ -123,11 +124,9 @@ def test_a_fused_expert_is_read_by_its_slice_alone(tmp_path: Path) -> None:
     assert sizes == [projection_bytes] * (16 * 3)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", NEW_FAMILIES)
 @pytest.mark.parametrize(
-    ("strategy", "workers"),
-    [("odmoe", 1), ("odmoe", 8), ("full-cache", 3), ("reactive", 4), ("lru-offload", 4)],
+    ("family", "strategy", "workers"),
+    covered(NEW_FAMILIES, [("odmoe", 1), ("odmoe", 8), ("full-cache", 3), ("reactive", 4), ("lru-offload", 4)]),
 )
 def test_every_family_is_token_identical_to_transformers(
     family: str, strategy: str, workers: int, family_models: dict[str, Path]

@@ -14,15 +14,13 @@ import pytest
 
 from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
+from tests.matrix import covered
 from tests.reference import PROMPTS, reference_generate
-
-pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 64
 
 
-@pytest.mark.parametrize("workers", [8, 3, 1])
-@pytest.mark.parametrize("model_name", ["tiny_model", "odd_model"])
+@pytest.mark.parametrize(("model_name", "workers"), covered(["tiny_model", "odd_model"], [(8,), (3,), (1,)]))
 def test_greedy_output_is_token_identical_to_transformers(model_name: str, workers: int, request) -> None:
     model: Path = request.getfixturevalue(model_name)
     expected = [reference_generate(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
@@ -56,6 +54,7 @@ def test_greedy_output_is_token_identical_to_transformers(model_name: str, worke
         assert metrics["decode_main_between_layers_ms_median"] > 0
 
 
+@pytest.mark.slow
 def test_workers_never_hold_more_than_two_experts_during_decode(tiny_model: Path) -> None:
     # 8 workers, top-2: groups of exactly top-k workers, the paper's configuration.
     with LocalCluster(tiny_model, ClusterOptions(workers=8, in_process=True)) as cluster:
@@ -70,6 +69,7 @@ def test_workers_never_hold_more_than_two_experts_during_decode(tiny_model: Path
     assert metrics["expert_loads"] >= metrics["prefetch_hits"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["int8", "nf4", "bf16"])
 def test_quantized_shadows_run_and_report_recall(tiny_model: Path, dtype: str) -> None:
     options = ClusterOptions(workers=4, settings=Settings(shadow_dtype=dtype), in_process=True)
@@ -84,6 +84,7 @@ def test_quantized_shadows_run_and_report_recall(tiny_model: Path, dtype: str) -
     assert all(0.0 <= s["recall"] <= 1.0 for s in metrics["per_step"] if s["step"] > 0)
 
 
+@pytest.mark.slow
 def test_alignment_periods_change_while_generating(tiny_model: Path) -> None:
     with LocalCluster(tiny_model, ClusterOptions(workers=4, in_process=True)) as cluster:
 
@@ -107,6 +108,7 @@ def test_alignment_periods_change_while_generating(tiny_model: Path) -> None:
     assert (again.metrics["token_period"], again.metrics["kv_period"]) == (4, 0)
 
 
+@pytest.mark.slow
 def test_without_a_shadow_workers_load_on_demand_and_stay_exact(tiny_model: Path) -> None:
     with LocalCluster(tiny_model, ClusterOptions(workers=8, shadow=False, in_process=True)) as cluster:
         done = cluster.generate(PROMPTS[2], 24)
@@ -115,6 +117,7 @@ def test_without_a_shadow_workers_load_on_demand_and_stay_exact(tiny_model: Path
     assert done.metrics["prediction_coverage"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [8, 1])
 def test_long_prompts_prefilled_in_mini_batches_stay_exact(tiny_model: Path, workers: int) -> None:
     generator = random.Random(7)
@@ -126,6 +129,7 @@ def test_long_prompts_prefilled_in_mini_batches_stay_exact(tiny_model: Path, wor
         assert result.token_ids == reference_generate(tiny_model, prompt, 16)
 
 
+@pytest.mark.slow
 def test_a_cancelled_generation_stops_and_the_cluster_serves_the_next(tiny_model: Path) -> None:
     with LocalCluster(tiny_model, ClusterOptions(workers=2, in_process=True)) as cluster:
 
@@ -146,6 +150,7 @@ def test_a_cancelled_generation_stops_and_the_cluster_serves_the_next(tiny_model
     assert after.token_ids == reference_generate(tiny_model, PROMPTS[0], 8)
 
 
+@pytest.mark.slow
 def test_sampling_with_a_seed_matches_transformers(tiny_model: Path) -> None:
     import torch
     from transformers import MixtralForCausalLM
@@ -169,6 +174,7 @@ def test_sampling_with_a_seed_matches_transformers(tiny_model: Path) -> None:
     assert again.token_ids == sampled.token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculate", [True, False])
 def test_shadow_with_and_without_speculation(tiny_model: Path, speculate: bool) -> None:
     # Slow expert copies (20 MB/s, ~5 ms an expert) keep main behind the shadow, as on real
@@ -189,6 +195,7 @@ def test_shadow_with_and_without_speculation(tiny_model: Path, speculate: bool) 
     assert done.metrics["recall"] >= 0.5
 
 
+@pytest.mark.slow
 def test_bad_requests_get_a_clear_error_and_the_cluster_keeps_serving(tiny_model: Path) -> None:
     with LocalCluster(tiny_model, ClusterOptions(workers=1, in_process=True)) as cluster:
         for kwargs, reason in [
