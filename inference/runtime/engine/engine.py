@@ -3,8 +3,8 @@
 One thread. Each step the scheduler (pure) says who leaves, who joins and what each
 sequence computes; the runner runs that work through the model, layer by layer, the
 experts by the exchange; each sequence that reached a new token samples it, streams it to
-its client (``Token``) and aligns the shadow; a sequence that is done leaves at the
-next plan and its client gets its ``Done`` (or ``Failed``). Between steps
+its client (``Token``, with its logprobs where they were asked for) and aligns the shadow;
+a sequence that is done leaves at the next plan and its client gets its ``Done`` (or ``Failed``). Between steps
 main reads whatever arrived (new requests, cancels, predictions). Peers, sessions and
 admission stay in main's role (``inference.runtime.roles.main``).
 """
@@ -15,13 +15,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 from transformers import DynamicCache
 
 from inference.policies import schedule
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import sampler_for
+from inference.runtime.engine.sampling import prompt_logprobs, sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
 from inference.runtime.engine.scheduler import schedule as plan_step
 from inference.runtime.engine.sequence import Sequence
@@ -87,11 +88,15 @@ class Engine:
         batch = [(self.batch[w.request_id], w) for w in plan.work]
         role.begin_step()
         try:
-            logits = self.runner.run(batch)
-            for (s, work), last in zip(batch, logits, strict=True):
+            outputs = self.runner.run(batch)
+            for (s, work), out in zip(batch, outputs, strict=True):
                 s.computed = work.end
-                if last is not None:
-                    self._on_token(s, s.sampler.next_token(s.tokens, last))
+                if out.every is not None and s.prompt_logprobs is not None:
+                    s.prompt_logprobs += prompt_logprobs(
+                        out.every, s.tokens, work.start, s.state.prompt_len, s.top_logprobs
+                    )
+                if out.last is not None:
+                    self._on_token(s, s.sampler.next_token(s.tokens, out.last), out.last)
         except GenerationAborted as exc:
             self._fail([s for s, _ in batch], str(exc))
             return
@@ -140,7 +145,16 @@ class Engine:
         # A prompt prefilled in pieces takes a step per piece; its step 0, as the workers
         # and the shadow count, is the last piece's.
         pieces = prefill_pieces(len(msg.prompt_ids), role.spec.settings.prefill_step)
-        sequence = Sequence(state, msg.user, sampler, tokens, joined_step=role.step + len(pieces))
+        sequence = Sequence(
+            state,
+            msg.user,
+            sampler,
+            tokens,
+            joined_step=role.step + len(pieces),
+            logprobs=msg.logprobs,
+            top_logprobs=msg.top_logprobs,
+            prompt_logprobs=[] if msg.prompt_logprobs else None,
+        )
         self.batch[msg.request_id] = sequence
         role.announce_join(msg, sequence.joined_step)
 
@@ -155,8 +169,8 @@ class Engine:
         state.steps[-1].batch = len(self.batch)
         sequence.at = (sequence.step, 0)
 
-    def _on_token(self, sequence: Sequence, token: int) -> None:
-        """A new token: keep it, stream it, then align the shadow."""
+    def _on_token(self, sequence: Sequence, token: int, logits: torch.Tensor) -> None:
+        """A new token (sampled from ``logits`` [1, V]): keep it, stream it, then align the shadow."""
         role, state = self.role, sequence.state
         now = time.perf_counter()
         state.steps[-1].finished = now
@@ -166,10 +180,13 @@ class Engine:
         sequence.ended = token in sequence.sampler.eos
         sequence.at = (sequence.step + 1, 0)
         report = step_report(state.steps[-1], role.placement) if state.steps else None
-        role.endpoint.reply(
-            state.client,
-            Token(request_id=state.request_id, index=len(state.generated) - 1, token_id=token, step=report),
-        )
+        logprob = None
+        if sequence.logprobs:
+            (logprob,) = token_logprobs(logits, torch.tensor([token]), sequence.top_logprobs)
+        prompt, sequence.prompt_logprobs = sequence.prompt_logprobs, None  # the first token carries them
+        index = len(state.generated) - 1
+        event = Token(request_id=state.request_id, index=index, token_id=token, step=report, logprob=logprob)
+        role.endpoint.reply(state.client, msgspec.structs.replace(event, prompt_logprobs=prompt))
         next_step = len(state.generated)
         if role.shadow_serving and next_step < state.max_new_tokens:
             role.endpoint.send("shadow", self._align_message(state, next_step, token))

@@ -8,7 +8,10 @@ its own ``generate`` computes: no padding, no attention batched across sequences
 layer the router's choice of every sequence goes to the exchange at once (one round of
 the workers for the whole batch); its answer is combined with the shared expert where the
 family has one and added to the residual stream. The LM head runs on the last position
-only (``generate``'s ``logits_to_keep=1``).
+only (``generate``'s ``logits_to_keep=1``); a sequence that asked for its prompt's logprobs
+also gets every position's logits of each prefill piece (a second, separate LM-head product,
+so that the last position's logits, and the token sampled from them, are the same bits as
+without).
 
 A step either goes through ``generate``'s path (the prompt's last piece, or a decode: a
 2-D attention mask of ones over the whole sequence, positions as ``generate`` counts them)
@@ -42,6 +45,15 @@ class Forward:
     flat: torch.Tensor | None = None  # [T, H], the MoE block's input
 
 
+@dataclass
+class StepLogits:
+    """One sequence's logits of a step: ``last`` [1, V] where its work samples, ``every`` [T, V]
+    (each position of a prefill piece) where it asked for its prompt's logprobs."""
+
+    last: torch.Tensor | None
+    every: torch.Tensor | None = None
+
+
 ServeLayer = Callable[[int, list[Sequence]], list[torch.Tensor]]
 Embedded = Callable[[Sequence, Work, torch.Tensor], None]
 
@@ -55,15 +67,16 @@ class ModelRunner:
         self.serve_layer = serve_layer
         self.embedded = embedded  # told each sequence's token embeddings, before any attention
 
-    def run(self, batch: list[tuple[Sequence, Work]]) -> list[torch.Tensor | None]:
-        """Each sequence's last-position logits [1, V] where its work samples (None where not)."""
+    def run(self, batch: list[tuple[Sequence, Work]]) -> list[StepLogits]:
+        """Each sequence's logits: its last position's where its work samples, every position's
+        of a prefill piece where it asked for its prompt's logprobs."""
         with torch.inference_mode():
             passes = [self._embed(s, w) for s, w in batch]
             sequences = [s for s, _ in batch]
             layers = self.model.model.layers[: self.model.config.num_hidden_layers]
             for layer, decoder in enumerate(layers):
                 self._layer(layer, decoder, sequences, passes)
-            return [self._logits(f) if w.samples else None for (_, w), f in zip(batch, passes, strict=True)]
+            return [self._logits(s, w, f) for (s, w), f in zip(batch, passes, strict=True)]
 
     def _embed(self, sequence: Sequence, work: Work) -> Forward:
         """The model forward's prologue for one sequence: embeddings, positions, masks, rotary."""
@@ -112,8 +125,15 @@ class ModelRunner:
             f.hidden = family.add_residual(decoder, f.residual, output)
             s.call = None
 
-    def _logits(self, f: Forward) -> torch.Tensor:
-        """The final norm and the LM head on the last position (``logits_to_keep=1``)."""
+    def _logits(self, sequence: Sequence, work: Work, f: Forward) -> StepLogits:
+        """The final norm and the LM head on the last position (``logits_to_keep=1``), and on
+        every position of a prefill piece whose prompt's logprobs were asked for."""
+        config = self.model.config
         hidden = self.model.model.norm(f.hidden)  # every position, then the last, as the model does
-        logits = self.model.lm_head(hidden[:, -1:, :])
-        return self.family.scale_logits(self.model.config, logits)[:, -1]
+        last = None
+        if work.samples:
+            last = self.family.scale_logits(config, self.model.lm_head(hidden[:, -1:, :]))[:, -1]  # [1, V]
+        every = None
+        if sequence.prompt_logprobs is not None and work.start < sequence.state.prompt_len:
+            every = self.family.scale_logits(config, self.model.lm_head(hidden))[0]  # [T, V]
+        return StepLogits(last, every)
