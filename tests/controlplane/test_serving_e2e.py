@@ -16,8 +16,11 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from benchmarks import openai_concurrency
+from controlplane.serving.text import tokenizer_for
 from inference.runtime.textstream import load_tokenizer
 from tests.controlplane.live import SERVED_MODEL, Api, Served
 from tests.reference import PROMPTS, reference_generate
@@ -258,10 +261,82 @@ def check_chat(served: Served) -> None:
     assert again.choices[0].finish_reason == "length"
 
 
+def reference_logprobs(served: Served, ids: list[int]) -> torch.Tensor:
+    """``torch.log_softmax`` of Transformers' own forward over ``ids``: row ``p`` scores token ``p + 1``."""
+    model = AutoModelForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def check_logprobs(served: Served) -> None:
+    """Chat ``logprobs``/``top_logprobs`` (whole and streamed) and completions ``echo`` with
+    ``logprobs`` and ``max_tokens: 0`` (how lm-evaluation-harness asks for log-likelihoods), with
+    the official client; the values are Transformers' own log-softmax."""
+    client = served.client()
+    tokenizer = tokenizer_for(str(served.model_dir))
+    ask = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**ask)
+    prompt_ids = chat_prompt_ids(served, MESSAGES)
+    answer_ids = reference_generate(served.model_dir, prompt_ids, 6)
+    reference = reference_logprobs(served, prompt_ids + answer_ids)
+    content = whole.choices[0].logprobs.content
+    assert [c.bytes for c in content] == [list(tokenizer.token_bytes(t)) for t in answer_ids]
+    if not set(answer_ids) & set(tokenizer.backend.get_added_tokens_decoder()):  # the text leaves those out
+        assert b"".join(bytes(c.bytes) for c in content).decode() == whole.choices[0].message.content
+    for position, (entry, token) in enumerate(zip(content, answer_ids, strict=True), start=len(prompt_ids) - 1):
+        assert entry.logprob == pytest.approx(float(reference[position, token]), abs=1e-4)
+        top_values, top_ids = torch.topk(reference[position], 3)
+        assert [t.bytes for t in entry.top_logprobs] == [list(tokenizer.token_bytes(t)) for t in top_ids.tolist()]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top_values.tolist(), abs=1e-4)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely one
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**ask, stream=True)
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for entry in choice.logprobs.content
+    ]
+    assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == [
+        (e.token, e.logprob, e.top_logprobs) for e in content
+    ]
+
+    prompt = "Mixture of experts"
+    ids = tokenizer.encode(prompt)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0, temperature=0)
+    choice = echoed.choices[0]
+    reference = reference_logprobs(served, ids)
+    assert choice.text == prompt and echoed.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.text_offset[0] == 0
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing predicts the first
+    for position, token in enumerate(ids[1:]):
+        assert logprobs.token_logprobs[position + 1] == pytest.approx(float(reference[position, token]), abs=1e-4)
+        top = logprobs.top_logprobs[position + 1]
+        assert 2 <= len(top) <= 3 and logprobs.tokens[position + 1] in top  # the 2 likeliest and the chosen one
+        assert max(top.values()) == pytest.approx(float(reference[position].max()), abs=1e-4)
+    # With a generated part: the prompt's tokens, then the answer's, offsets counted from the prompt.
+    more = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0)
+    choice = more.choices[0]
+    assert choice.text.startswith(prompt) and len(choice.logprobs.tokens) == len(ids) + 3
+    assert choice.logprobs.text_offset[len(ids)] == len(prompt)
+
+    for bad, param in [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **bad)
+        assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=6)
+    assert refused.value.body["param"] == "logprobs"
+
+
 def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
     check_openai_text(served)
     check_sampling_and_stop(served)
     check_openai_errors(served)
+    check_logprobs(served)
     check_many_at_once(served)
     check_chat(served)
 
