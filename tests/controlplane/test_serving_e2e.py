@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks import openai_concurrency
+from controlplane.serving.parameters import CHAT, COMPLETIONS, Support
 from controlplane.serving.text import tokenizer_for
 from inference.runtime.textstream import load_tokenizer
 from tests.controlplane.live import SERVED_MODEL, Api, Served
@@ -332,11 +333,61 @@ def check_logprobs(served: Served) -> None:
     assert refused.value.body["param"] == "logprobs"
 
 
+def post_raw(served: Served, path: str, body: dict) -> tuple[int, dict | str]:
+    """POST ``body`` as it is (the official client would check it first); the error, or the text answered."""
+    request = urllib.request.Request(
+        f"{served.plane.server}{path}",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {served.user_key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["error"]
+
+
+def check_every_parameter_is_honoured_or_refused(served: Served) -> None:
+    """The walk of ``controlplane.serving.parameters``: every honoured parameter is answered,
+    every other one is a 400 naming it (``unsupported_parameter``) past the values it accepts,
+    which are answered; a parameter of nobody's spec is a 400 naming it."""
+    bases = {
+        "/v1/chat/completions": (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}),
+        "/v1/completions": (COMPLETIONS, {"model": MODEL, "prompt": "Mixture", "max_tokens": 2, "temperature": 0}),
+    }
+    for path, (declared, base) in bases.items():
+        for name, parameter in declared.items():
+            if parameter.support is Support.HONOURED:
+                if parameter.example is not None:
+                    status, answer = post_raw(served, path, {**base, **parameter.example})
+                    assert status == 200, (path, name, answer)
+                if isinstance(parameter.accepts, type):
+                    status, answer = post_raw(served, path, {**base, name: ["not", "a", "label"]})
+                    assert status == 400 and answer["param"] == name, (path, name, answer)
+                continue
+            status, answer = post_raw(served, path, {**base, name: "a-value-it-does-not-take"})
+            assert status == 400, (path, name, answer)
+            assert (answer["param"], answer["code"]) == (name, "unsupported_parameter"), (path, answer)
+        refused = [n for n, p in declared.items() if p.support is not Support.HONOURED]
+        # Null, and each value a refused parameter accepts (all of them at once, one request per rank).
+        for rank in range(1 + max(len(declared[n].accepts) for n in refused)):
+            body = {n: ([None, *declared[n].accepts] + [None] * 3)[rank] for n in refused}
+            status, answer = post_raw(served, path, {**base, **body})
+            assert status == 200, (path, rank, answer)
+        for unknown in ("top_k", "repetition_penalty"):
+            status, answer = post_raw(served, path, {**base, unknown: 1})
+            assert status == 400 and (answer["param"], answer["code"]) == (unknown, "unsupported_parameter")
+    status, answer = post_raw(served, "/v1/completions", {**bases["/v1/completions"][1], "max_completion_tokens": 2})
+    assert status == 400 and answer["param"] == "max_completion_tokens"  # the chat's, not the completions'
+
+
 def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
     check_openai_text(served)
     check_sampling_and_stop(served)
     check_openai_errors(served)
     check_logprobs(served)
+    check_every_parameter_is_honoured_or_refused(served)
     check_many_at_once(served)
     check_chat(served)
 

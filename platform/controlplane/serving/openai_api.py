@@ -14,7 +14,8 @@ and waiting at once: past it a request is a 429 ``too_many_generations`` (and on
 more choices than that is a 400), while a deployment whose batch and queue are full answers 429
 ``deployment_busy``, both with ``Retry-After``. Calls count against the REST API's throttles.
 
-Logprobs come in OpenAI's
+Every body parameter is honoured or refused with a 400 that names it (``parameters``: one
+declaration per endpoint, which the docs' table is rendered from). Logprobs come in OpenAI's
 shapes (``logprobs``), streamed with the text they belong to; ``echo`` on ``/v1/completions``
 puts the prompt first (with ``max_tokens: 0``, the prompt alone: main generates one token for
 it, as vLLM does, and the answer leaves it out).
@@ -60,6 +61,7 @@ from .completions import (
     new_request_id,
 )
 from .logprobs import Scored, chat_logprobs, chat_top_logprobs, completion_logprobs, legacy_logprobs, prompt_tokens
+from .parameters import CHAT, COMPLETIONS, check_parameters
 from .stops import StopScanner
 from .text import (
     MAX_SEED,
@@ -268,6 +270,7 @@ def _failure(exc: ClusterUnavailable | ClusterGenerationError) -> JsonResponse:
 
 
 def _parse(body: dict, chat: bool) -> Ask:
+    check_parameters(body, CHAT if chat else COMPLETIONS, "chat completions" if chat else "completions")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InputError("model is required (a deployment name; GET /v1/models lists them)", param="model")
