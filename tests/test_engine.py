@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from inference.modelio.families import FAMILIES
 from inference.modelio.model import family_of
+from inference.runtime.engine import runner as runner_module
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import check_generation_config, prompt_logprobs, sampler_for, token_logprobs
+from inference.runtime.engine.sampling import check_generation_config, sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, schedule
 from inference.runtime.engine.sequence import Sequence
 from inference.runtime.records import RequestState, StepRecord
@@ -106,8 +107,8 @@ def _run_engine(
             continue
         for (s, work), step in zip(batch, runner.run(batch), strict=True):
             s.computed = work.end
-            if step.every is not None and s.prompt_logprobs is not None:
-                s.prompt_logprobs += prompt_logprobs(step.every, s.tokens, work.start, len(s.tokens[0]), s.top_logprobs)
+            if step.prompt is not None and s.prompt_logprobs is not None:
+                s.prompt_logprobs += step.prompt
             if step.last is not None:
                 token = s.sampler.next_token(s.tokens, step.last)
                 if s.logprobs and logprobs is not None:
@@ -159,10 +160,14 @@ def test_a_generation_config_asking_for_beams_is_refused_at_startup(models: dict
         check_generation_config(model)
 
 
-@pytest.mark.parametrize("prefill_step", [0, 3])
-def test_logprobs_are_the_log_softmax_of_transformers_own_logits(models: dict[str, Path], prefill_step: int) -> None:
+@pytest.mark.parametrize(("prefill_step", "rows"), [(0, 512), (3, 512), (4, 3)])
+def test_logprobs_are_the_log_softmax_of_transformers_own_logits(
+    models: dict[str, Path], prefill_step: int, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Greedy fp32: each generated token's and each echoed prompt token's logprob and top-3 are
-    those of ``torch.log_softmax`` over ``model(prompt + answer).logits``, whole prompt or pieces."""
+    those of ``torch.log_softmax`` over ``model(prompt + answer).logits``, whole prompt or pieces,
+    the prompt's LM head in one product or several per piece (``rows``)."""
+    monkeypatch.setattr(runner_module, "PROMPT_LOGIT_ROWS", rows)
     model = _load(models["mixtral"]).float()
     requests = [{"id": f"r{i}", "prompt": p, "max_new_tokens": 5, "top_logprobs": 3} for i, p in enumerate(PROMPTS)]
     gathered: dict = {}

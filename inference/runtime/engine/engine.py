@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from inference.policies import schedule
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import prompt_logprobs, sampler_for, token_logprobs
+from inference.runtime.engine.sampling import sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
 from inference.runtime.engine.scheduler import schedule as plan_step
 from inference.runtime.engine.sequence import Sequence
@@ -91,10 +91,8 @@ class Engine:
             outputs = self.runner.run(batch)
             for (s, work), out in zip(batch, outputs, strict=True):
                 s.computed = work.end
-                if out.every is not None and s.prompt_logprobs is not None:
-                    s.prompt_logprobs += prompt_logprobs(
-                        out.every, s.tokens, work.start, s.state.prompt_len, s.top_logprobs
-                    )
+                if out.prompt is not None and s.prompt_logprobs is not None:
+                    s.prompt_logprobs += out.prompt
                 if out.last is not None:
                     self._on_token(s, s.sampler.next_token(s.tokens, out.last), out.last)
         except GenerationAborted as exc:

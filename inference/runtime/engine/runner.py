@@ -9,9 +9,10 @@ layer the router's choice of every sequence goes to the exchange at once (one ro
 the workers for the whole batch); its answer is combined with the shared expert where the
 family has one and added to the residual stream. The LM head runs on the last position
 only (``generate``'s ``logits_to_keep=1``); a sequence that asked for its prompt's logprobs
-also gets every position's logits of each prefill piece (a second, separate LM-head product,
-so that the last position's logits, and the token sampled from them, are the same bits as
-without).
+also gets them for each prefill piece, from LM-head products of their own over the piece's
+positions (``PROMPT_LOGIT_ROWS`` at a time, so a long prompt never holds all its logits at
+once; and apart from the last position's, which with the token sampled from it stays the same
+bits as without).
 
 A step either goes through ``generate``'s path (the prompt's last piece, or a decode: a
 2-D attention mask of ones over the whole sequence, positions as ``generate`` counts them)
@@ -29,8 +30,14 @@ import torch
 
 from inference.modelio.families import Family
 from inference.runtime.batching import LayerCall
+from inference.runtime.engine.sampling import prompt_logprobs
 from inference.runtime.engine.scheduler import Work
 from inference.runtime.engine.sequence import Sequence
+from inference.wire.generation import TokenLogprob
+
+# Prompt positions per LM-head product for prompt logprobs: [512, V] float32 logits are 64 MiB
+# at Mixtral's V of 32,000.
+PROMPT_LOGIT_ROWS = 512
 
 
 @dataclass
@@ -47,11 +54,12 @@ class Forward:
 
 @dataclass
 class StepLogits:
-    """One sequence's logits of a step: ``last`` [1, V] where its work samples, ``every`` [T, V]
-    (each position of a prefill piece) where it asked for its prompt's logprobs."""
+    """One sequence's outcome of a step: ``last`` [1, V], the logits its next token is sampled
+    from, where its work samples; ``prompt``, the logprobs of the prompt tokens the piece's
+    positions predict, where it asked for them (``sampling.prompt_logprobs``)."""
 
     last: torch.Tensor | None
-    every: torch.Tensor | None = None
+    prompt: list[TokenLogprob] | None = None
 
 
 ServeLayer = Callable[[int, list[Sequence]], list[torch.Tensor]]
@@ -68,8 +76,8 @@ class ModelRunner:
         self.embedded = embedded  # told each sequence's token embeddings, before any attention
 
     def run(self, batch: list[tuple[Sequence, Work]]) -> list[StepLogits]:
-        """Each sequence's logits: its last position's where its work samples, every position's
-        of a prefill piece where it asked for its prompt's logprobs."""
+        """Each sequence's logits: its last position's where its work samples, and the logprobs of
+        the prompt tokens a prefill piece predicts where it asked for them."""
         with torch.inference_mode():
             passes = [self._embed(s, w) for s, w in batch]
             sequences = [s for s, _ in batch]
@@ -133,7 +141,12 @@ class ModelRunner:
         last = None
         if work.samples:
             last = self.family.scale_logits(config, self.model.lm_head(hidden[:, -1:, :]))[:, -1]  # [1, V]
-        every = None
+        prompt = None
         if sequence.prompt_logprobs is not None and work.start < sequence.state.prompt_len:
-            every = self.family.scale_logits(config, self.model.lm_head(hidden))[0]  # [T, V]
-        return StepLogits(last, every)
+            prompt = []
+            for row in range(0, work.tokens, PROMPT_LOGIT_ROWS):
+                rows = hidden[:, row : row + PROMPT_LOGIT_ROWS, :]  # [1, R, H]
+                logits = self.family.scale_logits(config, self.model.lm_head(rows))[0]  # [R, V]
+                top = sequence.top_logprobs
+                prompt += prompt_logprobs(logits, sequence.tokens, work.start + row, sequence.state.prompt_len, top)
+        return StepLogits(last, prompt)
