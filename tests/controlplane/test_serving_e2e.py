@@ -320,6 +320,25 @@ def check_logprobs(served: Served) -> None:
     choice = more.choices[0]
     assert choice.text.startswith(prompt) and len(choice.logprobs.tokens) == len(ids) + 3
     assert choice.logprobs.text_offset[len(ids)] == len(prompt)
+    # Streamed: the prompt first with its logprobs, then each piece with its tokens'; the same in all.
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0, stream=True
+        )
+    )
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in pieces) == choice.text and pieces[0].text == prompt
+    streamed_tokens = [t for p in pieces if p.logprobs for t in p.logprobs.tokens]
+    streamed_offsets = [o for p in pieces if p.logprobs for o in p.logprobs.text_offset]
+    assert streamed_tokens == choice.logprobs.tokens and streamed_offsets == choice.logprobs.text_offset
+    # A stop sequence: the logprobs run through the token that completed it, no further.
+    full = whole.choices[0].message.content
+    stop = full[2:4]
+    cut = client.chat.completions.create(**{**ask, "stop": [stop]})
+    kept = [bytes(c.bytes) for c in cut.choices[0].logprobs.content]
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+    assert stop in b"".join(kept).decode(errors="replace")
+    assert stop not in b"".join(kept[:-1]).decode(errors="replace")
 
     for bad, param in [
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
