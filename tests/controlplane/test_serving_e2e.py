@@ -306,7 +306,7 @@ def check_logprobs(served: Served) -> None:
     echoed = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0, temperature=0)
     choice = echoed.choices[0]
     reference = reference_logprobs(served, ids)
-    assert choice.text == prompt and echoed.usage.completion_tokens == 0
+    assert choice.text == prompt and echoed.usage.completion_tokens == 0 and choice.finish_reason == "length"
     logprobs = choice.logprobs
     assert len(logprobs.tokens) == len(ids) and logprobs.text_offset[0] == 0
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing predicts the first
@@ -350,6 +350,9 @@ def check_logprobs(served: Served) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=6)
     assert refused.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)  # without echo: nothing to answer
+    assert refused.value.body["param"] == "max_tokens"
 
 
 def post_raw(served: Served, path: str, body: dict) -> tuple[int, dict | str]:

@@ -307,6 +307,9 @@ def _parse(body: dict, chat: bool) -> Ask:
     prompt_only = echo and max_tokens == 0
     if prompt_only:
         max_tokens = 1
+    elif max_tokens == 0:
+        message = "max_tokens must be at least 1 (0 only with echo: the prompt alone, for its logprobs)"
+        raise InputError(message, param="max_tokens")
     target = find_target(model)
     # More choices than one user may have in main at once could never all run: refused now.
     limit = target.max_per_user
@@ -424,6 +427,8 @@ class _Choice:
                     metrics.record(api, ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
                     reason = "stop" if scanner.stopped or item.finish_reason != "length" else "length"
                     tokens = [] if ask.prompt_only else item.token_ids
+                    if ask.prompt_only:  # max_tokens 0 it was: the limit ended it, whatever main sampled
+                        reason = "length"
                     text = echoed + scanner.visible
                     yield "", [], CompletionResult(text, tokens, reason, item.prompt_tokens, item.metrics)
         except (ClusterUnavailable, ClusterGenerationError):
