@@ -49,6 +49,12 @@ class Generate(Message, kw_only=True, tag="generate"):
     ``MAX_TOP_LOGPROBS``) most likely alternatives; ``prompt_logprobs``: the first ``Token``
     also carries every prompt token's (but the first's, which nothing predicts), gathered
     from every piece of the prefill.
+
+    ``grammar``: the answer must keep to it (constrained decoding; "" for none), in
+    llguidance's serialized form (``llguidance.LLMatcher.grammar_from_json_schema`` or
+    ``grammar_from_lark``): main masks every token it does not allow before sampling, and
+    allows the end of the sequence only where it is complete. One that does not compile for
+    the model's tokenizer is refused (``Failed``).
     """
 
     request_id: str
@@ -62,6 +68,7 @@ class Generate(Message, kw_only=True, tag="generate"):
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    grammar: str = ""
 
 
 class Token(Message, kw_only=True, tag="generation_token"):

@@ -11,16 +11,19 @@ admission stay in main's role (``inference.runtime.roles.main``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
 
+import llguidance
 import msgspec
 import torch
 from transformers import DynamicCache
 
 from inference.policies import schedule
 from inference.runtime.engine.exchange import GenerationAborted
+from inference.runtime.engine.grammar import Constraint, GrammarError, grammar_problem, grammar_tokenizer
 from inference.runtime.engine.runner import ModelRunner
 from inference.runtime.engine.sampling import sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
@@ -46,6 +49,34 @@ class Engine:
         self.guesses = guesses
         self.batch: dict[str, Sequence] = {}
         self.runner = ModelRunner(role.model, role.family, role.exchange.serve_layer, self._embedded)
+
+    def grammar_problem(self, msg: Generate) -> str:
+        """Why the request's grammar cannot constrain its answer ("" when it can, or it has none)."""
+        if not msg.grammar:
+            return ""
+        try:
+            return grammar_problem(self._grammar_tokenizer(), msg.grammar)
+        except GrammarError as exc:
+            return str(exc)
+
+    @functools.cached_property
+    def _eos(self) -> tuple[int, ...]:
+        """The ids that end a generation, as the samplers have them (the generation config's)."""
+        role = self.role
+        sampler = sampler_for(
+            role.model,
+            prompt_len=1,
+            max_new_tokens=1,
+            do_sample=False,
+            temperature=1.0,
+            top_p=1.0,
+            seed=None,
+            device=role.device,
+        )
+        return tuple(sorted(sampler.eos))
+
+    def _grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        return grammar_tokenizer(str(self.role.spec.shard_dir), self.role.model.config.vocab_size, self._eos)
 
     def serve(self) -> None:
         """Run steps until no sequence runs and none waits (or main is told to stop)."""
@@ -94,7 +125,12 @@ class Engine:
                 if out.prompt is not None and s.prompt_logprobs is not None:
                     s.prompt_logprobs += out.prompt
                 if out.last is not None:
-                    self._on_token(s, s.sampler.next_token(s.tokens, out.last), out.last)
+                    try:
+                        token = s.sampler.next_token(s.tokens, out.last)
+                    except GrammarError as exc:  # this sequence's grammar: it ends, the batch goes on
+                        s.error = str(exc)
+                        continue
+                    self._on_token(s, token, out.last)
         except GenerationAborted as exc:
             self._fail([s for s, _ in batch], str(exc))
             return
@@ -138,6 +174,9 @@ class Engine:
             top_p=msg.top_p,
             seed=msg.seed,
             device=role.device,
+            constraint=Constraint(self._grammar_tokenizer(), msg.grammar, role.model.config.vocab_size)
+            if msg.grammar
+            else None,
         )
         tokens = torch.tensor([msg.prompt_ids], dtype=torch.long, device=role.device)
         # A prompt prefilled in pieces takes a step per piece; its step 0, as the workers

@@ -10,6 +10,10 @@ seeded run draws what ``generate`` drew after ``torch.manual_seed(seed)``, whate
 the batch samples meanwhile. The end-of-sequence ids are the resolved config's, as
 ``generate``'s stopping criteria use them.
 
+A sequence under a grammar (``grammar.Constraint``) has every token its grammar does not allow
+next set to ``-inf`` before the processors run, so greedy decoding is the argmax over the
+allowed tokens and sampling draws only from them; the token taken advances the grammar.
+
 Log-probabilities (``token_logprobs``, ``prompt_logprobs``) are read from the same logits
 before any processor touches them: the log-softmax of the model's raw logits, in float32,
 as vLLM reports them (its "raw" logprobs), so they do not depend on the request's
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
+from inference.runtime.engine.grammar import Constraint
 from inference.wire.generation import LOGPROB_FLOOR, TokenLogprob
 
 # Resolved generation-config fields this engine does not implement, and the value that means "off".
@@ -72,20 +77,29 @@ def check_generation_config(model: PreTrainedModel) -> None:
 
 @dataclass
 class Sampler:
-    """One sequence's way to its next token: processors, greedy or sampled, its own generator."""
+    """One sequence's way to its next token: processors, greedy or sampled, its own generator,
+    and the grammar it keeps to, if any."""
 
     processors: LogitsProcessorList
     do_sample: bool
     generator: torch.Generator | None
     eos: frozenset[int]
+    constraint: Constraint | None = None
 
     def next_token(self, input_ids: torch.Tensor, logits: torch.Tensor) -> int:
         """The next token after ``input_ids`` [1, L] from the last position's ``logits`` [1, V]."""
-        scores = self.processors(input_ids, logits.to(copy=True, dtype=torch.float32, device=input_ids.device))
+        scores = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)  # [1, V]
+        if self.constraint is not None:  # before the processors: they see only the allowed tokens
+            scores[0].masked_fill_(~self.constraint.allowed(scores.device), float("-inf"))
+        scores = self.processors(input_ids, scores)
         if self.do_sample:
             probs = torch.nn.functional.softmax(scores, dim=-1)
-            return int(torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)[0])
-        return int(torch.argmax(scores, dim=-1)[0])
+            token = int(torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)[0])
+        else:
+            token = int(torch.argmax(scores, dim=-1)[0])
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return token
 
 
 def sampler_for(
@@ -98,8 +112,10 @@ def sampler_for(
     top_p: float,
     seed: int | None,
     device: torch.device,
+    constraint: Constraint | None = None,
 ) -> Sampler:
-    """The sampler ``generate`` would use for a request with these parameters."""
+    """The sampler ``generate`` would use for a request with these parameters (under
+    ``constraint``'s grammar, if given)."""
     parameters: dict[str, object] = {"do_sample": do_sample, "max_new_tokens": max_new_tokens}
     if do_sample:
         parameters.update(temperature=temperature, top_p=top_p)
@@ -123,7 +139,7 @@ def sampler_for(
             generator.manual_seed(seed)
     eos = config._eos_token_tensor
     ids = frozenset() if eos is None else frozenset(int(t) for t in eos.reshape(-1).tolist())
-    return Sampler(processors, bool(config.do_sample), generator, ids)
+    return Sampler(processors, bool(config.do_sample), generator, ids, constraint)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprob]:
