@@ -57,8 +57,8 @@ def test_the_docs_tables_are_the_declarations() -> None:
     [
         ({"frequency_penalty": 0.5}, "frequency_penalty", "accepted as 0 (or null)"),
         ({"frequency_penalty": False}, "frequency_penalty", "not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported yet"),
+        ({"functions": [{"name": "f"}]}, "functions", "send `tools`"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "must be a bool"),
         ({"logit_bias": {"50": 10}}, "logit_bias", "no biases"),
         ({"top_k": 5}, "top_k", "not a parameter of OpenAI's chat completions API"),
         ({"user": 5}, "user", "must be a str"),
@@ -68,7 +68,7 @@ def test_a_parameter_not_honoured_is_refused_by_name(body: dict, param: str, wor
     with pytest.raises(InputError, match=re.escape(words)) as refused:
         check_parameters({"model": "m", **body}, CHAT, "chat completions")
     assert refused.value.param == param
-    assert refused.value.code == "unsupported_parameter" or param == "user"
+    assert refused.value.code == "unsupported_parameter" or param in ("user", "parallel_tool_calls")
 
 
 def test_neutral_values_and_nulls_pass() -> None:

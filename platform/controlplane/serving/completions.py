@@ -139,6 +139,7 @@ def _request(
     user: object,
     logprobs: int | None = None,
     prompt_logprobs: bool = False,
+    grammar: str = "",
 ) -> Generate:
     return Generate(
         prompt_ids=prompt_ids,
@@ -148,6 +149,7 @@ def _request(
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
         **sampling.request_fields(),
     )
 
@@ -162,15 +164,17 @@ async def astream(
     user: object = "",
     logprobs: int | None = None,
     prompt_logprobs: bool = False,
+    grammar: str = "",
 ) -> AsyncIterator[TextDelta | CompletionResult]:
     """Text deltas as the cluster produces tokens, then the result (its text is the whole answer).
 
     ``user``: who asks (main shares its batch fairly between users); ``logprobs``: each token's
-    logprob and this many alternatives (None: none); ``prompt_logprobs``: the prompt's too.
+    logprob and this many alternatives (None: none); ``prompt_logprobs``: the prompt's too;
+    ``grammar``: the answer keeps to it (``Generate.grammar``).
     """
     tokenizer = await database_sync_to_async(lambda: target.tokenizer, thread_sensitive=False)()
     assembler = Assembler(tokenizer, len(prompt_ids))
-    request = _request(prompt_ids, max_new_tokens, sampling, request_id, user, logprobs, prompt_logprobs)
+    request = _request(prompt_ids, max_new_tokens, sampling, request_id, user, logprobs, prompt_logprobs, grammar)
     async for event in generation.astream(target.deployment_id, request):
         for item in assembler.feed(event):
             yield item

@@ -63,6 +63,7 @@ from .completions import (
 from .logprobs import Scored, chat_logprobs, chat_top_logprobs, completion_logprobs, legacy_logprobs, prompt_tokens
 from .parameters import CHAT, COMPLETIONS, check_parameters
 from .stops import StopScanner
+from .structured import Structure, read_structure, tool_calls, with_tools
 from .text import (
     MAX_SEED,
     InputError,
@@ -193,6 +194,7 @@ class Ask:
     echo: bool = False  # the prompt first (``texts``)
     prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
     texts: list[str] = dataclasses.field(default_factory=list)  # each prompt's text (completions)
+    structure: Structure = dataclasses.field(default_factory=Structure)  # chat: its grammar, the tools it may call
 
     def choices(self) -> list[tuple[int, list[int], Sampling]]:
         """(index, prompt ids, sampling) of every choice, prompt after prompt, ``n`` each (choice
@@ -321,11 +323,16 @@ def _parse(body: dict, chat: bool) -> Ask:
     tokenizer = target.tokenizer
     texts: list[str] = []
     # Text that cannot fit the context is refused from its length before it is tokenized.
+    structure = Structure()
     if chat:
+        structure = read_structure(body)
         messages = body.get("messages")
         check_messages(messages)
+        tools = structure.tools or None
+        if tools and not tokenizer.template_reads_tools:
+            messages, tools = with_tools(messages, structure.tools), None
         check_text_fits(tokenizer, [m["content"] for m in messages], max_tokens, target.context, param="messages")
-        prompts = [encode_chat(tokenizer, messages)]
+        prompts = [encode_chat(tokenizer, messages, tools)]
     else:
         prompt = body.get("prompt")
         texts = prompt if isinstance(prompt, list) and prompt else [prompt]
@@ -343,7 +350,20 @@ def _parse(body: dict, chat: bool) -> Ask:
     for prompt_ids in prompts:
         check_lengths(len(prompt_ids), max_tokens, target.context)
     return Ask(
-        target, prompts, n, max_tokens, sampling, stops, stream, include_usage, "", logprobs, echo, prompt_only, texts
+        target,
+        prompts,
+        n,
+        max_tokens,
+        sampling,
+        stops,
+        stream,
+        include_usage,
+        "",
+        logprobs,
+        echo,
+        prompt_only,
+        texts,
+        structure,
     )
 
 
@@ -403,6 +423,7 @@ class _Choice:
                 user=ask.user,
                 logprobs=ask.logprobs,
                 prompt_logprobs=ask.echo and ask.logprobs is not None,
+                grammar=ask.structure.grammar,
             ):
                 if ask.echo and not echoed:  # the prompt first, with its logprobs (they come with the first token)
                     echoed = self.prompt_text
@@ -525,6 +546,9 @@ class _Answer:
     async def events(self, first: tuple[int, Piece]) -> AsyncIterator[str]:
         assert self._pieces is not None, "start() first"
         results: dict[int, CompletionResult] = {}
+        # An answer that may be a tool call is held until it ends (its logprobs with it): only then
+        # is it known to be a call or text.
+        held = {c.index: [] for c in self.choices} if self.chat and self.ask.structure.calls else None
         try:
             if self.chat:
                 for choice in self.choices:
@@ -534,6 +558,17 @@ class _Answer:
                 if not pending:
                     pending.append(await anext(self._pieces))
                 index, (piece, tokens, result) = pending.pop()
+                if held is not None:  # it may be a tool call: the answer goes out whole, at its end
+                    held[index] += tokens
+                    if result is not None:
+                        results[index] = result
+                        message, reason = self._message(result)
+                        delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+                        if "tool_calls" in delta:
+                            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+                        yield _sse(self._chunk(index, delta, None, self._logprobs(held[index])))
+                        yield _sse(self._chunk(index, {}, reason))
+                    continue
                 if result is None:
                     delta = {"content": piece} if self.chat else piece
                     yield _sse(self._chunk(index, delta, None, self._logprobs(tokens)))
@@ -560,6 +595,13 @@ class _Answer:
             choice = {"index": index, "text": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return {**self._chunk_base(), "choices": [choice]}
 
+    def _message(self, result: CompletionResult) -> tuple[dict, str]:
+        """A chat choice's message and finish reason: a tool call where the answer is a whole one."""
+        calls = tool_calls(result.text) if self.ask.structure.calls and result.finish_reason == "stop" else None
+        if calls:
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": result.text}, result.finish_reason
+
     def _logprobs(self, tokens: list[Scored]) -> dict | None:
         """A choice's (or a chunk's) ``logprobs`` object in the endpoint's shape; None where not asked for."""
         if self.ask.logprobs is None:
@@ -573,15 +615,12 @@ class _Answer:
         usage = _usage(dict(enumerate(results)), self.ask.n)
         base = {"id": self.id, "created": self.created, "model": self.ask.target.name, "usage": usage}
         if self.chat:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": r.text},
-                    "finish_reason": r.finish_reason,
-                    "logprobs": self._logprobs(scored[i]),
-                }
-                for i, r in enumerate(results)
-            ]
+            choices = []
+            for i, r in enumerate(results):
+                message, reason = self._message(r)
+                choices.append(
+                    {"index": i, "message": message, "finish_reason": reason, "logprobs": self._logprobs(scored[i])}
+                )
             return {**base, "object": "chat.completion", "choices": choices}
         choices = [
             {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": self._logprobs(scored[i])}

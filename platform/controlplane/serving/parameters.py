@@ -7,8 +7,8 @@ with what this API does with it:
   ``openai_api._parse``);
 - ``NEUTRAL_ONLY``: the feature is not offered, so only the value that asks for nothing (and
   null) is accepted, e.g. ``frequency_penalty: 0``; any other value is a 400 naming it;
-- ``NOT_YET``: planned (structured output and tools), refused with "not supported yet"
-  meanwhile, but for its neutral value where it has one (``response_format: {"type": "text"}``).
+- ``NOT_YET``: planned, refused with "not supported yet" meanwhile, but for its neutral value
+  where it has one (none is at present).
 
 A parameter that is in neither list, OpenAI's or ours, is a 400 naming it too: nothing a client
 sends is silently ignored. Refusals are ``InputError`` with ``code="unsupported_parameter"``
@@ -66,6 +66,10 @@ class Parameter:
 H, N, Y = Support.HONOURED, Support.NEUTRAL_ONLY, Support.NOT_YET
 LABEL = "an opaque label: checked to be a string; it changes nothing in the answer"
 
+# The examples' schema and tool (the parameter walk sends them).
+_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]}
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": _SCHEMA}}
+
 # Honoured by both endpoints, the same way.
 _COMMON: dict[str, Parameter] = {
     "model": Parameter(H, "a deployment's name (404 `model_not_found` otherwise)"),
@@ -105,12 +109,27 @@ CHAT: dict[str, Parameter] = {
         f"0 to {MAX_TOP_LOGPROBS} alternatives per token, with `logprobs: true`",
         example={"logprobs": True, "top_logprobs": 3},
     ),
-    "response_format": Parameter(Y, "structured output (JSON mode, JSON schema)", ({"type": "text"},)),
-    "tools": Parameter(Y, "tool calls"),
-    "tool_choice": Parameter(Y, "tool calls", ("none",)),
-    "functions": Parameter(Y, "tool calls (the deprecated form)"),
-    "function_call": Parameter(Y, "tool calls (the deprecated form)", ("none",)),
-    "parallel_tool_calls": Parameter(N, "without tools there is nothing to call", (True, False)),
+    "response_format": Parameter(
+        H,
+        "`text`, `json_object` or `json_schema`: decoding keeps to the schema (always, `strict` or not), compact JSON",
+        example={"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": _SCHEMA}}},
+    ),
+    "tools": Parameter(
+        H,
+        "functions; a call's `arguments` keep to its `parameters` schema; through the chat template's "
+        "`tools`, or a system message where the template has none",
+        example={"tools": [_TOOL]},
+    ),
+    "tool_choice": Parameter(
+        H,
+        "`auto` (a call or text), `none`, `required` or a named function (exactly one call)",
+        example={"tools": [_TOOL], "tool_choice": "required"},
+    ),
+    "functions": Parameter(N, "the deprecated form of `tools`: send `tools`"),
+    "function_call": Parameter(N, "the deprecated form of `tool_choice`: send `tool_choice`", ("none",)),
+    "parallel_tool_calls": Parameter(
+        H, "at most one call an answer, either way", bool, example={"tools": [_TOOL], "parallel_tool_calls": False}
+    ),
     "prompt_cache_key": Parameter(H, f"{LABEL} (one main: nothing to route)", str, example={"prompt_cache_key": "k"}),
     "safety_identifier": Parameter(H, LABEL, str, example={"safety_identifier": "end-user-1"}),
     "service_tier": Parameter(N, "one tier", ("auto", "default")),

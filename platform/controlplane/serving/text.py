@@ -70,8 +70,12 @@ def encode_prompt(tokenizer: TextTokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def encode_chat(tokenizer: TextTokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer: TextTokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The prompt ids of a conversation, with the tokenizer's chat template when it has one.
+
+    ``tools`` (OpenAI's form) go to the template, for one that reads them
+    (``TextTokenizer.template_reads_tools``; ``structured.with_tools`` puts them in the
+    conversation for one that does not).
 
     The one place where messages become a prompt: the chat UI and ``/v1/chat/completions``
     both call it. A template writes its own special tokens (Mixtral-Instruct's starts with
@@ -80,20 +84,20 @@ def encode_chat(tokenizer: TextTokenizer, messages: list[dict]) -> list[int]:
     """
     check_messages(messages)
     if tokenizer.chat_template:
-        text = render_chat(tokenizer, messages)
+        text = render_chat(tokenizer, messages, tools)
         return tokenizer.encode(text, add_special_tokens=False)
     text = "".join(FALLBACK_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
     return tokenizer.encode(text + FALLBACK_ASSISTANT)
 
 
-def render_chat(tokenizer: TextTokenizer, messages: list[dict]) -> str:
+def render_chat(tokenizer: TextTokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     """The conversation as the model's chat template writes it, ready for the answer to follow.
 
     A template may refuse a conversation (Mixtral-Instruct's raises on a system message or
     on two user turns in a row) or be broken: either is the request's problem, not a crash.
     """
     try:
-        return tokenizer.render_chat(messages, add_generation_prompt=True)
+        return tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
     except (TemplateError, TypeError, ValueError) as exc:
         raise InputError(
             f"this model's chat template cannot render these messages: {exc}",

@@ -40,6 +40,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -132,15 +133,26 @@ class TextTokenizer:
             raise ValueError("this tokenizer has no chat template")
         return chat_environment().from_string(self.chat_template)
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The conversation as the chat template writes it (``apply_chat_template(tokenize=False)``).
+    @cached_property
+    def template_reads_tools(self) -> bool:
+        """Whether the chat template writes the ``tools`` it is given (a tool-calling model's does)."""
+        if not self.chat_template:
+            return False
+        environment = chat_environment()
+        return "tools" in jinja2.meta.find_undeclared_variables(environment.parse(self.chat_template))
+
+    def render_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The conversation as the chat template writes it (``apply_chat_template(tokenize=False)``),
+        with ``tools`` (OpenAI's form) where given.
 
         Raises ``jinja2.TemplateError`` where the template refuses the messages or is broken.
         """
         return self._compiled_template.render(
             **self.special_tokens,
             messages=[dict(m) for m in messages],
-            tools=None,
+            tools=tools or None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
         )
