@@ -8,12 +8,14 @@ one worker; or 2 without a shadow) serving the tiny model, and runs several chec
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -404,7 +406,139 @@ def check_every_parameter_is_honoured_or_refused(served: Served) -> None:
     assert status == 400 and answer["param"] == "max_completion_tokens"  # the chat's, not the completions'
 
 
+# A strict schema whose every string and number is bounded: an answer fits in its max_tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
+        "home": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "floor": {"type": "integer", "maximum": 9}},
+            "required": ["city", "floor"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "colour", "tags", "home"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def check_structured_output(served: Served) -> None:
+    """20 prompts under a strict json_schema, through the official client: every answer is valid
+    (the tiny model's weights are random: the grammar alone makes it so)."""
+    client = served.client()
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    def ask(i: int):
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Person number {i}, as JSON"}],
+            max_tokens=300,
+            temperature=1.0 if i % 2 else 0,
+            seed=i,
+            response_format=response_format,
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(20)))
+    for answer in answers:
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    assert len({a.choices[0].message.content for a in answers}) > 1
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0, response_format={"type": "json_object"}
+    )
+    if whole.choices[0].finish_reason == "stop":  # an unbounded object may run to the limit
+        assert isinstance(json.loads(whole.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}},
+        )
+    assert refused.value.body["code"] == "invalid_schema" and refused.value.body["param"] == "response_format"
+
+
+def _check_call(call, tool: dict) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def check_tool_calls(served: Served) -> None:
+    """``tool_choice`` required, named and none, whole and streamed, in OpenAI's shapes."""
+    client = served.client()
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 200}
+    required = client.chat.completions.create(**base, tools=[WEATHER, TIME], tool_choice="required", temperature=0)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+
+    chunks = list(
+        client.chat.completions.create(
+            **base, tools=[WEATHER, TIME], tool_choice="required", temperature=0, stream=True
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    (streamed,) = deltas[0].tool_calls
+    assert streamed.index == 0
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+
+    for tool in (TIME, WEATHER):
+        named = client.chat.completions.create(
+            **base,
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": tool["function"]["name"]}},
+        )
+        assert named.choices[0].finish_reason == "tool_calls"
+        _check_call(named.choices[0].message.tool_calls[0], tool)
+
+    none = client.chat.completions.create(
+        **{**base, "max_tokens": 8}, tools=[WEATHER], tool_choice="none", temperature=0
+    )
+    assert none.choices[0].message.tool_calls is None and isinstance(none.choices[0].message.content, str)
+    auto = client.chat.completions.create(**base, tools=[WEATHER], temperature=0)
+    message = auto.choices[0].message
+    if message.tool_calls:
+        _check_call(message.tool_calls[0], WEATHER)
+    else:
+        assert not message.content.startswith("<")
+
+
 def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
+    check_structured_output(served)
+    check_tool_calls(served)
     check_openai_text(served)
     check_sampling_and_stop(served)
     check_openai_errors(served)
