@@ -11,7 +11,7 @@ and sampling draws only from them; the token taken then advances the matcher
 that ends by itself ends with a whole document.
 
 Why llguidance: benchmarks/grammars.py compares it with xgrammar and outlines-core on the demo
-tokenizer (docs/reference/benchmarks.md, "Grammar libraries"): it enforces every feature a
+tokenizer (docs/benchmarks/grammars.md): it enforces every feature a
 strict JSON schema needs, compiles in under a millisecond, computes a mask in tens of
 microseconds, and depends on nothing (the web process validates grammars with it too).
 """
