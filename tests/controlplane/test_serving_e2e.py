@@ -524,6 +524,17 @@ def check_tool_calls(served: Served) -> None:
         assert named.choices[0].finish_reason == "tool_calls"
         _check_call(named.choices[0].message.tool_calls[0], tool)
 
+    # The loop goes on: the call, its result, and an answer in text.
+    turns = [
+        *base["messages"],
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    after = client.chat.completions.create(
+        model=MODEL, messages=turns, tools=[WEATHER, TIME], tool_choice="none", max_tokens=8, temperature=0
+    )
+    assert after.choices[0].message.tool_calls is None and after.choices[0].message.content
+
     none = client.chat.completions.create(
         **{**base, "max_tokens": 8}, tools=[WEATHER], tool_choice="none", temperature=0
     )

@@ -9,8 +9,8 @@ from pathlib import Path
 import llguidance
 import pytest
 
-from controlplane.serving.structured import read_structure, tool_calls, with_tools
-from controlplane.serving.text import InputError
+from controlplane.serving.structured import conversation, read_structure, tool_calls, with_tools
+from controlplane.serving.text import InputError, check_messages
 
 TOOL = {
     "type": "function",
@@ -94,3 +94,45 @@ def test_tools_go_into_the_system_message_for_a_template_without_them() -> None:
     assert added[0]["role"] == "system" and '"name":"get_weather"' in added[0]["content"]
     merged = with_tools([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], [TOOL])
     assert len(merged) == 2 and merged[0]["content"].startswith("Be brief.\n\n")
+
+
+CALLED = [
+    {"role": "user", "content": "Weather in Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+def test_a_tool_loop_becomes_plain_turns_for_a_template_without_tools() -> None:
+    turns, tools = conversation(CALLED, [TOOL], reads_tools=False)
+    assert tools is None and turns[0]["role"] == "system"
+    assert turns[2] == {
+        "role": "assistant",
+        "content": '<tool_call>{"name":"get_weather","arguments":{"city":"Rome"}}</tool_call>',
+    }
+    assert turns[3] == {"role": "user", "content": "<tool_response>sunny</tool_response>"}
+    check_messages(turns)
+
+
+def test_a_tool_loop_goes_as_it_is_to_a_template_that_reads_tools() -> None:
+    turns, tools = conversation(CALLED, [TOOL], reads_tools=True)
+    assert tools == [TOOL] and len(turns) == 3
+    assert turns[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
+    check_messages(turns, tool_turns=True)
+    with pytest.raises(InputError, match=r"messages\[1\].content must be a string"):
+        check_messages(CALLED)  # without a template that reads tools, a call is no turn of its own
+    with pytest.raises(InputError, match="a role of system, user, assistant$"):
+        check_messages(CALLED[2:])
+
+
+def test_a_past_call_that_is_not_one_is_refused_naming_it() -> None:
+    broken = [CALLED[0], {**CALLED[1], "tool_calls": [{"function": {"name": "f", "arguments": "{no"}}]}]
+    with pytest.raises(InputError) as refused:
+        conversation(broken, [TOOL], reads_tools=False)
+    assert refused.value.param == "messages[1].tool_calls[0]"

@@ -63,7 +63,7 @@ from .completions import (
 from .logprobs import Scored, chat_logprobs, chat_top_logprobs, completion_logprobs, legacy_logprobs, prompt_tokens
 from .parameters import CHAT, COMPLETIONS, check_parameters
 from .stops import StopScanner
-from .structured import Structure, read_structure, tool_calls, with_tools
+from .structured import Structure, conversation, read_structure, tool_calls
 from .text import (
     MAX_SEED,
     InputError,
@@ -326,12 +326,10 @@ def _parse(body: dict, chat: bool) -> Ask:
     structure = Structure()
     if chat:
         structure = read_structure(body)
-        messages = body.get("messages")
-        check_messages(messages)
-        tools = structure.tools or None
-        if tools and not tokenizer.template_reads_tools:
-            messages, tools = with_tools(messages, structure.tools), None
-        check_text_fits(tokenizer, [m["content"] for m in messages], max_tokens, target.context, param="messages")
+        messages, tools = conversation(body.get("messages"), structure.tools, tokenizer.template_reads_tools)
+        check_messages(messages, tool_turns=tokenizer.template_reads_tools)
+        contents = [m.get("content") or "" for m in messages]
+        check_text_fits(tokenizer, contents, max_tokens, target.context, param="messages")
         prompts = [encode_chat(tokenizer, messages, tools)]
     else:
         prompt = body.get("prompt")

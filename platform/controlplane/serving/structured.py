@@ -14,7 +14,10 @@ Hermes format that Qwen's and others' templates use), its ``arguments`` kept to 
 call; ``"auto"`` a call or text (which then does not start with ``<``; or, with a
 ``response_format`` JSON, the JSON); ``"none"`` no call. The tools reach the model through its
 chat template's ``tools`` where the template reads them, and otherwise as a system message
-(``tool_system_message``, documented in docs/using/openai-api.md). The answer is read back with
+(``tool_system_message``, documented in docs/using/openai-api.md); a tool loop's turns (an
+assistant message with ``tool_calls``, a ``tool`` message with the result) go to a template that
+reads tools as they are, and to one that does not as plain turns (``conversation``). The
+answer is read back with
 ``tool_calls``: one whose text is a whole call becomes ``message.tool_calls`` with
 ``finish_reason: "tool_calls"``; anything else stays text.
 
@@ -178,8 +181,13 @@ def tool_system_message(tools: list[dict]) -> str:
         f'{CALL_OPEN}{{"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}}{CALL_CLOSE}',
         "Functions (JSON, one a line):",
     ]
-    lines += [json.dumps(t["function"], separators=(",", ":")) for t in tools]
+    lines += [_compact(t["function"]) for t in tools]
     return "\n".join(lines)
+
+
+def _compact(value: object) -> str:
+    """JSON as the grammar has the model write it: no whitespace between tokens."""
+    return json.dumps(value, separators=(",", ":"))
 
 
 def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
@@ -188,6 +196,56 @@ def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
     if messages and messages[0].get("role") == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
+
+
+def conversation(messages: object, tools: list[dict], reads_tools: bool) -> tuple[object, list[dict] | None]:
+    """The conversation and tools to render: a tool loop's turns for the template.
+
+    For a template that reads tools, the messages as they are (a call's ``arguments``, a JSON
+    string in OpenAI's shape, as the object templates expect) and the tools; for one that does
+    not, plain turns (an assistant's calls written as the model writes them, a ``tool``
+    message as a user turn ``<tool_response>...</tool_response>``) with the tools in the system
+    message. Anything else is left for ``text.check_messages`` to refuse.
+    """
+    if not isinstance(messages, list):
+        return messages, tools or None
+    turns = [_turn(m, i, reads_tools) if isinstance(m, dict) else m for i, m in enumerate(messages)]
+    if reads_tools or not tools:
+        return turns, tools or None
+    return with_tools(turns, tools), None
+
+
+def _turn(message: dict, i: int, reads_tools: bool) -> dict:
+    if message.get("role") == "tool" and not reads_tools:
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise InputError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+        return {"role": "user", "content": f"<tool_response>{content}</tool_response>"}
+    if message.get("role") != "assistant" or message.get("tool_calls") is None:
+        return message
+    calls = message["tool_calls"]
+    if not isinstance(calls, list) or not calls:
+        raise InputError(f"messages[{i}].tool_calls must be a non-empty list", param=f"messages[{i}].tool_calls")
+    read = [_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(calls)]
+    if reads_tools:
+        given = [
+            {**c, "function": {**c["function"], "arguments": args}} for c, (_, args) in zip(calls, read, strict=True)
+        ]
+        return {**message, "tool_calls": given}
+    written = "".join(f"{CALL_OPEN}{_compact({'name': n, 'arguments': a})}{CALL_CLOSE}" for n, a in read)
+    return {"role": "assistant", "content": (message.get("content") or "") + written}
+
+
+def _call(call: object, param: str) -> tuple[str, object]:
+    """A past call's function name and its arguments (parsed from their JSON string)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InputError(f"{param} must be {{id, type: function, function: {{name, arguments}}}}", param=param)
+    arguments = function.get("arguments", "{}")
+    try:
+        return function["name"], json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        raise InputError(f"{param}.function.arguments must be a JSON string", param=param) from None
 
 
 def tool_calls(text: str) -> list[dict] | None:
