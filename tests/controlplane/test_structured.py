@@ -127,7 +127,7 @@ def test_a_tool_loop_goes_as_it_is_to_a_template_that_reads_tools() -> None:
     check_messages(turns, tool_turns=True)
     with pytest.raises(InputError, match=r"messages\[1\].content must be a string"):
         check_messages(CALLED)  # without a template that reads tools, a call is no turn of its own
-    with pytest.raises(InputError, match="a role of system, user, assistant$"):
+    with pytest.raises(InputError, match=r"a role of system, user, assistant$"):
         check_messages(CALLED[2:])
 
 
