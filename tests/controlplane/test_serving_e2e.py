@@ -541,10 +541,17 @@ def check_tool_calls(served: Served) -> None:
     assert none.choices[0].message.tool_calls is None and isinstance(none.choices[0].message.content, str)
     auto = client.chat.completions.create(**base, tools=[WEATHER], temperature=0)
     message = auto.choices[0].message
+    auto_chunks = list(client.chat.completions.create(**base, tools=[WEATHER], temperature=0, stream=True))
     if message.tool_calls:
         _check_call(message.tool_calls[0], WEATHER)
-    else:
+        streamed_calls = [
+            c.choices[0].delta.tool_calls for c in auto_chunks if c.choices and c.choices[0].delta.tool_calls
+        ]
+        assert streamed_calls[0][0].function.arguments == message.tool_calls[0].function.arguments
+    else:  # text: streamed as it comes, once its first character says it is no call
         assert not message.content.startswith("<")
+        pieces = [c.choices[0].delta.content for c in auto_chunks if c.choices and c.choices[0].delta.content]
+        assert "".join(pieces) == message.content and len(pieces) > 1
 
 
 def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:

@@ -474,6 +474,15 @@ class _Choice:
 _DONE = object()
 
 
+@dataclass
+class _Held:
+    """A streamed choice that may be a tool call, until its first visible text says which it is."""
+
+    pieces: list[str] = dataclasses.field(default_factory=list)
+    tokens: list[Scored] = dataclasses.field(default_factory=list)
+    text: bool | None = None  # True: text, streamed as it comes
+
+
 class _Answer:
     """One response in OpenAI's shape, whole or as a stream of chunks, of one or more choices."""
 
@@ -544,9 +553,10 @@ class _Answer:
     async def events(self, first: tuple[int, Piece]) -> AsyncIterator[str]:
         assert self._pieces is not None, "start() first"
         results: dict[int, CompletionResult] = {}
-        # An answer that may be a tool call is held until it ends (its logprobs with it): only then
-        # is it known to be a call or text.
-        held = {c.index: [] for c in self.choices} if self.chat and self.ask.structure.calls else None
+        # An answer that may be a tool call is held (with its logprobs) until its first character
+        # says which it is: a call starts with "<" (text under tool_choice "auto" never does) and goes
+        # out whole at its end; text is streamed from there on.
+        held = {c.index: _Held() for c in self.choices} if self.chat and self.ask.structure.calls else {}
         try:
             if self.chat:
                 for choice in self.choices:
@@ -556,17 +566,25 @@ class _Answer:
                 if not pending:
                     pending.append(await anext(self._pieces))
                 index, (piece, tokens, result) = pending.pop()
-                if held is not None:  # it may be a tool call: the answer goes out whole, at its end
-                    held[index] += tokens
-                    if result is not None:
+                hold = held.get(index)
+                if hold is not None and hold.text is None:
+                    if result is None:
+                        hold.pieces.append(piece)
+                        hold.tokens += tokens
+                        if "".join(hold.pieces).startswith("<"):  # a call: held to its end
+                            continue
+                        if not "".join(hold.pieces):  # nothing visible yet: still undecided
+                            continue
+                        hold.text, piece, tokens = True, "".join(hold.pieces), hold.tokens
+                    else:
                         results[index] = result
                         message, reason = self._message(result)
                         delta = {k: v for k, v in message.items() if k != "role" and v is not None}
                         if "tool_calls" in delta:
                             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
-                        yield _sse(self._chunk(index, delta, None, self._logprobs(held[index])))
+                        yield _sse(self._chunk(index, delta, None, self._logprobs(hold.tokens + tokens)))
                         yield _sse(self._chunk(index, {}, reason))
-                    continue
+                        continue
                 if result is None:
                     delta = {"content": piece} if self.chat else piece
                     yield _sse(self._chunk(index, delta, None, self._logprobs(tokens)))
