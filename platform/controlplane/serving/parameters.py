@@ -98,7 +98,10 @@ _COMMON: dict[str, Parameter] = {
 }
 
 CHAT: dict[str, Parameter] = {
-    "messages": Parameter(H, "through the model's chat template; roles system, user, assistant; string content"),
+    "messages": Parameter(
+        H,
+        "through the model's chat template; roles system, user, assistant (string content, or `tool_calls`) and tool",
+    ),
     **_COMMON,
     "max_completion_tokens": Parameter(H, "as `max_tokens` (and wins over it)", example={"max_completion_tokens": 3}),
     "logprobs": Parameter(
