@@ -3,7 +3,8 @@
 The runner runs a real tiny checkpoint of every family layer by layer, several sequences at
 once with chunked prefill, its experts computed by the checkpoint's own experts module in
 place of the workers; every sequence must be token-identical to its own ``generate`` run,
-greedy and seeded sampling alike.
+greedy and seeded sampling alike, and its logprobs (generated and prompt tokens) must be the
+log-softmax of Transformers' own forward's logits.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from inference.modelio.families import FAMILIES
 from inference.modelio.model import family_of
+from inference.runtime.engine import runner as runner_module
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import check_generation_config, sampler_for
+from inference.runtime.engine.sampling import check_generation_config, sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, schedule
 from inference.runtime.engine.sequence import Sequence
 from inference.runtime.records import RequestState, StepRecord
@@ -42,8 +44,14 @@ def _load(path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype="auto", experts_implementation="eager").eval()
 
 
-def _run_engine(model, requests: list[dict], *, max_batch: int, prefill_step: int) -> dict[str, list[int]]:
-    """The engine's scheduler, runner and sampler on ``requests``; experts by the model's own module."""
+def _run_engine(
+    model, requests: list[dict], *, max_batch: int, prefill_step: int, logprobs: dict | None = None
+) -> dict[str, list[int]]:
+    """The engine's scheduler, runner and sampler on ``requests``; experts by the model's own module.
+
+    A request with ``top_logprobs`` gets its logprobs gathered as main's engine gathers them
+    into ``logprobs[id]``: ``{"prompt": [...], "generated": [...]}``.
+    """
     family = family_of(model.config)
 
     def serve_layer(layer: int, batch: list[Sequence]) -> list[torch.Tensor]:
@@ -81,14 +89,31 @@ def _run_engine(model, requests: list[dict], *, max_batch: int, prefill_step: in
                 device=torch.device("cpu"),
             )
             tokens = torch.tensor([r["prompt"]], dtype=torch.long)
-            running[r["id"]] = Sequence(state, r.get("user", ""), sampler, tokens, joined_step=0)
+            asks = "top_logprobs" in r
+            running[r["id"]] = Sequence(
+                state,
+                r.get("user", ""),
+                sampler,
+                tokens,
+                joined_step=0,
+                logprobs=asks,
+                top_logprobs=r.get("top_logprobs", 0),
+                prompt_logprobs=[] if asks else None,
+            )
+            if asks and logprobs is not None:
+                logprobs[r["id"]] = {"prompt": running[r["id"]].prompt_logprobs, "generated": []}
         batch = [(running[w.request_id], w) for w in plan.work]
         if not batch:
             continue
-        for (s, work), logits in zip(batch, runner.run(batch), strict=True):
+        for (s, work), step in zip(batch, runner.run(batch), strict=True):
             s.computed = work.end
-            if logits is not None:
-                token = s.sampler.next_token(s.tokens, logits)
+            if step.prompt is not None and s.prompt_logprobs is not None:
+                s.prompt_logprobs += step.prompt
+            if step.last is not None:
+                token = s.sampler.next_token(s.tokens, step.last)
+                if s.logprobs and logprobs is not None:
+                    entries = token_logprobs(step.last, torch.tensor([token]), s.top_logprobs)
+                    logprobs[s.request_id]["generated"] += entries
                 s.state.generated.append(token)
                 s.state.token_times.append(0.0)
                 s.tokens = torch.cat([s.tokens, torch.tensor([[token]])], dim=1)
@@ -133,3 +158,33 @@ def test_a_generation_config_asking_for_beams_is_refused_at_startup(models: dict
     model.generation_config.num_beams = 4
     with pytest.raises(ValueError, match="num_beams=4"):
         check_generation_config(model)
+
+
+@pytest.mark.parametrize(("prefill_step", "rows"), [(0, 512), (3, 512), (4, 3)])
+def test_logprobs_are_the_log_softmax_of_transformers_own_logits(
+    models: dict[str, Path], prefill_step: int, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy fp32: each generated token's and each echoed prompt token's logprob and top-3 are
+    those of ``torch.log_softmax`` over ``model(prompt + answer).logits``, whole prompt or pieces,
+    the prompt's LM head in one product or several per piece (``rows``)."""
+    monkeypatch.setattr(runner_module, "PROMPT_LOGIT_ROWS", rows)
+    model = _load(models["mixtral"]).float()
+    requests = [{"id": f"r{i}", "prompt": p, "max_new_tokens": 5, "top_logprobs": 3} for i, p in enumerate(PROMPTS)]
+    gathered: dict = {}
+    got = _run_engine(model, requests, max_batch=2, prefill_step=prefill_step, logprobs=gathered)
+    for i, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt + got[f"r{i}"]])
+        with torch.inference_mode():
+            reference = torch.log_softmax(model(ids).logits[0].float(), dim=-1)  # [L, V]
+        # Position p predicts token p + 1: the prompt's from its second token, then every generated one.
+        entries = gathered[f"r{i}"]["prompt"] + gathered[f"r{i}"]["generated"]
+        assert [e.token_id for e in entries] == ids[0, 1:].tolist()
+        for position, entry in enumerate(entries):
+            expected = reference[position]
+            assert entry.logprob == pytest.approx(float(expected[entry.token_id]), abs=1e-5)
+            top_values, top_ids = torch.topk(expected, 3)
+            assert [t for t, _ in entry.top] == top_ids.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-5)
+        # Greedy: each generated token is the most likely one at its position.
+        for entry in gathered[f"r{i}"]["generated"]:
+            assert entry.top[0][0] == entry.token_id

@@ -112,6 +112,16 @@ def plausible(hint, *, ints, text, junk, tensors=None):
     if origin is list:
         (item,) = typing.get_args(hint)
         return st.lists(plausible(item, ints=ints, text=text, junk=junk, tensors=tensors), max_size=6)
+    if origin is tuple:
+        arms = typing.get_args(hint)
+        return st.tuples(*(plausible(a, ints=ints, text=text, junk=junk, tensors=tensors) for a in arms))
+    if isinstance(hint, type) and issubclass(hint, msgspec.Struct):  # a struct inside a message (TokenLogprob)
+        hints = typing.get_type_hints(hint)
+        fields = {
+            f.name: plausible(hints[f.name], ints=ints, text=text, junk=junk, tensors=tensors)
+            for f in msgspec.structs.fields(hint)
+        }
+        return st.builds(hint, **fields)
     if origin is dict and typing.get_args(hint) == (str, int):
         return st.dictionaries(text, SMALL_INT | ints, max_size=3)
     if hint is dict or origin is dict:

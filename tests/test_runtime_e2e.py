@@ -7,13 +7,16 @@ authenticated loopback sockets as processes; the tests that kill, freeze or meas
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
+from llguidance import LLMatcher, grammar_from
 
 from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
+from inference.runtime.textstream import load_tokenizer
 from tests.matrix import covered
 from tests.reference import PROMPTS, reference_generate
 
@@ -205,7 +208,15 @@ def test_bad_requests_get_a_clear_error_and_the_cluster_keeps_serving(tiny_model
             (dict(prompt_ids=[1, 2], max_new_tokens=10**5), "context"),
             (dict(prompt_ids=[1, 2], max_new_tokens=4, do_sample=True, temperature=0.0), "temperature"),
             (dict(prompt_ids=[1, 2], max_new_tokens=4, do_sample=True, top_p=1.5), "top_p"),
+            (dict(prompt_ids=[1, 2], max_new_tokens=4, grammar=grammar_from("lark", "start: nowhere")), "nowhere"),
         ]:
             with pytest.raises(ClusterError, match=reason):
                 cluster.generate(**kwargs)
+        # A grammar main can compile: the random model's answer keeps to it, and ends where it is whole.
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+        done = cluster.generate([1, 2], 40, grammar=grammar)
+        assert done.finish_reason == "stop"
+        answer = json.loads(load_tokenizer(tiny_model).decode(done.token_ids, skip_special_tokens=True))
+        assert isinstance(answer["n"], int) and answer["n"] <= 9
         assert cluster.generate([1, 2], 4).token_ids == reference_generate(tiny_model, [1, 2], 4)

@@ -91,10 +91,13 @@ class RuntimeClient:
         seed: int | None = None,
         user: str = "",
         request_id: str | None = None,
+        grammar: str = "",
         timeout_s: float = 600.0,
         idle: Callable[[], None] | None = None,
     ) -> Iterator[Token | Done]:
         """Send a generation and yield its tokens as they come, then the final result.
+
+        ``grammar``: the answer keeps to it (``Generate.grammar``).
 
         ``idle`` runs whenever nothing arrived for half a second (e.g. to check that the
         role processes are alive). Raises GenerationError with main's reason.
@@ -108,6 +111,7 @@ class RuntimeClient:
             top_p=top_p,
             seed=seed,
             user=user,
+            grammar=grammar,
         )
         return self.stream_request(request, timeout_s=timeout_s, idle=idle)
 

@@ -5,7 +5,9 @@ before the frame is read into memory), so a peer cannot make a role allocate wit
 largest honest frames are a whole prompt's hidden-state rows (``ExpertRequest.rows``,
 ``ExpertResult.output``) and main's KV cache for every layer and position (``Align``: the first
 alignment after a long prompt), at four bytes an element (the widest dtype a frame carries),
-and the msgpack header, which holds at most a prompt's worth of small integers.
+and the msgpack header, which holds at most a prompt's worth of small integers, or, on a
+first ``Token`` that carries them, the prompt's logprobs (``MAX_TOP_LOGPROBS`` alternatives a
+token at most).
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from inference.wire.generation import MAX_TOP_LOGPROBS
+
 WIDEST_ELEMENT_BYTES = 4  # float32 / int32; token ids (int64) are counted on their own below
 HEADER_BYTES_PER_TOKEN = 9 * 4  # msgpack int64 is 9 bytes; experts, counts and offsets per row at most
+# A prompt token's logprobs: its id and logprob, and the most alternatives (id, logprob) a
+# request may ask for: msgpack ids are at most 9 bytes, floats 9, each array header 1 to 5.
+LOGPROB_HEADER_BYTES_PER_TOKEN = (MAX_TOP_LOGPROBS + 1) * (9 + 9 + 1) + 2 * 5
 SLACK_BYTES = 1 << 20  # the header's fixed fields, descriptors and names
 
 
@@ -30,7 +37,7 @@ def max_frame_bytes(config: Mapping) -> int:
     rows = tokens * hidden * WIDEST_ELEMENT_BYTES
     kv = layers * kv_heads * tokens * head_dim * WIDEST_ELEMENT_BYTES
     token_ids = tokens * 8
-    header = tokens * HEADER_BYTES_PER_TOKEN
+    header = tokens * max(HEADER_BYTES_PER_TOKEN, LOGPROB_HEADER_BYTES_PER_TOKEN)
     return max(rows, kv, token_ids, header) + SLACK_BYTES
 
 

@@ -9,13 +9,33 @@ one new field here.
 Each class has two tags, the ones its frames had before it was declared once: the agent
 link's ``"type"`` (the msgspec tag, e.g. ``"generation_token"``) and the ZeroMQ header's
 ``"t"`` (``TYPE``, e.g. ``"token"``).
+
+Log-probabilities, where a request asks for them, are main's: the log-softmax of the model's
+raw logits for that step (the model's dtype promoted to float32), before any sampling
+processor (temperature, top-p, top-k) changes them, as vLLM reports them. A value below
+``LOGPROB_FLOOR`` (``-inf`` for a token the model rules out) is sent as the floor, as vLLM
+does: JSON has no infinity, and the agent link refuses one.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+import msgspec
+
 from inference.wire.base import Message, declared
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's chat bound)
+LOGPROB_FLOOR = -9999.0
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One token's log-probability at its position, and the ``top`` most likely tokens there
+    as ``(token id, logprob)``, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
 
 
 class Generate(Message, kw_only=True, tag="generate"):
@@ -24,6 +44,17 @@ class Generate(Message, kw_only=True, tag="generate"):
     Greedy unless ``do_sample``. ``user`` says who asked (an opaque id, e.g. the control
     plane's user id): main shares its batch fairly between users, so that one user's many
     requests do not keep another's waiting, and caps what one user has in it.
+
+    ``logprobs``: each ``Token`` carries its logprob and its ``top_logprobs`` (0 to
+    ``MAX_TOP_LOGPROBS``) most likely alternatives; ``prompt_logprobs``: the first ``Token``
+    also carries every prompt token's (but the first's, which nothing predicts), gathered
+    from every piece of the prefill.
+
+    ``grammar``: the answer must keep to it (constrained decoding; "" for none), in
+    llguidance's serialized form (``llguidance.LLMatcher.grammar_from_json_schema`` or
+    ``grammar_from_lark``): main masks every token it does not allow before sampling, and
+    allows the end of the sequence only where it is complete. One that does not compile for
+    the model's tokenizer is refused (``Failed``).
     """
 
     request_id: str
@@ -34,16 +65,27 @@ class Generate(Message, kw_only=True, tag="generate"):
     top_p: float = 1.0
     seed: int | None = None
     user: str = ""
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    grammar: str = ""
 
 
 class Token(Message, kw_only=True, tag="generation_token"):
-    """A generated token, with what the step that made it did per layer (``metrics.step_report``)."""
+    """A generated token, with what the step that made it did per layer (``metrics.step_report``).
+
+    ``logprob``: its logprob and alternatives, where the request asked (``Generate.logprobs``);
+    ``prompt_logprobs``: on the first token of a request that asked, the prompt's tokens' from
+    the second on.
+    """
 
     TYPE: ClassVar[str] = "token"
     request_id: str
     index: int
     token_id: int
     step: dict | None = None
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Done(Message, kw_only=True, tag="generation_done"):

@@ -27,7 +27,11 @@ LINK_PATH = "/ws/agent"
 # 4: a generation's request and events are the runtime's messages (``inference.wire.generation``),
 # forwarded as they are: ``generate`` and the ``generation_*`` events carry the runtime's envelope
 # (``deployment``, ``sender``, ``seq``, ``deliver_at``) too, which a control plane of 3 refuses.
-AGENT_PROTOCOL = 4
+# 5: logprobs (``Generate.logprobs``, ``top_logprobs``, ``prompt_logprobs``; ``Token.logprob``,
+# ``prompt_logprobs``). Every message refuses unknown fields and msgspec writes every field, so
+# an agent (and its main) of 4 would refuse the control plane's ``generate``, and a control plane
+# of 4 a new main's tokens: not compatible, whatever the defaults.
+AGENT_PROTOCOL = 5
 FIRST_AGENT_PROTOCOL = 1  # what an agent that sends no protocol header speaks
 PROTOCOL_HEADER = "X-Odmoe-Agent-Protocol"  # how the agent says it when it connects
 VERSION_HEADER = "X-Odmoe-Agent-Version"

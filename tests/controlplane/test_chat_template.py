@@ -179,6 +179,19 @@ def test_the_web_tokenizer_matches_transformers(compared_model: Path) -> None:
         assert encode_chat(tokenizer, turns) == reference_ids(reference, turns)
 
 
+def test_a_tokens_bytes_are_the_text_transformers_decodes_it_into(compared_model: Path) -> None:
+    """``token_bytes`` (the logprobs' ``token`` and ``bytes``), token by token, make the text
+    Transformers decodes the ids into, partial characters included; SentencePiece's decoder alone
+    drops the space a text's first word starts with."""
+    tokenizer, reference = TextTokenizer(compared_model), load_tokenizer(compared_model)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        joined = b"".join(tokenizer.token_bytes(t) for t in ids).decode()
+        decoded = reference.decode(ids, clean_up_tokenization_spaces=False)
+        assert joined in (decoded, " " + decoded), (text, joined, decoded)
+    assert tokenizer.token_bytes(len(tokenizer.get_vocab()) + 10) == b""
+
+
 def test_strftime_now_and_raise_exception_are_there_as_in_transformers(instruct_model: Path, tmp_path: Path) -> None:
     dated = with_template(instruct_model, tmp_path, "{{ strftime_now('%Y') }}{{ raise_exception('no ' ~ 1) }}")
     with pytest.raises(InputError, match="no 1") as refused:

@@ -164,6 +164,11 @@ FIELDS = [
     "stop",
     "stream",
     "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "frequency_penalty",
+    "response_format",
 ]
 # Text with, now and then, a lone surrogate: JSON can write one ("\\ud800"), UTF-8 cannot.
 TEXT = st.text(st.characters() | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), max_size=40)
@@ -202,6 +207,9 @@ BODIES = st.one_of(
             "stop": TEXT | st.lists(JSON, max_size=6),
             "stream": st.booleans() | JSON,
             "stream_options": st.fixed_dictionaries({"include_usage": JSON}) | JSON,
+            "logprobs": st.booleans() | st.integers(-1, 25) | JSON,
+            "top_logprobs": st.integers(-1, 25) | JSON,
+            "echo": st.booleans() | JSON,
         },
     ),
     JSON,  # not an object at all

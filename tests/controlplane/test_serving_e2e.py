@@ -8,16 +8,22 @@ one worker; or 2 without a shadow) serving the tiny model, and runs several chec
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 
+import jsonschema
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from benchmarks import openai_concurrency
+from controlplane.serving.parameters import CHAT, COMPLETIONS, Support
+from controlplane.serving.text import tokenizer_for
 from inference.runtime.textstream import load_tokenizer
 from tests.controlplane.live import SERVED_MODEL, Api, Served
 from tests.reference import PROMPTS, reference_generate
@@ -258,10 +264,304 @@ def check_chat(served: Served) -> None:
     assert again.choices[0].finish_reason == "length"
 
 
+def reference_logprobs(served: Served, ids: list[int]) -> torch.Tensor:
+    """``torch.log_softmax`` of Transformers' own forward over ``ids``: row ``p`` scores token ``p + 1``."""
+    model = AutoModelForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def check_logprobs(served: Served) -> None:
+    """Chat ``logprobs``/``top_logprobs`` (whole and streamed) and completions ``echo`` with
+    ``logprobs`` and ``max_tokens: 0`` (how lm-evaluation-harness asks for log-likelihoods), with
+    the official client; the values are Transformers' own log-softmax."""
+    client = served.client()
+    tokenizer = tokenizer_for(str(served.model_dir))
+    ask = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**ask)
+    prompt_ids = chat_prompt_ids(served, MESSAGES)
+    answer_ids = reference_generate(served.model_dir, prompt_ids, 6)
+    reference = reference_logprobs(served, prompt_ids + answer_ids)
+    content = whole.choices[0].logprobs.content
+    assert [c.bytes for c in content] == [list(tokenizer.token_bytes(t)) for t in answer_ids]
+    if not set(answer_ids) & set(tokenizer.backend.get_added_tokens_decoder()):  # the text leaves those out
+        assert b"".join(bytes(c.bytes) for c in content).decode() == whole.choices[0].message.content
+    for position, (entry, token) in enumerate(zip(content, answer_ids, strict=True), start=len(prompt_ids) - 1):
+        assert entry.logprob == pytest.approx(float(reference[position, token]), abs=1e-4)
+        top_values, top_ids = torch.topk(reference[position], 3)
+        assert [t.bytes for t in entry.top_logprobs] == [list(tokenizer.token_bytes(t)) for t in top_ids.tolist()]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top_values.tolist(), abs=1e-4)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely one
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**ask, stream=True)
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for entry in choice.logprobs.content
+    ]
+    assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == [
+        (e.token, e.logprob, e.top_logprobs) for e in content
+    ]
+
+    prompt = "Mixture of experts"
+    ids = tokenizer.encode(prompt)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0, temperature=0)
+    choice = echoed.choices[0]
+    reference = reference_logprobs(served, ids)
+    assert choice.text == prompt and echoed.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.text_offset[0] == 0
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing predicts the first
+    for position, token in enumerate(ids[1:]):
+        assert logprobs.token_logprobs[position + 1] == pytest.approx(float(reference[position, token]), abs=1e-4)
+        top = logprobs.top_logprobs[position + 1]
+        assert 2 <= len(top) <= 3 and logprobs.tokens[position + 1] in top  # the 2 likeliest and the chosen one
+        assert max(top.values()) == pytest.approx(float(reference[position].max()), abs=1e-4)
+    # With a generated part: the prompt's tokens, then the answer's, offsets counted from the prompt.
+    more = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0)
+    choice = more.choices[0]
+    assert choice.text.startswith(prompt) and len(choice.logprobs.tokens) == len(ids) + 3
+    assert choice.logprobs.text_offset[len(ids)] == len(prompt)
+    # Streamed: the prompt first with its logprobs, then each piece with its tokens'; the same in all.
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0, stream=True
+        )
+    )
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in pieces) == choice.text and pieces[0].text == prompt
+    streamed_tokens = [t for p in pieces if p.logprobs for t in p.logprobs.tokens]
+    streamed_offsets = [o for p in pieces if p.logprobs for o in p.logprobs.text_offset]
+    assert streamed_tokens == choice.logprobs.tokens and streamed_offsets == choice.logprobs.text_offset
+    # A stop sequence: the logprobs run through the token that completed it, no further.
+    full = whole.choices[0].message.content
+    stop = full[2:4]
+    cut = client.chat.completions.create(**{**ask, "stop": [stop]})
+    kept = [bytes(c.bytes) for c in cut.choices[0].logprobs.content]
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+    assert stop in b"".join(kept).decode(errors="replace")
+    assert stop not in b"".join(kept[:-1]).decode(errors="replace")
+
+    for bad, param in [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **bad)
+        assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=6)
+    assert refused.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)  # without echo: nothing to answer
+    assert refused.value.body["param"] == "max_tokens"
+
+
+def post_raw(served: Served, path: str, body: dict) -> tuple[int, dict | str]:
+    """POST ``body`` as it is (the official client would check it first); the error, or the text answered."""
+    request = urllib.request.Request(
+        f"{served.plane.server}{path}",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {served.user_key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["error"]
+
+
+def check_every_parameter_is_honoured_or_refused(served: Served) -> None:
+    """The walk of ``controlplane.serving.parameters``: every honoured parameter is answered,
+    every other one is a 400 naming it (``unsupported_parameter``) past the values it accepts,
+    which are answered; a parameter of nobody's spec is a 400 naming it."""
+    bases = {
+        "/v1/chat/completions": (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}),
+        "/v1/completions": (COMPLETIONS, {"model": MODEL, "prompt": "Mixture", "max_tokens": 2, "temperature": 0}),
+    }
+    for path, (declared, base) in bases.items():
+        for name, parameter in declared.items():
+            if parameter.support is Support.HONOURED:
+                if parameter.example is not None:
+                    status, answer = post_raw(served, path, {**base, **parameter.example})
+                    assert status == 200, (path, name, answer)
+                if isinstance(parameter.accepts, type):
+                    status, answer = post_raw(served, path, {**base, name: ["not", "a", "label"]})
+                    assert status == 400 and answer["param"] == name, (path, name, answer)
+                continue
+            status, answer = post_raw(served, path, {**base, name: "a-value-it-does-not-take"})
+            assert status == 400, (path, name, answer)
+            assert (answer["param"], answer["code"]) == (name, "unsupported_parameter"), (path, answer)
+        refused = [n for n, p in declared.items() if p.support is not Support.HONOURED]
+        # Null, and each value a refused parameter accepts (all of them at once, one request per rank).
+        for rank in range(1 + max(len(declared[n].accepts) for n in refused)):
+            body = {n: ([None, *declared[n].accepts] + [None] * 3)[rank] for n in refused}
+            status, answer = post_raw(served, path, {**base, **body})
+            assert status == 200, (path, rank, answer)
+        for unknown in ("top_k", "repetition_penalty"):
+            status, answer = post_raw(served, path, {**base, unknown: 1})
+            assert status == 400 and (answer["param"], answer["code"]) == (unknown, "unsupported_parameter")
+    status, answer = post_raw(served, "/v1/completions", {**bases["/v1/completions"][1], "max_completion_tokens": 2})
+    assert status == 400 and answer["param"] == "max_completion_tokens"  # the chat's, not the completions'
+
+
+# A strict schema whose every string and number is bounded: an answer fits in its max_tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
+        "home": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "floor": {"type": "integer", "maximum": 9}},
+            "required": ["city", "floor"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "colour", "tags", "home"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def check_structured_output(served: Served) -> None:
+    """20 prompts under a strict json_schema, through the official client: every answer is valid
+    (the tiny model's weights are random: the grammar alone makes it so)."""
+    client = served.client()
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    def ask(i: int):
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Person number {i}, as JSON"}],
+            max_tokens=300,
+            temperature=1.0 if i % 2 else 0,
+            seed=i,
+            response_format=response_format,
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(20)))
+    for answer in answers:
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    assert len({a.choices[0].message.content for a in answers}) > 1
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0, response_format={"type": "json_object"}
+    )
+    if whole.choices[0].finish_reason == "stop":  # an unbounded object may run to the limit
+        assert isinstance(json.loads(whole.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}},
+        )
+    assert refused.value.body["code"] == "invalid_schema" and refused.value.body["param"] == "response_format"
+
+
+def _check_call(call, tool: dict) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def check_tool_calls(served: Served) -> None:
+    """``tool_choice`` required, named and none, whole and streamed, in OpenAI's shapes."""
+    client = served.client()
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 200}
+    required = client.chat.completions.create(**base, tools=[WEATHER, TIME], tool_choice="required", temperature=0)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+
+    chunks = list(
+        client.chat.completions.create(
+            **base, tools=[WEATHER, TIME], tool_choice="required", temperature=0, stream=True
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    (streamed,) = deltas[0].tool_calls
+    assert streamed.index == 0
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+
+    for tool in (TIME, WEATHER):
+        named = client.chat.completions.create(
+            **base,
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": tool["function"]["name"]}},
+        )
+        assert named.choices[0].finish_reason == "tool_calls"
+        _check_call(named.choices[0].message.tool_calls[0], tool)
+
+    # The loop goes on: the call, its result, and an answer in text.
+    turns = [
+        *base["messages"],
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    after = client.chat.completions.create(
+        model=MODEL, messages=turns, tools=[WEATHER, TIME], tool_choice="none", max_tokens=8, temperature=0
+    )
+    assert after.choices[0].message.tool_calls is None and after.choices[0].message.content
+
+    none = client.chat.completions.create(
+        **{**base, "max_tokens": 8}, tools=[WEATHER], tool_choice="none", temperature=0
+    )
+    assert none.choices[0].message.tool_calls is None and isinstance(none.choices[0].message.content, str)
+    auto = client.chat.completions.create(**base, tools=[WEATHER], temperature=0)
+    message = auto.choices[0].message
+    auto_chunks = list(client.chat.completions.create(**base, tools=[WEATHER], temperature=0, stream=True))
+    if message.tool_calls:
+        _check_call(message.tool_calls[0], WEATHER)
+        streamed_calls = [
+            c.choices[0].delta.tool_calls for c in auto_chunks if c.choices and c.choices[0].delta.tool_calls
+        ]
+        assert streamed_calls[0][0].function.arguments == message.tool_calls[0].function.arguments
+    else:  # text: streamed as it comes, once its first character says it is no call
+        assert not message.content.startswith("<")
+        pieces = [c.choices[0].delta.content for c in auto_chunks if c.choices and c.choices[0].delta.content]
+        assert "".join(pieces) == message.content and len(pieces) > 1
+
+
 def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
+    check_structured_output(served)
+    check_tool_calls(served)
     check_openai_text(served)
     check_sampling_and_stop(served)
     check_openai_errors(served)
+    check_logprobs(served)
+    check_every_parameter_is_honoured_or_refused(served)
     check_many_at_once(served)
     check_chat(served)
 

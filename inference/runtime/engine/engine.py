@@ -3,25 +3,29 @@
 One thread. Each step the scheduler (pure) says who leaves, who joins and what each
 sequence computes; the runner runs that work through the model, layer by layer, the
 experts by the exchange; each sequence that reached a new token samples it, streams it to
-its client (``Token``) and aligns the shadow; a sequence that is done leaves at the
-next plan and its client gets its ``Done`` (or ``Failed``). Between steps
+its client (``Token``, with its logprobs where they were asked for) and aligns the shadow;
+a sequence that is done leaves at the next plan and its client gets its ``Done`` (or ``Failed``). Between steps
 main reads whatever arrived (new requests, cancels, predictions). Peers, sessions and
 admission stay in main's role (``inference.runtime.roles.main``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
 
+import llguidance
+import msgspec
 import torch
 from transformers import DynamicCache
 
 from inference.policies import schedule
 from inference.runtime.engine.exchange import GenerationAborted
+from inference.runtime.engine.grammar import Constraint, GrammarError, grammar_problem, grammar_tokenizer
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import sampler_for
+from inference.runtime.engine.sampling import sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
 from inference.runtime.engine.scheduler import schedule as plan_step
 from inference.runtime.engine.sequence import Sequence
@@ -45,6 +49,34 @@ class Engine:
         self.guesses = guesses
         self.batch: dict[str, Sequence] = {}
         self.runner = ModelRunner(role.model, role.family, role.exchange.serve_layer, self._embedded)
+
+    def grammar_problem(self, msg: Generate) -> str:
+        """Why the request's grammar cannot constrain its answer ("" when it can, or it has none)."""
+        if not msg.grammar:
+            return ""
+        try:
+            return grammar_problem(self._grammar_tokenizer(), msg.grammar)
+        except GrammarError as exc:
+            return str(exc)
+
+    @functools.cached_property
+    def _eos(self) -> tuple[int, ...]:
+        """The ids that end a generation, as the samplers have them (the generation config's)."""
+        role = self.role
+        sampler = sampler_for(
+            role.model,
+            prompt_len=1,
+            max_new_tokens=1,
+            do_sample=False,
+            temperature=1.0,
+            top_p=1.0,
+            seed=None,
+            device=role.device,
+        )
+        return tuple(sorted(sampler.eos))
+
+    def _grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        return grammar_tokenizer(str(self.role.spec.shard_dir), self.role.model.config.vocab_size, self._eos)
 
     def serve(self) -> None:
         """Run steps until no sequence runs and none waits (or main is told to stop)."""
@@ -87,11 +119,18 @@ class Engine:
         batch = [(self.batch[w.request_id], w) for w in plan.work]
         role.begin_step()
         try:
-            logits = self.runner.run(batch)
-            for (s, work), last in zip(batch, logits, strict=True):
+            outputs = self.runner.run(batch)
+            for (s, work), out in zip(batch, outputs, strict=True):
                 s.computed = work.end
-                if last is not None:
-                    self._on_token(s, s.sampler.next_token(s.tokens, last))
+                if out.prompt is not None and s.prompt_logprobs is not None:
+                    s.prompt_logprobs += out.prompt
+                if out.last is not None:
+                    try:
+                        token = s.sampler.next_token(s.tokens, out.last)
+                    except GrammarError as exc:  # this sequence's grammar: it ends, the batch goes on
+                        s.error = str(exc)
+                        continue
+                    self._on_token(s, token, out.last)
         except GenerationAborted as exc:
             self._fail([s for s, _ in batch], str(exc))
             return
@@ -135,12 +174,24 @@ class Engine:
             top_p=msg.top_p,
             seed=msg.seed,
             device=role.device,
+            constraint=Constraint(self._grammar_tokenizer(), msg.grammar, role.model.config.vocab_size)
+            if msg.grammar
+            else None,
         )
         tokens = torch.tensor([msg.prompt_ids], dtype=torch.long, device=role.device)
         # A prompt prefilled in pieces takes a step per piece; its step 0, as the workers
         # and the shadow count, is the last piece's.
         pieces = prefill_pieces(len(msg.prompt_ids), role.spec.settings.prefill_step)
-        sequence = Sequence(state, msg.user, sampler, tokens, joined_step=role.step + len(pieces))
+        sequence = Sequence(
+            state,
+            msg.user,
+            sampler,
+            tokens,
+            joined_step=role.step + len(pieces),
+            logprobs=msg.logprobs,
+            top_logprobs=msg.top_logprobs,
+            prompt_logprobs=[] if msg.prompt_logprobs else None,
+        )
         self.batch[msg.request_id] = sequence
         role.announce_join(msg, sequence.joined_step)
 
@@ -155,8 +206,8 @@ class Engine:
         state.steps[-1].batch = len(self.batch)
         sequence.at = (sequence.step, 0)
 
-    def _on_token(self, sequence: Sequence, token: int) -> None:
-        """A new token: keep it, stream it, then align the shadow."""
+    def _on_token(self, sequence: Sequence, token: int, logits: torch.Tensor) -> None:
+        """A new token (sampled from ``logits`` [1, V]): keep it, stream it, then align the shadow."""
         role, state = self.role, sequence.state
         now = time.perf_counter()
         state.steps[-1].finished = now
@@ -166,10 +217,13 @@ class Engine:
         sequence.ended = token in sequence.sampler.eos
         sequence.at = (sequence.step + 1, 0)
         report = step_report(state.steps[-1], role.placement) if state.steps else None
-        role.endpoint.reply(
-            state.client,
-            Token(request_id=state.request_id, index=len(state.generated) - 1, token_id=token, step=report),
-        )
+        logprob = None
+        if sequence.logprobs:
+            (logprob,) = token_logprobs(logits, torch.tensor([token]), sequence.top_logprobs)
+        prompt, sequence.prompt_logprobs = sequence.prompt_logprobs, None  # the first token carries them
+        index = len(state.generated) - 1
+        event = Token(request_id=state.request_id, index=index, token_id=token, step=report, logprob=logprob)
+        role.endpoint.reply(state.client, msgspec.structs.replace(event, prompt_logprobs=prompt))
         next_step = len(state.generated)
         if role.shadow_serving and next_step < state.max_new_tokens:
             role.endpoint.send("shadow", self._align_message(state, next_step, token))

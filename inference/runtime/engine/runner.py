@@ -8,7 +8,11 @@ its own ``generate`` computes: no padding, no attention batched across sequences
 layer the router's choice of every sequence goes to the exchange at once (one round of
 the workers for the whole batch); its answer is combined with the shared expert where the
 family has one and added to the residual stream. The LM head runs on the last position
-only (``generate``'s ``logits_to_keep=1``).
+only (``generate``'s ``logits_to_keep=1``); a sequence that asked for its prompt's logprobs
+also gets them for each prefill piece, from LM-head products of their own over the piece's
+positions (``PROMPT_LOGIT_ROWS`` at a time, so a long prompt never holds all its logits at
+once; and apart from the last position's, which with the token sampled from it stays the same
+bits as without).
 
 A step either goes through ``generate``'s path (the prompt's last piece, or a decode: a
 2-D attention mask of ones over the whole sequence, positions as ``generate`` counts them)
@@ -26,8 +30,14 @@ import torch
 
 from inference.modelio.families import Family
 from inference.runtime.batching import LayerCall
+from inference.runtime.engine.sampling import prompt_logprobs
 from inference.runtime.engine.scheduler import Work
 from inference.runtime.engine.sequence import Sequence
+from inference.wire.generation import TokenLogprob
+
+# Prompt positions per LM-head product for prompt logprobs: [512, V] float32 logits are 64 MiB
+# at Mixtral's V of 32,000.
+PROMPT_LOGIT_ROWS = 512
 
 
 @dataclass
@@ -40,6 +50,16 @@ class Forward:
     masks: list[Any]  # per layer
     residual: torch.Tensor | None = None
     flat: torch.Tensor | None = None  # [T, H], the MoE block's input
+
+
+@dataclass
+class StepLogits:
+    """One sequence's outcome of a step: ``last`` [1, V], the logits its next token is sampled
+    from, where its work samples; ``prompt``, the logprobs of the prompt tokens the piece's
+    positions predict, where it asked for them (``sampling.prompt_logprobs``)."""
+
+    last: torch.Tensor | None
+    prompt: list[TokenLogprob] | None = None
 
 
 ServeLayer = Callable[[int, list[Sequence]], list[torch.Tensor]]
@@ -55,15 +75,16 @@ class ModelRunner:
         self.serve_layer = serve_layer
         self.embedded = embedded  # told each sequence's token embeddings, before any attention
 
-    def run(self, batch: list[tuple[Sequence, Work]]) -> list[torch.Tensor | None]:
-        """Each sequence's last-position logits [1, V] where its work samples (None where not)."""
+    def run(self, batch: list[tuple[Sequence, Work]]) -> list[StepLogits]:
+        """Each sequence's logits: its last position's where its work samples, and the logprobs of
+        the prompt tokens a prefill piece predicts where it asked for them."""
         with torch.inference_mode():
             passes = [self._embed(s, w) for s, w in batch]
             sequences = [s for s, _ in batch]
             layers = self.model.model.layers[: self.model.config.num_hidden_layers]
             for layer, decoder in enumerate(layers):
                 self._layer(layer, decoder, sequences, passes)
-            return [self._logits(f) if w.samples else None for (_, w), f in zip(batch, passes, strict=True)]
+            return [self._logits(s, w, f) for (s, w), f in zip(batch, passes, strict=True)]
 
     def _embed(self, sequence: Sequence, work: Work) -> Forward:
         """The model forward's prologue for one sequence: embeddings, positions, masks, rotary."""
@@ -112,8 +133,20 @@ class ModelRunner:
             f.hidden = family.add_residual(decoder, f.residual, output)
             s.call = None
 
-    def _logits(self, f: Forward) -> torch.Tensor:
-        """The final norm and the LM head on the last position (``logits_to_keep=1``)."""
+    def _logits(self, sequence: Sequence, work: Work, f: Forward) -> StepLogits:
+        """The final norm and the LM head on the last position (``logits_to_keep=1``), and on
+        every position of a prefill piece whose prompt's logprobs were asked for."""
+        config = self.model.config
         hidden = self.model.model.norm(f.hidden)  # every position, then the last, as the model does
-        logits = self.model.lm_head(hidden[:, -1:, :])
-        return self.family.scale_logits(self.model.config, logits)[:, -1]
+        last = None
+        if work.samples:
+            last = self.family.scale_logits(config, self.model.lm_head(hidden[:, -1:, :]))[:, -1]  # [1, V]
+        prompt = None
+        if sequence.prompt_logprobs is not None and work.start < sequence.state.prompt_len:
+            prompt = []
+            for row in range(0, work.tokens, PROMPT_LOGIT_ROWS):
+                rows = hidden[:, row : row + PROMPT_LOGIT_ROWS, :]  # [1, R, H]
+                logits = self.family.scale_logits(config, self.model.lm_head(rows))[0]  # [R, V]
+                top = sequence.top_logprobs
+                prompt += prompt_logprobs(logits, sequence.tokens, work.start + row, sequence.state.prompt_len, top)
+        return StepLogits(last, prompt)

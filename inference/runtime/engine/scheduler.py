@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from inference.wire.generation import MAX_TOP_LOGPROBS
+
 
 class Admission(enum.Enum):
     """What main does with a new request: queue it, or refuse it and say why."""
@@ -49,6 +51,7 @@ class RequestFields(Protocol):
     do_sample: bool
     temperature: float
     top_p: float
+    top_logprobs: int
 
 
 def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:
@@ -64,6 +67,8 @@ def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:
         return f"temperature must be > 0 when sampling, got {msg.temperature}"
     if msg.do_sample and not 0 < msg.top_p <= 1:
         return f"top_p must be in (0, 1], got {msg.top_p}"
+    if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {msg.top_logprobs}"
     if len(msg.prompt_ids) + msg.max_new_tokens > context:
         return (
             f"prompt ({len(msg.prompt_ids)} tokens) + max_new_tokens ({msg.max_new_tokens}) exceeds "

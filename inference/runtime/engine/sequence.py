@@ -10,6 +10,7 @@ from inference.runtime.batching import LayerCall
 from inference.runtime.engine.sampling import Sampler
 from inference.runtime.engine.scheduler import Running
 from inference.runtime.records import RequestState
+from inference.wire.generation import TokenLogprob
 
 
 @dataclass(eq=False)
@@ -29,6 +30,11 @@ class Sequence:
     at: tuple[int, int] = (0, 0)
     ended: bool = False  # it sampled an end-of-sequence token
     error: str | None = None  # why it failed, told to its client
+    logprobs: bool = False  # each token goes out with its logprob
+    top_logprobs: int = 0  # ... and this many most likely alternatives
+    # Asked for: the prompt's logprobs, gathered piece by piece, sent with the first token
+    # (None: not asked for).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def request_id(self) -> str:

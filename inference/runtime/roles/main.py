@@ -289,6 +289,7 @@ class MainRole:
             error = f"the cluster is not ready: waiting for {', '.join(sorted(self.health.waiting))}"
         config = self.model.config
         error = error or request_problem(msg, vocab=config.vocab_size, context=config.max_position_embeddings)
+        error = error or self.engine.grammar_problem(msg)
         if not error and (
             msg.request_id in self.engine.batch or any(w.request_id == msg.request_id for w, _ in self.waiting)
         ):

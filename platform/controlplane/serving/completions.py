@@ -23,7 +23,7 @@ from controlplane.deployments.generation import (
 )
 from controlplane.deployments.models import Deployment, DeploymentStatus
 from inference.runtime.textstream import IncrementalDecoder
-from inference.wire.generation import Done, Generate, Token
+from inference.wire.generation import Done, Generate, Token, TokenLogprob
 
 from .text import Sampling, tokenizer_for
 
@@ -80,8 +80,17 @@ def find_target(name: str | None = None) -> Target:
 
 @dataclass(frozen=True)
 class TextDelta:
+    """The text a token adds ("" inside a character), and, where asked for, its logprobs.
+
+    ``offset``: where its text starts in the answer; ``prompt_logprobs``: with the first token,
+    the prompt's (``Generate.prompt_logprobs``).
+    """
+
     text: str
     token_id: int
+    logprob: TokenLogprob | None = None
+    offset: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,8 +111,11 @@ class Assembler:
 
     def feed(self, event: Token | Done) -> list[TextDelta | CompletionResult]:
         if isinstance(event, Token):
+            offset = len(self.decoder.emitted)
             delta = self.decoder.add(event.token_id)
-            return [TextDelta(delta, event.token_id)] if delta else []
+            if not delta and event.logprob is None and event.prompt_logprobs is None:
+                return []
+            return [TextDelta(delta, event.token_id, event.logprob, offset, event.prompt_logprobs)]
         tail = self.decoder.flush()  # a last incomplete character, if any
         result = CompletionResult(
             text=self.decoder.emitted,
@@ -120,13 +132,24 @@ def new_request_id() -> str:
 
 
 def _request(
-    prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, request_id: str | None, user: object
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    request_id: str | None,
+    user: object,
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
+    grammar: str = "",
 ) -> Generate:
     return Generate(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         request_id=request_id or new_request_id(),
         user=str(user),
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+        prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
         **sampling.request_fields(),
     )
 
@@ -139,14 +162,19 @@ async def astream(
     *,
     request_id: str | None = None,
     user: object = "",
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
+    grammar: str = "",
 ) -> AsyncIterator[TextDelta | CompletionResult]:
     """Text deltas as the cluster produces tokens, then the result (its text is the whole answer).
 
-    ``user``: who asks (main shares its batch fairly between users).
+    ``user``: who asks (main shares its batch fairly between users); ``logprobs``: each token's
+    logprob and this many alternatives (None: none); ``prompt_logprobs``: the prompt's too;
+    ``grammar``: the answer keeps to it (``Generate.grammar``).
     """
     tokenizer = await database_sync_to_async(lambda: target.tokenizer, thread_sensitive=False)()
     assembler = Assembler(tokenizer, len(prompt_ids))
-    request = _request(prompt_ids, max_new_tokens, sampling, request_id, user)
+    request = _request(prompt_ids, max_new_tokens, sampling, request_id, user, logprobs, prompt_logprobs, grammar)
     async for event in generation.astream(target.deployment_id, request):
         for item in assembler.feed(event):
             yield item

@@ -13,6 +13,12 @@ its queue, in fair turns with other users', up to the deployment's ``max_per_use
 and waiting at once: past it a request is a 429 ``too_many_generations`` (and one that asks for
 more choices than that is a 400), while a deployment whose batch and queue are full answers 429
 ``deployment_busy``, both with ``Retry-After``. Calls count against the REST API's throttles.
+
+Every body parameter is honoured or refused with a 400 that names it (``parameters``: one
+declaration per endpoint, which the docs' table is rendered from). Logprobs come in OpenAI's
+shapes (``logprobs``), streamed with the text they belong to; ``echo`` on ``/v1/completions``
+puts the prompt first (with ``max_tokens: 0``, the prompt alone: main generates one token for
+it, as vLLM does, and the answer leaves it out).
 """
 
 from __future__ import annotations
@@ -54,7 +60,10 @@ from .completions import (
     find_target,
     new_request_id,
 )
+from .logprobs import Scored, chat_logprobs, chat_top_logprobs, completion_logprobs, legacy_logprobs, prompt_tokens
+from .parameters import CHAT, COMPLETIONS, check_parameters
 from .stops import StopScanner
+from .structured import Structure, conversation, read_structure, tool_calls
 from .text import (
     MAX_SEED,
     InputError,
@@ -181,9 +190,15 @@ class Ask:
     stream: bool
     include_usage: bool
     user: object = ""  # who asks: main shares its batch fairly between users
+    logprobs: int | None = None  # each token's logprob and this many alternatives (None: no logprobs)
+    echo: bool = False  # the prompt first (``texts``)
+    prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
+    texts: list[str] = dataclasses.field(default_factory=list)  # each prompt's text (completions)
+    structure: Structure = dataclasses.field(default_factory=Structure)  # chat: its grammar, the tools it may call
 
     def choices(self) -> list[tuple[int, list[int], Sampling]]:
-        """(index, prompt ids, sampling) of every choice, prompt after prompt, ``n`` each."""
+        """(index, prompt ids, sampling) of every choice, prompt after prompt, ``n`` each (choice
+        ``i`` is of prompt ``i // n``)."""
         out = []
         for p, prompt_ids in enumerate(self.prompts):
             for j in range(self.n):
@@ -257,6 +272,7 @@ def _failure(exc: ClusterUnavailable | ClusterGenerationError) -> JsonResponse:
 
 
 def _parse(body: dict, chat: bool) -> Ask:
+    check_parameters(body, CHAT if chat else COMPLETIONS, "chat completions" if chat else "completions")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InputError("model is required (a deployment name; GET /v1/models lists them)", param="model")
@@ -265,7 +281,9 @@ def _parse(body: dict, chat: bool) -> Ask:
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InputError("n must be an integer of at least 1", param="n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
@@ -276,11 +294,24 @@ def _parse(body: dict, chat: bool) -> Ask:
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
         raise InputError(f"stop must be a string or a list of at most {MAX_STOPS} strings", param="stop")
     stream = body.get("stream", False)
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
         raise InputError("stream must be true or false", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise InputError('stream_options must be an object, e.g. {"include_usage": true}', param="stream_options")
+    include_usage = _include_usage(body.get("stream_options"), stream)
+    if chat:
+        logprobs, echo = chat_top_logprobs(body.get("logprobs"), body.get("top_logprobs")), False
+    else:
+        logprobs, echo = completion_logprobs(body.get("logprobs")), body.get("echo") or False
+        if not isinstance(echo, bool):
+            raise InputError("echo must be true or false", param="echo")
+    # echo with max_tokens 0 (log-likelihood of the prompt alone): main generates one token, left out.
+    prompt_only = echo and max_tokens == 0
+    if prompt_only:
+        max_tokens = 1
+    elif max_tokens == 0:
+        message = "max_tokens must be at least 1 (0 only with echo: the prompt alone, for its logprobs)"
+        raise InputError(message, param="max_tokens")
     target = find_target(model)
     # More choices than one user may have in main at once could never all run: refused now.
     limit = target.max_per_user
@@ -290,12 +321,16 @@ def _parse(body: dict, chat: bool) -> Ask:
             param="n",
         )
     tokenizer = target.tokenizer
+    texts: list[str] = []
     # Text that cannot fit the context is refused from its length before it is tokenized.
+    structure = Structure()
     if chat:
-        messages = body.get("messages")
-        check_messages(messages)
-        check_text_fits(tokenizer, [m["content"] for m in messages], max_tokens, target.context, param="messages")
-        prompts = [encode_chat(tokenizer, messages)]
+        structure = read_structure(body)
+        messages, tools = conversation(body.get("messages"), structure.tools, tokenizer.template_reads_tools)
+        check_messages(messages, tool_turns=tokenizer.template_reads_tools)
+        contents = [m.get("content") or "" for m in messages]
+        check_text_fits(tokenizer, contents, max_tokens, target.context, param="messages")
+        prompts = [encode_chat(tokenizer, messages, tools)]
     else:
         prompt = body.get("prompt")
         texts = prompt if isinstance(prompt, list) and prompt else [prompt]
@@ -312,43 +347,109 @@ def _parse(body: dict, chat: bool) -> Ask:
             prompts.append(encode_prompt(tokenizer, text))
     for prompt_ids in prompts:
         check_lengths(len(prompt_ids), max_tokens, target.context)
-    return Ask(target, prompts, n, max_tokens, sampling, stops, stream, bool(options.get("include_usage")))
+    return Ask(
+        target,
+        prompts,
+        n,
+        max_tokens,
+        sampling,
+        stops,
+        stream,
+        include_usage,
+        "",
+        logprobs,
+        echo,
+        prompt_only,
+        texts,
+        structure,
+    )
+
+
+def _include_usage(options: object, stream: bool) -> bool:
+    """``stream_options``: ``include_usage`` alone, and only with ``stream``."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise InputError('stream_options must be an object, e.g. {"include_usage": true}', param="stream_options")
+    if not stream:
+        raise InputError("stream_options is only taken with stream: true", param="stream_options")
+    for name in options:
+        if name != "include_usage":
+            raise InputError(
+                f"stream_options.{name:.60} is not supported (include_usage is)",
+                param=f"stream_options.{name:.60}",
+                code="unsupported_parameter",
+            )
+    include_usage = options.get("include_usage", False)
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise InputError("stream_options.include_usage must be true or false", param="stream_options.include_usage")
+    return bool(include_usage)
+
+
+Piece = tuple[str, list[Scored], CompletionResult | None]
 
 
 class _Choice:
-    """One choice of a response: a generation of its own, with its stop sequences."""
+    """One choice of a response: a generation of its own, with its stop sequences.
 
-    def __init__(self, index: int, prompt_ids: list[int], sampling: Sampling, stops: list[str]) -> None:
+    Its text pieces carry the logprobs of the tokens they hold (where asked for): a token's
+    logprobs go out with the first piece after it was generated, so a piece's logprobs may run
+    ahead of its text while a stop sequence holds text back; they end with the token that
+    completed a stop sequence.
+    """
+
+    def __init__(self, index: int, prompt_ids: list[int], sampling: Sampling, stops: list[str], text: str) -> None:
         self.index, self.prompt_ids, self.sampling = index, prompt_ids, sampling
         self.scanner = StopScanner(stops)
         self.request_id = new_request_id()
+        self.prompt_text = text  # completions: the prompt, for echo and text offsets
 
-    async def run(self, ask: Ask, api: str) -> AsyncIterator[tuple[str, CompletionResult | None]]:
-        """Visible text pieces, then ("", result) at the end; stops the cluster on a stop sequence."""
+    async def run(self, ask: Ask, api: str) -> AsyncIterator[Piece]:
+        """Visible text pieces with their tokens' logprobs, then ("", [], result) at the end; stops
+        the cluster on a stop sequence."""
         scanner = self.scanner
         finished = False
+        echoed = ""
+        scored: list[Scored] = []  # logprobs not yet handed out
         try:
             async for item in astream(
-                ask.target, self.prompt_ids, ask.max_tokens, self.sampling, request_id=self.request_id, user=ask.user
+                ask.target,
+                self.prompt_ids,
+                ask.max_tokens,
+                self.sampling,
+                request_id=self.request_id,
+                user=ask.user,
+                logprobs=ask.logprobs,
+                prompt_logprobs=ask.echo and ask.logprobs is not None,
+                grammar=ask.structure.grammar,
             ):
+                if ask.echo and not echoed:  # the prompt first, with its logprobs (they come with the first token)
+                    echoed = self.prompt_text
+                    yield echoed, self._echoed(ask, item), None
                 if isinstance(item, TextDelta):
+                    if ask.prompt_only:
+                        continue
                     was_stopped = scanner.stopped
+                    if item.logprob is not None and not was_stopped:
+                        scored.append(Scored(item.token_id, item.logprob, len(self.prompt_text) + item.offset))
                     piece = scanner.feed(item.text)
                     if piece:
-                        yield piece, None
+                        yield piece, scored, None
+                        scored = []
                     if scanner.stopped and not was_stopped:
                         await generation.acancel(ask.target.deployment_id, self.request_id)
                 else:
                     tail = scanner.finish()
-                    if tail:
-                        yield tail, None
+                    if tail or scored:
+                        yield tail, scored, None
                     finished = True
                     metrics.record(api, ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
                     reason = "stop" if scanner.stopped or item.finish_reason != "length" else "length"
-                    yield (
-                        "",
-                        CompletionResult(scanner.visible, item.token_ids, reason, item.prompt_tokens, item.metrics),
-                    )
+                    tokens = [] if ask.prompt_only else item.token_ids
+                    if ask.prompt_only:  # max_tokens 0 it was: the limit ended it, whatever main sampled
+                        reason = "length"
+                    text = echoed + scanner.visible
+                    yield "", [], CompletionResult(text, tokens, reason, item.prompt_tokens, item.metrics)
         except (ClusterUnavailable, ClusterGenerationError):
             metrics.record(api, ok=False)
             raise
@@ -357,8 +458,29 @@ class _Choice:
                 with contextlib.suppress(Exception):  # best effort on the way out
                     await generation.acancel(ask.target.deployment_id, self.request_id)
 
+    def _echoed(self, ask: Ask, first: TextDelta | CompletionResult) -> list[Scored]:
+        """The echoed prompt's tokens with their logprobs, where asked for."""
+        if ask.logprobs is None:
+            return []
+        entries = first.prompt_logprobs if isinstance(first, TextDelta) else None
+        if entries is None:
+            raise ClusterGenerationError("main sent no logprobs for the prompt")
+        try:
+            return prompt_tokens(ask.target.tokenizer, self.prompt_text, entries)
+        except ValueError as exc:
+            raise ClusterGenerationError(str(exc)) from None
+
 
 _DONE = object()
+
+
+@dataclass
+class _Held:
+    """A streamed choice that may be a tool call, until its first visible text says which it is."""
+
+    pieces: list[str] = dataclasses.field(default_factory=list)
+    tokens: list[Scored] = dataclasses.field(default_factory=list)
+    text: bool | None = None  # True: text, streamed as it comes
 
 
 class _Answer:
@@ -369,11 +491,13 @@ class _Answer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.api = "openai_chat" if chat else "openai_completions"
-        self.choices = [_Choice(i, ids, sampling, ask.stops) for i, ids, sampling in ask.choices()]
-        self._pieces: AsyncIterator[tuple[int, str, CompletionResult | None]] | None = None
+        texts = ask.texts or [""] * len(ask.prompts)
+        self.choices = [_Choice(i, ids, sampling, ask.stops, texts[i // ask.n]) for i, ids, sampling in ask.choices()]
+        self._pieces: AsyncIterator[tuple[int, Piece]] | None = None
 
-    async def run(self) -> AsyncIterator[tuple[int, str, CompletionResult | None]]:
-        """(choice, text piece, None) as the choices run at once, and (choice, "", result) as each ends.
+    async def run(self) -> AsyncIterator[tuple[int, Piece]]:
+        """(choice, (text piece, its logprobs, None)) as the choices run at once, and (choice,
+        ("", [], result)) as each ends.
 
         The first failure of any choice ends the response (the others are stopped on the cluster).
         """
@@ -381,8 +505,8 @@ class _Answer:
 
         async def pump(choice: _Choice) -> None:
             try:
-                async for piece, result in choice.run(self.ask, self.api):
-                    await queue.put((choice.index, piece, result))
+                async for piece in choice.run(self.ask, self.api):
+                    await queue.put((choice.index, piece))
             except (ClusterUnavailable, ClusterGenerationError) as exc:
                 await queue.put(exc)
             finally:
@@ -404,7 +528,7 @@ class _Answer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def start(self) -> tuple[int, str, CompletionResult | None]:
+    async def start(self) -> tuple[int, Piece]:
         """Run the choices and wait for the first piece (raises as ``run`` does)."""
         self._pieces = self.run()
         try:
@@ -417,16 +541,22 @@ class _Answer:
 
     async def whole(self) -> dict:
         results: dict[int, CompletionResult] = {}
-        async for index, _, result in self.run():
+        scored: dict[int, list[Scored]] = {i: [] for i in range(len(self.choices))}
+        async for index, (_, tokens, result) in self.run():
+            scored[index] += tokens
             if result is not None:
                 results[index] = result
         if len(results) != len(self.choices):
             raise ClusterGenerationError("the cluster ended a generation without a result")
-        return self._object([results[i] for i in range(len(self.choices))])
+        return self._object([results[i] for i in range(len(self.choices))], scored)
 
-    async def events(self, first: tuple[int, str, CompletionResult | None]) -> AsyncIterator[str]:
+    async def events(self, first: tuple[int, Piece]) -> AsyncIterator[str]:
         assert self._pieces is not None, "start() first"
         results: dict[int, CompletionResult] = {}
+        # An answer that may be a tool call is held (with its logprobs) until its first character
+        # says which it is: a call starts with "<" (text under tool_choice "auto" never does) and goes
+        # out whole at its end; text is streamed from there on.
+        held = {c.index: _Held() for c in self.choices} if self.chat and self.ask.structure.calls else {}
         try:
             if self.chat:
                 for choice in self.choices:
@@ -435,9 +565,29 @@ class _Answer:
             while True:
                 if not pending:
                     pending.append(await anext(self._pieces))
-                index, piece, result = pending.pop()
+                index, (piece, tokens, result) = pending.pop()
+                hold = held.get(index)
+                if hold is not None and hold.text is None:
+                    if result is None:
+                        hold.pieces.append(piece)
+                        hold.tokens += tokens
+                        if "".join(hold.pieces).startswith("<"):  # a call: held to its end
+                            continue
+                        if not "".join(hold.pieces):  # nothing visible yet: still undecided
+                            continue
+                        hold.text, piece, tokens = True, "".join(hold.pieces), hold.tokens
+                    else:
+                        results[index] = result
+                        message, reason = self._message(result)
+                        delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+                        if "tool_calls" in delta:
+                            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+                        yield _sse(self._chunk(index, delta, None, self._logprobs(hold.tokens + tokens)))
+                        yield _sse(self._chunk(index, {}, reason))
+                        continue
                 if result is None:
-                    yield _sse(self._chunk(index, {"content": piece} if self.chat else piece, None))
+                    delta = {"content": piece} if self.chat else piece
+                    yield _sse(self._chunk(index, delta, None, self._logprobs(tokens)))
                     continue
                 results[index] = result
                 yield _sse(self._chunk(index, {} if self.chat else "", result.finish_reason))
@@ -454,29 +604,42 @@ class _Answer:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.ask.target.name}
 
-    def _chunk(self, index: int, delta, finish_reason: str | None) -> dict:
+    def _chunk(self, index: int, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         if self.chat:
-            choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         else:
-            choice = {"index": index, "text": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "text": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return {**self._chunk_base(), "choices": [choice]}
 
-    def _object(self, results: list[CompletionResult]) -> dict:
+    def _message(self, result: CompletionResult) -> tuple[dict, str]:
+        """A chat choice's message and finish reason: a tool call where the answer is a whole one."""
+        calls = tool_calls(result.text) if self.ask.structure.calls and result.finish_reason == "stop" else None
+        if calls:
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": result.text}, result.finish_reason
+
+    def _logprobs(self, tokens: list[Scored]) -> dict | None:
+        """A choice's (or a chunk's) ``logprobs`` object in the endpoint's shape; None where not asked for."""
+        if self.ask.logprobs is None:
+            return None
+        tokenizer = self.ask.target.tokenizer
+        if self.chat:
+            return chat_logprobs(tokenizer, tokens)
+        return legacy_logprobs(tokenizer, tokens, self.ask.logprobs)
+
+    def _object(self, results: list[CompletionResult], scored: dict[int, list[Scored]]) -> dict:
         usage = _usage(dict(enumerate(results)), self.ask.n)
         base = {"id": self.id, "created": self.created, "model": self.ask.target.name, "usage": usage}
         if self.chat:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": r.text},
-                    "finish_reason": r.finish_reason,
-                    "logprobs": None,
-                }
-                for i, r in enumerate(results)
-            ]
+            choices = []
+            for i, r in enumerate(results):
+                message, reason = self._message(r)
+                choices.append(
+                    {"index": i, "message": message, "finish_reason": reason, "logprobs": self._logprobs(scored[i])}
+                )
             return {**base, "object": "chat.completion", "choices": choices}
         choices = [
-            {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
+            {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": self._logprobs(scored[i])}
             for i, r in enumerate(results)
         ]
         return {**base, "object": "text_completion", "choices": choices}

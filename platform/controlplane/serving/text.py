@@ -70,30 +70,34 @@ def encode_prompt(tokenizer: TextTokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def encode_chat(tokenizer: TextTokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer: TextTokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The prompt ids of a conversation, with the tokenizer's chat template when it has one.
+
+    ``tools`` (OpenAI's form) go to the template, for one that reads them
+    (``TextTokenizer.template_reads_tools``; ``structured.with_tools`` puts them in the
+    conversation for one that does not).
 
     The one place where messages become a prompt: the chat UI and ``/v1/chat/completions``
     both call it. A template writes its own special tokens (Mixtral-Instruct's starts with
     ``{{ bos_token }}``), so its text is encoded without the tokenizer adding a second BOS.
     Without a template, the messages are laid out as plain ``role: content`` lines.
     """
-    check_messages(messages)
+    check_messages(messages, tool_turns=tokenizer.template_reads_tools)
     if tokenizer.chat_template:
-        text = render_chat(tokenizer, messages)
+        text = render_chat(tokenizer, messages, tools)
         return tokenizer.encode(text, add_special_tokens=False)
     text = "".join(FALLBACK_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
     return tokenizer.encode(text + FALLBACK_ASSISTANT)
 
 
-def render_chat(tokenizer: TextTokenizer, messages: list[dict]) -> str:
+def render_chat(tokenizer: TextTokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     """The conversation as the model's chat template writes it, ready for the answer to follow.
 
     A template may refuse a conversation (Mixtral-Instruct's raises on a system message or
     on two user turns in a row) or be broken: either is the request's problem, not a crash.
     """
     try:
-        return tokenizer.render_chat(messages, add_generation_prompt=True)
+        return tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
     except (TemplateError, TypeError, ValueError) as exc:
         raise InputError(
             f"this model's chat template cannot render these messages: {exc}",
@@ -102,13 +106,21 @@ def render_chat(tokenizer: TextTokenizer, messages: list[dict]) -> str:
         ) from None
 
 
-def check_messages(messages: object) -> None:
+def check_messages(messages: object, *, tool_turns: bool = False) -> None:
+    """Refuse a conversation that is not a list of messages with a role and string content.
+
+    ``tool_turns``: a template that reads tools takes a tool loop's turns as they are: a ``tool``
+    message (the result of a call) and an ``assistant`` one with ``tool_calls`` and no content
+    (``structured.conversation`` checks their calls).
+    """
     if not isinstance(messages, list) or not messages:
         raise InputError("messages must be a non-empty list", param="messages")
+    roles = ("system", "user", "assistant", "tool") if tool_turns else ("system", "user", "assistant")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
-            raise InputError(f"messages[{i}] needs a role of system, user or assistant", param=f"messages[{i}]")
-        if not isinstance(message.get("content"), str):
+        if not isinstance(message, dict) or message.get("role") not in roles:
+            raise InputError(f"messages[{i}] needs a role of {', '.join(roles)}", param=f"messages[{i}]")
+        calls = tool_turns and message["role"] == "assistant" and message.get("tool_calls")
+        if not isinstance(message.get("content"), str) and not (calls and message.get("content") is None):
             raise InputError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
 
 

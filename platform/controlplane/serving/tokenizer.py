@@ -12,6 +12,9 @@ and ``chat_templates/*.jinja``) and does what Transformers 5 does with them:
   the tests compare configs that set them and a tokenizer.json without a post-processor);
 - decoding with ``tokenizers``, and ``clean_up_tokenization_spaces`` where the config asks for
   it and the model is not a BPE (as ``TokenizersBackend._decode``);
+- a token's bytes (``token_bytes``, for logprobs), from its vocabulary entry: a byte-level
+  BPE's characters mapped back to bytes (GPT-2's table, as its ``ByteLevel`` decoder does),
+  SentencePiece's ``<0xNN>`` byte pieces and ``▁`` for a space, an added token's own text;
 - chat templates rendered in the environment of ``transformers.utils.chat_template_utils``:
   an immutable sandbox with ``trim_blocks``, ``lstrip_blocks`` and ``loopcontrols``,
   ``raise_exception``, ``strftime_now``, a ``tojson`` that does not escape HTML and takes
@@ -27,7 +30,9 @@ families' tiny tokenizers.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -35,6 +40,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -68,6 +74,11 @@ class TextTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_with_offsets(self, text: str, *, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+        """``encode``'s ids, and the character where each token starts in ``text``."""
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return encoding.ids, [start for start, _ in encoding.offsets]
+
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         if self.clean_up_spaces and type(self.backend.model).__name__ != "BPE":
@@ -81,21 +92,67 @@ class TextTokenizer:
     def normalizer(self) -> Any:
         return self.backend.normalizer
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text token ``token_id`` stands for on its own (b"" for an id past the vocabulary).
+
+        Not ``decode([id])``: a token may hold part of a character (byte-level BPE, byte
+        fallback), which decoding alone turns into U+FFFD, and SentencePiece's decoder drops
+        the space a word's first token starts with.
+        """
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_level:
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        if match := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether the decoder maps characters back to bytes (``ByteLevel``, alone or in a sequence)."""
+        decoder = self.backend.decoder
+        if decoder is None:
+            return False
+        state = json.loads(decoder.__getstate__())
+        kinds = [d.get("type") for d in state.get("decoders", [])] if state.get("type") == "Sequence" else []
+        return state.get("type") == "ByteLevel" or "ByteLevel" in kinds
+
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         return chat_environment().from_string(self.chat_template)
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The conversation as the chat template writes it (``apply_chat_template(tokenize=False)``).
+    @cached_property
+    def template_reads_tools(self) -> bool:
+        """Whether the chat template writes the ``tools`` it is given (a tool-calling model's does)."""
+        if not self.chat_template:
+            return False
+        environment = chat_environment()
+        return "tools" in jinja2.meta.find_undeclared_variables(environment.parse(self.chat_template))
+
+    def render_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The conversation as the chat template writes it (``apply_chat_template(tokenize=False)``),
+        with ``tools`` (OpenAI's form) where given.
 
         Raises ``jinja2.TemplateError`` where the template refuses the messages or is broken.
         """
         return self._compiled_template.render(
             **self.special_tokens,
             messages=[dict(m) for m in messages],
-            tools=None,
+            tools=tools or None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
         )
@@ -226,6 +283,22 @@ def _chat_template(directory: Path, config: dict) -> str | None:
         elif isinstance(given, list):
             templates = {t["name"]: t["template"] for t in given if isinstance(t, dict) and "name" in t}
     return templates.get("default")
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character a byte-level BPE writes for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in table.items()}
 
 
 def _clean_up_tokenization(text: str) -> str:

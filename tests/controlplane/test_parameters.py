@@ -1,0 +1,89 @@
+"""The OpenAI API's parameter declarations: complete against OpenAI's own request types, the
+docs' table rendered from them, and a request checked against them.
+
+The walk of every parameter against a live cluster is ``check_every_parameter_is_honoured_or_refused``
+in ``test_serving_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+
+from controlplane.serving.parameters import CHAT, COMPLETIONS, ENDPOINTS, Support, check_parameters, markdown_table
+from controlplane.serving.text import InputError
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "using" / "openai-api.md"
+
+
+@pytest.mark.parametrize(
+    ("declared", "spec"),
+    [
+        (CHAT, chat_create_params.CompletionCreateParamsBase),
+        (COMPLETIONS, completion_create_params.CompletionCreateParamsBase),
+    ],
+    ids=["chat", "completions"],
+)
+def test_each_endpoint_declares_exactly_the_parameters_of_openais_request(declared, spec) -> None:
+    # ``stream`` is declared on the client's streaming and non-streaming subtypes.
+    assert set(declared) == set(spec.__annotations__) | {"stream"}
+
+
+def test_every_refused_parameter_says_why_and_every_honoured_one_has_an_example_or_is_required() -> None:
+    for declared in ENDPOINTS.values():
+        for name, parameter in declared.items():
+            assert parameter.note, name
+            if parameter.support is Support.HONOURED:
+                assert parameter.example is not None or name in ("model", "messages", "prompt"), name
+            else:
+                assert parameter.example is None and not isinstance(parameter.accepts, type), name
+
+
+def test_the_docs_tables_are_the_declarations() -> None:
+    page = PAGE.read_text()
+    for endpoint, declared in ENDPOINTS.items():
+        table = page.split(f"<!-- parameters-table:{endpoint}:start -->\n")[1].split(
+            f"<!-- parameters-table:{endpoint}:end -->"
+        )[0]
+        assert table == markdown_table(declared), "run python -m controlplane.serving.parameters and paste its tables"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"frequency_penalty": 0.5}, "frequency_penalty", "accepted as 0 (or null)"),
+        ({"frequency_penalty": False}, "frequency_penalty", "not supported"),
+        ({"functions": [{"name": "f"}]}, "functions", "send `tools`"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "must be a bool"),
+        ({"logit_bias": {"50": 10}}, "logit_bias", "no biases"),
+        ({"top_k": 5}, "top_k", "not a parameter of OpenAI's chat completions API"),
+        ({"user": 5}, "user", "must be a str"),
+    ],
+)
+def test_a_parameter_not_honoured_is_refused_by_name(body: dict, param: str, words: str) -> None:
+    with pytest.raises(InputError, match=re.escape(words)) as refused:
+        check_parameters({"model": "m", **body}, CHAT, "chat completions")
+    assert refused.value.param == param
+    assert refused.value.code == "unsupported_parameter" or param in ("user", "parallel_tool_calls")
+
+
+def test_neutral_values_and_nulls_pass() -> None:
+    body = {
+        "model": "m",
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+        "parallel_tool_calls": True,
+        "store": False,
+        "service_tier": "auto",
+        "tools": None,
+        "user": "someone",
+    }
+    check_parameters(body, CHAT, "chat completions")
+    check_parameters({"model": "m", "best_of": 1, "suffix": None, "echo": True}, COMPLETIONS, "completions")
