@@ -297,7 +297,10 @@ def test_metrics_export_usage_per_user_key_and_deployment_and_never_the_secret(a
     assert secret not in text and secret[len("odmoe-key-") :][6:] not in text
 
 
-def test_a_spent_key_is_refused_at_every_edge_before_anything_runs(alice) -> None:
+def test_a_spent_key_is_refused_at_every_edge_before_anything_runs(alice, staff, tiny_model: Path) -> None:
+    from controlplane.artifacts.services import register_model
+    from controlplane.deployments.models import Deployment, DeploymentStatus
+
     key, secret = create_api_key(user=alice, scopes=["inference"], daily_token_quota=10)
     record_usage(caller=Caller(alice.pk, key.pk), deployment="d", prompt_tokens=8, completion_tokens=4)
     body = json.dumps({"model": "none", "messages": [{"role": "user", "content": "hi"}]})
@@ -323,3 +326,15 @@ def test_a_spent_key_is_refused_at_every_edge_before_anything_runs(alice) -> Non
         browser.post("/api/jobs", {"model": "none", "prompt": "x"}, content_type="application/json").status_code == 404
     )
     assert key_usage(keys=[key])[key.pk].today == 12
+
+    # A deployment's generate call (staff), through a staff key with a spent quota.
+    deployment = Deployment.objects.create(
+        name="d", model=register_model(name="tiny", path=str(tiny_model)), status=DeploymentStatus.READY
+    )
+    operator, operator_secret = create_api_key(user=staff, scopes=["inference"], daily_token_quota=1)
+    record_usage(caller=Caller(staff.pk, operator.pk), deployment="d", prompt_tokens=1, completion_tokens=0)
+    check = APIClient()
+    check.credentials(HTTP_AUTHORIZATION=f"Bearer {operator_secret}")
+    generate = check.post(f"/api/deployments/{deployment.pk}/generate", {"prompt_ids": [1, 2]}, format="json")
+    assert generate.status_code == 429 and "1 of 1 tokens" in generate.json()["detail"] and generate["Retry-After"]
+    assert TokenUsage.objects.filter(api_key=operator).get().generations == 1  # nothing ran, nothing counted

@@ -161,9 +161,9 @@ async def astream(
             generated = (generated or 0) + 1
             yield event
     finally:
-        await layer.group_discard(group, channel)
         if generated is not None:  # ended before main's result, after main started: what came
             await _count(caller, name, len(request.prompt_ids), generated)
+        await layer.group_discard(group, channel)
 
 
 async def _count(caller: Caller | None, deployment: str, prompt_tokens: int, completion_tokens: int) -> None:
