@@ -212,11 +212,68 @@ def check_job_cancel(served: Served) -> None:
     assert bad[0] == 400 and "max_tokens" in bad[1]
 
 
+def check_usage_and_quota(served: Served) -> None:
+    """Each key's tokens counted as its calls answer (the OpenAI API, streamed or not, and a job run
+    by Celery), exported to /metrics; a key with a quota of 1 token runs the call it starts below it,
+    then gets 429 ``quota_exceeded`` with Retry-After until UTC midnight."""
+    staff = served.api(served.staff_key)
+    metered = staff.post("/api/keys", {"name": "metered", "scopes": ["inference"]}, expect=201)
+    capped = staff.post("/api/keys", {"name": "capped", "scopes": ["inference"], "daily_token_quota": 1}, expect=201)
+    assert (metered["daily_token_quota"], capped["daily_token_quota"], metered["tokens_today"]) == (None, 1, 0)
+
+    client = served.client(metered["key"])
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Mixture of experts",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    job = served.api(metered["key"]).post(
+        "/api/jobs", {"model": MODEL, "prompt": "Route every token", "max_tokens": 3, "temperature": 0}, expect=201
+    )
+    (output,) = wait_job(staff, job["id"], lambda j: j["status"] in ("succeeded", "failed"))["outputs"]
+    assert output["status"] == "done", output
+    spent = (
+        whole.usage.total_tokens + chunks[-1].usage.total_tokens + output["prompt_tokens"] + len(output["token_ids"])
+    )
+    keys = {k["name"]: k for k in staff.get("/api/keys?limit=100")["results"]}
+    assert (keys["metered"]["tokens_today"], keys["metered"]["tokens_last_30_days"]) == (spent, spent)
+
+    request = urllib.request.Request(f"{served.plane.server}/metrics")
+    request.add_header("Authorization", f"Bearer {served.staff_key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        exported = response.read().decode()
+    labels = f'deployment="{MODEL}",key_id="{metered["id"]}",key_prefix="{metered["prefix"]}",user="staff"'
+    prompts = whole.usage.prompt_tokens + chunks[-1].usage.prompt_tokens + output["prompt_tokens"]
+    assert f"odmoe_usage_prompt_tokens_total{{{labels}}} {float(prompts)}" in exported
+    assert f"odmoe_usage_generations_total{{{labels}}} 3.0" in exported
+    assert metered["key"] not in exported
+
+    limited = served.client(capped["key"])
+    first = limited.completions.create(model=MODEL, prompt="Mixture of experts", max_tokens=4, temperature=0)
+    assert first.usage.total_tokens > 1  # started below the quota: it ran to its end, past it
+    with pytest.raises(openai.RateLimitError) as refused:
+        limited.completions.create(model=MODEL, prompt="Mixture of experts", max_tokens=4, temperature=0)
+    error = refused.value.body
+    assert (refused.value.status_code, error["code"], error["type"]) == (429, "quota_exceeded", "insufficient_quota")
+    assert f"{first.usage.total_tokens} of 1 tokens" in error["message"] and "UTC midnight" in error["message"]
+    retry_after = int(refused.value.response.headers["Retry-After"])
+    assert 1 <= retry_after <= 86400 and refused.value.response.headers["x-should-retry"] == "false"
+    keys = {k["name"]: k for k in staff.get("/api/keys?limit=100")["results"]}
+    assert keys["capped"]["tokens_today"] == first.usage.total_tokens  # the refused call counted nothing
+
+
 def check_chat(served: Served) -> None:
     from asgiref.sync import async_to_sync
     from channels.testing import WebsocketCommunicator
     from django.contrib.auth import get_user_model
 
+    from controlplane.accounts.models import TokenUsage
     from controlplane.chat.consumers import ChatConsumer
     from controlplane.chat.models import Message
 
@@ -259,6 +316,10 @@ def check_chat(served: Served) -> None:
     assert sum(e["type"] == "token" for e in events) < 400
     saved = list(Message.objects.filter(conversation_id=conversation).values_list("role", "status"))
     assert saved == [("user", "complete"), ("assistant", "complete"), ("user", "complete"), ("assistant", "stopped")]
+    # Both answers counted to alice's browser session (no key), the stopped one with the tokens it made.
+    (session,) = TokenUsage.objects.filter(user=alice, api_key=None)
+    assert (session.deployment, session.generations) == (MODEL, 2)
+    assert session.completion_tokens >= 12 + 3 and session.prompt_tokens > 0
     # The cluster is free again: the next request is served at once.
     again = served.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
     assert again.choices[0].finish_reason == "length"
@@ -563,6 +624,7 @@ def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
     check_logprobs(served)
     check_every_parameter_is_honoured_or_refused(served)
     check_many_at_once(served)
+    check_usage_and_quota(served)
     check_chat(served)
 
 

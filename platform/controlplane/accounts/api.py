@@ -2,7 +2,9 @@
 
 Everyone manages their own keys; staff see and revoke everyone's. Through an API key these
 calls need the ``admin`` scope to write (``read`` to list), and a key never creates a key
-with a scope it does not hold itself. A revoked key keeps its row, for the record.
+with a scope it does not hold itself. A revoked key keeps its row, for the record. Each key
+says what it spent (prompt and completion tokens, today in UTC and over the last 30 days) and
+its daily token quota (``usage.py`` says what counts).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from rest_framework.views import APIView
 
 from controlplane.pagination import paginated
 
-from . import services
+from . import selectors, services
 from .models import ApiKey
 from .permissions import KeyScopes
 from .scopes import ALL_SCOPES, ScopeError
+from .selectors import Spent
 
 MAX_EXPIRY_DAYS = 3650
 
@@ -31,6 +34,8 @@ MAX_EXPIRY_DAYS = 3650
 class KeyOutput(serializers.ModelSerializer):
     owner = serializers.CharField(source="user.username", read_only=True)
     state = serializers.CharField(read_only=True, help_text="active, expired or revoked")
+    tokens_today = serializers.SerializerMethodField(help_text="prompt and completion tokens today (UTC)")
+    tokens_last_30_days = serializers.SerializerMethodField(help_text="prompt and completion tokens, today included")
 
     class Meta:
         model = ApiKey
@@ -45,7 +50,24 @@ class KeyOutput(serializers.ModelSerializer):
             "expires_at",
             "last_used",
             "revoked_at",
+            "daily_token_quota",
+            "tokens_today",
+            "tokens_last_30_days",
         ]
+
+    def _spent(self, key: ApiKey) -> Spent:
+        """Read once for the whole page (a list's keys), then from the context."""
+        spent = self.context.get("spent")
+        if spent is None:
+            page = self.parent.instance if isinstance(self.parent, serializers.ListSerializer) else [key]
+            spent = self.context["spent"] = selectors.key_usage(keys=page)
+        return spent.get(key.pk, Spent())
+
+    def get_tokens_today(self, key: ApiKey) -> int:
+        return self._spent(key).today
+
+    def get_tokens_last_30_days(self, key: ApiKey) -> int:
+        return self._spent(key).window
 
 
 class CreatedKeyOutput(KeyOutput):
@@ -73,6 +95,13 @@ class KeyListApi(APIView):
         expires_in_days = serializers.IntegerField(
             min_value=1, max_value=MAX_EXPIRY_DAYS, required=False, help_text="default: never expires"
         )
+        daily_token_quota = serializers.IntegerField(
+            min_value=1,
+            max_value=services.MAX_DAILY_TOKEN_QUOTA,
+            required=False,
+            allow_null=True,
+            help_text="prompt and completion tokens per UTC day; default (or null): unlimited",
+        )
 
     @extend_schema(responses=KeyOutput(many=True))
     def get(self, request: Request) -> Response:
@@ -92,6 +121,7 @@ class KeyListApi(APIView):
                 scopes=values.get("scopes"),
                 expires_at=timezone.now() + timedelta(days=days) if days else None,
                 within=tuple(asking.scopes) if asking is not None else None,
+                daily_token_quota=values.get("daily_token_quota"),
             )
         except ScopeError as exc:
             return Response({"scopes": [str(exc)]}, status=status.HTTP_400_BAD_REQUEST)

@@ -1,5 +1,7 @@
 """API keys: random 256-bit values kept only as their SHA-256, with a prefix to tell them apart,
-each with scopes (``scopes.py``), an optional expiry, and revocation that keeps the row."""
+each with scopes (``scopes.py``), an optional expiry, an optional daily token quota, and
+revocation that keeps the row; and the tokens each user and key spent, per deployment and day
+(``usage.py`` says what counts)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,11 @@ class ApiKey(models.Model):
     last_used = models.DateTimeField(null=True, blank=True)
     revoked = models.BooleanField(default=False)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    daily_token_quota = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        help_text="prompt and completion tokens the key may use per UTC day; empty: unlimited",
+    )
 
     class Meta:
         ordering = ["-created_at"]
@@ -45,3 +52,42 @@ class ApiKey(models.Model):
 
     def allows(self, scope: str) -> bool:
         return scope in self.scopes
+
+
+class TokenUsage(models.Model):
+    """The tokens one user spent on one deployment on one UTC day, through one API key (or none: a
+    browser session). One row per (user, key, deployment, day), grown in place by
+    ``services.record_usage``; the deployment is kept by name, so its usage outlives it."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="token_usage")
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.CASCADE, related_name="usage")
+    deployment = models.CharField(max_length=100, help_text="the deployment's name")
+    day = models.DateField(help_text="UTC")
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    generations = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-day", "deployment"]
+        # NULLs are distinct in a unique index (PostgreSQL 15's NULLS NOT DISTINCT is not SQLite's):
+        # rows with a key and rows without one are held unique by one partial index each.
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "api_key", "deployment", "day"],
+                condition=models.Q(api_key__isnull=False),
+                name="one_usage_row_per_key_deployment_day",
+            ),
+            models.UniqueConstraint(
+                fields=["user", "deployment", "day"],
+                condition=models.Q(api_key__isnull=True),
+                name="one_usage_row_per_session_deployment_day",
+            ),
+        ]
+        indexes = [models.Index(fields=["day"], name="token_usage_day")]
+
+    def __str__(self) -> str:
+        return f"{self.user_id} {self.api_key_id} {self.deployment} {self.day}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

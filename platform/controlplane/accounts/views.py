@@ -1,4 +1,5 @@
-"""The API keys page (any logged-in user): your keys, a form to create one, revoke buttons.
+"""The API keys page (any logged-in user): your keys with their tokens (today in UTC, and the
+last 30 days) and daily quota, a form to create one, revoke buttons.
 
 Plain HTML forms, no script: a created key is shown once on the answer page and never again.
 """
@@ -14,7 +15,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_http_methods
 
-from . import services
+from . import selectors, services
 from .api import MAX_EXPIRY_DAYS
 from .models import ApiKey
 from .scopes import Scope, ScopeError, allowed_scopes
@@ -25,6 +26,12 @@ class KeyForm(forms.Form):
     scopes = forms.MultipleChoiceField(widget=forms.CheckboxSelectMultiple)
     expires_in_days = forms.IntegerField(
         min_value=1, max_value=MAX_EXPIRY_DAYS, required=False, help_text="empty: never expires"
+    )
+    daily_token_quota = forms.IntegerField(
+        min_value=1,
+        max_value=services.MAX_DAILY_TOKEN_QUOTA,
+        required=False,
+        help_text="prompt and completion tokens per UTC day; empty: unlimited",
     )
 
     def __init__(self, *args, user, **kwargs) -> None:
@@ -53,11 +60,15 @@ def keys_page(request: HttpRequest) -> HttpResponse:
                     name=form.cleaned_data["name"],
                     scopes=form.cleaned_data["scopes"],
                     expires_at=timezone.now() + timedelta(days=days) if days else None,
+                    daily_token_quota=form.cleaned_data["daily_token_quota"],
                 )
                 form = KeyForm(user=request.user)
             except ScopeError as exc:
                 form.add_error("scopes", str(exc))
-    keys = ApiKey.objects.filter(user=request.user)
+    keys = list(ApiKey.objects.filter(user=request.user))
+    spent = selectors.key_usage(keys=keys)
+    for key in keys:
+        key.spent = spent.get(key.pk, selectors.Spent())
     return render(request, "accounts/keys.html", {"form": form, "keys": keys, "created": created})
 
 

@@ -17,6 +17,7 @@ from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from controlplane.accounts.usage import Caller
 from controlplane.deployments import generation
 from controlplane.serving import completions
 from controlplane.serving import metrics as served
@@ -108,7 +109,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             self.running = (target.deployment_id, request_id)
             # Main bounds the user's generations (the API's and jobs' too): past it, ClusterGenerationError.
             stream = completions.astream(
-                target, prompt_ids, send.max_tokens, GREEDY, request_id=request_id, user=user.pk
+                target, prompt_ids, send.max_tokens, GREEDY, caller=Caller(user.pk), request_id=request_id
             )
             async for item in stream:
                 if isinstance(item, TextDelta):

@@ -7,6 +7,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.csrf import ensure_csrf_cookie
 
+from controlplane.accounts.selectors import usage_by_user_and_deployment
+from controlplane.accounts.usage import USAGE_WINDOW_DAYS
 from controlplane.deployments.fields import MAX_PER_USER
 from controlplane.nodes.tls import upgrade_command
 from inference.constants import MAX_BATCH, SHADOW_DTYPES
@@ -24,6 +26,7 @@ def console(request: HttpRequest) -> HttpResponse:
 
     ``own_predictors`` (strategy -> its own predictor, or None) tells the form's script whether
     a deployment has a shadow seat, so its estimate counts the workers the role map will have.
+    ``usage``: the tokens each user spent on each deployment, as the page was loaded.
     """
     context = {
         "shadow_dtypes": SHADOW_DTYPES,
@@ -39,6 +42,8 @@ def console(request: HttpRequest) -> HttpResponse:
         "max_waiting": DEFAULTS.max_waiting,
         # What an outdated node runs to upgrade, for the URL this page was reached at (with its pin).
         "upgrade_command": upgrade_command(request.build_absolute_uri("/")),
+        "usage": usage_by_user_and_deployment(),
+        "usage_days": USAGE_WINDOW_DAYS,
     }
     return render(request, "console/console.html", context)
 

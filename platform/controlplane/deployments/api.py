@@ -12,8 +12,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.accounts.models import ApiKey
 from controlplane.accounts.permissions import KeyScopes
 from controlplane.accounts.scopes import Scope
+from controlplane.accounts.services import QuotaExceeded, check_quota
+from controlplane.accounts.usage import Caller
 from controlplane.artifacts.models import ModelArtifact, ModelStatus
 from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.names import name_field
@@ -319,8 +322,15 @@ class DeploymentGenerateApi(APIView):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         request_fields = {**data.validated_data, "user": str(request.user.pk)}  # main bounds each user's
+        key = request.auth if isinstance(request.auth, ApiKey) else None
         try:
-            done = generation.generate(deployment_id, generation.new_request(**request_fields))
+            check_quota(key=key)
+        except QuotaExceeded as exc:
+            headers = {"Retry-After": str(exc.retry_after_s)}
+            return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS, headers=headers)
+        caller = Caller(request.user.pk, key.pk if key else None)
+        try:
+            done = generation.generate(deployment_id, generation.new_request(**request_fields), caller=caller)
         except generation.ClusterUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         except generation.TooManyGenerations as exc:

@@ -6,11 +6,18 @@ are, and the link's consumer relays them to the channel-layer group ``generation
 where ``astream`` listens. ``stream`` is the same for
 synchronous callers (Celery tasks, views): it runs ``astream`` on its own event loop in a
 thread and hands events over through a queue.
+
+Every generation's tokens are counted here, the one place all of them pass (the OpenAI API,
+the chat, jobs, the operator's generate call), to the ``caller`` it is given
+(``accounts.usage``): when main reports the end, its prompt and generated tokens; when it
+ends otherwise after main started it (the client went away, a failure), the prompt and the
+tokens that came.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import uuid
@@ -22,6 +29,8 @@ from channels import DEFAULT_CHANNEL_LAYER
 from channels.db import database_sync_to_async
 from channels.layers import BaseChannelLayer, channel_layers, get_channel_layer
 
+from controlplane.accounts.services import record_usage
+from controlplane.accounts.usage import Caller
 from controlplane.nodes.groups import generation_group, node_group
 from inference.wire.generation import GENERATION_EVENTS, Done, Failed, Generate, Token
 from inference.wire.link import CancelGeneration, parse
@@ -33,6 +42,8 @@ NEXT_EVENT_TIMEOUT_S = 60.0
 # How main ends a generation (inference.runtime.roles.main). Another value is a broken or hostile main's:
 # it would reach API clients, and PostgreSQL refuses what is longer than JobOutput.finish_reason.
 FINISH_REASONS = ("stop", "length", "cancelled")
+
+log = logging.getLogger(__name__)
 
 
 class ClusterUnavailable(RuntimeError):
@@ -82,8 +93,8 @@ def can_serve(deployment: Deployment) -> bool:
     return deployment.members.filter(role=Role.MAIN, state=MemberState.READY).exists()
 
 
-def _target(deployment_id: int) -> tuple[str, str]:
-    """(main's node id, the runtime key) of a deployment that can serve now."""
+def _target(deployment_id: int) -> tuple[str, str, str]:
+    """(main's node id, the runtime key, the name) of a deployment that can serve now."""
     deployment = Deployment.objects.filter(pk=deployment_id).first()
     if deployment is None:
         raise ClusterUnavailable(f"no deployment {deployment_id}")
@@ -91,7 +102,7 @@ def _target(deployment_id: int) -> tuple[str, str]:
     if main is None or not can_serve(deployment):
         reason = f": {deployment.status_reason}" if deployment.status_reason else ""
         raise ClusterUnavailable(f"deployment {deployment.name} is {deployment.status}{reason}")
-    return str(main.node_id), deployment.runtime_key
+    return str(main.node_id), deployment.runtime_key, deployment.name
 
 
 def _main_node(deployment_id: int) -> str:
@@ -105,15 +116,24 @@ def _main_node(deployment_id: int) -> str:
 
 
 async def astream(
-    deployment_id: int, request: Generate, *, layer: BaseChannelLayer | None = None
+    deployment_id: int,
+    request: Generate,
+    *,
+    caller: Caller | None = None,
+    layer: BaseChannelLayer | None = None,
 ) -> AsyncIterator[Token | Done]:
-    """Tokens as main produces them, then the result with its metrics; raises on failure."""
-    node_id, key = await database_sync_to_async(_target, thread_sensitive=False)(deployment_id)
+    """Tokens as main produces them, then the result with its metrics; raises on failure.
+
+    The tokens are counted to ``caller`` before the result is handed on (None: to nobody, for
+    the platform's own checks).
+    """
+    node_id, key, name = await database_sync_to_async(_target, thread_sensitive=False)(deployment_id)
     layer = layer or get_channel_layer()
     channel = await layer.new_channel()
     group = generation_group(request.request_id)
     await layer.group_add(group, channel)
     command = msgspec.structs.replace(request, deployment=key)
+    generated: int | None = None  # tokens so far, once main started the generation
     try:
         await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
         timeout = FIRST_EVENT_TIMEOUT_S
@@ -133,11 +153,36 @@ async def astream(
             if isinstance(event, Done) and event.finish_reason not in FINISH_REASONS:
                 reason = f"{event.finish_reason!r:.40}"
                 raise ClusterGenerationError(f"main ended the generation with an unknown finish reason {reason}")
-            yield event
             if isinstance(event, Done):
+                generated = None
+                await _count(caller, name, len(request.prompt_ids), len(event.token_ids))
+                yield event
                 return
+            generated = (generated or 0) + 1
+            yield event
     finally:
+        if generated is not None:  # ended before main's result, after main started: what came
+            await _count(caller, name, len(request.prompt_ids), generated)
         await layer.group_discard(group, channel)
+
+
+async def _count(caller: Caller | None, deployment: str, prompt_tokens: int, completion_tokens: int) -> None:
+    """Add a generation's tokens to ``caller``'s usage. A database that refuses is logged, not raised:
+    the generation is done and its answer still goes out."""
+    if caller is None:
+        return
+    try:
+        await database_sync_to_async(record_usage, thread_sensitive=False)(
+            caller=caller, deployment=deployment, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+        )
+    except Exception:
+        log.exception(
+            "the usage of %s on %s (%d + %d tokens) was not recorded",
+            caller,
+            deployment,
+            prompt_tokens,
+            completion_tokens,
+        )
 
 
 async def acancel(deployment_id: int, request_id: str) -> None:
@@ -147,7 +192,7 @@ async def acancel(deployment_id: int, request_id: str) -> None:
     await get_channel_layer().group_send(node_group(node_id), {"type": "agent.command", "command": command})
 
 
-def stream(deployment_id: int, request: Generate) -> Iterator[Token | Done]:
+def stream(deployment_id: int, request: Generate, *, caller: Caller | None = None) -> Iterator[Token | Done]:
     """``astream`` for synchronous code."""
     events: queue.Queue = queue.Queue()
     end = object()
@@ -156,7 +201,7 @@ def stream(deployment_id: int, request: Generate) -> Iterator[Token | Done]:
         # A layer of its own: one channel layer cannot receive on two event loops.
         layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
         try:
-            async for event in astream(deployment_id, request, layer=layer):
+            async for event in astream(deployment_id, request, caller=caller, layer=layer):
                 events.put(event)
         except Exception as exc:  # handed to the caller's thread, re-raised there
             events.put(exc)
@@ -174,9 +219,9 @@ def stream(deployment_id: int, request: Generate) -> Iterator[Token | Done]:
     thread.join()
 
 
-def generate(deployment_id: int, request: Generate) -> Done:
+def generate(deployment_id: int, request: Generate, *, caller: Caller | None = None) -> Done:
     """The whole generation (synchronous)."""
-    for event in stream(deployment_id, request):
+    for event in stream(deployment_id, request, caller=caller):
         if isinstance(event, Done):
             return event
     raise ClusterGenerationError("the cluster ended the generation without a result")

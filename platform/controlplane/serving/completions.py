@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from channels.db import database_sync_to_async
 
+from controlplane.accounts.usage import Caller
 from controlplane.deployments import generation
 from controlplane.deployments.generation import (
     ClusterBusy,
@@ -136,7 +137,7 @@ def _request(
     max_new_tokens: int,
     sampling: Sampling,
     request_id: str | None,
-    user: object,
+    caller: Caller,
     logprobs: int | None = None,
     prompt_logprobs: bool = False,
     grammar: str = "",
@@ -145,7 +146,7 @@ def _request(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         request_id=request_id or new_request_id(),
-        user=str(user),
+        user=str(caller.user_id),
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,
@@ -160,22 +161,23 @@ async def astream(
     max_new_tokens: int,
     sampling: Sampling,
     *,
+    caller: Caller,
     request_id: str | None = None,
-    user: object = "",
     logprobs: int | None = None,
     prompt_logprobs: bool = False,
     grammar: str = "",
 ) -> AsyncIterator[TextDelta | CompletionResult]:
     """Text deltas as the cluster produces tokens, then the result (its text is the whole answer).
 
-    ``user``: who asks (main shares its batch fairly between users); ``logprobs``: each token's
-    logprob and this many alternatives (None: none); ``prompt_logprobs``: the prompt's too;
-    ``grammar``: the answer keeps to it (``Generate.grammar``).
+    ``caller``: who asks (main shares its batch fairly between users; the tokens are counted to
+    them and their key); ``logprobs``: each token's logprob and this many alternatives (None:
+    none); ``prompt_logprobs``: the prompt's too; ``grammar``: the answer keeps to it
+    (``Generate.grammar``).
     """
     tokenizer = await database_sync_to_async(lambda: target.tokenizer, thread_sensitive=False)()
     assembler = Assembler(tokenizer, len(prompt_ids))
-    request = _request(prompt_ids, max_new_tokens, sampling, request_id, user, logprobs, prompt_logprobs, grammar)
-    async for event in generation.astream(target.deployment_id, request):
+    request = _request(prompt_ids, max_new_tokens, sampling, request_id, caller, logprobs, prompt_logprobs, grammar)
+    async for event in generation.astream(target.deployment_id, request, caller=caller):
         for item in assembler.feed(event):
             yield item
 
@@ -186,13 +188,13 @@ def complete(
     max_new_tokens: int,
     sampling: Sampling,
     *,
+    caller: Caller,
     request_id: str | None = None,
-    user: object = "",
 ) -> CompletionResult:
-    """The whole completion (synchronous)."""
+    """The whole completion (synchronous), counted to ``caller``."""
     assembler = Assembler(target.tokenizer, len(prompt_ids))
-    request = _request(prompt_ids, max_new_tokens, sampling, request_id, user)
-    for event in generation.stream(target.deployment_id, request):
+    request = _request(prompt_ids, max_new_tokens, sampling, request_id, caller)
+    for event in generation.stream(target.deployment_id, request, caller=caller):
         for item in assembler.feed(event):
             if isinstance(item, CompletionResult):
                 return item

@@ -19,6 +19,9 @@ from django.db import transaction
 from django.utils import timezone
 from redis.exceptions import RedisError
 
+from controlplane.accounts.models import ApiKey
+from controlplane.accounts.services import QuotaExceeded, check_quota
+from controlplane.accounts.usage import Caller
 from controlplane.deployments import generation
 from controlplane.queueing import queue_task
 from controlplane.storable import storable_json, storable_text
@@ -62,8 +65,12 @@ def submit_job(
     prompts: list[str],
     max_tokens: int,
     sampling: Sampling,
+    api_key: ApiKey | None = None,
 ) -> Job:
     """Check every prompt against the model now (clear errors, nothing stored), then queue them.
+
+    ``api_key``: the key it comes with, whose daily token quota must not be spent
+    (``QuotaExceeded``; each prompt is held to it again as it starts), and to which its tokens count.
 
     A user's jobs hold at most ``MAX_ACTIVE_JOB_PROMPTS_PER_USER`` prompts that are queued or
     running (``TooManyActivePrompts``): jobs run from one queue in the order they came, so one
@@ -71,6 +78,7 @@ def submit_job(
     """
     if not 1 <= len(prompts) <= MAX_PROMPTS:
         raise InputError(f"a job takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompts")
+    check_quota(key=api_key)
     _check_active_prompts(owner, len(prompts))  # before tokenizing them: cheap, and said at once
     target = find_target(model)
     lengths = []
@@ -89,6 +97,7 @@ def submit_job(
         _check_active_prompts(owner, len(prompts))
         job = Job.objects.create(
             owner=owner,
+            api_key=api_key,
             deployment_id=target.deployment_id,
             model_name=target.name,
             max_tokens=max_tokens,
@@ -122,6 +131,7 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
 
     A cluster that is restarting a role (a retryable failure, or a deployment not serving for
     now) gets the prompt again later: ``RetryLater``, up to ``JOB_RETRIES`` times; nothing is lost.
+    A prompt that starts after its key's daily token quota is spent fails, saying when it resets.
     """
     with transaction.atomic():
         # The job's lock first, then the output's: the order cancel_job takes them in. Locking both
@@ -139,9 +149,11 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
         )
     sampling = Sampling(job.temperature, job.top_p, job.seed)
     try:
+        check_quota(key=job.api_key)
         target = find_target(job.model_name)
         ids = encode_prompt(target.tokenizer, output.prompt)
-        result = complete(target, ids, job.max_tokens, sampling, request_id=output.request_id, user=job.owner_id)
+        caller = Caller(job.owner_id, job.api_key_id)
+        result = complete(target, ids, job.max_tokens, sampling, caller=caller, request_id=output.request_id)
     except (ClusterUnavailable, ClusterGenerationError, RedisError, OSError) as exc:
         # Redis unreachable (it restarts) is retryable too: the generation's events travel through it.
         retryable = not isinstance(exc, ClusterGenerationError) or exc.retryable
@@ -154,7 +166,7 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
         JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
             status=OutputStatus.FAILED, error=storable_text(str(exc)), finished_at=timezone.now()
         )
-    except (InputError, LookupError) as exc:
+    except (InputError, LookupError, QuotaExceeded) as exc:
         metrics.record("jobs", ok=False)
         JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
             status=OutputStatus.FAILED, error=storable_text(str(exc)), finished_at=timezone.now()

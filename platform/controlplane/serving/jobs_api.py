@@ -14,8 +14,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.accounts.models import ApiKey
 from controlplane.accounts.permissions import KeyScopes
 from controlplane.accounts.scopes import Scope
+from controlplane.accounts.services import QuotaExceeded
 from controlplane.pagination import paginated
 
 from . import jobs
@@ -115,11 +117,16 @@ class JobListApi(APIView):
                 prompts=prompts,
                 max_tokens=values["max_tokens"],
                 sampling=Sampling(values["temperature"], values["top_p"], values["seed"]),
+                api_key=request.auth if isinstance(request.auth, ApiKey) else None,
             )
         except InputError as exc:
             return Response({"detail": str(exc), "param": exc.param}, status=status.HTTP_400_BAD_REQUEST)
         except jobs.TooManyActivePrompts as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS)
+        except QuotaExceeded as exc:
+            headers = {"Retry-After": str(exc.retry_after_s)}
+            body = {"detail": str(exc), "code": "quota_exceeded"}
+            return Response(body, status=status.HTTP_429_TOO_MANY_REQUESTS, headers=headers)
         except ModelNotFound as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_404_NOT_FOUND)
         except ClusterUnavailable as exc:

@@ -2,8 +2,16 @@
 
 Per-request figures (requests, tokens, TTFT, decode time, routing recall, expert load waits)
 are counted in the process that served the request: the web process for the OpenAI API and
-the chat. Cluster state (nodes, deployments, jobs by status) is read from the database at
-each scrape, so it is the same whichever process answers. Scraping needs a staff user's API
+the chat. Cluster state (nodes, deployments, jobs by status) and the tokens per user, API key
+and deployment (``accounts.TokenUsage``, jobs' included) are read from the database at each
+scrape, so they are the same whichever process answers.
+
+The usage counters' labels are ``user`` (the username), ``key_id`` and ``key_prefix`` (the six
+characters the keys page shows, never the secret; both empty for a browser session) and
+``deployment``. Their cardinality is bounded twice: a (user, key, deployment) is exported only
+while it spent tokens in the last 30 days (its series ends after that), and at most
+``MAX_USAGE_SERIES`` of them, the ones that spent most; ``odmoe_usage_series_left_out`` says
+how many more there were. Scraping needs a staff user's API
 key (``bearer_token`` in Prometheus' scrape config) or a staff session.
 """
 
@@ -12,9 +20,10 @@ from __future__ import annotations
 from django.db.models import Count
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controlplane.accounts.scopes import Scope
+from controlplane.accounts.selectors import usage_series
 from controlplane.accounts.services import authenticate_api_key, bearer_key
 
 REGISTRY = CollectorRegistry()
@@ -92,7 +101,46 @@ class ClusterCollector:
             yield family
 
 
+MAX_USAGE_SERIES = 1000  # (user, key, deployment) triples per scrape: three series each
+
+
+class UsageCollector:
+    """Counters of the tokens each (user, key, deployment) spent, read from the database at scrape time."""
+
+    LABELS = ["user", "key_id", "key_prefix", "deployment"]
+
+    def describe(self) -> list:
+        return []  # as ClusterCollector: no database at registration
+
+    def collect(self):
+        series = usage_series()
+        kept = sorted(series, key=lambda s: -(s.prompt_tokens + s.completion_tokens))[:MAX_USAGE_SERIES]
+        families = {
+            "prompt_tokens": CounterMetricFamily(
+                "odmoe_usage_prompt_tokens", "Prompt tokens per user, API key and deployment", labels=self.LABELS
+            ),
+            "completion_tokens": CounterMetricFamily(
+                "odmoe_usage_completion_tokens", "Generated tokens per user, API key and deployment", labels=self.LABELS
+            ),
+            "generations": CounterMetricFamily(
+                "odmoe_usage_generations", "Generations per user, API key and deployment", labels=self.LABELS
+            ),
+        }
+        for s in sorted(kept, key=lambda s: (s.username, s.key_id or 0, s.deployment)):
+            labels = [s.username, "" if s.key_id is None else str(s.key_id), s.key_prefix, s.deployment]
+            for field, family in families.items():
+                family.add_metric(labels, getattr(s, field))
+        yield from families.values()
+        left_out = GaugeMetricFamily(
+            "odmoe_usage_series_left_out",
+            f"(user, key, deployment) with usage in the last 30 days past the {MAX_USAGE_SERIES} exported",
+        )
+        left_out.add_metric([], len(series) - len(kept))
+        yield left_out
+
+
 REGISTRY.register(ClusterCollector())
+REGISTRY.register(UsageCollector())
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:

@@ -22,6 +22,14 @@ ENDED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 class Job(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
+    api_key = models.ForeignKey(
+        "accounts.ApiKey",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="jobs",
+        help_text="the key it was submitted with (empty: a browser session): its tokens count to that key",
+    )
     deployment = models.ForeignKey("deployments.Deployment", null=True, on_delete=models.SET_NULL, related_name="jobs")
     model_name = models.CharField(max_length=100, help_text="the deployment's name when the job was submitted")
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED)

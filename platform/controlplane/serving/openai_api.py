@@ -41,7 +41,8 @@ from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authentication import CSRFCheck
 
 from controlplane.accounts.scopes import Scope
-from controlplane.accounts.services import authenticate_api_key, bearer_key
+from controlplane.accounts.services import QuotaExceeded, authenticate_api_key, bearer_key, check_quota
+from controlplane.accounts.usage import Caller
 from controlplane.deployments import generation
 from controlplane.deployments.models import Deployment, DeploymentStatus
 from controlplane.throttles import throttle_wait
@@ -106,9 +107,9 @@ class _Refused(Exception):
 
 
 async def _user(request: HttpRequest):
-    """The caller: an API key's user (the key holding the ``inference`` scope), or a logged-in
-    browser session with a valid CSRF token (as DRF's SessionAuthentication asks: another site's
-    page must not spend a logged-in user's generations); raises _Refused with the 401, 403 or
+    """(The caller, their API key or None): an API key's user (the key holding the ``inference``
+    scope), or a logged-in browser session with a valid CSRF token (as DRF's SessionAuthentication
+    asks: another site's page must not spend a logged-in user's generations); raises _Refused with the 401, 403 or
     429 to answer otherwise. Every call counts against the REST API's throttles (the same rates),
     refused ones too: a caller without a valid key counts by its address, as an anonymous one, so
     guessing keys is throttled like any other anonymous call."""
@@ -120,7 +121,7 @@ async def _user(request: HttpRequest):
         raise _Refused(error(429, message, kind="rate_limit_error", code="rate_limit_exceeded", retry_after=seconds))
     if refusal is not None:
         raise _Refused(refusal)
-    return user
+    return user, auth
 
 
 async def _identify(request: HttpRequest) -> tuple[object, object, JsonResponse | None]:
@@ -189,7 +190,7 @@ class Ask:
     stops: list[str]
     stream: bool
     include_usage: bool
-    user: object = ""  # who asks: main shares its batch fairly between users
+    caller: Caller | None = None  # who asks: main shares its batch fairly between users; usage counts to them
     logprobs: int | None = None  # each token's logprob and this many alternatives (None: no logprobs)
     echo: bool = False  # the prompt first (``texts``)
     prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
@@ -225,9 +226,12 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
     if request.method != "POST":
         return error(405, "use POST", code="method_not_allowed")
     try:
-        user = await _user(request)
+        user, key = await _user(request)
+        await database_sync_to_async(check_quota, thread_sensitive=False)(key=key)
     except _Refused as refused:
         return refused.response
+    except QuotaExceeded as exc:
+        return _quota_exceeded(exc)
     try:
         body = json.loads(request.body or b"null")
         json.dumps(body, ensure_ascii=False).encode()  # UnicodeEncodeError for a lone surrogate ("\\ud800"): no text
@@ -237,7 +241,7 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
         return error(400, "the request body must be a JSON object")
     try:
         ask = await database_sync_to_async(_parse, thread_sensitive=False)(body, chat)
-        ask = dataclasses.replace(ask, user=user.pk)
+        ask = dataclasses.replace(ask, caller=Caller(user.pk, key.pk if key else None))
     except InputError as exc:
         return error(400, str(exc), param=exc.param, code=exc.code)
     except ModelNotFound as exc:
@@ -255,6 +259,13 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
     response = StreamingHttpResponse(answer.events(first), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
+    return response
+
+
+def _quota_exceeded(exc: QuotaExceeded) -> JsonResponse:
+    """429 until UTC midnight; ``x-should-retry: false`` keeps OpenAI's clients from retrying in seconds."""
+    response = error(429, str(exc), kind="insufficient_quota", code="quota_exceeded", retry_after=exc.retry_after_s)
+    response["x-should-retry"] = "false"
     return response
 
 
@@ -418,7 +429,7 @@ class _Choice:
                 ask.max_tokens,
                 self.sampling,
                 request_id=self.request_id,
-                user=ask.user,
+                caller=ask.caller,
                 logprobs=ask.logprobs,
                 prompt_logprobs=ask.echo and ask.logprobs is not None,
                 grammar=ask.structure.grammar,

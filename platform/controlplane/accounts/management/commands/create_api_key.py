@@ -1,5 +1,5 @@
-"""``manage.py create_api_key USERNAME [--name NAME] [--scope S ...] [--expires-days N]``: print a new
-API key, once."""
+"""``manage.py create_api_key USERNAME [--name NAME] [--scope S ...] [--expires-days N]
+[--daily-token-quota N]``: print a new API key, once."""
 
 from datetime import timedelta
 
@@ -25,8 +25,14 @@ class Command(BaseCommand):
             help="what the key may do (repeat for several); default: every scope the user may hold",
         )
         parser.add_argument("--expires-days", type=int, default=None, help="default: the key never expires")
+        parser.add_argument(
+            "--daily-token-quota",
+            type=int,
+            default=None,
+            help="prompt and completion tokens the key may use per UTC day; default: unlimited",
+        )
 
-    def handle(self, *args, username: str, name: str, scopes, expires_days, **options) -> None:
+    def handle(self, *args, username: str, name: str, scopes, expires_days, daily_token_quota, **options) -> None:
         user = get_user_model().objects.filter(username=username).first()
         if user is None:
             raise CommandError(f"no user named {username!r}; create one with 'manage.py createsuperuser'")
@@ -36,7 +42,9 @@ class Command(BaseCommand):
             raise CommandError("--expires-days must be 1 or more")
         expires_at = timezone.now() + timedelta(days=expires_days) if expires_days else None
         try:
-            _, clear = create_api_key(user=user, name=name, scopes=scopes, expires_at=expires_at)
-        except ScopeError as exc:
+            _, clear = create_api_key(
+                user=user, name=name, scopes=scopes, expires_at=expires_at, daily_token_quota=daily_token_quota
+            )
+        except (ScopeError, ValueError) as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(clear)
