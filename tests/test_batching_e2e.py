@@ -226,3 +226,36 @@ def test_main_queues_a_users_requests_up_to_its_bound_and_says_which_limit_refus
     assert isinstance(full, GenerationError) and full.busy and not full.too_many_generations
     for name in ("alice-1", "alice-2", "bob-1"):  # taken, and ended by the cancel
         assert isinstance(results[name], Done) and results[name].finish_reason == "cancelled", results[name]
+
+
+@pytest.mark.slow
+def test_a_waiting_request_cancelled_while_a_leaver_ends_does_not_fail_the_batch(tiny_model: Path) -> None:
+    """Two places; A and D run, B waits. A is cancelled, so the next step's plan has A leave and
+    B join; while A leaves, main waits for the shadow's statistics and reads its inbox, where B's
+    cancel may arrive. The join must not take a request that is no longer waiting (it once took
+    the next one, or raised past the end of the queue and failed D with "main failed while
+    serving the batch"). B's cancel is sent at several delays after A's to land in that window;
+    D must get its own tokens every time."""
+    options = ClusterOptions(workers=2, settings=Settings(max_batch=2), in_process=True)
+    d_expected = reference_generate(tiny_model, PROMPTS[3], 120)
+    with LocalCluster(tiny_model, options) as cluster:
+        canceller = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
+        try:
+            for trial, delay_s in enumerate([0.0, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.008, 0.016]):
+                a, b = f"a{trial}", f"b{trial}"
+
+                def cancel_both(tokens: int, a: str = a, b: str = b, delay_s: float = delay_s) -> None:
+                    if tokens == 30:  # B waits by then
+                        canceller.cancel(a)
+                        time.sleep(delay_s)
+                        canceller.cancel(b)
+
+                per_stream = [{"request_id": a, "during": cancel_both}, {}, {"request_id": b}]
+                prompts, lengths = [PROMPTS[0], PROMPTS[3], PROMPTS[1]], [200, 120, 8]
+                results = run_streams(cluster, prompts, lengths, stagger_s=0.05, per_stream=per_stream)
+                for name, got in zip((a, "D", b), results, strict=True):
+                    assert isinstance(got, Done), f"delay {delay_s}: {name} got {got!r}"
+                assert results[0].finish_reason == "cancelled"  # type: ignore[union-attr]
+                assert results[1].token_ids == d_expected, f"delay {delay_s}: D's tokens"  # type: ignore[union-attr]
+        finally:
+            canceller.close()

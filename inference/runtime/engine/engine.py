@@ -108,15 +108,20 @@ class Engine:
             max_batch=settings.max_batch,
             prefill_step=settings.prefill_step,
         )
+        # The joiners are taken by identity before anyone leaves: a leaver's end reads main's inbox
+        # (the shadow's statistics), where a cancel may take a waiting request out of the queue.
+        joining = [role.waiting[i] for i in plan.joins]
         for request_id, _ in plan.leaves:
             self._finish(self.batch[request_id])
-        joining = [role.waiting[i] for i in plan.joins]
         for entry in joining:
+            if not any(waiting is entry for waiting in role.waiting):
+                continue  # cancelled while the leavers ended: answered already, nothing to join
             role.waiting.remove(entry)
             self._join(*entry)
-        if not plan.work:
+        # The plan's work, less a joiner that was cancelled before it joined.
+        batch = [(self.batch[w.request_id], w) for w in plan.work if w.request_id in self.batch]
+        if not batch:
             return
-        batch = [(self.batch[w.request_id], w) for w in plan.work]
         role.begin_step()
         try:
             outputs = self.runner.run(batch)
