@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints written once per session; the database a run uses, in its header."""
+"""Shared fixtures: tiny checkpoints written once per session; the database a run uses, in its header;
+torch's default dtype checked after every test."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from inference.tools.tiny import make_tiny
 from tests.reference import ODD_SHAPE
@@ -25,6 +27,18 @@ def pytest_report_header(config: pytest.Config) -> str:
     else:
         where = f"{db['ENGINE']}, test database {name}"
     return f"database: {where} ({reason}; ODMOE_TEST_DATABASE=sqlite|postgres forces one)"
+
+
+@pytest.fixture(autouse=True)
+def torch_default_dtype_unchanged() -> Iterator[None]:
+    """No test leaves torch's process-wide default dtype changed (roles built in threads of this
+    process once left bf16 behind, and fp32 tests after them failed)."""
+    before = torch.get_default_dtype()
+    yield
+    after = torch.get_default_dtype()
+    if after != before:
+        torch.set_default_dtype(before)
+        pytest.fail(f"this test left torch's default dtype at {after} (it was {before})")
 
 
 @pytest.fixture(scope="session")

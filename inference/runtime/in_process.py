@@ -16,10 +16,17 @@ import threading
 import traceback
 from pathlib import Path
 
-from inference.runtime.roles.dispatch import serve_role
+import torch
+
+from inference.runtime.roles.dispatch import ROLES
 from inference.runtime.spec import RoleSpec
 
 log = logging.getLogger(__name__)
+
+# One role at a time builds itself: Transformers sets torch's process-wide default dtype while it
+# builds a model and puts the old one back after, so two roles of different dtypes building at
+# once would leave one's dtype as the process's default (seen: bf16, failing later fp32 tests).
+_BUILDING = threading.Lock()
 
 
 class RoleThread(threading.Thread):
@@ -33,7 +40,13 @@ class RoleThread(threading.Thread):
 
     def run(self) -> None:
         try:
-            serve_role(self.spec)
+            with _BUILDING:
+                default_dtype = torch.get_default_dtype()
+                try:
+                    role = ROLES[self.spec.role](self.spec)
+                finally:
+                    torch.set_default_dtype(default_dtype)
+            role.run()
         except BaseException:  # reported through ``failure``, as a process's exit code would be
             self.failure = traceback.format_exc()
             log.error("%s failed:\n%s", self.role_name, self.failure)

@@ -1,19 +1,19 @@
-"""Which function serves which role: the one table ``serve-role`` and the in-process launcher share."""
+"""Which class serves which role: the one table ``serve-role`` and the in-process launcher share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from inference.runtime.roles import main, shadow, worker
+from inference.runtime.roles.main import MainRole
+from inference.runtime.roles.shadow import ShadowRole
+from inference.runtime.roles.worker import WorkerRole
 from inference.runtime.spec import RoleSpec
 
-SERVE: dict[str, Callable[[RoleSpec], None]] = {
-    "main": main.serve,
-    "shadow": shadow.serve,
-    "worker": worker.serve,
+ROLES: dict[str, type[MainRole] | type[ShadowRole] | type[WorkerRole]] = {
+    "main": MainRole,
+    "shadow": ShadowRole,
+    "worker": WorkerRole,
 }
 
 
 def serve_role(spec: RoleSpec) -> None:
     """Run ``spec``'s role until it is told to stop."""
-    SERVE[spec.role](spec)
+    ROLES[spec.role](spec).run()
