@@ -1,0 +1,132 @@
+"""How long the test suite takes on a fresh clone: ``make test`` (what CI runs) or ``make check``.
+
+    python -m benchmarks.suite [--target test|check] --json benchmarks/results/suite-test-N.json
+
+Clones this checkout's HEAD into a temporary directory (so nothing of this working tree, its
+venv or its caches is reused), runs ``CI=true make TARGET`` there with no stdin, as CI does, and
+records the wall time of the whole command, pytest's own time and its counts (parsed from its
+summary line), the commit, the date and the machine (cores, load average before and after: a
+run beside other work is slower, and the record says so). A failed run is recorded too, with
+its return code and the tail of its output: every run counts.
+
+``--from-log LOG`` records a run made by hand instead (``time CI=true .ci/run > LOG 2>&1`` on a
+fresh clone, ``--commit`` naming what it ran): its wall time from ``time``'s ``real`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.provenance import REPO, commit
+
+SUMMARY = re.compile(r"^=*\s*(?P<counts>\d+ (?:passed|failed).*?) in (?P<seconds>[\d.]+)s", re.M)
+COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
+REAL = re.compile(r"^real\s+(?:(\d+)m)?([\d.]+)s", re.M)
+
+
+def pytest_figures(output: str) -> dict:
+    """pytest's time and counts from the last summary line of ``output`` (None where it has none)."""
+    found = list(SUMMARY.finditer(output))
+    if not found:
+        return {"pytest_s": None, "counts": {}}
+    last = found[-1]
+    counts = {
+        kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in COUNT.findall(last["counts"])
+    }
+    return {"pytest_s": float(last["seconds"]), "counts": counts}
+
+
+def real_seconds(output: str) -> float | None:
+    """The ``real`` time that bash's ``time`` printed last in ``output``."""
+    found = list(REAL.finditer(output))
+    if not found:
+        return None
+    minutes, seconds = found[-1].groups()
+    return int(minutes or 0) * 60 + float(seconds)
+
+
+def machine(loadavg_before: tuple[float, ...]) -> dict:
+    return {"cores": os.cpu_count(), "loadavg_before": list(loadavg_before), "loadavg_after": list(os.getloadavg())}
+
+
+def run_fresh(target: str) -> dict:
+    """Clone HEAD, run ``make TARGET`` as CI does, and time it."""
+    head = commit()
+    before = os.getloadavg()
+    started = datetime.datetime.now(datetime.UTC)
+    with tempfile.TemporaryDirectory(prefix="odmoe-suite-") as tmp:
+        clone = Path(tmp) / "clone"
+        subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
+        began = time.monotonic()
+        done = subprocess.run(
+            ["make", target],
+            cwd=clone,
+            env={**os.environ, "CI": "true"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        wall = time.monotonic() - began
+    return {
+        "command": f"CI=true make {target}",
+        "how": "python -m benchmarks.suite: a fresh clone of HEAD, its own venv",
+        "target": target,
+        "commit": head,
+        "date": started.isoformat(timespec="seconds"),
+        "machine": machine(before),
+        "returncode": done.returncode,
+        "wall_s": round(wall, 1),
+        **pytest_figures(done.stdout),
+        "tail": done.stdout[-2000:] if done.returncode else "",
+    }
+
+
+def from_log(log: Path, target: str, head: str, date: str) -> dict:
+    output = log.read_text(errors="replace")
+    figures = pytest_figures(output)
+    failed = figures["counts"].get("failed", 0) + figures["counts"].get("error", 0)
+    return {
+        "command": "CI=true .ci/run" if target == "test" else f"CI=true make {target}",
+        "how": "by hand on a fresh clone, recorded from its log with --from-log",
+        "target": target,
+        "commit": head,
+        "date": date,
+        "machine": {"cores": os.cpu_count()},
+        "returncode": 1 if failed or figures["pytest_s"] is None else 0,
+        "wall_s": real_seconds(output),
+        **figures,
+        "tail": "",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", choices=("test", "check"), default="test")
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--from-log", type=Path, help="record a run made by hand from its log")
+    parser.add_argument("--commit", help="with --from-log: the commit it ran")
+    parser.add_argument("--date", help="with --from-log: when it started (ISO 8601)")
+    args = parser.parse_args(argv)
+    if args.from_log and not (args.commit and args.date):
+        parser.error("--from-log needs --commit and --date: what ran, and when")
+    record = from_log(args.from_log, args.target, args.commit, args.date) if args.from_log else run_fresh(args.target)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=2) + "\n")
+    minutes = (record["wall_s"] or 0) / 60
+    pytest_s, counts, code = record["pytest_s"], record["counts"], record["returncode"]
+    print(f"make {args.target}: {minutes:.1f} min, pytest {pytest_s} s, {counts}, return code {code}")
+    return 0 if record["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
