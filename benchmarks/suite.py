@@ -5,8 +5,9 @@
 Clones this checkout's HEAD into a temporary directory (so nothing of this working tree, its
 venv or its caches is reused), runs ``CI=true make TARGET`` there with no stdin, as CI does, and
 records the wall time of the whole command, pytest's own time and its counts (parsed from its
-summary line), the commit, the date and the machine (cores, load average before and after: a
-run beside other work is slower, and the record says so). A failed run is recorded too, with
+summary line; the whole output goes beside the JSON, as ``.log``), the commit, the date and the
+machine (cores, load average before and after: a run beside other work is slower, and the
+record says so). A failed run is recorded too, with
 its return code and the tail of its output: every run counts.
 
 ``--from-log LOG`` records a run made by hand instead (``time CI=true .ci/run > LOG 2>&1`` on a
@@ -58,8 +59,8 @@ def machine(loadavg_before: tuple[float, ...]) -> dict:
     return {"cores": os.cpu_count(), "loadavg_before": list(loadavg_before), "loadavg_after": list(os.getloadavg())}
 
 
-def run_fresh(target: str) -> dict:
-    """Clone HEAD, run ``make TARGET`` as CI does, and time it."""
+def run_fresh(target: str, log: Path) -> dict:
+    """Clone HEAD, run ``make TARGET`` as CI does (its whole output into ``log``), and time it."""
     head = commit()
     before = os.getloadavg()
     started = datetime.datetime.now(datetime.UTC)
@@ -77,6 +78,7 @@ def run_fresh(target: str) -> dict:
             text=True,
         )
         wall = time.monotonic() - began
+    log.write_text(done.stdout)
     return {
         "command": f"CI=true make {target}",
         "how": "python -m benchmarks.suite: a fresh clone of HEAD, its own venv",
@@ -87,6 +89,7 @@ def run_fresh(target: str) -> dict:
         "returncode": done.returncode,
         "wall_s": round(wall, 1),
         **pytest_figures(done.stdout),
+        "log": str(log),
         "tail": done.stdout[-2000:] if done.returncode else "",
     }
 
@@ -119,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_log and not (args.commit and args.date):
         parser.error("--from-log needs --commit and --date: what ran, and when")
-    record = from_log(args.from_log, args.target, args.commit, args.date) if args.from_log else run_fresh(args.target)
+    if args.from_log:
+        record = from_log(args.from_log, args.target, args.commit, args.date)
+    else:
+        record = run_fresh(args.target, args.json.with_suffix(".log"))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=2) + "\n")
     minutes = (record["wall_s"] or 0) / 60
