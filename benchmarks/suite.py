@@ -65,6 +65,9 @@ def run_fresh(target: str, log: Path) -> dict:
     before = os.getloadavg()
     started = datetime.datetime.now(datetime.UTC)
     with tempfile.TemporaryDirectory(prefix="odmoe-suite-") as tmp:
+        # As a CI checkout is: readable by all (the install tests run the one-liner as nobody,
+        # reading this clone's venv; a private temporary directory would refuse them).
+        Path(tmp).chmod(0o755)
         clone = Path(tmp) / "clone"
         subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
         began = time.monotonic()
