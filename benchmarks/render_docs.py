@@ -142,6 +142,7 @@ PAGES: tuple[Page, ...] = (
     Page("prerouter", "The prerouter", ("quality-prerouter*.json", "predictors-prerouter.json")),
     Page("predictors", "The shadow against main's next gate", ("predictors.json",)),
     Page("recall", "Shadow recall", ("recall.json",)),
+    Page("suite", "The test suite's duration", ("suite-*.json",)),
 )
 
 # Today's count of figures in each page's notes that no result of the page records (see Prose).
