@@ -193,6 +193,13 @@ STATUS: tuple[tuple[str, str, str, str, str], ...] = (
         ".2f",
         "",
     ),
+    (
+        "`make test` on a fresh clone, the whole command (goal: 15 min)",
+        "suite",
+        "suite-test-*.json:wall_s",
+        "x0.0166667 .1f",
+        "min",
+    ),
     ("chats lost per load run", "load", "load-*.json:chat.lost", "d", ""),
     ("chats failed (with a reason told to the client) per load run", "load", "load-*.json:chat.failed", "d", ""),
 )
