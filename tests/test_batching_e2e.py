@@ -259,3 +259,29 @@ def test_a_waiting_request_cancelled_while_a_leaver_ends_does_not_fail_the_batch
                 assert results[1].token_ids == d_expected, f"delay {delay_s}: D's tokens"  # type: ignore[union-attr]
         finally:
             canceller.close()
+
+
+def test_the_shadow_steps_a_batch_together_and_predicts_each_sequence_as_main_routes_it(
+    tiny_model: Path, expected: list[list[int]]
+) -> None:
+    # An fp32 shadow given main's token and KV every step computes main's own routing for each
+    # sequence: stepped together (each sequence's attention on its own, the experts of a layer in
+    # one call for all), every prediction that came still names the experts main chose.
+    options = ClusterOptions(workers=2, settings=Settings(shadow_dtype="fp32"), in_process=True)
+    with LocalCluster(tiny_model, options) as cluster:
+        results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS, stagger_s=0.0)
+    for i, (want, got) in enumerate(zip(expected, results, strict=True)):
+        assert isinstance(got, Done), f"stream {i}: {got!r}"
+        assert got.token_ids == want
+    shadows = [r.metrics["shadow"] for r in results]  # type: ignore[union-attr]
+    assert max(s["largest_batch"] for s in shadows) >= 2, shadows
+    recalls = [
+        layer["recall"]
+        for r in results
+        for step in r.metrics["per_step"]  # type: ignore[union-attr]
+        for layer in step["layers"]
+        if layer.get("predicted") is not None
+    ]
+    print(f"largest shadow batches {[s['largest_batch'] for s in shadows]}; {len(recalls)} predictions")
+    assert len(recalls) > sum(NEW_TOKENS) // 2
+    assert recalls == [1.0] * len(recalls)

@@ -272,6 +272,7 @@ def shadow_metrics(shadow_stats: ShadowStats | None) -> dict | None:
         "kv_aligns": shadow_stats.kv_aligns,
         "speculations": shadow_stats.speculations,
         "speculation_misses": shadow_stats.speculation_misses,
+        "largest_batch": shadow_stats.largest_batch,
     }
 
 

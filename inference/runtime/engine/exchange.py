@@ -209,6 +209,8 @@ class Exchange:
     def serve_layer(self, layer: int, batch: list[Sequence]) -> list[torch.Tensor]:
         """The layer's experts for every sequence of ``batch``, each expert loaded once for all of them."""
         started = time.perf_counter()
+        for s in batch:
+            s.at = (s.step, layer)  # where a prediction arriving meanwhile finds it
         self.guesses.before_layer(layer, batch)
         calls = [s.call for s in batch]
         routed = [self.routing.split(c.hidden_states, c.top_k_index, c.top_k_weights) for c in calls]  # type: ignore[union-attr]

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from transformers import DynamicCache
 
 from inference.modelio.families import Family
 from inference.runtime.batching import LayerCall
 from inference.runtime.engine.sampling import prompt_logprobs
 from inference.runtime.engine.scheduler import Work
-from inference.runtime.engine.sequence import Sequence
 from inference.wire.generation import TokenLogprob
 
 # Prompt positions per LM-head product for prompt logprobs: [512, V] float32 logits are 64 MiB
@@ -62,12 +62,25 @@ class StepLogits:
     prompt: list[TokenLogprob] | None = None
 
 
-ServeLayer = Callable[[int, list[Sequence]], list[torch.Tensor]]
-Embedded = Callable[[Sequence, Work, torch.Tensor], None]
+class Stepped(Protocol):
+    """What the runner reads and writes of a sequence: main's ``Sequence``, the shadow's ``Emulation``."""
+
+    request_id: str
+    tokens: torch.Tensor  # [1, L]: the positions a step's work names are read from here
+    cache: DynamicCache  # holds exactly the positions before the step's work
+    prompt_len: int
+    call: LayerCall | None  # set while its rows of a layer are being served
+    prompt_logprobs: list[TokenLogprob] | None  # None: not asked for
+    top_logprobs: int
+
+
+ServeLayer = Callable[[int, list[Any]], list[torch.Tensor]]  # (layer, the batch's ``Stepped``s) -> routed rows
+Embedded = Callable[[Any, Work, torch.Tensor], None]
 
 
 class ModelRunner:
-    """Runs a step's work (``Work`` per sequence) through main's model, the experts by ``serve_layer``."""
+    """Runs a step's work (``Work`` per sequence) through a model, the experts by ``serve_layer``:
+    main's over the workers, the shadow's on its own copy."""
 
     def __init__(self, model: torch.nn.Module, family: Family, serve_layer: ServeLayer, embedded: Embedded) -> None:
         self.model = model
@@ -75,7 +88,7 @@ class ModelRunner:
         self.serve_layer = serve_layer
         self.embedded = embedded  # told each sequence's token embeddings, before any attention
 
-    def run(self, batch: list[tuple[Sequence, Work]]) -> list[StepLogits]:
+    def run(self, batch: list[tuple[Stepped, Work]]) -> list[StepLogits]:
         """Each sequence's logits: its last position's where its work samples, and the logprobs of
         the prompt tokens a prefill piece predicts where it asked for them."""
         with torch.inference_mode():
@@ -86,13 +99,13 @@ class ModelRunner:
                 self._layer(layer, decoder, sequences, passes)
             return [self._logits(s, w, f) for (s, w), f in zip(batch, passes, strict=True)]
 
-    def _embed(self, sequence: Sequence, work: Work) -> Forward:
+    def _embed(self, sequence: Stepped, work: Work) -> Forward:
         """The model forward's prologue for one sequence: embeddings, positions, masks, rotary."""
         inner = self.model.model
         ids = sequence.tokens[:, work.start : work.end]
         embeds = inner.embed_tokens(ids)
         self.embedded(sequence, work, embeds)
-        cache = sequence.state.cache
+        cache = sequence.cache
         past = cache.get_seq_length()
         assert past == work.start, f"{sequence.request_id}: cache holds {past} tokens, the step starts at {work.start}"
         # generate's position ids (attention mask cumsum - 1) equal the model's own count here:
@@ -108,7 +121,7 @@ class ModelRunner:
         position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
         return Forward(hidden, position_ids, position_embeddings, masks)
 
-    def _layer(self, layer: int, decoder: torch.nn.Module, sequences: list[Sequence], passes: list[Forward]) -> None:
+    def _layer(self, layer: int, decoder: torch.nn.Module, sequences: list[Stepped], passes: list[Forward]) -> None:
         """One decoder layer for every sequence: attention each on its own, the experts together."""
         family = self.family
         for s, f in zip(sequences, passes, strict=True):
@@ -118,7 +131,7 @@ class ModelRunner:
                 position_embeddings=f.position_embeddings,
                 attention_mask=f.masks[layer],
                 position_ids=f.position_ids,
-                cache=s.state.cache,
+                cache=s.cache,
                 use_cache=True,
             )
             f.residual = family.add_residual(decoder, f.hidden, attended)
@@ -126,14 +139,13 @@ class ModelRunner:
             f.flat = moe_input.view(-1, moe_input.shape[-1])
             _, weights, index = family.router(decoder)(f.flat)
             s.call = LayerCall(layer, f.flat, index, weights)
-            s.at = (s.step, layer)
         routed = self.serve_layer(layer, sequences)
         for s, f, out in zip(sequences, passes, routed, strict=True):
             output = family.moe_output(decoder, f.flat, out).reshape(f.residual.shape)  # type: ignore[union-attr]
             f.hidden = family.add_residual(decoder, f.residual, output)
             s.call = None
 
-    def _logits(self, sequence: Sequence, work: Work, f: Forward) -> StepLogits:
+    def _logits(self, sequence: Stepped, work: Work, f: Forward) -> StepLogits:
         """The final norm and the LM head on the last position (``logits_to_keep=1``), and on
         every position of a prefill piece whose prompt's logprobs were asked for."""
         config = self.model.config
@@ -142,11 +154,11 @@ class ModelRunner:
         if work.samples:
             last = self.family.scale_logits(config, self.model.lm_head(hidden[:, -1:, :]))[:, -1]  # [1, V]
         prompt = None
-        if sequence.prompt_logprobs is not None and work.start < sequence.state.prompt_len:
+        if sequence.prompt_logprobs is not None and work.start < sequence.prompt_len:
             prompt = []
             for row in range(0, work.tokens, PROMPT_LOGIT_ROWS):
                 rows = hidden[:, row : row + PROMPT_LOGIT_ROWS, :]  # [1, R, H]
                 logits = self.family.scale_logits(config, self.model.lm_head(rows))[0]  # [R, V]
                 top = sequence.top_logprobs
-                prompt += prompt_logprobs(logits, sequence.tokens, work.start + row, sequence.state.prompt_len, top)
+                prompt += prompt_logprobs(logits, sequence.tokens, work.start + row, sequence.prompt_len, top)
         return StepLogits(last, prompt)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from inference.runtime.batching import LayerCall
 from inference.runtime.engine.sampling import Sampler
@@ -39,6 +40,15 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.state.request_id
+
+    @property
+    def cache(self) -> DynamicCache:
+        assert self.state.cache is not None, f"{self.request_id} has no cache yet"
+        return self.state.cache
+
+    @property
+    def prompt_len(self) -> int:
+        return self.state.prompt_len
 
     @property
     def step(self) -> int:

@@ -1,10 +1,13 @@
 """The shadow role: a quantized copy of the whole model that emulates main a step ahead.
 
-It follows every sequence of main's batch, each with its own cache, stepping the one
-furthest behind first. For each decode step the shadow runs its copy on main's token (when tokens are aligned)
-or on its own guess, and its router decisions at every layer are sent at once to the
-workers that serve that layer, and to main, as the prediction of main's routing
-(Scaled Emulative Prediction). Main's ``Align`` messages bring its token and KV cache
+It follows every sequence of main's batch, each with its own cache, and steps every sequence
+that may step together, as main does: through the engine's model runner
+(``inference.runtime.engine.runner``), each sequence's attention on its own and the experts of a
+layer in one call for all of them, so a batch of eight costs far less than eight steps one
+after another and the shadow keeps ahead of main's batch. For each decode step it runs its copy on
+main's token (when tokens are aligned) or on its own guess, and its router decisions at every
+layer are sent at once to the workers that serve that layer, and to main, as the prediction of
+main's routing (Scaled Emulative Prediction). Main's ``Align`` messages bring its token and KV cache
 every ``token_period`` / ``kv_period`` steps; if the shadow had already run a step that
 main then aligns, it rewinds its cache and runs the step again.
 """
@@ -19,10 +22,13 @@ import torch
 from transformers import DynamicCache
 
 from inference.constants import SHADOW_STATES_PER_SEQUENCE
-from inference.modelio.model import expert_dims, load_config, routers
+from inference.modelio.model import expert_dims, family_of, load_config
 from inference.modelio.shards import verify_shard
 from inference.policies import schedule
 from inference.policies.placement import placement_from_dict
+from inference.runtime.batching import LayerCall
+from inference.runtime.engine.runner import ModelRunner
+from inference.runtime.engine.scheduler import Work
 from inference.runtime.roles.common import (
     answer_ping,
     connect_peers,
@@ -50,6 +56,7 @@ class Emulation:
     token_period: int
     kv_period: int
     cache: DynamicCache
+    tokens: torch.Tensor  # [1, prompt_len + max_new_tokens]: the prompt, then each step's input
     next_step: int = 1
     own_next: int = 0  # the shadow's own greedy token after its last step
     main_step: int = 0  # the newest step main has announced
@@ -59,10 +66,15 @@ class Emulation:
     speculated: set[int] = field(default_factory=set)  # steps run on a guess, not yet checked
     speculations: int = 0
     speculation_misses: int = 0
+    largest_batch: int = 1  # the most sequences stepped together in one of its steps
     rewinds: int = 0
     token_aligns: int = 0
     kv_aligns: int = 0
     version: int = 0
+    running_step: int = 0  # the step its model is running (0: the prompt, no predictions)
+    call: LayerCall | None = None  # its rows of the layer being run (the runner's)
+    prompt_logprobs: None = None  # the runner's: the shadow never asks for them
+    top_logprobs: int = 0
 
 
 class ShadowRole:
@@ -92,10 +104,8 @@ class ShadowRole:
         self.endpoint = open_endpoint(spec)
         connect_peers(self.endpoint, spec, workers=True, shadow=False, main=True)
         self.states: dict[str, Emulation] = {}  # the sequences it follows, by request id
-        self.run_state: Emulation | None = None  # the one its model is running now
-        self.layer_step = 0
-        for layer, router in enumerate(routers(self.model)):
-            router.register_forward_hook(self._router_hook(layer))
+        self.family = family_of(self.model.config)
+        self.runner = ModelRunner(self.model, self.family, self._serve_layer, lambda *_: None)
         log.info("shadow ready: %s on %s (%s)", spec.settings.shadow_dtype, self.device, self.report)
 
     # --- message loop -------------------------------------------------------------------
@@ -107,14 +117,14 @@ class ShadowRole:
                 # quiet second on the inbox: health pings would otherwise keep postponing it.
                 for state in [s for s in self.states.values() if s.ending and not self._can_step(s)]:
                     self.finish(state)
-                ready = self._next_to_step()
+                ready = self._ready()
                 received = self.endpoint.recv(timeout_s=0.0 if ready else 1.0)
                 if received is not None:
                     if isinstance(received.msg, Shutdown):
                         return
                     handle_safely(self.handle, received)
                     continue
-                if ready is not None:
+                if ready:
                     self._guarded(ready, partial(self.step, ready))
         finally:
             self.endpoint.close()
@@ -144,15 +154,16 @@ class ShadowRole:
         else:
             log.warning("dropped unexpected %s from %s", msg.TYPE, msg.sender)
 
-    def _guarded(self, state: Emulation, action) -> None:
-        """Run ``action``; if it fails, give up this sequence: main goes on without its predictions."""
+    def _guarded(self, batch: list[Emulation], action) -> None:
+        """Run ``action``; if it fails, give up these sequences (their caches may be part-way through
+        a step): main goes on without their predictions."""
         try:
             action()
         except Exception:
-            log.exception("shadow failed on request %s; workers fall back to on-demand loading", state.request_id)
-            self.states.pop(state.request_id, None)
-        finally:
-            self.run_state = None
+            names = ", ".join(state.request_id for state in batch)
+            log.exception("shadow failed on request %s; workers fall back to on-demand loading", names)
+            for state in batch:
+                self.states.pop(state.request_id, None)
 
     # --- one request ----------------------------------------------------------------------
 
@@ -161,24 +172,16 @@ class ShadowRole:
             oldest = next(iter(self.states))
             log.warning("following more than %d sequences: dropped %s", self.max_states, oldest)
             del self.states[oldest]
+        prompt_len = int(msg.prompt_ids.numel())
+        tokens = torch.zeros((1, prompt_len + msg.max_new_tokens), dtype=torch.long, device=self.device)
+        tokens[0, :prompt_len] = msg.prompt_ids.view(-1).to(self.device)
         cache = DynamicCache(config=self.model.config)
         state = Emulation(
-            msg.request_id,
-            int(msg.prompt_ids.numel()),
-            msg.max_new_tokens,
-            msg.token_period,
-            msg.kv_period,
-            cache,
+            msg.request_id, prompt_len, msg.max_new_tokens, msg.token_period, msg.kv_period, cache, tokens
         )
         self.states[msg.request_id] = state
-
-        def prefill() -> None:
-            self.run_state = state
-            self.layer_step = 0  # prefill: no predictions are sent
-            logits = self._forward(msg.prompt_ids.view(1, -1), cache)
-            state.own_next = int(logits.argmax())
-
-        self._guarded(state, prefill)
+        work = Work(state.request_id, 0, prompt_len, samples=True)
+        self._guarded([state], partial(self._run, [(state, work)]))
 
     def on_align(self, state: Emulation, msg: Align) -> None:
         state.aligns[msg.step] = msg
@@ -204,10 +207,9 @@ class ShadowRole:
             state.next_step = msg.step
             state.rewinds += 1
 
-    def _next_to_step(self) -> Emulation | None:
-        """The sequence that may step and is least far ahead of main, or None."""
-        ready = [s for s in self.states.values() if self._can_step(s)]
-        return min(ready, key=lambda s: s.next_step - s.main_step, default=None)
+    def _ready(self) -> list[Emulation]:
+        """The sequences that may step now, stepped together."""
+        return [s for s in self.states.values() if self._can_step(s)]
 
     def _can_step(self, state: Emulation) -> bool:
         if state.next_step >= state.max_new_tokens:
@@ -223,8 +225,13 @@ class ShadowRole:
             return False
         return not (state.ending and s > state.main_step)
 
-    def step(self, state: Emulation) -> None:
-        self.run_state = state
+    def step(self, batch: list[Emulation]) -> None:
+        """One step of each sequence of ``batch``, in one pass of the model."""
+        self._run([(state, self._input(state)) for state in batch])
+
+    def _input(self, state: Emulation) -> Work:
+        """A sequence's next step made ready: main's KV and token taken where they came, its input
+        written after the positions its cache holds."""
         s = state.next_step
         align = state.aligns.get(s)
         if align is not None and align.keys is not None and align.values is not None:
@@ -239,10 +246,21 @@ class ShadowRole:
             state.speculations += 1
         state.inputs[s] = token
         state.version += 1
-        self.layer_step = s
-        logits = self._forward(torch.tensor([[token]], device=self.device), state.cache)
-        state.own_next = int(logits.argmax())
-        state.next_step = s + 1
+        state.running_step = s
+        position = state.prompt_len + s - 1
+        state.tokens[0, position] = token
+        return Work(state.request_id, position, position + 1, samples=True)
+
+    def _run(self, batch: list[tuple[Emulation, Work]]) -> None:
+        """The model over ``batch`` (a prompt, or a step of several sequences); each sequence's own
+        greedy token after it, its guess of main's next."""
+        outcomes = self.runner.run(batch)
+        for (state, _), outcome in zip(batch, outcomes, strict=True):
+            assert outcome.last is not None
+            state.largest_batch = max(state.largest_batch, len(batch))
+            state.own_next = int(outcome.last.argmax())
+            if state.running_step:
+                state.next_step = state.running_step + 1
 
     def finish(self, state: Emulation) -> None:
         # On our link to main, behind every prediction we sent for this sequence: main keeps the
@@ -258,6 +276,7 @@ class ShadowRole:
                 kv_aligns=state.kv_aligns,
                 speculations=state.speculations,
                 speculation_misses=state.speculation_misses,
+                largest_batch=state.largest_batch,
             ),
         )
         self.states.pop(state.request_id, None)
@@ -283,30 +302,32 @@ class ShadowRole:
             cached.keys = torch.cat([cached.keys[:, :, :start], keys[layer], cached.keys[:, :, stop:]], dim=2)
             cached.values = torch.cat([cached.values[:, :, :start], values[layer], cached.values[:, :, stop:]], dim=2)
 
-    @torch.inference_mode()
-    def _forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float()
+    def _serve_layer(self, layer: int, batch: list[Emulation]) -> list[torch.Tensor]:
+        """The runner's experts of a layer: its router decisions sent first as predictions (of a
+        decode step; a prompt's are not), then every sequence's rows through the shadow's own
+        experts in one call."""
+        calls = [state.call for state in batch]
+        for state, call in zip(batch, calls, strict=True):
+            if state.running_step:
+                self._predict(state, layer, call.top_k_index[-1])  # type: ignore[union-attr]
+        rows = torch.cat([c.hidden_states for c in calls])  # type: ignore[union-attr]
+        index = torch.cat([c.top_k_index for c in calls])  # type: ignore[union-attr]
+        weights = torch.cat([c.top_k_weights for c in calls])  # type: ignore[union-attr]
+        routed = self.family.experts(self.model.model.layers[layer])(rows, index, weights)
+        return list(routed.split([c.hidden_states.shape[0] for c in calls]))  # type: ignore[union-attr]
 
-    def _router_hook(self, layer: int):
-        def hook(module, args, output) -> None:
-            state = self.run_state
-            if state is None or self.layer_step == 0:
-                return
-            _, _, indices = output  # [T, K]
-            experts = sorted(int(e) for e in indices[-1].tolist())
-            msg = Prediction(
-                request_id=state.request_id,
-                step=self.layer_step,
-                layer=layer,
-                experts=experts,
-                version=state.version,
-            )
-            self.endpoint.send("main", msg)
-            for worker in self.placement.workers_for_layer(layer):
-                self.endpoint.send(f"worker-{worker}", msg)
-
-        return hook
+    def _predict(self, state: Emulation, layer: int, chosen: torch.Tensor) -> None:
+        """The shadow's routing of a sequence's step at ``layer``, to main and the layer's workers."""
+        msg = Prediction(
+            request_id=state.request_id,
+            step=state.running_step,
+            layer=layer,
+            experts=sorted(int(e) for e in chosen.tolist()),
+            version=state.version,
+        )
+        self.endpoint.send("main", msg)
+        for worker in self.placement.workers_for_layer(layer):
+            self.endpoint.send(f"worker-{worker}", msg)
 
 
 def truncate_cache(cache: DynamicCache, length: int) -> None:
