@@ -28,6 +28,9 @@ DEFAULT_MAX_PER_USER = 32
 # from a main that went away) or a peer misbehaving, and the shadow drops the oldest
 # (inference/runtime/roles/shadow.py); the memory estimate counts this many (inference/building/memory.py).
 SHADOW_STATES_PER_SEQUENCE = 1
+# Tokens of KV cache each sequence of main and the shadow is sized for (inference/building/memory.py);
+# what the running sequences leave of it holds finished sequences' KV for reuse (inference/runtime/prefix_cache.py).
+DEFAULT_CONTEXT_TOKENS = 4096
 # How a worker computes an expert's rows of several batched sequences (``Settings.batch_arithmetic``).
 BATCH_ARITHMETICS = ("exact", "fused")
 # How main sums expert outputs (``Settings.experts_arithmetic``, inference.runtime.routing).

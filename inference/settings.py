@@ -209,6 +209,13 @@ class DeploymentSettings:
         "prefilled whole (fp32 on CPU: last-token logits differ by about 4e-6)",
         minimum=0,
     )
+    prefix_cache: bool = setting(
+        True,
+        "main and the shadow keep finished sequences' KV (blocks of 16 tokens, least recently used out, within "
+        "the KV the fit check reserves) and a prompt that begins the same way prefills only the rest "
+        "(inference.runtime.prefix_cache). Its tokens are those of Transformers continuing from that cache; a "
+        "prefix computed during decode may round otherwise than the same prefix prefilled whole",
+    )
     hybrid: bool = setting(
         False,
         "hybrid CPU/GPU execution (inference.policies.hybrid): a worker computes a requested expert on its CPU from "

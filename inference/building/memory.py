@@ -47,7 +47,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from inference.constants import EXPERT_STORES, MAX_BATCH, NF4_BLOCKSIZE, SHADOW_DTYPES, SHADOW_STATES_PER_SEQUENCE
+from inference.constants import (
+    DEFAULT_CONTEXT_TOKENS,
+    EXPERT_STORES,
+    MAX_BATCH,
+    NF4_BLOCKSIZE,
+    SHADOW_DTYPES,
+    SHADOW_STATES_PER_SEQUENCE,
+)
 from inference.modelio.checkpoint import Checkpoint, CheckpointError, parse_expert_key
 from inference.modelio.families import FAMILIES, family_for, is_router_name
 from inference.modelio.families.releases import RELEASES
@@ -66,7 +73,6 @@ RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + trans
 # 820 MB (benchmarks/results/gpu-h200-tiny.json). The largest, for every role; other GPUs,
 # drivers and torch versions differ by some tens of MB.
 CUDA_CONTEXT_BYTES = 820 * 10**6
-DEFAULT_CONTEXT_TOKENS = 4096  # tokens of KV cache each sequence of main and the shadow is sized for
 DEFAULT_MAX_BATCH = DEFAULTS.max_batch  # sequences main runs at once, each with its own KV cache
 QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absmax per block
 

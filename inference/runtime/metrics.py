@@ -273,6 +273,7 @@ def shadow_metrics(shadow_stats: ShadowStats | None) -> dict | None:
         "speculations": shadow_stats.speculations,
         "speculation_misses": shadow_stats.speculation_misses,
         "largest_batch": shadow_stats.largest_batch,
+        "cached_prompt_tokens": shadow_stats.cached_prompt_tokens,
     }
 
 

@@ -69,6 +69,7 @@ class RequestState:
     router_slots: int = 0
     router_matches: int = 0
     kv_synced: int = 0  # positions of main's KV cache the shadow already holds
+    cached_prompt_tokens: int = 0  # the prompt's first tokens whose KV came from the prefix cache
     cancelled: bool = False
     cache: DynamicCache | None = None
     routes: SequenceRoutes | None = None  # the prerouter's memory of this sequence (inference.runtime.prerouter)

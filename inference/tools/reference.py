@@ -68,3 +68,53 @@ def reference_generate(
             raise
         return out[0, len(prompt_ids) :].tolist()
     raise AssertionError("unreachable")
+
+
+def reference_continue(
+    model_dir: str | Path,
+    first: tuple[list[int], int],
+    second: tuple[list[int], int],
+    reused: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "auto",
+) -> list[int]:
+    """Greedy new tokens of a second prompt from ``generate`` continuing from the first's cache.
+
+    ``first`` and ``second`` are (prompt ids, new tokens). The first prompt is generated from as
+    ``reference_generate`` does; its cache (prompt and answer, all but the last token) is then
+    cut to its first ``reused`` positions and given to ``generate`` with the second prompt, which
+    computes the rest: what a prefix cache that kept those positions should give.
+    """
+    (first_ids, first_new), (second_ids, second_new) = first, second
+    for implementation in (None, "eager"):
+        model = _load(str(model_dir), implementation, device, dtype)
+        try:
+            with torch.inference_mode():
+                cache = DynamicCache(config=model.config)
+                prompt = torch.tensor([first_ids], device=device)
+                model.generate(
+                    prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=first_new,
+                    do_sample=False,
+                    cache=cache,
+                )
+                if cache.get_seq_length() < reused:
+                    raise ValueError(f"the first run's cache holds {cache.get_seq_length()} positions, not {reused}")
+                if cache.get_seq_length() > reused:
+                    cache.crop(reused - cache.get_seq_length())  # a negative count: positions to drop from the end
+                prompt = torch.tensor([second_ids], device=device)
+                out = model.generate(
+                    prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=second_new,
+                    do_sample=False,
+                    cache=cache,
+                )
+        except RuntimeError as exc:
+            if implementation is None and _unaligned(exc):
+                continue
+            raise
+        return out[0, len(second_ids) :].tolist()
+    raise AssertionError("unreachable")

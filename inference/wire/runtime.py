@@ -222,6 +222,7 @@ class ShadowStats(Message, kw_only=True, tag="shadow_stats"):
     speculations: int = 0  # steps run ahead of main on the shadow's own guess of main's token
     speculation_misses: int = 0  # ... of which the guess was wrong and the step was redone
     largest_batch: int = 1  # the most sequences the shadow stepped together in one of this one's steps
+    cached_prompt_tokens: int = 0  # the prompt's first tokens whose KV came from the shadow's prefix cache
 
 
 # Every message a runtime process may receive, the generation's included.

@@ -21,6 +21,7 @@ import msgspec
 import torch
 from transformers import DynamicCache
 
+from inference.constants import DEFAULT_CONTEXT_TOKENS
 from inference.policies import schedule
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.grammar import Constraint, GrammarError, grammar_problem, grammar_tokenizer
@@ -30,6 +31,7 @@ from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_piec
 from inference.runtime.engine.scheduler import schedule as plan_step
 from inference.runtime.engine.sequence import Sequence
 from inference.runtime.metrics import build_metrics, step_report
+from inference.runtime.prefix_cache import Block, PrefixCache, cache_from
 from inference.runtime.prerouter import SequenceRoutes
 from inference.runtime.records import RequestState, StepRecord
 from inference.wire.runtime import Align, Done, Failed, Generate, Token
@@ -49,6 +51,10 @@ class Engine:
         self.guesses = guesses
         self.batch: dict[str, Sequence] = {}
         self.runner = ModelRunner(role.model, role.family, role.exchange.serve_layer, self._embedded)
+        self.prefixes = PrefixCache() if role.spec.settings.prefix_cache else None
+        # A waiting request's prefix found in the store: (the store's version then, its blocks),
+        # held from the step that plans its join to the join, whatever the store drops meanwhile.
+        self._held: dict[str, tuple[int, list[Block]]] = {}
 
     def grammar_problem(self, msg: Generate) -> str:
         """Why the request's grammar cannot constrain its answer ("" when it can, or it has none)."""
@@ -101,7 +107,10 @@ class Engine:
     def step(self) -> None:
         """One step: the scheduler's plan, the model over the batch, a token per sampling sequence."""
         role, settings = self.role, self.role.spec.settings
-        waiting = [Waiting(m.request_id, m.user, len(m.prompt_ids), m.max_new_tokens) for m, _ in role.waiting]
+        waiting = [
+            Waiting(m.request_id, m.user, len(m.prompt_ids), m.max_new_tokens, self._cached(m)) for m, _ in role.waiting
+        ]
+        self._held = {w.request_id: self._held[w.request_id] for w in waiting if w.request_id in self._held}
         plan = plan_step(
             waiting,
             [s.view() for s in self.batch.values()],
@@ -147,6 +156,26 @@ class Engine:
             if done(s.view()):
                 self._finish(s)
 
+    def _cached(self, msg: Generate) -> int:
+        """How many of a waiting prompt's first tokens the prefix cache holds (at most all but its
+        last; none where the prompt's own logprobs are asked for, which need every position)."""
+        if self.prefixes is None or msg.prompt_logprobs:
+            return 0
+        held = self._held.get(msg.request_id)
+        if held is None or held[0] != self.prefixes.version:
+            held = self._held[msg.request_id] = (
+                self.prefixes.version,
+                self.prefixes.lookup(msg.prompt_ids, len(msg.prompt_ids) - 1),
+            )
+        return len(held[1]) * self.prefixes.block_tokens
+
+    def _prefix_room(self) -> int:
+        """Tokens of KV the prefix cache may hold: main's reserved KV (``max_batch`` sequences of
+        ``DEFAULT_CONTEXT_TOKENS``) less what the running sequences may fill."""
+        settings = self.role.spec.settings
+        running = sum(s.prompt_len + s.state.max_new_tokens for s in self.batch.values())
+        return settings.max_batch * DEFAULT_CONTEXT_TOKENS - running
+
     def _fail(self, sequences: list[Sequence], error: str) -> None:
         for s in sequences:
             if s.request_id in self.batch:
@@ -169,7 +198,9 @@ class Engine:
         )
         if role.prerouter is not None:
             state.routes = SequenceRoutes(role.prerouter)
-        state.cache = DynamicCache(config=role.model.config)
+        _, blocks = self._held.pop(msg.request_id, (0, []))
+        state.cache = cache_from(blocks, role.model.config) if blocks else DynamicCache(config=role.model.config)
+        cached = state.cached_prompt_tokens = state.cache.get_seq_length()
         sampler = sampler_for(
             role.model,
             prompt_len=len(msg.prompt_ids),
@@ -186,18 +217,22 @@ class Engine:
         tokens = torch.tensor([msg.prompt_ids], dtype=torch.long, device=role.device)
         # A prompt prefilled in pieces takes a step per piece; its step 0, as the workers
         # and the shadow count, is the last piece's.
-        pieces = prefill_pieces(len(msg.prompt_ids), role.spec.settings.prefill_step)
+        pieces = prefill_pieces(len(msg.prompt_ids), role.spec.settings.prefill_step, cached)
         sequence = Sequence(
             state,
             msg.user,
             sampler,
             tokens,
             joined_step=role.step + len(pieces),
+            computed=cached,
+            cached=cached,
             logprobs=msg.logprobs,
             top_logprobs=msg.top_logprobs,
             prompt_logprobs=[] if msg.prompt_logprobs else None,
         )
         self.batch[msg.request_id] = sequence
+        if self.prefixes is not None:
+            self.prefixes.trim(self._prefix_room())  # room for it, before it fills any
         role.announce_join(msg, sequence.joined_step)
 
     def _embedded(self, sequence: Sequence, work: Work, embeds: torch.Tensor) -> None:
@@ -260,6 +295,8 @@ class Engine:
         # Still in the batch while the shadow ends it: its last predictions may be on the way.
         shadow_stats = role.end_shadow(state.request_id)
         del self.batch[state.request_id]
+        if self.prefixes is not None and sequence.error is None and state.cache is not None:
+            self.prefixes.store(sequence.tokens[0].tolist(), state.cache, self._prefix_room())
         last = not self.batch and not role.waiting
         role.announce_leave(state.request_id, sequence.joined_step, last=last)
         if sequence.error is not None:
@@ -282,7 +319,10 @@ class Engine:
         )
         metrics["roles_lost"] = sorted(state.roles_lost)
         metrics["joined_step"] = sequence.joined_step
-        metrics["prefill_pieces"] = len(prefill_pieces(state.prompt_len, role.spec.settings.prefill_step))
+        metrics["prefill_pieces"] = len(
+            prefill_pieces(state.prompt_len, role.spec.settings.prefill_step, state.cached_prompt_tokens)
+        )
+        metrics["cached_prompt_tokens"] = state.cached_prompt_tokens
         metrics["max_batch"] = max((step.batch for step in state.steps), default=1)
         role.endpoint.reply(
             state.client,

@@ -89,19 +89,24 @@ def next_to_join(waiting_users: list[str], running_users: list[str]) -> int:
     return min(range(len(waiting_users)), key=lambda i: (running.get(waiting_users[i], 0), i))
 
 
-def prefill_pieces(prompt_len: int, step_tokens: int) -> list[tuple[int, int]]:
-    """The [start, end) pieces a prompt is prefilled in, one batch step each (chunked prefill).
+def prefill_pieces(prompt_len: int, step_tokens: int, cached: int = 0) -> list[tuple[int, int]]:
+    """The [start, end) pieces a prompt is prefilled in, one batch step each (chunked prefill),
+    after its first ``cached`` tokens (a prefix whose KV came from the prefix cache).
 
     ``step_tokens`` tokens a piece, the last piece the rest (1 to ``step_tokens`` tokens);
-    0 means the whole prompt in one piece.
+    0 means the whole rest in one piece.
     """
     if prompt_len < 1:
         raise ValueError(f"a prompt has at least one token, got {prompt_len}")
     if step_tokens < 0:
         raise ValueError(f"step_tokens must be >= 0, got {step_tokens}")
+    if not 0 <= cached < prompt_len:
+        raise ValueError(
+            f"a cached prefix leaves at least the prompt's last token to compute, got {cached} of {prompt_len}"
+        )
     if step_tokens == 0:
-        return [(0, prompt_len)]
-    starts = range(0, prompt_len, step_tokens)
+        return [(cached, prompt_len)]
+    starts = range(cached, prompt_len, step_tokens)
     return [(start, min(start + step_tokens, prompt_len)) for start in starts]
 
 
@@ -113,6 +118,7 @@ class Waiting:
     user: str
     prompt_len: int
     max_new_tokens: int
+    cached: int = 0  # its prompt's first tokens whose KV the prefix cache holds
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,7 @@ class Running:
     max_new_tokens: int
     cancelled: bool = False
     ended: bool = False  # its last token was an end of sequence, or it failed
+    cached: int = 0  # its prompt's first tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ def work_of(sequence: Running, prefill_step: int) -> Work:
     """A sequence's next unit: the next prefill piece while its prompt is not all in the cache,
     else its last token (a decode)."""
     if sequence.computed < sequence.prompt_len:
-        for start, end in prefill_pieces(sequence.prompt_len, prefill_step):
+        for start, end in prefill_pieces(sequence.prompt_len, prefill_step, sequence.cached):
             if start == sequence.computed:
                 return Work(sequence.request_id, start, end, samples=end == sequence.prompt_len)
         raise ValueError(f"{sequence.request_id}: {sequence.computed} tokens computed is not a piece boundary")
@@ -202,7 +209,14 @@ def schedule(
         users.append(request.user)
         staying.append(
             Running(
-                request.request_id, request.user, request.prompt_len, 0, request.prompt_len, 0, request.max_new_tokens
+                request.request_id,
+                request.user,
+                request.prompt_len,
+                request.cached,
+                request.prompt_len,
+                0,
+                request.max_new_tokens,
+                cached=request.cached,
             )
         )
     plan.work = [work_of(s, prefill_step) for s in staying]

@@ -25,6 +25,7 @@ class Sequence:
     tokens: torch.Tensor
     joined_step: int  # the session step of its prefill's last piece
     computed: int = 0
+    cached: int = 0  # its prompt's first tokens whose KV came from the prefix cache
     call: LayerCall | None = None  # its rows of the layer being served
     # Where it is, (its step, layer), for how early a prediction came: between steps, the
     # first layer of its next step.
@@ -67,4 +68,5 @@ class Sequence:
             self.state.max_new_tokens,
             cancelled=self.state.cancelled,
             ended=self.ended or self.error is not None,
+            cached=self.cached,
         )

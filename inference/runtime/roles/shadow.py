@@ -21,7 +21,7 @@ from functools import partial
 import torch
 from transformers import DynamicCache
 
-from inference.constants import SHADOW_STATES_PER_SEQUENCE
+from inference.constants import DEFAULT_CONTEXT_TOKENS, SHADOW_STATES_PER_SEQUENCE
 from inference.modelio.model import expert_dims, family_of, load_config
 from inference.modelio.shards import verify_shard
 from inference.policies import schedule
@@ -29,6 +29,7 @@ from inference.policies.placement import placement_from_dict
 from inference.runtime.batching import LayerCall
 from inference.runtime.engine.runner import ModelRunner
 from inference.runtime.engine.scheduler import Work
+from inference.runtime.prefix_cache import PrefixCache, cache_from
 from inference.runtime.roles.common import (
     answer_ping,
     connect_peers,
@@ -67,6 +68,7 @@ class Emulation:
     speculations: int = 0
     speculation_misses: int = 0
     largest_batch: int = 1  # the most sequences stepped together in one of its steps
+    cached_prompt_tokens: int = 0  # its prompt's first tokens whose KV came from the prefix cache
     rewinds: int = 0
     token_aligns: int = 0
     kv_aligns: int = 0
@@ -106,6 +108,8 @@ class ShadowRole:
         self.states: dict[str, Emulation] = {}  # the sequences it follows, by request id
         self.family = family_of(self.model.config)
         self.runner = ModelRunner(self.model, self.family, self._serve_layer, lambda *_: None)
+        # Its own finished sequences' KV, for prompts that begin the same way (as main keeps its own).
+        self.prefixes = PrefixCache() if spec.settings.prefix_cache else None
         log.info("shadow ready: %s on %s (%s)", spec.settings.shadow_dtype, self.device, self.report)
 
     # --- message loop -------------------------------------------------------------------
@@ -175,12 +179,16 @@ class ShadowRole:
         prompt_len = int(msg.prompt_ids.numel())
         tokens = torch.zeros((1, prompt_len + msg.max_new_tokens), dtype=torch.long, device=self.device)
         tokens[0, :prompt_len] = msg.prompt_ids.view(-1).to(self.device)
-        cache = DynamicCache(config=self.model.config)
+        blocks = self.prefixes.lookup(msg.prompt_ids.view(-1).tolist(), prompt_len - 1) if self.prefixes else []
+        cache = cache_from(blocks, self.model.config) if blocks else DynamicCache(config=self.model.config)
         state = Emulation(
             msg.request_id, prompt_len, msg.max_new_tokens, msg.token_period, msg.kv_period, cache, tokens
         )
         self.states[msg.request_id] = state
-        work = Work(state.request_id, 0, prompt_len, samples=True)
+        if self.prefixes is not None:
+            self.prefixes.trim(self._prefix_room())
+        state.cached_prompt_tokens = cache.get_seq_length()
+        work = Work(state.request_id, state.cached_prompt_tokens, prompt_len, samples=True)
         self._guarded([state], partial(self._run, [(state, work)]))
 
     def on_align(self, state: Emulation, msg: Align) -> None:
@@ -277,9 +285,18 @@ class ShadowRole:
                 speculations=state.speculations,
                 speculation_misses=state.speculation_misses,
                 largest_batch=state.largest_batch,
+                cached_prompt_tokens=state.cached_prompt_tokens,
             ),
         )
-        self.states.pop(state.request_id, None)
+        if self.states.pop(state.request_id, None) is not None and self.prefixes is not None:
+            held = state.cache.get_seq_length()
+            self.prefixes.store(state.tokens[0, :held].tolist(), state.cache, self._prefix_room())
+
+    def _prefix_room(self) -> int:
+        """Tokens of KV its prefix cache may hold: the KV the fit check reserves for the shadow
+        (``max_states`` sequences of ``DEFAULT_CONTEXT_TOKENS``) less what its sequences may fill."""
+        following = sum(s.prompt_len + s.max_new_tokens for s in self.states.values())
+        return self.max_states * DEFAULT_CONTEXT_TOKENS - following
 
     # --- model plumbing -----------------------------------------------------------------
 
