@@ -113,6 +113,9 @@ def test_an_id_past_the_models_vocabulary_is_a_400_naming_it_and_nothing_starts(
     assert error["param"] == "prompt" and f"token id {vocab} (prompt 1, position 1)" in error["message"]
     for bad in ([-1], [1, True], [[1], "a"], []):
         assert ask(ready, {"prompt": bad}).json()["error"]["param"] == "prompt"
+    context = ModelArtifact.objects.get(name="tiny").summary["max_position_embeddings"]
+    too_long = ask(ready, {"prompt": [1] * context})  # with max_tokens 1: one past the context
+    assert too_long.json()["error"]["code"] == "context_length_exceeded", too_long.content
     # Within the vocabulary: past the parse, to the cluster (this deployment has no main: 503).
     within = ask(ready, {"prompt": [1, vocab - 1], "echo": True, "logprobs": 1, "seed": 1234, "temperature": 0})
     assert within.status_code == 503 and within.json()["error"]["code"] == "model_not_ready", within.content

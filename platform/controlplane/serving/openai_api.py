@@ -363,6 +363,8 @@ def _parse(body: dict, chat: bool) -> Ask:
             vocab = tokenizer.vocab_size if target.vocab is None else min(target.vocab, tokenizer.vocab_size)
             check_token_ids(given, vocab)
             prompts = [list(ids) for ids in given]
+            for prompt_ids in prompts:  # a prompt that cannot fit is refused before it is decoded
+                check_lengths(len(prompt_ids), max_tokens, target.context)
             decoded = [decode_with_starts(tokenizer, ids) for ids in prompts]
             texts, starts = [text for text, _ in decoded], [where for _, where in decoded]
         else:
