@@ -3,18 +3,27 @@ agents, all as separate processes on 127.0.0.1 against the test database and Red
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
 from controlplane.ops.processes import Child, ProcessGroup, agent_argv, asgi_argv, celery_argv, http_up, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def database_url() -> str:
@@ -134,3 +143,47 @@ class Served:
 
     def api(self, key: str) -> Api:
         return Api(self.plane.server, key)
+
+
+# --- ``manage.py up``, the command itself ---------------------------------------------------------
+
+
+def on_postgres() -> bool:
+    from django.db import connection
+
+    return connection.vendor == "postgresql"
+
+
+def up_env(var: Path) -> dict[str, str]:
+    """``manage.py up``'s environment (and that of ``manage.py`` commands on its database)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    # Its own Redis under ``var``, as ``make run`` does, and its own SQLite there unless the suite is on PostgreSQL.
+    env |= {"DATABASE_URL": database_url()} if on_postgres() else {}
+    return {**env, "DJANGO_SETTINGS_MODULE": "controlplane.config.settings.local", "ODMOE_VAR_DIR": str(var)}
+
+
+@contextlib.contextmanager
+def manage_py_up(
+    var: Path, port: int, model: Path, log: Path, *, agents: int, timeout_s: float = 300
+) -> Iterator[None]:
+    """``manage.py up`` with ``agents`` local agents serving ``model``, from ``odmoe ready`` to the end of
+    the block; then stopped with SIGTERM, as Ctrl-C stops it. Its output goes to ``log``."""
+    argv = [sys.executable, "manage.py", "up", "--port", str(port), "--agents", str(agents), "--model", str(model)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, cwd=REPO, env=up_env(var), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while f"odmoe ready: http://127.0.0.1:{port}/" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"manage.py up --port {port} did not get ready:\n{log.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.5)
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -62,9 +62,9 @@ def test_the_chat_shape_lists_each_token_with_its_alternatives(tokenizer: TextTo
 
 def test_the_legacy_shape_echoes_the_prompt_and_always_lists_the_chosen_token(tokenizer: TextTokenizer) -> None:
     prompt = "Mixture of experts"
-    ids = tokenizer.encode(prompt)
+    ids, starts = tokenizer.encode_with_offsets(prompt)
     entries = [TokenLogprob(t, -float(n + 1), [(5, -0.1), (6, -0.2)]) for n, t in enumerate(ids[1:])]
-    echoed = prompt_tokens(tokenizer, prompt, entries)
+    echoed = prompt_tokens(ids, starts, entries)
     answer = Scored(7, TokenLogprob(7, -3.0, [(7, -3.0), (5, -3.5)]), len(prompt))
     shaped = legacy_logprobs(tokenizer, [*echoed, answer], 1)
     assert shaped["tokens"] == [token_text(tokenizer, t)[0] for t in [*ids, 7]]
@@ -76,7 +76,7 @@ def test_the_legacy_shape_echoes_the_prompt_and_always_lists_the_chosen_token(to
     assert shaped["text_offset"][0] == 0 and shaped["text_offset"][-1] == len(prompt)
     assert shaped["text_offset"] == sorted(shaped["text_offset"])
     with pytest.raises(ValueError, match="prompt logprobs"):
-        prompt_tokens(tokenizer, prompt, entries[:-1])
+        prompt_tokens(ids, starts, entries[:-1])
 
 
 @pytest.mark.parametrize(

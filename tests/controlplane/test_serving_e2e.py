@@ -418,6 +418,34 @@ def check_logprobs(served: Served) -> None:
     assert refused.value.body["param"] == "max_tokens"
 
 
+def check_token_prompts(served: Served) -> None:
+    """Token-id prompts, as lm-evaluation-harness's ``local-completions`` sends them: the same answer
+    as the text they encode, and for its log-likelihood request (a batch of token lists without a
+    BOS, ``max_tokens: 1``, ``echo``, ``logprobs: 1``, ``seed``) Transformers' logprobs of those very
+    ids; an id past the vocabulary is a 400 that names it."""
+    client = served.client()
+    tokenizer = tokenizer_for(str(served.model_dir))
+    prompt = "Mixture of experts"
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    ids = client.completions.create(model=MODEL, prompt=tokenizer.encode(prompt), max_tokens=8, temperature=0)
+    assert ids.choices[0].text == text.choices[0].text and ids.usage == text.usage
+    batch = [tokenizer.encode(prompt, add_special_tokens=False), tokenizer.encode("Route every token")[:3]]
+    scored = client.completions.create(
+        model=MODEL, prompt=batch, max_tokens=1, echo=True, logprobs=1, temperature=0, seed=1234
+    )
+    assert scored.usage.prompt_tokens == sum(len(p) for p in batch)
+    for choice, prompt_ids in zip(sorted(scored.choices, key=lambda c: c.index), batch, strict=True):
+        reference = reference_logprobs(served, prompt_ids)
+        logprobs = choice.logprobs
+        assert choice.text.startswith(tokenizer.decode(prompt_ids, skip_special_tokens=True))
+        assert len(logprobs.tokens) == len(prompt_ids) + 1 and logprobs.token_logprobs[0] is None
+        for position, token in enumerate(prompt_ids[1:]):
+            assert logprobs.token_logprobs[position + 1] == pytest.approx(float(reference[position, token]), abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=[1, 10**6], max_tokens=1)
+    assert refused.value.body["param"] == "prompt" and "token id 1000000" in refused.value.body["message"]
+
+
 def post_raw(served: Served, path: str, body: dict) -> tuple[int, dict | str]:
     """POST ``body`` as it is (the official client would check it first); the error, or the text answered."""
     request = urllib.request.Request(
@@ -622,6 +650,7 @@ def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
     check_sampling_and_stop(served)
     check_openai_errors(served)
     check_logprobs(served)
+    check_token_prompts(served)
     check_every_parameter_is_honoured_or_refused(served)
     check_many_at_once(served)
     check_usage_and_quota(served)

@@ -13,13 +13,8 @@ would be: the same test then checks ``up`` on PostgreSQL.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sqlite3
 import stat
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -30,9 +25,8 @@ from agent.__main__ import enroll_or_resume
 from controlplane.nodes.services import create_join_token, enroll_node
 from controlplane.ops import demo
 from inference.runtime.launcher import free_port
-from tests.controlplane.live import database_url
+from tests.controlplane.live import manage_py_up, on_postgres
 
-REPO = Path(__file__).resolve().parents[2]
 OLD, NEW = "http://127.0.0.1:41919", "http://127.0.0.1:52609"
 
 
@@ -94,39 +88,10 @@ def test_a_credential_whose_secret_does_not_check_out_is_not_moved(tmp_path: Pat
 AGENTS = 3
 
 
-def on_postgres() -> bool:
-    from django.db import connection
-
-    return connection.vendor == "postgresql"
-
-
-def up_env(var: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    # Its own Redis under ``var``, as ``make run`` does, and its own SQLite there unless the suite is on PostgreSQL.
-    env |= {"DATABASE_URL": database_url()} if on_postgres() else {}
-    return {**env, "DJANGO_SETTINGS_MODULE": "controlplane.config.settings.local", "ODMOE_VAR_DIR": str(var)}
-
-
-def run_up_until_ready(var: Path, port: int, model: Path, log: Path, timeout_s: float = 300) -> str:
+def run_up_until_ready(var: Path, port: int, model: Path, log: Path) -> str:
     """Start ``manage.py up``, wait for ``odmoe ready``, stop it with SIGTERM; its whole output."""
-    argv = [sys.executable, "manage.py", "up", "--port", str(port), "--agents", str(AGENTS), "--model", str(model)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, cwd=REPO, env=up_env(var), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-    try:
-        deadline = time.monotonic() + timeout_s
-        while f"odmoe ready: http://127.0.0.1:{port}/" not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"manage.py up --port {port} did not get ready:\n{log.read_text(errors='replace')[-4000:]}")
-            time.sleep(0.5)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with manage_py_up(var, port, model, log, agents=AGENTS):
+        pass
     return log.read_text(errors="replace")
 
 

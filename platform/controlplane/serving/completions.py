@@ -45,14 +45,16 @@ class ModelNotFound(LookupError):
 
 @dataclass(frozen=True)
 class Target:
-    """A deployment that serves text: its id, name, checkpoint, context length, and the generations
-    one user may have in its main at once (``Deployment.max_per_user``)."""
+    """A deployment that serves text: its id, name, checkpoint, context length, the generations
+    one user may have in its main at once (``Deployment.max_per_user``), and the token ids its
+    model takes (``vocab``: the config's ``vocab_size``, the rows of its embedding)."""
 
     deployment_id: int
     name: str
     model_path: str
     context: int | None
     max_per_user: int
+    vocab: int | None = None
 
     @property
     def tokenizer(self):
@@ -74,9 +76,11 @@ def find_target(name: str | None = None) -> Target:
     if not can_serve(deployment):
         reason = f" ({deployment.status_reason})" if deployment.status_reason else ""
         raise ClusterUnavailable(f"deployment {deployment.name} is {deployment.status}{reason}; try again when ready")
-    context = deployment.model.summary.get("max_position_embeddings")
+    summary = deployment.model.summary
+    context, vocab = summary.get("max_position_embeddings"), summary.get("vocab_size")
     context = context if isinstance(context, int) else None
-    return Target(deployment.pk, deployment.name, deployment.model.path, context, deployment.max_per_user)
+    vocab = vocab if isinstance(vocab, int) else None
+    return Target(deployment.pk, deployment.name, deployment.model.path, context, deployment.max_per_user, vocab)
 
 
 @dataclass(frozen=True)

@@ -115,12 +115,12 @@ def legacy_logprobs(tokenizer: TextTokenizer, tokens: list[Scored], alternatives
     return out
 
 
-def prompt_tokens(tokenizer: TextTokenizer, prompt: str, entries: list[TokenLogprob]) -> list[Scored]:
+def prompt_tokens(ids: list[int], starts: list[int], entries: list[TokenLogprob]) -> list[Scored]:
     """An echoed prompt's tokens: the first without a logprob, the rest with main's ``entries``.
 
-    The offsets are where each token starts in ``prompt`` (the tokenizer's own offsets).
+    ``starts``: where each token starts in the prompt's text (a text prompt's tokenizer offsets,
+    or ``text.decode_with_starts``' for a token-id prompt).
     """
-    ids, starts = tokenizer.encode_with_offsets(prompt)
     logprobs: list[TokenLogprob | None] = [None, *entries]
     if len(logprobs) != len(ids):
         raise ValueError(f"main sent {len(entries)} prompt logprobs for a prompt of {len(ids)} tokens")

@@ -18,7 +18,10 @@ Every body parameter is honoured or refused with a 400 that names it (``paramete
 declaration per endpoint, which the docs' table is rendered from). Logprobs come in OpenAI's
 shapes (``logprobs``), streamed with the text they belong to; ``echo`` on ``/v1/completions``
 puts the prompt first (with ``max_tokens: 0``, the prompt alone: main generates one token for
-it, as vLLM does, and the answer leaves it out).
+it, as vLLM does, and the answer leaves it out). A ``/v1/completions`` prompt may be token ids
+(a list of ints, or a list of such lists), as evaluation harnesses send them: each id is checked
+against the model's vocabulary and main gets the ids as they are, never decoded and encoded
+again (which need not give the same ids back); its text (for ``echo``) is their decoding.
 """
 
 from __future__ import annotations
@@ -74,8 +77,11 @@ from .text import (
     check_prompt,
     check_sampling,
     check_text_fits,
+    check_token_ids,
+    decode_with_starts,
     encode_chat,
     encode_prompt,
+    prompt_list,
 )
 
 DEFAULT_MAX_TOKENS = 256
@@ -196,6 +202,8 @@ class Ask:
     prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
     texts: list[str] = dataclasses.field(default_factory=list)  # each prompt's text (completions)
     structure: Structure = dataclasses.field(default_factory=Structure)  # chat: its grammar, the tools it may call
+    # Token-id prompts: where each token starts in its text (text prompts: the tokenizer's offsets, for echo).
+    starts: list[list[int]] = dataclasses.field(default_factory=list)
 
     def choices(self) -> list[tuple[int, list[int], Sampling]]:
         """(index, prompt ids, sampling) of every choice, prompt after prompt, ``n`` each (choice
@@ -333,6 +341,7 @@ def _parse(body: dict, chat: bool) -> Ask:
         )
     tokenizer = target.tokenizer
     texts: list[str] = []
+    starts: list[list[int]] = []
     # Text that cannot fit the context is refused from its length before it is tokenized.
     structure = Structure()
     if chat:
@@ -343,19 +352,27 @@ def _parse(body: dict, chat: bool) -> Ask:
         check_text_fits(tokenizer, contents, max_tokens, target.context, param="messages")
         prompts = [encode_chat(tokenizer, messages, tools)]
     else:
-        prompt = body.get("prompt")
-        texts = prompt if isinstance(prompt, list) and prompt else [prompt]
-        if len(texts) * n > limit:
+        given = prompt_list(body.get("prompt"))
+        if len(given) * n > limit:
             raise InputError(
-                f"{len(texts)} prompts × n={n} are more than the {limit} generations one user may have "
+                f"{len(given)} prompts × n={n} are more than the {limit} generations one user may have "
                 "on this deployment at once",
                 param="prompt",
             )
-        prompts = []
-        for text in texts:
-            check_prompt(text)
-            check_text_fits(tokenizer, [text], max_tokens, target.context, param="prompt")
-            prompts.append(encode_prompt(tokenizer, text))
+        if isinstance(given[0], list):  # token ids: main gets them as they are
+            vocab = tokenizer.vocab_size if target.vocab is None else min(target.vocab, tokenizer.vocab_size)
+            check_token_ids(given, vocab)
+            prompts = [list(ids) for ids in given]
+            for prompt_ids in prompts:  # a prompt that cannot fit is refused before it is decoded
+                check_lengths(len(prompt_ids), max_tokens, target.context)
+            decoded = [decode_with_starts(tokenizer, ids) for ids in prompts]
+            texts, starts = [text for text, _ in decoded], [where for _, where in decoded]
+        else:
+            texts, prompts = given, []
+            for text in texts:
+                check_prompt(text)
+                check_text_fits(tokenizer, [text], max_tokens, target.context, param="prompt")
+                prompts.append(encode_prompt(tokenizer, text))
     for prompt_ids in prompts:
         check_lengths(len(prompt_ids), max_tokens, target.context)
     return Ask(
@@ -373,6 +390,7 @@ def _parse(body: dict, chat: bool) -> Ask:
         prompt_only,
         texts,
         structure,
+        starts,
     )
 
 
@@ -409,11 +427,20 @@ class _Choice:
     completed a stop sequence.
     """
 
-    def __init__(self, index: int, prompt_ids: list[int], sampling: Sampling, stops: list[str], text: str) -> None:
+    def __init__(
+        self,
+        index: int,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        stops: list[str],
+        text: str,
+        starts: list[int] | None = None,
+    ) -> None:
         self.index, self.prompt_ids, self.sampling = index, prompt_ids, sampling
         self.scanner = StopScanner(stops)
         self.request_id = new_request_id()
         self.prompt_text = text  # completions: the prompt, for echo and text offsets
+        self.prompt_starts = starts  # a token-id prompt's offsets in its text (None: the tokenizer's, from the text)
 
     async def run(self, ask: Ask, api: str) -> AsyncIterator[Piece]:
         """Visible text pieces with their tokens' logprobs, then ("", [], result) at the end; stops
@@ -476,8 +503,11 @@ class _Choice:
         entries = first.prompt_logprobs if isinstance(first, TextDelta) else None
         if entries is None:
             raise ClusterGenerationError("main sent no logprobs for the prompt")
+        starts = self.prompt_starts
+        if starts is None:  # a text prompt: its ids are the tokenizer's, with the tokenizer's offsets
+            starts = ask.target.tokenizer.encode_with_offsets(self.prompt_text)[1]
         try:
-            return prompt_tokens(ask.target.tokenizer, self.prompt_text, entries)
+            return prompt_tokens(self.prompt_ids, starts, entries)
         except ValueError as exc:
             raise ClusterGenerationError(str(exc)) from None
 
@@ -503,7 +533,11 @@ class _Answer:
         self.created = int(time.time())
         self.api = "openai_chat" if chat else "openai_completions"
         texts = ask.texts or [""] * len(ask.prompts)
-        self.choices = [_Choice(i, ids, sampling, ask.stops, texts[i // ask.n]) for i, ids, sampling in ask.choices()]
+        starts = ask.starts or [None] * len(ask.prompts)
+        self.choices = [
+            _Choice(i, ids, sampling, ask.stops, texts[i // ask.n], starts[i // ask.n])
+            for i, ids, sampling in ask.choices()
+        ]
         self._pieces: AsyncIterator[tuple[int, Piece]] | None = None
 
     async def run(self) -> AsyncIterator[tuple[int, Piece]]:

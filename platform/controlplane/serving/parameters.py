@@ -150,7 +150,11 @@ CHAT: dict[str, Parameter] = {
 }
 
 COMPLETIONS: dict[str, Parameter] = {
-    "prompt": Parameter(H, "a string or a list of strings, each a generation of its own"),
+    "prompt": Parameter(
+        H,
+        "a string, a list of strings, a list of token ids or a list of such lists, each a generation of its own; "
+        "ids go to the model as they are, an id past its vocabulary a 400 naming it",
+    ),
     **_COMMON,
     "logprobs": Parameter(
         H,

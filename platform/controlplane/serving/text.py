@@ -70,6 +70,71 @@ def encode_prompt(tokenizer: TextTokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+PROMPT_FORMS = "a non-empty string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
+def prompt_list(prompt: object) -> list[str] | list[list[int]]:
+    """``/v1/completions``' ``prompt`` as a list of prompts, all text or all token ids.
+
+    OpenAI's (and vLLM's) four forms: a string, a list of strings, a list of token ids (one
+    prompt) and a list of lists of token ids; a list that mixes them is refused. Strings are
+    checked where they are encoded (``check_prompt``), ids against the model (``check_token_ids``).
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        if all(_is_token_id(t) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+            return prompt
+    raise InputError(f"prompt must be {PROMPT_FORMS}", param="prompt")
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_token_ids(prompts: list[list[int]], vocab: int) -> None:
+    """Refuse, naming it, the first id that is no token of the model (ids ``0`` to ``vocab - 1``)."""
+    for i, ids in enumerate(prompts):
+        for position, token_id in enumerate(ids):
+            if not 0 <= token_id < vocab:
+                where = f"prompt {i}, position {position}" if len(prompts) > 1 else f"position {position}"
+                raise InputError(
+                    f"token id {token_id} ({where}) is not in this model's vocabulary: ids 0 to {vocab - 1}",
+                    param="prompt",
+                )
+
+
+def decode_with_starts(tokenizer: TextTokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    """The text of a token-id prompt and where each token starts in it (``text_offset``).
+
+    The text reads as an answer of those ids would (special tokens left out, as
+    ``IncrementalDecoder`` writes answers). Each token's text is what decoding it after the
+    tokens just before it adds, as vLLM's incremental detokenizer does: a SentencePiece word
+    keeps its leading space, the bytes of one character start where the character does, and
+    the prompt costs a few short decodes per token, not one decode of the whole prefix per token
+    (quadratic in the prompt's length).
+    """
+    text, starts = "", []
+    prefix = read = 0  # ids[prefix:read]: tokens already in text, decoded again as context for the next
+    for i in range(len(ids)):
+        starts.append(len(text))
+        before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+        after = tokenizer.decode(ids[prefix : i + 1], skip_special_tokens=True)
+        if after.endswith("\ufffd") or not after.startswith(before):
+            continue  # inside a character: its text comes with the token that completes it
+        text += after[len(before) :]
+        prefix, read = read, i + 1
+    if read < len(ids):  # a last incomplete character (decoded as U+FFFD)
+        before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+        after = tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        text += after[len(before) :] if after.startswith(before) else ""
+    return text, starts
+
+
 def encode_chat(tokenizer: TextTokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The prompt ids of a conversation, with the tokenizer's chat template when it has one.
 

@@ -88,6 +88,11 @@ class TextTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self.backend.get_vocab(with_added_tokens=True)
 
+    @cached_property
+    def vocab_size(self) -> int:
+        """One past the largest token id, added tokens included (ids may leave gaps; this bounds them)."""
+        return max(self.get_vocab().values(), default=-1) + 1
+
     @property
     def normalizer(self) -> Any:
         return self.backend.normalizer
