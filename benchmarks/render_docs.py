@@ -101,6 +101,12 @@ MOVED_BY: tuple[MovedBy, ...] = (
         date="2026-12-05T05:06:28+00:00",
         reason="main's engine (one thread, a scheduler that owns its loop) moves every batched figure",
     ),
+    MovedBy(
+        patterns=("concurrency*.json", "openai-concurrency*.json", "chunked-prefill*.json"),
+        commit="6d058d6",
+        date="2026-12-05T11:26:59+00:00",
+        reason="the shadow steps its whole batch in one pass of its model",
+    ),
 )
 
 
@@ -143,6 +149,7 @@ PAGES: tuple[Page, ...] = (
     Page("predictors", "The shadow against main's next gate", ("predictors.json",)),
     Page("recall", "Shadow recall", ("recall.json",)),
     Page("suite", "The test suite's duration", ("suite-*.json",)),
+    Page("prefix-reuse", "Prefix reuse", ("prefix-reuse*.json",)),
 )
 
 # Today's count of figures in each page's notes that no result of the page records (see Prose).
@@ -190,6 +197,13 @@ STATUS: tuple[tuple[str, str, str, str, str], ...] = (
         "8 prompts through the OpenAI API at once ÷ one after another",
         "concurrency",
         "openai-concurrency*.json:ratio.runs",
+        ".2f",
+        "",
+    ),
+    (
+        "second turn of a 904-token chat, TTFT with prefix reuse ÷ without (goal: 0.3)",
+        "prefix-reuse",
+        "prefix-reuse*.json:ttft_ratio.runs",
         ".2f",
         "",
     ),
