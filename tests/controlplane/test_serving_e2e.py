@@ -67,6 +67,8 @@ def check_openai_text(served: Served) -> None:
     prompt_tokens = len(chat_prompt_ids(served, MESSAGES))
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 12)
     assert chunks[-1].usage.total_tokens == prompt_tokens + 12
+    # The same prompt again: main's prefix cache held the first answer's blocks (16 tokens each).
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # it really streamed
 
     text = client.completions.create(model=MODEL, prompt="Mixture of experts", max_tokens=8, temperature=0)

@@ -693,8 +693,16 @@ class _Answer:
 def _usage(results: dict[int, CompletionResult], n: int) -> dict:
     """Every choice's completion tokens; each prompt's tokens once, however many (``n``) choices it has."""
     completion = sum(len(r.token_ids) for r in results.values())
-    prompt = sum(r.prompt_tokens for index, r in results.items() if index % n == 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    prompts = [r for index, r in results.items() if index % n == 0]
+    prompt = sum(r.prompt_tokens for r in prompts)
+    # Of the prompt tokens, those whose KV main's prefix cache held (inference.runtime.prefix_cache).
+    cached = sum(r.metrics.get("cached_prompt_tokens", 0) for r in prompts)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _sse(payload: dict) -> str:
