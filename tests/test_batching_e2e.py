@@ -261,6 +261,7 @@ def test_a_waiting_request_cancelled_while_a_leaver_ends_does_not_fail_the_batch
             canceller.close()
 
 
+@pytest.mark.slow
 def test_the_shadow_steps_a_batch_together_and_predicts_each_sequence_as_main_routes_it(
     tiny_model: Path, expected: list[list[int]]
 ) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.prefix_cache import BLOCK_TOKENS
 from inference.runtime.spec import Settings
@@ -36,6 +38,7 @@ def test_a_next_turn_reuses_the_last_turns_kv_and_gives_transformers_tokens_from
     print(f"reused {reused} positions; the same tokens as a fresh whole-prompt prefill: {second.token_ids == fresh}")
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_and_a_cluster_without_the_cache_prefill_everything(tiny_model: Path) -> None:
     prompt = PROMPTS[3] + PROMPTS[3]
     with LocalCluster(tiny_model, ClusterOptions(workers=2, in_process=True)) as cluster:
