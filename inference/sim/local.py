@@ -491,6 +491,10 @@ def simulate_generation(
             t += costs.worker_python_s
         # The runtime decides every expert of the request first, then runs the CPU's on a host
         # thread beside the device's: two chains from the request's arrival, the later one ends it.
+        # Its rule is `inference.policies.hybrid.split`'s (strictly sooner on the CPU than the copy's
+        # end, CPU experts one after another, a dropped copy moving the later ones up), applied here
+        # to the loader model's absolute clock rather than through `split`'s relative snapshot
+        # (`CopyState`): the same comparisons, in other float arithmetic, which could tip a tie.
         cpu_t = t
         on_device = []
         for e in experts:

@@ -110,6 +110,8 @@ class LruOffload:
             for layer, experts in enumerate(step):
                 routed = now + c.attention_layer(1, context, self.attention_bits)
                 if self.setup.cluster.lru_prefetch and layer + 1 < m.layers:
+                    # In the guess's order, not sorted as a runtime worker's prefetch is
+                    # (`prefetch_on_prediction`): kept, since it moves this what-if's figures.
                     for guess in shadow_prediction(step[layer + 1], m.experts, recall, rng):
                         self._fetch(layer + 1, guess, routed)
                 now = self._layer(layer, experts, 1, context, now)
