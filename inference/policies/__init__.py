@@ -1,3 +1,4 @@
 """Pure policies (no torch, no zmq, no I/O): placement, schedule, failover, depth, hybrid shares,
-strategies, the hot set's eviction; the runtime and the simulator decide with the same ones.
+strategies, the loader's copy passes and victims (loads), the hot set's eviction; the runtime and
+the simulator decide with the same ones.
 """

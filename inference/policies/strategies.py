@@ -201,3 +201,17 @@ def lru_evictions(order: Sequence[LayerExpert], layer: int, capacity: int) -> li
     of_layer = [key for key in order if key[0] == layer]
     excess = len(of_layer) - max(0, capacity)
     return of_layer[:excess] if excess > 0 else []
+
+
+def lru_resident(uses: Iterable[LayerExpert], capacity: int) -> list[LayerExpert]:
+    """What a per-layer LRU cache of ``capacity`` experts holds after ``uses``, least recently used
+    first: each (layer, expert) admitted in turn as it is released, ``lru_evictions`` deciding what
+    goes (the state prefill leaves ``lru-offload``'s caches in)."""
+    order: list[LayerExpert] = []
+    for key in uses:
+        if key in order:
+            order.remove(key)
+        order.append(key)
+        for victim in lru_evictions(order, key[0], capacity):
+            order.remove(victim)
+    return order

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.policies.hybrid import CopyState, HostRates, expert_flops
+from inference.policies.loads import pick_victim, take_batch
 from inference.runtime.cache import DeviceCache
 from inference.runtime.experts import ExpertWeights, expert_forward
 from inference.runtime.staging import StagingRing
@@ -70,12 +71,6 @@ class LoaderStats:
     batches: int = 0  # copy passes: loads / batches experts per pass
     load_ms: float = 0.0
     peak_bytes: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
-
-
-def pick_victim(resident: list[Key], in_use: set[Key]) -> Key | None:
-    """The resident expert to push out for a critical load: the one needed last."""
-    candidates = [k for k in resident if k not in in_use]
-    return max(candidates) if candidates else None
 
 
 class ExpertLoader:
@@ -380,15 +375,8 @@ class ExpertLoader:
     def _take_batch(self) -> list[Key]:
         """The next load: the most urgent key, and with it every pending key of its (step, layer)
         that fits in the free slots (urgent ones first, then prefetches in order)."""
-        first = self._urgent.pop(0) if self._urgent else self._queue.pop(0)
-        batch = [first]
         room = self.max_resident - self._slots_used() - 1
-        if not self.batch_loads:
-            return batch
-        for pending in (self._urgent, self._queue):
-            for key in [k for k in pending if k[:2] == first[:2]][: max(0, room - len(batch) + 1)]:
-                pending.remove(key)
-                batch.append(key)
+        batch, self._urgent, self._queue = take_batch(self._urgent, self._queue, room, self.batch_loads)
         return batch
 
     def _make_room_for_critical(self) -> None:

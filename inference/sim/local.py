@@ -4,20 +4,24 @@
 `device_map`, Mixtral-Offloading's HQQ experts). To be checked against our own measured runs, the
 simulator also needs a model of what *our* runtime does on *this* machine when
 `inference.tools.emulation` slows its copies and links down to a profile's proportions. That is this
-module. Every rule here is the runtime's own, not a fit:
+module. Every rule here is the runtime's own, not a fit, and every decision is taken by the
+runtime's own pure function (`inference.policies`), called from here:
 
 - groups: layer ``l`` belongs to group ``l mod G``, ``G = max(1, min(W // top_k, L))``
   (`inference.policies.placement.placement`);
 - cacheless strategies deal predicted experts round-robin over the group and send each routed expert
-  to whoever loaded it, the rest to the least loaded (`inference.policies.schedule.prefetch_assignment`,
-  `assign_experts`); caching strategies send expert ``e`` to ``members[e % len(members)]``
-  (`inference.policies.strategies.home_worker`);
+  to whoever loaded it, the rest to the least loaded; caching strategies send expert ``e`` to
+  ``members[e % len(members)]`` (main: `inference.policies.strategies.dispatch_plan`; a worker's
+  prefetch on a prediction: `prefetch_on_prediction`); full-cache holds each worker's
+  `home_experts`, lru-offload starts from what prefill left in its caches (`lru_resident`);
 - a worker's loader (`inference.runtime.loader.ExpertLoader`): one copy at a time (a batch of one
-  (step, layer)'s pending experts per pass, each usable when its own copy is done), at most
-  ``max_resident`` experts ready or being copied (cached ones do not count), prefetches in
-  (step, layer) order, a request for an expert not yet copied jumps the queue and pushes out the
-  idle prefetch needed last, an expert is freed (or admitted to the per-layer LRU cache) as soon
-  as its rows are computed, a request drops the stale prefetches of earlier layers;
+  (step, layer)'s pending experts per pass, each usable when its own copy is done:
+  `inference.policies.loads.take_batch`), at most ``max_resident`` experts ready or being copied
+  (cached ones do not count), prefetches in (step, layer) order, a request for an expert not yet
+  copied jumps the queue and pushes out the idle prefetch needed last (`pick_victim`), an expert is
+  freed (or admitted to the per-layer LRU cache, `inference.policies.strategies.lru_evictions`) as
+  soon as its rows are computed, a request drops the stale prefetches of earlier layers
+  (`keep_on_request`, and a prediction those of its own layer it no longer names: `keep_on_prediction`);
 - the worker handles its messages one at a time, in arrival order (one thread);
 - ``odmoe``: the shadow runs one token ahead: it starts step ``s + 1`` once it has finished step
   ``s`` and main has started step ``s``, and sends each layer's routing to the layer's group as
@@ -57,7 +61,18 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
 from inference.policies.hybrid import ShareController, planned_on_cpu, predicted_share, share_delay
-from inference.policies.schedule import assign_experts
+from inference.policies.loads import keep_on_prediction, keep_on_request, pick_victim, take_batch
+from inference.policies.placement import Placement, placement
+from inference.policies.strategies import (
+    STRATEGIES,
+    Strategy,
+    dispatch_plan,
+    get_strategy,
+    home_experts,
+    lru_evictions,
+    lru_resident,
+    prefetch_on_prediction,
+)
 from inference.runtime.spec import Settings
 
 Key = tuple[int, int, int]  # (step, layer, expert)
@@ -143,15 +158,13 @@ class Shape:
         if self.top_k > self.experts:
             raise ValueError("top_k cannot exceed experts")
 
+    def placement(self) -> Placement:
+        """The runtime's placement of this shape (`inference.policies.placement.placement`)."""
+        return placement(self.layers, self.experts, self.top_k, self.workers)
+
     def groups(self) -> list[list[int]]:
-        """`inference.policies.placement.placement`'s groups, re-stated (a test checks they agree)."""
-        n_groups = max(1, min(self.workers // self.top_k, self.layers))
-        members: list[list[int]] = [[] for _ in range(n_groups)]
-        full = n_groups * self.top_k
-        for worker in range(self.workers):
-            group = worker // self.top_k if worker < full else (worker - full) % n_groups
-            members[min(group, n_groups - 1)].append(worker)
-        return members
+        """The placement's decode groups."""
+        return [list(members) for members in self.placement().groups]
 
 
 # --- one worker's loader -----------------------------------------------------------------------------
@@ -183,10 +196,9 @@ class LoaderSim:
     def _make_room(self) -> None:
         """A computation waits: push out the idle prefetch needed last (it is queued again)."""
         while self._slots_used() >= self.max_resident:
-            idle = [k for k in self.ready if k not in self.in_use]
-            if not idle:
+            victim = pick_victim(list(self.ready), self.in_use)
+            if victim is None:
                 return
-            victim = max(idle)
             self.ready.discard(victim)
             self.wasted += 1
             self.queue.append(victim)
@@ -198,13 +210,8 @@ class LoaderSim:
         if self.loading or not (self.urgent or self.queue) or self._slots_used() >= self.max_resident:
             return
         start = max(t, self.engine_free)
-        first = self.urgent.pop(0) if self.urgent else self.queue.pop(0)
-        batch = [first]
         room = self.max_resident - self._slots_used() - 1
-        for pending in (self.urgent, self.queue):
-            for key in [k for k in pending if k[:2] == first[:2]][: max(0, room - len(batch) + 1)]:
-                pending.remove(key)
-                batch.append(key)
+        batch, self.urgent, self.queue = take_batch(self.urgent, self.queue, room)
         self.loading = [(key, start + self.copy_s * (i + 1)) for i, key in enumerate(batch)]
         self.engine_free = self.loading[-1][1]
 
@@ -307,8 +314,7 @@ class LoaderSim:
                 self.cache[key[1:]] = None
                 self.cache.move_to_end(key[1:])
                 if isinstance(self.cache_kind, int):
-                    of_layer = [k for k in self.cache if k[0] == key[1]]
-                    for victim in of_layer[: max(0, len(of_layer) - self.cache_kind)]:
+                    for victim in lru_evictions(list(self.cache), key[1], self.cache_kind):
                         del self.cache[victim]
         self._try_start(self.clock)
 
@@ -358,9 +364,6 @@ class Options:
     lookahead: int = Settings.lookahead  # the runtime's: how many steps after a token a share changed on it plans
 
 
-STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")
-
-
 def _shadow_guess(real: list[int], experts: int, recall: float, step: int, layer: int) -> list[int]:
     """A deterministic stand-in for a shadow of the given recall (exact when recall is 1)."""
     if recall >= 1.0:
@@ -404,23 +407,26 @@ def simulate_generation(
             raise ValueError("each trace step needs one non-empty list of distinct experts per layer")
     workers = 1 if strategy == "lru-offload" else shape.workers
     local_shape = Shape(shape.layers, shape.experts, shape.top_k, workers, shape.max_resident, shape.cache_experts)
+    place = local_shape.placement()
     groups = local_shape.groups()
     networked = strategy != "lru-offload"
-    cache: int | str | None = {"full-cache": None, "lru-offload": shape.cache_experts}.get(strategy, "none")
+    declared = get_strategy(strategy)
+    # The worker's device cache (`inference.runtime.roles.worker.storage.device_cache`): every
+    # expert ("all"), a per-layer LRU ("lru"), or none.
+    cache: int | str | None = {"all": None, "lru": shape.cache_experts}.get(declared.cache, "none")
     pool = [WorkerSim(LoaderSim(rates.copy_s, shape.max_resident, cache)) for _ in range(workers)]
-    if strategy == "full-cache":
-        for w, members in enumerate(groups):
-            for layer in range(shape.layers):
-                if layer % len(groups) != w:
-                    continue
-                for e in range(shape.experts):
-                    pool[members[e % len(members)]].loader.cache[(layer, e)] = None
-    if strategy == "lru-offload":
-        loader = pool[0].loader
-        for layer in range(shape.layers):
-            hit = sorted(prefill_experts[layer]) if prefill_experts else list(range(shape.experts))
-            for e in hit[-shape.cache_experts :] if shape.cache_experts else []:
-                loader.cache[(layer, e)] = None
+    if declared.cache == "all":  # preloaded at start (`WorkerRole`: `loader.preload(home_experts(...))`)
+        for w, worker in enumerate(pool):
+            for key in home_experts(place, w):
+                worker.loader.cache[key] = None
+    if declared.cache == "lru":  # what prefill left in the cache: the prompt's experts, in order
+        uses = [
+            (layer, e)
+            for layer in range(shape.layers)
+            for e in (sorted(prefill_experts[layer]) if prefill_experts else range(shape.experts))
+        ]
+        for key in lru_resident(uses, shape.cache_experts):
+            pool[0].loader.cache[key] = None
     main_link = Link(rates, costs, networked)
     worker_links = [Link(rates, costs, networked) for _ in range(workers)]
     shadow_link = Link(rates, costs, networked)
@@ -461,16 +467,12 @@ def simulate_generation(
             t = max(arrive, worker.free_at)
             if (step, layer) <= worker.served:
                 continue
-            members = groups[layer % len(groups)]
-            index = pool.index(worker)
-            if cache != "none":
-                mine = sorted({e for e in experts if members[e % len(members)] == index})
-            else:
-                mine = [e for i, e in enumerate(sorted(set(experts))) if members[i % len(members)] == index]
-                if planned_on_cpu(step, layer, group_layers[layer % len(groups)], len(groups), share_of(worker, step)):
-                    worker.planned_experts += len(mine)
-                    mine = []
-            worker.loader.discard(lambda k, s=step, la=layer, m=set(mine): (k[0], k[1]) != (s, la) or k[2] in m, t)
+            members = place.workers_for_layer(layer)
+            mine = prefetch_on_prediction(declared, experts, members, pool.index(worker))
+            if planned_on_cpu(step, layer, group_layers[layer % len(groups)], len(groups), share_of(worker, step)):
+                worker.planned_experts += len(mine)
+                mine = []
+            worker.loader.discard(keep_on_prediction((step, layer), set(mine)), t)
             for e in mine:
                 worker.loader.prefetch((step, layer, e), t)
 
@@ -484,12 +486,15 @@ def simulate_generation(
             mark_token(worker, step)
         if here > worker.served:
             worker.served = here
-        wanted = set(experts)
-        loader.discard(lambda k: (k[0], k[1]) > here or ((k[0], k[1]) == here and k[2] in wanted), t)
+        loader.discard(keep_on_request(here, set(experts)), t)
         if experts:  # the worker's own Python before its first expert (the checks, the loader's calls)
             t += costs.worker_python_s
         # The runtime decides every expert of the request first, then runs the CPU's on a host
         # thread beside the device's: two chains from the request's arrival, the later one ends it.
+        # Its rule is `inference.policies.hybrid.split`'s (strictly sooner on the CPU than the copy's
+        # end, CPU experts one after another, a dropped copy moving the later ones up), applied here
+        # to the loader model's absolute clock rather than through `split`'s relative snapshot
+        # (`CopyState`): the same comparisons, in other float arithmetic, which could tip a tie.
         cpu_t = t
         on_device = []
         for e in experts:
@@ -542,7 +547,7 @@ def simulate_generation(
             if strategy == "lru-offload" and layer + 1 < shape.layers:
                 guess = next_gate[s - 1][layer + 1]
                 pool[0].predictions.append((main_link.send(now, rates.prediction_bytes), s, layer + 1, guess))
-            plan = _plan(strategy, experts, members, pool, s, layer, options, shape)
+            plan = _plan(declared, place, experts, s, layer, options, shape)
             replies = []
             for w in members:
                 mine = plan.get(w, [])
@@ -574,15 +579,11 @@ def _send_prediction(pool, groups, step, layer, real, at, link, rates, recall, e
         pool[w].predictions.sort(key=lambda p: (p[0], p[1], p[2]))
 
 
-def _plan(strategy, experts, members, pool, step, layer, options, shape) -> dict[int, list[int]]:
-    """Who computes each routed expert (`inference.policies.strategies.dispatch_plan` for decode)."""
-    if strategy in ("full-cache", "lru-offload"):
-        plan = {m: [] for m in members}
-        for e in sorted(set(experts)):
-            plan[members[e % len(members)]].append(e)
-        return plan
-    predicted = _shadow_guess(experts, shape.experts, options.recall, step, layer) if strategy == "odmoe" else []
-    return assign_experts(experts, sorted(set(predicted)), members)  # the runtime's own rule
+def _plan(declared: Strategy, place: Placement, experts, step, layer, options, shape) -> dict[int, list[int]]:
+    """Who computes each routed expert: main's own decode rule (`inference.policies.strategies.dispatch_plan`)."""
+    predicted = _shadow_guess(experts, shape.experts, options.recall, step, layer) if declared.name == "odmoe" else []
+    plan, _ = dispatch_plan(declared, place, step, layer, experts, sorted(set(predicted)))
+    return plan
 
 
 def predict(

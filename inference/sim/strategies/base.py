@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from inference.policies.depth import prefetch_depth, worker_depth
+from inference.policies.placement import Placement
 from inference.sim.costs import Costs
 from inference.sim.sources import value
 from inference.sim.traces import Trace
@@ -59,6 +60,16 @@ class Setup:
     costs: Costs
     cluster: Cluster
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def placement(self) -> Placement:
+        """The cluster as the runtime's `Placement`: group ``g`` holds workers ``g·S .. (g+1)·S - 1``
+        (``S`` the cluster's ``group_size``, which the runtime's `placement` would derive from
+        top-k instead), layer ``l`` goes to group ``l mod G``, prefill expert ``e`` to worker ``e mod W``."""
+        c = self.cluster
+        m = self.costs.model
+        groups = tuple(tuple(range(g * c.group_size, (g + 1) * c.group_size)) for g in range(c.groups))
+        return Placement(m.layers, m.experts, m.top_k, c.workers, groups)
 
     @property
     def prefetch_depth(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
+from inference.policies.strategies import lru_evictions, lru_resident
 from inference.sim.sources import value
 from inference.sim.strategies.base import Setup, kv_cache_bytes
 from inference.sim.strategies.odmoe import shadow_prediction
@@ -38,11 +39,20 @@ class LruOffload:
 
     def _fresh_state(self) -> None:
         m = self.costs.model
-        # After prefill every expert went through the cache; the last C of each layer stay.
+        # After prefill every expert went through the cache, in order; what the LRU keeps stays.
         self.cache = [
-            OrderedDict((e, 0.0) for e in range(m.experts - self.capacity, m.experts)) for _ in range(m.layers)
+            OrderedDict((e, 0.0) for _, e in lru_resident([(layer, e) for e in range(m.experts)], self.capacity))
+            for layer in range(m.layers)
         ]
         self.pcie_free = 0.0
+
+    def _admit(self, layer: int, expert: int, ready_at: float) -> None:
+        """Cache ``expert`` of ``layer`` as the most recently used; the runtime's rule
+        (`inference.policies.strategies.lru_evictions`) picks what leaves."""
+        cache = self.cache[layer]
+        cache[expert] = ready_at
+        for _, victim in lru_evictions([(layer, e) for e in cache], layer, self.capacity):
+            del cache[victim]
 
     def _fetch(self, layer: int, expert: int, earliest: float) -> float:
         """When `expert` of `layer` is on the GPU, copying it if needed; updates the LRU order."""
@@ -53,10 +63,7 @@ class LruOffload:
         start = max(earliest, self.pcie_free)
         done = start + self.costs.expert_load(self.expert_bits)
         self.pcie_free = done
-        if self.capacity:
-            cache[expert] = done
-            while len(cache) > self.capacity:
-                cache.popitem(last=False)
+        self._admit(layer, expert, done)
         return done
 
     def _layer(self, layer: int, experts: list[int], tokens: int, context: int, start: float) -> float:
@@ -74,10 +81,7 @@ class LruOffload:
                 gpu = compute
             else:
                 gpu = swap + compute  # the swap runs on the kernels' stream
-                if self.capacity:
-                    cache[expert] = 0.0
-                    while len(cache) > self.capacity:
-                        cache.popitem(last=False)
+                self._admit(layer, expert, 0.0)
             now += max(c.impl.moe_cpu_per_hit_expert, gpu)
         self.pcie_free = max(self.pcie_free, now)
         return now
@@ -106,6 +110,8 @@ class LruOffload:
             for layer, experts in enumerate(step):
                 routed = now + c.attention_layer(1, context, self.attention_bits)
                 if self.setup.cluster.lru_prefetch and layer + 1 < m.layers:
+                    # In the guess's order, not sorted as a runtime worker's prefetch is
+                    # (`prefetch_on_prediction`): kept, since it moves this what-if's figures.
                     for guess in shadow_prediction(step[layer + 1], m.experts, recall, rng):
                         self._fetch(layer + 1, guess, routed)
                 now = self._layer(layer, experts, 1, context, now)

@@ -24,6 +24,7 @@ import torch
 
 from inference.modelio.shards import verify_shard
 from inference.policies.hybrid import expert_flops, planned_on_cpu, share_delay
+from inference.policies.loads import keep_on_prediction, keep_on_request
 from inference.policies.placement import placement_from_dict
 from inference.policies.strategies import (
     expert_store_for,
@@ -205,7 +206,7 @@ class WorkerRole:
             self.session.planned[here] = mine  # computed on the CPU when main asks: nothing to copy
             mine = set()
         self.pins.pin(step, msg.layer, mine)
-        self.loader.discard(lambda key: (key[0], key[1]) != here or key[2] in mine)
+        self.loader.discard(keep_on_prediction(here, mine))
         for expert in sorted(mine):
             self.loader.prefetch((step, msg.layer, expert))
 
@@ -226,7 +227,7 @@ class WorkerRole:
             self.pins.unpin_through(here)
         planned = self.session.take_plan(here)
         wanted = set(msg.experts)
-        self.loader.discard(lambda key: (key[0], key[1]) > here or ((key[0], key[1]) == here and key[2] in wanted))
+        self.loader.discard(keep_on_request(here, wanted))
         if msg.layer == self.group_layers[0]:
             longest = self.spec.settings.timeout_s * self.placement.n_layers
             hybrid.mark_token(self.session, self.share_control, msg.step, msg.previous_step_s, longest, self.index)
