@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import openai
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps(
                 {
+                    "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                    "machine": {"cores": os.cpu_count(), "loadavg_after": os.getloadavg()},
                     "base_url": args.base_url,
                     "model": args.model,
                     "prompts": args.prompts,
