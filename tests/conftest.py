@@ -1,8 +1,10 @@
 """Shared fixtures: tiny checkpoints written once per session; the database a run uses, in its header;
-torch's default dtype checked after every test; under pytest-xdist, each worker's own ports."""
+torch's default dtype checked after every test; under pytest-xdist, each worker's own ports, and
+the tests that time themselves run alone."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +33,22 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker is None:
         return
     os.environ[PORT_RANGE_ENV] = "{}-{}".format(*worker_ports(*worker, port_range()))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``alone`` runs while no other worker runs a test: it holds the
+    run's lock file exclusively, every other test holds it shared, from its setup (module fixtures
+    included) to its teardown. Its own timing then meets the bound it asserts as in a serial run."""
+    if xdist_worker() is None:
+        return (yield)
+    lock = Path(item.config.option.basetemp).parent / "alone.lock"  # the run's, beside popen-gwN
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def worker_ports(index: int, count: int, ports: tuple[int, int]) -> tuple[int, int]:
