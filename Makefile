@@ -85,12 +85,16 @@ lock: $(STAMP)
 # A developer's loop (under 3 minutes on this 2-core machine): lint, then the fast tier, every test
 # not marked slow, which holds a cover of each token-identity matrix on in-process clusters.
 # `make test` runs every test, the slow ones included, and the docs and the production check.
+# It runs pytest on $(TEST_WORKERS) pytest-xdist workers, a whole test file to one worker (module
+# fixtures built once); each worker has its own test database, Redis and ports (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 check: lint
 	$(PY) -m pytest -q -m "not slow" --durations=10
 
 test: lint chromium nginx postgresql
 	$(MAKE) docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(PY) -m deploy.prodcheck
 
 # Train the shipped demo model again (about 13 minutes on 2 cores; needs Debian's python3.11-doc).

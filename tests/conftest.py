@@ -1,16 +1,61 @@
 """Shared fixtures: tiny checkpoints written once per session; the database a run uses, in its header;
-torch's default dtype checked after every test."""
+torch's default dtype checked after every test; under pytest-xdist, each worker's own ports, and
+the tests that time themselves run alone."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from inference.runtime.launcher import PORT_RANGE_ENV, port_range
 from inference.tools.tiny import make_tiny
 from tests.reference import ODD_SHAPE
+
+
+def xdist_worker() -> tuple[int, int] | None:
+    """This process's index among pytest-xdist's workers and their count; None outside xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    if not name.startswith("gw"):
+        return None
+    return int(name[2:]), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker picks ports (``free_port``) from a slice of the range of its own,
+    and so does every process it starts (servers, Celery, agents and their roles inherit the
+    variable): two workers never take the same port between one's probe and its bind."""
+    worker = xdist_worker()
+    if worker is None:
+        return
+    os.environ[PORT_RANGE_ENV] = "{}-{}".format(*worker_ports(*worker, port_range()))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``alone`` runs while no other worker runs a test: it holds the
+    run's lock file exclusively, every other test holds it shared, from its setup (module fixtures
+    included) to its teardown. Its own timing then meets the bound it asserts as in a serial run."""
+    if xdist_worker() is None:
+        return (yield)
+    lock = Path(item.config.option.basetemp).parent / "alone.lock"  # the run's, beside popen-gwN
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def worker_ports(index: int, count: int, ports: tuple[int, int]) -> tuple[int, int]:
+    """Worker ``index``'s slice of ``ports`` (both ends included) among ``count`` workers."""
+    low, high = ports
+    width = (high - low + 1) // count
+    return low + index * width, low + (index + 1) * width - 1
 
 
 def pytest_report_header(config: pytest.Config) -> str:

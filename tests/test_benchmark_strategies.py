@@ -247,6 +247,7 @@ def test_the_split_bound_balances_the_copies_against_the_cpu_experts_on_the_crit
     assert slow_cpu["tok_s"] == pytest.approx(plain["tok_s"], rel=1e-3)
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_the_benchmark_runs_every_strategy_exactly(tiny_model: Path, tmp_path: Path, capsys) -> None:
     from benchmarks.strategies import main

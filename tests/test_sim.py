@@ -131,6 +131,7 @@ def test_bad_input_is_a_clear_value_error(kwargs: dict, message: str) -> None:
         estimate(**kwargs)
 
 
+@pytest.mark.alone
 def test_estimate_is_json_and_fast() -> None:
     import time
 

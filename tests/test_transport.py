@@ -179,6 +179,7 @@ def test_unhashable_type_does_not_crash_recv(pair: tuple[Endpoint, Endpoint, str
     _roundtrip_works(server, client)
 
 
+@pytest.mark.alone
 def test_recv_timeout_returns_none_promptly(pair: tuple[Endpoint, Endpoint, str]) -> None:
     server, client, _ = pair
     for timeout in (0.0, 0.05, 0.2):
@@ -259,6 +260,7 @@ def test_a_message_says_when_it_was_here_to_be_handled() -> None:
             endpoint.close()
 
 
+@pytest.mark.alone
 def test_a_held_message_was_here_to_be_handled_at_its_delivery_time() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     server, client = _emulated_pair(address, link_bytes_per_s=None, link_latency_s=0.3)
@@ -641,6 +643,7 @@ def test_keys_that_do_not_belong_together_are_refused() -> None:
     assert one.secret not in repr(one)
 
 
+@pytest.mark.alone
 def test_a_watched_link_reports_its_peer_gone_and_back_at_once() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     worker = Endpoint("worker-0", DEPLOYMENT, bind=address)

@@ -67,18 +67,39 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+PORT_RANGE_ENV = "ODMOE_PORT_RANGE"
+
+
+def port_range() -> tuple[int, int]:
+    """Where ``free_port`` picks, both ends included: ``ODMOE_PORT_RANGE`` (``LOW-HIGH``) if set, else
+    the 12000 ports below the kernel's ephemeral range. The test suite's parallel workers each set a
+    slice of their own (``tests/conftest.py``), which every process they start inherits: two workers
+    never pick the same port between one's probe and its bind."""
+    given = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if given:
+        try:
+            low, high = (int(end) for end in given.split("-"))
+        except ValueError:
+            raise ValueError(f"{PORT_RANGE_ENV}={given!r}: give LOW-HIGH, e.g. 20000-25999") from None
+        if not 1024 <= low <= high <= 65535:
+            raise ValueError(f"{PORT_RANGE_ENV}={given!r}: ports between 1024 and 65535, LOW first")
+        return low, high
+    low, _ = _ephemeral_range()
+    top = max(low - 1, 2048)
+    return max(1024, top - 12000), top
+
+
 def free_port() -> int:
-    """A port free to listen on, chosen below the kernel's ephemeral range.
+    """A port free to listen on, chosen below the kernel's ephemeral range (or in ``port_range``'s).
 
     A port picked from the ephemeral range (what binding port 0 gives) can be taken by any
     outgoing connection between the pick and the role's own bind; below that range only
     another listener can take it.
     """
-    low, _ = _ephemeral_range()
-    top = max(low - 1, 2048)
+    low, high = port_range()
     rng = random.Random()
     for _ in range(200):
-        port = rng.randint(max(1024, top - 12000), top)
+        port = rng.randint(low, high)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))

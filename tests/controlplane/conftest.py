@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from django.test import override_settings
 
 from controlplane.ops.processes import Child, ProcessGroup, python_env, redis_up, wait_until
 from inference.runtime.launcher import free_port
+from tests.conftest import xdist_worker
 from tests.controlplane.isolated import NOBODY
 from tests.controlplane.live import SERVED_MODEL, Api, LiveControlPlane, Served, database_url, purge_stale_tasks
 
@@ -40,9 +42,11 @@ def box() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``REDIS_URL`` if set, else a private redis-server on a free port for this session."""
+    """``REDIS_URL`` if set, else a private redis-server on a free port for this session. Under
+    pytest-xdist, worker N uses database N of ``REDIS_URL``'s number onward: workers never purge or
+    consume each other's tasks."""
     if os.environ.get("REDIS_URL"):
-        yield os.environ["REDIS_URL"]
+        yield redis_for_this_worker(os.environ["REDIS_URL"])
         return
     binary = shutil.which("redis-server")
     if binary is None:
@@ -69,6 +73,16 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield url
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def redis_for_this_worker(url: str) -> str:
+    """``url``, on database number N past its own under pytest-xdist's worker N (itself outside xdist)."""
+    worker = xdist_worker()
+    if worker is None or worker[0] == 0:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    db = int(parts.path.strip("/") or 0) + worker[0]
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{db}"))
 
 
 @pytest.fixture(scope="session", autouse=True)

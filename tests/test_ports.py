@@ -1,0 +1,36 @@
+"""``free_port``'s range: below the ephemeral range, or ``ODMOE_PORT_RANGE``'s, as the suite's
+parallel workers each set a slice of their own (``tests/conftest.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.runtime.launcher import PORT_RANGE_ENV, _ephemeral_range, free_port, port_range
+
+
+def test_without_a_range_ports_come_from_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
+    low, high = port_range()
+    assert high < _ephemeral_range()[0] and high - low == 12000
+    assert all(low <= free_port() <= high for _ in range(20))
+
+
+def test_a_given_range_is_where_every_port_is_picked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PORT_RANGE_ENV, "21000-21049")
+    assert port_range() == (21000, 21049)
+    assert {free_port() for _ in range(50)} <= set(range(21000, 21050))
+
+
+@pytest.mark.parametrize("given", ["21000", "a-b", "21050-21000", "80-2000", "60000-70000"])
+def test_a_range_that_is_not_one_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch, given: str) -> None:
+    monkeypatch.setenv(PORT_RANGE_ENV, given)
+    with pytest.raises(ValueError, match=PORT_RANGE_ENV):
+        port_range()
+
+
+def test_the_suites_parallel_workers_pick_from_slices_that_never_overlap() -> None:
+    from tests.conftest import worker_ports
+
+    slices = [worker_ports(index, 3, (20767, 32767)) for index in range(3)]
+    assert slices == [(20767, 24766), (24767, 28766), (28767, 32766)]
+    assert worker_ports(0, 1, (20767, 32767)) == (20767, 32767)
