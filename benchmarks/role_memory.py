@@ -1,7 +1,7 @@
 """Each role's peak memory on a checkpoint with Mixtral-8x7B's dimensions (issue 41, item 3).
 
     python -m benchmarks.role_memory [--layers 2] [--workers 4] [--new-tokens 8]
-        [--model DIR] [--interval 0.01] [--json OUT]
+        [--model DIR] [--interval 0.01] [--json OUT] [--timeline OUT]
 
 A bf16 checkpoint of ``--layers`` layers at Mixtral-8x7B's sizes (``inference.tools.tiny.mixtral_dims``:
 hidden 4096, 8 experts of width 14336, 32 query and 8 key-value heads, vocabulary 32000; 6.3 GB
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=0.01, help="seconds between samples")
     parser.add_argument("--startup-timeout", type=float, default=1800)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--timeline", type=Path, help="write each role's samples, one each 0.5 s, here")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="odmoe-role-memory-") as tmp:
@@ -217,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         "shadow_share": SHADOW_SHARE,
         **facts,
         "shadow_ratio": run["roles"]["shadow"]["peak_anon_bytes"] / facts["checkpoint_bytes"],
-        **run,
+        **{key: value for key, value in run.items() if key != "timeline"},
     }
+    if args.timeline:
+        args.timeline.write_text(json.dumps(run["timeline"]) + "\n")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
