@@ -131,7 +131,7 @@ PAGES: tuple[Page, ...] = (
         "concurrency", "Many streams at once", ("concurrency*.json", "openai-concurrency*.json", "chunked-prefill.json")
     ),
     Page("overhead", "Coordination overhead per layer", ("overhead*.json",)),
-    Page("memory", "Memory per role", ("main-memory-*.json",)),
+    Page("memory", "Memory per role", ("main-memory-*.json", "role-memory-mixtral-dims-*.json")),
     Page("families", "Model families", ()),
     Page("gpu", "GPU check", ("gpu-*.json",)),
     Page("faults", "Faults", ("faults.json",)),
@@ -161,7 +161,7 @@ UNTRACED_BUDGET: dict[str, int] = {
     "split": 3,
     "depth": 22,
     "overhead": 28,
-    "memory": 192,
+    "memory": 148,
     "families": 177,
     "gpu": 3,
     "load": 1,

@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument(
         "--shared-intermediate", type=int, default=None, help="qwen2_moe: the shared expert's width (default 2x)"
     )
+    tiny.add_argument(
+        "--mixtral-dims",
+        type=int,
+        metavar="LAYERS",
+        help="this many layers at Mixtral-8x7B's sizes in bf16 (2.9 GB a layer); overrides the shape options",
+    )
     tiny.set_defaults(run=_make_tiny)
 
     shard = sub.add_parser("shard", help="split a checkpoint into main, shadow and worker shards")
@@ -244,8 +250,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from inference.tools.tiny import make_tiny
+    from inference.tools.tiny import make_tiny, mixtral_dims
 
+    if args.mixtral_dims is not None:
+        out = make_tiny(args.out_dir, seed=args.seed, **mixtral_dims(args.mixtral_dims))
+        print(f"wrote a {args.mixtral_dims}-layer checkpoint at Mixtral-8x7B's sizes to {out}")
+        return 0
     out = make_tiny(
         args.out_dir,
         seed=args.seed,

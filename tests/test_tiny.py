@@ -130,3 +130,29 @@ def test_vocab_argument(tmp_path: Path) -> None:
 def test_bad_shapes(tmp_path: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_tiny(tmp_path, **kwargs)
+
+
+def test_streamed_files_read_as_safetensors(tmp_path: Path) -> None:
+    """Tensors are written as they are drawn, under a header made from the shapes: the reference
+    reader takes the files, and the values are those of the tensors drawn in order."""
+    from safetensors.torch import load_file
+
+    from inference.modelio.families import FAMILIES
+    from inference.tools.tiny import _generate, _tensor_specs
+
+    model = make_tiny(tmp_path / "m", dtype="bfloat16", shards=2)
+    loaded = {}
+    for file in sorted(model.glob("*.safetensors")):
+        loaded |= load_file(file)
+    config = json.loads((model / "config.json").read_text())
+    drawn = dict((spec.name, t) for spec, t in _generate(_tensor_specs(FAMILIES["mixtral"], config), 0, torch.bfloat16))
+    assert loaded.keys() == drawn.keys()
+    assert all(torch.equal(loaded[name], drawn[name]) for name in drawn)
+
+
+def test_mixtral_dims() -> None:
+    from inference.tools.tiny import mixtral_dims
+
+    dims = mixtral_dims(2)
+    assert dims["layers"] == 2 and dims["dtype"] == "bfloat16" and dims["vocab"] == 32000
+    assert (dims["hidden"], dims["intermediate"], dims["heads"], dims["kv_heads"]) == (4096, 14336, 32, 8)

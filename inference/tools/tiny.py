@@ -12,18 +12,23 @@ shape arguments), independent of
 ``shards``. ``dtype`` (``float32``, ``bfloat16`` or ``float16``, as a config's ``dtype`` field
 names them) is the dtype on disk; the values are drawn in fp32 and rounded to it, as a
 release converted to bf16 would be.
+
+Each tensor is written as soon as it is drawn (the file's header is known from the shapes
+alone), so writing needs one tensor's memory, not a file's: ``make_tiny(**mixtral_dims(2))``
+writes a 6.3 GB checkpoint with Mixtral-8x7B's own layer, vocabulary and attention sizes in
+well under 1 GB of RAM (``python -m inference make-tiny DIR --mixtral-dims 2``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from inference.modelio.checkpoint import INDEX_FILE, SINGLE_WEIGHTS_FILE
 from inference.modelio.families import FAMILIES, Family
@@ -35,6 +40,14 @@ TARGET_TOKENIZER_VOCAB = 512
 
 # The dtypes a checkpoint may be written in, by the name a config's ``dtype`` field uses.
 CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Mixtral-8x7B's sizes (its release config.json): hidden, expert width, experts, top-k,
+# attention heads, key-value heads, head width and vocabulary; ``mixtral_dims`` adds the layers.
+MIXTRAL_8X7B = dict(
+    hidden=4096, intermediate=14336, experts=8, top_k=2, heads=32, kv_heads=8, head_dim=128, vocab=32000
+)
+# A safetensors file's name for each dtype a checkpoint may be written in.
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 WEIGHT_STD = 0.02
 # Routers get a much larger spread so that each token's top-k experts win clearly:
@@ -147,6 +160,17 @@ def make_tiny(
     return out
 
 
+def mixtral_dims(layers: int, *, shards: int | None = None) -> dict:
+    """``make_tiny`` arguments for a bf16 checkpoint of ``layers`` layers at Mixtral-8x7B's sizes.
+
+    Each layer is 2.9 GB (eight experts of 352 MB and 84 MB of attention), plus 524 MB of
+    embedding and LM head (the vocabulary of 32000 pads the tiny tokenizer's table): 2 layers
+    make 6.3 GB, 690 MB of it outside the experts. ``shards`` defaults to one file per layer's
+    worth of tensors, as a release splits its weights into files of a few GB.
+    """
+    return dict(MIXTRAL_8X7B, layers=layers, shards=shards or layers + 1, dtype="bfloat16", max_position=4096)
+
+
 # -- validation and layout ------------------------------------------------------------
 
 
@@ -224,21 +248,49 @@ def _generate(specs: list[_Spec], seed: int, dtype: torch.dtype) -> Iterator[tup
 
 def _write_weights(out: Path, specs: list[_Spec], seed: int, shards: int, dtype: torch.dtype) -> None:
     # One generator over all specs in a fixed order, so the values do not depend on how
-    # the tensors are split into files; only one file's tensors are held at a time.
+    # the tensors are split into files; each tensor is written as it is drawn.
     tensors = _generate(specs, seed, dtype)
-    metadata = {"format": "pt"}
     if shards == 1:
-        save_file(dict((s.name, t) for s, t in tensors), out / SINGLE_WEIGHTS_FILE, metadata=metadata)
+        _write_file(out / SINGLE_WEIGHTS_FILE, specs, tensors, dtype)
         return
     weight_map: dict[str, str] = {}
     for number, run in enumerate(_split(specs, shards), start=1):
         file_name = f"model-{number:05d}-of-{shards:05d}.safetensors"
-        batch = {spec.name: tensor for spec, tensor in (next(tensors) for _ in run)}
-        save_file(batch, out / file_name, metadata=metadata)
-        weight_map |= dict.fromkeys(batch, file_name)
+        _write_file(out / file_name, run, tensors, dtype)
+        weight_map |= dict.fromkeys((spec.name for spec in run), file_name)
     total = sum(s.nbytes(dtype.itemsize) for s in specs)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     _write_json(out / INDEX_FILE, index)
+
+
+def _write_file(
+    path: Path, run: list[_Spec], tensors: Iterator[tuple[_Spec, torch.Tensor]], dtype: torch.dtype
+) -> None:
+    """Write ``run``'s tensors, taken one by one from ``tensors``, as a safetensors file.
+
+    The header (names, dtypes, shapes, offsets: https://github.com/huggingface/safetensors) is
+    known from the specs, so each tensor goes to disk as soon as it is drawn and is then freed.
+    """
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in run:
+        size = spec.nbytes(dtype.itemsize)
+        header[spec.name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with path.open("wb") as handle:
+        handle.write(len(encoded).to_bytes(8, "little"))
+        handle.write(encoded)
+        for want in run:
+            spec, tensor = next(tensors)
+            assert spec == want and math.prod(tensor.shape) == math.prod(spec.shape)
+            handle.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del tensor
 
 
 def model_config(family: str, shape: dict[str, int], max_position: int) -> dict:
