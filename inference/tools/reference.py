@@ -10,6 +10,7 @@ implementation is what any user of the checkpoint would run, so it is the refere
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,27 +48,14 @@ def reference_generate(
     chunked prefill does (``Settings.prefill_step``); 0 prefills it whole.
     """
     prompt = torch.tensor([prompt_ids], device=device)
-    for implementation in (None, "eager"):
-        model = _load(str(model_dir), implementation, device, dtype)
-        try:
-            with torch.inference_mode():
-                cache = DynamicCache(config=model.config)
-                for start, end in prefill_pieces(len(prompt_ids), prefill_step)[:-1]:
-                    model(input_ids=prompt[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
-                out = model.generate(
-                    prompt,
-                    attention_mask=torch.ones_like(prompt),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    streamer=streamer,
-                    cache=cache,
-                )
-        except RuntimeError as exc:
-            if implementation is None and _unaligned(exc):
-                continue
-            raise
-        return out[0, len(prompt_ids) :].tolist()
-    raise AssertionError("unreachable")
+
+    def run(model: PreTrainedModel) -> list[int]:
+        cache = DynamicCache(config=model.config)
+        for start, end in prefill_pieces(len(prompt_ids), prefill_step)[:-1]:
+            model(input_ids=prompt[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
+        return _greedy(model, prompt_ids, max_new_tokens, cache, device, streamer)
+
+    return _on_model(model_dir, device, dtype, run)
 
 
 def reference_continue(
@@ -87,34 +75,49 @@ def reference_continue(
     computes the rest: what a prefix cache that kept those positions should give.
     """
     (first_ids, first_new), (second_ids, second_new) = first, second
+
+    def run(model: PreTrainedModel) -> list[int]:
+        cache = DynamicCache(config=model.config)
+        _greedy(model, first_ids, first_new, cache, device)
+        if cache.get_seq_length() < reused:
+            raise ValueError(f"the first run's cache holds {cache.get_seq_length()} positions, not {reused}")
+        if cache.get_seq_length() > reused:
+            cache.crop(reused - cache.get_seq_length())  # a negative count: positions to drop from the end
+        return _greedy(model, second_ids, second_new, cache, device)
+
+    return _on_model(model_dir, device, dtype, run)
+
+
+def _greedy(
+    model: PreTrainedModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    cache: DynamicCache,
+    device: str,
+    streamer: object | None = None,
+) -> list[int]:
+    """``generate``'s greedy new tokens after ``prompt_ids``, continuing from ``cache``."""
+    prompt = torch.tensor([prompt_ids], device=device)
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        streamer=streamer,
+        cache=cache,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def _on_model(model_dir: str | Path, device: str, dtype: str, run: Callable[[PreTrainedModel], list[int]]) -> list[int]:
+    """``run`` on the checkpoint's model; again on its eager experts where the grouped GEMM refuses its shapes."""
     for implementation in (None, "eager"):
         model = _load(str(model_dir), implementation, device, dtype)
         try:
             with torch.inference_mode():
-                cache = DynamicCache(config=model.config)
-                prompt = torch.tensor([first_ids], device=device)
-                model.generate(
-                    prompt,
-                    attention_mask=torch.ones_like(prompt),
-                    max_new_tokens=first_new,
-                    do_sample=False,
-                    cache=cache,
-                )
-                if cache.get_seq_length() < reused:
-                    raise ValueError(f"the first run's cache holds {cache.get_seq_length()} positions, not {reused}")
-                if cache.get_seq_length() > reused:
-                    cache.crop(reused - cache.get_seq_length())  # a negative count: positions to drop from the end
-                prompt = torch.tensor([second_ids], device=device)
-                out = model.generate(
-                    prompt,
-                    attention_mask=torch.ones_like(prompt),
-                    max_new_tokens=second_new,
-                    do_sample=False,
-                    cache=cache,
-                )
+                return run(model)
         except RuntimeError as exc:
             if implementation is None and _unaligned(exc):
                 continue
             raise
-        return out[0, len(second_ids) :].tolist()
     raise AssertionError("unreachable")
