@@ -406,6 +406,56 @@ def test_a_node_relays_only_generations_it_was_given(channel_layer_on_test_redis
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_caller_in_the_links_process_gets_its_events_straight_and_the_channel_layer_none(
+    channel_layer_on_test_redis,
+) -> None:
+    """Where the caller listens in the process of main's link, each event goes to it as the struct
+    the link checked (step report and all), and not also through Redis; a caller elsewhere gets
+    them through the channel layer, without the step report only the console reads."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    from controlplane.nodes.groups import generation_group, node_group
+    from controlplane.nodes.relay import listening
+    from inference.wire.generation import Done, Generate, Token
+
+    node, secret = enrolled()
+    step = {"step": 1, "tokens": 1, "batch": 1, "ms": 2.5, "recall": None, "layers": []}
+
+    async def session() -> tuple[list, list, int]:
+        layer = get_channel_layer()
+        elsewhere = await layer.new_channel()
+        await layer.group_add(generation_group("here"), elsewhere)
+        await layer.group_add(generation_group("there"), elsewhere)
+        comm = communicator(f"Node {node.pk}:{secret}")
+        assert (await comm.connect())[0]
+        for request_id in ("here", "there"):
+            command = Generate(request_id=request_id, deployment="dep1-1", prompt_ids=[1], max_new_tokens=1)
+            await layer.group_send(node_group(str(node.pk)), {"type": "agent.command", "command": command.to_json()})
+            assert (await comm.receive_json_from(timeout=5))["request_id"] == request_id
+        with listening("here") as inbox:
+            for request_id in ("here", "there"):
+                await comm.send_json_to(Token(request_id=request_id, index=0, token_id=5, step=step).to_json())
+                done = Done(request_id=request_id, token_ids=[5], finish_reason="length", metrics={})
+                await comm.send_json_to(done.to_json())
+            here = [await asyncio.wait_for(inbox.get(), timeout=5) for _ in range(2)]
+            there = []
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    there.append((await asyncio.wait_for(layer.receive(elsewhere), timeout=1))["event"])
+        await comm.disconnect()
+        return here, there, inbox.qsize()
+
+    here, there, left = async_to_sync(session)()
+    assert [type(e) for e in here] == [Token, Done] and here[0].step == step and left == 0
+    assert [(e["type"], e["request_id"]) for e in there] == [
+        ("generation_token", "there"),
+        ("generation_done", "there"),
+    ]
+    assert there[0]["step"] is None
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_link_that_closes_mid_generation_fails_it_as_retryable_at_once(channel_layer_on_test_redis) -> None:
     """A control-plane restart drops main's link: the caller hears so now, instead of timing out."""
     from asgiref.sync import async_to_sync

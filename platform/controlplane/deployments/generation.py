@@ -2,8 +2,9 @@
 
 The request (``inference.wire.generation.Generate``) goes down the main node's agent link; the
 agent hands it to main and sends main's events (``Token``, ``Done``, ``Failed``) back up as they
-are, and the link's consumer relays them to the channel-layer group ``generation.<request_id>``,
-where ``astream`` listens. ``stream`` is the same for
+are, and the link's consumer relays them to ``astream`` (``controlplane.nodes.relay``: straight
+to its queue when the link is in this process, else through the channel-layer group
+``generation.<request_id>``, which ``astream`` reads into the same queue). ``stream`` is the same for
 synchronous callers (Celery tasks, views): it runs ``astream`` on its own event loop in a
 thread and hands events over through a queue.
 
@@ -17,6 +18,7 @@ tokens that came.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -32,6 +34,7 @@ from channels.layers import BaseChannelLayer, channel_layers, get_channel_layer
 from controlplane.accounts.services import record_usage
 from controlplane.accounts.usage import Caller
 from controlplane.nodes.groups import generation_group, node_group
+from controlplane.nodes.relay import listening
 from inference.wire.generation import GENERATION_EVENTS, Done, Failed, Generate, Token
 from inference.wire.link import CancelGeneration, parse
 
@@ -134,36 +137,55 @@ async def astream(
     await layer.group_add(group, channel)
     command = msgspec.structs.replace(request, deployment=key)
     generated: int | None = None  # tokens so far, once main started the generation
-    try:
-        await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
-        timeout = FIRST_EVENT_TIMEOUT_S
-        while True:
-            try:
-                message = await asyncio.wait_for(layer.receive(channel), timeout=timeout)
-            except TimeoutError:
-                raise ClusterGenerationError(f"no answer from the cluster within {timeout:.0f} s") from None
-            timeout = NEXT_EVENT_TIMEOUT_S
-            event = parse(message["event"], allowed=GENERATION_EVENTS)
-            if isinstance(event, Failed):
-                if event.too_many_generations:
-                    raise TooManyGenerations(event.error)
-                if event.busy:
-                    raise ClusterBusy(event.error)
-                raise ClusterGenerationError(event.error, retryable=event.retryable)
-            if isinstance(event, Done) and event.finish_reason not in FINISH_REASONS:
-                reason = f"{event.finish_reason!r:.40}"
-                raise ClusterGenerationError(f"main ended the generation with an unknown finish reason {reason}")
-            if isinstance(event, Done):
-                generated = None
-                await _count(caller, name, len(request.prompt_ids), len(event.token_ids))
+    with listening(request.request_id) as inbox:
+        from_layer = asyncio.create_task(_from_layer(layer, channel, inbox))
+        try:
+            await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
+            timeout = FIRST_EVENT_TIMEOUT_S
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        event = await inbox.get()
+                except TimeoutError:
+                    raise ClusterGenerationError(f"no answer from the cluster within {timeout:.0f} s") from None
+                timeout = NEXT_EVENT_TIMEOUT_S
+                if isinstance(event, Exception):
+                    raise event
+                if isinstance(event, Failed):
+                    if event.too_many_generations:
+                        raise TooManyGenerations(event.error)
+                    if event.busy:
+                        raise ClusterBusy(event.error)
+                    raise ClusterGenerationError(event.error, retryable=event.retryable)
+                if isinstance(event, Done) and event.finish_reason not in FINISH_REASONS:
+                    reason = f"{event.finish_reason!r:.40}"
+                    raise ClusterGenerationError(f"main ended the generation with an unknown finish reason {reason}")
+                if isinstance(event, Done):
+                    generated = None
+                    await _count(caller, name, len(request.prompt_ids), len(event.token_ids))
+                    yield event
+                    return
+                generated = (generated or 0) + 1
                 yield event
-                return
-            generated = (generated or 0) + 1
-            yield event
-    finally:
-        if generated is not None:  # ended before main's result, after main started: what came
-            await _count(caller, name, len(request.prompt_ids), generated)
-        await layer.group_discard(group, channel)
+        finally:
+            from_layer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await from_layer
+            if generated is not None:  # ended before main's result, after main started: what came
+                await _count(caller, name, len(request.prompt_ids), generated)
+            await layer.group_discard(group, channel)
+
+
+async def _from_layer(layer: BaseChannelLayer, channel: str, inbox: asyncio.Queue) -> None:
+    """Put the events that come through the channel layer (main's link is in another process)
+    into ``inbox``, each parsed and checked; what cannot be read goes in as the error, and ends it."""
+    while True:
+        try:
+            message = await layer.receive(channel)
+            inbox.put_nowait(parse(message["event"], allowed=GENERATION_EVENTS))
+        except Exception as exc:  # a malformed event, or Redis gone: the stream ends with it
+            inbox.put_nowait(exc)
+            return
 
 
 async def _count(caller: Caller | None, deployment: str, prompt_tokens: int, completion_tokens: int) -> None:

@@ -5,9 +5,10 @@ else is refused before the socket is accepted. Events are validated with
 ``inference.wire.link`` and each calls one service; commands for a node reach its socket
 through the channel-layer group ``node.<id>`` (a ``{"type": "agent.command", ...}`` event).
 
-Generation events are relayed to the group ``generation.<request_id>``, where the caller
-of the generation service listens — and only for requests that went down this very socket,
-so a node cannot speak for a generation it was not given.
+Generation events are relayed to the caller of the generation service (``relay``: in this
+process when it listens here, else through the group ``generation.<request_id>``) — and only
+for requests that went down this very socket, so a node cannot speak for a generation it was
+not given.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from inference.wire.link import (
 )
 
 from . import services
-from .groups import generation_group, node_group
+from .groups import node_group
 from .inventory import clean_inventory
+from .relay import relay
 from .reports import MAX_DETAIL_CHARS, PendingWrites, clean_role_report, clean_role_reports
 
 log = logging.getLogger(__name__)
@@ -123,12 +125,8 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         """Generations sent down this link and not finished will never be answered on it: their
         callers hear at once that the same request can be tried again, instead of timing out."""
         for request_id in list(self.generations):
-            failed = Failed(
-                request_id=request_id, error="the link to main's node closed mid-generation", retryable=True
-            )
-            await self.channel_layer.group_send(
-                generation_group(request_id), {"type": "generation.event", "event": failed.to_json()}
-            )
+            error = "the link to main's node closed mid-generation"
+            await relay(self.channel_layer, Failed(request_id=request_id, error=error, retryable=True))
         self.generations.clear()
 
     @classmethod
@@ -237,9 +235,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         deployment = self.generations[event.request_id]
         if not isinstance(event, Token):
             del self.generations[event.request_id]
-        await self.channel_layer.group_send(
-            generation_group(event.request_id), {"type": "generation.event", "event": event.to_json()}
-        )
+        await relay(self.channel_layer, event)
         if isinstance(event, Token) and event.step is not None:
             step = {"deployment": deployment, "request_id": event.request_id, "index": event.index, "step": event.step}
             await self.channel_layer.group_send(STEPS_GROUP, {"type": "cluster.step", **step})
