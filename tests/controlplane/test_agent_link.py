@@ -681,3 +681,34 @@ def test_a_hostile_node_flooding_its_link_gets_bounded_rows_and_an_answering_lin
     finally:
         server.kill()
         server.wait(timeout=20)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_links_writes_keep_their_connections_and_replace_a_dropped_one() -> None:
+    """Heartbeats are written on a few threads that keep their connection (CONN_MAX_AGE is 0 for
+    requests); a connection that went away is replaced on the next write, which succeeds."""
+    import threading
+
+    from asgiref.sync import async_to_sync
+    from django.db import connection
+
+    from controlplane.nodes import link_writes
+
+    def which() -> tuple[int, object]:
+        Node.objects.count()  # a query: the thread's connection is open
+        return threading.get_ident(), connection.connection  # held in ``seen``: no two alive share an id
+
+    def drop() -> None:
+        Node.objects.count()
+        connection.close()  # as a server restart or a failed health check leaves it
+
+    async def writes(fn, n: int) -> list:
+        return [await link_writes.write(fn) for _ in range(n)]
+
+    seen = async_to_sync(writes)(which, 24)
+    per_thread: dict[int, set[int]] = {}
+    for thread, conn in seen:
+        per_thread.setdefault(thread, set()).add(id(conn))
+    assert len(per_thread) <= link_writes.THREADS and all(len(conns) == 1 for conns in per_thread.values())
+    async_to_sync(writes)(drop, link_writes.THREADS * 3)
+    assert len(async_to_sync(writes)(which, 8)) == 8

@@ -38,7 +38,7 @@ from inference.wire.link import (
     parse,
 )
 
-from . import services
+from . import link_writes, services
 from .groups import node_group
 from .inventory import clean_inventory
 from .relay import relay
@@ -194,7 +194,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         while self._liveness is not None:
             inventory, self._liveness = self._liveness, None
             try:
-                await _db(services.record_liveness)(node_id=self.node_id, inventory=inventory)
+                await link_writes.write(services.record_liveness, node_id=self.node_id, inventory=inventory)
             except Exception:
                 log.exception("node %s: its heartbeat could not be recorded", self.node_id)
 
@@ -202,7 +202,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         while self._writes:
             write, kwargs = self._writes.take()
             try:
-                await _db(write)(node_id=self.node_id, **kwargs)
+                await link_writes.write(write, node_id=self.node_id, **kwargs)
             except Exception:
                 log.exception("node %s: %s failed", self.node_id, write.__name__)
 
