@@ -107,6 +107,12 @@ MOVED_BY: tuple[MovedBy, ...] = (
         date="2026-12-05T11:26:59+00:00",
         reason="the shadow steps its whole batch in one pass of its model",
     ),
+    MovedBy(
+        patterns=("openai-concurrency*.json",),
+        commit="8993bc0",
+        date="2026-12-05T14:51:26+00:00",
+        reason="a generation's events skip Redis in the link's process; the links' writes keep their connections",
+    ),
 )
 
 
