@@ -143,8 +143,10 @@ def run_cluster(model_dir: Path, *, workers: int, shadow: bool, new_tokens: int,
                 elif event.metrics.get("decode_main_between_layers_ms_median") is not None:
                     gaps.append(event.metrics["decode_main_between_layers_ms_median"])
     summary = summarize(layer_samples(reports))
+    parts = layer_parts_ms(reports)
     summary.update(
-        parts_ms_median={name: statistics.median(v) if v else None for name, v in layer_parts_ms(reports).items()},
+        parts_ms_median={name: statistics.median(v) if v else None for name, v in parts.items()},
+        parts_ms_p90={name: percentile(v, 0.9) if v else None for name, v in parts.items()},
         workers=workers,
         shadow=shadow,
         processes=workers + 1 + shadow,

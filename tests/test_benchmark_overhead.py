@@ -71,7 +71,12 @@ def test_benchmark_runs_and_reports_sane_figures(tmp_path: Path, tiny_model: Pat
     assert measured["main_ms_between_layers_median"] > 0  # from main's token intervals
     parts = measured["parts_ms_median"]  # the round trip in the cluster, by part
     assert list(parts) == [*overhead.BREAKDOWN, *overhead.HOPS_SPLIT] and min(parts.values()) >= 0
-    assert parts["hops"] > 0 and parts["worker_busy"] > 0 and parts["receiving"] > 0
+    # Each part is a difference of two processes' clocks, clamped at 0: on a loaded machine more
+    # than half of the layers may clamp one (a median of 0.0 failed twice), so the test asks
+    # that each part is measured in at least a tenth of the layers.
+    p90 = measured["parts_ms_p90"]
+    assert list(p90) == list(parts) and all(p90[name] >= parts[name] for name in parts)
+    assert p90["hops"] > 0 and p90["worker_busy"] > 0 and p90["receiving"] > 0
     assert set(figures["breakdown_us"]) >= {"main: routing split", "worker: decode request"}
     assert all(us > 0 for us in figures["breakdown_us"].values())
     floors = (figures["raw_zmq_round_trip_us"], figures["raw_zmq_round_trip_in_rhythm_us"])
