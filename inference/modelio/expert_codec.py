@@ -33,10 +33,11 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-EXPONENT_PLANE = "exponent-plane+zstd"  # the per-tensor codec name a shard manifest records
-ZSTD_LEVEL = 3  # what the measurements used: level 19 buys ~1 % more for 20x the encode time
-# Bytes per word of the dtypes the code takes, by their safetensors names.
-WORD_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
+from inference.constants import CODED_DTYPE_BYTES, EXPONENT_PLANE_CODEC
+
+EXPONENT_PLANE = EXPONENT_PLANE_CODEC  # the per-tensor codec name a shard manifest records
+ZSTD_LEVEL = 3  # what the measurements used (benchmarks/expert_codecs.py)
+WORD_BYTES = CODED_DTYPE_BYTES  # bytes per word of the dtypes the code takes, by their safetensors names
 
 _compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
 
