@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from inference.building.memory import memory_from_checkpoint
 from inference.building.sharding import build_shards
 from inference.modelio.checkpoint import is_expert_key
 from inference.modelio.shards import (
@@ -189,3 +190,17 @@ def test_an_unknown_codec_is_refused_by_the_build_and_the_settings(tmp_path: Pat
         build_shards(tmp_path / "no-model", tmp_path / "out", workers=1, expert_codec="gzip")
     with pytest.raises(SpecError, match="expert_codec must be one of none, exponent-plane"):
         validate_settings(dataclasses.replace(DEFAULTS, expert_codec="gzip"))
+
+
+def test_the_memory_plan_counts_the_workers_coded_bytes(both: tuple[ShardSet, ShardSet]) -> None:
+    plain, coded = both
+    model = coded.root.parent / "model"
+    raw = memory_from_checkpoint(model, workers=WORKERS, shards=plain.root)
+    plan = memory_from_checkpoint(model, workers=WORKERS, shards=coded.root)
+    assert raw == memory_from_checkpoint(model, workers=WORKERS)  # a plain set changes nothing
+    for worker in range(WORKERS):
+        stored = stored_tensors(read_manifest(coded.worker(worker)))
+        assert plan.workers[worker].disk_bytes == sum(entry.stored_bytes for entry in stored.values())
+        assert plan.workers[worker].disk_bytes < raw.workers[worker].disk_bytes
+        assert plan.workers[worker].gpu_bytes == raw.workers[worker].gpu_bytes  # decoded on the device
+    assert plan.main == raw.main and plan.shadow == raw.shadow
