@@ -180,8 +180,9 @@ class DeploymentSettings:
         "none",
         'how the shard build writes the workers\' experts: "none" as the checkpoint holds them, or '
         '"exponent-plane": lossless, each weight\'s exponent bits through zstandard and the rest raw '
-        "(inference/modelio/expert_codec.py; about 0.70 of the bytes in bf16, 0.85 in fp16 and fp32). Workers keep "
-        "and read the coded bytes and decode each expert as it is loaded",
+        "(inference/modelio/expert_codec.py; the bytes it saves per dtype: benchmarks' expert codecs page). Workers "
+        "keep and read the coded bytes and decode each expert as it is loaded. Taken by the runtime's generate and "
+        "shard commands; the control plane's shard build does not take it yet",
         choices=EXPERT_CODECS,
     )
     disk_bytes_per_s: float | None = setting(
