@@ -90,6 +90,7 @@ SPREAD_FIGURES = (
     "e2e_tok_s_vs_full_cache",
     "decode_vs_lru_offload",
     "decode_vs_without_hybrid",
+    "decode_vs_without_codec",
 )
 
 
