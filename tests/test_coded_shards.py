@@ -204,3 +204,21 @@ def test_the_memory_plan_counts_the_workers_coded_bytes(both: tuple[ShardSet, Sh
         assert plan.workers[worker].disk_bytes < raw.workers[worker].disk_bytes
         assert plan.workers[worker].gpu_bytes == raw.workers[worker].gpu_bytes  # decoded on the device
     assert plan.main == raw.main and plan.shadow == raw.shadow
+
+
+def test_the_shard_command_takes_the_codec(both: tuple[ShardSet, ShardSet], tmp_path: Path) -> None:
+    from inference.__main__ import main
+
+    model = both[1].root.parent / "model"
+    assert main(["shard", str(model), str(tmp_path / "out"), "--workers", "1", "--expert-codec", "exponent-plane"]) == 0
+    assert ShardSet.load(tmp_path / "out").expert_codec == "exponent-plane"
+    assert stored_tensors(read_manifest(tmp_path / "out" / "worker-0"))
+
+
+def test_the_predictions_decode_measure_codes_one_expert_of_the_run(both: tuple[ShardSet, ShardSet]) -> None:
+    from benchmarks.sim_prediction import measure_decode
+
+    measured = measure_decode(both[1].root.parent / "model", repeats=2)
+    assert 0 < measured["stored_bytes"] < measured["expert_bytes"]
+    assert measured["ratio"] == measured["stored_bytes"] / measured["expert_bytes"]
+    assert measured["decode_s"] > 0
