@@ -222,3 +222,19 @@ def test_the_predictions_decode_measure_codes_one_expert_of_the_run(both: tuple[
     assert 0 < measured["stored_bytes"] < measured["expert_bytes"]
     assert measured["ratio"] == measured["stored_bytes"] / measured["expert_bytes"]
     assert measured["decode_s"] > 0
+
+
+def test_the_hot_store_keeps_its_hot_set_coded(both: tuple[ShardSet, ShardSet]) -> None:
+    plain, coded = both
+    want = open_store("ram", plain.worker(0))
+    hot = open_store("hot", coded.worker(0), hot_experts=2)
+    try:
+        pairs = sorted(hot.keys())[:3]
+        for pair in [*pairs, pairs[-1]]:  # the last one twice: a hit, decoded again from the coded bytes
+            got = hot.get(*pair)
+            assert _same_bits(got.gate_up, want.get(*pair).gate_up) and _same_bits(got.down, want.get(*pair).down)
+        assert (hot.reads, hot.hits) == (3, 1)
+        assert hot.resident_bytes() == sum(hot.stored_nbytes(*pair) for pair in hot.held())
+        assert hot.resident_bytes() < sum(hot.nbytes(*pair) for pair in hot.held())
+    finally:
+        hot.close()

@@ -14,7 +14,7 @@ as it lies: the "disk" store reads an expert's coded bytes and decodes them into
 returns (or a staging buffer), the "ram" store keeps the coded bytes in RAM and decodes at each
 ``get``, when the loader moves the expert to its device. ``nbytes`` is an expert's decoded size
 (what it takes on the device); ``stored_nbytes`` what the store holds and reads of it (what a
-disk, RAM or an emulated link carries). The "hot" store keeps decoded experts.
+disk, RAM or an emulated link carries). The "hot" store keeps the coded bytes of its hot set too.
 """
 
 from __future__ import annotations
@@ -359,7 +359,11 @@ class DiskStore:
         entry = self._entry(layer, expert)
         if not entry.coded:
             raise ValueError(f"expert {expert} of layer {layer} is not stored coded")
-        return self._read_blobs(entry)
+        start = time.perf_counter()
+        coded = self._read_blobs(entry)
+        if self.read_bytes_per_s:
+            self._throttle(entry.stored_nbytes, start)
+        return coded
 
     def _read_blobs(self, entry: _ExpertIndex) -> CodedExpert:
         blobs = tuple(np.empty(span.nbytes, dtype=np.uint8) for span in entry.spans)
@@ -461,14 +465,15 @@ class DiskStore:
 
 
 class HotSetStore:
-    """A ``DiskStore`` with the last ``capacity`` experts it read kept in RAM (``ExpertStore``)."""
+    """A ``DiskStore`` with the last ``capacity`` experts it read kept in RAM (``ExpertStore``); an expert
+    its shard stores coded is kept coded and decoded at each ``get``, as the "ram" store does."""
 
     def __init__(self, disk: DiskStore, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"a hot set holds at least 1 expert, got {capacity}")
         self.disk = disk
         self.capacity = capacity
-        self._held: OrderedDict[LayerExpert, ExpertWeights] = OrderedDict()
+        self._held: OrderedDict[LayerExpert, ExpertWeights | CodedExpert] = OrderedDict()
         self._pins: Counter[LayerExpert] = Counter()
         self._lock = threading.Lock()
         self.reads = 0  # experts read from disk
@@ -480,6 +485,14 @@ class HotSetStore:
     def nbytes(self, layer: int, expert: int) -> int:
         return self.disk.nbytes(layer, expert)
 
+    def stored_nbytes(self, layer: int, expert: int) -> int:
+        """What the hot set holds of the expert in RAM: its coded bytes where it is kept coded."""
+        return (
+            self.disk.stored_nbytes(layer, expert)
+            if self.disk.keeps_coded(layer, expert)
+            else self.nbytes(layer, expert)
+        )
+
     def get(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
         with self._lock:
@@ -487,15 +500,19 @@ class HotSetStore:
             if held is not None:
                 self._held.move_to_end(key)
                 self.hits += 1
-                return held
-        weights = self.disk.get(layer, expert)  # outside the lock: a read takes a while
-        with self._lock:
-            self.reads += 1
-            self._held[key] = weights
-            self._held.move_to_end(key)
-            for victim in hot_set_victims(list(self._held), set(self._pins), self.capacity):
-                del self._held[victim]
-        return weights
+        if held is None:  # outside the lock: a read takes a while
+            held = (
+                self.disk.read_coded(layer, expert)
+                if self.disk.keeps_coded(layer, expert)
+                else self.disk.get(layer, expert)
+            )
+            with self._lock:
+                self.reads += 1
+                self._held[key] = held
+                self._held.move_to_end(key)
+                for victim in hot_set_victims(list(self._held), set(self._pins), self.capacity):
+                    del self._held[victim]
+        return held.decode(pin=self.disk.pin) if isinstance(held, CodedExpert) else held
 
     def pin(self, layer: int, expert: int) -> None:
         """A prediction named this expert: keep it until it is used."""
@@ -520,8 +537,9 @@ class HotSetStore:
             return list(self._held)
 
     def resident_bytes(self) -> int:
+        """Bytes the hot set holds in RAM (coded experts at their coded size)."""
         with self._lock:
-            return sum(w.nbytes for w in self._held.values())
+            return sum(w.stored_nbytes if isinstance(w, CodedExpert) else w.nbytes for w in self._held.values())
 
     def close(self) -> None:
         self.disk.close()
