@@ -2,9 +2,9 @@
 
     python -m benchmarks.expert_codecs [--model platform/demo-model] [--repeats 5] [--json OUT]
 
-Weights: the demo model's routed experts (fp32, trained) cast to bf16 and to fp16, and one
+Weights: the demo model's routed experts (fp32, trained) cast to bf16, fp16 and fp32 (their own dtype), and one
 expert at Mixtral-8x7B's dimensions (w1 and w3 [14336, 4096], w2 [4096, 14336]) drawn from a
-normal distribution with the demo experts' own standard deviation, in both dtypes. For each
+normal distribution with the demo experts' own standard deviation, in each dtype. For each
 codec installed (a missing one is reported as missing; ``pip install zipnn dfloat11``):
 
 - ``ratio``: compressed bytes ÷ raw bytes, over every tensor of the set;
@@ -20,6 +20,9 @@ The codecs:
   byte plane raw (bf16's sign and 7 mantissa bits; fp16's low 8 mantissa bits), DFloat11's and
   ZipNN's observation that only the exponent carries little information;
 - ``zipnn``: the ZipNN package (byte grouping and Huffman coding, its own C code);
+- ``runtime``: the code the shard build writes with ``expert_codec="exponent-plane"``
+  (``inference.modelio.expert_codec``): the same split for bf16 and fp16, and fp32 (its high half split
+  as a bf16, its low 16 mantissa bits raw), decoded as the workers' stores decode;
 - ``dfloat11``: DFloat11's format (the exponent Huffman-coded from the tensor's histogram with its
   own codec builder, sign and mantissa raw); its decoder is a CUDA kernel only, so its size is
   computed from the code lengths and no CPU speed is given.
@@ -48,7 +51,8 @@ from inference.modelio.families import family_for
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "platform" / "demo-model"
 MIXTRAL_EXPERT = {"w1": (14336, 4096), "w3": (14336, 4096), "w2": (4096, 14336)}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SAFETENSORS_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
 
 def demo_experts(model: Path) -> list[torch.Tensor]:
@@ -118,6 +122,8 @@ class ExponentPlane(Zstd):
     name = "exponent-plane"
 
     def encode(self, tensor, dtype):
+        if dtype == "fp32":
+            return None  # a 16-bit split; fp32 is the runtime's (below)
         exponent, rest = exponent_plane_split(tensor.view(torch.int16).numpy().view(np.uint16).ravel(), dtype)
         return self.c.compress(exponent.tobytes()), rest.tobytes()
 
@@ -130,6 +136,29 @@ class ExponentPlane(Zstd):
         return torch.from_numpy(words.view(np.int16)).view(like.dtype).view(like.shape)
 
 
+class Runtime(Codec):
+    """The code the shard build writes (``inference.modelio.expert_codec``): the exponent plane through
+    zstandard, decoded into one flat buffer as the workers' stores do; fp32 too (its high half as a bf16)."""
+
+    name = "runtime"
+
+    def __init__(self) -> None:
+        from inference.modelio import expert_codec
+
+        self.version = importlib.metadata.version("zstandard")
+        self.codec = expert_codec
+
+    def encode(self, tensor, dtype):
+        return self.codec.encode(tensor.contiguous().view(torch.uint8).numpy().reshape(-1), SAFETENSORS_DTYPES[dtype])
+
+    def size(self, encoded):
+        return len(encoded)
+
+    def decode(self, encoded, like, dtype):
+        raw = self.codec.decode(encoded, SAFETENSORS_DTYPES[dtype], like.numel() * like.element_size())
+        return torch.from_numpy(raw).view(like.dtype).view(like.shape)
+
+
 class ZipNN(Codec):
     name = "zipnn"
 
@@ -139,7 +168,11 @@ class ZipNN(Codec):
         self.version = importlib.metadata.version("zipnn")
         self.zipnn = zipnn
         self.by_dtype = {
-            d: zipnn.ZipNN(input_format="torch", bytearray_dtype={"bf16": "bfloat16", "fp16": "float16"}[d], threads=1)
+            d: zipnn.ZipNN(
+                input_format="torch",
+                bytearray_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[d],
+                threads=1,
+            )
             for d in DTYPES
         }
 
@@ -178,7 +211,7 @@ class DFloat11(Codec):
         return None
 
 
-CODECS: tuple[type[Codec], ...] = (Zstd, ExponentPlane, ZipNN, DFloat11)
+CODECS: tuple[type[Codec], ...] = (Zstd, ExponentPlane, Runtime, ZipNN, DFloat11)
 
 
 def measure(codec: Codec, tensors: list[torch.Tensor], dtype: str, repeats: int) -> dict:
@@ -199,7 +232,7 @@ def measure(codec: Codec, tensors: list[torch.Tensor], dtype: str, repeats: int)
             exact = None
         else:
             exact = exact and all(
-                torch.equal(d.view(torch.int16), t.view(torch.int16)) for d, t in zip(decoded, tensors, strict=True)
+                torch.equal(d.view(torch.uint8), t.view(torch.uint8)) for d, t in zip(decoded, tensors, strict=True)
             )
     compressed = sum(codec.size(e) for e in encoded)
     figures = {"ratio": compressed / raw, "raw_mb": raw / 1e6, "encode_mb_s": raw / 1e6 / statistics.median(encode_s)}

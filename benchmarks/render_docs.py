@@ -156,7 +156,7 @@ PAGES: tuple[Page, ...] = (
     Page("recall", "Shadow recall", ("recall.json",)),
     Page("suite", "The test suite's duration", ("suite-*.json",)),
     Page("prefix-reuse", "Prefix reuse", ("prefix-reuse*.json",)),
-    Page("expert-codecs", "Expert codecs", ("expert-codecs*.json",)),
+    Page("expert-codecs", "Expert codecs", ("expert-codecs*.json", "strategies-codec-*.json")),
 )
 
 # Today's count of figures in each page's notes that no result of the page records (see Prose).

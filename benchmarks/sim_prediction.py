@@ -37,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.workload import BENCH_MODEL, prompt_of
@@ -315,8 +316,48 @@ def next_gate_recall(generations: list[dict]) -> float:
     return hit / total if total else 0.0
 
 
-def rates_for(emulation: dict, config: dict, expert_bytes: int) -> EmulatedRates:
-    """The emulation's buckets and the message sizes of the checkpoint (encoded as the runtime does)."""
+def measure_decode(model_dir: Path, *, repeats: int = 20) -> dict:
+    """An expert's coded bytes (``expert_codec="exponent-plane"``) and the median seconds this machine's CPU
+    takes to decode it, on one thread as a worker's loader does: expert 0 of layer 0 of the checkpoint,
+    decoded into its fused tensors as the stores do (``CodedExpert.decode``)."""
+    from inference.modelio.checkpoint import Checkpoint, expert_key_name
+    from inference.modelio.expert_codec import EXPONENT_PLANE, encode
+    from inference.modelio.shards import StoredTensor
+    from inference.runtime.store import CodedExpert
+
+    checkpoint = Checkpoint(model_dir)
+    tensors = [checkpoint.tensor(expert_key_name(0, 0, proj)) for proj in ("w1", "w3", "w2")]
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    blobs, codes = [], []
+    for tensor in tensors:
+        raw = tensor.contiguous().view(torch.uint8).numpy().reshape(-1)
+        blob = encode(raw, names[tensor.dtype])
+        blobs.append(np.frombuffer(blob, dtype=np.uint8))
+        codes.append(StoredTensor(EXPONENT_PLANE, names[tensor.dtype], tuple(tensor.shape), raw.size, len(blob)))
+    w1, _, w2 = tensors
+    expert = CodedExpert((2 * w1.shape[0], w1.shape[1]), tuple(w2.shape), w1.dtype, tuple(blobs), tuple(codes))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        samples = []
+        for _ in range(repeats + 2):
+            started = time.perf_counter()
+            expert.decode()
+            samples.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "expert_bytes": expert.nbytes,
+        "stored_bytes": expert.stored_nbytes,
+        "ratio": expert.stored_nbytes / expert.nbytes,
+        "decode_s": statistics.median(samples[2:]),
+        "decode_mb_s": expert.nbytes / statistics.median(samples[2:]) / 1e6,
+    }
+
+
+def rates_for(emulation: dict, config: dict, expert_bytes: int, codec: dict | None = None) -> EmulatedRates:
+    """The emulation's buckets and the message sizes of the checkpoint (encoded as the runtime does); with
+    ``codec`` (``measure_decode``), an expert's coded bytes on the copy and its decode here before it."""
     from benchmarks.overhead import Shape as OverheadShape
     from benchmarks.overhead import sample_messages, stamp
 
@@ -342,6 +383,8 @@ def rates_for(emulation: dict, config: dict, expert_bytes: int) -> EmulatedRates
         host_memory_bytes_per_s=emulation.get("host_memory_bytes_per_s"),
         host_flops=emulation.get("host_flops"),
         expert_flops=2.0 * 3 * hidden * family_for(config).expert_intermediate(config),
+        stored_bytes=None if codec is None else codec["stored_bytes"],
+        decode_s=0.0 if codec is None else codec["decode_s"],
     )
 
 
@@ -392,8 +435,12 @@ def predict_for_run(
     hybrid: bool = False,
     machine: MachineCosts | None = None,
     measurement: dict | None = None,
+    codec: dict | None = None,
 ) -> dict:
     """{strategy: predicted decode tok/s} for a `benchmarks.strategies` run, plus what it rests on.
+
+    ``codec`` (``measure_decode``): the workers' experts are coded; each load is charged its decode here
+    and its coded bytes on the emulated copy.
 
     ``emulation`` is `Emulation.as_dict()`; ``outputs`` are Transformers' greedy tokens for
     ``prompts`` (the benchmark's ``expected``); strategies the local model does not cover (the
@@ -411,7 +458,7 @@ def predict_for_run(
         )
     costs, measured = machine, measurement or {}
     generations = routing_traces(model_dir, prompts, outputs)
-    rates = rates_for(emulation, config, expert_bytes)
+    rates = rates_for(emulation, config, expert_bytes, codec)
     shape = Shape(
         layers=config["num_hidden_layers"],
         experts=family_for(config).n_experts(config),
@@ -443,6 +490,11 @@ def predict_for_run(
             "per-layer costs measured in a main + one worker of the runtime (its rhythm), not in the run's cluster"
             if tight is not None
             else measured.get("in_rhythm_skipped") or "per-layer costs timed piece by piece in tight loops",
+            *(
+                []
+                if codec is None
+                else ["coded experts: each load is its decode on this CPU (measured alone, one thread) then its copy"]
+            ),
         ],
     }
 

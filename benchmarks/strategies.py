@@ -57,7 +57,7 @@ from pathlib import Path
 
 from benchmarks import roles
 from benchmarks.plots import bar_plot
-from benchmarks.sim_prediction import measure_machine, predict_for_run
+from benchmarks.sim_prediction import measure_decode, measure_machine, predict_for_run
 from benchmarks.workload import BENCH_MODEL, prompt_of
 from inference.modelio.checkpoint import Checkpoint, expert_key_name
 from inference.policies.hybrid import expert_flops, predicted_share
@@ -80,6 +80,7 @@ DEFAULT_PAIRS = "16:32,16:64,64:32,64:64"
 
 
 HYBRID = "+hybrid"  # the suffix of a strategy's row run with hybrid execution
+CODEC = "+codec"  # the suffix of a strategy's row run on coded experts (expert_codec="exponent-plane")
 # The figures reported with their min–max and spread over rounds: the measured rates and the ratios.
 SPREAD_FIGURES = (
     "decode_tok_s",
@@ -89,6 +90,7 @@ SPREAD_FIGURES = (
     "e2e_tok_s_vs_full_cache",
     "decode_vs_lru_offload",
     "decode_vs_without_hybrid",
+    "decode_vs_without_codec",
 )
 
 
@@ -100,16 +102,19 @@ class Deployment:
     workers: int
     networked: bool  # roles on separate boxes, so the emulated network applies
     hybrid: bool = False  # workers compute late experts on their CPUs (inference.policies.hybrid)
+    codec: bool = False  # the shard build codes the experts; workers keep, copy and decode coded bytes
 
     @property
     def label(self) -> str:
-        return self.strategy + (HYBRID if self.hybrid else "")
+        return self.strategy + (HYBRID if self.hybrid else "") + (CODEC if self.codec else "")
 
 
-def deployment_for(strategy: str, workers: int, *, hybrid: bool = False) -> Deployment:
+def deployment_for(strategy: str, workers: int, *, hybrid: bool = False, codec: bool = False) -> Deployment:
     if strategy == "lru-offload":
-        return Deployment(strategy, 1, networked=False, hybrid=hybrid)  # one GPU box, as Mixtral-Offloading
-    return Deployment(strategy, workers, networked=True, hybrid=hybrid)
+        return Deployment(
+            strategy, 1, networked=False, hybrid=hybrid, codec=codec
+        )  # one GPU box, as Mixtral-Offloading
+    return Deployment(strategy, workers, networked=True, hybrid=hybrid, codec=codec)
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
@@ -182,6 +187,9 @@ def add_ratios(results: dict[str, dict]) -> None:
         plain = results.get(name.removesuffix(HYBRID)) if name.endswith(HYBRID) else None
         if plain is not None:
             figures["decode_vs_without_hybrid"] = figures["decode_tok_s"] / plain["decode_tok_s"]
+        plain = results.get(name.removesuffix(CODEC)) if name.endswith(CODEC) else None
+        if plain is not None:  # what coded experts changed
+            figures["decode_vs_without_codec"] = figures["decode_tok_s"] / plain["decode_tok_s"]
 
 
 def aggregate_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
@@ -301,11 +309,13 @@ def run_strategy(
         token_period=args.token_period,
         kv_period=args.kv_period,
         hybrid=deployment.hybrid,
+        expert_codec="exponent-plane" if deployment.codec else "none",
     )
     settings = emulation.settings(base, networked=deployment.networked)
     options = ClusterOptions(workers=deployment.workers, settings=settings, in_process=args.in_process)
     runs, outputs = [], []
-    with LocalCluster(model_dir, options, work_dir=work_dir / f"w{deployment.workers}") as cluster:
+    shards = f"w{deployment.workers}" + ("-coded" if deployment.codec else "")  # each kept for every round
+    with LocalCluster(model_dir, options, work_dir=work_dir / shards) as cluster:
         if "shadow" in cluster.processes:
             yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
         cluster.generate(prompts[0][0][:8], 4)  # warm-up: first-call allocations in every process
@@ -438,6 +448,9 @@ def print_table(
                 f"\n{name}: {r['cpu_experts_per_token']:.2f} experts per token computed on the workers' CPUs; "
                 f"decode {_figure(r, 'decode_vs_without_hybrid', '.2f')}x {name.removesuffix(HYBRID)}'s"
             )
+    for name, r in results.items():
+        if "decode_vs_without_codec" in r:
+            print(f"\n{name}: decode {_figure(r, 'decode_vs_without_codec', '.2f')}x {name.removesuffix(CODEC)}'s")
     if "decode_vs_lru_offload" in results.get("odmoe", {}):
         print(f"\nodmoe ÷ lru-offload (decode): {_figure(results['odmoe'], 'decode_vs_lru_offload', '.2f')}")
     if args.repeats > 1:
@@ -559,6 +572,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated strategies to run again with hybrid CPU/GPU execution on the workers (rows NAME+hybrid)",
     )
     parser.add_argument(
+        "--codec",
+        default="",
+        help="comma-separated strategies to run again on coded experts (expert_codec=exponent-plane; rows NAME+codec)",
+    )
+    parser.add_argument("--notes", default="", help="a note recorded in the JSON (e.g. what else ran on the machine)")
+    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -613,6 +632,8 @@ def run_record(
     exact: bool,
     results: dict[str, dict],
     predictions: dict[str, dict],
+    codec: list[str] | None = None,
+    decode: dict | None = None,
 ) -> dict:
     """What ``--json`` writes: the run's settings, its emulation and what scaled it, every strategy's figures."""
     return {
@@ -624,6 +645,9 @@ def run_record(
         "workers": args.workers,
         "max_resident_experts": prefetch_depth_of(args, emulation),
         "hybrid": hybrid,
+        "codec": codec or [],
+        "codec_decode": decode,  # an expert's coded bytes and decode time here (sim_prediction.measure_decode)
+        "notes": args.notes,
         "repeats": args.repeats,
         "exact": exact,
         "strategies": results,
@@ -654,6 +678,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--hybrid names strategies that are not run: {sorted(set(hybrid) - set(strategies))}")
     if "prerouter" in hybrid:
         parser.error("the prerouter streams experts from disk; hybrid execution needs them in host memory")
+    codec = [s for s in args.codec.split(",") if s]
+    if set(codec) - set(strategies):
+        parser.error(f"--codec names strategies that are not run: {sorted(set(codec) - set(strategies))}")
     approximate = [s for s in strategies if not get_strategy(s).exact]
     for strategy in approximate:
         for needed, command in needed_files(strategy):
@@ -682,9 +709,10 @@ def main(argv: list[str] | None = None) -> int:
             link_bytes_per_s=emulation.link_bytes_per_s,
         )
         predictions: dict[str, dict] = {}
-        for with_hybrid, names in ((False, strategies), (True, hybrid)):
+        decode = measure_decode(model_dir) if codec else None
+        for kind, names in (("plain", strategies), ("hybrid", hybrid), ("codec", codec)):
             if names:
-                predictions["hybrid" if with_hybrid else "plain"] = predict_for_run(
+                predictions[kind] = predict_for_run(
                     emulation.as_dict(),
                     config,
                     expert_bytes,
@@ -695,13 +723,14 @@ def main(argv: list[str] | None = None) -> int:
                     outputs=expected,
                     cache_experts=args.cache_experts,
                     max_resident=prefetch_depth_of(args, emulation),
-                    hybrid=with_hybrid,
+                    hybrid=kind == "hybrid",
                     machine=machine,
                     measurement=measurement,
+                    codec=decode if kind == "codec" else None,
                 )
         predicted, predicted_tight = (
             {
-                name + (HYBRID if kind == "hybrid" else ""): tok_s
+                name + {"hybrid": HYBRID, "codec": CODEC}.get(kind, ""): tok_s
                 for kind, prediction in predictions.items()
                 for name, tok_s in (prediction[key] or {}).items()
             }
@@ -712,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         exact = True
         deployments = [deployment_for(s, args.workers) for s in strategies]
         deployments += [deployment_for(s, args.workers, hybrid=True) for s in hybrid]
+        deployments += [deployment_for(s, args.workers, codec=True) for s in codec]
         for round_number in range(1, args.repeats + 1):  # interleaved: drift of the machine falls on every strategy
             figures: dict[str, dict] = {}
             for deployment in deployments:
@@ -773,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
             f"layers on the CPUs, as far as the tokens' periods shorten); {', '.join(reached)}"
         )
     if args.json:
-        record = run_record(args, emulation, calibration, pairs, hybrid, exact, results, predictions)
+        record = run_record(args, emulation, calibration, pairs, hybrid, exact, results, predictions, codec, decode)
         args.json.write_text(json.dumps(record, indent=2))
     if args.plots:
         names = list(results)

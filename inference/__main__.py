@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from inference.constants import COMPUTE_DTYPES, EXPERT_STORES, SHADOW_DTYPES
+from inference.constants import COMPUTE_DTYPES, EXPERT_CODECS, EXPERT_STORES, SHADOW_DTYPES
 from inference.modelio.families import FAMILIES
 from inference.policies.strategies import PREDICTORS, RUNTIME_STRATEGIES
 from inference.settings import DEFAULTS
@@ -32,6 +32,7 @@ GENERATE_SETTINGS = {
     "prefill_step": "prefill_step",
     "expert_store": "expert_store",
     "hot_experts": "hot_experts",
+    "expert_codec": "expert_codec",
     "device": "device",
     "dtype": "dtype",
     "timeout": "timeout_s",
@@ -103,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
         type=_dtype_list,
         default=(),
         help="also write the shadow pre-converted to these dtypes, comma-separated (e.g. nf4,int8): shadow-<dtype>/",
+    )
+    shard.add_argument(
+        "--expert-codec",
+        choices=EXPERT_CODECS,
+        default=DEFAULTS.expert_codec,
+        help="how worker shards store their experts: none, or exponent-plane (lossless, fewer bytes)",
     )
     shard.set_defaults(run=_shard)
 
@@ -201,6 +208,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--hot-experts", type=int, default=DEFAULTS.hot_experts, help="hot store: experts each worker keeps in RAM"
+    )
+    gen.add_argument(
+        "--expert-codec",
+        choices=EXPERT_CODECS,
+        default=DEFAULTS.expert_codec,
+        help="how the shard build stores the workers' experts: none, or exponent-plane (lossless, fewer bytes)",
     )
     gen.add_argument("--device", default=DEFAULTS.device, help="auto, cpu or cuda[:N]")
     gen.add_argument(
@@ -330,6 +343,7 @@ def _shard(args: argparse.Namespace) -> int:
         max_file_bytes=args.max_file_mb * 2**20,
         progress=progress,
         shadow_dtypes=args.shadow_dtypes,
+        expert_codec=args.expert_codec,
     )
     print(file=sys.stderr)
     shadows = "".join(f", shadow-{d}" for d in shard_set.shadow_dtypes)

@@ -16,6 +16,15 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # until used (inference/policies/hotset.py).
 EXPERT_STORES = ("ram", "disk", "hot")
 
+# How a shard build writes the experts of worker shards: "none" as the checkpoint holds them,
+# "exponent-plane" each weight's exponent bits through zstandard and the rest raw, lossless
+# (inference/modelio/expert_codec.py). A shard's manifest names the code of each tensor it
+# stores coded (EXPONENT_PLANE_CODEC), with its dtype, shape, raw and stored bytes.
+EXPERT_CODECS = ("none", "exponent-plane")
+EXPONENT_PLANE_CODEC = "exponent-plane+zstd"
+# Bytes per word of the dtypes it codes, by their safetensors names.
+CODED_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
+
 # The most sequences main may run at once (``Settings.max_batch``): each holds a thread and a KV cache.
 MAX_BATCH = 64
 # Requests main holds beyond its batch (``Settings.max_waiting``), and the generations one user may

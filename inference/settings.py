@@ -30,6 +30,7 @@ from inference.constants import (
     COMPUTE_DTYPES,
     DEFAULT_MAX_PER_USER,
     DEFAULT_MAX_WAITING,
+    EXPERT_CODECS,
     EXPERT_STORES,
     EXPERTS_ARITHMETICS,
     MAX_BATCH,
@@ -175,6 +176,15 @@ class DeploymentSettings:
         blank=True,
     )
     hot_experts: int = setting(16, "hot store: experts each worker keeps in RAM", minimum=1)
+    expert_codec: str = setting(
+        "none",
+        'how the shard build writes the workers\' experts: "none" as the checkpoint holds them, or '
+        '"exponent-plane": lossless, each weight\'s exponent bits through zstandard and the rest raw '
+        "(inference/modelio/expert_codec.py; the bytes it saves per dtype: benchmarks' expert codecs page). Workers "
+        "keep and read the coded bytes and decode each expert as it is loaded. Taken by the runtime's generate and "
+        "shard commands; the control plane's shard build does not take it yet",
+        choices=EXPERT_CODECS,
+    )
     disk_bytes_per_s: float | None = setting(
         None,
         'emulated disk read bandwidth of the "disk" and "hot" stores; null = the real one',

@@ -3,6 +3,7 @@ recorded benchmarks.strategies runs, and hybrid execution in the paper-testbed w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -222,3 +223,19 @@ def test_prediction_of_the_recorded_runs(name: str) -> None:
     assert recorded["next_gate_recall"] * (layers - 1) / layers == pytest.approx(
         recorded["measured_lru_recall"], abs=0.05
     )
+
+
+def test_a_coded_experts_load_is_its_decode_then_its_stored_bytes() -> None:
+    plain = EmulatedRates(
+        copy_bytes_per_s=1e6,
+        link_bytes_per_s=None,
+        link_latency_s=0.0,
+        expert_bytes=1000,
+        request_bytes=1,
+        result_bytes=1,
+    )
+    coded = dataclasses.replace(plain, stored_bytes=700, decode_s=0.0002)
+    assert plain.copy_s == pytest.approx(0.001)
+    assert coded.copy_s == pytest.approx(0.0002 + 0.0007)
+    with pytest.raises(ValueError, match="stored bytes must be positive"):
+        dataclasses.replace(plain, stored_bytes=0)

@@ -27,7 +27,9 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   (``inference.policies.strategies``): ``max_resident_experts`` in flight for the cacheless ones (0,
   the default: the worker's prefetch depth from its group, ``inference.policies.depth.resolve_depth``),
   plus up to ``cache_experts`` per layer it serves for ``lru-offload``, every expert it is
-  home to for ``full-cache``.
+  home to for ``full-cache``. Where its shard stores the experts coded (``expert_codec``), its
+  RAM and disk hold the coded bytes (``with_stored_experts`` reads them from a built set's
+  manifests) and its RAM the decoded experts in flight besides.
 
 Every process also pays ``RUNTIME_OVERHEAD_BYTES`` of RAM (Python, torch, transformers) and,
 on a GPU, ``CUDA_CONTEXT_BYTES`` of device memory.
@@ -44,7 +46,7 @@ import math
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from inference.constants import (
@@ -59,6 +61,7 @@ from inference.modelio.checkpoint import Checkpoint, CheckpointError, parse_expe
 from inference.modelio.families import FAMILIES, family_for, is_router_name
 from inference.modelio.families.releases import RELEASES
 from inference.modelio.prerouter_shape import PrerouterShape
+from inference.modelio.shards import ShardSet, read_manifest, stored_tensors
 from inference.policies.depth import resolve_depth
 from inference.policies.placement import Placement, placement
 from inference.policies.strategies import expert_store_for, get_strategy, home_worker
@@ -88,11 +91,17 @@ _LM_HEAD = "lm_head.weight"
 
 @dataclass(frozen=True)
 class TensorSize:
-    """One tensor of a checkpoint: its name, shape and bytes on disk."""
+    """One tensor of a checkpoint: its name, shape and bytes on disk; ``stored``: its bytes in a worker
+    shard that stores it coded (``expert_codec``), None as it is (``stored_nbytes`` is then ``nbytes``)."""
 
     name: str
     shape: tuple[int, ...]
     nbytes: int
+    stored: int | None = None
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self.nbytes if self.stored is None else self.stored
 
     @property
     def numel(self) -> int:
@@ -189,6 +198,18 @@ class MemoryPlan:
 def checkpoint_tensors(ckpt: Checkpoint) -> list[TensorSize]:
     """Every tensor of ``ckpt`` with its real bytes (from the safetensors headers)."""
     return [TensorSize(key, ckpt.shape(key), ckpt.nbytes(key)) for key in ckpt]
+
+
+def with_stored_experts(tensors: Sequence[TensorSize], shard_root: str | os.PathLike[str]) -> list[TensorSize]:
+    """``tensors`` with each expert's bytes as the worker shards built at ``shard_root`` store it: a set
+    built with an ``expert_codec`` holds fewer, and a worker's RAM, disk and fit check count those
+    (its manifests' ``stored``; a tensor they do not list is stored as it is)."""
+    shard_set = ShardSet.load(shard_root)
+    stored: dict[str, int] = {}
+    for worker in range(shard_set.placement.n_workers):
+        entries = stored_tensors(read_manifest(shard_set.worker(worker)), f"shard {shard_set.worker(worker)}")
+        stored |= {name: entry.stored_bytes for name, entry in entries.items()}
+    return [replace(t, stored=stored[t.name]) if t.name in stored else t for t in tensors]
 
 
 def config_tensors(sizes: ModelSizes, dtype: str, *, tied_embeddings: bool = False) -> list[TensorSize]:
@@ -294,14 +315,20 @@ def memory_from_checkpoint(
     max_batch: int = DEFAULT_MAX_BATCH,
     hot_experts: int = DEFAULTS.hot_experts,
     staging_buffers: int = DEFAULTS.staging_buffers,
+    shards: str | os.PathLike[str] | None = None,
 ) -> MemoryPlan:
     """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes.
+
+    With ``shards``, a shard set built from it: the workers' experts as it stores them
+    (``with_stored_experts``; fewer bytes where it was built with an ``expert_codec``).
 
     Main's KV caches are for ``max_batch`` sequences, the shadow's for ``shadow_max_states(max_batch)``
     (``SHADOW_STATES_PER_SEQUENCE * max_batch``: as many as main runs), of ``context_tokens`` tokens each.
     """
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
     tensors = checkpoint_tensors(ckpt)
+    if shards is not None:
+        tensors = with_stored_experts(tensors, shards)
     sizes = from_hf_config(ckpt.config)
     return plan_memory(
         tensors,
@@ -415,6 +442,7 @@ def plan_memory(
         raise ValueError("the model has no tensors")
     plan = placement(sizes.layers, sizes.experts, sizes.top_k, workers)
     experts: dict[tuple[int, int], int] = {}
+    stored: dict[tuple[int, int], int] = {}  # each expert as its worker shard stores it (coded: fewer)
     pinned: dict[tuple[int, int], int] = {}  # each expert as torch's pinned host allocator holds it
     dense = 0
     for tensor in tensors:
@@ -424,6 +452,7 @@ def plan_memory(
         else:
             pair = (key.layer, key.expert)
             experts[pair] = experts.get(pair, 0) + tensor.nbytes
+            stored[pair] = stored.get(pair, 0) + tensor.stored_nbytes
             pinned[pair] = pinned.get(pair, 0) + pinned_block_bytes(tensor.nbytes)
     element = _checkpoint_element_bytes(tensors)
     expert_bytes = max(experts.values(), default=0)
@@ -458,8 +487,9 @@ def plan_memory(
         kv_tokens=context_tokens,
     )
     roles = [main, shadow]
+    coded = any(t.stored is not None for t in tensors)
     for worker in range(workers):
-        owned = sum(experts.get(pair, 0) for pair in plan.owned(worker))
+        owned = sum(stored.get(pair, 0) for pair in plan.owned(worker))
         members = len(plan.groups[plan.group_of_worker(worker)])
         depth = resolve_depth(max_resident_experts, plan.top_k, members)  # what its loader will hold
         on_gpu = _worker_device_bytes(plan, worker, strategy, experts, expert_bytes, depth, cache_experts)
@@ -473,7 +503,8 @@ def plan_memory(
             held = (hot_experts + depth) * max(pinned.values(), default=0)
             host = min(owned_pinned, held) + RUNTIME_OVERHEAD_BYTES
         else:
-            host = owned + RUNTIME_OVERHEAD_BYTES
+            # Coded experts stay coded in RAM; each load decodes one into a fresh buffer, up to depth at once.
+            host = owned + (depth * expert_bytes if coded else 0) + RUNTIME_OVERHEAD_BYTES
         roles.append(RoleMemory(f"worker-{worker}", host, on_gpu + CUDA_CONTEXT_BYTES, owned, host + on_gpu))
     return MemoryPlan(
         model=name,

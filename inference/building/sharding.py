@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from inference.building.memory import checkpoint_tensors, shadow_weight_bytes
-from inference.constants import MAIN_EXTRAS, SHADOW_DTYPES
+from inference.constants import EXPERT_CODECS, MAIN_EXTRAS, SHADOW_DTYPES
 from inference.modelio.checkpoint import (
     CONFIG_FILE,
     EXPERT_PROJS,
@@ -55,6 +55,7 @@ from inference.modelio.shards import (
     Role,
     ShardError,
     ShardSet,
+    StoredTensor,
     file_sha256,
     is_role_dirname,
     shard_roles,
@@ -100,6 +101,7 @@ def build_shards(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     progress: ProgressFn | None = None,
     shadow_dtypes: Sequence[str] = (),
+    expert_codec: str = "none",
 ) -> ShardSet:
     """Write the main, shadow and worker shards of the checkpoint in ``model_dir``.
 
@@ -108,8 +110,12 @@ def build_shards(
     called with tensor bytes read so far, ending at ``done == total``. Each of
     ``shadow_dtypes`` also gets a shadow shard converted to it once, here (``shadow-nf4``...):
     a shadow box then downloads 26 GB of nf4 instead of the 93 GB of a bf16 Mixtral-8x7B,
-    and starts without converting anything.
+    and starts without converting anything. ``expert_codec`` (``EXPERT_CODECS``) is how the worker
+    shards store their experts: ``"exponent-plane"`` writes each one coded, lossless
+    (``inference.modelio.expert_codec``), and lists it in the manifest's ``stored``.
     """
+    if expert_codec not in EXPERT_CODECS:
+        raise ShardError(f"unknown expert codec {expert_codec!r}; allowed: {', '.join(EXPERT_CODECS)}")
     if workers < 1:
         raise ShardError(f"at least one worker is needed, got workers={workers}")
     unknown = [d for d in shadow_dtypes if d not in SHADOW_DTYPES]
@@ -135,12 +141,13 @@ def build_shards(
     report = _Progress(total, progress)
     try:
         for role, keys in role_keys.items():
-            _build_role(ckpt, plan, role, keys, out / role.dirname, max_file_bytes, report)
+            codec = expert_codec if role.role == "worker" else "none"
+            _build_role(ckpt, plan, role, keys, out / role.dirname, max_file_bytes, report, codec)
     except CheckpointError as exc:
         raise ShardError(f"cannot shard {model_dir}: {exc}") from exc
     report.finish()
     # Written last: a directory without shards.json is an interrupted build.
-    shard_set = ShardSet(out, plan, _model_summary(ckpt), shadow_dtypes)
+    shard_set = ShardSet(out, plan, _model_summary(ckpt), shadow_dtypes, expert_codec)
     _write_json_atomic(out / SET_FILE, _set_index(shard_set))
     return shard_set
 
@@ -185,7 +192,13 @@ def add_shadow_shards(
         except CheckpointError as exc:
             raise ShardError(f"cannot shard {model_dir}: {exc}") from exc
     report.finish()
-    shard_set = ShardSet(shard_set.root, shard_set.placement, shard_set.model, (*shard_set.shadow_dtypes, *missing))
+    shard_set = ShardSet(
+        shard_set.root,
+        shard_set.placement,
+        shard_set.model,
+        (*shard_set.shadow_dtypes, *missing),
+        shard_set.expert_codec,
+    )
     _write_json_atomic(shard_set.root / SET_FILE, _set_index(shard_set))
     return shard_set
 
@@ -297,9 +310,11 @@ def _build_role(
     directory: Path,
     max_file_bytes: int,
     report: _Progress,
+    expert_codec: str = "none",
 ) -> None:
     directory.mkdir()
     writer = _PartWriter(directory, max_file_bytes)
+    stored: dict[str, StoredTensor] = {}
 
     def read() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in ckpt.iter_tensors(keys):
@@ -315,6 +330,8 @@ def _build_role(
         from inference.shadow.shadow_model import convert_tensors
 
         records = convert_tensors(records, ckpt.hf_config(), role.shadow_dtype, torch.device("cpu"))
+    if expert_codec != "none":
+        records = _coded(records, stored)
     for name, tensor in records:
         writer.add(name, tensor)
     writer.flush()
@@ -324,10 +341,32 @@ def _build_role(
     for name in extras:
         if (ckpt.path / name).is_file():
             shutil.copyfile(ckpt.path / name, directory / name)
-    _write_json_atomic(directory / MANIFEST_FILE, _manifest(directory, role, plan))
+    _write_json_atomic(directory / MANIFEST_FILE, _manifest(directory, role, plan, stored))
 
 
-def _manifest(directory: Path, role: Role, plan: Placement) -> dict[str, Any]:
+def _coded(
+    records: Iterable[tuple[str, torch.Tensor]], stored: dict[str, StoredTensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each expert tensor of ``records`` as its coded bytes (a flat uint8 tensor), noted in ``stored``;
+    any other tensor, or one of a dtype the code does not take, as it is."""
+    import torch
+
+    from inference.modelio.expert_codec import EXPONENT_PLANE, encode, supports
+    from inference.modelio.tensorfile import DTYPES
+
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    for name, tensor in records:
+        dtype = names.get(tensor.dtype, "")
+        if not (is_expert_key(name) and supports(dtype)):
+            yield name, tensor
+            continue
+        raw = tensor.contiguous().view(torch.uint8).numpy().reshape(-1)
+        blob = encode(raw, dtype)
+        stored[name] = StoredTensor(EXPONENT_PLANE, dtype, tuple(tensor.shape), raw.size, len(blob))
+        yield name, torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def _manifest(directory: Path, role: Role, plan: Placement, stored: dict[str, StoredTensor]) -> dict[str, Any]:
     experts = sorted(plan.owned(role.worker)) if role.worker is not None else None
     files = [
         {"path": path.name, "size": path.stat().st_size, "sha256": file_sha256(path)}
@@ -345,6 +384,8 @@ def _manifest(directory: Path, role: Role, plan: Placement) -> dict[str, Any]:
     }
     if role.shadow_dtype is not None:
         manifest["records"] = RECORDS_FORMAT  # how the converted tensors are laid out and quantized
+    if stored:
+        manifest["stored"] = {name: entry.to_dict() for name, entry in sorted(stored.items())}
     return manifest
 
 
@@ -364,6 +405,7 @@ def _set_index(shard_set: ShardSet) -> dict[str, Any]:
         "model": shard_set.model,
         "placement": shard_set.placement.to_dict(),
         "shadow_dtypes": list(shard_set.shadow_dtypes),
+        "expert_codec": shard_set.expert_codec,
         "roles": [{"role": role.role, "worker": role.worker, "dir": role.dirname} for role in shard_set.roles()],
     }
 

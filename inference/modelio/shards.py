@@ -16,6 +16,11 @@ Layout::
     out_dir/shadow/              same, with every tensor
     out_dir/shadow-{dtype}/      the shadow's model converted to dtype (``RECORDS_FORMAT``)
     out_dir/worker-{i}/          manifest.json, config.json, parts with the owned experts
+
+A worker shard built with an expert code (``expert_codec``) stores each expert tensor under its
+own name as a flat ``U8`` tensor of its coded bytes; its manifest's ``stored`` maps each such name
+to a ``StoredTensor`` (the code, the decoded dtype and shape, raw and stored bytes), and
+``load_role_tensors`` decodes them (``inference.modelio.expert_codec``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inference.constants import MAIN_EXTRAS, NF4_BLOCKSIZE, OWN_SHADOW_DTYPE, SHADOW_DTYPES
+from inference.constants import (
+    CODED_DTYPE_BYTES,
+    EXPERT_CODECS,
+    EXPONENT_PLANE_CODEC,
+    MAIN_EXTRAS,
+    NF4_BLOCKSIZE,
+    OWN_SHADOW_DTYPE,
+    SHADOW_DTYPES,
+)
 from inference.policies.placement import LayerExpert, Placement, placement_from_dict
 
 if TYPE_CHECKING:
@@ -81,6 +94,58 @@ class Role:
 
 
 @dataclass(frozen=True)
+class StoredTensor:
+    """How a worker shard stores one tensor coded: a flat ``U8`` tensor of ``stored_bytes`` that
+    decodes (``codec``) to ``raw_bytes`` of ``dtype`` (a safetensors dtype name) in ``shape``."""
+
+    codec: str
+    dtype: str
+    shape: tuple[int, ...]
+    raw_bytes: int
+    stored_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "codec": self.codec,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "raw_bytes": self.raw_bytes,
+            "stored_bytes": self.stored_bytes,
+        }
+
+
+def stored_tensors(manifest: dict[str, Any], where: str = "shard manifest") -> dict[str, StoredTensor]:
+    """The tensors a manifest says are stored coded, checked: ``ShardError`` names a bad entry."""
+    table = manifest.get("stored") or {}
+    if not isinstance(table, dict):
+        raise ShardError(f"{where}: 'stored' must map tensor names to their codes")
+    return {name: _stored_entry(where, name, entry) for name, entry in table.items()}
+
+
+def _stored_entry(where: str, name: Any, entry: Any) -> StoredTensor:
+    bad = f"{where}: stored tensor {name!r}"
+    if not isinstance(name, str) or not isinstance(entry, dict):
+        raise ShardError(f"{bad} has a malformed entry")
+    codec, dtype, shape = entry.get("codec"), entry.get("dtype"), entry.get("shape")
+    raw, stored = entry.get("raw_bytes"), entry.get("stored_bytes")
+    if codec != EXPONENT_PLANE_CODEC:
+        raise ShardError(f"{bad} has code {codec!r}; this version reads {EXPONENT_PLANE_CODEC!r}")
+    if dtype not in CODED_DTYPE_BYTES:
+        raise ShardError(f"{bad} has dtype {dtype!r}; coded tensors are {', '.join(CODED_DTYPE_BYTES)}")
+    # type(...) is int: a JSON true is a bool, which isinstance(..., int) would let through.
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise ShardError(f"{bad} has a malformed shape {shape!r}")
+    if not (type(raw) is int and type(stored) is int and stored > 0):
+        raise ShardError(f"{bad} has malformed sizes {raw!r} / {stored!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if raw != numel * CODED_DTYPE_BYTES[dtype]:
+        raise ShardError(f"{bad}: {raw} raw bytes do not fit a {dtype} tensor of shape {shape}")
+    return StoredTensor(codec, dtype, tuple(shape), raw, stored)
+
+
+@dataclass(frozen=True)
 class ShardSet:
     """A built set of role shards (what ``shards.json`` describes)."""
 
@@ -88,6 +153,7 @@ class ShardSet:
     placement: Placement
     model: dict[str, Any]
     shadow_dtypes: tuple[str, ...] = ()  # the pre-converted shadows built beside the full one
+    expert_codec: str = "none"  # how the worker shards store their experts (EXPERT_CODECS)
 
     @property
     def main(self) -> Path:
@@ -119,7 +185,10 @@ class ShardSet:
             raise ShardError(f"{root / SET_FILE}: format is {found!r}, expected {SET_FORMAT!r}")
         try:
             dtypes = tuple(str(d) for d in data.get("shadow_dtypes", []))
-            return cls(root, placement_from_dict(data["placement"]), dict(data["model"]), dtypes)
+            codec = data.get("expert_codec", "none")
+            if codec not in EXPERT_CODECS:
+                raise ValueError(f"expert_codec {codec!r} is not one of {', '.join(EXPERT_CODECS)}")
+            return cls(root, placement_from_dict(data["placement"]), dict(data["model"]), dtypes, codec)
         except (KeyError, TypeError, ValueError) as exc:
             raise ShardError(f"{root / SET_FILE}: malformed shard set index ({exc!r})") from exc
 
@@ -211,7 +280,7 @@ def load_role_tensors(
         if entry["path"].endswith(".safetensors") and entry["path"] not in MAIN_EXTRAS  # weights, not tables
     ]
     wanted = None if keys is None else set(keys)
-    return _iter_parts(directory, sorted(parts), wanted)
+    return _iter_parts(directory, sorted(parts), wanted, stored_tensors(manifest, f"shard {directory}"))
 
 
 def role_experts(manifest: dict[str, Any]) -> list[LayerExpert]:
@@ -219,7 +288,9 @@ def role_experts(manifest: dict[str, Any]) -> list[LayerExpert]:
     return [(int(layer), int(expert)) for layer, expert in manifest.get("experts") or []]
 
 
-def _iter_parts(directory: Path, parts: list[str], wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_parts(
+    directory: Path, parts: list[str], wanted: set[str] | None, stored: dict[str, StoredTensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
     # Plain reads, not safe_open's memory map: a role's resident memory is then what it keeps
     # (see inference.modelio.tensorfile), not every page of every part it has read.
     from inference.modelio.tensorfile import TensorFileError, iter_tensors  # torch: only a role reads tensors
@@ -230,12 +301,28 @@ def _iter_parts(directory: Path, parts: list[str], wanted: set[str] | None) -> I
         try:
             for name, tensor in iter_tensors(file, wanted):
                 found.add(name)
-                yield name, tensor
-        except (TensorFileError, OSError) as exc:  # a ShardError can't occur in here
+                yield name, (_decoded(directory, name, tensor, stored[name]) if name in stored else tensor)
+        except (TensorFileError, OSError) as exc:  # a ShardError (a bad coded tensor) passes through
             raise ShardError(f"shard {directory}: cannot read {part}: {exc}") from exc
     if wanted is not None and wanted - found:
         missing = sorted(wanted - found)
         raise ShardError(f"shard {directory} lacks {len(missing)} requested tensor(s), e.g. {missing[0]!r}")
+
+
+def _decoded(directory: Path, name: str, blob: torch.Tensor, entry: StoredTensor) -> torch.Tensor:
+    """A coded tensor as its manifest says it decodes (zstandard, numpy, torch: only a role decodes)."""
+    import torch
+
+    from inference.modelio.expert_codec import CodecError, decode
+    from inference.modelio.tensorfile import DTYPES
+
+    if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() != entry.stored_bytes:
+        raise ShardError(f"shard {directory}: stored tensor {name!r} is not the {entry.stored_bytes} bytes listed")
+    try:
+        raw = decode(blob.numpy(), entry.dtype, entry.raw_bytes)
+    except CodecError as exc:
+        raise ShardError(f"shard {directory}: stored tensor {name!r} does not decode: {exc}") from None
+    return torch.from_numpy(raw).view(DTYPES[entry.dtype]).reshape(entry.shape)
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -332,6 +419,7 @@ __all__ = [
     "Role",
     "ShardError",
     "ShardSet",
+    "StoredTensor",
     "file_sha256",
     "is_plain_file_name",
     "is_role_dirname",
@@ -340,5 +428,6 @@ __all__ = [
     "role_experts",
     "shadow_dtypes_to_build",
     "shard_roles",
+    "stored_tensors",
     "verify_shard",
 ]

@@ -171,9 +171,13 @@ class LocalCluster:
         # A shadow in another dtype than the checkpoint's gets its shard converted by the shard
         # build, as a deployment's does (a reused work_dir without that shard: converted at load).
         preconvert = shadow_dtypes_to_build(checkpoint.config, shadow_dtype) if self.options.runs_shadow else ()
-        if not (shard_dir / "shards.json").exists():
+        codec = self.options.settings.expert_codec
+        # A reused work_dir's shards are rebuilt when they store the experts otherwise than asked.
+        if not (shard_dir / "shards.json").exists() or ShardSet.load(shard_dir).expert_codec != codec:
             self.progress(f"building shards for {self.options.workers} workers in {shard_dir}")
-            build_shards(checkpoint.path, shard_dir, workers=self.options.workers, shadow_dtypes=preconvert)
+            build_shards(
+                checkpoint.path, shard_dir, workers=self.options.workers, shadow_dtypes=preconvert, expert_codec=codec
+            )
         self.shard_dir = shard_dir
         shadow_dir = ShardSet.load(shard_dir).shadow_for(shadow_dtype)
         addresses = Addresses(

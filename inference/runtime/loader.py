@@ -28,7 +28,10 @@ only once the copy out of it is done. The compute stream waits for a copy's even
 using it, and every expert the compute stream has read is handed back to the allocator with
 ``record_stream`` when it is freed or pushed out of the cache, so a later copy on the side
 stream can never overwrite memory a kernel still reads. On CPU a copy is a fresh buffer (what
-a GPU would hold). Resident bytes are counted from the experts' own tensors on both, never
+a GPU would hold). An expert its shard stores coded (``inference.modelio.expert_codec``) is decoded by
+the store on this host as the copy starts; an emulated link (``copy_bytes_per_s``) carries its coded
+bytes, after the decode's real time. On CUDA the decoded expert is copied: the link carries it whole
+(a decode on the device is not built). Resident bytes are counted from the experts' own tensors on both, never
 from ``torch.cuda.memory_allocated`` (which counts activations and every other allocation of
 the process too).
 """
@@ -340,12 +343,18 @@ class ExpertLoader:
                 if self.staging is not None and slot is not None:
                     self.staging.copied(slot, None)  # a CPU copy is done when it returns
             if self.copy_bytes_per_s:
-                floor = host.nbytes / self.copy_bytes_per_s
+                # The link carries what the store holds: an expert's coded bytes where its shard codes it,
+                # decoded above (the store's get) on this CPU, in real time.
+                floor = self._link_bytes(layer, expert, host) / self.copy_bytes_per_s
                 elapsed = time.perf_counter() - copying  # the copy follows the read, as a DMA from it does
                 if floor > elapsed:
                     time.sleep(floor - elapsed)
             last = self._account(last)
             yield key, Resident(weights, host.nbytes, None)
+
+    def _link_bytes(self, layer: int, expert: int, host: ExpertWeights) -> int:
+        stored = getattr(self.store, "stored_nbytes", None)
+        return stored(layer, expert) if stored is not None else host.nbytes
 
     def _staging_lock(self) -> threading.Lock | nullcontext[None]:
         return self.staging.lock if self.staging is not None else nullcontext()

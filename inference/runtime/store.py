@@ -8,6 +8,13 @@ a worker's host memory stays at its overhead plus the experts in flight, whateve
 ``HotSetStore`` keeps the last experts a ``DiskStore`` read in RAM (the eviction rule:
 ``inference.policies.hotset``). ``open_store`` picks one by the ``expert_store`` setting (``"ram"``,
 ``"disk"``, or ``"hot"``).
+
+A shard whose experts are stored coded (``expert_codec``, ``inference.modelio.expert_codec``) is read
+as it lies: the "disk" store reads an expert's coded bytes and decodes them into the tensors it
+returns (or a staging buffer), the "ram" store keeps the coded bytes in RAM and decodes at each
+``get``, when the loader moves the expert to its device. ``nbytes`` is an expert's decoded size
+(what it takes on the device); ``stored_nbytes`` what the store holds and reads of it (what a
+disk, RAM or an emulated link carries). The "hot" store keeps the coded bytes of its hot set too.
 """
 
 from __future__ import annotations
@@ -20,14 +27,23 @@ import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from inference.constants import EXPERT_STORES
 from inference.modelio.checkpoint import EXPERT_PROJS, parse_expert_key
-from inference.modelio.shards import MANIFEST_FILE, ShardError, role_experts, verify_shard
-from inference.modelio.tensorfile import TensorEntry, TensorFileError, read_header
+from inference.modelio.expert_codec import CodecError, decode_into
+from inference.modelio.shards import (
+    MANIFEST_FILE,
+    ShardError,
+    StoredTensor,
+    role_experts,
+    stored_tensors,
+    verify_shard,
+)
+from inference.modelio.tensorfile import DTYPES, TensorEntry, TensorFileError, read_header
 from inference.policies.hotset import hot_set_victims
 from inference.runtime.experts import ExpertWeights
 
@@ -93,8 +109,12 @@ def _missing(layer: int, expert: int) -> KeyError:
 
 
 class HostMemoryStore:
-    def __init__(self, experts: dict[LayerExpert, ExpertWeights]) -> None:
+    """Every owned expert in RAM: as fused tensors, or as its coded bytes (``CodedExpert``) decoded
+    into fresh tensors (pinned with ``pin``) at each ``get``."""
+
+    def __init__(self, experts: dict[LayerExpert, ExpertWeights | CodedExpert], *, pin: bool = False) -> None:
         self._experts = experts
+        self.pin = pin
 
     @classmethod
     def from_shard(
@@ -110,36 +130,91 @@ class HostMemoryStore:
         up to a power of two: a Mixtral-8x7B expert's 224 MiB gate_up would take 256 MiB, and
         a worker pinning 22 GB of experts would need 25.
         """
-        experts = {}
+        experts: dict[LayerExpert, ExpertWeights | CodedExpert] = {}
         with DiskStore(shard_dir, verify=verify, dtype=dtype) as disk:
             for pair in sorted(disk.keys()):
+                if disk.keeps_coded(*pair):  # the coded bytes stay in RAM; each get decodes them
+                    experts[pair] = disk.read_coded(*pair)
+                    continue
                 weights = disk.get(*pair)
                 if pin:
                     page_lock(weights.gate_up)
                     page_lock(weights.down)
                 experts[pair] = weights
-        return cls(experts)
+        return cls(experts, pin=pin)
 
     def keys(self) -> frozenset[LayerExpert]:
         return frozenset(self._experts)
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
+        held = self._held(layer, expert)
+        return held.decode(pin=self.pin) if isinstance(held, CodedExpert) else held
+
+    def nbytes(self, layer: int, expert: int) -> int:
+        return self._held(layer, expert).nbytes
+
+    def stored_nbytes(self, layer: int, expert: int) -> int:
+        """What this store holds of the expert in RAM (its coded bytes where the shard codes it)."""
+        held = self._held(layer, expert)
+        return held.stored_nbytes if isinstance(held, CodedExpert) else held.nbytes
+
+    def _held(self, layer: int, expert: int) -> ExpertWeights | CodedExpert:
         try:
             return self._experts[(layer, expert)]
         except KeyError:
             raise _missing(layer, expert) from None
 
-    def nbytes(self, layer: int, expert: int) -> int:
-        return self.get(layer, expert).nbytes
-
 
 @dataclass(frozen=True)
 class _Span:
-    """Where one tensor's bytes lie: an open part file and an absolute byte range."""
+    """Where one tensor's bytes lie: an open part file and an absolute byte range (``nbytes`` read);
+    ``coded``: how they decode, when the shard stores the tensor coded."""
 
     fd: int
     offset: int
     nbytes: int
+    coded: StoredTensor | None = None
+
+    @property
+    def raw_nbytes(self) -> int:
+        return self.coded.raw_bytes if self.coded is not None else self.nbytes
+
+
+@dataclass(frozen=True)
+class CodedExpert:
+    """An expert's three coded tensors (w1, w3, w2) as the shard stores them, and how they decode."""
+
+    gate_up_shape: tuple[int, int]
+    down_shape: tuple[int, int]
+    dtype: torch.dtype
+    blobs: tuple[np.ndarray, np.ndarray, np.ndarray]  # w1, w3, w2: flat uint8
+    codes: tuple[StoredTensor, StoredTensor, StoredTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(code.raw_bytes for code in self.codes)
+
+    @property
+    def stored_nbytes(self) -> int:
+        return sum(blob.size for blob in self.blobs)
+
+    def decode(self, *, pin: bool = False) -> ExpertWeights:
+        """The expert as fused tensors, decoded into fresh ones (``ShardError`` if a blob is bad)."""
+        gate_up = torch.empty(self.gate_up_shape, dtype=self.dtype, pin_memory=pin)
+        down = torch.empty(self.down_shape, dtype=self.dtype, pin_memory=pin)
+        self.decode_into(gate_up, down)
+        return ExpertWeights(gate_up, down)
+
+    def decode_into(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        rows = _byte_array(gate_up)
+        first = self.codes[0].raw_bytes
+        for blob, code, out in zip(
+            self.blobs, self.codes, (rows[:first], rows[first:], _byte_array(down)), strict=True
+        ):
+            try:
+                decode_into(blob, code.dtype, out)
+            except CodecError as exc:
+                raise ShardError(f"a coded expert does not decode: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -151,8 +226,22 @@ class _ExpertIndex:
     down: _Span  # w2
 
     @property
+    def spans(self) -> tuple[_Span, _Span, _Span]:
+        return (*self.gate_up, self.down)
+
+    @property
     def nbytes(self) -> int:
-        return self.gate_up[0].nbytes + self.gate_up[1].nbytes + self.down.nbytes
+        """Decoded bytes: what the expert takes in memory."""
+        return sum(span.raw_nbytes for span in self.spans)
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes in the shard's files: what a read moves."""
+        return sum(span.nbytes for span in self.spans)
+
+    @property
+    def coded(self) -> bool:
+        return self.down.coded is not None
 
 
 class DiskStore:
@@ -215,7 +304,7 @@ class DiskStore:
                     raise ShardError(f"shard {self.shard_dir}: cannot index {part}: {exc}") from exc
                 for name, entry in header.items():
                     tensors[name] = (fd, entry)
-            self._index = self._build_index(tensors)
+            self._index = self._build_index(tensors, stored_tensors(manifest, f"shard {self.shard_dir}"))
             listed = set(role_experts(manifest))
             if listed and listed != set(self._index):
                 raise ShardError(f"shard {self.shard_dir}: its files' experts do not match the manifest's expert list")
@@ -223,11 +312,14 @@ class DiskStore:
             self.close()
             raise
 
-    def _build_index(self, tensors: dict[str, tuple[int, TensorEntry]]) -> dict[LayerExpert, _ExpertIndex]:
-        projs: dict[LayerExpert, dict[str, tuple[int, TensorEntry]]] = {}
-        for name, located in tensors.items():
+    def _build_index(
+        self, tensors: dict[str, tuple[int, TensorEntry]], stored: dict[str, StoredTensor]
+    ) -> dict[LayerExpert, _ExpertIndex]:
+        projs: dict[LayerExpert, dict[str, _Located]] = {}
+        for name, (fd, entry) in tensors.items():
             key = parse_expert_key(name)
             if key is not None:
+                located = _Located(fd, *_decoded_entry(self.shard_dir, entry, stored.get(name)))
                 projs.setdefault((key.layer, key.expert), {})[key.proj] = located
         index: dict[LayerExpert, _ExpertIndex] = {}
         for (layer, expert), found in projs.items():
@@ -235,7 +327,9 @@ class DiskStore:
             missing = sorted(set(EXPERT_PROJS) - found.keys())
             if missing:
                 raise ShardError(f"{where} lacks {', '.join(missing)}")
-            (fd1, w1), (fd2, w2), (fd3, w3) = found["w1"], found["w2"], found["w3"]
+            (fd1, w1, c1), (fd2, w2, c2), (fd3, w3, c3) = found["w1"], found["w2"], found["w3"]
+            if len({c is None for c in (c1, c2, c3)}) > 1:
+                raise ShardError(f"{where} mixes coded and plain tensors")
             if not w1.dtype == w2.dtype == w3.dtype:
                 raise ShardError(f"{where} has mixed dtypes {w1.dtype}/{w2.dtype}/{w3.dtype}")
             if len(w1.shape) != 2 or w1.shape != w3.shape or w2.shape != w1.shape[::-1]:
@@ -245,10 +339,38 @@ class DiskStore:
                 dtype=w1.dtype,
                 gate_up_shape=(2 * inter, hidden),
                 down_shape=(hidden, inter),
-                gate_up=(_Span(fd1, w1.start, w1.nbytes), _Span(fd3, w3.start, w3.nbytes)),
-                down=_Span(fd2, w2.start, w2.nbytes),
+                gate_up=(_Span(fd1, w1.start, w1.nbytes, c1), _Span(fd3, w3.start, w3.nbytes, c3)),
+                down=_Span(fd2, w2.start, w2.nbytes, c2),
             )
         return index
+
+    def stored_nbytes(self, layer: int, expert: int) -> int:
+        """Bytes of the expert in the shard's files: what a read moves (its coded bytes where coded)."""
+        return self._entry(layer, expert).stored_nbytes
+
+    def keeps_coded(self, layer: int, expert: int) -> bool:
+        """Whether the expert is stored coded and read in its own dtype (no cast): a RAM store then
+        holds its coded bytes (``read_coded``)."""
+        entry = self._entry(layer, expert)
+        return entry.coded and (self.dtype is None or self.dtype == entry.dtype)
+
+    def read_coded(self, layer: int, expert: int) -> CodedExpert:
+        """The expert's coded bytes as the shard stores them (``keeps_coded`` must be true)."""
+        entry = self._entry(layer, expert)
+        if not entry.coded:
+            raise ValueError(f"expert {expert} of layer {layer} is not stored coded")
+        start = time.perf_counter()
+        coded = self._read_blobs(entry)
+        if self.read_bytes_per_s:
+            self._throttle(entry.stored_nbytes, start)
+        return coded
+
+    def _read_blobs(self, entry: _ExpertIndex) -> CodedExpert:
+        blobs = tuple(np.empty(span.nbytes, dtype=np.uint8) for span in entry.spans)
+        for span, blob in zip(entry.spans, blobs, strict=True):
+            _pread_into(span, memoryview(blob))
+        codes = tuple(span.coded for span in entry.spans)
+        return CodedExpert(entry.gate_up_shape, entry.down_shape, entry.dtype, blobs, codes)  # type: ignore[arg-type]
 
     def keys(self) -> frozenset[LayerExpert]:
         return frozenset(self._index)
@@ -300,13 +422,16 @@ class DiskStore:
         if gate_up is None or down is None:
             gate_up = torch.empty(entry.gate_up_shape, dtype=entry.dtype, pin_memory=pin)
             down = torch.empty(entry.down_shape, dtype=entry.dtype, pin_memory=pin)
-        rows = _writable_bytes(gate_up)
-        first = entry.gate_up[0].nbytes
-        _pread_into(entry.gate_up[0], rows[:first])
-        _pread_into(entry.gate_up[1], rows[first:])
-        _pread_into(entry.down, _writable_bytes(down))
+        if entry.coded:
+            self._read_blobs(entry).decode_into(gate_up, down)
+        else:
+            rows = _writable_bytes(gate_up)
+            first = entry.gate_up[0].nbytes
+            _pread_into(entry.gate_up[0], rows[:first])
+            _pread_into(entry.gate_up[1], rows[first:])
+            _pread_into(entry.down, _writable_bytes(down))
         if self.read_bytes_per_s:
-            self._throttle(entry.nbytes, start)
+            self._throttle(entry.stored_nbytes, start)
         return gate_up, down
 
     def close(self) -> None:
@@ -340,14 +465,15 @@ class DiskStore:
 
 
 class HotSetStore:
-    """A ``DiskStore`` with the last ``capacity`` experts it read kept in RAM (``ExpertStore``)."""
+    """A ``DiskStore`` with the last ``capacity`` experts it read kept in RAM (``ExpertStore``); an expert
+    its shard stores coded is kept coded and decoded at each ``get``, as the "ram" store does."""
 
     def __init__(self, disk: DiskStore, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"a hot set holds at least 1 expert, got {capacity}")
         self.disk = disk
         self.capacity = capacity
-        self._held: OrderedDict[LayerExpert, ExpertWeights] = OrderedDict()
+        self._held: OrderedDict[LayerExpert, ExpertWeights | CodedExpert] = OrderedDict()
         self._pins: Counter[LayerExpert] = Counter()
         self._lock = threading.Lock()
         self.reads = 0  # experts read from disk
@@ -359,6 +485,14 @@ class HotSetStore:
     def nbytes(self, layer: int, expert: int) -> int:
         return self.disk.nbytes(layer, expert)
 
+    def stored_nbytes(self, layer: int, expert: int) -> int:
+        """What the hot set holds of the expert in RAM: its coded bytes where it is kept coded."""
+        return (
+            self.disk.stored_nbytes(layer, expert)
+            if self.disk.keeps_coded(layer, expert)
+            else self.nbytes(layer, expert)
+        )
+
     def get(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
         with self._lock:
@@ -366,15 +500,19 @@ class HotSetStore:
             if held is not None:
                 self._held.move_to_end(key)
                 self.hits += 1
-                return held
-        weights = self.disk.get(layer, expert)  # outside the lock: a read takes a while
-        with self._lock:
-            self.reads += 1
-            self._held[key] = weights
-            self._held.move_to_end(key)
-            for victim in hot_set_victims(list(self._held), set(self._pins), self.capacity):
-                del self._held[victim]
-        return weights
+        if held is None:  # outside the lock: a read takes a while
+            held = (
+                self.disk.read_coded(layer, expert)
+                if self.disk.keeps_coded(layer, expert)
+                else self.disk.get(layer, expert)
+            )
+            with self._lock:
+                self.reads += 1
+                self._held[key] = held
+                self._held.move_to_end(key)
+                for victim in hot_set_victims(list(self._held), set(self._pins), self.capacity):
+                    del self._held[victim]
+        return held.decode(pin=self.disk.pin) if isinstance(held, CodedExpert) else held
 
     def pin(self, layer: int, expert: int) -> None:
         """A prediction named this expert: keep it until it is used."""
@@ -399,8 +537,9 @@ class HotSetStore:
             return list(self._held)
 
     def resident_bytes(self) -> int:
+        """Bytes the hot set holds in RAM (coded experts at their coded size)."""
         with self._lock:
-            return sum(w.nbytes for w in self._held.values())
+            return sum(w.stored_nbytes if isinstance(w, CodedExpert) else w.nbytes for w in self._held.values())
 
     def close(self) -> None:
         self.disk.close()
@@ -414,6 +553,34 @@ def _manifest(shard_dir: Path) -> dict:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
         raise ShardError(f"shard {shard_dir}: {MANIFEST_FILE} has no 'files' list")
     return manifest
+
+
+class _Located(NamedTuple):
+    """One expert tensor of the shard: its part file, its (decoded) entry, and its code if coded."""
+
+    fd: int
+    entry: TensorEntry
+    coded: StoredTensor | None
+
+
+def _decoded_entry(
+    shard_dir: Path, entry: TensorEntry, coded: StoredTensor | None
+) -> tuple[TensorEntry, StoredTensor | None]:
+    """``entry`` as the tensor it decodes to (dtype and shape from the manifest; the byte range stays
+    the stored one), checked against the manifest: ``ShardError`` if the file holds something else."""
+    if coded is None:
+        return entry, None
+    if entry.dtype != torch.uint8 or len(entry.shape) != 1 or entry.nbytes != coded.stored_bytes:
+        raise ShardError(
+            f"shard {shard_dir}: stored tensor {entry.name!r} is {entry.nbytes} bytes of {entry.dtype}, "
+            f"the manifest lists {coded.stored_bytes} coded bytes"
+        )
+    return TensorEntry(entry.name, DTYPES[coded.dtype], coded.shape, entry.start, entry.nbytes), coded
+
+
+def _byte_array(tensor: torch.Tensor) -> np.ndarray:
+    """A writable flat uint8 numpy view of a contiguous CPU tensor's storage (any dtype, bf16 included)."""
+    return tensor.view(-1).view(torch.uint8).numpy()
 
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:

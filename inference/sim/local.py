@@ -129,16 +129,25 @@ class EmulatedRates:
     host_memory_bytes_per_s: float | None = None  # hybrid execution's CPU path, emulated
     host_flops: float | None = None
     expert_flops: float = 0.0  # one row through one expert
+    # A coded expert (``expert_codec``): the bytes the emulated copy carries (None: ``expert_bytes``)
+    # and the seconds this machine's CPU takes to decode one, measured: the loader decodes it as its
+    # copy starts, one after the other (``inference.runtime.loader``).
+    stored_bytes: int | None = None
+    decode_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.copy_bytes_per_s <= 0 or self.expert_bytes <= 0:
             raise ValueError("copy bandwidth and expert bytes must be positive")
         if self.link_bytes_per_s is not None and self.link_bytes_per_s <= 0:
             raise ValueError("link bandwidth must be positive (or None for no emulated link)")
+        if (self.stored_bytes is not None and self.stored_bytes <= 0) or self.decode_s < 0:
+            raise ValueError("stored bytes must be positive and decode time not negative")
 
     @property
     def copy_s(self) -> float:
-        return self.expert_bytes / self.copy_bytes_per_s
+        """One expert's load: its decode here (if coded), then its stored bytes over the emulated copy."""
+        stored = self.expert_bytes if self.stored_bytes is None else self.stored_bytes
+        return self.decode_s + stored / self.copy_bytes_per_s
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,240 @@
+"""Worker shards with their experts stored coded (``expert_codec="exponent-plane"``): the build
+records each tensor's code and sizes, every store returns the same bits as from a plain shard while
+holding and reading the coded bytes, and a bad manifest entry or blob is refused with a clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.building.memory import memory_from_checkpoint
+from inference.building.sharding import build_shards
+from inference.modelio.checkpoint import is_expert_key
+from inference.modelio.shards import (
+    MANIFEST_FILE,
+    ShardError,
+    ShardSet,
+    file_sha256,
+    load_role_tensors,
+    read_manifest,
+    stored_tensors,
+)
+from inference.runtime.loader import ExpertLoader
+from inference.runtime.staging import StagingRing
+from inference.runtime.store import DiskStore, HostMemoryStore, open_store
+from inference.settings import DEFAULTS, SpecError, validate_settings
+from inference.tools.tiny import make_tiny
+
+WORKERS = 2
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float16", "float32"])
+def both(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[ShardSet, ShardSet]:
+    """The same checkpoint sharded plain and coded."""
+    root = tmp_path_factory.mktemp(f"coded-{request.param}")
+    model = make_tiny(root / "model", seed=3, shards=2, dtype=request.param)
+    plain = build_shards(model, root / "plain", workers=WORKERS)
+    coded = build_shards(model, root / "coded", workers=WORKERS, expert_codec="exponent-plane")
+    return plain, coded
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_the_build_records_each_coded_tensor_and_the_set_its_codec(both: tuple[ShardSet, ShardSet]) -> None:
+    plain, coded = both
+    assert ShardSet.load(coded.root).expert_codec == "exponent-plane"
+    assert ShardSet.load(plain.root).expert_codec == "none"
+    for worker in range(WORKERS):
+        manifest = read_manifest(coded.worker(worker))
+        stored = stored_tensors(manifest)
+        plain_tensors = dict(load_role_tensors(plain.worker(worker)))
+        assert set(stored) == {name for name in plain_tensors if is_expert_key(name)}
+        for name, entry in stored.items():
+            assert entry.raw_bytes == plain_tensors[name].nbytes
+            assert entry.stored_bytes < entry.raw_bytes
+        assert "stored" not in read_manifest(plain.worker(worker))
+    assert "stored" not in read_manifest(coded.main) and "stored" not in read_manifest(coded.shadow)
+
+
+def test_a_coded_worker_shard_loads_the_same_bits(both: tuple[ShardSet, ShardSet]) -> None:
+    plain, coded = both
+    for worker in range(WORKERS):
+        want = dict(load_role_tensors(plain.worker(worker)))
+        got = dict(load_role_tensors(coded.worker(worker)))
+        assert want.keys() == got.keys()
+        assert all(_same_bits(want[name], got[name]) for name in want)
+
+
+@pytest.mark.parametrize("kind", ["ram", "disk", "hot"])
+def test_every_store_gives_the_same_experts_from_coded_bytes(both: tuple[ShardSet, ShardSet], kind: str) -> None:
+    plain, coded = both
+    want = open_store("ram", plain.worker(0))
+    store = open_store(kind, coded.worker(0), hot_experts=2)
+    try:
+        assert store.keys() == want.keys()
+        for pair in sorted(store.keys()):
+            got, expected = store.get(*pair), want.get(*pair)
+            assert _same_bits(got.gate_up, expected.gate_up) and _same_bits(got.down, expected.down)
+            assert store.nbytes(*pair) == want.nbytes(*pair)  # decoded: what the device holds
+    finally:
+        if kind != "ram":
+            store.close()
+
+
+def test_the_ram_and_disk_stores_count_the_coded_bytes(both: tuple[ShardSet, ShardSet]) -> None:
+    _, coded = both
+    stored = stored_tensors(read_manifest(coded.worker(0)))
+    ram = HostMemoryStore.from_shard(coded.worker(0))
+    with DiskStore(coded.worker(0)) as disk:
+        for pair in sorted(ram.keys()):
+            assert ram.stored_nbytes(*pair) == disk.stored_nbytes(*pair) < ram.nbytes(*pair)
+        total = sum(ram.stored_nbytes(*pair) for pair in sorted(ram.keys()))
+    assert total == sum(entry.stored_bytes for entry in stored.values())
+
+
+def test_a_cast_store_decodes_then_casts(both: tuple[ShardSet, ShardSet]) -> None:
+    plain, coded = both
+    want = open_store("ram", plain.worker(1), dtype=torch.float32)
+    got = open_store("ram", coded.worker(1), dtype=torch.float32)
+    for pair in sorted(want.keys()):
+        assert _same_bits(got.get(*pair).gate_up, want.get(*pair).gate_up)
+        assert _same_bits(got.get(*pair).down, want.get(*pair).down)
+
+
+def test_a_staging_buffer_is_filled_with_decoded_bytes(both: tuple[ShardSet, ShardSet]) -> None:
+    plain, coded = both
+    want = open_store("ram", plain.worker(0))
+    with DiskStore(coded.worker(0)) as disk:
+        pair = min(disk.keys())
+        ring = StagingRing(1, disk.nbytes(*pair), pin=False)
+        staged = ring.stage(ring.take(), disk, *pair)
+        assert _same_bits(staged.gate_up, want.get(*pair).gate_up) and _same_bits(staged.down, want.get(*pair).down)
+
+
+def test_an_emulated_link_carries_the_coded_bytes(both: tuple[ShardSet, ShardSet]) -> None:
+    _, coded = both
+    store = HostMemoryStore.from_shard(coded.worker(0))
+    pair = min(store.keys())
+    loader = ExpertLoader(store, torch.device("cpu"), copy_bytes_per_s=1e12)
+    try:
+        assert loader._link_bytes(*pair, store.get(*pair)) == store.stored_nbytes(*pair) < store.nbytes(*pair)
+    finally:
+        loader.close()
+
+
+def _copy_with(coded: ShardSet, tmp_path: Path, edit) -> Path:
+    """Worker 0's coded shard copied, its manifest edited by ``edit(manifest, directory)``."""
+    directory = tmp_path / "worker-0"
+    shutil.copytree(coded.worker(0), directory)
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    edit(manifest, directory)
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return directory
+
+
+def _first_stored(manifest: dict) -> dict:
+    return manifest["stored"][sorted(manifest["stored"])[0]]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"codec": "gzip"}, "has code 'gzip'"),
+        ({"dtype": "I8"}, "has dtype 'I8'"),
+        ({"raw_bytes": 12}, "raw bytes do not fit"),
+        ({"shape": [True]}, "malformed shape"),
+        ({"stored_bytes": 7}, "the manifest lists 7 coded bytes"),
+    ],
+)
+def test_a_bad_stored_entry_is_refused_by_name(
+    both: tuple[ShardSet, ShardSet], tmp_path: Path, change: dict, message: str
+) -> None:
+    _, coded = both
+    directory = _copy_with(coded, tmp_path, lambda manifest, _: _first_stored(manifest).update(change))
+    with pytest.raises(ShardError, match=message):
+        DiskStore(directory, verify=False)
+
+
+def test_a_corrupted_blob_is_a_clear_error_not_a_crash(both: tuple[ShardSet, ShardSet], tmp_path: Path) -> None:
+    _, coded = both
+
+    def corrupt(manifest: dict, directory: Path) -> None:
+        # The blob's frame begins where its tensor's data does: overwrite its magic number, and list
+        # the part's new hash, as a hostile shard built so would.
+        with DiskStore(directory, verify=False) as disk:
+            pair = min(disk.keys())
+            span = disk._entry(*pair).gate_up[0]
+            part = next(p for p in directory.glob("part-*.safetensors"))
+            data = bytearray(part.read_bytes())
+            data[span.offset : span.offset + 4] = b"\0\0\0\0"
+            part.write_bytes(bytes(data))
+        for entry in manifest["files"]:
+            entry["sha256"] = file_sha256(directory / entry["path"])
+
+    directory = _copy_with(coded, tmp_path, corrupt)
+    with DiskStore(directory) as disk, pytest.raises(ShardError, match=r"does not decode.*not a zstandard frame"):
+        disk.get(*min(disk.keys()))
+    with pytest.raises(ShardError, match="does not decode"):
+        dict(load_role_tensors(directory))
+
+
+def test_an_unknown_codec_is_refused_by_the_build_and_the_settings(tmp_path: Path) -> None:
+    with pytest.raises(ShardError, match="unknown expert codec 'gzip'"):
+        build_shards(tmp_path / "no-model", tmp_path / "out", workers=1, expert_codec="gzip")
+    with pytest.raises(SpecError, match="expert_codec must be one of none, exponent-plane"):
+        validate_settings(dataclasses.replace(DEFAULTS, expert_codec="gzip"))
+
+
+def test_the_memory_plan_counts_the_workers_coded_bytes(both: tuple[ShardSet, ShardSet]) -> None:
+    plain, coded = both
+    model = coded.root.parent / "model"
+    raw = memory_from_checkpoint(model, workers=WORKERS, shards=plain.root)
+    plan = memory_from_checkpoint(model, workers=WORKERS, shards=coded.root)
+    assert raw == memory_from_checkpoint(model, workers=WORKERS)  # a plain set changes nothing
+    for worker in range(WORKERS):
+        stored = stored_tensors(read_manifest(coded.worker(worker)))
+        assert plan.workers[worker].disk_bytes == sum(entry.stored_bytes for entry in stored.values())
+        assert plan.workers[worker].disk_bytes < raw.workers[worker].disk_bytes
+        assert plan.workers[worker].gpu_bytes == raw.workers[worker].gpu_bytes  # decoded on the device
+    assert plan.main == raw.main and plan.shadow == raw.shadow
+
+
+def test_the_shard_command_takes_the_codec(both: tuple[ShardSet, ShardSet], tmp_path: Path) -> None:
+    from inference.__main__ import main
+
+    model = both[1].root.parent / "model"
+    assert main(["shard", str(model), str(tmp_path / "out"), "--workers", "1", "--expert-codec", "exponent-plane"]) == 0
+    assert ShardSet.load(tmp_path / "out").expert_codec == "exponent-plane"
+    assert stored_tensors(read_manifest(tmp_path / "out" / "worker-0"))
+
+
+def test_the_predictions_decode_measure_codes_one_expert_of_the_run(both: tuple[ShardSet, ShardSet]) -> None:
+    from benchmarks.sim_prediction import measure_decode
+
+    measured = measure_decode(both[1].root.parent / "model", repeats=2)
+    assert 0 < measured["stored_bytes"] < measured["expert_bytes"]
+    assert measured["ratio"] == measured["stored_bytes"] / measured["expert_bytes"]
+    assert measured["decode_s"] > 0
+
+
+def test_the_hot_store_keeps_its_hot_set_coded(both: tuple[ShardSet, ShardSet]) -> None:
+    plain, coded = both
+    want = open_store("ram", plain.worker(0))
+    hot = open_store("hot", coded.worker(0), hot_experts=2)
+    try:
+        pairs = sorted(hot.keys())[:3]
+        for pair in [*pairs, pairs[-1]]:  # the last one twice: a hit, decoded again from the coded bytes
+            got = hot.get(*pair)
+            assert _same_bits(got.gate_up, want.get(*pair).gate_up) and _same_bits(got.down, want.get(*pair).down)
+        assert (hot.reads, hot.hits) == (3, 1)
+        assert hot.resident_bytes() == sum(hot.stored_nbytes(*pair) for pair in hot.held())
+        assert hot.resident_bytes() < sum(hot.nbytes(*pair) for pair in hot.held())
+    finally:
+        hot.close()
