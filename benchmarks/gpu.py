@@ -1,7 +1,7 @@
 r"""The GPU check: device facts, copy bandwidth, expert compute and every strategy served, in one bounded run.
 
     python -m benchmarks.gpu [--device cuda:0] [--scale full|tiny] [--json OUT] [--markdown OUT]
-        [--tokens N] [--workers W] [--budget-s S] [--layers N]
+        [--tokens N] [--workers W] [--budget-s S] [--layers N] [--in-process]
 
 Sections, each timed, each bounded by a time limit, each recording its error and letting the
 run go on (the JSON and the Markdown table are rewritten after every section, so what ran is
@@ -31,8 +31,9 @@ on disk even if the process is killed):
    pids mapped to roles), and token agreement with the reference.
 
 ``--scale tiny`` runs the same flow on a model with small hidden sizes in fp32, so that it
-finishes on a CPU in under a minute (the test does this); on a CPU the device-only figures
-(copy bandwidth, per-process device memory) are null with the reason.
+finishes on a CPU in under a minute (the test does this, with ``--in-process``: the roles as
+threads, ``benchmarks.roles``); on a CPU the device-only figures (copy bandwidth, per-process
+device memory) are null with the reason.
 
 On a lent GPU machine (torch 2.11 and transformers 5.17, no pyzmq there), the runtime's wheels
 travel with the tree: ``make gpu-wheels`` here fetches pyzmq and transformers 5.24 (the versions
@@ -75,6 +76,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import roles
 from benchmarks.strategies import copy_bound
 from benchmarks.workload import prompt_of
 from inference.building.sharding import build_shards
@@ -805,7 +807,9 @@ def serve_once(
     """One cluster, one warm-up and one measured generation; the figures of that generation."""
     device = torch.device(args.device)
     settings = Settings(device=args.device, strategy=strategy, shadow_dtype=shadow_dtype or "bf16", dtype="auto")
-    options = ClusterOptions(workers=args.workers, settings=settings, startup_timeout_s=startup_timeout_s)
+    options = ClusterOptions(
+        workers=args.workers, settings=settings, startup_timeout_s=startup_timeout_s, in_process=args.in_process
+    )
     cluster = LocalCluster(model_dir, options, work_dir=work_dir, progress=lambda line: say(f"  {line}"))
     sampler = DeviceMemorySampler(device, work_dir / "memory") if device.type == "cuda" else None
     timings: dict = {}
@@ -1070,6 +1074,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, help="serve this checkpoint instead of building one")
     parser.add_argument("--work-dir", type=Path, help="where the checkpoint and shards go (default: a temp dir)")
     parser.add_argument("--layers", type=int, help="decoder layers of the built checkpoint (default: by scale)")
+    roles.add_argument(parser)
     args = parser.parse_args(argv)
     scale = SCALES[args.scale]
     args.tokens = args.tokens or scale.tokens
@@ -1101,6 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.json, args.markdown, deadline=started + args.budget_s)
     report.data = {
         "format": FORMAT,
+        "roles": roles.kind(args),
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "scale": args.scale,
         "device": args.device,

@@ -113,6 +113,7 @@ def test_the_whole_check_runs_on_a_cpu_at_tiny_scale(tmp_path: Path) -> None:
             "bf16",
             "--json",
             str(out),
+            "--in-process",  # the roles as threads: what runs end to end is checked, not measured
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -125,6 +126,7 @@ def test_the_whole_check_runs_on_a_cpu_at_tiny_scale(tmp_path: Path) -> None:
     assert "[gpu-check" in done.stdout  # progress lines
     data = json.loads(out.read_text())
     assert data["format"] == gpu.FORMAT and data["scale"] == "tiny" and data["device"] == "cpu"
+    assert data["roles"] == "threads"  # refused by the docs' renderer as a source of figures
     statuses = {name: entry["status"] for name, entry in data["sections"].items()}
     assert statuses == dict.fromkeys(SECTIONS, "ok") | {"nf4": "skipped"}  # CPU against GPU kernels: GPU only
     assert "needs a CUDA device" in data["sections"]["nf4"]["reason"]

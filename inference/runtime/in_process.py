@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from inference.runtime.roles.dispatch import ROLES
+from inference.runtime.roles.dispatch import role_class
 from inference.runtime.spec import RoleSpec
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class RoleThread(threading.Thread):
             with _BUILDING:
                 default_dtype = torch.get_default_dtype()
                 try:
-                    role = ROLES[self.spec.role](self.spec)
+                    role = role_class(self.spec.role)(self.spec)
                 finally:
                     torch.set_default_dtype(default_dtype)
             role.run()

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inference.building.sharding import build_shards
 from inference.modelio.checkpoint import Checkpoint
@@ -32,9 +33,14 @@ from inference.modelio.shards import ShardSet, shadow_dtypes_to_build
 from inference.policies.strategies import predictor_for
 from inference.runtime.client import GenerationError, RuntimeClient
 from inference.runtime.curve import EndpointKeys, SeatKeys, client_keys, new_seat_keys, role_keys
-from inference.runtime.in_process import ClusterLog, RoleThread
 from inference.runtime.spec import Addresses, RoleSpec, Settings, write_private
 from inference.wire.generation import Done
+
+if TYPE_CHECKING:
+    # Imported where a cluster runs its roles in threads: the roles' whole stack (Transformers
+    # included, ~2 s of CPU here) is not loaded by what only needs ``free_port`` or
+    # ``die_with_parent`` from this module: every agent, ``manage.py up``, the production check.
+    from inference.runtime.in_process import ClusterLog, RoleThread
 
 BIND_ATTEMPTS = 3
 
@@ -191,8 +197,11 @@ class LocalCluster:
             roles.append(("shadow", "shadow", None, shadow_dir))
         roles += [(f"worker-{i}", "worker", i, shard_dir / f"worker-{i}") for i in range(self.options.workers)]
         self.keys = new_seat_keys(name for name, *_ in roles)
-        if self.options.in_process and self._thread_log is None:
-            self._thread_log = ClusterLog(self.work_dir / "roles.log")
+        if self.options.in_process:
+            from inference.runtime.in_process import ClusterLog, RoleThread
+
+            if self._thread_log is None:
+                self._thread_log = ClusterLog(self.work_dir / "roles.log")
         for name, role, worker, role_dir in roles:
             keys = role_keys(name, self.keys)
             spec = RoleSpec(self.deployment, role, str(role_dir), addresses, worker, self.options.settings, curve=keys)

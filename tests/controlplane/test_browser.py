@@ -63,7 +63,14 @@ def log_in(page, served: Served, username: str) -> None:
     page.wait_for_url("**/chat/")
 
 
-def test_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Served, passwords, browser) -> None:
+def test_the_console_and_the_chat_in_the_browser(served: Served, passwords, browser) -> None:
+    """One cluster for both pages (a cluster takes 10 to 30 s to start and stop): the console's checks,
+    which leave every node as they found it, then the chat's, as another user."""
+    check_the_console_shows_the_cluster_live_and_makes_a_join_token(served, browser)
+    check_chat_in_the_browser_streams_keeps_history_and_stops(served, browser)
+
+
+def check_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Served, browser) -> None:
     page = browser.new_page()
     page.set_default_timeout(60_000)
     log_in(page, served, "staff")
@@ -116,7 +123,7 @@ def test_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Serve
     page.wait_for_selector("tr[data-node] .badge.draining", state="detached")
 
 
-def test_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, passwords, browser) -> None:
+def check_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, browser) -> None:
     page = browser.new_page()
     page.set_default_timeout(60_000)
     log_in(page, served, "alice")

@@ -645,7 +645,9 @@ def check_tool_calls(served: Served) -> None:
         assert "".join(pieces) == message.content and len(pieces) > 1
 
 
-def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
+def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served) -> None:
+    """One cluster for the API's, the chat's and the jobs' checks (a cluster takes 10 to 30 s to start
+    and stop); the jobs' come last, as they kill and restart its Celery worker."""
     check_structured_output(served)
     check_tool_calls(served)
     check_openai_text(served)
@@ -657,9 +659,6 @@ def test_openai_api_and_chat_on_a_live_cluster(served: Served) -> None:
     check_many_at_once(served)
     check_usage_and_quota(served)
     check_chat(served)
-
-
-def test_jobs_on_a_live_cluster(served: Served) -> None:
     check_job_survives_its_worker_killed(served)
     check_job_cancel(served)
 

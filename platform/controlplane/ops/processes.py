@@ -1,9 +1,9 @@
 """Child processes of ``manage.py up`` and of the end-to-end tests: Redis, ASGI server, Celery, agents.
 
 ``ProcessGroup`` starts each child with its output in its own log file, tells which one
-died (with the tail of its log), and stops them all — last started first — on close,
-also when the parent is interrupted. The ``*_argv`` helpers say how each part is run,
-in one place.
+died (with the tail of its log), and stops them all — last started first, a run of agents
+at once — on close, also when the parent is interrupted. The ``*_argv`` helpers say how each
+part is run, in one place.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from inference.runtime.launcher import die_with_parent
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 STOP_GRACE_S = 10.0
+# Agents started one after another are peers: none needs another to stop, and each takes a while
+# (it stops its role first: 1 to 3 s here), so ``stop_all`` stops a run of them at once.
+AGENT_PREFIX = "agent-"
 
 
 class ChildFailed(RuntimeError):
@@ -105,19 +108,31 @@ class ProcessGroup:
 
     def stop(self, child: Child, *, kill: bool = False) -> None:
         """Stop a child and whatever it started (each child leads its own process group)."""
-        _signal_group(child.process, signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            child.process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            _signal_group(child.process, signal.SIGKILL)
-            child.process.wait()
-        _signal_group(child.process, signal.SIGKILL)  # a grandchild left behind (Celery's beat)
-        with contextlib.suppress(ValueError):
-            self.children.remove(child)
+        self.stop_together([child], kill=kill)
+
+    def stop_together(self, children: Sequence[Child], *, kill: bool = False) -> None:
+        """Stop ``children`` at once: each is signalled before any is waited for, within one grace period."""
+        for child in children:
+            _signal_group(child.process, signal.SIGKILL if kill else signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in children:
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(child.process, signal.SIGKILL)
+                child.process.wait()
+            _signal_group(child.process, signal.SIGKILL)  # a grandchild left behind (Celery's beat)
+            with contextlib.suppress(ValueError):
+                self.children.remove(child)
 
     def stop_all(self) -> None:
-        for child in reversed(list(self.children)):
-            self.stop(child)
+        """Stop every child, last started first; a run of agents started one after another at once."""
+        pending = list(reversed(self.children))
+        while pending:
+            wave = [pending.pop(0)]
+            while wave[0].name.startswith(AGENT_PREFIX) and pending and pending[0].name.startswith(AGENT_PREFIX):
+                wave.append(pending.pop(0))
+            self.stop_together(wave)
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
