@@ -13,10 +13,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_a_short_run_measures_the_stall_whole_and_in_pieces(tmp_path: Path) -> None:
+def test_a_short_run_measures_the_stall_whole_and_in_pieces(tmp_path: Path, tiny_model: Path) -> None:
     out = tmp_path / "chunked.json"
     command = [
         *(sys.executable, "-m", "benchmarks.chunked_prefill", "--workers", "2", "--decoders", "2"),
+        *("--model", str(tiny_model)),  # the session's tiny model: its emulated copies scale to its small experts
         *("--long-prompt", "40", "--steps", "0,16", "--new-tokens", "16", "--repeats", "1", "--json", str(out)),
         "--in-process",
     ]

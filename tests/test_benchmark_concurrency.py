@@ -44,12 +44,14 @@ def test_figures_are_medians_with_spread_and_scale_against_one_stream() -> None:
 
 
 @pytest.mark.slow
-def test_a_short_run_writes_its_json_and_every_stream_is_exact(tmp_path: Path) -> None:
+def test_a_short_run_writes_its_json_and_every_stream_is_exact(tmp_path: Path, tiny_model: Path) -> None:
     out = tmp_path / "concurrency.json"
     command = [
         sys.executable,
         "-m",
         "benchmarks.concurrency",
+        "--model",  # the session's tiny model: its emulated copies scale to its small experts
+        str(tiny_model),
         "--strategies",
         "odmoe",
         "--workers",
