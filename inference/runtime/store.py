@@ -584,8 +584,8 @@ def _byte_array(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's storage (any dtype, bf16 included)."""
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+    """``_byte_array`` as a memoryview, what ``os.preadv`` fills."""
+    return memoryview(_byte_array(tensor)).cast("B")
 
 
 def _pread_into(span: _Span, buffer: memoryview) -> None:
