@@ -159,6 +159,13 @@ SAMPLES: list[W.Message] = [
     ),
     _make(W.Prediction, request_id="r", step=3, layer=4, experts=[0, 7]),
     _make(W.Prediction, request_id="r", step=3, layer=4, experts=[], version=2),
+    _make(
+        W.Predictions,
+        items=[
+            W.Prediction(request_id="r", step=3, layer=4, experts=[0, 7], version=1),
+            W.Prediction(request_id="s", step=9, layer=4, experts=[2, 5]),
+        ],
+    ),
     _make(W.ShadowStats, request_id="r", steps_done=10, rewinds=1, token_aligns=10, kv_aligns=5),
 ]
 

@@ -668,3 +668,49 @@ def test_a_watched_link_reports_its_peer_gone_and_back_at_once() -> None:
     finally:
         main.close()
         worker.close()
+
+
+def test_one_message_sent_to_several_peers_reaches_each_as_sent(seats, opened) -> None:
+    """The shadow's ``Predictions`` for a layer go to main and the layer's workers encoded once:
+    each inbox gets the batch whole, its items in order, from the shadow."""
+    from inference.runtime.curve import role_keys
+    from inference.wire.runtime import Prediction, Predictions
+
+    addresses = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("worker-0", "worker-1")}
+    inboxes = [_keyed(opened, name, role_keys(name, seats), bind=address) for name, address in addresses.items()]
+    shadow = _keyed(opened, "shadow", role_keys("shadow", seats))
+    for name, address in addresses.items():
+        shadow.connect(name, address)
+    items = [
+        Prediction(request_id="a", step=4, layer=2, experts=[1, 6], version=3),
+        Prediction(request_id="b", step=7, layer=2, experts=[0, 2], version=1),
+    ]
+    shadow.send_to(list(addresses), Predictions(items=items))
+    for inbox in inboxes:
+        (got,) = _all_received(inbox)
+        assert got.msg.sender == "shadow" and isinstance(got.msg, Predictions)
+        assert [(p.request_id, p.step, p.layer, p.experts, p.version) for p in got.msg.items] == [
+            ("a", 4, 2, [1, 6], 3),
+            ("b", 7, 2, [0, 2], 1),
+        ]
+
+
+def test_a_message_sent_to_several_emulated_links_takes_a_turn_on_the_link_each() -> None:
+    """On an emulated link every copy is charged its own bytes: the second copy is delivered
+    no earlier than the first's transfer after it, as two separate sends would be."""
+    from inference.wire.runtime import Prediction, Predictions
+
+    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    servers = [Endpoint(f"worker-{i}", DEPLOYMENT, bind=address) for i, address in enumerate(addresses)]
+    client = Endpoint("shadow", DEPLOYMENT, link_bytes_per_s=1 * MB, link_latency_s=0.0)
+    try:
+        for i, address in enumerate(addresses):
+            client.connect(f"worker-{i}", address)
+        message = Predictions(items=[Prediction(request_id="r" * 20_000, step=1, layer=0, experts=[1])])
+        client.send_to(["worker-0", "worker-1"], message)
+        first, second = (_all_received(server, 2.0)[0] for server in servers)
+        assert second.ready_at - first.ready_at >= 0.015  # 20 KB at 1 MB/s: 20 ms apart
+    finally:
+        client.close()
+        for server in servers:
+            server.close()

@@ -47,7 +47,7 @@ RULES: dict[tuple[str, str, str], frozenset[str]] = {
     # Main: generations and their control from its client; predictions and statistics from
     # the shadow, on main's inbox; results, statistics and health from the roles it links to.
     (MAIN, CLIENT, INBOX): frozenset({"ping", "generate", "cancel", "set_alignment", "shutdown"}),
-    (MAIN, SHADOW, INBOX): frozenset({"prediction", "shadow_stats"}),
+    (MAIN, SHADOW, INBOX): frozenset({"prediction", "predictions", "shadow_stats"}),
     (MAIN, WORKER, LINK): frozenset({"pong", "expert_result", "worker_stats"}),
     (MAIN, SHADOW, LINK): frozenset({"pong"}),
     # The shadow: a sequence's emulation, its alignment and the stop come from main only.
@@ -58,7 +58,7 @@ RULES: dict[tuple[str, str, str], frozenset[str]] = {
     (WORKER, MAIN, INBOX): frozenset(
         {"ping", "begin", "sequence_join", "sequence_leave", "expert_request", "prediction", "end", "shutdown"}
     ),
-    (WORKER, SHADOW, INBOX): frozenset({"prediction"}),
+    (WORKER, SHADOW, INBOX): frozenset({"prediction", "predictions"}),
     (WORKER, CLIENT, INBOX): frozenset({"ping"}),
     # A client hears its role's answers: main streams generations, every role answers pings.
     (CLIENT, MAIN, LINK): frozenset({"pong", "token", "done", "error"}),

@@ -205,6 +205,17 @@ class Endpoint:
         """Send over the link to ``peer``'s inbox."""
         _send_frames(self._links[peer], self._frames(msg))
 
+    def send_to(self, peers: list[str], msg: Message) -> None:
+        """Send ``msg`` over the links to each of ``peers``: encoded once, except on an emulated
+        link, where each copy takes its own turn on this role's link and so its own stamp."""
+        if self._emulated:
+            for peer in peers:
+                self.send(peer, msg)
+            return
+        frames = self._frames(msg)
+        for peer in peers:
+            _send_frames(self._links[peer], frames)
+
     def reply(self, identity: bytes, msg: Message) -> None:
         """Answer whoever sent ``identity`` a message on this role's inbox."""
         assert self.inbox is not None

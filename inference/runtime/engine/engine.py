@@ -34,7 +34,7 @@ from inference.runtime.metrics import build_metrics, step_report
 from inference.runtime.prefix_cache import Block, PrefixCache, cache_from
 from inference.runtime.prerouter import SequenceRoutes
 from inference.runtime.records import RequestState, StepRecord
-from inference.wire.runtime import Align, Done, Failed, Generate, Token
+from inference.wire.runtime import Align, Done, Failed, Generate, Prediction, Token
 
 if TYPE_CHECKING:
     from inference.runtime.engine.guesses import Guesses
@@ -155,6 +155,14 @@ class Engine:
         for s, _ in batch:  # its last token, or its end: its client is answered now, not a step later
             if done(s.view()):
                 self._finish(s)
+
+    def predicted(self, predictions: list[Prediction]) -> None:
+        """The shadow's routing of running sequences' (step, layer)s, kept for those layers' plans."""
+        for prediction in predictions:
+            sequence = self.batch.get(prediction.request_id)
+            if sequence is not None:
+                sequence.state.predictions[(prediction.step, prediction.layer)] = prediction.experts
+                self.guesses.note_lead(sequence, prediction.step, prediction.layer)
 
     def _cached(self, msg: Generate) -> int:
         """How many of a waiting prompt's first tokens the prefix cache holds (at most all but its

@@ -60,6 +60,7 @@ from inference.wire.runtime import (
     Ping,
     Pong,
     Prediction,
+    Predictions,
     SequenceJoin,
     SequenceLeave,
     SetAlignment,
@@ -235,10 +236,9 @@ class MainRole:
             detail = "" if self.health.ready else f"waiting for {', '.join(sorted(self.health.waiting))}"
             answer_ping(self.endpoint, received, "main", self.health.ready, detail)
         elif isinstance(msg, Prediction):
-            sequence = self.engine.batch.get(msg.request_id)
-            if sequence is not None:
-                sequence.state.predictions[(msg.step, msg.layer)] = msg.experts
-                self.engine.guesses.note_lead(sequence, msg.step, msg.layer)
+            self.engine.predicted([msg])
+        elif isinstance(msg, Predictions):
+            self.engine.predicted(msg.items)
         elif isinstance(msg, SetAlignment):
             self.set_alignment(msg)
         elif isinstance(msg, Cancel):

@@ -42,7 +42,16 @@ from inference.runtime.routing import resolve_arithmetic
 from inference.runtime.spec import RoleSpec
 from inference.runtime.transport import Received
 from inference.shadow.shadow_model import CAST_DTYPES, build_shadow_model
-from inference.wire.runtime import Align, End, Prediction, SetAlignment, ShadowBegin, ShadowStats, Shutdown
+from inference.wire.runtime import (
+    Align,
+    End,
+    Prediction,
+    Predictions,
+    SetAlignment,
+    ShadowBegin,
+    ShadowStats,
+    Shutdown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -324,27 +333,34 @@ class ShadowRole:
         decode step; a prompt's are not), then every sequence's rows through the shadow's own
         experts in one call."""
         calls = [state.call for state in batch]
-        for state, call in zip(batch, calls, strict=True):
-            if state.running_step:
-                self._predict(state, layer, call.top_k_index[-1])  # type: ignore[union-attr]
+        predicted = [
+            self._prediction(state, layer, call.top_k_index[-1])  # type: ignore[union-attr]
+            for state, call in zip(batch, calls, strict=True)
+            if state.running_step
+        ]
+        if predicted:
+            self._predict(layer, predicted)
         rows = torch.cat([c.hidden_states for c in calls])  # type: ignore[union-attr]
         index = torch.cat([c.top_k_index for c in calls])  # type: ignore[union-attr]
         weights = torch.cat([c.top_k_weights for c in calls])  # type: ignore[union-attr]
         routed = self.family.experts(self.model.model.layers[layer])(rows, index, weights)
         return list(routed.split([c.hidden_states.shape[0] for c in calls]))  # type: ignore[union-attr]
 
-    def _predict(self, state: Emulation, layer: int, chosen: torch.Tensor) -> None:
-        """The shadow's routing of a sequence's step at ``layer``, to main and the layer's workers."""
-        msg = Prediction(
+    def _prediction(self, state: Emulation, layer: int, chosen: torch.Tensor) -> Prediction:
+        """The shadow's routing of a sequence's step at ``layer``: the experts it chose there."""
+        return Prediction(
             request_id=state.request_id,
             step=state.running_step,
             layer=layer,
             experts=sorted(int(e) for e in chosen.tolist()),
             version=state.version,
         )
-        self.endpoint.send("main", msg)
-        for worker in self.placement.workers_for_layer(layer):
-            self.endpoint.send(f"worker-{worker}", msg)
+
+    def _predict(self, layer: int, predicted: list[Prediction]) -> None:
+        """A layer's predictions for the step's sequences, in one message to main and to each of
+        the layer's workers."""
+        peers = ["main", *(f"worker-{worker}" for worker in self.placement.workers_for_layer(layer))]
+        self.endpoint.send_to(peers, Predictions(items=predicted))
 
 
 def truncate_cache(cache: DynamicCache, length: int) -> None:

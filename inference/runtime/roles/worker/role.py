@@ -49,6 +49,7 @@ from inference.wire.runtime import (
     ExpertRequest,
     ExpertResult,
     Prediction,
+    Predictions,
     SequenceJoin,
     SequenceLeave,
     Shutdown,
@@ -152,6 +153,9 @@ class WorkerRole:
             self.on_leave(msg)
         elif isinstance(msg, Prediction):
             self.on_prediction(msg)
+        elif isinstance(msg, Predictions):
+            for prediction in msg.items:
+                self.on_prediction(prediction)
         elif isinstance(msg, ExpertRequest):
             self.on_request(msg, received.identity, received.ready_at)
         elif isinstance(msg, End):
