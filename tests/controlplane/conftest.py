@@ -22,7 +22,15 @@ from controlplane.ops.processes import Child, ProcessGroup, python_env, redis_up
 from inference.runtime.launcher import free_port
 from tests.conftest import xdist_worker
 from tests.controlplane.isolated import NOBODY
-from tests.controlplane.live import SERVED_MODEL, Api, LiveControlPlane, Served, database_url, purge_stale_tasks
+from tests.controlplane.live import (
+    SERVED_MODEL,
+    TASK_REDELIVERY_S,
+    Api,
+    LiveControlPlane,
+    Served,
+    database_url,
+    purge_stale_tasks,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -276,7 +284,7 @@ def tiny_cluster(
             DATABASE_URL=database_url(),
             REDIS_URL=redis_url,
             ODMOE_VAR_DIR=str(tmp_path / "var"),
-            ODMOE_TASK_REDELIVERY_S="5",
+            ODMOE_TASK_REDELIVERY_S=str(TASK_REDELIVERY_S),
         )
         port = free_port()
         with ProcessGroup(tmp_path / "logs", env) as group:

@@ -128,6 +128,8 @@ class LiveControlPlane:
 
 
 SERVED_MODEL = "tiny-cluster"
+# A live platform's ODMOE_TASK_REDELIVERY_S: a task whose Celery worker died runs again after it.
+TASK_REDELIVERY_S = 5
 
 
 @dataclass

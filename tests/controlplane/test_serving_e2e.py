@@ -25,7 +25,7 @@ from benchmarks import openai_concurrency
 from controlplane.serving.parameters import CHAT, COMPLETIONS, Support
 from controlplane.serving.text import tokenizer_for
 from inference.runtime.textstream import load_tokenizer
-from tests.controlplane.live import SERVED_MODEL, Api, Served
+from tests.controlplane.live import SERVED_MODEL, TASK_REDELIVERY_S, Api, Served
 from tests.reference import PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow
@@ -185,6 +185,10 @@ def check_job_survives_its_worker_killed(served: Served) -> None:
     wait_job(alice, job["id"], lambda j: any(o["status"] == "done" for o in j["outputs"]))
     celery = next(c for c in served.plane.group.children if c.name == "celery")
     served.plane.group.stop(celery, kill=True)  # mid-job, without a chance to hand back its tasks
+    # kombu's Redis transport gives back a dead worker's unacknowledged tasks when a worker starts
+    # polling, then only every 100 s (each 10th of its 10-second looks): a task not yet past its
+    # redelivery time at the new worker's first look would wait that long. It is past it now.
+    time.sleep(TASK_REDELIVERY_S)
     served.plane.start_celery()
     finished = wait_job(alice, job["id"], lambda j: j["status"] in ("succeeded", "failed"), timeout_s=180)
     assert finished["status"] == "succeeded", finished
