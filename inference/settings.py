@@ -182,7 +182,7 @@ class DeploymentSettings:
         '"exponent-plane": lossless, each weight\'s exponent bits through zstandard and the rest raw '
         "(inference/modelio/expert_codec.py; the bytes it saves per dtype: benchmarks' expert codecs page). Workers "
         "keep and read the coded bytes and decode each expert as it is loaded. Taken by the runtime's generate and "
-        "shard commands; the control plane's shard build does not take it yet",
+        "shard commands and by a deployment, whose shard build keeps a set per codec; applied on its next start",
         choices=EXPERT_CODECS,
     )
     disk_bytes_per_s: float | None = setting(

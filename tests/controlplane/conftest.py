@@ -221,9 +221,13 @@ def served(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -
 
 @pytest.fixture
 def served_without_shadow(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -> Iterator[Served]:
-    """``served`` on 2 agents: odmoe with main's next-gate predictor, so main and one worker, no shadow."""
+    """``served`` on 2 agents: odmoe with main's next-gate predictor, so main and one worker, no shadow;
+    its worker's experts stored coded (``expert_codec``), which must change no token."""
     purge_stale_tasks()
-    with tiny_cluster(tmp_path, tiny_model, redis_url, agents=2, predictor="next-gate") as (served, _):
+    cluster = tiny_cluster(
+        tmp_path, tiny_model, redis_url, agents=2, predictor="next-gate", expert_codec="exponent-plane"
+    )
+    with cluster as (served, _):
         yield served
 
 
@@ -252,10 +256,11 @@ def tiny_cluster(
     predictor: str = "",
     agent_python: Path | None = None,
     max_per_user: int | None = None,
+    expert_codec: str = "none",
 ) -> Iterator[tuple[Served, OwnRedis | None]]:
     """A real ASGI server, Celery worker and ``agents`` agents serving ``tiny_model`` as one ready deployment
-    with ``predictor`` (and ``max_per_user``, if given), on ``redis_url``; with ``own_redis_port``, that
-    Redis is started first, in the cluster's process group.
+    with ``predictor``, ``expert_codec`` (and ``max_per_user``, if given), on ``redis_url``; with
+    ``own_redis_port``, that Redis is started first, in the cluster's process group.
 
     The deployment is started through the live server's REST API, so nothing is enqueued from this
     process (whose Celery producer stays on the session's Redis: ``celery_on_test_redis``). With
@@ -310,6 +315,7 @@ def tiny_cluster(
                 model=model,
                 node_ids=[str(pk) for pk in Node.objects.values_list("pk", flat=True)],
                 predictor=predictor,
+                expert_codec=expert_codec,
                 **bound,
             )
             plane.api.post(f"/api/deployments/{deployment.pk}/start", expect=202)

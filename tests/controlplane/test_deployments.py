@@ -422,3 +422,25 @@ def test_the_prerouter_needs_the_models_trained_heads_and_a_rebuilt_shard_set_ca
     assert shards_ready_for(trained, workers=1, shadow_dtype="fp32", shadow=False)
     (trained_dir / PREROUTER_FILE).write_bytes(b"heads v2")
     assert not shards_ready_for(trained, workers=1, shadow_dtype="fp32", shadow=False)
+
+
+def test_an_expert_codec_is_a_deployment_setting_and_an_unknown_one_is_refused_naming_the_allowed(
+    staff: APIClient, model
+) -> None:
+    a, b = box("a", 8), box("b", 8)
+    body = {"name": "coded", "model": model.pk, "nodes": ids(a, b), "predictor": "next-gate"}
+    for where, request in (("/api/deployments", body), ("/api/deployments/suggest", body)):
+        refused = staff.post(where, request | {"expert_codec": "zstd"}, format="json")
+        assert refused.status_code == 400, refused.content
+        assert refused.json()["expert_codec"] == ['"zstd" is not a valid expert_codec; allowed: none, exponent-plane']
+    assert Deployment.objects.count() == 0
+    shards = staff.post(f"/api/models/{model.pk}/shards", {"workers": 1, "expert_codec": "zstd"}, format="json")
+    assert shards.status_code == 400 and "allowed: none, exponent-plane" in str(shards.json())
+    assert staff.get(f"/api/models/{model.pk}").json()["shard_status"] == "none"  # nothing queued
+
+    assert staff.post("/api/deployments", body, format="json").json()["expert_codec"] == "none"  # the default
+    Deployment.objects.all().delete()
+    created = staff.post("/api/deployments", body | {"expert_codec": "exponent-plane"}, format="json")
+    assert created.status_code == 201, created.content
+    assert created.json()["expert_codec"] == "exponent-plane"
+    assert Deployment.objects.get().expert_codec == "exponent-plane"

@@ -7,6 +7,7 @@ groups the way an agent's socket would.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from pathlib import Path
@@ -26,7 +27,7 @@ from controlplane.console.snapshot import snapshot
 from controlplane.deployments import lifecycle
 from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState
 from controlplane.deployments.peers import PeerError, Seat, peer_table, pick_ports
-from controlplane.deployments.services import DeploymentError, create_deployment
+from controlplane.deployments.services import DeploymentError, create_deployment, memory_plan
 from controlplane.nodes.credentials import NODE_SECRET_PREFIX, digest, new_secret
 from controlplane.nodes.groups import node_group
 from controlplane.nodes.models import Node, NodeStatus
@@ -378,6 +379,73 @@ def test_a_quantized_shadow_fetches_its_shard_converted_once_by_the_shard_build(
     assert {p: p.stat().st_mtime_ns for p in main_parts} == main_parts
     start = next(c for c in inbox.take(shadow_node) if isinstance(c, StartRole))
     assert start.shard == "shadow-int8"
+
+
+def test_a_coded_deployment_gets_its_own_shard_set_which_an_uncoded_one_of_the_model_never_confuses(cluster) -> None:
+    """The deployment's expert_codec reaches the shard build (a set per codec, reused once built),
+    every role's spec, the shard each agent is served, and the fit check's bytes."""
+    deployment, nodes, inbox = cluster
+    Deployment.objects.filter(pk=deployment.pk).update(expert_codec="exponent-plane")
+    coded = pushed(Deployment.objects.get(pk=deployment.pk))
+    artifact = ModelArtifact.objects.get(pk=coded.model_id)
+    coded_dir = Path(artifact.shard_dir)
+    assert (coded_dir.name, artifact.shard_expert_codec) == ("workers-2-exponent-plane", "exponent-plane")
+    assert verify_shard(coded_dir / "worker-0", expect_role="worker", expect_worker=0)["stored"]  # coded experts
+    assert "stored" not in verify_shard(coded_dir / "main", expect_role="main")  # main's never is
+    for node in nodes:
+        (start,) = inbox.take(node)
+        assert start.spec["settings"]["expert_codec"] == "exponent-plane"
+    worker_node = coded.members.get(role="worker", worker_index=0).node
+    assert _served_manifest(worker_node, artifact, "worker-0")["stored"]
+
+    # The fit check counts the coded set's bytes once it is built: a worker's RAM and disk hold fewer.
+    plans = {
+        codec: memory_plan(
+            model=artifact, workers=2, shadow_dtype="fp32", strategy="lru-offload", max_batch=8, expert_codec=codec
+        )
+        for codec in ("none", "exponent-plane")
+    }
+    plain_worker, coded_worker = (next(r for r in plans[c].roles if r.role == "worker-0") for c in plans)
+    assert coded_worker.disk_bytes < plain_worker.disk_bytes and coded_worker.host_bytes < plain_worker.host_bytes
+
+    # Another deployment of the model, uncoded, gets a set of its own; the coded one is left as it was.
+    lifecycle.stop_deployment(deployment=coded)
+    coded_files = {p: p.stat().st_mtime_ns for p in coded_dir.rglob("*.safetensors")}
+    plain = create_deployment(
+        name="plain", model=artifact, node_ids=[str(n.pk) for n in nodes], strategy="lru-offload", predictor="shadow"
+    )
+    plain = pushed(plain)
+    artifact.refresh_from_db()
+    plain_dir = Path(artifact.shard_dir)
+    assert (plain_dir.name, artifact.shard_expert_codec) == ("workers-2", "none")
+    assert "stored" not in verify_shard(plain_dir / "worker-0", expect_role="worker", expect_worker=0)
+    assert {p: p.stat().st_mtime_ns for p in coded_files} == coded_files
+    plain_worker_node = plain.members.get(role="worker", worker_index=0).node
+    assert "stored" not in _served_manifest(plain_worker_node, artifact, "worker-0")
+    for node in nodes:
+        (start,) = [c for c in inbox.take(node) if isinstance(c, StartRole)]
+        assert start.spec["settings"]["expert_codec"] == "none"
+
+    # Started again, the coded deployment reuses its set: nothing is rebuilt, and its workers get it.
+    lifecycle.stop_deployment(deployment=plain)
+    plain_files = {p: p.stat().st_mtime_ns for p in plain_dir.rglob("*.safetensors")}
+    coded = pushed(Deployment.objects.get(pk=coded.pk))
+    assert coded.status == DeploymentStatus.DEPLOYING, coded.status_reason
+    artifact.refresh_from_db()
+    assert Path(artifact.shard_dir) == coded_dir and artifact.shard_expert_codec == "exponent-plane"
+    assert {p: p.stat().st_mtime_ns for p in coded_files} == coded_files
+    assert {p: p.stat().st_mtime_ns for p in plain_files} == plain_files
+    worker_node = coded.members.get(role="worker", worker_index=0).node
+    assert _served_manifest(worker_node, artifact, "worker-0")["stored"]
+
+
+def _served_manifest(node: Node, artifact: ModelArtifact, shard: str) -> dict:
+    """The manifest of ``shard`` as the shard API serves it to ``node``'s agent."""
+    agent = APIClient()
+    agent.force_authenticate(user=None, token=node)
+    response = agent.get(f"/api/models/{artifact.pk}/shards/{shard}/manifest.json")
+    assert response.status_code == 200, response
+    return json.loads(b"".join(response.streaming_content))
 
 
 def test_removing_a_node_stops_its_deployment_which_cannot_start_without_it(cluster) -> None:

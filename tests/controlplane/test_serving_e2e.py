@@ -669,11 +669,18 @@ def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served) -> None:
 
 def test_a_next_gate_deployment_serves_without_a_shadow(served_without_shadow: Served) -> None:
     """odmoe with main's next-layer router as its predictor: two agents (main, one worker), no shadow
-    process anywhere, and the same tokens as Transformers."""
+    process anywhere, and the same tokens as Transformers. Its worker's experts are stored coded
+    (exponent-plane): the shard set the Celery build made for it is coded, and no token changes."""
     served = served_without_shadow
-    (deployment,) = served.api(served.staff_key).get("/api/deployments")["results"]
+    api = served.api(served.staff_key)
+    (deployment,) = api.get("/api/deployments")["results"]
     assert deployment["predictor"] == "next-gate" and deployment["status"] == "ready"
     assert sorted(m["role"] for m in deployment["members"]) == ["main", "worker"]
+    assert deployment["expert_codec"] == "exponent-plane"
+    (model,) = api.get("/api/models")["results"]
+    assert model["shard_expert_codec"] == "exponent-plane" and model["shard_workers"] == 1
+    answer = api.post(f"/api/deployments/{deployment['id']}/generate", {"prompt_ids": PROMPTS[0], "max_new_tokens": 8})
+    assert answer["token_ids"] == reference_generate(served.model_dir, PROMPTS[0], 8)
     check_openai_text(served)
     (deployment,) = served.api(served.staff_key).get("/api/deployments")["results"]
     main = next(m for m in deployment["members"] if m["role"] == "main")

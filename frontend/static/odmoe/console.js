@@ -106,7 +106,7 @@
       const s = m.summary || {};
       const shards = m.shard_status === "building"
         ? el("span", {}, badge("building"), " ", el("progress", { max: 1, value: m.shard_progress }))
-        : el("span", {}, badge(m.shard_status), m.shard_workers ? ` for ${m.shard_workers} workers` : "", m.shard_error ? ` ${m.shard_error}` : "");
+        : el("span", {}, badge(m.shard_status), m.shard_workers ? ` for ${m.shard_workers} workers${m.shard_expert_codec && m.shard_expert_codec !== "none" ? `, experts coded ${m.shard_expert_codec}` : ""}` : "", m.shard_error ? ` ${m.shard_error}` : "");
       const workers = el("input", { type: "number", min: 1, value: m.shard_workers || 8, style: "width:4rem" });
       // A model registered by Hub repo id is listed while it downloads, and with its reason if that failed.
       const shape = m.status === "downloading"
@@ -136,7 +136,7 @@
           m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
       });
       return el("div", { class: "deployment", "data-deployment": d.name },
-        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy}${d.approximate ? " (approximate: not Transformers' tokens)" : ""}${d.predictor ? ` with ${d.predictor}` : ""} · max batch ${d.max_batch} · max per user ${d.max_per_user} · ${d.status_reason}`)),
+        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy}${d.approximate ? " (approximate: not Transformers' tokens)" : ""}${d.predictor ? ` with ${d.predictor}` : ""} · max batch ${d.max_batch} · max per user ${d.max_per_user}${d.expert_codec && d.expert_codec !== "none" ? ` · experts coded ${d.expert_codec}` : ""} · ${d.status_reason}`)),
         el("div", { class: "row" },
           running ? el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/stop`) }, "Stop")
                   : el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/start`) }, "Start"),
@@ -247,7 +247,7 @@
       name: form.get("name"), model: Number(form.get("model")), nodes: form.getAll("nodes"),
       shadow_dtype: form.get("shadow_dtype"), token_period: Number(form.get("token_period")), kv_period: Number(form.get("kv_period")),
       strategy: form.get("strategy"), predictor: form.get("predictor"), max_batch: Number(form.get("max_batch")),
-      max_per_user: Number(form.get("max_per_user")),
+      max_per_user: Number(form.get("max_per_user")), expert_codec: form.get("expert_codec"),
     };
   }
   // A shadow seat only where the predictor is the shadow: the chosen one, else the strategy's own.
@@ -301,7 +301,7 @@
     const body = deploymentBody();
     suggested = await api("POST", "/api/deployments/suggest", {
       model: body.model, nodes: body.nodes, shadow_dtype: body.shadow_dtype, strategy: body.strategy, predictor: body.predictor,
-      max_batch: body.max_batch,
+      max_batch: body.max_batch, expert_codec: body.expert_codec,
     });
     const name = (seat) => {  // a node id, or <node id>:<GPU index> on a box that runs a role per GPU
       const [id, gpu] = seat.split(":");

@@ -18,12 +18,14 @@ from rest_framework.views import APIView
 from controlplane.accounts.permissions import KeyScopes
 from controlplane.names import name_field
 from controlplane.nodes.authentication import IsNode, NodeCredentialAuthentication
-from controlplane.nodes.selectors import node_was_sent_shard
+from controlplane.nodes.selectors import shard_sent_to_node
 from controlplane.pagination import paginated
+from inference.constants import EXPERT_CODECS
 from inference.modelio.shards import MANIFEST_FILE, is_role_dirname
+from inference.settings import DEFAULTS, info
 
 from . import services
-from .models import ModelArtifact, ModelStatus, ShardStatus
+from .models import ModelArtifact, ModelStatus
 from .ranges import RangeNotSatisfiable, parse_range
 
 
@@ -46,6 +48,7 @@ class ModelOutput(serializers.ModelSerializer):
             "created_at",
             "shard_status",
             "shard_workers",
+            "shard_expert_codec",
             "shard_shadow_dtypes",
             "shard_done_bytes",
             "shard_total_bytes",
@@ -96,13 +99,20 @@ class ModelDetailApi(APIView):
 
 
 class ModelShardsApi(APIView):
-    """POST /api/models/<id>/shards: build the role shards for N workers in the background."""
+    """POST /api/models/<id>/shards: build the role shards for N workers in the background, their experts
+    stored as ``expert_codec`` says (a set per codec; one already built is reused)."""
 
     permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="ModelShardsInput")
     class InputSerializer(serializers.Serializer):
         workers = serializers.IntegerField(min_value=1, max_value=1024)
+        expert_codec = serializers.ChoiceField(
+            choices=info("expert_codec").choices,
+            default=DEFAULTS.expert_codec,
+            help_text=info("expert_codec").doc,
+            error_messages={"invalid_choice": '"{input}" is not an expert codec; allowed: ' + ", ".join(EXPERT_CODECS)},
+        )
 
     @extend_schema(request=InputSerializer, responses={202: ModelOutput})
     def post(self, request: Request, model_id: int) -> Response:
@@ -132,15 +142,20 @@ class ShardFileApi(APIView):
 
     @extend_schema(responses={(200, "application/octet-stream"): bytes, (206, "application/octet-stream"): bytes})
     def get(self, request: Request, model_id: int, role: str, name: str):
-        artifact = ModelArtifact.objects.filter(pk=model_id, shard_status=ShardStatus.READY).first()
+        artifact = ModelArtifact.objects.filter(pk=model_id).first()
         if artifact is None or not is_role_dirname(role):
             return Response({"detail": f"no ready shards for model {model_id} and role {role}"}, status=404)
-        if not node_was_sent_shard(node=request.auth, model_id=model_id, shard=role):
+        sent = shard_sent_to_node(node=request.auth, model_id=model_id, shard=role)
+        if sent is None:
             # A node's credential fetches only what its node was told to run or fetch.
             return Response(
                 {"detail": f"this node was not asked to fetch shard {role} of model {model_id}"}, status=403
             )
-        role_dir = Path(artifact.shard_dir) / role
+        # From the set its task named (its deployment's workers and expert codec), not whichever was built last.
+        shard_dir = services.served_shard_dir(artifact, sent.get("shard_set"))
+        if shard_dir is None:
+            return Response({"detail": f"no ready shards for model {model_id} and role {role}"}, status=404)
+        role_dir = shard_dir / role
         listed = _listed_files(role_dir)
         if name not in listed:
             return Response({"detail": f"{name} is not a file of shard {role}"}, status=404)

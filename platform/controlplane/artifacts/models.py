@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from inference.constants import EXPERT_CODECS
+
 
 class ShardStatus(models.TextChoices):
     NONE = "none", "no shards yet"
@@ -34,6 +36,12 @@ class ModelArtifact(models.Model):
     shard_workers = models.PositiveIntegerField(null=True, blank=True)
     shard_shadow_dtypes = models.JSONField(
         default=list, blank=True, help_text="shadow dtypes whose shard the set holds pre-converted (shadow-<dtype>)"
+    )
+    shard_expert_codec = models.CharField(
+        max_length=16,
+        choices=[(c, c) for c in EXPERT_CODECS],
+        default="none",
+        help_text="how the set's worker shards store the experts; each codec's set has its own folder",
     )
     shard_dir = models.CharField(max_length=1024, blank=True)
     shard_done_bytes = models.BigIntegerField(default=0)

@@ -1,5 +1,13 @@
 """Writes of the artifacts app: register a checkpoint (a directory, or a Hugging Face Hub repo
-downloaded first), build its role shards with progress."""
+downloaded first), build its role shards with progress.
+
+A model's shard sets are keyed by worker count and expert codec (``inference.settings``'s
+``expert_codec``): each has its own folder (``shard_dir_for``: ``workers-2``, ``workers-2-exponent-plane``),
+so a coded set and an uncoded one of the same model never overwrite each other, and a set
+built once is reused by every deployment that asks for it again. The artifact's ``shard_*``
+columns describe the set built or reused last; an agent is served the set its own start
+named (``shard_set`` in its task), whatever was built since.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +25,9 @@ from django.db import IntegrityError, connection, transaction
 
 from controlplane.queueing import queue_task
 from inference.building.sharding import add_shadow_shards, build_shards
-from inference.constants import MAIN_EXTRAS
+from inference.constants import EXPERT_CODECS, MAIN_EXTRAS
 from inference.modelio.checkpoint import Checkpoint, CheckpointError
-from inference.modelio.shards import ShardError, shadow_dtypes_to_build
+from inference.modelio.shards import SET_FILE, ShardError, ShardSet, shadow_dtypes_to_build
 
 from .models import ModelArtifact, ModelStatus, ShardStatus
 
@@ -35,6 +43,8 @@ REPO_ID = re.compile(
     r"^(?P<repo>[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?)"
     r"(?:@(?P<revision>[\w.][\w./-]{0,254}))?$"
 )
+# A shard set's folder name under its model's (``shard_set_name``): what a start_role task names.
+SHARD_SET_NAME = re.compile(r"workers-[1-9][0-9]{0,3}(?:-(?:" + "|".join(map(re.escape, EXPERT_CODECS)) + r"))?")
 NO_ROUTE_HINT = (
     "this server has no route to the hub — download the model on a machine that has one and register its directory"
 )
@@ -246,10 +256,11 @@ class _Nowhere:
         pass
 
 
-def request_shard_build(*, artifact: ModelArtifact, workers: int) -> ModelArtifact:
-    """Queue a shard build for ``workers`` workers; it starts once this transaction commits."""
+def request_shard_build(*, artifact: ModelArtifact, workers: int, expert_codec: str = "none") -> ModelArtifact:
+    """Queue a shard build for ``workers`` workers with ``expert_codec``; it starts once this transaction commits."""
     if workers < 1:
         raise ModelError(f"at least one worker is needed, got {workers}")
+    check_codec(expert_codec)
     with transaction.atomic():
         locked = ModelArtifact.objects.select_for_update().get(pk=artifact.pk)
         check_registered(locked)
@@ -257,10 +268,11 @@ def request_shard_build(*, artifact: ModelArtifact, workers: int) -> ModelArtifa
             raise ModelError(f"shards of {locked.name} are already being built; wait for that build to end")
         locked.shard_status = ShardStatus.BUILDING
         locked.shard_workers = workers
+        locked.shard_expert_codec = expert_codec
         locked.shard_done_bytes = locked.shard_total_bytes = 0
         locked.shard_error = ""
         locked.save()
-        transaction.on_commit(lambda: queue_task(BUILD_MODEL_SHARDS_TASK, locked.pk, workers))
+        transaction.on_commit(lambda: queue_task(BUILD_MODEL_SHARDS_TASK, locked.pk, workers, expert_codec))
     return locked
 
 
@@ -272,36 +284,72 @@ def check_registered(artifact: ModelArtifact) -> None:
         raise ModelError(f"{artifact.name} could not be registered: {artifact.error}")
 
 
-def shard_dir_for(artifact: ModelArtifact, workers: int) -> Path:
-    return Path(settings.VAR_DIR) / "shards" / str(artifact.pk) / f"workers-{workers}"
+def check_codec(expert_codec: str) -> None:
+    """Refuse an expert codec the shard build does not know, naming those it does."""
+    if expert_codec not in EXPERT_CODECS:
+        raise ModelError(f"unknown expert codec {expert_codec!r}; allowed: {', '.join(EXPERT_CODECS)}")
 
 
-def build_model_shards(*, artifact_id: int, workers: int, shadow_dtypes: Sequence[str] = ()) -> ModelArtifact:
-    """Build the role shards for ``workers`` workers, saving progress as it goes.
+def shard_set_name(workers: int, expert_codec: str = "none") -> str:
+    """The folder of the shard set for ``workers`` workers whose worker shards store experts with ``expert_codec``.
+
+    An uncoded set keeps the name it always had (``workers-N``), so sets built before codecs are reused.
+    """
+    return f"workers-{workers}" if expert_codec == "none" else f"workers-{workers}-{expert_codec}"
+
+
+def shard_dir_for(artifact: ModelArtifact, workers: int, expert_codec: str = "none") -> Path:
+    return Path(settings.VAR_DIR) / "shards" / str(artifact.pk) / shard_set_name(workers, expert_codec)
+
+
+def built_set(out: Path, *, workers: int, expert_codec: str) -> ShardSet | None:
+    """The complete shard set at ``out`` if it is one for ``workers`` workers and ``expert_codec``, else None.
+
+    ``shards.json`` is written last, so a folder without it is an interrupted build.
+    """
+    if not (out / SET_FILE).is_file():
+        return None
+    try:
+        found = ShardSet.load(out)
+    except (OSError, ValueError, KeyError, TypeError, ShardError):
+        return None
+    return found if (found.placement.n_workers, found.expert_codec) == (workers, expert_codec) else None
+
+
+def build_model_shards(
+    *, artifact_id: int, workers: int, shadow_dtypes: Sequence[str] = (), expert_codec: str = "none"
+) -> ModelArtifact:
+    """Build the role shards for ``workers`` workers with ``expert_codec``, saving progress as it goes.
 
     ``shadow_dtypes`` get their shadow shard pre-converted (``shadow-<dtype>``): a set already
-    built for ``workers`` only gets the ones it lacks, nothing else is rebuilt. Slow (it reads
-    and hashes the whole model): run it from a background task. A failure is recorded on the
-    artifact with its reason, and raised.
+    built for ``workers`` and ``expert_codec`` (its own folder, ``shard_dir_for``) is reused and
+    only gets the ones it lacks, nothing else is rebuilt. Slow (it reads and hashes the whole
+    model): run it from a background task. A failure is recorded on the artifact with its
+    reason, and raised.
     """
     if workers < 1:
         raise ModelError(f"at least one worker is needed, got {workers}")
+    check_codec(expert_codec)
     artifact = ModelArtifact.objects.get(pk=artifact_id)
     check_registered(artifact)
-    out = shard_dir_for(artifact, workers)
+    out = shard_dir_for(artifact, workers, expert_codec)
     with _build_lock(out):  # one build per shard set at a time; a second one finds the first's work done
         artifact.refresh_from_db()
-        # A set ready for these workers only gets the shadows it lacks, and stays READY (and
-        # served to agents) meanwhile: converting a shadow of a 93 GB model takes a while.
-        extend = (
-            artifact.shard_status == ShardStatus.READY
-            and artifact.shard_workers == workers
-            and Path(artifact.shard_dir) == out
-            and (out / "shards.json").is_file()
+        # A set already built for these workers and codec is reused: it only gets the shadows it
+        # lacks, and is READY (and served to agents) meanwhile: converting a shadow of a 93 GB
+        # model takes a while.
+        existing = built_set(out, workers=workers, expert_codec=expert_codec)
+        # Main's extras (the prerouter, the similarity table) made again since: the set is rebuilt.
+        extend = existing is not None and main_extras_current(artifact, out)
+        kept = list(existing.shadow_dtypes) if existing is not None and extend else []
+        fields = dict(
+            shard_done_bytes=0, shard_total_bytes=0, shard_error="", shard_workers=workers, shard_dir=str(out)
         )
-        fields = dict(shard_done_bytes=0, shard_total_bytes=0, shard_error="")
-        if not extend:
-            fields |= dict(shard_status=ShardStatus.BUILDING, shard_workers=workers, shard_dir=str(out))
+        fields |= dict(shard_expert_codec=expert_codec)
+        if extend:
+            fields |= dict(shard_status=ShardStatus.READY, shard_shadow_dtypes=kept)
+        else:
+            fields |= dict(shard_status=ShardStatus.BUILDING, shard_shadow_dtypes=[])
         ModelArtifact.objects.filter(pk=artifact.pk).update(**fields)
         last_write = 0.0
 
@@ -317,7 +365,12 @@ def build_model_shards(*, artifact_id: int, workers: int, shadow_dtypes: Sequenc
                 built = add_shadow_shards(artifact.path, out, shadow_dtypes, progress=progress)
             else:
                 built = build_shards(
-                    artifact.path, out, workers=workers, progress=progress, shadow_dtypes=shadow_dtypes
+                    artifact.path,
+                    out,
+                    workers=workers,
+                    progress=progress,
+                    shadow_dtypes=shadow_dtypes,
+                    expert_codec=expert_codec,
                 )
         except (CheckpointError, ShardError, OSError, ValueError) as exc:
             failed = dict(shard_error=str(exc)) | ({} if extend else dict(shard_status=ShardStatus.FAILED))
@@ -342,24 +395,34 @@ def _build_lock(out: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def shards_ready_for(artifact: ModelArtifact, *, workers: int, shadow_dtype: str, shadow: bool = True) -> bool:
-    """Whether the built set serves ``workers`` workers and a ``shadow_dtype`` shadow as it should
-    (any shadow dtype will do for a deployment without a shadow seat: ``shadow`` false), and
-    carries in main's shard what the model has beside its weights (``MAIN_EXTRAS``: the expert
-    similarity table, the prerouter)."""
+def shards_ready_for(
+    artifact: ModelArtifact, *, workers: int, shadow_dtype: str, shadow: bool = True, expert_codec: str = "none"
+) -> bool:
+    """Whether the built set serves ``workers`` workers with experts stored by ``expert_codec`` and a
+    ``shadow_dtype`` shadow as it should (any shadow dtype will do for a deployment without a
+    shadow seat: ``shadow`` false), and carries in main's shard what the model has beside its
+    weights (``MAIN_EXTRAS``: the expert similarity table, the prerouter)."""
     if not (
         artifact.shard_status == ShardStatus.READY
         and artifact.shard_workers == workers
+        and artifact.shard_expert_codec == expert_codec
         and Path(artifact.shard_dir).is_dir()
     ):
         return False
-    for extra in MAIN_EXTRAS:
-        made, carried = Path(artifact.path) / extra, Path(artifact.shard_dir) / "main" / extra
-        if made.is_file() and not (carried.is_file() and filecmp.cmp(made, carried, shallow=False)):
-            return False  # made (or made again) after the shards were built: main's shard must carry it
+    if not main_extras_current(artifact, Path(artifact.shard_dir)):
+        return False
     if not shadow:
         return True
     return set(needed_shadow_dtypes(artifact, shadow_dtype)) <= set(artifact.shard_shadow_dtypes or [])
+
+
+def main_extras_current(artifact: ModelArtifact, shard_dir: Path) -> bool:
+    """Whether main's shard in ``shard_dir`` carries each of the model's ``MAIN_EXTRAS`` as it is now."""
+    for extra in MAIN_EXTRAS:
+        made, carried = Path(artifact.path) / extra, shard_dir / "main" / extra
+        if made.is_file() and not (carried.is_file() and filecmp.cmp(made, carried, shallow=False)):
+            return False  # made (or made again) after the shards were built: main's shard must carry it
+    return True
 
 
 def needed_shadow_dtypes(artifact: ModelArtifact, shadow_dtype: str) -> tuple[str, ...]:
@@ -371,6 +434,28 @@ def needed_shadow_dtypes(artifact: ModelArtifact, shadow_dtype: str) -> tuple[st
     return shadow_dtypes_to_build(config, shadow_dtype)
 
 
-def shadow_shard_name(artifact: ModelArtifact, shadow_dtype: str) -> str:
-    """The shard a ``shadow_dtype`` shadow fetches: its pre-converted one if built, else the full one."""
-    return f"shadow-{shadow_dtype}" if shadow_dtype in (artifact.shard_shadow_dtypes or []) else "shadow"
+def shadow_shard_name(artifact: ModelArtifact, shadow_dtype: str, shard_dir: Path | None = None) -> str:
+    """The shard a ``shadow_dtype`` shadow fetches: its pre-converted one if built, else the full one.
+
+    ``shard_dir``: the set the shadow is served from, when it may be another than the one the
+    artifact's columns describe (built last).
+    """
+    built = artifact.shard_shadow_dtypes or []
+    if shard_dir is not None and shard_dir != Path(artifact.shard_dir):
+        # Not built (yet): the columns' answer.
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ShardError):
+            built = list(ShardSet.load(shard_dir).shadow_dtypes)
+    return f"shadow-{shadow_dtype}" if shadow_dtype in built else "shadow"
+
+
+def served_shard_dir(artifact: ModelArtifact, shard_set: object) -> Path | None:
+    """The folder of the shard set ``shard_set`` (a name a start_role task gave, ``shard_set_name``) of
+    ``artifact`` if it is built; else, for a task that named none (sent before sets had names),
+    the set the artifact's columns describe if ready. None when there is nothing to serve."""
+    if shard_set is None:
+        ready = artifact.shard_status == ShardStatus.READY and artifact.shard_dir
+        return Path(artifact.shard_dir) if ready else None
+    if not (isinstance(shard_set, str) and SHARD_SET_NAME.fullmatch(shard_set)):
+        return None
+    root = Path(settings.VAR_DIR) / "shards" / str(artifact.pk) / shard_set
+    return root if (root / SET_FILE).is_file() else None

@@ -12,10 +12,12 @@ log = logging.getLogger(__name__)
 
 
 @shared_task(acks_late=True)
-def build_model_shards_task(artifact_id: int, workers: int) -> None:
-    """Build the role shards; idempotent (a rerun rebuilds into the same folder)."""
+def build_model_shards_task(artifact_id: int, workers: int, expert_codec: str = "none") -> None:
+    """Build the role shards; idempotent (a rerun reuses or rebuilds the same folder).
+
+    ``expert_codec`` defaults for a task queued before the build took one."""
     try:
-        services.build_model_shards(artifact_id=artifact_id, workers=workers)
+        services.build_model_shards(artifact_id=artifact_id, workers=workers, expert_codec=expert_codec)
     except services.ModelError as exc:
         # Recorded on the model by the service; retrying would fail the same way.
         log.warning("%s", exc)

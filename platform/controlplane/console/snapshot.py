@@ -59,6 +59,7 @@ def _model(model: ModelArtifact) -> dict:
         "total_bytes": model.total_bytes,
         "shard_status": model.shard_status,
         "shard_workers": model.shard_workers,
+        "shard_expert_codec": model.shard_expert_codec,
         "shard_shadow_dtypes": model.shard_shadow_dtypes,
         "shard_progress": model.shard_progress,
         "shard_error": model.shard_error,
@@ -81,6 +82,7 @@ def _deployment(deployment: Deployment) -> dict:
         "predictor": deployment.predictor,
         "max_batch": deployment.max_batch,
         "max_per_user": deployment.max_per_user,
+        "expert_codec": deployment.expert_codec,
         "members": [
             {
                 "node": str(m.node_id),

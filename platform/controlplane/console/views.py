@@ -11,7 +11,7 @@ from controlplane.accounts.selectors import usage_by_user_and_deployment
 from controlplane.accounts.usage import USAGE_WINDOW_DAYS
 from controlplane.deployments.fields import MAX_PER_USER
 from controlplane.nodes.tls import upgrade_command
-from inference.constants import MAX_BATCH, SHADOW_DTYPES
+from inference.constants import EXPERT_CODECS, MAX_BATCH, SHADOW_DTYPES
 from inference.policies.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 from inference.settings import DEFAULTS
 
@@ -30,6 +30,7 @@ def console(request: HttpRequest) -> HttpResponse:
     """
     context = {
         "shadow_dtypes": SHADOW_DTYPES,
+        "expert_codecs": EXPERT_CODECS,
         # (name, label): an approximate strategy is marked so where it is chosen.
         "strategies": [(s, s if get_strategy(s).exact else f"{s} (approximate)") for s in RUNTIME_STRATEGIES],
         "predictors": PREDICTORS,

@@ -21,6 +21,7 @@ class DeploymentAdmin(admin.ModelAdmin):
         "predictor",
         "max_batch",
         "max_per_user",
+        "expert_codec",
         "created_at",
     ]
     inlines = [MemberInline]

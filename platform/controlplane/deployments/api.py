@@ -89,6 +89,7 @@ class DeploymentOutput(serializers.ModelSerializer):
             "predictor",
             "max_batch",
             "max_per_user",
+            "expert_codec",
             "created_at",
             "updated_at",
             "members",
@@ -149,7 +150,8 @@ def role_map(roles: dict) -> RoleMap:
 
 
 class SuggestApi(APIView):
-    """POST /api/deployments/suggest {model, nodes[, shadow_dtype, strategy, predictor, max_batch]}: a role map.
+    """POST /api/deployments/suggest {model, nodes[, shadow_dtype, strategy, predictor, max_batch, expert_codec]}:
+    a role map.
 
     Only a map where every node holds its role's memory (main's KV caches for ``max_batch``
     sequences); otherwise 400 with each shortfall. ``shadow`` is null when the predictor is
@@ -167,6 +169,7 @@ class SuggestApi(APIView):
         strategy = setting_field("strategy")
         predictor = setting_field("predictor")
         max_batch = setting_field("max_batch")
+        expert_codec = setting_field("expert_codec")
 
     @extend_schema(request=InputSerializer, responses=RolesInput)
     def post(self, request: Request) -> Response:
@@ -181,6 +184,7 @@ class SuggestApi(APIView):
                 strategy=values["strategy"],
                 predictor=values["predictor"],
                 max_batch=values["max_batch"],
+                expert_codec=values["expert_codec"],
             )
         except services.DeploymentError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
@@ -205,6 +209,7 @@ class DeploymentListApi(APIView):
         predictor = setting_field("predictor")
         max_batch = setting_field("max_batch")
         max_per_user = setting_field("max_per_user")
+        expert_codec = setting_field("expert_codec")
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:

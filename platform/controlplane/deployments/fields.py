@@ -36,7 +36,10 @@ def setting_field(name: str, *, required: bool = False, **overrides: Any) -> ser
         options["default"] = item.default
     if item.choices:
         field_class: type[serializers.Field] = serializers.ChoiceField
-        options |= {"choices": item.choices, "allow_blank": item.blank}
+        allowed = ", ".join(item.choices) + (' or ""' if item.blank else "")
+        # DRF's own message names no allowed value; this one names them all.
+        message = f'"{{input}}" is not a valid {name}; allowed: {allowed}'
+        options |= {"choices": item.choices, "allow_blank": item.blank, "error_messages": {"invalid_choice": message}}
     elif item.type is bool:
         field_class = serializers.BooleanField
     elif item.type is int:

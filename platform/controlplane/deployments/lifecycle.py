@@ -22,6 +22,8 @@ from controlplane.artifacts.services import (
     build_model_shards,
     needed_shadow_dtypes,
     shadow_shard_name,
+    shard_dir_for,
+    shard_set_name,
     shards_ready_for,
 )
 from controlplane.nodes.models import Node, NodeStatus, NodeTask
@@ -74,6 +76,7 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
             strategy=locked.strategy,
             max_batch=locked.max_batch,
             seats={m.role_name: (m.node, m.gpu) for m in members},
+            expert_codec=locked.expert_codec,
         )
         locked.epoch += 1
         locked.status = DeploymentStatus.DEPLOYING
@@ -101,15 +104,23 @@ def push_deployment(*, deployment_id: int, epoch: int) -> None:
     workers = sum(1 for m in members if m.role == Role.WORKER)
     shadow = any(m.role == Role.SHADOW for m in members)
     artifact = deployment.model
+    codec = deployment.expert_codec
     try:
-        if not shards_ready_for(artifact, workers=workers, shadow_dtype=deployment.shadow_dtype, shadow=shadow):
+        ready = shards_ready_for(
+            artifact, workers=workers, shadow_dtype=deployment.shadow_dtype, shadow=shadow, expert_codec=codec
+        )
+        if not ready:
             # The shadow's shard comes converted to its dtype: a shadow box downloads nf4, not bf16.
-            # A deployment without a shadow seat needs no converted shadow shard.
+            # A deployment without a shadow seat needs no converted shadow shard. The set of its
+            # workers and codec is reused where built (another deployment's, an earlier start's).
             shadow_dtypes = needed_shadow_dtypes(artifact, deployment.shadow_dtype) if shadow else ()
             shadow = f" and its {', '.join(shadow_dtypes)} shadow" if shadow_dtypes else ""
-            reason = f"building shards of {artifact.name} for {workers} workers{shadow}"
+            coded = f", experts coded {codec}" if codec != "none" else ""
+            reason = f"building shards of {artifact.name} for {workers} workers{coded}{shadow}"
             _set_status(deployment, DeploymentStatus.DEPLOYING, reason)
-            build_model_shards(artifact_id=artifact.pk, workers=workers, shadow_dtypes=shadow_dtypes)
+            build_model_shards(
+                artifact_id=artifact.pk, workers=workers, shadow_dtypes=shadow_dtypes, expert_codec=codec
+            )
             deployment.model.refresh_from_db()
     except ModelError as exc:
         _set_status(deployment, DeploymentStatus.FAILED, str(exc))
@@ -230,6 +241,8 @@ def _free_ports(node: Node) -> list[int]:
 
 
 def _send_start(deployment: Deployment, member: DeploymentNode, members: list[DeploymentNode]) -> None:
+    workers = sum(1 for m in members if m.role == Role.WORKER)
+    shard = shard_name(deployment, member, workers)
     task = NodeTask.objects.create(
         node_id=member.node_id,
         kind="start_role",
@@ -237,14 +250,17 @@ def _send_start(deployment: Deployment, member: DeploymentNode, members: list[De
             "deployment": deployment.pk,
             "model_id": deployment.model_id,
             "role": member.role_name,
-            "shard": shard_name(deployment, member),
+            "shard": shard,
+            # The set the shard is served from (artifacts.api.ShardFileApi): this deployment's
+            # workers and codec, whatever set of the model was built since.
+            "shard_set": shard_set_name(workers, deployment.expert_codec),
         },
     )
     command = StartRole(
         task_id=str(task.pk),
         deployment=deployment.runtime_key,
         model_id=deployment.model_id,
-        shard=shard_name(deployment, member),
+        shard=shard,
         spec=role_spec(deployment, member, members),
         client_keys=asdict(seat_keys(member).client),
     ).to_json()
@@ -252,10 +268,12 @@ def _send_start(deployment: Deployment, member: DeploymentNode, members: list[De
     transaction.on_commit(lambda: send_command(node_id=str(member.node_id), command=command))
 
 
-def shard_name(deployment: Deployment, member: DeploymentNode) -> str:
-    """The shard ``member`` fetches: its role's, the shadow's converted to its dtype where built."""
+def shard_name(deployment: Deployment, member: DeploymentNode, workers: int) -> str:
+    """The shard ``member`` fetches: its role's, the shadow's converted to its dtype where built
+    (in the set of the deployment's ``workers`` and codec)."""
     if member.role == Role.SHADOW:
-        return shadow_shard_name(deployment.model, deployment.shadow_dtype)
+        shard_dir = shard_dir_for(deployment.model, workers, deployment.expert_codec)
+        return shadow_shard_name(deployment.model, deployment.shadow_dtype, shard_dir)
     return member.role_name
 
 

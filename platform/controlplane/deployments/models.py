@@ -25,7 +25,16 @@ def choices(name: str) -> list[tuple[str, str]]:
 
 # The runtime settings a deployment keeps as its own columns (the rest are the declaration's defaults,
 # but ``device``, which each role's node decides: ``lifecycle.role_device``).
-SETTINGS_COLUMNS = ("shadow_dtype", "token_period", "kv_period", "strategy", "predictor", "max_batch", "max_per_user")
+SETTINGS_COLUMNS = (
+    "shadow_dtype",
+    "token_period",
+    "kv_period",
+    "strategy",
+    "predictor",
+    "max_batch",
+    "max_per_user",
+    "expert_codec",
+)
 # One user's bound leaves others a place in main: below max_batch + main's queue (``max_waiting``).
 MAX_PER_USER = MAX_BATCH + DEFAULTS.max_waiting - 1
 
@@ -99,6 +108,14 @@ class Deployment(models.Model):
         validators=[MinValueValidator(1), MaxValueValidator(MAX_PER_USER)],
         help_text="generations one user may have in main at once, running and waiting (more: 429 "
         "too_many_generations); below max_batch + the queue's 64, so others still get in",
+    )
+    expert_codec = models.CharField(
+        max_length=16,
+        choices=choices("expert_codec"),
+        default=DEFAULTS.expert_codec,
+        help_text="how its workers' shards store the experts (inference/modelio/expert_codec.py): none, or "
+        "exponent-plane (lossless, fewer bytes in a worker's RAM and disk); the shard build keeps a set per codec; "
+        "applied on the next start",
     )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)

@@ -17,6 +17,12 @@ A deployment's ``max_per_user`` bounds the generations one user has in main at o
 queues a user's requests past its batch up to it, ``inference.runtime.batching.admission``); it must be
 below ``max_batch`` + main's queue (``max_waiting``), so one user leaves others room.
 
+A deployment's ``expert_codec`` is how its workers' shards store the experts. Its fit check
+counts a worker's experts as that shard set stores them (``inference.building.memory.with_stored_experts``)
+once the set is built (by an earlier start, or another deployment of the model with the same
+workers and codec); before then it counts them as the checkpoint holds them, which a lossless
+code never exceeds but by a frame header per expert.
+
 Every keyword default of a setting here is the declaration's (``inference.settings.DEFAULTS``).
 """
 
@@ -29,7 +35,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
 from controlplane.artifacts.models import ModelArtifact
-from controlplane.artifacts.services import ModelError, check_registered
+from controlplane.artifacts.services import ModelError, built_set, check_registered, shard_dir_for
 from controlplane.nodes.inventory import doctor_problems
 from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
@@ -80,6 +86,7 @@ def suggest_for(
     strategy: str = DEFAULTS.strategy,
     predictor: str = DEFAULTS.predictor,
     max_batch: int = DEFAULTS.max_batch,
+    expert_codec: str = DEFAULTS.expert_codec,
     memory: MemoryPlan | None = None,
 ) -> RoleMap:
     """The suggested role map: only one whose nodes hold their roles' memory (main's KV caches for ``max_batch``).
@@ -98,6 +105,7 @@ def suggest_for(
             strategy=strategy,
             max_batch=max_batch,
             shadow=shadow,
+            expert_codec=expert_codec,
         )
     try:
         return suggest_roles(
@@ -117,21 +125,43 @@ def without_shadow(plan: MemoryPlan) -> MemoryPlan:
 
 
 def memory_plan(
-    *, model: ModelArtifact, workers: int, shadow_dtype: str, strategy: str, max_batch: int, shadow: bool = True
+    *,
+    model: ModelArtifact,
+    workers: int,
+    shadow_dtype: str,
+    strategy: str,
+    max_batch: int,
+    shadow: bool = True,
+    expert_codec: str = DEFAULTS.expert_codec,
 ) -> MemoryPlan:
     """Memory per role of ``model`` with ``workers`` workers, from its checkpoint's tensor sizes.
 
     Main's KV caches are for ``max_batch`` sequences at once, the shadow's for as many
     (``inference.building.memory.shadow_max_states(max_batch)``); without a shadow seat (``shadow``
-    false) the plan has no shadow role.
+    false) the plan has no shadow role. With an ``expert_codec`` whose set for these workers is
+    built, the workers' experts are counted as it stores them (``coded_set``).
     """
     try:
         plan = memory_from_checkpoint(
-            model.path, workers=workers, shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch
+            model.path,
+            workers=workers,
+            shadow_dtype=shadow_dtype,
+            strategy=strategy,
+            max_batch=max_batch,
+            shards=coded_set(model, workers, expert_codec),
         )
     except (CheckpointError, ValueError) as exc:
         raise DeploymentError(f"cannot size the roles of {model.name}: {exc}") from None
     return plan if shadow else without_shadow(plan)
+
+
+def coded_set(model: ModelArtifact, workers: int, expert_codec: str) -> Path | None:
+    """The built shard set of ``model`` for ``workers`` workers whose experts ``expert_codec`` codes, if any:
+    where the memory plan reads each coded expert's stored bytes. None without a code, or before it is built."""
+    if expert_codec == "none":
+        return None
+    out = shard_dir_for(model, workers, expert_codec)
+    return out if built_set(out, workers=workers, expert_codec=expert_codec) is not None else None
 
 
 def check_fits(
@@ -141,13 +171,15 @@ def check_fits(
     strategy: str,
     max_batch: int,
     seats: dict[str, tuple[Node, int | None]],
+    expert_codec: str = DEFAULTS.expert_codec,
 ) -> MemoryPlan:
     """Refuse a role map (role name -> (node, GPU index or None)) where a node cannot hold its roles.
 
     Roles on one node share its RAM and disk. A shard already on a node (its agent reports
     ``shard_bytes``) needs no new disk space. Main holds a KV cache for each of the
     deployment's ``max_batch`` sequences, the shadow for as many (``shadow_max_states``). A map
-    without a shadow seat is checked without one: the plan it returns has no shadow role.
+    without a shadow seat is checked without one: the plan it returns has no shadow role. A
+    worker's experts count as the deployment's ``expert_codec`` stores them where that set is built.
     """
     workers = sum(1 for role in seats if role.startswith("worker-"))
     plan = memory_plan(
@@ -157,6 +189,7 @@ def check_fits(
         strategy=strategy,
         max_batch=max_batch,
         shadow="shadow" in seats,
+        expert_codec=expert_codec,
     )
     present = {}
     # The shadow fetches its shard converted to its dtype (shadow-nf4...) unless that is the checkpoint's own.
@@ -190,6 +223,7 @@ def create_deployment(
     predictor: str = DEFAULTS.predictor,
     max_batch: int = DEFAULTS.max_batch,
     max_per_user: int = DEFAULTS.max_per_user,
+    expert_codec: str = DEFAULTS.expert_codec,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
@@ -209,6 +243,7 @@ def create_deployment(
                 )
         shadow = needs_shadow(strategy, predictor)
         check_value(info("max_batch"), max_batch)
+        check_value(info("expert_codec"), expert_codec)
         check_max_per_user(max_per_user, max_batch, DEFAULTS.max_waiting)
     except (ModelError, SpecError, ValueError) as exc:
         raise DeploymentError(str(exc)) from None
@@ -221,6 +256,7 @@ def create_deployment(
         strategy=strategy,
         predictor=predictor,
         max_batch=max_batch,
+        expert_codec=expert_codec,
     )
     try:
         check_roles(roles, {str(n.pk): n.inventory for n in nodes}, shadow=shadow)
@@ -234,6 +270,7 @@ def create_deployment(
         strategy=strategy,
         max_batch=max_batch,
         seats={role: (by_id[node], gpu) for role, (node, gpu) in seats.items()},
+        expert_codec=expert_codec,
     )
     try:
         with transaction.atomic():
@@ -247,6 +284,7 @@ def create_deployment(
                 predictor=predictor,
                 max_batch=max_batch,
                 max_per_user=max_per_user,
+                expert_codec=expert_codec,
                 created_by=created_by,
             )
     except IntegrityError:

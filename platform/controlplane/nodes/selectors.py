@@ -17,16 +17,20 @@ def join_token_list() -> QuerySet[JoinToken]:
     return JoinToken.objects.select_related("created_by")
 
 
-def node_was_sent_shard(*, node: Node, model_id: int, shard: str) -> bool:
-    """Whether ``node`` was told to fetch shard ``shard`` of model ``model_id``.
+def shard_sent_to_node(*, node: Node, model_id: int, shard: str) -> dict | None:
+    """The params of the newest task that told ``node`` to fetch shard ``shard`` of model ``model_id``,
+    or None if none did.
 
     Every fetch the control plane asks for (a role it starts, an explicit fetch) is a
-    ``NodeTask`` naming the model and the shard: a node downloads those and nothing else.
+    ``NodeTask`` naming the model and the shard: a node downloads those and nothing else, and
+    from the shard set the task names (``shard_set``) where it names one.
     """
-    tasks = NodeTask.objects.filter(node=node, kind__in=SHARD_TASKS).values_list("params", flat=True)
-    return any(
-        isinstance(params, dict)
-        and params.get("model_id") == model_id
-        and params.get("shard", params.get("role")) == shard
-        for params in tasks
-    )
+    tasks = NodeTask.objects.filter(node=node, kind__in=SHARD_TASKS).order_by("-created_at")
+    for params in tasks.values_list("params", flat=True):
+        if (
+            isinstance(params, dict)
+            and params.get("model_id") == model_id
+            and params.get("shard", params.get("role")) == shard
+        ):
+            return params
+    return None

@@ -230,6 +230,8 @@ SPECTACULAR_SETTINGS = {
         "TaskStateEnum": "controlplane.nodes.models.TaskState",
         "JobStatusEnum": "controlplane.serving.models.JobStatus",
         "JobOutputStatusEnum": "controlplane.serving.models.OutputStatus",
+        # The deployment's expert_codec, the shard set's and the shard build's: one choice set.
+        "ExpertCodecEnum": "inference.constants.EXPERT_CODECS",
     },
 }
 
