@@ -299,12 +299,15 @@ def tiny_cluster(
                 own.data_dir.mkdir()
                 own.start()
             plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", keys[0]), tmp_path / "agents")
+            # The server, Celery and the agents start together: the agents once the server answers,
+            # the deployment once Celery is ready.
+            celery = plane.start_celery(wait=False)
             plane.start_server()
-            plane.start_celery()
             _, token = create_join_token(created_by=None, max_uses=agents)
             plane.state_root.mkdir(parents=True, exist_ok=True)
             for i in range(agents):
                 plane.start_agent(f"s{i}", token, python=agent_python)
+            plane.wait_for_celery(celery)
             plane.wait_for(
                 f"{agents} agents", lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == agents, 90
             )

@@ -94,23 +94,32 @@ class LiveControlPlane:
 
     def start_server(self) -> Child:
         child = self.group.start("asgi", asgi_argv(self.port))
+        self.wait_for_server()
+        return child
+
+    def wait_for_server(self) -> None:
         wait_until(
             "the ASGI server answering",
             lambda: http_up(self.server + "/api/schema/"),
             timeout_s=60,
             check=self.group.check,
         )
-        return child
 
-    def start_celery(self) -> Child:
+    def start_celery(self, *, wait: bool = True) -> Child:
+        """The Celery worker; ``wait=False`` returns as it starts (``wait_for_celery`` waits), so the
+        server and the agents can start meanwhile."""
         # One worker on both queues: the tests kill "the" worker mid-job and expect the job to survive.
         child = self.group.start(
             "celery", celery_argv(beat_schedule=self.state_root / "beat-schedule", queues=("celery", "jobs"))
         )
+        if wait:
+            self.wait_for_celery(child)
+        return child
+
+    def wait_for_celery(self, child: Child) -> None:
         wait_until(
             "the Celery worker", lambda: b"ready." in child.log_path.read_bytes(), timeout_s=90, check=self.group.check
         )
-        return child
 
     def start_agent(self, name: str, token: str | None = None, *, python: Path | None = None) -> Child:
         """An agent on this machine; with ``python``, that interpreter's own installation of the agent

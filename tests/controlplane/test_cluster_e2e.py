@@ -47,8 +47,9 @@ def live(transactional_db, redis_url: str, channel_layer_on_test_redis, tmp_path
     port = free_port()
     with ProcessGroup(tmp_path / "logs", env) as group:
         plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", key), tmp_path / "agents")
+        celery = plane.start_celery(wait=False)  # starting while the server starts
         plane.start_server()
-        plane.start_celery()
+        plane.wait_for_celery(celery)
         yield plane
 
 
