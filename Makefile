@@ -85,14 +85,15 @@ lock: $(STAMP)
 # A developer's loop (under 3 minutes on this 2-core machine): lint, then the fast tier, every test
 # not marked slow, which holds a cover of each token-identity matrix on in-process clusters.
 # `make test` runs every test, the slow ones included, and the docs and the production check.
-# TEST_WORKERS=2 runs pytest on two pytest-xdist workers, a whole test file to one worker (module
-# fixtures built once; each worker has its own test database, Redis and ports, tests/conftest.py).
-# Serial by default: on this 2-core machine two workers saved about a minute of 20 and let a
-# test that reads its own timing fail once beside a cluster of the other worker's.
-TEST_WORKERS ?= 0
+# pytest runs on TEST_WORKERS pytest-xdist workers, a whole test file to one worker (module
+# fixtures built once; each worker has its own test database, Redis and ports, tests/conftest.py;
+# a test marked `alone`, one that times itself, runs while no other test does). Two by default:
+# on this 2-core machine they take about a quarter off a fresh clone's `make test`
+# (benchmarks/results/suite-test-*.json). TEST_WORKERS=0 runs them one at a time.
+TEST_WORKERS ?= 2
 
 check: lint
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 test: lint chromium nginx postgresql
 	$(MAKE) docs
