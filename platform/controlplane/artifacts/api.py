@@ -16,13 +16,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.accounts.permissions import KeyScopes
+from controlplane.deployments.fields import setting_field
 from controlplane.names import name_field
 from controlplane.nodes.authentication import IsNode, NodeCredentialAuthentication
 from controlplane.nodes.selectors import shard_sent_to_node
 from controlplane.pagination import paginated
-from inference.constants import EXPERT_CODECS
 from inference.modelio.shards import MANIFEST_FILE, is_role_dirname
-from inference.settings import DEFAULTS, info
 
 from . import services
 from .models import ModelArtifact, ModelStatus
@@ -107,12 +106,7 @@ class ModelShardsApi(APIView):
     @extend_schema_serializer(component_name="ModelShardsInput")
     class InputSerializer(serializers.Serializer):
         workers = serializers.IntegerField(min_value=1, max_value=1024)
-        expert_codec = serializers.ChoiceField(
-            choices=info("expert_codec").choices,
-            default=DEFAULTS.expert_codec,
-            help_text=info("expert_codec").doc,
-            error_messages={"invalid_choice": '"{input}" is not an expert codec; allowed: ' + ", ".join(EXPERT_CODECS)},
-        )
+        expert_codec = setting_field("expert_codec")
 
     @extend_schema(request=InputSerializer, responses={202: ModelOutput})
     def post(self, request: Request, model_id: int) -> Response:

@@ -299,7 +299,12 @@ def shard_set_name(workers: int, expert_codec: str = "none") -> str:
 
 
 def shard_dir_for(artifact: ModelArtifact, workers: int, expert_codec: str = "none") -> Path:
-    return Path(settings.VAR_DIR) / "shards" / str(artifact.pk) / shard_set_name(workers, expert_codec)
+    return _sets_dir(artifact) / shard_set_name(workers, expert_codec)
+
+
+def _sets_dir(artifact: ModelArtifact) -> Path:
+    """The folder of every shard set of ``artifact``, one folder a set."""
+    return Path(settings.VAR_DIR) / "shards" / str(artifact.pk)
 
 
 def built_set(out: Path, *, workers: int, expert_codec: str) -> ShardSet | None:
@@ -343,9 +348,13 @@ def build_model_shards(
         extend = existing is not None and main_extras_current(artifact, out)
         kept = list(existing.shadow_dtypes) if existing is not None and extend else []
         fields = dict(
-            shard_done_bytes=0, shard_total_bytes=0, shard_error="", shard_workers=workers, shard_dir=str(out)
+            shard_done_bytes=0,
+            shard_total_bytes=0,
+            shard_error="",
+            shard_workers=workers,
+            shard_dir=str(out),
+            shard_expert_codec=expert_codec,
         )
-        fields |= dict(shard_expert_codec=expert_codec)
         if extend:
             fields |= dict(shard_status=ShardStatus.READY, shard_shadow_dtypes=kept)
         else:
@@ -457,5 +466,5 @@ def served_shard_dir(artifact: ModelArtifact, shard_set: object) -> Path | None:
         return Path(artifact.shard_dir) if ready else None
     if not (isinstance(shard_set, str) and SHARD_SET_NAME.fullmatch(shard_set)):
         return None
-    root = Path(settings.VAR_DIR) / "shards" / str(artifact.pk) / shard_set
+    root = _sets_dir(artifact) / shard_set
     return root if (root / SET_FILE).is_file() else None

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import Deployment, DeploymentNode
+from .models import SETTINGS_COLUMNS, Deployment, DeploymentNode
 
 
 class MemberInline(admin.TabularInline):
@@ -10,18 +10,5 @@ class MemberInline(admin.TabularInline):
 
 @admin.register(Deployment)
 class DeploymentAdmin(admin.ModelAdmin):
-    list_display = [
-        "name",
-        "model",
-        "status",
-        "shadow_dtype",
-        "token_period",
-        "kv_period",
-        "strategy",
-        "predictor",
-        "max_batch",
-        "max_per_user",
-        "expert_codec",
-        "created_at",
-    ]
+    list_display = ["name", "model", "status", *SETTINGS_COLUMNS, "created_at"]
     inlines = [MemberInline]
