@@ -55,6 +55,10 @@ class Generate(Message, kw_only=True, tag="generate"):
     ``grammar_from_lark``): main masks every token it does not allow before sampling, and
     allows the end of the sequence only where it is complete. One that does not compile for
     the model's tokenizer is refused (``Failed``).
+
+    ``step_reports``: each ``Token`` carries its step's report (``Token.step``). Only the
+    console's live view reads them past the agent, so the control plane asks for them only
+    while a console watches: a report is most of a token's bytes on every hop.
     """
 
     request_id: str
@@ -69,10 +73,12 @@ class Generate(Message, kw_only=True, tag="generate"):
     top_logprobs: int = 0
     prompt_logprobs: bool = False
     grammar: str = ""
+    step_reports: bool = True
 
 
 class Token(Message, kw_only=True, tag="generation_token"):
-    """A generated token, with what the step that made it did per layer (``metrics.step_report``).
+    """A generated token, with what the step that made it did per layer (``metrics.step_report``)
+    where its request asked (``Generate.step_reports``).
 
     ``logprob``: its logprob and alternatives, where the request asked (``Generate.logprobs``);
     ``prompt_logprobs``: on the first token of a request that asked, the prompt's tokens' from

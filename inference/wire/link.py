@@ -31,7 +31,9 @@ LINK_PATH = "/ws/agent"
 # ``prompt_logprobs``). Every message refuses unknown fields and msgspec writes every field, so
 # an agent (and its main) of 4 would refuse the control plane's ``generate``, and a control plane
 # of 4 a new main's tokens: not compatible, whatever the defaults.
-AGENT_PROTOCOL = 5
+# 6: ``Generate.step_reports`` (the control plane asks for step reports only while a console
+# watches), which an agent of 5 refuses.
+AGENT_PROTOCOL = 6
 FIRST_AGENT_PROTOCOL = 1  # what an agent that sends no protocol header speaks
 PROTOCOL_HEADER = "X-Odmoe-Agent-Protocol"  # how the agent says it when it connects
 VERSION_HEADER = "X-Odmoe-Agent-Version"

@@ -114,12 +114,19 @@ def redis_channel_layers(redis_url: str) -> dict:
     return {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}}
 
 
+def shared_caches(caches: dict, redis_url: str) -> dict:
+    """``CACHES`` with the ``shared`` one (``controlplane.nodes.step_watch``) on the test Redis."""
+    return {**caches, "shared": {**caches["shared"], "LOCATION": redis_url}}
+
+
 @pytest.fixture
 def channel_layer_on_test_redis(settings, redis_url: str) -> Iterator[None]:
-    """This process's channel layer on the test Redis (layers are cached: dropped before and after)."""
+    """This process's channel layer and shared cache on the test Redis (layers are cached: dropped
+    before and after)."""
     from channels.layers import channel_layers
 
     settings.CHANNEL_LAYERS = redis_channel_layers(redis_url)
+    settings.CACHES = shared_caches(settings.CACHES, redis_url)
     channel_layers.backends.clear()
     yield
     channel_layers.backends.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -10,15 +11,20 @@ from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
+from django.core.cache import caches
 from django.test import Client
 
 from controlplane.artifacts.services import register_model
 from controlplane.console.consumers import ConsoleConsumer
-from controlplane.deployments.models import Deployment
+from controlplane.deployments.generation import astream, new_request
+from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, Role
 from controlplane.deployments.services import DEFAULT_MAX_BATCH
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import create_join_token, enroll_node
+from controlplane.nodes.step_watch import SHARED_CACHE, WATCH_KEY
 from inference.constants import MAX_BATCH
+from inference.wire.generation import Done
+from tests.controlplane.test_storable import enrolled, link
 
 
 @pytest.mark.django_db(transaction=True)
@@ -45,6 +51,53 @@ def test_the_console_socket_is_for_staff_and_sends_changes() -> None:
     assert first["type"] == "snapshot" and first["nodes"][0]["name"] == "box-1"
     assert first["nodes"][0]["gpus"] == [{"name": "RTX 3090", "memory_bytes": 24 * 2**30}]
     assert second["nodes"][0]["name"] == "box-renamed"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_generations_ask_main_for_step_reports_only_while_a_console_watches(
+    channel_layer_on_test_redis, tiny_model: Path
+) -> None:
+    """A step report is most of a token's bytes at every hop, and only the console's live view
+    reads it: a generation asks for reports once a console is open, not before."""
+    staff = get_user_model().objects.create_user("boss", is_staff=True)
+    node, secret = enrolled()
+    deployment = Deployment.objects.create(
+        name="d", model=register_model(name="tiny", path=str(tiny_model)), status=DeploymentStatus.READY
+    )
+    DeploymentNode.objects.create(deployment=deployment, node=node, role=Role.MAIN, port=9300)
+    caches[SHARED_CACHE].delete(WATCH_KEY)  # a console of an earlier test may have marked it
+
+    async def sent(agent: WebsocketCommunicator) -> dict:
+        """What main's agent is sent for a generation (which is then answered at once)."""
+        request = new_request(prompt_ids=[1, 2, 3], max_new_tokens=1)
+        events = astream(deployment.pk, request)
+        first = asyncio.ensure_future(events.__anext__())
+        command = await agent.receive_json_from(timeout=10)
+        await agent.send_json_to(
+            Done(request_id=request.request_id, token_ids=[5], finish_reason="length", metrics={}).to_json()
+        )
+        await first
+        await events.aclose()
+        return command
+
+    async def session() -> tuple[dict, dict]:
+        agent = link(node, secret)
+        assert (await agent.connect())[0]
+        console = WebsocketCommunicator(ConsoleConsumer.as_asgi(), "/ws/console/")
+        console.scope["user"] = staff
+        try:
+            unwatched = await sent(agent)
+            assert (await console.connect())[0]
+            await console.receive_json_from(timeout=5)  # its first snapshot: it has marked the view open
+            watched = await sent(agent)
+            return unwatched, watched
+        finally:
+            await console.disconnect()
+            await agent.disconnect()
+
+    unwatched, watched = async_to_sync(session)()
+    assert unwatched["type"] == watched["type"] == "generate"
+    assert unwatched["step_reports"] is False and watched["step_reports"] is True
 
 
 @pytest.mark.django_db

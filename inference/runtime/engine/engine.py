@@ -237,6 +237,7 @@ class Engine:
             logprobs=msg.logprobs,
             top_logprobs=msg.top_logprobs,
             prompt_logprobs=[] if msg.prompt_logprobs else None,
+            step_reports=msg.step_reports,
         )
         self.batch[msg.request_id] = sequence
         if self.prefixes is not None:
@@ -264,7 +265,7 @@ class Engine:
         sequence.tokens = torch.cat([sequence.tokens, sequence.tokens.new_tensor([[token]])], dim=1)
         sequence.ended = token in sequence.sampler.eos
         sequence.at = (sequence.step + 1, 0)
-        report = step_report(state.steps[-1], role.placement) if state.steps else None
+        report = step_report(state.steps[-1], role.placement) if state.steps and sequence.step_reports else None
         logprob = None
         if sequence.logprobs:
             (logprob,) = token_logprobs(logits, torch.tensor([token]), sequence.top_logprobs)

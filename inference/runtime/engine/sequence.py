@@ -37,6 +37,7 @@ class Sequence:
     # Asked for: the prompt's logprobs, gathered piece by piece, sent with the first token
     # (None: not asked for).
     prompt_logprobs: list[TokenLogprob] | None = None
+    step_reports: bool = True  # each token goes out with its step's report
 
     @property
     def request_id(self) -> str:

@@ -1,5 +1,6 @@
 """The console's websocket: staff only; sends the cluster's snapshot whenever it changes, and
-every generation step as it happens (``{"type": "step", ...}``) for the live pipeline view."""
+every generation step as it happens (``{"type": "step", ...}``) for the live pipeline view: while
+one is open, generations ask main for their step reports (``nodes.step_watch``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from controlplane.nodes import step_watch
 from controlplane.nodes.consumers import STEPS_GROUP
 
 from .snapshot import snapshot
@@ -46,6 +48,7 @@ class ConsoleConsumer(AsyncJsonWebsocketConsumer):
     async def _watch(self) -> None:
         last = None
         while True:
+            await step_watch.mark_watched()  # generations report their steps while a console is open
             state = await database_sync_to_async(snapshot)()
             if state != last:
                 await self.send_json({"type": "snapshot", **state})

@@ -33,6 +33,7 @@ from channels.layers import BaseChannelLayer, channel_layers, get_channel_layer
 
 from controlplane.accounts.services import record_usage
 from controlplane.accounts.usage import Caller
+from controlplane.nodes import step_watch
 from controlplane.nodes.groups import generation_group, node_group
 from controlplane.nodes.relay import listening
 from inference.wire.generation import GENERATION_EVENTS, Done, Failed, Generate, Token
@@ -135,7 +136,8 @@ async def astream(
     channel = await layer.new_channel()
     group = generation_group(request.request_id)
     await layer.group_add(group, channel)
-    command = msgspec.structs.replace(request, deployment=key)
+    # Step reports only while a console shows them: they are most of a token's bytes on every hop.
+    command = msgspec.structs.replace(request, deployment=key, step_reports=await step_watch.watched())
     generated: int | None = None  # tokens so far, once main started the generation
     with listening(request.request_id) as inbox:
         from_layer = asyncio.create_task(_from_layer(layer, channel, inbox))

@@ -249,6 +249,13 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A task whose worker died without acknowledging it runs again after this long (Redis broker).
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": float(os.environ.get("ODMOE_TASK_REDELIVERY_S", "3600"))}
 
+# "default" is this process's own (the production settings share it through Redis); "shared" is
+# Redis everywhere, for what every process must see alike (controlplane.nodes.step_watch).
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "shared": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL, "KEY_PREFIX": "odmoe"},
+}
+
 # Room for a whole answer's tokens in a channel whose reader is briefly busy (the default is 100).
 CHANNEL_LAYERS = {
     "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000}}

@@ -10,7 +10,7 @@ import os
 from django.core.exceptions import ImproperlyConfigured
 
 from .base import *  # noqa: F403
-from .base import DEBUG, INSECURE_DEV_SECRET, REDIS_URL, SECRET_KEY, SECRET_KEY_FALLBACKS
+from .base import CACHES, DEBUG, INSECURE_DEV_SECRET, SECRET_KEY, SECRET_KEY_FALLBACKS
 
 if DEBUG:
     raise ImproperlyConfigured("DJANGO_DEBUG must be off in production")
@@ -25,13 +25,7 @@ if PUBLISHED_SECRETS & set(SECRET_KEY_FALLBACKS):
     raise ImproperlyConfigured("DJANGO_SECRET_KEY_FALLBACKS holds a published key: remove it")
 
 # Throttle counts shared by every server process.
-CACHES = {
-    "default": {
-        "BACKEND": "django.core.cache.backends.redis.RedisCache",
-        "LOCATION": REDIS_URL,
-        "KEY_PREFIX": "odmoe",
-    }
-}
+CACHES = {**CACHES, "default": CACHES["shared"]}
 
 SESSION_COOKIE_SECURE = True
 CSRF_COOKIE_SECURE = True
