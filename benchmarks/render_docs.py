@@ -27,7 +27,8 @@ Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
 **Staleness.** ``MOVED_BY`` declares the changes that move results: a result whose name matches
 a rule's pattern and whose recording date (the JSON's ``date``/``started``, else its git commit's
 date) is before the rule's commit date is shown stale, with the rule's reason, in every table and
-summary. A rule whose commit has not landed (``commit=None``) is listed on the page as pending.
+summary; unless its JSON names the rule's commit as its own (``commit``: run from that commit's
+working tree before it was committed). A rule whose commit has not landed (``commit=None``) is listed on the page as pending.
 
 **Prose.** The notes moved here from the old README keep their figures, which were copied by hand
 before this renderer existed. Every decimal figure in a template's prose (outside code) is traced
@@ -112,6 +113,12 @@ MOVED_BY: tuple[MovedBy, ...] = (
         commit="8993bc0",
         date="2026-12-05T14:51:26+00:00",
         reason="a generation's events skip Redis in the link's process; the links' writes keep their connections",
+    ),
+    MovedBy(
+        patterns=("openai-concurrency*.json",),
+        commit="09d4fc7",
+        date="2026-12-05T20:33:35+00:00",
+        reason="tokens carry their step's report only while a console watches",
     ),
 )
 
@@ -344,6 +351,8 @@ def describe(name: str, recordings: dict[str, tuple[str, str]] | None, noted: li
         if rule.date
         and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns)
         and (not when or when[:19] < rule.date[:19])
+        # Run from the rule's own commit before it was committed (its working tree): not moved by it.
+        and not str(meta.get("commit") or "").startswith(rule.commit)
     ]
     stale = "stale: " + "; ".join(moved) if moved else ""
     return Run(

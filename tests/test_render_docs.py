@@ -45,6 +45,9 @@ def test_results_recorded_before_a_change_that_moves_them_are_stale() -> None:
     renderer = render_docs.Renderer()
     assert "continuous batching" in renderer.run("load-run1.json").stale
     assert renderer.run("load-production-run1.json").stale == ""
+    # Run from the moving commit's own working tree before it was committed: not moved by it.
+    assert "step's report" in renderer.run("openai-concurrency-before-step-reports-1.json").stale
+    assert renderer.run("openai-concurrency-step-reports-1.json").stale == ""
 
 
 def test_a_summary_counts_every_run_and_says_how_many_are_stale() -> None:
