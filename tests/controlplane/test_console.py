@@ -235,6 +235,53 @@ def test_the_deployment_form_chooses_a_predictor_and_a_next_gate_deployment_has_
 
 
 @pytest.mark.django_db
+def test_the_build_shards_form_offers_the_expert_codec_and_builds_the_set_chosen(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks
+) -> None:
+    """Each model's *Build shards* form: its codec select is the declaration's choices and default (what
+    its script reads from the page), and what the script posts queues that codec's set, as the API does;
+    a codec the build does not know is a 400 naming the allowed ones, and nothing is queued."""
+    from controlplane.artifacts import services as artifacts
+    from controlplane.artifacts.models import ModelArtifact, ShardStatus
+    from inference.settings import info
+
+    queued: list[tuple] = []
+    monkeypatch.setattr(artifacts, "queue_task", lambda *args: queued.append(args))
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(get_user_model().objects.create_user("boss", is_staff=True))
+    page = browser.get("/console/")
+    html = page.content.decode()
+    codecs = {"choices": list(info("expert_codec").choices), "default": info("expert_codec").default}
+    assert codecs == {"choices": ["none", "exponent-plane"], "default": "none"}
+    assert f'<script id="expert-codecs" type="application/json">{json.dumps(codecs)}</script>' in html
+    # The deployment form's select is the same declaration's.
+    assert '<select name="expert_codec"><option selected>none</option><option>exponent-plane</option></select>' in html
+    model = register_model(name="tiny", path=str(tiny_model))
+
+    def build(body: dict):
+        headers = {"HTTP_X_CSRFTOKEN": page.cookies["csrftoken"].value}
+        url = f"/api/models/{model.pk}/shards"
+        with django_capture_on_commit_callbacks(execute=True):
+            return browser.post(url, json.dumps(body), content_type="application/json", **headers)
+
+    # What the page's error line shows is the answer's text: the field, and for a value every allowed one.
+    for bad, said in [("zstd", '"zstd" is not a valid expert_codec; allowed: none, exponent-plane'), ("", "allowed")]:
+        refused = build({"workers": 2, "expert_codec": bad})
+        assert refused.status_code == 400 and said in refused.json()["expert_codec"][0], refused.content
+        assert ModelArtifact.objects.get().shard_status == ShardStatus.NONE and queued == []  # nothing queued
+    done = build({"workers": 2, "expert_codec": "exponent-plane"})  # what the script sends for the choice
+    assert done.status_code == 202, done.content
+    assert done.json()["shard_status"] == "building" and done.json()["shard_expert_codec"] == "exponent-plane"
+    assert queued == [(artifacts.BUILD_MODEL_SHARDS_TASK, model.pk, 2, "exponent-plane")]
+    shown = browser.get("/console/state.json").json()["models"][0]
+    assert (shown["shard_workers"], shown["shard_expert_codec"]) == (2, "exponent-plane")
+    # Left at its default, the form sends "none", which is also what the API takes when it is left out.
+    ModelArtifact.objects.update(shard_status=ShardStatus.NONE)
+    assert build({"workers": 1, "expert_codec": codecs["default"]}).status_code == 202
+    assert queued[-1] == (artifacts.BUILD_MODEL_SHARDS_TASK, model.pk, 1, "none")
+
+
+@pytest.mark.django_db
 def test_metrics_are_in_prometheus_format_for_staff_only() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 

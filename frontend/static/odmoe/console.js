@@ -5,6 +5,8 @@
   const $ = (id) => document.getElementById(id);
   const errorLine = $("console-error");
   let state = { nodes: [], models: [], deployments: [], transfers: [] };
+  const expertCodecs = JSON.parse($("expert-codecs").textContent);  // {choices, default}
+  const buildChoices = {};  // model id -> {workers, codec}: each model's "Build shards" form
 
   function csrf() {
     const match = document.cookie.match(/(?:^|; )csrftoken=([^;]+)/);
@@ -107,7 +109,13 @@
       const shards = m.shard_status === "building"
         ? el("span", {}, badge("building"), " ", el("progress", { max: 1, value: m.shard_progress }))
         : el("span", {}, badge(m.shard_status), m.shard_workers ? ` for ${m.shard_workers} workers${m.shard_expert_codec && m.shard_expert_codec !== "none" ? `, experts coded ${m.shard_expert_codec}` : ""}` : "", m.shard_error ? ` ${m.shard_error}` : "");
-      const workers = el("input", { type: "number", min: 1, value: m.shard_workers || 8, style: "width:4rem" });
+      // What this row's build form holds, kept across snapshots (each one redraws the rows).
+      const chosen = buildChoices[m.id] || (buildChoices[m.id] = { workers: m.shard_workers || 8, codec: expertCodecs.default });
+      const workers = el("input", { type: "number", min: 1, value: chosen.workers, style: "width:4rem",
+        oninput: () => { chosen.workers = workers.value; } });
+      // The expert codec's declared choices and default (inference/settings.py), as the API's field has them.
+      const codec = el("select", { name: "expert_codec", onchange: () => { chosen.codec = codec.value; } },
+        ...expertCodecs.choices.map((c) => el("option", c === chosen.codec ? { selected: "" } : {}, c)));
       // A model registered by Hub repo id is listed while it downloads, and with its reason if that failed.
       const shape = m.status === "downloading"
         ? el("span", {}, badge("downloading"), ` ${m.repo_id} `, el("progress", { max: 1, value: m.download_progress }))
@@ -116,7 +124,8 @@
           : `${s.family ? s.family + ", " : ""}${s.layers} layers, ${s.experts} experts, top-${s.top_k}`;
       return el("tr", {}, el("td", {}, m.name), el("td", {}, shape),
         el("td", {}, gib(m.total_bytes)), el("td", {}, m.status === "ready" ? shards : "–"),
-        el("td", {}, workers, el("button", { onclick: () => api("POST", `/api/models/${m.id}/shards`, { workers: Number(workers.value) }) }, "Build shards")));
+        el("td", {}, workers, codec, el("button", { onclick: () => api("POST", `/api/models/${m.id}/shards`,
+          { workers: Number(workers.value), expert_codec: codec.value }) }, "Build shards")));
     }));
     const select = $("model-select");
     const keep = select.value;

@@ -11,9 +11,9 @@ from controlplane.accounts.selectors import usage_by_user_and_deployment
 from controlplane.accounts.usage import USAGE_WINDOW_DAYS
 from controlplane.deployments.fields import MAX_PER_USER
 from controlplane.nodes.tls import upgrade_command
-from inference.constants import EXPERT_CODECS, MAX_BATCH, SHADOW_DTYPES
+from inference.constants import MAX_BATCH, SHADOW_DTYPES
 from inference.policies.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
-from inference.settings import DEFAULTS
+from inference.settings import DEFAULTS, info
 
 from .snapshot import snapshot
 
@@ -27,10 +27,15 @@ def console(request: HttpRequest) -> HttpResponse:
     ``own_predictors`` (strategy -> its own predictor, or None) tells the form's script whether
     a deployment has a shadow seat, so its estimate counts the workers the role map will have.
     ``usage``: the tokens each user spent on each deployment, as the page was loaded.
+    ``expert_codec``: the setting's declared choices and default (``inference.settings``, what
+    ``setting_field`` gives the API), for the deployment form's select and each model's
+    *Build shards* select, which the script builds.
     """
+    codec = info("expert_codec")
     context = {
         "shadow_dtypes": SHADOW_DTYPES,
-        "expert_codecs": EXPERT_CODECS,
+        "expert_codecs": codec.choices,
+        "expert_codec": {"choices": list(codec.choices), "default": codec.default},
         # (name, label): an approximate strategy is marked so where it is chosen.
         "strategies": [(s, s if get_strategy(s).exact else f"{s} (approximate)") for s in RUNTIME_STRATEGIES],
         "predictors": PREDICTORS,
