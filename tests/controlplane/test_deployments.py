@@ -9,6 +9,7 @@ from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
 from controlplane.artifacts.services import register_model
+from controlplane.deployments import services
 from controlplane.deployments.models import Deployment, DeploymentStatus
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node
@@ -132,6 +133,29 @@ def test_a_planned_deployment_gets_the_simulators_estimate(staff: APIClient, mod
     ]:
         refused = staff.post("/api/deployments/estimate", bad, format="json")
         assert refused.status_code == 400 and reason in str(refused.json()), (bad, refused.json())
+
+
+def test_the_estimate_takes_the_expert_codec_and_refuses_a_code_it_cannot_charge(staff: APIClient, model) -> None:
+    """The simulator has no decode rate for a profile's CPU: a coded plan is a 400 with that reason,
+    never the uncoded estimate; "none" (the default) is the estimate without the field."""
+    plan = {"workers": 2, "model": model.pk, "shadow_dtype": "fp16"}
+    plain = staff.post("/api/deployments/estimate", plan, format="json")
+    assert plain.status_code == 200, plain.content
+    same = staff.post("/api/deployments/estimate", plan | {"expert_codec": "none"}, format="json")
+    assert same.status_code == 200 and same.json() == plain.json()
+    coded = staff.post("/api/deployments/estimate", plan | {"expert_codec": "exponent-plane"}, format="json")
+    assert coded.status_code == 400, coded.content
+    detail = coded.json()["detail"]
+    assert detail.startswith('no estimate for expert_codec "exponent-plane"'), detail
+    assert "no measured decode rate" in detail and 'estimate with expert_codec "none"' in detail
+    unknown = staff.post("/api/deployments/estimate", plan | {"expert_codec": "zstd"}, format="json")
+    assert unknown.status_code == 400
+    assert unknown.json()["expert_codec"] == ['"zstd" is not a valid expert_codec; allowed: none, exponent-plane']
+    # The service refuses it too, for a caller that is not the API.
+    with pytest.raises(services.DeploymentError, match="no estimate for expert_codec"):
+        services.estimate(workers=2, expert_codec="exponent-plane")
+    with pytest.raises(services.DeploymentError, match="expert_codec must be one of none, exponent-plane"):
+        services.estimate(workers=2, expert_codec="zstd")
 
 
 # --- memory: refused before anything is built or downloaded ------------------------------------------

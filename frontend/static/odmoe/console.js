@@ -280,6 +280,7 @@
     const result = await api("POST", "/api/deployments/estimate", {
       model: body.model || undefined, workers, strategy: body.strategy, predictor: body.predictor, shadow_dtype: shadow,
       profile: new FormData($("deployment-form")).get("profile"), max_batch: body.max_batch,
+      expert_codec: body.expert_codec,  // a coded plan is refused with the reason, not estimated as uncoded
     });
     const line = (kind) => `${kind}: ${result[kind].decode_tok_s.toFixed(2)} tok/s decode, TTFT ${result[kind].ttft_ms.toFixed(0)} ms`;
     const perWorker = result.adjusted.memory_bytes.worker0;

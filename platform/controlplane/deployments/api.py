@@ -366,6 +366,8 @@ class EstimateApi(APIView):
     is the host RAM, GPU memory and disk per role from the tensor sizes (inference/building/memory.py),
     with main's KV caches for ``max_batch`` sequences, what creating and starting a deployment
     check each node against; without the shadow when ``predictor`` is not the shadow.
+    ``expert_codec`` other than "none" is a 400 with the reason: the simulator has no decode
+    rate for a profile's CPU, so it cannot estimate coded experts.
     """
 
     permission_classes = [IsAdminUser, KeyScopes]
@@ -383,6 +385,9 @@ class EstimateApi(APIView):
         input_tokens = serializers.IntegerField(min_value=1, max_value=32768, default=128)
         output_tokens = serializers.IntegerField(min_value=2, max_value=32768, default=128)
         max_batch = setting_field("max_batch")
+        # Taken so that a coded plan is refused with the reason (services.ESTIMATE_CODEC_REFUSAL), not
+        # estimated as if it were uncoded: only "none" is estimated.
+        expert_codec = setting_field("expert_codec")
 
         def validate_strategy(self, value: str) -> str:
             if value not in STRATEGIES:

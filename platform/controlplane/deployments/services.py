@@ -333,6 +333,20 @@ def check_nodes_free(nodes: list[Node], *, exclude: Deployment | None = None) ->
         raise DeploymentError(f"node {busy.node.name} is already in active deployment {busy.deployment.name}")
 
 
+# Why an estimate takes no expert codec. The simulator of the hardware profiles (inference/sim) charges
+# each expert load as the whole expert over the profile's host-to-GPU link. On a CUDA worker a coded
+# expert is decoded on the host and then copied whole (docs/concepts/coded-experts.md), so the copy is
+# the same, but its decode on the worker's CPU comes first, and no profile has a decode rate for its
+# CPU: benchmarks.sim_prediction.measure_decode measures this machine's, which the emulation's local
+# model (inference.sim.local) charges and a profile's testbed is not.
+ESTIMATE_CODEC_REFUSAL = (
+    'no estimate for expert_codec "{codec}": on a GPU worker each coded expert is decoded on its CPU before '
+    "it is copied whole, and the simulator has no measured decode rate for any hardware profile's CPU, so it "
+    'would predict the uncoded deployment; estimate with expert_codec "none" (a coded deployment\'s memory '
+    "is checked when it is created and started)"
+)
+
+
 def estimate(
     *,
     workers: int,
@@ -344,6 +358,7 @@ def estimate(
     input_tokens: int = 128,
     output_tokens: int = 128,
     max_batch: int = DEFAULTS.max_batch,
+    expert_codec: str = DEFAULTS.expert_codec,
 ) -> dict:
     """The cluster simulator's prediction for a planned deployment (``inference.sim.estimate``).
 
@@ -354,7 +369,16 @@ def estimate(
     shadow leaves the shadow out of ``memory`` (the deployment has no shadow seat);
     ``predictor`` in the answer is the resolved one (None: the strategy loads nothing ahead).
     The simulator itself models each strategy with its own predictor.
+
+    ``expert_codec`` other than "none" is refused (``ESTIMATE_CODEC_REFUSAL`` says why), not
+    estimated as if uncoded.
     """
+    if expert_codec != "none":
+        try:
+            check_value(info("expert_codec"), expert_codec)  # an unknown one: the declaration's message
+        except SpecError as exc:
+            raise DeploymentError(str(exc)) from None
+        raise DeploymentError(ESTIMATE_CODEC_REFUSAL.format(codec=expert_codec))
     try:
         resolved = predictor_for(strategy, predictor)
     except ValueError as exc:
