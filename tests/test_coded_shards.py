@@ -206,6 +206,45 @@ def test_the_memory_plan_counts_the_workers_coded_bytes(both: tuple[ShardSet, Sh
     assert plan.main == raw.main and plan.shadow == raw.shadow
 
 
+def test_before_the_set_is_built_the_memory_plan_counts_the_most_the_code_can_store(
+    both: tuple[ShardSet, ShardSet],
+) -> None:
+    """A coded deployment's first start is checked before its set exists: each expert the build codes is
+    counted at ``stored_bound`` (never less than what the build then writes), and a worker's RAM holds its
+    decoded experts in flight besides, which the raw count left out."""
+    from inference.building.memory import TensorSize, checkpoint_tensors, with_coded_bound
+    from inference.modelio.checkpoint import Checkpoint
+    from inference.modelio.expert_codec import stored_bound
+
+    coded = both[1]
+    model = coded.root.parent / "model"
+    ckpt = Checkpoint(model)
+    raw = memory_from_checkpoint(model, workers=WORKERS)
+    built = memory_from_checkpoint(model, workers=WORKERS, shards=coded.root)
+    bound = memory_from_checkpoint(model, workers=WORKERS, expert_codec="exponent-plane")
+    assert memory_from_checkpoint(model, workers=WORKERS, expert_codec="none") == raw
+    # With the set built, its bytes; the codec then changes nothing.
+    assert memory_from_checkpoint(model, workers=WORKERS, shards=coded.root, expert_codec="exponent-plane") == built
+    bounded = {t.name: t for t in with_coded_bound(ckpt, checkpoint_tensors(ckpt), "exponent-plane")}
+    for worker in range(WORKERS):
+        stored = stored_tensors(read_manifest(coded.worker(worker)))
+        assert stored and all(bounded[name].stored == stored_bound(e.raw_bytes, e.dtype) for name, e in stored.items())
+        assert all(e.stored_bytes <= bounded[name].stored for name, e in stored.items())
+        assert bound.workers[worker].disk_bytes == sum(bounded[name].stored for name in stored)
+        assert built.workers[worker].disk_bytes <= bound.workers[worker].disk_bytes
+        assert built.workers[worker].host_bytes <= bound.workers[worker].host_bytes
+        # Above the raw count: the frames' bound, and the decoded experts in flight (the worker's depth, 2).
+        in_flight = bound.workers[worker].host_bytes - bound.workers[worker].disk_bytes
+        assert in_flight == raw.workers[worker].host_bytes - raw.workers[worker].disk_bytes + 2 * raw.expert_bytes
+        assert bound.workers[worker].gpu_bytes == raw.workers[worker].gpu_bytes
+    assert bound.main == raw.main and bound.shadow == raw.shadow
+    # What is not an expert is counted as it is (the build codes experts only).
+    odd = [TensorSize("model.norm.weight", (4,), 16)]
+    assert with_coded_bound(ckpt, odd, "exponent-plane") == odd
+    with pytest.raises(ValueError, match="expert_codec must be one of none, exponent-plane"):
+        with_coded_bound(ckpt, odd, "zstd")
+
+
 def test_the_shard_command_takes_the_codec(both: tuple[ShardSet, ShardSet], tmp_path: Path) -> None:
     from inference.__main__ import main
 

@@ -71,6 +71,22 @@ def _blob(n: int = 512) -> tuple[np.ndarray, bytes]:
     return raw.reshape(-1), encode(raw.reshape(-1), "BF16")
 
 
+def test_the_frame_bound_is_zstds_own_and_no_encoding_exceeds_its_stored_bound() -> None:
+    """``stored_bound`` bounds every encoding, random (incompressible) bytes included, which come out a
+    few bytes larger than raw: the raw size is no bound of a coded tensor, this one is."""
+    lib = pytest.importorskip("zstandard._cffi").lib  # the wheel's libzstd, through its cffi binding
+    for n in (0, 1, 1000, 128 * 1024 - 1, 128 * 1024, 128 * 1024 + 1, 10**6, 2**27 + 5):
+        assert expert_codec.frame_bound(n) == lib.ZSTD_compressBound(n), n
+    rng = np.random.default_rng(0)
+    for dtype, width in expert_codec.WORD_BYTES.items():
+        for words in (1, 1000, 70_000):
+            raw = rng.integers(0, 256, words * width, dtype=np.uint8)
+            coded = len(encode(raw, dtype))
+            assert raw.size < coded <= expert_codec.stored_bound(raw.size, dtype), (dtype, words)
+    with pytest.raises(CodecError):
+        expert_codec.stored_bound(3, "BF16")
+
+
 def test_a_dtype_it_does_not_code_is_refused_by_name() -> None:
     with pytest.raises(CodecError, match="not 'I8'"):
         encode(np.zeros(4, dtype=np.uint8), "I8")

@@ -29,7 +29,8 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   plus up to ``cache_experts`` per layer it serves for ``lru-offload``, every expert it is
   home to for ``full-cache``. Where its shard stores the experts coded (``expert_codec``), its
   RAM and disk hold the coded bytes (``with_stored_experts`` reads them from a built set's
-  manifests) and its RAM the decoded experts in flight besides.
+  manifests; before it is built, ``with_coded_bound`` counts the most they can be) and its RAM
+  the decoded experts in flight besides.
 
 Every process also pays ``RUNTIME_OVERHEAD_BYTES`` of RAM (Python, torch, transformers) and,
 on a GPU, ``CUDA_CONTEXT_BYTES`` of device memory.
@@ -51,6 +52,7 @@ from typing import Any
 
 from inference.constants import (
     DEFAULT_CONTEXT_TOKENS,
+    EXPERT_CODECS,
     EXPERT_STORES,
     MAX_BATCH,
     NF4_BLOCKSIZE,
@@ -212,6 +214,29 @@ def with_stored_experts(tensors: Sequence[TensorSize], shard_root: str | os.Path
     return [replace(t, stored=stored[t.name]) if t.name in stored else t for t in tensors]
 
 
+def with_coded_bound(ckpt: Checkpoint, tensors: Sequence[TensorSize], expert_codec: str) -> list[TensorSize]:
+    """``tensors`` with each expert tensor ``expert_codec`` would code at the most its coded form can take,
+    whatever the weights (``inference.modelio.expert_codec.stored_bound``): what a worker's RAM, disk and
+    fit check count before a set with that code is built. The shard build codes every expert tensor of a
+    dtype the code takes (``inference.building.sharding``); "none" leaves ``tensors`` as they are.
+
+    Not the raw size: a code that saves nothing still costs its frame, so a coded tensor can be up to a
+    byte per 256 of its exponent plane and a frame header larger than its raw one; and a coded worker
+    holds its decoded experts in flight besides (``plan_memory``), which the raw count leaves out.
+    """
+    if expert_codec not in EXPERT_CODECS:
+        raise ValueError(f"expert_codec must be one of {', '.join(EXPERT_CODECS)}, got {expert_codec!r}")
+    if expert_codec == "none":
+        return list(tensors)
+    from inference.modelio.expert_codec import stored_bound, supports
+
+    bounded = []
+    for tensor in tensors:
+        dtype = ckpt.dtype(tensor.name) if parse_expert_key(tensor.name) is not None else ""
+        bounded.append(replace(tensor, stored=stored_bound(tensor.nbytes, dtype)) if supports(dtype) else tensor)
+    return bounded
+
+
 def config_tensors(sizes: ModelSizes, dtype: str, *, tied_embeddings: bool = False) -> list[TensorSize]:
     """The tensors a Mixtral checkpoint of bare ``sizes`` holds, in ``dtype`` (a config ``dtype`` name).
 
@@ -316,11 +341,14 @@ def memory_from_checkpoint(
     hot_experts: int = DEFAULTS.hot_experts,
     staging_buffers: int = DEFAULTS.staging_buffers,
     shards: str | os.PathLike[str] | None = None,
+    expert_codec: str = DEFAULTS.expert_codec,
 ) -> MemoryPlan:
     """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes.
 
     With ``shards``, a shard set built from it: the workers' experts as it stores them
-    (``with_stored_experts``; fewer bytes where it was built with an ``expert_codec``).
+    (``with_stored_experts``; fewer bytes where it was built with an ``expert_codec``). Without,
+    an ``expert_codec`` other than "none" counts each expert it would code at its bound
+    (``with_coded_bound``), before the set is built.
 
     Main's KV caches are for ``max_batch`` sequences, the shadow's for ``shadow_max_states(max_batch)``
     (``SHADOW_STATES_PER_SEQUENCE * max_batch``: as many as main runs), of ``context_tokens`` tokens each.
@@ -329,6 +357,8 @@ def memory_from_checkpoint(
     tensors = checkpoint_tensors(ckpt)
     if shards is not None:
         tensors = with_stored_experts(tensors, shards)
+    else:
+        tensors = with_coded_bound(ckpt, tensors, expert_codec)
     sizes = from_hf_config(ckpt.config)
     return plan_memory(
         tensors,

@@ -248,6 +248,12 @@ class Checkpoint:
             return self._info(key).shape
         return _sliced_shape(self._info(source.name).shape, source, key)
 
+    def dtype(self, key: str) -> str:
+        """The tensor's safetensors dtype name (``BF16``, ``F32``...), from the file header; an expert
+        sliced from a fused release tensor has that tensor's."""
+        source = self._expert_sources.get(key)
+        return self._info(key if source is None else source.name).dtype
+
     def nbytes(self, key: str) -> int:
         """The tensor's size in bytes, from the file header (data is read only for exotic dtypes)."""
         source = self._expert_sources.get(key)

@@ -59,6 +59,24 @@ def rest_nbytes(raw_nbytes: int, dtype: str) -> int:
     return raw_nbytes // width * (width - 1)
 
 
+def frame_bound(nbytes: int) -> int:
+    """The most bytes the zstandard frame of ``nbytes`` can take: zstd's ``ZSTD_COMPRESSBOUND`` (zstd.h),
+    the output buffer python-zstandard's one-shot ``compress`` allocates, and fails rather than overrun."""
+    if nbytes < 0:
+        raise ValueError(f"a size is not negative, got {nbytes}")
+    margin = (128 * 1024 - nbytes) >> 11 if nbytes < 128 * 1024 else 0  # from 64 bytes down to 0
+    return nbytes + (nbytes >> 8) + margin
+
+
+def stored_bound(raw_nbytes: int, dtype: str) -> int:
+    """The most bytes ``encode`` can make of a tensor of ``raw_nbytes`` in ``dtype``, whatever its values:
+    the exponent plane's frame at its bound (one byte per weight, incompressible) and the raw rest. A little
+    more than ``raw_nbytes`` (a 256th of the plane and a frame header): a code that saves nothing still costs
+    its frame, so the raw size is not a bound of the coded one."""
+    rest = rest_nbytes(raw_nbytes, dtype)  # whole words, or CodecError
+    return frame_bound(raw_nbytes - rest) + rest
+
+
 def encode(raw: np.ndarray | bytes | memoryview, dtype: str) -> bytes:
     """The stored form of a tensor's little-endian bytes ``raw`` in ``dtype``: frame then rest."""
     data = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
@@ -170,6 +188,8 @@ __all__ = [
     "decode",
     "decode_into",
     "encode",
+    "frame_bound",
     "rest_nbytes",
+    "stored_bound",
     "supports",
 ]

@@ -403,6 +403,31 @@ def test_an_approximate_strategy_needs_the_models_similarity_table_and_is_marked
     assert estimate.status_code == 400 and "benchmarks.quality" in str(estimate.json())
 
 
+def test_a_coded_deployments_first_fit_check_counts_the_most_its_code_can_store(staff: APIClient, model) -> None:
+    """Before its coded set is built, a worker is checked against the bound of what the code stores (each
+    exponent plane's frame at zstd's bound, plus the decoded experts in flight), which is above the raw
+    count: a node with the raw bytes' room is refused for a coded deployment, not sent shards it lacks room for."""
+    from controlplane.deployments.services import coded_set, memory_plan
+
+    sizes = {"model": model, "workers": 1, "shadow_dtype": "fp32", "strategy": "odmoe", "max_batch": 8}
+    raw = memory_plan(**sizes, shadow=False).role("worker-0")
+    bound = memory_plan(**sizes, shadow=False, expert_codec="exponent-plane").role("worker-0")
+    assert coded_set(model, 1, "exponent-plane") is None  # not built
+    assert raw.disk_bytes < bound.disk_bytes and raw.cpu_bytes < bound.cpu_bytes
+    main, worker = sized_box("m", ram_gb=8), sized_box("w", ram_gb=8)
+    Node.objects.filter(pk=worker.pk).update(
+        inventory={"gpus": [], "ram_bytes": 8 * 10**9, "disk_free_bytes": raw.disk_bytes}
+    )
+    body = {"model": model.pk, "nodes": ids(main, worker), "predictor": "next-gate"}
+    body |= {"roles": {"main": str(main.pk), "shadow": None, "workers": [str(worker.pk)]}}
+    assert staff.post("/api/deployments", body | {"name": "plain"}, format="json").status_code == 201
+    Deployment.objects.all().delete()
+    refused = staff.post("/api/deployments", body | {"name": "coded", "expert_codec": "exponent-plane"}, format="json")
+    assert refused.status_code == 400, refused.content
+    assert "node w (worker 0) needs" in refused.json()["detail"] and "of disk for its shard" in refused.json()["detail"]
+    assert Deployment.objects.count() == 0
+
+
 def test_the_prerouter_needs_the_models_trained_heads_and_a_rebuilt_shard_set_carries_them(
     staff: APIClient, tiny_model: Path, tmp_path: Path
 ) -> None:

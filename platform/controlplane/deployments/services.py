@@ -20,8 +20,10 @@ below ``max_batch`` + main's queue (``max_waiting``), so one user leaves others 
 A deployment's ``expert_codec`` is how its workers' shards store the experts. Its fit check
 counts a worker's experts as that shard set stores them (``inference.building.memory.with_stored_experts``)
 once the set is built (by an earlier start, or another deployment of the model with the same
-workers and codec); before then it counts them as the checkpoint holds them, which a lossless
-code never exceeds but by a frame header per expert.
+workers and codec); before then at the most the code can make of them whatever the weights
+(``inference.building.memory.with_coded_bound``: each tensor's raw rest plus its exponent plane's
+zstandard frame at zstd's compress bound, a little over the raw size), with the decoded experts a
+coded worker holds in flight in its RAM either way.
 
 Every keyword default of a setting here is the declaration's (``inference.settings.DEFAULTS``).
 """
@@ -139,7 +141,8 @@ def memory_plan(
     Main's KV caches are for ``max_batch`` sequences at once, the shadow's for as many
     (``inference.building.memory.shadow_max_states(max_batch)``); without a shadow seat (``shadow``
     false) the plan has no shadow role. With an ``expert_codec`` whose set for these workers is
-    built, the workers' experts are counted as it stores them (``coded_set``).
+    built, the workers' experts are counted as it stores them (``coded_set``); before it is built,
+    at the bound of what the code stores (``with_coded_bound``).
     """
     try:
         plan = memory_from_checkpoint(
@@ -149,6 +152,7 @@ def memory_plan(
             strategy=strategy,
             max_batch=max_batch,
             shards=coded_set(model, workers, expert_codec),
+            expert_codec=expert_codec,
         )
     except (CheckpointError, ValueError) as exc:
         raise DeploymentError(f"cannot size the roles of {model.name}: {exc}") from None
@@ -179,7 +183,8 @@ def check_fits(
     ``shard_bytes``) needs no new disk space. Main holds a KV cache for each of the
     deployment's ``max_batch`` sequences, the shadow for as many (``shadow_max_states``). A map
     without a shadow seat is checked without one: the plan it returns has no shadow role. A
-    worker's experts count as the deployment's ``expert_codec`` stores them where that set is built.
+    worker's experts count as the deployment's ``expert_codec`` stores them where that set is built,
+    and at the most it can store them before.
     """
     workers = sum(1 for role in seats if role.startswith("worker-"))
     plan = memory_plan(
