@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from inference.modelio.shards import MANIFEST_FILE, ShardError, expert_codec_of
 from inference.runtime.launcher import free_port
 
 FREE_PORTS = 4  # offered per heartbeat; the control plane picks a role's inbox port among them
@@ -99,6 +101,30 @@ def shard_bytes(state_dir: Path) -> dict[str, int]:
     return found
 
 
+def shard_codecs(state_dir: Path) -> dict[str, str]:
+    """The expert codec each shard on this box stores its experts with, by ``model_id/shard`` as in
+    ``shard_bytes``: "none", or the codec its manifest's coded tensors name (``expert_codec_of``).
+
+    The control plane counts a worker shard as already on the box only for a deployment of the same
+    codec: one of the other codec is replaced, not reused. A shard without a manifest it can read (a
+    download cut short: the manifest is written last) is left out.
+    """
+    found: dict[str, str] = {}
+    root = state_dir / "shards"
+    try:
+        shards = [shard for model in root.iterdir() for shard in model.iterdir() if shard.is_dir()]
+    except OSError:
+        return found  # no shards yet, or one vanished while we looked
+    for shard in shards:
+        try:
+            manifest = json.loads((shard / MANIFEST_FILE).read_bytes())
+            if isinstance(manifest, dict):
+                found[f"{shard.parent.name}/{shard.name}"] = expert_codec_of(manifest, f"shard {shard}")
+        except (OSError, ValueError, ShardError):
+            pass  # no manifest, or one this version does not read: nothing said about it
+    return found
+
+
 def ram_bytes() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -128,6 +154,7 @@ def collect(state_dir: Path, server_host: str) -> dict:
         "disk_free_bytes": disk.free,
         "gpus": gpus(),
         "shard_bytes": shard_bytes(state_dir),
+        "shard_codecs": shard_codecs(state_dir),
         "address": peer_address(server_host),
         "free_ports": sorted({free_port() for _ in range(FREE_PORTS)}),
     }

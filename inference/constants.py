@@ -22,6 +22,8 @@ EXPERT_STORES = ("ram", "disk", "hot")
 # stores coded (EXPONENT_PLANE_CODEC), with its dtype, shape, raw and stored bytes.
 EXPERT_CODECS = ("none", "exponent-plane")
 EXPONENT_PLANE_CODEC = "exponent-plane+zstd"
+# The expert codec whose worker shards store tensors with each per-tensor code.
+EXPERT_CODEC_OF_CODE = {EXPONENT_PLANE_CODEC: "exponent-plane"}
 # Bytes per word of the dtypes it codes, by their safetensors names.
 CODED_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 

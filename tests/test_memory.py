@@ -330,8 +330,34 @@ def test_the_agent_reports_its_gpus_and_the_shards_it_already_holds(tmp_path) ->
     assert inventory.shard_bytes(tmp_path / "nowhere") == {}
     found = inventory.collect(tmp_path, "127.0.0.1")
     assert found["shard_bytes"] == {"7/worker-1": 1002} and found["disk_free_bytes"] > 0
+    assert found["shard_codecs"] == {"7/worker-1": "none"}  # its manifest lists no coded tensor
     for gpu in found["gpus"]:  # none on a CPU-only box
         assert {"index", "name", "memory_bytes"} <= set(gpu)
+
+
+def test_the_agent_reports_how_each_shard_it_holds_stores_its_experts(tmp_path) -> None:
+    """From each shard's manifest: "none", or the codec its coded tensors are stored with; nothing for a
+    shard without a manifest (a download cut short) or with one this version does not read."""
+    import json
+
+    from agent import inventory
+    from inference.constants import EXPONENT_PLANE_CODEC
+
+    entry = {"codec": EXPONENT_PLANE_CODEC, "dtype": "BF16", "shape": [2, 4], "raw_bytes": 16, "stored_bytes": 12}
+    manifests = {
+        "main": {"files": []},
+        "worker-0": {"files": [], "stored": {"model.layers.0.experts.0.w1.weight": entry}},
+        "worker-1": {"files": [], "stored": {"x": entry | {"codec": "gzip"}}},  # a code this version does not read
+        "worker-2": None,  # no manifest yet
+        "worker-3": [],  # not an object
+    }
+    for name, manifest in manifests.items():
+        shard = tmp_path / "shards" / "3" / name
+        shard.mkdir(parents=True)
+        if manifest is not None:
+            (shard / "manifest.json").write_text(json.dumps(manifest))
+    assert inventory.shard_codecs(tmp_path) == {"3/main": "none", "3/worker-0": "exponent-plane"}
+    assert inventory.shard_codecs(tmp_path / "nowhere") == {}
 
 
 def test_free_gpu_memory_comes_from_nvidia_smi_by_uuid(tmp_path, monkeypatch) -> None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from inference.constants import (
     CODED_DTYPE_BYTES,
+    EXPERT_CODEC_OF_CODE,
     EXPERT_CODECS,
     EXPONENT_PLANE_CODEC,
     MAIN_EXTRAS,
@@ -120,6 +121,18 @@ def stored_tensors(manifest: dict[str, Any], where: str = "shard manifest") -> d
     if not isinstance(table, dict):
         raise ShardError(f"{where}: 'stored' must map tensor names to their codes")
     return {name: _stored_entry(where, name, entry) for name, entry in table.items()}
+
+
+def expert_codec_of(manifest: dict[str, Any], where: str = "shard manifest") -> str:
+    """The expert codec (``EXPERT_CODECS``) a shard's manifest says its experts are stored with: "none"
+    when it lists no coded tensor, else the codec of the one code they are stored with
+    (``EXPERT_CODEC_OF_CODE``). ``ShardError`` for an entry this version does not read."""
+    codes = {entry.codec for entry in stored_tensors(manifest, where).values()}
+    if not codes:
+        return "none"
+    if len(codes) > 1:
+        raise ShardError(f"{where}: its tensors are stored with several codes ({', '.join(sorted(codes))})")
+    return EXPERT_CODEC_OF_CODE[codes.pop()]
 
 
 def _stored_entry(where: str, name: Any, entry: Any) -> StoredTensor:

@@ -542,6 +542,15 @@ def test_an_inventory_keeps_only_the_entries_its_readers_know_each_within_its_si
         "free_ports": [9300, 9301],
         "shard_bytes": {"1/main": 5},
     }
+    codecs = {"1/main": "none", "1/worker-0": "exponent-plane"}
+    assert clean_inventory({"shard_codecs": codecs}) == {"shard_codecs": codecs}
+    for bad in (
+        {"1/worker-0": "gzip"},
+        {"1/worker-0": ["none"]},
+        {f"1/worker-{i}": "none" for i in range(1000)},
+        "none",
+    ):
+        assert clean_inventory({"shard_codecs": bad}) == {}, bad
 
 
 def test_a_role_report_keeps_its_known_figures_within_their_sizes() -> None:

@@ -428,6 +428,31 @@ def test_a_coded_deployments_first_fit_check_counts_the_most_its_code_can_store(
     assert Deployment.objects.count() == 0
 
 
+def test_a_worker_shard_on_a_node_counts_as_there_only_for_a_deployment_of_its_codec(staff: APIClient, model) -> None:
+    """A shard already on a node needs no new disk; a worker's only where its agent reports it stored with
+    the deployment's codec: one of the other codec is replaced by the download, not reused."""
+    main, worker = sized_box("m", ram_gb=8), sized_box("w", ram_gb=8)
+    shard = f"{model.pk}/worker-0"
+    body = {"model": model.pk, "nodes": ids(main, worker), "predictor": "next-gate"}
+    body |= {"roles": {"main": str(main.pk), "shadow": None, "workers": [str(worker.pk)]}}
+
+    def create(name: str, codec: str, held: dict | None) -> object:
+        inventory = {"gpus": [], "ram_bytes": 8 * 10**9, "disk_free_bytes": 0, "shard_bytes": {shard: 10**9}}
+        Node.objects.filter(pk=worker.pk).update(inventory=inventory | ({"shard_codecs": held} if held else {}))
+        made = staff.post("/api/deployments", body | {"name": name, "expert_codec": codec}, format="json")
+        Deployment.objects.all().delete()
+        return made
+
+    for codec in ("none", "exponent-plane"):
+        assert create("same", codec, {shard: codec}).status_code == 201, codec  # its shard is there: no disk needed
+        other = "exponent-plane" if codec == "none" else "none"
+        refused = create("other", codec, {shard: other})
+        assert refused.status_code == 400 and "(worker 0) needs" in refused.json()["detail"], (codec, refused.content)
+        assert "of disk for its shard, has 0.0 GB" in refused.json()["detail"]
+        # An agent that does not say how its shards are stored: not counted as there.
+        assert create("unsaid", codec, None).status_code == 400
+
+
 def test_the_prerouter_needs_the_models_trained_heads_and_a_rebuilt_shard_set_carries_them(
     staff: APIClient, tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -679,6 +679,18 @@ def test_a_next_gate_deployment_serves_without_a_shadow(served_without_shadow: S
     assert deployment["expert_codec"] == "exponent-plane"
     (model,) = api.get("/api/models")["results"]
     assert model["shard_expert_codec"] == "exponent-plane" and model["shard_workers"] == 1
+    # The worker's agent reports the shard it fetched as coded (its next heartbeat, each second here),
+    # and main's as not: what the fit check matches a held worker shard's codec against.
+    worker = next(m for m in deployment["members"] if m["role"] == "worker")
+    main = next(m for m in deployment["members"] if m["role"] == "main")
+    deadline = time.monotonic() + 10
+    while True:
+        nodes = {n["id"]: n["inventory"] for n in api.get("/api/nodes")["results"]}
+        codecs = {**nodes[worker["node"]].get("shard_codecs", {}), **nodes[main["node"]].get("shard_codecs", {})}
+        if len(codecs) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert codecs == {f"{model['id']}/worker-0": "exponent-plane", f"{model['id']}/main": "none"}, codecs
     answer = api.post(f"/api/deployments/{deployment['id']}/generate", {"prompt_ids": PROMPTS[0], "max_new_tokens": 8})
     assert answer["token_ids"] == reference_generate(served.model_dir, PROMPTS[0], 8)
     check_openai_text(served)

@@ -180,7 +180,8 @@ def check_fits(
     """Refuse a role map (role name -> (node, GPU index or None)) where a node cannot hold its roles.
 
     Roles on one node share its RAM and disk. A shard already on a node (its agent reports
-    ``shard_bytes``) needs no new disk space. Main holds a KV cache for each of the
+    ``shard_bytes``) needs no new disk space; a worker's only where its agent reports it stored with
+    the deployment's ``expert_codec`` (``shard_codecs``). Main holds a KV cache for each of the
     deployment's ``max_batch`` sequences, the shadow for as many (``shadow_max_states``). A map
     without a shadow seat is checked without one: the plan it returns has no shadow role. A
     worker's experts count as the deployment's ``expert_codec`` stores them where that set is built,
@@ -201,8 +202,14 @@ def check_fits(
     converted = "shadow" in seats and shadow_dtypes_to_build(Checkpoint(model.path).config, shadow_dtype)
     shadow_shard = f"shadow-{shadow_dtype}" if converted else "shadow"
     for role, (node, _) in seats.items():
-        on_disk = node.inventory.get("shard_bytes") if isinstance(node.inventory, dict) else None
+        inventory = node.inventory if isinstance(node.inventory, dict) else {}
+        on_disk, codecs = inventory.get("shard_bytes"), inventory.get("shard_codecs")
         shard = f"{model.pk}/{shadow_shard if role == 'shadow' else role}"
+        # A worker shard stored with another codec is replaced, not reused; an agent that does not
+        # say (one older than the report) has its worker shards counted as not there.
+        held = codecs.get(shard) if isinstance(codecs, dict) else None
+        if role.startswith("worker-") and held != expert_codec:
+            continue
         if isinstance(on_disk, dict) and isinstance(on_disk.get(shard), int):
             present[role] = on_disk[shard]
     placed = {role: Placed(node.name, node.inventory, gpu) for role, (node, gpu) in seats.items()}

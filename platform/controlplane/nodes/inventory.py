@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from inference.constants import EXPERT_CODECS
+
 MAX_GPUS = 64  # GPUs one box reports (the largest servers hold 16)
 MAX_PORTS = 64  # free ports offered per heartbeat (the agent offers 4)
 MAX_SHARDS = 256  # shards one box holds (one per role of each model it serves)
@@ -49,6 +51,15 @@ def _shard_bytes(value: Any) -> bool:
     return type(value) is dict and len(value) <= MAX_SHARDS and all(_text(k) and _count(n) for k, n in value.items())
 
 
+def _shard_codecs(value: Any) -> bool:
+    """How each shard on the box stores its experts (``agent.inventory.shard_codecs``): a known codec each."""
+    return (
+        type(value) is dict
+        and len(value) <= MAX_SHARDS
+        and all(_text(k) and v in EXPERT_CODECS for k, v in value.items())
+    )
+
+
 ENTRIES: dict[str, Callable[[Any], bool]] = {
     "agent_version": lambda v: _text(v, 40),
     "protocol": _count,
@@ -60,6 +71,7 @@ ENTRIES: dict[str, Callable[[Any], bool]] = {
     "disk_free_bytes": _count,
     "free_ports": _ports,
     "shard_bytes": _shard_bytes,
+    "shard_codecs": _shard_codecs,
 }
 GPU_ENTRIES: dict[str, Callable[[Any], bool]] = {
     "index": _count,
