@@ -28,7 +28,8 @@ Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
 a rule's pattern and whose recording date (the JSON's ``date``/``started``, else its git commit's
 date) is before the rule's commit date is shown stale, with the rule's reason, in every table and
 summary; unless its JSON names the rule's commit as its own (``commit``: run from that commit's
-working tree before it was committed). A rule whose commit has not landed (``commit=None``) is listed on the page as pending.
+working tree before it was committed). A rule whose commit has not landed (``commit=None``) is
+listed on the page as pending.
 
 **Prose.** The notes moved here from the old README keep their figures, which were copied by hand
 before this renderer existed. Every decimal figure in a template's prose (outside code) is traced
