@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 
-from django.core.cache import caches
+from django.core.cache import BaseCache, caches
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +29,30 @@ WATCH_KEY = "console:watching-steps"
 WATCH_TTL_S = 5  # a console marks every second (console.consumers.EVERY_S); this outlives a slow one
 SHARED_CACHE = "shared"
 
+_cache: BaseCache | None = None
+
+
+def _shared() -> BaseCache:
+    """One client of the shared cache for the whole process (Redis' connection pool is
+    thread-safe). ``caches[...]`` keeps one per thread and per asyncio task, so each generation
+    would open a Redis connection of its own."""
+    global _cache
+    if _cache is None:
+        _cache = caches.create_connection(SHARED_CACHE)
+    return _cache
+
+
+@receiver(setting_changed)
+def _settings_changed(*, setting: str, **kwargs) -> None:
+    global _cache
+    if setting == "CACHES":
+        _cache = None  # a test moved the shared cache: the next call opens a client to where it is now
+
 
 async def mark_watched() -> None:
     """A console watches now (called by each open console, every second)."""
     try:
-        await caches[SHARED_CACHE].aset(WATCH_KEY, True, timeout=WATCH_TTL_S)
+        await _shared().aset(WATCH_KEY, True, timeout=WATCH_TTL_S)
     except Exception as exc:  # Redis down: the console's view still refreshes; steps wait for it
         log.warning("could not mark the console's step view as open (%s)", exc)
 
@@ -39,7 +60,7 @@ async def mark_watched() -> None:
 async def watched() -> bool:
     """Whether a console marked its step view open within the last ``WATCH_TTL_S`` seconds."""
     try:
-        return bool(await caches[SHARED_CACHE].aget(WATCH_KEY, False))
+        return bool(await _shared().aget(WATCH_KEY, False))
     except Exception as exc:
         log.debug("could not read whether a console watches (%s): no step reports", exc)
         return False
