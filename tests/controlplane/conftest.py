@@ -95,7 +95,8 @@ def redis_for_this_worker(url: str) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def celery_on_test_redis(redis_url: str) -> None:
-    """Every task the tests enqueue goes to the test Redis, from the first one on.
+    """Every task the tests enqueue goes to the test Redis, from the first one on, and the shared
+    cache (``controlplane.nodes.step_watch``) is there too.
 
     Set once for the session: Celery keeps its producer connections, so a broker changed
     after the first task was sent would not be used.
@@ -105,6 +106,7 @@ def celery_on_test_redis(redis_url: str) -> None:
     from controlplane import celery_app
 
     settings.CELERY_BROKER_URL = redis_url  # for the whole session, on purpose
+    settings.CACHES = shared_caches(settings.CACHES, redis_url)  # the step watch's mark, too
     celery_app.conf.broker_url  # noqa: B018 - loads the configuration now, so the next line is not overridden
     celery_app.conf.broker_url = redis_url
 

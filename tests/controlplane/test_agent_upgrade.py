@@ -103,7 +103,7 @@ def test_an_agent_of_another_protocol_is_turned_away_at_connect_with_the_upgrade
         connected, _ = asyncio.run(connect(str(AGENT_PROTOCOL), expect_close=False))
         assert connected
         # Another protocol, or none (an agent older than the header speaks the first, no longer this one).
-        for refused in (str(AGENT_PROTOCOL + 1), None):
+        for refused in (str(AGENT_PROTOCOL - 1), str(AGENT_PROTOCOL + 1), None):
             _, closed = asyncio.run(connect(refused, expect_close=True))
             assert closed["type"] == "websocket.close" and closed["code"] == CLOSE_PROTOCOL_MISMATCH
             assert "upgrade" in closed["reason"] and "install one-liner" in closed["reason"]

@@ -100,6 +100,22 @@ def test_generations_ask_main_for_step_reports_only_while_a_console_watches(
     assert unwatched["step_reports"] is False and watched["step_reports"] is True
 
 
+def test_without_redis_a_console_still_marks_in_vain_and_no_step_reports_are_asked_for(settings) -> None:
+    from controlplane.nodes import step_watch
+    from inference.runtime.launcher import free_port
+
+    settings.CACHES = {
+        **settings.CACHES,
+        "shared": {**settings.CACHES["shared"], "LOCATION": f"redis://127.0.0.1:{free_port()}/0"},
+    }
+
+    async def both() -> bool:
+        await step_watch.mark_watched()  # logged, not raised: the console's view goes on
+        return await step_watch.watched()
+
+    assert async_to_sync(both)() is False
+
+
 @pytest.mark.django_db
 def test_the_console_pages_are_for_staff() -> None:
     users = get_user_model().objects

@@ -132,12 +132,14 @@ async def astream(
     the platform's own checks).
     """
     node_id, key, name = await database_sync_to_async(_target, thread_sensitive=False)(deployment_id)
+    # Step reports only while a console shows them: they are most of a token's bytes on every hop.
+    # Read before the group is joined: nothing between the join and its ``finally`` may be left.
+    step_reports = await step_watch.watched()
     layer = layer or get_channel_layer()
     channel = await layer.new_channel()
     group = generation_group(request.request_id)
     await layer.group_add(group, channel)
-    # Step reports only while a console shows them: they are most of a token's bytes on every hop.
-    command = msgspec.structs.replace(request, deployment=key, step_reports=await step_watch.watched())
+    command = msgspec.structs.replace(request, deployment=key, step_reports=step_reports)
     generated: int | None = None  # tokens so far, once main started the generation
     with listening(request.request_id) as inbox:
         from_layer = asyncio.create_task(_from_layer(layer, channel, inbox))

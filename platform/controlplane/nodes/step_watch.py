@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import logging
 
-from django.core.cache import BaseCache, caches
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.cache import BaseCache
 from django.core.signals import setting_changed
 from django.dispatch import receiver
+from django.utils.module_loading import import_string
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +33,19 @@ WATCH_TTL_S = 5  # a console marks every second (console.consumers.EVERY_S); thi
 SHARED_CACHE = "shared"
 
 _cache: BaseCache | None = None
+_unmarked = False  # the last mark failed: said once, not every second of every open console
 
 
 def _shared() -> BaseCache:
     """One client of the shared cache for the whole process (Redis' connection pool is
-    thread-safe). ``caches[...]`` keeps one per thread and per asyncio task, so each generation
-    would open a Redis connection of its own."""
+    thread-safe), made as ``caches`` makes one from the settings as they are now. ``caches[...]``
+    keeps one per thread and per asyncio task, so each generation would open a Redis
+    connection of its own."""
     global _cache
     if _cache is None:
-        _cache = caches.create_connection(SHARED_CACHE)
+        params = dict(settings.CACHES[SHARED_CACHE])
+        backend = import_string(params.pop("BACKEND"))
+        _cache = backend(params.pop("LOCATION", ""), params)
     return _cache
 
 
@@ -46,21 +53,27 @@ def _shared() -> BaseCache:
 def _settings_changed(*, setting: str, **kwargs) -> None:
     global _cache
     if setting == "CACHES":
-        _cache = None  # a test moved the shared cache: the next call opens a client to where it is now
+        _cache = None  # moved (a test, or `up` to its own Redis): the next call opens a client there
 
 
 async def mark_watched() -> None:
     """A console watches now (called by each open console, every second)."""
+    global _unmarked
     try:
-        await _shared().aset(WATCH_KEY, True, timeout=WATCH_TTL_S)
+        # Off the one thread that runs the consumers' synchronous calls (the cache's own aset
+        # would queue there): a slow Redis must not hold up every console and agent link.
+        await sync_to_async(_shared().set, thread_sensitive=False)(WATCH_KEY, True, timeout=WATCH_TTL_S)
+        _unmarked = False
     except Exception as exc:  # Redis down: the console's view still refreshes; steps wait for it
-        log.warning("could not mark the console's step view as open (%s)", exc)
+        if not _unmarked:
+            log.warning("could not mark the console's step view open (%s): no step reports until Redis answers", exc)
+        _unmarked = True
 
 
 async def watched() -> bool:
     """Whether a console marked its step view open within the last ``WATCH_TTL_S`` seconds."""
     try:
-        return bool(await _shared().aget(WATCH_KEY, False))
+        return bool(await sync_to_async(_shared().get, thread_sensitive=False)(WATCH_KEY, False))
     except Exception as exc:
         log.debug("could not read whether a console watches (%s): no step reports", exc)
         return False

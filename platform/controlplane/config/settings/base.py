@@ -13,7 +13,7 @@
 | ``HF_TOKEN`` | Hugging Face token, for gated or private repos (read by ``huggingface_hub``) | none |
 | ``ODMOE_JOIN_TOKEN_TTL_S`` | default lifetime of a join token | 86400 |
 | ``ODMOE_TLS_CERT_FILE`` | the PEM certificate the TLS proxy presents, which boxes pin (docs/tls.md) | none: no pin |
-| ``REDIS_URL`` | Redis for Celery and the Channels layer | ``redis://127.0.0.1:6379/0`` |
+| ``REDIS_URL`` | Redis for Celery, the Channels layer and the shared cache | ``redis://127.0.0.1:6379/0`` |
 | ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
 | ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
 | ``ODMOE_LOG_LEVEL`` | log level of every process | INFO |
@@ -253,7 +253,13 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": float(os.environ.get("O
 # Redis everywhere, for what every process must see alike (controlplane.nodes.step_watch).
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
-    "shared": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL, "KEY_PREFIX": "odmoe"},
+    "shared": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "odmoe",
+        # A Redis that stalls without refusing costs a request a second, not its whole wait.
+        "OPTIONS": {"socket_timeout": 1, "socket_connect_timeout": 1},
+    },
 }
 
 # Room for a whole answer's tokens in a channel whose reader is briefly busy (the default is 100).

@@ -234,8 +234,9 @@ def _port_free_or_fail(port: int) -> None:
 
 
 def _use_redis(url: str) -> None:
-    """Point this process's Celery and channel layer at ``url`` (the children get REDIS_URL)."""
+    """Point this process's Celery, channel layer and shared cache at ``url`` (the children get REDIS_URL)."""
     from channels.layers import channel_layers
+    from django.core.signals import setting_changed
 
     from controlplane import celery_app
 
@@ -243,4 +244,6 @@ def _use_redis(url: str) -> None:
     settings.REDIS_URL = settings.CELERY_BROKER_URL = url
     settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"] = [url]
     channel_layers.backends.clear()
+    settings.CACHES["shared"]["LOCATION"] = url
+    setting_changed.send(sender=None, setting="CACHES", value=settings.CACHES, enter=True)  # clients reopen there
     celery_app.conf.broker_url = url
