@@ -107,22 +107,55 @@ def shard_codecs(state_dir: Path) -> dict[str, str]:
 
     The control plane counts a worker shard as already on the box only for a deployment of the same
     codec: one of the other codec is replaced, not reused. A shard without a manifest it can read (a
-    download cut short: the manifest is written last) is left out.
+    download cut short: the manifest is written last) is left out. A manifest is read again only
+    when it changed (``_codec_of``): this runs on every heartbeat, on the loop that relays tokens.
     """
     found: dict[str, str] = {}
     root = state_dir / "shards"
     try:
-        shards = [shard for model in root.iterdir() for shard in model.iterdir() if shard.is_dir()]
+        models = [model for model in root.iterdir() if model.is_dir()]
     except OSError:
-        return found  # no shards yet, or one vanished while we looked
-    for shard in shards:
+        return found  # no shards yet
+    looked: set[Path] = set()
+    for model in models:
         try:
-            manifest = json.loads((shard / MANIFEST_FILE).read_bytes())
-            if isinstance(manifest, dict):
-                found[f"{shard.parent.name}/{shard.name}"] = expert_codec_of(manifest, f"shard {shard}")
-        except (OSError, ValueError, ShardError):
-            pass  # no manifest, or one this version does not read: nothing said about it
+            shards = [shard for shard in model.iterdir() if shard.is_dir()]
+        except OSError:
+            continue  # it vanished while we looked
+        for shard in shards:
+            looked.add(shard / MANIFEST_FILE)
+            codec = _codec_of(shard / MANIFEST_FILE)
+            if codec is not None:
+                found[f"{model.name}/{shard.name}"] = codec
+    for gone in _codecs_read.keys() - looked:
+        del _codecs_read[gone]
     return found
+
+
+_codecs_read: dict[Path, tuple[tuple[int, int], str | None]] = {}  # manifest -> ((mtime_ns, size), codec)
+
+
+def _codec_of(manifest_file: Path) -> str | None:
+    """The codec ``manifest_file`` names for its shard's experts, or None where it cannot say;
+    read again only when the file's modification time or size changed."""
+    try:
+        status = manifest_file.stat()
+    except OSError:
+        _codecs_read.pop(manifest_file, None)
+        return None
+    stamp = (status.st_mtime_ns, status.st_size)
+    known = _codecs_read.get(manifest_file)
+    if known is not None and known[0] == stamp:
+        return known[1]
+    codec = None
+    try:
+        manifest = json.loads(manifest_file.read_bytes())
+        if isinstance(manifest, dict):
+            codec = expert_codec_of(manifest, f"shard {manifest_file.parent}")
+    except (OSError, ValueError, ShardError):
+        pass  # no manifest, or one this version does not read: nothing said about it
+    _codecs_read[manifest_file] = (stamp, codec)
+    return codec
 
 
 def ram_bytes() -> int:

@@ -358,6 +358,12 @@ def test_the_agent_reports_how_each_shard_it_holds_stores_its_experts(tmp_path) 
             (shard / "manifest.json").write_text(json.dumps(manifest))
     assert inventory.shard_codecs(tmp_path) == {"3/main": "none", "3/worker-0": "exponent-plane"}
     assert inventory.shard_codecs(tmp_path / "nowhere") == {}
+    # A stray file beside the models hides nothing; a manifest rewritten is read again (the agent
+    # reads one only when it changed, on every heartbeat), one removed is no longer reported.
+    (tmp_path / "shards" / "stray").write_text("")
+    (tmp_path / "shards" / "3" / "worker-0" / "manifest.json").write_text(json.dumps({"files": [], "stored": {}}))
+    (tmp_path / "shards" / "3" / "main" / "manifest.json").unlink()
+    assert inventory.shard_codecs(tmp_path) == {"3/worker-0": "none"}
 
 
 def test_free_gpu_memory_comes_from_nvidia_smi_by_uuid(tmp_path, monkeypatch) -> None:
