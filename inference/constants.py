@@ -20,10 +20,11 @@ EXPERT_STORES = ("ram", "disk", "hot")
 # "exponent-plane" each weight's exponent bits through zstandard and the rest raw, lossless
 # (inference/modelio/expert_codec.py). A shard's manifest names the code of each tensor it
 # stores coded (EXPONENT_PLANE_CODEC), with its dtype, shape, raw and stored bytes.
-EXPERT_CODECS = ("none", "exponent-plane")
+EXPONENT_PLANE = "exponent-plane"
+EXPERT_CODECS = ("none", EXPONENT_PLANE)
 EXPONENT_PLANE_CODEC = "exponent-plane+zstd"
 # The expert codec whose worker shards store tensors with each per-tensor code.
-EXPERT_CODEC_OF_CODE = {EXPONENT_PLANE_CODEC: "exponent-plane"}
+EXPERT_CODEC_OF_CODE = {EXPONENT_PLANE_CODEC: EXPONENT_PLANE}
 # Bytes per word of the dtypes it codes, by their safetensors names.
 CODED_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 

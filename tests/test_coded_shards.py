@@ -198,6 +198,8 @@ def test_the_memory_plan_counts_the_workers_coded_bytes(both: tuple[ShardSet, Sh
     raw = memory_from_checkpoint(model, workers=WORKERS, shards=plain.root)
     plan = memory_from_checkpoint(model, workers=WORKERS, shards=coded.root)
     assert raw == memory_from_checkpoint(model, workers=WORKERS)  # a plain set changes nothing
+    with pytest.raises(ValueError, match="stores its experts with 'none'"):  # a codec the set does not hold
+        memory_from_checkpoint(model, workers=WORKERS, shards=plain.root, expert_codec="exponent-plane")
     for worker in range(WORKERS):
         stored = stored_tensors(read_manifest(coded.worker(worker)))
         assert plan.workers[worker].disk_bytes == sum(entry.stored_bytes for entry in stored.values())

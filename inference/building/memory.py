@@ -346,8 +346,9 @@ def memory_from_checkpoint(
     """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes.
 
     With ``shards``, a shard set built from it: the workers' experts as it stores them
-    (``with_stored_experts``; fewer bytes where it was built with an ``expert_codec``). Without,
-    an ``expert_codec`` other than "none" counts each expert it would code at its bound
+    (``with_stored_experts``; fewer bytes where it was built with an ``expert_codec``), and an
+    ``expert_codec`` other than "none" that is not the set's is refused. Without, an
+    ``expert_codec`` other than "none" counts each expert it would code at its bound
     (``with_coded_bound``), before the set is built.
 
     Main's KV caches are for ``max_batch`` sequences, the shadow's for ``shadow_max_states(max_batch)``
@@ -356,6 +357,9 @@ def memory_from_checkpoint(
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
     tensors = checkpoint_tensors(ckpt)
     if shards is not None:
+        built = ShardSet.load(shards).expert_codec
+        if expert_codec != "none" and expert_codec != built:
+            raise ValueError(f"the shard set at {shards} stores its experts with {built!r}, not {expert_codec!r}")
         tensors = with_stored_experts(tensors, shards)
     else:
         tensors = with_coded_bound(ckpt, tensors, expert_codec)
