@@ -109,13 +109,15 @@
       const shards = m.shard_status === "building"
         ? el("span", {}, badge("building"), " ", el("progress", { max: 1, value: m.shard_progress }))
         : el("span", {}, badge(m.shard_status), m.shard_workers ? ` for ${m.shard_workers} workers${m.shard_expert_codec && m.shard_expert_codec !== "none" ? `, experts coded ${m.shard_expert_codec}` : ""}` : "", m.shard_error ? ` ${m.shard_error}` : "");
-      // What this row's build form holds, kept across snapshots (each one redraws the rows).
-      const chosen = buildChoices[m.id] || (buildChoices[m.id] = { workers: m.shard_workers || 8, codec: expertCodecs.default });
-      const workers = el("input", { type: "number", min: 1, value: chosen.workers, style: "width:4rem",
+      // What the user changed in this row's build form, kept across snapshots (each one redraws the
+      // rows); what they did not change follows the model (its last build's workers, the declared default codec).
+      const chosen = buildChoices[m.id] || (buildChoices[m.id] = {});
+      const workers = el("input", { type: "number", min: 1, value: chosen.workers ?? (m.shard_workers || 8), style: "width:4rem",
         oninput: () => { chosen.workers = workers.value; } });
       // The expert codec's declared choices and default (inference/settings.py), as the API's field has them.
+      const picked = chosen.codec ?? expertCodecs.default;
       const codec = el("select", { name: "expert_codec", onchange: () => { chosen.codec = codec.value; } },
-        ...expertCodecs.choices.map((c) => el("option", c === chosen.codec ? { selected: "" } : {}, c)));
+        ...expertCodecs.choices.map((c) => el("option", c === picked ? { selected: "" } : {}, c)));
       // A model registered by Hub repo id is listed while it downloads, and with its reason if that failed.
       const shape = m.status === "downloading"
         ? el("span", {}, badge("downloading"), ` ${m.repo_id} `, el("progress", { max: 1, value: m.download_progress }))
