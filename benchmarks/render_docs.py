@@ -353,7 +353,7 @@ def describe(name: str, recordings: dict[str, tuple[str, str]] | None, noted: li
         and any(fnmatch.fnmatchcase(name, p) for p in rule.patterns)
         and (not when or when[:19] < rule.date[:19])
         # Run from the rule's own commit before it was committed (its working tree): not moved by it.
-        and not str(meta.get("commit") or "").startswith(rule.commit)
+        and not (rule.commit and str(meta.get("commit") or "").startswith(rule.commit))
     ]
     stale = "stale: " + "; ".join(moved) if moved else ""
     return Run(
