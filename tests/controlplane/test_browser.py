@@ -154,6 +154,7 @@ def check_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, br
     assert page.inner_text("li.message.assistant .content") in (answer, api.choices[0].message.content)
 
     page.fill("#prompt", "Tell me more, at length")
+    page.wait_for_selector("#send:enabled")  # the reloaded page's socket is open: Send waits for it
     page.evaluate("document.getElementById('send').click()")
     page.wait_for_function("document.querySelectorAll('li.message.assistant')[1].innerText.length > 3")
     page.click("#stop")

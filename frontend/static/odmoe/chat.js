@@ -22,7 +22,8 @@
       status.textContent = "disconnected; reconnecting…";
       setTimeout(connect, 1000);
     });
-    socket.addEventListener("open", () => { status.textContent = ""; });
+    socket.addEventListener("open", () => { status.textContent = ""; setBusy(busy); });
+    setBusy(busy); // Send waits for the socket: a message sent before it opens would go nowhere
   }
 
   function bubble(role, text, extra) {
@@ -42,8 +43,10 @@
     return item;
   }
 
-  function setBusy(busy) {
-    sendButton.disabled = busy;
+  let busy = false;
+  function setBusy(answering) {
+    busy = answering;
+    sendButton.disabled = busy || !socket || socket.readyState !== WebSocket.OPEN;
     stopButton.disabled = !busy;
   }
 
