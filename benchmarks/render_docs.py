@@ -229,6 +229,13 @@ STATUS: tuple[tuple[str, str, str, str, str], ...] = (
         "x0.0166667 .1f",
         "min",
     ),
+    (
+        "`make test` on a fresh clone, two pytest-xdist workers (the default since 6fcda84; goal: 15 min)",
+        "suite",
+        "suite-test-2026-12-05-9-xdist.json,suite-test-2026-12-05-1?.json:wall_s",
+        "x0.0166667 .1f",
+        "min",
+    ),
     ("chats lost per load run", "load", "load-*.json:chat.lost", "d", ""),
     ("chats failed (with a reason told to the client) per load run", "load", "load-*.json:chat.failed", "d", ""),
 )
