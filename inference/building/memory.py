@@ -202,11 +202,18 @@ def checkpoint_tensors(ckpt: Checkpoint) -> list[TensorSize]:
     return [TensorSize(key, ckpt.shape(key), ckpt.nbytes(key)) for key in ckpt]
 
 
-def with_stored_experts(tensors: Sequence[TensorSize], shard_root: str | os.PathLike[str]) -> list[TensorSize]:
+def with_stored_experts(
+    tensors: Sequence[TensorSize], shard_root: str | os.PathLike[str], expert_codec: str = "none"
+) -> list[TensorSize]:
     """``tensors`` with each expert's bytes as the worker shards built at ``shard_root`` store it: a set
     built with an ``expert_codec`` holds fewer, and a worker's RAM, disk and fit check count those
-    (its manifests' ``stored``; a tensor they do not list is stored as it is)."""
+    (its manifests' ``stored``; a tensor they do not list is stored as it is). An ``expert_codec``
+    other than "none" that is not the set's is refused."""
     shard_set = ShardSet.load(shard_root)
+    if expert_codec != "none" and expert_codec != shard_set.expert_codec:
+        raise ValueError(
+            f"the shard set at {shard_root} stores its experts with {shard_set.expert_codec!r}, not {expert_codec!r}"
+        )
     stored: dict[str, int] = {}
     for worker in range(shard_set.placement.n_workers):
         entries = stored_tensors(read_manifest(shard_set.worker(worker)), f"shard {shard_set.worker(worker)}")
@@ -357,10 +364,7 @@ def memory_from_checkpoint(
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
     tensors = checkpoint_tensors(ckpt)
     if shards is not None:
-        built = ShardSet.load(shards).expert_codec
-        if expert_codec != "none" and expert_codec != built:
-            raise ValueError(f"the shard set at {shards} stores its experts with {built!r}, not {expert_codec!r}")
-        tensors = with_stored_experts(tensors, shards)
+        tensors = with_stored_experts(tensors, shards, expert_codec)
     else:
         tensors = with_coded_bound(ckpt, tensors, expert_codec)
     sizes = from_hf_config(ckpt.config)
