@@ -8,6 +8,7 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from inference.runtime import routing as routing_module
+from inference.runtime.engine.exchange import assemble, plan_layer
 from inference.runtime.experts import ExpertWeights, activation, expert_forward
 from inference.runtime.routing import (
     Routing,
@@ -18,6 +19,7 @@ from inference.runtime.routing import (
     split_eager,
     split_grouped,
 )
+from inference.wire.runtime import ExpertResult
 
 CPU = torch.device("cpu")
 
@@ -184,3 +186,65 @@ def test_routing_pairs() -> None:
     assert Routing("eager").combine is combine_eager
     with pytest.raises(ValueError, match="grouped or eager"):
         Routing("auto")
+
+
+def _answers(plan, act_fn, module: MixtralExperts) -> list[tuple[str, ExpertResult]]:
+    """What each worker answers to the plan's requests: its segments' weighted outputs, computed
+    by the workers' own ``expert_forward`` and sent as computed."""
+    answers = []
+    for worker, requests in plan.requests.items():
+        for pieces, _ in requests:
+            if not pieces:
+                continue
+            outputs = [
+                expert_forward(
+                    plan.rows[p.expert][p.offset : p.offset + p.count],
+                    plan.weights[p.expert][p.offset : p.offset + p.count],
+                    ExpertWeights(module.gate_up_proj[p.expert].detach(), module.down_proj[p.expert].detach()),
+                    act_fn,
+                )
+                for p in pieces
+            ]
+            result = ExpertResult(
+                request_id="s",
+                step=1,
+                layer=0,
+                experts=[p.expert for p in pieces],
+                counts=[p.count for p in pieces],
+                offsets=[p.offset for p in pieces],
+                output=torch.cat(outputs),
+                wait_ms=0.0,
+                compute_ms=0.0,
+                hits=0,
+                misses=0,
+            )
+            answers.append((f"worker-{worker}", result))
+    return answers
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("arithmetic", ["grouped", "eager"])
+def test_main_sums_the_workers_answers_as_the_reference(arithmetic: str, dtype: torch.dtype) -> None:
+    """Main's whole layer path (plan, the workers' answers, ``assemble``) gives the reference's bits.
+
+    A half-precision model's routing weights are fp32, so each weighted output is an fp32 product:
+    the grouped reference sums those before rounding once, and main must keep them unrounded until
+    its sum (it once rounded them to the model's dtype on arrival, which is the eager arithmetic)."""
+    hidden, intermediate, n_experts, top_k = ALIGNED[0]
+    if arithmetic == "grouped" and not grouped_mm_works(hidden, intermediate, dtype, CPU):
+        pytest.skip("torch's grouped GEMM cannot run these shapes; eager is the reference")
+    config, module = _experts(hidden, intermediate, n_experts, top_k, dtype=dtype, seed=7)
+    act_fn = activation(config.hidden_act)
+    routing = Routing(arithmetic)
+    assignment = {0: list(range(0, n_experts, 2)), 1: list(range(1, n_experts, 2))}
+    for seed, (num_tokens, chunk) in enumerate([(1, 0), (5, 0), (40, 16)]):
+        sequences = [_routing(num_tokens, hidden, n_experts, top_k, dtype, seed * 2 + i) for i in range(2)]
+        routed = [routing.split(*s) for s in sequences]
+        plan = plan_layer(routed, [num_tokens > 1] * 2, assignment, [0, 1], chunk)
+        with torch.no_grad():
+            got = assemble(plan, routed, _answers(plan, act_fn, module), routing, [dtype, dtype])
+        implementation = "grouped_mm" if arithmetic == "grouped" else "eager"
+        for (states, index, weights), mine in zip(sequences, got, strict=True):
+            want = _reference(config, module, implementation, states, index, weights)
+            assert mine.dtype == want.dtype
+            assert torch.equal(mine, want), (arithmetic, dtype, num_tokens, (mine.float() - want.float()).abs().max())

@@ -114,8 +114,17 @@ def assemble(
     routing: Routing,
     dtypes: list[torch.dtype],
 ) -> list[torch.Tensor]:
-    """Each sequence's summed expert output [T, H] from the workers' answers (pure)."""
-    outputs = {e: torch.empty_like(plan.rows[e]) for e in plan.experts}
+    """Each sequence's summed expert output [T, H] from the workers' answers (pure).
+
+    An answer's rows stay in the dtype its expert's weighted output has, the rows' dtype promoted
+    with the routing weights' (a bf16 model's fp32 weights make fp32 products), and are summed
+    before they are rounded to the model's dtype, as Transformers' grouped experts do. Rounding
+    each product first is the eager experts' arithmetic, which ``combine_eager`` does itself.
+    """
+    outputs = {
+        e: torch.empty(plan.rows[e].shape, dtype=torch.promote_types(plan.rows[e].dtype, plan.weights[e].dtype))
+        for e in plan.experts
+    }
     for _, result in answers:
         start = 0
         for expert, count, offset in zip(result.experts, result.counts, result.offsets, strict=True):
