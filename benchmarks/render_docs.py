@@ -121,6 +121,13 @@ MOVED_BY: tuple[MovedBy, ...] = (
         date="2026-12-05T20:33:35+00:00",
         reason="tokens carry their step's report only while a console watches",
     ),
+    MovedBy(
+        patterns=("strategies-codec-bf16-*.json",),
+        commit="bec6241",
+        date="2026-12-05T23:32:01+00:00",
+        reason="main sums a half-precision model's fp32 weighted outputs before rounding, as Transformers' grouped "
+        "experts do (it rounded each first: not token-identical)",
+    ),
 )
 
 
