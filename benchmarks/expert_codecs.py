@@ -22,7 +22,9 @@ The codecs:
 - ``zipnn``: the ZipNN package (byte grouping and Huffman coding, its own C code);
 - ``runtime``: the code the shard build writes with ``expert_codec="exponent-plane"``
   (``inference.modelio.expert_codec``): the same split for bf16 and fp16, and fp32 (its high half split
-  as a bf16, its low 16 mantissa bits raw), decoded as the workers' stores decode;
+  as a bf16, its low 16 mantissa bits raw), the exponent plane as fixed-width codes and an escape list
+  (the palette a GPU decodes with torch's kernels), decoded as the workers' stores decode;
+- ``runtime-zstd``: the runtime's earlier code, the same planes with the exponent through zstandard;
 - ``dfloat11``: DFloat11's format (the exponent Huffman-coded from the tensor's histogram with its
   own codec builder, sign and mantissa raw); its decoder is a CUDA kernel only, so its size is
   computed from the code lengths and no CPU speed is given.
@@ -137,26 +139,41 @@ class ExponentPlane(Zstd):
 
 
 class Runtime(Codec):
-    """The code the shard build writes (``inference.modelio.expert_codec``): the exponent plane through
-    zstandard, decoded into one flat buffer as the workers' stores do; fp32 too (its high half as a bf16)."""
+    """The code the shard build writes (``inference.modelio.expert_codec``): the exponent plane as fixed-width
+    codes and an escape list (the palette), decoded into one flat buffer as the workers' stores do; fp32 too
+    (its high half as a bf16)."""
 
     name = "runtime"
+    package = "numpy"
 
     def __init__(self) -> None:
         from inference.modelio import expert_codec
 
-        self.version = importlib.metadata.version("zstandard")
+        self.version = importlib.metadata.version(self.package)
         self.codec = expert_codec
+        self.code = expert_codec.PALETTE_CODE
 
     def encode(self, tensor, dtype):
-        return self.codec.encode(tensor.contiguous().view(torch.uint8).numpy().reshape(-1), SAFETENSORS_DTYPES[dtype])
+        raw = tensor.contiguous().view(torch.uint8).numpy().reshape(-1)
+        return self.codec.encode(raw, SAFETENSORS_DTYPES[dtype], self.code)
 
     def size(self, encoded):
         return len(encoded)
 
     def decode(self, encoded, like, dtype):
-        raw = self.codec.decode(encoded, SAFETENSORS_DTYPES[dtype], like.numel() * like.element_size())
+        raw = self.codec.decode(encoded, SAFETENSORS_DTYPES[dtype], like.numel() * like.element_size(), code=self.code)
         return torch.from_numpy(raw).view(like.dtype).view(like.shape)
+
+
+class RuntimeZstd(Runtime):
+    """The runtime's earlier code, which sets built before the palette hold: the exponent plane through zstandard."""
+
+    name = "runtime-zstd"
+    package = "zstandard"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.code = self.codec.ZSTD_CODE
 
 
 class ZipNN(Codec):
@@ -211,7 +228,7 @@ class DFloat11(Codec):
         return None
 
 
-CODECS: tuple[type[Codec], ...] = (Zstd, ExponentPlane, Runtime, ZipNN, DFloat11)
+CODECS: tuple[type[Codec], ...] = (Zstd, ExponentPlane, Runtime, RuntimeZstd, ZipNN, DFloat11)
 
 
 def measure(codec: Codec, tensors: list[torch.Tensor], dtype: str, repeats: int) -> dict:

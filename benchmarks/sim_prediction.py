@@ -321,7 +321,7 @@ def measure_decode(model_dir: Path, *, repeats: int = 20) -> dict:
     takes to decode it, on one thread as a worker's loader does: expert 0 of layer 0 of the checkpoint,
     decoded into its fused tensors as the stores do (``CodedExpert.decode``)."""
     from inference.modelio.checkpoint import Checkpoint, expert_key_name
-    from inference.modelio.expert_codec import EXPONENT_PLANE, encode
+    from inference.modelio.expert_codec import PALETTE_CODE, encode
     from inference.modelio.shards import StoredTensor
     from inference.runtime.store import CodedExpert
 
@@ -333,7 +333,7 @@ def measure_decode(model_dir: Path, *, repeats: int = 20) -> dict:
         raw = tensor.contiguous().view(torch.uint8).numpy().reshape(-1)
         blob = encode(raw, names[tensor.dtype])
         blobs.append(np.frombuffer(blob, dtype=np.uint8))
-        codes.append(StoredTensor(EXPONENT_PLANE, names[tensor.dtype], tuple(tensor.shape), raw.size, len(blob)))
+        codes.append(StoredTensor(PALETTE_CODE, names[tensor.dtype], tuple(tensor.shape), raw.size, len(blob)))
     w1, _, w2 = tensors
     expert = CodedExpert((2 * w1.shape[0], w1.shape[1]), tuple(w2.shape), w1.dtype, tuple(blobs), tuple(codes))
     threads = torch.get_num_threads()

@@ -17,14 +17,17 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXPERT_STORES = ("ram", "disk", "hot")
 
 # How a shard build writes the experts of worker shards: "none" as the checkpoint holds them,
-# "exponent-plane" each weight's exponent bits through zstandard and the rest raw, lossless
+# "exponent-plane" each weight's exponent bits coded and the rest raw, lossless
 # (inference/modelio/expert_codec.py). A shard's manifest names the code of each tensor it
-# stores coded (EXPONENT_PLANE_CODEC), with its dtype, shape, raw and stored bytes.
+# stores coded, with its dtype, shape, raw and stored bytes: a build writes EXPONENT_PALETTE_CODEC
+# (the exponents as fixed-width codes a GPU decodes, inference/modelio/exponent_palette.py); a
+# set built before it, EXPONENT_PLANE_CODEC (the exponents through zstandard), still reads.
 EXPONENT_PLANE = "exponent-plane"
 EXPERT_CODECS = ("none", EXPONENT_PLANE)
 EXPONENT_PLANE_CODEC = "exponent-plane+zstd"
+EXPONENT_PALETTE_CODEC = "exponent-plane+palette"
 # The expert codec whose worker shards store tensors with each per-tensor code.
-EXPERT_CODEC_OF_CODE = {EXPONENT_PLANE_CODEC: EXPONENT_PLANE}
+EXPERT_CODEC_OF_CODE = {EXPONENT_PLANE_CODEC: EXPONENT_PLANE, EXPONENT_PALETTE_CODEC: EXPONENT_PLANE}
 # Bytes per word of the dtypes it codes, by their safetensors names.
 CODED_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 

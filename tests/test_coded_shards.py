@@ -9,12 +9,16 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from inference.building.memory import memory_from_checkpoint
 from inference.building.sharding import build_shards
+from inference.constants import CODED_DTYPE_BYTES
+from inference.modelio import exponent_palette
 from inference.modelio.checkpoint import is_expert_key
+from inference.modelio.expert_codec import device_decode_bytes
 from inference.modelio.shards import (
     MANIFEST_FILE,
     ShardError,
@@ -86,6 +90,50 @@ def test_every_store_gives_the_same_experts_from_coded_bytes(both: tuple[ShardSe
     finally:
         if kind != "ram":
             store.close()
+
+
+@pytest.mark.parametrize("kind", ["ram", "disk", "hot"])
+def test_every_store_hands_a_gpu_the_coded_bytes_and_they_decode_there_to_the_same_bits(
+    both: tuple[ShardSet, ShardSet], kind: str
+) -> None:
+    """What a GPU worker's loader does with a coded expert (``CodedExpert.decode_on``), on this CPU: the
+    store's coded bytes, copied and decoded by the same torch operations a GPU runs. A plain shard's
+    stores have no coded bytes to give."""
+    plain, coded = both
+    want = open_store("ram", plain.worker(0))
+    store = open_store(kind, coded.worker(0), hot_experts=2)
+    uncoded = open_store(kind, plain.worker(0), hot_experts=2)
+    try:
+        for pair in sorted(store.keys()):
+            held = store.coded(*pair)
+            assert held is not None and held.decodes_on_device and uncoded.coded(*pair) is None
+            got, expected = held.decode_on(torch.device("cpu")), want.get(*pair)
+            assert _same_bits(got.gate_up, expected.gate_up) and _same_bits(got.down, expected.down)
+            assert held.nbytes == store.nbytes(*pair) and held.stored_nbytes == store.stored_nbytes(*pair)
+        if kind == "hot":  # the coded bytes a GPU was given stay in the hot set, as those ``get`` decodes do
+            assert store.reads == len(store.keys()) and store.held() == sorted(store.keys())[-2:]
+    finally:
+        for opened in (store, uncoded):
+            if kind != "ram":
+                opened.close()
+
+
+def test_a_gpu_refuses_a_coded_expert_whose_planes_lie_before_it_copies_them(both: tuple[ShardSet, ShardSet]) -> None:
+    # The host checks each blob's layout (escape codes against the header's count) before a device
+    # decode, which could otherwise read past the escape list: a ShardError, nothing copied.
+    _, coded = both
+    held = open_store("ram", coded.worker(0)).coded(*min(open_store("ram", coded.worker(0)).keys()))
+    assert held is not None
+    blob = held.blobs[0].copy()
+    _, k, _, _ = exponent_palette.HEADER.unpack(blob[: exponent_palette.HEADER.size].tobytes())
+    words = held.codes[0].raw_bytes // 2
+    planes = blob[exponent_palette.HEADER.size :][: k * ((words + 7) // 8)].reshape(k, -1)
+    escaped = np.unpackbits(np.bitwise_and.reduce(planes, axis=0), bitorder="little")
+    weight = int(np.flatnonzero(escaped == 0)[0])
+    planes[:, weight // 8] |= np.uint8(1 << (weight % 8))  # one more escape code than escaped values listed
+    lying = dataclasses.replace(held, blobs=(blob, *held.blobs[1:]))
+    with pytest.raises(ShardError, match=r"does not decode.*escape codes"):
+        lying.decode_on(torch.device("cpu"))
 
 
 def test_the_ram_and_disk_stores_count_the_coded_bytes(both: tuple[ShardSet, ShardSet]) -> None:
@@ -166,8 +214,8 @@ def test_a_corrupted_blob_is_a_clear_error_not_a_crash(both: tuple[ShardSet, Sha
     _, coded = both
 
     def corrupt(manifest: dict, directory: Path) -> None:
-        # The blob's frame begins where its tensor's data does: overwrite its magic number, and list
-        # the part's new hash, as a hostile shard built so would.
+        # The blob's coded plane begins where its tensor's data does: overwrite its header's magic, and
+        # list the part's new hash, as a hostile shard built so would.
         with DiskStore(directory, verify=False) as disk:
             pair = min(disk.keys())
             span = disk._entry(*pair).gate_up[0]
@@ -179,7 +227,12 @@ def test_a_corrupted_blob_is_a_clear_error_not_a_crash(both: tuple[ShardSet, Sha
             entry["sha256"] = file_sha256(directory / entry["path"])
 
     directory = _copy_with(coded, tmp_path, corrupt)
-    with DiskStore(directory) as disk, pytest.raises(ShardError, match=r"does not decode.*not a zstandard frame"):
+    with (
+        DiskStore(directory) as disk,
+        pytest.raises(
+            ShardError, match=r"does not decode.*exponent plane is malformed.*starts b'\\x00\\x00\\x00\\x00'"
+        ),
+    ):
         disk.get(*min(disk.keys()))
     with pytest.raises(ShardError, match="does not decode"):
         dict(load_role_tensors(directory))
@@ -200,11 +253,17 @@ def test_the_memory_plan_counts_the_workers_coded_bytes(both: tuple[ShardSet, Sh
     assert raw == memory_from_checkpoint(model, workers=WORKERS)  # a plain set changes nothing
     with pytest.raises(ValueError, match="stores its experts with 'none'"):  # a codec the set does not hold
         memory_from_checkpoint(model, workers=WORKERS, shards=plain.root, expert_codec="exponent-plane")
+    stored = [stored_tensors(read_manifest(coded.worker(worker))) for worker in range(WORKERS)]
+    # Decoded on the device: the experts take what they took there, plus the largest coded tensor's decode.
+    decode = max(
+        device_decode_bytes(entry.raw_bytes // CODED_DTYPE_BYTES[entry.dtype], entry.stored_bytes)
+        for mine in stored
+        for entry in mine.values()
+    )
     for worker in range(WORKERS):
-        stored = stored_tensors(read_manifest(coded.worker(worker)))
-        assert plan.workers[worker].disk_bytes == sum(entry.stored_bytes for entry in stored.values())
+        assert plan.workers[worker].disk_bytes == sum(entry.stored_bytes for entry in stored[worker].values())
         assert plan.workers[worker].disk_bytes < raw.workers[worker].disk_bytes
-        assert plan.workers[worker].gpu_bytes == raw.workers[worker].gpu_bytes  # decoded on the device
+        assert plan.workers[worker].gpu_bytes == raw.workers[worker].gpu_bytes + decode
     assert plan.main == raw.main and plan.shadow == raw.shadow
 
 
@@ -235,10 +294,13 @@ def test_before_the_set_is_built_the_memory_plan_counts_the_most_the_code_can_st
         assert bound.workers[worker].disk_bytes == sum(bounded[name].stored for name in stored)
         assert built.workers[worker].disk_bytes <= bound.workers[worker].disk_bytes
         assert built.workers[worker].host_bytes <= bound.workers[worker].host_bytes
-        # Above the raw count: the frames' bound, and the decoded experts in flight (the worker's depth, 2).
+        # Above the raw count: the planes' bound, and the decoded experts in flight (the worker's depth, 2).
         in_flight = bound.workers[worker].host_bytes - bound.workers[worker].disk_bytes
         assert in_flight == raw.workers[worker].host_bytes - raw.workers[worker].disk_bytes + 2 * raw.expert_bytes
-        assert bound.workers[worker].gpu_bytes == raw.workers[worker].gpu_bytes
+        # On the GPU, the decode of the largest coded tensor at its bound, beside the experts.
+        decode = max(device_decode_bytes(t.numel, t.stored) for t in bounded.values() if t.stored is not None)
+        assert bound.workers[worker].gpu_bytes == raw.workers[worker].gpu_bytes + decode
+        assert built.workers[worker].gpu_bytes <= bound.workers[worker].gpu_bytes
     assert bound.main == raw.main and bound.shadow == raw.shadow
     # What is not an expert is counted as it is (the build codes experts only).
     odd = [TensorSize("model.norm.weight", (4,), 16)]

@@ -30,7 +30,8 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   home to for ``full-cache``. Where its shard stores the experts coded (``expert_codec``), its
   RAM and disk hold the coded bytes (``with_stored_experts`` reads them from a built set's
   manifests; before it is built, ``with_coded_bound`` counts the most they can be) and its RAM
-  the decoded experts in flight besides.
+  the decoded experts in flight besides; its GPU, which decodes what it copies, one coded tensor
+  and that decode's scratch (``expert_codec.device_decode_bytes``) beside its experts.
 
 Every process also pays ``RUNTIME_OVERHEAD_BYTES`` of RAM (Python, torch, transformers) and,
 on a GPU, ``CUDA_CONTEXT_BYTES`` of device memory.
@@ -526,11 +527,13 @@ def plan_memory(
     )
     roles = [main, shadow]
     coded = any(t.stored is not None for t in tensors)
+    decode_on_gpu = max((_device_decode_bytes(t) for t in tensors if t.stored is not None), default=0)
     for worker in range(workers):
         owned = sum(stored.get(pair, 0) for pair in plan.owned(worker))
         members = len(plan.groups[plan.group_of_worker(worker)])
         depth = resolve_depth(max_resident_experts, plan.top_k, members)  # what its loader will hold
         on_gpu = _worker_device_bytes(plan, worker, strategy, experts, expert_bytes, depth, cache_experts)
+        on_gpu += decode_on_gpu
         # On a GPU box a disk store's experts pass through the loader's pinned staging buffers
         # (as many as a copy pass holds, at most); a hot store's are read into pinned tensors of
         # their own from torch's allocator, its hot set and the reads whose copies are in flight.
@@ -568,6 +571,13 @@ def prerouter_bytes(sizes: ModelSizes, element_bytes: int, shape: PrerouterShape
     q, kv = sizes.query_heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
     adapter = rank * ((h + q) + 2 * (h + kv) + (q + h))  # q, k, v and o projections
     return sizes.layers * (4 * head + element_bytes * adapter)
+
+
+def _device_decode_bytes(tensor: TensorSize) -> int:
+    """A GPU's memory for decoding one coded tensor (``inference.modelio.expert_codec``), beside the experts."""
+    from inference.modelio.expert_codec import device_decode_bytes
+
+    return device_decode_bytes(tensor.numel, tensor.stored_nbytes)
 
 
 def _checkpoint_element_bytes(tensors: Sequence[TensorSize]) -> int:

@@ -351,7 +351,7 @@ def _coded(
     any other tensor, or one of a dtype the code does not take, as it is."""
     import torch
 
-    from inference.modelio.expert_codec import EXPONENT_PLANE, encode, supports
+    from inference.modelio.expert_codec import PALETTE_CODE, encode, supports
     from inference.modelio.tensorfile import DTYPES
 
     names = {dtype: name for name, dtype in DTYPES.items()}
@@ -362,7 +362,7 @@ def _coded(
             continue
         raw = tensor.contiguous().view(torch.uint8).numpy().reshape(-1)
         blob = encode(raw, dtype)
-        stored[name] = StoredTensor(EXPONENT_PLANE, dtype, tuple(tensor.shape), raw.size, len(blob))
+        stored[name] = StoredTensor(PALETTE_CODE, dtype, tuple(tensor.shape), raw.size, len(blob))
         yield name, torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 

@@ -1,4 +1,4 @@
-"""A lossless code for expert weights: the exponent bits through zstandard, the rest raw.
+"""A lossless code for expert weights: the exponent bits coded, the rest raw.
 
 An expert's bytes are copied in full precision because output must be exact; a lossless code
 keeps it exact and moves fewer bytes. In a trained model's weights the exponent carries little
@@ -11,31 +11,50 @@ close to random (DFloat11's and ZipNN's observation). So each word is split into
   sign and top 7 mantissa bits in one byte, then its low 16 mantissa bits as a little-endian
   uint16 plane.
 
-The exponent plane goes through zstandard (level 3, one frame that records its content size);
-the rest follows it unchanged. A stored tensor is ``frame + rest``: the rest's length follows
-from the raw size (``numel x (itemsize - 1)``), so the frame is everything before it. What was
-measured before choosing (``benchmarks/expert_codecs.py``, ``benchmarks/results/expert-codecs-*.json``):
-on bf16 this gives 0.70 of the raw bytes against ZipNN's and DFloat11's 0.67 (Huffman-coded
-exponents), and needs only the zstandard wheel; plain zstd gives 0.79.
+A stored tensor is ``coded plane + rest``; the rest's length follows from the raw size
+(``numel x (itemsize - 1)``), so the coded plane is everything before it. Two codes of the plane
+(the manifest names each tensor's):
+
+- ``exponent-plane+palette`` (``PALETTE_CODE``, what a build writes): fixed-width codes of the
+  plane's values around their most common ones, and the rare others listed
+  (``inference.modelio.exponent_palette``); fp16's plane is first rotated left a bit, its sign to
+  the lowest bit, so that its values cluster. It decodes with numpy on a CPU and with torch's
+  elementwise kernels on a GPU (``decode_on_device``), so a GPU worker copies the coded bytes;
+- ``exponent-plane+zstd`` (``ZSTD_CODE``): the plane through zstandard (level 3, one frame that
+  records its content size), what builds wrote before; it still decodes, on the host only.
+
+What was measured before choosing (``benchmarks/expert_codecs.py``, ``benchmarks/results/expert-codecs-*.json``):
+on bf16 the zstd plane gives 0.70 of the raw bytes against ZipNN's and DFloat11's 0.67 (Huffman-coded
+exponents), plain zstd 0.79; the palette makes the demo model's bf16 experts the size the zstd plane
+does (0.705), and its fp16 ones a little larger (0.885 against 0.854).
 
 Decoding refuses, with ``CodecError``, a blob that is not what its manifest says: a raw size that
-is not whole words, a blob too short to hold the rest, a frame whose header does not declare
-exactly one byte per weight, a corrupted or trailing-data frame. The decompressed size is thus
-bounded by the manifest's raw size before anything is allocated: a hostile shard cannot make a
-worker allocate more than the expert it claims to be.
+is not whole words, a blob too short to hold the rest, a plane that does not declare exactly one
+byte per weight, a malformed or trailing-data plane. The decoded size is thus bounded by the
+manifest's raw size before anything is allocated: a hostile shard cannot make a worker allocate
+more than the expert it claims to be.
 
-Pure functions over numpy byte arrays; no torch. ``decode_into`` writes into the caller's memory
-(a fused expert's rows, a staging buffer), so a decode costs no copy beyond its own output.
+Pure functions over numpy byte arrays, and torch only in ``decode_on_device``. ``decode_into``
+writes into the caller's memory (a fused expert's rows, a staging buffer), so a decode costs no
+copy beyond its own output.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import zstandard
 
-from inference.constants import CODED_DTYPE_BYTES, EXPONENT_PLANE_CODEC
+from inference.constants import CODED_DTYPE_BYTES, EXPONENT_PALETTE_CODEC, EXPONENT_PLANE_CODEC
+from inference.modelio import exponent_palette as palette
 
-EXPONENT_PLANE = EXPONENT_PLANE_CODEC  # the per-tensor codec name a shard manifest records
+if TYPE_CHECKING:
+    import torch
+
+PALETTE_CODE = EXPONENT_PALETTE_CODEC  # the per-tensor codes a shard manifest records
+ZSTD_CODE = EXPONENT_PLANE_CODEC
+CODES = (PALETTE_CODE, ZSTD_CODE)
 ZSTD_LEVEL = 3  # what the measurements used (benchmarks/expert_codecs.py)
 WORD_BYTES = CODED_DTYPE_BYTES  # bytes per word of the dtypes the code takes, by their safetensors names
 
@@ -70,40 +89,97 @@ def frame_bound(nbytes: int) -> int:
 
 def stored_bound(raw_nbytes: int, dtype: str) -> int:
     """The most bytes ``encode`` can make of a tensor of ``raw_nbytes`` in ``dtype``, whatever its values:
-    the exponent plane's frame at its bound (one byte per weight, incompressible) and the raw rest. A little
-    more than ``raw_nbytes`` (a 256th of the plane and a frame header): a code that saves nothing still costs
-    its frame, so the raw size is not a bound of the coded one."""
+    the raw plane behind the palette's header (the encoder's fallback when no code is smaller) and the raw
+    rest. A little more than ``raw_nbytes`` (the header): a code that saves nothing still costs it, so the
+    raw size is not a bound of the coded one."""
     rest = rest_nbytes(raw_nbytes, dtype)  # whole words, or CodecError
-    return frame_bound(raw_nbytes - rest) + rest
+    return palette.bound(raw_nbytes - rest) + rest
 
 
-def encode(raw: np.ndarray | bytes | memoryview, dtype: str) -> bytes:
-    """The stored form of a tensor's little-endian bytes ``raw`` in ``dtype``: frame then rest."""
+def device_decode_bytes(words: int, stored_nbytes: int) -> int:
+    """The most device memory ``decode_on_device`` takes for a tensor of ``words`` weights stored in
+    ``stored_nbytes``, beside its output: the coded bytes copied there, the decoded plane, the join's
+    temporaries (up to three planes' worth) and one chunk's scratch of the plane's decode."""
+    return stored_nbytes + 4 * words + palette.CHUNK_SCRATCH_BYTES
+
+
+def encode(raw: np.ndarray | bytes | memoryview, dtype: str, code: str = PALETTE_CODE) -> bytes:
+    """The stored form of a tensor's little-endian bytes ``raw`` in ``dtype``: the coded plane, then the rest.
+    ``code`` is the palette (what a build writes) or, to make a set as earlier builds did, zstandard."""
     data = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
     rest_nbytes(data.size, dtype)  # whole words, or CodecError
     exponent, rest = _split(data, dtype)
-    return _compressor.compress(exponent.tobytes()) + rest.tobytes()
+    if code == PALETTE_CODE:
+        return palette.encode_plane(_to_palette(exponent, dtype)) + rest.tobytes()
+    if code == ZSTD_CODE:
+        return _compressor.compress(exponent.tobytes()) + rest.tobytes()
+    raise CodecError(f"unknown code {code!r}; the codes are {', '.join(CODES)}")
 
 
-def decode(blob: bytes | memoryview | np.ndarray, dtype: str, raw_nbytes: int) -> np.ndarray:
-    """The raw bytes (uint8) of a tensor stored as ``blob``, which must decode to ``raw_nbytes``."""
+def decode(blob: bytes | memoryview | np.ndarray, dtype: str, raw_nbytes: int, *, code: str) -> np.ndarray:
+    """The raw bytes (uint8) of a tensor stored as ``blob`` with ``code``, which must decode to ``raw_nbytes``."""
     out = np.empty(raw_nbytes, dtype=np.uint8)
-    decode_into(blob, dtype, out)
+    decode_into(blob, dtype, out, code=code)
     return out
 
 
-def decode_into(blob: bytes | memoryview | np.ndarray, dtype: str, out: np.ndarray) -> None:
-    """Decode ``blob`` into ``out``, a contiguous uint8 array of exactly the raw size."""
+def decode_into(blob: bytes | memoryview | np.ndarray, dtype: str, out: np.ndarray, *, code: str) -> None:
+    """Decode ``blob``, stored with ``code``, into ``out``: a contiguous uint8 array of exactly the raw size."""
     if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous:
         raise CodecError("decode_into needs a flat, contiguous uint8 output")
+    data = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob.reshape(-1)
+    if code == PALETTE_CODE:
+        where, rest = _palette_parts(data, dtype, out.size)
+        _join(_from_palette(palette.decode_plane(data, where), dtype), rest, dtype, out)
+    elif code == ZSTD_CODE:
+        _decode_zstd_into(data, dtype, out)
+    else:
+        raise CodecError(f"unknown code {code!r}; the codes are {', '.join(CODES)}")
+
+
+def device_layout(blob: np.ndarray, dtype: str, raw_nbytes: int, *, code: str) -> palette.Layout:
+    """The checked layout of a coded blob that a device decodes (``decode_on_device``): ``CodecError`` if
+    the blob is malformed, or if its code (zstandard) decodes on the host only."""
+    if code != PALETTE_CODE:
+        raise CodecError(f"{code!r} decodes on the host only; a device decodes {PALETTE_CODE!r}")
+    where, _ = _palette_parts(blob.reshape(-1), dtype, raw_nbytes)
+    return where
+
+
+def decode_on_device(blob: torch.Tensor, where: palette.Layout, dtype: str, out: torch.Tensor) -> None:
+    """Decode the palette-coded ``blob`` (flat uint8 on the device, checked by ``device_layout``) into ``out``
+    (a flat uint8 view of the expert's memory there), with torch's kernels on that device's current stream."""
+    exponent = _from_palette_torch(palette.decode_plane_torch(blob, where), dtype)
+    _join_torch(exponent, blob[where.end :], dtype, out)
+
+
+def _palette_parts(data: np.ndarray, dtype: str, raw_nbytes: int) -> tuple[palette.Layout, np.ndarray]:
+    """A palette-coded blob's checked plane layout and its raw rest."""
+    width = _width(dtype)
+    rest_size = rest_nbytes(raw_nbytes, dtype)
+    try:
+        where = palette.layout(data, raw_nbytes // width)
+    except palette.PaletteError as exc:
+        raise CodecError(f"the exponent plane is malformed: {exc}") from None
+    if data.size < where.end + rest_size:
+        raise CodecError(
+            f"a {data.size}-byte blob cannot hold its {where.end}-byte coded plane and the {rest_size} raw bytes "
+            f"of a {raw_nbytes}-byte {dtype}"
+        )
+    if data.size > where.end + rest_size:
+        extra = data.size - where.end - rest_size
+        raise CodecError(f"a {data.size}-byte blob has {extra} byte{'s' * (extra > 1)} after its tensor")
+    return where, data[where.end :]
+
+
+def _decode_zstd_into(data: np.ndarray, dtype: str, out: np.ndarray) -> None:
     width = _width(dtype)
     rest_size = rest_nbytes(out.size, dtype)
     words = out.size // width
-    data = memoryview(blob).cast("B") if not isinstance(blob, np.ndarray) else memoryview(blob.reshape(-1))
-    frame_size = len(data) - rest_size
+    frame_size = data.size - rest_size
     if frame_size < 1:
-        raise CodecError(f"a {len(data)}-byte blob cannot hold the {rest_size} raw bytes of a {out.size}-byte {dtype}")
-    frame = data[:frame_size]
+        raise CodecError(f"a {data.size}-byte blob cannot hold the {rest_size} raw bytes of a {out.size}-byte {dtype}")
+    frame = memoryview(data[:frame_size])
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as exc:
@@ -116,15 +192,50 @@ def decode_into(blob: bytes | memoryview | np.ndarray, dtype: str, out: np.ndarr
         raise CodecError(f"the exponent plane does not decompress ({exc})") from None
     if len(exponent) != words:
         raise CodecError(f"the exponent plane decompressed to {len(exponent)} bytes, expected {words}")
-    rest = np.frombuffer(data[frame_size:], dtype=np.uint8)
-    _join(np.frombuffer(exponent, dtype=np.uint8), rest, dtype, out)
+    _join(np.frombuffer(exponent, dtype=np.uint8), data[frame_size:], dtype, out)
+
+
+def _to_palette(exponent: np.ndarray, dtype: str) -> np.ndarray:
+    """The plane the palette codes: fp16's high byte rotated left one bit (its sign to the lowest bit),
+    so that the values of a band of exponents are neighbours; the others' as they are."""
+    if dtype != "F16":
+        return exponent
+    return (exponent << np.uint8(1)) | (exponent >> np.uint8(7))
+
+
+def _from_palette(plane: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype != "F16":
+        return plane
+    return (plane >> np.uint8(1)) | (plane << np.uint8(7))
+
+
+def _from_palette_torch(plane: torch.Tensor, dtype: str) -> torch.Tensor:
+    if dtype != "F16":
+        return plane
+    return (plane >> 1) | (plane << 7)  # uint8: the high bits shifted out are dropped
+
+
+def _join_torch(exponent: torch.Tensor, rest: torch.Tensor, dtype: str, out: torch.Tensor) -> None:
+    """``_join`` with torch operations, on the tensors' device: each output byte written from the planes."""
+    n = exponent.numel()
+    width = _width(dtype)
+    words = out.view(n, width)  # little-endian: byte 0 is a word's lowest
+    if dtype == "F16":
+        words[:, 0] = rest
+        words[:, 1] = exponent
+        return
+    sign_mantissa = rest[:n]
+    if dtype == "F32":  # its low 16 mantissa bits, a little-endian uint16 plane after the bf16 half's byte
+        words[:, :2] = rest[n:].view(n, 2)
+    words[:, width - 2] = (exponent << 7) | (sign_mantissa & 0x7F)  # exponent bit 0, mantissa bits 6..0
+    words[:, width - 1] = (sign_mantissa & 0x80) | (exponent >> 1)  # sign, exponent bits 7..1
 
 
 def _width(dtype: str) -> int:
     try:
         return WORD_BYTES[dtype]
     except KeyError:
-        raise CodecError(f"{EXPONENT_PLANE} codes {', '.join(WORD_BYTES)} tensors, not {dtype!r}") from None
+        raise CodecError(f"the exponent-plane code takes {', '.join(WORD_BYTES)} tensors, not {dtype!r}") from None
 
 
 def _split(data: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -181,12 +292,17 @@ def _join_bf16(exponent: np.ndarray, sign_mantissa: np.ndarray, words: np.ndarra
 
 
 __all__ = [
-    "EXPONENT_PLANE",
+    "CODES",
+    "PALETTE_CODE",
     "WORD_BYTES",
+    "ZSTD_CODE",
     "ZSTD_LEVEL",
     "CodecError",
     "decode",
     "decode_into",
+    "decode_on_device",
+    "device_decode_bytes",
+    "device_layout",
     "encode",
     "frame_bound",
     "rest_nbytes",

@@ -38,7 +38,6 @@ from inference.constants import (
     CODED_DTYPE_BYTES,
     EXPERT_CODEC_OF_CODE,
     EXPERT_CODECS,
-    EXPONENT_PLANE_CODEC,
     MAIN_EXTRAS,
     NF4_BLOCKSIZE,
     OWN_SHADOW_DTYPE,
@@ -141,8 +140,8 @@ def _stored_entry(where: str, name: Any, entry: Any) -> StoredTensor:
         raise ShardError(f"{bad} has a malformed entry")
     codec, dtype, shape = entry.get("codec"), entry.get("dtype"), entry.get("shape")
     raw, stored = entry.get("raw_bytes"), entry.get("stored_bytes")
-    if codec != EXPONENT_PLANE_CODEC:
-        raise ShardError(f"{bad} has code {codec!r}; this version reads {EXPONENT_PLANE_CODEC!r}")
+    if codec not in EXPERT_CODEC_OF_CODE:
+        raise ShardError(f"{bad} has code {codec!r}; this version reads {', '.join(map(repr, EXPERT_CODEC_OF_CODE))}")
     if dtype not in CODED_DTYPE_BYTES:
         raise ShardError(f"{bad} has dtype {dtype!r}; coded tensors are {', '.join(CODED_DTYPE_BYTES)}")
     # type(...) is int: a JSON true is a bool, which isinstance(..., int) would let through.
@@ -323,7 +322,7 @@ def _iter_parts(
 
 
 def _decoded(directory: Path, name: str, blob: torch.Tensor, entry: StoredTensor) -> torch.Tensor:
-    """A coded tensor as its manifest says it decodes (zstandard, numpy, torch: only a role decodes)."""
+    """A coded tensor as its manifest says it decodes (numpy, zstandard, torch: only a role decodes)."""
     import torch
 
     from inference.modelio.expert_codec import CodecError, decode
@@ -332,7 +331,7 @@ def _decoded(directory: Path, name: str, blob: torch.Tensor, entry: StoredTensor
     if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() != entry.stored_bytes:
         raise ShardError(f"shard {directory}: stored tensor {name!r} is not the {entry.stored_bytes} bytes listed")
     try:
-        raw = decode(blob.numpy(), entry.dtype, entry.raw_bytes)
+        raw = decode(blob.numpy(), entry.dtype, entry.raw_bytes, code=entry.codec)
     except CodecError as exc:
         raise ShardError(f"shard {directory}: stored tensor {name!r} does not decode: {exc}") from None
     return torch.from_numpy(raw).view(DTYPES[entry.dtype]).reshape(entry.shape)

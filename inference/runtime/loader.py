@@ -30,8 +30,10 @@ using it, and every expert the compute stream has read is handed back to the all
 stream can never overwrite memory a kernel still reads. On CPU a copy is a fresh buffer (what
 a GPU would hold). An expert its shard stores coded (``inference.modelio.expert_codec``) is decoded by
 the store on this host as the copy starts; an emulated link (``copy_bytes_per_s``) carries its coded
-bytes, after the decode's real time. On CUDA the decoded expert is copied: the link carries it whole
-(a decode on the device is not built). Resident bytes are counted from the experts' own tensors on both, never
+bytes, after the decode's real time. On CUDA an expert coded with the palette (the code a build writes)
+is copied coded, from its store's page-locked blobs on the side stream, and decoded there by torch's
+kernels (``CodedExpert.decode_on``) before its event; one of the earlier zstandard code is decoded on the
+host and copied whole. Resident bytes are counted from the experts' own tensors on both, never
 from ``torch.cuda.memory_allocated`` (which counts activations and every other allocation of
 the process too).
 """
@@ -53,7 +55,7 @@ from inference.policies.loads import pick_victim, take_batch
 from inference.runtime.cache import DeviceCache
 from inference.runtime.experts import ExpertWeights, expert_forward
 from inference.runtime.staging import StagingRing
-from inference.runtime.store import ExpertStore
+from inference.runtime.store import CodedExpert, ExpertStore
 
 Key = tuple[int, int, int]  # (step, layer, expert)
 
@@ -300,9 +302,23 @@ class ExpertLoader:
         last = time.perf_counter()  # a disk store's read is part of the load
         if self._cuda:
             assert self._copy_stream is not None
-            queued: deque[tuple[Key, ExpertWeights, ExpertWeights, torch.cuda.Event]] = deque()
+            queued: deque[tuple[Key, ExpertWeights | CodedExpert, ExpertWeights, torch.cuda.Event]] = deque()
             for key in keys:
                 _, layer, expert = key
+                coded = self._device_coded(layer, expert)
+                if coded is not None:  # its coded bytes are copied, then decoded on the device, on the side stream
+                    event = torch.cuda.Event()
+                    try:
+                        with torch.cuda.stream(self._copy_stream):
+                            weights = coded.decode_on(self.device)
+                    finally:  # recorded even if a copy failed: an earlier one may still read the blobs
+                        event.record(self._copy_stream)
+                    queued.append((key, coded, weights, event))  # its blobs live until their copies are done
+                    while queued and queued[0][3].query():
+                        done, host_done, on_device, copied = queued.popleft()
+                        last = self._account(last)
+                        yield done, Resident(on_device, host_done.nbytes, copied)
+                    continue
                 with self._staging_lock():
                     slot, host = self._host_source(layer, expert)
                     event = torch.cuda.Event()
@@ -351,6 +367,15 @@ class ExpertLoader:
                     time.sleep(floor - elapsed)
             last = self._account(last)
             yield key, Resident(weights, host.nbytes, None)
+
+    def _device_coded(self, layer: int, expert: int) -> CodedExpert | None:
+        """On a GPU, the expert's coded bytes where its store keeps them coded in a code a device decodes;
+        else None (the expert is read, and decoded on the host where coded, as on a CPU)."""
+        if not self._cuda:
+            return None
+        coded_of = getattr(self.store, "coded", None)
+        coded = coded_of(layer, expert) if coded_of is not None else None
+        return coded if coded is not None and coded.decodes_on_device else None
 
     def _link_bytes(self, layer: int, expert: int, host: ExpertWeights) -> int:
         stored = getattr(self.store, "stored_nbytes", None)

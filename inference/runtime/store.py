@@ -15,10 +15,14 @@ returns (or a staging buffer), the "ram" store keeps the coded bytes in RAM and 
 ``get``, when the loader moves the expert to its device. ``nbytes`` is an expert's decoded size
 (what it takes on the device); ``stored_nbytes`` what the store holds and reads of it (what a
 disk, RAM or an emulated link carries). The "hot" store keeps the coded bytes of its hot set too.
+On a GPU the loader asks each store for an expert's coded bytes instead (``coded``) where they
+decode on a device (``CodedExpert.decode_on``): the copy carries them, and the GPU decodes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import threading
@@ -34,7 +38,8 @@ import torch
 
 from inference.constants import EXPERT_STORES
 from inference.modelio.checkpoint import EXPERT_PROJS, parse_expert_key
-from inference.modelio.expert_codec import CodecError, decode_into
+from inference.modelio.expert_codec import PALETTE_CODE, CodecError, decode_into, decode_on_device, device_layout
+from inference.modelio.exponent_palette import Layout
 from inference.modelio.shards import (
     MANIFEST_FILE,
     ShardError,
@@ -56,6 +61,8 @@ class ExpertStore(Protocol):
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
     def nbytes(self, layer: int, expert: int) -> int: ...
+
+    def coded(self, layer: int, expert: int) -> CodedExpert | None: ...
 
 
 def open_store(
@@ -133,8 +140,10 @@ class HostMemoryStore:
         experts: dict[LayerExpert, ExpertWeights | CodedExpert] = {}
         with DiskStore(shard_dir, verify=verify, dtype=dtype) as disk:
             for pair in sorted(disk.keys()):
-                if disk.keeps_coded(*pair):  # the coded bytes stay in RAM; each get decodes them
+                if disk.keeps_coded(*pair):  # the coded bytes stay in RAM; each load decodes them
                     experts[pair] = disk.read_coded(*pair)
+                    if pin:  # a GPU copies them coded and decodes them there
+                        experts[pair] = experts[pair].page_locked()
                     continue
                 weights = disk.get(*pair)
                 if pin:
@@ -157,6 +166,11 @@ class HostMemoryStore:
         """What this store holds of the expert in RAM (its coded bytes where the shard codes it)."""
         held = self._held(layer, expert)
         return held.stored_nbytes if isinstance(held, CodedExpert) else held.nbytes
+
+    def coded(self, layer: int, expert: int) -> CodedExpert | None:
+        """The expert's coded bytes where the shard codes it (a GPU decodes them), else None."""
+        held = self._held(layer, expert)
+        return held if isinstance(held, CodedExpert) else None
 
     def _held(self, layer: int, expert: int) -> ExpertWeights | CodedExpert:
         try:
@@ -189,6 +203,7 @@ class CodedExpert:
     dtype: torch.dtype
     blobs: tuple[np.ndarray, np.ndarray, np.ndarray]  # w1, w3, w2: flat uint8
     codes: tuple[StoredTensor, StoredTensor, StoredTensor]
+    locked: tuple[torch.Tensor, ...] = ()  # the blobs' memory as page-locked tensors, kept alive (``page_locked``)
 
     @property
     def nbytes(self) -> int:
@@ -212,9 +227,47 @@ class CodedExpert:
             self.blobs, self.codes, (rows[:first], rows[first:], _byte_array(down)), strict=True
         ):
             try:
-                decode_into(blob, code.dtype, out)
+                decode_into(blob, code.dtype, out, code=code.codec)
             except CodecError as exc:
                 raise ShardError(f"a coded expert does not decode: {exc}") from None
+
+    @property
+    def decodes_on_device(self) -> bool:
+        """Whether a GPU decodes this expert (its tensors' code is the palette; zstandard decodes on the host)."""
+        return all(code.codec == PALETTE_CODE for code in self.codes)
+
+    @functools.cached_property
+    def device_layouts(self) -> tuple[Layout, Layout, Layout]:
+        """Each blob's layout, checked on the host before a device decodes it (``ShardError`` if one is bad)."""
+        try:
+            return tuple(  # type: ignore[return-value]
+                device_layout(blob, code.dtype, code.raw_bytes, code=code.codec)
+                for blob, code in zip(self.blobs, self.codes, strict=True)
+            )
+        except CodecError as exc:
+            raise ShardError(f"a coded expert does not decode: {exc}") from None
+
+    def decode_on(self, device: torch.device) -> ExpertWeights:
+        """The expert on ``device``, its coded bytes copied there and decoded by torch's kernels, all queued
+        on the current stream (a GPU: the loader's copy stream; the copies are asynchronous from page-locked
+        blobs, so the blobs must live until the stream has done with them)."""
+        layouts = self.device_layouts
+        gate_up = torch.empty(self.gate_up_shape, dtype=self.dtype, device=device)
+        down = torch.empty(self.down_shape, dtype=self.dtype, device=device)
+        rows = gate_up.view(-1).view(torch.uint8)
+        first = self.codes[0].raw_bytes
+        outs = (rows[:first], rows[first:], down.view(-1).view(torch.uint8))
+        for blob, code, where, out in zip(self.blobs, self.codes, layouts, outs, strict=True):
+            coded = torch.from_numpy(blob).to(device, non_blocking=True)
+            decode_on_device(coded, where, code.dtype, out)
+        return ExpertWeights(gate_up, down)
+
+    def page_locked(self) -> CodedExpert:
+        """This expert with its blobs page-locked where they lie (``page_lock``), for asynchronous copies."""
+        tensors = tuple(torch.from_numpy(blob) for blob in self.blobs)
+        for tensor in tensors:
+            page_lock(tensor)  # registered while the tensor lives: the returned expert holds it
+        return dataclasses.replace(self, blobs=tuple(t.numpy() for t in tensors), locked=tensors)
 
 
 @dataclass(frozen=True)
@@ -353,6 +406,10 @@ class DiskStore:
         holds its coded bytes (``read_coded``)."""
         entry = self._entry(layer, expert)
         return entry.coded and (self.dtype is None or self.dtype == entry.dtype)
+
+    def coded(self, layer: int, expert: int) -> CodedExpert | None:
+        """The expert's coded bytes, read, where the shard codes it (a GPU decodes them), else None."""
+        return self.read_coded(layer, expert) if self.keeps_coded(layer, expert) else None
 
     def read_coded(self, layer: int, expert: int) -> CodedExpert:
         """The expert's coded bytes as the shard stores them (``keeps_coded`` must be true)."""
@@ -494,6 +551,19 @@ class HotSetStore:
         )
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
+        held = self._fetch(layer, expert)
+        return held.decode(pin=self.disk.pin) if isinstance(held, CodedExpert) else held
+
+    def coded(self, layer: int, expert: int) -> CodedExpert | None:
+        """The expert's coded bytes where the shard codes it (kept in the hot set as ``get`` keeps it), else None."""
+        if not self.disk.keeps_coded(layer, expert):
+            return None
+        held = self._fetch(layer, expert)
+        assert isinstance(held, CodedExpert)
+        return held
+
+    def _fetch(self, layer: int, expert: int) -> ExpertWeights | CodedExpert:
+        """The expert as the hot set holds it, read into it first if it is not there."""
         key = (layer, expert)
         with self._lock:
             held = self._held.get(key)
@@ -512,7 +582,7 @@ class HotSetStore:
                 self._held.move_to_end(key)
                 for victim in hot_set_victims(list(self._held), set(self._pins), self.capacity):
                     del self._held[victim]
-        return held.decode(pin=self.disk.pin) if isinstance(held, CodedExpert) else held
+        return held
 
     def pin(self, layer: int, expert: int) -> None:
         """A prediction named this expert: keep it until it is used."""

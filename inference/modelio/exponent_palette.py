@@ -1,0 +1,210 @@
+"""A fixed-width code for an exponent plane, decodable by elementwise tensor operations on any device.
+
+An expert's exponent plane (``inference.modelio.expert_codec``: one byte per weight) holds a few
+values: a trained layer's weights lie within a few octaves of their scale. So each byte is coded in
+``k`` bits as its offset from a ``base``: the ``2**k - 1`` consecutive values from ``base`` up are
+codes ``0 .. 2**k - 2``, and code ``2**k - 1`` *escapes* a byte outside that window, whose value is
+kept, in order, in an escape list. The encoder picks ``k`` (1 to 7) and the window that make the
+smallest plane, or stores the plane raw (``k = 8``) when no code is smaller. On the demo model's
+bf16 experts this takes the plane to the size zstandard makes of it (``k = 3``, about 2 % escapes).
+
+Unlike an entropy code, decoding needs no sequential state: each weight's code sits at a fixed bit
+position, and an escape's value is found by counting the escapes before it (a prefix sum). So a GPU
+decodes it with torch's own elementwise kernels, in chunks of ``CHUNK`` weights, after copying the
+coded bytes (``decode_plane_torch``); the CPU decodes it with numpy (``decode_plane``).
+
+Layout of a coded plane (little-endian)::
+
+    header  16 bytes: b"EXPP", k (u8), base (u8), 2 zero bytes, escapes (u64)
+    planes  k bit planes of ceil(n / 8) bytes each: bit j of weight i's code is bit i % 8 of
+            byte i // 8 of plane j (k = 8: the plane's n bytes as they are)
+    escapes the escaped bytes, in weight order
+
+``layout`` checks a blob before anything is decoded: the header, every size against the manifest's
+weight count, a window that fits in a byte, and that the planes hold exactly as many escape codes as
+the header declares (counted on the host, bit planes ANDed, a pass over ``k * n / 8`` bytes). A device
+decode of a checked blob cannot read past its escape list, so a hostile shard is refused, never obeyed.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # torch only where a device decodes: the control plane reads bounds from here without it
+    import torch
+
+HEADER = struct.Struct("<4sBBxxQ")
+MAGIC = b"EXPP"
+RAW = 8  # k for a plane stored as it is
+CHUNK = 1 << 22  # weights a device decode takes at once
+# Its scratch for one chunk: the codes, a bit plane's unpacking (two), the decoded and escaped planes
+# (one byte each), the escapes' int32 prefix sum, their gathered values and the selection: 12 bytes a weight.
+CHUNK_SCRATCH_BYTES = 12 * CHUNK
+
+
+class PaletteError(ValueError):
+    """A coded plane that is not what its manifest says; the message says why."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a checked coded plane's parts lie in its blob, and what decodes them."""
+
+    words: int  # weights (bytes of the decoded plane)
+    k: int
+    base: int
+    escapes: int
+    plane_bytes: int  # bytes of one bit plane (k < 8), or of the raw plane (k = 8)
+    chunk_escapes: tuple[int, ...]  # escapes before each CHUNK-weight chunk (k < 8)
+
+    @property
+    def escapes_at(self) -> int:
+        return HEADER.size + self.k * self.plane_bytes if self.k < RAW else HEADER.size + self.plane_bytes
+
+    @property
+    def end(self) -> int:
+        """Bytes of the coded plane: what follows it in a blob is not its own."""
+        return self.escapes_at + self.escapes
+
+
+def bound(words: int) -> int:
+    """The most bytes ``encode_plane`` makes of a plane of ``words`` bytes, whatever they hold."""
+    return HEADER.size + words
+
+
+def encode_plane(plane: np.ndarray) -> bytes:
+    """The coded form of ``plane`` (flat uint8): the smallest of k = 1..7 and the raw plane."""
+    n = plane.size
+    histogram = np.bincount(plane, minlength=256).astype(np.int64)
+    best = (n, RAW, 0, n)  # (bytes, k, base, covered)
+    for k in range(1, RAW):
+        window = (1 << k) - 1
+        covered = np.convolve(histogram, np.ones(window, dtype=np.int64), mode="valid")  # [base] = sum of the window
+        base = int(np.argmax(covered))
+        size = k * _plane_bytes(n) + (n - int(covered[base]))
+        if size < best[0]:
+            best = (size, k, base, int(covered[base]))
+    _, k, base, covered = best
+    if k == RAW:
+        return HEADER.pack(MAGIC, RAW, 0, 0) + plane.tobytes()
+    escape = (1 << k) - 1
+    codes = plane - np.uint8(base)  # wraps below base: those are escapes too
+    outside = codes >= escape
+    codes[outside] = escape
+    escaped = plane[outside]
+    planes = b"".join(np.packbits((codes >> j) & 1, bitorder="little").tobytes() for j in range(k))
+    return HEADER.pack(MAGIC, k, base, escaped.size) + planes + escaped.tobytes()
+
+
+def layout(blob: np.ndarray, words: int) -> Layout:
+    """The checked layout of the coded plane of ``words`` bytes at the start of ``blob`` (flat uint8)."""
+    if blob.size < HEADER.size:
+        raise PaletteError(f"a {blob.size}-byte blob cannot hold a coded plane's {HEADER.size}-byte header")
+    magic, k, base, escapes = HEADER.unpack(blob[: HEADER.size].tobytes())
+    if magic != MAGIC:
+        raise PaletteError(f"the plane's header starts {magic!r}, not {MAGIC!r}")
+    if not 1 <= k <= RAW:
+        raise PaletteError(f"the plane's code width is {k} bits, not 1 to {RAW}")
+    if k == RAW:
+        if base or escapes:
+            raise PaletteError("a raw plane declares a window or escapes")
+        found = Layout(words, k, 0, 0, words, ())
+    else:
+        if base + (1 << k) - 1 > 256:
+            raise PaletteError(f"the window of {(1 << k) - 1} values from {base} does not fit in a byte")
+        if escapes > words:
+            raise PaletteError(f"the plane declares {escapes} escapes for {words} weights")
+        found = Layout(words, k, base, escapes, _plane_bytes(words), ())
+    if blob.size < found.end:
+        raise PaletteError(f"the coded plane needs {found.end} bytes, the blob holds {blob.size}")
+    if k == RAW:
+        return found
+    chunks = _escapes_per_chunk(blob, found)
+    if int(chunks.sum()) != escapes:
+        raise PaletteError(f"the planes hold {int(chunks.sum())} escape codes, the header declares {escapes}")
+    before = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)
+    return Layout(words, k, base, escapes, found.plane_bytes, tuple(int(x) for x in before))
+
+
+def decode_plane(blob: np.ndarray, where: Layout) -> np.ndarray:
+    """The plane (flat uint8, ``where.words`` bytes) that the checked ``blob`` codes, with numpy."""
+    n = where.words
+    if where.k == RAW:
+        return blob[HEADER.size : HEADER.size + n]
+    planes = blob[HEADER.size : where.escapes_at].reshape(where.k, where.plane_bytes)
+    codes = np.unpackbits(planes[0], count=n, bitorder="little")
+    for j in range(1, where.k):
+        codes |= np.unpackbits(planes[j], count=n, bitorder="little") << np.uint8(j)
+    escaped = codes == (1 << where.k) - 1
+    codes += np.uint8(where.base)  # an escape's sum wraps; it is written over below
+    codes[escaped] = blob[where.escapes_at : where.end]
+    return codes
+
+
+def decode_plane_torch(blob: torch.Tensor, where: Layout) -> torch.Tensor:
+    """``decode_plane`` with torch operations on ``blob``'s device (flat uint8, the blob as ``layout``
+    checked it): a GPU decodes the coded bytes it was copied, ``CHUNK`` weights at a time."""
+    import torch
+
+    n = where.words
+    if where.k == RAW:
+        return blob[HEADER.size : HEADER.size + n]
+    planes = blob[HEADER.size : where.escapes_at].view(where.k, where.plane_bytes)
+    escaped_values = blob[where.escapes_at : where.end]
+    shifts = torch.arange(8, dtype=torch.uint8, device=blob.device)
+    escape = (1 << where.k) - 1
+    out = torch.empty(n, dtype=torch.uint8, device=blob.device)
+    for chunk, start in enumerate(range(0, n, CHUNK)):
+        stop = min(start + CHUNK, n)
+        first, last = start // 8, (stop + 7) // 8
+        codes = torch.zeros(stop - start, dtype=torch.uint8, device=blob.device)
+        for j in range(where.k):
+            bits = ((planes[j, first:last].unsqueeze(-1) >> shifts) & 1).reshape(-1)[: stop - start]
+            codes |= bits << j
+        decoded = codes + where.base  # uint8: an escape's sum wraps, and is replaced below
+        if where.escapes:
+            escaped = codes == escape
+            # The escape list's index of each escaped weight: escapes before this chunk, plus those up to it.
+            index = torch.cumsum(escaped, 0, dtype=torch.int32).add_(where.chunk_escapes[chunk] - 1)
+            index.clamp_(0, where.escapes - 1)  # weights before the chunk's first escape: never read
+            decoded = torch.where(escaped, escaped_values.index_select(0, index), decoded)
+        out[start:stop] = decoded
+    return out
+
+
+def _plane_bytes(words: int) -> int:
+    return (words + 7) // 8
+
+
+def _escapes_per_chunk(blob: np.ndarray, where: Layout) -> np.ndarray:
+    """How many weights of each CHUNK-weight chunk hold the escape code (every bit plane set)."""
+    planes = blob[HEADER.size : where.escapes_at].reshape(where.k, where.plane_bytes)
+    every = np.bitwise_and.reduce(planes, axis=0)
+    tail = where.words % 8
+    if tail:  # the last byte's bits past the last weight are padding, whatever they hold
+        every[-1] &= np.uint8((1 << tail) - 1)
+    counts = np.bitwise_count(every)
+    per_chunk = CHUNK // 8
+    chunks = -(-counts.size // per_chunk)
+    padded = np.zeros(chunks * per_chunk, dtype=np.int64)
+    padded[: counts.size] = counts
+    return padded.reshape(chunks, per_chunk).sum(axis=1)
+
+
+__all__ = [
+    "CHUNK",
+    "CHUNK_SCRATCH_BYTES",
+    "HEADER",
+    "MAGIC",
+    "Layout",
+    "PaletteError",
+    "bound",
+    "decode_plane",
+    "decode_plane_torch",
+    "encode_plane",
+    "layout",
+]
