@@ -538,7 +538,9 @@ def plan_memory(
         # (as many as a copy pass holds, at most); a hot store's are read into pinned tensors of
         # their own from torch's allocator, its hot set and the reads whose copies are in flight.
         if expert_store == "disk":
-            host = min(staging_buffers, depth) * expert_bytes + RUNTIME_OVERHEAD_BYTES
+            # A coded expert's bytes are read into buffers of their own (a GPU copies them as they are), up
+            # to depth at once, beside the staging buffers.
+            host = (min(staging_buffers, depth) + (depth if coded else 0)) * expert_bytes + RUNTIME_OVERHEAD_BYTES
         elif expert_store == "hot":
             owned_pinned = sum(pinned.get(pair, 0) for pair in plan.owned(worker))
             held = (hot_experts + depth) * max(pinned.values(), default=0)
