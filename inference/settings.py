@@ -179,9 +179,10 @@ class DeploymentSettings:
     expert_codec: str = setting(
         "none",
         'how the shard build writes the workers\' experts: "none" as the checkpoint holds them, or '
-        '"exponent-plane": lossless, each weight\'s exponent bits through zstandard and the rest raw '
+        '"exponent-plane": lossless, each weight\'s exponent bits coded in a few bits each and the rest raw '
         "(inference/modelio/expert_codec.py; the bytes it saves per dtype: benchmarks' expert codecs page). Workers "
-        "keep and read the coded bytes and decode each expert as it is loaded. Taken by the runtime's generate and "
+        "keep and read the coded bytes and decode each expert as it is loaded, a GPU worker on its GPU after the "
+        "copy carried the coded bytes. Taken by the runtime's generate and "
         "shard commands and by a deployment, whose shard build keeps a set per codec; applied on its next start",
         choices=EXPERT_CODECS,
     )
