@@ -41,8 +41,9 @@ HEADER = struct.Struct("<4sBBxxQ")
 MAGIC = b"EXPP"
 RAW = 8  # k for a plane stored as it is
 CHUNK = 1 << 22  # weights a device decode takes at once
-# Its scratch for one chunk: the codes, a bit plane's unpacking (two), the decoded and escaped planes
-# (one byte each), the escapes' int32 prefix sum, their gathered values and the selection: 12 bytes a weight.
+# Its scratch for one chunk, bytes a weight: the codes as int64 words and a plane's gather (1 each) and
+# its int32 indices (1/2), the decoded and escaped planes (1 each), the escapes' int32 prefix sum (4),
+# their gathered values and the selection (1 each): under 12.
 CHUNK_SCRATCH_BYTES = 12 * CHUNK
 
 
@@ -147,33 +148,57 @@ def decode_plane(blob: np.ndarray, where: Layout) -> np.ndarray:
 
 def decode_plane_torch(blob: torch.Tensor, where: Layout) -> torch.Tensor:
     """``decode_plane`` with torch operations on ``blob``'s device (flat uint8, the blob as ``layout``
-    checked it): a GPU decodes the coded bytes it was copied, ``CHUNK`` weights at a time."""
+    checked it): a GPU decodes the coded bytes it was copied, ``CHUNK`` weights at a time.
+
+    A plane byte's 8 bits become 8 bytes through a 256-entry table (each bit in its own byte of an
+    int64, little-endian: weight ``8i + b`` in byte ``b``), so the ``k`` planes make each weight's code
+    in ``k`` gathers and shifts of whole int64 words. An escaped weight's value is the chunk's next
+    listed one: the count of escapes up to it (a prefix sum) indexes the chunk's part of the list,
+    behind a zero for the weights before its first; ``layout`` counted each chunk's escapes, so no
+    index passes its part.
+    """
     import torch
 
     n = where.words
     if where.k == RAW:
         return blob[HEADER.size : HEADER.size + n]
+    spread = _spread_table(blob.device)
     planes = blob[HEADER.size : where.escapes_at].view(where.k, where.plane_bytes)
     escaped_values = blob[where.escapes_at : where.end]
-    shifts = torch.arange(8, dtype=torch.uint8, device=blob.device)
     escape = (1 << where.k) - 1
+    before = [*where.chunk_escapes, where.escapes]  # escapes before each chunk, and in all
+    nothing = torch.zeros(1, dtype=torch.uint8, device=blob.device)
     out = torch.empty(n, dtype=torch.uint8, device=blob.device)
     for chunk, start in enumerate(range(0, n, CHUNK)):
         stop = min(start + CHUNK, n)
         first, last = start // 8, (stop + 7) // 8
-        codes = torch.zeros(stop - start, dtype=torch.uint8, device=blob.device)
-        for j in range(where.k):
-            bits = ((planes[j, first:last].unsqueeze(-1) >> shifts) & 1).reshape(-1)[: stop - start]
-            codes |= bits << j
+        words = torch.index_select(spread, 0, planes[0, first:last].int())
+        for j in range(1, where.k):
+            words |= torch.index_select(spread, 0, planes[j, first:last].int()) << j
+        codes = words.view(torch.uint8)[: stop - start]  # the last byte's padding bits fall past the chunk
         decoded = codes + where.base  # uint8: an escape's sum wraps, and is replaced below
-        if where.escapes:
+        if before[chunk + 1] > before[chunk]:
             escaped = codes == escape
-            # The escape list's index of each escaped weight: escapes before this chunk, plus those up to it.
-            index = torch.cumsum(escaped, 0, dtype=torch.int32).add_(where.chunk_escapes[chunk] - 1)
-            index.clamp_(0, where.escapes - 1)  # weights before the chunk's first escape: never read
-            decoded = torch.where(escaped, escaped_values.index_select(0, index), decoded)
+            index = torch.cumsum(escaped, 0, dtype=torch.int32)  # 1.. at the chunk's escapes, 0 before the first
+            listed = torch.cat([nothing, escaped_values[before[chunk] : before[chunk + 1]]])
+            decoded = torch.where(escaped, listed.index_select(0, index), decoded)
         out[start:stop] = decoded
     return out
+
+
+_SPREAD: dict[str, torch.Tensor] = {}
+
+
+def _spread_table(device: torch.device) -> torch.Tensor:
+    """Byte ``p`` -> an int64 whose byte ``b`` is bit ``b`` of ``p``, on ``device`` (made once per device)."""
+    import torch
+
+    key = str(device)
+    table = _SPREAD.get(key)
+    if table is None:
+        values = [sum(((p >> b) & 1) << (8 * b) for b in range(8)) for p in range(256)]
+        table = _SPREAD[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    return table
 
 
 def _plane_bytes(words: int) -> int:

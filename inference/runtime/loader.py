@@ -31,9 +31,10 @@ stream can never overwrite memory a kernel still reads. On CPU a copy is a fresh
 a GPU would hold). An expert its shard stores coded (``inference.modelio.expert_codec``) is decoded by
 the store on this host as the copy starts; an emulated link (``copy_bytes_per_s``) carries its coded
 bytes, after the decode's real time. On CUDA an expert coded with the palette (the code a build writes)
-is copied coded, from its store's page-locked blobs on the side stream, and decoded there by torch's
-kernels (``CodedExpert.decode_on``) before its event; one of the earlier zstandard code is decoded on the
-host and copied whole. Resident bytes are counted from the experts' own tensors on both, never
+is copied coded, from its store's page-locked blobs on the side stream, and decoded by torch's kernels
+(``CodedExpert.decode_copied``) on a decode stream that waits for that copy, so the next expert's copy
+overlaps this one's decode; the decode stream's event is the expert's. One of the earlier zstandard code
+is decoded on the host and copied whole. Resident bytes are counted from the experts' own tensors on both, never
 from ``torch.cuda.memory_allocated`` (which counts activations and every other allocation of
 the process too).
 """
@@ -118,6 +119,7 @@ class ExpertLoader:
         self._closed = False
         self._cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._decode_stream = torch.cuda.Stream(device) if self._cuda else None  # coded experts' decodes
         self.staging: StagingRing | None = None
         if staging_slots:
             owned = store.keys()  # a store is not a dict: it has keys() only
@@ -306,13 +308,8 @@ class ExpertLoader:
             for key in keys:
                 _, layer, expert = key
                 coded = self._device_coded(layer, expert)
-                if coded is not None:  # its coded bytes are copied, then decoded on the device, on the side stream
-                    event = torch.cuda.Event()
-                    try:
-                        with torch.cuda.stream(self._copy_stream):
-                            weights = coded.decode_on(self.device)
-                    finally:  # recorded even if a copy failed: an earlier one may still read the blobs
-                        event.record(self._copy_stream)
+                if coded is not None:
+                    weights, event = self._copy_and_decode(coded)
                     queued.append((key, coded, weights, event))  # its blobs live until their copies are done
                     while queued and queued[0][3].query():
                         done, host_done, on_device, copied = queued.popleft()
@@ -367,6 +364,27 @@ class ExpertLoader:
                     time.sleep(floor - elapsed)
             last = self._account(last)
             yield key, Resident(weights, host.nbytes, None)
+
+    def _copy_and_decode(self, coded: CodedExpert) -> tuple[ExpertWeights, torch.cuda.Event]:
+        """Queue a coded expert's copy on the side stream and its decode on the decode stream behind it (so the
+        next expert's copy overlaps this one's decode); the expert on the device, and the event after which
+        it is there (its host blobs are copied by then)."""
+        assert self._copy_stream is not None and self._decode_stream is not None
+        copied, decoded = torch.cuda.Event(), torch.cuda.Event()
+        try:
+            with torch.cuda.stream(self._copy_stream):
+                blobs = coded.copy_to(self.device)
+        finally:  # recorded even if a copy failed: an earlier one may still read the blobs
+            copied.record(self._copy_stream)
+        self._decode_stream.wait_event(copied)
+        try:
+            with torch.cuda.stream(self._decode_stream):
+                for blob in blobs:  # allocated on the copy stream, read on this one: not reused before
+                    blob.record_stream(self._decode_stream)
+                weights = coded.decode_copied(blobs)
+        finally:
+            decoded.record(self._decode_stream)
+        return weights, decoded
 
     def _device_coded(self, layer: int, expert: int) -> CodedExpert | None:
         """On a GPU, the expert's coded bytes where its store keeps them coded in a code a device decodes;

@@ -248,18 +248,27 @@ class CodedExpert:
             raise ShardError(f"a coded expert does not decode: {exc}") from None
 
     def decode_on(self, device: torch.device) -> ExpertWeights:
-        """The expert on ``device``, its coded bytes copied there and decoded by torch's kernels, all queued
-        on the current stream (a GPU: the loader's copy stream; the copies are asynchronous from page-locked
-        blobs, so the blobs must live until the stream has done with them)."""
-        layouts = self.device_layouts
+        """The expert on ``device``: its coded bytes copied there (``copy_to``) and decoded there
+        (``decode_copied``), both on the current stream."""
+        return self.decode_copied(self.copy_to(device))
+
+    def copy_to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The blobs, checked (``device_layouts``), copied to ``device`` on the current stream: asynchronously
+        from page-locked blobs, which must then live until the stream has copied them."""
+        self.device_layouts  # noqa: B018 - a bad blob is refused before anything is copied
+        return tuple(torch.from_numpy(blob).to(device, non_blocking=True) for blob in self.blobs)  # type: ignore[return-value]
+
+    def decode_copied(self, blobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> ExpertWeights:
+        """The expert decoded from its blobs on their device (``copy_to``) by torch's kernels, queued on the
+        current stream, into fused tensors allocated there."""
+        device = blobs[0].device
         gate_up = torch.empty(self.gate_up_shape, dtype=self.dtype, device=device)
         down = torch.empty(self.down_shape, dtype=self.dtype, device=device)
         rows = gate_up.view(-1).view(torch.uint8)
         first = self.codes[0].raw_bytes
         outs = (rows[:first], rows[first:], down.view(-1).view(torch.uint8))
-        for blob, code, where, out in zip(self.blobs, self.codes, layouts, outs, strict=True):
-            coded = torch.from_numpy(blob).to(device, non_blocking=True)
-            decode_on_device(coded, where, code.dtype, out)
+        for blob, code, where, out in zip(blobs, self.codes, self.device_layouts, outs, strict=True):
+            decode_on_device(blob, where, code.dtype, out)
         return ExpertWeights(gate_up, down)
 
     def page_locked(self) -> CodedExpert:
