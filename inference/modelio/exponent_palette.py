@@ -132,14 +132,16 @@ def layout(blob: np.ndarray, words: int) -> Layout:
 
 
 def decode_plane(blob: np.ndarray, where: Layout) -> np.ndarray:
-    """The plane (flat uint8, ``where.words`` bytes) that the checked ``blob`` codes, with numpy."""
+    """The plane (flat uint8, ``where.words`` bytes) that the checked ``blob`` codes, with numpy: the bit
+    planes spread into codes through ``_SPREAD_NP`` as ``decode_plane_torch`` does, then the escapes."""
     n = where.words
     if where.k == RAW:
         return blob[HEADER.size : HEADER.size + n]
     planes = blob[HEADER.size : where.escapes_at].reshape(where.k, where.plane_bytes)
-    codes = np.unpackbits(planes[0], count=n, bitorder="little")
+    words = _SPREAD_NP[planes[0]]
     for j in range(1, where.k):
-        codes |= np.unpackbits(planes[j], count=n, bitorder="little") << np.uint8(j)
+        words |= _SPREAD_NP[planes[j]] << np.uint64(j)
+    codes = words.view(np.uint8)[:n]  # little-endian: weight 8i + b is byte b of word i
     escaped = codes == (1 << where.k) - 1
     codes += np.uint8(where.base)  # an escape's sum wraps; it is written over below
     codes[escaped] = blob[where.escapes_at : where.end]
@@ -212,12 +214,13 @@ def _escapes_per_chunk(blob: np.ndarray, where: Layout) -> np.ndarray:
     tail = where.words % 8
     if tail:  # the last byte's bits past the last weight are padding, whatever they hold
         every[-1] &= np.uint8((1 << tail) - 1)
-    counts = np.bitwise_count(every)
-    per_chunk = CHUNK // 8
-    chunks = -(-counts.size // per_chunk)
-    padded = np.zeros(chunks * per_chunk, dtype=np.int64)
-    padded[: counts.size] = counts
-    return padded.reshape(chunks, per_chunk).sum(axis=1)
+    if not every.size:
+        return np.zeros(1, dtype=np.int64)
+    return np.add.reduceat(np.bitwise_count(every), np.arange(0, every.size, CHUNK // 8), dtype=np.int64)
+
+
+# Byte p -> a uint64 whose byte b is bit b of p: 8 codes' bits of one plane, each in its own byte.
+_SPREAD_NP = np.array([sum(((p >> b) & 1) << (8 * b) for b in range(8)) for p in range(256)], dtype=np.uint64)
 
 
 __all__ = [
