@@ -17,12 +17,13 @@ from inference.building.memory import memory_from_checkpoint
 from inference.building.sharding import build_shards
 from inference.constants import CODED_DTYPE_BYTES
 from inference.modelio import exponent_palette
-from inference.modelio.checkpoint import is_expert_key
-from inference.modelio.expert_codec import device_decode_bytes
+from inference.modelio.checkpoint import is_expert_key, parse_expert_key
+from inference.modelio.expert_codec import device_decode_scratch
 from inference.modelio.shards import (
     MANIFEST_FILE,
     ShardError,
     ShardSet,
+    StoredTensor,
     file_sha256,
     load_role_tensors,
     read_manifest,
@@ -105,6 +106,7 @@ def test_every_store_hands_a_gpu_the_coded_bytes_and_they_decode_there_to_the_sa
     uncoded = open_store(kind, plain.worker(0), hot_experts=2)
     try:
         for pair in sorted(store.keys()):
+            assert store.decodes_on_device(*pair) and not uncoded.decodes_on_device(*pair)
             held = store.coded(*pair)
             assert held is not None and held.decodes_on_device and uncoded.coded(*pair) is None
             got, expected = held.decode_on(torch.device("cpu")), want.get(*pair)
@@ -125,7 +127,7 @@ def test_a_gpu_refuses_a_coded_expert_whose_planes_lie_before_it_copies_them(bot
     held = open_store("ram", coded.worker(0)).coded(*min(open_store("ram", coded.worker(0)).keys()))
     assert held is not None
     blob = held.blobs[0].copy()
-    _, k, _, _ = exponent_palette.HEADER.unpack(blob[: exponent_palette.HEADER.size].tobytes())
+    _, k, _, _, _ = exponent_palette.HEADER.unpack(blob[: exponent_palette.HEADER.size].tobytes())
     words = held.codes[0].raw_bytes // 2
     planes = blob[exponent_palette.HEADER.size :][: k * ((words + 7) // 8)].reshape(k, -1)
     escaped = np.unpackbits(np.bitwise_and.reduce(planes, axis=0), bitorder="little")
@@ -245,6 +247,21 @@ def test_an_unknown_codec_is_refused_by_the_build_and_the_settings(tmp_path: Pat
         validate_settings(dataclasses.replace(DEFAULTS, expert_codec="gzip"))
 
 
+def _expert_bytes(stored: list[dict[str, StoredTensor]]) -> dict[tuple[int, int], int]:
+    """Each expert's coded bytes, summed over its tensors, from the workers' manifests (an expert two
+    workers hold is the same bytes in both)."""
+    experts: dict[tuple[int, int], int] = {}
+    for mine in stored:
+        sizes: dict[tuple[int, int], int] = {}
+        for name, entry in mine.items():
+            key = parse_expert_key(name)
+            assert key is not None
+            sizes[(key.layer, key.expert)] = sizes.get((key.layer, key.expert), 0) + entry.stored_bytes
+        for pair, size in sizes.items():
+            assert experts.setdefault(pair, size) == size
+    return experts
+
+
 def test_the_memory_plan_counts_the_workers_coded_bytes(both: tuple[ShardSet, ShardSet]) -> None:
     plain, coded = both
     model = coded.root.parent / "model"
@@ -254,9 +271,10 @@ def test_the_memory_plan_counts_the_workers_coded_bytes(both: tuple[ShardSet, Sh
     with pytest.raises(ValueError, match="stores its experts with 'none'"):  # a codec the set does not hold
         memory_from_checkpoint(model, workers=WORKERS, shards=plain.root, expert_codec="exponent-plane")
     stored = [stored_tensors(read_manifest(coded.worker(worker))) for worker in range(WORKERS)]
-    # Decoded on the device: the experts take what they took there, plus the largest coded tensor's decode.
-    decode = max(
-        device_decode_bytes(entry.raw_bytes // CODED_DTYPE_BYTES[entry.dtype], entry.stored_bytes)
+    # Decoded on the device: the experts take what they took there, plus the coded bytes of the worker's
+    # depth (2) of experts copied ahead of their decodes, and the largest tensor's decode scratch.
+    decode = 2 * max(_expert_bytes(stored).values()) + max(
+        device_decode_scratch(entry.raw_bytes // CODED_DTYPE_BYTES[entry.dtype])
         for mine in stored
         for entry in mine.values()
     )
@@ -297,8 +315,15 @@ def test_before_the_set_is_built_the_memory_plan_counts_the_most_the_code_can_st
         # Above the raw count: the planes' bound, and the decoded experts in flight (the worker's depth, 2).
         in_flight = bound.workers[worker].host_bytes - bound.workers[worker].disk_bytes
         assert in_flight == raw.workers[worker].host_bytes - raw.workers[worker].disk_bytes + 2 * raw.expert_bytes
-        # On the GPU, the decode of the largest coded tensor at its bound, beside the experts.
-        decode = max(device_decode_bytes(t.numel, t.stored) for t in bounded.values() if t.stored is not None)
+        # On the GPU, two experts' coded bytes at their bound and the largest tensor's decode, beside the experts.
+        experts: dict[tuple[int, int], int] = {}
+        for t in bounded.values():
+            key = parse_expert_key(t.name)
+            if t.stored is not None and key is not None:
+                experts[(key.layer, key.expert)] = experts.get((key.layer, key.expert), 0) + t.stored
+        decode = 2 * max(experts.values()) + max(
+            device_decode_scratch(t.numel) for t in bounded.values() if t.stored is not None
+        )
         assert bound.workers[worker].gpu_bytes == raw.workers[worker].gpu_bytes + decode
         assert built.workers[worker].gpu_bytes <= bound.workers[worker].gpu_bytes
     assert bound.main == raw.main and bound.shadow == raw.shadow

@@ -203,14 +203,14 @@ def test_an_unknown_code_is_refused_by_name() -> None:
         device_layout(np.frombuffer(_blob(code=ZSTD_CODE)[1], dtype=np.uint8), "BF16", raw.size, code=ZSTD_CODE)
 
 
-def _palette_header(blob: bytes) -> tuple[bytes, int, int, int]:
+def _palette_header(blob: bytes) -> tuple[bytes, int, int, int, int]:
     return exponent_palette.HEADER.unpack(blob[: exponent_palette.HEADER.size])
 
 
 def _with_header(blob: bytes, **fields: int | bytes) -> bytes:
-    magic, k, base, escapes = _palette_header(blob)
-    values = {"magic": magic, "k": k, "base": base, "escapes": escapes} | fields
-    header = exponent_palette.HEADER.pack(values["magic"], values["k"], values["base"], values["escapes"])
+    magic, k, base, reserved, escapes = _palette_header(blob)
+    values = {"magic": magic, "k": k, "base": base, "reserved": reserved, "escapes": escapes} | fields
+    header = exponent_palette.HEADER.pack(*(values[f] for f in ("magic", "k", "base", "reserved", "escapes")))
     return header + blob[exponent_palette.HEADER.size :]
 
 
@@ -222,6 +222,7 @@ def _with_header(blob: bytes, **fields: int | bytes) -> bytes:
         ({"k": 9}, "code width is 9 bits"),
         ({"base": 250}, "does not fit in a byte"),
         ({"escapes": 10**12}, "declares 1000000000000 escapes for 512 weights"),
+        ({"reserved": 7}, "has 7 where this version writes 0"),
     ],
 )
 def test_a_palette_header_that_lies_is_refused_before_decoding(fields: dict, reason: str) -> None:
@@ -235,7 +236,7 @@ def test_a_palette_whose_escape_codes_differ_from_its_list_is_refused() -> None:
     # One more escape code in the planes than escaped values listed: a device decode would read past
     # the list, so the host counts them first and refuses the blob.
     raw, blob = _blob()
-    _, k, _, escapes = _palette_header(blob)
+    _, k, _, _, escapes = _palette_header(blob)
     coded = np.frombuffer(blob, dtype=np.uint8).copy()
     planes = coded[exponent_palette.HEADER.size : exponent_palette.HEADER.size + k * 64].reshape(k, 64)
     codes = np.bitwise_and.reduce(planes, axis=0)

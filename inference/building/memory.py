@@ -30,8 +30,8 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
   home to for ``full-cache``. Where its shard stores the experts coded (``expert_codec``), its
   RAM and disk hold the coded bytes (``with_stored_experts`` reads them from a built set's
   manifests; before it is built, ``with_coded_bound`` counts the most they can be) and its RAM
-  the decoded experts in flight besides; its GPU, which decodes what it copies, one coded tensor
-  and that decode's scratch (``expert_codec.device_decode_bytes``) beside its experts.
+  the decoded experts in flight besides; its GPU, which decodes what it copies, the coded bytes of
+  its depth of experts and one tensor's decode scratch (``expert_codec.device_decode_scratch``).
 
 Every process also pays ``RUNTIME_OVERHEAD_BYTES`` of RAM (Python, torch, transformers) and,
 on a GPU, ``CUDA_CONTEXT_BYTES`` of device memory.
@@ -482,6 +482,7 @@ def plan_memory(
     plan = placement(sizes.layers, sizes.experts, sizes.top_k, workers)
     experts: dict[tuple[int, int], int] = {}
     stored: dict[tuple[int, int], int] = {}  # each expert as its worker shard stores it (coded: fewer)
+    coded_pairs: set[tuple[int, int]] = set()
     pinned: dict[tuple[int, int], int] = {}  # each expert as torch's pinned host allocator holds it
     dense = 0
     for tensor in tensors:
@@ -492,6 +493,8 @@ def plan_memory(
             pair = (key.layer, key.expert)
             experts[pair] = experts.get(pair, 0) + tensor.nbytes
             stored[pair] = stored.get(pair, 0) + tensor.stored_nbytes
+            if tensor.stored is not None:
+                coded_pairs.add(pair)
             pinned[pair] = pinned.get(pair, 0) + pinned_block_bytes(tensor.nbytes)
     element = _checkpoint_element_bytes(tensors)
     expert_bytes = max(experts.values(), default=0)
@@ -527,13 +530,16 @@ def plan_memory(
     )
     roles = [main, shadow]
     coded = any(t.stored is not None for t in tensors)
-    decode_on_gpu = max((_device_decode_bytes(t) for t in tensors if t.stored is not None), default=0)
+    # A GPU worker copies coded experts ahead of their decodes (up to its depth of them) and decodes one
+    # tensor at a time: the most coded bytes an expert takes, and the largest tensor's decode scratch.
+    decode_scratch = max((_device_decode_scratch(t) for t in tensors if t.stored is not None), default=0)
+    largest_coded = max((stored[pair] for pair in coded_pairs), default=0)
     for worker in range(workers):
         owned = sum(stored.get(pair, 0) for pair in plan.owned(worker))
         members = len(plan.groups[plan.group_of_worker(worker)])
         depth = resolve_depth(max_resident_experts, plan.top_k, members)  # what its loader will hold
         on_gpu = _worker_device_bytes(plan, worker, strategy, experts, expert_bytes, depth, cache_experts)
-        on_gpu += decode_on_gpu
+        on_gpu += depth * largest_coded + decode_scratch if coded else 0
         # On a GPU box a disk store's experts pass through the loader's pinned staging buffers
         # (as many as a copy pass holds, at most); a hot store's are read into pinned tensors of
         # their own from torch's allocator, its hot set and the reads whose copies are in flight.
@@ -575,11 +581,11 @@ def prerouter_bytes(sizes: ModelSizes, element_bytes: int, shape: PrerouterShape
     return sizes.layers * (4 * head + element_bytes * adapter)
 
 
-def _device_decode_bytes(tensor: TensorSize) -> int:
-    """A GPU's memory for decoding one coded tensor (``inference.modelio.expert_codec``), beside the experts."""
-    from inference.modelio.expert_codec import device_decode_bytes
+def _device_decode_scratch(tensor: TensorSize) -> int:
+    """A GPU's scratch for decoding one coded tensor (``inference.modelio.expert_codec``), beside its bytes."""
+    from inference.modelio.expert_codec import device_decode_scratch
 
-    return device_decode_bytes(tensor.numel, tensor.stored_nbytes)
+    return device_decode_scratch(tensor.numel)
 
 
 def _checkpoint_element_bytes(tensors: Sequence[TensorSize]) -> int:

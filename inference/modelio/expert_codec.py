@@ -96,11 +96,12 @@ def stored_bound(raw_nbytes: int, dtype: str) -> int:
     return palette.bound(raw_nbytes - rest) + rest
 
 
-def device_decode_bytes(words: int, stored_nbytes: int) -> int:
-    """The most device memory ``decode_on_device`` takes for a tensor of ``words`` weights stored in
-    ``stored_nbytes``, beside its output: the coded bytes copied there, the decoded plane, the join's
-    temporaries (up to three planes' worth) and one chunk's scratch of the plane's decode."""
-    return stored_nbytes + 4 * words + palette.CHUNK_SCRATCH_BYTES
+def device_decode_scratch(words: int) -> int:
+    """The most device memory ``decode_on_device`` takes for a tensor of ``words`` weights beside its coded
+    bytes and its output: the decoded plane and the join's temporaries (up to four planes' worth, fp16's
+    rotation included) or one chunk's scratch of the plane's decode, whichever phase is larger, bounded by
+    their sum."""
+    return 4 * words + palette.CHUNK_SCRATCH_BYTES
 
 
 def encode(raw: np.ndarray | bytes | memoryview, dtype: str, code: str = PALETTE_CODE) -> bytes:
@@ -301,7 +302,7 @@ __all__ = [
     "decode",
     "decode_into",
     "decode_on_device",
-    "device_decode_bytes",
+    "device_decode_scratch",
     "device_layout",
     "encode",
     "frame_bound",

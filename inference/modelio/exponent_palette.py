@@ -15,7 +15,7 @@ coded bytes (``decode_plane_torch``); the CPU decodes it with numpy (``decode_pl
 
 Layout of a coded plane (little-endian)::
 
-    header  16 bytes: b"EXPP", k (u8), base (u8), 2 zero bytes, escapes (u64)
+    header  16 bytes: b"EXPP", k (u8), base (u8), 0 (u16, reserved), escapes (u64)
     planes  k bit planes of ceil(n / 8) bytes each: bit j of weight i's code is bit i % 8 of
             byte i // 8 of plane j (k = 8: the plane's n bytes as they are)
     escapes the escaped bytes, in weight order
@@ -37,14 +37,15 @@ import numpy as np
 if TYPE_CHECKING:  # torch only where a device decodes: the control plane reads bounds from here without it
     import torch
 
-HEADER = struct.Struct("<4sBBxxQ")
+HEADER = struct.Struct("<4sBBHQ")  # magic, k, base, reserved (0), escapes
 MAGIC = b"EXPP"
 RAW = 8  # k for a plane stored as it is
 CHUNK = 1 << 22  # weights a device decode takes at once
-# Its scratch for one chunk, bytes a weight: the codes as int64 words and a plane's gather (1 each) and
-# its int32 indices (1/2), the decoded and escaped planes (1 each), the escapes' int32 prefix sum (4),
-# their gathered values and the selection (1 each): under 12.
-CHUNK_SCRATCH_BYTES = 12 * CHUNK
+# Its scratch for one chunk, bytes a weight: the codes as int64 words, a plane's gather and its shift
+# (1 each) and its int32 indices (1/2), the decoded and escaped planes (1 each), the escapes' prefix sum
+# (4, and 4 for cumsum's own int32 copy of the mask), their gathered values and the selection (1 each),
+# and the previous chunk's indices until they are rebound (4): under 16.
+CHUNK_SCRATCH_BYTES = 16 * CHUNK
 
 
 class PaletteError(ValueError):
@@ -91,23 +92,25 @@ def encode_plane(plane: np.ndarray) -> bytes:
             best = (size, k, base, int(covered[base]))
     _, k, base, covered = best
     if k == RAW:
-        return HEADER.pack(MAGIC, RAW, 0, 0) + plane.tobytes()
+        return HEADER.pack(MAGIC, RAW, 0, 0, 0) + plane.tobytes()
     escape = (1 << k) - 1
     codes = plane - np.uint8(base)  # wraps below base: those are escapes too
     outside = codes >= escape
     codes[outside] = escape
     escaped = plane[outside]
     planes = b"".join(np.packbits((codes >> j) & 1, bitorder="little").tobytes() for j in range(k))
-    return HEADER.pack(MAGIC, k, base, escaped.size) + planes + escaped.tobytes()
+    return HEADER.pack(MAGIC, k, base, 0, escaped.size) + planes + escaped.tobytes()
 
 
 def layout(blob: np.ndarray, words: int) -> Layout:
     """The checked layout of the coded plane of ``words`` bytes at the start of ``blob`` (flat uint8)."""
     if blob.size < HEADER.size:
         raise PaletteError(f"a {blob.size}-byte blob cannot hold a coded plane's {HEADER.size}-byte header")
-    magic, k, base, escapes = HEADER.unpack(blob[: HEADER.size].tobytes())
+    magic, k, base, reserved, escapes = HEADER.unpack(blob[: HEADER.size].tobytes())
     if magic != MAGIC:
         raise PaletteError(f"the plane's header starts {magic!r}, not {MAGIC!r}")
+    if reserved:
+        raise PaletteError(f"the plane's header has {reserved} where this version writes 0")
     if not 1 <= k <= RAW:
         raise PaletteError(f"the plane's code width is {k} bits, not 1 to {RAW}")
     if k == RAW:
@@ -140,7 +143,7 @@ def decode_plane(blob: np.ndarray, where: Layout) -> np.ndarray:
     planes = blob[HEADER.size : where.escapes_at].reshape(where.k, where.plane_bytes)
     words = _SPREAD_NP[planes[0]]
     for j in range(1, where.k):
-        words |= _SPREAD_NP[planes[j]] << np.uint64(j)
+        words |= _SPREAD_NP[planes[j]] << np.uint64(j)  # little-endian words on any host
     codes = words.view(np.uint8)[:n]  # little-endian: weight 8i + b is byte b of word i
     escaped = codes == (1 << where.k) - 1
     codes += np.uint8(where.base)  # an escape's sum wraps; it is written over below
@@ -183,6 +186,9 @@ def decode_plane_torch(blob: torch.Tensor, where: Layout) -> torch.Tensor:
             escaped = codes == escape
             index = torch.cumsum(escaped, 0, dtype=torch.int32)  # 1.. at the chunk's escapes, 0 before the first
             listed = torch.cat([nothing, escaped_values[before[chunk] : before[chunk + 1]]])
+            # ``layout`` counted the chunk's escapes, so no index passes its part; the clamp keeps a device
+            # from ever reading past it (a CUDA index out of range is an assert that ends the process's context).
+            index.clamp_(max=listed.numel() - 1)
             decoded = torch.where(escaped, listed.index_select(0, index), decoded)
         out[start:stop] = decoded
     return out
@@ -220,7 +226,7 @@ def _escapes_per_chunk(blob: np.ndarray, where: Layout) -> np.ndarray:
 
 
 # Byte p -> a uint64 whose byte b is bit b of p: 8 codes' bits of one plane, each in its own byte.
-_SPREAD_NP = np.array([sum(((p >> b) & 1) << (8 * b) for b in range(8)) for p in range(256)], dtype=np.uint64)
+_SPREAD_NP = np.array([sum(((p >> b) & 1) << (8 * b) for b in range(8)) for p in range(256)], dtype="<u8")
 
 
 __all__ = [

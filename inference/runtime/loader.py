@@ -31,12 +31,13 @@ stream can never overwrite memory a kernel still reads. On CPU a copy is a fresh
 a GPU would hold). An expert its shard stores coded (``inference.modelio.expert_codec``) is decoded by
 the store on this host as the copy starts; an emulated link (``copy_bytes_per_s``) carries its coded
 bytes, after the decode's real time. On CUDA an expert coded with the palette (the code a build writes)
-is copied coded, from its store's page-locked blobs on the side stream, and decoded by torch's kernels
-(``CodedExpert.decode_copied``) on a decode stream that waits for that copy, so the next expert's copy
-overlaps this one's decode; the decode stream's event is the expert's. One of the earlier zstandard code
-is decoded on the host and copied whole. Resident bytes are counted from the experts' own tensors on both, never
-from ``torch.cuda.memory_allocated`` (which counts activations and every other allocation of
-the process too).
+is copied coded on the side stream (asynchronously from the "ram" store's page-locked blobs; a "disk" or
+"hot" store's are read into pageable memory, whose copy returns once the driver has staged it), and
+decoded by torch's kernels (``CodedExpert.decode_copied``) on a decode stream that waits for that copy, so
+the next expert's copy overlaps this one's decode; the decode stream's event is the expert's. One of the
+earlier zstandard code is decoded on the host and copied whole. Resident bytes are counted from the
+experts' own tensors on both, never from ``torch.cuda.memory_allocated`` (which counts activations and
+every other allocation of the process too).
 """
 
 from __future__ import annotations
@@ -389,11 +390,9 @@ class ExpertLoader:
     def _device_coded(self, layer: int, expert: int) -> CodedExpert | None:
         """On a GPU, the expert's coded bytes where its store keeps them coded in a code a device decodes;
         else None (the expert is read, and decoded on the host where coded, as on a CPU)."""
-        if not self._cuda:
-            return None
-        coded_of = getattr(self.store, "coded", None)
-        coded = coded_of(layer, expert) if coded_of is not None else None
-        return coded if coded is not None and coded.decodes_on_device else None
+        if not self._cuda or not getattr(self.store, "decodes_on_device", lambda *_: False)(layer, expert):
+            return None  # decided before anything is read: an expert of another code is read once, below
+        return self.store.coded(layer, expert)  # type: ignore[attr-defined]
 
     def _link_bytes(self, layer: int, expert: int, host: ExpertWeights) -> int:
         stored = getattr(self.store, "stored_nbytes", None)

@@ -62,6 +62,8 @@ class ExpertStore(Protocol):
 
     def nbytes(self, layer: int, expert: int) -> int: ...
 
+    def decodes_on_device(self, layer: int, expert: int) -> bool: ...
+
     def coded(self, layer: int, expert: int) -> CodedExpert | None: ...
 
 
@@ -142,7 +144,7 @@ class HostMemoryStore:
             for pair in sorted(disk.keys()):
                 if disk.keeps_coded(*pair):  # the coded bytes stay in RAM; each load decodes them
                     experts[pair] = disk.read_coded(*pair)
-                    if pin:  # a GPU copies them coded and decodes them there
+                    if pin and experts[pair].decodes_on_device:  # a GPU copies them coded and decodes them there
                         experts[pair] = experts[pair].page_locked()
                     continue
                 weights = disk.get(*pair)
@@ -167,8 +169,13 @@ class HostMemoryStore:
         held = self._held(layer, expert)
         return held.stored_nbytes if isinstance(held, CodedExpert) else held.nbytes
 
+    def decodes_on_device(self, layer: int, expert: int) -> bool:
+        """Whether the expert is held coded in a code a GPU decodes (then ``coded`` gives its bytes)."""
+        held = self._held(layer, expert)
+        return isinstance(held, CodedExpert) and held.decodes_on_device
+
     def coded(self, layer: int, expert: int) -> CodedExpert | None:
-        """The expert's coded bytes where the shard codes it (a GPU decodes them), else None."""
+        """The expert's coded bytes where the shard codes it, else None."""
         held = self._held(layer, expert)
         return held if isinstance(held, CodedExpert) else None
 
@@ -272,11 +279,25 @@ class CodedExpert:
         return ExpertWeights(gate_up, down)
 
     def page_locked(self) -> CodedExpert:
-        """This expert with its blobs page-locked where they lie (``page_lock``), for asynchronous copies."""
-        tensors = tuple(torch.from_numpy(blob) for blob in self.blobs)
-        for tensor in tensors:
-            page_lock(tensor)  # registered while the tensor lives: the returned expert holds it
-        return dataclasses.replace(self, blobs=tuple(t.numpy() for t in tensors), locked=tensors)
+        """This expert with its blobs moved into one page-aligned buffer of whole pages, page-locked once
+        (``page_lock``) for asynchronous copies: registered ranges of separate small blobs could share a
+        page, which ``cudaHostRegister`` refuses."""
+        total = sum(blob.size for blob in self.blobs)
+        pages = -(-max(total, 1) // _PAGE) * _PAGE
+        backing = np.empty(pages + _PAGE, dtype=np.uint8)
+        start = -backing.ctypes.data % _PAGE
+        buffer = backing[start : start + pages]
+        blobs, offset = [], 0
+        for blob in self.blobs:
+            buffer[offset : offset + blob.size] = blob
+            blobs.append(buffer[offset : offset + blob.size])
+            offset += blob.size
+        locked = torch.from_numpy(buffer)
+        page_lock(locked)  # registered while the tensor lives: the returned expert holds it
+        return dataclasses.replace(self, blobs=tuple(blobs), locked=(locked,))
+
+
+_PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -416,8 +437,15 @@ class DiskStore:
         entry = self._entry(layer, expert)
         return entry.coded and (self.dtype is None or self.dtype == entry.dtype)
 
+    def decodes_on_device(self, layer: int, expert: int) -> bool:
+        """Whether the expert is kept coded (``keeps_coded``) in a code a GPU decodes: nothing is read to say."""
+        entry = self._entry(layer, expert)
+        return self.keeps_coded(layer, expert) and all(
+            span.coded is not None and span.coded.codec == PALETTE_CODE for span in entry.spans
+        )
+
     def coded(self, layer: int, expert: int) -> CodedExpert | None:
-        """The expert's coded bytes, read, where the shard codes it (a GPU decodes them), else None."""
+        """The expert's coded bytes, read, where the shard codes it, else None."""
         return self.read_coded(layer, expert) if self.keeps_coded(layer, expert) else None
 
     def read_coded(self, layer: int, expert: int) -> CodedExpert:
@@ -562,6 +590,9 @@ class HotSetStore:
     def get(self, layer: int, expert: int) -> ExpertWeights:
         held = self._fetch(layer, expert)
         return held.decode(pin=self.disk.pin) if isinstance(held, CodedExpert) else held
+
+    def decodes_on_device(self, layer: int, expert: int) -> bool:
+        return self.disk.decodes_on_device(layer, expert)
 
     def coded(self, layer: int, expert: int) -> CodedExpert | None:
         """The expert's coded bytes where the shard codes it (kept in the hot set as ``get`` keeps it), else None."""

@@ -122,7 +122,11 @@ def assemble(
     each product first is the eager experts' arithmetic, which ``combine_eager`` does itself.
     """
     outputs = {
-        e: torch.empty(plan.rows[e].shape, dtype=torch.promote_types(plan.rows[e].dtype, plan.weights[e].dtype))
+        e: torch.empty(
+            plan.rows[e].shape,
+            dtype=torch.promote_types(plan.rows[e].dtype, plan.weights[e].dtype),
+            device=plan.rows[e].device,
+        )
         for e in plan.experts
     }
     for _, result in answers:
