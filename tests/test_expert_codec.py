@@ -22,8 +22,8 @@ from inference.modelio.expert_codec import (
     decode,
     decode_into,
     decode_on_device,
-    device_layout,
     encode,
+    palette_layout,
     rest_nbytes,
 )
 from inference.modelio.families import FAMILIES
@@ -44,7 +44,9 @@ def _round_trips(raw: np.ndarray, dtype: str, code: str) -> bool:
         return True
     coded = np.frombuffer(blob, dtype=np.uint8)
     on_device = torch.full((raw.size,), 0xAB, dtype=torch.uint8)
-    decode_on_device(torch.from_numpy(coded.copy()), device_layout(coded, dtype, raw.size, code=code), dtype, on_device)
+    decode_on_device(
+        torch.from_numpy(coded.copy()), palette_layout(coded, dtype, raw.size, code=code), dtype, on_device
+    )
     return np.array_equal(on_device.numpy(), raw)
 
 
@@ -82,7 +84,7 @@ def test_the_palette_decodes_on_a_device_across_its_chunks(dtype: str) -> None:
     raw = weights.to(getattr(torch, dtype)).view(torch.uint8).numpy().reshape(-1)
     name = SAFETENSORS[getattr(torch, dtype)]
     coded = np.frombuffer(encode(raw, name), dtype=np.uint8)
-    where = device_layout(coded, name, raw.size, code=PALETTE_CODE)
+    where = palette_layout(coded, name, raw.size, code=PALETTE_CODE)
     assert where.k < 8 and len(where.chunk_escapes) == 3 and where.escapes > where.chunk_escapes[2] > 0
     assert _round_trips(raw, name, PALETTE_CODE)
 
@@ -200,7 +202,7 @@ def test_an_unknown_code_is_refused_by_name() -> None:
     with pytest.raises(CodecError, match="unknown code 'exponent-plane\\+lz4'"):
         decode(blob, "BF16", raw.size, code="exponent-plane+lz4")
     with pytest.raises(CodecError, match="decodes on the host only"):
-        device_layout(np.frombuffer(_blob(code=ZSTD_CODE)[1], dtype=np.uint8), "BF16", raw.size, code=ZSTD_CODE)
+        palette_layout(np.frombuffer(_blob(code=ZSTD_CODE)[1], dtype=np.uint8), "BF16", raw.size, code=ZSTD_CODE)
 
 
 def _palette_header(blob: bytes) -> tuple[bytes, int, int, int, int]:

@@ -529,7 +529,7 @@ def plan_memory(
         kv_tokens=context_tokens,
     )
     roles = [main, shadow]
-    coded = any(t.stored is not None for t in tensors)
+    coded = bool(coded_pairs)
     # A GPU worker copies coded experts ahead of their decodes (up to its depth of them) and decodes one
     # tensor at a time: the most coded bytes an expert takes, and the largest tensor's decode scratch.
     decode_scratch = max((_device_decode_scratch(t) for t in tensors if t.stored is not None), default=0)

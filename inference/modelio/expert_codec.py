@@ -130,32 +130,41 @@ def decode_into(blob: bytes | memoryview | np.ndarray, dtype: str, out: np.ndarr
         raise CodecError("decode_into needs a flat, contiguous uint8 output")
     data = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob.reshape(-1)
     if code == PALETTE_CODE:
-        where, rest = _palette_parts(data, dtype, out.size)
-        _join(_from_palette(palette.decode_plane(data, where), dtype), rest, dtype, out)
+        decode_palette_into(data, _palette_layout(data, dtype, out.size), dtype, out)
     elif code == ZSTD_CODE:
         _decode_zstd_into(data, dtype, out)
     else:
         raise CodecError(f"unknown code {code!r}; the codes are {', '.join(CODES)}")
 
 
-def device_layout(blob: np.ndarray, dtype: str, raw_nbytes: int, *, code: str) -> palette.Layout:
-    """The checked layout of a coded blob that a device decodes (``decode_on_device``): ``CodecError`` if
-    the blob is malformed, or if its code (zstandard) decodes on the host only."""
-    if code != PALETTE_CODE:
+def device_decodes(code: str) -> bool:
+    """Whether tensors stored with ``code`` decode on a device (the palette; zstandard decodes on the host only)."""
+    return code == PALETTE_CODE
+
+
+def palette_layout(blob: np.ndarray, dtype: str, raw_nbytes: int, *, code: str) -> palette.Layout:
+    """The checked layout of a palette-coded blob, which ``decode_palette_into`` and ``decode_on_device`` take:
+    ``CodecError`` if the blob is malformed, or if its code is not the palette."""
+    if not device_decodes(code):
         raise CodecError(f"{code!r} decodes on the host only; a device decodes {PALETTE_CODE!r}")
-    where, _ = _palette_parts(blob.reshape(-1), dtype, raw_nbytes)
-    return where
+    return _palette_layout(blob.reshape(-1), dtype, raw_nbytes)
+
+
+def decode_palette_into(blob: np.ndarray, where: palette.Layout, dtype: str, out: np.ndarray) -> None:
+    """Decode the palette-coded ``blob`` (flat uint8, checked by ``palette_layout``) into ``out`` on the host:
+    a caller that keeps the layout decodes again without checking again."""
+    _join(_from_palette(palette.decode_plane(blob, where), dtype), blob[where.end :], dtype, out)
 
 
 def decode_on_device(blob: torch.Tensor, where: palette.Layout, dtype: str, out: torch.Tensor) -> None:
-    """Decode the palette-coded ``blob`` (flat uint8 on the device, checked by ``device_layout``) into ``out``
+    """Decode the palette-coded ``blob`` (flat uint8 on the device, checked by ``palette_layout``) into ``out``
     (a flat uint8 view of the expert's memory there), with torch's kernels on that device's current stream."""
     exponent = _from_palette_torch(palette.decode_plane_torch(blob, where), dtype)
     _join_torch(exponent, blob[where.end :], dtype, out)
 
 
-def _palette_parts(data: np.ndarray, dtype: str, raw_nbytes: int) -> tuple[palette.Layout, np.ndarray]:
-    """A palette-coded blob's checked plane layout and its raw rest."""
+def _palette_layout(data: np.ndarray, dtype: str, raw_nbytes: int) -> palette.Layout:
+    """A palette-coded blob's checked plane layout (the raw rest follows it to the blob's end)."""
     width = _width(dtype)
     rest_size = rest_nbytes(raw_nbytes, dtype)
     try:
@@ -170,7 +179,7 @@ def _palette_parts(data: np.ndarray, dtype: str, raw_nbytes: int) -> tuple[palet
     if data.size > where.end + rest_size:
         extra = data.size - where.end - rest_size
         raise CodecError(f"a {data.size}-byte blob has {extra} byte{'s' * (extra > 1)} after its tensor")
-    return where, data[where.end :]
+    return where
 
 
 def _decode_zstd_into(data: np.ndarray, dtype: str, out: np.ndarray) -> None:
@@ -302,10 +311,12 @@ __all__ = [
     "decode",
     "decode_into",
     "decode_on_device",
+    "decode_palette_into",
     "device_decode_scratch",
-    "device_layout",
+    "device_decodes",
     "encode",
     "frame_bound",
+    "palette_layout",
     "rest_nbytes",
     "stored_bound",
     "supports",

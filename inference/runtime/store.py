@@ -38,7 +38,14 @@ import torch
 
 from inference.constants import EXPERT_STORES
 from inference.modelio.checkpoint import EXPERT_PROJS, parse_expert_key
-from inference.modelio.expert_codec import PALETTE_CODE, CodecError, decode_into, decode_on_device, device_layout
+from inference.modelio.expert_codec import (
+    CodecError,
+    decode_into,
+    decode_on_device,
+    decode_palette_into,
+    device_decodes,
+    palette_layout,
+)
 from inference.modelio.exponent_palette import Layout
 from inference.modelio.shards import (
     MANIFEST_FILE,
@@ -230,9 +237,12 @@ class CodedExpert:
     def decode_into(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         rows = _byte_array(gate_up)
         first = self.codes[0].raw_bytes
-        for blob, code, out in zip(
-            self.blobs, self.codes, (rows[:first], rows[first:], _byte_array(down)), strict=True
-        ):
+        outs = (rows[:first], rows[first:], _byte_array(down))
+        if self.decodes_on_device:  # the palette: its layouts are checked once, whichever side decodes
+            for blob, code, where, out in zip(self.blobs, self.codes, self.layouts, outs, strict=True):
+                decode_palette_into(blob, where, code.dtype, out)
+            return
+        for blob, code, out in zip(self.blobs, self.codes, outs, strict=True):
             try:
                 decode_into(blob, code.dtype, out, code=code.codec)
             except CodecError as exc:
@@ -241,14 +251,15 @@ class CodedExpert:
     @property
     def decodes_on_device(self) -> bool:
         """Whether a GPU decodes this expert (its tensors' code is the palette; zstandard decodes on the host)."""
-        return all(code.codec == PALETTE_CODE for code in self.codes)
+        return all(device_decodes(code.codec) for code in self.codes)
 
     @functools.cached_property
-    def device_layouts(self) -> tuple[Layout, Layout, Layout]:
-        """Each blob's layout, checked on the host before a device decodes it (``ShardError`` if one is bad)."""
+    def layouts(self) -> tuple[Layout, Layout, Layout]:
+        """Each palette-coded blob's layout, checked on the host once, before it is first decoded on the host
+        or copied to a device (``ShardError`` if one is bad): an expert held in RAM is not checked again."""
         try:
             return tuple(  # type: ignore[return-value]
-                device_layout(blob, code.dtype, code.raw_bytes, code=code.codec)
+                palette_layout(blob, code.dtype, code.raw_bytes, code=code.codec)
                 for blob, code in zip(self.blobs, self.codes, strict=True)
             )
         except CodecError as exc:
@@ -260,9 +271,9 @@ class CodedExpert:
         return self.decode_copied(self.copy_to(device))
 
     def copy_to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The blobs, checked (``device_layouts``), copied to ``device`` on the current stream: asynchronously
+        """The blobs, checked (``layouts``), copied to ``device`` on the current stream: asynchronously
         from page-locked blobs, which must then live until the stream has copied them."""
-        self.device_layouts  # noqa: B018 - a bad blob is refused before anything is copied
+        self.layouts  # noqa: B018 - a bad blob is refused before anything is copied
         return tuple(torch.from_numpy(blob).to(device, non_blocking=True) for blob in self.blobs)  # type: ignore[return-value]
 
     def decode_copied(self, blobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> ExpertWeights:
@@ -274,7 +285,7 @@ class CodedExpert:
         rows = gate_up.view(-1).view(torch.uint8)
         first = self.codes[0].raw_bytes
         outs = (rows[:first], rows[first:], down.view(-1).view(torch.uint8))
-        for blob, code, where, out in zip(blobs, self.codes, self.device_layouts, outs, strict=True):
+        for blob, code, where, out in zip(blobs, self.codes, self.layouts, outs, strict=True):
             decode_on_device(blob, where, code.dtype, out)
         return ExpertWeights(gate_up, down)
 
@@ -441,7 +452,7 @@ class DiskStore:
         """Whether the expert is kept coded (``keeps_coded``) in a code a GPU decodes: nothing is read to say."""
         entry = self._entry(layer, expert)
         return self.keeps_coded(layer, expert) and all(
-            span.coded is not None and span.coded.codec == PALETTE_CODE for span in entry.spans
+            span.coded is not None and device_decodes(span.coded.codec) for span in entry.spans
         )
 
     def coded(self, layer: int, expert: int) -> CodedExpert | None:
