@@ -1,6 +1,7 @@
 """Prefix reuse end to end: a conversation's next turn prefills only what its last turn did not
 leave in main's (and the shadow's) prefix cache, and its tokens are Transformers' continuing from
-that cache. Real roles on 127.0.0.1, as threads of the test process."""
+that cache; another user's identical prompt reuses nothing. Real roles on 127.0.0.1, as threads
+of the test process."""
 
 from __future__ import annotations
 
@@ -36,6 +37,33 @@ def test_a_next_turn_reuses_the_last_turns_kv_and_gives_transformers_tokens_from
     assert again.metrics["cached_prompt_tokens"] == (len(second_prompt) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
     fresh = reference_generate(tiny_model, second_prompt, SECOND_NEW)
     print(f"reused {reused} positions; the same tokens as a fresh whole-prompt prefill: {second.token_ids == fresh}")
+
+
+def test_another_users_identical_prompt_computes_every_position_while_its_owner_and_a_shared_namespace_reuse(
+    tiny_model: Path,
+) -> None:
+    memo = PROMPTS[3] + PROMPTS[3]  # 46 tokens: its first 2 blocks are reusable
+    reusable = (len(memo) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, in_process=True)) as cluster:
+        cluster.generate(memo, 4, user="alice")
+        bob = cluster.generate(memo, 4, user="bob")
+        anonymous = cluster.generate(memo, 4)  # the runtime's own client: a namespace of its own
+        alice = cluster.generate(memo, 4, user="alice")
+        cluster.generate(memo, 4, user="carol", prefix_namespace="support-bot")
+        dave = cluster.generate(memo, 4, user="dave", prefix_namespace="support-bot")
+    for other in (bob, anonymous):
+        # Neither main nor the shadow found a block: the whole prompt was prefilled, as if new.
+        assert other.metrics["cached_prompt_tokens"] == 0
+        assert other.metrics["shadow"]["cached_prompt_tokens"] == 0
+        assert other.metrics["per_step"][0]["tokens"] == len(memo)
+    for reusing in (alice, dave):
+        assert reusing.metrics["cached_prompt_tokens"] == reusable
+        assert reusing.metrics["shadow"]["cached_prompt_tokens"] == reusable
+        assert reusing.metrics["per_step"][0]["tokens"] == len(memo) - reusable
+    fresh = reference_generate(tiny_model, memo, 4)
+    continued = reference_continue(tiny_model, (memo, 4), (memo, 4), reusable)
+    assert bob.token_ids == anonymous.token_ids == fresh
+    assert alice.token_ids == dave.token_ids == continued
 
 
 @pytest.mark.slow

@@ -90,6 +90,7 @@ class RuntimeClient:
         top_p: float = 1.0,
         seed: int | None = None,
         user: str = "",
+        prefix_namespace: str = "",
         request_id: str | None = None,
         grammar: str = "",
         timeout_s: float = 600.0,
@@ -97,7 +98,8 @@ class RuntimeClient:
     ) -> Iterator[Token | Done]:
         """Send a generation and yield its tokens as they come, then the final result.
 
-        ``grammar``: the answer keeps to it (``Generate.grammar``).
+        ``grammar``: the answer keeps to it (``Generate.grammar``); ``user`` and ``prefix_namespace``:
+        whose prefix-cache blocks it may reuse (``Generate.user``).
 
         ``idle`` runs whenever nothing arrived for half a second (e.g. to check that the
         role processes are alive). Raises GenerationError with main's reason.
@@ -111,6 +113,7 @@ class RuntimeClient:
             top_p=top_p,
             seed=seed,
             user=user,
+            prefix_namespace=prefix_namespace,
             grammar=grammar,
         )
         return self.stream_request(request, timeout_s=timeout_s, idle=idle)

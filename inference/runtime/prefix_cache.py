@@ -3,7 +3,11 @@ system prompt, an API caller sending its history again.
 
 A sequence that ends leaves its cache here in blocks of ``BLOCK_TOKENS`` positions. A block is
 keyed by a digest of every token up to its end (its parent block's key, then its own tokens),
-so it is found only behind the same whole prefix. A new prompt takes the longest run of stored
+so it is found only behind the same whole prefix. The first block's parent is its tenant's
+namespace (``namespace_root``): the user who asked, or a shared namespace a staff user granted.
+Another tenant's identical prompt digests to other keys and finds nothing: isolation is in the
+keys themselves, not a filter on lookups, so neither ``cached_tokens`` nor a shorter prefill
+tells one user what another sent. A new prompt takes the longest run of its tenant's stored
 blocks that begins it, leaving at least its last token to compute (its logits give the first
 new token), and its prefill starts after them: what it computes is what Transformers computes
 continuing from that cache (``generate`` given ``past_key_values``).
@@ -37,9 +41,19 @@ class Block:
     values: tuple[torch.Tensor, ...]
 
 
-def block_keys(ids: Sequence[int], blocks: int, block_tokens: int = BLOCK_TOKENS) -> Iterator[bytes]:
-    """The keys of the first ``blocks`` blocks of ``ids``: each a digest of its parent's key and its tokens."""
-    key = b""
+def namespace_root(user: str, shared: str = "") -> bytes:
+    """The root of a request's block keys (``Generate.user`` and ``Generate.prefix_namespace``):
+    the ``shared`` namespace a staff user granted its caller, else its user's own ("" for requests
+    without a user: the runtime's client, the CLI, benchmarks, which share one namespace)."""
+    # Tagged, so that a shared namespace never digests like a user id of the same spelling.
+    kind, name = ("shared", shared) if shared else ("user", user)
+    return hashlib.blake2b(f"{kind}\0{name}".encode(), digest_size=16).digest()
+
+
+def block_keys(ids: Sequence[int], blocks: int, block_tokens: int = BLOCK_TOKENS, *, root: bytes) -> Iterator[bytes]:
+    """The keys of the first ``blocks`` blocks of ``ids``: each a digest of its parent's key and its
+    tokens, the first block's parent being ``root`` (its tenant's ``namespace_root``)."""
+    key = root
     for i in range(blocks):
         digest = hashlib.blake2b(key, digest_size=16)
         for token in ids[i * block_tokens : (i + 1) * block_tokens]:
@@ -68,10 +82,12 @@ class PrefixCache:
         """Positions held."""
         return len(self._blocks) * self.block_tokens
 
-    def lookup(self, ids: Sequence[int], limit: int) -> list[Block]:
-        """The longest run of stored blocks that begins ``ids``, of at most ``limit`` positions."""
+    def lookup(self, ids: Sequence[int], limit: int, *, root: bytes) -> list[Block]:
+        """The longest run of blocks stored under ``root`` (a ``namespace_root``) that begins ``ids``,
+        of at most ``limit`` positions."""
         found: list[tuple[bytes, Block]] = []
-        for key in block_keys(ids, max(0, min(limit, len(ids))) // self.block_tokens, self.block_tokens):
+        blocks = max(0, min(limit, len(ids))) // self.block_tokens
+        for key in block_keys(ids, blocks, self.block_tokens, root=root):
             block = self._blocks.get(key)
             if block is None:
                 break
@@ -79,12 +95,13 @@ class PrefixCache:
         self._touch([key for key, _ in found])
         return [block for _, block in found]
 
-    def store(self, ids: Sequence[int], cache: DynamicCache, room: int) -> None:
-        """Keep the whole blocks of ``cache`` (holding ``ids``' first positions), then keep to ``room`` tokens."""
+    def store(self, ids: Sequence[int], cache: DynamicCache, room: int, *, root: bytes) -> None:
+        """Keep the whole blocks of ``cache`` (holding ``ids``' first positions) under ``root`` (a
+        ``namespace_root``), then keep to ``room`` tokens."""
         if not reusable(cache):
             return
         held = min(cache.get_seq_length(), len(ids))
-        keys = list(block_keys(ids, held // self.block_tokens, self.block_tokens))
+        keys = list(block_keys(ids, held // self.block_tokens, self.block_tokens, root=root))
         for i, key in enumerate(keys):
             if key in self._blocks:
                 continue

@@ -43,7 +43,12 @@ class Generate(Message, kw_only=True, tag="generate"):
 
     Greedy unless ``do_sample``. ``user`` says who asked (an opaque id, e.g. the control
     plane's user id): main shares its batch fairly between users, so that one user's many
-    requests do not keep another's waiting, and caps what one user has in it.
+    requests do not keep another's waiting, and caps what one user has in it. It is also the
+    tenant of main's and the shadow's prefix caches: a prompt reuses only blocks its own user's
+    generations left, unless ``prefix_namespace`` names a namespace shared by every caller a
+    staff user granted it (a common system prompt; whoever shares it can learn from
+    ``cached_tokens`` what the others sent). Requests without either (the runtime's own client,
+    the CLI, benchmarks) share one namespace of their own.
 
     ``logprobs``: each ``Token`` carries its logprob and its ``top_logprobs`` (0 to
     ``MAX_TOP_LOGPROBS``) most likely alternatives; ``prompt_logprobs``: the first ``Token``
@@ -69,6 +74,7 @@ class Generate(Message, kw_only=True, tag="generate"):
     top_p: float = 1.0
     seed: int | None = None
     user: str = ""
+    prefix_namespace: str = ""
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False

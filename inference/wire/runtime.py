@@ -101,7 +101,8 @@ class SequenceLeave(Message, kw_only=True, tag="sequence_leave"):
 
 
 class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
-    """The shadow starts emulating a request: it prefills the prompt on its own."""
+    """The shadow starts emulating a request: it prefills the prompt on its own, reusing only its
+    tenant's prefix-cache blocks (``user`` and ``prefix_namespace``: the ``Generate``'s)."""
 
     TENSORS: ClassVar[tuple[str, ...]] = ("prompt_ids",)
     request_id: str
@@ -109,6 +110,8 @@ class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
     token_period: int
     kv_period: int
     prompt_ids: Tensor
+    user: str = ""
+    prefix_namespace: str = ""
 
 
 class Align(Message, kw_only=True, tag="align"):

@@ -31,7 +31,7 @@ from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_piec
 from inference.runtime.engine.scheduler import schedule as plan_step
 from inference.runtime.engine.sequence import Sequence
 from inference.runtime.metrics import build_metrics, step_report
-from inference.runtime.prefix_cache import Block, PrefixCache, cache_from
+from inference.runtime.prefix_cache import Block, PrefixCache, cache_from, namespace_root
 from inference.runtime.prerouter import SequenceRoutes
 from inference.runtime.records import RequestState, StepRecord
 from inference.wire.runtime import Align, Done, Failed, Generate, Prediction, Token
@@ -173,7 +173,9 @@ class Engine:
         if held is None or held[0] != self.prefixes.version:
             held = self._held[msg.request_id] = (
                 self.prefixes.version,
-                self.prefixes.lookup(msg.prompt_ids, len(msg.prompt_ids) - 1),
+                self.prefixes.lookup(
+                    msg.prompt_ids, len(msg.prompt_ids) - 1, root=namespace_root(msg.user, msg.prefix_namespace)
+                ),
             )
         return len(held[1]) * self.prefixes.block_tokens
 
@@ -232,6 +234,7 @@ class Engine:
             sampler,
             tokens,
             joined_step=role.step + len(pieces),
+            prefix_root=namespace_root(msg.user, msg.prefix_namespace),
             computed=cached,
             cached=cached,
             logprobs=msg.logprobs,
@@ -305,7 +308,9 @@ class Engine:
         shadow_stats = role.end_shadow(state.request_id)
         del self.batch[state.request_id]
         if self.prefixes is not None and sequence.error is None and state.cache is not None:
-            self.prefixes.store(sequence.tokens[0].tolist(), state.cache, self._prefix_room())
+            self.prefixes.store(
+                sequence.tokens[0].tolist(), state.cache, self._prefix_room(), root=sequence.prefix_root
+            )
         last = not self.batch and not role.waiting
         role.announce_leave(state.request_id, sequence.joined_step, last=last)
         if sequence.error is not None:

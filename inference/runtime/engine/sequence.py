@@ -24,6 +24,7 @@ class Sequence:
     sampler: Sampler
     tokens: torch.Tensor
     joined_step: int  # the session step of its prefill's last piece
+    prefix_root: bytes = b""  # its tenant's prefix-cache namespace (prefix_cache.namespace_root)
     computed: int = 0
     cached: int = 0  # its prompt's first tokens whose KV came from the prefix cache
     call: LayerCall | None = None  # its rows of the layer being served

@@ -386,6 +386,8 @@ class MainRole:
                     token_period=self.token_period,
                     kv_period=self.kv_period,
                     prompt_ids=torch.tensor([msg.prompt_ids], dtype=torch.long)[0],
+                    user=msg.user,
+                    prefix_namespace=msg.prefix_namespace,
                 ),
             )
 

@@ -29,7 +29,7 @@ from inference.policies.placement import placement_from_dict
 from inference.runtime.batching import LayerCall
 from inference.runtime.engine.runner import ModelRunner
 from inference.runtime.engine.scheduler import Work
-from inference.runtime.prefix_cache import PrefixCache, cache_from
+from inference.runtime.prefix_cache import PrefixCache, cache_from, namespace_root
 from inference.runtime.roles.common import (
     answer_ping,
     connect_peers,
@@ -78,6 +78,7 @@ class Emulation:
     speculation_misses: int = 0
     largest_batch: int = 1  # the most sequences stepped together in one of its steps
     cached_prompt_tokens: int = 0  # its prompt's first tokens whose KV came from the prefix cache
+    prefix_root: bytes = b""  # its tenant's prefix-cache namespace (prefix_cache.namespace_root)
     rewinds: int = 0
     token_aligns: int = 0
     kv_aligns: int = 0
@@ -188,10 +189,20 @@ class ShadowRole:
         prompt_len = int(msg.prompt_ids.numel())
         tokens = torch.zeros((1, prompt_len + msg.max_new_tokens), dtype=torch.long, device=self.device)
         tokens[0, :prompt_len] = msg.prompt_ids.view(-1).to(self.device)
-        blocks = self.prefixes.lookup(msg.prompt_ids.view(-1).tolist(), prompt_len - 1) if self.prefixes else []
+        root = namespace_root(msg.user, msg.prefix_namespace)
+        blocks = (
+            self.prefixes.lookup(msg.prompt_ids.view(-1).tolist(), prompt_len - 1, root=root) if self.prefixes else []
+        )
         cache = cache_from(blocks, self.model.config) if blocks else DynamicCache(config=self.model.config)
         state = Emulation(
-            msg.request_id, prompt_len, msg.max_new_tokens, msg.token_period, msg.kv_period, cache, tokens
+            msg.request_id,
+            prompt_len,
+            msg.max_new_tokens,
+            msg.token_period,
+            msg.kv_period,
+            cache,
+            tokens,
+            prefix_root=root,
         )
         self.states[msg.request_id] = state
         if self.prefixes is not None:
@@ -299,7 +310,9 @@ class ShadowRole:
         )
         if self.states.pop(state.request_id, None) is not None and self.prefixes is not None:
             held = state.cache.get_seq_length()
-            self.prefixes.store(state.tokens[0, :held].tolist(), state.cache, self._prefix_room())
+            self.prefixes.store(
+                state.tokens[0, :held].tolist(), state.cache, self._prefix_room(), root=state.prefix_root
+            )
 
     def _prefix_room(self) -> int:
         """Tokens of KV its prefix cache may hold: the KV the fit check reserves for the shadow
