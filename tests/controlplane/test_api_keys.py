@@ -1,8 +1,10 @@
 """API keys: scopes narrow what a key may do, expiry and revocation stop it at once, keys are
-managed through the API (a key never makes a wider key) and on the API keys page."""
+managed through the API (a key never makes a wider key) and on the API keys page, and only staff
+grant one a shared prefix-cache namespace."""
 
 from __future__ import annotations
 
+import io
 from datetime import timedelta
 
 import pytest
@@ -17,7 +19,9 @@ from rest_framework.views import APIView
 
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.permissions import KeyScopes
+from controlplane.accounts.selectors import caller_of
 from controlplane.accounts.services import create_api_key
+from controlplane.accounts.usage import Caller
 from controlplane.nodes.authentication import IsNode
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the OpenAI views are async: other threads
@@ -110,6 +114,22 @@ def test_expired_and_revoked_keys_stop_at_once(alice, staff) -> None:
     # Staff revoke anyone's key (a leaked one) with an admin key.
     _, admin = create_api_key(user=staff)
     assert client_for(admin).delete(f"/api/keys/{bob_key.pk}").json()["state"] == "revoked"
+
+
+def test_only_staff_grant_a_key_a_shared_prefix_namespace_which_its_generations_then_carry(alice) -> None:
+    call_command("create_api_key", "alice", "--name", "bot", "--prefix-namespace", "support-bot", stdout=io.StringIO())
+    granted = ApiKey.objects.get(user=alice, name="bot")
+    assert caller_of(alice.pk, granted) == Caller(alice.pk, granted.pk, prefix_namespace="support-bot")
+    assert caller_of(alice.pk, None).prefix_namespace == ""  # a browser session: alice's own namespace
+    with pytest.raises(CommandError, match="prefix namespace must be"):
+        call_command("create_api_key", "alice", "--prefix-namespace", "../other", stdout=io.StringIO())
+    # Alice cannot grant herself one (the API takes no such field); she sees what staff granted.
+    browser = APIClient()
+    browser.force_authenticate(alice)
+    made = browser.post("/api/keys", {"name": "mine", "prefix_namespace": "support-bot"}, format="json")
+    assert made.status_code == 201 and made.json()["prefix_namespace"] == ""
+    shown = {k["name"]: k["prefix_namespace"] for k in browser.get("/api/keys").json()["results"]}
+    assert shown == {"bot": "support-bot", "mine": ""}
 
 
 def test_the_api_keys_page_creates_shows_once_and_revokes(alice) -> None:

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks import openai_concurrency
+from controlplane.accounts.models import ApiKey
 from controlplane.serving.parameters import CHAT, COMPLETIONS, Support
 from controlplane.serving.text import tokenizer_for
 from inference.runtime.textstream import load_tokenizer
@@ -74,6 +75,33 @@ def check_openai_text(served: Served) -> None:
     text = client.completions.create(model=MODEL, prompt="Mixture of experts", max_tokens=8, temperature=0)
     tokenizer = load_tokenizer(served.model_dir)
     assert text.choices[0].text == reference_text(served, tokenizer("Mixture of experts")["input_ids"], 8)
+
+
+def check_prefix_cache_per_tenant(served: Served) -> None:
+    """Issue 51: bob sending alice's prompt was told how much of it main's cache held
+    (``cached_tokens``), so he could confirm guesses of it 16 tokens at a time. Now each user's
+    prompts reuse only their own blocks, or those of a namespace staff granted both their keys."""
+    alice, bob = served.client(served.user_key), served.client(served.other_key)
+    memo = [1, *range(300, 345)]  # token ids: a guess of them is exact
+    reusable = (len(memo) - 1) // 16 * 16
+    ask = dict(model=MODEL, prompt=memo, max_tokens=4, temperature=0)
+    first = alice.completions.create(**ask)
+    guess = bob.completions.create(**ask)
+    again = alice.completions.create(**ask)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert guess.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == reusable
+    assert guess.choices[0].text == first.choices[0].text  # prefilled whole, as alice's first was
+    # A namespace staff granted both keys (the admin, or create_api_key --prefix-namespace): shared.
+    keys = ApiKey.objects.filter(user__username__in=("alice", "bob"))
+    keys.update(prefix_namespace="support-bot")
+    try:
+        system_prompt = [1, *range(350, 395)]
+        alice.completions.create(**{**ask, "prompt": system_prompt})
+        shared = bob.completions.create(**{**ask, "prompt": system_prompt})
+        assert shared.usage.prompt_tokens_details.cached_tokens == reusable
+    finally:
+        keys.update(prefix_namespace="")
 
 
 def check_sampling_and_stop(served: Served) -> None:
@@ -655,6 +683,7 @@ def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served) -> None:
     check_structured_output(served)
     check_tool_calls(served)
     check_openai_text(served)
+    check_prefix_cache_per_tenant(served)
     check_sampling_and_stop(served)
     check_openai_errors(served)
     check_logprobs(served)

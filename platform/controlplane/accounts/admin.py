@@ -7,7 +7,17 @@ from .services import revoke_api_key
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ["user", "name", "prefix", "scopes", "created_at", "expires_at", "last_used", "revoked"]
+    list_display = [
+        "user",
+        "name",
+        "prefix",
+        "scopes",
+        "prefix_namespace",
+        "created_at",
+        "expires_at",
+        "last_used",
+        "revoked",
+    ]
     list_filter = ["revoked"]
     readonly_fields = ["key_hash", "prefix", "created_at", "last_used", "revoked", "revoked_at"]
     actions = ["revoke"]

@@ -51,6 +51,7 @@ class KeyOutput(serializers.ModelSerializer):
             "last_used",
             "revoked_at",
             "daily_token_quota",
+            "prefix_namespace",
             "tokens_today",
             "tokens_last_30_days",
         ]

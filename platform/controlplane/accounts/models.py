@@ -1,13 +1,16 @@
 """API keys: random 256-bit values kept only as their SHA-256, with a prefix to tell them apart,
-each with scopes (``scopes.py``), an optional expiry, an optional daily token quota, and
-revocation that keeps the row; and the tokens each user and key spent, per deployment and day
-(``usage.py`` says what counts)."""
+each with scopes (``scopes.py``), an optional expiry, an optional daily token quota, an optional
+shared prefix-cache namespace that only staff grant, and revocation that keeps the row; and the
+tokens each user and key spent, per deployment and day (``usage.py`` says what counts)."""
 
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
+
+from controlplane.names import NAME_PATTERN, NAME_RULE
 
 from .scopes import USER_SCOPES
 
@@ -31,6 +34,18 @@ class ApiKey(models.Model):
         null=True,
         blank=True,
         help_text="prompt and completion tokens the key may use per UTC day; empty: unlimited",
+    )
+    # Granted by staff only (the admin, create_api_key): no API or page a key's user sees sets it.
+    prefix_namespace = models.CharField(
+        max_length=100,
+        blank=True,
+        default="",
+        validators=[RegexValidator(NAME_PATTERN, f"use {NAME_RULE}")],
+        help_text=(
+            "a prefix-cache namespace shared with every key that names the same one, for a common "
+            "system prompt: each can tell from cached_tokens what the others' prompts began with; "
+            "empty: the key's user's own"
+        ),
     )
 
     class Meta:

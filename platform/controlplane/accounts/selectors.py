@@ -1,5 +1,5 @@
-"""Reads of the accounts app: the tokens spent per key, per user and deployment, and per series
-for Prometheus (``usage.py`` says what counts)."""
+"""Reads of the accounts app: who a generation is for, the tokens spent per key, per user and
+deployment, and per series for Prometheus (``usage.py`` says what counts)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from django.db.models import Max, Q, Sum
 from django.utils import timezone
 
 from .models import ApiKey, TokenUsage
-from .usage import USAGE_WINDOW_DAYS, utc_day, window_start
+from .usage import USAGE_WINDOW_DAYS, Caller, utc_day, window_start
+
+
+def caller_of(user_id: int, key: ApiKey | None) -> Caller:
+    """Who a generation is for: ``user_id``, through ``key`` (None: a browser session), with the
+    prefix-cache namespace staff granted that key."""
+    return Caller(user_id, key.pk if key else None, key.prefix_namespace if key else "")
 
 
 @dataclass(frozen=True)

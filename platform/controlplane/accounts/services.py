@@ -3,6 +3,7 @@ and hold a key to its daily quota (``usage.py`` says what counts)."""
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 
 from django.contrib.auth.models import AbstractBaseUser
@@ -10,6 +11,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Q, Sum
 from django.utils import timezone
 
+from controlplane.names import NAME_PATTERN, NAME_RULE
 from controlplane.nodes.credentials import digest, new_secret
 
 from .models import ApiKey, TokenUsage
@@ -28,18 +30,23 @@ def create_api_key(
     expires_at: datetime | None = None,
     within: tuple[str, ...] | None = None,
     daily_token_quota: int | None = None,
+    prefix_namespace: str = "",
 ) -> tuple[ApiKey, str]:
     """A new key for ``user`` and its clear value, shown once and never stored.
 
     ``scopes`` defaults to every scope the user may hold; ScopeError for scopes the user (or
     the key ``within`` whose scopes bound this one) may not give, ValueError for an expiry in the
-    past or a quota below 1 (``daily_token_quota``: tokens per UTC day; None: unlimited).
+    past, a quota below 1 (``daily_token_quota``: tokens per UTC day; None: unlimited) or a
+    ``prefix_namespace`` that is no name (``ApiKey.prefix_namespace``: only staff grant one, so no
+    API a user calls passes it).
     """
     chosen = check_scopes(list(allowed_scopes(user) if scopes is None else scopes), user=user, within=within)
     if expires_at is not None and expires_at <= timezone.now():
         raise ValueError("the expiry must be in the future")
     if daily_token_quota is not None and not 1 <= daily_token_quota <= MAX_DAILY_TOKEN_QUOTA:
         raise ValueError(f"the daily token quota must be from 1 to {MAX_DAILY_TOKEN_QUOTA} (or none: unlimited)")
+    if prefix_namespace and not re.fullmatch(NAME_PATTERN, prefix_namespace):
+        raise ValueError(f"the prefix namespace must be {NAME_RULE}")
     clear = new_secret(API_KEY_PREFIX)
     key = ApiKey.objects.create(
         user=user,
@@ -49,6 +56,7 @@ def create_api_key(
         scopes=chosen,
         expires_at=expires_at,
         daily_token_quota=daily_token_quota,
+        prefix_namespace=prefix_namespace,
     )
     return key, clear
 

@@ -21,10 +21,13 @@ USAGE_WINDOW_DAYS = 30  # what the keys page and the console show besides today
 @dataclass(frozen=True)
 class Caller:
     """Who a generation's tokens are counted to: a user, and the API key they came with (None: a
-    browser session, e.g. the chat or the API called from a logged-in page)."""
+    browser session, e.g. the chat or the API called from a logged-in page); and whose prefix-cache
+    blocks it may reuse: the shared namespace staff granted that key (``ApiKey.prefix_namespace``),
+    else ("") the user's own."""
 
     user_id: int
     api_key_id: int | None = None
+    prefix_namespace: str = ""
 
 
 def utc_day(now: datetime) -> date:

@@ -15,8 +15,8 @@ from rest_framework.views import APIView
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.permissions import KeyScopes
 from controlplane.accounts.scopes import Scope
+from controlplane.accounts.selectors import caller_of
 from controlplane.accounts.services import QuotaExceeded, check_quota
-from controlplane.accounts.usage import Caller
 from controlplane.artifacts.models import ModelArtifact, ModelStatus
 from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.names import name_field
@@ -326,16 +326,17 @@ class DeploymentGenerateApi(APIView):
         _deployment(deployment_id)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        request_fields = {**data.validated_data, "user": str(request.user.pk)}  # main bounds each user's
         key = request.auth if isinstance(request.auth, ApiKey) else None
+        who = caller_of(request.user.pk, key)
+        # Main bounds each user's generations, and keys its prefix cache by the user (or the key's grant).
+        request_fields = {**data.validated_data, "user": str(who.user_id), "prefix_namespace": who.prefix_namespace}
         try:
             check_quota(key=key)
         except QuotaExceeded as exc:
             headers = {"Retry-After": str(exc.retry_after_s)}
             return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS, headers=headers)
-        caller = Caller(request.user.pk, key.pk if key else None)
         try:
-            done = generation.generate(deployment_id, generation.new_request(**request_fields), caller=caller)
+            done = generation.generate(deployment_id, generation.new_request(**request_fields), caller=who)
         except generation.ClusterUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         except generation.TooManyGenerations as exc:

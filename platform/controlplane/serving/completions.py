@@ -151,6 +151,7 @@ def _request(
         max_new_tokens=max_new_tokens,
         request_id=request_id or new_request_id(),
         user=str(caller.user_id),
+        prefix_namespace=caller.prefix_namespace,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,

@@ -20,8 +20,8 @@ from django.utils import timezone
 from redis.exceptions import RedisError
 
 from controlplane.accounts.models import ApiKey
+from controlplane.accounts.selectors import caller_of
 from controlplane.accounts.services import QuotaExceeded, check_quota
-from controlplane.accounts.usage import Caller
 from controlplane.deployments import generation
 from controlplane.queueing import queue_task
 from controlplane.storable import storable_json, storable_text
@@ -152,7 +152,7 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
         check_quota(key=job.api_key)
         target = find_target(job.model_name)
         ids = encode_prompt(target.tokenizer, output.prompt)
-        caller = Caller(job.owner_id, job.api_key_id)
+        caller = caller_of(job.owner_id, job.api_key)
         result = complete(target, ids, job.max_tokens, sampling, caller=caller, request_id=output.request_id)
     except (ClusterUnavailable, ClusterGenerationError, RedisError, OSError) as exc:
         # Redis unreachable (it restarts) is retryable too: the generation's events travel through it.

@@ -44,6 +44,7 @@ from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authentication import CSRFCheck
 
 from controlplane.accounts.scopes import Scope
+from controlplane.accounts.selectors import caller_of
 from controlplane.accounts.services import QuotaExceeded, authenticate_api_key, bearer_key, check_quota
 from controlplane.accounts.usage import Caller
 from controlplane.deployments import generation
@@ -249,7 +250,7 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
         return error(400, "the request body must be a JSON object")
     try:
         ask = await database_sync_to_async(_parse, thread_sensitive=False)(body, chat)
-        ask = dataclasses.replace(ask, caller=Caller(user.pk, key.pk if key else None))
+        ask = dataclasses.replace(ask, caller=caller_of(user.pk, key))
     except InputError as exc:
         return error(400, str(exc), param=exc.param, code=exc.code)
     except ModelNotFound as exc:

@@ -1,5 +1,5 @@
 """``manage.py create_api_key USERNAME [--name NAME] [--scope S ...] [--expires-days N]
-[--daily-token-quota N]``: print a new API key, once."""
+[--daily-token-quota N] [--prefix-namespace NAME]``: print a new API key, once."""
 
 from datetime import timedelta
 
@@ -31,8 +31,16 @@ class Command(BaseCommand):
             default=None,
             help="prompt and completion tokens the key may use per UTC day; default: unlimited",
         )
+        parser.add_argument(
+            "--prefix-namespace",
+            default="",
+            help="share the prefix cache with every key of this namespace (a common system prompt; each can "
+            "tell from cached_tokens what the others' prompts began with); default: the user's own",
+        )
 
-    def handle(self, *args, username: str, name: str, scopes, expires_days, daily_token_quota, **options) -> None:
+    def handle(
+        self, *args, username: str, name: str, scopes, expires_days, daily_token_quota, prefix_namespace, **options
+    ) -> None:
         user = get_user_model().objects.filter(username=username).first()
         if user is None:
             raise CommandError(f"no user named {username!r}; create one with 'manage.py createsuperuser'")
@@ -43,7 +51,12 @@ class Command(BaseCommand):
         expires_at = timezone.now() + timedelta(days=expires_days) if expires_days else None
         try:
             _, clear = create_api_key(
-                user=user, name=name, scopes=scopes, expires_at=expires_at, daily_token_quota=daily_token_quota
+                user=user,
+                name=name,
+                scopes=scopes,
+                expires_at=expires_at,
+                daily_token_quota=daily_token_quota,
+                prefix_namespace=prefix_namespace,
             )
         except (ScopeError, ValueError) as exc:
             raise CommandError(str(exc)) from None
