@@ -1,11 +1,13 @@
 """A hostile peer gets nowhere (real role processes on 127.0.0.1): a malformed or out-of-range
 message is dropped with a log line, a box's keys speak only as its own principals and only
-what the permission table lets them say, and a socket without an admitted key never completes
-the handshake. The role stays up and the next generation is exact."""
+what the permission table lets them say, a socket without an admitted key never completes
+the handshake, and a worker's answer for experts main did not ask of it is never summed. The
+role stays up and the next generation is exact."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -18,7 +20,16 @@ from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.protocol import encode
 from inference.runtime.transport import Endpoint
 from inference.wire.base import Message
-from inference.wire.runtime import ExpertRequest, Ping, Pong, Prediction, SetAlignment, ShadowBegin, Shutdown
+from inference.wire.runtime import (
+    ExpertRequest,
+    ExpertResult,
+    Ping,
+    Pong,
+    Prediction,
+    SetAlignment,
+    ShadowBegin,
+    Shutdown,
+)
 from tests.reference import PROMPTS, reference_generate
 
 pytestmark = pytest.mark.slow
@@ -227,3 +238,48 @@ def test_a_compromised_box_speaks_only_as_its_own_principals_and_only_what_they_
     assert "dropped shutdown via inbox: shadow may not send it here" in logs["worker-0"]
     assert "dropped shutdown via worker-1: worker-1 may not send it here" in logs["main"]
     assert "dropped pong via worker-1: it says it is from 'main' but came with the key of worker-1" in logs["main"]
+
+
+def test_a_worker_answering_for_experts_it_was_not_asked_is_refused_and_the_output_stays_exact(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 51: main summed whatever rows a worker's answer named, for any expert of the layer,
+    and counted it as that worker's answer. Here worker-1 (the roles are threads of this process)
+    first answers each request with rows for an expert main gave it no rows of, then honestly."""
+    from inference.runtime.roles.worker.role import WorkerRole
+
+    honest = WorkerRole._compute
+    forged: list[tuple[int, int]] = []
+
+    def hostile(self: WorkerRole, msg: ExpertRequest, identity: bytes, *args) -> None:
+        others = [e for e in range(8) if e not in msg.experts]  # the tiny model's 8 experts
+        if self.index == 1 and others and msg.rows is not None:
+            lie = ExpertResult(
+                request_id=msg.request_id,
+                step=msg.step,
+                layer=msg.layer,
+                experts=[others[0], *msg.experts[1:]],
+                counts=msg.counts,
+                offsets=msg.offsets,
+                output=torch.full_like(msg.rows, 1e4),
+                wait_ms=0.0,
+                compute_ms=0.0,
+                hits=0,
+                misses=0,
+            )
+            self.endpoint.reply(identity, lie)
+            forged.append((msg.step, msg.layer))
+        honest(self, msg, identity, *args)
+
+    monkeypatch.setattr(WorkerRole, "_compute", hostile)
+    options = ClusterOptions(workers=2, in_process=True)
+    with (
+        caplog.at_level(logging.WARNING, logger="inference.runtime.engine.exchange"),
+        LocalCluster(tiny_model, options) as cluster,
+    ):
+        done = [cluster.generate(prompt, 8) for prompt in PROMPTS[:2]]
+    assert forged  # worker-1 lied on prefill and decode layers alike
+    for prompt, answer in zip(PROMPTS[:2], done, strict=True):
+        assert answer.token_ids == reference_generate(tiny_model, prompt, 8)
+    refused = [r.getMessage() for r in caplog.records if "answers no request main sent it" in r.getMessage()]
+    assert len(refused) == len(forged) and all(m.startswith("dropped a result from worker-1") for m in refused)

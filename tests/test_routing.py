@@ -1,4 +1,5 @@
-"""Split/compute/combine per expert gives the same bits as Transformers' MixtralExperts."""
+"""Split/compute/combine per expert gives the same bits as Transformers' MixtralExperts, from
+the workers' answers to what main asked of each, and no other."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from inference.runtime import routing as routing_module
-from inference.runtime.engine.exchange import assemble, plan_layer
+from inference.runtime.engine.exchange import answered_request, assemble, plan_layer
 from inference.runtime.experts import ExpertWeights, activation, expert_forward
 from inference.runtime.routing import (
     Routing,
@@ -19,7 +20,7 @@ from inference.runtime.routing import (
     split_eager,
     split_grouped,
 )
-from inference.wire.runtime import ExpertResult
+from inference.wire.runtime import ExpertRequest, ExpertResult
 
 CPU = torch.device("cpu")
 
@@ -248,3 +249,41 @@ def test_main_sums_the_workers_answers_as_the_reference(arithmetic: str, dtype: 
             want = _reference(config, module, implementation, states, index, weights)
             assert mine.dtype == want.dtype
             assert torch.equal(mine, want), (arithmetic, dtype, num_tokens, (mine.float() - want.float()).abs().max())
+
+
+def test_an_answer_counts_only_for_a_request_main_sent_that_worker_and_only_once() -> None:
+    sent = [
+        ExpertRequest(
+            request_id="s",
+            step=1,
+            layer=0,
+            experts=[2, 5],
+            counts=[1, 2],
+            offsets=[0, 4],
+            rows=torch.zeros(3, 8),
+            weights=torch.ones(3),
+        )
+    ]
+
+    def answer(experts=(2, 5), offsets=(0, 4), output=None) -> ExpertResult:
+        output = torch.ones(3, 8) if output is None else output
+        return ExpertResult(
+            request_id="s",
+            step=1,
+            layer=0,
+            experts=list(experts),
+            counts=[1, 2],
+            offsets=list(offsets),
+            output=output,
+            wait_ms=0.0,
+            compute_ms=0.0,
+            hits=0,
+            misses=0,
+        )
+
+    assert answered_request(answer(), sent, set()) == 0
+    assert answered_request(answer(), sent, {0}) is None  # a second answer to it
+    assert answered_request(answer(experts=(2, 6)), sent, set()) is None  # an expert it was not asked
+    assert answered_request(answer(offsets=(0, 0)), sent, set()) is None  # rows it was not sent
+    assert answered_request(answer(output=torch.ones(2, 8)), sent, set()) is None
+    assert answered_request(answer(output=torch.ones(3, 8, dtype=torch.long)), sent, set()) is None

@@ -6,7 +6,11 @@ of an expert one after another (one segment per sequence and expert, so each exp
 loaded once and each sequence's rows are computed as in its own run) and packs each
 worker's segments into requests. ``Exchange`` moves the bytes: it sends the requests and
 collects the answers within the timeout, sending what a lost worker had not answered to a
-survivor of its group. ``assemble`` (pure) puts the answers back in the reference order
+survivor of its group. An answer counts only where ``answered_request`` (pure) finds the request
+main sent that very worker which it answers, segment for segment and row for row: rows for an
+expert main did not ask of that worker (a hostile or broken one) are dropped with a log line and
+never summed, and main goes on waiting for the worker's real answer as for a silent one's.
+``assemble`` (pure) puts the answers back in the reference order
 and sums each sequence's weighted outputs, so every sequence's output is the
 full-precision model's bit for bit; ``record_layer`` writes the layer's figures.
 """
@@ -105,6 +109,20 @@ def plan_layer(
         ]
         plan.requests[worker] = pack_segments(segments, chunk if prefilling else 0)
     return plan
+
+
+def answered_request(result: ExpertResult, requests: list[ExpertRequest], answered: set[int]) -> int | None:
+    """The index of the request of ``requests`` (what main sent one worker for the layer) that
+    ``result`` answers and that no answer counted yet (``answered``) did: the same segments (expert,
+    count, offset) in the same order, and a floating-point output of one row of the hidden size per
+    row sent. None where it answers none (pure)."""
+    for i, request in enumerate(requests):
+        if i in answered or request.rows is None:
+            continue
+        same = (result.experts, result.counts, result.offsets) == (request.experts, request.counts, request.offsets)
+        if same and result.output.is_floating_point() and result.output.shape == request.rows.shape:
+            return i
+    return None
 
 
 def assemble(
@@ -326,6 +344,7 @@ class Exchange:
         """
         peers = self.peers
         results: list[tuple[str, ExpertResult]] = []
+        answered: dict[str, set[int]] = {}  # by peer, which of its requests in ``sent`` an answer counted for
         last_receive_ms = 0.0
         remaining_by_peer = dict(expected)
         deadline = time.monotonic() + self.timeout_s
@@ -347,11 +366,26 @@ class Exchange:
                 continue
             peers.handle_side_message(received)
             for peer, result in peers.pending_results:
-                if remaining_by_peer.get(peer) and (result.step, result.layer) == (step, layer):
-                    results.append((peer, result))
-                    remaining_by_peer[peer] -= 1
-                    last_receive_ms = max(0.0, time.monotonic() - received.ready_at) * 1000
-                else:
+                if not remaining_by_peer.get(peer) or (result.step, result.layer) != (step, layer):
                     log.warning("dropped a stale result from %s for step %d layer %d", peer, result.step, result.layer)
+                    continue
+                index = answered_request(result, sent.get(peer, []), answered.setdefault(peer, set()))
+                if index is None:
+                    log.warning(
+                        "dropped a result from %s for step %d layer %d that answers no request main sent it: "
+                        "experts %s, counts %s, offsets %s, output %s",
+                        peer,
+                        step,
+                        layer,
+                        result.experts,
+                        result.counts,
+                        result.offsets,
+                        tuple(result.output.shape),
+                    )
+                    continue
+                answered[peer].add(index)
+                results.append((peer, result))
+                remaining_by_peer[peer] -= 1
+                last_receive_ms = max(0.0, time.monotonic() - received.ready_at) * 1000
             peers.pending_results.clear()
         return results, last_receive_ms
