@@ -21,6 +21,7 @@ from controlplane.accounts.usage import Caller
 from controlplane.deployments import generation
 from controlplane.serving import completions
 from controlplane.serving import metrics as served
+from controlplane.serving.bounds import CHAT_MESSAGE_CHARS, check_messages_size
 from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, TextDelta
 from controlplane.serving.text import InputError, Sampling, check_lengths, check_text_fits, encode_chat
 from controlplane.throttles import chat_message_wait
@@ -60,7 +61,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             if not text_data:
                 raise ValueError("a message must be a JSON text frame")
             if len(text_data) > protocol.MAX_FRAME_CHARS:
-                raise ValueError(f"a message is at most {protocol.MAX_CONTENT_CHARS} characters")
+                raise ValueError(f"a message is at most {CHAT_MESSAGE_CHARS.limit} characters")
             content = await self.decode_json(text_data)
         except (ValueError, RecursionError) as exc:
             await self.send_json(protocol.error(f"not a JSON message: {exc}"))
@@ -137,12 +138,15 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
 
 
 def _prepare(history: list[dict], max_tokens: int):
+    """The deployment and prompt ids of a conversation, held to the request bounds and the context."""
     target = completions.find_target()
     contents = [m["content"] for m in history]
-    try:  # a conversation too long for the context in characters is not even tokenized
+    try:
+        check_messages_size(history)  # a conversation grows turn by turn: bounded as the API's is
+        # A conversation too long for the context in characters is not even tokenized.
         check_text_fits(target.tokenizer, contents, max_tokens, target.context, param="messages")
     except InputError as exc:
-        raise InputError(f"{exc}; start a new conversation") from None
+        raise InputError(f"{exc}; start a new conversation", param=exc.param, code=exc.code) from None
     prompt_ids = encode_chat(target.tokenizer, history)
     try:
         check_lengths(len(prompt_ids), max_tokens, target.context)

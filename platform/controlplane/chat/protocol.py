@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_CONTENT_CHARS = 20_000
+from controlplane.serving.bounds import CHAT_MAX_TOKENS, CHAT_MESSAGE_CHARS
+
 # The longest frame a valid message can be: its content with every character escaped as JSON
 # may write it (\ud83d\ude00, 12 characters for one), and room for the other fields. A longer
 # frame is refused before it is decoded (the edge caps every frame at MAX_REQUEST_BYTES).
-MAX_FRAME_CHARS = 12 * MAX_CONTENT_CHARS + 1024
+MAX_FRAME_CHARS = 12 * CHAT_MESSAGE_CHARS.limit + 1024
 DEFAULT_MAX_TOKENS = 128
-MAX_TOKENS = 1024
 
 
 class ProtocolError(ValueError):
@@ -49,14 +49,14 @@ def parse_client(obj: object) -> Send | Stop:
     max_tokens = obj.get("max_tokens", DEFAULT_MAX_TOKENS)
     if not isinstance(content, str) or not content.strip():
         raise ProtocolError("write a message first")
-    if len(content) > MAX_CONTENT_CHARS:
-        raise ProtocolError(f"a message is at most {MAX_CONTENT_CHARS} characters")
+    if len(content) > CHAT_MESSAGE_CHARS.limit:
+        raise ProtocolError(f"a message is at most {CHAT_MESSAGE_CHARS.limit} characters, this one has {len(content)}")
     if not _storable(content):
         raise ProtocolError("a message cannot hold a NUL character or a lone surrogate")
     if conversation is not None and (not isinstance(conversation, int) or isinstance(conversation, bool)):
         raise ProtocolError("conversation must be an id or null")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS:
-        raise ProtocolError(f"max_tokens must be between 1 and {MAX_TOKENS}")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= CHAT_MAX_TOKENS.limit:
+        raise ProtocolError(f"max_tokens must be between 1 and {CHAT_MAX_TOKENS.limit}")
     return Send(conversation, content, max_tokens)
 
 

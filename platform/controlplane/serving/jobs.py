@@ -27,11 +27,11 @@ from controlplane.queueing import queue_task
 from controlplane.storable import storable_json, storable_text
 
 from . import metrics
+from .bounds import JOB_PROMPTS, PROMPT_CHARS, check_max_tokens
 from .completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, complete, find_target
 from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
 from .text import InputError, Sampling, check_lengths, check_prompt, check_text_fits, encode_prompt
 
-MAX_PROMPTS = 100
 RUN_JOB_OUTPUT_TASK = "controlplane.serving.tasks.run_job_output_task"  # one prompt of a job (queueing.py)
 
 
@@ -76,8 +76,12 @@ def submit_job(
     running (``TooManyActivePrompts``): jobs run from one queue in the order they came, so one
     user's thousands of prompts would hold everyone else's behind them.
     """
-    if not 1 <= len(prompts) <= MAX_PROMPTS:
-        raise InputError(f"a job takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompts")
+    if not prompts:
+        raise InputError("a job takes at least one prompt", param="prompts")
+    JOB_PROMPTS.check(len(prompts), "prompts")
+    for i, prompt in enumerate(prompts):
+        PROMPT_CHARS.check(len(prompt), f"prompts[{i}]")
+    check_max_tokens(max_tokens)
     check_quota(key=api_key)
     _check_active_prompts(owner, len(prompts))  # before tokenizing them: cheap, and said at once
     target = find_target(model)

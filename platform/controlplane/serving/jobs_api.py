@@ -21,9 +21,10 @@ from controlplane.accounts.services import QuotaExceeded
 from controlplane.pagination import paginated
 
 from . import jobs
+from .bounds import JOB_PROMPTS, MAX_TOKENS, PROMPT_CHARS
 from .completions import ClusterUnavailable, ModelNotFound
 from .models import Job, JobOutput
-from .text import MAX_NEW_TOKENS, MAX_SEED, InputError, Sampling
+from .text import MAX_SEED, InputError, Sampling
 
 
 class JobOutputSerializer(serializers.ModelSerializer):
@@ -78,14 +79,20 @@ class JobListApi(APIView):
     @extend_schema_serializer(component_name="JobInput")
     class InputSerializer(serializers.Serializer):
         model = serializers.CharField(help_text="a ready deployment's name")
+        # The sizes are the request bounds' (bounds.py), checked before any prompt is tokenized.
         prompts = serializers.ListField(
-            child=serializers.CharField(trim_whitespace=False),
+            child=serializers.CharField(trim_whitespace=False, max_length=PROMPT_CHARS.limit),
             required=False,
             min_length=1,
-            max_length=jobs.MAX_PROMPTS,
+            max_length=JOB_PROMPTS.limit,
         )
-        prompt = serializers.CharField(required=False, trim_whitespace=False, help_text="one prompt (or use prompts)")
-        max_tokens = serializers.IntegerField(min_value=1, max_value=MAX_NEW_TOKENS, default=64)
+        prompt = serializers.CharField(
+            required=False,
+            trim_whitespace=False,
+            max_length=PROMPT_CHARS.limit,
+            help_text="one prompt (or use prompts)",
+        )
+        max_tokens = serializers.IntegerField(min_value=1, max_value=MAX_TOKENS.limit, default=64)
         temperature = serializers.FloatField(min_value=0.0, max_value=2.0, default=1.0, help_text="0 is greedy")
         top_p = serializers.FloatField(min_value=0.0, max_value=1.0, default=1.0)
         seed = serializers.IntegerField(min_value=0, max_value=MAX_SEED, required=False, allow_null=True, default=None)

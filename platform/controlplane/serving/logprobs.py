@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inference.wire.generation import MAX_TOP_LOGPROBS, TokenLogprob
+from inference.wire.generation import TokenLogprob
 
+from .bounds import COMPLETION_LOGPROBS, TOP_LOGPROBS
 from .text import InputError
 from .tokenizer import TextTokenizer
-
-MAX_COMPLETION_LOGPROBS = 5  # legacy completions' bound (OpenAI's)
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,11 @@ def chat_top_logprobs(logprobs: object, top_logprobs: object) -> int | None:
     if logprobs is not None and not isinstance(logprobs, bool):
         raise InputError("logprobs must be true or false", param="logprobs")
     if top_logprobs is not None and (
-        not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS
+        not isinstance(top_logprobs, int)
+        or isinstance(top_logprobs, bool)
+        or not 0 <= top_logprobs <= TOP_LOGPROBS.limit
     ):
-        raise InputError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs")
+        raise InputError(f"top_logprobs must be an integer from 0 to {TOP_LOGPROBS.limit}", param="top_logprobs")
     if not logprobs:
         if top_logprobs:
             raise InputError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -59,9 +60,9 @@ def completion_logprobs(logprobs: object) -> int | None:
     """How many alternatives a legacy completion asks for per token; None: no logprobs at all."""
     if logprobs is None:
         return None
-    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= COMPLETION_LOGPROBS.limit:
         raise InputError(
-            f"logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} (the alternatives listed per token)",
+            f"logprobs must be an integer from 0 to {COMPLETION_LOGPROBS.limit} (the alternatives listed per token)",
             param="logprobs",
         )
     return logprobs

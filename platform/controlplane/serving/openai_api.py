@@ -52,6 +52,7 @@ from controlplane.deployments.models import Deployment, DeploymentStatus
 from controlplane.throttles import throttle_wait
 
 from . import metrics
+from .bounds import CHOICES, STOPS, check_max_tokens, check_openai_request
 from .completions import (
     ClusterBusy,
     ClusterGenerationError,
@@ -86,7 +87,6 @@ from .text import (
 )
 
 DEFAULT_MAX_TOKENS = 256
-MAX_STOPS = 4
 
 
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait: a restarting role is back in seconds
@@ -293,6 +293,7 @@ def _failure(exc: ClusterUnavailable | ClusterGenerationError) -> JsonResponse:
 
 def _parse(body: dict, chat: bool) -> Ask:
     check_parameters(body, CHAT if chat else COMPLETIONS, "chat completions" if chat else "completions")
+    check_openai_request(body, chat=chat)  # every field's size, before anything is built from it
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InputError("model is required (a deployment name; GET /v1/models lists them)", param="model")
@@ -301,6 +302,7 @@ def _parse(body: dict, chat: bool) -> Ask:
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InputError("n must be an integer of at least 1", param="n")
+    CHOICES.check(n, "n")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -311,8 +313,8 @@ def _parse(body: dict, chat: bool) -> Ask:
     sampling = check_sampling(body.get("temperature", 1.0), body.get("top_p", 1.0), body.get("seed"))
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
-        raise InputError(f"stop must be a string or a list of at most {MAX_STOPS} strings", param="stop")
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InputError(f"stop must be a string or a list of at most {STOPS.limit} strings", param="stop")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -332,6 +334,7 @@ def _parse(body: dict, chat: bool) -> Ask:
     elif max_tokens == 0:
         message = "max_tokens must be at least 1 (0 only with echo: the prompt alone, for its logprobs)"
         raise InputError(message, param="max_tokens")
+    check_max_tokens(max_tokens)
     target = find_target(model)
     # More choices than one user may have in main at once could never all run: refused now.
     limit = target.max_per_user

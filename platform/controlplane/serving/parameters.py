@@ -25,7 +25,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
+from .bounds import CHOICES, COMPLETION_LOGPROBS, STOP_CHARS, STOPS, TOP_LOGPROBS
 from .text import InputError
 
 UNSUPPORTED = "unsupported_parameter"
@@ -80,10 +80,16 @@ _COMMON: dict[str, Parameter] = {
     "top_p": Parameter(H, "nucleus sampling, as Transformers' `generate`", example={"top_p": 0.9}),
     "seed": Parameter(H, "the same seed samples the same answer", example={"seed": 7}),
     "stop": Parameter(
-        H, "a string or up to 4; ends the answer and the generation on the cluster", example={"stop": "."}
+        H,
+        f"a string or up to {STOPS.limit}, each at most {STOP_CHARS.limit} characters; ends the answer and the "
+        "generation on the cluster",
+        example={"stop": "."},
     ),
     "n": Parameter(
-        H, "each choice a generation of its own in the batch, at most the deployment's `max_per_user`", example={"n": 2}
+        H,
+        f"each choice a generation of its own in the batch; at most {CHOICES.limit} and the deployment's "
+        "`max_per_user`",
+        example={"n": 2},
     ),
     "stream": Parameter(H, "server-sent events ending in `data: [DONE]`", example={"stream": True}),
     "stream_options": Parameter(
@@ -109,7 +115,7 @@ CHAT: dict[str, Parameter] = {
     ),
     "top_logprobs": Parameter(
         H,
-        f"0 to {MAX_TOP_LOGPROBS} alternatives per token, with `logprobs: true`",
+        f"0 to {TOP_LOGPROBS.limit} alternatives per token, with `logprobs: true`",
         example={"logprobs": True, "top_logprobs": 3},
     ),
     "response_format": Parameter(
@@ -158,7 +164,7 @@ COMPLETIONS: dict[str, Parameter] = {
     **_COMMON,
     "logprobs": Parameter(
         H,
-        f"0 to {MAX_COMPLETION_LOGPROBS} alternatives per token, and each token's logprob: main's log-softmax "
+        f"0 to {COMPLETION_LOGPROBS.limit} alternatives per token, and each token's logprob: main's log-softmax "
         "of the raw logits, before sampling",
         example={"logprobs": 2},
     ),

@@ -23,6 +23,9 @@ answer is read back with
 
 Grammars are validated here, before the request goes anywhere (a schema llguidance cannot
 compile is a 400 naming the parameter); main compiles them again against the model's tokenizer.
+Before any of this the request's schemas and tools are held to their size bounds
+(``bounds.check_openai_request``), so what is built here stays within main's grammar cap and
+the agent link's frame.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ from dataclasses import dataclass, field
 
 import llguidance
 
+from .bounds import TOOLS, compact_json
 from .text import InputError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-MAX_TOOLS = 128
 INVALID_SCHEMA = "invalid_schema"
 COMPACT = {"whitespace_flexible": False}  # JSON without free whitespace (llguidance's options)
 
@@ -66,11 +69,12 @@ def read_structure(body: dict) -> Structure:
     functions = [t["function"] for t in tools]
     if isinstance(choice, dict):
         functions = [f for f in functions if f["name"] == choice["function"]["name"]]
-    call = f'"{CALL_OPEN}" %json {json.dumps(_call_schema(functions))} "{CALL_CLOSE}"'
+    # Compact JSON in the grammar, as the bounds measured it (bounds.STRUCTURE_BYTES).
+    call = f'"{CALL_OPEN}" %json {compact_json(_call_schema(functions))} "{CALL_CLOSE}"'
     if choice == "auto":
         other = 'TEXT\nTEXT: /[^<][\\s\\S]*/ | ""'
         if schema is not None:
-            other = f"%json {json.dumps({**schema, 'x-guidance': COMPACT})}"
+            other = f"%json {compact_json({**schema, 'x-guidance': COMPACT})}"
         lark = f"start: call | {other}\ncall: {call}\n"
     else:
         lark = f"start: {call}\n"
@@ -106,8 +110,8 @@ def _response_schema(response_format: object) -> dict | None:
 def _tools(tools: object) -> list[dict]:
     if tools is None:
         return []
-    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
-        raise InputError(f"tools must be a list of 1 to {MAX_TOOLS} tools", param="tools")
+    if not isinstance(tools, list) or not 1 <= len(tools) <= TOOLS.limit:
+        raise InputError(f"tools must be a list of 1 to {TOOLS.limit} tools", param="tools")
     names = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None

@@ -15,7 +15,6 @@ from jinja2 import TemplateError
 
 from .tokenizer import TextTokenizer, TokenizerFilesError, load_text_tokenizer
 
-MAX_NEW_TOKENS = 4096
 # Without a chat template in the tokenizer, conversations are laid out like this.
 FALLBACK_TEMPLATE = "{role}: {content}\n"
 FALLBACK_ASSISTANT = "assistant:"
@@ -189,14 +188,9 @@ def check_messages(messages: object, *, tool_turns: bool = False) -> None:
             raise InputError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
 
 
-def check_max_tokens(max_new_tokens: int) -> None:
-    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-        raise InputError(f"max_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}", param="max_tokens")
-
-
 def check_lengths(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
-    """Refuse a request that cannot fit the model's context, with the numbers."""
-    check_max_tokens(max_new_tokens)
+    """Refuse a request that cannot fit the model's context, with the numbers (``max_new_tokens``
+    already held to its bound, ``bounds.check_max_tokens``)."""
     if context and prompt_tokens + max_new_tokens > context:
         raise InputError(
             f"this model's context is {context} tokens; the prompt has {prompt_tokens} and "
@@ -229,7 +223,6 @@ def check_text_fits(
     is given the normalized text's length, worked out only for text past the bound. Text
     that passes is tokenized and held to the exact count (``check_lengths``).
     """
-    check_max_tokens(max_new_tokens)
     if not context:
         return
     longest = longest_token_chars(tokenizer)

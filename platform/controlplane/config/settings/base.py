@@ -202,7 +202,7 @@ REST_FRAMEWORK = {
 }
 # The largest request body (and websocket frame) the server reads, checked before any view
 # (controlplane/edge.py; past it: 413, or a socket closed with 1009). 16 MiB: the largest
-# request that has a use is a job of 100 prompts (serving.jobs.MAX_PROMPTS) that each fill a
+# request that has a use is a job of 100 prompts (serving.bounds.JOB_PROMPTS) that each fill a
 # 32k-token context (Mixtral's) at about 4 bytes a token, some 13 MB; it is also uvicorn's own
 # default for a websocket frame. Django's cap on a body it reads into memory is the same, so
 # the two never disagree about a request.
