@@ -1,10 +1,12 @@
 """The request bounds (``controlplane.serving.bounds``): each one refused past its limit and taken
-at it, naming its field, before anything is built from the request; and the largest generation
-the bounds allow measured against the agent link's frame."""
+at it, naming its field, before anything is built from the request; the prompt's length counted
+as the chat template writes it; and the largest generation the bounds allow measured against the
+agent link's frame."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +235,72 @@ def test_a_schema_of_a_million_and_a_half_characters_is_a_400_before_anything_is
     assert str(bounds.SCHEMA_BYTES.limit) in error["message"]
     small = ask({"const": "x"})
     assert small.status_code == 503 and small.json()["error"]["code"] == "model_not_ready", small.content
+
+
+# A template that reads tools, as a tool-calling model's does: the tools and past calls are
+# written into the prompt by the template, beside the messages' contents.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function | tojson }}</call>{% endfor %}</{{ m.role }}>\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture
+def tool_model(tiny_model: Path, tmp_path: Path) -> Path:
+    model = tmp_path / "tools" / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return model
+
+
+@pytest.mark.parametrize(
+    "ask",
+    [
+        {"messages": HI, "tools": [_tool(f"f{i}", description="d" * 1000) for i in range(12)]},
+        {"messages": [*_call(json.dumps({"q": "x" * 12_000})), {"role": "tool", "content": "sunny"}]},
+    ],
+    ids=["tools", "past-call-arguments"],
+)
+def test_a_prompt_the_template_makes_too_long_is_refused_from_its_characters_before_tokenizing(
+    ask: dict, tool_model: Path, key: str
+) -> None:
+    """The messages' contents fit the tiny model's context easily; the tools (or a past call's
+    arguments) the template writes beside them do not. The prompt is counted as the template
+    writes it, in characters, so it is refused without being tokenized (the message counts
+    characters; a tokenized prompt's refusal counts tokens)."""
+    from controlplane.serving.structured import conversation, read_structure
+    from controlplane.serving.text import chat_text, tokenizer_for
+
+    _ready(tool_model)
+    tokenizer = tokenizer_for(str(tool_model))
+    assert tokenizer.template_reads_tools
+    turns, tools = conversation(ask["messages"], read_structure(ask).tools, True)
+    rendered = chat_text(tokenizer, turns, tools)
+    assert sum(len(m.get("content") or "") for m in ask["messages"]) < 100  # the contents alone are short
+    response = _post(CHAT, key, {"model": "d", "max_tokens": 8, **ask})
+    assert response.status_code == 400, response.content[:300]
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages", error
+    assert f"the prompt has {len(rendered)} characters" in error["message"], error
+
+
+def test_the_chat_counts_its_conversation_as_the_template_writes_it_before_tokenizing(tiny_model) -> None:
+    """1,500 one-character turns are 1,500 characters of content and over 12,000 as the prompt
+    (``role: content`` lines): refused from their characters, not tokenized first."""
+    from controlplane.chat.consumers import _prepare
+    from controlplane.serving.text import InputError, chat_text, tokenizer_for
+
+    _ready(tiny_model)
+    history = [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(1499)]
+    rendered = chat_text(tokenizer_for(str(tiny_model)), history)
+    with pytest.raises(InputError) as refused:
+        _prepare(history, 8)
+    assert refused.value.code == "context_length_exceeded"
+    assert f"the prompt has {len(rendered)} characters" in str(refused.value) and "new conversation" in str(
+        refused.value
+    )
 
 
 def test_the_chat_holds_its_conversation_to_the_messages_bounds(tiny_model) -> None:

@@ -330,28 +330,36 @@ def test_text_past_the_context_in_characters_is_refused_and_text_that_can_fit_is
 
 def test_the_openai_api_refuses_a_prompt_too_long_in_characters_without_tokenizing_it(tiny_model) -> None:
     """A 2.4 MB prompt took 1.6 s of the server's CPU to tokenize before it was found too long for
-    the tiny model's 1024 tokens; now its length alone refuses it (the message counts characters).
-    This one is within the request bounds (``serving.bounds``), which refuse a 2.4 MB prompt before
+    the tiny model's 1024 tokens; now its length alone refuses it (the message counts characters:
+    a conversation's as the template writes it, here the plain ``role: content`` lines). This
+    one is within the request bounds (``serving.bounds``), which refuse a 2.4 MB prompt before
     the context is looked at."""
     from controlplane.artifacts.services import register_model
     from controlplane.deployments.models import Deployment, DeploymentStatus
+    from controlplane.serving.text import chat_text, tokenizer_for
 
     model = register_model(name="tiny", path=str(tiny_model))
     Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
     _, key = create_api_key(user=get_user_model().objects.create_user("user"))
     huge = "hello world " * 80_000
+    conversation = [{"role": "user", "content": huge}]
     asks = [
-        ("/v1/completions", {"prompt": huge}, "prompt"),
-        ("/v1/completions", {"prompt": ["hi", huge]}, "prompt"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+        ("/v1/completions", {"prompt": huge}, "prompt", len(huge)),
+        ("/v1/completions", {"prompt": ["hi", huge]}, "prompt", len(huge)),
+        (
+            "/v1/chat/completions",
+            {"messages": conversation},
+            "messages",
+            len(chat_text(tokenizer_for(str(tiny_model)), conversation)),
+        ),
     ]
-    for path, ask, param in asks:
+    for path, ask, param, chars in asks:
         body = json.dumps({"model": "d", "max_tokens": 8, **ask})
         response = Client().post(path, body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
         assert response.status_code == 400, response.content[:300]
         error = response.json()["error"]
         assert error["code"] == "context_length_exceeded" and error["param"] == param
-        assert f"the prompt has {len(huge)} characters" in error["message"]
+        assert f"the prompt has {chars} characters" in error["message"]
 
 
 # --- /v1: throttled as the REST API is, and CSRF for browser sessions --------------------------------

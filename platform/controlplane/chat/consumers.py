@@ -23,7 +23,14 @@ from controlplane.serving import completions
 from controlplane.serving import metrics as served
 from controlplane.serving.bounds import CHAT_MESSAGE_CHARS, check_messages_size
 from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, TextDelta
-from controlplane.serving.text import InputError, Sampling, check_lengths, check_text_fits, encode_chat
+from controlplane.serving.text import (
+    InputError,
+    Sampling,
+    chat_text,
+    check_lengths,
+    check_text_fits,
+    encode_chat_text,
+)
 from controlplane.throttles import chat_message_wait
 
 from . import protocol, services
@@ -140,16 +147,13 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
 def _prepare(history: list[dict], max_tokens: int):
     """The deployment and prompt ids of a conversation, held to the request bounds and the context."""
     target = completions.find_target()
-    contents = [m["content"] for m in history]
     try:
         check_messages_size(history)  # a conversation grows turn by turn: bounded as the API's is
-        # A conversation too long for the context in characters is not even tokenized.
-        check_text_fits(target.tokenizer, contents, max_tokens, target.context, param="messages")
-    except InputError as exc:
-        raise InputError(f"{exc}; start a new conversation", param=exc.param, code=exc.code) from None
-    prompt_ids = encode_chat(target.tokenizer, history)
-    try:
+        # A conversation too long for the context in characters, as its template writes it, is not even tokenized.
+        text = chat_text(target.tokenizer, history)
+        check_text_fits(target.tokenizer, [text], max_tokens, target.context, param="messages")
+        prompt_ids = encode_chat_text(target.tokenizer, text)
         check_lengths(len(prompt_ids), max_tokens, target.context)
     except InputError as exc:
-        raise InputError(f"{exc}; start a new conversation") from None
+        raise InputError(f"{exc}; start a new conversation", param=exc.param, code=exc.code) from None
     return target, prompt_ids

@@ -74,14 +74,14 @@ from .text import (
     MAX_SEED,
     InputError,
     Sampling,
+    chat_text,
     check_lengths,
-    check_messages,
     check_prompt,
     check_sampling,
     check_text_fits,
     check_token_ids,
     decode_with_starts,
-    encode_chat,
+    encode_chat_text,
     encode_prompt,
     prompt_list,
 )
@@ -346,15 +346,15 @@ def _parse(body: dict, chat: bool) -> Ask:
     tokenizer = target.tokenizer
     texts: list[str] = []
     starts: list[list[int]] = []
-    # Text that cannot fit the context is refused from its length before it is tokenized.
+    # Text that cannot fit the context is refused from its length before it is tokenized: a
+    # conversation's as the chat template writes it, with its tools and past calls.
     structure = Structure()
     if chat:
         structure = read_structure(body)
         messages, tools = conversation(body.get("messages"), structure.tools, tokenizer.template_reads_tools)
-        check_messages(messages, tool_turns=tokenizer.template_reads_tools)
-        contents = [m.get("content") or "" for m in messages]
-        check_text_fits(tokenizer, contents, max_tokens, target.context, param="messages")
-        prompts = [encode_chat(tokenizer, messages, tools)]
+        text = chat_text(tokenizer, messages, tools)
+        check_text_fits(tokenizer, [text], max_tokens, target.context, param="messages")
+        prompts = [encode_chat_text(tokenizer, text)]
     else:
         given = prompt_list(body.get("prompt"))
         if len(given) * n > limit:

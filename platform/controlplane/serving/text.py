@@ -135,23 +135,36 @@ def decode_with_starts(tokenizer: TextTokenizer, ids: list[int]) -> tuple[str, l
 
 
 def encode_chat(tokenizer: TextTokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """The prompt ids of a conversation, with the tokenizer's chat template when it has one.
+    """The prompt ids of a conversation, with the tokenizer's chat template when it has one
+    (``chat_text``, then ``encode_chat_text``)."""
+    return encode_chat_text(tokenizer, chat_text(tokenizer, messages, tools))
+
+
+def chat_text(tokenizer: TextTokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt text of a conversation: what ``encode_chat_text`` tokenizes, and what the
+    prompt's length is checked on before tokenizing (``check_text_fits``), tools and past calls
+    included.
 
     ``tools`` (OpenAI's form) go to the template, for one that reads them
     (``TextTokenizer.template_reads_tools``; ``structured.with_tools`` puts them in the
     conversation for one that does not).
 
     The one place where messages become a prompt: the chat UI and ``/v1/chat/completions``
-    both call it. A template writes its own special tokens (Mixtral-Instruct's starts with
-    ``{{ bos_token }}``), so its text is encoded without the tokenizer adding a second BOS.
-    Without a template, the messages are laid out as plain ``role: content`` lines.
+    both call it. Without a template, the messages are laid out as plain ``role: content`` lines.
     """
     check_messages(messages, tool_turns=tokenizer.template_reads_tools)
     if tokenizer.chat_template:
-        text = render_chat(tokenizer, messages, tools)
-        return tokenizer.encode(text, add_special_tokens=False)
-    text = "".join(FALLBACK_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
-    return tokenizer.encode(text + FALLBACK_ASSISTANT)
+        return render_chat(tokenizer, messages, tools)
+    return (
+        "".join(FALLBACK_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + FALLBACK_ASSISTANT
+    )
+
+
+def encode_chat_text(tokenizer: TextTokenizer, text: str) -> list[int]:
+    """The ids of a conversation's prompt text (``chat_text``). A template writes its own special
+    tokens (Mixtral-Instruct's starts with ``{{ bos_token }}``), so its text is encoded without the
+    tokenizer adding a second BOS; the plain layout without one gets the tokenizer's."""
+    return tokenizer.encode(text, add_special_tokens=not tokenizer.chat_template)
 
 
 def render_chat(tokenizer: TextTokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
