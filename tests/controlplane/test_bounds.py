@@ -1,7 +1,7 @@
 """The request bounds (``controlplane.serving.bounds``): each one refused past its limit and taken
 at it, naming its field, before anything is built from the request; the prompt's length counted
-as the chat template writes it; and the largest generation the bounds allow measured against the
-agent link's frame."""
+as the chat template writes it; the largest generation the bounds allow measured against the
+agent link's frame; and docs/limits.md rendered from the declarations."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from django.contrib.auth import get_user_model
 from django.core.cache import cache
 from django.test import Client
 
+from controlplane import limits_page
 from controlplane.accounts.services import create_api_key
 from controlplane.serving import bounds
 from controlplane.serving.bounds import BOUNDS, compact_json
@@ -350,3 +351,15 @@ def test_the_largest_generation_the_bounds_allow_fits_half_the_agent_links_defau
     )
     frame = len(json.dumps(request.to_json()))  # as the agent consumer sends it (channels' send_json)
     assert frame <= 0.55 * 2**20, frame
+
+
+def test_the_limits_page_is_rendered_from_its_template_and_the_declarations() -> None:
+    assert limits_page.PAGE.read_text() == limits_page.render(), "run python -m controlplane.limits_page"
+
+
+@pytest.mark.parametrize(
+    "directive", ["{{ value: controlplane.serving.bounds:NOPE }}", "{{ nope }}", "{{ setting: MAX_REQUEST_BYTES | x }}"]
+)
+def test_a_template_directive_that_names_nothing_is_an_error_not_a_blank(directive: str) -> None:
+    with pytest.raises(limits_page.RenderError):
+        limits_page.render(directive)

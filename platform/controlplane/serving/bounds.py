@@ -10,7 +10,7 @@ built); for the chat websocket by ``chat.protocol.parse_client`` and the chat's 
 ``check_messages_size``; for ``POST /api/jobs`` by its serializer's fields, derived from these.
 A breach under ``/v1`` is a 400 in OpenAI's shape, ``param`` the field as the request has it
 (``tools[3].function.parameters``) and ``code`` the bound's, its message naming the field
-and the bound.
+and the bound. docs/limits.md is rendered from this declaration (``markdown_table``).
 
 Where the numbers come from. OpenAI publishes some of its own: 128 tools, 4 stop sequences,
 ``n`` up to 128, and for strict structured outputs at most 5,000 object properties in all and
