@@ -134,13 +134,21 @@ def evaluate_ports(address: str, results: dict[int, str]) -> Check:
 
 
 def evaluate_server(
-    server: str, reached: bool, error: str, skew_s: float | None, protocol: int | None, pin: str = ""
+    server: str,
+    reached: bool,
+    error: str,
+    skew_s: float | None,
+    protocol: int | None,
+    pin: str = "",
+    oldest: int | None = None,
 ) -> Check:
-    """``pin``: the server's, which the upgrade command it suggests gives curl."""
+    """``protocol``: the server's agent protocol, and ``oldest`` the oldest it still takes (a server
+    that does not say takes its own alone); ``pin``: the server's, which the upgrade command it
+    suggests gives curl."""
     if not reached:
         return Check("server", "fail", f"{server} cannot be reached: {error}", "check the URL, the network and DNS")
     problems, fixes = [], []
-    if protocol is not None and protocol != PROTOCOL_VERSION:
+    if protocol is not None and not (oldest if oldest is not None else protocol) <= PROTOCOL_VERSION <= protocol:
         problems.append(f"the server speaks agent protocol {protocol}, this agent {PROTOCOL_VERSION}")
         fixes.append(f"upgrade the agent: {install_command(server, pin)}")
     if skew_s is not None and abs(skew_s) > MAX_CLOCK_SKEW_S:
@@ -246,8 +254,9 @@ def run_checks(server: str | None, state_dir: Path, trust: ServerTrust | None = 
         host = urlparse(server).hostname or host
         reached, error, skew, facts = probe_server(server.rstrip("/"), trust)
         protocol = facts.get("protocol") if isinstance(facts.get("protocol"), int) else None
+        oldest = facts.get("oldest_protocol") if isinstance(facts.get("oldest_protocol"), int) else None
         pin = trust.pin if trust is not None else ""
-        checks.append(evaluate_server(server.rstrip("/"), reached, error, skew, protocol, pin))
+        checks.append(evaluate_server(server.rstrip("/"), reached, error, skew, protocol, pin, oldest))
     where = state_dir
     while not where.exists() and where != where.parent:
         where = where.parent  # the state directory is made at enrollment: measure the disk it will be on

@@ -42,6 +42,7 @@ from inference.wire.link import (
     AGENT_PROTOCOL,
     CLOSE_PROTOCOL_MISMATCH,
     COMMANDS,
+    FRAME_LIMIT_HEADER,
     LINK_PATH,
     PROTOCOL_HEADER,
     VERSION_HEADER,
@@ -65,6 +66,15 @@ log = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
 RECHECK_EVERY_S = 600.0  # how often the doctor runs again while the link stays up
+# The most bytes one command frame may hold (websockets' ``max_size``), announced to the control
+# plane, which sends nothing bigger: a command that would not fit fails alone there. Without it
+# websockets' default, 1 MiB, applied, and a ``Generate`` carrying a 1.5 MB schema closed the link
+# (1009) and every generation on it. A ``Generate`` is about the size of the request it comes from
+# (a prompt's token ids in JSON take about the bytes of its text; a schema travels in its grammar),
+# and the control plane takes requests up to its own cap, ODMOE_MAX_REQUEST_BYTES: 16 MiB by
+# default, so this is the same. Not more: websockets may hold 16 frames (``max_queue``) the agent
+# has not read yet, so this bounds what the link can make it hold to 256 MiB.
+MAX_FRAME_BYTES = 16 * 2**20
 # What a node credential looks like (controlplane/nodes/credentials.py): anything else is refused.
 NODE_SECRET = re.compile(r"odmoe-node-[A-Za-z0-9_-]{32,128}")
 
@@ -164,7 +174,9 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
                     "Authorization": credential.authorization,
                     PROTOCOL_HEADER: str(AGENT_PROTOCOL),
                     VERSION_HEADER: __version__,
+                    FRAME_LIMIT_HEADER: str(MAX_FRAME_BYTES),
                 },
+                max_size=MAX_FRAME_BYTES,
                 open_timeout=10,
                 proxy=None,
                 **({"ssl": context} if context is not None else {}),

@@ -67,6 +67,13 @@ def test_the_server_must_answer_speak_this_protocol_and_share_the_clock() -> Non
     assert skewed.status == "fail" and "-95 s" in skewed.detail and "timedatectl" in skewed.fix
 
 
+def test_a_newer_server_that_still_takes_this_agents_protocol_passes() -> None:
+    server = "http://cp:8000"
+    assert evaluate_server(server, True, "", 0.0, AGENT_PROTOCOL + 1, oldest=AGENT_PROTOCOL).status == "ok"
+    newer = evaluate_server(server, True, "", 0.0, AGENT_PROTOCOL + 2, oldest=AGENT_PROTOCOL + 1)
+    assert newer.status == "fail" and "upgrade the agent" in newer.fix
+
+
 def test_the_report_fails_only_on_a_failed_check() -> None:
     warned = doctor.report([Check("gpus", "warn", "none"), Check("python", "ok", "3.11")])
     assert warned["ok"] is True and warned["protocol"] == AGENT_PROTOCOL and len(warned["checks"]) == 2

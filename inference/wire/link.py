@@ -20,7 +20,8 @@ from inference.wire.generation import GENERATION_EVENTS, Generate
 
 LINK_PATH = "/ws/agent"
 # The version of what travels here: an agent reports it in its inventory, and the control plane
-# turns away, with the command that upgrades it, an agent whose protocol is not its own.
+# turns away, with the command that upgrades it, an agent whose protocol it does not take (from
+# ``OLDEST_AGENT_PROTOCOL`` to ``AGENT_PROTOCOL``).
 # 2: GenerationFailed.too_many_generations, and main enforces Settings.max_per_user (the control
 # plane no longer caps a user's generations itself, so it takes no agent whose main does not).
 # 3: a key pair per role seat (``StartRole.client_keys``, and the spec's keys per role).
@@ -33,10 +34,18 @@ LINK_PATH = "/ws/agent"
 # of 4 a new main's tokens: not compatible, whatever the defaults.
 # 6: ``Generate.step_reports`` (the control plane asks for step reports only while a console
 # watches), which an agent of 5 refuses.
-AGENT_PROTOCOL = 6
+# 7: the agent announces the largest frame it takes (``FRAME_LIMIT_HEADER``), and the control
+# plane sends no bigger one: a command that would not fit fails alone, never the link
+# (``Failed.too_large`` for a generation, which only the control plane sets). An agent of 6 sends
+# and takes the same messages, so it is still taken: it announces nothing, and is held to what it
+# takes, websockets' default (``LEGACY_FRAME_LIMIT``), as is any agent that announces nothing.
+AGENT_PROTOCOL = 7
+OLDEST_AGENT_PROTOCOL = 6  # the oldest protocol whose agents the control plane still takes
 FIRST_AGENT_PROTOCOL = 1  # what an agent that sends no protocol header speaks
 PROTOCOL_HEADER = "X-Odmoe-Agent-Protocol"  # how the agent says it when it connects
 VERSION_HEADER = "X-Odmoe-Agent-Version"
+FRAME_LIMIT_HEADER = "X-Odmoe-Agent-Max-Frame"  # the most bytes one frame to the agent may hold (from 7)
+LEGACY_FRAME_LIMIT = 2**20  # what an agent that announces no limit takes: websockets' default max_size
 CLOSE_PROTOCOL_MISMATCH = 4426  # the websocket close code for "upgrade the agent"
 
 # A figure a role reports (its memory, in bytes): a count, never negative.
@@ -64,6 +73,17 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{text[:40]} is past what a float holds")
     return value
+
+
+def frame_limit(announced: str | None) -> int:
+    """The most bytes one frame to an agent may hold, from what it announced (``FRAME_LIMIT_HEADER``,
+    a decimal number of bytes): ``LEGACY_FRAME_LIMIT`` when it announced nothing (an agent of 6).
+    ``MessageError`` for an announcement that is no such number: nothing is known to fit."""
+    if announced is None:
+        return LEGACY_FRAME_LIMIT
+    if not announced.isascii() or not announced.isdigit() or len(announced) > 18 or int(announced) < 1:
+        raise MessageError(f"{FRAME_LIMIT_HEADER} must be a number of bytes, not {announced!r:.24}")
+    return int(announced)
 
 
 class LinkMessage(WireStruct, kw_only=True):

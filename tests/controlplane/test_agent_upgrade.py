@@ -21,7 +21,14 @@ from controlplane.console.snapshot import snapshot
 from controlplane.nodes.inventory import clean_inventory, doctor_problems
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import create_join_token, enroll_node
-from inference.wire.link import AGENT_PROTOCOL, CLOSE_PROTOCOL_MISMATCH, LINK_PATH, PROTOCOL_HEADER
+from inference.wire.link import (
+    AGENT_PROTOCOL,
+    CLOSE_PROTOCOL_MISMATCH,
+    FRAME_LIMIT_HEADER,
+    LINK_PATH,
+    OLDEST_AGENT_PROTOCOL,
+    PROTOCOL_HEADER,
+)
 from tests.controlplane.conftest import redis_channel_layers
 
 GIB = 2**30
@@ -48,6 +55,7 @@ def box(name: str, **inventory) -> Node:
 def test_the_facts_a_doctor_compares_with_are_public(db, tiny_model: Path) -> None:
     facts = Client().get("/agent/facts").json()
     assert facts["version"] == inference.__version__ and facts["protocol"] == AGENT_PROTOCOL
+    assert facts["oldest_protocol"] == OLDEST_AGENT_PROTOCOL
     assert facts["largest_shard_bytes"] is None  # no shard built yet
     assert facts["install_command"] == "curl -fsSL http://testserver/agent/install.sh | sh"
 
@@ -61,6 +69,24 @@ def test_a_doctor_report_is_kept_only_in_its_shape() -> None:
         assert unreadable.startswith("its doctor's report is unreadable")
     assert doctor_problems({"doctor": FAILED_DISK}) == ["disk: 2.0 GiB free at /srv (fix: free 40.0 GiB there)"]
     assert doctor_problems({}) == []  # an agent older than the doctor: nothing known against it
+
+
+def test_an_older_doctor_that_met_a_server_still_taking_its_agent_reports_no_problem() -> None:
+    """A doctor of protocol 6 took no server protocol but its own: it fails its server check against a
+    server of 7, which still takes its agent, and that alone must not keep the node from a role."""
+
+    def doctor(detail: str) -> dict:
+        return {"ok": False, "protocol": 6, "checks": [{"name": "server", "status": "fail", "detail": detail}]}
+
+    server = "http://cp:8000"
+    taken = f"{server}: the server speaks agent protocol {AGENT_PROTOCOL}, this agent {OLDEST_AGENT_PROTOCOL}"
+    assert doctor_problems({"doctor": doctor(taken)}) == []
+    for problem in (
+        f"{taken}; this box's clock is +95 s off the server's",  # another problem beside it
+        f"{server}: the server speaks agent protocol {AGENT_PROTOCOL}, this agent {OLDEST_AGENT_PROTOCOL - 1}",
+        f"{server}: the server speaks agent protocol {AGENT_PROTOCOL + 1}, this agent {AGENT_PROTOCOL}",
+    ):
+        assert doctor_problems({"doctor": doctor(problem)}) == [f"server: {problem}"]
 
 
 @pytest.mark.django_db
@@ -88,10 +114,12 @@ def test_a_node_whose_doctor_failed_gets_no_role_and_the_console_says_why(tiny_m
 def test_an_agent_of_another_protocol_is_turned_away_at_connect_with_the_upgrade(redis_url: str) -> None:
     node = box("old-agent")
 
-    async def connect(protocol: str | None, *, expect_close: bool) -> tuple[bool, object]:
+    async def connect(protocol: str | None, limit: str | None = None, *, expect_close: bool) -> tuple[bool, object]:
         headers = [(b"authorization", f"Node {node.pk}:{node.secret}".encode())]
         if protocol is not None:
             headers.append((PROTOCOL_HEADER.lower().encode(), protocol.encode()))
+        if limit is not None:
+            headers.append((FRAME_LIMIT_HEADER.lower().encode(), limit.encode()))
         comm = WebsocketCommunicator(application, LINK_PATH, headers=headers)
         connected, _ = await comm.connect()
         closed = await comm.receive_output(timeout=5) if connected and expect_close else None
@@ -100,13 +128,19 @@ def test_an_agent_of_another_protocol_is_turned_away_at_connect_with_the_upgrade
         return connected, closed
 
     with override_settings(CHANNEL_LAYERS=redis_channel_layers(redis_url)):
-        connected, _ = asyncio.run(connect(str(AGENT_PROTOCOL), expect_close=False))
-        assert connected
-        # Another protocol, or none (an agent older than the header speaks the first, no longer this one).
-        for refused in (str(AGENT_PROTOCOL - 1), str(AGENT_PROTOCOL + 1), None):
+        # This protocol, and the oldest still taken (an agent of 6 announces no frame limit).
+        for protocol, limit in ((str(AGENT_PROTOCOL), "16777216"), (str(OLDEST_AGENT_PROTOCOL), None)):
+            connected, _ = asyncio.run(connect(protocol, limit, expect_close=False))
+            assert connected, protocol
+        # One older than the oldest taken, a newer one, or none (an agent older than the header speaks the first).
+        for refused in (str(OLDEST_AGENT_PROTOCOL - 1), str(AGENT_PROTOCOL + 1), None):
             _, closed = asyncio.run(connect(refused, expect_close=True))
             assert closed["type"] == "websocket.close" and closed["code"] == CLOSE_PROTOCOL_MISMATCH
             assert "upgrade" in closed["reason"] and "install one-liner" in closed["reason"]
+        # A frame limit that is no number of bytes: nothing is known to fit such an agent.
+        for unusable in ("lots", "0", "-5", "1" * 19):
+            _, closed = asyncio.run(connect(str(AGENT_PROTOCOL), unusable, expect_close=True))
+            assert closed["code"] == CLOSE_PROTOCOL_MISMATCH and FRAME_LIMIT_HEADER in closed["reason"], unusable
         # The link turned away never counted as connected after the accepted ones went.
         status = asyncio.run(sync_to_async(lambda: Node.objects.get(pk=node.pk).status)())
         assert status != "online"

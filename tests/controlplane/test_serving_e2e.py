@@ -144,6 +144,30 @@ def check_openai_errors(served: Served) -> None:
     assert raw.value.code == 400 and body["error"]["type"] == "invalid_request_error"
 
 
+def check_a_schema_past_a_mib_fails_alone_on_mains_link(served: Served) -> None:
+    """One user's 1.5 MB schema while another user's answer streams on the same link to main: the
+    schema's request fails, not retryable, and nothing else does. Before, the agent took at most 1 MiB
+    in a frame (websockets' default), so the request closed main's link with 1009, failed the other
+    answer and turned the deployment degraded."""
+    from controlplane.deployments.models import Deployment, DeploymentNode, Role
+
+    main = DeploymentNode.objects.get(deployment__name=MODEL, role=Role.MAIN).node
+    schema = {"type": "json_schema", "json_schema": {"name": "big", "schema": {"const": "x" * 1_500_000}}}
+    other = served.client(served.other_key)
+    streaming = served.client().completions.create(
+        model=MODEL, prompt="Which experts", max_tokens=48, temperature=0, stream=True
+    )
+    pieces = [next(iter(streaming))]  # under way on main's link
+    with pytest.raises(openai.APIStatusError) as refused:
+        other.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, response_format=schema)
+    assert refused.value.status_code in (400, 502), refused.value.body  # the request's fault: never a 503
+    pieces += list(streaming)
+    assert pieces[-1].choices[0].finish_reason == "length"
+    assert other.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0).choices
+    assert Deployment.objects.get(name=MODEL).status == "ready"
+    assert type(main).objects.get(pk=main.pk).connected_at == main.connected_at  # the link never dropped
+
+
 def check_many_at_once(served: Served) -> None:
     """Several prompts, several choices and several callers at once share main's batch."""
     client = served.client()
@@ -686,6 +710,7 @@ def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served) -> None:
     check_prefix_cache_per_tenant(served)
     check_sampling_and_stop(served)
     check_openai_errors(served)
+    check_a_schema_past_a_mib_fails_alone_on_mains_link(served)
     check_logprobs(served)
     check_token_prompts(served)
     check_every_parameter_is_honoured_or_refused(served)

@@ -26,6 +26,9 @@ from inference.wire.link import (
     CLOSE_PROTOCOL_MISMATCH,
     EVENTS,
     FIRST_AGENT_PROTOCOL,
+    FRAME_LIMIT_HEADER,
+    LEGACY_FRAME_LIMIT,
+    OLDEST_AGENT_PROTOCOL,
     PROTOCOL_HEADER,
     CredentialSaved,
     Heartbeat,
@@ -34,6 +37,7 @@ from inference.wire.link import (
     RotateCredential,
     TaskDone,
     TaskProgress,
+    frame_limit,
     loads,
     parse,
 )
@@ -66,6 +70,7 @@ def protocol_mismatch(protocol: str) -> str:
 
 class AgentConsumer(AsyncJsonWebsocketConsumer):
     node_id: str | None = None
+    frame_limit = LEGACY_FRAME_LIMIT  # the most bytes one frame down this link may hold: what the agent announced
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -89,11 +94,18 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             return
         # An agent that sends no protocol predates the header: it speaks the first one.
         protocol = self._header(PROTOCOL_HEADER.lower().encode()) or str(FIRST_AGENT_PROTOCOL)
-        if protocol != str(AGENT_PROTOCOL):
+        if not protocol.isdigit() or not OLDEST_AGENT_PROTOCOL <= int(protocol) <= AGENT_PROTOCOL:
             # Told at connect, with what to do, instead of failing later on a message it misreads.
             await self.accept()
             await self.close(code=CLOSE_PROTOCOL_MISMATCH, reason=protocol_mismatch(protocol))
             log.warning("node %s: its agent speaks protocol %s, not %s", node.name, protocol, AGENT_PROTOCOL)
+            return
+        try:
+            self.frame_limit = frame_limit(self._header(FRAME_LIMIT_HEADER.lower().encode()))
+        except MessageError as exc:  # nothing could be sent that it surely takes
+            await self.accept()
+            await self.close(code=CLOSE_PROTOCOL_MISMATCH, reason=str(exc)[:120])
+            log.warning("node %s: its agent announced no usable frame limit (%s)", node.name, exc)
             return
         self.node_id = str(node.pk)
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)

@@ -24,7 +24,7 @@ from django.views.decorators.http import require_GET
 
 from controlplane.nodes.agent_wheel import served_wheel, version
 from controlplane.nodes.tls import server_pin, upgrade_command
-from inference.wire.link import AGENT_PROTOCOL
+from inference.wire.link import AGENT_PROTOCOL, OLDEST_AGENT_PROTOCOL
 
 SERVER_PLACEHOLDER = "@SERVER@"
 SHA256_PLACEHOLDER = "@AGENT_SHA256@"
@@ -85,13 +85,14 @@ def agent_package(request: HttpRequest, filename: str) -> HttpResponse:
 
 @require_GET
 def agent_facts(request: HttpRequest) -> JsonResponse:
-    """The server's version and agent protocol, and the largest shard it would send a box."""
+    """The server's version and agent protocols, and the largest shard it would send a box."""
     from controlplane.artifacts.selectors import largest_shard_bytes
 
     return JsonResponse(
         {
             "version": version(Path(settings.REPO_DIR)),
             "protocol": AGENT_PROTOCOL,
+            "oldest_protocol": OLDEST_AGENT_PROTOCOL,  # the oldest whose agents it still takes
             "largest_shard_bytes": largest_shard_bytes(),
             "install_command": upgrade_command(request.build_absolute_uri("/")),
         }
