@@ -342,6 +342,8 @@ class DeploymentGenerateApi(APIView):
         except generation.TooManyGenerations as exc:
             headers = {"Retry-After": "1"}
             return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS, headers=headers)
+        except generation.RequestTooLarge as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
         except generation.ClusterGenerationError as exc:
             if exc.retryable:  # main is being restarted: the same request can succeed shortly
                 headers = {"Retry-After": str(RETRY_AFTER_S)}

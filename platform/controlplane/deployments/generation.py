@@ -82,6 +82,11 @@ class TooManyGenerations(ClusterGenerationError):
         super().__init__(message, retryable=True)
 
 
+class RequestTooLarge(ClusterGenerationError):
+    """The request is larger than a frame main's node takes (its agent's announced limit): it never
+    went out, and the same request fails again (the OpenAI API answers 400 ``request_too_large``)."""
+
+
 def new_request(**fields: Any) -> Generate:
     """A generation to send to a deployment, under a fresh request id unless ``fields`` name one
     (``astream`` fills in the deployment's runtime key)."""
@@ -160,6 +165,8 @@ async def astream(
                         raise TooManyGenerations(event.error)
                     if event.busy:
                         raise ClusterBusy(event.error)
+                    if event.too_large:
+                        raise RequestTooLarge(event.error)
                     raise ClusterGenerationError(event.error, retryable=event.retryable)
                 if isinstance(event, Done) and event.finish_reason not in FINISH_REASONS:
                     reason = f"{event.finish_reason!r:.40}"

@@ -3,7 +3,9 @@
 The agent opens it with its node credential in the ``Authorization`` header; anything
 else is refused before the socket is accepted. Events are validated with
 ``inference.wire.link`` and each calls one service; commands for a node reach its socket
-through the channel-layer group ``node.<id>`` (a ``{"type": "agent.command", ...}`` event).
+through the channel-layer group ``node.<id>`` (a ``{"type": "agent.command", ...}`` event), each
+frame measured against the frame limit the agent announced when it connected (``frames``): one that
+would not fit fails what it asked for, never the link.
 
 Generation events are relayed to the caller of the generation service (``relay``: in this
 process when it listens here, else through the group ``generation.<request_id>``) — and only
@@ -42,7 +44,7 @@ from inference.wire.link import (
     parse,
 )
 
-from . import link_writes, services
+from . import frames, link_writes, services
 from .groups import node_group
 from .inventory import clean_inventory
 from .relay import relay
@@ -140,6 +142,30 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             error = "the link to main's node closed mid-generation"
             await relay(self.channel_layer, Failed(request_id=request_id, error=error, retryable=True))
         self.generations.clear()
+
+    async def send_json(self, content, close=False) -> None:
+        """Every frame down the link, measured first: one past the agent's frame limit is not sent,
+        and fails what it asked for alone (``frames.refusal``)."""
+        text = await self.encode_json(content)
+        size = frames.frame_bytes(text)
+        if size <= self.frame_limit:
+            await self.send(text_data=text, close=close)
+            return
+        kind = f"{content.get('type')!r:.40}"
+        log.warning(
+            "node %s: a %s frame of %d bytes is past its agent's %d: not sent",
+            self.node_id,
+            kind,
+            size,
+            self.frame_limit,
+        )
+        answer = frames.refusal(content, size, self.frame_limit)
+        if isinstance(answer, Failed):
+            self.generations.pop(answer.request_id, None)
+            await relay(self.channel_layer, answer)
+        elif isinstance(answer, TaskDone) and services.is_task_id(answer.task_id):
+            key = ("done", answer.task_id)
+            self._record(key, services.record_task_done, task_id=answer.task_id, ok=False, detail=answer.detail)
 
     @classmethod
     async def decode_json(cls, text_data):

@@ -19,6 +19,7 @@ from controlplane.deployments.generation import (
     ClusterBusy,
     ClusterGenerationError,
     ClusterUnavailable,
+    RequestTooLarge,
     TooManyGenerations,
     can_serve,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "ClusterGenerationError",
     "ClusterUnavailable",
     "ModelNotFound",
+    "RequestTooLarge",
     "Target",
     "TooManyGenerations",
     "find_target",

@@ -59,6 +59,7 @@ from .completions import (
     ClusterUnavailable,
     CompletionResult,
     ModelNotFound,
+    RequestTooLarge,
     Target,
     TextDelta,
     TooManyGenerations,
@@ -284,6 +285,8 @@ def _failure(exc: ClusterUnavailable | ClusterGenerationError) -> JsonResponse:
         return error(429, str(exc), kind="rate_limit_error", code="too_many_generations")
     if isinstance(exc, ClusterBusy):
         return error(429, f"the deployment is busy: {exc}", kind="rate_limit_error", code="deployment_busy")
+    if isinstance(exc, RequestTooLarge):
+        return error(400, str(exc), code="request_too_large")
     if isinstance(exc, ClusterUnavailable):
         return error(503, str(exc), kind="server_error", code="model_not_ready")
     if exc.retryable:
