@@ -1,9 +1,10 @@
 from channels.auth import AuthMiddlewareStack
-from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import path
+
+from controlplane.origins import SameOriginValidator
 
 from .consumers import ConsoleConsumer
 
 websocket_urlpatterns = [
-    path("ws/console/", AllowedHostsOriginValidator(AuthMiddlewareStack(ConsoleConsumer.as_asgi()))),
+    path("ws/console/", SameOriginValidator(AuthMiddlewareStack(ConsoleConsumer.as_asgi()))),
 ]
