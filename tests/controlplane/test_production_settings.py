@@ -63,6 +63,15 @@ def test_production_refuses_a_missing_or_published_key(tmp_path: Path, key: str)
     assert "started" not in run.stdout
 
 
+@pytest.mark.parametrize("token", ["too-short", "replace-with-a-random-token-of-32-characters-or-more"])
+def test_production_refuses_a_short_or_example_metrics_token_and_starts_without_one(tmp_path: Path, token: str) -> None:
+    key = secrets.token_urlsafe(48)
+    run = settings_probe("production", "print('started')", tmp_path, DJANGO_SECRET_KEY=key, ODMOE_METRICS_TOKEN=token)
+    assert run.returncode != 0 and "set ODMOE_METRICS_TOKEN to a random value" in run.stderr
+    unset = settings_probe("production", "print(settings.METRICS_TOKEN_ONLY)", tmp_path, DJANGO_SECRET_KEY=key)
+    assert unset.returncode == 0 and unset.stdout.strip() == "True", unset.stderr
+
+
 def test_a_rotated_key_still_accepts_what_the_old_one_signed(tmp_path: Path) -> None:
     """DJANGO_SECRET_KEY_FALLBACKS: a value signed with the old key still checks out after the
     rotation, and nothing new is signed with it; a published key there is refused."""

@@ -11,12 +11,23 @@ characters the keys page shows, never the secret; both empty for a browser sessi
 ``deployment``. Their cardinality is bounded twice: a (user, key, deployment) is exported only
 while it spent tokens in the last 30 days (its series ends after that), and at most
 ``MAX_USAGE_SERIES`` of them, the ones that spent most; ``odmoe_usage_series_left_out`` says
-how many more there were. Scraping needs a staff user's API
-key (``bearer_token`` in Prometheus' scrape config) or a staff session.
+how many more there were.
+
+Scraping needs ``Authorization: Bearer`` the token ``ODMOE_METRICS_TOKEN`` (Prometheus' scrape
+config: ``authorization: {credentials_file: ...}``), compared in constant time. Outside production
+a staff user's API key with the ``metrics`` scope, or a staff session, also does; production takes
+the token alone, and without one set serves ``/metrics`` to nobody (``settings.METRICS_TOKEN_ONLY``).
+Every call is throttled first, as the REST API's calls are (an anonymous caller by its address, the
+token's included), so neither guessing the token nor calling in a loop costs more than that rate.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import math
+
+from django.conf import settings
 from django.db.models import Count
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -25,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from controlplane.accounts.scopes import Scope
 from controlplane.accounts.selectors import usage_series
 from controlplane.accounts.services import authenticate_api_key, bearer_key
+from controlplane.throttles import throttle_wait
 
 REGISTRY = CollectorRegistry()
 REQUESTS = Counter("odmoe_requests", "Generations served, by API and outcome", ["api", "outcome"], registry=REGISTRY)
@@ -143,19 +155,40 @@ REGISTRY.register(ClusterCollector())
 REGISTRY.register(UsageCollector())
 
 
+def token_matches(presented: str, token: str) -> bool:
+    """Whether ``presented`` is ``token``, in time that tells nothing of either (both digested first,
+    so not even the length is compared)."""
+    digest = [hashlib.sha256(text.encode(errors="surrogatepass")).digest() for text in (presented, token)]
+    return bool(token) and hmac.compare_digest(*digest)
+
+
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    """Prometheus text for a staff user: a key with the ``metrics`` scope (a key that can do nothing
-    else is enough), or a staff browser session."""
-    key = bearer_key(request.headers.get("Authorization", ""))
-    if key:
-        found = authenticate_api_key(key=key)
+    """Prometheus text for the metrics token, or outside production for a staff user: a key with the
+    ``metrics`` scope (a key that can do nothing else is enough), or a staff browser session."""
+    wait = throttle_wait(request, request.user)  # before any credential is looked at
+    if wait is not None:
+        response = HttpResponse("too many calls to /metrics: try again later\n", status=429, content_type="text/plain")
+        response["Retry-After"] = str(max(1, math.ceil(wait)))
+        return response
+    presented = bearer_key(request.headers.get("Authorization", "")) or ""
+    if token_matches(presented, settings.METRICS_TOKEN):
+        return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+    if settings.METRICS_TOKEN_ONLY:
+        if not settings.METRICS_TOKEN:
+            why = "/metrics is served to nobody: set ODMOE_METRICS_TOKEN on the server and scrape with it\n"
+            return HttpResponse(why, status=403, content_type="text/plain")
+        return _unauthorized("the metrics token is needed (Authorization: Bearer ODMOE_METRICS_TOKEN)\n")
+    if presented:
+        found = authenticate_api_key(key=presented)
         allowed = found is not None and found.user.is_staff and found.allows(Scope.METRICS)
     else:
         allowed = request.user.is_authenticated and request.user.is_staff
     if not allowed:
-        response = HttpResponse(
-            "a staff user's API key with the 'metrics' scope is needed (Authorization: Bearer KEY)\n", status=401
-        )
-        response["WWW-Authenticate"] = "Bearer"
-        return response
+        return _unauthorized("a staff user's API key with the 'metrics' scope is needed (Authorization: Bearer KEY)\n")
     return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+
+
+def _unauthorized(why: str) -> HttpResponse:
+    response = HttpResponse(why, status=401, content_type="text/plain")
+    response["WWW-Authenticate"] = "Bearer"
+    return response

@@ -27,6 +27,7 @@
 | ``ODMOE_THROTTLE_ANON`` | API calls per anonymous address | 60/minute |
 | ``ODMOE_THROTTLE_CHAT`` | chat messages per user | 20/minute |
 | ``ODMOE_MAX_ACTIVE_JOB_PROMPTS_PER_USER`` | prompts a user's jobs may have queued or running (429) | 200 |
+| ``ODMOE_METRICS_TOKEN`` | the bearer token Prometheus scrapes ``/metrics`` with (production: the only way in) | none |
 
 ``deploy/odmoe.env.example`` lists them all for a production host.
 """
@@ -212,6 +213,11 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 # jobs run from one queue in the order they came, so a user's many prompts hold everyone
 # else's behind them. 200: two jobs of the most prompts one job takes (100).
 MAX_ACTIVE_JOB_PROMPTS_PER_USER = int(os.environ.get("ODMOE_MAX_ACTIVE_JOB_PROMPTS_PER_USER", "200"))
+# Prometheus scrapes /metrics with ``Authorization: Bearer`` this token (serving/metrics.py). Here
+# a staff user's key with the ``metrics`` scope, or a staff session, also does; production takes
+# the token alone (METRICS_TOKEN_ONLY), and serves /metrics to nobody without one.
+METRICS_TOKEN = os.environ.get("ODMOE_METRICS_TOKEN", "")
+METRICS_TOKEN_ONLY = False
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "odmoe control plane API",

@@ -10,7 +10,7 @@ import os
 from django.core.exceptions import ImproperlyConfigured
 
 from .base import *  # noqa: F403
-from .base import CACHES, DEBUG, INSECURE_DEV_SECRET, SECRET_KEY, SECRET_KEY_FALLBACKS
+from .base import CACHES, DEBUG, INSECURE_DEV_SECRET, METRICS_TOKEN, SECRET_KEY, SECRET_KEY_FALLBACKS
 
 if DEBUG:
     raise ImproperlyConfigured("DJANGO_DEBUG must be off in production")
@@ -23,6 +23,17 @@ if SECRET_KEY in PUBLISHED_SECRETS or SECRET_KEY.startswith("replace-with") or l
     )
 if PUBLISHED_SECRETS & set(SECRET_KEY_FALLBACKS):
     raise ImproperlyConfigured("DJANGO_SECRET_KEY_FALLBACKS holds a published key: remove it")
+
+# /metrics answers only ``Authorization: Bearer $ODMOE_METRICS_TOKEN``: a credential of the scraper's,
+# which no person holds and which can do nothing else. Unset, /metrics is served to nobody (403),
+# rather than the server refusing to start: a platform without Prometheus must not need one.
+METRICS_TOKEN_ONLY = True
+if METRICS_TOKEN and (METRICS_TOKEN.startswith("replace-with") or len(METRICS_TOKEN) < 32):
+    raise ImproperlyConfigured(
+        "set ODMOE_METRICS_TOKEN to a random value of at least 32 characters "
+        "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'), "
+        "or leave it unset to serve /metrics to nobody"
+    )
 
 # Throttle counts shared by every server process.
 CACHES = {**CACHES, "default": CACHES["shared"]}
