@@ -13,12 +13,14 @@ would be: the same test then checks ``up`` on PostgreSQL.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import stat
 import uuid
 from pathlib import Path
 
 import pytest
+import redis
 
 from agent import credentials
 from agent.__main__ import enroll_or_resume
@@ -89,9 +91,14 @@ AGENTS = 3
 
 
 def run_up_until_ready(var: Path, port: int, model: Path, log: Path) -> str:
-    """Start ``manage.py up``, wait for ``odmoe ready``, stop it with SIGTERM; its whole output."""
+    """Start ``manage.py up``, wait for ``odmoe ready``, check its Redis takes no client without the
+    password up made, stop it with SIGTERM; its whole output."""
     with manage_py_up(var, port, model, log, agents=AGENTS):
-        pass
+        (redis_port,) = re.findall(r"starting a private Redis on port (\d+)", log.read_text(errors="replace"))
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=int(redis_port), socket_timeout=5).keys("*")
+        password = (var / "redis" / "password").read_text().strip()
+        assert redis.Redis(host="127.0.0.1", port=int(redis_port), password=password).ping()
     return log.read_text(errors="replace")
 
 
@@ -110,7 +117,8 @@ def test_up_again_on_another_port_becomes_ready_and_generates(
 ) -> None:
     var = tmp_path / "var"
     first = run_up_until_ready(var, free_port(), tiny_model, tmp_path / "first.log")
-    assert " tokens" in first
+    assert " tokens" in first  # the server and Celery reached the Redis that wants a password
+    password = (var / "redis" / "password").read_text()
     nodes = node_ids(var)
     assert len(nodes) == AGENTS
     assert (var / "db.sqlite3").exists() is not on_postgres()  # the database it was given, and no other
@@ -121,6 +129,7 @@ def test_up_again_on_another_port_becomes_ready_and_generates(
     assert f"{AGENTS} local agents enrolled with this database follow it to http://127.0.0.1:{port}" in second
     assert " tokens" in second.split("generating through the cluster", 1)[1]  # the first generation worked
     assert node_ids(var) == nodes  # the same nodes, on their own new URL: no stale twins
+    assert (var / "redis" / "password").read_text() == password  # made once, at the first up
     for i in range(AGENTS):
         stored = json.loads((var / "agents" / f"local-{i}" / credentials.FILE_NAME).read_text())
         assert stored["server"] == f"http://127.0.0.1:{port}"

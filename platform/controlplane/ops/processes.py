@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -31,6 +33,7 @@ STOP_GRACE_S = 10.0
 # Agents started one after another are peers: none needs another to stop, and each takes a while
 # (it stops its role first: 1 to 3 s here), so ``stop_all`` stops a run of them at once.
 AGENT_PREFIX = "agent-"
+REDIS_PASSWORD = re.compile(r"[A-Za-z0-9_-]{32,}")  # what redis_password makes: safe in a URL and a config line
 
 
 class ChildFailed(RuntimeError):
@@ -159,12 +162,51 @@ def python_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def redis_argv(port: int, data_dir: Path) -> list[str]:
+def private_redis(var: Path, port: int) -> tuple[list[str], str]:
+    """How ``manage.py up`` runs its own redis-server on ``port`` (argv), and the URL that reaches it.
+
+    Redis holds the roles' keys on their way to the agents and every prompt and answer on its way
+    through the channel layer, so it takes no client without its password, made once (the first
+    ``up``) and kept in ``var/redis/password``. redis-server reads the password from a config file
+    there, never from its command line, which every account on the machine can read (``ps``); the
+    folder, with the snapshot Redis writes in it, is its owner's alone (0700), the files 0600.
+    """
     binary = shutil.which("redis-server")
     if binary is None:
         raise ChildFailed("Redis is needed: install redis-server (Debian: apt install redis-server) or set REDIS_URL")
+    data_dir = var / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
-    return [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir), "--save", "60 1"]
+    data_dir.chmod(0o700)  # an older install's was anyone's to read, snapshot and all
+    password = redis_password(data_dir / "password")
+    config = data_dir / "redis.conf"
+    write_private(config, redis_config(port, data_dir, password))
+    return [binary, str(config)], f"redis://:{password}@127.0.0.1:{port}/0"
+
+
+def redis_password(path: Path) -> str:
+    """The private Redis's password: the one in ``path``, or a new one written there (0600) when
+    there is none yet."""
+    if not path.exists():
+        write_private(path, secrets.token_urlsafe(32) + "\n")
+    path.chmod(0o600)
+    password = path.read_text().strip()
+    if not REDIS_PASSWORD.fullmatch(password):
+        raise ChildFailed(f"{path} holds no password manage.py up made: remove it, and up makes a new one")
+    return password
+
+
+def redis_config(port: int, data_dir: Path, password: str) -> str:
+    """The private Redis's config: loopback only, its password, snapshots of its data in ``data_dir``."""
+    folder = str(data_dir).replace("\\", "\\\\").replace('"', '\\"')
+    return f'bind 127.0.0.1\nport {port}\ndir "{folder}"\nsave 60 1\nrequirepass {password}\n'
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner alone (made so, not narrowed after)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(fd, 0o600)  # a file that was there before keeps its mode otherwise
+        out.write(text)
 
 
 def redis_up(url: str) -> bool:

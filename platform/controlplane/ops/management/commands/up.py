@@ -1,10 +1,10 @@
 """``python manage.py up``: the whole platform on this machine, in one command.
 
-Starts Redis (unless ``REDIS_URL`` is set), migrates, creates an admin account if there is
-none, starts the ASGI server and a Celery worker with beat, then (unless ``--no-demo``)
-N local agents on 127.0.0.1 that enroll with a join token, deploys the demo model on them
-and generates through the cluster once. It prints ``odmoe ready: URL`` when all of that
-worked, and stops everything it started on Ctrl-C or SIGTERM.
+Starts Redis with a password (``processes.private_redis``; unless ``REDIS_URL`` is set, which is
+used as it is), migrates, creates an admin account if there is none, starts the ASGI server and a
+Celery worker with beat, then (unless ``--no-demo``) N local agents on 127.0.0.1 that enroll with a
+join token, deploys the demo model on them and generates through the cluster once. It prints
+``odmoe ready: URL`` when all of that worked, and stops everything it started on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 from django.conf import settings
@@ -28,8 +29,8 @@ from controlplane.ops.processes import (
     asgi_argv,
     celery_argv,
     http_up,
+    private_redis,
     python_env,
-    redis_argv,
     redis_up,
     wait_until,
 )
@@ -116,15 +117,15 @@ class Command(BaseCommand):
         self.stdout.write(f"logs in {group.log_dir} · Ctrl-C stops everything")
 
     def _redis(self, group: ProcessGroup, var: Path) -> None:
-        if os.environ.get("REDIS_URL"):
+        if os.environ.get("REDIS_URL"):  # the user's, used as it is
             if not redis_up(os.environ["REDIS_URL"]):
-                raise CommandError(f"REDIS_URL={os.environ['REDIS_URL']} does not answer")
+                raise CommandError(f"REDIS_URL={_without_password(os.environ['REDIS_URL'])} does not answer")
             return
         port = free_port()
-        url = f"redis://127.0.0.1:{port}/0"
-        self.step(f"starting a private Redis on port {port} (data in {var / 'redis'})")
+        self.step(f"starting a private Redis on port {port}, with a password (data in {var / 'redis'})")
         try:
-            group.start("redis", redis_argv(port, var / "redis"))
+            argv, url = private_redis(var, port)
+            group.start("redis", argv)
         except ChildFailed as exc:
             raise CommandError(str(exc)) from None
         wait_until("Redis answering", lambda: redis_up(url), timeout_s=30, check=group.check)
@@ -154,7 +155,8 @@ class Command(BaseCommand):
         if moved:
             self.step(f"{len(moved)} local agents enrolled with this database follow it to {url}")
         for name in names:
-            group.start(f"agent-{name}", agent_argv(url, states[name], name=name, token=token, heartbeat_s=2.0))
+            argv = agent_argv(url, states[name], name=name, token=token, heartbeat_s=2.0)
+            group.start(f"agent-{name}", argv, env={"REDIS_URL": None})  # an agent needs no Redis, nor its password
 
         def online() -> bool:
             return Node.objects.filter(name__in=names, status=NodeStatus.ONLINE).count() == agents
@@ -231,6 +233,15 @@ def _port_free_or_fail(port: int) -> None:
             s.bind(("127.0.0.1", port))
         except OSError:
             raise CommandError(f"port {port} is in use; pass another with --port") from None
+
+
+def _without_password(url: str) -> str:
+    """``url`` as it may be printed: its password, if any, left out."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urllib.parse.urlunsplit(parts._replace(netloc=user + parts.netloc.rsplit("@", 1)[1]))
 
 
 def _use_redis(url: str) -> None:
