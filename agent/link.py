@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import re
 import ssl
@@ -29,7 +28,7 @@ from urllib.parse import urlparse
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from agent import credentials, inventory, tls
+from agent import credentials, frames, inventory, tls
 from agent.backoff import reconnect_delay
 from agent.credentials import NodeCredential
 from agent.roles import Roles
@@ -43,8 +42,10 @@ from inference.wire.link import (
     CLOSE_PROTOCOL_MISMATCH,
     COMMANDS,
     FRAME_LIMIT_HEADER,
+    LEGACY_FRAME_LIMIT,
     LINK_PATH,
     PROTOCOL_HEADER,
+    SERVER_FRAME_LIMIT_HEADER,
     VERSION_HEADER,
     ApplyAlignment,
     CancelGeneration,
@@ -58,6 +59,8 @@ from inference.wire.link import (
     StartRole,
     StopRole,
     TaskDone,
+    frame_bytes,
+    frame_limit,
     loads,
     parse,
 )
@@ -129,18 +132,48 @@ async def run_link(
 
 
 class Uplink:
-    """Sends events on whichever websocket is up now; drops them while none is."""
+    """Sends events on whichever websocket is up now; drops them while none is. Each frame fits the
+    control plane's frame limit (``limit``, which it announced on connect): an event that would not
+    is replaced by what fits (``agent.frames.fit``), or left out."""
 
     def __init__(self) -> None:
         self.ws: ClientConnection | None = None
+        self.limit = LEGACY_FRAME_LIMIT
 
-    async def send(self, message: WireStruct) -> None:
+    def use(self, ws: ClientConnection | None) -> None:
+        """Send on ``ws`` from now on (None: the link is down), within the frame limit it announced."""
+        self.ws = ws
+        if ws is None:
+            return
+        announced = ws.response.headers.get(SERVER_FRAME_LIMIT_HEADER) if ws.response is not None else None
+        try:
+            self.limit = frame_limit(announced)
+        except MessageError as exc:  # a server that says nothing usable: what every server takes
+            log.warning("the control plane announced no usable frame limit (%s): frames stay within 1 MiB", exc)
+            self.limit = LEGACY_FRAME_LIMIT
+
+    async def send(self, message: WireStruct) -> WireStruct | None:
+        """Send ``message``, or what fits in its place; returns what was sent (None: nothing)."""
         ws = self.ws
         if ws is None:
             log.debug("link down: dropped %s", message.TYPE)
-            return
+            return None
+        text = frames.encode(message)
+        if frame_bytes(text) > self.limit:
+            fitted = frames.fit(message, self.limit)
+            log.warning(
+                "a %s event of %d bytes is past the control plane's %d: %s",
+                message.TAG,
+                frame_bytes(text),
+                self.limit,
+                f"sent as {fitted.TAG}" if fitted is not None else "left out",
+            )
+            if fitted is None:
+                return None
+            message, text = fitted, frames.encode(fitted)
         with contextlib.suppress(ConnectionClosed):
-            await ws.send(json.dumps(message.to_json()))
+            await ws.send(text)
+        return message
 
 
 @dataclass
@@ -187,11 +220,11 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
                     log.warning("%s", tls.clear_text_warning(credential.server))
                 if on_connect is not None:
                     on_connect()
-                link.uplink.ws = ws
+                link.uplink.use(ws)
                 try:
                     await _serve(ws, link)
                 finally:
-                    link.uplink.ws = None
+                    link.uplink.use(None)
         except InvalidStatus as exc:
             if exc.response.status_code in (401, 403):
                 raise LinkRefused("the control plane refused this node's credential") from None

@@ -62,7 +62,7 @@ from inference.wire.runtime import Pong
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[WireStruct], Awaitable[None]]
+Send = Callable[[WireStruct], Awaitable[WireStruct | None]]  # returns what it sent, if anything
 WATCH_EVERY_S = 0.5
 # Generations one main streams at once: main's batch and its queue (Settings.max_batch,
 # max_waiting) say how many it takes; beyond them it answers "full" at once.
@@ -503,8 +503,8 @@ class RoleRunner:
     def _stream(self, client: RuntimeClient, command: Generate, loop: asyncio.AbstractEventLoop) -> dict | None:
         """Relay one generation's events; returns its metrics when it finished."""
 
-        def post(message: WireStruct) -> None:
-            asyncio.run_coroutine_threadsafe(self.send(message), loop).result(timeout=30)
+        def post(message: WireStruct) -> WireStruct | None:
+            return asyncio.run_coroutine_threadsafe(self.send(message), loop).result(timeout=30)
 
         try:
             # The events go up as main sent them; only a result's figures are cut to what the link carries.
@@ -512,7 +512,9 @@ class RoleRunner:
                 if isinstance(event, Done):
                     post(msgspec.structs.replace(event, metrics=bounded_metrics(event.metrics)))
                     return event.metrics
-                post(event)
+                if isinstance(post(event), Failed):  # a token too large for the link: its generation failed there
+                    client.cancel(command.request_id)
+                    return None
         except MainExited as exc:
             post(Failed(request_id=command.request_id, error=str(exc), retryable=True))
         except GenerationError as exc:

@@ -36,7 +36,8 @@ LINK_PATH = "/ws/agent"
 # watches), which an agent of 5 refuses.
 # 7: the agent announces the largest frame it takes (``FRAME_LIMIT_HEADER``), and the control
 # plane sends no bigger one: a command that would not fit fails alone, never the link
-# (``Failed.too_large`` for a generation, which only the control plane sets). An agent of 6 sends
+# (``Failed.too_large`` for a generation). The control plane announces its own in its answer
+# (``SERVER_FRAME_LIMIT_HEADER``), and the agent keeps what it sends up within it. An agent of 6 sends
 # and takes the same messages, so it is still taken: it announces nothing, and is held to what it
 # takes, websockets' default (``LEGACY_FRAME_LIMIT``), as is any agent that announces nothing.
 AGENT_PROTOCOL = 7
@@ -45,6 +46,7 @@ FIRST_AGENT_PROTOCOL = 1  # what an agent that sends no protocol header speaks
 PROTOCOL_HEADER = "X-Odmoe-Agent-Protocol"  # how the agent says it when it connects
 VERSION_HEADER = "X-Odmoe-Agent-Version"
 FRAME_LIMIT_HEADER = "X-Odmoe-Agent-Max-Frame"  # the most bytes one frame to the agent may hold (from 7)
+SERVER_FRAME_LIMIT_HEADER = "X-Odmoe-Server-Max-Frame"  # the same for the control plane, in its answer (from 7)
 LEGACY_FRAME_LIMIT = 2**20  # what an agent that announces no limit takes: websockets' default max_size
 CLOSE_PROTOCOL_MISMATCH = 4426  # the websocket close code for "upgrade the agent"
 
@@ -75,9 +77,15 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def frame_bytes(text: str) -> int:
+    """The bytes a text frame takes on the wire (UTF-8; JSON as both sides write it is ASCII)."""
+    return len(text) if text.isascii() else len(text.encode(errors="surrogatepass"))
+
+
 def frame_limit(announced: str | None) -> int:
     """The most bytes one frame to an agent may hold, from what it announced (``FRAME_LIMIT_HEADER``,
     a decimal number of bytes): ``LEGACY_FRAME_LIMIT`` when it announced nothing (an agent of 6).
+    The agent reads the control plane's (``SERVER_FRAME_LIMIT_HEADER``) the same way.
     ``MessageError`` for an announcement that is no such number: nothing is known to fit."""
     if announced is None:
         return LEGACY_FRAME_LIMIT

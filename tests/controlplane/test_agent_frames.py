@@ -28,6 +28,7 @@ from inference.wire.link import (
     LINK_PATH,
     OLDEST_AGENT_PROTOCOL,
     PROTOCOL_HEADER,
+    SERVER_FRAME_LIMIT_HEADER,
     MessageError,
     StartRole,
     frame_limit,
@@ -148,6 +149,26 @@ def test_a_chat_completion_too_large_for_mains_agent_is_a_400_naming_the_sizes(
     assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
     assert "bytes on the link to its node" in error["message"] and f"the {LEGACY_FRAME_LIMIT} bytes" in error["message"]
     assert status == DeploymentStatus.READY  # its link stayed up
+
+
+def test_the_control_plane_announces_the_most_a_frame_up_the_link_may_hold(
+    channel_layer_on_test_redis, main, settings
+) -> None:
+    """The agent keeps what it sends up within it (``agent.frames``): past it the edge closes the link."""
+    _, node, secret = main
+
+    async def accepted() -> dict:
+        comm = agent_link(node, secret, AGENT_PROTOCOL, str(ANNOUNCED))
+        await comm.send_input({"type": "websocket.connect"})
+        answer = await comm.receive_output(timeout=10)
+        await comm.disconnect()
+        return answer
+
+    answer = async_to_sync(accepted)()
+    assert answer["type"] == "websocket.accept"
+    assert (
+        dict(answer["headers"])[SERVER_FRAME_LIMIT_HEADER.lower().encode()] == str(settings.MAX_REQUEST_BYTES).encode()
+    )
 
 
 def test_a_role_start_past_the_frame_limit_fails_its_task_with_the_sizes(channel_layer_on_test_redis, main) -> None:

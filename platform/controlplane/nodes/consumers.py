@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
 from inference.wire.generation import GENERATION_EVENTS, Failed, Generate, Token
 from inference.wire.link import (
@@ -32,6 +33,7 @@ from inference.wire.link import (
     LEGACY_FRAME_LIMIT,
     OLDEST_AGENT_PROTOCOL,
     PROTOCOL_HEADER,
+    SERVER_FRAME_LIMIT_HEADER,
     CredentialSaved,
     Heartbeat,
     MessageError,
@@ -39,6 +41,7 @@ from inference.wire.link import (
     RotateCredential,
     TaskDone,
     TaskProgress,
+    frame_bytes,
     frame_limit,
     loads,
     parse,
@@ -111,7 +114,11 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             return
         self.node_id = str(node.pk)
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
-        await self.accept()
+        # The most a frame up this link may hold (the edge closes the link on a bigger one): the
+        # agent keeps what it sends within it.
+        await self.accept(
+            headers=[(SERVER_FRAME_LIMIT_HEADER.lower().encode(), str(settings.MAX_REQUEST_BYTES).encode())]
+        )
         self.link_since = await _db(services.mark_connected)(node_id=self.node_id)
         log.info("agent of node %s connected", node.name)
 
@@ -147,7 +154,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         """Every frame down the link, measured first: one past the agent's frame limit is not sent,
         and fails what it asked for alone (``frames.refusal``)."""
         text = await self.encode_json(content)
-        size = frames.frame_bytes(text)
+        size = frame_bytes(text)
         if size <= self.frame_limit:
             await self.send(text_data=text, close=close)
             return

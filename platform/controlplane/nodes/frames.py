@@ -23,11 +23,6 @@ from inference.wire.link import FetchShard, StartRole, TaskDone
 TASK_COMMANDS = (FetchShard.TAG, StartRole.TAG)  # commands whose outcome the agent reports as TaskDone
 
 
-def frame_bytes(text: str) -> int:
-    """The bytes a text frame takes on the wire (UTF-8; JSON as Channels writes it is ASCII)."""
-    return len(text) if text.isascii() else len(text.encode(errors="surrogatepass"))
-
-
 def too_large(kind: str, size: int, limit: int) -> str:
     """Why a frame was not sent: its size and the agent's limit, both in bytes."""
     return (
