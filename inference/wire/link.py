@@ -37,11 +37,11 @@ LINK_PATH = "/ws/agent"
 # 7: the agent announces the largest frame it takes (``FRAME_LIMIT_HEADER``), and the control
 # plane sends no bigger one: a command that would not fit fails alone, never the link
 # (``Failed.too_large`` for a generation). The control plane announces its own in its answer
-# (``SERVER_FRAME_LIMIT_HEADER``), and the agent keeps what it sends up within it. An agent of 6 sends
-# and takes the same messages, so it is still taken: it announces nothing, and is held to what it
-# takes, websockets' default (``LEGACY_FRAME_LIMIT``), as is any agent that announces nothing.
+# (``SERVER_FRAME_LIMIT_HEADER``), and the agent keeps what it sends up within it; an agent that
+# announces nothing is held to websockets' default (``LEGACY_FRAME_LIMIT``). ``Generate`` carries
+# ``prefix_namespace`` (main's prefix cache is keyed per tenant), which an agent of 6 refuses.
 AGENT_PROTOCOL = 7
-OLDEST_AGENT_PROTOCOL = 6  # the oldest protocol whose agents the control plane still takes
+OLDEST_AGENT_PROTOCOL = 7  # the oldest protocol whose agents the control plane still takes
 FIRST_AGENT_PROTOCOL = 1  # what an agent that sends no protocol header speaks
 PROTOCOL_HEADER = "X-Odmoe-Agent-Protocol"  # how the agent says it when it connects
 VERSION_HEADER = "X-Odmoe-Agent-Version"
@@ -84,7 +84,7 @@ def frame_bytes(text: str) -> int:
 
 def frame_limit(announced: str | None) -> int:
     """The most bytes one frame to an agent may hold, from what it announced (``FRAME_LIMIT_HEADER``,
-    a decimal number of bytes): ``LEGACY_FRAME_LIMIT`` when it announced nothing (an agent of 6).
+    a decimal number of bytes): ``LEGACY_FRAME_LIMIT`` when it announced nothing.
     The agent reads the control plane's (``SERVER_FRAME_LIMIT_HEADER``) the same way.
     ``MessageError`` for an announcement that is no such number: nothing is known to fit."""
     if announced is None:

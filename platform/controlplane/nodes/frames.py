@@ -1,7 +1,7 @@
 """What the control plane sends down an agent link fits the frame that agent takes.
 
 An agent announces, when it connects, the most bytes one frame to it may hold
-(``inference.wire.link.frame_limit``; an agent of protocol 6 announces nothing and takes
+(``inference.wire.link.frame_limit``; one that announces nothing is held to
 websockets' default, 1 MiB). A bigger frame would make the agent's websocket close the link with
 1009 (message too big), and every generation on that link would fail with it. So the link's
 consumer measures each frame before it sends it, and a frame that would not fit is not sent: what

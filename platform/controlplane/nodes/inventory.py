@@ -12,12 +12,10 @@ its link holds before writing it, grow with what it sends.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 from inference.constants import EXPERT_CODECS
-from inference.wire.link import AGENT_PROTOCOL, OLDEST_AGENT_PROTOCOL
 
 MAX_GPUS = 64  # GPUs one box reports (the largest servers hold 16)
 MAX_PORTS = 64  # free ports offered per heartbeat (the agent offers 4)
@@ -110,22 +108,9 @@ def doctor_problems(inventory: Any) -> list[str]:
     doctor = clean_inventory(inventory).get("doctor")
     if doctor is None:
         return []
-    failed = [check for check in doctor["checks"] if check.get("status") == "fail"]
-    taken = [check for check in failed if _only_a_taken_protocol(check)]
     problems = []
-    for check in failed:
-        if check not in taken:
+    for check in doctor["checks"]:
+        if check.get("status") == "fail":
             fix = f" (fix: {check['fix']})" if check.get("fix") else ""
             problems.append(f"{check.get('name', '?')}: {check.get('detail', '')}{fix}")
-    return problems or ([] if doctor["ok"] or taken else ["its doctor reports a failure"])
-
-
-# How a doctor reports a server whose agent protocol is not its agent's, alone (agent.doctor.evaluate_server).
-PROTOCOL_MISMATCH = re.compile(r".*: the server speaks agent protocol (\d+), this agent (\d+)", re.DOTALL)
-
-
-def _only_a_taken_protocol(check: dict) -> bool:
-    """Whether ``check`` fails only because a doctor of protocol 6, which took no protocol but its
-    own, met this server, which still takes its agent (``OLDEST_AGENT_PROTOCOL``)."""
-    found = PROTOCOL_MISMATCH.fullmatch(str(check.get("detail", ""))) if check.get("name") == "server" else None
-    return found is not None and OLDEST_AGENT_PROTOCOL <= int(found[2]) <= AGENT_PROTOCOL == int(found[1])
+    return problems or ([] if doctor["ok"] else ["its doctor reports a failure"])
