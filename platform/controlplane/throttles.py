@@ -2,7 +2,11 @@
 
 ``UserThrottle`` counts an authenticated user's API calls (an API key or a session),
 ``AnonThrottle`` anonymous ones by address; agents authenticate as nodes (their shard
-downloads and enrollment come in bursts) and are counted by neither. ``throttle_wait`` runs
+downloads and enrollment come in bursts) and are counted by neither. DRF checks a call's
+credential and the view's permissions before its throttles, so a call refused there (a made-up
+key, no credential, a permission the user lacks) was never counted: ``exception_handler``
+(``REST_FRAMEWORK["EXCEPTION_HANDLER"]``, so every DRF view) counts it then, once, a refused
+credential as an anonymous call by address, and answers 429 past the rate. ``throttle_wait`` runs
 the same throttles for the OpenAI API's views, which are not DRF's, so a user's calls to both
 share one count; ``ChatMessageThrottle`` counts a user's chat messages. Counts live in
 Django's cache: per process by default, in Redis in production. How many generations a user
@@ -12,9 +16,16 @@ has at once is no rate: main bounds it where they run (``inference.runtime.batch
 from __future__ import annotations
 
 from django.http import HttpRequest
+from rest_framework import exceptions
 from rest_framework.request import Request
+from rest_framework.response import Response
 from rest_framework.settings import api_settings
 from rest_framework.throttling import AnonRateThrottle, SimpleRateThrottle, UserRateThrottle
+
+# Set on a request once the throttles counted it, so a refusal after that is not counted again.
+COUNTED = "odmoe_throttles_counted"
+# What DRF raises before its throttles run: a refused or missing credential, a permission refused.
+REFUSED_BEFORE_THROTTLES = (exceptions.AuthenticationFailed, exceptions.NotAuthenticated, exceptions.PermissionDenied)
 
 
 def _is_node(request) -> bool:
@@ -25,12 +36,31 @@ def _is_node(request) -> bool:
 
 class UserThrottle(UserRateThrottle):
     def allow_request(self, request, view) -> bool:
+        setattr(request, COUNTED, True)
         return _is_node(request) or super().allow_request(request, view)
 
 
 class AnonThrottle(AnonRateThrottle):
     def allow_request(self, request, view) -> bool:
+        setattr(request, COUNTED, True)
         return _is_node(request) or super().allow_request(request, view)
+
+
+def exception_handler(exc: Exception, context: dict) -> Response | None:
+    """DRF's, except that a call refused before the view's throttles ran is counted now, as what it
+    authenticated as (a refused credential leaves it anonymous: counted by its address), and past
+    the rate answered 429 with ``Retry-After`` instead of its 401 or 403: guessing keys is then
+    throttled like any other anonymous call, as on the OpenAI API (``throttle_wait``)."""
+    from rest_framework import views  # not at the top: its APIView reads this module's throttles as it loads
+
+    view, request = context.get("view"), context.get("request")
+    counted = request is None or getattr(request, COUNTED, False)
+    if isinstance(exc, REFUSED_BEFORE_THROTTLES) and isinstance(view, views.APIView) and not counted:
+        try:
+            view.check_throttles(request)  # DRF's own check: the view's throttles, their wait
+        except exceptions.Throttled as throttled:
+            exc = throttled
+    return views.exception_handler(exc, context)
 
 
 class ChatMessageThrottle(SimpleRateThrottle):

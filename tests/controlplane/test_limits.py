@@ -404,6 +404,41 @@ def test_calls_without_a_valid_key_are_throttled_by_their_address_as_anonymous_o
     assert Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {key}").status_code == 200  # a user's own count
 
 
+def test_rest_calls_without_a_valid_credential_are_throttled_by_their_address_as_anonymous_ones(monkeypatch) -> None:
+    """Before, DRF checked the credential and the view's permissions before its throttles: 70 calls
+    to /api/jobs with made-up keys all got 401, none 429, and each one was a database lookup."""
+    from controlplane.nodes.services import create_join_token, enroll_node
+
+    rates = {"user": "100/minute", "anon": "2/minute"}
+    monkeypatch.setattr(throttles.UserThrottle, "THROTTLE_RATES", rates)
+    monkeypatch.setattr(throttles.AnonThrottle, "THROTTLE_RATES", rates)
+    guesses = [APIClient().get("/api/jobs", HTTP_AUTHORIZATION=f"Bearer odmoe-key-guess{i}") for i in range(3)]
+    assert [r.status_code for r in guesses] == [401, 401, 429]
+    assert int(guesses[-1]["Retry-After"]) >= 1 and "throttled" in guesses[-1].json()["detail"]
+    assert APIClient().get("/api/jobs").status_code == 429  # no credential at all: the same address's count
+    assert APIClient().get("/api/agents/me", HTTP_AUTHORIZATION="Node 1:not-a-credential").status_code == 429
+    assert APIClient(REMOTE_ADDR="10.9.0.1").get("/api/jobs").status_code == 401  # another address: its own count
+    _, key = create_api_key(user=get_user_model().objects.create_user("holder"))
+    assert APIClient().get("/api/jobs", HTTP_AUTHORIZATION=f"Bearer {key}").status_code == 200  # a user's own count
+    _, token = create_join_token(created_by=None)
+    node, secret = enroll_node(token=token, name="box", inventory={})
+    agent = [APIClient().get("/api/agents/me", HTTP_AUTHORIZATION=f"Node {node.pk}:{secret}") for _ in range(4)]
+    assert [r.status_code for r in agent] == [200] * 4  # an agent is never counted
+
+
+def test_rest_calls_refused_for_a_permission_count_against_their_users_rate(monkeypatch) -> None:
+    """A user's calls that a view refuses (403: not staff) count too, once each, as their allowed calls do."""
+    rates = {"user": "3/minute", "anon": "100/minute"}
+    monkeypatch.setattr(throttles.UserThrottle, "THROTTLE_RATES", rates)
+    monkeypatch.setattr(throttles.AnonThrottle, "THROTTLE_RATES", rates)
+    _, key = create_api_key(user=get_user_model().objects.create_user("plain"))
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    answers = [client.get(path) for path in ("/api/jobs", "/api/nodes", "/api/nodes", "/api/jobs")]
+    assert [r.status_code for r in answers] == [200, 403, 403, 429]
+    assert int(answers[-1]["Retry-After"]) >= 1
+
+
 def test_a_browser_session_needs_a_csrf_token_for_the_openai_api_and_an_api_key_does_not() -> None:
     """Before, any page on another site could make a logged-in user's browser run generations."""
     user = get_user_model().objects.create_user("reader", password=PASSWORD)

@@ -194,6 +194,9 @@ REST_FRAMEWORK = {
     # Per user (API key or session) and per address for anonymous calls; agents, which
     # authenticate as nodes, are not counted (controlplane/throttles.py).
     "DEFAULT_THROTTLE_CLASSES": ["controlplane.throttles.UserThrottle", "controlplane.throttles.AnonThrottle"],
+    # DRF runs the throttles after the credential and permission checks: calls refused there (a
+    # made-up key, none, a permission lacking) are counted here instead (anonymous, by address).
+    "EXCEPTION_HANDLER": "controlplane.throttles.exception_handler",
     "DEFAULT_THROTTLE_RATES": {
         "user": os.environ.get("ODMOE_THROTTLE_USER", "600/minute"),
         "anon": os.environ.get("ODMOE_THROTTLE_ANON", "60/minute"),
