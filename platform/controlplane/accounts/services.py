@@ -14,6 +14,7 @@ from django.utils import timezone
 from controlplane.names import NAME_PATTERN, NAME_RULE
 from controlplane.nodes.credentials import digest, new_secret
 
+from . import signals
 from .models import ApiKey, TokenUsage
 from .scopes import ScopeError, allowed_scopes, check_scopes
 from .usage import Caller, QuotaExceeded, quota_refusal, utc_day
@@ -62,10 +63,12 @@ def create_api_key(
 
 
 def revoke_api_key(*, key: ApiKey) -> ApiKey:
-    """Stop ``key`` working from now on; the row stays, for the record. Revoking twice is a no-op."""
+    """Stop ``key`` working from now on, and what it queued (``signals.api_key_revoked``); the row
+    stays, for the record. Revoking twice is a no-op."""
     if not key.revoked:
         key.revoked, key.revoked_at = True, timezone.now()
         key.save(update_fields=["revoked", "revoked_at"])
+        signals.api_key_revoked.send(sender=ApiKey, key_id=key.pk)
     return key
 
 

@@ -5,11 +5,18 @@ mid-job leaves the remaining outputs queued in Redis, and a task that runs twice
 output already done (or re-runs it from scratch: outputs are written only when finished).
 Redis coming back without its data loses those tasks; the database still has every output,
 and ``requeue_unfinished`` (run by Celery beat when that happens) queues them again.
+
+A job runs with its submitter's rights: each prompt, before it starts, checks that the API key
+it came with is still live and its owner still active (``stop_reason``), else the job is
+cancelled with the reason. Revoking a key or deactivating a user cancels their jobs at once
+(``stop_jobs``, from the serving app's signal receivers); the check before each prompt also
+catches what sends no signal (a key's expiry, a bulk update).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 
 from django.conf import settings
@@ -31,6 +38,8 @@ from .bounds import JOB_PROMPTS, PROMPT_CHARS, check_max_tokens
 from .completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, complete, find_target
 from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
 from .text import InputError, Sampling, check_lengths, check_prompt, check_text_fits, encode_prompt
+
+log = logging.getLogger(__name__)
 
 RUN_JOB_OUTPUT_TASK = "controlplane.serving.tasks.run_job_output_task"  # one prompt of a job (queueing.py)
 
@@ -140,17 +149,25 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
     with transaction.atomic():
         # The job's lock first, then the output's: the order cancel_job takes them in. Locking both
         # at once took the output's first, and a cancel at that moment deadlocked on PostgreSQL.
-        job = Job.objects.select_for_update(of=("self",)).filter(outputs__pk=output_id).first()
+        locked_jobs = Job.objects.select_for_update(of=("self",)).select_related("owner", "api_key")
+        job = locked_jobs.filter(outputs__pk=output_id).first()
         output = JobOutput.objects.select_for_update().filter(pk=output_id).first()
         if job is None or output is None or output.status in (OutputStatus.DONE, OutputStatus.CANCELLED):
             return
         if job.status in ENDED:
             return
-        output.status, output.request_id = OutputStatus.RUNNING, uuid.uuid4().hex
-        output.save(update_fields=["status", "request_id"])
-        Job.objects.filter(pk=job.pk, status=JobStatus.QUEUED).update(
-            status=JobStatus.RUNNING, started_at=timezone.now()
-        )
+        reason = stop_reason(job)
+        if reason:
+            running = _cancel_locked(job, reason)
+        else:
+            output.status, output.request_id = OutputStatus.RUNNING, uuid.uuid4().hex
+            output.save(update_fields=["status", "request_id"])
+            Job.objects.filter(pk=job.pk, status=JobStatus.QUEUED).update(
+                status=JobStatus.RUNNING, started_at=timezone.now()
+            )
+    if reason:
+        _cancel_on_cluster(job.deployment_id, running)
+        return
     sampling = Sampling(job.temperature, job.top_p, job.seed)
     try:
         check_quota(key=job.api_key)
@@ -182,35 +199,84 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
 
 
 def record_result(*, output_id: int, result: CompletionResult) -> None:
-    """What the cluster returned for an output: its generated text and metrics made storable."""
-    status = OutputStatus.CANCELLED if result.finish_reason == "cancelled" else OutputStatus.DONE
+    """What the cluster returned for an output: its generated text and metrics made storable.
+    A cancelled one keeps the error its cancel wrote (why it was cancelled)."""
+    cancelled = result.finish_reason == "cancelled"
+    why = {} if cancelled else {"error": ""}
     JobOutput.objects.filter(pk=output_id).update(
-        status=status,
+        status=OutputStatus.CANCELLED if cancelled else OutputStatus.DONE,
         text=storable_text(result.text),
         token_ids=result.token_ids,
         finish_reason=result.finish_reason,
         metrics=storable_json(result.metrics),
-        error="",
         finished_at=timezone.now(),
+        **why,
     )
 
 
-def cancel_job(*, job: Job) -> Job:
-    """Cancel what has not run; a running output stops on the cluster after its current step."""
+def stop_reason(job: Job) -> str:
+    """Why ``job``'s prompts may run no more, or "" while they may: they run with the rights of the
+    key they were submitted with (none: a browser session) and of its owner."""
+    if not job.owner.is_active:
+        return "cancelled: the account that submitted this job was deactivated"
+    key = job.api_key
+    if key is not None and key.state != "active":
+        done = "was revoked" if key.revoked else "has expired"
+        return f"cancelled: the API key this job was submitted with ({key.prefix}…) {done}"
+    return ""
+
+
+def cancel_job(*, job: Job, reason: str = "") -> Job:
+    """Cancel what has not run; a running output stops on the cluster after its current step.
+    ``reason``: why, written to each output it cancels (empty: the user asked)."""
     with transaction.atomic():
         locked = Job.objects.select_for_update().get(pk=job.pk)
         if locked.status in ENDED:
             return locked
-        locked.outputs.filter(status=OutputStatus.QUEUED).update(status=OutputStatus.CANCELLED)
-        running = list(locked.outputs.filter(status=OutputStatus.RUNNING).values_list("request_id", flat=True))
-        locked.status, locked.finished_at = JobStatus.CANCELLED, timezone.now()
-        locked.save(update_fields=["status", "finished_at"])
-        deployment_id = locked.deployment_id
-    for request_id in running:
+        running = _cancel_locked(locked, reason)
+    _cancel_on_cluster(locked.deployment_id, running)
+    return locked
+
+
+def stop_jobs(*, owner_id: int | None = None, api_key_id: int | None = None) -> int:
+    """Cancel every job not ended, of ``owner_id`` or submitted with ``api_key_id``, that may run no
+    more (``stop_reason``, read now), with that reason; returns how many. What runs on a cluster
+    Redis cannot reach now is left to end: the check before each prompt stops the rest."""
+    unended = Job.objects.exclude(status__in=ENDED).select_related("owner", "api_key")
+    if owner_id is not None:
+        unended = unended.filter(owner_id=owner_id)
+    if api_key_id is not None:
+        unended = unended.filter(api_key_id=api_key_id)
+    stopped = 0
+    for job in unended:
+        reason = stop_reason(job)
+        if not reason:
+            continue
+        try:
+            cancel_job(job=job, reason=reason)
+        except (RedisError, OSError) as exc:
+            log.warning("job %s cancelled, but its running prompts could not be stopped now: %s", job.pk, exc)
+        stopped += 1
+    return stopped
+
+
+def _cancel_locked(job: Job, reason: str) -> list[str]:
+    """Cancel ``job`` (its row locked by the caller); returns its running outputs' request ids."""
+    outputs = job.outputs.all()
+    outputs.filter(status=OutputStatus.QUEUED).update(status=OutputStatus.CANCELLED, error=reason)
+    running = outputs.filter(status=OutputStatus.RUNNING)
+    ids = list(running.values_list("request_id", flat=True))
+    running.update(error=reason)  # kept when their result comes back cancelled
+    job.status, job.finished_at = JobStatus.CANCELLED, timezone.now()
+    job.save(update_fields=["status", "finished_at"])
+    return ids
+
+
+def _cancel_on_cluster(deployment_id: int | None, request_ids: list[str]) -> None:
+    for request_id in request_ids:
         if deployment_id is not None and request_id:
             with contextlib.suppress(ClusterUnavailable):  # the deployment is gone: nothing runs there
                 generation.cancel(deployment_id, request_id)
-    return locked
 
 
 def requeue_unfinished() -> int:

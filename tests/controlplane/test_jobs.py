@@ -1,0 +1,126 @@
+"""Jobs with their submitter's rights and bounded results: a revoked or expired key, or a deactivated
+user, stops what they queued; an output keeps a bounded summary of its metrics; a job's outputs
+come a page at a time; a user's stored job output has a quota, and an ended job can be deleted.
+(A job run by a real Celery worker on a live cluster is in test_serving_e2e.py.)"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from controlplane.accounts.models import ApiKey
+from controlplane.accounts.services import create_api_key
+from controlplane.serving import jobs
+from controlplane.serving.models import Job, JobOutput, JobStatus, OutputStatus
+from tests.controlplane.live import purge_stale_tasks
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def deployment(tiny_model: Path):
+    """A ready deployment named ``d`` with no cluster behind it: a prompt that reaches for the cluster
+    is told to try again later."""
+    from controlplane.artifacts.services import register_model
+    from controlplane.deployments.models import Deployment, DeploymentStatus
+
+    model = register_model(name="tiny", path=str(tiny_model))
+    made = Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
+    yield made
+    purge_stale_tasks()  # the submits queued tasks for a worker these tests have not
+
+
+@pytest.fixture
+def alice():
+    return get_user_model().objects.create_user("alice")
+
+
+def client_for(key: str) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    return client
+
+
+def submit(key: str, prompts: list[str], **fields) -> dict:
+    answer = client_for(key).post("/api/jobs", {"model": "d", "prompts": prompts, "max_tokens": 4, **fields})
+    assert answer.status_code == 201, answer.content
+    return answer.json()
+
+
+def outputs_of(job_id: str) -> list[tuple[str, str]]:
+    return list(JobOutput.objects.filter(job_id=job_id).order_by("index").values_list("status", "error"))
+
+
+# --- a job runs with its submitter's rights -------------------------------------------------------
+
+
+def expire(key: ApiKey) -> None:
+    ApiKey.objects.filter(pk=key.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+
+
+def revoke_without_a_signal(key: ApiKey) -> None:
+    ApiKey.objects.filter(pk=key.pk).update(revoked=True, revoked_at=timezone.now())
+
+
+def deactivate_without_a_signal(key: ApiKey) -> None:
+    get_user_model().objects.filter(pk=key.user_id).update(is_active=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (expire, "has expired"),
+        (revoke_without_a_signal, "was revoked"),
+        (deactivate_without_a_signal, "the account that submitted this job was deactivated"),
+    ],
+    ids=["key-expired", "key-revoked", "owner-deactivated"],
+)
+def test_a_jobs_next_prompt_checks_its_key_and_owner_and_cancels_the_rest_with_the_reason(
+    deployment, alice, change, said: str
+) -> None:
+    """Before, a job's queued prompts ran to the end whatever became of the key or the user."""
+    key, clear = create_api_key(user=alice, scopes=["inference"])
+    job = submit(clear, ["one", "two", "three"])
+    first, second, _ = JobOutput.objects.filter(job_id=job["id"]).order_by("index")
+    JobOutput.objects.filter(pk=first.pk).update(status=OutputStatus.DONE, text="ran before")
+    change(key)
+    jobs.run_output(output_id=second.pk)  # what the Celery task does; it never reaches for the cluster
+    statuses = outputs_of(job["id"])
+    assert statuses[0] == (OutputStatus.DONE, "")  # what ran is kept
+    assert [s for s, _ in statuses[1:]] == [OutputStatus.CANCELLED] * 2
+    assert all(said in error and error.startswith("cancelled: ") for _, error in statuses[1:]), statuses
+    assert Job.objects.get(pk=job["id"]).status == JobStatus.CANCELLED
+
+
+def test_revoking_a_key_cancels_what_it_queued_at_once_and_deactivating_its_user_the_rest(deployment, alice) -> None:
+    key, clear = create_api_key(user=alice, scopes=["inference"])
+    _, other = create_api_key(user=alice, scopes=["inference"])
+    revoked_jobs = [submit(clear, ["a", "b"])["id"], submit(clear, ["c"])["id"]]
+    kept = submit(other, ["d", "e"])["id"]
+    browser = APIClient()
+    browser.force_login(alice)
+    assert browser.delete(f"/api/keys/{key.pk}").status_code == 200  # the API keys page's revoke, through the API
+    for job_id in revoked_jobs:
+        assert Job.objects.get(pk=job_id).status == JobStatus.CANCELLED
+        assert all(s == OutputStatus.CANCELLED and "was revoked" in e for s, e in outputs_of(job_id))
+    assert Job.objects.get(pk=kept).status == JobStatus.QUEUED  # another key's job runs on
+    alice.is_active = False
+    alice.save()  # what the admin's user form does
+    assert Job.objects.get(pk=kept).status == JobStatus.CANCELLED
+    assert all("deactivated" in e for _, e in outputs_of(kept))
+
+
+def test_a_job_submitted_from_a_live_key_and_active_user_is_not_stopped(deployment, alice) -> None:
+    _, clear = create_api_key(user=alice, scopes=["inference"])
+    job = submit(clear, ["one"])
+    alice.first_name = "Alice"
+    alice.save()
+    assert jobs.stop_jobs(owner_id=alice.pk) == 0
+    (output,) = JobOutput.objects.filter(job_id=job["id"])
+    with pytest.raises(jobs.RetryLater):  # past the check: reaching for the cluster, which is not there
+        jobs.run_output(output_id=output.pk)
