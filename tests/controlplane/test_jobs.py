@@ -1,6 +1,5 @@
 """Jobs with their submitter's rights and bounded results: a revoked or expired key, or a deactivated
-user, stops what they queued; an output keeps a bounded summary of its metrics; a job's outputs
-come a page at a time; a user's stored job output has a quota, and an ended job can be deleted.
+user, stops what they queued; an output keeps a bounded summary of its metrics.
 (A job run by a real Celery worker on a live cluster is in test_serving_e2e.py.)"""
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from rest_framework.test import APIClient
 
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.services import create_api_key
-from controlplane.serving import jobs
+from controlplane.serving import jobs, results
 from controlplane.serving.models import Job, JobOutput, JobStatus, OutputStatus
 from tests.controlplane.live import purge_stale_tasks
 
@@ -124,3 +123,74 @@ def test_a_job_submitted_from_a_live_key_and_active_user_is_not_stopped(deployme
     (output,) = JobOutput.objects.filter(job_id=job["id"])
     with pytest.raises(jobs.RetryLater):  # past the check: reaching for the cluster, which is not there
         jobs.run_output(output_id=output.pk)
+
+
+# --- bounded results --------------------------------------------------------------------------------
+
+
+def per_step_record(steps: int, layers: int) -> list[dict]:
+    """A per-step record as the runtime reports it: about 450 bytes a layer a step."""
+    layer = {"real": [1, 5], "predicted": [1, 5], "wait_ms": 0.123, "worker_ms": 1.234, "dispatch_ms": 2.345}
+    layer |= {"breakdown_ms": {"main_before_send": 0.1, "hops": 0.2, "worker_python": 0.3}, "recall": 1.0}
+    return [{"step": s, "ms": 12.5, "layers": [{**layer, "layer": i} for i in range(layers)]} for s in range(steps)]
+
+
+SUMMARY = {"ttft_ms": 40.0, "decode_tok_s": 9.5, "recall": 0.97, "generated_tokens": 512, "groups": [[0, 1], [2, 3]]}
+
+
+def test_the_metrics_summary_drops_the_per_step_record_and_keeps_the_figures_whole() -> None:
+    metrics = {**SUMMARY, "per_step": per_step_record(513, 32), "per_step_omitted": 0}
+    assert results.metrics_summary(metrics) == SUMMARY
+    assert results.metrics_summary(["not", "a", "dict"]) == {}
+
+
+def test_a_summary_past_its_bound_leaves_out_its_largest_figures_first_and_names_them() -> None:
+    metrics = {**SUMMARY, "alignment_changes": [{"step": s, "token_period": 2} for s in range(2000)]}
+    summary = results.metrics_summary(metrics)
+    assert summary == {**SUMMARY, "omitted_metrics": ["alignment_changes"]}
+    assert results.json_bytes(summary) <= results.MAX_OUTPUT_METRICS_BYTES
+    assert results.metrics_summary({f"k{i}": i for i in range(5000)}, max_bytes=100) == {"omitted_metrics": ["*"]}
+
+
+def test_a_job_output_stores_a_bounded_summary_of_its_metrics_and_counts_its_bytes(deployment, alice) -> None:
+    """Before, each output stored the per-step record too: up to 4 MiB an output, 400 MB a job."""
+    from controlplane.serving.completions import CompletionResult
+
+    _, clear = create_api_key(user=alice)
+    job = submit(clear, ["Route every token"])
+    (output,) = JobOutput.objects.filter(job_id=job["id"])
+    assert output.stored_bytes == len(b"Route every token")
+    metrics = {**SUMMARY, "per_step": per_step_record(513, 32), "per_step_omitted": 1536}
+    assert results.json_bytes(metrics) > 2**20
+    result = CompletionResult(
+        text="é" * 10, token_ids=[7] * 10, finish_reason="length", prompt_tokens=4, metrics=metrics
+    )
+    jobs.record_result(output_id=output.pk, result=result)
+    output.refresh_from_db()
+    assert output.metrics == SUMMARY
+    assert output.stored_bytes == len(b"Route every token") + 20 + len("[7,7,7,7,7,7,7,7,7,7]") + results.json_bytes(
+        SUMMARY
+    )
+
+
+def test_the_migration_cuts_stored_outputs_metrics_to_their_summary_and_counts_their_bytes(alice) -> None:
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    before, after = [("serving", "0002_job_api_key")], [("serving", "0003_output_metrics_summary_and_stored_bytes")]
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    try:
+        apps = executor.loader.project_state(before).apps
+        old_job = apps.get_model("serving", "Job").objects.create(owner_id=alice.pk, model_name="d", max_tokens=4)
+        metrics = {**SUMMARY, "per_step": per_step_record(64, 32), "per_step_omitted": 0}
+        apps.get_model("serving", "JobOutput").objects.create(
+            job=old_job, index=0, prompt="hi", text="ok", token_ids=[1, 2], metrics=metrics
+        )
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.loader.build_graph()
+        executor.migrate(after)
+    (output,) = JobOutput.objects.all()
+    assert output.metrics == SUMMARY
+    assert output.stored_bytes == len("hi") + len("ok") + len("[1,2]") + results.json_bytes(SUMMARY)

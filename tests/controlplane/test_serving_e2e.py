@@ -250,7 +250,8 @@ def check_job_survives_its_worker_killed(served: Served) -> None:
     for output, prompt in zip(finished["outputs"], prompts, strict=True):
         assert output["status"] == "done" and output["finish_reason"] == "length"
         assert output["text"] == reference_text(served, tokenizer(prompt)["input_ids"], 10)
-        assert output["metrics"]["generated_tokens"] == 10 and output["metrics"]["per_step"]
+        # The summary figures are kept; the per-step record, which grows with the answer, is not.
+        assert output["metrics"]["generated_tokens"] == 10 and "per_step" not in output["metrics"]
     # Jobs are private to their owner; staff see them all.
     assert served.api(served.other_key).call("GET", f"/api/jobs/{job['id']}")[0] == 404
     assert served.api(served.staff_key).get(f"/api/jobs/{job['id']}")["owner"] == "alice"

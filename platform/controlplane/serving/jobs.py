@@ -11,6 +11,8 @@ it came with is still live and its owner still active (``stop_reason``), else th
 cancelled with the reason. Revoking a key or deactivating a user cancels their jobs at once
 (``stop_jobs``, from the serving app's signal receivers); the check before each prompt also
 catches what sends no signal (a key's expiry, a bulk update).
+
+What an output stores is bounded: a summary of its metrics (``results``), never the per-step record.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from . import metrics
 from .bounds import JOB_PROMPTS, PROMPT_CHARS, check_max_tokens
 from .completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, complete, find_target
 from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
+from .results import metrics_summary, stored_bytes
 from .text import InputError, Sampling, check_lengths, check_prompt, check_text_fits, encode_prompt
 
 log = logging.getLogger(__name__)
@@ -119,7 +122,7 @@ def submit_job(
             seed=sampling.seed,
         )
         outputs = JobOutput.objects.bulk_create(
-            JobOutput(job=job, index=i, prompt=p, prompt_tokens=n)
+            JobOutput(job=job, index=i, prompt=p, prompt_tokens=n, stored_bytes=stored_bytes(prompt=p))
             for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
         )
         ids = [o.pk for o in outputs]
@@ -199,16 +202,21 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
 
 
 def record_result(*, output_id: int, result: CompletionResult) -> None:
-    """What the cluster returned for an output: its generated text and metrics made storable.
-    A cancelled one keeps the error its cancel wrote (why it was cancelled)."""
+    """What the cluster returned for an output: its generated text, and the bounded summary of its
+    metrics (``results``), made storable. A cancelled one keeps the error its cancel wrote (why)."""
+    prompt = JobOutput.objects.filter(pk=output_id).values_list("prompt", flat=True).first()
+    if prompt is None:
+        return  # the output is gone
     cancelled = result.finish_reason == "cancelled"
     why = {} if cancelled else {"error": ""}
+    text, summary = storable_text(result.text), storable_json(metrics_summary(result.metrics))
     JobOutput.objects.filter(pk=output_id).update(
         status=OutputStatus.CANCELLED if cancelled else OutputStatus.DONE,
-        text=storable_text(result.text),
+        text=text,
         token_ids=result.token_ids,
         finish_reason=result.finish_reason,
-        metrics=storable_json(result.metrics),
+        metrics=summary,
+        stored_bytes=stored_bytes(prompt=prompt, text=text, token_ids=result.token_ids, metrics=summary),
         finished_at=timezone.now(),
         **why,
     )

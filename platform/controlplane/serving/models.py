@@ -1,4 +1,4 @@
-"""Jobs: batches of prompts run by Celery on a deployment, with every output and its metrics stored."""
+"""Jobs: batches of prompts run by Celery on a deployment, with every output and a summary of its metrics stored."""
 
 from __future__ import annotations
 
@@ -68,9 +68,12 @@ class JobOutput(models.Model):
     text = models.TextField(blank=True)
     token_ids = models.JSONField(default=list, blank=True)
     finish_reason = models.CharField(max_length=16, blank=True)
-    metrics = models.JSONField(default=dict, blank=True, help_text="the runtime's figures, per step included")
+    metrics = models.JSONField(default=dict, blank=True, help_text="the runtime's summary figures, without per step")
     error = models.TextField(blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    stored_bytes = models.PositiveBigIntegerField(
+        default=0, help_text="what its prompt, text, token ids and metrics take: counted to its owner's job storage"
+    )
 
     class Meta:
         ordering = ["job", "index"]
