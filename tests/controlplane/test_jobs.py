@@ -1,5 +1,6 @@
 """Jobs with their submitter's rights and bounded results: a revoked or expired key, or a deactivated
-user, stops what they queued; an output keeps a bounded summary of its metrics.
+user, stops what they queued; an output keeps a bounded summary of its metrics; a job's outputs
+come a page at a time.
 (A job run by a real Celery worker on a live cluster is in test_serving_e2e.py.)"""
 
 from __future__ import annotations
@@ -171,6 +172,23 @@ def test_a_job_output_stores_a_bounded_summary_of_its_metrics_and_counts_its_byt
     assert output.stored_bytes == len(b"Route every token") + 20 + len("[7,7,7,7,7,7,7,7,7,7]") + results.json_bytes(
         SUMMARY
     )
+
+
+def test_a_jobs_detail_counts_its_outputs_and_the_outputs_come_a_page_at_a_time(deployment, alice) -> None:
+    """Before, the detail carried every output with its metrics: about 400 MB of JSON for a
+    Mixtral-size job of 100 prompts, built in one answer."""
+    _, clear = create_api_key(user=alice)
+    job = submit(clear, [f"prompt {i}" for i in range(5)])
+    detail = client_for(clear).get(f"/api/jobs/{job['id']}").json()
+    assert "outputs" not in detail and detail["prompts"] == 5
+    assert detail["outputs_by_status"] == {"queued": 5, "running": 0, "done": 0, "failed": 0, "cancelled": 0}
+    assert detail["stored_bytes"] == 5 * len(b"prompt 0")
+    page = client_for(clear).get(f"/api/jobs/{job['id']}/outputs?limit=2&offset=2").json()
+    assert page["count"] == 5 and [o["prompt"] for o in page["results"]] == ["prompt 2", "prompt 3"]
+    assert "offset=4" in page["next"] and "per_step" not in page["results"][0]["metrics"]
+    assert client_for(clear).get("/api/jobs").json()["results"][0]["prompts"] == 5
+    _, other = create_api_key(user=get_user_model().objects.create_user("bob"))
+    assert client_for(other).get(f"/api/jobs/{job['id']}/outputs").status_code == 404  # private to its owner
 
 
 def test_the_migration_cuts_stored_outputs_metrics_to_their_summary_and_counts_their_bytes(alice) -> None:

@@ -23,7 +23,7 @@ import redis
 from inference.runtime.textstream import load_tokenizer
 from tests.controlplane.conftest import ServedOnOwnRedis
 from tests.controlplane.live import SERVED_MODEL, Served
-from tests.controlplane.test_serving_e2e import MESSAGES, chat_prompt_ids, reference_text, wait_job
+from tests.controlplane.test_serving_e2e import MESSAGES, chat_prompt_ids, job_outputs, reference_text, wait_job
 
 PROMPTS = ["Mixture of experts", "Route every token", "to a few experts", "on demand", "and evict them", "again"]
 TOKENS = 12
@@ -119,8 +119,9 @@ def test_agents_reconnect_and_nothing_is_lost_when_the_control_plane_and_redis_r
     # No job lost: its queued tasks went with Redis, its running ones with their links; all ran again.
     finished = wait_job(alice, job["id"], lambda j: j["status"] in ("succeeded", "failed"), timeout_s=120)
     assert finished["status"] == "succeeded", finished
-    assert [o["status"] for o in finished["outputs"]] == ["done"] * len(PROMPTS)
-    assert [o["text"] for o in finished["outputs"]] == expected
+    outputs = job_outputs(alice, job["id"])
+    assert [o["status"] for o in outputs] == ["done"] * len(PROMPTS)
+    assert [o["text"] for o in outputs] == expected
 
     # The console shows the reconnection: every node online again, on a link that came up after the restart.
     shown = console_nodes(served)

@@ -1,7 +1,11 @@
-"""Jobs REST API: ``POST /api/jobs``, ``GET /api/jobs``, ``GET /api/jobs/<id>``, ``POST /api/jobs/<id>/cancel``.
+"""Jobs REST API: ``POST /api/jobs``, ``GET /api/jobs``, ``GET /api/jobs/<id>``,
+``GET /api/jobs/<id>/outputs``, ``POST /api/jobs/<id>/cancel``.
 
 Any logged-in user or API key may submit jobs; each sees their own, staff see all. A job that
 would take a user past ``MAX_ACTIVE_JOB_PROMPTS_PER_USER`` prompts queued or running is a 429.
+A job's detail counts its outputs by state; the outputs themselves (prompt, text, token ids, a
+summary of the metrics) come a page at a time, as every list does (``controlplane.pagination``):
+the detail's size never grows with the job.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.exceptions import NotFound
+from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -20,7 +25,7 @@ from controlplane.accounts.scopes import Scope
 from controlplane.accounts.services import QuotaExceeded
 from controlplane.pagination import paginated
 
-from . import jobs
+from . import jobs, selectors
 from .bounds import JOB_PROMPTS, MAX_TOKENS, PROMPT_CHARS
 from .completions import ClusterUnavailable, ModelNotFound
 from .models import Job, JobOutput
@@ -41,13 +46,26 @@ class JobOutputSerializer(serializers.ModelSerializer):
             "metrics",
             "error",
             "finished_at",
+            "stored_bytes",
         ]
 
 
+class OutputCountsSerializer(serializers.Serializer):
+    """How many of a job's outputs are in each state (``selectors.visible_jobs`` counts them)."""
+
+    queued = serializers.IntegerField(source="outputs_queued")
+    running = serializers.IntegerField(source="outputs_running")
+    done = serializers.IntegerField(source="outputs_done")
+    failed = serializers.IntegerField(source="outputs_failed")
+    cancelled = serializers.IntegerField(source="outputs_cancelled")
+
+
 class JobSerializer(serializers.ModelSerializer):
-    outputs = JobOutputSerializer(many=True)
     owner = serializers.CharField(source="owner.username")
     model = serializers.CharField(source="model_name")
+    prompts = serializers.IntegerField(help_text="how many prompts (outputs) the job has")
+    outputs_by_status = OutputCountsSerializer(source="*", read_only=True)
+    stored_bytes = serializers.IntegerField(help_text="what its outputs store")
 
     class Meta:
         model = Job
@@ -63,18 +81,16 @@ class JobSerializer(serializers.ModelSerializer):
             "created_at",
             "started_at",
             "finished_at",
-            "outputs",
+            "prompts",
+            "outputs_by_status",
+            "stored_bytes",
         ]
-
-
-class JobSummarySerializer(JobSerializer):
-    class Meta(JobSerializer.Meta):
-        fields = [f for f in JobSerializer.Meta.fields if f != "outputs"]
 
 
 class JobListApi(APIView):
     permission_classes = [IsAuthenticated, KeyScopes]
     write_scope = Scope.INFERENCE
+    pagination_class = LimitOffsetPagination  # for the schema: ``paginated`` pages the answer
 
     @extend_schema_serializer(component_name="JobInput")
     class InputSerializer(serializers.Serializer):
@@ -104,12 +120,9 @@ class JobListApi(APIView):
                 raise serializers.ValidationError({"top_p": "top_p must be above 0"})
             return data
 
-    @extend_schema(responses=JobSummarySerializer(many=True))
+    @extend_schema(responses=JobSerializer(many=True))
     def get(self, request: Request) -> Response:
-        visible = Job.objects.select_related("owner")
-        if not request.user.is_staff:
-            visible = visible.filter(owner=request.user)
-        return paginated(request, visible, JobSummarySerializer)
+        return paginated(request, selectors.visible_jobs(user=request.user), JobSerializer)
 
     @extend_schema(request=InputSerializer, responses={201: JobSerializer})
     def post(self, request: Request) -> Response:
@@ -150,6 +163,18 @@ class JobDetailApi(APIView):
         return Response(JobSerializer(_job(request, job_id)).data)
 
 
+class JobOutputListApi(APIView):
+    """GET /api/jobs/<id>/outputs: the job's outputs in prompt order, a page at a time."""
+
+    permission_classes = [IsAuthenticated, KeyScopes]
+    write_scope = Scope.INFERENCE
+    pagination_class = LimitOffsetPagination  # for the schema: ``paginated`` pages the answer
+
+    @extend_schema(responses=JobOutputSerializer(many=True))
+    def get(self, request: Request, job_id) -> Response:
+        return paginated(request, selectors.job_outputs(job=_job(request, job_id)), JobOutputSerializer)
+
+
 class JobCancelApi(APIView):
     permission_classes = [IsAuthenticated, KeyScopes]
     write_scope = Scope.INFERENCE
@@ -161,7 +186,7 @@ class JobCancelApi(APIView):
 
 
 def _job(request: Request, job_id) -> Job:
-    found = Job.objects.select_related("owner").prefetch_related("outputs").filter(pk=job_id).first()
-    if found is None or (found.owner_id != request.user.pk and not request.user.is_staff):
+    found = selectors.visible_jobs(user=request.user).filter(pk=job_id).first()
+    if found is None:
         raise NotFound(f"no job {job_id}")
     return found

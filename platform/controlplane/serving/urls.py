@@ -9,5 +9,6 @@ urlpatterns = [
     path("v1/completions", openai_api.completions, name="openai-completions"),
     path("api/jobs", jobs_api.JobListApi.as_view(), name="jobs"),
     path("api/jobs/<uuid:job_id>", jobs_api.JobDetailApi.as_view(), name="job-detail"),
+    path("api/jobs/<uuid:job_id>/outputs", jobs_api.JobOutputListApi.as_view(), name="job-outputs"),
     path("api/jobs/<uuid:job_id>/cancel", jobs_api.JobCancelApi.as_view(), name="job-cancel"),
 ]
