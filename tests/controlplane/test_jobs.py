@@ -1,6 +1,6 @@
 """Jobs with their submitter's rights and bounded results: a revoked or expired key, or a deactivated
 user, stops what they queued; an output keeps a bounded summary of its metrics; a job's outputs
-come a page at a time.
+come a page at a time; a user's stored job output has a quota, and an ended job can be deleted.
 (A job run by a real Celery worker on a live cluster is in test_serving_e2e.py.)"""
 
 from __future__ import annotations
@@ -189,6 +189,39 @@ def test_a_jobs_detail_counts_its_outputs_and_the_outputs_come_a_page_at_a_time(
     assert client_for(clear).get("/api/jobs").json()["results"][0]["prompts"] == 5
     _, other = create_api_key(user=get_user_model().objects.create_user("bob"))
     assert client_for(other).get(f"/api/jobs/{job['id']}/outputs").status_code == 404  # private to its owner
+
+
+def test_a_submit_past_the_users_job_storage_is_refused_saying_how_much_and_how_to_make_room(
+    deployment, alice, settings
+) -> None:
+    settings.MAX_STORED_JOB_BYTES_PER_USER = 100
+    _, clear = create_api_key(user=alice)
+    first = submit(clear, ["x" * 60])
+    refused = client_for(clear).post("/api/jobs", {"model": "d", "prompts": ["y" * 30, "z" * 20], "max_tokens": 4})
+    assert refused.status_code == 413, refused.content
+    body = refused.json()
+    assert (body["code"], body["stored_bytes"], body["adding_bytes"], body["quota_bytes"]) == (
+        "job_storage_full",
+        60,
+        50,
+        100,
+    )
+    assert body["detail"].startswith(
+        "your jobs store 0.0 MiB of prompts, answers and metrics, and this job's prompts add"
+    )
+    assert "DELETE /api/jobs/<id>" in body["detail"]
+    assert (Job.objects.count(), JobOutput.objects.count()) == (1, 1)  # nothing of it was stored
+    _, bobs = create_api_key(user=get_user_model().objects.create_user("bob"))
+    assert client_for(bobs).get(f"/api/jobs/{first['id']}").status_code == 404
+    assert client_for(bobs).delete(f"/api/jobs/{first['id']}").status_code == 404  # not bob's to delete
+    submit(bobs, ["y" * 30, "z" * 20])  # a quota per user
+
+    running = client_for(clear).delete(f"/api/jobs/{first['id']}")
+    assert running.status_code == 409 and "cancel it first" in running.json()["detail"]
+    assert client_for(clear).post(f"/api/jobs/{first['id']}/cancel").status_code == 200
+    assert client_for(clear).delete(f"/api/jobs/{first['id']}").status_code == 204
+    assert not JobOutput.objects.filter(job_id=first["id"]).exists()
+    submit(clear, ["y" * 30, "z" * 20])  # room made
 
 
 def test_the_migration_cuts_stored_outputs_metrics_to_their_summary_and_counts_their_bytes(alice) -> None:

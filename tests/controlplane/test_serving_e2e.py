@@ -285,6 +285,9 @@ def check_job_cancel(served: Served) -> None:
     )
     counts = final["outputs_by_status"]
     assert counts["cancelled"] + counts["done"] == 6 and counts["cancelled"] >= 5
+    # Ended, it can be deleted, and what it stored with it.
+    assert alice.call("DELETE", f"/api/jobs/{job['id']}")[0] == 204
+    assert alice.call("GET", f"/api/jobs/{job['id']}")[0] == 404
     bad = alice.call("POST", "/api/jobs", {"model": MODEL, "prompt": "x", "max_tokens": 0})
     assert bad[0] == 400 and "max_tokens" in bad[1]
 

@@ -1,4 +1,4 @@
-"""Writes of jobs: submit, run one output (from a Celery task), cancel.
+"""Writes of jobs: submit, run one output (from a Celery task), cancel, delete.
 
 Each output is its own Celery task, acknowledged late and idempotent: a worker that stops
 mid-job leaves the remaining outputs queued in Redis, and a task that runs twice finds its
@@ -12,7 +12,9 @@ cancelled with the reason. Revoking a key or deactivating a user cancels their j
 (``stop_jobs``, from the serving app's signal receivers); the check before each prompt also
 catches what sends no signal (a key's expiry, a bulk update).
 
-What an output stores is bounded: a summary of its metrics (``results``), never the per-step record.
+What a user's jobs store is bounded: an output keeps a summary of its metrics (``results``), and
+a job whose prompts would take its owner's stored job output past
+``MAX_STORED_JOB_BYTES_PER_USER`` is refused (``JobStorageFull``) until ended jobs are deleted.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .bounds import JOB_PROMPTS, PROMPT_CHARS, check_max_tokens
 from .completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, complete, find_target
 from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
 from .results import metrics_summary, stored_bytes
+from .selectors import stored_job_bytes
 from .text import InputError, Sampling, check_lengths, check_prompt, check_text_fits, encode_prompt
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,29 @@ def _check_active_prompts(owner: AbstractBaseUser, adding: int) -> None:
         raise TooManyActivePrompts(active, adding, limit)
 
 
+class JobStorageFull(Exception):
+    """The user's jobs already store so much that this job's prompts would take them past their quota."""
+
+    def __init__(self, stored: int, adding: int, quota: int) -> None:
+        super().__init__(
+            f"your jobs store {_mib(stored)} of prompts, answers and metrics, and this job's prompts add "
+            f"{_mib(adding)}: at most {_mib(quota)} per user; delete ended jobs you no longer need "
+            "(DELETE /api/jobs/<id>; cancel a running one first) to make room"
+        )
+        self.stored, self.adding, self.quota = stored, adding, quota
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def _check_storage(owner: AbstractBaseUser, adding: int) -> None:
+    quota = settings.MAX_STORED_JOB_BYTES_PER_USER
+    stored = stored_job_bytes(owner=owner)
+    if stored + adding > quota:
+        raise JobStorageFull(stored, adding, quota)
+
+
 def submit_job(
     *,
     owner: AbstractBaseUser,
@@ -86,7 +112,9 @@ def submit_job(
 
     A user's jobs hold at most ``MAX_ACTIVE_JOB_PROMPTS_PER_USER`` prompts that are queued or
     running (``TooManyActivePrompts``): jobs run from one queue in the order they came, so one
-    user's thousands of prompts would hold everyone else's behind them.
+    user's thousands of prompts would hold everyone else's behind them. What they store stays
+    within ``MAX_STORED_JOB_BYTES_PER_USER`` with this job's prompts (``JobStorageFull``); the
+    answers of jobs already taken are always kept, so it can be passed by those.
     """
     if not prompts:
         raise InputError("a job takes at least one prompt", param="prompts")
@@ -95,7 +123,10 @@ def submit_job(
         PROMPT_CHARS.check(len(prompt), f"prompts[{i}]")
     check_max_tokens(max_tokens)
     check_quota(key=api_key)
-    _check_active_prompts(owner, len(prompts))  # before tokenizing them: cheap, and said at once
+    sizes = [stored_bytes(prompt=p) for p in prompts]
+    # Before tokenizing them: cheap, and said at once.
+    _check_active_prompts(owner, len(prompts))
+    _check_storage(owner, sum(sizes))
     target = find_target(model)
     lengths = []
     for i, prompt in enumerate(prompts):
@@ -111,6 +142,7 @@ def submit_job(
         # Counted again under a lock on the owner: two submits at once cannot both pass the cap.
         get_user_model().objects.select_for_update().get(pk=owner.pk)
         _check_active_prompts(owner, len(prompts))
+        _check_storage(owner, sum(sizes))
         job = Job.objects.create(
             owner=owner,
             api_key=api_key,
@@ -122,8 +154,8 @@ def submit_job(
             seed=sampling.seed,
         )
         outputs = JobOutput.objects.bulk_create(
-            JobOutput(job=job, index=i, prompt=p, prompt_tokens=n, stored_bytes=stored_bytes(prompt=p))
-            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+            JobOutput(job=job, index=i, prompt=p, prompt_tokens=n, stored_bytes=size)
+            for i, (p, n, size) in enumerate(zip(prompts, lengths, sizes, strict=True))
         )
         ids = [o.pk for o in outputs]
         transaction.on_commit(lambda: [queue_task(RUN_JOB_OUTPUT_TASK, pk) for pk in ids])
@@ -206,7 +238,7 @@ def record_result(*, output_id: int, result: CompletionResult) -> None:
     metrics (``results``), made storable. A cancelled one keeps the error its cancel wrote (why)."""
     prompt = JobOutput.objects.filter(pk=output_id).values_list("prompt", flat=True).first()
     if prompt is None:
-        return  # the output is gone
+        return  # its job was deleted (cancelled, then deleted while this prompt ran)
     cancelled = result.finish_reason == "cancelled"
     why = {} if cancelled else {"error": ""}
     text, summary = storable_text(result.text), storable_json(metrics_summary(result.metrics))
@@ -244,6 +276,28 @@ def cancel_job(*, job: Job, reason: str = "") -> Job:
         running = _cancel_locked(locked, reason)
     _cancel_on_cluster(locked.deployment_id, running)
     return locked
+
+
+class JobNotEnded(Exception):
+    """A job that is queued or running cannot be deleted: its prompts still write to it."""
+
+    def __init__(self, job: Job) -> None:
+        super().__init__(
+            f"job {job.pk} is {job.status}: cancel it first (POST /api/jobs/{job.pk}/cancel), then delete it"
+        )
+
+
+def delete_job(*, job: Job) -> None:
+    """Delete an ended job and its outputs, freeing what they took of its owner's job storage
+    (``JobNotEnded`` while it runs). A prompt of a cancelled job still running on the cluster ends
+    there and its result is dropped."""
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().filter(pk=job.pk).first()
+        if locked is None:
+            return
+        if locked.status not in ENDED:
+            raise JobNotEnded(locked)
+        locked.delete()
 
 
 def stop_jobs(*, owner_id: int | None = None, api_key_id: int | None = None) -> int:
@@ -301,8 +355,8 @@ def requeue_unfinished() -> int:
 
 def _finish_if_done(job_id: uuid.UUID) -> None:
     with transaction.atomic():
-        job = Job.objects.select_for_update().get(pk=job_id)
-        if job.status in ENDED:
+        job = Job.objects.select_for_update().filter(pk=job_id).first()
+        if job is None or job.status in ENDED:  # None: deleted once cancelled
             return
         states = set(job.outputs.values_list("status", flat=True))
         if states & {OutputStatus.QUEUED, OutputStatus.RUNNING}:

@@ -1,8 +1,10 @@
-"""Jobs REST API: ``POST /api/jobs``, ``GET /api/jobs``, ``GET /api/jobs/<id>``,
+"""Jobs REST API: ``POST /api/jobs``, ``GET /api/jobs``, ``GET`` and ``DELETE /api/jobs/<id>``,
 ``GET /api/jobs/<id>/outputs``, ``POST /api/jobs/<id>/cancel``.
 
 Any logged-in user or API key may submit jobs; each sees their own, staff see all. A job that
-would take a user past ``MAX_ACTIVE_JOB_PROMPTS_PER_USER`` prompts queued or running is a 429.
+would take a user past ``MAX_ACTIVE_JOB_PROMPTS_PER_USER`` prompts queued or running is a 429;
+one whose prompts would take what the user's jobs store past ``MAX_STORED_JOB_BYTES_PER_USER``
+is a 413 until the user deletes ended jobs (``DELETE``: a 409 for a job still queued or running).
 A job's detail counts its outputs by state; the outputs themselves (prompt, text, token ids, a
 summary of the metrics) come a page at a time, as every list does (``controlplane.pagination``):
 the detail's size never grows with the job.
@@ -65,7 +67,7 @@ class JobSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model_name")
     prompts = serializers.IntegerField(help_text="how many prompts (outputs) the job has")
     outputs_by_status = OutputCountsSerializer(source="*", read_only=True)
-    stored_bytes = serializers.IntegerField(help_text="what its outputs store")
+    stored_bytes = serializers.IntegerField(help_text="what its outputs store, counted to the owner's job storage")
 
     class Meta:
         model = Job
@@ -143,6 +145,15 @@ class JobListApi(APIView):
             return Response({"detail": str(exc), "param": exc.param}, status=status.HTTP_400_BAD_REQUEST)
         except jobs.TooManyActivePrompts as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS)
+        except jobs.JobStorageFull as exc:
+            body = {
+                "detail": str(exc),
+                "code": "job_storage_full",
+                "stored_bytes": exc.stored,
+                "adding_bytes": exc.adding,
+                "quota_bytes": exc.quota,
+            }
+            return Response(body, status=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
         except QuotaExceeded as exc:
             headers = {"Retry-After": str(exc.retry_after_s)}
             body = {"detail": str(exc), "code": "quota_exceeded"}
@@ -161,6 +172,15 @@ class JobDetailApi(APIView):
     @extend_schema(responses=JobSerializer)
     def get(self, request: Request, job_id) -> Response:
         return Response(JobSerializer(_job(request, job_id)).data)
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, job_id) -> Response:
+        """Delete an ended job and its outputs (409 while it is queued or running: cancel it first)."""
+        try:
+            jobs.delete_job(job=_job(request, job_id))
+        except jobs.JobNotEnded as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 class JobOutputListApi(APIView):

@@ -1,4 +1,4 @@
-"""Reads of jobs: the jobs a user may see with their outputs counted, and a job's outputs."""
+"""Reads of jobs: the jobs a user may see with their outputs counted, a job's outputs, what a user's jobs store."""
 
 from __future__ import annotations
 
@@ -25,3 +25,8 @@ def visible_jobs(*, user: AbstractBaseUser) -> QuerySet[Job]:
 
 def job_outputs(*, job: Job) -> QuerySet[JobOutput]:
     return job.outputs.order_by("index")
+
+
+def stored_job_bytes(*, owner: AbstractBaseUser) -> int:
+    """What ``owner``'s jobs store (``JobOutput.stored_bytes``), for their quota."""
+    return JobOutput.objects.filter(job__owner=owner).aggregate(total=Sum("stored_bytes", default=0))["total"]

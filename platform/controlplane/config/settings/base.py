@@ -28,6 +28,7 @@
 | ``ODMOE_THROTTLE_CHAT`` | chat messages per user | 20/minute |
 | ``ODMOE_MAX_ACTIVE_JOB_PROMPTS_PER_USER`` | prompts a user's jobs may have queued or running (429) | 200 |
 | ``ODMOE_METRICS_TOKEN`` | the bearer token Prometheus scrapes ``/metrics`` with (production: the only way in) | none |
+| ``ODMOE_MAX_STORED_JOB_BYTES_PER_USER`` | bytes a user's jobs may store: prompts, answers, metrics (413) | 268435456 |
 
 ``deploy/odmoe.env.example`` lists them all for a production host.
 """
@@ -221,6 +222,14 @@ MAX_ACTIVE_JOB_PROMPTS_PER_USER = int(os.environ.get("ODMOE_MAX_ACTIVE_JOB_PROMP
 # the token alone (METRICS_TOKEN_ONLY), and serves /metrics to nobody without one.
 METRICS_TOKEN = os.environ.get("ODMOE_METRICS_TOKEN", "")
 METRICS_TOKEN_ONLY = False
+
+# Bytes one user's jobs may store: their prompts, answers (text and token ids) and metrics summaries
+# (serving/jobs.py; a submit past it is a 413 until ended jobs are deleted). Every job is kept until
+# its owner deletes it, so without a bound the database grows with every job. 256 MiB: the largest
+# job (100 prompts that fill a 32k-token context, the body cap's reason, and their 4,096-token
+# answers) stores about 20 MB, so a dozen of those, or some 40,000 outputs of a 1 KB prompt and a
+# 256-token answer (about 6 KB each); a hundred users then hold at most 25 GiB.
+MAX_STORED_JOB_BYTES_PER_USER = int(os.environ.get("ODMOE_MAX_STORED_JOB_BYTES_PER_USER", str(256 * 2**20)))
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "odmoe control plane API",
