@@ -292,6 +292,24 @@ def check_job_cancel(served: Served) -> None:
     assert bad[0] == 400 and "max_tokens" in bad[1]
 
 
+def check_job_stops_when_its_key_is_revoked(served: Served) -> None:
+    """Revoking the key a job was submitted with stops the job at once: its queued prompts and the
+    one running on the cluster, each saying why."""
+    staff = served.api(served.staff_key)
+    key = staff.post("/api/keys", {"name": "batch", "scopes": ["inference"]}, expect=201)
+    body = {"model": MODEL, "prompts": ["a b c"] * 6, "max_tokens": 200, "temperature": 0}
+    job = served.api(key["key"]).post("/api/jobs", body, expect=201)
+    wait_job(staff, job["id"], lambda j: j["outputs_by_status"]["running"] > 0)
+    staff.call("DELETE", f"/api/keys/{key['id']}", expect=200)
+    assert staff.get(f"/api/jobs/{job['id']}")["status"] == "cancelled"  # at once, not prompt after prompt
+    final = wait_job(
+        staff, job["id"], lambda j: j["outputs_by_status"]["queued"] + j["outputs_by_status"]["running"] == 0
+    )
+    assert final["outputs_by_status"]["cancelled"] >= 5
+    for output in job_outputs(staff, job["id"]):
+        assert output["status"] == "done" or "was revoked" in output["error"], output
+
+
 def check_usage_and_quota(served: Served) -> None:
     """Each key's tokens counted as its calls answer (the OpenAI API, streamed or not, and a job run
     by Celery), exported to /metrics; a key with a quota of 1 token runs the call it starts below it,
@@ -741,6 +759,7 @@ def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served) -> None:
     check_usage_and_quota(served)
     check_chat(served)
     check_job_survives_its_worker_killed(served)
+    check_job_stops_when_its_key_is_revoked(served)
     check_job_cancel(served)
 
 
