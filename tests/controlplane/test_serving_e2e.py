@@ -274,8 +274,11 @@ def check_job_survives_its_worker_killed(served: Served) -> None:
 
 def check_job_cancel(served: Served) -> None:
     alice = served.api(served.user_key)
+    # Long answers (most of the tiny model's 1,024-token context): a prompt may finish between the poll
+    # that sees the job running and the cancel, and under a loaded machine 200 tokens were short
+    # enough for two to; a cancelled prompt stops at once whatever its max_tokens.
     job = alice.post(
-        "/api/jobs", {"model": MODEL, "prompts": ["a b c"] * 6, "max_tokens": 200, "temperature": 0}, expect=201
+        "/api/jobs", {"model": MODEL, "prompts": ["a b c"] * 6, "max_tokens": 900, "temperature": 0}, expect=201
     )
     wait_job(alice, job["id"], lambda j: j["status"] == "running")
     cancelled = alice.post(f"/api/jobs/{job['id']}/cancel")
