@@ -9,6 +9,7 @@ from pathlib import Path
 import llguidance
 import pytest
 
+from controlplane.serving import structured
 from controlplane.serving.structured import conversation, read_structure, tool_calls, with_tools
 from controlplane.serving.text import InputError, check_messages
 
@@ -136,3 +137,48 @@ def test_a_past_call_that_is_not_one_is_refused_naming_it() -> None:
     with pytest.raises(InputError) as refused:
         conversation(broken, [TOOL], reads_tools=False)
     assert refused.value.param == "messages[1].tool_calls[0]"
+
+
+def _optional_properties(n: int) -> dict:
+    """An object of ``n`` optional properties: about 8 grammar symbols each, its compile growing
+    with their square (the shape that cost seconds in the hostile-tenant report)."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "null"} for i in range(n)}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": _optional_properties(5200)},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": _optional_properties(5200)}}]},
+            "tools",
+        ),
+    ],
+)
+def test_a_schema_past_a_grammar_limit_is_refused_naming_the_parameter_and_the_limit(body: dict, param: str) -> None:
+    # 139 KB, under every byte bound, and compiles to more than max_grammar_size's 40,000 symbols:
+    # refused by a count of llguidance's, so the same way on any machine under any load.
+    with pytest.raises(InputError) as refused:
+        read_structure(body)
+    assert refused.value.param == param and refused.value.code == "invalid_schema"
+    assert "over the limit max_grammar_size = 40000 grammar symbols" in str(refused.value)
+    with pytest.raises(InputError) as again:
+        read_structure(body)
+    assert str(again.value) == str(refused.value)
+
+
+def test_a_schema_is_compiled_once_however_often_it_comes() -> None:
+    schema = {"type": "object", "properties": {"once": {"type": "integer", "maximum": 7}}, "required": ["once"]}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    compiled_before = structured._CHECKED.misses
+    grammars = {read_structure(body).grammar for _ in range(5)}
+    assert len(grammars) == 1
+    assert structured._CHECKED.misses == compiled_before + 1

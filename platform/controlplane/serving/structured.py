@@ -21,8 +21,11 @@ answer is read back with
 ``tool_calls``: one whose text is a whole call becomes ``message.tool_calls`` with
 ``finish_reason: "tool_calls"``; anything else stays text.
 
-Grammars are validated here, before the request goes anywhere (a schema llguidance cannot
-compile is a 400 naming the parameter); main compiles them again against the model's tokenizer.
+Grammars are compiled here, before the request goes anywhere, under the grammar limits main
+compiles them under (``inference.wire.grammar``): a schema llguidance cannot compile, or one past
+a limit, is a 400 naming the parameter (and the limit), so what main would refuse never leaves
+the web process. Each distinct grammar is compiled once per web process (its verdict kept by its
+digest, the last ``CHECKED_GRAMMARS``); main compiles it again for the model's tokenizer.
 Before any of this the request's schemas and tools are held to their size bounds
 (``bounds.check_openai_request``), so what is built here stays within main's grammar cap and
 the agent link's frame.
@@ -36,12 +39,16 @@ from dataclasses import dataclass, field
 
 import llguidance
 
+from inference.wire.grammar import BYTE_TOKENIZER, Compiled, CompiledGrammars, compile_grammar, digest
+
 from .bounds import TOOLS, compact_json
 from .text import InputError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 INVALID_SCHEMA = "invalid_schema"
 COMPACT = {"whitespace_flexible": False}  # JSON without free whitespace (llguidance's options)
+CHECKED_GRAMMARS = 1024  # grammars whose verdict a web process keeps (a digest and a sentence each)
+_CHECKED = CompiledGrammars(max_entries=CHECKED_GRAMMARS)  # verdicts only: no matcher is kept here
 
 
 @dataclass(frozen=True)
@@ -172,10 +179,20 @@ def _json_grammar(schema: dict, param: str) -> str:
 
 
 def _check(grammar: str, param: str) -> None:
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if failed:
-        reason = messages[0] if messages else "no reason given"
-        raise InputError(f"{param}: the schema cannot be used: {reason}", param=param, code=INVALID_SCHEMA)
+    """A 400 naming ``param`` unless ``grammar`` compiles under main's grammar limits.
+
+    Compiled once per distinct grammar (``_CHECKED``); a compile takes up to seconds for the
+    largest grammars the limits admit, here in the request's worker thread (llguidance lets go
+    of the GIL), never on the event loop.
+    """
+    key = digest(grammar)
+    checked = _CHECKED.get(key)
+    if checked is None:
+        _, problem = compile_grammar(grammar, BYTE_TOKENIZER)
+        checked = Compiled(None, problem, 0)
+        _CHECKED.put(key, checked)
+    if checked.problem:
+        raise InputError(f"{param}: the schema cannot be used: {checked.problem}", param=param, code=INVALID_SCHEMA)
 
 
 def tool_system_message(tools: list[dict]) -> str:
