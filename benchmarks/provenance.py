@@ -1,4 +1,4 @@
-"""Where a recorded result came from: the commit it was measured at."""
+"""Where a recorded result came from: the commit it was measured at, and whether the tree was that commit."""
 
 from __future__ import annotations
 
@@ -15,3 +15,13 @@ def commit() -> str:
     except OSError:  # no git on this machine
         return ""
     return run.stdout.strip() if run.returncode == 0 else ""
+
+
+def dirty() -> bool | None:
+    """Whether the checkout's tracked files differ from its commit (None outside a git checkout): a
+    result measured on uncommitted changes names their parent as its commit."""
+    try:
+        run = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return None
+    return bool(run.stdout.strip()) if run.returncode == 0 else None

@@ -156,7 +156,7 @@ PAGES: tuple[Page, ...] = (
     Page("families", "Model families", ()),
     Page("gpu", "GPU check", ("gpu-*.json",)),
     Page("faults", "Faults", ("faults.json",)),
-    Page("grammars", "Grammar libraries", ("grammars.json",)),
+    Page("grammars", "Grammar libraries", ("grammars.json", "grammar-compiles*.json")),
     Page("load", "The control plane under load", ("load-*.json",)),
     Page("not-reached", "Not reached", ()),
     Page(

@@ -8,7 +8,8 @@ first token's parser row 32,007 items long. llguidance counts its work in its ow
 symbols, lexer fuel, Earley items, lexer states), the same on every machine, so a limit in those
 units decides a grammar's fate the same way under any load, where a time budget would refuse
 more on a busy box than on an idle one. ``GRAMMAR_LIMITS`` names each limit, its value and why;
-``PARSER_LIMITS`` is the same as llguidance takes it. A wall clock is a backstop only.
+``PARSER_LIMITS`` is the same as llguidance takes it. Main keeps a wall clock as a backstop only
+(``inference.runtime.engine.compiles``).
 
 Two kinds of limit. The compile limits (``MAX_GRAMMAR_BYTES``, ``max_grammar_size``,
 ``initial_lexer_fuel``, and llguidance's own bound of 50,000 schema nodes, which callers cannot

@@ -16,7 +16,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import llguidance
 import msgspec
 import torch
 from transformers import DynamicCache
@@ -24,7 +23,7 @@ from transformers import DynamicCache
 from inference.constants import DEFAULT_CONTEXT_TOKENS
 from inference.policies import schedule
 from inference.runtime.engine.exchange import GenerationAborted
-from inference.runtime.engine.grammar import Constraint, GrammarError, grammar_problem, grammar_tokenizer
+from inference.runtime.engine.grammar import Constraint, GrammarError
 from inference.runtime.engine.runner import ModelRunner
 from inference.runtime.engine.sampling import sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
@@ -56,17 +55,8 @@ class Engine:
         # held from the step that plans its join to the join, whatever the store drops meanwhile.
         self._held: dict[str, tuple[int, list[Block]]] = {}
 
-    def grammar_problem(self, msg: Generate) -> str:
-        """Why the request's grammar cannot constrain its answer ("" when it can, or it has none)."""
-        if not msg.grammar:
-            return ""
-        try:
-            return grammar_problem(self._grammar_tokenizer(), msg.grammar)
-        except GrammarError as exc:
-            return str(exc)
-
     @functools.cached_property
-    def _eos(self) -> tuple[int, ...]:
+    def eos(self) -> tuple[int, ...]:
         """The ids that end a generation, as the samplers have them (the generation config's)."""
         role = self.role
         sampler = sampler_for(
@@ -80,9 +70,6 @@ class Engine:
             device=role.device,
         )
         return tuple(sorted(sampler.eos))
-
-    def _grammar_tokenizer(self) -> llguidance.LLTokenizer:
-        return grammar_tokenizer(str(self.role.spec.shard_dir), self.role.model.config.vocab_size, self._eos)
 
     def serve(self) -> None:
         """Run steps until no sequence runs and none waits (or main is told to stop)."""
@@ -100,6 +87,7 @@ class Engine:
                 self._finish(sequence)
             while role.waiting:
                 msg, client = role.waiting.popleft()
+                role.compiles.forget(msg.request_id)
                 role.endpoint.reply(client, Failed(request_id=msg.request_id, error=reason))
             if role.session:
                 role.end_session()
@@ -220,7 +208,8 @@ class Engine:
             top_p=msg.top_p,
             seed=msg.seed,
             device=role.device,
-            constraint=Constraint(self._grammar_tokenizer(), msg.grammar, role.model.config.vocab_size)
+            # Its own copy of its compiled grammar (compiled off this loop before it queued).
+            constraint=Constraint(role.compiles.take(msg.request_id), role.model.config.vocab_size)
             if msg.grammar
             else None,
         )

@@ -2,8 +2,10 @@
 
 A ``Generate`` may carry a grammar (``Generate.grammar``): llguidance's serialized form, which
 the control plane builds from a JSON schema (``response_format``) or a Lark grammar (tool
-calls). Main compiles it against the model's own tokenizer (``tokenizer.json`` in its shard
-directory) into one ``Constraint`` per sequence. Before each sampling the constraint says which
+calls). Main compiles it for the model's own tokenizer (``tokenizer.json`` in its shard
+directory), under the grammar limits (``inference.wire.grammar``), once per distinct grammar and
+off its step loop (``compiles``); each sequence's ``Constraint`` holds its own copy of the
+compiled matcher. Before each sampling the constraint says which
 tokens may come next (``allowed``, a boolean mask); the sampler sets every other logit to
 ``-inf`` before any logits processor, so greedy decoding is the argmax over the allowed tokens
 and sampling draws only from them; the token taken then advances the matcher
@@ -24,7 +26,7 @@ from pathlib import Path
 import llguidance
 import torch
 
-MAX_GRAMMAR_BYTES = 256 * 1024  # a grammar past this is refused before it is compiled
+from inference.wire.grammar import over_limit
 
 
 class GrammarError(ValueError):
@@ -44,40 +46,33 @@ def grammar_tokenizer(model_dir: str, vocab: int, eos: tuple[int, ...]) -> llgui
     return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab, eos_token=list(eos) or None)
 
 
-def grammar_problem(tokenizer: llguidance.LLTokenizer, grammar: str) -> str:
-    """Why ``grammar`` cannot constrain a generation ("" when it can)."""
-    if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
-        return f"the grammar is over {MAX_GRAMMAR_BYTES} bytes"
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if failed:
-        return f"the grammar does not compile: {messages[0] if messages else 'no reason given'}"
-    return ""
-
-
 class Constraint:
     """One sequence's grammar: which tokens may come next, and the matcher that follows its tokens."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, vocab: int) -> None:
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise GrammarError(f"the grammar does not compile: {self.matcher.get_error()}")
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int) -> None:
+        """``matcher``: the sequence's own, at its first token (``compiles.Compiles.take``)."""
+        self.matcher = matcher
         self.vocab = vocab
 
     def allowed(self, device: torch.device) -> torch.Tensor:
         """The tokens that may come next, as a [V] bool mask on ``device`` (end-of-sequence only
         where the grammar is complete)."""
-        if self.matcher.is_error():
-            raise GrammarError(f"the grammar stopped the generation: {self.matcher.get_error()}")
         bias = self.matcher.compute_logit_bias()  # [V] bytes: nonzero where allowed
+        if self.matcher.is_error():  # a step limit met computing this mask, or an earlier error
+            raise GrammarError(f"the grammar stopped the generation: {self._why()}")
         mask = torch.frombuffer(bytearray(bias), dtype=torch.uint8)[: self.vocab] != 0  # [V]
         return mask.to(device)
 
     def advance(self, token: int) -> None:
         """The sequence took ``token``: the matcher follows (it must be one ``allowed`` allowed)."""
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise GrammarError(f"the grammar refused token {token}: {self._why()}")
 
     @property
     def complete(self) -> bool:
         """Whether the tokens so far make a whole document."""
         return self.matcher.is_accepting()
+
+    def _why(self) -> str:
+        error = self.matcher.get_error()
+        return over_limit(error) or error

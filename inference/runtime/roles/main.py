@@ -8,14 +8,17 @@ MoE layer, hands every sequence's routed rows to the layer exchange, which serve
 for the whole batch in one round of the workers (each expert loaded once for every row
 routed to it) and gives each sequence exactly the full-precision model's output; then each
 sequence samples its token, streams it and aligns the shadow. This module is the role
-around it: requests admitted or refused, cancels, predictions and alignment changes taken
-at any time, sessions begun and ended with the workers, lost workers and shadow served
-around (``inference.policies.failover``). Which worker gets which expert, and whether main itself
-guesses the next layer's experts, is the deployment's strategy (``inference.policies.strategies``).
+around it: requests admitted or refused (admission first; a request's grammar then compiles off
+the loop, ``inference.runtime.engine.compiles``, and the request queues once it has), cancels,
+predictions and alignment changes taken at any time, sessions begun and ended with the
+workers, lost workers and shadow served around (``inference.policies.failover``). Which worker
+gets which expert, and whether main itself guesses the next layer's experts, is the deployment's
+strategy (``inference.policies.strategies``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -30,8 +33,10 @@ from inference.modelio.shards import verify_shard
 from inference.policies import schedule
 from inference.policies.placement import Placement, placement_from_dict
 from inference.policies.strategies import get_strategy, predictor_for
+from inference.runtime.engine.compiles import Compiles
 from inference.runtime.engine.engine import Engine
 from inference.runtime.engine.exchange import Exchange, worker_index
+from inference.runtime.engine.grammar import grammar_tokenizer
 from inference.runtime.engine.guesses import Guesses
 from inference.runtime.engine.sampling import check_generation_config
 from inference.runtime.engine.scheduler import Admission, admission, request_problem
@@ -73,6 +78,9 @@ from inference.wire.runtime import (
 log = logging.getLogger(__name__)
 
 MAX_CANCELLED_EARLY = 1024  # cancels remembered for requests not yet come (a peer flooding cancels forgets)
+# How long the idle loop waits for a message while a grammar compiles: how late, at most, a request
+# whose grammar compiled while nothing ran enters the queue (between steps, it enters at the next).
+COMPILE_POLL_S = 0.005
 
 
 class MainRole:
@@ -130,6 +138,10 @@ class MainRole:
             on_used=self.resident.used if self.resident is not None else None,
         )
         self.engine = Engine(self, guesses)
+        # Requests whose grammar compiles, off the loop (the model's tokenizer is read at the first).
+        self.compiles = Compiles(
+            functools.partial(grammar_tokenizer, str(spec.shard_dir), self.model.config.vocab_size, self.engine.eos)
+        )
         log.info(
             "main ready to connect: %d workers in groups %s, shadow %s, %s experts arithmetic, strategy %s, "
             "up to %d sequences at once",
@@ -203,20 +215,25 @@ class MainRole:
         try:
             while True:
                 self.health.tick()
-                received = self.endpoint.recv(timeout_s=0.1)
+                received = self.endpoint.recv(timeout_s=COMPILE_POLL_S if self.compiles.pending else 0.1)
                 self.note_links()
                 if received is not None:
                     handle_safely(self.handle_side_message, received)
+                if not self.stopping:
+                    self.take_compiled()
                 if self.waiting and not self.stopping:
                     try:
                         self.engine.serve()
                     except Exception:  # main keeps serving; the batch's clients were told
                         log.exception("the batch failed")
                 if self.stopping:
+                    for msg, client in self.compiles.drain():
+                        self.endpoint.reply(client, Failed(request_id=msg.request_id, error="main is shutting down"))
                     for peer in self.endpoint.peers:
                         self.endpoint.send(peer, Shutdown())
                     return
         finally:
+            self.compiles.close()
             time.sleep(0.2)  # let the Shutdown messages leave
             self.endpoint.close()
 
@@ -289,16 +306,20 @@ class MainRole:
             error = f"the cluster is not ready: waiting for {', '.join(sorted(self.health.waiting))}"
         config = self.model.config
         error = error or request_problem(msg, vocab=config.vocab_size, context=config.max_position_embeddings)
-        error = error or self.engine.grammar_problem(msg)
         if not error and (
-            msg.request_id in self.engine.batch or any(w.request_id == msg.request_id for w, _ in self.waiting)
+            msg.request_id in self.engine.batch
+            or any(w.request_id == msg.request_id for w, _ in self.waiting)
+            or self.compiles.holds(msg.request_id)
         ):
             error = f"a generation with id {msg.request_id!r} is already running"
         if error:
             self.endpoint.reply(client, Failed(request_id=msg.request_id, error=error))
             return
+        # Admission before any compile: a request refused here costs main nothing, and one whose
+        # grammar compiles counts as waiting, so one user cannot queue compiles past max_per_user.
         settings = self.spec.settings
-        running, waiting = [s.user for s in self.engine.batch.values()], [m.user for m, _ in self.waiting]
+        running = [s.user for s in self.engine.batch.values()]
+        waiting = [m.user for m, _ in self.waiting] + self.compiles.users()
         decision = admission(
             msg.user, running, waiting, max_waiting=settings.max_waiting, max_per_user=settings.max_per_user
         )
@@ -309,7 +330,7 @@ class MainRole:
             )
         elif decision is Admission.FULL:
             error = (
-                f"main is full: {len(self.engine.batch)} sequences running and {len(self.waiting)} waiting; "
+                f"main is full: {len(self.engine.batch)} sequences running and {len(waiting)} waiting; "
                 "try again when one ends"
             )
         if error:
@@ -321,7 +342,22 @@ class MainRole:
             )
             self.endpoint.reply(client, refusal)
             return
-        self.waiting.append((msg, client))
+        problem = self.compiles.submit(msg, client) if msg.grammar else ""
+        if problem is None:
+            return  # its grammar compiles off the loop; it queues when that ends (take_compiled)
+        self._queue(msg, client, problem)
+
+    def take_compiled(self) -> None:
+        """Requests whose grammar compiled queue now; those whose grammar cannot be served are answered."""
+        busy = [s.user for s in self.engine.batch.values()] + [m.user for m, _ in self.waiting]
+        for msg, client, problem in self.compiles.poll(busy):
+            self._queue(msg, client, problem)
+
+    def _queue(self, msg: Generate, client: bytes, problem: str) -> None:
+        if problem:
+            self.endpoint.reply(client, Failed(request_id=msg.request_id, error=problem))
+        else:
+            self.waiting.append((msg, client))
 
     def cancel(self, request_id: str) -> None:
         """Stop a running sequence after its current step, or drop a waiting one at once."""
@@ -332,10 +368,17 @@ class MainRole:
         for entry in list(self.waiting):
             if entry[0].request_id == request_id:
                 self.waiting.remove(entry)
+                self.compiles.forget(request_id)
                 self.endpoint.reply(
                     entry[1], Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
                 )
                 return
+        compiling = self.compiles.cancel(request_id)
+        if compiling is not None:  # answered now; its compile, if it began, ends in its thread and is kept
+            self.endpoint.reply(
+                compiling[1], Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
+            )
+            return
         self.cancelled_early[request_id] = None  # not here yet (or long done): its request may still come
         while len(self.cancelled_early) > MAX_CANCELLED_EARLY:
             self.cancelled_early.popitem(last=False)
@@ -347,10 +390,12 @@ class MainRole:
         self.previous_step_s = self.step_began - began if self.step > 0 else 0.0
 
     def drain_inbox(self) -> None:
-        """Between steps: whatever arrived (new requests, cancels, pings, predictions)."""
+        """Between steps: whatever arrived (new requests, cancels, pings, predictions), and the
+        requests whose grammar compiled meanwhile."""
         self.note_links()
         while (received := self.endpoint.recv(timeout_s=0.0)) is not None:
             handle_safely(self.handle_side_message, received)
+        self.take_compiled()
 
     def begin_session(self, first: Generate) -> None:
         self.session = f"session-{uuid.uuid4().hex[:12]}"
