@@ -8,6 +8,8 @@ every limit's value in it is a directive, replaced by the value its declaration 
 that no value is typed twice:
 
 - ``{{ bounds }}``: the table of request bounds (``controlplane.serving.bounds.markdown_table``);
+- ``{{ grammar_limits }}``: the table of the limits a grammar is compiled and decoded under
+  (``inference.wire.grammar.GRAMMAR_LIMITS``);
 - ``{{ value: MODULE:NAME | FORMAT }}``: a declared value, e.g.
   ``controlplane.nodes.inventory:MAX_GPUS`` or ``controlplane.serving.bounds:JOB_PROMPTS.limit``
   (after the colon, attributes or mapping keys, dotted);
@@ -32,6 +34,7 @@ import sys
 from pathlib import Path
 
 from controlplane.serving.bounds import markdown_table
+from inference.wire.grammar import GRAMMAR_LIMITS
 
 TEMPLATE = Path(__file__).with_name("limits_page.md")
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "limits.md"
@@ -66,6 +69,8 @@ def render(template: str | None = None) -> str:
         kind, target, spec = match.group(1), match.group(2), match.group(3)
         if kind == "bounds" and target is None:
             return markdown_table().rstrip("\n")
+        if kind == "grammar_limits" and target is None:
+            return grammar_table()
         if kind == "value" and target and ":" in target:
             module, _, path = target.partition(":")
             return formatted(_lookup(importlib.import_module(module), path, match.group(0)), spec)
@@ -76,6 +81,16 @@ def render(template: str | None = None) -> str:
         raise RenderError(f"{match.group(0)}: not a directive of this template (see controlplane.limits_page)")
 
     return HEADER + DIRECTIVE.sub(replace, text)
+
+
+def grammar_table() -> str:
+    """The grammar limits: llguidance's name for each, its value here, when it is met, and why."""
+    rows = ["| limit (llguidance's) | at most | met | why |", "|---|---|---|---|"]
+    for limit in GRAMMAR_LIMITS:
+        met = "at the compile" if limit.checked == "compile" else "at each token"
+        why = limit.why.replace("|", "\\|")
+        rows.append(f"| `{limit.name}` | {limit.value:,} {limit.unit} | {met} | {why} |")
+    return "\n".join(rows)
 
 
 def _lookup(root: object, path: str, directive: str) -> object:

@@ -320,8 +320,8 @@ def test_the_largest_generation_the_bounds_allow_fits_half_the_agent_links_defau
     response schema and 128 tools filling every structure bound, and a prompt that fills
     Mixtral's context with six-digit token ids."""
     from controlplane.serving.structured import read_structure
-    from inference.runtime.engine.grammar import MAX_GRAMMAR_BYTES
     from inference.wire.generation import Generate
+    from inference.wire.grammar import MAX_GRAMMAR_BYTES
 
     def quoted(size: int) -> dict:
         return {"description": '"' * ((size - len(compact_json({"description": ""}))) // 2)}

@@ -29,7 +29,7 @@ a few short fields:
   most ``STRUCTURE_BYTES`` (128 KiB) as compact ASCII JSON together, and about 120 bytes of
   wrapping per tool; llguidance writes a character it does not escape in no more bytes than
   its escape. The largest the bounds allow is 147,232 bytes, within main's own cap
-  (``MAX_GRAMMAR_BYTES``, 256 KiB, ``inference.runtime.engine.grammar``);
+  (``MAX_GRAMMAR_BYTES``, 256 KiB, ``inference.wire.grammar``);
 - on the link the grammar at most doubles (each ``"`` and ``\\`` escaped once more): schemas
   made of quotes, the worst case, take 277,425 bytes;
 - the prompt's ids are bounded by the model's context (checked before a Generate is built),
