@@ -17,12 +17,22 @@ turns (which goes first alternates from one repeat to the next):
   shape (``n=1`` and ``n=32``) instead.
 
 A thread that is refused (a 4xx or 5xx) waits the answer's ``Retry-After`` (else ``PAUSE_S``)
-before it sends again, as the official client would. Once B's load has run ``WARMUP_S``, A sends
-``--probes`` completions of 8 greedy tokens one after another, each timed from sending to its
-whole answer; then B's threads stop and their last requests are waited for.
+before it sends again, as the official client would. One setting differs from a new install's: the
+API calls one user may make a minute (``ODMOE_THROTTLE_USER``, 600) are raised to
+``USER_CALLS_A_MINUTE`` for this server, as ``benchmarks.load`` raises the anonymous one. B's 66
+threads pass 600 calls in a minute (a thread turned away with 429 ``too_many_generations`` asks
+again a second later), and the rate's ``Retry-After`` then holds every thread of B for up to a
+minute: B's load would stop, and a phase would measure A alone. The first recorded run
+(``tenants-1.json``) was made so, and its repeats 3 to 5 say it (B's answers all
+``429 rate_limit_exceeded``). Main's own bounds (``max_per_user``, the queue) still hold B.
+
+Once B's load has run ``WARMUP_S``, A sends ``--probes`` completions of 8 greedy tokens one
+after another, each timed from sending to its whole answer; then B's threads stop and their last
+requests are waited for.
 
 Recorded per phase: A's times (their median is the phase's figure), A's failures, A's answers
-(greedy: each must equal the first one), B's answers by status and code, and every status the
+(greedy: each must equal the first one), B's answers by status and code (and the first message of
+each kind of refusal or failure), and every status the
 deployment and its nodes had, read from the control plane's database every ``WATCH_S`` by this
 process (a read of SQLite, which costs the web process nothing). Per repeat: hostile ÷ ordinary
 of A's medians; over the run their median, min and max. Issue 51's acceptance: that ratio at
@@ -55,6 +65,7 @@ WARMUP_S = 5.0  # B's load runs this long before A's first probe, so main's batc
 PAUSE_S = 0.5  # a refused B thread waits this long (or its Retry-After) before sending again
 WATCH_S = 0.2  # how often the deployment's and nodes' statuses are read
 UP_TIMEOUT_S = 900
+USER_CALLS_A_MINUTE = 100_000  # this server's ODMOE_THROTTLE_USER: B's load must not stop at the rate (above)
 A_PROMPT = "In Python, a dictionary"
 A_TOKENS = 8
 B_TOKENS = 16
@@ -116,6 +127,7 @@ class TenantB:
     def __init__(self, client: openai.OpenAI, ordinary: int, hostile: bool) -> None:
         self.client, self.stop = client, threading.Event()
         self.answers: Counter[str] = Counter()
+        self.messages: dict[str, str] = {}  # the first message of each kind of answer but a 200
         self._lock = threading.Lock()
         sends = [lambda i=i: chat(client, B_QUESTIONS[i % len(B_QUESTIONS)]) for i in range(ordinary)]
         if hostile:
@@ -128,18 +140,20 @@ class TenantB:
 
     def _loop(self, send) -> None:
         while not self.stop.is_set():
-            wait = 0.0
+            wait, message = 0.0, ""
             try:
                 send()
                 answer = "200"
             except openai.APIStatusError as exc:
                 code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
-                answer = f"{exc.status_code} {code or ''}".strip()
+                answer, message = f"{exc.status_code} {code or ''}".strip(), str(exc)
                 wait = float(exc.response.headers.get("retry-after") or PAUSE_S)
             except openai.APIError as exc:
-                answer, wait = type(exc).__name__, PAUSE_S
+                answer, message, wait = type(exc).__name__, str(exc), PAUSE_S
             with self._lock:
                 self.answers[answer] += 1
+                if message:
+                    self.messages.setdefault(answer, message[:300])
             self.stop.wait(wait)
 
     def start(self) -> None:
@@ -180,6 +194,7 @@ def phase(a: openai.OpenAI, b: openai.OpenAI, db: Path, *, hostile: bool, ordina
         "a_failed": [error for _, text, error in timed if text is None],
         "a_texts": sorted({text for _, text, _ in timed if text is not None}),
         "b_answers": dict(tenant_b.answers),
+        "b_messages": tenant_b.messages,
         "deployment_statuses": dict(watch.deployment),
         "node_statuses": dict(watch.nodes),
     }
@@ -190,7 +205,12 @@ class Cluster:
 
     def __init__(self, work: Path, agents: int) -> None:
         self.work, self.port = work, free_port()
-        self.env = {**os.environ, "ODMOE_VAR_DIR": str(work), "PYTHONUNBUFFERED": "1"}
+        self.env = {
+            **os.environ,
+            "ODMOE_VAR_DIR": str(work),
+            "ODMOE_THROTTLE_USER": f"{USER_CALLS_A_MINUTE}/minute",
+            "PYTHONUNBUFFERED": "1",
+        }
         self.env.pop("REDIS_URL", None)  # a private Redis, as a new user's ``make run`` has
         self.log = (work / "up.log").open("w")
         argv = [sys.executable, "manage.py", "up", "--port", str(self.port), "--agents", str(agents)]
@@ -285,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         **provenance.record(started, "torch", "transformers", "llguidance", "openai"),
         "agents": args.agents,
+        "user_calls_a_minute": USER_CALLS_A_MINUTE,
         "probes": args.probes,
         "ordinary": args.ordinary,
         "a_tokens": A_TOKENS,
