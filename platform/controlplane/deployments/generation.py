@@ -13,6 +13,17 @@ the chat, jobs, the operator's generate call), to the ``caller`` it is given
 (``accounts.usage``): when main reports the end, its prompt and generated tokens; when it
 ends otherwise after main started it (the client went away, a failure), the prompt and the
 tokens that came.
+
+**Why a listener is stopped with a message, never cancelled.** Every receive on the channel layer
+in one process shares one pop from Redis at a time (channels_redis hands each popped message to
+the buffer of the channel it is for), and a receive cancelled during its pop loses what the pop
+takes from Redis, whichever of the process's channels it was for (channels_redis#366): a
+``Generate`` on its way to main's agent link, another request's events. Cancelling each
+generation's listener at its end did that under load: on the demo cluster, one user keeping 65
+requests going, 5 of 4,105 ``Generate`` commands in 150 s never reached the agent and their
+callers (another user's too) failed after ``FIRST_EVENT_TIMEOUT_S`` with "no answer from the
+cluster". So ``stop_listening`` sends the listener's own channel ``STOP`` and waits for it to
+return; a cancel is left for a layer that cannot take the message (Redis gone).
 """
 
 from __future__ import annotations
@@ -43,6 +54,8 @@ from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, Membe
 
 FIRST_EVENT_TIMEOUT_S = 120.0  # prefill and a queue behind other generations
 NEXT_EVENT_TIMEOUT_S = 60.0
+STOP = "generation.stop"  # what ends a generation's listener (stop_listening)
+STOP_TIMEOUT_S = 10.0  # twice channels_redis's pop timeout: past it the listener is cancelled after all
 # How main ends a generation (inference.runtime.roles.main). Another value is a broken or hostile main's:
 # it would reach API clients, and PostgreSQL refuses what is longer than JobOutput.finish_reason.
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -179,9 +192,7 @@ async def astream(
                 generated = (generated or 0) + 1
                 yield event
         finally:
-            from_layer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await from_layer
+            await stop_listening(layer, channel, from_layer)
             if generated is not None:  # ended before main's result, after main started: what came
                 await _count(caller, name, len(request.prompt_ids), generated)
             await layer.group_discard(group, channel)
@@ -189,14 +200,31 @@ async def astream(
 
 async def _from_layer(layer: BaseChannelLayer, channel: str, inbox: asyncio.Queue) -> None:
     """Put the events that come through the channel layer (main's link is in another process)
-    into ``inbox``, each parsed and checked; what cannot be read goes in as the error, and ends it."""
+    into ``inbox``, each parsed and checked; what cannot be read goes in as the error, and ends it.
+    Returns on ``STOP`` (``stop_listening``)."""
     while True:
         try:
             message = await layer.receive(channel)
+            if message.get("type") == STOP:
+                return
             inbox.put_nowait(parse(message["event"], allowed=GENERATION_EVENTS))
         except Exception as exc:  # a malformed event, or Redis gone: the stream ends with it
             inbox.put_nowait(exc)
             return
+
+
+async def stop_listening(layer: BaseChannelLayer, channel: str, listener: asyncio.Task) -> None:
+    """End ``listener`` (``_from_layer`` on ``channel``) without cancelling it mid-pop (the module's
+    docstring says why): its channel gets ``STOP``, and it returns when that comes."""
+    if not listener.done():
+        try:
+            await layer.send(channel, {"type": STOP})
+            await asyncio.wait_for(asyncio.shield(listener), STOP_TIMEOUT_S)
+        except Exception:  # Redis gone, or the stop lost: nothing is left to lose by cancelling
+            log.warning("a generation's listener on %s did not stop by itself; cancelled", channel)
+    listener.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await listener
 
 
 async def _count(caller: Caller | None, deployment: str, prompt_tokens: int, completion_tokens: int) -> None:
