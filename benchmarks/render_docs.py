@@ -128,6 +128,18 @@ MOVED_BY: tuple[MovedBy, ...] = (
         reason="main sums a half-precision model's fp32 weighted outputs before rounding, as Transformers' grouped "
         "experts do (it rounded each first: not token-identical)",
     ),
+    MovedBy(
+        patterns=("tenants-1.json",),
+        commit="35b6628",
+        date="2026-12-06T06:53:21+00:00",
+        reason="the hostile user's load stopped at the per-user API rate, so later phases measured the other user alone",
+    ),
+    MovedBy(
+        patterns=("tenants-*.json",),
+        commit="4f9d2d5",
+        date="2026-12-06T07:33:53+00:00",
+        reason="a generation's listener ended by a cancel lost channel-layer messages under load (no answer in 120 s)",
+    ),
 )
 
 
@@ -172,6 +184,7 @@ PAGES: tuple[Page, ...] = (
     Page("suite", "The test suite's duration", ("suite-*.json",)),
     Page("prefix-reuse", "Prefix reuse", ("prefix-reuse*.json",)),
     Page("expert-codecs", "Expert codecs", ("expert-codecs*.json", "strategies-codec-*.json")),
+    Page("tenants", "Two tenants", ("tenants-*.json",)),
 )
 
 # Today's count of figures in each page's notes that no result of the page records (see Prose).
@@ -243,6 +256,14 @@ STATUS: tuple[tuple[str, str, str, str, str], ...] = (
         "x0.0166667 .1f",
         "min",
     ),
+    (
+        "one user's 8-token completions beside a hostile user ÷ beside an ordinary one (goal: 1.2)",
+        "tenants",
+        "tenants-*.json:ratio.median",
+        ".2f",
+        "",
+    ),
+    ("the other user's generations failed per two-tenant run (goal: 0)", "tenants", "tenants-*.json:a_failed", "d", ""),
     ("chats lost per load run", "load", "load-*.json:chat.lost", "d", ""),
     ("chats failed (with a reason told to the client) per load run", "load", "load-*.json:chat.failed", "d", ""),
 )
