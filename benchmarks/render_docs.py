@@ -132,7 +132,8 @@ MOVED_BY: tuple[MovedBy, ...] = (
         patterns=("tenants-1.json",),
         commit="35b6628",
         date="2026-12-06T06:53:21+00:00",
-        reason="the hostile user's load stopped at the per-user API rate, so later phases measured the other user alone",
+        reason="the hostile user's load stopped at the per-user API rate, so later phases measured the other user "
+        "alone",
     ),
     MovedBy(
         patterns=("tenants-*.json",),
