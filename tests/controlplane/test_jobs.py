@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.services import create_api_key
+from controlplane.pagination import MAX_PAGE, Pages
 from controlplane.serving import jobs, results
 from controlplane.serving.models import Job, JobOutput, JobStatus, OutputStatus
 from tests.controlplane.live import purge_stale_tasks
@@ -189,6 +190,18 @@ def test_a_jobs_detail_counts_its_outputs_and_the_outputs_come_a_page_at_a_time(
     assert client_for(clear).get("/api/jobs").json()["results"][0]["prompts"] == 5
     _, other = create_api_key(user=get_user_model().objects.create_user("bob"))
     assert client_for(other).get(f"/api/jobs/{job['id']}/outputs").status_code == 404  # private to its owner
+
+
+def test_a_page_holds_at_most_the_most_rows_whatever_limit_it_asks(deployment, alice, monkeypatch) -> None:
+    """``?limit=1000000`` once built a whole list in one answer; a page now holds at most
+    ``MAX_PAGE`` rows (three here, to show it on a small job), and ``next`` leads on."""
+    assert Pages.max_limit == MAX_PAGE
+    monkeypatch.setattr(Pages, "max_limit", 3)
+    _, clear = create_api_key(user=alice)
+    job = submit(clear, [f"prompt {i}" for i in range(5)])
+    page = client_for(clear).get(f"/api/jobs/{job['id']}/outputs?limit=1000000").json()
+    assert page["count"] == 5 and [o["prompt"] for o in page["results"]] == ["prompt 0", "prompt 1", "prompt 2"]
+    assert "offset=3" in page["next"]
 
 
 def test_a_submit_past_the_users_job_storage_is_refused_saying_how_much_and_how_to_make_room(

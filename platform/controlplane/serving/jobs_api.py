@@ -15,7 +15,6 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.exceptions import NotFound
-from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -25,7 +24,7 @@ from controlplane.accounts.models import ApiKey
 from controlplane.accounts.permissions import KeyScopes
 from controlplane.accounts.scopes import Scope
 from controlplane.accounts.services import QuotaExceeded
-from controlplane.pagination import paginated
+from controlplane.pagination import Pages, paginated
 
 from . import jobs, selectors
 from .bounds import JOB_PROMPTS, MAX_TOKENS, PROMPT_CHARS
@@ -92,7 +91,7 @@ class JobSerializer(serializers.ModelSerializer):
 class JobListApi(APIView):
     permission_classes = [IsAuthenticated, KeyScopes]
     write_scope = Scope.INFERENCE
-    pagination_class = LimitOffsetPagination  # for the schema: ``paginated`` pages the answer
+    pagination_class = Pages  # for the schema: ``paginated`` pages the answer
 
     @extend_schema_serializer(component_name="JobInput")
     class InputSerializer(serializers.Serializer):
@@ -188,7 +187,7 @@ class JobOutputListApi(APIView):
 
     permission_classes = [IsAuthenticated, KeyScopes]
     write_scope = Scope.INFERENCE
-    pagination_class = LimitOffsetPagination  # for the schema: ``paginated`` pages the answer
+    pagination_class = Pages  # for the schema: ``paginated`` pages the answer
 
     @extend_schema(responses=JobOutputSerializer(many=True))
     def get(self, request: Request, job_id) -> Response:

@@ -189,7 +189,7 @@ REST_FRAMEWORK = {
     # Clients are told apart by the connection's address, never by an X-Forwarded-For header
     # anyone can write; behind N reverse proxies that set it, ODMOE_NUM_PROXIES=N.
     "NUM_PROXIES": int(os.environ.get("ODMOE_NUM_PROXIES", "0")),
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "controlplane.pagination.Pages",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # Per user (API key or session) and per address for anonymous calls; agents, which
