@@ -43,6 +43,17 @@ def admission(
     return Admission.ADMIT
 
 
+def refusal(decision: Admission, *, max_per_user: int, running: int, waiting: int) -> str:
+    """Why main refused a request (``decision`` not ``ADMIT``), as its client is told: ``running``
+    and ``waiting`` are main's sequences in its batch and its queue (a compiling grammar's too)."""
+    if decision is Admission.TOO_MANY:
+        return (
+            f"this user already has {max_per_user} generations running or waiting on this deployment, "
+            "the most one user may have at once; send more when one ends"
+        )
+    return f"main is full: {running} sequences running and {waiting} waiting; try again when one ends"
+
+
 class RequestFields(Protocol):
     """What ``request_problem`` reads of a generation request."""
 

@@ -39,7 +39,7 @@ from inference.runtime.engine.exchange import Exchange, worker_index
 from inference.runtime.engine.grammar import grammar_tokenizer
 from inference.runtime.engine.guesses import Guesses
 from inference.runtime.engine.sampling import check_generation_config
-from inference.runtime.engine.scheduler import Admission, admission, request_problem
+from inference.runtime.engine.scheduler import Admission, admission, refusal, request_problem
 from inference.runtime.importance import ResidentExperts, load_similarity
 from inference.runtime.prerouter import attach_lora, load_prerouter
 from inference.runtime.roles.common import (
@@ -54,6 +54,7 @@ from inference.runtime.roles.common import (
 from inference.runtime.routing import Routing, resolve_arithmetic
 from inference.runtime.spec import RoleSpec, compute_dtype
 from inference.runtime.transport import Received
+from inference.wire.base import Message
 from inference.wire.runtime import (
     Begin,
     Cancel,
@@ -172,29 +173,10 @@ class MainRole:
 
     def _load_guesses(self) -> Guesses:
         """Main's own guesses by strategy: importance's resident experts, the prerouter's heads."""
-        spec, config = self.spec, self.model.config
-        # importance substitutes experts from what workers hold.
-        self.resident: ResidentExperts | None = None
-        similarity = None
-        if self.strategy.substitutes:
-            similarity = load_similarity(
-                spec.shard_dir, layers=self.placement.n_layers, experts=self.placement.n_experts
-            )
-            self.resident = ResidentExperts(spec.settings.cache_experts)
-        # The prerouter's heads (inference.runtime.prerouter): the routing itself under the prerouter
-        # strategy (with its recovery adapter on main's attention), or odmoe's predictor.
-        self.prerouter = None
-        if self.predictor == "prerouter":
-            trained = load_prerouter(
-                spec.shard_dir,
-                layers=config.num_hidden_layers,
-                experts=expert_dims(config)[0],
-                hidden=config.hidden_size,
-                top_k=config.num_experts_per_tok,
-            )
-            self.prerouter = trained.prerouter.to(self.device)
-            if self.strategy.routes_by_prediction:
-                attach_lora(self.model, trained.lora, trained.shape, like_base=True)
+        config = self.model.config
+        self.resident, similarity, self.prerouter = strategy_parts(
+            self.spec, self.model, self.placement, self.strategy, self.predictor, self.device
+        )
         return Guesses(
             self,
             self.model,
@@ -206,7 +188,7 @@ class MainRole:
             normalize_top_k=bool(getattr(config, "norm_topk_prob", True)),
             resident=self.resident,
             similarity=similarity,
-            importance_threshold=spec.settings.importance_threshold,
+            importance_threshold=self.spec.settings.importance_threshold,
         )
 
     # --- idle loop ------------------------------------------------------------------------
@@ -323,24 +305,12 @@ class MainRole:
         decision = admission(
             msg.user, running, waiting, max_waiting=settings.max_waiting, max_per_user=settings.max_per_user
         )
-        if decision is Admission.TOO_MANY:
-            error = (
-                f"this user already has {settings.max_per_user} generations running or waiting on this deployment, "
-                "the most one user may have at once; send more when one ends"
+        if decision is not Admission.ADMIT:
+            error = refusal(decision, max_per_user=settings.max_per_user, running=len(running), waiting=len(waiting))
+            busy, too_many = decision is Admission.FULL, decision is Admission.TOO_MANY
+            self.endpoint.reply(
+                client, Failed(request_id=msg.request_id, error=error, busy=busy, too_many_generations=too_many)
             )
-        elif decision is Admission.FULL:
-            error = (
-                f"main is full: {len(self.engine.batch)} sequences running and {len(waiting)} waiting; "
-                "try again when one ends"
-            )
-        if error:
-            refusal = Failed(
-                request_id=msg.request_id,
-                error=error,
-                busy=decision is Admission.FULL,
-                too_many_generations=decision is Admission.TOO_MANY,
-            )
-            self.endpoint.reply(client, refusal)
             return
         problem = self.compiles.submit(msg, client) if msg.grammar else ""
         if problem is None:
@@ -360,24 +330,21 @@ class MainRole:
             self.waiting.append((msg, client))
 
     def cancel(self, request_id: str) -> None:
-        """Stop a running sequence after its current step, or drop a waiting one at once."""
+        """Stop a running sequence after its current step, or drop a waiting one (queued, or waiting
+        for its grammar's compile, which goes on in its thread and is kept) at once."""
         sequence = self.engine.batch.get(request_id)
         if sequence is not None:
             sequence.state.cancelled = True
             return
-        for entry in list(self.waiting):
-            if entry[0].request_id == request_id:
-                self.waiting.remove(entry)
-                self.compiles.forget(request_id)
-                self.endpoint.reply(
-                    entry[1], Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
-                )
-                return
-        compiling = self.compiles.cancel(request_id)
-        if compiling is not None:  # answered now; its compile, if it began, ends in its thread and is kept
-            self.endpoint.reply(
-                compiling[1], Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
-            )
+        waiting = next((entry for entry in self.waiting if entry[0].request_id == request_id), None)
+        if waiting is not None:
+            self.waiting.remove(waiting)
+            self.compiles.forget(request_id)
+        else:
+            waiting = self.compiles.cancel(request_id)
+        if waiting is not None:
+            cancelled = Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
+            self.endpoint.reply(waiting[1], cancelled)
             return
         self.cancelled_early[request_id] = None  # not here yet (or long done): its request may still come
         while len(self.cancelled_early) > MAX_CANCELLED_EARLY:
@@ -409,19 +376,13 @@ class MainRole:
         if self.shadow_back:
             log.info("the shadow is back: predictions again from this session on")
             self.shadow_lost = self.shadow_back = False
-        for w in self.live_workers():
-            self.endpoint.send(
-                f"worker-{w}",
-                Begin(request_id=self.session, prompt_len=len(first.prompt_ids), max_new_tokens=first.max_new_tokens),
-            )
+        self.to_live_workers(
+            Begin(request_id=self.session, prompt_len=len(first.prompt_ids), max_new_tokens=first.max_new_tokens)
+        )
 
     def announce_join(self, msg: Generate, joined_step: int) -> None:
         """A sequence joined the batch: the workers count its steps, the shadow starts its copy."""
-        for w in self.live_workers():
-            self.endpoint.send(
-                f"worker-{w}",
-                SequenceJoin(request_id=self.session, sequence=msg.request_id, first_step=joined_step),
-            )
+        self.to_live_workers(SequenceJoin(request_id=self.session, sequence=msg.request_id, first_step=joined_step))
         if self.shadow_serving:
             self.endpoint.send(
                 "shadow",
@@ -442,12 +403,16 @@ class MainRole:
         if last:
             self.end_session()
             return
-        leave = SequenceLeave(request_id=self.session, sequence=request_id, last_step=max(self.step, joined_step))
-        for w in self.live_workers():
-            self.endpoint.send(f"worker-{w}", leave)
+        self.to_live_workers(
+            SequenceLeave(request_id=self.session, sequence=request_id, last_step=max(self.step, joined_step))
+        )
 
     def live_workers(self) -> list[int]:
         return [w for w in range(self.placement.n_workers) if w not in self.lost]
+
+    def to_live_workers(self, msg: Message) -> None:
+        """``msg`` to every worker that is not lost, encoded once."""
+        self.endpoint.send_to([f"worker-{w}" for w in self.live_workers()], msg)
 
     def note_links(self) -> None:
         """Act on the workers' links: a lost one is served around, a returning one asked if it is ready."""
@@ -489,8 +454,7 @@ class MainRole:
     def end_session(self) -> None:
         """Tell the workers the session is over and gather their statistics (bounded)."""
         live = self.live_workers()
-        for w in live:
-            self.endpoint.send(f"worker-{w}", End(request_id=self.session))
+        self.to_live_workers(End(request_id=self.session))
         deadline = time.monotonic() + self.spec.settings.timeout_s
         try:
             while time.monotonic() < deadline:
@@ -523,3 +487,29 @@ class MainRole:
 
 def serve(spec: RoleSpec) -> None:
     MainRole(spec).run()
+
+
+def strategy_parts(
+    spec: RoleSpec, model: torch.nn.Module, placement: Placement, strategy, predictor: str, device: torch.device
+) -> tuple[ResidentExperts | None, object, torch.nn.Module | None]:
+    """What main's strategy needs besides the model, from its shard: importance's resident experts and
+    similarity table (it substitutes experts from what workers hold), and the prerouter's heads (the
+    routing itself under the prerouter strategy, with its recovery adapter attached to main's
+    attention, or odmoe's predictor)."""
+    config = model.config
+    resident = similarity = prerouter = None
+    if strategy.substitutes:
+        similarity = load_similarity(spec.shard_dir, layers=placement.n_layers, experts=placement.n_experts)
+        resident = ResidentExperts(spec.settings.cache_experts)
+    if predictor == "prerouter":
+        trained = load_prerouter(
+            spec.shard_dir,
+            layers=config.num_hidden_layers,
+            experts=expert_dims(config)[0],
+            hidden=config.hidden_size,
+            top_k=config.num_experts_per_tok,
+        )
+        prerouter = trained.prerouter.to(device)
+        if strategy.routes_by_prediction:
+            attach_lora(model, trained.lora, trained.shape, like_base=True)
+    return resident, similarity, prerouter
