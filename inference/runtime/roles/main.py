@@ -280,8 +280,7 @@ class MainRole:
         """Queue a generation, or refuse it at once with the reason."""
         if msg.request_id in self.cancelled_early:
             del self.cancelled_early[msg.request_id]
-            done = Done(request_id=msg.request_id, token_ids=[], finish_reason="cancelled", metrics={})
-            self.endpoint.reply(client, done)
+            self.endpoint.reply(client, cancelled(msg.request_id))
             return
         error = ""
         if not self.health.ready:
@@ -343,8 +342,7 @@ class MainRole:
         else:
             waiting = self.compiles.cancel(request_id)
         if waiting is not None:
-            cancelled = Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
-            self.endpoint.reply(waiting[1], cancelled)
+            self.endpoint.reply(waiting[1], cancelled(request_id))
             return
         self.cancelled_early[request_id] = None  # not here yet (or long done): its request may still come
         while len(self.cancelled_early) > MAX_CANCELLED_EARLY:
@@ -480,13 +478,20 @@ class MainRole:
         return self.shadow_stats.pop(request_id, None)
 
     def _wait_for_side_message(self, deadline: float) -> None:
+        """The next message before ``deadline`` handled; a link's loss (which ends the wait) acted on."""
         received = self.endpoint.recv(timeout_s=max(0.0, deadline - time.monotonic()))
         if received is not None:
             handle_safely(self.handle_side_message, received)
+        self.note_links()  # so that a caller's loop sees a lost peer before it waits again
 
 
 def serve(spec: RoleSpec) -> None:
     MainRole(spec).run()
+
+
+def cancelled(request_id: str) -> Done:
+    """The answer to a request cancelled before it ran: no tokens."""
+    return Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
 
 
 def strategy_parts(
