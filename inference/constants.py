@@ -33,6 +33,9 @@ CODED_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 
 # The most sequences main may run at once (``Settings.max_batch``): each holds a thread and a KV cache.
 MAX_BATCH = 64
+# The most tokens the shadow may draft for one decode pass of main (``Settings.draft_tokens``): each
+# drafted position is one more row of every layer's exchange and one more shadow step.
+MAX_DRAFT_TOKENS = 16
 # Requests main holds beyond its batch (``Settings.max_waiting``), and the generations one user may
 # have in main at once, running and waiting (``Settings.max_per_user``), by default.
 DEFAULT_MAX_WAITING = 64

@@ -34,6 +34,7 @@ from inference.constants import (
     EXPERT_STORES,
     EXPERTS_ARITHMETICS,
     MAX_BATCH,
+    MAX_DRAFT_TOKENS,
     SHADOW_DTYPES,
 )
 from inference.policies.strategies import (
@@ -41,6 +42,7 @@ from inference.policies.strategies import (
     PREDICTORS,
     RUNTIME_STRATEGIES,
     expert_store_for,
+    get_strategy,
     predictor_for,
 )
 from inference.typecheck import checker
@@ -127,6 +129,14 @@ class DeploymentSettings:
         True,
         "when aligned every step, the shadow runs the next step on its own guess of main's token before "
         "main's alignment arrives, so early layers' predictions are out in time",
+    )
+    draft_tokens: int = setting(
+        0,
+        "tokens the shadow drafts for each decode pass of main, which main verifies in one round of expert "
+        "copies and keeps while they equal its own (0: off, main decodes a token a pass). With drafts the "
+        "shadow runs only as far as main asks, so speculate and lookahead do not apply; needs the shadow predictor",
+        minimum=0,
+        maximum=MAX_DRAFT_TOKENS,
     )
     threads: int = setting(1, "torch intra-op threads per role process", minimum=1)
     copy_bytes_per_s: float | None = setting(
@@ -309,6 +319,11 @@ def validate_settings(s: DeploymentSettings) -> DeploymentSettings:
         raise SpecError(
             "hybrid execution computes experts from host memory and needs the ram expert store, "
             f"not {expert_store_for(s.strategy, s.expert_store)!r}"
+        )
+    if s.draft_tokens and (predictor_for(s.strategy, s.predictor) != "shadow" or not get_strategy(s.strategy).exact):
+        raise SpecError(
+            "draft_tokens needs the shadow predictor under an exact strategy (the shadow drafts, main verifies), "
+            f"not strategy {s.strategy!r} with predictor {predictor_for(s.strategy, s.predictor)!r}"
         )
     if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):
         raise SpecError(f"device must be auto, cpu or cuda[:N], got {s.device!r}")

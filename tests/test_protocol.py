@@ -88,6 +88,8 @@ SAMPLES: list[W.Message] = [
         prompt_ids=torch.empty(1, 0, dtype=torch.int64),
     ),
     _make(W.Align, request_id="r", step=3),
+    _make(W.DraftAsk, request_id="r", step=4, position=9, tokens=4),
+    _make(W.Drafts, request_id="r", step=4, position=9, tokens=[5, 6, 2]),
     _make(
         W.Align,
         request_id="r",

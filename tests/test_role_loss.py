@@ -82,3 +82,22 @@ def test_full_cache_serves_a_lost_workers_experts_from_the_survivors_store(tiny_
         again = cluster.generate(PROMPTS[3], 8)
     assert tokens == reference_generate(tiny_model, PROMPTS[1], TOKENS)
     assert again.token_ids == reference_generate(tiny_model, PROMPTS[3], 8)
+
+
+def test_the_drafting_shadow_killed_mid_answer_leaves_the_same_tokens_and_drafts_again_once_back(
+    tiny_model: Path,
+) -> None:
+    """With drafts, main waits for the shadow's guesses before each pass: killed, the shadow's link
+    closes and main decodes a token a pass at once (never waiting out the timeout), the same tokens."""
+    settings = Settings(draft_tokens=4, shadow_dtype="nf4")
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings)) as cluster:
+        cluster.generate(PROMPTS[0], 4)  # warm
+        tokens, stall = stream_killing(cluster, PROMPTS[3], "shadow", after=6)
+        assert tokens == reference_generate(tiny_model, PROMPTS[3], TOKENS)
+        rejoin(cluster, "shadow", "the shadow is back")
+        final = cluster.generate(PROMPTS[4], 16)
+        text = (cluster.work_dir / "main.log").read_text()
+    assert final.token_ids == reference_generate(tiny_model, PROMPTS[4], 16)
+    assert final.metrics["drafts"]["drafted"] > 0  # drafting again
+    assert "did not come within" not in text and "did not answer" not in text
+    print(f"\nstall after the shadow's kill, drafting: {stall * 1000:.0f} ms")

@@ -49,3 +49,16 @@ def test_the_declaration_imports_no_torch() -> None:
     code = "import sys, inference.settings; print('torch' in sys.modules, 'transformers' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "predictor"), [("odmoe", "next-gate"), ("reactive", ""), ("full-cache", ""), ("importance", "")]
+)
+def test_drafts_are_refused_where_no_shadow_drafts_or_the_strategy_is_not_exact(strategy: str, predictor: str) -> None:
+    settings = dataclasses.replace(DEFAULTS, draft_tokens=4, strategy=strategy, predictor=predictor)
+    with pytest.raises(SpecError, match="draft_tokens needs the shadow predictor"):
+        validate_settings(settings)
+
+
+def test_drafts_are_taken_under_odmoe_with_its_shadow() -> None:
+    assert validate_settings(dataclasses.replace(DEFAULTS, draft_tokens=4)).draft_tokens == 4

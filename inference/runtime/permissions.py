@@ -47,11 +47,13 @@ RULES: dict[tuple[str, str, str], frozenset[str]] = {
     # Main: generations and their control from its client; predictions and statistics from
     # the shadow, on main's inbox; results, statistics and health from the roles it links to.
     (MAIN, CLIENT, INBOX): frozenset({"ping", "generate", "cancel", "set_alignment", "shutdown"}),
-    (MAIN, SHADOW, INBOX): frozenset({"prediction", "predictions", "shadow_stats"}),
+    (MAIN, SHADOW, INBOX): frozenset({"prediction", "predictions", "drafts", "shadow_stats"}),
     (MAIN, WORKER, LINK): frozenset({"pong", "expert_result", "worker_stats"}),
     (MAIN, SHADOW, LINK): frozenset({"pong"}),
     # The shadow: a sequence's emulation, its alignment and the stop come from main only.
-    (SHADOW, MAIN, INBOX): frozenset({"ping", "shadow_begin", "align", "end", "set_alignment", "shutdown"}),
+    (SHADOW, MAIN, INBOX): frozenset(
+        {"ping", "shadow_begin", "align", "draft_ask", "end", "set_alignment", "shutdown"}
+    ),
     (SHADOW, CLIENT, INBOX): frozenset({"ping"}),
     # A worker: the session and its requests from main (main's own predictions too, under
     # next-gate, lru-offload and the prerouter), the shadow's predictions, its client's pings.

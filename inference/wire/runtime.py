@@ -3,8 +3,8 @@
 Client and main: ``Generate`` and its events (``inference.wire.generation``), ``Cancel``,
 ``SetAlignment``, ``Shutdown``; every role: ``Ping``/``Pong``. Main to workers and the shadow:
 the session and its steps (``Begin``, ``SequenceJoin``/``Leave``, ``ShadowBegin``, ``Align``,
-``ExpertRequest``, ``End``); back: ``ExpertResult``, ``Prediction`` (the shadow's batched in
-``Predictions``) and the statistics.
+``DraftAsk``, ``ExpertRequest``, ``End``); back: ``ExpertResult``, ``Prediction`` (the shadow's
+batched in ``Predictions``), the shadow's ``Drafts`` and the statistics.
 
 A field declared ``Tensor`` holds a ``torch.Tensor``; it travels as a raw frame after the
 header, never pickled, never copied into the header. ``TENSORS`` names those fields.
@@ -16,6 +16,7 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
+from inference.constants import MAX_DRAFT_TOKENS
 from inference.wire.base import Message, Tensor, declared
 from inference.wire.generation import Done, Failed, Generate, Token
 
@@ -130,6 +131,29 @@ class Align(Message, kw_only=True, tag="align"):
     kv_to: int = 0
     keys: Tensor | None = None
     values: Tensor | None = None
+
+
+class DraftAsk(Message, kw_only=True, tag="draft_ask"):
+    """Main asks the shadow for a sequence's next decode pass, its ``step`` (the sequence's own
+    step count, as workers key predictions): ``tokens`` drafted tokens from generated index
+    ``position`` on, and its routing of every position of the pass (``tokens + 1`` of them,
+    their union per layer sent as the pass's predictions). Sent after the ``Align`` of the token
+    at ``position - 1``; 0 tokens asks for the routing of the pass's one position only."""
+
+    request_id: str
+    step: int
+    position: int
+    tokens: int
+
+
+class Drafts(Message, kw_only=True, tag="drafts"):
+    """The shadow's answer to a ``DraftAsk``: its guesses of main's generated tokens
+    ``position``, ``position + 1``, ... (fewer than asked where it drafted an end of sequence)."""
+
+    request_id: str
+    step: int
+    position: int
+    tokens: Annotated[list[int], msgspec.Meta(max_length=MAX_DRAFT_TOKENS)]
 
 
 class ExpertRequest(Message, kw_only=True, tag="expert_request"):
@@ -262,6 +286,8 @@ RUNTIME_MESSAGES: tuple[type[Message], ...] = declared(
     SequenceLeave,
     ShadowBegin,
     Align,
+    DraftAsk,
+    Drafts,
     ExpertRequest,
     End,
     ExpertResult,

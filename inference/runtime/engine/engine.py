@@ -7,10 +7,16 @@ its client (``Token``, with its logprobs where they were asked for) and aligns t
 a sequence that is done leaves at the next plan and its client gets its ``Done`` (or ``Failed``). Between steps
 main reads whatever arrived (new requests, cancels, predictions). Peers, sessions and
 admission stay in main's role (``inference.runtime.roles.main``).
+
+With ``draft_tokens`` set, each decode also verifies the shadow's drafts of the sequence's next
+tokens in the same pass (``inference.runtime.engine.drafts``): the engine asks the shadow after
+each pass, waits for its answer before the next (no longer than the deployment's timeout, and not
+at all once the shadow is lost), and keeps the drafts main's own sampling confirms.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -22,8 +28,9 @@ from transformers import DynamicCache
 
 from inference.constants import DEFAULT_CONTEXT_TOKENS
 from inference.policies import schedule
+from inference.runtime.engine.drafts import draft_length, trim_cache, verify
 from inference.runtime.engine.exchange import GenerationAborted
-from inference.runtime.engine.grammar import Constraint, GrammarError
+from inference.runtime.engine.grammar import Constraint
 from inference.runtime.engine.runner import ModelRunner
 from inference.runtime.engine.sampling import sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
@@ -33,7 +40,7 @@ from inference.runtime.metrics import build_metrics, step_report
 from inference.runtime.prefix_cache import Block, PrefixCache, cache_from, namespace_root
 from inference.runtime.prerouter import SequenceRoutes
 from inference.runtime.records import RequestState, StepRecord
-from inference.wire.runtime import Align, Done, Failed, Generate, Prediction, Token
+from inference.wire.runtime import Align, Done, DraftAsk, Drafts, Failed, Generate, Prediction, Token
 
 if TYPE_CHECKING:
     from inference.runtime.engine.guesses import Guesses
@@ -51,6 +58,7 @@ class Engine:
         self.batch: dict[str, Sequence] = {}
         self.runner = ModelRunner(role.model, role.family, role.exchange.serve_layer, self._embedded)
         self.prefixes = PrefixCache() if role.spec.settings.prefix_cache else None
+        self.draft_tokens = role.spec.settings.draft_tokens  # 0: a token a pass
         # A waiting request's prefix found in the store: (the store's version then, its blocks),
         # held from the step that plans its join to the join, whatever the store drops meanwhile.
         self._held: dict[str, tuple[int, list[Block]]] = {}
@@ -119,6 +127,8 @@ class Engine:
         batch = [(self.batch[w.request_id], w) for w in plan.work if w.request_id in self.batch]
         if not batch:
             return
+        if self.draft_tokens:
+            batch = self._with_drafts(batch)
         role.begin_step()
         try:
             outputs = self.runner.run(batch)
@@ -127,12 +137,7 @@ class Engine:
                 if out.prompt is not None and s.prompt_logprobs is not None:
                     s.prompt_logprobs += out.prompt
                 if out.last is not None:
-                    try:
-                        token = s.sampler.next_token(s.tokens, out.last)
-                    except GrammarError as exc:  # this sequence's grammar: it ends, the batch goes on
-                        s.error = str(exc)
-                        continue
-                    self._on_token(s, token, out.last)
+                    self._take_tokens(s, work, [out.last, *out.drafted])
         except GenerationAborted as exc:
             self._fail([s for s, _ in batch], str(exc))
             return
@@ -143,6 +148,69 @@ class Engine:
         for s, _ in batch:  # its last token, or its end: its client is answered now, not a step later
             if done(s.view()):
                 self._finish(s)
+
+    def _take_tokens(self, s: Sequence, work: Work, logits: list[torch.Tensor]) -> None:
+        """A sampling step's tokens: its one, or each draft main's own sampling confirms and the one
+        after (``drafts.verify``); the cache keeps the positions whose inputs were kept, each token
+        is streamed, and the shadow is asked for the next pass's drafts."""
+
+        def next_token(kept: list[int], row: torch.Tensor) -> int:
+            tokens = torch.cat([s.tokens, s.tokens.new_tensor([kept])], dim=1) if kept else s.tokens
+            return s.sampler.next_token(tokens, row)
+
+        kept, error = verify(next_token, logits, work.drafts, s.sampler.eos.__contains__)
+        if work.drafts:  # the positions whose inputs were kept: its last token's, and each kept draft's
+            s.computed = work.start + max(len(kept), 1)
+            s.drafting.accepted += sum(1 for token, draft in zip(kept, work.drafts, strict=False) if token == draft)
+        if self.draft_tokens:
+            trim_cache(s.cache, s.computed)
+        for token, row in zip(kept, logits, strict=False):
+            self._on_token(s, token, row)
+        if error is not None:  # this sequence's grammar: it ends, the batch goes on
+            s.error = error
+        elif self.draft_tokens:
+            self._ask_drafts(s)
+
+    def _ask_drafts(self, s: Sequence) -> None:
+        """Ask the shadow for a sequence's next pass: its drafts from the next token on (behind the
+        ``Align`` of every token streamed, on the same link)."""
+        role = self.role
+        if not role.shadow_serving or done(s.view()):
+            return
+        position = len(s.state.generated)
+        tokens = draft_length(self.draft_tokens, position, s.state.max_new_tokens)
+        s.drafting.ask(s.step + 1, position, tokens)
+        role.endpoint.send(
+            "shadow", DraftAsk(request_id=s.request_id, step=s.step + 1, position=position, tokens=tokens)
+        )
+
+    def _with_drafts(self, batch: list[tuple[Sequence, Work]]) -> list[tuple[Sequence, Work]]:
+        """Each decode's drafts for this pass, once the shadow answered every one asked for (no longer
+        than the deployment's timeout; not at all while the shadow is lost): a late answer is dropped
+        and the pass decodes its one token, the same token."""
+        role = self.role
+        decodes = [s for s, w in batch if w.samples and w.start >= s.prompt_len]
+        deadline = time.monotonic() + role.spec.settings.timeout_s
+        while any(s.drafting.waiting(s.step + 1) for s in decodes):
+            role.note_links()  # a lost shadow is noticed before any wait
+            if not role.shadow_serving or role.stopping:
+                break
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "the shadow's drafts did not come within %.0f s: this pass decodes without",
+                    role.spec.settings.timeout_s,
+                )
+                break
+            role.wait_for_side_message(deadline)
+        return [
+            (s, dataclasses.replace(w, drafts=s.drafting.take(s.step + 1)) if s in decodes else w) for s, w in batch
+        ]
+
+    def drafted(self, msg: Drafts) -> None:
+        """The shadow's drafts for a running sequence's next pass."""
+        sequence = self.batch.get(msg.request_id)
+        if sequence is not None:
+            sequence.drafting.answer(msg)
 
     def predicted(self, predictions: list[Prediction]) -> None:
         """The shadow's routing of running sequences' (step, layer)s, kept for those layers' plans."""
@@ -198,6 +266,8 @@ class Engine:
             state.routes = SequenceRoutes(role.prerouter)
         _, blocks = self._held.pop(msg.request_id, (0, []))
         state.cache = cache_from(blocks, role.model.config) if blocks else DynamicCache(config=role.model.config)
+        if self.draft_tokens:
+            state.cache.activate_past_recording()  # a sliding window can drop rejected drafts (drafts.trim_cache)
         cached = state.cached_prompt_tokens = state.cache.get_seq_length()
         sampler = sampler_for(
             role.model,
@@ -272,11 +342,13 @@ class Engine:
     def _align_message(self, state: RequestState, step: int, token: int) -> Align:
         role = self.role
         token_due, kv_due = schedule.alignment_due(step, role.token_period, role.kv_period)
+        token_due = token_due or bool(self.draft_tokens)  # the shadow drafts on main's every token
         keys = values = None
         kv_from = kv_to = 0
         if kv_due and state.cache is not None:
-            # The shadow gets main's cache for the positions it has not been given yet.
-            kv_from, kv_to = state.kv_synced, state.cache.get_seq_length()
+            # The shadow gets main's cache for the positions it has not been given yet, up to the
+            # step's (a drafted pass's later tokens' positions follow with their own steps).
+            kv_from, kv_to = state.kv_synced, min(state.cache.get_seq_length(), state.prompt_len + step - 1)
             keys = torch.stack([layer.keys[:, :, kv_from:kv_to] for layer in state.cache.layers])
             values = torch.stack([layer.values[:, :, kv_from:kv_to] for layer in state.cache.layers])
             state.kv_synced = kv_to
@@ -327,7 +399,20 @@ class Engine:
         )
         metrics["cached_prompt_tokens"] = state.cached_prompt_tokens
         metrics["max_batch"] = max((step.batch for step in state.steps), default=1)
+        if self.draft_tokens:
+            decodes = max(len(state.steps) - 1, 0)  # the passes after its prefill's
+            metrics["drafts"] = sequence.drafting.metrics() | {
+                "decode_passes": decodes,
+                "tokens_per_pass": (len(generated) - 1) / decodes if decodes else 0.0,
+                "distinct_experts": distinct_experts(state.steps[1:]),
+            }
         role.endpoint.reply(
             state.client,
             Done(request_id=state.request_id, token_ids=generated, finish_reason=finish_reason, metrics=metrics),
         )
+
+
+def distinct_experts(steps: list) -> float:
+    """The mean number of distinct experts a decode pass used per layer (a drafted pass's union)."""
+    counts = [len(record.real) for step in steps for record in step.layers]
+    return sum(counts) / len(counts) if counts else 0.0

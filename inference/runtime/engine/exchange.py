@@ -159,6 +159,24 @@ def assemble(
     return combined
 
 
+def layer_records(
+    layer: int, batch: list[Sequence], routed: list[RoutedRows], predicted: list[list[int] | None]
+) -> list[LayerRecord]:
+    """The layer's record for each sequence of ``batch``, added to its step's: the lanes of a drafted
+    decode (``runner.Lane``, whose ``owner`` is the sequence) share their sequence's one record,
+    whose experts are the union of theirs (the experts the pass copied for it)."""
+    records: dict[int, LayerRecord] = {}
+    for s, r, p in zip(batch, routed, predicted, strict=True):
+        owner = s.owner
+        record = records.get(id(owner))
+        if record is None:
+            record = records[id(owner)] = LayerRecord(layer, list(r.experts), p)
+            owner.state.steps[-1].layers.append(record)
+        else:
+            record.real = sorted(set(record.real) | set(r.experts))
+    return list(records.values())
+
+
 @dataclass
 class Timing:
     """Main's clock around one layer's round trip (perf_counter seconds, and ms off the socket)."""
@@ -264,9 +282,7 @@ class Exchange:
         if self.on_used is not None:
             for worker, experts in assignment.items():
                 self.on_used(worker, layer, experts)
-        records = [LayerRecord(layer, r.experts, p) for r, p in zip(routed, predicted_each, strict=True)]
-        for s, record in zip(batch, records, strict=True):
-            s.state.steps[-1].layers.append(record)
+        records = layer_records(layer, batch, routed, predicted_each)
         plan = plan_layer(routed, [step == 0 for step in steps], assignment, candidates, self.prefill_chunk)
         expected, sent = self._send(layer, plan)
         sent_at = time.perf_counter()

@@ -18,12 +18,19 @@ A step either goes through ``generate``'s path (the prompt's last piece, or a de
 2-D attention mask of ones over the whole sequence, positions as ``generate`` counts them)
 or is an earlier prefill piece fed to the model as-is (no mask), as the reference's
 chunked prefill does.
+
+A decode with drafts (``Work.drafts``: the shadow's guesses of the next tokens) runs each of
+its positions as a decode step of its own would: a ``Lane`` per position, its one-token
+attention against the cache as it stands after the positions before it (its mask made then,
+sized on that layer), its own one-row norms, router and expert segment, its own LM-head row.
+The lanes of a layer are served in one round of the exchange, so they share the expert
+copies and nothing else; which of them are kept is the engine's to decide.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -42,12 +49,12 @@ PROMPT_LOGIT_ROWS = 512
 
 @dataclass
 class Forward:
-    """One sequence's pass through the model in this step."""
+    """One sequence's pass through the model in this step (or one lane's, of a drafted decode)."""
 
     hidden: torch.Tensor  # [1, T, H], the residual stream
     position_ids: torch.Tensor
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    masks: list[Any]  # per layer
+    masks: list[Any] | None  # per layer; a lane's are made at each layer, just before its attention
     residual: torch.Tensor | None = None
     flat: torch.Tensor | None = None  # [T, H], the MoE block's input
 
@@ -55,11 +62,13 @@ class Forward:
 @dataclass
 class StepLogits:
     """One sequence's outcome of a step: ``last`` [1, V], the logits its next token is sampled
-    from, where its work samples; ``prompt``, the logprobs of the prompt tokens the piece's
-    positions predict, where it asked for them (``sampling.prompt_logprobs``)."""
+    from, where its work samples; ``drafted``, a drafted decode's following positions' logits,
+    one [1, V] per draft (position i's: what follows draft i); ``prompt``, the logprobs of the
+    prompt tokens the piece's positions predict, where it asked for them (``sampling.prompt_logprobs``)."""
 
     last: torch.Tensor | None
     prompt: list[TokenLogprob] | None = None
+    drafted: list[torch.Tensor] = field(default_factory=list)
 
 
 class Stepped(Protocol):
@@ -72,6 +81,32 @@ class Stepped(Protocol):
     call: LayerCall | None  # set while its rows of a layer are being served
     prompt_logprobs: list[TokenLogprob] | None  # None: not asked for
     top_logprobs: int
+
+
+@dataclass(eq=False)
+class Lane:
+    """One position of a drafted decode (``position`` 0: the sequence's last token, i: its i-th
+    draft), handed to the exchange in its sequence's place with its own one row."""
+
+    owner: Any  # the sequence (main's ``Sequence``)
+    position: int
+    call: LayerCall | None = None
+
+    @property
+    def step(self) -> int:
+        return self.owner.step
+
+    @property
+    def state(self) -> Any:
+        return self.owner.state
+
+    @property
+    def at(self) -> tuple[int, int]:
+        return self.owner.at
+
+    @at.setter
+    def at(self, where: tuple[int, int]) -> None:
+        self.owner.at = where
 
 
 ServeLayer = Callable[[int, list[Any]], list[torch.Tensor]]  # (layer, the batch's ``Stepped``s) -> routed rows
@@ -92,12 +127,27 @@ class ModelRunner:
         """Each sequence's logits: its last position's where its work samples, and the logprobs of
         the prompt tokens a prefill piece predicts where it asked for them."""
         with torch.inference_mode():
-            passes = [self._embed(s, w) for s, w in batch]
-            sequences = [s for s, _ in batch]
+            entries: list[Any] = []  # what the exchange serves: a sequence, or a drafted decode's lanes
+            passes: list[Forward] = []
+            for s, w in batch:
+                if w.drafts:
+                    lanes, forwards = self._embed_lanes(s, w)
+                    entries += lanes
+                    passes += forwards
+                else:
+                    entries.append(s)
+                    passes.append(self._embed(s, w))
             layers = self.model.model.layers[: self.model.config.num_hidden_layers]
             for layer, decoder in enumerate(layers):
-                self._layer(layer, decoder, sequences, passes)
-            return [self._logits(s, w, f) for (s, w), f in zip(batch, passes, strict=True)]
+                self._layer(layer, decoder, entries, passes)
+            outcomes, i = [], 0
+            for s, w in batch:
+                lanes = 1 + len(w.drafts)
+                outcome = self._logits(s, w, passes[i])
+                outcome.drafted = [self._logits(s, w, f).last for f in passes[i + 1 : i + lanes]]  # type: ignore[misc]
+                outcomes.append(outcome)
+                i += lanes
+            return outcomes
 
     def _embed(self, sequence: Stepped, work: Work) -> Forward:
         """The model forward's prologue for one sequence: embeddings, positions, masks, rotary."""
@@ -121,17 +171,54 @@ class ModelRunner:
         position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
         return Forward(hidden, position_ids, position_embeddings, masks)
 
-    def _layer(self, layer: int, decoder: torch.nn.Module, sequences: list[Stepped], passes: list[Forward]) -> None:
+    def _embed_lanes(self, sequence: Stepped, work: Work) -> tuple[list[Lane], list[Forward]]:
+        """A drafted decode's prologue: a lane per position (its last token, then each draft),
+        each embedded and placed as that position's own decode step would be; its masks wait
+        for its attention (``_lane_masks``)."""
+        assert work.tokens == 1 and work.samples, f"{sequence.request_id}: drafts ride on a decode step"
+        inner = self.model.model
+        ids = torch.cat([sequence.tokens[:, work.start : work.end], sequence.tokens.new_tensor([work.drafts])], dim=1)
+        embeds = inner.embed_tokens(ids)  # a lookup: each row what it is alone
+        self.embedded(sequence, work, embeds)
+        past = sequence.cache.get_seq_length()
+        assert past == work.start, f"{sequence.request_id}: cache holds {past} tokens, the step starts at {work.start}"
+        lanes, forwards = [], []
+        for i in range(ids.shape[1]):
+            position_ids = torch.tensor([[past + i]], device=embeds.device)
+            hidden = self.family.scale_embeddings(self.model.config, embeds[:, i : i + 1])
+            forwards.append(Forward(hidden, position_ids, inner.rotary_emb(hidden, position_ids=position_ids), None))
+            lanes.append(Lane(sequence, i))
+        return lanes, forwards
+
+    def _lane_masks(self, lane: Lane, layer: int, f: Forward) -> Any:
+        """A lane's mask at ``layer``, made as its own decode step makes it: ``generate``'s mask of
+        ones over every position so far, sized on this layer's cache, which now holds exactly the
+        positions before the lane (the lanes before it appended theirs at this layer)."""
+        position = int(f.position_ids[0, 0])
+        cache = lane.owner.cache
+        attention_mask = torch.ones((1, position + 1), dtype=torch.long, device=f.hidden.device)
+        masks = self.family.causal_masks(
+            self.model,
+            inputs_embeds=f.hidden,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=f.position_ids,
+            layer_idx=layer,
+        )
+        return masks[layer]
+
+    def _layer(self, layer: int, decoder: torch.nn.Module, sequences: list[Any], passes: list[Forward]) -> None:
         """One decoder layer for every sequence: attention each on its own, the experts together."""
         family = self.family
         for s, f in zip(sequences, passes, strict=True):
+            is_lane = isinstance(s, Lane)
             normed = decoder.input_layernorm(f.hidden)
             attended, _ = decoder.self_attn(
                 hidden_states=normed,
                 position_embeddings=f.position_embeddings,
-                attention_mask=f.masks[layer],
+                attention_mask=self._lane_masks(s, layer, f) if is_lane else f.masks[layer],  # type: ignore[index]
                 position_ids=f.position_ids,
-                cache=s.cache,
+                cache=s.owner.cache if is_lane else s.cache,
                 use_cache=True,
             )
             f.residual = family.add_residual(decoder, f.hidden, attended)

@@ -157,13 +157,16 @@ class Work:
     """What one sequence computes in a step: its tokens [start, end) through the model.
 
     ``samples``: the step ends with its next token (the last prefill piece, or a decode);
-    an earlier prefill piece only fills the cache.
+    an earlier prefill piece only fills the cache. ``drafts``: a decode's drafted next tokens
+    (the shadow's), computed after its token as positions of their own; the scheduler plans
+    none, the engine adds them.
     """
 
     request_id: str
     start: int
     end: int
     samples: bool
+    drafts: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from inference.runtime.batching import LayerCall
+from inference.runtime.engine.drafts import Drafting
 from inference.runtime.engine.sampling import Sampler
 from inference.runtime.engine.scheduler import Running
 from inference.runtime.records import RequestState
@@ -39,10 +40,16 @@ class Sequence:
     # (None: not asked for).
     prompt_logprobs: list[TokenLogprob] | None = None
     step_reports: bool = True  # each token goes out with its step's report
+    drafting: Drafting = field(default_factory=Drafting)  # the shadow's drafts for its next pass
 
     @property
     def request_id(self) -> str:
         return self.state.request_id
+
+    @property
+    def owner(self) -> Sequence:
+        """The sequence whose rows these are: itself (a drafted decode's lanes name it too)."""
+        return self
 
     @property
     def cache(self) -> DynamicCache:

@@ -59,6 +59,7 @@ from inference.wire.runtime import (
     Begin,
     Cancel,
     Done,
+    Drafts,
     End,
     ExpertResult,
     Failed,
@@ -234,10 +235,10 @@ class MainRole:
         if isinstance(msg, Ping):
             detail = "" if self.health.ready else f"waiting for {', '.join(sorted(self.health.waiting))}"
             answer_ping(self.endpoint, received, "main", self.health.ready, detail)
-        elif isinstance(msg, Prediction):
-            self.engine.predicted([msg])
-        elif isinstance(msg, Predictions):
-            self.engine.predicted(msg.items)
+        elif isinstance(msg, Prediction | Predictions):
+            self.engine.predicted(msg.items if isinstance(msg, Predictions) else [msg])
+        elif isinstance(msg, Drafts):
+            self.engine.drafted(msg)
         elif isinstance(msg, SetAlignment):
             self.set_alignment(msg)
         elif isinstance(msg, Cancel):
@@ -459,7 +460,7 @@ class MainRole:
                 self.note_links()
                 if set(self.worker_stats) >= {w for w in self.live_workers() if w in live}:
                     return
-                self._wait_for_side_message(deadline)
+                self.wait_for_side_message(deadline)
             log.warning("some workers did not report statistics in time; metrics are partial")
         finally:
             self.session = ""
@@ -472,12 +473,12 @@ class MainRole:
         deadline = time.monotonic() + self.spec.settings.timeout_s
         while request_id not in self.shadow_stats and self.shadow_serving and time.monotonic() < deadline:
             self.note_links()
-            self._wait_for_side_message(deadline)
+            self.wait_for_side_message(deadline)
         if request_id not in self.shadow_stats:
             log.warning("the shadow did not report statistics for %s in time; metrics are partial", request_id)
         return self.shadow_stats.pop(request_id, None)
 
-    def _wait_for_side_message(self, deadline: float) -> None:
+    def wait_for_side_message(self, deadline: float) -> None:
         """The next message before ``deadline`` handled; a link's loss (which ends the wait) acted on."""
         received = self.endpoint.recv(timeout_s=max(0.0, deadline - time.monotonic()))
         if received is not None:

@@ -10,6 +10,13 @@ layer are sent at once to the workers that serve that layer, and to main, as the
 main's routing (Scaled Emulative Prediction). Main's ``Align`` messages bring its token and KV cache
 every ``token_period`` / ``kv_period`` steps; if the shadow had already run a step that
 main then aligns, it rewinds its cache and runs the step again.
+
+With ``draft_tokens`` set, the shadow drafts: it runs only as far as main asks (``DraftAsk``: a
+pass of main's, from a token on), on main's token and then on its own greedy guesses, answers
+main with those guesses (``Drafts``) as soon as it has them, and sends as the pass's predictions,
+keyed by main's pass, the union per layer of its routing of every position of the pass (each
+message the union so far, which replaces the one before). A guess main did not keep rewinds it to
+main's token there, as a wrong speculation does.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from inference.runtime.transport import Received
 from inference.shadow.shadow_model import CAST_DTYPES, build_shadow_model
 from inference.wire.runtime import (
     Align,
+    DraftAsk,
+    Drafts,
     End,
     Prediction,
     Predictions,
@@ -87,6 +96,11 @@ class Emulation:
     call: LayerCall | None = None  # its rows of the layer being run (the runner's)
     prompt_logprobs: None = None  # the runner's: the shadow never asks for them
     top_logprobs: int = 0
+    # Drafting (``draft_tokens``): the steps main asked for, each with the pass it is a position
+    # of; the ask still to answer with drafts; each (pass, layer)'s union of experts so far.
+    pass_of: dict[int, int] = field(default_factory=dict)
+    asked: DraftAsk | None = None
+    unions: dict[tuple[int, int], set[int]] = field(default_factory=dict)
 
 
 class ShadowRole:
@@ -120,6 +134,8 @@ class ShadowRole:
         self.runner = ModelRunner(self.model, self.family, self._serve_layer, lambda *_: None)
         # Its own finished sequences' KV, for prompts that begin the same way (as main keeps its own).
         self.prefixes = PrefixCache() if spec.settings.prefix_cache else None
+        self.drafting = spec.settings.draft_tokens > 0
+        self.eos = end_tokens(self.model)
         log.info("shadow ready: %s on %s (%s)", spec.settings.shadow_dtype, self.device, self.report)
 
     # --- message loop -------------------------------------------------------------------
@@ -154,6 +170,11 @@ class ShadowRole:
             for each in self.states.values():
                 each.token_period, each.kv_period = msg.token_period, msg.kv_period
             log.info("alignment periods now token=%d kv=%d", msg.token_period, msg.kv_period)
+        elif isinstance(msg, DraftAsk) and state is None:
+            # Not followed (it failed here, or never came): main decodes that pass without drafts.
+            self.endpoint.send(
+                "main", Drafts(request_id=msg.request_id, step=msg.step, position=msg.position, tokens=[])
+            )
         elif isinstance(msg, End) and state is None:
             # Nothing to finish (the request failed here, or never reached us): say so at once.
             self.endpoint.send(
@@ -163,6 +184,8 @@ class ShadowRole:
             log.warning("dropped %s for a request that is not running", msg.TYPE)
         elif isinstance(msg, Align):
             self.on_align(state, msg)
+        elif isinstance(msg, DraftAsk):
+            self.on_draft_ask(state, msg)
         elif isinstance(msg, End):
             state.ending = True
         else:
@@ -178,6 +201,11 @@ class ShadowRole:
             log.exception("shadow failed on request %s; workers fall back to on-demand loading", names)
             for state in batch:
                 self.states.pop(state.request_id, None)
+                if state.asked is not None:  # main waits for these drafts: none will come
+                    ask = state.asked
+                    self.endpoint.send(
+                        "main", Drafts(request_id=ask.request_id, step=ask.step, position=ask.position, tokens=[])
+                    )
 
     # --- one request ----------------------------------------------------------------------
 
@@ -194,6 +222,8 @@ class ShadowRole:
             self.prefixes.lookup(msg.prompt_ids.view(-1).tolist(), prompt_len - 1, root=root) if self.prefixes else []
         )
         cache = cache_from(blocks, self.model.config) if blocks else DynamicCache(config=self.model.config)
+        if self.drafting:  # a sliding window keeps its past: a rejected draft rewinds past the window
+            cache.activate_past_recording()
         state = Emulation(
             msg.request_id,
             prompt_len,
@@ -234,6 +264,47 @@ class ShadowRole:
             truncate_cache(state.cache, state.prompt_len + msg.step - 1)
             state.next_step = msg.step
             state.rewinds += 1
+            state.speculated = {s for s in state.speculated if s < msg.step}
+            if wrong_token:  # the drafts from here on were not main's: no more of them until main asks
+                state.pass_of = {s: p for s, p in state.pass_of.items() if s < msg.step}
+
+    def on_draft_ask(self, state: Emulation, msg: DraftAsk) -> None:
+        """Main asks for its pass ``msg.step``: the shadow's steps ``position`` to ``position +
+        tokens`` are its positions (bounded by the sequence's length), the drafts answered once known."""
+        if msg.position < 1 or msg.tokens < 0:
+            log.warning("dropped a draft ask for %s at position %d", state.request_id, msg.position)
+            return
+        last = min(msg.position + msg.tokens, state.max_new_tokens - 1)
+        state.pass_of = {s: p for s, p in state.pass_of.items() if s < msg.position}
+        state.pass_of.update(dict.fromkeys(range(msg.position, last + 1), msg.step))
+        state.unions = {key: union for key, union in state.unions.items() if key[0] >= msg.step}
+        state.asked = msg if msg.tokens else None
+        self._answer_drafts(state)
+
+    def _answer_drafts(self, state: Emulation) -> None:
+        """Main's pending ask answered as soon as the shadow holds its guesses of every token asked
+        for (or of an end of sequence before them)."""
+        ask = state.asked
+        if ask is None:
+            return
+        drafts = []
+        for index in range(ask.position, ask.position + ask.tokens):
+            step = index + 1  # the step that takes generated token ``index`` as its input
+            if step < state.next_step:
+                token = state.inputs.get(step)
+            elif step == state.next_step and step - 1 in state.pass_of and state.next_step > ask.position:
+                token = state.own_next
+            else:
+                return  # not guessed yet
+            if token is None:
+                return
+            drafts.append(token)
+            if token in self.eos:
+                break
+        state.asked = None
+        self.endpoint.send(
+            "main", Drafts(request_id=state.request_id, step=ask.step, position=ask.position, tokens=drafts)
+        )
 
     def _ready(self) -> list[Emulation]:
         """The sequences that may step now, stepped together."""
@@ -243,6 +314,12 @@ class ShadowRole:
         if state.next_step >= state.max_new_tokens:
             return False
         s = state.next_step
+        if self.drafting:  # as far as main asked: on main's token where it came, else on its guess
+            if s not in state.pass_of:
+                return False
+            if s <= state.main_step:
+                return s in state.aligns
+            return not state.ending and state.own_next not in self.eos
         if s > state.main_step + self.spec.settings.lookahead and not state.ending:
             return False
         token_due, kv_due = schedule.alignment_due(s, state.token_period, state.kv_period)
@@ -269,7 +346,7 @@ class ShadowRole:
         if align is not None and align.token is not None:
             token = align.token
             state.token_aligns += 1
-        if align is None and any(schedule.alignment_due(s, state.token_period, state.kv_period)):
+        if align is None and (self.drafting or any(schedule.alignment_due(s, state.token_period, state.kv_period))):
             state.speculated.add(s)
             state.speculations += 1
         state.inputs[s] = token
@@ -289,6 +366,8 @@ class ShadowRole:
             state.own_next = int(outcome.last.argmax())
             if state.running_step:
                 state.next_step = state.running_step + 1
+            if self.drafting:
+                self._answer_drafts(state)
 
     def finish(self, state: Emulation) -> None:
         # On our link to main, behind every prediction we sent for this sequence: main keeps the
@@ -349,7 +428,7 @@ class ShadowRole:
         predicted = [
             self._prediction(state, layer, call.top_k_index[-1])  # type: ignore[union-attr]
             for state, call in zip(batch, calls, strict=True)
-            if state.running_step
+            if state.running_step and (not self.drafting or state.running_step in state.pass_of)
         ]
         if predicted:
             self._predict(layer, predicted)
@@ -360,13 +439,16 @@ class ShadowRole:
         return list(routed.split([c.hidden_states.shape[0] for c in calls]))  # type: ignore[union-attr]
 
     def _prediction(self, state: Emulation, layer: int, chosen: torch.Tensor) -> Prediction:
-        """The shadow's routing of a sequence's step at ``layer``: the experts it chose there."""
+        """The shadow's routing of a sequence's step at ``layer``: the experts it chose there; drafting,
+        the union so far of main's pass that the step is a position of, keyed by that pass."""
+        experts = {int(e) for e in chosen.tolist()}
+        step = state.running_step
+        if self.drafting:
+            step = state.pass_of[state.running_step]
+            experts = state.unions.setdefault((step, layer), set())
+            experts.update(int(e) for e in chosen.tolist())
         return Prediction(
-            request_id=state.request_id,
-            step=state.running_step,
-            layer=layer,
-            experts=sorted(int(e) for e in chosen.tolist()),
-            version=state.version,
+            request_id=state.request_id, step=step, layer=layer, experts=sorted(experts), version=state.version
         )
 
     def _predict(self, layer: int, predicted: list[Prediction]) -> None:
@@ -374,6 +456,16 @@ class ShadowRole:
         the layer's workers."""
         peers = ["main", *(f"worker-{worker}" for worker in self.placement.workers_for_layer(layer))]
         self.endpoint.send_to(peers, Predictions(items=predicted))
+
+
+def end_tokens(model: torch.nn.Module) -> frozenset[int]:
+    """The ids that end a generation, as the model's generation config names them."""
+    ids = model.generation_config.eos_token_id
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
 
 
 def truncate_cache(cache: DynamicCache, length: int) -> None:
