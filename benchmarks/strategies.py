@@ -2,7 +2,7 @@
 
     python -m benchmarks.strategies [--profile 3090-pcie4-1gbe] [--model DIR] [--workers 8]
         [--pairs 16:32,16:64,64:32,64:64] [--strategies odmoe,full-cache,reactive,lru-offload]
-        [--hybrid odmoe,reactive,lru-offload] [--repeats 1] [--max-resident-experts N]
+        [--hybrid odmoe,reactive,lru-offload] [--drafts 4] [--repeats 1] [--max-resident-experts N]
         [--expert-compute-ms MS | --calibration PREVIOUS.json] [--json OUT] [--plots DIR]
 
 Every strategy runs the same greedy generations on the same checkpoint through the real
@@ -34,6 +34,11 @@ random model importance's similarity table is calibrated on random ids first (it
 random too), while the prerouter needs a ``--model`` whose heads were trained (``train-prerouter``).
 ``--hybrid`` names strategies to run a second time with hybrid CPU/GPU execution on the workers
 (``inference.policies.hybrid``; rows ``NAME+hybrid``), the CPU path emulated from the profile's host DRAM.
+``--drafts K[,K...]`` runs odmoe again with the shadow drafting K tokens a pass (``draft_tokens``; rows
+``odmoe+draftsK``, the copy charges unchanged): each row's decode beside odmoe's without drafts, its
+shadow's agreement, tokens per pass and distinct experts per layer per pass, and the bound those set,
+min(full cache / odmoe, tokens per pass x top-k / distinct experts per layer per pass). The simulator
+does not model drafts: those rows have no prediction.
 Each worker holds as many experts at once as the link's term of the prefetch depth
 (``inference.policies.depth``: 1 + ceil(compute / copy) of an expert at the profile's proportions, 2 on
 every profile here, what every recorded run held), lru-offload's one worker too, where the
@@ -81,6 +86,7 @@ DEFAULT_PAIRS = "16:32,16:64,64:32,64:64"
 
 HYBRID = "+hybrid"  # the suffix of a strategy's row run with hybrid execution
 CODEC = "+codec"  # the suffix of a strategy's row run on coded experts (expert_codec="exponent-plane")
+DRAFTS = "+drafts"  # the suffix (then k) of odmoe's row run with the shadow drafting k tokens a pass
 # The figures reported with their min–max and spread over rounds: the measured rates and the ratios.
 SPREAD_FIGURES = (
     "decode_tok_s",
@@ -91,6 +97,9 @@ SPREAD_FIGURES = (
     "decode_vs_lru_offload",
     "decode_vs_without_hybrid",
     "decode_vs_without_codec",
+    "decode_vs_without_drafts",
+    "drafts_bound",
+    "drafts_of_bound",
 )
 
 
@@ -103,18 +112,22 @@ class Deployment:
     networked: bool  # roles on separate boxes, so the emulated network applies
     hybrid: bool = False  # workers compute late experts on their CPUs (inference.policies.hybrid)
     codec: bool = False  # the shard build codes the experts; workers keep, copy and decode coded bytes
+    drafts: int = 0  # the shadow drafts this many tokens a pass (``draft_tokens``)
 
     @property
     def label(self) -> str:
-        return self.strategy + (HYBRID if self.hybrid else "") + (CODEC if self.codec else "")
+        drafts = f"{DRAFTS}{self.drafts}" if self.drafts else ""
+        return self.strategy + (HYBRID if self.hybrid else "") + (CODEC if self.codec else "") + drafts
 
 
-def deployment_for(strategy: str, workers: int, *, hybrid: bool = False, codec: bool = False) -> Deployment:
+def deployment_for(
+    strategy: str, workers: int, *, hybrid: bool = False, codec: bool = False, drafts: int = 0
+) -> Deployment:
     if strategy == "lru-offload":
         return Deployment(
             strategy, 1, networked=False, hybrid=hybrid, codec=codec
         )  # one GPU box, as Mixtral-Offloading
-    return Deployment(strategy, workers, networked=True, hybrid=hybrid, codec=codec)
+    return Deployment(strategy, workers, networked=True, hybrid=hybrid, codec=codec, drafts=drafts)
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
@@ -139,6 +152,7 @@ def agreement(outputs: list[list[int]], expected: list[list[int]]) -> float:
 def summarize(runs: list[dict]) -> dict:
     """Average one strategy's per-pair figures, as the paper averages its four pairs."""
     recalls = [r["recall"] for r in runs if r["recall"] is not None]
+    drafted = [r["drafts"] for r in runs if r.get("drafts")]
     return {
         "decode_tok_s": statistics.fmean(r["decode_tok_s"] for r in runs),
         "e2e_tok_s": statistics.fmean(r["e2e_tok_s"] for r in runs),
@@ -160,6 +174,11 @@ def summarize(runs: list[dict]) -> dict:
         "layer_parts_mean_ms": {
             name: _mean_of((r.get("layer_parts_mean_ms") or {}).get(name) for r in runs) for name in BREAKDOWN
         },
+        # Drafting (rows +draftsK): the shadow's agreement, tokens per decode pass, and distinct
+        # experts per layer per pass (means over the pairs); None without drafts.
+        "draft_agreement": _mean_of(d["agreement"] for d in drafted),
+        "tokens_per_pass": _mean_of(d["tokens_per_pass"] for d in drafted),
+        "distinct_experts_per_pass": _mean_of(d["distinct_experts"] for d in drafted),
         "pairs": runs,
     }
 
@@ -190,6 +209,28 @@ def add_ratios(results: dict[str, dict]) -> None:
         plain = results.get(name.removesuffix(CODEC)) if name.endswith(CODEC) else None
         if plain is not None:  # what coded experts changed
             figures["decode_vs_without_codec"] = figures["decode_tok_s"] / plain["decode_tok_s"]
+        plain = results.get(name.split(DRAFTS)[0]) if DRAFTS in name else None
+        if plain is not None:  # what drafts changed, and the most they could have (drafts_bound)
+            figures["decode_vs_without_drafts"] = figures["decode_tok_s"] / plain["decode_tok_s"]
+            figures["drafts_bound"] = drafts_bound(figures, plain, base)
+            bound = figures["drafts_bound"]
+            figures["drafts_of_bound"] = figures["decode_vs_without_drafts"] / bound if bound else None
+
+
+def drafts_bound(drafted: dict, plain: dict, full_cache: dict | None) -> float | None:
+    """The most drafts can give a row over its plain one (pure): fewer expert bytes per token, at most
+    tokens per pass x top-k / distinct experts per layer per pass, and never past full cache's speed."""
+    tokens, distinct, top_k = (
+        drafted.get("tokens_per_pass"),
+        drafted.get("distinct_experts_per_pass"),
+        drafted.get("top_k"),
+    )
+    if not (tokens and distinct and top_k):
+        return None
+    copies = tokens * top_k / distinct
+    if full_cache is None:
+        return copies
+    return min(full_cache["decode_tok_s"] / plain["decode_tok_s"], copies)
 
 
 def aggregate_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
@@ -310,6 +351,7 @@ def run_strategy(
         kv_period=args.kv_period,
         hybrid=deployment.hybrid,
         expert_codec="exponent-plane" if deployment.codec else "none",
+        draft_tokens=deployment.drafts,
     )
     settings = emulation.settings(base, networked=deployment.networked)
     options = ClusterOptions(workers=deployment.workers, settings=settings, in_process=args.in_process)
@@ -339,6 +381,7 @@ def run_strategy(
                     "hops_split_ms": m["decode_hops_split_ms_median"],
                     "main_between_layers_mean_ms": m["decode_main_between_layers_ms_mean"],
                     "layer_parts_mean_ms": m["decode_layer_breakdown_ms_mean"],
+                    "drafts": m.get("drafts"),
                 }
             )
             print(
@@ -346,7 +389,9 @@ def run_strategy(
                 f"TTFT {m['ttft_ms']:.0f} ms",
                 file=sys.stderr,
             )
-    return summarize(runs), outputs
+    figures = summarize(runs)
+    figures["top_k"] = json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
+    return figures, outputs
 
 
 def print_layer_parts(results: dict[str, dict], machine: MachineCosts, measurement: dict, layers: int) -> None:
@@ -576,6 +621,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="comma-separated strategies to run again on coded experts (expert_codec=exponent-plane; rows NAME+codec)",
     )
+    parser.add_argument(
+        "--drafts",
+        default="",
+        help="comma-separated draft_tokens values to run odmoe again with, the shadow drafting (rows odmoe+draftsK)",
+    )
     parser.add_argument("--notes", default="", help="a note recorded in the JSON (e.g. what else ran on the machine)")
     parser.add_argument(
         "--repeats",
@@ -646,6 +696,7 @@ def run_record(
         "max_resident_experts": prefetch_depth_of(args, emulation),
         "hybrid": hybrid,
         "codec": codec or [],
+        "drafts": getattr(args, "draft_values", []),
         "codec_decode": decode,  # an expert's coded bytes and decode time here (sim_prediction.measure_decode)
         "notes": args.notes,
         "repeats": args.repeats,
@@ -679,6 +730,12 @@ def main(argv: list[str] | None = None) -> int:
     if "prerouter" in hybrid:
         parser.error("the prerouter streams experts from disk; hybrid execution needs them in host memory")
     codec = [s for s in args.codec.split(",") if s]
+    try:
+        args.draft_values = [int(k) for k in args.drafts.split(",") if k]
+    except ValueError:
+        parser.error(f"--drafts takes comma-separated token counts, got {args.drafts!r}")
+    if args.draft_values and ("odmoe" not in strategies or min(args.draft_values) < 1):
+        parser.error("--drafts needs odmoe among the strategies (its row is the one without drafts) and k >= 1")
     if set(codec) - set(strategies):
         parser.error(f"--codec names strategies that are not run: {sorted(set(codec) - set(strategies))}")
     approximate = [s for s in strategies if not get_strategy(s).exact]
@@ -742,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         deployments = [deployment_for(s, args.workers) for s in strategies]
         deployments += [deployment_for(s, args.workers, hybrid=True) for s in hybrid]
         deployments += [deployment_for(s, args.workers, codec=True) for s in codec]
+        deployments += [deployment_for("odmoe", args.workers, drafts=k) for k in args.draft_values]
         for round_number in range(1, args.repeats + 1):  # interleaved: drift of the machine falls on every strategy
             figures: dict[str, dict] = {}
             for deployment in deployments:
