@@ -15,8 +15,9 @@ With ``draft_tokens`` set, the shadow drafts: it runs only as far as main asks (
 pass of main's, from a token on), on main's token and then on its own greedy guesses, answers
 main with those guesses (``Drafts``) as soon as it has them, and sends as the pass's predictions,
 keyed by main's pass, the union per layer of its routing of every position of the pass (each
-message the union so far, which replaces the one before). A guess main did not keep rewinds it to
-main's token there, as a wrong speculation does.
+message the union so far, which replaces the one before). With ``speculate`` it drafts main's
+next pass too while main verifies this one, as if main kept every draft. A guess main did not
+keep rewinds it to main's token there, as a wrong speculation does.
 """
 
 from __future__ import annotations
@@ -266,7 +267,9 @@ class ShadowRole:
             state.rewinds += 1
             state.speculated = {s for s in state.speculated if s < msg.step}
             if wrong_token:  # the drafts from here on were not main's: no more of them until main asks
+                stale = {p for s, p in state.pass_of.items() if s >= msg.step}
                 state.pass_of = {s: p for s, p in state.pass_of.items() if s < msg.step}
+                state.unions = {key: union for key, union in state.unions.items() if key[0] not in stale}
 
     def on_draft_ask(self, state: Emulation, msg: DraftAsk) -> None:
         """Main asks for its pass ``msg.step``: the shadow's steps ``position`` to ``position +
@@ -277,6 +280,10 @@ class ShadowRole:
         last = min(msg.position + msg.tokens, state.max_new_tokens - 1)
         state.pass_of = {s: p for s, p in state.pass_of.items() if s < msg.position}
         state.pass_of.update(dict.fromkeys(range(msg.position, last + 1), msg.step))
+        if self.spec.settings.speculate and msg.tokens:
+            # Main's next pass, were every draft of this one kept: drafted while main verifies this one.
+            following = range(last + 1, min(last + 1 + msg.tokens, state.max_new_tokens - 1) + 1)
+            state.pass_of.update(dict.fromkeys(following, msg.step + 1))
         state.unions = {key: union for key, union in state.unions.items() if key[0] >= msg.step}
         state.asked = msg if msg.tokens else None
         self._answer_drafts(state)
