@@ -60,7 +60,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks import roles
+from benchmarks import provenance, roles
 from benchmarks.plots import bar_plot
 from benchmarks.sim_prediction import measure_decode, measure_machine, predict_for_run
 from benchmarks.workload import BENCH_MODEL, prompt_of
@@ -711,6 +711,7 @@ def run_record(
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    started = provenance.now()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.max_resident_experts is not None and args.max_resident_experts < 1:
@@ -862,6 +863,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         record = run_record(args, emulation, calibration, pairs, hybrid, exact, results, predictions, codec, decode)
+        record |= provenance.record(started, "torch", "transformers")  # command, commit, start and end, machine
         args.json.write_text(json.dumps(record, indent=2))
     if args.plots:
         names = list(results)
