@@ -305,6 +305,16 @@ def check_value(item: SettingInfo, value: Any) -> None:
         raise SpecError(f"{item.name} must be >= {low:g}, got {value}")
 
 
+def check_drafts(draft_tokens: int, strategy: str, predictor: str) -> None:
+    """``SpecError`` unless drafts are off, or the shadow predicts under an exact strategy (it drafts,
+    main verifies); ``strategy`` and ``predictor`` must be valid already."""
+    if draft_tokens and (predictor_for(strategy, predictor) != "shadow" or not get_strategy(strategy).exact):
+        raise SpecError(
+            "draft_tokens needs the shadow predictor under an exact strategy (the shadow drafts, main verifies), "
+            f"not strategy {strategy!r} with predictor {predictor_for(strategy, predictor)!r}"
+        )
+
+
 def validate_settings(s: DeploymentSettings) -> DeploymentSettings:
     """Raise ``SpecError`` saying what is wrong with the runtime settings ``s``."""
     check_types(s, "settings.")
@@ -320,11 +330,7 @@ def validate_settings(s: DeploymentSettings) -> DeploymentSettings:
             "hybrid execution computes experts from host memory and needs the ram expert store, "
             f"not {expert_store_for(s.strategy, s.expert_store)!r}"
         )
-    if s.draft_tokens and (predictor_for(s.strategy, s.predictor) != "shadow" or not get_strategy(s.strategy).exact):
-        raise SpecError(
-            "draft_tokens needs the shadow predictor under an exact strategy (the shadow drafts, main verifies), "
-            f"not strategy {s.strategy!r} with predictor {predictor_for(s.strategy, s.predictor)!r}"
-        )
+    check_drafts(s.draft_tokens, s.strategy, s.predictor)
     if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):
         raise SpecError(f"device must be auto, cpu or cuda[:N], got {s.device!r}")
     return s

@@ -518,3 +518,30 @@ def test_an_expert_codec_is_a_deployment_setting_and_an_unknown_one_is_refused_n
     assert created.status_code == 201, created.content
     assert created.json()["expert_codec"] == "exponent-plane"
     assert Deployment.objects.get().expert_codec == "exponent-plane"
+
+
+def test_draft_tokens_is_a_deployment_setting_taken_only_where_the_shadow_drafts(staff: APIClient, model) -> None:
+    a, b, c = box("a", 8), box("b", 8), box("c", 8)
+    body = {"name": "drafted", "model": model.pk, "nodes": ids(a, b, c)}
+    for bad, reason in (
+        ({"draft_tokens": 17}, "less than or equal to 16"),
+        ({"draft_tokens": -1}, "greater than or equal to 0"),
+        ({"draft_tokens": 4, "predictor": "next-gate"}, "draft_tokens needs the shadow predictor"),
+        ({"draft_tokens": 4, "strategy": "full-cache"}, "draft_tokens needs the shadow predictor"),
+    ):
+        refused = staff.post("/api/deployments", body | bad, format="json")
+        assert refused.status_code == 400 and reason in str(refused.json()), (bad, refused.json())
+    assert Deployment.objects.count() == 0
+    assert staff.post("/api/deployments", body, format="json").json()["draft_tokens"] == 0  # the default: off
+    Deployment.objects.all().delete()
+    created = staff.post("/api/deployments", body | {"draft_tokens": 4}, format="json")
+    assert created.status_code == 201, created.content
+    assert created.json()["draft_tokens"] == 4 and Deployment.objects.get().draft_tokens == 4
+
+
+def test_the_estimate_refuses_drafts_it_does_not_model(staff: APIClient, model) -> None:
+    plan = {"workers": 2, "model": model.pk, "shadow_dtype": "fp16"}
+    assert staff.post("/api/deployments/estimate", plan | {"draft_tokens": 0}, format="json").status_code == 200
+    drafted = staff.post("/api/deployments/estimate", plan | {"draft_tokens": 4}, format="json")
+    assert drafted.status_code == 400, drafted.content
+    assert drafted.json()["detail"].startswith("no estimate for draft_tokens 4: the simulator does not model drafts")

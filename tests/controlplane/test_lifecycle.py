@@ -643,3 +643,12 @@ def test_a_deployment_created_with_a_shadow_seat_still_starts_under_a_strategy_w
     specs = [c.spec for node in nodes for c in inbox.take(node)]
     assert sorted(s["role"] for s in specs) == ["main", "shadow", "worker", "worker"]
     assert all(s["addresses"]["shadow"] is not None for s in specs)
+
+
+def test_a_deployment_s_draft_tokens_reach_every_role_s_settings(cluster) -> None:
+    deployment, nodes, inbox = cluster
+    Deployment.objects.filter(pk=deployment.pk).update(draft_tokens=3)
+    pushed(Deployment.objects.get(pk=deployment.pk))
+    for node in nodes:
+        (start,) = inbox.take(node)
+        assert start.spec["settings"]["draft_tokens"] == 3

@@ -147,7 +147,7 @@
           m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
       });
       return el("div", { class: "deployment", "data-deployment": d.name },
-        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy}${d.approximate ? " (approximate: not Transformers' tokens)" : ""}${d.predictor ? ` with ${d.predictor}` : ""} · max batch ${d.max_batch} · max per user ${d.max_per_user}${d.expert_codec && d.expert_codec !== "none" ? ` · experts coded ${d.expert_codec}` : ""} · ${d.status_reason}`)),
+        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy}${d.approximate ? " (approximate: not Transformers' tokens)" : ""}${d.predictor ? ` with ${d.predictor}` : ""} · max batch ${d.max_batch} · max per user ${d.max_per_user}${d.expert_codec && d.expert_codec !== "none" ? ` · experts coded ${d.expert_codec}` : ""}${d.draft_tokens ? ` · drafts ${d.draft_tokens}` : ""} · ${d.status_reason}`)),
         el("div", { class: "row" },
           running ? el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/stop`) }, "Stop")
                   : el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/start`) }, "Start"),
@@ -259,6 +259,7 @@
       shadow_dtype: form.get("shadow_dtype"), token_period: Number(form.get("token_period")), kv_period: Number(form.get("kv_period")),
       strategy: form.get("strategy"), predictor: form.get("predictor"), max_batch: Number(form.get("max_batch")),
       max_per_user: Number(form.get("max_per_user")), expert_codec: form.get("expert_codec"),
+      draft_tokens: Number(form.get("draft_tokens")),
     };
   }
   // A shadow seat only where the predictor is the shadow: the chosen one, else the strategy's own.
@@ -283,6 +284,7 @@
       model: body.model || undefined, workers, strategy: body.strategy, predictor: body.predictor, shadow_dtype: shadow,
       profile: new FormData($("deployment-form")).get("profile"), max_batch: body.max_batch,
       expert_codec: body.expert_codec,  // a coded plan is refused with the reason, not estimated as uncoded
+      draft_tokens: body.draft_tokens,  // so are drafts: the simulator does not model them yet
     });
     const line = (kind) => `${kind}: ${result[kind].decode_tok_s.toFixed(2)} tok/s decode, TTFT ${result[kind].ttft_ms.toFixed(0)} ms`;
     const perWorker = result.adjusted.memory_bytes.worker0;

@@ -83,6 +83,7 @@ def _deployment(deployment: Deployment) -> dict:
         "max_batch": deployment.max_batch,
         "max_per_user": deployment.max_per_user,
         "expert_codec": deployment.expert_codec,
+        "draft_tokens": deployment.draft_tokens,
         "members": [
             {
                 "node": str(m.node_id),

@@ -11,7 +11,7 @@ from controlplane.accounts.selectors import usage_by_user_and_deployment
 from controlplane.accounts.usage import USAGE_WINDOW_DAYS
 from controlplane.deployments.fields import MAX_PER_USER
 from controlplane.nodes.tls import upgrade_command
-from inference.constants import MAX_BATCH, SHADOW_DTYPES
+from inference.constants import MAX_BATCH, MAX_DRAFT_TOKENS, SHADOW_DTYPES
 from inference.policies.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 from inference.settings import DEFAULTS, info
 
@@ -43,6 +43,7 @@ def console(request: HttpRequest) -> HttpResponse:
         "defaults": DEFAULTS,  # the form's initial values are a deployment's declared defaults
         "default_max_batch": DEFAULTS.max_batch,
         "max_batch_limit": MAX_BATCH,
+        "max_draft_tokens": MAX_DRAFT_TOKENS,
         "default_max_per_user": DEFAULTS.max_per_user,
         "max_per_user_limit": MAX_PER_USER,
         "max_waiting": DEFAULTS.max_waiting,

@@ -90,6 +90,7 @@ class DeploymentOutput(serializers.ModelSerializer):
             "max_batch",
             "max_per_user",
             "expert_codec",
+            "draft_tokens",
             "created_at",
             "updated_at",
             "members",
@@ -210,6 +211,7 @@ class DeploymentListApi(APIView):
         max_batch = setting_field("max_batch")
         max_per_user = setting_field("max_per_user")
         expert_codec = setting_field("expert_codec")
+        draft_tokens = setting_field("draft_tokens")
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:
@@ -370,7 +372,8 @@ class EstimateApi(APIView):
     with main's KV caches for ``max_batch`` sequences, what creating and starting a deployment
     check each node against; without the shadow when ``predictor`` is not the shadow.
     ``expert_codec`` other than "none" is a 400 with the reason: the simulator has no decode
-    rate for a profile's CPU, so it cannot estimate coded experts.
+    rate for a profile's CPU, so it cannot estimate coded experts; ``draft_tokens`` other than 0
+    too: the simulator does not model drafts yet.
     """
 
     permission_classes = [IsAdminUser, KeyScopes]
@@ -389,8 +392,9 @@ class EstimateApi(APIView):
         output_tokens = serializers.IntegerField(min_value=2, max_value=32768, default=128)
         max_batch = setting_field("max_batch")
         # Taken so that a coded plan is refused with the reason (services.ESTIMATE_CODEC_REFUSAL), not
-        # estimated as if it were uncoded: only "none" is estimated.
+        # estimated as if it were uncoded: only "none" is estimated. Drafts likewise (0 only).
         expert_codec = setting_field("expert_codec")
+        draft_tokens = setting_field("draft_tokens")
 
         def validate_strategy(self, value: str) -> str:
             if value not in STRATEGIES:

@@ -13,9 +13,9 @@ from django.db import models
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
-from inference.constants import MAX_BATCH
+from inference.constants import MAX_BATCH, MAX_DRAFT_TOKENS
 from inference.policies.strategies import predictor_for
-from inference.settings import DEFAULTS, info
+from inference.settings import DEFAULTS, SpecError, check_drafts, info
 
 
 def choices(name: str) -> list[tuple[str, str]]:
@@ -34,6 +34,7 @@ SETTINGS_COLUMNS = (
     "max_batch",
     "max_per_user",
     "expert_codec",
+    "draft_tokens",
 )
 # One user's bound leaves others a place in main: below max_batch + main's queue (``max_waiting``).
 MAX_PER_USER = MAX_BATCH + DEFAULTS.max_waiting - 1
@@ -117,6 +118,12 @@ class Deployment(models.Model):
         "exponent-plane (lossless, fewer bytes in a worker's RAM and disk); the shard build keeps a set per codec; "
         "applied on the next start",
     )
+    draft_tokens = models.PositiveSmallIntegerField(
+        default=DEFAULTS.draft_tokens,
+        validators=[MaxValueValidator(MAX_DRAFT_TOKENS)],
+        help_text="tokens the shadow drafts for each decode pass, which main verifies in one round of expert "
+        "copies (0: off); needs the shadow predictor; applied on the next start",
+    )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -133,6 +140,10 @@ class Deployment(models.Model):
             predictor_for(self.strategy, self.predictor)
         except ValueError as exc:
             raise ValidationError({"predictor": str(exc)}) from None
+        try:
+            check_drafts(self.draft_tokens, self.strategy, self.predictor)
+        except SpecError as exc:
+            raise ValidationError({"draft_tokens": str(exc)}) from None
         if not 1 <= self.max_per_user < self.max_batch + DEFAULTS.max_waiting:
             raise ValidationError(
                 {"max_per_user": f"must be from 1 to below max_batch + {DEFAULTS.max_waiting} (the queue)"}

@@ -53,7 +53,7 @@ from inference.modelio.checkpoint import Checkpoint, CheckpointError
 from inference.modelio.shards import shadow_dtypes_to_build
 from inference.policies.schedule import validate_periods
 from inference.policies.strategies import needed_files, predictor_for
-from inference.settings import DEFAULTS, SpecError, check_max_per_user, check_value, info
+from inference.settings import DEFAULTS, SpecError, check_drafts, check_max_per_user, check_value, info
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 
@@ -236,6 +236,7 @@ def create_deployment(
     max_batch: int = DEFAULTS.max_batch,
     max_per_user: int = DEFAULTS.max_per_user,
     expert_codec: str = DEFAULTS.expert_codec,
+    draft_tokens: int = DEFAULTS.draft_tokens,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
@@ -256,6 +257,8 @@ def create_deployment(
         shadow = needs_shadow(strategy, predictor)
         check_value(info("max_batch"), max_batch)
         check_value(info("expert_codec"), expert_codec)
+        check_value(info("draft_tokens"), draft_tokens)
+        check_drafts(draft_tokens, strategy, predictor)
         check_max_per_user(max_per_user, max_batch, DEFAULTS.max_waiting)
     except (ModelError, SpecError, ValueError) as exc:
         raise DeploymentError(str(exc)) from None
@@ -297,6 +300,7 @@ def create_deployment(
                 max_batch=max_batch,
                 max_per_user=max_per_user,
                 expert_codec=expert_codec,
+                draft_tokens=draft_tokens,
                 created_by=created_by,
             )
     except IntegrityError:
@@ -358,6 +362,12 @@ ESTIMATE_CODEC_REFUSAL = (
     "is checked when it is created and started)"
 )
 
+ESTIMATE_DRAFTS_REFUSAL = (
+    "no estimate for draft_tokens {k}: the simulator does not model drafts yet (how many the shadow's guesses "
+    "main keeps, and the union of experts a pass copies), so it would predict the deployment without them; "
+    "estimate with draft_tokens 0, or measure with benchmarks.strategies --drafts"
+)
+
 
 def estimate(
     *,
@@ -371,6 +381,7 @@ def estimate(
     output_tokens: int = 128,
     max_batch: int = DEFAULTS.max_batch,
     expert_codec: str = DEFAULTS.expert_codec,
+    draft_tokens: int = DEFAULTS.draft_tokens,
 ) -> dict:
     """The cluster simulator's prediction for a planned deployment (``inference.sim.estimate``).
 
@@ -383,8 +394,10 @@ def estimate(
     The simulator itself models each strategy with its own predictor.
 
     ``expert_codec`` other than "none" is refused (``ESTIMATE_CODEC_REFUSAL`` says why), not
-    estimated as if uncoded.
+    estimated as if uncoded; so is ``draft_tokens`` other than 0 (``ESTIMATE_DRAFTS_REFUSAL``).
     """
+    if draft_tokens:
+        raise DeploymentError(ESTIMATE_DRAFTS_REFUSAL.format(k=draft_tokens))
     if expert_codec != "none":
         try:
             check_value(info("expert_codec"), expert_codec)  # an unknown one: the declaration's message
