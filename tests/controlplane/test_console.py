@@ -317,6 +317,7 @@ def test_metrics_are_in_prometheus_format_for_staff_only() -> None:
             "decode_tok_s": 20.0,
             "recall": 0.98,
             "decode_layer_load_wait_ms_median": 0.4,
+            "drafts": {"drafted": 8, "accepted": 6, "decode_passes": 3, "distinct_experts": 3.5},
         },
     )
     client = Client()
@@ -329,6 +330,12 @@ def test_metrics_are_in_prometheus_format_for_staff_only() -> None:
         tuple(s.labels.values()): s.value for s in families["odmoe_requests"].samples if s.name.endswith("_total")
     }
     assert requests[("openai_chat", "ok")] >= 1
+    drafts = {
+        name: sum(s.value for s in families[name].samples if s.name.endswith("_total"))
+        for name in ("odmoe_drafted_tokens", "odmoe_accepted_drafts", "odmoe_drafted_decode_passes")
+    }
+    assert drafts["odmoe_drafted_tokens"] >= 8 and drafts["odmoe_accepted_drafts"] >= 6
+    assert drafts["odmoe_drafted_decode_passes"] >= 3
     assert {
         "odmoe_time_to_first_token_seconds",
         "odmoe_decode_seconds",

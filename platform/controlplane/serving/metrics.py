@@ -68,6 +68,22 @@ LOAD_WAIT = Histogram(
     registry=REGISTRY,
     buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
 )
+# Drafts (``draft_tokens``): agreement is accepted / drafted, tokens per decode pass (generated - 1) / passes
+# of the generations served with drafts, and the distinct experts a pass copied per layer a histogram.
+DRAFTED = Counter("odmoe_drafted_tokens", "The shadow's drafts main verified", ["api"], registry=REGISTRY)
+ACCEPTED = Counter("odmoe_accepted_drafts", "Drafts main kept, each equal to its own token", ["api"], registry=REGISTRY)
+DRAFTED_PASSES = Counter(
+    "odmoe_drafted_decode_passes", "Decode passes of generations served with drafts", ["api"], registry=REGISTRY
+)
+DRAFTED_TOKENS = Counter(
+    "odmoe_drafted_decode_tokens", "Decode tokens of generations served with drafts", ["api"], registry=REGISTRY
+)
+DISTINCT_EXPERTS = Histogram(
+    "odmoe_distinct_experts_per_layer_pass",
+    "Mean distinct experts a decode pass used per layer, per generation served with drafts",
+    registry=REGISTRY,
+    buckets=(1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64),
+)
 
 
 def record(api: str, *, ok: bool, prompt_tokens: int = 0, metrics: dict | None = None) -> None:
@@ -87,6 +103,14 @@ def record(api: str, *, ok: bool, prompt_tokens: int = 0, metrics: dict | None =
         RECALL.observe(metrics["recall"])
     if metrics.get("decode_layer_load_wait_ms_median") is not None:
         LOAD_WAIT.observe(metrics["decode_layer_load_wait_ms_median"] / 1000)
+    drafts = metrics.get("drafts")
+    if isinstance(drafts, dict):
+        DRAFTED.labels(api).inc(drafts.get("drafted", 0))
+        ACCEPTED.labels(api).inc(drafts.get("accepted", 0))
+        DRAFTED_PASSES.labels(api).inc(drafts.get("decode_passes", 0))
+        DRAFTED_TOKENS.labels(api).inc(max(generated - 1, 0))
+        if drafts.get("decode_passes"):
+            DISTINCT_EXPERTS.observe(drafts.get("distinct_experts", 0))
 
 
 class ClusterCollector:
