@@ -2,7 +2,7 @@
 
     python -m benchmarks.strategies [--profile 3090-pcie4-1gbe] [--model DIR] [--workers 8]
         [--pairs 16:32,16:64,64:32,64:64] [--strategies odmoe,full-cache,reactive,lru-offload]
-        [--hybrid odmoe,reactive,lru-offload] [--drafts 4] [--repeats 1] [--max-resident-experts N]
+        [--hybrid odmoe,reactive,lru-offload] [--drafts 4,auto8] [--repeats 1] [--max-resident-experts N]
         [--expert-compute-ms MS | --calibration PREVIOUS.json] [--json OUT] [--plots DIR]
 
 Every strategy runs the same greedy generations on the same checkpoint through the real
@@ -35,7 +35,8 @@ random too), while the prerouter needs a ``--model`` whose heads were trained (`
 ``--hybrid`` names strategies to run a second time with hybrid CPU/GPU execution on the workers
 (``inference.policies.hybrid``; rows ``NAME+hybrid``), the CPU path emulated from the profile's host DRAM.
 ``--drafts K[,K...]`` runs odmoe again with the shadow drafting K tokens a pass (``draft_tokens``; rows
-``odmoe+draftsK``, the copy charges unchanged): each row's decode beside odmoe's without drafts, its
+``odmoe+draftsK``), or ``autoK`` up to K as ``draft_policy="auto"`` picks (rows ``odmoe+drafts-autoK``),
+the copy charges unchanged: each row's decode beside odmoe's without drafts, its
 shadow's agreement, tokens per pass and distinct experts per layer per pass, and the bound those set,
 min(full cache / odmoe, tokens per pass x top-k / distinct experts per layer per pass). The simulator
 does not model drafts: those rows have no prediction.
@@ -113,21 +114,24 @@ class Deployment:
     hybrid: bool = False  # workers compute late experts on their CPUs (inference.policies.hybrid)
     codec: bool = False  # the shard build codes the experts; workers keep, copy and decode coded bytes
     drafts: int = 0  # the shadow drafts this many tokens a pass (``draft_tokens``)
+    draft_auto: bool = False  # ... or up to that many, as draft_policy="auto" picks
 
     @property
     def label(self) -> str:
-        drafts = f"{DRAFTS}{self.drafts}" if self.drafts else ""
+        drafts = f"{DRAFTS}{'-auto' if self.draft_auto else ''}{self.drafts}" if self.drafts else ""
         return self.strategy + (HYBRID if self.hybrid else "") + (CODEC if self.codec else "") + drafts
 
 
 def deployment_for(
-    strategy: str, workers: int, *, hybrid: bool = False, codec: bool = False, drafts: int = 0
+    strategy: str, workers: int, *, hybrid: bool = False, codec: bool = False, drafts: int = 0, draft_auto: bool = False
 ) -> Deployment:
     if strategy == "lru-offload":
         return Deployment(
             strategy, 1, networked=False, hybrid=hybrid, codec=codec
         )  # one GPU box, as Mixtral-Offloading
-    return Deployment(strategy, workers, networked=True, hybrid=hybrid, codec=codec, drafts=drafts)
+    return Deployment(
+        strategy, workers, networked=True, hybrid=hybrid, codec=codec, drafts=drafts, draft_auto=draft_auto
+    )
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
@@ -352,6 +356,7 @@ def run_strategy(
         hybrid=deployment.hybrid,
         expert_codec="exponent-plane" if deployment.codec else "none",
         draft_tokens=deployment.drafts,
+        draft_policy="auto" if deployment.draft_auto else "fixed",
     )
     settings = emulation.settings(base, networked=deployment.networked)
     options = ClusterOptions(workers=deployment.workers, settings=settings, in_process=args.in_process)
@@ -624,7 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drafts",
         default="",
-        help="comma-separated draft_tokens values to run odmoe again with, the shadow drafting (rows odmoe+draftsK)",
+        help="comma-separated draft_tokens values to run odmoe again with, the shadow drafting (rows odmoe+draftsK); "
+        "autoK: up to K, as draft_policy auto picks (rows odmoe+drafts-autoK)",
     )
     parser.add_argument("--notes", default="", help="a note recorded in the JSON (e.g. what else ran on the machine)")
     parser.add_argument(
@@ -696,7 +702,7 @@ def run_record(
         "max_resident_experts": prefetch_depth_of(args, emulation),
         "hybrid": hybrid,
         "codec": codec or [],
-        "drafts": getattr(args, "draft_values", []),
+        "drafts": [f"auto{k}" if auto else str(k) for k, auto in getattr(args, "draft_values", [])],
         "codec_decode": decode,  # an expert's coded bytes and decode time here (sim_prediction.measure_decode)
         "notes": args.notes,
         "repeats": args.repeats,
@@ -732,10 +738,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the prerouter streams experts from disk; hybrid execution needs them in host memory")
     codec = [s for s in args.codec.split(",") if s]
     try:
-        args.draft_values = [int(k) for k in args.drafts.split(",") if k]
+        args.draft_values = [(int(k.removeprefix("auto")), k.startswith("auto")) for k in args.drafts.split(",") if k]
     except ValueError:
-        parser.error(f"--drafts takes comma-separated token counts, got {args.drafts!r}")
-    if args.draft_values and ("odmoe" not in strategies or min(args.draft_values) < 1):
+        parser.error(f"--drafts takes comma-separated token counts (autoK: up to K), got {args.drafts!r}")
+    if args.draft_values and ("odmoe" not in strategies or min(k for k, _ in args.draft_values) < 1):
         parser.error("--drafts needs odmoe among the strategies (its row is the one without drafts) and k >= 1")
     if set(codec) - set(strategies):
         parser.error(f"--codec names strategies that are not run: {sorted(set(codec) - set(strategies))}")
@@ -800,7 +806,9 @@ def main(argv: list[str] | None = None) -> int:
         deployments = [deployment_for(s, args.workers) for s in strategies]
         deployments += [deployment_for(s, args.workers, hybrid=True) for s in hybrid]
         deployments += [deployment_for(s, args.workers, codec=True) for s in codec]
-        deployments += [deployment_for("odmoe", args.workers, drafts=k) for k in args.draft_values]
+        deployments += [
+            deployment_for("odmoe", args.workers, drafts=k, draft_auto=auto) for k, auto in args.draft_values
+        ]
         for round_number in range(1, args.repeats + 1):  # interleaved: drift of the machine falls on every strategy
             figures: dict[str, dict] = {}
             for deployment in deployments:

@@ -36,6 +36,9 @@ MAX_BATCH = 64
 # The most tokens the shadow may draft for one decode pass of main (``Settings.draft_tokens``): each
 # drafted position is one more row of every layer's exchange and one more shadow step.
 MAX_DRAFT_TOKENS = 16
+# How many of them a pass drafts (``Settings.draft_policy``): always ``draft_tokens``, or per pass from
+# the measured agreement and costs, up to ``draft_tokens`` (``inference.policies.drafting``).
+DRAFT_POLICIES = ("fixed", "auto")
 # Requests main holds beyond its batch (``Settings.max_waiting``), and the generations one user may
 # have in main at once, running and waiting (``Settings.max_per_user``), by default.
 DEFAULT_MAX_WAITING = 64

@@ -30,6 +30,7 @@ from inference.constants import (
     COMPUTE_DTYPES,
     DEFAULT_MAX_PER_USER,
     DEFAULT_MAX_WAITING,
+    DRAFT_POLICIES,
     EXPERT_CODECS,
     EXPERT_STORES,
     EXPERTS_ARITHMETICS,
@@ -137,6 +138,13 @@ class DeploymentSettings:
         "shadow runs only as far as main asks, so speculate and lookahead do not apply; needs the shadow predictor",
         minimum=0,
         maximum=MAX_DRAFT_TOKENS,
+    )
+    draft_policy: str = setting(
+        "fixed",
+        "how many tokens a pass drafts: fixed (always draft_tokens) or auto (per pass, up to draft_tokens, the "
+        "number with the most tokens per second from the measured agreement, expert overlap and costs of "
+        "main's recent passes: inference.policies.drafting)",
+        choices=DRAFT_POLICIES,
     )
     threads: int = setting(1, "torch intra-op threads per role process", minimum=1)
     copy_bytes_per_s: float | None = setting(

@@ -154,3 +154,18 @@ def test_a_sliding_window_model_drops_rejected_drafts_past_its_window(tmp_path: 
     drafts = [_drafts(r) for r in results]
     print("sliding window drafts:", drafts)
     assert sum(d["accepted"] for d in drafts) < sum(d["drafted"] for d in drafts)  # some were dropped
+
+
+def test_auto_drafts_keep_the_tokens_and_ask_for_what_the_shadow_earns(tiny_model: Path) -> None:
+    """draft_policy auto: k chosen pass by pass from what main measured (drafts.DraftTuner)."""
+    prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[0]]
+    expected = [reference_generate(tiny_model, prompt, 24) for prompt in prompts]
+    settings = Settings(draft_tokens=6, draft_policy="auto", shadow_dtype="nf4")
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings, in_process=True)) as cluster:
+        results = [cluster.generate(prompt, 24) for prompt in prompts]
+    assert [r.token_ids for r in results] == expected
+    drafts = [_drafts(r) for r in results]
+    print("auto drafts:", drafts)
+    assert all(d["decode_passes"] >= 1 for d in drafts)
+    # Never more than draft_tokens a pass; what the tuner chose is in how many drafts each pass carried.
+    assert all(d["drafted"] <= 6 * d["passes"] for d in drafts)

@@ -534,9 +534,12 @@ def test_draft_tokens_is_a_deployment_setting_taken_only_where_the_shadow_drafts
     assert Deployment.objects.count() == 0
     assert staff.post("/api/deployments", body, format="json").json()["draft_tokens"] == 0  # the default: off
     Deployment.objects.all().delete()
-    created = staff.post("/api/deployments", body | {"draft_tokens": 4}, format="json")
+    refused = staff.post("/api/deployments", body | {"draft_tokens": 4, "draft_policy": "eager"}, format="json")
+    assert refused.json()["draft_policy"] == ['"eager" is not a valid draft_policy; allowed: fixed, auto']
+    created = staff.post("/api/deployments", body | {"draft_tokens": 4, "draft_policy": "auto"}, format="json")
     assert created.status_code == 201, created.content
-    assert created.json()["draft_tokens"] == 4 and Deployment.objects.get().draft_tokens == 4
+    assert (created.json()["draft_tokens"], created.json()["draft_policy"]) == (4, "auto")
+    assert Deployment.objects.get().draft_tokens == 4
 
 
 def test_the_estimate_refuses_drafts_it_does_not_model(staff: APIClient, model) -> None:

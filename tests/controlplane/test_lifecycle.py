@@ -647,8 +647,8 @@ def test_a_deployment_created_with_a_shadow_seat_still_starts_under_a_strategy_w
 
 def test_a_deployment_s_draft_tokens_reach_every_role_s_settings(cluster) -> None:
     deployment, nodes, inbox = cluster
-    Deployment.objects.filter(pk=deployment.pk).update(draft_tokens=3)
+    Deployment.objects.filter(pk=deployment.pk).update(draft_tokens=3, draft_policy="auto")
     pushed(Deployment.objects.get(pk=deployment.pk))
     for node in nodes:
         (start,) = inbox.take(node)
-        assert start.spec["settings"]["draft_tokens"] == 3
+        assert (start.spec["settings"]["draft_tokens"], start.spec["settings"]["draft_policy"]) == (3, "auto")

@@ -147,7 +147,7 @@
           m.detail ? el("span", { class: "muted" }, ` ${m.detail.split("\n")[0]}`) : "");
       });
       return el("div", { class: "deployment", "data-deployment": d.name },
-        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy}${d.approximate ? " (approximate: not Transformers' tokens)" : ""}${d.predictor ? ` with ${d.predictor}` : ""} · max batch ${d.max_batch} · max per user ${d.max_per_user}${d.expert_codec && d.expert_codec !== "none" ? ` · experts coded ${d.expert_codec}` : ""}${d.draft_tokens ? ` · drafts ${d.draft_tokens}` : ""} · ${d.status_reason}`)),
+        el("h3", {}, `${d.name} `, badge(d.status), el("span", { class: "muted" }, ` ${d.strategy}${d.approximate ? " (approximate: not Transformers' tokens)" : ""}${d.predictor ? ` with ${d.predictor}` : ""} · max batch ${d.max_batch} · max per user ${d.max_per_user}${d.expert_codec && d.expert_codec !== "none" ? ` · experts coded ${d.expert_codec}` : ""}${d.draft_tokens ? ` · drafts ${d.draft_policy === "auto" ? "up to " : ""}${d.draft_tokens}` : ""} · ${d.status_reason}`)),
         el("div", { class: "row" },
           running ? el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/stop`) }, "Stop")
                   : el("button", { onclick: () => api("POST", `/api/deployments/${d.id}/start`) }, "Start"),
@@ -259,7 +259,7 @@
       shadow_dtype: form.get("shadow_dtype"), token_period: Number(form.get("token_period")), kv_period: Number(form.get("kv_period")),
       strategy: form.get("strategy"), predictor: form.get("predictor"), max_batch: Number(form.get("max_batch")),
       max_per_user: Number(form.get("max_per_user")), expert_codec: form.get("expert_codec"),
-      draft_tokens: Number(form.get("draft_tokens")),
+      draft_tokens: Number(form.get("draft_tokens")), draft_policy: form.get("draft_policy"),
     };
   }
   // A shadow seat only where the predictor is the shadow: the chosen one, else the strategy's own.

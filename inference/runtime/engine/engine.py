@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from inference.constants import DEFAULT_CONTEXT_TOKENS
 from inference.policies import schedule
-from inference.runtime.engine.drafts import draft_length, trim_cache, verify
+from inference.runtime.engine.drafts import DraftTuner, draft_length, trim_cache, verify
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.grammar import Constraint
 from inference.runtime.engine.runner import ModelRunner
@@ -59,6 +59,12 @@ class Engine:
         self.runner = ModelRunner(role.model, role.family, role.exchange.serve_layer, self._embedded)
         self.prefixes = PrefixCache() if role.spec.settings.prefix_cache else None
         self.draft_tokens = role.spec.settings.draft_tokens  # 0: a token a pass
+        self.tuner = DraftTuner(
+            most=self.draft_tokens,
+            auto=role.spec.settings.draft_policy == "auto",
+            experts=role.placement.n_experts,
+            top_k=role.model.config.num_experts_per_tok,
+        )
         # A waiting request's prefix found in the store: (the store's version then, its blocks),
         # held from the step that plans its join to the join, whatever the store drops meanwhile.
         self._held: dict[str, tuple[int, list[Block]]] = {}
@@ -131,7 +137,10 @@ class Engine:
             batch = self._with_drafts(batch)
         role.begin_step()
         try:
+            started = time.perf_counter()
             outputs = self.runner.run(batch)
+            if self.draft_tokens:
+                self._time_step(batch, time.perf_counter() - started)
             for (s, work), out in zip(batch, outputs, strict=True):
                 s.computed = work.end
                 if out.prompt is not None and s.prompt_logprobs is not None:
@@ -161,7 +170,9 @@ class Engine:
         kept, error = verify(next_token, logits, work.drafts, s.sampler.eos.__contains__)
         if work.drafts:  # the positions whose inputs were kept: its last token's, and each kept draft's
             s.computed = work.start + max(len(kept), 1)
-            s.drafting.accepted += sum(1 for token, draft in zip(kept, work.drafts, strict=False) if token == draft)
+            accepted = sum(1 for token, draft in zip(kept, work.drafts, strict=False) if token == draft)
+            s.drafting.accepted += accepted
+            self.tuner.note_verified(min(len(kept), len(work.drafts)), accepted)
         if self.draft_tokens:
             trim_cache(s.cache, s.computed)
         for token, row in zip(kept, logits, strict=False):
@@ -178,11 +189,26 @@ class Engine:
         if not role.shadow_serving or done(s.view()):
             return
         position = len(s.state.generated)
-        tokens = draft_length(self.draft_tokens, position, s.state.max_new_tokens)
+        tokens = draft_length(self.tuner.drafts(), position, s.state.max_new_tokens)
         s.drafting.ask(s.step + 1, position, tokens)
         role.endpoint.send(
             "shadow", DraftAsk(request_id=s.request_id, step=s.step + 1, position=position, tokens=tokens)
         )
+
+    def _time_step(self, batch: list[tuple[Sequence, Work]], step_s: float) -> None:
+        """What ``auto`` learns from a decode step: its time, its expert rounds' share of it and the
+        distinct experts they served, and how each drafted pass's positions shared experts."""
+        if any(w.start < s.prompt_len for s, w in batch):
+            return  # a prefill's step: its positions are not a decode's
+        records = [s.state.steps[-1].layers for s, _ in batch]
+        layers = len(records[0])
+        union = [set().union(*(r[layer].real for r in records)) for layer in range(layers)]
+        experts_s = sum(record.dispatch_ms for record in records[0]) / 1000
+        positions = sum(1 + len(w.drafts) for _, w in batch)
+        self.tuner.note_step(step_s, experts_s, sum(len(u) for u in union), positions, layers)
+        for (_, w), layered in zip(batch, records, strict=True):
+            if w.drafts and layered:
+                self.tuner.note_pass(1 + len(w.drafts), sum(len(r.real) for r in layered) / len(layered))
 
     def _with_drafts(self, batch: list[tuple[Sequence, Work]]) -> list[tuple[Sequence, Work]]:
         """Each decode's drafts for this pass, once the shadow answered every one asked for (no longer

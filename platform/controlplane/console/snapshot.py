@@ -84,6 +84,7 @@ def _deployment(deployment: Deployment) -> dict:
         "max_per_user": deployment.max_per_user,
         "expert_codec": deployment.expert_codec,
         "draft_tokens": deployment.draft_tokens,
+        "draft_policy": deployment.draft_policy,
         "members": [
             {
                 "node": str(m.node_id),

@@ -11,7 +11,7 @@ from controlplane.accounts.selectors import usage_by_user_and_deployment
 from controlplane.accounts.usage import USAGE_WINDOW_DAYS
 from controlplane.deployments.fields import MAX_PER_USER
 from controlplane.nodes.tls import upgrade_command
-from inference.constants import MAX_BATCH, MAX_DRAFT_TOKENS, SHADOW_DTYPES
+from inference.constants import DRAFT_POLICIES, MAX_BATCH, MAX_DRAFT_TOKENS, SHADOW_DTYPES
 from inference.policies.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 from inference.settings import DEFAULTS, info
 
@@ -44,6 +44,7 @@ def console(request: HttpRequest) -> HttpResponse:
         "default_max_batch": DEFAULTS.max_batch,
         "max_batch_limit": MAX_BATCH,
         "max_draft_tokens": MAX_DRAFT_TOKENS,
+        "draft_policies": DRAFT_POLICIES,
         "default_max_per_user": DEFAULTS.max_per_user,
         "max_per_user_limit": MAX_PER_USER,
         "max_waiting": DEFAULTS.max_waiting,

@@ -91,6 +91,7 @@ class DeploymentOutput(serializers.ModelSerializer):
             "max_per_user",
             "expert_codec",
             "draft_tokens",
+            "draft_policy",
             "created_at",
             "updated_at",
             "members",
@@ -212,6 +213,7 @@ class DeploymentListApi(APIView):
         max_per_user = setting_field("max_per_user")
         expert_codec = setting_field("expert_codec")
         draft_tokens = setting_field("draft_tokens")
+        draft_policy = setting_field("draft_policy")
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:

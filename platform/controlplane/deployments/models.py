@@ -35,6 +35,7 @@ SETTINGS_COLUMNS = (
     "max_per_user",
     "expert_codec",
     "draft_tokens",
+    "draft_policy",
 )
 # One user's bound leaves others a place in main: below max_batch + main's queue (``max_waiting``).
 MAX_PER_USER = MAX_BATCH + DEFAULTS.max_waiting - 1
@@ -123,6 +124,13 @@ class Deployment(models.Model):
         validators=[MaxValueValidator(MAX_DRAFT_TOKENS)],
         help_text="tokens the shadow drafts for each decode pass, which main verifies in one round of expert "
         "copies (0: off); needs the shadow predictor; applied on the next start",
+    )
+    draft_policy = models.CharField(
+        max_length=8,
+        choices=choices("draft_policy"),
+        default=DEFAULTS.draft_policy,
+        help_text="how many tokens a pass drafts: fixed (always draft_tokens) or auto (per pass, up to "
+        "draft_tokens, from the agreement and costs main measures); applied on the next start",
     )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)

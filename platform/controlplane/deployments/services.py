@@ -237,6 +237,7 @@ def create_deployment(
     max_per_user: int = DEFAULTS.max_per_user,
     expert_codec: str = DEFAULTS.expert_codec,
     draft_tokens: int = DEFAULTS.draft_tokens,
+    draft_policy: str = DEFAULTS.draft_policy,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
@@ -258,6 +259,7 @@ def create_deployment(
         check_value(info("max_batch"), max_batch)
         check_value(info("expert_codec"), expert_codec)
         check_value(info("draft_tokens"), draft_tokens)
+        check_value(info("draft_policy"), draft_policy)
         check_drafts(draft_tokens, strategy, predictor)
         check_max_per_user(max_per_user, max_batch, DEFAULTS.max_waiting)
     except (ModelError, SpecError, ValueError) as exc:
@@ -301,6 +303,7 @@ def create_deployment(
                 max_per_user=max_per_user,
                 expert_codec=expert_codec,
                 draft_tokens=draft_tokens,
+                draft_policy=draft_policy,
                 created_by=created_by,
             )
     except IntegrityError:
