@@ -396,14 +396,18 @@ def predict_strategies(
     generations: list[dict],
     *,
     hybrid: bool = False,
+    drafts: tuple[int, float] | None = None,
 ) -> dict[str, float | None]:
-    """The local model's decode tok/s for each strategy (None for one it does not model)."""
+    """The local model's decode tok/s for each strategy (None for one it does not model); ``drafts``:
+    (k, tokens per pass) for odmoe drafting k tokens a pass."""
     predicted: dict[str, float | None] = {}
+    k, tokens_per_pass = drafts or (0, 1.0)
     for strategy in strategies:
         if strategy not in STRATEGIES:
             predicted[strategy] = None
             continue
-        options = Options(strategy, recall=1.0, hybrid=hybrid)  # the runtime applies it under every strategy
+        # hybrid: the runtime applies it under every strategy
+        options = Options(strategy, recall=1.0, hybrid=hybrid, drafts=k, tokens_per_pass=tokens_per_pass)
         predicted[strategy] = predict(options, shape, costs, rates, generations)
     return predicted
 
@@ -436,8 +440,11 @@ def predict_for_run(
     machine: MachineCosts | None = None,
     measurement: dict | None = None,
     codec: dict | None = None,
+    drafts: tuple[int, float] | None = None,
 ) -> dict:
     """{strategy: predicted decode tok/s} for a `benchmarks.strategies` run, plus what it rests on.
+
+    ``drafts`` (k, tokens per pass, measured before the run): odmoe drafting k tokens a pass.
 
     ``codec`` (``measure_decode``): the workers' experts are coded; each load is charged its decode here
     and its coded bytes on the emulated copy.
@@ -467,13 +474,15 @@ def predict_for_run(
         max_resident=max_resident,
         cache_experts=cache_experts,
     )
-    predicted = predict_strategies(strategies, shape, costs, rates, generations, hybrid=hybrid)
+    predicted = predict_strategies(strategies, shape, costs, rates, generations, hybrid=hybrid, drafts=drafts)
     tight = measured.get("tight_loop") if "in_rhythm" in measured else None
     return {
         "predicted_decode_tok_s": predicted,
         "predicted_decode_tok_s_tight_loop_costs": None
         if tight is None
-        else predict_strategies(strategies, shape, MachineCosts(**tight), rates, generations, hybrid=hybrid),
+        else predict_strategies(
+            strategies, shape, MachineCosts(**tight), rates, generations, hybrid=hybrid, drafts=drafts
+        ),
         "inputs": {
             "shape": dataclasses.asdict(shape),
             "rates": dataclasses.asdict(rates),
@@ -494,6 +503,14 @@ def predict_for_run(
                 []
                 if codec is None
                 else ["coded experts: each load is its decode on this CPU (measured alone, one thread) then its copy"]
+            ),
+            *(
+                []
+                if drafts is None
+                else [
+                    f"drafts: {drafts[0]} a pass, {drafts[1]:.2f} tokens a pass as measured before the run "
+                    "(benchmarks.draft_agreement, roles in-process); a rejected draft routes as the next token"
+                ]
             ),
         ],
     }

@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import provenance, roles
+from benchmarks.draft_agreement import measure as measure_drafts
 from benchmarks.plots import bar_plot
 from benchmarks.sim_prediction import measure_decode, measure_machine, predict_for_run
 from benchmarks.workload import BENCH_MODEL, prompt_of
@@ -792,9 +793,34 @@ def main(argv: list[str] | None = None) -> int:
                     measurement=measurement,
                     codec=decode if kind == "codec" else None,
                 )
+        for k, auto in args.draft_values:
+            if auto:
+                continue  # the simulator models a fixed k: auto rows have no prediction
+            # The shadow's drafts measured first (roles in-process, nothing emulated), then predicted.
+            before = measure_drafts(model_dir, args.shadow_dtype, k, prompts, expected)
+            predictions[f"drafts{k}"] = predict_for_run(
+                emulation.as_dict(),
+                config,
+                expert_bytes,
+                workers=args.workers,
+                strategies=["odmoe"],
+                model_dir=model_dir,
+                prompts=[p for p, _ in prompts],
+                outputs=expected,
+                max_resident=prefetch_depth_of(args, emulation),
+                machine=machine,
+                measurement=measurement,
+                drafts=(k, before["tokens_per_pass"]),
+            )
+            predictions[f"drafts{k}"]["drafts_before_run"] = {
+                key: value for key, value in before.items() if key != "answers"
+            }
         predicted, predicted_tight = (
             {
-                name + {"hybrid": HYBRID, "codec": CODEC}.get(kind, ""): tok_s
+                name
+                + (
+                    {"hybrid": HYBRID, "codec": CODEC}.get(kind) or (f"+{kind}" if kind.startswith("drafts") else "")
+                ): tok_s
                 for kind, prediction in predictions.items()
                 for name, tok_s in (prediction[key] or {}).items()
             }

@@ -358,3 +358,26 @@ def test_a_checkpoint_too_big_for_one_worker_here_keeps_the_tight_loop_costs(tin
     costs, record = sim_prediction.measure_machine(config, 1e-3, model_dir=tiny_model, link_latency_s=1e-3)
     assert "would not fit one worker here" in record["in_rhythm_skipped"] and "in_rhythm" not in record
     assert costs.as_dict() == record["tight_loop"] and costs.expert_compute_s == 1e-3
+
+
+def test_drafted_rows_run_beside_odmoe_with_their_bound_and_the_simulator_s_prediction(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from benchmarks.strategies import main
+
+    out = tmp_path / "strategies.json"
+    arguments = ["--model", str(tiny_model), "--workers", "2", "--pairs", "6:12", "--strategies", "odmoe,full-cache"]
+    assert main([*arguments, "--drafts", "3,auto4", "--json", str(out), "--in-process"]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["exact"] is True and figures["drafts"] == ["3", "auto4"]
+    assert figures["commit"] and figures["started"] <= figures["ended"]  # its own provenance
+    fixed, auto = figures["strategies"]["odmoe+drafts3"], figures["strategies"]["odmoe+drafts-auto4"]
+    plain = figures["strategies"]["odmoe"]
+    for row in (fixed, auto):
+        assert row["decode_vs_without_drafts"] == pytest.approx(row["decode_tok_s"] / plain["decode_tok_s"])
+        assert row["drafts_of_bound"] == pytest.approx(row["decode_vs_without_drafts"] / row["drafts_bound"])
+        assert 1 <= row["tokens_per_pass"] <= 5 and row["top_k"] == 2
+    # The simulator models a fixed k, from the drafts it measured before the run; auto gets none.
+    assert fixed["sim_predicted_decode_tok_s"] > 0 and auto["sim_predicted_decode_tok_s"] is None
+    before = figures["sim_prediction"]["drafts3"]["drafts_before_run"]
+    assert before["exact"] and 1 <= before["tokens_per_pass"] <= 4

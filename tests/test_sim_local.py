@@ -13,7 +13,15 @@ from inference.policies.placement import placement
 from inference.sim.costs import Costs
 from inference.sim.efficiency import transformers_eager
 from inference.sim.hardware import get_profile
-from inference.sim.local import EmulatedRates, LoaderSim, MachineCosts, Options, Shape, simulate_generation
+from inference.sim.local import (
+    EmulatedRates,
+    LoaderSim,
+    MachineCosts,
+    Options,
+    Shape,
+    draft_passes,
+    simulate_generation,
+)
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.sim.simulate import run_pair
 from inference.sim.sources import value
@@ -239,3 +247,34 @@ def test_a_coded_experts_load_is_its_decode_then_its_stored_bytes() -> None:
     assert coded.copy_s == pytest.approx(0.0002 + 0.0007)
     with pytest.raises(ValueError, match="stored bytes must be positive"):
         dataclasses.replace(plain, stored_bytes=0)
+
+
+@pytest.mark.parametrize(
+    ("steps_", "drafts", "per_pass", "expected"),
+    [
+        (10, 4, 5.0, [(0, 5, 5), (5, 5, 5)]),  # every draft kept
+        (7, 4, 1.0, [(i, min(5, 7 - i), 1) for i in range(7)]),  # none kept: a token a pass
+        (9, 2, 2.5, [(0, 3, 2), (2, 3, 3), (5, 3, 3), (8, 1, 1)]),  # 2.5 a pass on average, 1 left at the end
+    ],
+)
+def test_drafted_passes_keep_the_measured_tokens_per_pass(steps_: int, drafts: int, per_pass: float, expected) -> None:
+    passes = draft_passes(steps_, drafts, per_pass)
+    assert passes == expected
+    assert sum(kept for _, _, kept in passes) == steps_
+
+
+def test_drafts_that_repeat_their_experts_copy_each_once_a_pass() -> None:
+    """A perfect shadow, every draft kept, every token on the same two experts: a pass of 5 positions
+    copies them once, so decode runs well past the one-token copy bound (12.5 tok/s here)."""
+    shape = Shape(layers=4, experts=8, top_k=2, workers=4)
+    plain = simulate_generation(Options("odmoe"), shape, COSTS, RATES, steps(40, 4, (3, 5)))
+    drafted = simulate_generation(
+        Options("odmoe", drafts=4, tokens_per_pass=5.0), shape, COSTS, RATES, steps(40, 4, (3, 5))
+    )
+    assert drafted["passes"] == 8
+    assert drafted["decode_tok_s"] > 3 * plain["decode_tok_s"]
+    # Nothing kept: a pass's four rejected drafts still cost main and the workers their positions.
+    rejected = simulate_generation(
+        Options("odmoe", drafts=4, tokens_per_pass=1.0), shape, COSTS, RATES, steps(40, 4, (3, 5))
+    )
+    assert rejected["passes"] == 40 and rejected["decode_tok_s"] < plain["decode_tok_s"]

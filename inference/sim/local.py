@@ -371,6 +371,25 @@ class Options:
     hybrid: bool = False
     shadow_layer_s: float | None = None  # the shadow's own layer time here (default: main's layer + top_k experts)
     lookahead: int = Settings.lookahead  # the runtime's: how many steps after a token a share changed on it plans
+    # odmoe with drafts (``draft_tokens``): each pass verifies this many of the shadow's guesses, and
+    # yields ``tokens_per_pass`` tokens on average (measured before the run: ``draft_passes``).
+    drafts: int = 0
+    tokens_per_pass: float = 1.0
+
+
+def draft_passes(decode_steps: int, drafts: int, tokens_per_pass: float) -> list[tuple[int, int, int]]:
+    """The passes a drafted decode of ``decode_steps`` tokens makes (pure): (its first decode step, its
+    positions, the tokens it keeps), each pass keeping as many as bring the running total nearest to
+    ``tokens_per_pass`` a pass (at least its own token, at most its positions)."""
+    if drafts < 1 or not 1.0 <= tokens_per_pass <= drafts + 1:
+        raise ValueError(f"{drafts} drafts a pass yield 1 to {drafts + 1} tokens, not {tokens_per_pass}")
+    passes, first = [], 0
+    while first < decode_steps:
+        positions = min(drafts + 1, decode_steps - first)
+        kept = min(positions, max(1, round((len(passes) + 1) * tokens_per_pass) - first))
+        passes.append((first, positions, kept))
+        first += kept
+    return passes
 
 
 def _shadow_guess(real: list[int], experts: int, recall: float, step: int, layer: int) -> list[int]:
@@ -485,7 +504,10 @@ def simulate_generation(
             for e in mine:
                 worker.loader.prefetch((step, layer, e), t)
 
-    def serve(worker_index: int, step: int, layer: int, experts: list[int], arrive: float) -> float:
+    def serve(
+        worker_index: int, step: int, layer: int, experts: list[int], arrive: float, rows: dict[int, int] | None = None
+    ) -> float:
+        """``rows``: a drafted pass's positions routed to each expert, a segment each (1 when not given)."""
         worker = pool[worker_index]
         deliver_predictions(worker, max(arrive, worker.free_at))
         t = max(arrive, worker.free_at)
@@ -521,7 +543,7 @@ def simulate_generation(
             on_device.append(key)
         for key in on_device:
             ready = loader.acquire(key, t)
-            t = max(t, ready) + costs.expert_compute_s
+            t = max(t, ready) + costs.expert_compute_s * (rows or {}).get(key[2], 1)
             loader.release(key, t)
         t = max(t, cpu_t)
         worker.free_at = t
@@ -537,6 +559,8 @@ def simulate_generation(
             )
         return begin + shape.layers * shadow_layer
 
+    if options.drafts and strategy == "odmoe":
+        return _drafted(options, shape, costs, rates, trace, pool, place, groups, declared, serve, shadow_layer)
     now = 0.0
     step_starts: list[float] = []
     shadow_end = 0.0
@@ -577,6 +601,62 @@ def simulate_generation(
         "wasted_loads": sum(w.loader.wasted for w in pool),
         "cpu_experts": sum(w.cpu_experts for w in pool),
         "planned_experts": sum(w.planned_experts for w in pool),
+    }
+
+
+def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared, serve, shadow_layer) -> dict:
+    """odmoe's decode with drafts (``simulate_generation`` with ``options.drafts``), pass by pass.
+
+    Each pass computes ``positions`` positions in main (its layer work, Python and LM head each
+    position's), copies at each layer the union of the experts they route to (the trace's steps: a
+    kept draft's routing is the token's own; a rejected one's is taken as the next token's), each
+    position an expert segment of its own, and keeps ``kept`` tokens (``draft_passes``). The shadow
+    drafts a pass's positions one model pass each, sending the union so far per layer as it goes,
+    and answers main after all but the last; it drafts the next pass meanwhile where this one kept
+    every draft (``speculate``), else from main's end of this pass. Main waits for the answer."""
+    links = [Link(rates, costs, True) for _ in range(len(pool) + 2)]
+    main_link, shadow_link, worker_links = links[0], links[1], links[2:]
+    now = shadow_free = 0.0
+    times, tokens, kept_all = [], 0, False
+    shadow_pass_s = shape.layers * shadow_layer
+    for p, (first, positions, kept) in enumerate(draft_passes(len(trace), options.drafts, options.tokens_per_pass), 1):
+        begin = shadow_free if kept_all else max(shadow_free, now)
+        for j in range(positions):  # the shadow's passes, each layer's union so far sent as it finishes
+            for layer in range(shape.layers):
+                union = sorted(set().union(*(trace[first + i][layer] for i in range(j + 1))))
+                at = begin + j * shadow_pass_s + (layer + 1) * shadow_layer
+                _send_prediction(pool, groups, p, layer, union, at, shadow_link, rates, options.recall, shape.experts)
+        shadow_free = begin + positions * shadow_pass_s
+        start = now = max(now, begin + (positions - 1) * shadow_pass_s)  # main waits for the drafts
+        for layer in range(shape.layers):
+            rows: dict[int, int] = {}
+            for i in range(positions):
+                for e in trace[first + i][layer]:
+                    rows[e] = rows.get(e, 0) + 1
+            now += (costs.main_layer_s + costs.main_before_send_s) * positions
+            plan = _plan(declared, place, sorted(rows), p, layer, options, shape)
+            replies = []
+            for w in groups[layer % len(groups)]:
+                mine = plan.get(w, [])
+                arrive = main_link.send(now, rates.request_bytes * positions if mine else rates.prediction_bytes)
+                done = serve(w, p, layer, mine, arrive, rows)
+                if mine:
+                    replies.append(worker_links[w].send(done, rates.result_bytes * sum(rows[e] for e in mine)))
+            now = max(replies) + costs.main_dispatch_s * positions
+        now += costs.step_fixed_s * positions
+        if rates.align_bytes:
+            main_link.send(now, rates.align_bytes * kept)
+        times.append(now - start)
+        tokens += kept
+        kept_all = kept == positions
+    return {
+        "decode_tok_s": tokens / (now or 1.0),
+        "step_ms_median": statistics.median(times) * 1000,
+        "passes": len(times),
+        "loads": sum(w.loader.loads for w in pool),
+        "wasted_loads": sum(w.loader.wasted for w in pool),
+        "cpu_experts": 0,
+        "planned_experts": 0,
     }
 
 
