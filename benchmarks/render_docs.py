@@ -186,6 +186,7 @@ PAGES: tuple[Page, ...] = (
     Page("prefix-reuse", "Prefix reuse", ("prefix-reuse*.json",)),
     Page("expert-codecs", "Expert codecs", ("expert-codecs*.json", "strategies-codec-*.json")),
     Page("tenants", "Two tenants", ("tenants-*.json",)),
+    Page("drafts", "Drafts", ("draft-agreement-*.json", "strategies-with-drafts-*.json")),
 )
 
 # Today's count of figures in each page's notes that no result of the page records (see Prose).
@@ -265,6 +266,13 @@ STATUS: tuple[tuple[str, str, str, str, str], ...] = (
         "",
     ),
     ("the other user's generations failed per two-tenant run (goal: 0)", "tenants", "tenants-*.json:a_failed", "d", ""),
+    (
+        "odmoe with the shadow drafting 4 tokens a pass ÷ without, decode, emulated 3090 cluster (goal: 1.3)",
+        "drafts",
+        "strategies-with-drafts-*.json:strategies.odmoe+drafts4.decode_vs_without_drafts",
+        ".2f",
+        "",
+    ),
     ("chats lost per load run", "load", "load-*.json:chat.lost", "d", ""),
     ("chats failed (with a reason told to the client) per load run", "load", "load-*.json:chat.failed", "d", ""),
 )
