@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import provenance
-from benchmarks.workload import BENCH_MODEL, prompt_of
+from benchmarks.workload import BENCH_MODEL, parse_pairs, prompt_of
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.tools.reference import reference_generate
@@ -64,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     started = provenance.now()
-    from benchmarks.strategies import parse_pairs  # here: strategies imports this module's measure
-
     try:
         pairs = parse_pairs(args.pairs)
     except ValueError as exc:

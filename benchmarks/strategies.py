@@ -65,7 +65,7 @@ from benchmarks import provenance, roles
 from benchmarks.draft_agreement import measure as measure_drafts
 from benchmarks.plots import bar_plot
 from benchmarks.sim_prediction import measure_decode, measure_machine, predict_for_run
-from benchmarks.workload import BENCH_MODEL, prompt_of
+from benchmarks.workload import BENCH_MODEL, parse_pairs, prompt_of
 from inference.modelio.checkpoint import Checkpoint, expert_key_name
 from inference.policies.hybrid import expert_flops, predicted_share
 from inference.policies.placement import placement
@@ -133,19 +133,6 @@ def deployment_for(
     return Deployment(
         strategy, workers, networked=True, hybrid=hybrid, codec=codec, drafts=drafts, draft_auto=draft_auto
     )
-
-
-def parse_pairs(text: str) -> list[tuple[int, int]]:
-    pairs = []
-    for item in text.split(","):
-        try:
-            prompt_len, new_tokens = (int(part) for part in item.split(":"))
-        except ValueError:
-            raise ValueError(f"a length pair is INPUT:OUTPUT, e.g. 16:64; got {item!r}") from None
-        if prompt_len < 1 or new_tokens < 2:
-            raise ValueError(f"input must be >= 1 and output >= 2 tokens, got {item!r}")
-        pairs.append((prompt_len, new_tokens))
-    return pairs
 
 
 def agreement(outputs: list[list[int]], expected: list[list[int]]) -> float:
