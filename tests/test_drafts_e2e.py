@@ -169,3 +169,28 @@ def test_auto_drafts_keep_the_tokens_and_ask_for_what_the_shadow_earns(tiny_mode
     assert all(d["decode_passes"] >= 1 for d in drafts)
     # Never more than draft_tokens a pass; what the tuner chose is in how many drafts each pass carried.
     assert all(d["drafted"] <= 6 * d["passes"] for d in drafts)
+
+
+def test_a_cancel_mid_drafts_and_a_reused_prefix_keep_every_answer_whole(clusters, tiny_model: Path) -> None:
+    """A cancel lands between passes (what was streamed is a prefix of generate's tokens); the same
+    prompt again reuses the drafted sequence's cached prefix, trimmed to the kept positions."""
+    _, drafted = clusters
+    prompt = [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312, 313, 314, 315, 316, 317]
+    expected = reference_generate(tiny_model, prompt, 40)
+    client = RuntimeClient(drafted.addresses.main, drafted.deployment, curve=drafted.client_keys())
+    try:
+        streamed = []
+        for event in client.stream(prompt, 40, request_id="to-cancel", timeout_s=120):
+            if isinstance(event, Token):
+                streamed.append(event.token_id)
+                if len(streamed) == 5:
+                    client.cancel("to-cancel")
+            else:
+                cancelled = event
+        assert cancelled.finish_reason == "cancelled" and 5 <= len(cancelled.token_ids) < 40
+        assert cancelled.token_ids == streamed == expected[: len(streamed)]
+        again = client.generate(prompt, 40, timeout_s=120)
+    finally:
+        client.close()
+    assert again.token_ids == expected
+    assert again.metrics["cached_prompt_tokens"] >= 16  # the cancelled sequence's prompt, from the prefix cache

@@ -101,3 +101,17 @@ def test_the_drafting_shadow_killed_mid_answer_leaves_the_same_tokens_and_drafts
     assert final.metrics["drafts"]["drafted"] > 0  # drafting again
     assert "did not come within" not in text and "did not answer" not in text
     print(f"\nstall after the shadow's kill, drafting: {stall * 1000:.0f} ms")
+
+
+def test_a_worker_killed_mid_drafted_answer_is_served_around_with_the_same_tokens(tiny_model: Path) -> None:
+    """A drafted pass's lanes each have their own rows in a layer's requests: what the lost worker
+    had not answered goes to its group's survivor, lane by lane."""
+    settings = Settings(draft_tokens=4, shadow_dtype="int8")
+    with LocalCluster(tiny_model, ClusterOptions(workers=4, settings=settings)) as cluster:
+        cluster.generate(PROMPTS[0], 4)  # warm
+        tokens, stall = stream_killing(cluster, PROMPTS[1], "worker-1", after=6)
+        again = cluster.generate(PROMPTS[2], 16)
+    assert tokens == reference_generate(tiny_model, PROMPTS[1], TOKENS)
+    assert again.token_ids == reference_generate(tiny_model, PROMPTS[2], 16)
+    assert again.metrics["drafts"]["drafted"] > 0
+    print(f"\nstall after a worker's kill, drafting: {stall * 1000:.0f} ms")
