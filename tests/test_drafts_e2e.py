@@ -194,3 +194,18 @@ def test_a_cancel_mid_drafts_and_a_reused_prefix_keep_every_answer_whole(cluster
         client.close()
     assert again.token_ids == expected
     assert again.metrics["cached_prompt_tokens"] >= 16  # the cancelled sequence's prompt, from the prefix cache
+
+
+def test_a_sampled_request_s_drafts_are_main_s_draws(tiny_model: Path) -> None:
+    """The shadow guesses a sampled token with main's sampler and seed (ShadowBegin carries them; a
+    request without a seed, the one main drew): with an fp32 shadow on main's device each draft is the
+    token main draws (measured: every draft kept; guessing greedily kept 0-3 % of them on this model)."""
+    settings = Settings(draft_tokens=4)
+    sampling = {"do_sample": True, "temperature": 0.8, "top_p": 0.95}
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings, in_process=True)) as cluster:
+        seeded = cluster.generate(PROMPTS[3], 24, seed=3, **sampling)
+        unseeded = cluster.generate(PROMPTS[4], 24, **sampling)
+    with LocalCluster(tiny_model, ClusterOptions(workers=2, in_process=True)) as plain:
+        assert plain.generate(PROMPTS[3], 24, seed=3, **sampling).token_ids == seeded.token_ids
+    assert _drafts(seeded)["agreement"] == 1.0
+    assert _drafts(unseeded)["accepted"] > _drafts(unseeded)["drafted"] / 2  # main's own seed reached the shadow

@@ -103,7 +103,9 @@ class SequenceLeave(Message, kw_only=True, tag="sequence_leave"):
 
 class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
     """The shadow starts emulating a request: it prefills the prompt on its own, reusing only its
-    tenant's prefix-cache blocks (``user`` and ``prefix_namespace``: the ``Generate``'s)."""
+    tenant's prefix-cache blocks (``user`` and ``prefix_namespace``: the ``Generate``'s). A sampled
+    request's parameters and the seed main's generator drew from (the request's, or the one main drew
+    for a request without one) let the shadow guess each token with the draw main makes there."""
 
     TENSORS: ClassVar[tuple[str, ...]] = ("prompt_ids",)
     request_id: str
@@ -113,6 +115,10 @@ class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
     prompt_ids: Tensor
     user: str = ""
     prefix_namespace: str = ""
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 class Align(Message, kw_only=True, tag="align"):

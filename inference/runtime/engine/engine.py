@@ -40,7 +40,7 @@ from inference.runtime.metrics import build_metrics, step_report
 from inference.runtime.prefix_cache import Block, PrefixCache, cache_from, namespace_root
 from inference.runtime.prerouter import SequenceRoutes
 from inference.runtime.records import RequestState, StepRecord
-from inference.wire.runtime import Align, Done, DraftAsk, Drafts, Failed, Generate, Prediction, Token
+from inference.wire.runtime import Align, Done, DraftAsk, Drafts, Failed, Generate, Prediction, ShadowBegin, Token
 
 if TYPE_CHECKING:
     from inference.runtime.engine.guesses import Guesses
@@ -330,7 +330,8 @@ class Engine:
         self.batch[msg.request_id] = sequence
         if self.prefixes is not None:
             self.prefixes.trim(self._prefix_room())  # room for it, before it fills any
-        role.announce_join(msg, sequence.joined_step)
+        begin = shadow_begin(msg, sampler.generator, role.token_period, role.kv_period)
+        role.announce_join(msg, sequence.joined_step, begin)
 
     def _embedded(self, sequence: Sequence, work: Work, embeds: torch.Tensor) -> None:
         """A sequence's step embedded its tokens: main's layer-0 guess, then the step's record."""
@@ -442,3 +443,21 @@ def distinct_experts(steps: list) -> float:
     """The mean number of distinct experts a decode pass used per layer (a drafted pass's union)."""
     counts = [len(record.real) for step in steps for record in step.layers]
     return sum(counts) / len(counts) if counts else 0.0
+
+
+def shadow_begin(msg: Generate, generator: torch.Generator | None, token_period: int, kv_period: int) -> ShadowBegin:
+    """What the shadow follows a joining sequence with: its prompt, tenant and sampling, with the
+    seed its generator drew from (main's own draw where the request named none)."""
+    return ShadowBegin(
+        request_id=msg.request_id,
+        max_new_tokens=msg.max_new_tokens,
+        token_period=token_period,
+        kv_period=kv_period,
+        prompt_ids=torch.tensor(msg.prompt_ids, dtype=torch.long),
+        user=msg.user,
+        prefix_namespace=msg.prefix_namespace,
+        do_sample=msg.do_sample,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        seed=generator.initial_seed() if generator is not None else None,
+    )

@@ -379,22 +379,11 @@ class MainRole:
             Begin(request_id=self.session, prompt_len=len(first.prompt_ids), max_new_tokens=first.max_new_tokens)
         )
 
-    def announce_join(self, msg: Generate, joined_step: int) -> None:
+    def announce_join(self, msg: Generate, joined_step: int, shadow_begin: ShadowBegin) -> None:
         """A sequence joined the batch: the workers count its steps, the shadow starts its copy."""
         self.to_live_workers(SequenceJoin(request_id=self.session, sequence=msg.request_id, first_step=joined_step))
         if self.shadow_serving:
-            self.endpoint.send(
-                "shadow",
-                ShadowBegin(
-                    request_id=msg.request_id,
-                    max_new_tokens=msg.max_new_tokens,
-                    token_period=self.token_period,
-                    kv_period=self.kv_period,
-                    prompt_ids=torch.tensor([msg.prompt_ids], dtype=torch.long)[0],
-                    user=msg.user,
-                    prefix_namespace=msg.prefix_namespace,
-                ),
-            )
+            self.endpoint.send("shadow", shadow_begin)
 
     def announce_leave(self, request_id: str, joined_step: int, *, last: bool) -> None:
         """A sequence left: the last one ends the session (workers report its statistics), any

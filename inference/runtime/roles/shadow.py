@@ -36,6 +36,7 @@ from inference.policies import schedule
 from inference.policies.placement import placement_from_dict
 from inference.runtime.batching import LayerCall
 from inference.runtime.engine.runner import ModelRunner
+from inference.runtime.engine.sampling import Sampler, sampler_for
 from inference.runtime.engine.scheduler import Work
 from inference.runtime.prefix_cache import PrefixCache, cache_from, namespace_root
 from inference.runtime.roles.common import (
@@ -102,6 +103,10 @@ class Emulation:
     pass_of: dict[int, int] = field(default_factory=dict)
     asked: DraftAsk | None = None
     unions: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    # A sampled request: main's sampler (its processors, a generator seeded as main's), and the
+    # generator's state before each token's draw, so a step run again draws what it drew before.
+    sampler: Sampler | None = None
+    draws: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ShadowRole:
@@ -234,6 +239,7 @@ class ShadowRole:
             cache,
             tokens,
             prefix_root=root,
+            sampler=self._sampler(msg, prompt_len),
         )
         self.states[msg.request_id] = state
         if self.prefixes is not None:
@@ -242,9 +248,27 @@ class ShadowRole:
         work = Work(state.request_id, state.cached_prompt_tokens, prompt_len, samples=True)
         self._guarded([state], partial(self._run, [(state, work)]))
 
+    def _sampler(self, msg: ShadowBegin, prompt_len: int) -> Sampler | None:
+        """A sampled request's sampler as main built it (``sampler_for``, main's seed): the shadow's
+        guess of each token is then the draw main makes there, from the shadow's own logits."""
+        if not msg.do_sample:
+            return None
+        return sampler_for(
+            self.model,
+            prompt_len=prompt_len,
+            max_new_tokens=msg.max_new_tokens,
+            do_sample=True,
+            temperature=msg.temperature,
+            top_p=msg.top_p,
+            seed=msg.seed,
+            device=self.device,
+        )
+
     def on_align(self, state: Emulation, msg: Align) -> None:
         state.aligns[msg.step] = msg
         state.main_step = max(state.main_step, msg.step)
+        for index in [i for i in state.draws if i < msg.step - 1]:  # tokens main has drawn for good
+            del state.draws[index]
         if msg.step >= state.next_step:
             return
         wrong_token = msg.token is not None and state.inputs.get(msg.step) != msg.token
@@ -370,11 +394,25 @@ class ShadowRole:
         for (state, _), outcome in zip(batch, outcomes, strict=True):
             assert outcome.last is not None
             state.largest_batch = max(state.largest_batch, len(batch))
-            state.own_next = int(outcome.last.argmax())
+            state.own_next = self._guess(state, outcome.last)
             if state.running_step:
                 state.next_step = state.running_step + 1
             if self.drafting:
                 self._answer_drafts(state)
+
+    def _guess(self, state: Emulation, logits: torch.Tensor) -> int:
+        """The shadow's guess of main's token after its step (the prompt's: token 0): its greedy
+        token, or for a sampled request the draw main's generator makes for that token, from the
+        generator's state before that token's draw (saved the first time, restored when it runs again)."""
+        if state.sampler is None or state.sampler.generator is None:
+            return int(logits.argmax())
+        index = state.running_step
+        saved = state.draws.get(index)
+        if saved is None:
+            state.draws[index] = state.sampler.generator.get_state()
+        else:
+            state.sampler.generator.set_state(saved)
+        return state.sampler.next_token(state.tokens[:, : state.prompt_len + index], logits)
 
     def finish(self, state: Emulation) -> None:
         # On our link to main, behind every prediction we sent for this sequence: main keeps the
