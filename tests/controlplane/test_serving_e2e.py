@@ -275,10 +275,11 @@ def check_job_survives_its_worker_killed(served: Served) -> None:
 def check_job_cancel(served: Served) -> None:
     alice = served.api(served.user_key)
     # Long answers (most of the tiny model's 1,024-token context): a prompt may finish between the poll
-    # that sees the job running and the cancel, and under a loaded machine 200 tokens were short
-    # enough for two to; a cancelled prompt stops at once whatever its max_tokens.
+    # that sees the job running and the cancel; a cancelled prompt stops at once whatever its max_tokens.
+    # The prompt matters as much: the tiny model ends "a b c" with its end-of-sequence token after 20
+    # tokens (then two prompts could end before the cancel came), "x y z" runs all 900.
     job = alice.post(
-        "/api/jobs", {"model": MODEL, "prompts": ["a b c"] * 6, "max_tokens": 900, "temperature": 0}, expect=201
+        "/api/jobs", {"model": MODEL, "prompts": ["x y z"] * 6, "max_tokens": 900, "temperature": 0}, expect=201
     )
     wait_job(alice, job["id"], lambda j: j["status"] == "running")
     cancelled = alice.post(f"/api/jobs/{job['id']}/cancel")
@@ -300,7 +301,7 @@ def check_job_stops_when_its_key_is_revoked(served: Served) -> None:
     one running on the cluster, each saying why."""
     staff = served.api(served.staff_key)
     key = staff.post("/api/keys", {"name": "batch", "scopes": ["inference"]}, expect=201)
-    body = {"model": MODEL, "prompts": ["a b c"] * 6, "max_tokens": 200, "temperature": 0}
+    body = {"model": MODEL, "prompts": ["x y z"] * 6, "max_tokens": 200, "temperature": 0}  # no early end (above)
     job = served.api(key["key"]).post("/api/jobs", body, expect=201)
     wait_job(staff, job["id"], lambda j: j["outputs_by_status"]["running"] > 0)
     staff.call("DELETE", f"/api/keys/{key['id']}", expect=200)
