@@ -32,7 +32,7 @@ from inference.runtime.engine.drafts import DraftTuner, draft_length, trim_cache
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.grammar import Constraint
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import sampler_for, token_logprobs
+from inference.runtime.engine.sampling import end_ids, sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
 from inference.runtime.engine.scheduler import schedule as plan_step
 from inference.runtime.engine.sequence import Sequence
@@ -72,18 +72,7 @@ class Engine:
     @functools.cached_property
     def eos(self) -> tuple[int, ...]:
         """The ids that end a generation, as the samplers have them (the generation config's)."""
-        role = self.role
-        sampler = sampler_for(
-            role.model,
-            prompt_len=1,
-            max_new_tokens=1,
-            do_sample=False,
-            temperature=1.0,
-            top_p=1.0,
-            seed=None,
-            device=role.device,
-        )
-        return tuple(sorted(sampler.eos))
+        return tuple(sorted(end_ids(self.role.model, self.role.device)))
 
     def serve(self) -> None:
         """Run steps until no sequence runs and none waits (or main is told to stop)."""
@@ -139,7 +128,7 @@ class Engine:
         try:
             started = time.perf_counter()
             outputs = self.runner.run(batch)
-            if self.draft_tokens:
+            if self.draft_tokens and self.tuner.auto:  # what auto chooses from; fixed needs none of it
                 self._time_step(batch, time.perf_counter() - started)
             for (s, work), out in zip(batch, outputs, strict=True):
                 s.computed = work.end

@@ -142,6 +142,14 @@ def sampler_for(
     return Sampler(processors, bool(config.do_sample), generator, ids, constraint)
 
 
+def end_ids(model: PreTrainedModel, device: torch.device) -> frozenset[int]:
+    """The ids that end a generation, as every sampler of ``model`` has them (the resolved
+    generation config's, whatever the request's sampling)."""
+    return sampler_for(
+        model, prompt_len=1, max_new_tokens=1, do_sample=False, temperature=1.0, top_p=1.0, seed=None, device=device
+    ).eos
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprob]:
     """Each row's token's logprob and the ``top`` most likely tokens of the row.
 

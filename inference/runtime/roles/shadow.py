@@ -12,7 +12,8 @@ every ``token_period`` / ``kv_period`` steps; if the shadow had already run a st
 main then aligns, it rewinds its cache and runs the step again.
 
 With ``draft_tokens`` set, the shadow drafts: it runs only as far as main asks (``DraftAsk``: a
-pass of main's, from a token on), on main's token and then on its own greedy guesses, answers
+pass of main's, from a token on), on main's token and then on its own guesses (greedy, or a sampled
+request's draws with main's sampler and seed), answers
 main with those guesses (``Drafts``) as soon as it has them, and sends as the pass's predictions,
 keyed by main's pass, the union per layer of its routing of every position of the pass (each
 message the union so far, which replaces the one before). With ``speculate`` it drafts main's
@@ -36,7 +37,7 @@ from inference.policies import schedule
 from inference.policies.placement import placement_from_dict
 from inference.runtime.batching import LayerCall
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import Sampler, sampler_for
+from inference.runtime.engine.sampling import Sampler, end_ids, sampler_for
 from inference.runtime.engine.scheduler import Work
 from inference.runtime.prefix_cache import PrefixCache, cache_from, namespace_root
 from inference.runtime.roles.common import (
@@ -141,7 +142,7 @@ class ShadowRole:
         # Its own finished sequences' KV, for prompts that begin the same way (as main keeps its own).
         self.prefixes = PrefixCache() if spec.settings.prefix_cache else None
         self.drafting = spec.settings.draft_tokens > 0
-        self.eos = end_tokens(self.model)
+        self.eos = end_ids(self.model, self.device)
         log.info("shadow ready: %s on %s (%s)", spec.settings.shadow_dtype, self.device, self.report)
 
     # --- message loop -------------------------------------------------------------------
@@ -177,10 +178,7 @@ class ShadowRole:
                 each.token_period, each.kv_period = msg.token_period, msg.kv_period
             log.info("alignment periods now token=%d kv=%d", msg.token_period, msg.kv_period)
         elif isinstance(msg, DraftAsk) and state is None:
-            # Not followed (it failed here, or never came): main decodes that pass without drafts.
-            self.endpoint.send(
-                "main", Drafts(request_id=msg.request_id, step=msg.step, position=msg.position, tokens=[])
-            )
+            self._no_drafts(msg)  # not followed (it failed here, or never came)
         elif isinstance(msg, End) and state is None:
             # Nothing to finish (the request failed here, or never reached us): say so at once.
             self.endpoint.send(
@@ -208,10 +206,7 @@ class ShadowRole:
             for state in batch:
                 self.states.pop(state.request_id, None)
                 if state.asked is not None:  # main waits for these drafts: none will come
-                    ask = state.asked
-                    self.endpoint.send(
-                        "main", Drafts(request_id=ask.request_id, step=ask.step, position=ask.position, tokens=[])
-                    )
+                    self._no_drafts(state.asked)
 
     # --- one request ----------------------------------------------------------------------
 
@@ -311,6 +306,10 @@ class ShadowRole:
         state.unions = {key: union for key, union in state.unions.items() if key[0] >= msg.step}
         state.asked = msg if msg.tokens else None
         self._answer_drafts(state)
+
+    def _no_drafts(self, ask: DraftAsk) -> None:
+        """Answer an ask with no drafts: main decodes that pass without them, at once."""
+        self.endpoint.send("main", Drafts(request_id=ask.request_id, step=ask.step, position=ask.position, tokens=[]))
 
     def _answer_drafts(self, state: Emulation) -> None:
         """Main's pending ask answered as soon as the shadow holds its guesses of every token asked
@@ -501,16 +500,6 @@ class ShadowRole:
         the layer's workers."""
         peers = ["main", *(f"worker-{worker}" for worker in self.placement.workers_for_layer(layer))]
         self.endpoint.send_to(peers, Predictions(items=predicted))
-
-
-def end_tokens(model: torch.nn.Module) -> frozenset[int]:
-    """The ids that end a generation, as the model's generation config names them."""
-    ids = model.generation_config.eos_token_id
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
-    if ids is None:
-        return frozenset()
-    return frozenset([ids] if isinstance(ids, int) else ids)
 
 
 def truncate_cache(cache: DynamicCache, length: int) -> None:
