@@ -188,18 +188,25 @@ fi
 AS_AGENT=""
 STATE="$DIR/state"
 if [ "$ROOT" = "yes" ]; then
+    # Two installs on one box at once (two agents side by side) share the user and the account
+    # files: one at a time makes them, and a user the other made meanwhile is taken as it is.
+    if [ "$DRY_RUN" = "no" ] && [ -d /run/lock ] && command -v flock >/dev/null 2>&1; then
+        exec 9>/run/lock/odmoe-install.lock && flock -w 120 9 || die "another install holds /run/lock/odmoe-install.lock"
+    fi
     if id "$AGENT_USER" >/dev/null 2>&1; then
         say "the agent runs as the existing user $AGENT_USER"
     else
         say "creating the system user $AGENT_USER (no login, no home of its own)"
         run useradd --system --user-group --home-dir "$STATE" --no-create-home \
-            --shell /usr/sbin/nologin --comment "odmoe agent" "$AGENT_USER" || die "useradd $AGENT_USER failed"
+            --shell /usr/sbin/nologin --comment "odmoe agent" "$AGENT_USER" || \
+            id "$AGENT_USER" >/dev/null 2>&1 || die "useradd $AGENT_USER failed"
     fi
     for group in video render; do  # the GPU's device files (/dev/dri, /dev/kfd); NVIDIA's are open to all
         if getent group "$group" >/dev/null 2>&1; then
             run usermod -a -G "$group" "$AGENT_USER" || die "usermod -a -G $group $AGENT_USER failed"
         fi
     done
+    [ "$DRY_RUN" = "yes" ] || exec 9>&-
     run mkdir -p "$STATE"
     run chown "$AGENT_USER:" "$STATE"
     if [ "$MOVED" = "yes" ]; then
