@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from inference.runtime.engine.compiles import Compiles
-from inference.runtime.engine.grammar import Constraint, GrammarError, grammar_tokenizer
+from inference.runtime.engine.grammar import Constraint, GrammarError, Guessing, grammar_tokenizer
 from inference.runtime.engine.sampling import Sampler, sampler_for
 from inference.tools.tiny import make_tiny
 from inference.wire.generation import Generate
@@ -93,6 +93,45 @@ def test_the_masked_greedy_choice_is_the_argmax_over_the_allowed_tokens(tiny: Pa
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     else:
         pytest.fail("the constrained walk did not end within 200 tokens")
+
+
+def _walk(constraint: Constraint, logits: list[torch.Tensor]) -> list[int]:
+    """The greedy tokens under ``constraint`` for these logits, one a step, until an end."""
+    tokens = []
+    for row in logits:
+        token = int(torch.where(constraint.allowed(torch.device("cpu")), row, float("-inf")).argmax())
+        if not constraint.matcher.consume_token(token) or constraint.matcher.is_stopped():
+            break
+        tokens.append(token)
+    return tokens
+
+
+def _after(tokenizer: llguidance.LLTokenizer, grammar: str, vocab: int, tokens: list[int]) -> torch.Tensor:
+    """The mask a fresh matcher computes after ``tokens``."""
+    fresh = _constraint(tokenizer, grammar, vocab)
+    for token in tokens:
+        fresh.advance(token)
+    return fresh.allowed(torch.device("cpu"))
+
+
+def test_the_shadow_s_grammar_rolls_back_to_the_tokens_it_shares_with_main(tiny: Path, model) -> None:
+    """The shadow's guesses follow a sequence whose later tokens main replaces: after any rewrite
+    its mask is the one a fresh matcher computes after the same tokens."""
+    vocab = model.config.vocab_size
+    tokenizer = grammar_tokenizer(str(tiny), vocab, tuple(sorted(_eos(model))))
+    grammar = _grammar(SCHEMA)
+    generator = torch.Generator().manual_seed(1)
+    first = _walk(_constraint(tokenizer, grammar, vocab), [torch.randn(vocab, generator=generator) for _ in range(40)])
+    second = _walk(_constraint(tokenizer, grammar, vocab), [torch.randn(vocab, generator=generator) for _ in range(40)])
+    assert len(first) > 12 and len(second) > 12 and first[:3] == second[:3]  # '{"name' at least, then apart
+    matcher, _ = compile_grammar(grammar, tokenizer)
+    guessing = Guessing(matcher, vocab)
+    cpu = torch.device("cpu")
+    for tokens in (first[:12], first[:5], second[:12], second[:12], first[:3], second, []):
+        assert torch.equal(guessing.allowed_after(tokens, cpu), _after(tokenizer, grammar, vocab, tokens))
+        assert guessing.taken == tokens
+    assert guessing.allowed_after([first[0], first[0]], cpu) is None  # refused: it begins again
+    assert torch.equal(guessing.allowed_after(first[:4], cpu), _after(tokenizer, grammar, vocab, first[:4]))
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

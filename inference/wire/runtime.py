@@ -105,7 +105,8 @@ class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
     """The shadow starts emulating a request: it prefills the prompt on its own, reusing only its
     tenant's prefix-cache blocks (``user`` and ``prefix_namespace``: the ``Generate``'s). A sampled
     request's parameters and the seed main's generator drew from (the request's, or the one main drew
-    for a request without one) let the shadow guess each token with the draw main makes there."""
+    for a request without one) let the shadow guess each token with the draw main makes there;
+    ``grammar`` (the ``Generate``'s, "" for none) lets it guess only tokens the grammar allows."""
 
     TENSORS: ClassVar[tuple[str, ...]] = ("prompt_ids",)
     request_id: str
@@ -119,6 +120,7 @@ class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    grammar: str = ""
 
 
 class Align(Message, kw_only=True, tag="align"):

@@ -1,4 +1,5 @@
-"""Grammar compiles for main, off its step loop: once per distinct grammar, in a thread of their own.
+"""Grammar compiles for main (and the shadow), off the step loop: once per distinct grammar, in a
+thread of their own.
 
 Main's loop steps every sequence of the batch, one step at a time; a grammar's compile takes what
 the grammar asks, up to seconds for the largest the limits admit (``inference.wire.grammar``). So
@@ -28,6 +29,10 @@ takes it out at once.
   began fails its requests (the limits should have ended it long before); the thread cannot be
   stopped, so it finishes, and what it compiled is kept.
 
+The shadow compiles the same grammars here for its guesses of main's tokens (``ShadowBegin``
+carries the grammar; a guess that breaks it would be a draft main rejects), one compile at a
+time too, and guesses without the grammar until its compile ends.
+
 Why a thread and not a process: a compiled matcher cannot leave the process that built it (it
 is not picklable), so a child process could only say whether a grammar compiles and main would
 compile it again; the GIL, the one reason for a process, is let go.
@@ -42,11 +47,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import llguidance
 
 from inference.runtime.engine.scheduler import next_to_join
-from inference.wire.generation import Generate
 from inference.wire.grammar import Compiled, CompiledGrammars, compile_grammar, digest
 
 CACHE_ENTRIES = 32  # compiled grammars main keeps
@@ -57,22 +62,36 @@ COMPILE_BACKSTOP_S = 60.0  # 20 times the slowest compile the limits admit here 
 LOWEST_PRIORITY = 19  # the compile thread's nice
 
 
+class GrammarRequest(Protocol):
+    """What a compile needs of a request: main's ``Generate``, the shadow's ``ShadowBegin``."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def user(self) -> str: ...
+    @property
+    def grammar(self) -> str: ...
+
+
+R = TypeVar("R", bound=GrammarRequest)
+
+
 @dataclass
-class _Job:
+class _Job(Generic[R]):
     """One grammar to compile, and the requests that wait for it (in arrival order)."""
 
     key: bytes
     grammar: str
-    requests: list[tuple[Generate, bytes]]
+    requests: list[tuple[R, bytes]]
     started: float = 0.0  # when the thread took it (0: not yet)
     given_up: bool = False  # its requests were answered by the backstop
 
 
-class Compiles:
+class Compiles(Generic[R]):
     """The requests whose grammar is being compiled, the compiles, and the compiled grammars.
 
-    Used from main's loop only, but for the thread that compiles (``_work``), which talks to it
-    through two queues.
+    Used from its role's loop only, but for the thread that compiles (``_work``), which talks to it
+    through two queues. ``bytes`` beside each request: whom to answer (main's client; the shadow's: b"").
     """
 
     def __init__(
@@ -86,16 +105,16 @@ class Compiles:
         self.cache = cache or CompiledGrammars(max_entries=CACHE_ENTRIES, max_bytes=CACHE_BYTES)
         self.backstop_s = backstop_s
         self.compiles = 0  # compiles begun (each distinct grammar not in the cache: one)
-        self._jobs: dict[bytes, _Job] = {}  # waiting and running, by grammar digest
-        self._running: _Job | None = None
+        self._jobs: dict[bytes, _Job[R]] = {}  # waiting and running, by grammar digest
+        self._running: _Job[R] | None = None
         self._ready: dict[str, llguidance.LLMatcher] = {}  # compiled, by request id, until its join
-        self._todo: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[tuple[_Job, Compiled]] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[_Job[R] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[_Job[R], Compiled]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     # --- main's loop ------------------------------------------------------------------------
 
-    def submit(self, msg: Generate, client: bytes) -> str | None:
+    def submit(self, msg: R, client: bytes) -> str | None:
         """An admitted request with a grammar: "" when its grammar is compiled already (the request
         may queue now), why it cannot be served when that is known already, None while it waits here
         for its compile (``poll`` hands it back)."""
@@ -106,10 +125,10 @@ class Compiles:
         self._jobs.setdefault(key, _Job(key, msg.grammar, [])).requests.append((msg, client))
         return None
 
-    def poll(self, busy_users: list[str]) -> list[tuple[Generate, bytes, str]]:
+    def poll(self, busy_users: list[str]) -> list[tuple[R, bytes, str]]:
         """The requests whose compile ended, each with "" (it may queue) or why not; and the next
         compile begun if none runs. ``busy_users``: one entry per generation in main's batch and queue."""
-        ended: list[tuple[Generate, bytes, str]] = []
+        ended: list[tuple[R, bytes, str]] = []
         while True:
             try:
                 job, compiled = self._done.get_nowait()
@@ -134,7 +153,7 @@ class Compiles:
             self._start_next(busy_users + [msg.user for msg, _, problem in ended if not problem])
         return ended
 
-    def cancel(self, request_id: str) -> tuple[Generate, bytes] | None:
+    def cancel(self, request_id: str) -> tuple[R, bytes] | None:
         """Take a request out of its compile's wait (the compile goes on if it began): the request, or
         None if it was not waiting here."""
         for key, job in list(self._jobs.items()):
@@ -167,7 +186,7 @@ class Compiles:
         """Whether any request waits here (main then looks for ended compiles more often)."""
         return any(job.requests for job in self._jobs.values())
 
-    def drain(self) -> list[tuple[Generate, bytes]]:
+    def drain(self) -> list[tuple[R, bytes]]:
         """Every request waiting here, taken out (main is shutting down)."""
         entries = [entry for job in self._jobs.values() for entry in job.requests]
         self._jobs.clear()  # a running compile ends in the thread, and is kept
@@ -178,7 +197,7 @@ class Compiles:
         if self._thread is not None:
             self._todo.put(None)
 
-    def _hold(self, msg: Generate, compiled: Compiled) -> str:
+    def _hold(self, msg: R, compiled: Compiled) -> str:
         if compiled.matcher is not None:
             self._ready[msg.request_id] = compiled.matcher
         return compiled.problem

@@ -435,8 +435,8 @@ def distinct_experts(steps: list) -> float:
 
 
 def shadow_begin(msg: Generate, generator: torch.Generator | None, token_period: int, kv_period: int) -> ShadowBegin:
-    """What the shadow follows a joining sequence with: its prompt, tenant and sampling, with the
-    seed its generator drew from (main's own draw where the request named none)."""
+    """What the shadow follows a joining sequence with: its prompt, tenant, grammar and sampling,
+    with the seed its generator drew from (main's own draw where the request named none)."""
     return ShadowBegin(
         request_id=msg.request_id,
         max_new_tokens=msg.max_new_tokens,
@@ -449,4 +449,5 @@ def shadow_begin(msg: Generate, generator: torch.Generator | None, token_period:
         temperature=msg.temperature,
         top_p=msg.top_p,
         seed=generator.initial_seed() if generator is not None else None,
+        grammar=msg.grammar,
     )

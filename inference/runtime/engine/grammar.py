@@ -12,6 +12,9 @@ and sampling draws only from them; the token taken then advances the matcher
 (``advance``). End-of-sequence is allowed only where the grammar is complete, so a generation
 that ends by itself ends with a whole document.
 
+The shadow keeps to the same grammar for its guesses of main's tokens (``Guessing``): its tokens
+are taken back where main's differ, so its matcher rolls back to the tokens it shares with them.
+
 Why llguidance: benchmarks/grammars.py compares it with xgrammar and outlines-core on the demo
 tokenizer (docs/benchmarks/grammars.md): it enforces every feature a
 strict JSON schema needs, compiles in under a millisecond, computes a mask in tens of
@@ -76,3 +79,36 @@ class Constraint:
     def _why(self) -> str:
         error = self.matcher.get_error()
         return over_limit(error) or error
+
+
+class Guessing:
+    """The shadow's copy of a sequence's grammar, for its guesses of main's tokens: it follows
+    whatever tokens the sequence has at each guess, rolling back the ones main replaced."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int) -> None:
+        self.start = matcher  # at the first token: where it begins again after a refusal
+        self.vocab = vocab
+        self.constraint = Constraint(matcher.deep_copy(), vocab)
+        self.taken: list[int] = []  # the tokens the matcher has consumed, in order
+
+    def allowed_after(self, tokens: list[int], device: torch.device) -> torch.Tensor | None:
+        """The tokens the grammar allows after the sequence's generated ``tokens``, as a [V] bool
+        mask on ``device``; None where it refuses them (guesses made before the grammar was
+        compiled here, which main's tokens replace: the next call begins again from the start)."""
+        shared = 0
+        for taken, token in zip(self.taken, tokens, strict=False):
+            if taken != token:
+                break
+            shared += 1
+        try:
+            if shared < len(self.taken):
+                if not self.constraint.matcher.rollback(len(self.taken) - shared):
+                    raise GrammarError(f"the grammar could not roll back {len(self.taken) - shared} tokens")
+                del self.taken[shared:]
+            for token in tokens[shared:]:
+                self.constraint.advance(token)
+                self.taken.append(token)
+            return self.constraint.allowed(device)
+        except GrammarError:
+            self.constraint, self.taken = Constraint(self.start.deep_copy(), self.vocab), []
+            return None

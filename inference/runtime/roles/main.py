@@ -141,7 +141,7 @@ class MainRole:
         )
         self.engine = Engine(self, guesses)
         # Requests whose grammar compiles, off the loop (the model's tokenizer is read at the first).
-        self.compiles = Compiles(
+        self.compiles: Compiles[Generate] = Compiles(
             functools.partial(grammar_tokenizer, str(spec.shard_dir), self.model.config.vocab_size, self.engine.eos)
         )
         log.info(

@@ -19,6 +19,10 @@ keyed by main's pass, the union per layer of its routing of every position of th
 message the union so far, which replaces the one before). With ``speculate`` it drafts main's
 next pass too while main verifies this one, as if main kept every draft. A guess main did not
 keep rewinds it to main's token there, as a wrong speculation does.
+
+A request with a grammar (``ShadowBegin.grammar``) is guessed under it: the shadow compiles it as
+main does, off its loop (``inference.runtime.engine.compiles``), and until that ends guesses
+without it (a guess the grammar refuses is only a draft main rejects, or a wrong speculation).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from inference.constants import DEFAULT_CONTEXT_TOKENS, SHADOW_STATES_PER_SEQUENCE
 from inference.modelio.model import expert_dims, family_of, load_config
@@ -36,6 +40,8 @@ from inference.modelio.shards import verify_shard
 from inference.policies import schedule
 from inference.policies.placement import placement_from_dict
 from inference.runtime.batching import LayerCall
+from inference.runtime.engine.compiles import Compiles
+from inference.runtime.engine.grammar import Guessing, grammar_tokenizer
 from inference.runtime.engine.runner import ModelRunner
 from inference.runtime.engine.sampling import Sampler, end_ids, sampler_for
 from inference.runtime.engine.scheduler import Work
@@ -66,6 +72,10 @@ from inference.wire.runtime import (
 )
 
 log = logging.getLogger(__name__)
+
+# How long the idle loop waits for a message while a grammar compiles: how late, at most, a
+# compiled grammar starts to shape the guesses.
+COMPILE_POLL_S = 0.01
 
 
 @dataclass
@@ -108,6 +118,7 @@ class Emulation:
     # generator's state before each token's draw, so a step run again draws what it drew before.
     sampler: Sampler | None = None
     draws: dict[int, torch.Tensor] = field(default_factory=dict)
+    grammar: Guessing | None = None  # its grammar, once compiled here (None: none, or not yet)
 
 
 class ShadowRole:
@@ -143,6 +154,10 @@ class ShadowRole:
         self.prefixes = PrefixCache() if spec.settings.prefix_cache else None
         self.drafting = spec.settings.draft_tokens > 0
         self.eos = end_ids(self.model, self.device)
+        # Requests' grammars, compiled off the loop for the guesses (the tokenizer read at the first).
+        self.compiles: Compiles[ShadowBegin] = Compiles(
+            partial(grammar_tokenizer, str(spec.shard_dir), self.model.config.vocab_size, tuple(sorted(self.eos)))
+        )
         log.info("shadow ready: %s on %s (%s)", spec.settings.shadow_dtype, self.device, self.report)
 
     # --- message loop -------------------------------------------------------------------
@@ -154,8 +169,11 @@ class ShadowRole:
                 # quiet second on the inbox: health pings would otherwise keep postponing it.
                 for state in [s for s in self.states.values() if s.ending and not self._can_step(s)]:
                     self.finish(state)
+                if self.compiles.pending:
+                    self._take_compiled()
                 ready = self._ready()
-                received = self.endpoint.recv(timeout_s=0.0 if ready else 1.0)
+                idle_s = COMPILE_POLL_S if self.compiles.pending else 1.0
+                received = self.endpoint.recv(timeout_s=0.0 if ready else idle_s)
                 if received is not None:
                     if isinstance(received.msg, Shutdown):
                         return
@@ -164,6 +182,7 @@ class ShadowRole:
                 if ready:
                     self._guarded(ready, partial(self.step, ready))
         finally:
+            self.compiles.close()
             self.endpoint.close()
 
     def handle(self, received: Received) -> None:
@@ -234,30 +253,32 @@ class ShadowRole:
             cache,
             tokens,
             prefix_root=root,
-            sampler=self._sampler(msg, prompt_len),
+            sampler=shadow_sampler(self.model, msg, prompt_len, self.device),
         )
         self.states[msg.request_id] = state
+        if msg.grammar:
+            self._grammar(state, self.compiles.submit(msg, b""))
         if self.prefixes is not None:
             self.prefixes.trim(self._prefix_room())
         state.cached_prompt_tokens = cache.get_seq_length()
         work = Work(state.request_id, state.cached_prompt_tokens, prompt_len, samples=True)
         self._guarded([state], partial(self._run, [(state, work)]))
 
-    def _sampler(self, msg: ShadowBegin, prompt_len: int) -> Sampler | None:
-        """A sampled request's sampler as main built it (``sampler_for``, main's seed): the shadow's
-        guess of each token is then the draw main makes there, from the shadow's own logits."""
-        if not msg.do_sample:
-            return None
-        return sampler_for(
-            self.model,
-            prompt_len=prompt_len,
-            max_new_tokens=msg.max_new_tokens,
-            do_sample=True,
-            temperature=msg.temperature,
-            top_p=msg.top_p,
-            seed=msg.seed,
-            device=self.device,
-        )
+    def _take_compiled(self) -> None:
+        """Each grammar compiled since the last look, given to its sequence (if still followed)."""
+        for msg, _, problem in self.compiles.poll([]):
+            state = self.states.get(msg.request_id)
+            if state is None:
+                self.compiles.forget(msg.request_id)
+            else:
+                self._grammar(state, problem)
+
+    def _grammar(self, state: Emulation, problem: str | None) -> None:
+        """A sequence's grammar, compiled ("") or not (why), or still compiling (None)."""
+        if problem:  # main ended it for the same reason: its guesses go without
+            log.info("guessing %s without its grammar: %s", state.request_id, problem)
+        elif problem == "":
+            state.grammar = Guessing(self.compiles.take(state.request_id), self.model.config.vocab_size)
 
     def on_align(self, state: Emulation, msg: Align) -> None:
         state.aligns[msg.step] = msg
@@ -275,7 +296,7 @@ class ShadowRole:
                 # main's KV for the positions before this step.
                 state.token_aligns += msg.token is not None
                 if msg.keys is not None:
-                    self._splice_kv(state, msg)
+                    splice_kv(state.cache, msg, self.device, self.kv_dtype)
                     state.kv_aligns += 1
                 return
             state.speculation_misses += 1
@@ -370,7 +391,7 @@ class ShadowRole:
         s = state.next_step
         align = state.aligns.get(s)
         if align is not None and align.keys is not None and align.values is not None:
-            self._apply_kv(state, align)
+            apply_kv(state.cache, align, self.device, self.kv_dtype)
             state.kv_aligns += 1
         token = state.own_next
         if align is not None and align.token is not None:
@@ -402,10 +423,16 @@ class ShadowRole:
     def _guess(self, state: Emulation, logits: torch.Tensor) -> int:
         """The shadow's guess of main's token after its step (the prompt's: token 0): its greedy
         token, or for a sampled request the draw main's generator makes for that token, from the
-        generator's state before that token's draw (saved the first time, restored when it runs again)."""
+        generator's state before that token's draw (saved the first time, restored when it runs
+        again); either among the tokens the sequence's grammar allows there, if it has one."""
+        index = state.running_step
+        if state.grammar is not None:
+            generated = state.tokens[0, state.prompt_len : state.prompt_len + index].tolist()
+            allowed = state.grammar.allowed_after(generated, logits.device)
+            if allowed is not None:  # None: it refuses a guess made before it came; this one goes without
+                logits = logits.masked_fill(~allowed, float("-inf"))
         if state.sampler is None or state.sampler.generator is None:
             return int(logits.argmax())
-        index = state.running_step
         saved = state.draws.get(index)
         if saved is None:
             state.draws[index] = state.sampler.generator.get_state()
@@ -431,6 +458,7 @@ class ShadowRole:
                 cached_prompt_tokens=state.cached_prompt_tokens,
             ),
         )
+        self.compiles.cancel(state.request_id)
         if self.states.pop(state.request_id, None) is not None and self.prefixes is not None:
             held = state.cache.get_seq_length()
             self.prefixes.store(
@@ -444,25 +472,6 @@ class ShadowRole:
         return self.max_states * DEFAULT_CONTEXT_TOKENS - following
 
     # --- model plumbing -----------------------------------------------------------------
-
-    def _apply_kv(self, state: Emulation, align: Align) -> None:
-        """Replace positions [kv_from, kv_to) of every layer's cache with main's."""
-        assert align.keys is not None and align.values is not None
-        truncate_cache(state.cache, align.kv_from)
-        keys = align.keys.to(self.device, self.kv_dtype)  # [L, B, kvH, P, D]
-        values = align.values.to(self.device, self.kv_dtype)
-        for layer in range(keys.shape[0]):
-            state.cache.update(keys[layer], values[layer], layer)
-
-    def _splice_kv(self, state: Emulation, align: Align) -> None:
-        """Put main's KV at positions [kv_from, kv_to), keeping our entries after them."""
-        assert align.keys is not None and align.values is not None
-        keys = align.keys.to(self.device, self.kv_dtype)  # [L, B, kvH, P, D]
-        values = align.values.to(self.device, self.kv_dtype)
-        start, stop = align.kv_from, align.kv_to
-        for layer, cached in enumerate(state.cache.layers):
-            cached.keys = torch.cat([cached.keys[:, :, :start], keys[layer], cached.keys[:, :, stop:]], dim=2)
-            cached.values = torch.cat([cached.values[:, :, :start], values[layer], cached.values[:, :, stop:]], dim=2)
 
     def _serve_layer(self, layer: int, batch: list[Emulation]) -> list[torch.Tensor]:
         """The runner's experts of a layer: its router decisions sent first as predictions (of a
@@ -507,6 +516,44 @@ def truncate_cache(cache: DynamicCache, length: int) -> None:
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
+
+
+def shadow_sampler(model: PreTrainedModel, msg: ShadowBegin, prompt_len: int, device: torch.device) -> Sampler | None:
+    """A sampled request's sampler as main built it (``sampler_for``, main's seed): the shadow's
+    guess of each token is then the draw main makes there, from the shadow's own logits."""
+    if not msg.do_sample:
+        return None
+    return sampler_for(
+        model,
+        prompt_len=prompt_len,
+        max_new_tokens=msg.max_new_tokens,
+        do_sample=True,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        seed=msg.seed,
+        device=device,
+    )
+
+
+def apply_kv(cache: DynamicCache, align: Align, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace positions [kv_from, kv_to) of every layer of ``cache`` with main's."""
+    assert align.keys is not None and align.values is not None
+    truncate_cache(cache, align.kv_from)
+    keys = align.keys.to(device, dtype)  # [L, B, kvH, P, D]
+    values = align.values.to(device, dtype)
+    for layer in range(keys.shape[0]):
+        cache.update(keys[layer], values[layer], layer)
+
+
+def splice_kv(cache: DynamicCache, align: Align, device: torch.device, dtype: torch.dtype) -> None:
+    """Put main's KV at positions [kv_from, kv_to) of ``cache``, keeping its entries after them."""
+    assert align.keys is not None and align.values is not None
+    keys = align.keys.to(device, dtype)  # [L, B, kvH, P, D]
+    values = align.values.to(device, dtype)
+    start, stop = align.kv_from, align.kv_to
+    for layer, cached in enumerate(cache.layers):
+        cached.keys = torch.cat([cached.keys[:, :, :start], keys[layer], cached.keys[:, :, stop:]], dim=2)
+        cached.values = torch.cat([cached.values[:, :, :start], values[layer], cached.values[:, :, stop:]], dim=2)
 
 
 def serve(spec: RoleSpec) -> None:
