@@ -96,6 +96,10 @@ def test_seeded_sampling_and_logprobs_with_drafts_equal_decoding_without(cluster
     assert done_drafted.token_ids == done_plain.token_ids
     assert [t.logprob for t in tokens_drafted] == [t.logprob for t in tokens_plain]
     assert _drafts(done_drafted)["drafted"] > 0
+    # Each token's step report names its pass's drafts (a pass's tokens share it): what the console shows.
+    passes = {t.step["step"]: t.step for t in tokens_drafted if t.step is not None}
+    assert sum(p["drafted"] for p in passes.values()) == _drafts(done_drafted)["drafted"]
+    assert sum(p["accepted"] for p in passes.values()) == _drafts(done_drafted)["accepted"]
 
 
 def test_a_grammar_keeps_its_state_across_rejected_drafts(clusters) -> None:

@@ -68,7 +68,8 @@ def reported_ms(ms: float) -> float:
 
 def step_report(step: StepRecord, placement: Placement) -> dict:
     """One step as it happened, sent with its token: per layer the worker group, the experts
-    really routed and those predicted when main dispatched the layer, and where the time went."""
+    really routed and those predicted when main dispatched the layer (a drafted pass's: the union
+    over its positions), and where the time went; the drafts the pass verified and kept."""
     decode = step.step > 0
     layers = []
     for rec in step.layers:
@@ -91,6 +92,8 @@ def step_report(step: StepRecord, placement: Placement) -> dict:
         "step": step.step,
         "tokens": step.tokens,
         "batch": step.batch,  # sequences main ran in this step, this one included
+        "drafted": step.drafted,  # the shadow's drafts the step's pass verified (its layers: the union)
+        "accepted": step.accepted,  # ... and those main kept
         "ms": round((step.finished - step.started) * 1000, 3) if step.finished else None,
         "recall": statistics.fmean(recalls) if recalls else None,
         "layers": layers,

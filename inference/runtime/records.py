@@ -43,6 +43,8 @@ class StepRecord:
     finished: float = 0.0
     layers: list[LayerRecord] = field(default_factory=list)
     batch: int = 1  # sequences in main's batch at this step (this one included)
+    drafted: int = 0  # the shadow's drafts this step's pass verified (0: a pass without drafts)
+    accepted: int = 0  # ... and those main kept
 
 
 @dataclass

@@ -235,6 +235,9 @@ RUNTIME_METRICS = (
     "substitutions_per_token",
     "router_agreement",
     "disk_reads",
+    # What drafting did: passes, drafts verified and kept, tokens per pass, distinct experts per
+    # layer per pass (absent without drafts).
+    "drafts",
 )
 # The memory a running role reports with its state, in bytes (``inference.wire.runtime.Pong``):
 # its process's resident set now and at its peak, and what it holds on its GPU (0 on a CPU).

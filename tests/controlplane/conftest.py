@@ -266,9 +266,10 @@ def tiny_cluster(
     agent_python: Path | None = None,
     max_per_user: int | None = None,
     expert_codec: str = "none",
+    draft_tokens: int = 0,
 ) -> Iterator[tuple[Served, OwnRedis | None]]:
     """A real ASGI server, Celery worker and ``agents`` agents serving ``tiny_model`` as one ready deployment
-    with ``predictor``, ``expert_codec`` (and ``max_per_user``, if given), on ``redis_url``; with
+    with ``predictor``, ``expert_codec``, ``draft_tokens`` (and ``max_per_user``, if given), on ``redis_url``; with
     ``own_redis_port``, that Redis is started first, in the cluster's process group.
 
     The deployment is started through the live server's REST API, so nothing is enqueued from this
@@ -328,6 +329,7 @@ def tiny_cluster(
                 node_ids=[str(pk) for pk in Node.objects.values_list("pk", flat=True)],
                 predictor=predictor,
                 expert_codec=expert_codec,
+                draft_tokens=draft_tokens,
                 **bound,
             )
             plane.api.post(f"/api/deployments/{deployment.pk}/start", expect=202)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import inference
-from tests.controlplane.live import SERVED_MODEL, Served
+from tests.controlplane.conftest import tiny_cluster
+from tests.controlplane.live import SERVED_MODEL, Served, purge_stale_tasks
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +44,14 @@ def browser():
         chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
         yield chromium
         chromium.close()
+
+
+@pytest.fixture
+def served(transactional_db, redis_url: str, tmp_path: Path, tiny_model: Path) -> Iterator[Served]:
+    """The conftest's ``served``, drafting: the shadow drafts 2 tokens a pass, which the console shows."""
+    purge_stale_tasks()
+    with tiny_cluster(tmp_path, tiny_model, redis_url, draft_tokens=2) as (served, _):
+        yield served
 
 
 @pytest.fixture
@@ -114,7 +124,9 @@ def check_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Serv
     served.client().completions.create(model=SERVED_MODEL, prompt="Mixture of experts", max_tokens=16, temperature=0)
     page.wait_for_selector("#pipeline-rows tr[data-layer='3']")
     assert "group 0" in page.inner_text("#pipeline-rows")
+    page.wait_for_selector("#live-step:has-text('drafts kept')")  # a drafted pass: its positions, drafts kept
     page.wait_for_selector("#cluster-view:has-text('last generation')")
+    page.wait_for_selector("#cluster-view:has-text('tokens per decode pass')")
     page.screenshot(path=SHOTS / "console-cluster.png", full_page=True)
     # A node drained from the console shows as draining without a reload.
     page.locator("tr[data-node] button").first.click()

@@ -175,6 +175,9 @@
         `decode ${m.decode_tok_s.toFixed(1)} tok/s, recall ${m.recall == null ? "n/a" : (m.recall * 100).toFixed(1) + "%"}, `,
         `predictions in time ${m.prediction_in_time == null ? "n/a" : Math.round(m.prediction_in_time * 100) + "%"}, `,
         `coordination ${m.decode_layer_coordination_ms_median == null ? "n/a" : m.decode_layer_coordination_ms_median.toFixed(2) + " ms"}/layer`),
+      ...(m.drafts && m.drafts.passes ? [el("p", {}, `drafts: ${Math.round(m.drafts.agreement * 100)}% kept, `,
+        `${m.drafts.tokens_per_pass.toFixed(2)} tokens per decode pass, `,
+        `${m.drafts.distinct_experts.toFixed(2)} distinct experts per layer per pass`)] : []),
       el("p", { class: "muted" }, groups));
   }
 
@@ -197,7 +200,8 @@
     const step = last.step;
     $("live-step").textContent = `request ${last.request_id.slice(0, 8)}, token ${last.index + 1}, step ${step.step}` +
       (step.ms ? ` (${step.ms.toFixed(1)} ms)` : "") +
-      `, batch of ${step.batch ?? 1} sequence${(step.batch ?? 1) === 1 ? "" : "s"} active`;
+      `, batch of ${step.batch ?? 1} sequence${(step.batch ?? 1) === 1 ? "" : "s"} active` +
+      (step.drafted ? `, a pass of ${step.drafted + 1} positions: ${step.accepted} of ${step.drafted} drafts kept` : "");
     $("pipeline-rows").replaceChildren(...step.layers.map((l) => {
       const predicted = l.predicted === undefined ? "prefill" : l.predicted === null ? "none in time" : l.predicted.join(", ");
       const computing = Math.max(0, l.worker_ms - l.wait_ms);
@@ -210,8 +214,10 @@
         el("td", {}, el("span", { class: "phase computing", style: `width:${Math.min(120, computing * 20)}px` }), ` ${computing.toFixed(2)}`),
         el("td", {}, l.dispatch_ms.toFixed(2)));
     }));
-    const decode = steps.filter((s) => s.step.step > 0 && s.step.ms);
-    chart("toks-chart", decode.map((s) => 1000 / s.step.ms), "#2f6feb");
+    // A drafted pass's tokens share its step: each pass once, with the tokens it yielded.
+    const decode = steps.filter((s, i) => s.step.step > 0 && s.step.ms &&
+      !(i > 0 && steps[i - 1].request_id === s.request_id && steps[i - 1].step.step === s.step.step));
+    chart("toks-chart", decode.map((s) => 1000 * ((s.step.accepted ?? 0) + 1) / s.step.ms), "#2f6feb");
     chart("recall-chart", decode.map((s) => s.step.recall ?? 0), "#16a34a", 1);
   }
 

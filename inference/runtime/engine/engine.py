@@ -161,6 +161,7 @@ class Engine:
             s.computed = work.start + max(len(kept), 1)
             accepted = sum(1 for token, draft in zip(kept, work.drafts, strict=False) if token == draft)
             s.drafting.accepted += accepted
+            s.state.steps[-1].drafted, s.state.steps[-1].accepted = len(work.drafts), accepted
             self.tuner.note_verified(min(len(kept), len(work.drafts)), accepted)
         if self.draft_tokens:
             trim_cache(s.cache, s.computed)
