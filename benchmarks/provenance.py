@@ -74,6 +74,7 @@ def record(started: str, *packages: str) -> dict:
         "command": " ".join(["python", "-m", *sys.orig_argv[2:]] if sys.orig_argv[1:2] == ["-m"] else sys.orig_argv),
         "commit": commit(),
         "dirty": dirty(),
+        "date": started[:10],
         "started": started,
         "ended": now(),
         "machine": machine(),
