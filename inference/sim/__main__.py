@@ -35,6 +35,18 @@ def parser() -> argparse.ArgumentParser:
         help="experts a cacheless worker holds at once (default: 1 + ceil(compute / copy) of an expert, "
         "or its layer's experts + 1 if larger; inference.policies.depth)",
     )
+    p.add_argument(
+        "--drafts",
+        type=int,
+        default=0,
+        help="odmoe with the shadow drafting this many tokens a pass (inference.sim.strategies.drafting); "
+        "needs --draft-agreement",
+    )
+    p.add_argument(
+        "--draft-agreement",
+        type=float,
+        help="the chance each draft equals main's token (measure it: python -m benchmarks.draft_agreement)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the full result as JSON here")
     return p
@@ -42,6 +54,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.drafts and args.draft_agreement is None:
+        print(
+            "error: --drafts needs --draft-agreement (the simulator does not guess a shadow's agreement)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         model = resolve_model("mixtral-8x7b")
         cluster = Cluster(
@@ -51,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             lru_prefetch=args.prefetch,
             hybrid=args.hybrid,
             prefetch_depth=args.prefetch_depth,
+            draft_tokens=args.drafts,
+            draft_agreement=args.draft_agreement or 0.0,
             seed=args.seed,
         )
         trace = load_trace(args.trace, model) if args.trace else synthetic_trace(model, 256, args.seed)

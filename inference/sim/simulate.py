@@ -54,12 +54,14 @@ def run_pair(
     step_times = strategy.decode(cycle(trace, len(contexts)), contexts)
     decode_s = statistics.fmean(step_times) * (output_tokens - 1)
     memory = strategy.memory(input_tokens + output_tokens)
+    drafting = getattr(strategy, "drafting", None)
     return {
         "ttft_ms": ttft * 1000,
         "decode_tok_s": (output_tokens - 1) / decode_s,
         "e2e_tok_s": output_tokens / (ttft + decode_s),
         "memory_bytes": memory,
         "memory_total_bytes": sum(memory.values()),
+        "drafts": drafting.as_dict() if drafting is not None else None,  # odmoe with draft_tokens only
     }
 
 

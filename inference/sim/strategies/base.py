@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from inference.constants import MAX_DRAFT_TOKENS
 from inference.policies.depth import prefetch_depth, worker_depth
 from inference.policies.placement import Placement
 from inference.sim.costs import Costs
@@ -30,6 +31,10 @@ class Cluster:
     # Experts a cacheless worker holds at once (computing, copying, copied ahead); None: the rule
     # of `inference.policies.depth` from the profile's link, the expert and the group (`Setup.prefetch_depth`).
     prefetch_depth: int | None = None
+    # odmoe with drafts (``inference.sim.strategies.drafting``): the shadow's drafts per pass (0: none),
+    # and the chance each equals main's token given the ones before it did (given, never measured here).
+    draft_tokens: int = 0
+    draft_agreement: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -41,6 +46,13 @@ class Cluster:
             raise ValueError(f"shadow_dtype must be one of {', '.join(SHADOW_BITS)}, got {self.shadow_dtype!r}")
         if self.shadow_gpus < 1 or self.full_cache_gpus < 1 or self.lru_cache_per_layer < 0:
             raise ValueError("GPU counts must be positive and the LRU cache size non-negative")
+        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS or not 0.0 <= self.draft_agreement <= 1.0:
+            raise ValueError(
+                f"draft_tokens must lie in [0, {MAX_DRAFT_TOKENS}] and draft_agreement in [0, 1], "
+                f"got {self.draft_tokens} and {self.draft_agreement}"
+            )
+        if self.draft_tokens and self.hybrid:
+            raise ValueError("the simulator does not model drafts with hybrid workers")
         if self.prefetch_depth is not None and self.prefetch_depth < 1:
             raise ValueError(
                 f"prefetch_depth must be at least 1 (or None: from the link and the group), got {self.prefetch_depth}"

@@ -20,6 +20,7 @@ import random
 
 from inference.sim.sources import value
 from inference.sim.strategies.base import Setup
+from inference.sim.strategies.drafting import DraftTally, drafted_decode
 from inference.sim.strategies.workers import WorkerPool, prefill_on_workers, worker_memory
 from inference.sim.traces import Trace
 
@@ -48,6 +49,7 @@ class OdMoe:
         if not 0.0 <= self.recall <= 1.0:
             raise ValueError("recall must lie in [0, 1]")
         self.last_pool: WorkerPool | None = None
+        self.drafting: DraftTally | None = None  # what drafted passes did (``Cluster.draft_tokens``)
 
     def prefill(self, prompt_tokens: int) -> float:
         return prefill_on_workers(self.setup, prompt_tokens, preload=True)
@@ -62,7 +64,14 @@ class OdMoe:
         m = self.costs.model
         return self.costs.message(m.layers * m.kv_bytes_per_token_layer() + 8)
 
+    def predict(self, experts: list[int], rng: random.Random) -> list[int]:
+        """The shadow's guess of one layer's routing of one position."""
+        return shadow_prediction(experts, self.costs.model.experts, self.recall, rng)
+
     def decode(self, trace: Trace, contexts: list[int]) -> list[float]:
+        cluster = self.setup.cluster
+        if cluster.draft_tokens:
+            return drafted_decode(self, trace, contexts, cluster.draft_tokens, cluster.draft_agreement)
         c = self.costs
         m = c.model
         rng = random.Random(self.setup.cluster.seed)

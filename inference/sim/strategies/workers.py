@@ -64,13 +64,24 @@ class WorkerPool:
         routed: float,
         predicted: list[int] | None,
         predicted_at: float | None,
+        rows: dict[int, int] | None = None,
+        positions: int = 1,
+        guessed_at: list[float] | None = None,
     ) -> float:
-        """Time main has every expert answer of `layer`; `routed` is when main's router decided."""
+        """Time main has every expert answer of `layer`; `routed` is when main's router decided.
+        A drafted pass sends ``positions`` rows, and each expert computes the ``rows`` that chose it
+        one call each (their own one-row segments; 1 where not given); ``guessed_at``, when given,
+        is when each guess of ``predicted`` reached the group (``predicted_at``: the first of them),
+        a guess that comes after main's routing counting as none."""
         c = self.costs
         members = self.group_workers(layer)
-        hidden = c.model.hidden_bytes(1)
+        hidden = c.model.hidden_bytes(positions)
         arrive = routed + c.message(hidden, count=len(members))
         use_prediction = predicted is not None and predicted_at is not None and predicted_at < arrive
+        if use_prediction and guessed_at is not None:
+            assert predicted is not None
+            timed = [(at, guess) for at, guess in zip(guessed_at, predicted, strict=True) if at < arrive]
+            predicted, guessed_at = [guess for _, guess in timed], [at for at, _ in timed]
         hybrid = self.setup.cluster.hybrid
         cpu_time = self.cpu_expert_time(1) if hybrid else 0.0
         cpu_free = {w: arrive for w in members}  # each worker's CPU runs its CPU experts one after another
@@ -85,7 +96,8 @@ class WorkerPool:
         if use_prediction:
             for index, guess in enumerate(predicted):
                 worker = members[index % len(members)]
-                start, done = self._plan_load(worker, predicted_at)
+                at = guessed_at[index] if guessed_at is not None else predicted_at
+                start, done = self._plan_load(worker, at)
                 needed = guess in experts and guess not in ready
                 # Hybrid here sets the CPU's finish against the GPU's (copy + compute); the runtime
                 # (`inference.policies.hybrid.split`) sets it against the copy's end alone.
@@ -97,7 +109,7 @@ class WorkerPool:
                         ready[guess] = (worker, -1.0)
                         self.cpu_experts += 1
                         continue
-                done = self._load(worker, predicted_at)
+                done = self._load(worker, at)
                 if needed:
                     ready[guess] = (worker, done)
                 else:
@@ -117,10 +129,10 @@ class WorkerPool:
                     self.cpu_experts += 1
                     continue
             ready[expert] = (worker, self._load(worker, arrive))
-        for worker, loaded in ready.values():
+        for expert, (worker, loaded) in ready.items():
             if loaded < 0:
                 continue  # computed on the CPU above
-            done = max(loaded, arrive) + c.expert_call(1)
+            done = max(loaded, arrive) + c.expert_call(1) * (rows or {}).get(expert, 1)
             self.freed[worker].popleft()
             self.freed[worker].append(done)
             answers.append(done)
