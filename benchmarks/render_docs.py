@@ -186,7 +186,11 @@ PAGES: tuple[Page, ...] = (
     Page("prefix-reuse", "Prefix reuse", ("prefix-reuse*.json",)),
     Page("expert-codecs", "Expert codecs", ("expert-codecs*.json", "strategies-codec-*.json")),
     Page("tenants", "Two tenants", ("tenants-*.json",)),
-    Page("drafts", "Drafts", ("draft-agreement-*.json", "strategies-with-drafts-*.json", "paper-testbed-drafts-*.json")),
+    Page(
+        "drafts",
+        "Drafts",
+        ("draft-agreement-*.json", "strategies-with-drafts-*.json", "paper-testbed-drafts-*.json"),
+    ),
 )
 
 # Today's count of figures in each page's notes that no result of the page records (see Prose).
