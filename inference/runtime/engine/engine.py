@@ -6,7 +6,8 @@ experts by the exchange; each sequence that reached a new token samples it, stre
 its client (``Token``, with its logprobs where they were asked for) and aligns the shadow;
 a sequence that is done leaves at the next plan and its client gets its ``Done`` (or ``Failed``). Between steps
 main reads whatever arrived (new requests, cancels, predictions). Peers, sessions and
-admission stay in main's role (``inference.runtime.roles.main``).
+admission stay in main's role, which the engine reaches through one typed interface
+(``inference.runtime.engine.host.Host``) and never imports.
 
 With ``draft_tokens`` set, each decode also verifies the shadow's drafts of the sequence's next
 tokens in the same pass (``inference.runtime.engine.drafts``): the engine asks the shadow after
@@ -44,7 +45,7 @@ from inference.wire.runtime import Align, Done, DraftAsk, Drafts, Failed, Genera
 
 if TYPE_CHECKING:
     from inference.runtime.engine.guesses import Guesses
-    from inference.runtime.roles.main import MainRole
+    from inference.runtime.engine.host import Host
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 class Engine:
     """The batch of sequences and the loop that steps it."""
 
-    def __init__(self, role: MainRole, guesses: Guesses) -> None:
+    def __init__(self, role: Host, guesses: Guesses) -> None:
         self.role = role
         self.guesses = guesses
         self.batch: dict[str, Sequence] = {}

@@ -13,7 +13,7 @@ prediction goes out before any attention runs); the exchange calls ``before_laye
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,15 @@ if TYPE_CHECKING:
     from inference.policies.strategies import Strategy
     from inference.runtime.engine.sequence import Sequence
     from inference.runtime.importance import ResidentExperts
+    from inference.runtime.transport import Endpoint
+
+
+class Announcer(Protocol):
+    """What main's predictions need of its host: the socket, and the session's name and step."""
+
+    endpoint: Endpoint
+    session: str
+    step: int
 
 
 class Guesses:
@@ -35,7 +44,7 @@ class Guesses:
 
     def __init__(
         self,
-        role,
+        role: Announcer,
         model: torch.nn.Module,
         family: Family,
         placement: Placement,
