@@ -18,14 +18,12 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 from benchmarks import provenance, roles
+from benchmarks.streams import run_streams
 from benchmarks.workload import prompt_of
 from inference.modelio.families import FAMILIES
-from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.tools.reference import reference_generate
@@ -43,24 +41,9 @@ STAGGER_S = 0.03
 
 def serve(cluster: LocalCluster, prompts: list[list[int]], sampled: bool) -> list[Done]:
     """The 8 streams at once, each on its own client, started ``STAGGER_S`` apart."""
-    results: list[Done | BaseException] = [RuntimeError("did not run")] * len(prompts)
-
-    def stream(i: int) -> None:
-        client = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
-        try:
-            time.sleep(STAGGER_S * i)
-            options = SAMPLING | {"seed": 100 + i} if sampled else {}
-            results[i] = client.generate(prompts[i], STREAMS[i][1], timeout_s=300, **options)
-        except Exception as exc:  # recorded as the cell's failure below
-            results[i] = exc
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    options = [SAMPLING | {"seed": 100 + i} if sampled else {} for i in range(len(prompts))]
+    news = [new for _, new in STREAMS]
+    results = run_streams(cluster, prompts, news, stagger_s=STAGGER_S, per_stream=options)
     failed = [r for r in results if not isinstance(r, Done)]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(prompts)} streams failed: {failed[0]!r}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.streams import run_streams
 from inference.policies.strategies import STRATEGIES
 from inference.runtime.client import GenerationError, RuntimeClient
 from inference.runtime.engine.scheduler import prefill_pieces
@@ -21,7 +22,6 @@ from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.wire.generation import Done
 from tests.reference import PROMPTS, reference_generate
-from tests.streams import run_streams
 
 # Eight streams: the five shared prompts and three more, each with its own answer length.
 STREAM_PROMPTS = [*PROMPTS, [1, 7], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309], [1, 2, 3]]

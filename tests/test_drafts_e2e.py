@@ -16,6 +16,7 @@ from pathlib import Path
 import llguidance
 import pytest
 
+from benchmarks.streams import run_streams
 from inference.modelio.families import FAMILIES
 from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
@@ -24,7 +25,6 @@ from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 from inference.wire.generation import Done, Generate, Token
 from tests.reference import PROMPTS
-from tests.streams import run_streams
 from tests.test_families import FAMILY_SHAPE
 
 STREAM_PROMPTS = [*PROMPTS, [1, 7], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309], [1, 2, 3]]

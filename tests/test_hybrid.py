@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.streams import run_streams
 from inference.modelio.checkpoint import Checkpoint, expert_key_name
 from inference.policies.hybrid import (
     CopyState,
@@ -32,7 +33,6 @@ from inference.sim.model_sizes import mixtral_8x7b
 from inference.tools.emulation import emulation_for, real_times
 from inference.wire.generation import Done
 from tests.reference import PROMPTS, reference_generate
-from tests.streams import run_streams
 from tests.test_loader import EXPERT_BYTES, MemoryStore, _wait_until
 
 RATES = HostRates(memory_bytes_per_s=1e9, flops=1e12, copy_bytes_per_s=1e8)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache, MixtralForCausalLM
 
+from benchmarks.streams import run_streams
 from inference.building.sharding import build_shards
 from inference.constants import PREROUTER_FILE
 from inference.policies.hotset import hot_set_victims
@@ -35,7 +36,6 @@ from inference.tools.tiny import make_tiny
 from inference.tools.train_prerouter import PrerouterRecipe, train_prerouter
 from inference.wire.generation import Done
 from tests.reference import PROMPTS, random_prerouter, reference_generate
-from tests.streams import run_streams
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Several clients streaming from one local cluster at once, each on its own thread."""
+"""Several clients streaming from one local cluster at once, each on its own thread (tests and benchmarks)."""
 
 from __future__ import annotations
 
