@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import roles
+from benchmarks import provenance, roles
 from benchmarks.concurrency import Stream, median_with_spread
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
 from benchmarks.workload import prompt_of
@@ -89,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     roles.add_argument(parser)
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     try:
         steps = [int(part) for part in args.steps.split(",") if part]
     except ValueError:
@@ -151,23 +151,24 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"\nevery answer token-identical to Transformers' run with the same prefill pieces: {exact}")
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "roles": roles.kind(args),
-                    "profile": args.profile,
-                    "emulation": emulation.as_dict(),
-                    "workers": args.workers,
-                    "decoders": args.decoders,
-                    "long_prompt": args.long_prompt,
-                    "new_tokens": args.new_tokens,
-                    "repeats": args.repeats,
-                    "exact": exact,
-                    "long_answer_equals_whole_prompt_run": {str(s): v for s, v in whole_equal.items()},
-                    "prefill_steps": {str(s): f for s, f in results.items()},
-                },
-                indent=2,
-            )
+        provenance.write(
+            args.json,
+            {
+                "roles": roles.kind(args),
+                "profile": args.profile,
+                "emulation": emulation.as_dict(),
+                "workers": args.workers,
+                "decoders": args.decoders,
+                "long_prompt": args.long_prompt,
+                "new_tokens": args.new_tokens,
+                "repeats": args.repeats,
+                "exact": exact,
+                "long_answer_equals_whole_prompt_run": {str(s): v for s, v in whole_equal.items()},
+                "prefill_steps": {str(s): f for s, f in results.items()},
+            },
+            begun,
+            "torch",
+            "transformers",
         )
     return 0 if exact else 1
 

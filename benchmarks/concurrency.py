@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import roles
+from benchmarks import provenance, roles
 from benchmarks.overhead import percentile
 from benchmarks.plots import line_plot
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
@@ -234,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     roles.add_argument(parser)
     parser.add_argument("--plots", type=Path, help="write concurrency.png here")
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     try:
         counts = parse_counts(args.streams)
     except ValueError as exc:
@@ -284,23 +284,24 @@ def main(argv: list[str] | None = None) -> int:
             results[strategy] = per_count
     print_table(results, args, exact)
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "roles": roles.kind(args),
-                    "profile": args.profile,
-                    "emulation": emulation.as_dict(),
-                    "workers": args.workers,
-                    "prompt_len": args.prompt_len,
-                    "new_tokens": args.new_tokens,
-                    "repeats": args.repeats,
-                    "batch_arithmetic": args.batch_arithmetic,
-                    "max_resident_experts": args.max_resident_experts,  # 0: each worker's group's depth
-                    "exact": exact,
-                    "strategies": {name: {str(c): f for c, f in pc.items()} for name, pc in results.items()},
-                },
-                indent=2,
-            )
+        provenance.write(
+            args.json,
+            {
+                "roles": roles.kind(args),
+                "profile": args.profile,
+                "emulation": emulation.as_dict(),
+                "workers": args.workers,
+                "prompt_len": args.prompt_len,
+                "new_tokens": args.new_tokens,
+                "repeats": args.repeats,
+                "batch_arithmetic": args.batch_arithmetic,
+                "max_resident_experts": args.max_resident_experts,  # 0: each worker's group's depth
+                "exact": exact,
+                "strategies": {name: {str(c): f for c, f in pc.items()} for name, pc in results.items()},
+            },
+            begun,
+            "torch",
+            "transformers",
         )
     if args.plots:
         line_plot(

@@ -16,7 +16,6 @@ Mixtral is made in a temporary folder (``--size``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import provenance
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.tools.reference import reference_generate
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     with tempfile.TemporaryDirectory(prefix="odmoe-bench-") as tmp:
         model_dir = args.model or make_tiny(Path(tmp) / "model", seed=0, **SIZES[args.size])
         reference = run_transformers(model_dir, args.new_tokens)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"output token-identical to Transformers: {exact}")
     if args.json:
         figures = {"transformers": reference, "odmoe": runs, "exact": exact, "workers": args.workers}
-        args.json.write_text(json.dumps(figures, indent=2))
+        provenance.write(args.json, figures, begun, "torch", "transformers")
     return 0 if exact else 1
 
 

@@ -35,12 +35,10 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -265,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     if args.repeats < 1:
         parser.error("--repeats is at least 1")
     torch.set_num_threads(1)
@@ -306,22 +305,19 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"\nnot installed: {', '.join(missing)}")
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "commit": provenance.commit(),
-                    "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                    "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg()},
-                    "model": args.model.name,
-                    "expert_std": std,
-                    "repeats": args.repeats,
-                    "versions": {name: getattr(codec, "version", "") for name, codec in codecs.items()},
-                    "missing": missing,
-                    "results": results,
-                },
-                indent=2,
-            )
-            + "\n"
+        provenance.write(
+            args.json,
+            {
+                "model": args.model.name,
+                "expert_std": std,
+                "repeats": args.repeats,
+                "codec_versions": {name: getattr(codec, "version", "") for name, codec in codecs.items()},
+                "missing": missing,
+                "results": results,
+            },
+            begun,
+            "torch",
+            "transformers",
         )
     exact = all(r.get("exact") is not False for per in results.values() for r in per.values())
     return 0 if exact else 1

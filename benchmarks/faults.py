@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import time
 from pathlib import Path
 
+from benchmarks import provenance
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.wire.generation import Done, Token
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     options = ClusterOptions(workers=args.workers, settings=Settings(device="cpu"))
     results: dict = {"model": str(args.model), "workers": args.workers, "tokens": args.tokens, "roles": {}}
     with LocalCluster(args.model, options, progress=print) as cluster:
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        provenance.write(args.json, results, begun, "torch", "transformers")
     return 0
 
 

@@ -26,15 +26,12 @@ ratios, and how long bob's grammar took to be refused.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import os
 import statistics
 import sys
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 
 import llguidance
@@ -143,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     roles.add_argument(parser)
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    load_before = os.getloadavg()
     options = ClusterOptions(workers=args.workers, shadow=False, in_process=args.in_process)
     quiet_ms: list[float] = []
     heavy_ms: list[float] = []
@@ -183,13 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     result = {
         "benchmark": "grammar-compiles",
-        "command": "python -m benchmarks.grammar_compiles " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": provenance.commit(),
-        "dirty": provenance.dirty(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "roles": roles.kind(args),
-        "machine": {"cores": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "versions": {"llguidance": importlib.metadata.version("llguidance")},
         "model": str(args.model.relative_to(REPO)) if args.model.is_relative_to(REPO) else str(args.model),
         "workers": args.workers,
         "streams": args.streams,
@@ -223,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nbob's grammar refused after {spread['median']:.2f} s ({spread['min']:.2f}–{spread['max']:.2f})")
     print(f"every one of bob's answers names the limit: {refused_all}")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        provenance.write(args.json, result, begun, "llguidance")
     return 0 if refused_all else 1
 
 

@@ -29,7 +29,6 @@ import abc
 import argparse
 import importlib.metadata
 import json
-import platform
 import random
 import statistics
 import time
@@ -39,7 +38,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from benchmarks.provenance import commit
+from benchmarks import provenance
 
 DEMO_TOKENIZER = Path("platform/demo-model/tokenizer.json")
 
@@ -333,22 +332,21 @@ def measure(cls: type[Library], tokenizer_json: str, tokenizer: Tokenizer, eos: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokenizer", type=Path, default=DEMO_TOKENIZER)
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/grammars.json"))
+    parser.add_argument("--json", type=Path, required=True, help="a new file: benchmarks/results/grammars-N.json")
     args = parser.parse_args()
+    begun = provenance.begin()
     tokenizer_json = args.tokenizer.read_text()
     tokenizer = Tokenizer.from_str(tokenizer_json)
     eos = tokenizer.token_to_id("</s>")
     results = {cls.name: measure(cls, tokenizer_json, tokenizer, eos) for cls in LIBRARIES}
     record = {
         "benchmark": "grammars",
-        "commit": commit(),
-        "machine": platform.processor() or platform.machine(),
         "tokenizer": str(args.tokenizer),
         "vocab": tokenizer.get_vocab_size(),
         "schema": FULL_SCHEMA,
         "libraries": results,
     }
-    args.json.write_text(json.dumps(record, indent=2) + "\n")
+    provenance.write(args.json, record, begun, "llguidance")
     print(json.dumps(results, indent=2))
 
 

@@ -19,7 +19,6 @@ layer (ms) over every layer of every round, and the spread of the rounds' median
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import provenance
 from inference.runtime.experts import ExpertWeights, expert_forward
 from inference.runtime.loader import ExpertLoader
 
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every variant")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     if min(args.experts_per_layer) < 1 or max(args.experts_per_layer) >= EXPERTS or args.layers < 1:
         parser.error(f"--experts-per-layer must be from 1 to {EXPERTS - 1} and --layers >= 1")
     rows = measure(args.experts_per_layer, args.layers, args.repeats)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['experts_per_copy_pass']:.2f} |"
         )
     if args.json:
-        args.json.write_text(json.dumps({"layers": args.layers, "repeats": args.repeats, "rows": rows}, indent=2))
+        provenance.write(args.json, {"layers": args.layers, "repeats": args.repeats, "rows": rows}, begun, "torch")
     return 0
 
 

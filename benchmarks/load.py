@@ -105,6 +105,7 @@ from agent.backoff import reconnect_delay
 from agent.http import ControlPlaneError, request_json
 from agent.link import CLOSE_UNAUTHENTICATED, link_url
 from agent.tls import ServerTrust
+from benchmarks import provenance
 from benchmarks.overhead import percentile
 from benchmarks.provenance import commit
 from inference.wire.link import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, Pong, parse
@@ -1154,6 +1155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--markdown", type=Path, help="write the tables here, with the command, commit and date")
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     if args.agents < 1 or args.chats < 0 or args.streams < 0 or args.duration <= 0:
         parser.error("--agents must be >= 1, --chats and --streams >= 0 and --duration > 0")
     args.model = args.model.resolve()
@@ -1179,7 +1181,7 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(header + markdown(results) + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        provenance.write(args.json, results, begun, "django", "channels", "openai")
     return 0
 
 

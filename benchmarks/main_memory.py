@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -30,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.provenance import commit
+from benchmarks import provenance
 from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.tools.tiny import make_tiny
@@ -128,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="a bf16 checkpoint to use instead of the generated one")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     counts = [int(n) for n in args.sequences.split(",")]
     if len(counts) < 2 or min(counts) < 1:
         parser.error("--sequences needs at least two counts of 1 or more")
@@ -160,10 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = {
         "benchmark": "main_memory",
-        "command": "python -m benchmarks.main_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
         "checkpoint_bytes": checkpoint_bytes,
         "shape": SHAPE if args.model is None else None,
         "prompt_len": args.prompt_len,
@@ -174,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_bytes_per_sequence": kv,
     }
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        provenance.write(args.json, results, begun, "torch", "transformers")
     return 0
 
 

@@ -17,16 +17,15 @@ deployment's ``max_per_user`` (32 by default) of one user's running and waiting.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import openai
+
+from benchmarks import provenance
 
 PROMPTS = [
     "How do I read a file line by line?",
@@ -99,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     if not 1 <= args.prompts <= len(PROMPTS) or args.max_tokens < 1 or args.repeats < 1:
         parser.error(f"--prompts from 1 to {len(PROMPTS)}, --max-tokens >= 1 and --repeats >= 1")
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, timeout=600, max_retries=0)
@@ -127,20 +127,18 @@ def main(argv: list[str] | None = None) -> int:
         f"every answer sent together identical to its answer alone: {identical}"
     )
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                    "machine": {"cores": os.cpu_count(), "loadavg_after": os.getloadavg()},
-                    "base_url": args.base_url,
-                    "model": args.model,
-                    "prompts": args.prompts,
-                    "max_tokens": args.max_tokens,
-                    "identical": identical,
-                    **figures,
-                },
-                indent=2,
-            )
+        provenance.write(
+            args.json,
+            {
+                "base_url": args.base_url,
+                "model": args.model,
+                "prompts": args.prompts,
+                "max_tokens": args.max_tokens,
+                "identical": identical,
+                **figures,
+            },
+            begun,
+            "openai",
         )
     return 0 if identical else 1
 

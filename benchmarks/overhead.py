@@ -46,6 +46,7 @@ import msgspec
 import torch
 import zmq
 
+from benchmarks import provenance
 from inference.modelio.families import family_for
 from inference.policies.depth import LINK_DEPTH
 from inference.runtime.curve import EndpointKeys, new_seat_keys, role_keys
@@ -491,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-tokens", type=int, default=32, help="new tokens of the full-cluster run")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     with tempfile.TemporaryDirectory(prefix="odmoe-overhead-") as tmp:
         model_dir = args.model or make_tiny(Path(tmp) / "model", seed=0)
         figures = measure(
@@ -503,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(render(figures))
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+        provenance.write(args.json, figures, begun, "torch", "pyzmq", "msgspec")
     return 0
 
 

@@ -28,13 +28,12 @@ checked against Transformers: a predictor only decides what is loaded ahead, nev
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import roles
+from benchmarks import provenance, roles
 from benchmarks.recall import choose_prompts
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, yield_cpu_to_the_pipeline
 from inference.building.memory import memory_from_checkpoint
@@ -117,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     roles.add_argument(parser)
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     try:
         chosen = parse_predictors(args.predictors)
         if any(name == "prerouter" for name, _ in chosen):
@@ -149,21 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"\nevery output token-identical to Transformers: {exact}")
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "roles": roles.kind(args),
-                    "model": str(args.model),
-                    "profile": args.profile,
-                    "emulation": emulation.as_dict(),
-                    "workers": args.workers,
-                    "prompts": args.prompts,
-                    "new_tokens": args.new_tokens,
-                    "exact": exact,
-                    "predictors": results,
-                },
-                indent=2,
-            )
+        provenance.write(
+            args.json,
+            {
+                "roles": roles.kind(args),
+                "model": str(args.model),
+                "profile": args.profile,
+                "emulation": emulation.as_dict(),
+                "workers": args.workers,
+                "prompts": args.prompts,
+                "new_tokens": args.new_tokens,
+                "exact": exact,
+                "predictors": results,
+            },
+            begun,
+            "torch",
+            "transformers",
         )
     return 0 if exact else 1
 

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks import provenance, roles
@@ -69,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     roles.add_argument(parser)
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     if min(args.first, args.answer, args.follow, args.new_tokens, args.repeats, args.workers) < 1:
         parser.error("--first, --answer, --follow, --new-tokens, --repeats and --workers are at least 1")
     config = json.loads((args.model / "config.json").read_text())
@@ -76,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     if second_len + args.new_tokens > config["max_position_embeddings"]:
         parser.error(f"the second turn ({second_len} + {args.new_tokens} tokens) must fit the model's context")
     vocab = config["vocab_size"]
-    load_before = os.getloadavg()
     names = ("reuse", "no_reuse")
     ttft: dict[str, list[float]] = {name: [] for name in names}
     cached: list[int] = []
@@ -120,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [a / b for a, b in zip(ttft["reuse"], ttft["no_reuse"], strict=True)]
     result = {
         "roles": roles.kind(args),
-        "commit": provenance.commit(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": str(args.model.relative_to(REPO)) if args.model.is_relative_to(REPO) else str(args.model),
-        "machine": {"cores": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "workers": args.workers,
         "first_prompt_tokens": args.first,
         "first_answer_tokens": args.answer,
@@ -149,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntokens as Transformers continuing from the same cache (reuse) and fresh (without): {exact}")
     print(f"reuse's tokens equal a fresh whole-prompt prefill's: {result['reuse_equals_fresh_prefill']}")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        provenance.write(args.json, result, begun, "torch", "transformers")
     return 0 if exact else 1
 
 

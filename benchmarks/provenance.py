@@ -1,9 +1,11 @@
 """Where a recorded result came from: the commit it was measured at, whether the tree was that
-commit, and for a benchmark that asks, the whole record (command, commit, dirty, start and end,
-machine, versions: ``record``)."""
+commit, and the whole record (command, commit, dirty, date, start and end, machine with its load
+before and after, versions: ``record``). Every benchmark writes its result through ``write``:
+``begin`` as it starts, ``write`` at the end, into a new file (a re-run is a new file)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -80,3 +82,21 @@ def record(started: str, *packages: str) -> dict:
         "machine": machine(),
         "versions": versions(*packages),
     }
+
+
+def begin() -> dict:
+    """What a run notes as it starts, for ``write``: the time, and the machine's load then."""
+    return {"started": now(), "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+
+
+def write(path: Path, result: dict, begun: dict, *packages: str) -> None:
+    """``result`` with the provenance of the run ``begun`` (``begin``) as JSON at ``path``, a file
+    that must not exist yet; ``packages``: the versions that matter beside Python's."""
+    provenance = record(begun["started"], *packages)
+    provenance["machine"] = {"loadavg_before": begun["loadavg_before"], **provenance["machine"]}
+    clash = sorted(set(result) & set(provenance))
+    if clash:
+        raise ValueError(f"the result names provenance's own fields {clash}")
+    if path.exists():
+        raise FileExistsError(f"{path} exists: a recorded result is never rewritten; give the new run a new file")
+    path.write_text(json.dumps(result | provenance, indent=2, default=str) + "\n")

@@ -40,7 +40,6 @@ Strategies that are not exact are marked ``approximate``. Printed: a Markdown ta
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -51,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks import roles
+from benchmarks import provenance, roles
 from benchmarks.plots import scatter_plot
 from benchmarks.recall import choose_prompts
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model
@@ -275,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     roles.add_argument(parser)
     parser.add_argument("--plots", type=Path, help="write quality_vs_speed.png here")
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     try:
         thresholds = [float(t) for t in args.thresholds.split(",") if t]
         runs = parse_strategies(args.strategies, thresholds)
@@ -336,21 +336,22 @@ def main(argv: list[str] | None = None) -> int:
             f"({f['decode_tok_s_min']:.2f}–{f['decode_tok_s_max']:.2f}) | {_ratio(f, args.baseline)} |"
         )
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "roles": roles.kind(args),
-                    "model": str(args.model),
-                    "profile": args.profile,
-                    "workers": args.workers,
-                    "cache_experts": args.cache_experts,
-                    "ppl_tokens": args.ppl_tokens,
-                    "prompts": args.prompts,
-                    "new_tokens": args.new_tokens,
-                    "strategies": results,
-                },
-                indent=2,
-            )
+        provenance.write(
+            args.json,
+            {
+                "roles": roles.kind(args),
+                "model": str(args.model),
+                "profile": args.profile,
+                "workers": args.workers,
+                "cache_experts": args.cache_experts,
+                "ppl_tokens": args.ppl_tokens,
+                "prompts": args.prompts,
+                "new_tokens": args.new_tokens,
+                "strategies": results,
+            },
+            begun,
+            "torch",
+            "transformers",
         )
     if args.plots:
         scatter_plot(

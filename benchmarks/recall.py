@@ -42,7 +42,6 @@ Raise ``--prompts`` / ``--new-tokens`` for tighter sweep figures at a proportion
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import provenance
 from benchmarks.plots import heatmaps, line_plot
 from inference.constants import SHADOW_DTYPES
 from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
@@ -353,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     dtypes = [d for d in args.dtypes.split(",") if d]
     unknown = set(dtypes) - set(SHADOW_DTYPES)
     if unknown:
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtypes": figures,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        provenance.write(args.json, record, begun, "torch", "transformers")
     return 0
 
 

@@ -169,7 +169,7 @@ PAGES: tuple[Page, ...] = (
     Page("families", "Model families", ()),
     Page("gpu", "GPU check", ("gpu-*.json",)),
     Page("faults", "Faults", ("faults.json",)),
-    Page("grammars", "Grammar libraries", ("grammars.json", "grammar-compiles*.json")),
+    Page("grammars", "Grammar libraries", ("grammars*.json", "grammar-compiles*.json")),
     Page("load", "The control plane under load", ("load-*.json",)),
     Page("not-reached", "Not reached", ()),
     Page(
@@ -385,14 +385,18 @@ def describe(name: str, recordings: dict[str, tuple[str, str]] | None, noted: li
     sha, git_date = (recordings or {}).get(name, ("", ""))
     from_notes = next((command for pattern, command in noted if pattern.match(name)), None)
     command = meta.get("command") or from_notes or NOT_RECORDED
-    commit = meta.get("commit") or (
-        f"{sha} (git)" if sha else "not committed yet" if recordings is not None else NOT_RECORDED
+    # A run recorded after the fact (benchmarks.suite --from-log) names its own commit and date.
+    commit = (
+        meta.get("ran_commit")
+        or meta.get("commit")
+        or (f"{sha} (git)" if sha else "not committed yet" if recordings is not None else NOT_RECORDED)
     )
-    date = meta.get("date") or meta.get("started") or (f"{git_date[:10]} (git)" if git_date else NOT_RECORDED)
+    date = meta.get("ran_date") or meta.get("date") or meta.get("started")
+    date = date or (f"{git_date[:10]} (git)" if git_date else NOT_RECORDED)
     machine = meta.get("machine") or meta.get("gpu_name") or meta.get("device") or NOT_RECORDED
     if isinstance(machine, dict):
         machine = ", ".join(f"{k} {v}" for k, v in machine.items() if isinstance(v, str | int | float))
-    when = str(meta.get("date") or meta.get("started") or git_date or "")
+    when = str(meta.get("ran_date") or meta.get("date") or meta.get("started") or git_date or "")
     moved = [
         # Without a recording date (no git, none in the JSON) a matching result may be stale: say so.
         f"moved by {rule.commit}: {rule.reason}" if when else f"may be moved by {rule.commit} (date not recorded)"

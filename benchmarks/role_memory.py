@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from benchmarks.provenance import commit
+from benchmarks import provenance
 from inference.modelio.checkpoint import Checkpoint, expert_key_name, is_expert_key
 from inference.policies.placement import placement
 from inference.runtime.launcher import ClusterOptions, LocalCluster
@@ -181,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--timeline", type=Path, help="write each role's samples, one each 0.5 s, here")
     args = parser.parse_args(argv)
+    begun = provenance.begin()
 
     with tempfile.TemporaryDirectory(prefix="odmoe-role-memory-") as tmp:
         if args.model is None:
@@ -204,10 +203,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     results = {
         "benchmark": "role_memory",
-        "command": "python -m benchmarks.role_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
         "shape": mixtral_dims(args.layers) if args.model is None else None,
         "workers": args.workers,
         "expert_store": args.expert_store,
@@ -223,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeline:
         args.timeline.write_text(json.dumps(run["timeline"]) + "\n")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        provenance.write(args.json, results, begun, "torch", "transformers")
     return 0
 
 

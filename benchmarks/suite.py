@@ -17,8 +17,6 @@ fresh clone, ``--commit`` naming what it ran): its wall time from ``time``'s ``r
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import re
 import subprocess
@@ -27,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.provenance import REPO, commit
+from benchmarks import provenance
+from benchmarks.provenance import REPO
 
 SUMMARY = re.compile(r"^=*\s*(?P<counts>\d+ (?:passed|failed).*?) in (?P<seconds>[\d.]+)s", re.M)
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
@@ -55,15 +54,8 @@ def real_seconds(output: str) -> float | None:
     return int(minutes or 0) * 60 + float(seconds)
 
 
-def machine(loadavg_before: tuple[float, ...]) -> dict:
-    return {"cores": os.cpu_count(), "loadavg_before": list(loadavg_before), "loadavg_after": list(os.getloadavg())}
-
-
 def run_fresh(target: str, log: Path) -> dict:
     """Clone HEAD, run ``make TARGET`` as CI does (its whole output into ``log``), and time it."""
-    head = commit()
-    before = os.getloadavg()
-    started = datetime.datetime.now(datetime.UTC)
     with tempfile.TemporaryDirectory(prefix="odmoe-suite-") as tmp:
         # As a CI checkout is: readable by all (the install tests run the one-liner as nobody,
         # reading this clone's venv; a private temporary directory would refuse them).
@@ -83,12 +75,9 @@ def run_fresh(target: str, log: Path) -> dict:
         wall = time.monotonic() - began
     log.write_text(done.stdout)
     return {
-        "command": f"CI=true make {target}",
-        "how": "python -m benchmarks.suite: a fresh clone of HEAD, its own venv",
+        "measured": f"CI=true make {target}",
+        "how": "python -m benchmarks.suite: a fresh clone of HEAD (the record's commit), its own venv",
         "target": target,
-        "commit": head,
-        "date": started.isoformat(timespec="seconds"),
-        "machine": machine(before),
         "returncode": done.returncode,
         "wall_s": round(wall, 1),
         **pytest_figures(done.stdout),
@@ -102,12 +91,11 @@ def from_log(log: Path, target: str, head: str, date: str) -> dict:
     figures = pytest_figures(output)
     failed = figures["counts"].get("failed", 0) + figures["counts"].get("error", 0)
     return {
-        "command": "CI=true .ci/run" if target == "test" else f"CI=true make {target}",
-        "how": "by hand on a fresh clone, recorded from its log with --from-log",
+        "measured": "CI=true .ci/run" if target == "test" else f"CI=true make {target}",
+        "how": "by hand on a fresh clone, recorded from its log with --from-log (ran_commit, ran_date)",
         "target": target,
-        "commit": head,
-        "date": date,
-        "machine": {"cores": os.cpu_count()},
+        "ran_commit": head,
+        "ran_date": date,
         "returncode": 1 if failed or figures["pytest_s"] is None else 0,
         "wall_s": real_seconds(output),
         **figures,
@@ -123,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", help="with --from-log: the commit it ran")
     parser.add_argument("--date", help="with --from-log: when it started (ISO 8601)")
     args = parser.parse_args(argv)
+    begun = provenance.begin()
     if args.from_log and not (args.commit and args.date):
         parser.error("--from-log needs --commit and --date: what ran, and when")
     if args.from_log:
@@ -130,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         record = run_fresh(args.target, args.json.with_suffix(".log"))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=2) + "\n")
+    provenance.write(args.json, record, begun)
     minutes = (record["wall_s"] or 0) / 60
     pytest_s, counts, code = record["pytest_s"], record["counts"], record["returncode"]
     print(f"make {args.target}: {minutes:.1f} min, pytest {pytest_s} s, {counts}, return code {code}")

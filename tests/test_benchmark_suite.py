@@ -39,8 +39,11 @@ def test_a_run_by_hand_is_recorded_from_its_log(tmp_path: Path) -> None:
     out = tmp_path / "suite.json"
     code = suite.main(["--from-log", str(log), "--commit", "abc1234", "--date", "2026-12-05T09:03", "--json", str(out)])
     record = json.loads(out.read_text())
-    assert code == 0 and record["returncode"] == 0 and record["commit"] == "abc1234"
-    assert record["wall_s"] == 962.518 and record["pytest_s"] == 183.24 and record["command"] == "CI=true .ci/run"
+    assert code == 0 and record["returncode"] == 0 and record["ran_commit"] == "abc1234"
+    assert record["ran_date"] == "2026-12-05T09:03" and record["measured"] == "CI=true .ci/run"
+    assert record["wall_s"] == 962.518 and record["pytest_s"] == 183.24
+    assert record["command"] and record["commit"] and record["date"]  # the recording's own provenance
     log.write_text(OUTPUT.replace("1339 passed", "1 failed, 1338 passed"))
-    assert suite.main(["--from-log", str(log), "--commit", "abc1234", "--date", "d", "--json", str(out)]) == 1
-    assert json.loads(out.read_text())["returncode"] == 1
+    again = tmp_path / "suite-2.json"  # a new file: a recorded result is never rewritten
+    assert suite.main(["--from-log", str(log), "--commit", "abc1234", "--date", "d", "--json", str(again)]) == 1
+    assert json.loads(again.read_text())["returncode"] == 1
