@@ -189,7 +189,12 @@ PAGES: tuple[Page, ...] = (
     Page(
         "drafts",
         "Drafts",
-        ("draft-agreement-*.json", "strategies-with-drafts-*.json", "paper-testbed-drafts-*.json"),
+        (
+            "draft-agreement-*.json",
+            "draft-exactness-*.json",
+            "strategies-with-drafts-*.json",
+            "paper-testbed-drafts-*.json",
+        ),
     ),
 )
 
