@@ -1,8 +1,13 @@
 """Render the benchmark pages of the docs site from the recorded results, so no figure is typed by hand.
 
     python -m benchmarks.render_docs            # write docs/benchmarks/*.md and README's status table
-    python -m benchmarks.render_docs --check    # render in memory; fail on any error or a stale README
-    python -m benchmarks.render_docs --pages-only   # the pages alone (make docs): README is left as committed
+    python -m benchmarks.render_docs --check    # render in memory; fail on any error, a stale README or page
+    python -m benchmarks.render_docs --pages-only   # the pages alone: README is left as committed
+
+The rendered pages are committed, so README's links to them resolve where people read the
+repository; ``--check`` (``make docs``, ``make check`` through ``tests/test_render_docs.py``) fails
+when a committed page differs from what the results render (in a shallow clone, whose git history
+cannot name the commits of results without provenance, it compares README only).
 
 Each page under ``docs/benchmarks/`` comes from a template under ``benchmarks/pages/`` and the
 results its ``PAGES`` entry claims (globs over ``benchmarks/results/*.json``). A template is
@@ -70,7 +75,8 @@ from benchmarks import roles
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 TEMPLATES = REPO / "benchmarks" / "pages"
-OUT = REPO / "docs" / "benchmarks"
+RENDERED = REPO / "docs" / "benchmarks"  # the rendered pages' place in docs/: not written pages
+OUT = RENDERED  # where the pages are written and compared
 README = REPO / "README.md"
 
 
@@ -656,7 +662,7 @@ def untraced_in_written_pages() -> list[str]:
         known += [n for path in sorted(REPO.glob(glob)) for n in numbers(json.loads(path.read_text()))]
     found = []
     for path in sorted((REPO / "docs").rglob("*.md")):
-        if OUT in path.parents:
+        if RENDERED in path.parents:
             continue
         fenced = False
         for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -709,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     except RenderError as error:
         problems.append(str(error))
         readme = None
+    if args.check and not problems:
+        problems += stale_pages(rendered)
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 1
@@ -730,6 +738,33 @@ def main(argv: list[str] | None = None) -> int:
         else:
             README.write_text(readme)
     return 0
+
+
+def shallow() -> bool:
+    """Whether this checkout lacks its full git history (or git): the runs' commits from git differ then."""
+    try:
+        run = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return True
+    return run.returncode != 0 or run.stdout.strip() == "true"
+
+
+def stale_pages(rendered: dict[str, tuple[str, list[str]]]) -> list[str]:
+    """The committed pages (and their images, and the index) that differ from what the results render."""
+    if shallow():
+        print("a shallow clone: the committed pages are not compared", file=sys.stderr)
+        return []
+    fix = "run python -m benchmarks.render_docs and commit docs/benchmarks/"
+    wanted = {f"{slug}.md": text for slug, (text, _) in rendered.items()} | {"index.md": index_page()}
+    stale = [name for name, text in wanted.items() if not (OUT / name).is_file() or (OUT / name).read_text() != text]
+    for _, images in rendered.values():
+        for image in images:
+            copy = OUT / "img" / image.replace("/", "-")
+            if not copy.is_file() or copy.read_bytes() != (RESULTS / image).read_bytes():
+                stale.append(f"img/{copy.name}")
+    kept = {p.name for p in OUT.glob("*.md")} if OUT.is_dir() else set()
+    stale += sorted(f"{name} (no page renders it)" for name in kept - set(wanted))
+    return [f"docs/benchmarks/{name}: differs from the results: {fix}" for name in stale]
 
 
 def index_page() -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,29 @@ from benchmarks import render_docs
 def test_every_recorded_result_renders_and_readme_status_is_the_results_own() -> None:
     # --check renders every page in memory from every JSON under benchmarks/results/: it fails
     # on a result that does not load, a directive that names a missing figure, a result on no
-    # page, a page with more untraced figures than its budget, and a stale README status table.
+    # page, a page with more untraced figures than its budget, a stale README status table, and a
+    # committed page (docs/benchmarks/) that differs from what the results render.
     assert render_docs.main(["--check"]) == 0
+
+
+def test_a_committed_page_that_differs_from_the_results_fails_the_check(tmp_path: Path, monkeypatch, capsys) -> None:
+    if render_docs.shallow():
+        pytest.skip("a shallow clone compares README only")
+    pages = tmp_path / "benchmarks"
+    pages.mkdir()
+    for page in render_docs.OUT.glob("*.md"):
+        (pages / page.name).write_text(page.read_text())
+    (pages / "img").mkdir()
+    for image in (render_docs.OUT / "img").glob("*"):
+        (pages / "img" / image.name).write_bytes(image.read_bytes())
+    monkeypatch.setattr(render_docs, "OUT", pages)
+    assert render_docs.main(["--check"]) == 0  # the copy as committed
+    drafts = pages / "drafts.md"
+    drafts.write_text(drafts.read_text().replace("Every answer exact: yes", "Every answer exact: no"))
+    (pages / "gone.md").write_text("a page no template renders\n")
+    assert render_docs.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "docs/benchmarks/drafts.md: differs from the results" in err and "gone.md (no page renders it)" in err
 
 
 def test_every_result_is_claimed_by_a_benchmark_page() -> None:
@@ -95,3 +118,14 @@ def test_a_run_whose_roles_were_threads_is_refused_as_a_source(tmp_path: Path, m
     with pytest.raises(render_docs.RenderError, match="ran as threads"):
         render_docs.load("checked.json")
     assert render_docs.load("measured.json")["exact"] is True
+
+
+def test_every_link_of_readme_resolves_in_a_plain_checkout() -> None:
+    """README links only to committed files (the benchmark pages are committed: ``stale_pages``)."""
+    readme = render_docs.README.read_text()
+    targets = {t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in t}
+    assert targets, "README links to the docs"
+    listed = subprocess.run(["git", "ls-files"], cwd=render_docs.REPO, capture_output=True, text=True)
+    tracked = set(listed.stdout.split())
+    missing = sorted(t for t in targets if t and t not in tracked and not (render_docs.REPO / t).is_dir())
+    assert not missing, f"README links to files no checkout has: {missing}"
