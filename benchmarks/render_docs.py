@@ -260,14 +260,14 @@ STATUS: tuple[tuple[str, str, str, str, str], ...] = (
         "",
     ),
     (
-        "`make test` on a fresh clone, the whole command (goal: 15 min)",
+        "`make test` on a fresh clone, the whole command (goal: 12 min)",
         "suite",
         "suite-test-*.json:wall_s",
         "x0.0166667 .1f",
         "min",
     ),
     (
-        "`make test` on a fresh clone, two pytest-xdist workers (the default since 6fcda84; goal: 15 min)",
+        "`make test` on a fresh clone, two pytest-xdist workers (the default since 6fcda84; goal: 12 min)",
         "suite",
         "suite-test-2026-12-05-9-xdist.json,suite-test-2026-12-05-1?.json,suite-test-2026-12-06-*.json:wall_s",
         "x0.0166667 .1f",
