@@ -80,3 +80,21 @@ def test_auto_follows_the_agreement_main_measures() -> None:
     # A timed step: 0.1 s of its 1.0 s in expert rounds serving 10 experts, 7 positions over 1 layer.
     tuner.note_step(step_s=1.0, experts_s=0.1, distinct=10, positions=7, layers=1)
     assert tuner.costs == PassCosts(expert_s=pytest.approx(0.01), position_s=pytest.approx(0.9 / 7))
+
+
+def test_a_shadow_that_keeps_main_waiting_for_its_drafts_is_asked_for_fewer() -> None:
+    """Main's wait for the shadow's forwards counts per draft: the paper testbed's simulator showed it
+    outweighing the copies saved where the shadow drafts slowly (docs/benchmarks/drafts.md)."""
+    common = dict(agreement=0.9, most=8, experts=8, top_k=2, effective=4.0)
+    prompt = choose_drafts(costs=PassCosts(expert_s=1.0, position_s=0.01, draft_s=0.0), **common)
+    slow = choose_drafts(costs=PassCosts(expert_s=1.0, position_s=0.01, draft_s=3.0), **common)
+    assert slow < prompt
+    tuner = DraftTuner(most=6, auto=True, experts=8, top_k=2)
+    tuner.note_step(step_s=1.0, experts_s=0.1, distinct=10, positions=7, layers=1)
+    for _ in range(200):
+        tuner.note_wait(wait_s=0.6, asked=6)  # 0.1 s a draft
+    assert tuner.costs.draft_s == pytest.approx(0.1, rel=1e-3)
+    tuner.note_step(step_s=1.0, experts_s=0.1, distinct=10, positions=7, layers=1)
+    assert tuner.costs.draft_s == pytest.approx(0.1, rel=1e-3)  # a timed step keeps the wait measured apart
+    tuner.note_wait(wait_s=1.0, asked=0)  # a pass that asked for nothing teaches nothing
+    assert tuner.costs.draft_s == pytest.approx(0.1, rel=1e-3)

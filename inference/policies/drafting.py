@@ -4,9 +4,11 @@ A pass that verifies k drafts yields, on average, 1 + a + a² + ... + aᵏ token
 kept with probability a given that those before it were (``expected_tokens``). It costs, at every
 layer, the copies of the distinct experts its k + 1 positions route to (``distinct_experts``: fewer
 than k + 1 times top-k, since neighbouring tokens often share experts) and main's compute of k + 1
-positions. ``choose_drafts`` picks the k from 0 to the deployment's ``draft_tokens`` with the most
-tokens per second of pass under those costs, from what main has measured so far
-(``inference.runtime.engine.drafts.DraftTuner`` keeps the measurements).
+positions; and before it, main's wait for the shadow to draft k tokens one forward after another
+(none when the shadow drafted them ahead while main verified the pass before). ``choose_drafts``
+picks the k from 0 to the deployment's ``draft_tokens`` with the most tokens per second of pass
+under those costs, from what main has measured so far (``inference.runtime.engine.drafts.DraftTuner``
+keeps the measurements).
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ def fit_effective(positions: int, distinct: float, experts: int, top_k: int) -> 
 
 @dataclass(frozen=True)
 class PassCosts:
-    """What a pass costs per layer, as main measured it: each distinct expert it serves (the copy
-    and the round trip it adds), and each position it computes itself (attention, norms, router)."""
+    """What a pass costs, as main measured it: per layer, each distinct expert it serves (the copy
+    and the round trip it adds) and each position it computes itself (attention, norms, router);
+    per pass, main's wait for each draft it asked the shadow for (its mean over passes)."""
 
     expert_s: float
     position_s: float
+    draft_s: float = 0.0
 
 
 def choose_drafts(*, agreement: float, most: int, experts: int, top_k: int, effective: float, costs: PassCosts) -> int:
@@ -65,7 +69,8 @@ def choose_drafts(*, agreement: float, most: int, experts: int, top_k: int, effe
         raise ValueError(f"the most drafts a pass may verify is at least 0, got {most}")
 
     def rate(k: int) -> float:
-        cost = distinct_experts(k + 1, experts, top_k, effective) * costs.expert_s + (k + 1) * costs.position_s
+        copies = distinct_experts(k + 1, experts, top_k, effective) * costs.expert_s
+        cost = copies + (k + 1) * costs.position_s + k * costs.draft_s
         return expected_tokens(agreement, k) / cost if cost > 0 else float(k)
 
     return max(range(most + 1), key=lambda k: (rate(k), -k))

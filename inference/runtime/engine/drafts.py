@@ -13,6 +13,7 @@ without drafts leaves them, and ``trim_cache`` keeps the positions whose inputs 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -164,13 +165,23 @@ class DraftTuner:
             fitted = fit_effective(positions, distinct, self.experts, self.top_k)
             self.effective += DECAY * (fitted - self.effective)
 
+    def note_wait(self, wait_s: float, asked: int) -> None:
+        """Main waited ``wait_s`` before a pass for the shadow's drafts, the most it asked of one
+        sequence being ``asked`` (the shadow drafts a batch's sequences together, a forward a token)."""
+        if asked < 1 or wait_s < 0:
+            return
+        draft_s = self.costs.draft_s + DECAY * (wait_s / asked - self.costs.draft_s)
+        self.costs = dataclasses.replace(self.costs, draft_s=draft_s)
+
     def note_step(self, step_s: float, experts_s: float, distinct: int, positions: int, layers: int) -> None:
         """A timed step: ``experts_s`` of its ``step_s`` went to its layers' expert rounds, which served
         ``distinct`` experts over its ``layers`` layers; main computed ``positions`` positions a layer."""
         if distinct < 1 or positions < 1 or layers < 1:
             return
         measured = PassCosts(
-            expert_s=experts_s / distinct, position_s=max(step_s - experts_s, 0.0) / (layers * positions)
+            expert_s=experts_s / distinct,
+            position_s=max(step_s - experts_s, 0.0) / (layers * positions),
+            draft_s=self.costs.draft_s,  # measured apart (note_wait)
         )
         if not self.timed:
             self.costs, self.timed = measured, True
@@ -178,4 +189,5 @@ class DraftTuner:
         self.costs = PassCosts(
             expert_s=self.costs.expert_s + DECAY * (measured.expert_s - self.costs.expert_s),
             position_s=self.costs.position_s + DECAY * (measured.position_s - self.costs.position_s),
+            draft_s=self.costs.draft_s,
         )

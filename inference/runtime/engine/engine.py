@@ -208,6 +208,8 @@ class Engine:
         role = self.role
         decodes = [s for s, w in batch if w.samples and w.start >= s.prompt_len]
         deadline = time.monotonic() + role.spec.settings.timeout_s
+        began = time.perf_counter()
+        asked = max((s.drafting.asked for s in decodes if s.drafting.step == s.step + 1), default=0)
         while any(s.drafting.waiting(s.step + 1) for s in decodes):
             role.note_links()  # a lost shadow is noticed before any wait
             if not role.shadow_serving or role.stopping:
@@ -219,6 +221,8 @@ class Engine:
                 )
                 break
             role.wait_for_side_message(deadline)
+        if self.tuner.auto:  # what auto weighs a draft's wait by
+            self.tuner.note_wait(time.perf_counter() - began, asked)
         return [
             (s, dataclasses.replace(w, drafts=s.drafting.take(s.step + 1)) if s in decodes else w) for s, w in batch
         ]
