@@ -187,7 +187,7 @@ def test_a_sliding_window_model_drops_rejected_drafts_past_its_window(tmp_path: 
 
 
 def test_auto_drafts_keep_the_tokens_and_ask_for_what_the_shadow_earns(tiny_model: Path) -> None:
-    """draft_policy auto: k chosen pass by pass from what main measured (drafts.DraftTuner)."""
+    """draft_policy auto: k chosen pass by pass from what main measured (policies.drafting.DraftTuner)."""
     prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[0]]
     expected = [reference_generate(tiny_model, prompt, 24) for prompt in prompts]
     settings = Settings(draft_tokens=6, draft_policy="auto", shadow_dtype="nf4")

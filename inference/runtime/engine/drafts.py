@@ -8,26 +8,19 @@ decoding without drafts does, one draw per position and in order: a guess is kep
 the token main samples there, and the first that differs is replaced by main's own token, which ends
 the pass. So the tokens, the generator's draws and the grammar's state stand exactly where decoding
 without drafts leaves them, and ``trim_cache`` keeps the positions whose inputs were kept.
-``DraftTuner`` measures what ``draft_policy="auto"`` chooses from (``inference.policies.drafting``).
+``inference.policies.drafting.DraftTuner`` chooses how many drafts to ask for.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from inference.policies.drafting import PassCosts, choose_drafts, fit_effective
 from inference.runtime.engine.grammar import GrammarError
 from inference.wire.runtime import Drafts
-
-# ``auto`` before it has measured anything: drafts kept this often, and the copies alone counting.
-PRIOR_AGREEMENT = 0.8
-PRIOR_WEIGHT = 4.0  # ... worth this many drafts tested
-DECAY = 0.05  # each new observation's weight in the running figures (about the last 20 passes)
 
 
 def draft_length(asked: int, generated: int, max_new_tokens: int) -> int:
@@ -121,73 +114,3 @@ def trim_cache(cache: DynamicCache, length: int) -> None:
             layer.crop(-extra)
         elif getattr(layer, "record_past", False):
             layer.crop(0)
-
-
-class DraftTuner:
-    """How many drafts main asks for: ``most`` (``draft_tokens``) under the ``fixed`` policy; under
-    ``auto``, ``policies.drafting.choose_drafts`` on running figures of main's recent passes: the
-    drafts kept of those tested, how the experts of a pass's positions overlap, and what a distinct
-    expert and a position cost a layer."""
-
-    def __init__(self, *, most: int, auto: bool, experts: int, top_k: int) -> None:
-        self.most, self.auto, self.experts, self.top_k = most, auto, experts, top_k
-        self.kept = PRIOR_AGREEMENT * PRIOR_WEIGHT
-        self.tested = PRIOR_WEIGHT
-        self.effective = float(experts)  # independent routing until passes show otherwise
-        self.costs = PassCosts(expert_s=1.0, position_s=0.0)  # copies alone, until a step is timed
-        self.timed = False
-
-    @property
-    def agreement(self) -> float:
-        return self.kept / self.tested
-
-    def drafts(self) -> int:
-        if not self.auto:
-            return self.most
-        return choose_drafts(
-            agreement=self.agreement,
-            most=self.most,
-            experts=self.experts,
-            top_k=self.top_k,
-            effective=self.effective,
-            costs=self.costs,
-        )
-
-    def note_verified(self, tested: int, kept: int) -> None:
-        """A pass tested ``tested`` drafts (each one whose predecessors were all kept) and kept ``kept``."""
-        if tested:
-            self.kept = self.kept * (1 - DECAY) + kept
-            self.tested = self.tested * (1 - DECAY) + tested
-
-    def note_pass(self, positions: int, distinct: float) -> None:
-        """A sequence's pass of ``positions`` positions used ``distinct`` experts a layer (its mean)."""
-        if positions > 1:
-            fitted = fit_effective(positions, distinct, self.experts, self.top_k)
-            self.effective += DECAY * (fitted - self.effective)
-
-    def note_wait(self, wait_s: float, asked: int) -> None:
-        """Main waited ``wait_s`` before a pass for the shadow's drafts, the most it asked of one
-        sequence being ``asked`` (the shadow drafts a batch's sequences together, a forward a token)."""
-        if asked < 1 or wait_s < 0:
-            return
-        draft_s = self.costs.draft_s + DECAY * (wait_s / asked - self.costs.draft_s)
-        self.costs = dataclasses.replace(self.costs, draft_s=draft_s)
-
-    def note_step(self, step_s: float, experts_s: float, distinct: int, positions: int, layers: int) -> None:
-        """A timed step: ``experts_s`` of its ``step_s`` went to its layers' expert rounds, which served
-        ``distinct`` experts over its ``layers`` layers; main computed ``positions`` positions a layer."""
-        if distinct < 1 or positions < 1 or layers < 1:
-            return
-        measured = PassCosts(
-            expert_s=experts_s / distinct,
-            position_s=max(step_s - experts_s, 0.0) / (layers * positions),
-            draft_s=self.costs.draft_s,  # measured apart (note_wait)
-        )
-        if not self.timed:
-            self.costs, self.timed = measured, True
-            return
-        self.costs = PassCosts(
-            expert_s=self.costs.expert_s + DECAY * (measured.expert_s - self.costs.expert_s),
-            position_s=self.costs.position_s + DECAY * (measured.position_s - self.costs.position_s),
-            draft_s=self.costs.draft_s,
-        )

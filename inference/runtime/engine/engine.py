@@ -29,7 +29,8 @@ from transformers import DynamicCache
 
 from inference.constants import DEFAULT_CONTEXT_TOKENS
 from inference.policies import schedule
-from inference.runtime.engine.drafts import DraftTuner, draft_length, trim_cache, verify
+from inference.policies.drafting import DraftTuner
+from inference.runtime.engine.drafts import draft_length, trim_cache, verify
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.grammar import Constraint
 from inference.runtime.engine.runner import ModelRunner
@@ -65,6 +66,7 @@ class Engine:
             auto=role.spec.settings.draft_policy == "auto",
             experts=role.placement.n_experts,
             top_k=role.model.config.num_experts_per_tok,
+            layers=role.placement.n_layers,  # its MoE layers, each one expert round
         )
         # A waiting request's prefix found in the store: (the store's version then, its blocks),
         # held from the step that plans its join to the join, whatever the store drops meanwhile.
@@ -164,6 +166,8 @@ class Engine:
             s.drafting.accepted += accepted
             s.state.steps[-1].drafted, s.state.steps[-1].accepted = len(work.drafts), accepted
             self.tuner.note_verified(min(len(kept), len(work.drafts)), accepted)
+        elif self.draft_tokens and work.tokens == 1:  # a decode that verified none: auto may ask again
+            self.tuner.note_verified(0, 0)
         if self.draft_tokens:
             trim_cache(s.cache, s.computed)
         for token, row in zip(kept, logits, strict=False):
