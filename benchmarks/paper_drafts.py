@@ -5,7 +5,8 @@
 The paper's testbed (``inference.sim.report``: Mixtral-8x7B fp16, one RTX 3090 per node, PCIe 4,
 1 GbE, an int8 shadow on two nodes, 8 workers in groups of 2, its four length pairs) simulated
 with the shadow drafting k tokens a pass (``inference.sim.strategies.drafting``), for each k and
-each agreement of a fixed grid, beside full cache and odmoe without drafts. Nothing here measured a
+each agreement of a fixed grid, and under ``auto`` (up to the largest k: main's ``DraftTuner`` choosing
+each pass from the passes simulated so far), beside full cache and odmoe without drafts. Nothing here measured a
 shadow's agreement on Mixtral: the grid spans it, and ``benchmarks.draft_agreement`` measures it on
 the models this project has (the drafts page sets the two side by side).
 
@@ -18,7 +19,6 @@ The simulator is deterministic for its seed, so each figure is one run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -48,6 +48,7 @@ def simulate(strategy: str, cluster: Cluster, trace: list) -> dict:
         if kind == "adjusted" and tallies:
             figures["tokens_per_pass"] = statistics.fmean(t["tokens_per_pass"] for t in tallies)
             figures["distinct_experts"] = statistics.fmean(t["distinct_experts"] for t in tallies)
+            figures["drafts_per_pass"] = sum(t["drafted"] for t in tallies) / sum(t["passes"] for t in tallies)
     return figures
 
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    started = provenance.now()
+    begun = provenance.begin()
     trace = synthetic_trace(resolve_model("mixtral-8x7b"), 256, args.seed)
     base = Cluster(seed=args.seed)
     rows = {"full-cache": simulate("full-cache", base, trace), "odmoe": simulate("odmoe", base, trace)}
@@ -67,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
             rows[f"odmoe+drafts{k} at {agreement:.0%}"] = {"draft_tokens": k, "agreement": agreement} | simulate(
                 "odmoe", cluster, trace
             )
+    for agreement in AGREEMENTS:
+        print(f"odmoe with auto drafts at {agreement:.0%} ...", file=sys.stderr)
+        cluster = Cluster(seed=args.seed, draft_tokens=max(DRAFTS), draft_agreement=agreement, draft_policy="auto")
+        rows[f"odmoe+auto{max(DRAFTS)} at {agreement:.0%}"] = {
+            "draft_tokens": max(DRAFTS),
+            "draft_policy": "auto",
+            "agreement": agreement,
+        } | simulate("odmoe", cluster, trace)
     for name in ("full-cache", "odmoe"):  # one position a pass: top-k experts a layer
         rows[name] |= {"tokens_per_pass": 1.0, "distinct_experts": float(resolve_model("mixtral-8x7b").top_k)}
     for row in rows.values():
@@ -90,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             "pairs": PAPER_PAIRS,
             "cluster": {"workers": base.workers, "group_size": base.group_size, "shadow_dtype": base.shadow_dtype},
             "rows": rows,
-        } | provenance.record(started)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        }
+        provenance.write(args.json, record, begun)
     return 0
 
 

@@ -93,6 +93,10 @@ def test_the_cli_drafts_only_at_an_agreement_it_is_given(tmp_path, capsys) -> No
     args = ["--testbed", "paper", "--strategy", "odmoe", "--drafts", "4", "--draft-agreement", "0.9"]
     assert cli_main([*args, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["cluster"]["draft_tokens"] == 4
+    auto = tmp_path / "auto.json"
+    assert cli_main([*args, "--draft-policy", "auto", "--json", str(auto)]) == 0
+    adjusted = json.loads(auto.read_text())["strategies"]["odmoe"]["adjusted"]
+    assert adjusted["drafts"]["passes"] > 0 and adjusted["drafts"]["drafted"] < 4 * adjusted["drafts"]["passes"]
 
 
 def test_the_paper_testbed_sweep_records_every_row_beside_full_cache(tmp_path) -> None:
@@ -100,7 +104,8 @@ def test_the_paper_testbed_sweep_records_every_row_beside_full_cache(tmp_path) -
     assert paper_drafts.main(["--json", str(out)]) == 0
     record = json.loads(out.read_text())
     rows = record["rows"]
-    assert len(rows) == 2 + len(paper_drafts.DRAFTS) * len(paper_drafts.AGREEMENTS)
+    assert len(rows) == 2 + (len(paper_drafts.DRAFTS) + 1) * len(paper_drafts.AGREEMENTS)  # each k, and auto
+    assert all(rows[f"odmoe+auto8 at {a:.0%}"]["drafts_per_pass"] <= 8 for a in paper_drafts.AGREEMENTS)
     full, odmoe = rows["full-cache"], rows["odmoe"]
     for row in rows.values():
         for kind in paper_drafts.KINDS:
@@ -110,3 +115,27 @@ def test_the_paper_testbed_sweep_records_every_row_beside_full_cache(tmp_path) -
             assert row[f"{kind}_vs_odmoe"] == pytest.approx(row[f"{kind}_decode_tok_s"] / odmoe[f"{kind}_decode_tok_s"])
     assert rows["odmoe+drafts4 at 99%"]["tokens_per_pass"] > rows["odmoe+drafts4 at 50%"]["tokens_per_pass"]
     assert record["commit"] and record["date"] == record["started"][:10]
+
+
+def _auto(agreement: float, steps: int = 200) -> OdMoe:
+    cluster = Cluster(draft_tokens=8, draft_agreement=agreement, draft_policy="auto")
+    strategy = OdMoe(Setup(Costs(MODEL, PROFILE, IDEAL), cluster), recall=1.0)
+    times = strategy.decode(synthetic_trace(MODEL, 256), [100 + i for i in range(steps)])
+    assert len(times) == steps
+    return strategy
+
+
+def test_auto_drafts_as_main_tuner_would_from_the_simulated_passes() -> None:
+    """auto drives main's own DraftTuner: a shadow never right is asked for little, after its first
+    rejection only when optimism brings it back; one always right is asked for the most."""
+    never = _auto(0.0).drafting.as_dict()
+    always = _auto(1.0).drafting.as_dict()
+    assert never["accepted"] == 0 and never["drafted"] < never["passes"]
+    assert always["accepted"] == always["drafted"] and always["tokens_per_pass"] > 5
+    assert always["drafted"] / always["passes"] > 5 * never["drafted"] / never["passes"]
+
+
+def test_the_fixed_policy_is_the_default_and_a_policy_is_one_of_the_declared() -> None:
+    assert Cluster().draft_policy == "fixed"
+    with pytest.raises(ValueError, match="draft_policy"):
+        Cluster(draft_tokens=4, draft_agreement=0.9, draft_policy="greedy")

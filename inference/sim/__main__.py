@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from inference.constants import DRAFT_POLICIES
 from inference.sim.hardware import DEFAULT_PROFILE, PROFILES, get_profile, with_host_to_device
 from inference.sim.model_sizes import resolve_model
 from inference.sim.report import compare, depth_line, markdown_table, memory_lines
@@ -47,6 +48,13 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         help="the chance each draft equals main's token (measure it: python -m benchmarks.draft_agreement)",
     )
+    p.add_argument(
+        "--draft-policy",
+        default="fixed",
+        choices=list(DRAFT_POLICIES),
+        help="fixed: every pass drafts --drafts tokens; auto: each pass 0 to --drafts, as main's DraftTuner "
+        "picks from the passes simulated so far (inference.policies.drafting)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the full result as JSON here")
     return p
@@ -71,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             prefetch_depth=args.prefetch_depth,
             draft_tokens=args.drafts,
             draft_agreement=args.draft_agreement or 0.0,
+            draft_policy=args.draft_policy,
             seed=args.seed,
         )
         trace = load_trace(args.trace, model) if args.trace else synthetic_trace(model, 256, args.seed)

@@ -72,4 +72,17 @@ def average(results: list[dict]) -> dict:
     worst = max(results, key=lambda r: r["memory_total_bytes"])
     mean["memory_bytes"] = worst["memory_bytes"]
     mean["memory_total_bytes"] = worst["memory_total_bytes"]
+    drafted = [r["drafts"] for r in results if r.get("drafts")]
+    if drafted:
+        mean["drafts"] = combined_drafts(drafted)
     return mean
+
+
+def combined_drafts(tallies: list[dict]) -> dict:
+    """Several runs' ``DraftTally.as_dict`` as one: counts summed, rates over all their passes."""
+    counts = {key: sum(t[key] for t in tallies) for key in ("passes", "tokens", "drafted", "accepted")}
+    passes = counts["passes"]
+    return counts | {
+        "tokens_per_pass": counts["tokens"] / passes if passes else 0.0,
+        "distinct_experts": sum(t["distinct_experts"] * t["passes"] for t in tallies) / passes if passes else 0.0,
+    }

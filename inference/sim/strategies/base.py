@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inference.constants import MAX_DRAFT_TOKENS
+from inference.constants import DRAFT_POLICIES, MAX_DRAFT_TOKENS
 from inference.policies.depth import prefetch_depth, worker_depth
 from inference.policies.placement import Placement
 from inference.sim.costs import Costs
@@ -32,9 +32,11 @@ class Cluster:
     # of `inference.policies.depth` from the profile's link, the expert and the group (`Setup.prefetch_depth`).
     prefetch_depth: int | None = None
     # odmoe with drafts (``inference.sim.strategies.drafting``): the shadow's drafts per pass (0: none),
-    # and the chance each equals main's token given the ones before it did (given, never measured here).
+    # and the chance each equals main's token given the ones before it did (given, never measured here);
+    # ``auto``: each pass drafts 0 to ``draft_tokens``, as main's ``DraftTuner`` picks from the simulated passes.
     draft_tokens: int = 0
     draft_agreement: float = 0.0
+    draft_policy: str = "fixed"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -51,6 +53,8 @@ class Cluster:
                 f"draft_tokens must lie in [0, {MAX_DRAFT_TOKENS}] and draft_agreement in [0, 1], "
                 f"got {self.draft_tokens} and {self.draft_agreement}"
             )
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"draft_policy must be one of {', '.join(DRAFT_POLICIES)}, got {self.draft_policy!r}")
         if self.draft_tokens and self.hybrid:
             raise ValueError("the simulator does not model drafts with hybrid workers")
         if self.prefetch_depth is not None and self.prefetch_depth < 1:

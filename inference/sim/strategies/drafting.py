@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from inference.policies.drafting import DraftTuner
 from inference.sim.strategies.workers import WorkerPool
 from inference.sim.traces import Trace
 
@@ -59,16 +60,21 @@ def kept_drafts(drafts: int, agreement: float, rng: random.Random) -> int:
     return kept
 
 
-def drafted_decode(strategy, trace: Trace, contexts: list[int], drafts: int, agreement: float) -> list[float]:
+def drafted_decode(
+    strategy, trace: Trace, contexts: list[int], drafts: int, agreement: float, *, auto: bool = False
+) -> list[float]:
     """Seconds of each decoded token (a pass's time shared by the tokens it yields), for
     ``strategy`` (an ``OdMoe``: its costs, setup, shadow layer and routing guess); ``strategy.drafting``
-    holds the ``DraftTally``."""
+    holds the ``DraftTally``. Each pass drafts ``drafts`` tokens, or with ``auto`` what main's
+    ``DraftTuner`` picks (0 to ``drafts``) from the passes simulated so far, as main does from the
+    passes it measured."""
     c = strategy.costs
     m = c.model
     setup = strategy.setup
     rng = random.Random(setup.cluster.seed)
     pool = WorkerPool(setup)
     tally = DraftTally()
+    tuner = DraftTuner(most=drafts, auto=auto, experts=m.experts, top_k=m.top_k, layers=m.layers)
     shadow_hops = setup.cluster.shadow_gpus - 1
     now = 0.0
     shadow_free = 0.0
@@ -76,48 +82,76 @@ def drafted_decode(strategy, trace: Trace, contexts: list[int], drafts: int, agr
     times: list[float] = []
     index = 0  # the trace step of the pass's first position
     while len(times) < len(contexts):
+        k = tuner.drafts()
         start = now
         context = contexts[len(times)]
-        positions = [trace[(index + p) % len(trace)] for p in range(drafts + 1)]
+        positions = [trace[(index + p) % len(trace)] for p in range(k + 1)]
         per_layer = strategy.shadow_layer(context)
         forward = m.layers * per_layer + shadow_hops * c.device_hop(m.hidden_bytes(1))
         began = shadow_free if speculating else max(now + strategy.align(), shadow_free)
-        drafts_ready = began + drafts * forward
-        shadow_free = began + (drafts + 1) * forward
-        now = max(now, drafts_ready)
-        distinct = 0
-        for layer in range(m.layers):
-            real = [position[layer] for position in positions]
-            union = sorted({e for experts in real for e in experts})
-            rows = {e: sum(e in experts for experts in real) for e in union}
-            guessed: dict[int, float] = {}  # each expert of the union, when its first naming reached the group
-            for p, experts in enumerate(real):
-                at = began + p * forward + (layer + 1) * per_layer + c.message(16, count=setup.cluster.group_size)
-                for expert in strategy.predict(experts, rng):
-                    guessed.setdefault(expert, at)
-            routed = now + (drafts + 1) * c.attention_layer(1, context)
-            now = pool.serve_layer(
-                layer,
-                union,
-                routed,
-                predicted=list(guessed),
-                predicted_at=min(guessed.values()),
-                rows=rows,
-                positions=drafts + 1,
-                guessed_at=list(guessed.values()),
-            )
-            distinct += len(union)
-        now += (drafts + 1) * c.head()
-        kept = kept_drafts(drafts, agreement, rng)
+        shadow_free = began + (k + 1) * forward
+        if k:  # main waits for the drafts it asked for (a pass of none asks for none)
+            now = max(now, began + k * forward)
+        tuner.note_wait(now - start, k)
+        verified = now
+        now, distinct, experts_s = _serve_pass(strategy, pool, positions, context, now, began, forward, per_layer, rng)
+        tuner.note_step(now - verified, experts_s, distinct, k + 1, m.layers)
+        tuner.note_pass(k + 1, distinct / m.layers)
+        kept = kept_drafts(k, agreement, rng)
+        tuner.note_verified(min(kept + 1, k), kept)
         tokens = min(kept + 1, len(contexts) - len(times))
         times += [(now - start) / tokens] * tokens
-        speculating = kept == drafts and rng.random() < agreement  # ... and main's own token was its guess
+        speculating = kept == k and rng.random() < agreement  # ... and main's own token was its guess
         index += kept + 1
         tally.passes += 1
         tally.tokens += tokens
-        tally.drafted += drafts
+        tally.drafted += k
         tally.accepted += kept
         tally.distinct.append(distinct / m.layers)
     strategy.last_pool = pool
     strategy.drafting = tally
     return times
+
+
+def _serve_pass(
+    strategy,
+    pool: WorkerPool,
+    positions,
+    context: int,
+    now: float,
+    began: float,
+    forward: float,
+    per_layer: float,
+    rng: random.Random,
+) -> tuple[float, int, float]:
+    """Main's pass over ``positions`` (each a trace step's routing) from ``now``, the shadow having
+    begun drafting it at ``began`` (``forward`` a position, ``per_layer`` a layer of one): when it ends,
+    the distinct experts it served over all layers, and the seconds its layers' expert rounds took."""
+    c = strategy.costs
+    m = c.model
+    group_size = strategy.setup.cluster.group_size
+    distinct = 0
+    experts_s = 0.0
+    for layer in range(m.layers):
+        real = [position[layer] for position in positions]
+        union = sorted({e for experts in real for e in experts})
+        rows = {e: sum(e in experts for experts in real) for e in union}
+        guessed: dict[int, float] = {}  # each expert of the union, when its first naming reached the group
+        for p, experts in enumerate(real):
+            at = began + p * forward + (layer + 1) * per_layer + c.message(16, count=group_size)
+            for expert in strategy.predict(experts, rng):
+                guessed.setdefault(expert, at)
+        routed = now + len(positions) * c.attention_layer(1, context)
+        now = pool.serve_layer(
+            layer,
+            union,
+            routed,
+            predicted=list(guessed),
+            predicted_at=min(guessed.values()),
+            rows=rows,
+            positions=len(positions),
+            guessed_at=list(guessed.values()),
+        )
+        experts_s += now - routed
+        distinct += len(union)
+    return now + len(positions) * c.head(), distinct, experts_s

@@ -71,7 +71,8 @@ class OdMoe:
     def decode(self, trace: Trace, contexts: list[int]) -> list[float]:
         cluster = self.setup.cluster
         if cluster.draft_tokens:
-            return drafted_decode(self, trace, contexts, cluster.draft_tokens, cluster.draft_agreement)
+            auto = cluster.draft_policy == "auto"
+            return drafted_decode(self, trace, contexts, cluster.draft_tokens, cluster.draft_agreement, auto=auto)
         c = self.costs
         m = c.model
         rng = random.Random(self.setup.cluster.seed)
