@@ -35,6 +35,18 @@ def list_profiles() -> list[dict]:
     return _list_profiles()
 
 
+def _check_drafts(strategy: str, draft_tokens: int, draft_agreement: float | None) -> None:
+    if draft_tokens and strategy != "odmoe":
+        raise ValueError(f"the simulator models drafts for odmoe (the shadow drafts, main verifies), not {strategy}")
+    if draft_tokens and draft_agreement is None:
+        raise ValueError(
+            "draft_tokens needs draft_agreement, the chance a draft equals main's token: the simulator does not "
+            "guess a shadow's agreement (measure it: python -m benchmarks.draft_agreement)"
+        )
+    if not draft_tokens and draft_agreement is not None:
+        raise ValueError("draft_agreement is a figure of drafts: give draft_tokens above 0, or leave it out")
+
+
 def _check_tokens(name: str, tokens: object, minimum: int) -> int:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not minimum <= tokens <= MAX_TOKENS:
         raise ValueError(f"{name} must be an integer in [{minimum}, {MAX_TOKENS}], got {tokens!r}")
@@ -53,8 +65,18 @@ def estimate(
     *,
     trace: Trace | None = None,
     seed: int = 0,
+    draft_tokens: int = 0,
+    draft_policy: str = "fixed",
+    draft_agreement: float | None = None,
 ) -> dict:
-    """Predicted decode tok/s, TTFT, end-to-end tok/s and per-node memory, ideal and adjusted."""
+    """Predicted decode tok/s, TTFT, end-to-end tok/s and per-node memory, ideal and adjusted.
+
+    With ``draft_tokens`` (odmoe only) the shadow drafts that many tokens a pass (``draft_policy``
+    ``auto``: main's tuner picks 0 to that many, pass by pass), each kept with probability
+    ``draft_agreement`` given those before it were: a figure of the shadow on the model that only a
+    measurement gives (``benchmarks.draft_agreement``), so it has no default. Each kind's ``drafts``
+    then holds the simulated passes' tally.
+    """
     sizes = resolve_model(model)
     hardware = get_profile(profile)
     if strategy not in STRATEGIES:
@@ -64,7 +86,16 @@ def estimate(
             raise ValueError(f"{name} must be a positive integer, got {count!r}")
     _check_tokens("input_tokens", input_tokens, 1)
     _check_tokens("output_tokens", output_tokens, 2)
-    cluster = Cluster(workers=workers, group_size=group_size, shadow_dtype=shadow_dtype, seed=seed)
+    _check_drafts(strategy, draft_tokens, draft_agreement)
+    cluster = Cluster(
+        workers=workers,
+        group_size=group_size,
+        shadow_dtype=shadow_dtype,
+        seed=seed,
+        draft_tokens=draft_tokens,
+        draft_agreement=draft_agreement or 0.0,
+        draft_policy=draft_policy,
+    )
     routing = validate_trace(trace, sizes) if trace is not None else synthetic_trace(sizes, API_STEPS, seed)
     results = {
         kind: run_pair(
@@ -89,6 +120,9 @@ def estimate(
         "shadow_dtype": shadow_dtype,
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
+        "draft_tokens": draft_tokens,
+        "draft_policy": draft_policy,
+        "draft_agreement": draft_agreement,
         **results,
         "assumptions": list(ASSUMPTIONS),
     }

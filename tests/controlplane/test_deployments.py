@@ -542,9 +542,24 @@ def test_draft_tokens_is_a_deployment_setting_taken_only_where_the_shadow_drafts
     assert Deployment.objects.get().draft_tokens == 4
 
 
-def test_the_estimate_refuses_drafts_it_does_not_model(staff: APIClient, model) -> None:
+def test_the_estimate_models_drafts_at_the_agreement_it_is_given(staff: APIClient, model) -> None:
     plan = {"workers": 2, "model": model.pk, "shadow_dtype": "fp16"}
-    assert staff.post("/api/deployments/estimate", plan | {"draft_tokens": 0}, format="json").status_code == 200
-    drafted = staff.post("/api/deployments/estimate", plan | {"draft_tokens": 4}, format="json")
-    assert drafted.status_code == 400, drafted.content
-    assert drafted.json()["detail"].startswith("no estimate for draft_tokens 4: the simulator does not model drafts")
+    plain = staff.post("/api/deployments/estimate", plan, format="json")
+    assert plain.status_code == 200 and plain.json()["adjusted"]["drafts"] is None
+    drafted = staff.post("/api/deployments/estimate", plan | {"draft_tokens": 4, "draft_agreement": 1.0}, format="json")
+    assert drafted.status_code == 200, drafted.content
+    tally = drafted.json()["adjusted"]["drafts"]
+    assert tally["accepted"] == tally["drafted"] > 0 and tally["tokens_per_pass"] > 4  # every draft kept
+    assert (drafted.json()["draft_tokens"], drafted.json()["draft_agreement"]) == (4, 1.0)
+    auto = plan | {"draft_tokens": 4, "draft_policy": "auto", "draft_agreement": 0.0}
+    assert staff.post("/api/deployments/estimate", auto, format="json").json()["adjusted"]["drafts"]["accepted"] == 0
+    # The agreement is a measurement of the shadow, never guessed; given without drafts it would be ignored.
+    unmeasured = staff.post("/api/deployments/estimate", plan | {"draft_tokens": 4}, format="json")
+    assert unmeasured.status_code == 400 and "draft_tokens needs draft_agreement" in unmeasured.json()["detail"]
+    idle = staff.post("/api/deployments/estimate", plan | {"draft_agreement": 0.9}, format="json")
+    assert idle.status_code == 400 and "give draft_tokens above 0" in idle.json()["detail"]
+    beyond = staff.post("/api/deployments/estimate", plan | {"draft_tokens": 4, "draft_agreement": 1.5}, format="json")
+    assert beyond.status_code == 400 and "draft_agreement" in beyond.json()
+    hybrid = plan | {"draft_tokens": 4, "draft_agreement": 0.9, "strategy": "reactive"}
+    refused = staff.post("/api/deployments/estimate", hybrid, format="json")
+    assert refused.status_code == 400 and "draft_tokens needs the shadow predictor" in refused.json()["detail"]

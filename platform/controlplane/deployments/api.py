@@ -374,8 +374,10 @@ class EstimateApi(APIView):
     with main's KV caches for ``max_batch`` sequences, what creating and starting a deployment
     check each node against; without the shadow when ``predictor`` is not the shadow.
     ``expert_codec`` other than "none" is a 400 with the reason: the simulator has no decode
-    rate for a profile's CPU, so it cannot estimate coded experts; ``draft_tokens`` other than 0
-    too: the simulator does not model drafts yet.
+    rate for a profile's CPU, so it cannot estimate coded experts. ``draft_tokens`` above 0 needs
+    ``draft_agreement`` (the chance each draft equals main's token, which only a measurement of the
+    shadow on the model gives: ``benchmarks.draft_agreement``); each kind's ``drafts`` then holds the
+    simulated passes' tally.
     """
 
     permission_classes = [IsAdminUser, KeyScopes]
@@ -394,9 +396,17 @@ class EstimateApi(APIView):
         output_tokens = serializers.IntegerField(min_value=2, max_value=32768, default=128)
         max_batch = setting_field("max_batch")
         # Taken so that a coded plan is refused with the reason (services.ESTIMATE_CODEC_REFUSAL), not
-        # estimated as if it were uncoded: only "none" is estimated. Drafts likewise (0 only).
+        # estimated as if it were uncoded: only "none" is estimated.
         expert_codec = setting_field("expert_codec")
         draft_tokens = setting_field("draft_tokens")
+        draft_policy = setting_field("draft_policy")
+        draft_agreement = serializers.FloatField(
+            min_value=0.0,
+            max_value=1.0,
+            required=False,
+            help_text="with draft_tokens: the chance each draft equals main's token, given those before it "
+            "did (measure it: python -m benchmarks.draft_agreement)",
+        )
 
         def validate_strategy(self, value: str) -> str:
             if value not in STRATEGIES:

@@ -365,12 +365,6 @@ ESTIMATE_CODEC_REFUSAL = (
     "is checked when it is created and started)"
 )
 
-ESTIMATE_DRAFTS_REFUSAL = (
-    "no estimate for draft_tokens {k}: the simulator does not model drafts yet (how many the shadow's guesses "
-    "main keeps, and the union of experts a pass copies), so it would predict the deployment without them; "
-    "estimate with draft_tokens 0, or measure with benchmarks.strategies --drafts"
-)
-
 
 def estimate(
     *,
@@ -385,6 +379,8 @@ def estimate(
     max_batch: int = DEFAULTS.max_batch,
     expert_codec: str = DEFAULTS.expert_codec,
     draft_tokens: int = DEFAULTS.draft_tokens,
+    draft_policy: str = DEFAULTS.draft_policy,
+    draft_agreement: float | None = None,
 ) -> dict:
     """The cluster simulator's prediction for a planned deployment (``inference.sim.estimate``).
 
@@ -397,10 +393,9 @@ def estimate(
     The simulator itself models each strategy with its own predictor.
 
     ``expert_codec`` other than "none" is refused (``ESTIMATE_CODEC_REFUSAL`` says why), not
-    estimated as if uncoded; so is ``draft_tokens`` other than 0 (``ESTIMATE_DRAFTS_REFUSAL``).
+    estimated as if uncoded. ``draft_tokens`` above 0 needs ``draft_agreement``, the chance each draft
+    equals main's token: the simulator takes it as given (``inference.sim.estimate``).
     """
-    if draft_tokens:
-        raise DeploymentError(ESTIMATE_DRAFTS_REFUSAL.format(k=draft_tokens))
     if expert_codec != "none":
         try:
             check_value(info("expert_codec"), expert_codec)  # an unknown one: the declaration's message
@@ -409,7 +404,8 @@ def estimate(
         raise DeploymentError(ESTIMATE_CODEC_REFUSAL.format(codec=expert_codec))
     try:
         resolved = predictor_for(strategy, predictor)
-    except ValueError as exc:
+        check_drafts(draft_tokens, strategy, predictor)
+    except (ValueError, SpecError) as exc:
         raise DeploymentError(str(exc)) from None
     sizes: str | dict = "mixtral-8x7b"
     checkpoint: Checkpoint | None = None
@@ -430,6 +426,9 @@ def estimate(
             strategy=strategy,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
+            draft_tokens=draft_tokens,
+            draft_policy=draft_policy,
+            draft_agreement=draft_agreement,
         )
         options = {"workers": workers, "shadow_dtype": shadow_dtype, "strategy": strategy, "max_batch": max_batch}
         if checkpoint is not None:
