@@ -115,7 +115,7 @@ bench: $(STAMP)
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site var/gpu-wheels/*.whl && export PYTHONPATH=/tmp/site:. || exit; set -o pipefail; PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --json $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
 GPU_WHEELS := var/gpu-wheels
 gpu-check: $(STAMP)
-	PYTHONUNBUFFERED=1 $(PY) -m benchmarks.gpu --json benchmarks/results/gpu.json
+	PYTHONUNBUFFERED=1 $(PY) -m benchmarks.gpu --json benchmarks/results/gpu-$$(date -u +%Y-%m-%dT%H%M%S).json
 
 gpu-wheels: $(STAMP)
 	rm -rf $(GPU_WHEELS)

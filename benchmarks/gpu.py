@@ -28,7 +28,11 @@ on disk even if the process is killed):
    (nf4 needs bitsandbytes; without it the run is skipped with the reason). Per run: decode and
    end-to-end tok/s, TTFT, recall, each worker's peak expert bytes (from the run's own metrics),
    each role's peak device memory (``nvidia-smi --query-compute-apps`` sampled during the run,
-   pids mapped to roles), and token agreement with the reference.
+   pids mapped to roles), and token agreement with the reference. Right after odmoe with the bf16
+   shadow, the same run with the shadow drafting ``--drafts`` tokens a pass (4 by default, 0 for
+   none; ``docs/concepts/drafts.md``): its tokens must equal the reference too, and its row gives
+   decode ÷ odmoe without drafts and the drafts tally (drafted, kept, tokens per pass, distinct
+   experts per layer per pass).
 
 ``--scale tiny`` runs the same flow on a model with small hidden sizes in fp32, so that it
 finishes on a CPU in under a minute (the test does this, with ``--in-process``: the roles as
@@ -45,11 +49,12 @@ with ``carry: ["var/gpu-wheels"]``, ``timeout_s: 480`` and the command::
         set -o pipefail; PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --json $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
 
 writes ``$OUT/gpu.json``, ``$OUT/gpu.md`` and ``$OUT/gpu.log`` (commit the first two under
-``benchmarks/results/``). The full scale stays inside ``--budget-s`` (420 s by default: sections
+``benchmarks/results/`` as a new ``gpu-*.json``: a recorded result is never rewritten, so the check
+refuses a ``--json`` path that exists). The full scale stays inside ``--budget-s`` (420 s by default: sections
 and runs that would not fit are skipped with the reason) and needs about 48 GB of disk where the
 temporary folder is (``--work-dir``): the checkpoint (12 GB), the shadow's shard (12 GB) and the
 workers' shards (11 GB each, as every worker of a group holds its layers' experts).
-``make gpu-check`` runs it with this project's venv into ``benchmarks/results/gpu.json``.
+``make gpu-check`` runs it with this project's venv into a new ``benchmarks/results/gpu-<UTC time>.json``.
 """
 
 from __future__ import annotations
@@ -76,11 +81,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import roles
+from benchmarks import provenance, roles
 from benchmarks.strategies import copy_bound
 from benchmarks.workload import prompt_of
 from inference.building.sharding import build_shards
-from inference.constants import SHADOW_DTYPES
+from inference.constants import MAX_DRAFT_TOKENS, SHADOW_DTYPES
 from inference.policies.strategies import STRATEGIES, get_strategy
 from inference.runtime.experts import activation, expert_forward, fuse_expert
 from inference.runtime.launcher import ClusterOptions, LocalCluster
@@ -161,8 +166,7 @@ SCALES = {
     ),
 }
 ODMOE_SHADOW_DTYPES = ("bf16", "fp16", "int8", "nf4")
-# The order of the cluster runs: the most telling first, so a short budget keeps them.
-FIRST_RUNS = (("odmoe", "bf16"), ("full-cache", None), ("reactive", None), ("lru-offload", None))
+DEFAULT_DRAFTS = 4  # the drafted run's draft_tokens (docs/concepts/drafts.md)
 RUN_METRICS = (
     "decode_tok_s",
     "e2e_tok_s",
@@ -183,7 +187,27 @@ RUN_METRICS = (
     "decode_layer_worker_ms_median",
     "decode_layer_coordination_ms_median",
     "shadow",
+    "drafts",
 )
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cluster run: a strategy, its shadow's dtype (None: no shadow), the shadow's drafts a pass."""
+
+    strategy: str
+    shadow_dtype: str | None
+    drafts: int = 0
+
+    @property
+    def label(self) -> str:
+        label = self.strategy if self.shadow_dtype is None else f"{self.strategy}/{self.shadow_dtype}"
+        return f"{label}+drafts{self.drafts}" if self.drafts else label
+
+
+# The order of the cluster runs: the most telling first, so a short budget keeps them (the drafted
+# run, when asked for, right after the run it is measured against).
+FIRST_RUNS = (Run("odmoe", "bf16"), Run("full-cache", None), Run("reactive", None), Run("lru-offload", None))
 
 
 def say(line: str) -> None:
@@ -783,22 +807,22 @@ def shadow_skip_reason(dtype: str) -> str | None:
     return None
 
 
-def plan_runs(strategies: list[str], shadow_dtypes: list[str]) -> list[tuple[str, str | None]]:
-    """Every (strategy, shadow dtype) to serve, the most telling first."""
-    wanted = [(s, d) for s in strategies for d in (shadow_dtypes if get_strategy(s).predictor == "shadow" else [None])]
+def plan_runs(strategies: list[str], shadow_dtypes: list[str], drafts: int = 0) -> list[Run]:
+    """Every run to serve, the most telling first: each strategy with each shadow dtype it takes, and
+    odmoe with the bf16 shadow drafting ``drafts`` tokens a pass right after odmoe/bf16 (none for 0)."""
+    wanted = [
+        Run(s, d) for s in strategies for d in (shadow_dtypes if get_strategy(s).predictor == "shadow" else [None])
+    ]
     first = [run for run in FIRST_RUNS if run in wanted]
+    if drafts and Run("odmoe", "bf16") in wanted:
+        first.insert(first.index(Run("odmoe", "bf16")) + 1, Run("odmoe", "bf16", drafts))
     return first + [run for run in wanted if run not in first]
-
-
-def run_label(strategy: str, shadow_dtype: str | None) -> str:
-    return strategy if shadow_dtype is None else f"{strategy}/{shadow_dtype}"
 
 
 def serve_once(
     model_dir: Path,
     work_dir: Path,
-    strategy: str,
-    shadow_dtype: str | None,
+    planned: Run,
     args: argparse.Namespace,
     prompt: list[int],
     reference: list[int] | None,
@@ -806,7 +830,14 @@ def serve_once(
 ) -> dict:
     """One cluster, one warm-up and one measured generation; the figures of that generation."""
     device = torch.device(args.device)
-    settings = Settings(device=args.device, strategy=strategy, shadow_dtype=shadow_dtype or "bf16", dtype="auto")
+    strategy, shadow_dtype = planned.strategy, planned.shadow_dtype
+    settings = Settings(
+        device=args.device,
+        strategy=strategy,
+        shadow_dtype=shadow_dtype or "bf16",
+        dtype="auto",
+        draft_tokens=planned.drafts,
+    )
     options = ClusterOptions(
         workers=args.workers, settings=settings, startup_timeout_s=startup_timeout_s, in_process=args.in_process
     )
@@ -842,6 +873,7 @@ def serve_once(
     return {
         "strategy": strategy,
         "shadow_dtype": shadow_dtype,
+        "draft_tokens": planned.drafts,
         "workers": args.workers,
         "prompt_tokens": len(prompt),
         "token_ids": done.token_ids,
@@ -866,9 +898,9 @@ def serve_all(
     result: dict = {"workers": args.workers, "tokens": args.tokens, "runs": [], "skipped": []}
     report.data["sections"]["cluster"]["result"] = result
     durations: list[float] = []
-    for strategy, shadow_dtype in plan_runs(args.strategies, args.shadow_dtypes):
-        label = run_label(strategy, shadow_dtype)
-        why = shadow_skip_reason(shadow_dtype) if shadow_dtype else None
+    for planned in plan_runs(args.strategies, args.shadow_dtypes, args.drafts):
+        label = planned.label
+        why = shadow_skip_reason(planned.shadow_dtype) if planned.shadow_dtype else None
         needed = max([scale.min_run_s, *durations])
         if why is None and report.left() < needed:
             why = f"the time budget is spent ({report.left():.0f} s left, a run takes about {needed:.0f} s)"
@@ -884,14 +916,18 @@ def serve_all(
         started = time.monotonic()
         try:
             with time_limit(limit):
-                run = serve_once(
-                    model_dir, work_dir, strategy, shadow_dtype, args, prompt, reference, startup_timeout_s=limit
-                )
+                run = serve_once(model_dir, work_dir, planned, args, prompt, reference, startup_timeout_s=limit)
             run["status"] = "ok"
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # a failed run is recorded; the next one still runs
-            run = {"strategy": strategy, "shadow_dtype": shadow_dtype, "status": "error", "error": error_text(exc)}
+            run = {
+                "strategy": planned.strategy,
+                "shadow_dtype": planned.shadow_dtype,
+                "draft_tokens": planned.drafts,
+                "status": "error",
+                "error": error_text(exc),
+            }
             # Where the check was, and where each role was: a role that was still alive wrote
             # its threads' stacks into its log as the cluster closed (LocalCluster.dump_stacks).
             run["traceback"] = "".join(traceback.format_exception(exc))[-4000:]
@@ -912,6 +948,12 @@ def serve_all(
     full = next((r for r in ok if r["strategy"] == "full-cache"), None)
     for r in ok:
         r["decode_vs_full_cache"] = r["decode_tok_s"] / full["decode_tok_s"] if full and full["decode_tok_s"] else None
+        plain = next(
+            (p for p in ok if r.get("draft_tokens") and p["run"] == Run("odmoe", r["shadow_dtype"]).label), None
+        )
+        r["decode_vs_no_drafts"] = (
+            r["decode_tok_s"] / plain["decode_tok_s"] if plain and plain["decode_tok_s"] else None
+        )
     result["all_exact"] = bool(ok) and all(r["agreement"].get("exact") for r in ok)
     result["failed"] = [r["run"] for r in result["runs"] if r["status"] != "ok"]
     return result
@@ -1049,6 +1091,15 @@ def markdown(data: dict) -> str:
                 f"{fmt(r['e2e_tok_s'])} | {fmt(r['ttft_ms'], '.0f')} | {fmt(r['recall'], '.1%')} | "
                 f"{fmt_agreement(r['agreement'])} | {fmt(r['peak_expert_bytes_per_worker'], ',')} | {per_role} |"
             )
+    for r in cluster.get("runs", []):
+        d = r.get("drafts") if r.get("status") == "ok" else None
+        if d:
+            lines.append(
+                f"\n{r['run']}: decode {fmt(r.get('decode_vs_no_drafts'))}× odmoe/{r['shadow_dtype']} without drafts; "
+                f"{d['accepted']} of {d['drafted']} drafts kept over {d['passes']} passes, "
+                f"{fmt(d['tokens_per_pass'])} tokens per decode pass, "
+                f"{fmt(d['distinct_experts'])} distinct experts per layer per pass"
+            )
     for s in cluster.get("skipped", []):
         lines.append(f"\nskipped {s['run']}: {s['reason']}")
     lines.append(f"\ntotal {fmt(data.get('total_seconds'), '.1f')} s")
@@ -1074,6 +1125,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, help="serve this checkpoint instead of building one")
     parser.add_argument("--work-dir", type=Path, help="where the checkpoint and shards go (default: a temp dir)")
     parser.add_argument("--layers", type=int, help="decoder layers of the built checkpoint (default: by scale)")
+    parser.add_argument(
+        "--drafts",
+        type=int,
+        default=DEFAULT_DRAFTS,
+        help=f"odmoe/bf16 again, the shadow drafting this many tokens a pass (default {DEFAULT_DRAFTS}; 0: none)",
+    )
     roles.add_argument(parser)
     args = parser.parse_args(argv)
     scale = SCALES[args.scale]
@@ -1088,6 +1145,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown shadow dtypes {sorted(set(args.shadow_dtypes) - set(SHADOW_DTYPES))}")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
+    if not 0 <= args.drafts <= MAX_DRAFT_TOKENS:
+        parser.error(f"--drafts must lie in [0, {MAX_DRAFT_TOKENS}]")
+    if args.json is not None and args.json.exists():
+        parser.error(f"{args.json} exists: a recorded result is never rewritten; give this run a new file")
     if args.tokens < 2 or args.prompt_len < 2 or args.workers < 1:
         parser.error("--tokens and --prompt-len must be >= 2 and --workers >= 1")
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -1118,6 +1179,8 @@ def main(argv: list[str] | None = None) -> int:
         "sections": {},
         "total_seconds": None,
     }
+    begun = report.data["started"]
+    report.data |= provenance.record(begun, "torch", "transformers")  # command, commit, dirty, machine...
     say(f"{args.scale} scale on {args.device}, budget {args.budget_s:.0f} s, output {args.json}")
     if device.type == "cuda" and not torch.cuda.is_available():
         say(f"{args.device} was asked for but CUDA is not available here")
@@ -1126,6 +1189,7 @@ def main(argv: list[str] | None = None) -> int:
     if facts:
         report.data["versions"] = facts["versions"]
         report.data["gpu_name"] = (facts.get("gpu") or {}).get("name")
+        report.data["machine"]["gpu"] = report.data["gpu_name"] or NO_DEVICE.format(device=device)
     itemsize = getattr(torch, model["dtype"]).itemsize
     run_section(
         report,
@@ -1197,6 +1261,7 @@ def main(argv: list[str] | None = None) -> int:
         if own_work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
         report.data["total_seconds"] = round(time.monotonic() - started, 2)
+        report.data["ended"] = provenance.now()
         report.write()
     say(f"done in {report.data['total_seconds']} s")
     print(markdown(report.data), flush=True)

@@ -57,9 +57,11 @@ def test_a_section_past_its_limit_is_cut_off_and_one_past_the_budget_is_skipped(
 
 
 def test_runs_are_planned_most_telling_first_and_nf4_needs_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    runs = gpu.plan_runs(list(STRATEGIES), ["bf16", "fp16", "nf4"])
-    assert runs[:4] == [("odmoe", "bf16"), ("full-cache", None), ("reactive", None), ("lru-offload", None)]
-    assert runs[4:] == [("odmoe", "fp16"), ("odmoe", "nf4")]
+    runs = [run.label for run in gpu.plan_runs(list(STRATEGIES), ["bf16", "fp16", "nf4"])]
+    assert runs == ["odmoe/bf16", "full-cache", "reactive", "lru-offload", "odmoe/fp16", "odmoe/nf4"]
+    drafted = [run.label for run in gpu.plan_runs(list(STRATEGIES), ["bf16", "fp16"], drafts=4)]
+    assert drafted[:3] == ["odmoe/bf16", "odmoe/bf16+drafts4", "full-cache"]  # beside the run it is measured against
+    assert gpu.plan_runs(["full-cache"], ["bf16"], drafts=4) == [gpu.Run("full-cache", None)]
     monkeypatch.setattr(gpu, "bitsandbytes_status", lambda: (None, "bitsandbytes does not import: gone"))
     assert gpu.shadow_skip_reason("nf4") == "bitsandbytes does not import: gone"
     assert gpu.shadow_skip_reason("int8") is None and gpu.shadow_skip_reason("bf16") is None
@@ -144,7 +146,13 @@ def test_the_whole_check_runs_on_a_cpu_at_tiny_scale(tmp_path: Path) -> None:
     assert staging["disk_one_buffer"]["mismatched_experts"] == 0
 
     cluster = data["sections"]["cluster"]["result"]
-    assert [r["strategy"] for r in cluster["runs"]] == ["odmoe", "full-cache", "reactive", "lru-offload"]
+    assert [r["run"] for r in cluster["runs"]] == [
+        "odmoe/bf16",
+        "odmoe/bf16+drafts4",  # the default --drafts: odmoe again, the shadow drafting
+        "full-cache",
+        "reactive",
+        "lru-offload",
+    ]
     reference = data["sections"]["reference"]["result"]["token_ids"]
     assert len(reference) == 6
     for run in cluster["runs"]:
@@ -157,6 +165,21 @@ def test_the_whole_check_runs_on_a_cpu_at_tiny_scale(tmp_path: Path) -> None:
     odmoe = cluster["runs"][0]
     assert odmoe["shadow_dtype"] == "bf16" and odmoe["recall"] is not None
     assert cluster["all_exact"] is True and cluster["failed"] == []
+    drafted = cluster["runs"][1]
+    assert drafted["draft_tokens"] == 4 and drafted["drafts"]["passes"] > 0 and drafted["decode_vs_no_drafts"] > 0
+    assert 1 <= drafted["drafts"]["tokens_per_pass"] <= 5
+    assert data["commit"] and data["command"].startswith("python -m benchmarks.gpu") and data["ended"]
+    assert data["machine"]["gpu"].startswith("no CUDA device")
 
     table = out.with_suffix(".md").read_text()
     assert "| run | decode tok/s |" in table and "| odmoe/bf16 |" in table and "| lru-offload |" in table
+    assert "odmoe/bf16+drafts4: decode" in table and "drafts kept over" in table
+    again = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--scale", "tiny", "--device", "cpu", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert again.returncode == 2 and "a recorded result is never rewritten" in again.stderr
