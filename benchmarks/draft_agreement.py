@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", default="16:32,16:64,64:32,64:64", help="comma-separated INPUT:OUTPUT counts")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    started = provenance.now()
+    begun = provenance.begin()
     try:
         pairs = parse_pairs(args.pairs)
     except ValueError as exc:
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             "pairs": pairs,
             "top_k": top_k,
             "dtypes": dtypes,
-        } | provenance.record(started, "torch", "transformers")
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        }
+        provenance.write(args.json, record, begun, "torch", "transformers")
     return 0 if all(f["exact"] for f in dtypes.values()) else 1
 
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if not chosen or set(chosen) - set(known):
             parser.error(f"--{what}: choose from {', '.join(known)}")
-    started = provenance.now()
+    begun = provenance.begin()
     cells: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="odmoe-exactness-") as tmp:
         for family in families:
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             "roles": roles.kind(args),
             "exact": everything,
             "cells": cells,
-        } | provenance.record(started, "torch", "transformers")
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        }
+        provenance.write(args.json, record, begun, "torch", "transformers")
     return 0 if everything else 1
 
 

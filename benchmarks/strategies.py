@@ -705,7 +705,7 @@ def run_record(
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = provenance.now()
+    begun = provenance.begin()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.max_resident_experts is not None and args.max_resident_experts < 1:
@@ -884,8 +884,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         record = run_record(args, emulation, calibration, pairs, hybrid, exact, results, predictions, codec, decode)
-        record |= provenance.record(started, "torch", "transformers")  # command, commit, start and end, machine
-        args.json.write_text(json.dumps(record, indent=2))
+        provenance.write(args.json, record, begun, "torch", "transformers")  # command, commit, start and end, machine
     if args.plots:
         names = list(results)
         over_rounds = f", median of {args.repeats} rounds" if args.repeats > 1 else ""

@@ -42,7 +42,6 @@ most 1.2, the deployment READY throughout, no generation of A failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sqlite3
@@ -270,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.agents < 3 or args.repeats < 1 or args.probes < 1 or args.ordinary < 0:
         parser.error("--agents >= 3, --repeats >= 1, --probes >= 1, --ordinary >= 0")
-    started = provenance.now()
+    begun = provenance.begin()
     with tempfile.TemporaryDirectory(prefix="odmoe-tenants-") as tmp:
         cluster = Cluster(Path(tmp), args.agents)
         try:
@@ -303,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     every = [p for r in repeats for p in (r["hostile"], r["ordinary"])]
     texts = {t for p in every for t in p["a_texts"]}
     result = {
-        **provenance.record(started, "torch", "transformers", "llguidance", "openai"),
         "agents": args.agents,
         "user_calls_a_minute": USER_CALLS_A_MINUTE,
         "probes": args.probes,
@@ -327,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         f"nodes always online: {result['nodes_always_online']}; A's answers identical: {result['a_answers_identical']}"
     )
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        provenance.write(args.json, result, begun, "torch", "transformers", "llguidance", "openai")
     return 0
 
 
