@@ -268,7 +268,8 @@ class Report:
     def write(self) -> None:
         if self.json_path is not None:
             self.json_path.parent.mkdir(parents=True, exist_ok=True)
-            self.json_path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+            # Sealed at every write: the last one, at the end of the run, is what gets committed.
+            self.json_path.write_text(json.dumps(provenance.sealed(self.data), indent=2, default=str) + "\n")
         if self.markdown_path is not None:
             self.markdown_path.parent.mkdir(parents=True, exist_ok=True)
             try:

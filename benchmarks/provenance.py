@@ -1,10 +1,15 @@
 """Where a recorded result came from: the commit it was measured at, whether the tree was that
 commit, and the whole record (command, commit, dirty, date, start and end, machine with its load
 before and after, versions: ``record``). Every benchmark writes its result through ``write``:
-``begin`` as it starts, ``write`` at the end, into a new file (a re-run is a new file)."""
+``begin`` as it starts, ``write`` at the end, into a new file (a re-run is a new file).
+
+``write`` seals what it writes (``sealed``: a SHA-256 of the record's canonical JSON, ``seal``), so
+a field added or a figure changed by hand afterwards shows: ``tests/test_result_provenance.py``
+recomputes every seal."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -89,14 +94,27 @@ def begin() -> dict:
     return {"started": now(), "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
 
 
+def seal(data: dict) -> str:
+    """The SHA-256 of ``data``'s canonical JSON, its own ``sealed`` field left out: what ``write``
+    records, and what a reader recomputes to see that nothing was added or changed since."""
+    canonical = json.loads(json.dumps({k: v for k, v in data.items() if k != "sealed"}, default=str))
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sealed(data: dict) -> dict:
+    """``data`` with its ``seal``, as it is written."""
+    return data | {"sealed": seal(data)}
+
+
 def write(path: Path, result: dict, begun: dict, *packages: str) -> None:
-    """``result`` with the provenance of the run ``begun`` (``begin``) as JSON at ``path``, a file
-    that must not exist yet; ``packages``: the versions that matter beside Python's."""
+    """``result`` with the provenance of the run ``begun`` (``begin``), sealed, as JSON at ``path``,
+    a file that must not exist yet; ``packages``: the versions that matter beside Python's."""
     provenance = record(begun["started"], *packages)
     provenance["machine"] = {"loadavg_before": begun["loadavg_before"], **provenance["machine"]}
-    clash = sorted(set(result) & set(provenance))
+    clash = sorted(set(result) & (set(provenance) | {"sealed"}))
     if clash:
         raise ValueError(f"the result names provenance's own fields {clash}")
     if path.exists():
         raise FileExistsError(f"{path} exists: a recorded result is never rewritten; give the new run a new file")
-    path.write_text(json.dumps(result | provenance, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(sealed(result | provenance), indent=2, default=str) + "\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu
+from benchmarks import gpu, provenance
 from inference.policies.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,6 +170,7 @@ def test_the_whole_check_runs_on_a_cpu_at_tiny_scale(tmp_path: Path) -> None:
     assert 1 <= drafted["drafts"]["tokens_per_pass"] <= 5
     assert data["commit"] and data["command"].startswith("python -m benchmarks.gpu") and data["ended"]
     assert data["machine"]["gpu"].startswith("no CUDA device")
+    assert data["sealed"] == provenance.seal(data)  # the last write, sealed as it ended
 
     table = out.with_suffix(".md").read_text()
     assert "| run | decode tok/s |" in table and "| odmoe/bf16 |" in table and "| lru-offload |" in table
