@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import provenance, roles
+from benchmarks import provenance, roles, substance
 from benchmarks.overhead import percentile
 from benchmarks.plots import line_plot
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
@@ -46,6 +46,9 @@ from inference.runtime.spec import Settings
 from inference.sim.hardware import PROFILES
 from inference.tools.reference import reference_generate
 from inference.wire.generation import Done
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 DEFAULT_STREAMS = "1,2,4,8,16"
 
@@ -302,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             begun,
             "torch",
             "transformers",
+            depends_on=DEPENDS_ON,
         )
     if args.plots:
         line_plot(

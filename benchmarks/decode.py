@@ -23,11 +23,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 SIZES = {
     # name: make_tiny shape. "small" keeps expert compute visible next to message hops.
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"output token-identical to Transformers: {exact}")
     if args.json:
         figures = {"transformers": reference, "odmoe": runs, "exact": exact, "workers": args.workers}
-        provenance.write(args.json, figures, begun, "torch", "transformers")
+        provenance.write(args.json, figures, begun, "torch", "transformers", depends_on=DEPENDS_ON)
     return 0 if exact else 1
 
 

@@ -23,12 +23,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from benchmarks.workload import BENCH_MODEL, parse_pairs, prompt_of
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 DTYPES = "fp32,bf16,int8,nf4"
 
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             "top_k": top_k,
             "dtypes": dtypes,
         }
-        provenance.write(args.json, record, begun, "torch", "transformers")
+        provenance.write(args.json, record, begun, "torch", "transformers", depends_on=DEPENDS_ON)
     return 0 if all(f["exact"] for f in dtypes.values()) else 1
 
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import provenance, roles
+from benchmarks import provenance, roles, substance
 from benchmarks.streams import run_streams
 from benchmarks.workload import prompt_of
 from inference.modelio.families import FAMILIES
@@ -29,6 +29,9 @@ from inference.runtime.spec import Settings
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 from inference.wire.generation import Done
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 DTYPES = ("float32", "bfloat16")
 SHADOWS = ("fp16", "int8", "nf4")
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             "exact": everything,
             "cells": cells,
         }
-        provenance.write(args.json, record, begun, "torch", "transformers")
+        provenance.write(args.json, record, begun, "torch", "transformers", depends_on=DEPENDS_ON)
     return 0 if everything else 1
 
 

@@ -48,6 +48,9 @@ from safetensors import safe_open
 from benchmarks import provenance
 from inference.modelio.families import family_for
 
+# What its figures depend on beyond its own imports (benchmarks.substance): nothing, it runs in one process.
+DEPENDS_ON: tuple[str, ...] = ()
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "platform" / "demo-model"
 MIXTRAL_EXPERT = {"w1": (14336, 4096), "w3": (14336, 4096), "w2": (4096, 14336)}
@@ -318,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             begun,
             "torch",
             "transformers",
+            depends_on=DEPENDS_ON,
         )
     exact = all(r.get("exact") is not False for per in results.values() for r in per.values())
     return 0 if exact else 1

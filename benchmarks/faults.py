@@ -19,10 +19,13 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.wire.generation import Done, Token
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "platform" / "demo-model"
 PROMPT = [1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        provenance.write(args.json, results, begun, "torch", "transformers")
+        provenance.write(args.json, results, begun, "torch", "transformers", depends_on=DEPENDS_ON)
     return 0
 
 

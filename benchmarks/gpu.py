@@ -81,7 +81,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import provenance, roles
+from benchmarks import provenance, roles, substance
 from benchmarks.strategies import copy_bound
 from benchmarks.workload import prompt_of
 from inference.building.sharding import build_shards
@@ -96,6 +96,8 @@ from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 
 FORMAT = "odmoe-gpu-check/1"
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 GIB = 1024**3
 MIB = 1024**2
 NO_DEVICE = "no CUDA device: the check ran on {device}"
@@ -1182,6 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     begun = report.data["started"]
     report.data |= provenance.record(begun, "torch", "transformers")  # command, commit, dirty, machine...
+    report.data["code"] = substance.code_record(DEPENDS_ON)  # what a later change stales it by
     say(f"{args.scale} scale on {args.device}, budget {args.budget_s:.0f} s, output {args.json}")
     if device.type == "cuda" and not torch.cuda.is_available():
         say(f"{args.device} was asked for but CUDA is not available here")

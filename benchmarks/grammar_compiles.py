@@ -36,12 +36,15 @@ from pathlib import Path
 
 import llguidance
 
-from benchmarks import provenance, roles
+from benchmarks import provenance, roles, substance
 from benchmarks.concurrency import median_with_spread
 from benchmarks.workload import prompt_of
 from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.wire.generation import Done, Failed, Generate, Token
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "platform" / "demo-model"
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nbob's grammar refused after {spread['median']:.2f} s ({spread['min']:.2f}–{spread['max']:.2f})")
     print(f"every one of bob's answers names the limit: {refused_all}")
     if args.json:
-        provenance.write(args.json, result, begun, "llguidance")
+        provenance.write(args.json, result, begun, "llguidance", depends_on=DEPENDS_ON)
     return 0 if refused_all else 1
 
 

@@ -40,6 +40,9 @@ from tokenizers import Tokenizer
 
 from benchmarks import provenance
 
+# What its figures depend on beyond its own imports (benchmarks.substance): nothing, it runs in one process.
+DEPENDS_ON: tuple[str, ...] = ()
+
 DEMO_TOKENIZER = Path("platform/demo-model/tokenizer.json")
 
 # The schema a strict json_schema request might send: every feature at once.
@@ -346,7 +349,7 @@ def main() -> None:
         "schema": FULL_SCHEMA,
         "libraries": results,
     }
-    provenance.write(args.json, record, begun, "llguidance")
+    provenance.write(args.json, record, begun, "llguidance", depends_on=DEPENDS_ON)
     print(json.dumps(results, indent=2))
 
 

@@ -31,6 +31,9 @@ from benchmarks import provenance
 from inference.runtime.experts import ExpertWeights, expert_forward
 from inference.runtime.loader import ExpertLoader
 
+# What its figures depend on beyond its own imports (benchmarks.substance): nothing, it runs in one process.
+DEPENDS_ON: tuple[str, ...] = ()
+
 HIDDEN, WIDTH, EXPERTS = 64, 32, 64
 MAIN_BETWEEN_LAYERS_S = 0.001  # a layer's attention on main, while the prefetches run
 
@@ -127,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['experts_per_copy_pass']:.2f} |"
         )
     if args.json:
-        provenance.write(args.json, {"layers": args.layers, "repeats": args.repeats, "rows": rows}, begun, "torch")
+        provenance.write(
+            args.json,
+            {"layers": args.layers, "repeats": args.repeats, "rows": rows},
+            begun,
+            "torch",
+            depends_on=DEPENDS_ON,
+        )
     return 0
 
 

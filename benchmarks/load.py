@@ -105,10 +105,14 @@ from agent.backoff import reconnect_delay
 from agent.http import ControlPlaneError, request_json
 from agent.link import CLOSE_UNAUTHENTICATED, link_url
 from agent.tls import ServerTrust
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from benchmarks.overhead import percentile
 from benchmarks.provenance import commit
 from inference.wire.link import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, Pong, parse
+
+# What its figures depend on beyond its own imports: the control plane, agents and roles it serves through
+# (benchmarks.substance).
+DEPENDS_ON = substance.PLATFORM
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "platform" / "demo-model"
@@ -1181,7 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(header + markdown(results) + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        provenance.write(args.json, results, begun, "django", "channels", "openai")
+        provenance.write(args.json, results, begun, "django", "channels", "openai", depends_on=DEPENDS_ON)
     return 0
 
 

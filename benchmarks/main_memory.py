@@ -28,10 +28,13 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.tools.tiny import make_tiny
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 SHAPE = dict(layers=6, hidden=1024, intermediate=3584, experts=8, heads=8, kv_heads=4, shards=4)
 MAX_POSITION = 2048
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_bytes_per_sequence": kv,
     }
     if args.json:
-        provenance.write(args.json, results, begun, "torch", "transformers")
+        provenance.write(args.json, results, begun, "torch", "transformers", depends_on=DEPENDS_ON)
     return 0
 
 

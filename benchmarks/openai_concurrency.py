@@ -25,7 +25,11 @@ from pathlib import Path
 
 import openai
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
+
+# What its figures depend on beyond its own imports: the control plane, agents and roles it serves through
+# (benchmarks.substance).
+DEPENDS_ON = substance.PLATFORM
 
 PROMPTS = [
     "How do I read a file line by line?",
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             begun,
             "openai",
+            depends_on=DEPENDS_ON,
         )
     return 0 if identical else 1
 

@@ -46,7 +46,7 @@ import msgspec
 import torch
 import zmq
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from inference.modelio.families import family_for
 from inference.policies.depth import LINK_DEPTH
 from inference.runtime.curve import EndpointKeys, new_seat_keys, role_keys
@@ -59,6 +59,9 @@ from inference.runtime.transport import Endpoint
 from inference.tools.tiny import make_tiny
 from inference.wire.generation import Token
 from inference.wire.runtime import ExpertRequest, ExpertResult
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200, 300, 17, 23], [1, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 ACCEPTANCE_MS = 0.3
@@ -505,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(render(figures))
     if args.json:
-        provenance.write(args.json, figures, begun, "torch", "pyzmq", "msgspec")
+        provenance.write(args.json, figures, begun, "torch", "pyzmq", "msgspec", depends_on=DEPENDS_ON)
     return 0
 
 

@@ -31,6 +31,9 @@ from inference.sim.simulate import average, run_pair
 from inference.sim.strategies import Cluster
 from inference.sim.traces import synthetic_trace
 
+# What its figures depend on beyond its own imports (benchmarks.substance): nothing, it runs in one process.
+DEPENDS_ON: tuple[str, ...] = ()
+
 DRAFTS = (2, 4, 8)
 AGREEMENTS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 KINDS = ("ideal", "adjusted")
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             "cluster": {"workers": base.workers, "group_size": base.group_size, "shadow_dtype": base.shadow_dtype},
             "rows": rows,
         }
-        provenance.write(args.json, record, begun)
+        provenance.write(args.json, record, begun, depends_on=DEPENDS_ON)
     return 0
 
 

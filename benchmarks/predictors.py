@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import provenance, roles
+from benchmarks import provenance, roles, substance
 from benchmarks.recall import choose_prompts
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, yield_cpu_to_the_pipeline
 from inference.building.memory import memory_from_checkpoint
@@ -44,6 +44,9 @@ from inference.runtime.prerouter import load_prerouter
 from inference.runtime.spec import Settings
 from inference.sim.hardware import PROFILES
 from inference.tools.reference import reference_generate
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PREDICTORS = "shadow:fp32,shadow:int8,shadow:nf4,next-gate,prerouter"
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             begun,
             "torch",
             "transformers",
+            depends_on=DEPENDS_ON,
         )
     return 0 if exact else 1
 

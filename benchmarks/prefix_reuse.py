@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import provenance, roles
+from benchmarks import provenance, roles, substance
 from benchmarks.concurrency import median_with_spread
 from benchmarks.workload import prompt_of
 from inference.runtime.client import RuntimeClient
@@ -34,6 +34,9 @@ from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.tools.reference import reference_continue, reference_generate
 from inference.wire.generation import Done
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "platform" / "demo-model"
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntokens as Transformers continuing from the same cache (reuse) and fresh (without): {exact}")
     print(f"reuse's tokens equal a fresh whole-prompt prefill's: {result['reuse_equals_fresh_prefill']}")
     if args.json:
-        provenance.write(args.json, result, begun, "torch", "transformers")
+        provenance.write(args.json, result, begun, "torch", "transformers", depends_on=DEPENDS_ON)
     return 0 if exact else 1
 
 

@@ -3,7 +3,8 @@ commit, and the whole record (command, commit, dirty, date, start and end, machi
 before and after, versions: ``record``). Every benchmark writes its result through ``write``:
 ``begin`` as it starts, ``write`` at the end, into a new file (a re-run is a new file).
 
-``write`` seals what it writes (``sealed``: a SHA-256 of the record's canonical JSON, ``seal``), so
+``write`` records the substance of the code the result depends on (``code``, see
+``benchmarks.substance``) and seals what it writes (``sealed``: a SHA-256 of the record's canonical JSON, ``seal``), so
 a field added or a figure changed by hand afterwards shows: ``tests/test_result_provenance.py``
 recomputes every seal."""
 
@@ -18,6 +19,8 @@ import sys
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
+
+from benchmarks import substance
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,10 +110,13 @@ def sealed(data: dict) -> dict:
     return data | {"sealed": seal(data)}
 
 
-def write(path: Path, result: dict, begun: dict, *packages: str) -> None:
+def write(path: Path, result: dict, begun: dict, *packages: str, depends_on: tuple[str, ...]) -> None:
     """``result`` with the provenance of the run ``begun`` (``begin``), sealed, as JSON at ``path``,
-    a file that must not exist yet; ``packages``: the versions that matter beside Python's."""
+    a file that must not exist yet; ``packages``: the versions that matter beside Python's;
+    ``depends_on``: the benchmark's ``DEPENDS_ON``, recorded with the substance of that code
+    (``code``: ``benchmarks.substance.code_record``), from which the pages judge it stale."""
     provenance = record(begun["started"], *packages)
+    provenance["code"] = substance.code_record(depends_on)
     provenance["machine"] = {"loadavg_before": begun["loadavg_before"], **provenance["machine"]}
     clash = sorted(set(result) & (set(provenance) | {"sealed"}))
     if clash:

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks import provenance, roles
+from benchmarks import provenance, roles, substance
 from benchmarks.plots import scatter_plot
 from benchmarks.recall import choose_prompts
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model
@@ -69,6 +69,9 @@ from inference.runtime.prerouter import PreroutedModel, attach_lora, load_prerou
 from inference.runtime.spec import Settings
 from inference.sim.hardware import PROFILES
 from inference.tools.reference import reference_generate
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 256
@@ -352,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             begun,
             "torch",
             "transformers",
+            depends_on=DEPENDS_ON,
         )
     if args.plots:
         scatter_plot(

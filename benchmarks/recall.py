@@ -50,13 +50,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from benchmarks.plots import heatmaps, line_plot
 from inference.constants import SHADOW_DTYPES
 from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.runtime.textstream import load_tokenizer
 from inference.tools.tiny import make_tiny
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 PROMPT_IDS = [
     [1, 5, 6, 7, 8],
@@ -421,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtypes": figures,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        provenance.write(args.json, record, begun, "torch", "transformers")
+        provenance.write(args.json, record, begun, "torch", "transformers", depends_on=DEPENDS_ON)
     return 0
 
 

@@ -29,7 +29,10 @@ Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
   scalar fields.
 - ``{{ image: NAME.png | ALT }}``: a plot from ``benchmarks/results/``, copied beside the page.
 
-**Staleness.** ``MOVED_BY`` declares the changes that move results: a result whose name matches
+**Staleness.** A result written since results record their code (``code``: ``benchmarks.substance``)
+is stale when a file it depends on changed in substance since: its syntax tree without docstrings,
+not its bytes, so a comment fix stales nothing; the page names the files. For the older results,
+``MOVED_BY`` declares the changes that move them: a result whose name matches
 a rule's pattern and whose recording date (the JSON's ``date``/``started``, else its git commit's
 date) is before the rule's commit date is shown stale, with the rule's reason, in every table and
 summary; unless its JSON names the rule's commit as its own (``commit``: run from that commit's
@@ -70,7 +73,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import roles
+from benchmarks import roles, substance
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -78,6 +81,9 @@ TEMPLATES = REPO / "benchmarks" / "pages"
 RENDERED = REPO / "docs" / "benchmarks"  # the rendered pages' place in docs/: not written pages
 OUT = RENDERED  # where the pages are written and compared
 README = REPO / "README.md"
+
+
+STALE_FILES_SHOWN = 3  # a stale result names this many of the files that changed, then a count
 
 
 @dataclass(frozen=True)
@@ -418,6 +424,12 @@ def describe(name: str, recordings: dict[str, tuple[str, str]] | None, noted: li
         # Run from the rule's own commit before it was committed (its working tree): not moved by it.
         and not (rule.commit and str(meta.get("commit") or "").startswith(rule.commit))
     ]
+    code = meta.get("code")
+    if isinstance(code, dict):  # it recorded its code's substance: stale exactly when that changed
+        differ = substance.changed(code)
+        shown = ", ".join(f"`{name}`" for name in differ[:STALE_FILES_SHOWN])
+        more = f" and {len(differ) - STALE_FILES_SHOWN} more" if len(differ) > STALE_FILES_SHOWN else ""
+        moved = [f"changed in substance since: {shown}{more}"] if differ else []
     stale = "stale: " + "; ".join(moved) if moved else ""
     return Run(
         name, str(command), not meta.get("command") and bool(from_notes), str(commit), str(date), str(machine), stale
@@ -779,7 +791,13 @@ def index_page() -> str:
             lines.append(f"- {patterns} recorded before `{rule.commit}` ({rule.date[:10]}) are stale: {rule.reason}.")
         else:
             lines.append(f"- {patterns}: not landed yet, {rule.reason}; stale once its commit is declared.")
-    lines += ["", "Declared in `MOVED_BY` of `benchmarks/render_docs.py`, by result name and commit date."]
+    lines += [
+        "",
+        "Declared in `MOVED_BY` of `benchmarks/render_docs.py`, by result name and commit date, for the",
+        "results recorded before each result recorded its code. A result that records it (`code`: each",
+        "benchmark's `DEPENDS_ON` and the modules it imported, hashed by substance: `benchmarks/substance.py`)",
+        "is stale exactly when one of those files changed in substance since, and names them.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -33,12 +33,15 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from inference.modelio.checkpoint import Checkpoint, expert_key_name, is_expert_key
 from inference.policies.placement import placement
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import Settings
 from inference.tools.tiny import make_tiny, mixtral_dims
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 RUNTIME_BYTES = 600e6
 SHADOW_SHARE = 0.45
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeline:
         args.timeline.write_text(json.dumps(run["timeline"]) + "\n")
     if args.json:
-        provenance.write(args.json, results, begun, "torch", "transformers")
+        provenance.write(args.json, results, begun, "torch", "transformers", depends_on=DEPENDS_ON)
     return 0
 
 

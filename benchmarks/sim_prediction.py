@@ -40,10 +40,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from benchmarks.workload import BENCH_MODEL, prompt_of
 from inference.modelio.families import family_for
 from inference.sim.local import STRATEGIES, EmulatedRates, MachineCosts, Options, Shape, predict
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 STEP_SAMPLES = 60
 
@@ -573,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {json.dumps(result['machine'])}", file=sys.stderr)
     if args.json:  # the machine's measured costs under their own name: "machine" is provenance's
         costs = {("machine_costs" if key == "machine" else key): value for key, value in result.items()}
-        provenance.write(args.json, costs, begun, "torch", "transformers")
+        provenance.write(args.json, costs, begun, "torch", "transformers", depends_on=DEPENDS_ON)
     return 0
 
 

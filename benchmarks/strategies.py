@@ -61,7 +61,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks import provenance, roles
+from benchmarks import provenance, roles, substance
 from benchmarks.draft_agreement import measure as measure_drafts
 from benchmarks.plots import bar_plot
 from benchmarks.sim_prediction import measure_decode, measure_machine, predict_for_run
@@ -81,6 +81,9 @@ from inference.tools.calibration import calibrate
 from inference.tools.emulation import Emulation, emulation_for, measure_expert_compute
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
+
+# What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
+DEPENDS_ON = substance.RUNTIME
 
 DEFAULT_PROFILE = sim_hardware.DEFAULT_PROFILE
 DEFAULT_PAIRS = "16:32,16:64,64:32,64:64"
@@ -884,7 +887,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         record = run_record(args, emulation, calibration, pairs, hybrid, exact, results, predictions, codec, decode)
-        provenance.write(args.json, record, begun, "torch", "transformers")  # command, commit, start and end, machine
+        provenance.write(
+            args.json, record, begun, "torch", "transformers", depends_on=DEPENDS_ON
+        )  # command, commit, start and end, machine
     if args.plots:
         names = list(results)
         over_rounds = f", median of {args.repeats} rounds" if args.repeats > 1 else ""

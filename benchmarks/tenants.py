@@ -56,8 +56,12 @@ from pathlib import Path
 
 import openai
 
-from benchmarks import provenance
+from benchmarks import provenance, substance
 from inference.runtime.launcher import free_port
+
+# What its figures depend on beyond its own imports: the control plane, agents and roles it serves through
+# (benchmarks.substance).
+DEPENDS_ON = substance.PLATFORM
 
 REPO = provenance.REPO
 WARMUP_S = 5.0  # B's load runs this long before A's first probe, so main's batch and queue are full
@@ -325,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         f"nodes always online: {result['nodes_always_online']}; A's answers identical: {result['a_answers_identical']}"
     )
     if args.json:
-        provenance.write(args.json, result, begun, "torch", "transformers", "llguidance", "openai")
+        provenance.write(
+            args.json, result, begun, "torch", "transformers", "llguidance", "openai", depends_on=DEPENDS_ON
+        )
     return 0
 
 

@@ -171,6 +171,7 @@ def test_the_whole_check_runs_on_a_cpu_at_tiny_scale(tmp_path: Path) -> None:
     assert data["commit"] and data["command"].startswith("python -m benchmarks.gpu") and data["ended"]
     assert data["machine"]["gpu"].startswith("no CUDA device")
     assert data["sealed"] == provenance.seal(data)  # the last write, sealed as it ended
+    assert "inference/runtime/engine/engine.py" in data["code"]["files"]  # the roles' code, by substance
 
     table = out.with_suffix(".md").read_text()
     assert "| run | decode tok/s |" in table and "| odmoe/bf16 |" in table and "| lru-offload |" in table

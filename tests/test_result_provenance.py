@@ -369,15 +369,15 @@ def test_the_frozen_list_names_only_files_that_exist_and_still_lack_provenance()
 def test_the_writer_adds_provenance_and_never_rewrites_a_result(tmp_path: Path) -> None:
     begun = provenance.begin()
     out = tmp_path / "result-1.json"
-    provenance.write(out, {"figure": 1.5}, begun, "torch")
+    provenance.write(out, {"figure": 1.5}, begun, "torch", depends_on=())
     data = json.loads(out.read_text())
     assert not _lacks(out) and data["figure"] == 1.5 and data["started"] == begun["started"]
     assert data["machine"]["loadavg_before"] == begun["loadavg_before"] and "torch" in data["versions"]
     with pytest.raises(FileExistsError, match="never rewritten"):
-        provenance.write(out, {"figure": 2.0}, begun)
+        provenance.write(out, {"figure": 2.0}, begun, depends_on=())
     assert json.loads(out.read_text())["figure"] == 1.5
     with pytest.raises(ValueError, match="provenance's own fields"):
-        provenance.write(tmp_path / "result-2.json", {"commit": "abc"}, begun)
+        provenance.write(tmp_path / "result-2.json", {"commit": "abc"}, begun, depends_on=())
     assert not (tmp_path / "result-2.json").exists()
 
 
@@ -401,10 +401,11 @@ def test_the_unsealed_list_names_only_files_that_exist_unsealed() -> None:
 
 def test_a_field_added_or_a_figure_changed_by_hand_breaks_the_seal(tmp_path: Path) -> None:
     out = tmp_path / "result-1.json"
-    provenance.write(out, {"figure": 1.5, "rows": {"a": [1, 2.25, None]}, "when": provenance.REPO}, provenance.begin())
+    result = {"figure": 1.5, "rows": {"a": [1, 2.25, None]}, "when": provenance.REPO}
+    provenance.write(out, result, provenance.begin(), depends_on=())
     data = json.loads(out.read_text())
     assert data["sealed"] == provenance.seal(data)
     assert provenance.seal(data | {"notes": "added by hand"}) != data["sealed"]
     assert provenance.seal(data | {"figure": 1.6}) != data["sealed"]
     with pytest.raises(ValueError, match="provenance's own fields"):
-        provenance.write(tmp_path / "result-2.json", {"sealed": "x"}, provenance.begin())
+        provenance.write(tmp_path / "result-2.json", {"sealed": "x"}, provenance.begin(), depends_on=())
