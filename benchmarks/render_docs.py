@@ -28,6 +28,8 @@ Markdown with a few directives, each ``{{ kind: FILE:PATH | FORMAT }}``:
 - ``{{ table: FILE:PATH | FORMAT }}``: a mapping (or list) of records as a table of their
   scalar fields.
 - ``{{ image: NAME.png | ALT }}``: a plot from ``benchmarks/results/``, copied beside the page.
+- ``{{ targets }}``: every target of ``benchmarks/targets.py``, judged on every recorded run;
+  ``{{ verdict: KEY }}`` one of them.
 
 **Staleness.** A result written since results record their code (``code``: ``benchmarks.substance``)
 is stale when a file it depends on changed in substance since: its syntax tree without docstrings,
@@ -74,6 +76,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import roles, substance
+from benchmarks.targets import TARGETS, Target
+from benchmarks.targets import target as target_named
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -235,67 +239,38 @@ UNTRACED_BUDGET: dict[str, int] = {
 WRITTEN_PAGES_TRACED_AGAINST: tuple[str, ...] = ("inference/sim/validation/*.json", "platform/demo-model/training.json")
 
 
-# README's status table: (what, page, GLOB:PATH, format, unit). Each cell summarizes every run.
-STATUS: tuple[tuple[str, str, str, str, str], ...] = (
-    (
-        "odmoe ÷ full cache, decode, emulated 3090 cluster (every strategies run with both)",
-        "strategies",
-        "strategies.json,strategies-[!d]*.json:strategies.odmoe.decode_tok_s_vs_full_cache",
-        ".2f",
-        "",
-    ),
-    (
+@dataclass(frozen=True)
+class Figure:
+    """A row of README's status table that no target declares as it is (``TARGETS`` gives the rest):
+    what, its page, GLOB:PATH, format, unit; ``judged_by``: the target whose bound judges it too."""
+
+    what: str
+    page: str
+    measure: str
+    spec: str
+    unit: str = ""
+    judged_by: str | None = None
+
+
+# README's status table: every target marked ``readme`` (benchmarks/targets.py), then these figures.
+# Each cell summarizes every run.
+STATUS: tuple[Figure, ...] = (
+    Figure(
         "odmoe decode at prefetch depth 2–4, emulated",
         "depth",
         "strategies-depth*.json:strategies.odmoe.decode_tok_s",
         ".2f",
         "tok/s",
     ),
-    (
-        "8 prompts through the OpenAI API at once ÷ one after another",
-        "concurrency",
-        "openai-concurrency*.json:ratio.runs",
-        ".2f",
-        "",
-    ),
-    (
-        "second turn of a 904-token chat, TTFT with prefix reuse ÷ without (goal: 0.3)",
-        "prefix-reuse",
-        "prefix-reuse*.json:ttft_ratio.runs",
-        ".2f",
-        "",
-    ),
-    (
-        "`make test` on a fresh clone, the whole command (goal: 12 min)",
-        "suite",
-        "suite-test-*.json:wall_s",
-        "x0.0166667 .1f",
-        "min",
-    ),
-    (
-        "`make test` on a fresh clone, two pytest-xdist workers (the default since 6fcda84; goal: 12 min)",
+    Figure(
+        "`make test` on a fresh clone, two pytest-xdist workers (the default since 6fcda84)",
         "suite",
         "suite-test-2026-12-05-9-xdist.json,suite-test-2026-12-05-1?.json,suite-test-2026-12-06-*.json:wall_s",
         "x0.0166667 .1f",
         "min",
+        judged_by="make-test",
     ),
-    (
-        "one user's 8-token completions beside a hostile user ÷ beside an ordinary one (goal: 1.2)",
-        "tenants",
-        "tenants-*.json:ratio.median",
-        ".2f",
-        "",
-    ),
-    ("the other user's generations failed per two-tenant run (goal: 0)", "tenants", "tenants-*.json:a_failed", "d", ""),
-    (
-        "odmoe with the shadow drafting 4 tokens a pass ÷ without, decode, emulated 3090 cluster (goal: 1.3)",
-        "drafts",
-        "strategies-with-drafts-*.json:strategies.odmoe+drafts4.decode_vs_without_drafts",
-        ".2f",
-        "",
-    ),
-    ("chats lost per load run", "load", "load-*.json:chat.lost", "d", ""),
-    ("chats failed (with a reason told to the client) per load run", "load", "load-*.json:chat.failed", "d", ""),
+    Figure("chats failed (with a reason told to the client) per load run", "load", "load-*.json:chat.failed", "d"),
 )
 
 DIRECTIVE = re.compile(r"\{\{\s*(\w+)\s*(?::\s*(.*?))?\s*\}\}")
@@ -550,6 +525,14 @@ class Renderer:
         target, path, spec = split_ref(arg or "")
         if kind == "runs":
             return self.runs_table(names) if names else "No result of this page is recorded as JSON."
+        if kind == "targets":
+            return self.targets_table()
+        if kind == "verdict":  # {{ verdict: KEY }}: one target of benchmarks/targets.py, judged
+            t = target_named(arg or "")
+            if t.measure is None:
+                return f"**Target ({set_by(t)}): {t.what}, {t.goal}**: not recorded as JSON ({t.judged})."
+            met, verdict = self.verdict(t.key, t.measure)
+            return f"**Target ({set_by(t)}): {t.what}, {t.goal}**: {self.target_summary(t)}; {met} meet it: {verdict}."
         if kind == "value":
             self.used.add(target)
             return fmt(lookup(load(target), path, target), spec)
@@ -629,12 +612,62 @@ class Renderer:
             )
         return text, images, untraced
 
-    def status(self) -> str:
-        rows = ["| what | every recorded run | page |", "|---|---|---|"]
-        for label, slug, ref, spec, unit in STATUS:
-            glob, _, path = ref.partition(":")
-            rows.append(f"| {label} | {self.summary(glob, path, spec, unit)} | [{slug}](docs/benchmarks/{slug}.md) |")
+    def recorded(self, measure: str) -> list[float]:
+        """Every recorded value of ``GLOB:PATH`` (a list at PATH: each repeat)."""
+        glob, _, path = measure.partition(":")
+        values = [v for _, value in self.values(glob, path) for v in (value if isinstance(value, list) else [value])]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            raise RenderError(f"{measure}: not a number in every run")
+        return [float(v) for v in values]
+
+    def verdict(self, key: str, measure: str) -> tuple[str, str]:
+        """How many recorded values meet target ``key``'s bound, and whether it is reached."""
+        t = target_named(key)
+        values = self.recorded(measure)
+        met = f"{sum(t.meets(v) for v in values)} of {len(values)}"
+        return met, "**reached**" if t.reached(values) else "**not reached**"
+
+    def target_summary(self, t: Target, measure: str | None = None) -> str:
+        glob, _, path = (measure or t.measure or "").partition(":")
+        spec = t.spec if t.scale == 1 else f"x{t.scale!r} {t.spec}"
+        return self.summary(glob, path, spec, t.unit)
+
+    def targets_table(self) -> str:
+        """``{{ targets }}``: every target of ``benchmarks/targets.py`` with its verdict."""
+        rows = [
+            "| target | set by | goal | every recorded run | values meeting it | verdict |",
+            "|---|---|---|---|---:|---|",
+        ]
+        for t in TARGETS:
+            what = f"{t.what} ([{t.page}]({t.page}.md))"
+            if t.measure is None:
+                judged = f"not recorded as JSON: {t.judged}"
+                rows.append(f"| {what} | {set_by(t)} | {t.goal} | {judged} | — | not judged here |")
+                continue
+            met, verdict = self.verdict(t.key, t.measure)
+            rows.append(f"| {what} | {set_by(t)} | {t.goal} | {self.target_summary(t)} | {met} | {verdict} |")
         return "\n".join(rows)
+
+    def status(self) -> str:
+        rows = ["| what | goal | every recorded run | verdict | page |", "|---|---|---|---|---|"]
+        for t in TARGETS:
+            if t.readme and t.measure is not None:
+                met, verdict = self.verdict(t.key, t.measure)
+                link = f"[{t.page}](docs/benchmarks/{t.page}.md)"
+                rows.append(f"| {t.what} | {t.goal} | {self.target_summary(t)} | {verdict} ({met}) | {link} |")
+        for f in STATUS:
+            glob, _, path = f.measure.partition(":")
+            goal, verdict = "—", "—"
+            if f.judged_by is not None:
+                met, verdict = self.verdict(f.judged_by, f.measure)
+                goal, verdict = target_named(f.judged_by).goal, f"{verdict} ({met})"
+            summary = self.summary(glob, path, f.spec, f.unit)
+            rows.append(f"| {f.what} | {goal} | {summary} | {verdict} | [{f.page}](docs/benchmarks/{f.page}.md) |")
+        return "\n".join(rows)
+
+
+def set_by(t: Target) -> str:
+    return "the developers' guide" if t.issue == "guide" else f"issue {t.issue}"
 
 
 def trace(prose: str, known: list[float]) -> tuple[str, int]:

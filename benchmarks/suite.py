@@ -12,6 +12,9 @@ its return code and the tail of its output: every run counts.
 
 ``--from-log LOG`` records a run made by hand instead (``time CI=true .ci/run > LOG 2>&1`` on a
 fresh clone, ``--commit`` naming what it ran): its wall time from ``time``'s ``real`` line.
+
+The targets (``benchmarks/targets.py``) judge ``make test`` on every ``suite-test-*.json`` and
+``make check`` on the fresh-clone runs only: name those ``suite-check-fresh-N.json``.
 """
 
 from __future__ import annotations

@@ -129,3 +129,25 @@ def test_every_link_of_readme_resolves_in_a_plain_checkout() -> None:
     tracked = set(listed.stdout.split())
     missing = sorted(t for t in targets if t and t not in tracked and not (render_docs.REPO / t).is_dir())
     assert not missing, f"README links to files no checkout has: {missing}"
+
+
+def test_every_target_is_judged_on_the_not_reached_page_and_readme_takes_its_goals_from_them() -> None:
+    from benchmarks.targets import AT_LEAST, AT_MOST, TARGETS, Target, target
+
+    assert "{{ targets }}" in (render_docs.TEMPLATES / "not-reached.md").read_text()
+    table = render_docs.Renderer().targets_table()
+    for t in TARGETS:
+        assert t.what in table and t.goal in table
+    readme = render_docs.README.read_text()
+    assert "(goal:" not in readme  # a goal is written once, in benchmarks/targets.py
+    for t in TARGETS:
+        if t.readme:
+            assert f"| {t.what} | {t.goal} |" in readme
+    with pytest.raises(KeyError, match="no target"):
+        target("faster")
+    most = Target("x", "x", "guide", "suite", 12, AT_MOST, "suite-test-*.json:wall_s", scale=1 / 60)
+    assert most.meets(600) and not most.meets(900)
+    assert most.reached([600, 650, 900]) and not most.reached([600, 900, 950]) and not most.reached([])
+    none_lost = Target("y", "y", "guide", "load", 0, AT_MOST, "load-*.json:chat.lost", every=True)
+    assert not none_lost.reached([0, 0, 1]) and none_lost.reached([0, 0])
+    assert Target("z", "z", "52", "drafts", 1.3, AT_LEAST, None).goal == "≥ 1.3"
