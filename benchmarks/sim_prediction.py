@@ -401,9 +401,11 @@ def predict_strategies(
     *,
     hybrid: bool = False,
     drafts: tuple[int, float] | None = None,
+    draft_auto: bool = False,
 ) -> dict[str, float | None]:
     """The local model's decode tok/s for each strategy (None for one it does not model); ``drafts``:
-    (k, tokens per pass) for odmoe drafting k tokens a pass."""
+    (k, tokens per pass) for odmoe drafting k tokens a pass, or with ``draft_auto`` up to k as
+    ``draft_policy="auto"`` picks, at the agreement under which k drafts yield those tokens."""
     predicted: dict[str, float | None] = {}
     k, tokens_per_pass = drafts or (0, 1.0)
     for strategy in strategies:
@@ -411,7 +413,9 @@ def predict_strategies(
             predicted[strategy] = None
             continue
         # hybrid: the runtime applies it under every strategy
-        options = Options(strategy, recall=1.0, hybrid=hybrid, drafts=k, tokens_per_pass=tokens_per_pass)
+        options = Options(
+            strategy, recall=1.0, hybrid=hybrid, drafts=k, tokens_per_pass=tokens_per_pass, draft_auto=draft_auto
+        )
         predicted[strategy] = predict(options, shape, costs, rates, generations)
     return predicted
 
@@ -445,10 +449,12 @@ def predict_for_run(
     measurement: dict | None = None,
     codec: dict | None = None,
     drafts: tuple[int, float] | None = None,
+    draft_auto: bool = False,
 ) -> dict:
     """{strategy: predicted decode tok/s} for a `benchmarks.strategies` run, plus what it rests on.
 
-    ``drafts`` (k, tokens per pass, measured before the run): odmoe drafting k tokens a pass.
+    ``drafts`` (k, tokens per pass, measured before the run): odmoe drafting k tokens a pass; with
+    ``draft_auto``, up to k as ``draft_policy="auto"`` picks (``inference.sim.local.AutoPasses``).
 
     ``codec`` (``measure_decode``): the workers' experts are coded; each load is charged its decode here
     and its coded bytes on the emulated copy.
@@ -478,14 +484,23 @@ def predict_for_run(
         max_resident=max_resident,
         cache_experts=cache_experts,
     )
-    predicted = predict_strategies(strategies, shape, costs, rates, generations, hybrid=hybrid, drafts=drafts)
+    predicted = predict_strategies(
+        strategies, shape, costs, rates, generations, hybrid=hybrid, drafts=drafts, draft_auto=draft_auto
+    )
     tight = measured.get("tight_loop") if "in_rhythm" in measured else None
     return {
         "predicted_decode_tok_s": predicted,
         "predicted_decode_tok_s_tight_loop_costs": None
         if tight is None
         else predict_strategies(
-            strategies, shape, MachineCosts(**tight), rates, generations, hybrid=hybrid, drafts=drafts
+            strategies,
+            shape,
+            MachineCosts(**tight),
+            rates,
+            generations,
+            hybrid=hybrid,
+            drafts=drafts,
+            draft_auto=draft_auto,
         ),
         "inputs": {
             "shape": dataclasses.asdict(shape),

@@ -784,11 +784,11 @@ def main(argv: list[str] | None = None) -> int:
                     codec=decode if kind == "codec" else None,
                 )
         for k, auto in args.draft_values:
-            if auto:
-                continue  # the simulator models a fixed k: auto rows have no prediction
-            # The shadow's drafts measured first (roles in-process, nothing emulated), then predicted.
+            # The shadow's drafts measured first at k (roles in-process, nothing emulated), then predicted;
+            # under auto at the agreement that measurement gives, up to k as main's tuner picks.
             before = measure_drafts(model_dir, args.shadow_dtype, k, prompts, expected)
-            predictions[f"drafts{k}"] = predict_for_run(
+            kind = f"drafts{'-auto' if auto else ''}{k}"
+            predictions[kind] = predict_for_run(
                 emulation.as_dict(),
                 config,
                 expert_bytes,
@@ -801,10 +801,9 @@ def main(argv: list[str] | None = None) -> int:
                 machine=machine,
                 measurement=measurement,
                 drafts=(k, before["tokens_per_pass"]),
+                draft_auto=auto,
             )
-            predictions[f"drafts{k}"]["drafts_before_run"] = {
-                key: value for key, value in before.items() if key != "answers"
-            }
+            predictions[kind]["drafts_before_run"] = {key: value for key, value in before.items() if key != "answers"}
         predicted, predicted_tight = (
             {
                 name

@@ -278,3 +278,30 @@ def test_drafts_that_repeat_their_experts_copy_each_once_a_pass() -> None:
         Options("odmoe", drafts=4, tokens_per_pass=1.0), shape, COSTS, RATES, steps(40, 4, (3, 5))
     )
     assert rejected["passes"] == 40 and rejected["decode_tok_s"] < plain["decode_tok_s"]
+
+
+def test_the_agreement_under_which_k_drafts_yield_the_measured_tokens() -> None:
+    from inference.policies.drafting import expected_tokens
+    from inference.sim.local import agreement_for
+
+    for drafts, per_pass in ((4, 1.0), (4, 3.3), (4, 5.0), (8, 2.0)):
+        assert expected_tokens(agreement_for(drafts, per_pass), drafts) == pytest.approx(per_pass, abs=1e-9)
+    with pytest.raises(ValueError, match="yield 1 to 5 tokens"):
+        agreement_for(4, 5.5)
+
+
+def test_auto_drafts_follow_main_tuner_in_the_emulated_model() -> None:
+    """Under draft_auto each pass asks main's DraftTuner: a shadow never right is soon asked for
+    (almost) nothing, so auto stays near odmoe without drafts where 4 fixed drafts lose; one always
+    right is asked for the most, as fixed."""
+    shape = Shape(layers=4, experts=8, top_k=2, workers=4)
+    trace = steps(120, 4, (1, 6))
+    plain = simulate_generation(Options("odmoe"), shape, COSTS, RATES, trace)["decode_tok_s"]
+
+    def run(per_pass: float, auto: bool) -> dict:
+        options = Options("odmoe", drafts=4, tokens_per_pass=per_pass, draft_auto=auto)
+        return simulate_generation(options, shape, COSTS, RATES, trace)
+
+    assert run(1.0, auto=True)["decode_tok_s"] > run(1.0, auto=False)["decode_tok_s"]
+    assert run(1.0, auto=True)["decode_tok_s"] > 0.7 * plain
+    assert run(5.0, auto=True) == run(5.0, auto=False)  # every draft kept: the most, every pass

@@ -60,6 +60,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
+from inference.policies.drafting import DraftTuner, expected_tokens
 from inference.policies.hybrid import ShareController, planned_on_cpu, predicted_share, share_delay
 from inference.policies.loads import keep_on_prediction, keep_on_request, pick_victim, take_batch
 from inference.policies.placement import Placement, placement
@@ -372,9 +373,12 @@ class Options:
     shadow_layer_s: float | None = None  # the shadow's own layer time here (default: main's layer + top_k experts)
     lookahead: int = Settings.lookahead  # the runtime's: how many steps after a token a share changed on it plans
     # odmoe with drafts (``draft_tokens``): each pass verifies this many of the shadow's guesses, and
-    # yields ``tokens_per_pass`` tokens on average (measured before the run: ``draft_passes``).
+    # yields ``tokens_per_pass`` tokens on average (measured before the run: ``draft_passes``). With
+    # ``draft_auto`` (``draft_policy="auto"``), up to that many, as main's ``DraftTuner`` picks pass by
+    # pass, each draft kept at the agreement under which ``drafts`` drafts yield ``tokens_per_pass``.
     drafts: int = 0
     tokens_per_pass: float = 1.0
+    draft_auto: bool = False
 
 
 def draft_passes(decode_steps: int, drafts: int, tokens_per_pass: float) -> list[tuple[int, int, int]]:
@@ -390,6 +394,47 @@ def draft_passes(decode_steps: int, drafts: int, tokens_per_pass: float) -> list
         passes.append((first, positions, kept))
         first += kept
     return passes
+
+
+def agreement_for(drafts: int, tokens_per_pass: float) -> float:
+    """The chance each draft is kept (given those before it were) under which a pass of ``drafts``
+    drafts yields ``tokens_per_pass`` tokens on average (pure): ``expected_tokens`` solved for it."""
+    if drafts < 1 or not 1.0 <= tokens_per_pass <= drafts + 1:
+        raise ValueError(f"{drafts} drafts a pass yield 1 to {drafts + 1} tokens, not {tokens_per_pass}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_tokens(middle, drafts) < tokens_per_pass else (low, middle)
+    return (low + high) / 2
+
+
+class AutoPasses:
+    """The passes of a decode under ``draft_policy="auto"``: main's own ``DraftTuner`` picks each pass's
+    drafts from the passes simulated so far; each pass keeps the tokens that bring the running total
+    nearest the expected tokens of the passes so far, at ``agreement`` (as ``draft_passes`` does)."""
+
+    def __init__(self, shape: Shape, most: int, agreement: float) -> None:
+        self.tuner = DraftTuner(most=most, auto=True, experts=shape.experts, top_k=shape.top_k, layers=shape.layers)
+        self.agreement = agreement
+        self.expected = 0.0
+
+    def next(self, first: int, decode_steps: int) -> tuple[int, int, int]:
+        """This pass's drafts, positions and kept tokens, the pass starting at decode step ``first``."""
+        drafts = self.tuner.drafts()
+        positions = min(drafts + 1, decode_steps - first)
+        self.expected += expected_tokens(self.agreement, drafts)
+        return drafts, positions, min(positions, max(1, round(self.expected) - first))
+
+    def note(
+        self, drafts: int, positions: int, kept: int, *, wait_s: float, step_s: float, experts_s: float, distinct: int
+    ) -> None:
+        """What main measured of the pass (``distinct``: experts served, summed over its layers), as
+        the runtime feeds the tuner."""
+        layers = self.tuner.layers
+        self.tuner.note_wait(wait_s, drafts)
+        self.tuner.note_step(step_s, experts_s, distinct, positions, layers)
+        self.tuner.note_pass(positions, distinct / layers)
+        self.tuner.note_verified(min(kept, positions - 1), kept - 1)
 
 
 def _shadow_guess(real: list[int], experts: int, recall: float, step: int, layer: int) -> list[int]:
@@ -610,16 +655,26 @@ def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared,
     Each pass computes ``positions`` positions in main (its layer work, Python and LM head each
     position's), copies at each layer the union of the experts they route to (the trace's steps: a
     kept draft's routing is the token's own; a rejected one's is taken as the next token's), each
-    position an expert segment of its own, and keeps ``kept`` tokens (``draft_passes``). The shadow
-    drafts a pass's positions one model pass each, sending the union so far per layer as it goes,
-    and answers main after all but the last; it drafts the next pass meanwhile where this one kept
-    every draft (``speculate``), else from main's end of this pass. Main waits for the answer."""
+    position an expert segment of its own, and keeps ``kept`` tokens (``draft_passes``, or under
+    ``draft_auto`` ``AutoPasses``). The shadow drafts a pass's positions one model pass each, sending
+    the union so far per layer as it goes, and answers main after all but the last; it drafts the next
+    pass meanwhile where this one kept every draft (``speculate``), else from main's end of this pass.
+    Main waits for the answer (not at all for a pass ``auto`` gave no drafts)."""
     links = [Link(rates, costs, True) for _ in range(len(pool) + 2)]
-    main_link, shadow_link, worker_links = links[0], links[1], links[2:]
+    main_link, shadow_link = links[0], links[1]
     now = shadow_free = 0.0
     times, tokens, kept_all = [], 0, False
     shadow_pass_s = shape.layers * shadow_layer
-    for p, (first, positions, kept) in enumerate(draft_passes(len(trace), options.drafts, options.tokens_per_pass), 1):
+    auto = AutoPasses(shape, options.drafts, agreement_for(options.drafts, options.tokens_per_pass))
+    fixed = iter(draft_passes(len(trace), options.drafts, options.tokens_per_pass))
+    first, p = 0, 0
+    while first < len(trace):
+        p += 1
+        if options.draft_auto:
+            drafts, positions, kept = auto.next(first, len(trace))
+        else:
+            _, positions, kept = next(fixed)
+            drafts = options.drafts
         begin = shadow_free if kept_all else max(shadow_free, now)
         for j in range(positions):  # the shadow's passes, each layer's union so far sent as it finishes
             for layer in range(shape.layers):
@@ -627,27 +682,21 @@ def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared,
                 at = begin + j * shadow_pass_s + (layer + 1) * shadow_layer
                 _send_prediction(pool, groups, p, layer, union, at, shadow_link, rates, options.recall, shape.experts)
         shadow_free = begin + positions * shadow_pass_s
-        start = now = max(now, begin + (positions - 1) * shadow_pass_s)  # main waits for the drafts
-        for layer in range(shape.layers):
-            rows: dict[int, int] = {}
-            for i in range(positions):
-                for e in trace[first + i][layer]:
-                    rows[e] = rows.get(e, 0) + 1
-            now += (costs.main_layer_s + costs.main_before_send_s) * positions
-            plan = _plan(declared, place, sorted(rows), p, layer, options, shape)
-            replies = []
-            for w in groups[layer % len(groups)]:
-                mine = plan.get(w, [])
-                arrive = main_link.send(now, rates.request_bytes * positions if mine else rates.prediction_bytes)
-                done = serve(w, p, layer, mine, arrive, rows)
-                if mine:
-                    replies.append(worker_links[w].send(done, rates.result_bytes * sum(rows[e] for e in mine)))
-            now = max(replies) + costs.main_dispatch_s * positions
+        ready = max(now, begin + (positions - 1) * shadow_pass_s) if drafts else now  # main waits for its drafts
+        waited, start, now = ready - now, ready, ready
+        now, experts_s, distinct = _verify_pass(
+            costs, rates, trace, pool, place, groups, declared, serve, options, shape, links, p, first, positions, now
+        )
         now += costs.step_fixed_s * positions
         if rates.align_bytes:
             main_link.send(now, rates.align_bytes * kept)
+        if options.draft_auto:
+            auto.note(
+                drafts, positions, kept, wait_s=waited, step_s=now - start, experts_s=experts_s, distinct=distinct
+            )
         times.append(now - start)
         tokens += kept
+        first += kept
         kept_all = kept == positions
     return {
         "decode_tok_s": tokens / (now or 1.0),
@@ -658,6 +707,34 @@ def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared,
         "cpu_experts": 0,
         "planned_experts": 0,
     }
+
+
+def _verify_pass(
+    costs, rates, trace, pool, place, groups, declared, serve, options, shape, links, p, first, positions, now
+):
+    """Main's pass ``p`` over ``positions`` positions from decode step ``first``, from ``now``: when it
+    ends, the seconds its layers waited for their expert rounds, and the distinct experts it served."""
+    main_link, worker_links = links[0], links[2:]
+    experts_s, distinct = 0.0, 0
+    for layer in range(shape.layers):
+        rows: dict[int, int] = {}
+        for i in range(positions):
+            for e in trace[first + i][layer]:
+                rows[e] = rows.get(e, 0) + 1
+        now += (costs.main_layer_s + costs.main_before_send_s) * positions
+        plan = _plan(declared, place, sorted(rows), p, layer, options, shape)
+        replies = []
+        sent = now
+        for w in groups[layer % len(groups)]:
+            mine = plan.get(w, [])
+            arrive = main_link.send(now, rates.request_bytes * positions if mine else rates.prediction_bytes)
+            done = serve(w, p, layer, mine, arrive, rows)
+            if mine:
+                replies.append(worker_links[w].send(done, rates.result_bytes * sum(rows[e] for e in mine)))
+        experts_s += max(replies) - sent
+        distinct += len(rows)
+        now = max(replies) + costs.main_dispatch_s * positions
+    return now, experts_s, distinct
 
 
 def _send_prediction(pool, groups, step, layer, real, at, link, rates, recall, experts) -> None:
