@@ -226,7 +226,7 @@ UNTRACED_BUDGET: dict[str, int] = {
     "families": 177,
     "gpu": 3,
     "load": 1,
-    "not-reached": 97,
+    "not-reached": 29,
     "simulator": 140,
     "quality": 4,
     "prerouter": 13,
