@@ -841,8 +841,12 @@ def serve_once(
         dtype="auto",
         draft_tokens=planned.drafts,
     )
-    options = ClusterOptions(
-        workers=args.workers, settings=settings, startup_timeout_s=startup_timeout_s, in_process=args.in_process
+    options = ClusterOptions(  # fresh processes, as deployments run them: each role's memory its own
+        workers=args.workers,
+        settings=settings,
+        startup_timeout_s=startup_timeout_s,
+        in_process=args.in_process,
+        spawn="exec",
     )
     cluster = LocalCluster(model_dir, options, work_dir=work_dir, progress=lambda line: say(f"  {line}"))
     sampler = DeviceMemorySampler(device, work_dir / "memory") if device.type == "cuda" else None

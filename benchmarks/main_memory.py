@@ -84,7 +84,8 @@ def serve_at_once(cluster: LocalCluster, prompts: list[list[int]], new_tokens: i
 def measure(model: Path, sequences: int, args: argparse.Namespace, work: Path) -> dict:
     """One fresh cluster serving ``sequences`` prompts at once: main's memory before and at its peak."""
     config = json.loads((model / "config.json").read_text())
-    options = ClusterOptions(workers=args.workers, shadow=False, startup_timeout_s=900)
+    # A fresh process: main forked from a zygote would count the zygote's imported pages as its own.
+    options = ClusterOptions(workers=args.workers, shadow=False, startup_timeout_s=900, spawn="exec")
     settings = options.settings
     if sequences > settings.max_batch:
         raise SystemExit(f"--sequences {sequences} is above main's batch ({settings.max_batch})")

@@ -123,7 +123,10 @@ def bounds(facts: dict, workers: int) -> dict[str, float]:
 
 def measure(model: Path, work: Path, args: argparse.Namespace) -> dict:
     settings = Settings(shadow_dtype="nf4", expert_store=args.expert_store)
-    options = ClusterOptions(workers=args.workers, settings=settings, startup_timeout_s=args.startup_timeout)
+    # Fresh processes: a role forked from a zygote would count the zygote's imported pages as its own.
+    options = ClusterOptions(
+        workers=args.workers, settings=settings, startup_timeout_s=args.startup_timeout, spawn="exec"
+    )
     cluster = LocalCluster(model, options, work_dir=work, progress=lambda line: print(line, flush=True))
     sampler = Sampler(cluster, args.interval)
     sampler.start()

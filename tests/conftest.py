@@ -1,6 +1,6 @@
 """Shared fixtures: tiny checkpoints written once per session; the database a run uses, in its header;
-torch's default dtype checked after every test; under pytest-xdist, each worker's own ports, and
-the tests that time themselves run alone."""
+torch's default dtype checked after every test; local clusters' roles forked from a zygote; under
+pytest-xdist, each worker's own ports, and the tests that time themselves run alone."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.runtime.launcher import PORT_RANGE_ENV, port_range
+from inference.runtime.launcher import PORT_RANGE_ENV, SPAWN_ENV, port_range
 from inference.tools.tiny import make_tiny
 from tests.reference import ODD_SHAPE
 
@@ -26,9 +26,12 @@ def xdist_worker() -> tuple[int, int] | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist, each worker picks ports (``free_port``) from a slice of the range of its own,
-    and so does every process it starts (servers, Celery, agents and their roles inherit the
-    variable): two workers never take the same port between one's probe and its bind."""
+    """Local clusters' role processes fork from a zygote that imported their code once
+    (``inference.runtime.zygote``), unless a test asks for fresh ones (those that measure a role's
+    memory). Under pytest-xdist, each worker picks ports (``free_port``) from a slice of the range of
+    its own, and so does every process it starts (servers, Celery, agents and their roles inherit
+    the variable): two workers never take the same port between one's probe and its bind."""
+    os.environ.setdefault(SPAWN_ENV, "fork")
     worker = xdist_worker()
     if worker is None:
         return

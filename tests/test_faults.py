@@ -15,7 +15,7 @@ import pytest
 
 from inference.building.sharding import build_shards
 from inference.runtime.curve import new_seat_keys, role_keys
-from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
+from inference.runtime.launcher import SPAWN_ENV, ClusterError, ClusterOptions, LocalCluster
 from tests.reference import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -156,6 +156,7 @@ def test_ctrl_c_stops_every_role_process(tiny_model: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        env={**os.environ, SPAWN_ENV: "exec"},  # as a user runs it: each role a fresh child of its own
         # A shell that started the suite in the background (``nohup ... &``) ignores SIGINT,
         # and children inherit that: give this one the default handling a terminal's has.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

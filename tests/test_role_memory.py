@@ -48,7 +48,9 @@ def test_peak_memory_of_each_role_is_its_own_share(tmp_path: Path) -> None:
             for proj in ("w1", "w2", "w3")
         )
 
-    options = ClusterOptions(workers=WORKERS, settings=Settings(shadow_dtype="nf4"), startup_timeout_s=600)
+    options = ClusterOptions(
+        workers=WORKERS, settings=Settings(shadow_dtype="nf4"), startup_timeout_s=600, spawn="exec"
+    )  # fresh processes: each role's own memory, not a zygote's imported pages
     with LocalCluster(model, options, work_dir=tmp_path / "cluster") as cluster:
         done = cluster.generate([1, 5, 6, 7, 8], 4)
         assert len(done.token_ids) == 4

@@ -175,7 +175,8 @@ def test_a_disk_worker_does_not_hold_its_experts_in_ram(tmp_path: Path) -> None:
     model = make_tiny(tmp_path / "model", seed=0, layers=8, hidden=512, intermediate=1792, dtype="bfloat16")
     peaks, tokens = {}, {}
     for kind in ("ram", "disk"):
-        options = ClusterOptions(workers=2, shadow=False, settings=Settings(expert_store=kind))
+        # Fresh processes: a worker's peak RSS is the point, not a zygote's imported pages.
+        options = ClusterOptions(workers=2, shadow=False, settings=Settings(expert_store=kind), spawn="exec")
         with LocalCluster(model, options, work_dir=tmp_path / "work") as cluster:
             tokens[kind] = cluster.generate(PROMPTS[0], 4).token_ids
             peaks[kind] = _peak_rss_bytes(cluster.processes["worker-0"].pid)

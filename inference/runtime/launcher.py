@@ -41,8 +41,11 @@ if TYPE_CHECKING:
     # included, ~2 s of CPU here) is not loaded by what only needs ``free_port`` or
     # ``die_with_parent`` from this module: every agent, ``manage.py up``, the production check.
     from inference.runtime.in_process import ClusterLog, RoleThread
+    from inference.runtime.zygote import ForkedRole
 
 BIND_ATTEMPTS = 3
+SPAWN_ENV = "ODMOE_ROLE_SPAWN"
+SPAWNS = ("exec", "fork")
 
 
 class ClusterError(RuntimeError):
@@ -58,6 +61,14 @@ class ClusterOptions:
     # The roles as threads of this process (``inference.runtime.in_process``), for tests of what
     # a cluster computes; a role that must be killed, frozen or measured on its own needs a process.
     in_process: bool = False
+    # How a role's process starts: "exec", a fresh ``python -m inference serve-role``; or "fork",
+    # forked from a zygote that imported the role's code once (``inference.runtime.zygote``: seconds
+    # of CPU less a role; its memory is not a fresh process's). Default: ODMOE_ROLE_SPAWN, else exec.
+    spawn: str = field(default_factory=lambda: os.environ.get(SPAWN_ENV, "exec"))
+
+    def __post_init__(self) -> None:
+        if self.spawn not in SPAWNS:
+            raise ValueError(f"spawn must be one of {', '.join(SPAWNS)}, got {self.spawn!r}")
 
     @property
     def runs_shadow(self) -> bool:
@@ -144,7 +155,7 @@ class LocalCluster:
         # Ephemeral data-plane keys, a role pair and a client pair per seat (``inference.runtime.curve``),
         # made when the cluster starts: only this cluster's roles and clients hold them.
         self.keys: dict[str, SeatKeys] = {}
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.processes: dict[str, subprocess.Popen | ForkedRole] = {}
         self.threads: dict[str, RoleThread] = {}
         self._thread_log: ClusterLog | None = None
         self.client: RuntimeClient | None = None
@@ -246,10 +257,21 @@ class LocalCluster:
         self._spawn(name, "worker" if name.startswith("worker-") else name, self.work_dir / f"{name}.spec.json")
 
     def _spawn(self, name: str, role: str, spec_path: Path) -> None:
-        log_file = open(self.work_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        log_path = self.work_dir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        argv = ["serve-role", "--role", role, "--spec", str(spec_path)]
+        if self.options.spawn == "fork":
+            from inference.runtime.zygote import ZygoteError, kind_of, zygote
+
+            log_path.write_bytes(b"")
+            try:
+                self.processes[name] = zygote(kind_of(role)).start(argv, log_path, env, Path.cwd())
+                return
+            except ZygoteError as exc:  # started afresh instead, as the option's default would
+                self.progress(f"{name}: {exc}; starting it as a fresh process")
+        log_file = open(log_path, "wb")  # noqa: SIM115 - owned by the child
         self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "inference", "serve-role", "--role", role, "--spec", str(spec_path)],
+            [sys.executable, "-m", "inference", *argv],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
