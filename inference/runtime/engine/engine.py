@@ -94,7 +94,7 @@ class Engine:
             while role.waiting:
                 msg, client = role.waiting.popleft()
                 role.compiles.forget(msg.request_id)
-                role.endpoint.reply(client, Failed(request_id=msg.request_id, error=reason))
+                role.answer(client, Failed(request_id=msg.request_id, error=reason))
             if role.session:
                 role.end_session()
 
@@ -186,9 +186,7 @@ class Engine:
         position = len(s.state.generated)
         tokens = draft_length(self.tuner.drafts(), position, s.state.max_new_tokens)
         s.drafting.ask(s.step + 1, position, tokens)
-        role.endpoint.send(
-            "shadow", DraftAsk(request_id=s.request_id, step=s.step + 1, position=position, tokens=tokens)
-        )
+        role.tell_shadow(DraftAsk(request_id=s.request_id, step=s.step + 1, position=position, tokens=tokens))
 
     def _time_step(self, batch: list[tuple[Sequence, Work]], step_s: float) -> None:
         """What ``auto`` learns from a decode step: its time, its expert rounds' share of it and the
@@ -360,10 +358,10 @@ class Engine:
         prompt, sequence.prompt_logprobs = sequence.prompt_logprobs, None  # the first token carries them
         index = len(state.generated) - 1
         event = Token(request_id=state.request_id, index=index, token_id=token, step=report, logprob=logprob)
-        role.endpoint.reply(state.client, msgspec.structs.replace(event, prompt_logprobs=prompt))
+        role.answer(state.client, msgspec.structs.replace(event, prompt_logprobs=prompt))
         next_step = len(state.generated)
         if role.shadow_serving and next_step < state.max_new_tokens:
-            role.endpoint.send("shadow", self._align_message(state, next_step, token))
+            role.tell_shadow(self._align_message(state, next_step, token))
 
     def _align_message(self, state: RequestState, step: int, token: int) -> Align:
         role = self.role
@@ -402,7 +400,7 @@ class Engine:
         role.announce_leave(state.request_id, sequence.joined_step, last=last)
         if sequence.error is not None:
             log.error("generation %s failed: %s", state.request_id, sequence.error)
-            role.endpoint.reply(state.client, Failed(request_id=state.request_id, error=sequence.error))
+            role.answer(state.client, Failed(request_id=state.request_id, error=sequence.error))
             return
         generated = list(state.generated)
         finish_reason = "length"
@@ -432,7 +430,7 @@ class Engine:
                 "tokens_per_pass": (len(generated) - 1) / decodes if decodes else 0.0,
                 "distinct_experts": distinct_experts(state.steps[1:]),
             }
-        role.endpoint.reply(
+        role.answer(
             state.client,
             Done(request_id=state.request_id, token_ids=generated, finish_reason=finish_reason, metrics=metrics),
         )

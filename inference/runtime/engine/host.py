@@ -4,7 +4,8 @@ Main's role (``inference.runtime.roles.main.MainRole``) is the engine's host: it
 and the sockets, admits requests into ``waiting``, keeps the session with the workers and the
 shadow, and notices lost peers. The engine (``engine.Engine``) steps the batch and reaches the
 host only through these members, so the engine's modules import nothing of the roles and a
-different host (a test's, the simulator's) can drive the same engine.
+different host (a test's, the simulator's) can drive the same engine. It sends through the host's
+two typed outputs (``answer``: tokens and ends to a client; ``tell_shadow``), never a socket.
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ if TYPE_CHECKING:
     from inference.runtime.engine.compiles import Compiles
     from inference.runtime.engine.exchange import Exchange
     from inference.runtime.spec import RoleSpec
-    from inference.runtime.transport import Endpoint
-    from inference.wire.runtime import Generate, ShadowBegin, ShadowStats, WorkerStats
+    from inference.wire.runtime import (
+        Align,
+        Done,
+        DraftAsk,
+        Failed,
+        Generate,
+        ShadowBegin,
+        ShadowStats,
+        Token,
+        WorkerStats,
+    )
 
 
 class Host(Protocol):
@@ -36,7 +46,6 @@ class Host(Protocol):
     placement: Placement
     prerouter: torch.nn.Module | None
     exchange: Exchange
-    endpoint: Endpoint
     compiles: Compiles[Generate]
     # What changes as it serves: admitted requests not yet joined (each with its client), the
     # session with the workers and its step, the alignment periods, what the workers reported.
@@ -48,6 +57,10 @@ class Host(Protocol):
     kv_period: int
     worker_stats: dict[int, WorkerStats]
 
+    # What the engine sends: a request's events to the client that asked, and to the shadow main's
+    # tokens (with their KV where due) and its asks for drafts. The workers hear from the exchange.
+    def answer(self, client: bytes, event: Token | Done | Failed) -> None: ...
+    def tell_shadow(self, msg: Align | DraftAsk) -> None: ...
     @property
     def shadow_serving(self) -> bool: ...
     def drain_inbox(self) -> None: ...

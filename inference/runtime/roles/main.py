@@ -56,9 +56,11 @@ from inference.runtime.spec import RoleSpec, compute_dtype
 from inference.runtime.transport import Received
 from inference.wire.base import Message
 from inference.wire.runtime import (
+    Align,
     Begin,
     Cancel,
     Done,
+    DraftAsk,
     Drafts,
     End,
     ExpertResult,
@@ -74,6 +76,7 @@ from inference.wire.runtime import (
     ShadowBegin,
     ShadowStats,
     Shutdown,
+    Token,
     WorkerStats,
 )
 
@@ -433,6 +436,14 @@ class MainRole:
         elif event == "up" and self.shadow_lost:
             self.shadow_returning = True
             self.endpoint.send("shadow", Ping())
+
+    def answer(self, client: bytes, event: Token | Done | Failed) -> None:
+        """A request's event to the client that sent it (``engine.host.Host``)."""
+        self.endpoint.reply(client, event)
+
+    def tell_shadow(self, msg: Align | DraftAsk) -> None:
+        """Main's token and KV (``Align``) or an ask for drafts, to the shadow (``engine.host.Host``)."""
+        self.endpoint.send("shadow", msg)
 
     @property
     def shadow_serving(self) -> bool:
