@@ -3,7 +3,8 @@
 Each benchmark declares the code and data its figure depends on beyond what its own process imports
 (``DEPENDS_ON``: globs from the repository's root, such as the runtime its role processes run or
 the control plane its clusters serve through). ``code_record`` notes, as the result is written, a
-hash of each file those globs match and of each repository module the benchmark's process imported.
+hash of each file those globs match and of each repository module the benchmark's process imported
+(but the writer's own, ``RECORDERS``, which no figure depends on).
 ``changed`` compares a recorded note with the tree as it is now: the files whose substance differs,
 the ones gone, and the ones the globs match now that they did not.
 
@@ -16,6 +17,7 @@ The hash needs only the file as it is, so a shallow clone judges staleness as we
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import sys
@@ -27,6 +29,9 @@ HASH_CHARS = 16  # 64 bits of SHA-256 each: enough to tell a change, short enoug
 RUNTIME = ("inference/**/*.py",)  # the roles (main, shadow, workers) a local cluster runs
 PLATFORM = (*RUNTIME, "platform/controlplane/**/*.py", "agent/**/*.py")  # the control plane and the agents
 SKIPPED_TOP = frozenset({".venv", "var", "build", "node_modules"})  # never the project's own code
+# The modules that write a result down: every benchmark imports them, and none of its figures
+# depends on them, so they never make a result stale (results recorded with them list them too).
+RECORDERS = frozenset({"benchmarks/provenance.py", "benchmarks/substance.py"})
 
 
 def _without_docstrings(tree: ast.AST) -> ast.AST:
@@ -41,7 +46,17 @@ def _without_docstrings(tree: ast.AST) -> ast.AST:
 
 def substance(path: Path) -> str:
     """The hash of ``path``'s substance (see the module's docstring); "unreadable" for a file that
-    cannot be read or parsed, which then differs from any recorded hash of a readable one."""
+    cannot be read or parsed, which then differs from any recorded hash of a readable one. Kept per
+    file version (its modification time and size), as the pages judge many results on the same files."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return "unreadable"
+    return _substance(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _substance(path: Path, mtime_ns: int, size: int) -> str:
     try:
         data = path.read_bytes()
         if path.suffix == ".py":
@@ -77,7 +92,7 @@ def imported() -> set[str]:
         file = getattr(module, "__file__", None)
         if file and file.endswith(".py") and (name := _ours(Path(file))):
             found.add(name)
-    return found
+    return found - RECORDERS
 
 
 def code_record(depends_on: tuple[str, ...]) -> dict:
@@ -94,7 +109,7 @@ def changed(code: dict) -> list[str]:
     differ = [
         name if (REPO / name).is_file() else f"{name} (gone)"
         for name, recorded in files.items()
-        if substance(REPO / name) != recorded
+        if name not in RECORDERS and substance(REPO / name) != recorded
     ]
     new = [f"{name} (new)" for name in matched(code.get("depends_on") or []) if name not in files]
     return sorted(differ + new)

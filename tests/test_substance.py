@@ -5,6 +5,7 @@ change of behaviour, a file gone, or a new file its declared globs match."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,23 @@ def test_a_record_names_its_globs_files_and_what_changed_gone_or_new_since(repo:
         "inference/runtime/spec.py (gone)",
         "inference/runtime/store.py (new)",
     ]
+
+
+def test_the_writer_s_own_modules_never_make_a_result_stale(repo: Path) -> None:
+    """Every benchmark imports the writer; no figure depends on it, so changing it stales nothing,
+    also for results that listed it before it was left out."""
+    (repo / "benchmarks").mkdir()
+    writer = repo / "benchmarks" / "provenance.py"
+    writer.write_text("def write(): ...\n")
+    record = substance.code_record(("benchmarks/*.py",))
+    assert "benchmarks/provenance.py" in record["files"]  # matched by the globs it declared, kept
+    writer.write_text("def write(path): ...\n")
+    assert substance.changed(record) == []
+
+
+def test_a_record_leaves_out_the_writer_this_process_imported() -> None:
+    assert "benchmarks.provenance" in sys.modules and "benchmarks.substance" in sys.modules
+    assert not set(substance.code_record(())["files"]) & substance.RECORDERS
 
 
 def test_a_result_is_stale_on_its_pages_exactly_when_its_code_changed(
