@@ -141,6 +141,18 @@ class DraftTuner:
             fitted = fit_effective(positions, distinct, self.experts, self.top_k)
             self.effective += DECAY * (fitted - self.effective)
 
+    def note_timed_pass(
+        self, *, drafts: int, positions: int, kept: int, wait_s: float, step_s: float, experts_s: float, distinct: int
+    ) -> None:
+        """One sequence's whole pass as a simulator times it: ``drafts`` asked for, ``positions``
+        computed (drafts + 1, fewer at an answer's end), ``kept`` drafts kept, main's wait for them,
+        the pass's time and its expert rounds' share, the distinct experts summed over its layers.
+        The runtime notes each of these where it measures it."""
+        self.note_wait(wait_s, drafts)
+        self.note_step(step_s, experts_s, distinct, positions, self.layers)
+        self.note_pass(positions, distinct / self.layers)
+        self.note_verified(min(kept + 1, positions - 1), kept)
+
     def note_wait(self, wait_s: float, asked: int) -> None:
         """Main waited ``wait_s`` before a pass for the shadow's drafts, the most it asked of one
         sequence being ``asked`` (the shadow drafts a batch's sequences together, a forward a token)."""

@@ -425,17 +425,6 @@ class AutoPasses:
         self.expected += expected_tokens(self.agreement, drafts)
         return drafts, positions, min(positions, max(1, round(self.expected) - first))
 
-    def note(
-        self, drafts: int, positions: int, kept: int, *, wait_s: float, step_s: float, experts_s: float, distinct: int
-    ) -> None:
-        """What main measured of the pass (``distinct``: experts served, summed over its layers), as
-        the runtime feeds the tuner."""
-        layers = self.tuner.layers
-        self.tuner.note_wait(wait_s, drafts)
-        self.tuner.note_step(step_s, experts_s, distinct, positions, layers)
-        self.tuner.note_pass(positions, distinct / layers)
-        self.tuner.note_verified(min(kept, positions - 1), kept - 1)
-
 
 def _shadow_guess(real: list[int], experts: int, recall: float, step: int, layer: int) -> list[int]:
     """A deterministic stand-in for a shadow of the given recall (exact when recall is 1)."""
@@ -665,12 +654,15 @@ def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared,
     now = shadow_free = 0.0
     times, tokens, kept_all = [], 0, False
     shadow_pass_s = shape.layers * shadow_layer
-    auto = AutoPasses(shape, options.drafts, agreement_for(options.drafts, options.tokens_per_pass))
-    fixed = iter(draft_passes(len(trace), options.drafts, options.tokens_per_pass))
+    auto, fixed = None, iter(())
+    if options.draft_auto:
+        auto = AutoPasses(shape, options.drafts, agreement_for(options.drafts, options.tokens_per_pass))
+    else:
+        fixed = iter(draft_passes(len(trace), options.drafts, options.tokens_per_pass))
     first, p = 0, 0
     while first < len(trace):
         p += 1
-        if options.draft_auto:
+        if auto is not None:
             drafts, positions, kept = auto.next(first, len(trace))
         else:
             _, positions, kept = next(fixed)
@@ -690,9 +682,15 @@ def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared,
         now += costs.step_fixed_s * positions
         if rates.align_bytes:
             main_link.send(now, rates.align_bytes * kept)
-        if options.draft_auto:
-            auto.note(
-                drafts, positions, kept, wait_s=waited, step_s=now - start, experts_s=experts_s, distinct=distinct
+        if auto is not None:
+            auto.tuner.note_timed_pass(
+                drafts=drafts,
+                positions=positions,
+                kept=kept - 1,
+                wait_s=waited,
+                step_s=now - start,
+                experts_s=experts_s,
+                distinct=distinct,
             )
         times.append(now - start)
         tokens += kept

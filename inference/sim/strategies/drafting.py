@@ -92,13 +92,19 @@ def drafted_decode(
         shadow_free = began + (k + 1) * forward
         if k:  # main waits for the drafts it asked for (a pass of none asks for none)
             now = max(now, began + k * forward)
-        tuner.note_wait(now - start, k)
+        waited = now - start
         verified = now
         now, distinct, experts_s = _serve_pass(strategy, pool, positions, context, now, began, forward, per_layer, rng)
-        tuner.note_step(now - verified, experts_s, distinct, k + 1, m.layers)
-        tuner.note_pass(k + 1, distinct / m.layers)
         kept = kept_drafts(k, agreement, rng)
-        tuner.note_verified(min(kept + 1, k), kept)
+        tuner.note_timed_pass(
+            drafts=k,
+            positions=k + 1,
+            kept=kept,
+            wait_s=waited,
+            step_s=now - verified,
+            experts_s=experts_s,
+            distinct=distinct,
+        )
         tokens = min(kept + 1, len(contexts) - len(times))
         times += [(now - start) / tokens] * tokens
         speculating = kept == k and rng.random() < agreement  # ... and main's own token was its guess
