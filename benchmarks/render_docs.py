@@ -471,11 +471,7 @@ class Renderer:
 
     def summary(self, glob: str, path: str, spec: str, unit: str = "") -> str:
         results = self.values(glob, path)
-        # A list is a result's own repeats: each counts, and the text says they are repeats.
-        pairs = [(name, v) for name, value in results for v in (value if isinstance(value, list) else [value])]
-        nums = [float(v) for _, v in pairs if isinstance(v, int | float) and not isinstance(v, bool)]
-        if len(nums) != len(pairs):
-            raise RenderError(f"{glob}:{path}: not a number in every run")
+        nums = numbers_of(results, f"{glob}:{path}")  # a list is a result's repeats: the text says so
         stale = sum(1 for name, _ in results if self.run(name).stale)
         u = f" {unit}" if unit else ""
         plural = "s" if len(results) != 1 else ""
@@ -615,10 +611,7 @@ class Renderer:
     def recorded(self, measure: str) -> list[float]:
         """Every recorded value of ``GLOB:PATH`` (a list at PATH: each repeat)."""
         glob, _, path = measure.partition(":")
-        values = [v for _, value in self.values(glob, path) for v in (value if isinstance(value, list) else [value])]
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-            raise RenderError(f"{measure}: not a number in every run")
-        return [float(v) for v in values]
+        return numbers_of(self.values(glob, path), measure)
 
     def verdict(self, key: str, measure: str) -> tuple[str, str]:
         """How many recorded values meet target ``key``'s bound, and whether it is reached."""
@@ -664,6 +657,14 @@ class Renderer:
             summary = self.summary(glob, path, f.spec, f.unit)
             rows.append(f"| {f.what} | {goal} | {summary} | {verdict} | [{f.page}](docs/benchmarks/{f.page}.md) |")
         return "\n".join(rows)
+
+
+def numbers_of(results: list[tuple[str, object]], where: str) -> list[float]:
+    """Every number of ``(result, value)`` pairs, a list value counting each of its repeats."""
+    values = [v for _, value in results for v in (value if isinstance(value, list) else [value])]
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        raise RenderError(f"{where}: not a number in every run")
+    return [float(v) for v in values]
 
 
 def set_by(t: Target) -> str:
