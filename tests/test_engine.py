@@ -1,10 +1,11 @@
-"""Main's engine without sockets: its runner and sampler against Transformers' ``generate``.
+"""Main's engine without sockets, against Transformers' ``generate``.
 
-The runner runs a real tiny checkpoint of every family layer by layer, several sequences at
-once with chunked prefill, its experts computed by the checkpoint's own experts module in
-place of the workers; every sequence must be token-identical to its own ``generate`` run,
-greedy and seeded sampling alike, and its logprobs (generated and prompt tokens) must be the
-log-softmax of Transformers' own forward's logits.
+Main's own engine, driven by a host in this process (``tests.engine_host``), runs a real tiny
+checkpoint of every family layer by layer, several sequences at once with chunked prefill, its
+experts computed by the checkpoint's own experts module in place of the workers; every sequence
+must be token-identical to its own ``generate`` run, greedy and seeded sampling alike, also where
+the shadow's drafts are verified (all right, all wrong), and its logprobs (generated and prompt
+tokens) must be the log-softmax of Transformers' own forward's logits.
 """
 
 from __future__ import annotations
@@ -13,18 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from inference.modelio.families import FAMILIES
-from inference.modelio.model import family_of
 from inference.runtime.engine import runner as runner_module
-from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import check_generation_config, sampler_for, token_logprobs
-from inference.runtime.engine.scheduler import Waiting, schedule
-from inference.runtime.engine.sequence import Sequence
-from inference.runtime.records import RequestState, StepRecord
+from inference.runtime.engine.sampling import check_generation_config
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
+from inference.wire.runtime import Done
+from tests.engine_host import run_engine
 
 SHAPE = {"layers": 2, "hidden": 32, "intermediate": 48, "experts": 4, "top_k": 2, "heads": 4, "kv_heads": 2}
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [40, 2], [17, 17, 8, 60, 11, 4, 9, 12, 13, 50, 6]]
@@ -47,78 +45,20 @@ def _load(path: Path) -> torch.nn.Module:
 def _run_engine(
     model, requests: list[dict], *, max_batch: int, prefill_step: int, logprobs: dict | None = None
 ) -> dict[str, list[int]]:
-    """The engine's scheduler, runner and sampler on ``requests``; experts by the model's own module.
+    """Main's engine on ``requests`` (``tests.engine_host``: experts by the model's own module).
 
-    A request with ``top_logprobs`` gets its logprobs gathered as main's engine gathers them
-    into ``logprobs[id]``: ``{"prompt": [...], "generated": [...]}``.
+    A request with ``top_logprobs`` gets its logprobs gathered from its streamed tokens into
+    ``logprobs[id]``: ``{"prompt": [...], "generated": [...]}``.
     """
-    family = family_of(model.config)
-
-    def serve_layer(layer: int, batch: list[Sequence]) -> list[torch.Tensor]:
-        experts = family.experts(model.model.layers[layer])
-        return [experts(s.call.hidden_states, s.call.top_k_index, s.call.top_k_weights) for s in batch]
-
-    def embedded(sequence: Sequence, work, embeds: torch.Tensor) -> None:
-        steps = sequence.state.steps
-        if steps and not sequence.state.token_times:
-            steps[-1].tokens += work.tokens
-        else:
-            steps.append(StepRecord(len(steps), work.tokens, 0.0))
-
-    runner = ModelRunner(model, family, serve_layer, embedded)
-    waiting = list(requests)
-    running: dict[str, Sequence] = {}
-    out: dict[str, list[int]] = {}
-    while waiting or running:
-        views = [Waiting(r["id"], r.get("user", ""), len(r["prompt"]), r["max_new_tokens"]) for r in waiting]
-        plan = schedule(views, [s.view() for s in running.values()], max_batch=max_batch, prefill_step=prefill_step)
-        for request_id, _ in plan.leaves:
-            out[request_id] = running.pop(request_id).state.generated
-        for r in [waiting[i] for i in plan.joins]:
-            waiting.remove(r)
-            state = RequestState(r["id"], b"", len(r["prompt"]), r["max_new_tokens"], 1, 1, 0.0)
-            state.cache = DynamicCache(config=model.config)
-            sampler = sampler_for(
-                model,
-                prompt_len=len(r["prompt"]),
-                max_new_tokens=r["max_new_tokens"],
-                do_sample=r.get("do_sample", False),
-                temperature=r.get("temperature", 1.0),
-                top_p=r.get("top_p", 1.0),
-                seed=r.get("seed"),
-                device=torch.device("cpu"),
-            )
-            tokens = torch.tensor([r["prompt"]], dtype=torch.long)
-            asks = "top_logprobs" in r
-            running[r["id"]] = Sequence(
-                state,
-                r.get("user", ""),
-                sampler,
-                tokens,
-                joined_step=0,
-                logprobs=asks,
-                top_logprobs=r.get("top_logprobs", 0),
-                prompt_logprobs=[] if asks else None,
-            )
-            if asks and logprobs is not None:
-                logprobs[r["id"]] = {"prompt": running[r["id"]].prompt_logprobs, "generated": []}
-        batch = [(running[w.request_id], w) for w in plan.work]
-        if not batch:
-            continue
-        for (s, work), step in zip(batch, runner.run(batch), strict=True):
-            s.computed = work.end
-            if step.prompt is not None and s.prompt_logprobs is not None:
-                s.prompt_logprobs += step.prompt
-            if step.last is not None:
-                token = s.sampler.next_token(s.tokens, step.last)
-                if s.logprobs and logprobs is not None:
-                    entries = token_logprobs(step.last, torch.tensor([token]), s.top_logprobs)
-                    logprobs[s.request_id]["generated"] += entries
-                s.state.generated.append(token)
-                s.state.token_times.append(0.0)
-                s.tokens = torch.cat([s.tokens, torch.tensor([[token]])], dim=1)
-                s.ended = token in s.sampler.eos
-    return out
+    asked = [{**r, "logprobs": "top_logprobs" in r, "prompt_logprobs": "top_logprobs" in r} for r in requests]
+    ends, streamed = run_engine(model, asked, max_batch=max_batch, prefill_step=prefill_step, prefix_cache=False)
+    for request_id, tokens in streamed.items():
+        if logprobs is not None and tokens and tokens[0].prompt_logprobs is not None:
+            logprobs[request_id] = {"prompt": tokens[0].prompt_logprobs, "generated": [t.logprob for t in tokens]}
+    done = {request_id: end for request_id, end in ends.items() if isinstance(end, Done)}
+    assert done.keys() == ends.keys(), ends
+    assert all(end.token_ids == [t.token_id for t in streamed[i]] for i, end in done.items())
+    return {request_id: end.token_ids for request_id, end in done.items()}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -131,6 +71,32 @@ def test_every_sequence_of_an_engine_batch_is_token_identical_to_its_own_generat
     got = _run_engine(model, requests, max_batch=2, prefill_step=4)
     for i, prompt in enumerate(PROMPTS):
         assert got[f"r{i}"] == reference_generate(models[family], prompt, 6, prefill_step=4), family
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("drafts", ["right", "wrong"])
+def test_drafts_main_verifies_change_no_token(models: dict[str, Path], family: str, drafts: str) -> None:
+    """Up to 4 drafts a pass, three sequences at once: drafts equal to ``generate``'s next tokens
+    are all kept (the answers in fewer passes), drafts that are all wrong all refused; the tokens
+    are ``generate``'s either way."""
+    model = _load(models[family])
+    expected = {f"r{i}": reference_generate(models[family], p, 9) for i, p in enumerate(PROMPTS)}
+
+    def drafter(ask) -> list[int]:
+        right = expected[ask.request_id][ask.position : ask.position + ask.tokens]
+        return right if drafts == "right" else [(t + 1) % model.config.vocab_size for t in right]
+
+    requests = [{"id": f"r{i}", "prompt": p, "max_new_tokens": 9} for i, p in enumerate(PROMPTS)]
+    ends, _ = run_engine(model, requests, drafter=drafter, max_batch=3, draft_tokens=4, prefix_cache=False)
+    for request_id, end in ends.items():
+        assert isinstance(end, Done), end
+        assert end.token_ids == expected[request_id], (family, drafts)
+        counts = end.metrics["drafts"]
+        assert counts["drafted"] > 0 and counts["unanswered"] == 0
+        assert counts["accepted"] == (counts["drafted"] if drafts == "right" else 0)
+        # After the prefill's token, all kept: 4 drafts and 1 more, then 2 drafts (no pass drafts
+        # past 9 tokens) and 1 more; none kept: a token a pass, the last pass drafting none.
+        assert counts["passes"] == (2 if drafts == "right" else 7)
 
 
 def test_a_seeded_sampled_sequence_draws_what_generate_drew_after_manual_seed(models: dict[str, Path]) -> None:

@@ -1,13 +1,14 @@
-"""Main's engine: the step loop that owns every sequence from join to finish.
+"""Main's engine: the batch, the requests waiting for a place, and the step that moves them.
 
 One thread. Each step the scheduler (pure) says who leaves, who joins and what each
 sequence computes; the runner runs that work through the model, layer by layer, the
-experts by the exchange; each sequence that reached a new token samples it, streams it to
-its client (``Token``, with its logprobs where they were asked for) and aligns the shadow;
-a sequence that is done leaves at the next plan and its client gets its ``Done`` (or ``Failed``). Between steps
-main reads whatever arrived (new requests, cancels, predictions). Peers, sessions and
-admission stay in main's role, which the engine reaches through one typed interface
-(``inference.runtime.engine.host.Host``) and never imports.
+experts by the exchange it was given; each sequence that reached a new token samples it, streams
+it to its client (``Token``, with its logprobs where they were asked for) and aligns the shadow;
+a sequence that is done leaves at the next plan and its client gets its ``Done`` (or ``Failed``).
+What comes in reaches it through its methods (``submit``, ``cancel``, ``predicted``, ``drafted``,
+``realign``), and what goes out leaves through its host (``inference.runtime.engine.host.Host``):
+main's role, which keeps the sockets, the peers and the session, calls ``step`` from its one loop
+and reads its inbox between steps. The engine imports no role.
 
 With ``draft_tokens`` set, each decode also verifies the shadow's drafts of the sequence's next
 tokens in the same pass (``inference.runtime.engine.drafts``): the engine asks the shadow after
@@ -21,6 +22,8 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -45,28 +48,44 @@ from inference.runtime.records import RequestState, StepRecord
 from inference.wire.runtime import Align, Done, DraftAsk, Drafts, Failed, Generate, Prediction, ShadowBegin, Token
 
 if TYPE_CHECKING:
+    import llguidance
+
     from inference.runtime.engine.guesses import Guesses
-    from inference.runtime.engine.host import Host
+    from inference.runtime.engine.host import Host, LayerServer, Served
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
-    """The batch of sequences and the loop that steps it."""
+@dataclass
+class Queued:
+    """A request admitted and waiting for a place in the batch: its client, and its own matcher
+    of its compiled grammar (None without one)."""
 
-    def __init__(self, role: Host, guesses: Guesses) -> None:
-        self.role = role
+    msg: Generate
+    client: bytes
+    matcher: llguidance.LLMatcher | None = None
+
+
+class Engine:
+    """The batch of sequences, the requests waiting for a place, and the step that moves them."""
+
+    def __init__(self, host: Host, served: Served, exchange: LayerServer, guesses: Guesses) -> None:
+        self.host = host
+        self.served = served
+        self.settings = settings = served.settings
         self.guesses = guesses
         self.batch: dict[str, Sequence] = {}
-        self.runner = ModelRunner(role.model, role.family, role.exchange.serve_layer, self._embedded)
-        self.prefixes = PrefixCache() if role.spec.settings.prefix_cache else None
-        self.draft_tokens = role.spec.settings.draft_tokens  # 0: a token a pass
+        self.waiting: deque[Queued] = deque()  # continuous batching: admitted, not yet joined
+        self.token_period, self.kv_period = settings.token_period, settings.kv_period  # the shadow's alignment
+        self.runner = ModelRunner(served.model, served.family, exchange.serve_layer, self._embedded)
+        self.prefixes = PrefixCache() if settings.prefix_cache else None
+        self.draft_tokens = settings.draft_tokens  # 0: a token a pass
         self.tuner = DraftTuner(
             most=self.draft_tokens,
-            auto=role.spec.settings.draft_policy == "auto",
-            experts=role.placement.n_experts,
-            top_k=role.model.config.num_experts_per_tok,
-            layers=role.placement.n_layers,  # its MoE layers, each one expert round
+            auto=settings.draft_policy == "auto",
+            experts=served.placement.n_experts,
+            top_k=served.model.config.num_experts_per_tok,
+            layers=served.placement.n_layers,  # its MoE layers, each one expert round
         )
         # A waiting request's prefix found in the store: (the store's version then, its blocks),
         # held from the step that plans its join to the join, whatever the store drops meanwhile.
@@ -75,34 +94,77 @@ class Engine:
     @functools.cached_property
     def eos(self) -> tuple[int, ...]:
         """The ids that end a generation, as the samplers have them (the generation config's)."""
-        return tuple(sorted(end_ids(self.role.model, self.role.device)))
+        return tuple(sorted(end_ids(self.served.model, self.served.device)))
 
-    def serve(self) -> None:
-        """Run steps until no sequence runs and none waits (or main is told to stop)."""
-        role = self.role
-        reason = "main failed while serving the batch"
-        try:
-            while (self.batch or role.waiting) and not role.stopping:
-                self.step()
-                role.drain_inbox()
-            reason = "main is shutting down"
-        finally:
-            for sequence in list(self.batch.values()):  # on a stop, or an error of main's own
-                if not done(sequence.view()):
-                    sequence.error = sequence.error or reason
-                self._finish(sequence)
-            while role.waiting:
-                msg, client = role.waiting.popleft()
-                role.compiles.forget(msg.request_id)
-                role.answer(client, Failed(request_id=msg.request_id, error=reason))
-            if role.session:
-                role.end_session()
+    # --- what comes in ----------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Whether a sequence runs or a request waits: the host steps the engine while it is."""
+        return bool(self.batch or self.waiting)
+
+    def submit(self, msg: Generate, client: bytes, matcher: llguidance.LLMatcher | None = None) -> None:
+        """An admitted request (its grammar compiled, if it has one) waits for a place in the batch."""
+        self.waiting.append(Queued(msg, client, matcher))
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a generation with this id runs or waits here."""
+        return request_id in self.batch or any(q.msg.request_id == request_id for q in self.waiting)
+
+    def users(self) -> tuple[list[str], list[str]]:
+        """The users of the running sequences and of the waiting requests, one entry each."""
+        return [s.user for s in self.batch.values()], [q.msg.user for q in self.waiting]
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a running sequence after its current step, or drop a waiting request (answered at
+        once): whether either was here."""
+        sequence = self.batch.get(request_id)
+        if sequence is not None:
+            sequence.state.cancelled = True
+            return True
+        queued = next((q for q in self.waiting if q.msg.request_id == request_id), None)
+        if queued is None:
+            return False
+        self.waiting.remove(queued)
+        self.host.answer(queued.client, cancelled(request_id))
+        return True
+
+    def realign(self, token_period: int, kv_period: int) -> bool:
+        """New alignment periods (validated by the host), logged by every running sequence from
+        its next step: whether any runs (the shadow is then told)."""
+        self.token_period, self.kv_period = token_period, kv_period
+        for sequence in self.batch.values():
+            # The step whose alignment is the first under the new periods: the one after the
+            # step the sequence is in (between steps, in its next one already).
+            sequence.state.alignment_log.append(
+                {"from_step": sequence.at[0] + 1, "token_period": token_period, "kv_period": kv_period}
+            )
+        return bool(self.batch)
+
+    def note_lost(self, peer: str) -> None:
+        """A peer was lost: every running sequence's metrics name it."""
+        for sequence in self.batch.values():
+            sequence.state.roles_lost.add(peer)
+
+    def abort(self, reason: str) -> None:
+        """End every sequence and waiting request now, each client told ``reason`` (main stops, or a
+        step failed outside any one sequence); a sequence that had already ended is answered as such."""
+        for sequence in list(self.batch.values()):
+            if not done(sequence.view()):
+                sequence.error = sequence.error or reason
+            self._finish(sequence)
+        while self.waiting:
+            queued = self.waiting.popleft()
+            self.host.answer(queued.client, Failed(request_id=queued.msg.request_id, error=reason))
+
+    # --- the step ---------------------------------------------------------------------------
 
     def step(self) -> None:
         """One step: the scheduler's plan, the model over the batch, a token per sampling sequence."""
-        role, settings = self.role, self.role.spec.settings
+        settings = self.settings
         waiting = [
-            Waiting(m.request_id, m.user, len(m.prompt_ids), m.max_new_tokens, self._cached(m)) for m, _ in role.waiting
+            Waiting(q.msg.request_id, q.msg.user, len(q.msg.prompt_ids), q.msg.max_new_tokens, self._cached(q.msg))
+            for q in self.waiting
         ]
         self._held = {w.request_id: self._held[w.request_id] for w in waiting if w.request_id in self._held}
         plan = plan_step(
@@ -113,26 +175,26 @@ class Engine:
         )
         # The joiners are taken by identity before anyone leaves: a leaver's end reads main's inbox
         # (the shadow's statistics), where a cancel may take a waiting request out of the queue.
-        joining = [role.waiting[i] for i in plan.joins]
+        joining = [self.waiting[i] for i in plan.joins]
         for request_id, _ in plan.leaves:
             self._finish(self.batch[request_id])
-        for entry in joining:
-            if not any(waiting is entry for waiting in role.waiting):
+        for queued in joining:
+            if not any(waiting is queued for waiting in self.waiting):
                 continue  # cancelled while the leavers ended: answered already, nothing to join
-            role.waiting.remove(entry)
-            self._join(*entry)
+            self.waiting.remove(queued)
+            self._join(queued)
         # The plan's work, less a joiner that was cancelled before it joined.
         batch = [(self.batch[w.request_id], w) for w in plan.work if w.request_id in self.batch]
         if not batch:
             return
         if self.draft_tokens:
             batch = self._with_drafts(batch)
-        role.begin_step()
+        self.host.begin_step()
         try:
             started = time.perf_counter()
             outputs = self.runner.run(batch)
             if self.draft_tokens and self.tuner.auto:  # what auto chooses from; fixed needs none of it
-                self._time_step(batch, time.perf_counter() - started)
+                note_timed_step(self.tuner, batch, time.perf_counter() - started)
             for (s, work), out in zip(batch, outputs, strict=True):
                 s.computed = work.end
                 if out.prompt is not None and s.prompt_logprobs is not None:
@@ -180,49 +242,33 @@ class Engine:
     def _ask_drafts(self, s: Sequence) -> None:
         """Ask the shadow for a sequence's next pass: its drafts from the next token on (behind the
         ``Align`` of every token streamed, on the same link)."""
-        role = self.role
-        if not role.shadow_serving or done(s.view()):
+        if not self.host.shadow_serving or done(s.view()):
             return
         position = len(s.state.generated)
         tokens = draft_length(self.tuner.drafts(), position, s.state.max_new_tokens)
         s.drafting.ask(s.step + 1, position, tokens)
-        role.tell_shadow(DraftAsk(request_id=s.request_id, step=s.step + 1, position=position, tokens=tokens))
-
-    def _time_step(self, batch: list[tuple[Sequence, Work]], step_s: float) -> None:
-        """What ``auto`` learns from a decode step: its time, its expert rounds' share of it and the
-        distinct experts they served, and how each drafted pass's positions shared experts."""
-        if any(w.start < s.prompt_len for s, w in batch):
-            return  # a prefill's step: its positions are not a decode's
-        records = [s.state.steps[-1].layers for s, _ in batch]
-        layers = len(records[0])
-        union = [set().union(*(r[layer].real for r in records)) for layer in range(layers)]
-        experts_s = sum(record.dispatch_ms for record in records[0]) / 1000
-        positions = sum(1 + len(w.drafts) for _, w in batch)
-        self.tuner.note_step(step_s, experts_s, sum(len(u) for u in union), positions, layers)
-        for (_, w), layered in zip(batch, records, strict=True):
-            if w.drafts and layered:
-                self.tuner.note_pass(1 + len(w.drafts), sum(len(r.real) for r in layered) / len(layered))
+        self.host.tell_shadow(DraftAsk(request_id=s.request_id, step=s.step + 1, position=position, tokens=tokens))
 
     def _with_drafts(self, batch: list[tuple[Sequence, Work]]) -> list[tuple[Sequence, Work]]:
         """Each decode's drafts for this pass, once the shadow answered every one asked for (no longer
         than the deployment's timeout; not at all while the shadow is lost): a late answer is dropped
         and the pass decodes its one token, the same token."""
-        role = self.role
+        host, timeout_s = self.host, self.settings.timeout_s
         decodes = [s for s, w in batch if w.samples and w.start >= s.prompt_len]
-        deadline = time.monotonic() + role.spec.settings.timeout_s
+        deadline = time.monotonic() + timeout_s
         began = time.perf_counter()
         asked = max((s.drafting.asked for s in decodes if s.drafting.step == s.step + 1), default=0)
         while any(s.drafting.waiting(s.step + 1) for s in decodes):
-            role.note_links()  # a lost shadow is noticed before any wait
-            if not role.shadow_serving or role.stopping:
+            host.note_links()  # a lost shadow is noticed before any wait
+            if not host.shadow_serving or host.stopping:
                 break
             if time.monotonic() >= deadline:
                 log.warning(
                     "the shadow's drafts did not come within %.0f s: this pass decodes without",
-                    role.spec.settings.timeout_s,
+                    timeout_s,
                 )
                 break
-            role.wait_for_side_message(deadline)
+            host.wait_for_side_message(deadline)
         if self.tuner.auto:  # what auto weighs a draft's wait by
             self.tuner.note_wait(time.perf_counter() - began, asked)
         return [
@@ -261,7 +307,7 @@ class Engine:
     def _prefix_room(self) -> int:
         """Tokens of KV the prefix cache may hold: main's reserved KV (``max_batch`` sequences of
         ``DEFAULT_CONTEXT_TOKENS``) less what the running sequences may fill."""
-        settings = self.role.spec.settings
+        settings = self.settings
         running = sum(s.prompt_len + s.state.max_new_tokens for s in self.batch.values())
         return settings.max_batch * DEFAULT_CONTEXT_TOKENS - running
 
@@ -271,51 +317,49 @@ class Engine:
                 s.error = error
                 self._finish(s)
 
-    def _join(self, msg: Generate, client: bytes) -> None:
+    def _join(self, queued: Queued) -> None:
         """A waiting request joins the batch: its state, cache, sampler; the workers and shadow told."""
-        role = self.role
-        if not role.session:
-            role.begin_session(msg)
+        served, msg = self.served, queued.msg
+        model, device = served.model, served.device
         state = RequestState(
             msg.request_id,
-            client,
+            queued.client,
             len(msg.prompt_ids),
             msg.max_new_tokens,
-            role.token_period,
-            role.kv_period,
+            self.token_period,
+            self.kv_period,
             time.perf_counter(),
         )
-        if role.prerouter is not None:
-            state.routes = SequenceRoutes(role.prerouter)
+        if served.prerouter is not None:
+            state.routes = SequenceRoutes(served.prerouter)
         _, blocks = self._held.pop(msg.request_id, (0, []))
-        state.cache = cache_from(blocks, role.model.config) if blocks else DynamicCache(config=role.model.config)
+        state.cache = cache_from(blocks, model.config) if blocks else DynamicCache(config=model.config)
         if self.draft_tokens:
             state.cache.activate_past_recording()  # a sliding window can drop rejected drafts (drafts.trim_cache)
         cached = state.cached_prompt_tokens = state.cache.get_seq_length()
         sampler = sampler_for(
-            role.model,
+            model,
             prompt_len=len(msg.prompt_ids),
             max_new_tokens=msg.max_new_tokens,
             do_sample=msg.do_sample,
             temperature=msg.temperature,
             top_p=msg.top_p,
             seed=msg.seed,
-            device=role.device,
-            # Its own copy of its compiled grammar (compiled off this loop before it queued).
-            constraint=Constraint(role.compiles.take(msg.request_id), role.model.config.vocab_size)
-            if msg.grammar
-            else None,
+            device=device,
+            # Its own copy of its compiled grammar (compiled off main's loop before it queued).
+            constraint=Constraint(queued.matcher, model.config.vocab_size) if queued.matcher is not None else None,
         )
-        tokens = torch.tensor([msg.prompt_ids], dtype=torch.long, device=role.device)
+        tokens = torch.tensor([msg.prompt_ids], dtype=torch.long, device=device)
         # A prompt prefilled in pieces takes a step per piece; its step 0, as the workers
         # and the shadow count, is the last piece's.
-        pieces = prefill_pieces(len(msg.prompt_ids), role.spec.settings.prefill_step, cached)
+        pieces = prefill_pieces(len(msg.prompt_ids), self.settings.prefill_step, cached)
+        begin = shadow_begin(msg, sampler.generator, self.token_period, self.kv_period)
         sequence = Sequence(
             state,
             msg.user,
             sampler,
             tokens,
-            joined_step=role.step + len(pieces),
+            joined_step=self.host.announce_join(msg, len(pieces), begin),
             prefix_root=namespace_root(msg.user, msg.prefix_namespace),
             computed=cached,
             cached=cached,
@@ -327,8 +371,6 @@ class Engine:
         self.batch[msg.request_id] = sequence
         if self.prefixes is not None:
             self.prefixes.trim(self._prefix_room())  # room for it, before it fills any
-        begin = shadow_begin(msg, sampler.generator, role.token_period, role.kv_period)
-        role.announce_join(msg, sequence.joined_step, begin)
 
     def _embedded(self, sequence: Sequence, work: Work, embeds: torch.Tensor) -> None:
         """A sequence's step embedded its tokens: main's layer-0 guess, then the step's record."""
@@ -343,7 +385,7 @@ class Engine:
 
     def _on_token(self, sequence: Sequence, token: int, logits: torch.Tensor) -> None:
         """A new token (sampled from ``logits`` [1, V]): keep it, stream it, then align the shadow."""
-        role, state = self.role, sequence.state
+        host, state = self.host, sequence.state
         now = time.perf_counter()
         state.steps[-1].finished = now
         state.token_times.append(now)
@@ -351,56 +393,34 @@ class Engine:
         sequence.tokens = torch.cat([sequence.tokens, sequence.tokens.new_tensor([[token]])], dim=1)
         sequence.ended = token in sequence.sampler.eos
         sequence.at = (sequence.step + 1, 0)
-        report = step_report(state.steps[-1], role.placement) if state.steps and sequence.step_reports else None
+        report = step_report(state.steps[-1], self.served.placement) if state.steps and sequence.step_reports else None
         logprob = None
         if sequence.logprobs:
             (logprob,) = token_logprobs(logits, torch.tensor([token]), sequence.top_logprobs)
         prompt, sequence.prompt_logprobs = sequence.prompt_logprobs, None  # the first token carries them
         index = len(state.generated) - 1
         event = Token(request_id=state.request_id, index=index, token_id=token, step=report, logprob=logprob)
-        role.answer(state.client, msgspec.structs.replace(event, prompt_logprobs=prompt))
+        host.answer(state.client, msgspec.structs.replace(event, prompt_logprobs=prompt))
         next_step = len(state.generated)
-        if role.shadow_serving and next_step < state.max_new_tokens:
-            role.tell_shadow(self._align_message(state, next_step, token))
-
-    def _align_message(self, state: RequestState, step: int, token: int) -> Align:
-        role = self.role
-        token_due, kv_due = schedule.alignment_due(step, role.token_period, role.kv_period)
-        token_due = token_due or bool(self.draft_tokens)  # the shadow drafts on main's every token
-        keys = values = None
-        kv_from = kv_to = 0
-        if kv_due and state.cache is not None:
-            # The shadow gets main's cache for the positions it has not been given yet, up to the
-            # step's (a drafted pass's later tokens' positions follow with their own steps).
-            kv_from, kv_to = state.kv_synced, min(state.cache.get_seq_length(), state.prompt_len + step - 1)
-            keys = torch.stack([layer.keys[:, :, kv_from:kv_to] for layer in state.cache.layers])
-            values = torch.stack([layer.values[:, :, kv_from:kv_to] for layer in state.cache.layers])
-            state.kv_synced = kv_to
-        return Align(
-            request_id=state.request_id,
-            step=step,
-            token=token if token_due else None,
-            kv_from=kv_from,
-            kv_to=kv_to,
-            keys=keys,
-            values=values,
-        )
+        if host.shadow_serving and next_step < state.max_new_tokens:
+            periods = (self.token_period, self.kv_period)
+            host.tell_shadow(align_message(state, next_step, token, *periods, drafts=self.draft_tokens))
 
     def _finish(self, sequence: Sequence) -> None:
         """A sequence left the batch: end it everywhere and answer its client."""
-        role, state = self.role, sequence.state
+        host, state = self.host, sequence.state
         # Still in the batch while the shadow ends it: its last predictions may be on the way.
-        shadow_stats = role.end_shadow(state.request_id)
+        shadow_stats = host.end_shadow(state.request_id)
         del self.batch[state.request_id]
         if self.prefixes is not None and sequence.error is None and state.cache is not None:
             self.prefixes.store(
                 sequence.tokens[0].tolist(), state.cache, self._prefix_room(), root=sequence.prefix_root
             )
-        last = not self.batch and not role.waiting
-        role.announce_leave(state.request_id, sequence.joined_step, last=last)
+        last = not self.batch and not self.waiting
+        worker_stats = host.announce_leave(state.request_id, sequence.joined_step, last=last)
         if sequence.error is not None:
             log.error("generation %s failed: %s", state.request_id, sequence.error)
-            role.answer(state.client, Failed(request_id=state.request_id, error=sequence.error))
+            host.answer(state.client, Failed(request_id=state.request_id, error=sequence.error))
             return
         generated = list(state.generated)
         finish_reason = "length"
@@ -410,16 +430,16 @@ class Engine:
             finish_reason = "stop"
         metrics = build_metrics(
             state,
-            dict(role.worker_stats) if last else {},
+            worker_stats,
             shadow_stats,
-            role.placement,
-            token_period=role.token_period,
-            kv_period=role.kv_period,
+            self.served.placement,
+            token_period=self.token_period,
+            kv_period=self.kv_period,
         )
         metrics["roles_lost"] = sorted(state.roles_lost)
         metrics["joined_step"] = sequence.joined_step
         metrics["prefill_pieces"] = len(
-            prefill_pieces(state.prompt_len, role.spec.settings.prefill_step, state.cached_prompt_tokens)
+            prefill_pieces(state.prompt_len, self.settings.prefill_step, state.cached_prompt_tokens)
         )
         metrics["cached_prompt_tokens"] = state.cached_prompt_tokens
         metrics["max_batch"] = max((step.batch for step in state.steps), default=1)
@@ -430,7 +450,7 @@ class Engine:
                 "tokens_per_pass": (len(generated) - 1) / decodes if decodes else 0.0,
                 "distinct_experts": distinct_experts(state.steps[1:]),
             }
-        role.answer(
+        host.answer(
             state.client,
             Done(request_id=state.request_id, token_ids=generated, finish_reason=finish_reason, metrics=metrics),
         )
@@ -459,3 +479,52 @@ def shadow_begin(msg: Generate, generator: torch.Generator | None, token_period:
         seed=generator.initial_seed() if generator is not None else None,
         grammar=msg.grammar,
     )
+
+
+def cancelled(request_id: str) -> Done:
+    """The answer to a request cancelled before it ran: no tokens."""
+    return Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
+
+
+def align_message(
+    state: RequestState, step: int, token: int, token_period: int, kv_period: int, *, drafts: int
+) -> Align:
+    """What the shadow is told after main's token at ``step``: the token where due (always while
+    it drafts), and main's cache for the positions it was not given yet, where due."""
+    token_due, kv_due = schedule.alignment_due(step, token_period, kv_period)
+    token_due = token_due or bool(drafts)  # the shadow drafts on main's every token
+    keys = values = None
+    kv_from = kv_to = 0
+    if kv_due and state.cache is not None:
+        # The shadow gets main's cache for the positions it has not been given yet, up to the
+        # step's (a drafted pass's later tokens' positions follow with their own steps).
+        kv_from, kv_to = state.kv_synced, min(state.cache.get_seq_length(), state.prompt_len + step - 1)
+        keys = torch.stack([layer.keys[:, :, kv_from:kv_to] for layer in state.cache.layers])
+        values = torch.stack([layer.values[:, :, kv_from:kv_to] for layer in state.cache.layers])
+        state.kv_synced = kv_to
+    return Align(
+        request_id=state.request_id,
+        step=step,
+        token=token if token_due else None,
+        kv_from=kv_from,
+        kv_to=kv_to,
+        keys=keys,
+        values=values,
+    )
+
+
+def note_timed_step(tuner: DraftTuner, batch: list[tuple[Sequence, Work]], step_s: float) -> None:
+    """What ``auto`` learns from a decode step (``step_s`` long): its expert rounds' share of it and
+    the distinct experts they served, and how each drafted pass's positions shared experts. A
+    prefill's step teaches it nothing: its positions are not a decode's."""
+    if any(w.start < s.prompt_len for s, w in batch):
+        return
+    records = [s.state.steps[-1].layers for s, _ in batch]
+    layers = len(records[0])
+    union = [set().union(*(r[layer].real for r in records)) for layer in range(layers)]
+    experts_s = sum(record.dispatch_ms for record in records[0]) / 1000
+    positions = sum(1 + len(w.drafts) for _, w in batch)
+    tuner.note_step(step_s, experts_s, sum(len(u) for u in union), positions, layers)
+    for (_, w), layered in zip(batch, records, strict=True):
+        if w.drafts and layered:
+            tuner.note_pass(1 + len(w.drafts), sum(len(r.real) for r in layered) / len(layered))

@@ -1,16 +1,19 @@
-"""What the engine needs of the role that hosts it: one typed interface, so the engine names no role.
+"""The engine's two sides: what it serves (``Served``), and the role around it (``Host``).
 
-Main's role (``inference.runtime.roles.main.MainRole``) is the engine's host: it holds the model
-and the sockets, admits requests into ``waiting``, keeps the session with the workers and the
-shadow, and notices lost peers. The engine (``engine.Engine``) steps the batch and reaches the
-host only through these members, so the engine's modules import nothing of the roles and a
-different host (a test's, the simulator's) can drive the same engine. It sends through the host's
-two typed outputs (``answer``: tokens and ends to a client; ``tell_shadow``), never a socket.
+The engine (``engine.Engine``) is main's batch and its step; it never imports a role. What comes
+in reaches it through its own methods (``submit``, ``cancel``, ``predicted``, ``drafted``,
+``realign``); what goes out leaves through the host: a request's ``Token``, ``Done`` and
+``Failed`` to its client (``answer``), main's tokens and asks for drafts to the shadow
+(``tell_shadow``), and the session's news to the workers (``announce_join``, ``announce_leave``).
+The experts of each layer come from the exchange it is given (``LayerServer``). Main's role
+(``inference.runtime.roles.main.MainRole``) is the host that runs it: it keeps the sockets, the
+peers' health and the session with the workers, and calls ``Engine.step`` from its one loop. A
+different host and exchange (a test's, in one process) can drive the same engine.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -19,9 +22,8 @@ if TYPE_CHECKING:
 
     from inference.modelio.families.base import Family
     from inference.policies.placement import Placement
-    from inference.runtime.engine.compiles import Compiles
-    from inference.runtime.engine.exchange import Exchange
-    from inference.runtime.spec import RoleSpec
+    from inference.runtime.engine.sequence import Sequence
+    from inference.settings import DeploymentSettings
     from inference.wire.runtime import (
         Align,
         Done,
@@ -35,40 +37,64 @@ if TYPE_CHECKING:
     )
 
 
-class Host(Protocol):
-    """Main's side of the engine: the model it runs, the requests it admitted, its session and peers."""
+@dataclass(frozen=True)
+class Served:
+    """What the engine serves, fixed from the start: the deployment's settings, main's part of the
+    model on its device, the family's layout, where the experts live, and the prerouter's heads
+    (None unless the strategy uses them)."""
 
-    # What it serves, fixed from the start.
-    spec: RoleSpec
+    settings: DeploymentSettings
     model: PreTrainedModel
     family: Family
     device: torch.device
     placement: Placement
-    prerouter: torch.nn.Module | None
-    exchange: Exchange
-    compiles: Compiles[Generate]
-    # What changes as it serves: admitted requests not yet joined (each with its client), the
-    # session with the workers and its step, the alignment periods, what the workers reported.
-    waiting: deque[tuple[Generate, bytes]]
-    stopping: bool
-    session: str
-    step: int
-    token_period: int
-    kv_period: int
-    worker_stats: dict[int, WorkerStats]
+    prerouter: torch.nn.Module | None = None
 
-    # What the engine sends: a request's events to the client that asked, and to the shadow main's
-    # tokens (with their KV where due) and its asks for drafts. The workers hear from the exchange.
-    def answer(self, client: bytes, event: Token | Done | Failed) -> None: ...
-    def tell_shadow(self, msg: Align | DraftAsk) -> None: ...
+
+class LayerServer(Protocol):
+    """The expert exchange: one MoE layer's experts for the whole batch, each sequence's summed
+    expert output [T, H] in batch order (``exchange.Exchange``, over the workers)."""
+
+    def serve_layer(self, layer: int, batch: list[Sequence]) -> list[torch.Tensor]: ...
+
+
+class Host(Protocol):
+    """Main's side of the engine: its links to the clients, the shadow and the workers."""
+
     @property
-    def shadow_serving(self) -> bool: ...
-    def drain_inbox(self) -> None: ...
-    def note_links(self) -> None: ...
-    def wait_for_side_message(self, deadline: float) -> None: ...
-    def begin_session(self, first: Generate) -> None: ...
-    def begin_step(self) -> None: ...
-    def end_session(self) -> None: ...
-    def announce_join(self, msg: Generate, joined_step: int, shadow_begin: ShadowBegin) -> None: ...
-    def announce_leave(self, request_id: str, joined_step: int, *, last: bool) -> None: ...
-    def end_shadow(self, request_id: str) -> ShadowStats | None: ...
+    def stopping(self) -> bool:
+        """Whether main was told to stop (a wait for the shadow ends)."""
+        ...
+
+    @property
+    def shadow_serving(self) -> bool:
+        """Whether a shadow follows the sequences now (there is one, and it is not lost)."""
+        ...
+
+    def answer(self, client: bytes, event: Token | Done | Failed) -> None:
+        """A request's event to the client that sent it."""
+
+    def tell_shadow(self, msg: Align | DraftAsk) -> None:
+        """Main's token (and KV where due), or an ask for drafts, to the shadow."""
+
+    def note_links(self) -> None:
+        """Act on the peers' links now (a lost shadow stops being asked)."""
+
+    def wait_for_side_message(self, deadline: float) -> None:
+        """The next message before ``deadline`` handled (drafts reach the engine through it)."""
+
+    def begin_step(self) -> None:
+        """A pass over the batch begins: the session's step moves on."""
+
+    def announce_join(self, msg: Generate, pieces: int, shadow_begin: ShadowBegin) -> int:
+        """A request joins the batch and prefills in ``pieces`` steps: a session is begun if none
+        runs, the workers and the shadow told; the session step of its first token."""
+        ...
+
+    def announce_leave(self, request_id: str, joined_step: int, *, last: bool) -> dict[int, WorkerStats]:
+        """A sequence left; the last one ends the session: its workers' statistics ({} otherwise)."""
+        ...
+
+    def end_shadow(self, request_id: str) -> ShadowStats | None:
+        """The shadow told a sequence ended: its statistics for it, if they come in time."""
+        ...

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -34,10 +34,11 @@ from inference.policies import schedule
 from inference.policies.placement import Placement, placement_from_dict
 from inference.policies.strategies import get_strategy, predictor_for
 from inference.runtime.engine.compiles import Compiles
-from inference.runtime.engine.engine import Engine
+from inference.runtime.engine.engine import Engine, cancelled
 from inference.runtime.engine.exchange import Exchange, worker_index
 from inference.runtime.engine.grammar import grammar_tokenizer
 from inference.runtime.engine.guesses import Guesses
+from inference.runtime.engine.host import Served
 from inference.runtime.engine.sampling import check_generation_config
 from inference.runtime.engine.scheduler import Admission, admission, refusal, request_problem
 from inference.runtime.importance import ResidentExperts, load_similarity
@@ -107,10 +108,6 @@ class MainRole:
         self.endpoint = open_endpoint(spec)
         connect_peers(self.endpoint, spec, workers=True, shadow=self.has_shadow, main=False, watch=True)
         self.health = PeerHealth(self.endpoint, self.endpoint.peers)
-        self.token_period = spec.settings.token_period
-        self.kv_period = spec.settings.kv_period
-        # Continuous batching: the requests waiting for a place (the engine holds those running).
-        self.waiting: deque[tuple[Generate, bytes]] = deque()
         # Cancels that came before their request: a client's cancel travels another connection than
         # its request and may overtake it; the request then ends at once (as many as are remembered).
         self.cancelled_early: OrderedDict[str, None] = OrderedDict()
@@ -132,7 +129,7 @@ class MainRole:
         self.rejoined: set[int] = set()
         # Shadow loss: main serves without predictions (workers load what is routed) until it is back.
         self.shadow_lost = self.shadow_returning = self.shadow_back = False
-        self.exchange = Exchange(
+        exchange = Exchange(
             self,
             self.placement,
             self.strategy,
@@ -142,7 +139,8 @@ class MainRole:
             timeout_s=spec.settings.timeout_s,
             on_used=self.resident.used if self.resident is not None else None,
         )
-        self.engine = Engine(self, guesses)
+        served = Served(spec.settings, self.model, self.family, self.device, self.placement, self.prerouter)
+        self.engine = Engine(self, served, exchange, guesses)
         # Requests whose grammar compiles, off the loop (the model's tokenizer is read at the first).
         self.compiles: Compiles[Generate] = Compiles(
             functools.partial(grammar_tokenizer, str(spec.shard_dir), self.model.config.vocab_size, self.engine.eos)
@@ -195,33 +193,43 @@ class MainRole:
             importance_threshold=self.spec.settings.importance_threshold,
         )
 
-    # --- idle loop ------------------------------------------------------------------------
+    # --- the loop -------------------------------------------------------------------------
 
     def run(self) -> None:
+        """Main's one loop: its inbox read (waiting briefly while idle), then a step of the batch
+        while any sequence runs or waits; on a Shutdown, every client answered and the peers told."""
         try:
-            while True:
+            while not self.stopping:
                 self.health.tick()
-                received = self.endpoint.recv(timeout_s=COMPILE_POLL_S if self.compiles.pending else 0.1)
-                self.note_links()
-                if received is not None:
-                    handle_safely(self.handle_side_message, received)
-                if not self.stopping:
-                    self.take_compiled()
-                if self.waiting and not self.stopping:
+                self.take_inbox(wait_s=0.0 if self.engine.busy else COMPILE_POLL_S if self.compiles.pending else 0.1)
+                if self.engine.busy and not self.stopping:
                     try:
-                        self.engine.serve()
-                    except Exception:  # main keeps serving; the batch's clients were told
+                        self.engine.step()
+                    except Exception:  # main keeps serving; the batch's clients are told
                         log.exception("the batch failed")
-                if self.stopping:
-                    for msg, client in self.compiles.drain():
-                        self.endpoint.reply(client, Failed(request_id=msg.request_id, error="main is shutting down"))
-                    for peer in self.endpoint.peers:
-                        self.endpoint.send(peer, Shutdown())
-                    return
+                        self.engine.abort("main failed while serving the batch")
+                        self.end_session()
+            self.engine.abort("main is shutting down")  # the running batch ends, its clients told why
+            self.end_session()
+            for msg, client in self.compiles.drain():
+                self.endpoint.reply(client, Failed(request_id=msg.request_id, error="main is shutting down"))
+            for peer in self.endpoint.peers:
+                self.endpoint.send(peer, Shutdown())
         finally:
             self.compiles.close()
             time.sleep(0.2)  # let the Shutdown messages leave
             self.endpoint.close()
+
+    def take_inbox(self, wait_s: float) -> None:
+        """Whatever arrived (new requests, cancels, pings, predictions), waiting up to ``wait_s`` for
+        the first; then the requests whose grammar compiled meanwhile."""
+        received = self.endpoint.recv(timeout_s=wait_s)
+        self.note_links()
+        while received is not None:
+            handle_safely(self.handle_side_message, received)
+            received = self.endpoint.recv(timeout_s=0.0)
+        if not self.stopping:
+            self.take_compiled()
 
     def handle_side_message(self, received: Received) -> None:
         """Everything that may arrive at any time, also while a generation runs."""
@@ -266,15 +274,7 @@ class MainRole:
         except ValueError as exc:
             log.warning("ignored alignment change: %s", exc)
             return
-        self.token_period, self.kv_period = msg.token_period, msg.kv_period
-        for sequence in self.engine.batch.values():
-            # The step whose alignment is the first under the new periods: the one after the
-            # step the sequence is in (between steps, in its next one already).
-            from_step = sequence.at[0] + 1
-            sequence.state.alignment_log.append(
-                {"from_step": from_step, "token_period": msg.token_period, "kv_period": msg.kv_period}
-            )
-        if self.engine.batch and self.shadow_serving:
+        if self.engine.realign(msg.token_period, msg.kv_period) and self.shadow_serving:
             self.endpoint.send("shadow", SetAlignment(token_period=msg.token_period, kv_period=msg.kv_period))
         log.info("alignment periods now token=%d kv=%d", msg.token_period, msg.kv_period)
 
@@ -291,11 +291,7 @@ class MainRole:
             error = f"the cluster is not ready: waiting for {', '.join(sorted(self.health.waiting))}"
         config = self.model.config
         error = error or request_problem(msg, vocab=config.vocab_size, context=config.max_position_embeddings)
-        if not error and (
-            msg.request_id in self.engine.batch
-            or any(w.request_id == msg.request_id for w, _ in self.waiting)
-            or self.compiles.holds(msg.request_id)
-        ):
+        if not error and (self.engine.holds(msg.request_id) or self.compiles.holds(msg.request_id)):
             error = f"a generation with id {msg.request_id!r} is already running"
         if error:
             self.endpoint.reply(client, Failed(request_id=msg.request_id, error=error))
@@ -303,8 +299,8 @@ class MainRole:
         # Admission before any compile: a request refused here costs main nothing, and one whose
         # grammar compiles counts as waiting, so one user cannot queue compiles past max_per_user.
         settings = self.spec.settings
-        running = [s.user for s in self.engine.batch.values()]
-        waiting = [m.user for m, _ in self.waiting] + self.compiles.users()
+        running, queued = self.engine.users()
+        waiting = queued + self.compiles.users()
         decision = admission(
             msg.user, running, waiting, max_waiting=settings.max_waiting, max_per_user=settings.max_per_user
         )
@@ -322,29 +318,23 @@ class MainRole:
 
     def take_compiled(self) -> None:
         """Requests whose grammar compiled queue now; those whose grammar cannot be served are answered."""
-        busy = [s.user for s in self.engine.batch.values()] + [m.user for m, _ in self.waiting]
+        running, waiting = self.engine.users()
+        busy = running + waiting
         for msg, client, problem in self.compiles.poll(busy):
             self._queue(msg, client, problem)
 
     def _queue(self, msg: Generate, client: bytes, problem: str) -> None:
         if problem:
             self.endpoint.reply(client, Failed(request_id=msg.request_id, error=problem))
-        else:
-            self.waiting.append((msg, client))
+        else:  # a grammar's matcher is its own copy, taken now (``Compiles.take``)
+            self.engine.submit(msg, client, self.compiles.take(msg.request_id) if msg.grammar else None)
 
     def cancel(self, request_id: str) -> None:
         """Stop a running sequence after its current step, or drop a waiting one (queued, or waiting
         for its grammar's compile, which goes on in its thread and is kept) at once."""
-        sequence = self.engine.batch.get(request_id)
-        if sequence is not None:
-            sequence.state.cancelled = True
+        if self.engine.cancel(request_id):
             return
-        waiting = next((entry for entry in self.waiting if entry[0].request_id == request_id), None)
-        if waiting is not None:
-            self.waiting.remove(waiting)
-            self.compiles.forget(request_id)
-        else:
-            waiting = self.compiles.cancel(request_id)
+        waiting = self.compiles.cancel(request_id)
         if waiting is not None:
             self.endpoint.reply(waiting[1], cancelled(request_id))
             return
@@ -357,14 +347,6 @@ class MainRole:
         self.step += 1
         began, self.step_began = self.step_began, time.perf_counter()
         self.previous_step_s = self.step_began - began if self.step > 0 else 0.0
-
-    def drain_inbox(self) -> None:
-        """Between steps: whatever arrived (new requests, cancels, pings, predictions), and the
-        requests whose grammar compiled meanwhile."""
-        self.note_links()
-        while (received := self.endpoint.recv(timeout_s=0.0)) is not None:
-            handle_safely(self.handle_side_message, received)
-        self.take_compiled()
 
     def begin_session(self, first: Generate) -> None:
         self.session = f"session-{uuid.uuid4().hex[:12]}"
@@ -382,21 +364,28 @@ class MainRole:
             Begin(request_id=self.session, prompt_len=len(first.prompt_ids), max_new_tokens=first.max_new_tokens)
         )
 
-    def announce_join(self, msg: Generate, joined_step: int, shadow_begin: ShadowBegin) -> None:
-        """A sequence joined the batch: the workers count its steps, the shadow starts its copy."""
+    def announce_join(self, msg: Generate, pieces: int, shadow_begin: ShadowBegin) -> int:
+        """A request joins the batch (a session begun for it where none runs) and prefills in
+        ``pieces`` steps: the workers count its steps from its first token's, the shadow starts its
+        copy (``engine.host.Host``). That step, as the session counts."""
+        if not self.session:
+            self.begin_session(msg)
+        joined_step = self.step + pieces
         self.to_live_workers(SequenceJoin(request_id=self.session, sequence=msg.request_id, first_step=joined_step))
         if self.shadow_serving:
             self.endpoint.send("shadow", shadow_begin)
+        return joined_step
 
-    def announce_leave(self, request_id: str, joined_step: int, *, last: bool) -> None:
-        """A sequence left: the last one ends the session (workers report its statistics), any
-        other is forgotten by the workers (who may plan for one sequence again)."""
+    def announce_leave(self, request_id: str, joined_step: int, *, last: bool) -> dict[int, WorkerStats]:
+        """A sequence left: the last one ends the session and the workers' statistics of it are
+        returned; any other is forgotten by the workers (who may plan for one sequence again)."""
         if last:
             self.end_session()
-            return
+            return dict(self.worker_stats)
         self.to_live_workers(
             SequenceLeave(request_id=self.session, sequence=request_id, last_step=max(self.step, joined_step))
         )
+        return {}
 
     def live_workers(self) -> list[int]:
         return [w for w in range(self.placement.n_workers) if w not in self.lost]
@@ -418,8 +407,7 @@ class MainRole:
                 self.lost.add(index)
                 if self.resident is not None:
                     self.resident.forget(index)
-                for sequence in self.engine.batch.values():
-                    sequence.state.roles_lost.add(peer)
+                self.engine.note_lost(peer)
                 self.returning.discard(index)
                 self.rejoined.discard(index)
                 log.warning("%s is gone (its connection closed): the rest of its group serves its experts", peer)
@@ -430,8 +418,7 @@ class MainRole:
     def _note_shadow_link(self, event: str) -> None:
         if event == "lost" and not self.shadow_lost:
             self.shadow_lost, self.shadow_returning, self.shadow_back = True, False, False
-            for sequence in self.engine.batch.values():
-                sequence.state.roles_lost.add("shadow")
+            self.engine.note_lost("shadow")
             log.warning("the shadow is gone (its connection closed): workers load what is routed until it is back")
         elif event == "up" and self.shadow_lost:
             self.shadow_returning = True
@@ -451,7 +438,10 @@ class MainRole:
         return self.has_shadow and not self.shadow_lost
 
     def end_session(self) -> None:
-        """Tell the workers the session is over and gather their statistics (bounded)."""
+        """Tell the workers the session is over and gather their statistics (bounded); nothing
+        where no session runs."""
+        if not self.session:
+            return
         live = self.live_workers()
         self.to_live_workers(End(request_id=self.session))
         deadline = time.monotonic() + self.spec.settings.timeout_s
@@ -488,11 +478,6 @@ class MainRole:
 
 def serve(spec: RoleSpec) -> None:
     MainRole(spec).run()
-
-
-def cancelled(request_id: str) -> Done:
-    """The answer to a request cancelled before it ran: no tokens."""
-    return Done(request_id=request_id, token_ids=[], finish_reason="cancelled", metrics={})
 
 
 def strategy_parts(
