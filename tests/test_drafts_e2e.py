@@ -102,6 +102,28 @@ def test_seeded_sampling_and_logprobs_with_drafts_equal_decoding_without(cluster
     assert sum(p["accepted"] for p in passes.values()) == _drafts(done_drafted)["accepted"]
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_the_sampling_knobs_with_drafts_equal_decoding_without(clusters, do_sample: bool) -> None:
+    """The shadow drafts under the request's knobs (it gets them with ``ShadowBegin``), and main's
+    verification counts kept drafts as generated: the tokens are those of decoding without drafts."""
+    plain, drafted = clusters
+    knobs = dict(top_k=5, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4)
+    sampling = dict(do_sample=True, temperature=0.8, seed=11) if do_sample else {}
+    request = Generate(
+        request_id=f"knobs-{do_sample}",
+        prompt_ids=PROMPTS[2],
+        max_new_tokens=20,
+        logit_bias=[(PROMPTS[2][0], -5.0), (3, 2.5)],
+        **knobs,
+        **sampling,
+    )
+    _, done_plain = _events(plain, request)
+    _, done_drafted = _events(drafted, request)
+    assert done_drafted.token_ids == done_plain.token_ids
+    counts = _drafts(done_drafted)
+    assert counts["drafted"] > 0 and counts["accepted"] > 0  # the shadow's guesses follow the knobs too
+
+
 def test_a_grammar_keeps_its_state_across_rejected_drafts(clusters) -> None:
     plain, drafted = clusters
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}

@@ -134,8 +134,16 @@ def test_the_shadow_s_grammar_rolls_back_to_the_tokens_it_shares_with_main(tiny:
     assert torch.equal(guessing.allowed_after(first[:4], cpu), _after(tokenizer, grammar, vocab, first[:4]))
 
 
+KNOBS = {"repetition_penalty": 1.3, "presence_penalty": 1.5, "logit_bias": [(5, 50.0)], "top_k": 8, "min_p": 0.01}
+
+
+@pytest.mark.parametrize("knobs", [{}, KNOBS], ids=["plain", "knobs"])
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_a_schema_constrained_generation_of_the_tiny_model_is_valid_json(tiny: Path, model, do_sample: bool) -> None:
+def test_a_schema_constrained_generation_of_the_tiny_model_is_valid_json(
+    tiny: Path, model, do_sample: bool, knobs: dict
+) -> None:
+    """Also under sampling knobs: they act on the tokens the grammar allows (its mask comes first),
+    so a strong bias towards one token cannot take the answer out of the schema."""
     vocab = model.config.vocab_size
     eos = _eos(model)
     text_tokenizer = AutoTokenizer.from_pretrained(tiny)
@@ -151,6 +159,7 @@ def test_a_schema_constrained_generation_of_the_tiny_model_is_valid_json(tiny: P
         seed=11,
         device=torch.device("cpu"),
         constraint=constraint,
+        **knobs,
     )
     ids = torch.tensor([prompt])
     generated: list[int] = []

@@ -19,13 +19,19 @@ does: JSON has no infinity, and the agent link refuses one.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
 from inference.wire.base import Message, declared
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's chat bound)
+# OpenAI's bounds on its sampling knobs: a penalty in [-2, 2], a logit bias in [-100, 100]; at most
+# MAX_LOGIT_BIAS biased tokens a request (what one request carries to main is bounded).
+PENALTY_LIMIT = 2.0
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS = 300
+MAX_TOP_K = 2**31 - 1  # any top-k past the vocabulary keeps every token; this bounds what travels
 LOGPROB_FLOOR = -9999.0
 
 
@@ -64,6 +70,12 @@ class Generate(Message, kw_only=True, tag="generate"):
     ``step_reports``: each ``Token`` carries its step's report (``Token.step``). Only the
     console's live view reads them past the agent, so the control plane asks for them only
     while a console watches: a report is most of a token's bytes on every hop.
+
+    The sampling knobs (``inference.runtime.engine.sampling``): ``top_k``, ``min_p`` and
+    ``repetition_penalty`` as Transformers' ``generate`` takes them (None: the model's generation
+    config's; top-k and min-p shape sampling only); ``frequency_penalty``, ``presence_penalty`` and
+    ``logit_bias`` ((token id, bias) pairs: msgpack maps take no integer keys) as OpenAI documents
+    them, greedy or sampled.
     """
 
     request_id: str
@@ -73,6 +85,12 @@ class Generate(Message, kw_only=True, tag="generate"):
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = []
     user: str = ""
     prefix_namespace: str = ""
     logprobs: bool = False

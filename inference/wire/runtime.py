@@ -18,7 +18,7 @@ import msgspec
 
 from inference.constants import MAX_DRAFT_TOKENS
 from inference.wire.base import Message, Tensor, declared
-from inference.wire.generation import Done, Failed, Generate, Token
+from inference.wire.generation import MAX_LOGIT_BIAS, Done, Failed, Generate, Token
 
 # --- lifecycle and health -------------------------------------------------------------
 
@@ -103,10 +103,11 @@ class SequenceLeave(Message, kw_only=True, tag="sequence_leave"):
 
 class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
     """The shadow starts emulating a request: it prefills the prompt on its own, reusing only its
-    tenant's prefix-cache blocks (``user`` and ``prefix_namespace``: the ``Generate``'s). A sampled
-    request's parameters and the seed main's generator drew from (the request's, or the one main drew
-    for a request without one) let the shadow guess each token with the draw main makes there;
-    ``grammar`` (the ``Generate``'s, "" for none) lets it guess only tokens the grammar allows."""
+    tenant's prefix-cache blocks (``user`` and ``prefix_namespace``: the ``Generate``'s). The
+    request's sampling (its parameters and knobs, the ``Generate``'s) and the seed main's generator
+    drew from (the request's, or the one main drew for a request without one) let the shadow guess
+    each token with the draw main makes there; ``grammar`` (the ``Generate``'s, "" for none) lets it
+    guess only tokens the grammar allows."""
 
     TENSORS: ClassVar[tuple[str, ...]] = ("prompt_ids",)
     request_id: str
@@ -120,6 +121,12 @@ class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = []
     grammar: str = ""
 
 

@@ -37,7 +37,7 @@ from inference.runtime.engine.drafts import draft_length, trim_cache, verify
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.grammar import Constraint
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import end_ids, sampler_for, token_logprobs
+from inference.runtime.engine.sampling import end_ids, knobs_of, sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
 from inference.runtime.engine.scheduler import schedule as plan_step
 from inference.runtime.engine.sequence import Sequence
@@ -346,6 +346,7 @@ class Engine:
             top_p=msg.top_p,
             seed=msg.seed,
             device=device,
+            **knobs_of(msg),
             # Its own copy of its compiled grammar (compiled off main's loop before it queued).
             constraint=Constraint(queued.matcher, model.config.vocab_size) if queued.matcher is not None else None,
         )
@@ -478,6 +479,7 @@ def shadow_begin(msg: Generate, generator: torch.Generator | None, token_period:
         top_p=msg.top_p,
         seed=generator.initial_seed() if generator is not None else None,
         grammar=msg.grammar,
+        **knobs_of(msg),
     )
 
 

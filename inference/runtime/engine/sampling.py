@@ -10,6 +10,15 @@ seeded run draws what ``generate`` drew after ``torch.manual_seed(seed)``, whate
 the batch samples meanwhile. The end-of-sequence ids are the resolved config's, as
 ``generate``'s stopping criteria use them.
 
+The request's knobs (``KNOBS``): ``top_k``, ``min_p`` and ``repetition_penalty`` are handed to
+``generate``'s own resolution, so they act exactly as there (top-k and min-p only when sampling,
+as in ``generate``); ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` are OpenAI's
+(``OpenAIPenalties``): from each token's logit, its count among the tokens generated so far times
+the frequency penalty, and the presence penalty once if it occurs at all, are subtracted and its
+bias added, greedy or sampled. That processor is handed to ``generate``'s resolution as a caller's
+processor would be, so it runs after the config's own processors (its repetition penalty) and
+before sampling's warpers (temperature, top-k, top-p, min-p), where vLLM applies them too.
+
 A sequence under a grammar (``grammar.Constraint``) has every token its grammar does not allow
 next set to ``-inf`` before the processors run, so greedy decoding is the argmax over the
 allowed tokens and sampling draws only from them; the token taken advances the grammar.
@@ -26,10 +35,12 @@ returned sequences, stop strings, assisted decoding, ...) is refused when main s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from inference.runtime.engine.grammar import Constraint
 from inference.wire.generation import LOGPROB_FLOOR, TokenLogprob
@@ -51,6 +62,63 @@ UNSUPPORTED: dict[str, object] = {
     "force_words_ids": None,
     "prefix_allowed_tokens_fn": None,
 }
+
+
+# A request's sampling knobs besides temperature and top-p, as ``Generate`` and ``ShadowBegin`` name them.
+KNOBS = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
+
+
+class Knobbed(Protocol):
+    """A message that carries the sampling knobs (``Generate``, ``ShadowBegin``)."""
+
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: list[tuple[int, float]]
+
+
+def knobs_of(msg: Knobbed) -> dict[str, object]:
+    """A message's sampling knobs, by name (``sampler_for``'s keywords)."""
+    return {name: getattr(msg, name) for name in KNOBS}
+
+
+def shapes_greedy(msg: Knobbed) -> bool:
+    """Whether the knobs change a greedy answer (top-k and min-p shape only sampling)."""
+    return bool(
+        msg.repetition_penalty not in (None, 1.0) or msg.frequency_penalty or msg.presence_penalty or msg.logit_bias
+    )
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's frequency and presence penalties and logit bias, on one row of logits.
+
+    ``logits[j] -= count[j] * frequency + (count[j] > 0) * presence; logits[j] += bias[j]``, where
+    ``count[j]`` counts token j among the tokens generated so far (the prompt's first
+    ``prompt_len`` tokens do not count).
+    """
+
+    def __init__(
+        self, prompt_len: int, frequency: float, presence: float, bias: Sequence[tuple[int, float]] = ()
+    ) -> None:
+        """``bias``: (token id, bias) pairs, each token once."""
+        self.prompt_len = prompt_len
+        self.frequency, self.presence = frequency, presence
+        self.bias_ids = torch.tensor([token for token, _ in bias], dtype=torch.long)
+        self.bias_values = torch.tensor([value for _, value in bias], dtype=torch.float32)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.clone()
+        if self.frequency or self.presence:
+            counts = torch.zeros_like(scores)  # [B, V]
+            generated = input_ids[:, self.prompt_len :]
+            counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+            scores -= counts * self.frequency + (counts > 0).to(scores.dtype) * self.presence
+        if self.bias_ids.numel():
+            ids = self.bias_ids.to(scores.device)
+            scores[:, ids] += self.bias_values.to(scores.device, scores.dtype)
+        return scores
 
 
 class UnsupportedGenerationConfig(ValueError):
@@ -113,20 +181,32 @@ def sampler_for(
     seed: int | None,
     device: torch.device,
     constraint: Constraint | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logit_bias: Sequence[tuple[int, float]] = (),
 ) -> Sampler:
-    """The sampler ``generate`` would use for a request with these parameters (under
+    """The sampler ``generate`` would use for a request with these parameters and knobs (under
     ``constraint``'s grammar, if given)."""
     parameters: dict[str, object] = {"do_sample": do_sample, "max_new_tokens": max_new_tokens}
     if do_sample:
         parameters.update(temperature=temperature, top_p=top_p)
+        parameters.update({k: v for k, v in (("top_k", top_k), ("min_p", min_p)) if v is not None})
+    if repetition_penalty is not None:
+        parameters["repetition_penalty"] = repetition_penalty
     config = resolve(model, **parameters)
     model._prepare_special_tokens(config, True, device=device)
+    own = LogitsProcessorList()
+    if frequency_penalty or presence_penalty or logit_bias:
+        own.append(OpenAIPenalties(prompt_len, frequency_penalty, presence_penalty, logit_bias))
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=prompt_len,
         encoder_input_ids=torch.empty((1, prompt_len), dtype=torch.long, device=device),
         prefix_allowed_tokens_fn=None,
-        logits_processor=LogitsProcessorList(),
+        logits_processor=own,
         device=device,
         model_kwargs={},
     )

@@ -9,10 +9,11 @@ and why) is decided here too. The engine applies a plan; the runner executes its
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inference.wire.generation import MAX_TOP_LOGPROBS
+from inference.wire.generation import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS, PENALTY_LIMIT
 
 
 class Admission(enum.Enum):
@@ -63,6 +64,12 @@ class RequestFields(Protocol):
     temperature: float
     top_p: float
     top_logprobs: int
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: list[tuple[int, float]]
 
 
 def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:
@@ -80,11 +87,39 @@ def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:
         return f"top_p must be in (0, 1], got {msg.top_p}"
     if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
         return f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {msg.top_logprobs}"
+    problem = knobs_problem(msg, vocab=vocab)
+    if problem:
+        return problem
     if len(msg.prompt_ids) + msg.max_new_tokens > context:
         return (
             f"prompt ({len(msg.prompt_ids)} tokens) + max_new_tokens ({msg.max_new_tokens}) exceeds "
             f"the model's context of {context} tokens"
         )
+    return ""
+
+
+def knobs_problem(msg: RequestFields, *, vocab: int) -> str:
+    """Why a request's sampling knobs cannot be honoured ("" when they can): each within the
+    bounds Transformers or OpenAI give it, and a logit bias only for tokens of the model."""
+    if msg.top_k is not None and not 0 <= msg.top_k <= MAX_TOP_K:
+        return f"top_k must be from 0 (no top-k) to {MAX_TOP_K}, got {msg.top_k}"
+    if msg.min_p is not None and not 0 <= msg.min_p <= 1:
+        return f"min_p must be in [0, 1], got {msg.min_p}"
+    if msg.repetition_penalty is not None and not (0 < msg.repetition_penalty < math.inf):
+        return f"repetition_penalty must be a number > 0, got {msg.repetition_penalty}"
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(msg, name)
+        if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+            return f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value}"
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(msg.logit_bias)}"
+    if len({token for token, _ in msg.logit_bias}) < len(msg.logit_bias):
+        return "logit_bias names a token more than once"
+    for token, bias in msg.logit_bias:
+        if not 0 <= token < vocab:
+            return f"logit_bias token ids must be in [0, {vocab}), got {token}"
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            return f"a logit_bias must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias} (token {token})"
     return ""
 
 

@@ -43,7 +43,7 @@ from inference.runtime.batching import LayerCall
 from inference.runtime.engine.compiles import Compiles
 from inference.runtime.engine.grammar import Guessing, grammar_tokenizer
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import Sampler, end_ids, sampler_for
+from inference.runtime.engine.sampling import Sampler, end_ids, knobs_of, sampler_for, shapes_greedy
 from inference.runtime.engine.scheduler import Work
 from inference.runtime.prefix_cache import PrefixCache, cache_from, namespace_root
 from inference.runtime.roles.common import (
@@ -114,7 +114,8 @@ class Emulation:
     pass_of: dict[int, int] = field(default_factory=dict)
     asked: DraftAsk | None = None
     unions: dict[tuple[int, int], set[int]] = field(default_factory=dict)
-    # A sampled request: main's sampler (its processors, a generator seeded as main's), and the
+    # A sampled request (or a greedy one its knobs change): main's sampler (its processors, a generator
+    # seeded as main's where it samples), and the
     # generator's state before each token's draw, so a step run again draws what it drew before.
     sampler: Sampler | None = None
     draws: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -431,8 +432,10 @@ class ShadowRole:
             allowed = state.grammar.allowed_after(generated, logits.device)
             if allowed is not None:  # None: it refuses a guess made before it came; this one goes without
                 logits = logits.masked_fill(~allowed, float("-inf"))
-        if state.sampler is None or state.sampler.generator is None:
+        if state.sampler is None:
             return int(logits.argmax())
+        if state.sampler.generator is None:  # greedy, under knobs that change its choice
+            return state.sampler.next_token(state.tokens[:, : state.prompt_len + index], logits)
         saved = state.draws.get(index)
         if saved is None:
             state.draws[index] = state.sampler.generator.get_state()
@@ -519,19 +522,21 @@ def truncate_cache(cache: DynamicCache, length: int) -> None:
 
 
 def shadow_sampler(model: PreTrainedModel, msg: ShadowBegin, prompt_len: int, device: torch.device) -> Sampler | None:
-    """A sampled request's sampler as main built it (``sampler_for``, main's seed): the shadow's
-    guess of each token is then the draw main makes there, from the shadow's own logits."""
-    if not msg.do_sample:
+    """The request's sampler as main built it (``sampler_for``, main's seed and knobs): the shadow's
+    guess of each token is then the draw (or the greedy choice) main makes there, from the shadow's
+    own logits. None for a greedy request whose knobs change nothing: its guess is the argmax."""
+    if not msg.do_sample and not shapes_greedy(msg):
         return None
     return sampler_for(
         model,
         prompt_len=prompt_len,
         max_new_tokens=msg.max_new_tokens,
-        do_sample=True,
+        do_sample=msg.do_sample,
         temperature=msg.temperature,
         top_p=msg.top_p,
         seed=msg.seed,
         device=device,
+        **knobs_of(msg),
     )
 
 
