@@ -317,10 +317,11 @@ def test_the_chat_holds_its_conversation_to_the_messages_bounds(tiny_model) -> N
 
 def test_the_largest_generation_the_bounds_allow_fits_half_the_agent_links_default_frame() -> None:
     """The worst case for the link: schemas made of quotes (each escaped twice on the way), the
-    response schema and 128 tools filling every structure bound, and a prompt that fills
-    Mixtral's context with six-digit token ids."""
+    response schema and 128 tools filling every structure bound, a prompt that fills Mixtral's
+    context with six-digit token ids, and a logit bias of as many tokens as it may name, each
+    six digits with the longest bias."""
     from controlplane.serving.structured import read_structure
-    from inference.wire.generation import Generate
+    from inference.wire.generation import MAX_LOGIT_BIAS, MAX_TOP_K, Generate
     from inference.wire.grammar import MAX_GRAMMAR_BYTES
 
     def quoted(size: int) -> dict:
@@ -348,6 +349,12 @@ def test_the_largest_generation_the_bounds_allow_fits_half_the_agent_links_defau
         top_logprobs=bounds.TOP_LOGPROBS.limit,
         grammar=grammar,
         deployment="d" * 64,
+        logit_bias=[(151_000 + i, -99.99999999999999) for i in range(MAX_LOGIT_BIAS)],
+        top_k=MAX_TOP_K,
+        min_p=0.0123456789,
+        repetition_penalty=1.2345678901,
+        frequency_penalty=-1.9999999999999,
+        presence_penalty=-1.9999999999999,
     )
     frame = len(json.dumps(request.to_json()))  # as the agent consumer sends it (channels' send_json)
     assert frame <= 0.55 * 2**20, frame

@@ -115,6 +115,18 @@ def check_sampling_and_stop(served: Served) -> None:
     cut = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].message.content == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    # The knobs reach main: sampling from the one likeliest token, or from those as likely as it, is
+    # greedy decoding (top_k and min_p, the extensions, through the client's extra_body) ...
+    greedy_ask = dict(model=MODEL, messages=MESSAGES, max_tokens=12)
+    for knob in ({"top_k": 1}, {"min_p": 1.0}):
+        sampled = client.chat.completions.create(**greedy_ask, temperature=0.9, seed=3, extra_body=knob)
+        assert sampled.choices[0].message.content == full, knob
+    # ... and a +100 logit bias takes every greedy token, OpenAI's penalties change the answer.
+    biased = client.chat.completions.create(**greedy_ask, temperature=0, logit_bias={"280": 100})
+    text = biased.choices[0].message.content  # token 280, 12 times over ("ha" in this model's tokenizer)
+    assert text != full and text == text[: len(text) // 12] * 12
+    penalised = client.chat.completions.create(**greedy_ask, temperature=0, frequency_penalty=2, presence_penalty=2)
+    assert penalised.choices[0].message.content != full
 
 
 def check_openai_errors(served: Served) -> None:
@@ -591,7 +603,7 @@ def check_every_parameter_is_honoured_or_refused(served: Served) -> None:
             body = {n: ([None, *declared[n].accepts] + [None] * 3)[rank] for n in refused}
             status, answer = post_raw(served, path, {**base, **body})
             assert status == 200, (path, rank, answer)
-        for unknown in ("top_k", "repetition_penalty"):
+        for unknown in ("top_a", "mirostat"):  # neither OpenAI's nor one of the extensions
             status, answer = post_raw(served, path, {**base, unknown: 1})
             assert status == 400 and (answer["param"], answer["code"]) == (unknown, "unsupported_parameter")
     status, answer = post_raw(served, "/v1/completions", {**bases["/v1/completions"][1], "max_completion_tokens": 2})

@@ -67,6 +67,7 @@ from .completions import (
     find_target,
     new_request_id,
 )
+from .knobs import check_knobs
 from .logprobs import Scored, chat_logprobs, chat_top_logprobs, completion_logprobs, legacy_logprobs, prompt_tokens
 from .parameters import CHAT, COMPLETIONS, check_parameters
 from .stops import StopScanner
@@ -347,6 +348,8 @@ def _parse(body: dict, chat: bool) -> Ask:
             param="n",
         )
     tokenizer = target.tokenizer
+    vocab = tokenizer.vocab_size if target.vocab is None else min(target.vocab, tokenizer.vocab_size)
+    sampling = dataclasses.replace(sampling, **check_knobs(body, vocab))
     texts: list[str] = []
     starts: list[list[int]] = []
     # Text that cannot fit the context is refused from its length before it is tokenized: a
@@ -367,7 +370,6 @@ def _parse(body: dict, chat: bool) -> Ask:
                 param="prompt",
             )
         if isinstance(given[0], list):  # token ids: main gets them as they are
-            vocab = tokenizer.vocab_size if target.vocab is None else min(target.vocab, tokenizer.vocab_size)
             check_token_ids(given, vocab)
             prompts = [list(ids) for ids in given]
             for prompt_ids in prompts:  # a prompt that cannot fit is refused before it is decoded

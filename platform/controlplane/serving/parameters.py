@@ -7,6 +7,7 @@ with what this API does with it:
   ``openai_api._parse``);
 - ``NEUTRAL_ONLY``: the feature is not offered, so only the value that asks for nothing (and
   null) is accepted, e.g. ``frequency_penalty: 0``; any other value is a 400 naming it;
+- ``EXTENSIONS``: not OpenAI's, but what vLLM and llama.cpp's server take, honoured too;
 - ``NOT_YET``: planned, refused with "not supported yet" meanwhile, but for its neutral value
   where it has one (none is at present).
 
@@ -24,6 +25,8 @@ import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from inference.wire.generation import MAX_LOGIT_BIAS
 
 from .bounds import CHOICES, COMPLETION_LOGPROBS, STOP_CHARS, STOPS, TOP_LOGPROBS
 from .text import InputError
@@ -98,9 +101,42 @@ _COMMON: dict[str, Parameter] = {
         example={"stream": True, "stream_options": {"include_usage": True}},
     ),
     "user": Parameter(H, f"{LABEL} (fairness and limits go by the API key's user)", str, example={"user": "u-1"}),
-    "frequency_penalty": Parameter(N, "no penalties: the model's own distribution", (0,)),
-    "presence_penalty": Parameter(N, "no penalties: the model's own distribution", (0,)),
-    "logit_bias": Parameter(N, "no biases: the model's own distribution", ({},)),
+    "frequency_penalty": Parameter(
+        H,
+        "-2 to 2: each token's logit less its count in the answer so far times this, greedy or sampled",
+        example={"frequency_penalty": 0.5},
+    ),
+    "presence_penalty": Parameter(
+        H,
+        "-2 to 2: each token's logit less this once it is in the answer so far, greedy or sampled",
+        example={"presence_penalty": 0.5},
+    ),
+    "logit_bias": Parameter(
+        H,
+        f"token id to -100 ... 100, added to its logit; at most {MAX_LOGIT_BIAS} ids, each the model's",
+        example={"logit_bias": {"3": 5}},
+    ),
+}
+
+# Not OpenAI's: what vLLM and llama.cpp's server take (and chat front ends expose), on both endpoints.
+EXTENSIONS: dict[str, Parameter] = {
+    "top_k": Parameter(
+        H,
+        "not OpenAI's: sampling from the k most likely tokens, as Transformers' `generate` (0 or -1: none; "
+        "unset: the model's generation config)",
+        example={"top_k": 5},
+    ),
+    "min_p": Parameter(
+        H,
+        "not OpenAI's: 0 to 1, sampling from tokens at least this times as likely as the likeliest, as "
+        "Transformers' `generate`",
+        example={"min_p": 0.1},
+    ),
+    "repetition_penalty": Parameter(
+        H,
+        "not OpenAI's: above 0, Transformers' repetition penalty over prompt and answer (1: none), greedy or sampled",
+        example={"repetition_penalty": 1.2},
+    ),
 }
 
 CHAT: dict[str, Parameter] = {
@@ -109,6 +145,7 @@ CHAT: dict[str, Parameter] = {
         "through the model's chat template; roles system, user, assistant (string content, or `tool_calls`) and tool",
     ),
     **_COMMON,
+    **EXTENSIONS,
     "max_completion_tokens": Parameter(H, "as `max_tokens` (and wins over it)", example={"max_completion_tokens": 3}),
     "logprobs": Parameter(
         H, "each token's logprob: main's log-softmax of the raw logits, before sampling", example={"logprobs": True}
@@ -162,6 +199,7 @@ COMPLETIONS: dict[str, Parameter] = {
         "ids go to the model as they are, an id past its vocabulary a 400 naming it",
     ),
     **_COMMON,
+    **EXTENSIONS,
     "logprobs": Parameter(
         H,
         f"0 to {COMPLETION_LOGPROBS.limit} alternatives per token, and each token's logprob: main's log-softmax "
