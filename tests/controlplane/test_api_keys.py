@@ -63,6 +63,9 @@ def test_a_key_does_what_its_scopes_allow_and_nothing_else(staff) -> None:
     assert client_for(inference).get("/v1/models").status_code == 200
     denied = client_for(read).get("/v1/models")
     assert denied.status_code == 403 and denied.json()["error"]["code"] == "insufficient_scope"
+    missing = client_for(inference).get("/v1/models/none")  # one model: none is ready here
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert client_for(read).get("/v1/models/none").status_code == 403
 
     assert client_for(metrics).get("/metrics").status_code == 200
     assert client_for(read).get("/metrics").status_code == 401

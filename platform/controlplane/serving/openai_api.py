@@ -179,12 +179,34 @@ async def models(request: HttpRequest) -> HttpResponse:
 
     def listing() -> list[dict]:
         ready = Deployment.objects.filter(status=DeploymentStatus.READY).order_by("name")
-        return [
-            {"id": d.name, "object": "model", "created": int(d.created_at.timestamp()), "owned_by": "odmoe"}
-            for d in ready
-        ]
+        return [_model_object(d) for d in ready]
 
     return JsonResponse({"object": "list", "data": await database_sync_to_async(listing)()})
+
+
+async def model(request: HttpRequest, name: str) -> HttpResponse:
+    """``GET /v1/models/{model}``: one of the models ``/v1/models`` lists, or a 404 naming it."""
+    if request.method != "GET":
+        return error(405, "use GET", code="method_not_allowed")
+    try:
+        await _user(request)
+    except _Refused as refused:
+        return refused.response
+
+    def found() -> dict | None:
+        deployment = Deployment.objects.filter(status=DeploymentStatus.READY, name=name).first()
+        return None if deployment is None else _model_object(deployment)
+
+    answer = await database_sync_to_async(found)()
+    if answer is None:
+        return error(404, f"no ready deployment is named {name!r:.100}", param="model", code="model_not_found")
+    return JsonResponse(answer)
+
+
+def _model_object(deployment: Deployment) -> dict:
+    """A ready deployment as OpenAI's model object."""
+    created = int(deployment.created_at.timestamp())
+    return {"id": deployment.name, "object": "model", "created": created, "owned_by": "odmoe"}
 
 
 @dataclass(frozen=True)
