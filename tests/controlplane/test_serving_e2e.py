@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -26,6 +27,7 @@ from controlplane.accounts.models import ApiKey
 from controlplane.serving.parameters import CHAT, COMPLETIONS, Support
 from controlplane.serving.text import tokenizer_for
 from inference.runtime.textstream import load_tokenizer
+from tests.controlplane import openai_schema
 from tests.controlplane.live import SERVED_MODEL, TASK_REDELIVERY_S, Api, Served
 from tests.reference import PROMPTS, reference_generate
 
@@ -610,6 +612,120 @@ def check_every_parameter_is_honoured_or_refused(served: Served) -> None:
     assert status == 400 and answer["param"] == "max_completion_tokens"  # the chat's, not the completions'
 
 
+def _raw(served: Served, path: str, body: dict | None = None) -> tuple[int, object]:
+    """An answer's status and JSON as the server sent it (a GET without ``body``); a stream's events
+    as a list, each ``data:`` line's JSON up to ``[DONE]``."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"{served.plane.server}{path}",
+        data=data,
+        method="GET" if body is None else "POST",
+        headers={"Authorization": f"Bearer {served.user_key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            text = response.read().decode()
+            if not (body or {}).get("stream"):
+                return response.status, json.loads(text)
+            events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]", events[-1:]
+            return response.status, [json.loads(event) for event in events[:-1]]
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _first_echoed_logprob_documented(answer: dict) -> dict:
+    """An echoed completion as OpenAI's document would have it. OpenAI's API gives the prompt's
+    first token a null logprob and null alternatives (nothing predicts it), as this API does; the
+    document types them as a number and an object. Any other null still fails the check."""
+    answer = json.loads(json.dumps(answer))
+    for choice in answer["choices"]:
+        logprobs = choice["logprobs"]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        logprobs["token_logprobs"][0], logprobs["top_logprobs"][0] = 0.0, {}
+    return answer
+
+
+def _streamed_completion_documented(chunk: dict) -> dict:
+    """A streamed completion's chunk as OpenAI's document would have it. The document types each
+    chunk as a whole completion, whose ``finish_reason`` is a string; OpenAI's API, like this one,
+    sends null there until the choice's last chunk (checked by the caller)."""
+    chunk = json.loads(json.dumps(chunk))
+    for choice in chunk["choices"]:
+        choice["finish_reason"] = choice["finish_reason"] or "stop"
+    return chunk
+
+
+def check_answers_keep_to_openais_schema(served: Served) -> None:
+    """Every kind of answer the API sends, as sent, against OpenAI's published schemas
+    (``tests/controlplane/openai_schema.py``): the models, chat plain, with logprobs, under a
+    schema and with a tool call, completions plain, with logprobs and echoed, every streamed chunk
+    (with usage), and error bodies. Where OpenAI's own API departs from its document, the API
+    follows the API, and the departure is named here."""
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    completion = {"model": MODEL, "prompt": "Mixture of", "max_tokens": 4, "temperature": 0}
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {}}}}
+    person = {"name": "person", "schema": PERSON}
+    answers = [
+        ("ListModelsResponse", "/v1/models", None),
+        ("Model", f"/v1/models/{MODEL}", None),
+        ("CreateChatCompletionResponse", "/v1/chat/completions", chat),
+        ("CreateChatCompletionResponse", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}),
+        ("CreateChatCompletionResponse", "/v1/chat/completions", {**chat, "n": 2, "temperature": 1, "seed": 3}),
+        (
+            "CreateChatCompletionResponse",
+            "/v1/chat/completions",
+            {**chat, "max_tokens": 60, "response_format": {"type": "json_schema", "json_schema": person}},
+        ),
+        (
+            "CreateChatCompletionResponse",
+            "/v1/chat/completions",
+            {**chat, "max_tokens": 40, "tools": [tool], "tool_choice": "required"},
+        ),
+        ("CreateCompletionResponse", "/v1/completions", completion),
+        ("CreateCompletionResponse", "/v1/completions", {**completion, "logprobs": 2, "echo": True}),
+    ]
+    streams = [
+        ("CreateChatCompletionStreamResponse", "/v1/chat/completions", chat),
+        (
+            "CreateChatCompletionStreamResponse",
+            "/v1/chat/completions",
+            {**chat, "logprobs": True, "top_logprobs": 1, "stream_options": {"include_usage": True}},
+        ),
+        (
+            "CreateChatCompletionStreamResponse",
+            "/v1/chat/completions",
+            {**chat, "max_tokens": 40, "tools": [tool], "tool_choice": "required"},
+        ),
+        ("CreateCompletionResponse", "/v1/completions", {**completion, "logprobs": 1}),
+        ("CreateCompletionResponse", "/v1/completions", {**completion, "stream_options": {"include_usage": True}}),
+    ]
+    errors = [
+        ("/v1/chat/completions", {**chat, "model": "no-such-model"}),
+        ("/v1/chat/completions", {**chat, "top_a": 1}),
+        ("/v1/completions", {**completion, "max_tokens": -1}),
+    ]
+    for name, path, body in answers:
+        status, answer = _raw(served, path, body)
+        assert status == 200, (path, body, answer)
+        if body and body.get("echo"):
+            answer = _first_echoed_logprob_documented(answer)
+        openai_schema.conforms(name, answer)
+    for name, path, body in streams:
+        status, chunks = _raw(served, path, {**body, "stream": True})
+        assert status == 200 and chunks, (path, body, chunks)
+        ends = [choice["finish_reason"] for chunk in chunks for choice in chunk["choices"]]
+        assert ends[-1] is not None and ends[:-1] == [None] * (len(ends) - 1), ends  # one choice here
+        for chunk in chunks:
+            if name == "CreateCompletionResponse":
+                chunk = _streamed_completion_documented(chunk)
+            openai_schema.conforms(name, chunk)
+    for path, body in errors:
+        status, answer = _raw(served, path, body)
+        assert status in (400, 404), (path, body, answer)
+        openai_schema.conforms("ErrorResponse", answer)
+
+
 # A strict schema whose every string and number is bounded: an answer fits in its max_tokens.
 PERSON = {
     "type": "object",
@@ -771,6 +887,7 @@ def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served) -> None:
     check_logprobs(served)
     check_token_prompts(served)
     check_every_parameter_is_honoured_or_refused(served)
+    check_answers_keep_to_openais_schema(served)
     check_many_at_once(served)
     check_usage_and_quota(served)
     check_chat(served)

@@ -691,8 +691,8 @@ class _Answer:
         """A chat choice's message and finish reason: a tool call where the answer is a whole one."""
         calls = tool_calls(result.text) if self.ask.structure.calls and result.finish_reason == "stop" else None
         if calls:
-            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": result.text}, result.finish_reason
+            return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": result.text, "refusal": None}, result.finish_reason
 
     def _logprobs(self, tokens: list[Scored]) -> dict | None:
         """A choice's (or a chunk's) ``logprobs`` object in the endpoint's shape; None where not asked for."""
