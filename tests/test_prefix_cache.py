@@ -37,7 +37,9 @@ def test_a_prompt_takes_the_longest_stored_run_and_its_kv_is_the_stored_position
     store = PrefixCache(block_tokens=16)
     ids = list(range(100, 150))  # 50 positions: 3 whole blocks kept
     cache = filled(50)
-    store.store(ids, cache, room=10_000, root=ROOT)
+    # Of a 40-token prompt, the 2 whole blocks and 8 of the third were written; again: none.
+    assert store.store(ids, cache, room=10_000, root=ROOT, prompt_len=40) == 40
+    assert store.store(ids, cache, room=10_000, root=ROOT, prompt_len=40) == 0
     assert store.tokens == 48
     # A next turn: the same 50 tokens and more; all 3 blocks, and never its last token.
     blocks = store.lookup([*ids, 7, 8], limit=51, root=ROOT)

@@ -95,16 +95,19 @@ class PrefixCache:
         self._touch([key for key, _ in found])
         return [block for _, block in found]
 
-    def store(self, ids: Sequence[int], cache: DynamicCache, room: int, *, root: bytes) -> None:
+    def store(self, ids: Sequence[int], cache: DynamicCache, room: int, *, root: bytes, prompt_len: int = 0) -> int:
         """Keep the whole blocks of ``cache`` (holding ``ids``' first positions) under ``root`` (a
-        ``namespace_root``), then keep to ``room`` tokens."""
+        ``namespace_root``), then keep to ``room`` tokens. How many of the first ``prompt_len``
+        positions (the prompt's) it wrote that were not held already."""
         if not reusable(cache):
-            return
+            return 0
         held = min(cache.get_seq_length(), len(ids))
         keys = list(block_keys(ids, held // self.block_tokens, self.block_tokens, root=root))
+        written = 0
         for i, key in enumerate(keys):
             if key in self._blocks:
                 continue
+            written += max(0, min(prompt_len, (i + 1) * self.block_tokens) - i * self.block_tokens)
             span = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
             self._blocks[key] = Block(
                 tuple(layer.keys[:, :, span].clone() for layer in cache.layers),
@@ -113,6 +116,7 @@ class PrefixCache:
             self.version += 1
         self._touch(keys)
         self.trim(room)
+        return written
 
     def trim(self, room: int) -> None:
         """Drop the least recently used blocks until at most ``room`` tokens are held."""

@@ -413,10 +413,10 @@ class Engine:
         # Still in the batch while the shadow ends it: its last predictions may be on the way.
         shadow_stats = host.end_shadow(state.request_id)
         del self.batch[state.request_id]
+        written = 0  # of its prompt's tokens, those whose KV the prefix cache took from it
         if self.prefixes is not None and sequence.error is None and state.cache is not None:
-            self.prefixes.store(
-                sequence.tokens[0].tolist(), state.cache, self._prefix_room(), root=sequence.prefix_root
-            )
+            ids, room, root = sequence.tokens[0].tolist(), self._prefix_room(), sequence.prefix_root
+            written = self.prefixes.store(ids, state.cache, room, root=root, prompt_len=state.prompt_len)
         last = not self.batch and not self.waiting
         worker_stats = host.announce_leave(state.request_id, sequence.joined_step, last=last)
         if sequence.error is not None:
@@ -443,6 +443,7 @@ class Engine:
             prefill_pieces(state.prompt_len, self.settings.prefill_step, state.cached_prompt_tokens)
         )
         metrics["cached_prompt_tokens"] = state.cached_prompt_tokens
+        metrics["written_prompt_tokens"] = written
         metrics["max_batch"] = max((step.batch for step in state.steps), default=1)
         if self.draft_tokens:
             decodes = max(len(state.steps) - 1, 0)  # the passes after its prefill's
