@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
+from openai.types.responses import response_create_params
 
 from controlplane.serving.parameters import (
     CHAT,
     COMPLETIONS,
     ENDPOINTS,
     EXTENSIONS,
+    RESPONSES,
     Support,
     check_parameters,
     markdown_table,
@@ -33,8 +35,9 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "using" / "openai-api.md"
     [
         (CHAT, chat_create_params.CompletionCreateParamsBase),
         (COMPLETIONS, completion_create_params.CompletionCreateParamsBase),
+        (RESPONSES, response_create_params.ResponseCreateParamsBase),
     ],
-    ids=["chat", "completions"],
+    ids=["chat", "completions", "responses"],
 )
 def test_each_endpoint_declares_exactly_the_parameters_of_openais_request(declared, spec) -> None:
     # ``stream`` is declared on the client's streaming and non-streaming subtypes; the extensions
@@ -48,7 +51,7 @@ def test_every_refused_parameter_says_why_and_every_honoured_one_has_an_example_
         for name, parameter in declared.items():
             assert parameter.note, name
             if parameter.support is Support.HONOURED:
-                assert parameter.example is not None or name in ("model", "messages", "prompt"), name
+                assert parameter.example is not None or name in ("model", "messages", "prompt", "input"), name
             else:
                 assert parameter.example is None and not isinstance(parameter.accepts, type), name
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks import openai_concurrency
 from controlplane.accounts.models import ApiKey
-from controlplane.serving.parameters import CHAT, COMPLETIONS, Support
+from controlplane.serving.parameters import CHAT, COMPLETIONS, RESPONSES, Support
 from controlplane.serving.text import tokenizer_for
 from inference.runtime.textstream import load_tokenizer
 from tests.controlplane import openai_schema
@@ -585,6 +585,7 @@ def check_every_parameter_is_honoured_or_refused(served: Served) -> None:
     bases = {
         "/v1/chat/completions": (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}),
         "/v1/completions": (COMPLETIONS, {"model": MODEL, "prompt": "Mixture", "max_tokens": 2, "temperature": 0}),
+        "/v1/responses": (RESPONSES, {"model": MODEL, "input": "Mixture", "max_output_tokens": 2, "temperature": 0}),
     }
     for path, (declared, base) in bases.items():
         for name, parameter in declared.items():
@@ -724,6 +725,107 @@ def check_answers_keep_to_openais_schema(served: Served) -> None:
         status, answer = _raw(served, path, body)
         assert status in (400, 404), (path, body, answer)
         openai_schema.conforms("ErrorResponse", answer)
+
+
+def _raw_events(served: Served, body: dict) -> list[dict]:
+    """A streamed Response's events as the server sent them: each ``event:`` line's name must be its
+    ``data:`` line's ``type``."""
+    request = urllib.request.Request(
+        f"{served.plane.server}/v1/responses",
+        data=json.dumps({**body, "stream": True}).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {served.user_key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        blocks = [b for b in response.read().decode().split("\n\n") if b.strip()]
+    events = []
+    for block in blocks:
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}", block
+        events.append(event)
+    return events
+
+
+PICK = {
+    "type": "function",
+    "name": "pick",
+    "description": "Pick a number.",
+    "parameters": {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+def check_responses_api(served: Served) -> None:
+    """``/v1/responses`` through the official client: the same tokens as the equivalent chat
+    request, whole and streamed, with instructions, a JSON schema and a function tool (its call,
+    then its output fed back); what it does not serve is a 400 naming it; every Response object and
+    event as sent keeps to OpenAI's published schemas."""
+    client = served.client()
+    ask = dict(model=MODEL, input=MESSAGES[0]["content"], instructions="Answer briefly.", max_output_tokens=12)
+    whole = client.responses.create(**ask, temperature=0)
+    chat = client.chat.completions.with_raw_response.create(
+        temperature=0,
+        model=MODEL,
+        messages=[{"role": "system", "content": "Answer briefly."}, *MESSAGES],
+        max_tokens=12,
+    )
+    chat = chat.parse()
+    assert whole.output_text == chat.choices[0].message.content and whole.status in ("completed", "incomplete")
+    usage = chat.usage
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+    events = list(client.responses.create(**ask, temperature=0, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].type == f"response.{whole.status}" and events[-1].response.output_text == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # Seeded sampling has no seed here: two sampled answers are each a whole response.
+    assert client.responses.create(**ask, temperature=1.0, top_p=0.9).status in ("completed", "incomplete")
+    # A JSON schema: the answer keeps to it.
+    person = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
+    shaped = client.responses.create(model=MODEL, input="A person, as JSON", text=person, max_output_tokens=300)
+    jsonschema.validate(json.loads(shaped.output_text), PERSON)
+    # A function tool: a call, streamed whole; its output fed back as input gets an answer.
+    pick = {"model": MODEL, "input": "Pick a number.", "max_output_tokens": 80, "temperature": 0}
+    called = client.responses.create(**pick, tools=[PICK], tool_choice="required")
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert len(calls) == 1, called
+    call = calls[0]
+    assert call.name == "pick" and 0 <= json.loads(call.arguments)["n"] <= 9
+    streamed = list(client.responses.create(**pick, tools=[PICK], tool_choice="required", stream=True))
+    (arguments,) = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert arguments.arguments == call.arguments
+    follow_up = [
+        {"role": "user", "content": "Pick a number."},
+        {"type": "function_call", "call_id": call.call_id, "name": "pick", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "picked"},
+    ]
+    after = client.responses.create(model=MODEL, input=follow_up, tools=[PICK], max_output_tokens=8, temperature=0)
+    assert after.status in ("completed", "incomplete")
+    # What is not served: a built-in tool, a stored response.
+    base = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+    status, refused = post_raw(served, "/v1/responses", {**base, "tools": [{"type": "web_search"}]})
+    assert status == 400 and refused["param"] == "tools[0].type", refused
+    status, refused = post_raw(served, "/v1/responses", {**base, "previous_response_id": "resp_1"})
+    assert status == 400 and refused["param"] == "previous_response_id", refused
+    status, refused = post_raw(served, "/v1/responses", {**base, "max_output_tokens": 10**9})
+    assert status == 400 and refused["param"] == "max_output_tokens", refused
+    # As sent, against OpenAI's published schemas.
+    for body in (
+        {**ask, "temperature": 0},
+        {**pick, "tools": [PICK], "tool_choice": "required"},
+        {**ask, "max_output_tokens": 2},
+    ):
+        status, answer = _raw(served, "/v1/responses", body)
+        assert status == 200, answer
+        openai_schema.conforms("Response", answer)
+        for event in _raw_events(served, body):
+            openai_schema.conforms("ResponseStreamEvent", event)
 
 
 # A strict schema whose every string and number is bounded: an answer fits in its max_tokens.
@@ -888,6 +990,7 @@ def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served) -> None:
     check_token_prompts(served)
     check_every_parameter_is_honoured_or_refused(served)
     check_answers_keep_to_openais_schema(served)
+    check_responses_api(served)
     check_many_at_once(served)
     check_usage_and_quota(served)
     check_chat(served)

@@ -255,7 +255,9 @@ async def completions(request: HttpRequest) -> HttpResponse:
     return await _serve(request, chat=False)
 
 
-async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
+async def read_request(request: HttpRequest) -> tuple[Caller, dict] | HttpResponse:
+    """A POST's caller (its key checked, its quota not spent) and its JSON object body, or the
+    error answer (``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``)."""
     if request.method != "POST":
         return error(405, "use POST", code="method_not_allowed")
     try:
@@ -272,15 +274,29 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
         return error(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return error(400, "the request body must be a JSON object")
+    return caller_of(user.pk, key), body
+
+
+async def read_ask(body: dict, caller: Caller, *, chat: bool) -> Ask | HttpResponse:
+    """A chat or completions request read and checked for ``caller``, or the error answer."""
     try:
         ask = await database_sync_to_async(_parse, thread_sensitive=False)(body, chat)
-        ask = dataclasses.replace(ask, caller=caller_of(user.pk, key))
     except InputError as exc:
         return error(400, str(exc), param=exc.param, code=exc.code)
     except ModelNotFound as exc:
         return error(404, str(exc), param="model", code="model_not_found")
     except ClusterUnavailable as exc:
         return error(503, str(exc), kind="server_error", code="model_not_ready")
+    return dataclasses.replace(ask, caller=caller)
+
+
+async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
+    read = await read_request(request)
+    if isinstance(read, HttpResponse):
+        return read
+    ask = await read_ask(read[1], read[0], chat=chat)
+    if isinstance(ask, HttpResponse):
+        return ask
     answer = _Answer(ask, chat)
     try:
         if not ask.stream:

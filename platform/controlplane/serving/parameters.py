@@ -216,7 +216,68 @@ COMPLETIONS: dict[str, Parameter] = {
     "suffix": Parameter(N, "no insertion: text only follows the prompt", ("",)),
 }
 
-ENDPOINTS = {"chat.completions": CHAT, "completions": COMPLETIONS}
+_FORMAT = {"type": "json_schema", "name": "n", "schema": _SCHEMA}
+_FUNCTION = {"type": "function", "name": "f", "parameters": _SCHEMA, "strict": True}
+RESPONSES: dict[str, Parameter] = {
+    "model": Parameter(H, "a deployment's name (404 `model_not_found` otherwise)"),
+    "input": Parameter(
+        H,
+        "a string, or a list of messages (user, system, developer, assistant; text content), `function_call` "
+        "items and their `function_call_output`; through the model's chat template",
+    ),
+    "instructions": Parameter(H, "a system message before the input", example={"instructions": "Be brief."}),
+    "max_output_tokens": Parameter(H, "as the chat's `max_tokens`", example={"max_output_tokens": 3}),
+    "temperature": Parameter(H, "0 is greedy, token-identical to Transformers", example={"temperature": 0.5}),
+    "top_p": Parameter(H, "nucleus sampling, as Transformers' `generate`", example={"top_p": 0.9}),
+    "text": Parameter(
+        H,
+        "`format`: `text`, `json_object` or `json_schema`, through the chat's grammar path and bounds",
+        example={"text": {"format": _FORMAT}},
+    ),
+    "tools": Parameter(
+        H,
+        "function tools, as the chat's; a built-in tool (web search, file search, computer use, code "
+        "interpreter, ...) is a 400 naming it",
+        example={"tools": [_FUNCTION]},
+    ),
+    "tool_choice": Parameter(
+        H,
+        "`auto`, `none`, `required` or a function by name",
+        example={"tools": [_FUNCTION], "tool_choice": "required"},
+    ),
+    "parallel_tool_calls": Parameter(
+        H, "at most one call an answer, either way", bool, example={"tools": [_FUNCTION], "parallel_tool_calls": False}
+    ),
+    "stream": Parameter(
+        H, "the Responses events, `response.created` to `response.completed`", example={"stream": True}
+    ),
+    "user": Parameter(H, f"{LABEL} (fairness and limits go by the API key's user)", str, example={"user": "u-1"}),
+    "safety_identifier": Parameter(H, LABEL, str, example={"safety_identifier": "end-user-1"}),
+    "prompt_cache_key": Parameter(H, f"{LABEL} (one main: nothing to route)", str, example={"prompt_cache_key": "k"}),
+    **EXTENSIONS,
+    "previous_response_id": Parameter(N, "answers are not stored yet: send the conversation as `input`"),
+    "store": Parameter(N, "answers are not stored yet", (False,)),
+    "conversation": Parameter(N, "no stored conversations: send the conversation as `input`"),
+    "prompt": Parameter(N, "no stored prompts"),
+    "background": Parameter(N, "answers run while the request is open", (False,)),
+    "background_options": Parameter(N, "answers run while the request is open"),
+    "include": Parameter(N, "no extra output data", ([],)),
+    "top_logprobs": Parameter(N, "no logprobs in this endpoint yet (the chat's `logprobs` has them)", (0,)),
+    "reasoning": Parameter(N, "the model has no reasoning setting"),
+    "max_tool_calls": Parameter(N, "at most one call an answer"),
+    "truncation": Parameter(N, "input past the context is a 400, never cut", ("disabled",)),
+    "metadata": Parameter(N, "kept only with `store`", ({},)),
+    "service_tier": Parameter(N, "one tier", ("auto", "default")),
+    "stream_options": Parameter(N, "no stream options"),
+    "context_management": Parameter(N, "no context management: input past the context is a 400"),
+    "prompt_cache_retention": Parameter(N, "no prompt cache kept past main's memory", ("in-memory",)),
+    "prompt_cache_options": Parameter(N, "no prompt cache settings"),
+    "moderation": Parameter(N, "no moderation"),
+    "image": Parameter(N, "text only"),
+    "access_programs": Parameter(N, "no access programs"),
+}
+
+ENDPOINTS = {"chat.completions": CHAT, "completions": COMPLETIONS, "responses": RESPONSES}
 
 
 def check_parameters(body: Mapping[str, object], declared: Mapping[str, Parameter], endpoint: str) -> None:
