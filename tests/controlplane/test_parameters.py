@@ -46,12 +46,17 @@ def test_each_endpoint_declares_exactly_the_parameters_of_openais_request(declar
     assert not set(EXTENSIONS) & set(spec.__annotations__)
 
 
+# Honoured with no example the walk can send alone: what every request has, and a stored response's id
+# (check_responses_api in test_serving_e2e.py chains two responses).
+NO_EXAMPLE = ("model", "messages", "prompt", "input", "previous_response_id")
+
+
 def test_every_refused_parameter_says_why_and_every_honoured_one_has_an_example_or_is_required() -> None:
     for declared in ENDPOINTS.values():
         for name, parameter in declared.items():
             assert parameter.note, name
             if parameter.support is Support.HONOURED:
-                assert parameter.example is not None or name in ("model", "messages", "prompt", "input"), name
+                assert parameter.example is not None or name in NO_EXAMPLE, name
             else:
                 assert parameter.example is None and not isinstance(parameter.accepts, type), name
 

@@ -807,17 +807,33 @@ def check_responses_api(served: Served) -> None:
     ]
     after = client.responses.create(model=MODEL, input=follow_up, tools=[PICK], max_output_tokens=8, temperature=0)
     assert after.status in ("completed", "incomplete")
-    # What is not served: a built-in tool, a stored response.
+    # A stored response continued: the chat request of its input, its answer and the new input.
+    then = client.responses.create(
+        model=MODEL, input="And then?", previous_response_id=whole.id, max_output_tokens=8, temperature=0
+    )
+    assert then.previous_response_id == whole.id and whole.store
+    history = [*MESSAGES, {"role": "assistant", "content": whole.output_text}, {"role": "user", "content": "And then?"}]
+    again = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    assert then.output_text == again.choices[0].message.content
+    # Not to be continued: another user's, and one asked not to be stored.
+    bob = served.client(served.other_key)
+    with pytest.raises(openai.NotFoundError) as missing:
+        bob.responses.create(model=MODEL, input="Hi", previous_response_id=whole.id, max_output_tokens=2)
+    assert missing.value.code == "previous_response_not_found"
+    unkept = client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=2)
+    assert not unkept.store
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=MODEL, input="Hi", previous_response_id=unkept.id, max_output_tokens=2)
+    assert missing.value.code == "previous_response_not_found"
+    # What is not served: a built-in tool.
     base = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
     status, refused = post_raw(served, "/v1/responses", {**base, "tools": [{"type": "web_search"}]})
     assert status == 400 and refused["param"] == "tools[0].type", refused
-    status, refused = post_raw(served, "/v1/responses", {**base, "previous_response_id": "resp_1"})
-    assert status == 400 and refused["param"] == "previous_response_id", refused
     status, refused = post_raw(served, "/v1/responses", {**base, "max_output_tokens": 10**9})
     assert status == 400 and refused["param"] == "max_output_tokens", refused
     # As sent, against OpenAI's published schemas.
     for body in (
-        {**ask, "temperature": 0},
+        {**ask, "temperature": 0, "previous_response_id": whole.id},
         {**pick, "tools": [PICK], "tool_choice": "required"},
         {**ask, "max_output_tokens": 2},
     ):

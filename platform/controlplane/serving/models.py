@@ -1,4 +1,5 @@
-"""Jobs: batches of prompts run by Celery on a deployment, with every output and a summary of its metrics stored."""
+"""Jobs (batches of prompts run by Celery on a deployment, every output and a summary of its metrics
+stored) and the Responses API's stored answers (``previous_response_id``)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,25 @@ class JobOutput(models.Model):
 
     def __str__(self) -> str:
         return f"output {self.index} of {self.job_id}"
+
+
+RESPONSE_ID_CHARS = 64  # "resp_" and 32 hex digits, with room
+
+
+class StoredResponse(models.Model):
+    """A Responses API answer kept for ``previous_response_id``: its conversation so far (the input
+    items and the answer's output items; not its instructions, which OpenAI does not carry over
+    either), for its owner only, at most ``responses_store.MAX_PER_USER`` of them, until it expires."""
+
+    response_id = models.CharField(max_length=RESPONSE_ID_CHARS, primary_key=True)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="stored_responses")
+    items = models.JSONField(help_text="the conversation's input and output items, in order")
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["owner", "created_at"]
+        indexes = [models.Index(fields=["owner", "created_at"], name="stored_response_by_owner")]
+
+    def __str__(self) -> str:
+        return f"{self.response_id} of user {self.owner_id}"

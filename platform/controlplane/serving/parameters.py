@@ -255,9 +255,18 @@ RESPONSES: dict[str, Parameter] = {
     "safety_identifier": Parameter(H, LABEL, str, example={"safety_identifier": "end-user-1"}),
     "prompt_cache_key": Parameter(H, f"{LABEL} (one main: nothing to route)", str, example={"prompt_cache_key": "k"}),
     **EXTENSIONS,
-    "previous_response_id": Parameter(N, "answers are not stored yet: send the conversation as `input`"),
-    "store": Parameter(N, "answers are not stored yet", (False,)),
-    "conversation": Parameter(N, "no stored conversations: send the conversation as `input`"),
+    "previous_response_id": Parameter(
+        H,
+        "continues a stored response of yours (its input and output, not its instructions); another's, or one "
+        "expired, is a 404 `previous_response_not_found`",
+    ),
+    "store": Parameter(
+        H,
+        "true unless false, as OpenAI's: the response is kept 30 days for `previous_response_id`, for you only, "
+        "your newest 100",
+        example={"store": False},
+    ),
+    "conversation": Parameter(N, "no conversation objects: chain responses with `previous_response_id`"),
     "prompt": Parameter(N, "no stored prompts"),
     "background": Parameter(N, "answers run while the request is open", (False,)),
     "background_options": Parameter(N, "answers run while the request is open"),

@@ -14,10 +14,12 @@ function call's arguments), the item done, and ``response.completed`` (``respons
 where ``max_output_tokens`` ended it) with usage. A request that may call a tool is held until its
 first visible character says whether it is a call, as in the chat's stream; a call goes out whole.
 
+A response is stored for its user unless ``store`` is false (``responses_store``: bounded, expiring),
+and ``previous_response_id`` continues a stored one's conversation (not its instructions).
+
 Not served, and refused with a 400 naming the parameter (``parameters.RESPONSES``): built-in
-tools (web search, file search, computer use, code interpreter, ...), reasoning controls, and
-stored responses: answers are not stored yet, so neither ``previous_response_id`` nor
-``store: true`` is honoured.
+tools (web search, file search, computer use, code interpreter, ...), reasoning controls, stored
+conversations (``conversation``) and logprobs.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from channels.db import database_sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from . import responses_store
 from .completions import ClusterGenerationError, ClusterUnavailable, CompletionResult
+from .models import RESPONSE_ID_CHARS
 from .openai_api import Ask, _Answer, _failure, _usage, error, read_ask, read_request
 from .parameters import RESPONSES, check_parameters
 from .structured import tool_calls
@@ -44,8 +49,9 @@ SAME = ("model", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty")
 
 
-def chat_body(body: dict) -> dict:
-    """The chat completions request that asks what the Responses request ``body`` asks (pure)."""
+def chat_body(body: dict, earlier: list[dict] | None = None) -> dict:
+    """The chat completions request that asks what the Responses request ``body`` asks, continuing
+    the conversation ``earlier`` (a stored response's items) where it names one (pure)."""
     check_parameters(body, RESPONSES, "responses")
     chat: dict = {k: body[k] for k in (*SAME, *EXTENSIONS) if k in body and k != "tools"}
     messages = []
@@ -54,7 +60,7 @@ def chat_body(body: dict) -> dict:
         if not isinstance(instructions, str):
             raise InputError("instructions must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
-    messages += _messages(body.get("input"))
+    messages += _messages([*(earlier or []), *input_items(body.get("input"))])
     chat["messages"] = messages
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -72,12 +78,17 @@ def chat_body(body: dict) -> dict:
     return chat
 
 
-def _messages(items: object) -> list[dict]:
-    """``input`` as chat messages."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
+def input_items(given: object) -> list[dict]:
+    """``input`` as a list of items (a string is one user message)."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
         raise InputError("input must be a string or a non-empty list of input items", param="input")
+    return given
+
+
+def _messages(items: list) -> list[dict]:
+    """Input items as chat messages."""
     messages: list[dict] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -189,9 +200,9 @@ def response_object(
         "model": ask.target.name,
         "output": output,
         "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
-        "previous_response_id": None,
+        "previous_response_id": body.get("previous_response_id"),
         "reasoning": None,
-        "store": False,
+        "store": body.get("store", True) is not False,
         "temperature": body.get("temperature", 1.0),
         "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
         "tool_choice": body.get("tool_choice", "auto"),
@@ -238,8 +249,20 @@ async def responses(request: HttpRequest) -> HttpResponse:
     if isinstance(read, HttpResponse):
         return read
     caller, body = read
+    store, previous = body.get("store", True), body.get("previous_response_id")
+    if store is not None and not isinstance(store, bool):
+        return error(400, "store must be true or false", param="store")
+    earlier: list[dict] = []
+    if previous is not None:
+        found = None
+        if isinstance(previous, str) and len(previous) <= RESPONSE_ID_CHARS:
+            found = await database_sync_to_async(responses_store.earlier_items)(caller.user_id, previous)
+        if found is None:
+            message = f"no stored response of yours is named {previous!r:.80} (or it expired)"
+            return error(404, message, param="previous_response_id", code="previous_response_not_found")
+        earlier = found
     try:
-        chat = chat_body(body)
+        chat = chat_body(body, earlier)
     except InputError as exc:
         return error(400, str(exc), param=exc.param, code=exc.code)
     ask = await read_ask(chat, caller, chat=True)
@@ -247,7 +270,8 @@ async def responses(request: HttpRequest) -> HttpResponse:
         return _renamed(ask)
     answer = _Answer(ask, chat=True)
     answer.api = API
-    stream = _Stream(ask, body, answer)
+    kept = [*earlier, *input_items(body["input"])] if store is not False else None
+    stream = _Stream(ask, body, answer, caller.user_id, kept)
     try:
         if not ask.stream:
             return JsonResponse(await stream.whole())
@@ -275,8 +299,10 @@ def _renamed(response: HttpResponse) -> HttpResponse:
 class _Stream:
     """One Response, whole or as its event stream."""
 
-    def __init__(self, ask: Ask, body: dict, answer: _Answer) -> None:
+    def __init__(self, ask: Ask, body: dict, answer: _Answer, user_id: int, kept: list[dict] | None) -> None:
+        """``kept``: the conversation to store with the output once it ends (None: not stored)."""
         self.ask, self.body, self.answer = ask, body, answer
+        self.user_id, self.kept = user_id, kept
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item = uuid.uuid4().hex
         self.created = int(time.time())
@@ -288,7 +314,14 @@ class _Stream:
             result = done or result
         if result is None:
             raise ClusterGenerationError("the cluster ended the generation without a result")
-        return self._object(result, output_items(self.ask, result, self.item))
+        output = output_items(self.ask, result, self.item)
+        await self._keep(output)
+        return self._object(result, output)
+
+    async def _keep(self, output: list[dict]) -> None:
+        if self.kept is not None:
+            items = [*self.kept, *output]
+            await database_sync_to_async(responses_store.keep)(self.user_id, self.id, items)
 
     def _event(self, kind: str, **fields) -> str:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -321,6 +354,7 @@ class _Stream:
         finally:
             await pieces.aclose()
         items = output_items(self.ask, result, self.item)
+        await self._keep(items)
         for event in self._close(items, opened):
             yield event
         done = self._object(result, items)

@@ -1,0 +1,39 @@
+"""The Responses API's stored answers (``controlplane.serving.responses_store``): each user's own,
+at most ``MAX_PER_USER`` of them (the oldest dropped), none past its expiry."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from controlplane.serving import responses_store
+from controlplane.serving.models import StoredResponse
+
+pytestmark = pytest.mark.django_db
+
+
+def test_a_user_continues_only_their_own_stored_responses() -> None:
+    alice, bob = (get_user_model().objects.create_user(name) for name in ("alice", "bob"))
+    items = [{"role": "user", "content": "Hi"}, {"type": "message", "role": "assistant", "content": "Hello"}]
+    responses_store.keep(alice.pk, "resp_a", items)
+    assert responses_store.earlier_items(alice.pk, "resp_a") == items
+    assert responses_store.earlier_items(bob.pk, "resp_a") is None  # another's: not found, as one never stored
+    assert responses_store.earlier_items(alice.pk, "resp_b") is None
+
+
+def test_a_user_keeps_the_newest_and_nothing_expired(monkeypatch: pytest.MonkeyPatch) -> None:
+    alice, bob = (get_user_model().objects.create_user(name) for name in ("alice", "bob"))
+    monkeypatch.setattr(responses_store, "MAX_PER_USER", 3)
+    responses_store.keep(bob.pk, "resp_bob", [])
+    for i in range(5):
+        responses_store.keep(alice.pk, f"resp_{i}", [{"role": "user", "content": str(i)}])
+    kept = set(StoredResponse.objects.filter(owner=alice).values_list("response_id", flat=True))
+    assert kept == {"resp_2", "resp_3", "resp_4"}  # the newest 3; bob's untouched
+    assert responses_store.earlier_items(bob.pk, "resp_bob") == []
+    StoredResponse.objects.filter(response_id="resp_4").update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert responses_store.earlier_items(alice.pk, "resp_4") is None  # expired: not found
+    responses_store.keep(alice.pk, "resp_5", [])  # and dropped at the next store
+    assert not StoredResponse.objects.filter(response_id="resp_4").exists()
