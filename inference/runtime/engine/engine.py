@@ -105,6 +105,8 @@ class Engine:
 
     def submit(self, msg: Generate, client: bytes, matcher: llguidance.LLMatcher | None = None) -> None:
         """An admitted request (its grammar compiled, if it has one) waits for a place in the batch."""
+        if msg.grammar and matcher is None:
+            raise ValueError(f"{msg.request_id}: a request with a grammar joins with its compiled matcher")
         self.waiting.append(Queued(msg, client, matcher))
 
     def holds(self, request_id: str) -> bool:
@@ -152,7 +154,12 @@ class Engine:
         for sequence in list(self.batch.values()):
             if not done(sequence.view()):
                 sequence.error = sequence.error or reason
-            self._finish(sequence)
+            try:
+                self._finish(sequence)
+            except Exception:  # what failed the step may fail its end too: its client is still told
+                log.exception("ending %s failed", sequence.request_id)
+                self.batch.pop(sequence.request_id, None)
+                self.host.answer(sequence.state.client, Failed(request_id=sequence.request_id, error=reason))
         while self.waiting:
             queued = self.waiting.popleft()
             self.host.answer(queued.client, Failed(request_id=queued.msg.request_id, error=reason))
@@ -182,7 +189,13 @@ class Engine:
             if not any(waiting is queued for waiting in self.waiting):
                 continue  # cancelled while the leavers ended: answered already, nothing to join
             self.waiting.remove(queued)
-            self._join(queued)
+            try:
+                self._join(queued)
+            except Exception as exc:  # its own problem (its sampler, its cache): it alone fails
+                log.exception("generation %s could not join", queued.msg.request_id)
+                self.batch.pop(queued.msg.request_id, None)
+                error = f"could not join the batch: {type(exc).__name__}: {exc}"
+                self.host.answer(queued.client, Failed(request_id=queued.msg.request_id, error=error))
         # The plan's work, less a joiner that was cancelled before it joined.
         batch = [(self.batch[w.request_id], w) for w in plan.work if w.request_id in self.batch]
         if not batch:
@@ -437,25 +450,34 @@ class Engine:
             token_period=self.token_period,
             kv_period=self.kv_period,
         )
-        metrics["roles_lost"] = sorted(state.roles_lost)
-        metrics["joined_step"] = sequence.joined_step
-        metrics["prefill_pieces"] = len(
-            prefill_pieces(state.prompt_len, self.settings.prefill_step, state.cached_prompt_tokens)
-        )
-        metrics["cached_prompt_tokens"] = state.cached_prompt_tokens
-        metrics["written_prompt_tokens"] = written
-        metrics["max_batch"] = max((step.batch for step in state.steps), default=1)
-        if self.draft_tokens:
-            decodes = max(len(state.steps) - 1, 0)  # the passes after its prefill's
-            metrics["drafts"] = sequence.drafting.metrics() | {
-                "decode_passes": decodes,
-                "tokens_per_pass": (len(generated) - 1) / decodes if decodes else 0.0,
-                "distinct_experts": distinct_experts(state.steps[1:]),
-            }
+        metrics |= sequence_metrics(sequence, self.settings.prefill_step, written, drafts=bool(self.draft_tokens))
         host.answer(
             state.client,
             Done(request_id=state.request_id, token_ids=generated, finish_reason=finish_reason, metrics=metrics),
         )
+
+
+def sequence_metrics(sequence: Sequence, prefill_step: int, written: int, *, drafts: bool) -> dict:
+    """What a finished sequence's ``Done`` says of its own run, beside ``build_metrics``' figures:
+    peers lost, its join, its prefill's pieces, its prompt's tokens the prefix cache gave and took,
+    the largest batch it ran in, and with drafts how its passes went."""
+    state = sequence.state
+    metrics = {
+        "roles_lost": sorted(state.roles_lost),
+        "joined_step": sequence.joined_step,
+        "prefill_pieces": len(prefill_pieces(state.prompt_len, prefill_step, state.cached_prompt_tokens)),
+        "cached_prompt_tokens": state.cached_prompt_tokens,
+        "written_prompt_tokens": written,
+        "max_batch": max((step.batch for step in state.steps), default=1),
+    }
+    if drafts:
+        decodes = max(len(state.steps) - 1, 0)  # the passes after its prefill's
+        metrics["drafts"] = sequence.drafting.metrics() | {
+            "decode_passes": decodes,
+            "tokens_per_pass": (len(state.generated) - 1) / decodes if decodes else 0.0,
+            "distinct_experts": distinct_experts(state.steps[1:]),
+        }
+    return metrics
 
 
 def distinct_experts(steps: list) -> float:

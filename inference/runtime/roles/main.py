@@ -207,10 +207,10 @@ class MainRole:
                         self.engine.step()
                     except Exception:  # main keeps serving; the batch's clients are told
                         log.exception("the batch failed")
-                        self.engine.abort("main failed while serving the batch")
-                        self.end_session()
-            self.engine.abort("main is shutting down")  # the running batch ends, its clients told why
-            self.end_session()
+                        self._abort("main failed while serving the batch")
+                if not self.engine.busy and self.session:
+                    self.end_session()  # its last sequence left, or its waiting ones were cancelled
+            self._abort("main is shutting down")  # the running batch ends, its clients told why
             for msg, client in self.compiles.drain():
                 self.endpoint.reply(client, Failed(request_id=msg.request_id, error="main is shutting down"))
             for peer in self.endpoint.peers:
@@ -219,6 +219,15 @@ class MainRole:
             self.compiles.close()
             time.sleep(0.2)  # let the Shutdown messages leave
             self.endpoint.close()
+
+    def _abort(self, reason: str) -> None:
+        """Every request ended with ``reason``, and the session; main serves on whatever fails meanwhile."""
+        try:
+            self.engine.abort(reason)
+            self.end_session()
+        except Exception:
+            log.exception("ending the batch failed")
+            self.session = ""
 
     def take_inbox(self, wait_s: float) -> None:
         """Whatever arrived (new requests, cancels, pings, predictions), waiting up to ``wait_s`` for
@@ -282,6 +291,9 @@ class MainRole:
 
     def admit(self, msg: Generate, client: bytes) -> None:
         """Queue a generation, or refuse it at once with the reason."""
+        if self.stopping:  # one that came while the batch ends would wait for nothing
+            self.endpoint.reply(client, Failed(request_id=msg.request_id, error="main is shutting down"))
+            return
         if msg.request_id in self.cancelled_early:
             del self.cancelled_early[msg.request_id]
             self.endpoint.reply(client, cancelled(msg.request_id))
@@ -324,10 +336,13 @@ class MainRole:
             self._queue(msg, client, problem)
 
     def _queue(self, msg: Generate, client: bytes, problem: str) -> None:
+        matcher = None
+        if not problem and msg.grammar:  # a grammar's matcher is its own copy, taken now
+            matcher, problem = take_matcher(self.compiles, msg.request_id)
         if problem:
             self.endpoint.reply(client, Failed(request_id=msg.request_id, error=problem))
-        else:  # a grammar's matcher is its own copy, taken now (``Compiles.take``)
-            self.engine.submit(msg, client, self.compiles.take(msg.request_id) if msg.grammar else None)
+        else:
+            self.engine.submit(msg, client, matcher)
 
     def cancel(self, request_id: str) -> None:
         """Stop a running sequence after its current step, or drop a waiting one (queued, or waiting
@@ -478,6 +493,14 @@ class MainRole:
 
 def serve(spec: RoleSpec) -> None:
     MainRole(spec).run()
+
+
+def take_matcher(compiles: Compiles[Generate], request_id: str) -> tuple[object, str]:
+    """A queued request's own matcher of its compiled grammar (``Compiles.take``), or why not."""
+    try:
+        return compiles.take(request_id), ""
+    except Exception as exc:
+        return None, f"its grammar could not be prepared: {type(exc).__name__}: {exc}"
 
 
 def strategy_parts(
