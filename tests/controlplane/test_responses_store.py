@@ -35,5 +35,26 @@ def test_a_user_keeps_the_newest_and_nothing_expired(monkeypatch: pytest.MonkeyP
     assert responses_store.earlier_items(bob.pk, "resp_bob") == []
     StoredResponse.objects.filter(response_id="resp_4").update(expires_at=timezone.now() - timedelta(seconds=1))
     assert responses_store.earlier_items(alice.pk, "resp_4") is None  # expired: not found
-    responses_store.keep(alice.pk, "resp_5", [])  # and dropped at the next store
+    responses_store.keep(bob.pk, "resp_6", [])  # and dropped at the next store, whoever's
     assert not StoredResponse.objects.filter(response_id="resp_4").exists()
+
+
+def test_what_a_response_keeps_is_what_its_conversation_was_read_from() -> None:
+    """Fields no reader takes are not kept: a stored conversation is what the bounds counted."""
+    from controlplane.serving.responses_api import normalized
+    from controlplane.serving.text import InputError
+
+    given = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi", "pad": "x" * 1000}], "pad": "y" * 1000},
+        {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{}", "pad": ["z"] * 100},
+        {"type": "function_call_output", "call_id": "c1", "output": "3", "pad": {}},
+    ]
+    assert normalized(given) == [
+        {"type": "message", "role": "user", "content": "Hi"},
+        {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "3"},
+    ]
+    assert normalized(normalized(given)) == normalized(given)
+    with pytest.raises(InputError) as refused:
+        normalized([{"type": "function_call", "call_id": "c1", "name": {"deep": 1}, "arguments": "{}"}])
+    assert refused.value.param == "input[0].name"

@@ -87,6 +87,8 @@ def test_an_answer_that_is_a_whole_call_is_read_back_in_openai_shape() -> None:
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
     assert tool_calls("It is sunny.") is None
+    # Text under tool_choice "auto" never starts with "<" (the grammar's): a call after a space is text.
+    assert tool_calls(' <tool_call>{"name":"get_weather","arguments":{}}</tool_call>') is None
     assert tool_calls('<tool_call>{"name":"get_weather","argum') is None  # cut by the token limit
 
 

@@ -18,9 +18,18 @@ from inference.wire.generation import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_TOP_
 
 from .text import InputError
 
+# The largest integer a knob may be sent as: past it, a float cannot hold it (and JSON's bignums
+# would overflow math.isfinite). Every knob's own bound is far below.
+MAX_INTEGER = 2**53
+
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite JSON number (not a bool, not an integer past ``MAX_INTEGER``)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) <= MAX_INTEGER
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def check_knobs(body: Mapping[str, object], vocab: int) -> dict[str, object]:
@@ -50,8 +59,10 @@ def check_knobs(body: Mapping[str, object], vocab: int) -> dict[str, object]:
             raise InputError(f"{name} must be a number from -{PENALTY_LIMIT:g} to {PENALTY_LIMIT:g}", param=name)
         knobs[name] = float(value)
     bias = body.get("logit_bias")
-    if bias:
-        knobs["logit_bias"] = _logit_bias(bias, vocab)
+    if bias is not None:
+        pairs = _logit_bias(bias, vocab)
+        if pairs:
+            knobs["logit_bias"] = pairs
     return knobs
 
 

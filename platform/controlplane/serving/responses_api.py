@@ -60,7 +60,7 @@ def chat_body(body: dict, earlier: list[dict] | None = None) -> dict:
         if not isinstance(instructions, str):
             raise InputError("instructions must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
-    messages += _messages([*(earlier or []), *input_items(body.get("input"))])
+    messages += _messages(normalized([*(earlier or []), *input_items(body.get("input"))]))
     chat["messages"] = messages
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -87,9 +87,10 @@ def input_items(given: object) -> list[dict]:
     return given
 
 
-def _messages(items: list) -> list[dict]:
-    """Input items as chat messages."""
-    messages: list[dict] = []
+def normalized(items: list) -> list[dict]:
+    """Input (or output) items checked and rebuilt from the fields they are read by, and nothing else:
+    what a stored response keeps is what the conversation's bounds counted."""
+    out: list[dict] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -97,23 +98,42 @@ def _messages(items: list) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise InputError(f"{where}.role must be user, system, developer or assistant", param=f"{where}.role")
-            role = "system" if role == "developer" else role
-            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            out.append({"type": "message", "role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function"}
-            call["function"] = {"name": item.get("name"), "arguments": item.get("arguments")}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                messages[-1]["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            fields = {name: item.get(name) for name in ("call_id", "name", "arguments")}
+            for name, value in fields.items():
+                if not isinstance(value, str):
+                    raise InputError(f"{where}.{name} must be a string", param=f"{where}.{name}")
+            out.append({"type": "function_call", **fields})
         elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise InputError(f"{where}.call_id must be a string", param=f"{where}.call_id")
             output = _text(item.get("output"), f"{where}.output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            out.append({"type": "function_call_output", "call_id": item["call_id"], "output": output})
         else:
             raise InputError(
                 f"{where} must be a message, a function_call or a function_call_output (not {kind!r:.40})",
                 param=where,
             )
+    return out
+
+
+def _messages(items: list[dict]) -> list[dict]:
+    """Normalized items as chat messages."""
+    messages: list[dict] = []
+    for item in items:
+        if item["type"] == "message":
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append({"role": role, "content": item["content"]})
+        elif item["type"] == "function_call":
+            call = {"id": item["call_id"], "type": "function"}
+            call["function"] = {"name": item["name"], "arguments": item["arguments"]}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return messages
 
 
@@ -270,7 +290,7 @@ async def responses(request: HttpRequest) -> HttpResponse:
         return _renamed(ask)
     answer = _Answer(ask, chat=True)
     answer.api = API
-    kept = [*earlier, *input_items(body["input"])] if store is not False else None
+    kept = [*earlier, *normalized(input_items(body["input"]))] if store is not False else None
     stream = _Stream(ask, body, answer, caller.user_id, kept)
     try:
         if not ask.stream:
@@ -320,7 +340,7 @@ class _Stream:
 
     async def _keep(self, output: list[dict]) -> None:
         if self.kept is not None:
-            items = [*self.kept, *output]
+            items = [*self.kept, *normalized(output)]
             await database_sync_to_async(responses_store.keep)(self.user_id, self.id, items)
 
     def _event(self, kind: str, **fields) -> str:
@@ -347,6 +367,10 @@ class _Stream:
                 if opened and piece:
                     yield self._delta(piece)
                 _, (piece, _, result) = await anext(pieces)
+        except StopAsyncIteration:
+            failure = {"code": "generation_failed", "message": "the cluster ended the generation without a result"}
+            yield self._event("error", code=failure["code"], message=failure["message"], param=None)
+            return
         except (ClusterUnavailable, ClusterGenerationError) as exc:
             failure = json.loads(_failure(exc).content)["error"]
             yield self._event("error", code=failure["code"], message=failure["message"], param=None)

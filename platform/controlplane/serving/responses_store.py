@@ -35,8 +35,8 @@ def keep(user_id: int, response_id: str, items: list[dict]) -> None:
     now = timezone.now()
     with transaction.atomic():
         StoredResponse.objects.create(response_id=response_id, owner_id=user_id, items=items, expires_at=now + KEEP_FOR)
+        StoredResponse.objects.filter(expires_at__lte=now).delete()  # anyone's: expired is gone
         mine = StoredResponse.objects.filter(owner_id=user_id)
-        mine.filter(expires_at__lte=now).delete()
         past = list(mine.order_by("-created_at", "-response_id").values_list("pk", flat=True)[MAX_PER_USER:])
         if past:
             StoredResponse.objects.filter(pk__in=past).delete()

@@ -271,7 +271,7 @@ def _call(call: object, param: str) -> tuple[str, object]:
 
 def tool_calls(text: str) -> list[dict] | None:
     """The answer's tool calls in OpenAI's shape, if it is a whole call (None: it is text)."""
-    body = text.strip()
+    body = text  # as the grammar has it: a call is the whole answer, nothing around it (text never starts "<")
     if not (body.startswith(CALL_OPEN) and body.endswith(CALL_CLOSE)):
         return None
     try:

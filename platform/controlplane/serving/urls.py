@@ -5,7 +5,7 @@ from . import jobs_api, metrics, openai_api, responses_api
 urlpatterns = [
     path("metrics", metrics.metrics_view, name="metrics"),
     path("v1/models", openai_api.models, name="openai-models"),
-    path("v1/models/<str:name>", openai_api.model, name="openai-model"),
+    path("v1/models/<path:name>", openai_api.model, name="openai-model"),
     path("v1/chat/completions", openai_api.chat_completions, name="openai-chat-completions"),
     path("v1/completions", openai_api.completions, name="openai-completions"),
     path("v1/responses", responses_api.responses, name="openai-responses"),
