@@ -305,7 +305,12 @@ async def _serve(request: HttpRequest, *, chat: bool) -> HttpResponse:
         first = await answer.start()
     except (ClusterUnavailable, ClusterGenerationError) as exc:
         return _failure(exc)
-    response = StreamingHttpResponse(answer.events(first), content_type="text/event-stream")
+    return event_stream(answer.events(first))
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingHttpResponse:
+    """Server-sent events as they come: never cached, never buffered by a proxy (nginx)."""
+    response = StreamingHttpResponse(events, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return response

@@ -30,13 +30,13 @@ import uuid
 from collections.abc import AsyncIterator
 
 from channels.db import database_sync_to_async
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from . import responses_store
 from .completions import ClusterGenerationError, ClusterUnavailable, CompletionResult
 from .models import RESPONSE_ID_CHARS
-from .openai_api import Ask, _Answer, _failure, _usage, error, read_ask, read_request
+from .openai_api import Ask, _Answer, _failure, _usage, error, event_stream, read_ask, read_request
 from .parameters import RESPONSES, check_parameters
 from .structured import tool_calls
 from .text import InputError
@@ -298,10 +298,7 @@ async def responses(request: HttpRequest) -> HttpResponse:
         first = await answer.start()  # before the headers: a refused generation is a 429, not a broken stream
     except (ClusterUnavailable, ClusterGenerationError) as exc:
         return _failure(exc)
-    response = StreamingHttpResponse(stream.events(first), content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"
-    return response
+    return event_stream(stream.events(first))
 
 
 def _renamed(response: HttpResponse) -> HttpResponse:
