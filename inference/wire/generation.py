@@ -19,7 +19,7 @@ does: JSON has no infinity, and the agent link refuses one.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Protocol
 
 import msgspec
 
@@ -42,6 +42,26 @@ class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, arra
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = []
+
+
+# A request's sampling knobs besides temperature and top-p, as ``Generate`` and ``ShadowBegin`` name them.
+KNOBS = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
+
+
+class Knobbed(Protocol):
+    """A message that carries the sampling knobs (``Generate``, ``ShadowBegin``)."""
+
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: list[tuple[int, float]]
+
+
+def knobs_of(msg: Knobbed) -> dict[str, object]:
+    """A message's sampling knobs, by name (``sampler_for``'s keywords)."""
+    return {name: getattr(msg, name) for name in KNOBS}
 
 
 class Generate(Message, kw_only=True, tag="generate"):

@@ -37,7 +37,7 @@ from inference.runtime.engine.drafts import draft_length, trim_cache, verify
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.grammar import Constraint
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import end_ids, knobs_of, sampler_for, token_logprobs
+from inference.runtime.engine.sampling import end_ids, sampler_for, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
 from inference.runtime.engine.scheduler import schedule as plan_step
 from inference.runtime.engine.sequence import Sequence
@@ -45,6 +45,7 @@ from inference.runtime.metrics import build_metrics, step_report
 from inference.runtime.prefix_cache import Block, PrefixCache, cache_from, namespace_root
 from inference.runtime.prerouter import SequenceRoutes
 from inference.runtime.records import RequestState, StepRecord
+from inference.wire.generation import knobs_of
 from inference.wire.runtime import Align, Done, DraftAsk, Drafts, Failed, Generate, Prediction, ShadowBegin, Token
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ seeded run draws what ``generate`` drew after ``torch.manual_seed(seed)``, whate
 the batch samples meanwhile. The end-of-sequence ids are the resolved config's, as
 ``generate``'s stopping criteria use them.
 
-The request's knobs (``KNOBS``): ``top_k``, ``min_p`` and ``repetition_penalty`` are handed to
-``generate``'s own resolution, so they act exactly as there (top-k and min-p only when sampling,
+The request's knobs (``inference.wire.generation.KNOBS``): ``top_k``, ``min_p`` and
+``repetition_penalty`` are handed to ``generate``'s own resolution, so they act exactly as there (top-k and min-p only when sampling,
 as in ``generate``); ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` are OpenAI's
 (``OpenAIPenalties``): from each token's logit, its count among the tokens generated so far times
 the frequency penalty, and the presence penalty once if it occurs at all, are subtracted and its
@@ -37,13 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from inference.runtime.engine.grammar import Constraint
-from inference.wire.generation import LOGPROB_FLOOR, TokenLogprob
+from inference.wire.generation import LOGPROB_FLOOR, Knobbed, TokenLogprob
 
 # Resolved generation-config fields this engine does not implement, and the value that means "off".
 UNSUPPORTED: dict[str, object] = {
@@ -62,26 +61,6 @@ UNSUPPORTED: dict[str, object] = {
     "force_words_ids": None,
     "prefix_allowed_tokens_fn": None,
 }
-
-
-# A request's sampling knobs besides temperature and top-p, as ``Generate`` and ``ShadowBegin`` name them.
-KNOBS = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
-
-
-class Knobbed(Protocol):
-    """A message that carries the sampling knobs (``Generate``, ``ShadowBegin``)."""
-
-    top_k: int | None
-    min_p: float | None
-    repetition_penalty: float | None
-    frequency_penalty: float
-    presence_penalty: float
-    logit_bias: list[tuple[int, float]]
-
-
-def knobs_of(msg: Knobbed) -> dict[str, object]:
-    """A message's sampling knobs, by name (``sampler_for``'s keywords)."""
-    return {name: getattr(msg, name) for name in KNOBS}
 
 
 def shapes_greedy(msg: Knobbed) -> bool:

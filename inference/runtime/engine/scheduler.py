@@ -13,7 +13,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inference.wire.generation import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS, PENALTY_LIMIT
+from inference.wire.generation import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+    PENALTY_LIMIT,
+    Knobbed,
+)
 
 
 class Admission(enum.Enum):
@@ -55,7 +62,7 @@ def refusal(decision: Admission, *, max_per_user: int, running: int, waiting: in
     return f"main is full: {running} sequences running and {waiting} waiting; try again when one ends"
 
 
-class RequestFields(Protocol):
+class RequestFields(Knobbed, Protocol):
     """What ``request_problem`` reads of a generation request."""
 
     prompt_ids: list[int]
@@ -64,12 +71,6 @@ class RequestFields(Protocol):
     temperature: float
     top_p: float
     top_logprobs: int
-    top_k: int | None
-    min_p: float | None
-    repetition_penalty: float | None
-    frequency_penalty: float
-    presence_penalty: float
-    logit_bias: list[tuple[int, float]]
 
 
 def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:

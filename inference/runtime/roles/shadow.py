@@ -43,7 +43,7 @@ from inference.runtime.batching import LayerCall
 from inference.runtime.engine.compiles import Compiles
 from inference.runtime.engine.grammar import Guessing, grammar_tokenizer
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import Sampler, end_ids, knobs_of, sampler_for, shapes_greedy
+from inference.runtime.engine.sampling import Sampler, end_ids, sampler_for, shapes_greedy
 from inference.runtime.engine.scheduler import Work
 from inference.runtime.prefix_cache import PrefixCache, cache_from, namespace_root
 from inference.runtime.roles.common import (
@@ -58,6 +58,7 @@ from inference.runtime.routing import resolve_arithmetic
 from inference.runtime.spec import RoleSpec
 from inference.runtime.transport import Received
 from inference.shadow.shadow_model import CAST_DTYPES, build_shadow_model
+from inference.wire.generation import knobs_of
 from inference.wire.runtime import (
     Align,
     DraftAsk,

@@ -170,12 +170,9 @@ def _unauthenticated() -> JsonResponse:
 # no token); ``_user`` holds session callers to the token, as DRF does.
 @csrf_exempt
 async def models(request: HttpRequest) -> HttpResponse:
-    if request.method != "GET":
-        return error(405, "use GET", code="method_not_allowed")
-    try:
-        await _user(request)
-    except _Refused as refused:
-        return refused.response
+    refused = await _refused_get(request)
+    if refused is not None:
+        return refused
 
     def listing() -> list[dict]:
         ready = Deployment.objects.filter(status=DeploymentStatus.READY).order_by("name")
@@ -186,12 +183,9 @@ async def models(request: HttpRequest) -> HttpResponse:
 
 async def model(request: HttpRequest, name: str) -> HttpResponse:
     """``GET /v1/models/{model}``: one of the models ``/v1/models`` lists, or a 404 naming it."""
-    if request.method != "GET":
-        return error(405, "use GET", code="method_not_allowed")
-    try:
-        await _user(request)
-    except _Refused as refused:
-        return refused.response
+    refused = await _refused_get(request)
+    if refused is not None:
+        return refused
 
     def found() -> dict | None:
         deployment = Deployment.objects.filter(status=DeploymentStatus.READY, name=name).first()
@@ -201,6 +195,17 @@ async def model(request: HttpRequest, name: str) -> HttpResponse:
     if answer is None:
         return error(404, f"no ready deployment is named {name!r:.100}", param="model", code="model_not_found")
     return JsonResponse(answer)
+
+
+async def _refused_get(request: HttpRequest) -> HttpResponse | None:
+    """The answer to a read that is not a GET or has no valid key; None to go on."""
+    if request.method != "GET":
+        return error(405, "use GET", code="method_not_allowed")
+    try:
+        await _user(request)
+    except _Refused as refused:
+        return refused.response
+    return None
 
 
 def _model_object(deployment: Deployment) -> dict:
