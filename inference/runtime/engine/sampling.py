@@ -11,13 +11,14 @@ the batch samples meanwhile. The end-of-sequence ids are the resolved config's, 
 ``generate``'s stopping criteria use them.
 
 The request's knobs (``inference.wire.generation.KNOBS``): ``top_k``, ``min_p`` and
-``repetition_penalty`` are handed to ``generate``'s own resolution, so they act exactly as there (top-k and min-p only when sampling,
-as in ``generate``); ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` are OpenAI's
-(``OpenAIPenalties``): from each token's logit, its count among the tokens generated so far times
-the frequency penalty, and the presence penalty once if it occurs at all, are subtracted and its
-bias added, greedy or sampled. That processor is handed to ``generate``'s resolution as a caller's
-processor would be, so it runs after the config's own processors (its repetition penalty) and
-before sampling's warpers (temperature, top-k, top-p, min-p), where vLLM applies them too.
+``repetition_penalty`` are handed to ``generate``'s own resolution, so they act exactly as there
+(top-k and min-p only when sampling, as in ``generate``); ``frequency_penalty``,
+``presence_penalty`` and ``logit_bias`` are OpenAI's (``OpenAIPenalties``): from each token's logit,
+its count among the tokens generated so far times the frequency penalty, and the presence penalty
+once if it occurs at all, are subtracted and its bias added, greedy or sampled. That processor is
+handed to ``generate``'s resolution as a caller's processor would be, so it runs after the config's
+own processors (its repetition penalty) and before sampling's warpers (temperature, top-k, top-p,
+min-p), where vLLM applies them too.
 
 A sequence under a grammar (``grammar.Constraint``) has every token its grammar does not allow
 next set to ``-inf`` before the processors run, so greedy decoding is the argmax over the
