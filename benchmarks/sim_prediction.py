@@ -43,7 +43,8 @@ import torch
 from benchmarks import provenance, substance
 from benchmarks.workload import BENCH_MODEL, prompt_of
 from inference.modelio.families import family_for
-from inference.sim.local import STRATEGIES, EmulatedRates, MachineCosts, Options, Shape, predict
+from inference.sim.cluster import STRATEGIES, EmulatedRates, MachineCosts, Options, Shape
+from inference.sim.local import predict
 
 # What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
 DEPENDS_ON = substance.RUNTIME

@@ -75,8 +75,8 @@ from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.metrics import BREAKDOWN, HOPS_SPLIT
 from inference.runtime.spec import Settings
 from inference.sim import hardware as sim_hardware
+from inference.sim.cluster import MachineCosts
 from inference.sim.hardware import PROFILES
-from inference.sim.local import MachineCosts
 from inference.tools.calibration import calibrate
 from inference.tools.emulation import Emulation, emulation_for, measure_expert_compute
 from inference.tools.reference import reference_generate

@@ -11,7 +11,7 @@ import pytest
 from inference.policies import loads, strategies
 from inference.policies.placement import placement
 from inference.runtime.cache import DeviceCache
-from inference.sim import local
+from inference.sim import cluster
 from inference.sim.costs import Costs
 from inference.sim.efficiency import mixtral_offloading
 from inference.sim.hardware import get_profile
@@ -31,7 +31,7 @@ def test_the_simulators_lru_caches_evict_what_the_runtimes_does(capacity: int, s
     Mixtral-Offloading's per-layer cache in the paper model: the same experts held after every use."""
     layers, experts = 4, 8
     runtime: DeviceCache[tuple[int, int]] = DeviceCache(capacity)
-    loader = local.LoaderSim(copy_s=1.0, max_resident=2, cache=capacity)
+    loader = cluster.LoaderSim(copy_s=1.0, max_resident=2, cache=capacity)
     paper = LruOffload(Setup(Costs(mixtral_8x7b(), get_profile("3090-pcie4-1gbe"), mixtral_offloading()), Cluster()))
     paper.capacity = capacity
     paper.cache = [OrderedDict() for _ in range(layers)]
@@ -67,14 +67,14 @@ def test_the_paper_clusters_groups_are_the_runtimes_when_a_group_is_top_k(worker
     assert setup.placement.groups == placement(model.layers, model.experts, model.top_k, workers).groups
 
 
-def test_the_local_model_and_the_runtime_call_the_same_decisions() -> None:
+def test_the_cluster_model_and_the_runtime_call_the_same_decisions() -> None:
     """The loader's rules and the strategies' plans are the runtime's functions, not copies."""
     from inference.runtime import loader
     from inference.runtime.roles.worker import role
 
-    assert local.take_batch is loader.take_batch is loads.take_batch
-    assert local.pick_victim is loader.pick_victim is loads.pick_victim
-    assert local.keep_on_request is role.keep_on_request
-    assert local.keep_on_prediction is role.keep_on_prediction
-    assert local.prefetch_on_prediction is role.prefetch_on_prediction
-    assert local.home_experts is role.home_experts
+    assert cluster.take_batch is loader.take_batch is loads.take_batch
+    assert cluster.pick_victim is loader.pick_victim is loads.pick_victim
+    assert cluster.keep_on_request is role.keep_on_request
+    assert cluster.keep_on_prediction is role.keep_on_prediction
+    assert cluster.prefetch_on_prediction is role.prefetch_on_prediction
+    assert cluster.home_experts is role.home_experts

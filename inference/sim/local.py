@@ -1,384 +1,22 @@
-"""Our runtime on one machine under an emulated profile, event by event: what `benchmarks.strategies` runs.
+"""Our runtime on one machine under an emulated profile, walked through a recorded routing trace:
+what `benchmarks.strategies` runs, predicted.
 
-`inference.sim`'s strategy models describe the *paper's* systems on real GPUs (Transformers with
-`device_map`, Mixtral-Offloading's HQQ experts). To be checked against our own measured runs, the
-simulator also needs a model of what *our* runtime does on *this* machine when
-`inference.tools.emulation` slows its copies and links down to a profile's proportions. That is this
-module. Every rule here is the runtime's own, not a fit, and every decision is taken by the
-runtime's own pure function (`inference.policies`), called from here:
-
-- groups: layer ``l`` belongs to group ``l mod G``, ``G = max(1, min(W // top_k, L))``
-  (`inference.policies.placement.placement`);
-- cacheless strategies deal predicted experts round-robin over the group and send each routed expert
-  to whoever loaded it, the rest to the least loaded; caching strategies send expert ``e`` to
-  ``members[e % len(members)]`` (main: `inference.policies.strategies.dispatch_plan`; a worker's
-  prefetch on a prediction: `prefetch_on_prediction`); full-cache holds each worker's
-  `home_experts`, lru-offload starts from what prefill left in its caches (`lru_resident`);
-- a worker's loader (`inference.runtime.loader.ExpertLoader`): one copy at a time (a batch of one
-  (step, layer)'s pending experts per pass, each usable when its own copy is done:
-  `inference.policies.loads.take_batch`), at most ``max_resident`` experts ready or being copied
-  (cached ones do not count), prefetches in (step, layer) order, a request for an expert not yet
-  copied jumps the queue and pushes out the idle prefetch needed last (`pick_victim`), an expert is
-  freed (or admitted to the per-layer LRU cache, `inference.policies.strategies.lru_evictions`) as
-  soon as its rows are computed, a request drops the stale prefetches of earlier layers
-  (`keep_on_request`, and a prediction those of its own layer it no longer names: `keep_on_prediction`);
-- the worker handles its messages one at a time, in arrival order (one thread);
-- ``odmoe``: the shadow runs one token ahead: it starts step ``s + 1`` once it has finished step
-  ``s`` and main has started step ``s``, and sends each layer's routing to the layer's group as
-  it goes; ``lru-offload``: main sends the next layer's router guess before the layer's
-  requests (`MainRole._predict_next_layer`), on one box (no emulated link);
-- the emulated link (`inference.runtime.transport`): a message leaves after the sender's earlier ones
-  have left its uplink (``bytes / rate`` each) and is delivered ``latency`` after its last byte
-  (plus how late the receiver's timed wait for that moment wakes up, measured), or when it
-  really arrives over loopback, whichever is later; a worker's own Python around its experts
-  comes after the delivery, never under the latency;
-- hybrid execution (``hybrid=True``, `inference.policies.hybrid`): when main's request reaches a worker,
-  each requested expert not on the device runs where it finishes first — its copy (what is left
-  of it) plus the compute, or the worker's CPU straight from host memory — and a copy not yet
-  started for an expert sent to the CPU is dropped; under odmoe a worker also leaves the predicted
-  experts of the (step, layer)s its group plans on the CPUs uncopied (`inference.policies.hybrid.
-  planned_on_cpu`), the share set by the runtime's controller (`ShareController`, its ceiling
-  from the emulated rates) from the simulated tokens' periods.
-
-What it needs measured (`MachineCosts`, by `benchmarks.sim_prediction` before a run) is this
-machine's own time for what the emulation does not scale: main's layer, the per-layer Python
-around the experts, a message over loopback, and an expert's compute — measured in a running
-main + one worker of the runtime (`benchmarks.sim_prediction.measure_in_rhythm`), so that each
-cost holds what it costs right after a wait, as in a cluster. What it does not model, and is
-therefore a known source of error: CPU contention between the roles that share this machine's
-cores (main, shadow and workers are assumed to each have a core when they compute), a worker's
-slower compute after the longer idle of a larger cluster (the measuring worker computes every
-layer), the shadow's speed beyond its own layer times, and the tails of process wake-ups (the
-costs are medians; the decode rate is a mean).
+The cluster and its rules are `inference.sim.cluster`'s (``ClusterSim``); this module is the trace's
+driver. ``simulate_generation`` decodes one generation step by step as main's loop would, every
+step's routing taken from the trace (the shadow's predictions too, at the options' recall); with
+drafts, pass by pass, each pass keeping the tokens a measured agreement yields (``draft_passes``, or
+main's own ``DraftTuner`` choosing under ``auto``: ``AutoPasses``). What the trace cannot give (how
+a real shadow's drafts agree token by token, a batch's sequences joining and leaving) is what
+`inference.tools.engine_clock` adds by running main's real engine on the same cluster's clock.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from fractions import Fraction
 
 from inference.policies.drafting import DraftTuner, expected_tokens
-from inference.policies.hybrid import ShareController, planned_on_cpu, predicted_share, share_delay
-from inference.policies.loads import keep_on_prediction, keep_on_request, pick_victim, take_batch
-from inference.policies.placement import Placement, placement
-from inference.policies.strategies import (
-    STRATEGIES,
-    Strategy,
-    dispatch_plan,
-    get_strategy,
-    home_experts,
-    lru_evictions,
-    lru_resident,
-    prefetch_on_prediction,
-)
-from inference.runtime.spec import Settings
-
-Key = tuple[int, int, int]  # (step, layer, expert)
-# A routing trace of one generation: per decode step, per layer, the routed experts.
-Trace = list[list[list[int]]]
-
-
-@dataclass(frozen=True)
-class MachineCosts:
-    """Seconds on this machine, measured, for what the emulation leaves at this machine's speed."""
-
-    expert_compute_s: float  # one expert for one decode row on a worker (Emulation.expert_compute_here_s)
-    main_layer_s: float  # main's attention, norms and router of one decode layer
-    main_dispatch_s: float  # main's Python per layer around the experts: split, requests, combine
-    round_trip_s: float  # an expert request and its result through two processes' endpoints
-    step_fixed_s: float  # main's time per token outside its layers (embedding, final norm, LM head)
-    # A worker's own Python around its load wait + compute (checks, the loader's calls, the
-    # answer): after the request is handed to it, so never hidden under an emulated link's latency.
-    worker_python_s: float = 0.0
-    # Of main's Python per layer, the part before its requests leave (split, plan, build, send),
-    # where it is known apart; ``main_dispatch_s`` is then the part after the answers.
-    main_before_send_s: float = 0.0
-    # How late an emulated link's held message is handed out after its delivery time (the
-    # transport releases it from a timed wait, which wakes up late).
-    hold_wake_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
-        if self.expert_compute_s <= 0:
-            raise ValueError("expert_compute_s must be positive")
-
-    @property
-    def one_way_s(self) -> float:
-        return self.round_trip_s / 2
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class EmulatedRates:
-    """The token buckets of `inference.tools.emulation.Emulation` (bytes/s, s), and the model's message sizes."""
-
-    copy_bytes_per_s: float
-    link_bytes_per_s: float | None  # None: no emulated network (one box)
-    link_latency_s: float
-    expert_bytes: int
-    request_bytes: int  # a decode request carrying one row (header + row + weight)
-    result_bytes: int
-    align_bytes: int = 0  # main -> shadow per token (token + the new KV entries of every layer)
-    prediction_bytes: int = 64
-    host_memory_bytes_per_s: float | None = None  # hybrid execution's CPU path, emulated
-    host_flops: float | None = None
-    expert_flops: float = 0.0  # one row through one expert
-    # A coded expert (``expert_codec``): the bytes the emulated copy carries (None: ``expert_bytes``)
-    # and the seconds this machine's CPU takes to decode one, measured: the loader decodes it as its
-    # copy starts, one after the other (``inference.runtime.loader``).
-    stored_bytes: int | None = None
-    decode_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.copy_bytes_per_s <= 0 or self.expert_bytes <= 0:
-            raise ValueError("copy bandwidth and expert bytes must be positive")
-        if self.link_bytes_per_s is not None and self.link_bytes_per_s <= 0:
-            raise ValueError("link bandwidth must be positive (or None for no emulated link)")
-        if (self.stored_bytes is not None and self.stored_bytes <= 0) or self.decode_s < 0:
-            raise ValueError("stored bytes must be positive and decode time not negative")
-
-    @property
-    def copy_s(self) -> float:
-        """One expert's load: its decode here (if coded), then its stored bytes over the emulated copy."""
-        stored = self.expert_bytes if self.stored_bytes is None else self.stored_bytes
-        return self.decode_s + stored / self.copy_bytes_per_s
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The benchmark's model and deployment."""
-
-    layers: int
-    experts: int
-    top_k: int
-    workers: int
-    max_resident: int = 2
-    cache_experts: int = 2  # lru-offload: experts cached per layer
-
-    def __post_init__(self) -> None:
-        if min(self.layers, self.experts, self.top_k, self.workers, self.max_resident) < 1:
-            raise ValueError("layers, experts, top_k, workers and max_resident must be at least 1")
-        if self.top_k > self.experts:
-            raise ValueError("top_k cannot exceed experts")
-
-    def placement(self) -> Placement:
-        """The runtime's placement of this shape (`inference.policies.placement.placement`)."""
-        return placement(self.layers, self.experts, self.top_k, self.workers)
-
-    def groups(self) -> list[list[int]]:
-        """The placement's decode groups."""
-        return [list(members) for members in self.placement().groups]
-
-
-# --- one worker's loader -----------------------------------------------------------------------------
-
-
-class LoaderSim:
-    """`inference.runtime.loader.ExpertLoader`'s decisions on a clock (see the module docstring)."""
-
-    def __init__(self, copy_s: float, max_resident: int, cache: int | str | None = "none") -> None:
-        self.copy_s = copy_s
-        self.max_resident = max_resident
-        self.cache_kind = cache  # "none", None (keep all), or a per-layer capacity
-        self.cache: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self.queue: list[Key] = []
-        self.urgent: list[Key] = []
-        self.loading: list[tuple[Key, float]] = []  # (key, copy done at), in copy order
-        self.drop: set[Key] = set()
-        self.ready: set[Key] = set()
-        self.in_use: set[Key] = set()
-        self.clock = 0.0
-        self.engine_free = 0.0
-        self.loads = 0
-        self.wasted = 0
-
-    # the copy engine
-    def _slots_used(self) -> int:
-        return len(self.ready) + len(self.loading)
-
-    def _make_room(self) -> None:
-        """A computation waits: push out the idle prefetch needed last (it is queued again)."""
-        while self._slots_used() >= self.max_resident:
-            victim = pick_victim(list(self.ready), self.in_use)
-            if victim is None:
-                return
-            self.ready.discard(victim)
-            self.wasted += 1
-            self.queue.append(victim)
-            self.queue.sort()
-
-    def _try_start(self, t: float) -> None:
-        if self.urgent and not self.loading:
-            self._make_room()
-        if self.loading or not (self.urgent or self.queue) or self._slots_used() >= self.max_resident:
-            return
-        start = max(t, self.engine_free)
-        room = self.max_resident - self._slots_used() - 1
-        batch, self.urgent, self.queue = take_batch(self.urgent, self.queue, room)
-        self.loading = [(key, start + self.copy_s * (i + 1)) for i, key in enumerate(batch)]
-        self.engine_free = self.loading[-1][1]
-
-    def advance(self, t: float) -> None:
-        """Run the copy engine up to time ``t``."""
-        t = max(t, self.clock)
-        while self.loading and self.loading[0][1] <= t:
-            key, done = self.loading.pop(0)
-            self.clock = done
-            self.loads += 1
-            if key in self.drop:
-                self.drop.discard(key)
-                self.wasted += 1
-            else:
-                self.ready.add(key)
-            if not self.loading:
-                self._try_start(done)
-        self.clock = t
-        self._try_start(t)
-
-    def cached(self, key: Key) -> bool:
-        return self.cache_kind != "none" and key[1:] in self.cache
-
-    def state(self, key: Key) -> str:
-        if key in self.ready or self.cached(key):
-            return "ready"
-        if any(k == key for k, _ in self.loading):
-            return "loading"
-        if key in self.urgent or key in self.queue:
-            return "queued"
-        return "absent"
-
-    def copy_eta(self, key: Key) -> float:
-        """When ``key`` would be on the device if copied (the runtime's estimate,
-        `inference.policies.hybrid.copy_eta`)."""
-        if self.state(key) == "ready":
-            return self.clock
-        for k, done in self.loading:
-            if k == key:
-                return done
-        pass_done = self.loading[-1][1] if self.loading else self.clock
-        pending = self.urgent + self.queue
-        ahead = pending.index(key) if key in pending else 0
-        return pass_done + self.copy_s * (ahead + 1)
-
-    # what the worker calls
-    def prefetch(self, key: Key, t: float) -> None:
-        self.advance(t)
-        self.drop.discard(key)
-        if key in self.ready or self.state(key) in ("loading", "queued") or self.cached(key):
-            return
-        self.queue.append(key)
-        self.queue.sort()
-        self._try_start(self.clock)
-
-    def discard(self, keep, t: float) -> None:
-        self.advance(t)
-        self.queue = [k for k in self.queue if keep(k)]
-        for key in [k for k in self.ready if not keep(k) and k not in self.in_use]:
-            self.ready.discard(key)
-            self.wasted += 1
-        self.drop |= {k for k, _ in self.loading if not keep(k)}
-        self._try_start(self.clock)
-
-    def forget(self, key: Key, t: float) -> None:
-        """Drop a copy not yet started (hybrid: the expert went to the CPU)."""
-        self.advance(t)
-        if key in self.queue:
-            self.queue.remove(key)
-        if key in self.urgent:
-            self.urgent.remove(key)
-
-    def acquire(self, key: Key, t: float) -> float:
-        """The time ``key`` is usable, from a request at ``t`` (blocks the worker until then)."""
-        self.advance(t)
-        if self.cached(key):
-            self.cache.move_to_end(key[1:])
-            self.in_use.add(key)
-            return self.clock
-        self.drop.discard(key)
-        if key not in self.ready and self.state(key) != "loading" and key not in self.urgent:
-            if key in self.queue:
-                self.queue.remove(key)
-            self.urgent.append(key)
-            self._make_room()
-            self._try_start(self.clock)
-        while key not in self.ready:
-            if not self.loading:
-                raise RuntimeError(f"loader model stalled waiting for {key}")
-            self.advance(self.loading[0][1])
-        self.in_use.add(key)
-        return self.clock
-
-    def release(self, key: Key, t: float) -> None:
-        self.advance(t)
-        self.in_use.discard(key)
-        if key in self.ready:
-            self.ready.discard(key)
-            if self.cache_kind != "none":
-                self.cache[key[1:]] = None
-                self.cache.move_to_end(key[1:])
-                if isinstance(self.cache_kind, int):
-                    for victim in lru_evictions(list(self.cache), key[1], self.cache_kind):
-                        del self.cache[victim]
-        self._try_start(self.clock)
-
-
-# --- the cluster ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class WorkerSim:
-    loader: LoaderSim
-    free_at: float = 0.0
-    served: tuple[int, int] = (-1, -1)
-    uplink_free: float = 0.0
-    cpu_experts: int = 0
-    planned_experts: int = 0  # predicted experts planned on the CPU, never copied
-    predictions: list[tuple[float, int, int, list[int]]] = field(default_factory=list)
-    share_control: ShareController | None = None  # hybrid odmoe: the planned CPU share
-    token_mark: int | None = None  # the step of the last token's first request
-
-
-class Link:
-    """One role's uplink, emulated as `inference.runtime.transport` does (or loopback only)."""
-
-    def __init__(self, rates: EmulatedRates, costs: MachineCosts, networked: bool) -> None:
-        self.rate = rates.link_bytes_per_s if networked else None
-        self.latency = rates.link_latency_s if networked else 0.0
-        self.one_way = costs.one_way_s
-        self.wake = costs.hold_wake_s
-        self.free = 0.0
-
-    def send(self, t: float, nbytes: int) -> float:
-        """Delivery time of a message sent at ``t``: when it really arrives over loopback or, if
-        later, when the receiver's timed wait for its delivery time ends."""
-        real = t + self.one_way
-        if self.rate is None:
-            return real
-        self.free = max(self.free, t) + nbytes / self.rate
-        return max(real, self.free + self.latency + self.wake)
-
-
-@dataclass(frozen=True)
-class Options:
-    strategy: str
-    recall: float = 1.0  # odmoe: share of routed experts the shadow names (1: a shadow of the same precision)
-    hybrid: bool = False
-    shadow_layer_s: float | None = None  # the shadow's own layer time here (default: main's layer + top_k experts)
-    lookahead: int = Settings.lookahead  # the runtime's: how many steps after a token a share changed on it plans
-    # odmoe with drafts (``draft_tokens``): each pass verifies this many of the shadow's guesses, and
-    # yields ``tokens_per_pass`` tokens on average (measured before the run: ``draft_passes``). With
-    # ``draft_auto`` (``draft_policy="auto"``), up to that many, as main's ``DraftTuner`` picks pass by
-    # pass, each draft kept at the agreement under which ``drafts`` drafts yield ``tokens_per_pass``.
-    drafts: int = 0
-    tokens_per_pass: float = 1.0
-    draft_auto: bool = False
+from inference.sim.cluster import STRATEGIES, ClusterSim, EmulatedRates, MachineCosts, Options, Shape, Trace
 
 
 def draft_passes(decode_steps: int, drafts: int, tokens_per_pass: float) -> list[tuple[int, int, int]]:
@@ -426,22 +64,6 @@ class AutoPasses:
         return drafts, positions, min(positions, max(1, round(self.expected) - first))
 
 
-def _shadow_guess(real: list[int], experts: int, recall: float, step: int, layer: int) -> list[int]:
-    """A deterministic stand-in for a shadow of the given recall (exact when recall is 1)."""
-    if recall >= 1.0:
-        return sorted(real)
-    import random
-
-    rng = random.Random(step * 7919 + layer)
-    guess = []
-    for e in real:
-        if rng.random() < recall:
-            guess.append(e)
-        else:
-            guess.append(rng.choice([x for x in range(experts) if x not in real and x not in guess] or [e]))
-    return sorted(set(guess))
-
-
 def simulate_generation(
     options: Options,
     shape: Shape,
@@ -467,178 +89,36 @@ def simulate_generation(
     for step in trace:
         if len(step) != shape.layers or any(len(set(e)) != len(e) or not e for e in step):
             raise ValueError("each trace step needs one non-empty list of distinct experts per layer")
-    workers = 1 if strategy == "lru-offload" else shape.workers
-    local_shape = Shape(shape.layers, shape.experts, shape.top_k, workers, shape.max_resident, shape.cache_experts)
-    place = local_shape.placement()
-    groups = local_shape.groups()
-    networked = strategy != "lru-offload"
-    declared = get_strategy(strategy)
-    # The worker's device cache (`inference.runtime.roles.worker.storage.device_cache`): every
-    # expert ("all"), a per-layer LRU ("lru"), or none.
-    cache: int | str | None = {"all": None, "lru": shape.cache_experts}.get(declared.cache, "none")
-    pool = [WorkerSim(LoaderSim(rates.copy_s, shape.max_resident, cache)) for _ in range(workers)]
-    if declared.cache == "all":  # preloaded at start (`WorkerRole`: `loader.preload(home_experts(...))`)
-        for w, worker in enumerate(pool):
-            for key in home_experts(place, w):
-                worker.loader.cache[key] = None
-    if declared.cache == "lru":  # what prefill left in the cache: the prompt's experts, in order
-        uses = [
-            (layer, e)
-            for layer in range(shape.layers)
-            for e in (sorted(prefill_experts[layer]) if prefill_experts else range(shape.experts))
-        ]
-        for key in lru_resident(uses, shape.cache_experts):
-            pool[0].loader.cache[key] = None
-    main_link = Link(rates, costs, networked)
-    worker_links = [Link(rates, costs, networked) for _ in range(workers)]
-    shadow_link = Link(rates, costs, networked)
-    shadow_layer = (
-        options.shadow_layer_s
-        if options.shadow_layer_s is not None
-        else costs.main_layer_s + shape.top_k * costs.expert_compute_s
-    )
-    cpu_s = 0.0
-    if options.hybrid:
-        if not rates.host_memory_bytes_per_s:
-            raise ValueError("hybrid execution needs the emulated host memory rate")
-        cpu_s = max(costs.expert_compute_s, rates.expert_bytes / rates.host_memory_bytes_per_s)
-        if rates.host_flops:
-            cpu_s = max(cpu_s, rates.expert_flops / rates.host_flops)
-    group_layers = [[la for la in range(shape.layers) if la % len(groups) == g] for g in range(len(groups))]
-    if options.hybrid and strategy == "odmoe":  # the runtime's controller, with its rates alone
-        host_s = rates.expert_bytes / rates.host_memory_bytes_per_s
-        if rates.host_flops:
-            host_s = max(host_s, rates.expert_flops / rates.host_flops)
-        for worker in pool:
-            worker.share_control = ShareController(
-                predicted_share(rates.copy_s, host_s, len(groups)), delay=share_delay(options.lookahead)
-            )
-
-    def share_of(worker: WorkerSim, step: int) -> Fraction:
-        return worker.share_control.share_at(step) if worker.share_control else Fraction(0)
-
-    def mark_token(worker: WorkerSim, step: int) -> None:
-        """`inference.runtime.roles.worker.hybrid.mark_token`: the previous decode token's period, as main timed it."""
-        mark, worker.token_mark = worker.token_mark, step
-        if worker.share_control and mark == step - 1:  # (the trace holds decode steps only)
-            worker.share_control.observe(mark, step_starts[step - 1] - step_starts[step - 2])
-
-    def deliver_predictions(worker: WorkerSim, until: float) -> None:
-        while worker.predictions and worker.predictions[0][0] <= until:
-            arrive, step, layer, experts = worker.predictions.pop(0)
-            t = max(arrive, worker.free_at)
-            if (step, layer) <= worker.served:
-                continue
-            members = place.workers_for_layer(layer)
-            mine = prefetch_on_prediction(declared, experts, members, pool.index(worker))
-            if planned_on_cpu(step, layer, group_layers[layer % len(groups)], len(groups), share_of(worker, step)):
-                worker.planned_experts += len(mine)
-                mine = []
-            worker.loader.discard(keep_on_prediction((step, layer), set(mine)), t)
-            for e in mine:
-                worker.loader.prefetch((step, layer, e), t)
-
-    def serve(
-        worker_index: int, step: int, layer: int, experts: list[int], arrive: float, rows: dict[int, int] | None = None
-    ) -> float:
-        """``rows``: a drafted pass's positions routed to each expert, a segment each (1 when not given)."""
-        worker = pool[worker_index]
-        deliver_predictions(worker, max(arrive, worker.free_at))
-        t = max(arrive, worker.free_at)
-        loader = worker.loader
-        here = (step, layer)
-        if layer == group_layers[layer % len(groups)][0]:
-            mark_token(worker, step)
-        if here > worker.served:
-            worker.served = here
-        loader.discard(keep_on_request(here, set(experts)), t)
-        if experts:  # the worker's own Python before its first expert (the checks, the loader's calls)
-            t += costs.worker_python_s
-        # The runtime decides every expert of the request first, then runs the CPU's on a host
-        # thread beside the device's: two chains from the request's arrival, the later one ends it.
-        # Its rule is `inference.policies.hybrid.split`'s (strictly sooner on the CPU than the copy's
-        # end, CPU experts one after another, a dropped copy moving the later ones up), applied here
-        # to the loader model's absolute clock rather than through `split`'s relative snapshot
-        # (`CopyState`): the same comparisons, in other float arithmetic, which could tip a tie.
-        cpu_t = t
-        on_device = []
-        for e in experts:
-            key = (step, layer, e)
-            if options.hybrid and loader.state(key) != "ready":
-                on_device_at = max(t, loader.copy_eta(key))  # the runtime's rule: against the copy's end
-                if cpu_t + cpu_s < on_device_at:
-                    if loader.state(key) != "loading":
-                        loader.forget(key, t)
-                    else:
-                        loader.drop.add(key)
-                    worker.cpu_experts += 1
-                    cpu_t += cpu_s
-                    continue
-            on_device.append(key)
-        for key in on_device:
-            ready = loader.acquire(key, t)
-            t = max(t, ready) + costs.expert_compute_s * (rows or {}).get(key[2], 1)
-            loader.release(key, t)
-        t = max(t, cpu_t)
-        worker.free_at = t
-        return t
-
-    def shadow_pass(step_number: int, routing: list[list[int]], begin: float) -> float:
-        """The shadow's forward of one step from ``begin``: each layer's prediction sent as it
-        finishes; when the pass ends."""
-        for layer in range(shape.layers):
-            at = begin + (layer + 1) * shadow_layer
-            _send_prediction(
-                pool, groups, step_number, layer, routing[layer], at, shadow_link, rates, options.recall, shape.experts
-            )
-        return begin + shape.layers * shadow_layer
-
+    cluster = ClusterSim(options, shape, costs, rates, prefill_experts=prefill_experts)
     if options.drafts and strategy == "odmoe":
-        return _drafted(options, shape, costs, rates, trace, pool, place, groups, declared, serve, shadow_layer)
-    now = 0.0
-    step_starts: list[float] = []
-    shadow_end = 0.0
+        return _drafted(cluster, trace)
+    now = shadow_end = 0.0
     step_times = []
     for s, step in enumerate(trace, start=1):
         start = now
-        step_starts.append(start)
+        cluster.step_starts.append(start)
         if strategy == "odmoe":
             # The shadow, one token ahead, predicts step s + 1 while main runs step s.
             if s == 1:
-                shadow_end = shadow_pass(s, step, now)
+                shadow_end = cluster.shadow_pass(s, step, now)
             if s < len(trace):
-                shadow_end = shadow_pass(s + 1, trace[s], max(shadow_end, start))
+                shadow_end = cluster.shadow_pass(s + 1, trace[s], max(shadow_end, start))
         for layer, experts in enumerate(step):
-            now += costs.main_layer_s + costs.main_before_send_s
-            members = groups[layer % len(groups)]
-            if strategy == "lru-offload" and layer + 1 < shape.layers:
-                guess = next_gate[s - 1][layer + 1]
-                pool[0].predictions.append((main_link.send(now, rates.prediction_bytes), s, layer + 1, guess))
-            plan = _plan(declared, place, experts, s, layer, options, shape)
-            replies = []
-            for w in members:
-                mine = plan.get(w, [])
-                arrive = main_link.send(now, rates.request_bytes if mine else rates.prediction_bytes)
-                done = serve(w, s, layer, mine, arrive)
-                if mine:
-                    replies.append(worker_links[w].send(done, rates.result_bytes * len(mine)))
-            now = max(replies) + costs.main_dispatch_s
+            gate = next_gate[s - 1][layer + 1] if strategy == "lru-offload" and layer + 1 < shape.layers else None
+            now, _ = cluster.layer_round(s, layer, dict.fromkeys(experts, 1), 1, now, next_gate=gate)
         now += costs.step_fixed_s
         if strategy == "odmoe" and rates.align_bytes:
-            main_link.send(now, rates.align_bytes)  # the shadow's alignment occupies main's uplink
+            cluster.main_link.send(now, rates.align_bytes)  # the shadow's alignment occupies main's uplink
         step_times.append(now - start)
     decode_s = sum(step_times)
     return {
         "decode_tok_s": len(step_times) / decode_s,
         "step_ms_median": statistics.median(step_times) * 1000,
-        "loads": sum(w.loader.loads for w in pool),
-        "wasted_loads": sum(w.loader.wasted for w in pool),
-        "cpu_experts": sum(w.cpu_experts for w in pool),
-        "planned_experts": sum(w.planned_experts for w in pool),
+        **cluster.totals(),
     }
 
 
-def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared, serve, shadow_layer) -> dict:
+def _drafted(cluster: ClusterSim, trace: Trace) -> dict:
     """odmoe's decode with drafts (``simulate_generation`` with ``options.drafts``), pass by pass.
 
     Each pass computes ``positions`` positions in main (its layer work, Python and LM head each
@@ -649,11 +129,10 @@ def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared,
     the union so far per layer as it goes, and answers main after all but the last; it drafts the next
     pass meanwhile where this one kept every draft (``speculate``), else from main's end of this pass.
     Main waits for the answer (not at all for a pass ``auto`` gave no drafts)."""
-    links = [Link(rates, costs, True) for _ in range(len(pool) + 2)]
-    main_link, shadow_link = links[0], links[1]
+    options, shape, costs, rates = cluster.options, cluster.shape, cluster.costs, cluster.rates
     now = shadow_free = 0.0
     times, tokens, kept_all = [], 0, False
-    shadow_pass_s = shape.layers * shadow_layer
+    shadow_pass_s = shape.layers * cluster.shadow_layer_s
     auto, fixed = None, iter(())
     if options.draft_auto:
         auto = AutoPasses(shape, options.drafts, agreement_for(options.drafts, options.tokens_per_pass))
@@ -671,17 +150,23 @@ def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared,
         for j in range(positions):  # the shadow's passes, each layer's union so far sent as it finishes
             for layer in range(shape.layers):
                 union = sorted(set().union(*(trace[first + i][layer] for i in range(j + 1))))
-                at = begin + j * shadow_pass_s + (layer + 1) * shadow_layer
-                _send_prediction(pool, groups, p, layer, union, at, shadow_link, rates, options.recall, shape.experts)
+                at = begin + j * shadow_pass_s + (layer + 1) * cluster.shadow_layer_s
+                cluster.send_prediction(p, layer, union, at)
         shadow_free = begin + positions * shadow_pass_s
         ready = max(now, begin + (positions - 1) * shadow_pass_s) if drafts else now  # main waits for its drafts
         waited, start, now = ready - now, ready, ready
-        now, experts_s, distinct = _verify_pass(
-            costs, rates, trace, pool, place, groups, declared, serve, options, shape, links, p, first, positions, now
-        )
+        experts_s = distinct = 0
+        for layer in range(shape.layers):
+            rows: dict[int, int] = {}
+            for i in range(positions):
+                for e in trace[first + i][layer]:
+                    rows[e] = rows.get(e, 0) + 1
+            now, waited_here = cluster.layer_round(p, layer, rows, positions, now)
+            experts_s += waited_here
+            distinct += len(rows)
         now += costs.step_fixed_s * positions
         if rates.align_bytes:
-            main_link.send(now, rates.align_bytes * kept)
+            cluster.main_link.send(now, rates.align_bytes * kept)
         if auto is not None:
             auto.tuner.note_timed_pass(
                 drafts=drafts,
@@ -700,54 +185,10 @@ def _drafted(options, shape, costs, rates, trace, pool, place, groups, declared,
         "decode_tok_s": tokens / (now or 1.0),
         "step_ms_median": statistics.median(times) * 1000,
         "passes": len(times),
-        "loads": sum(w.loader.loads for w in pool),
-        "wasted_loads": sum(w.loader.wasted for w in pool),
+        **cluster.totals(),
         "cpu_experts": 0,
         "planned_experts": 0,
     }
-
-
-def _verify_pass(
-    costs, rates, trace, pool, place, groups, declared, serve, options, shape, links, p, first, positions, now
-):
-    """Main's pass ``p`` over ``positions`` positions from decode step ``first``, from ``now``: when it
-    ends, the seconds its layers waited for their expert rounds, and the distinct experts it served."""
-    main_link, worker_links = links[0], links[2:]
-    experts_s, distinct = 0.0, 0
-    for layer in range(shape.layers):
-        rows: dict[int, int] = {}
-        for i in range(positions):
-            for e in trace[first + i][layer]:
-                rows[e] = rows.get(e, 0) + 1
-        now += (costs.main_layer_s + costs.main_before_send_s) * positions
-        plan = _plan(declared, place, sorted(rows), p, layer, options, shape)
-        replies = []
-        sent = now
-        for w in groups[layer % len(groups)]:
-            mine = plan.get(w, [])
-            arrive = main_link.send(now, rates.request_bytes * positions if mine else rates.prediction_bytes)
-            done = serve(w, p, layer, mine, arrive, rows)
-            if mine:
-                replies.append(worker_links[w].send(done, rates.result_bytes * sum(rows[e] for e in mine)))
-        experts_s += max(replies) - sent
-        distinct += len(rows)
-        now = max(replies) + costs.main_dispatch_s * positions
-    return now, experts_s, distinct
-
-
-def _send_prediction(pool, groups, step, layer, real, at, link, rates, recall, experts) -> None:
-    guess = _shadow_guess(real, experts, recall, step, layer)
-    arrive = link.send(at, rates.prediction_bytes)
-    for w in groups[layer % len(groups)]:
-        pool[w].predictions.append((arrive, step, layer, guess))
-        pool[w].predictions.sort(key=lambda p: (p[0], p[1], p[2]))
-
-
-def _plan(declared: Strategy, place: Placement, experts, step, layer, options, shape) -> dict[int, list[int]]:
-    """Who computes each routed expert: main's own decode rule (`inference.policies.strategies.dispatch_plan`)."""
-    predicted = _shadow_guess(experts, shape.experts, options.recall, step, layer) if declared.name == "odmoe" else []
-    plan, _ = dispatch_plan(declared, place, step, layer, experts, sorted(set(predicted)))
-    return plan
 
 
 def predict(
