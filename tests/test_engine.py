@@ -1,6 +1,6 @@
 """Main's engine without sockets, against Transformers' ``generate``.
 
-Main's own engine, driven by a host in this process (``tests.engine_host``), runs a real tiny
+Main's own engine, driven by a host in this process (``inference.tools.local_engine``), runs a real tiny
 checkpoint of every family layer by layer, several sequences at once with chunked prefill, its
 experts computed by the checkpoint's own experts module in place of the workers; every sequence
 must be token-identical to its own ``generate`` run, greedy and seeded sampling alike, also where
@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM
 from inference.modelio.families import FAMILIES
 from inference.runtime.engine import runner as runner_module
 from inference.runtime.engine.sampling import check_generation_config
+from inference.tools.local_engine import run_engine
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 from inference.wire.runtime import Done
-from tests.engine_host import run_engine
 
 SHAPE = {"layers": 2, "hidden": 32, "intermediate": 48, "experts": 4, "top_k": 2, "heads": 4, "kv_heads": 2}
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [40, 2], [17, 17, 8, 60, 11, 4, 9, 12, 13, 50, 6]]
@@ -45,7 +45,7 @@ def _load(path: Path) -> torch.nn.Module:
 def _run_engine(
     model, requests: list[dict], *, max_batch: int, prefill_step: int, logprobs: dict | None = None
 ) -> dict[str, list[int]]:
-    """Main's engine on ``requests`` (``tests.engine_host``: experts by the model's own module).
+    """Main's engine on ``requests`` (``inference.tools.local_engine``: experts by the model's own module).
 
     A request with ``top_logprobs`` gets its logprobs gathered from its streamed tokens into
     ``logprobs[id]``: ``{"prompt": [...], "generated": [...]}``.

@@ -1,6 +1,6 @@
 """The sampling knobs main honours, against Transformers' ``generate`` and OpenAI's formula.
 
-``top_k``, ``min_p`` and ``repetition_penalty``: main's engine (``tests.engine_host``) gives the
+``top_k``, ``min_p`` and ``repetition_penalty``: main's engine (``inference.tools.local_engine``) gives the
 tokens ``generate`` gives with the same settings, greedy and seeded, several sequences at once,
 also while verifying drafts. ``frequency_penalty``, ``presence_penalty`` and ``logit_bias``: the
 processor's logits are OpenAI's documented formula on hand-made rows, and the served tokens are
@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 from inference.runtime.engine.sampling import OpenAIPenalties
 from inference.runtime.engine.scheduler import request_problem
+from inference.tools.local_engine import run_engine
 from inference.tools.tiny import make_tiny
 from inference.wire.generation import Done, Generate
-from tests.engine_host import run_engine
 
 SHAPE = {"layers": 2, "hidden": 32, "intermediate": 48, "experts": 4, "top_k": 2, "heads": 4, "kv_heads": 2}
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [40, 2], [17, 17, 8, 60, 11, 4, 9, 12, 13, 50, 6]]

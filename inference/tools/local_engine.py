@@ -1,5 +1,6 @@
 """Main's real engine in one process: a host that keeps what the engine tells it, and an exchange
 that computes each layer's experts with the checkpoint's own experts module in place of workers.
+Tests drive the engine through it, and so does the simulator (``inference.tools.engine_passes``).
 
 ``run_engine`` submits requests to an ``inference.runtime.engine.engine.Engine`` and steps it as
 main's role does (``MainRole.run``), until every request is answered. Nothing of the engine is
@@ -127,11 +128,13 @@ def run_engine(
     requests: list[dict],
     *,
     drafter: Drafter | None = None,
+    host: LocalHost | None = None,
+    exchange: LocalExperts | None = None,
     **settings,
 ) -> tuple[dict[str, Done | Failed], dict[str, list[Token]]]:
     """Each request (``id``, ``prompt``, ``max_new_tokens`` and any other ``Generate`` field) through
     main's engine with the deployment ``settings`` given: its end (``Done`` or ``Failed``) and its
-    streamed tokens, by id."""
+    streamed tokens, by id. ``host`` and ``exchange`` replace the plain ones (a recording pair)."""
     config = model.config
     family = family_of(config)
     layers, experts = config.num_hidden_layers, expert_dims(config)[0]
@@ -150,8 +153,9 @@ def run_engine(
         similarity=None,
         importance_threshold=0.0,
     )
-    host = LocalHost(drafter)
-    engine = host.engine = Engine(host, served, LocalExperts(model), guesses)
+    if host is None:
+        host = LocalHost(drafter)
+    engine = host.engine = Engine(host, served, exchange or LocalExperts(model), guesses)
     for r in requests:
         fields = {k: v for k, v in r.items() if k not in ("id", "prompt")}
         msg = Generate(request_id=r["id"], prompt_ids=list(r["prompt"]), **fields)
