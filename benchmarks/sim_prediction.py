@@ -311,6 +311,52 @@ def routing_traces(model_dir: Path, prompts: list[list[int]], outputs: list[list
     return generations
 
 
+def predict_drafts_in_engine(
+    model_dir: Path,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    *,
+    shadow_dtype: str,
+    drafts: int,
+    shape: Shape,
+    costs: MachineCosts,
+    rates: EmulatedRates,
+) -> dict:
+    """odmoe drafting ``drafts`` tokens a pass, predicted by main's real engine (``inference.tools.
+    engine_passes``): each generation served alone in this process with a ``shadow_dtype`` copy of
+    the model drafting its greedy continuation, its passes timed on the emulated cluster; the mean
+    decode tok/s over the generations (as ``predict`` averages them), and what the passes kept. The
+    tokens must be ``outputs``: a prediction of other tokens would predict another run."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from inference.shadow import quant
+    from inference.tools.engine_passes import record_passes, time_passes
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", experts_implementation="eager").eval()
+    shadow = copy.deepcopy(model).float()
+    quant.quantize_shadow_(shadow, shadow_dtype)
+    rates_each, kept, decode_passes, drafted_positions = [], 0, 0, 0
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        request = [{"id": f"g{i}", "prompt": prompt, "max_new_tokens": len(output)}]
+        passes, tokens = record_passes(model, request, shadow=shadow, prefix_cache=False, draft_tokens=drafts)
+        if tokens[f"g{i}"] != output:
+            raise RuntimeError(f"generation {i}: the engine's tokens are not the reference's")
+        timed = time_passes(passes, Options("odmoe"), shape, costs, rates)
+        rates_each.append(timed["decode_tok_s"])
+        decodes = [r for p in passes for r in p.decoding()]
+        decode_passes += len(decodes)
+        kept += sum(r.tokens for r in decodes)
+        drafted_positions += sum(r.positions - 1 for r in decodes)
+    return {
+        "predicted_decode_tok_s": {"odmoe": statistics.fmean(rates_each)},
+        "tokens_per_pass": kept / decode_passes,
+        "agreement": (kept - decode_passes) / drafted_positions if drafted_positions else None,
+        "shadow_dtype": shadow_dtype,
+    }
+
+
 def next_gate_recall(generations: list[dict]) -> float:
     hit = total = 0
     for g in generations:
@@ -451,11 +497,14 @@ def predict_for_run(
     codec: dict | None = None,
     drafts: tuple[int, float] | None = None,
     draft_auto: bool = False,
+    shadow_dtype: str | None = None,
 ) -> dict:
     """{strategy: predicted decode tok/s} for a `benchmarks.strategies` run, plus what it rests on.
 
     ``drafts`` (k, tokens per pass, measured before the run): odmoe drafting k tokens a pass; with
     ``draft_auto``, up to k as ``draft_policy="auto"`` picks (``inference.sim.local.AutoPasses``).
+    With a fixed k and ``shadow_dtype``, main's real engine predicts it too, its shadow a copy in
+    that dtype (``predict_drafts_in_engine``: ``engine_driven``).
 
     ``codec`` (``measure_decode``): the workers' experts are coded; each load is charged its decode here
     and its coded bytes on the emulated copy.
@@ -489,6 +538,18 @@ def predict_for_run(
         strategies, shape, costs, rates, generations, hybrid=hybrid, drafts=drafts, draft_auto=draft_auto
     )
     tight = measured.get("tight_loop") if "in_rhythm" in measured else None
+    driven = None
+    if drafts is not None and not draft_auto and shadow_dtype is not None:
+        driven = predict_drafts_in_engine(
+            model_dir,
+            prompts,
+            outputs,
+            shadow_dtype=shadow_dtype,
+            drafts=drafts[0],
+            shape=shape,
+            costs=costs,
+            rates=rates,
+        )
     return {
         "predicted_decode_tok_s": predicted,
         "predicted_decode_tok_s_tight_loop_costs": None
@@ -509,6 +570,7 @@ def predict_for_run(
             "machine": costs.as_dict(),
             "generations": generations,
         },
+        "engine_driven": driven,
         "machine": costs.as_dict(),
         "measurement": measured,
         "next_gate_recall": next_gate_recall(generations),

@@ -802,6 +802,7 @@ def main(argv: list[str] | None = None) -> int:
                 measurement=measurement,
                 drafts=(k, before["tokens_per_pass"]),
                 draft_auto=auto,
+                shadow_dtype=args.shadow_dtype,
             )
             predictions[kind]["drafts_before_run"] = {key: value for key, value in before.items() if key != "answers"}
         predicted, predicted_tight = (
@@ -836,9 +837,15 @@ def main(argv: list[str] | None = None) -> int:
                     exact &= outputs == expected
             rounds.append(figures)
     results = aggregate_rounds(rounds)
+    driven = {
+        f"odmoe+{kind}": prediction["engine_driven"]["predicted_decode_tok_s"]["odmoe"]
+        for kind, prediction in predictions.items()
+        if prediction.get("engine_driven")
+    }
     for name, figures in results.items():
         figures["sim_predicted_decode_tok_s"] = predicted.get(name)
         figures["sim_predicted_decode_tok_s_tight_loop_costs"] = predicted_tight.get(name)
+        figures["sim_engine_predicted_decode_tok_s"] = driven.get(name)
     bound = copy_bound(
         config["num_hidden_layers"],
         config["num_experts_per_tok"],

@@ -383,3 +383,11 @@ def test_drafted_rows_run_beside_odmoe_with_their_bound_and_the_simulator_s_pred
     before = figures["sim_prediction"]["drafts3"]["drafts_before_run"]
     assert before["exact"] and 1 <= before["tokens_per_pass"] <= 4
     assert 1 <= figures["sim_prediction"]["drafts-auto4"]["drafts_before_run"]["tokens_per_pass"] <= 5
+    # Main's real engine predicts the fixed k too (its shadow the run's dtype); auto it cannot.
+    driven = figures["sim_prediction"]["drafts3"]["engine_driven"]
+    assert fixed["sim_engine_predicted_decode_tok_s"] == driven["predicted_decode_tok_s"]["odmoe"] > 0
+    assert 1 <= driven["tokens_per_pass"] <= 4 and driven["shadow_dtype"] == "fp32"
+    assert (
+        auto["sim_engine_predicted_decode_tok_s"] is None
+        and figures["sim_prediction"]["drafts-auto4"]["engine_driven"] is None
+    )
