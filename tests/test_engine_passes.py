@@ -85,8 +85,9 @@ def test_drafts_all_kept_time_as_the_trace_walk_at_every_draft_kept(model) -> No
 def test_a_staggered_batch_is_timed_as_the_engine_ran_it(model, tiny_model: Path) -> None:
     """Three requests, two places, prompts prefilled in pieces of 4: the tokens are ``generate``'s;
     every pass holds the rows the engine computed (each position its top-k experts at each layer),
-    each request its tokens, in order; its token times never go backwards."""
-    shape = _shape(model)
+    each request its tokens, in order; its token times never go backwards. Eight workers: a
+    prompt's experts go to prefill workers outside the decode groups (four groups of two)."""
+    shape = _shape(model, workers=8)
     requests = [{"id": f"r{i}", "prompt": p, "max_new_tokens": n} for i, (p, n) in enumerate(STAGGERED)]
     passes, tokens = record_passes(model, requests, max_batch=2, prefill_step=4, prefix_cache=False)
     for i, (prompt, new) in enumerate(STAGGERED):
@@ -95,7 +96,8 @@ def test_a_staggered_batch_is_timed_as_the_engine_ran_it(model, tiny_model: Path
     for p in passes:
         positions = sum(r.positions for r in p.rows)
         for layer in range(shape.layers):
-            assert sum(p.segments(layer).values()) == positions * shape.top_k
+            segments = sum(p.segments(layer).values()) + sum(p.segments(layer, prefill=True).values())
+            assert segments == positions * shape.top_k
     for i, (_, new) in enumerate(STAGGERED):
         assert sum(r.tokens for p in passes for r in p.rows if r.request_id == f"r{i}") == new
     timed = time_passes(passes, Options("odmoe"), shape, COSTS, RATES)

@@ -569,25 +569,37 @@ class ClusterSim:
         now: float,
         *,
         next_gate: list[int] | None = None,
+        prefill: dict[int, int] | None = None,
     ) -> tuple[float, float]:
         """Main's layer ``layer`` of ``step`` over ``positions`` positions from ``now``, ``rows[e]`` of
-        them routed to expert ``e``: its own layer work, its requests to the layer's group, their
-        answers, its Python after them. When it ends, and the seconds from its requests leaving to the
-        last answer. ``next_gate``: main's guess of the next layer's experts, sent before the
-        requests (lru-offload)."""
+        the decoding ones routed to expert ``e``: its own layer work, its requests to the layer's
+        group, their answers, its Python after them. When it ends, and the seconds from its requests
+        leaving to the last answer. ``next_gate``: main's guess of the next layer's experts, sent
+        before the requests (lru-offload). ``prefill``: the rows of prompts prefilled in the same
+        pass, per expert, each sent to its prefill worker (``dispatch_plan`` at step 0), every
+        prefill candidate told of the layer."""
         costs, rates = self.costs, self.rates
         now += (costs.main_layer_s + costs.main_before_send_s) * positions
         if next_gate is not None:
             sent = self.main_link.send(now, rates.prediction_bytes)
             self.pool[0].predictions.append((sent, step, layer + 1, next_gate))
-        plan = self.plan(sorted(rows), step, layer)
+        work: dict[int, dict[int, int]] = {}  # worker -> its experts (in the plan's order) and their rows
+        if rows:
+            plan = self.plan(sorted(rows), step, layer)
+            for w in self.groups[layer % len(self.groups)]:
+                work[w] = {e: rows[e] for e in plan.get(w, [])}
+        if prefill:
+            plan, told = dispatch_plan(self.declared, self.place, 0, layer, sorted(prefill), None)
+            for w in told:
+                mine = work.setdefault(w, {})
+                for e in plan.get(w, []):
+                    mine[e] = mine.get(e, 0) + prefill[e]
         replies = []
-        for w in self.groups[layer % len(self.groups)]:
-            mine = plan.get(w, [])
+        for w, mine in work.items():
             arrive = self.main_link.send(now, rates.request_bytes * positions if mine else rates.prediction_bytes)
-            done = self.serve(w, step, layer, mine, arrive, rows)
+            done = self.serve(w, step, layer, list(mine), arrive, mine)
             if mine:
-                replies.append(self.worker_links[w].send(done, rates.result_bytes * sum(rows[e] for e in mine)))
+                replies.append(self.worker_links[w].send(done, rates.result_bytes * sum(mine.values())))
         return max(replies) + costs.main_dispatch_s * positions, max(replies) - now
 
     def totals(self) -> dict:

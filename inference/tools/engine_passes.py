@@ -10,11 +10,12 @@ each pass (a session step), each sequence's positions and the experts every posi
 at every layer. ``record_passes`` returns those passes; ``time_passes`` then times them on the
 emulated cluster, by its rules and main's decode costs (``MachineCosts``):
 
-- each layer of a pass is one round of main's requests to the layer's group: the union of every
-  position's experts, each expert a segment per position routed to it (``ClusterSim.layer_round``);
-  main's layer work and Python are charged per position, a prefill's too (main's batched prefill is
-  cheaper per position than that: the time to a first token is an upper bound, a decode is not
-  touched), and the per-token rest (LM head) per position that samples;
+- each layer of a pass is one round of main's requests (``ClusterSim.layer_round``): the union of
+  the decoding positions' experts to the layer's group, a prompt's to their prefill workers, each
+  expert a segment per position routed to it; main's layer work and Python are charged per
+  position, a prefill's too (main's batched prefill is cheaper per position than that, and the
+  workers' prefetch during a prefill is not modelled: the time to a first token is an upper bound),
+  and the per-token rest (LM head) per position that samples;
 - odmoe without drafts: the shadow predicts a pass's decode positions one pass ahead, its routing
   main's (a shadow of the options' recall), as the trace's walk does;
 - odmoe with drafts (``draft_tokens`` in the settings): the shadow drafts each pass's positions, one
@@ -76,9 +77,11 @@ class Pass:
         end = None if positions is None else first + positions
         return sorted({e for r in rows for experts in r.experts[layer][first:end] for e in experts})
 
-    def segments(self, layer: int) -> dict[int, int]:
-        """Each expert's positions at ``layer`` over the whole pass (a segment each)."""
-        return dict(Counter(e for r in self.rows for experts in r.experts[layer] for e in set(experts)))
+    def segments(self, layer: int, *, prefill: bool = False) -> dict[int, int]:
+        """Each expert's positions at ``layer`` over the pass's decoding rows (or its prefilling ones),
+        a segment each."""
+        rows = [r for r in self.rows if r.prefill == prefill]
+        return dict(Counter(e for r in rows for experts in r.experts[layer] for e in set(experts)))
 
 
 class RecordingExperts(LocalExperts):
@@ -189,7 +192,8 @@ def time_passes(passes: list[Pass], options: Options, shape: Shape, costs: Machi
             now = shadow.before(index, current, following, now, drafts=drafted)
         positions = sum(r.positions for r in current.rows)
         for layer in range(shape.layers):
-            now, _ = cluster.layer_round(index, layer, current.segments(layer), positions, now)
+            decoding, prefill = current.segments(layer), current.segments(layer, prefill=True)
+            now, _ = cluster.layer_round(index, layer, decoding, positions, now, prefill=prefill)
         now += costs.step_fixed_s * sum(r.sampled for r in current.rows)
         if odmoe and rates.align_bytes:
             cluster.main_link.send(now, rates.align_bytes * sum(r.tokens for r in current.rows))
