@@ -129,6 +129,7 @@ def channel_layer_on_test_redis(settings, redis_url: str) -> Iterator[None]:
 
     settings.CHANNEL_LAYERS = redis_channel_layers(redis_url)
     settings.CACHES = shared_caches(settings.CACHES, redis_url)
+    settings.REDIS_URL = redis_url  # nodes' liveness too (controlplane.nodes.liveness)
     channel_layers.backends.clear()
     yield
     channel_layers.backends.clear()

@@ -10,6 +10,7 @@ from controlplane.artifacts.models import ModelArtifact
 from controlplane.deployments.models import Deployment
 from controlplane.nodes.inventory import clean_inventory, doctor_problems
 from controlplane.nodes.models import Node, NodeTask, TaskState
+from controlplane.nodes.selectors import last_heard
 from inference import __version__
 from inference.policies.strategies import get_strategy
 
@@ -17,24 +18,27 @@ RECENT_TASKS = 50
 
 
 def snapshot() -> dict:
+    nodes = list(Node.objects.all())
+    heard = last_heard(nodes)
     return {
         "server_version": __version__,
-        "nodes": [_node(n) for n in Node.objects.all()],
+        "nodes": [_node(n, heard) for n in nodes],
         "models": [_model(m) for m in ModelArtifact.objects.all()],
         "deployments": [_deployment(d) for d in Deployment.objects.prefetch_related("members__node")[:50]],
         "transfers": [_task(t) for t in NodeTask.objects.select_related("node")[:RECENT_TASKS]],
     }
 
 
-def _node(node: Node) -> dict:
+def _node(node: Node, heard: dict) -> dict:
     inventory = clean_inventory(node.inventory)
+    last_seen = heard.get(str(node.pk))
     doctor = inventory.get("doctor") or {"checks": []}
     return {
         "id": str(node.pk),
         "name": node.name,
         "status": node.status,
         "address": node.address,
-        "last_seen": node.last_seen.isoformat() if node.last_seen else None,
+        "last_seen": last_seen.isoformat() if last_seen else None,
         "connected_at": node.connected_at.isoformat() if node.connected_at else None,
         "cpu_count": inventory.get("cpu_count"),
         "ram_bytes": inventory.get("ram_bytes"),

@@ -11,8 +11,8 @@ class DeploymentsConfig(AppConfig):
 
         from . import lifecycle
 
-        def on_runtime(sender, *, node_id: str, reports: list, complete: bool, **kwargs) -> None:
-            lifecycle.reconcile(node_id=node_id, reports=reports, complete=complete)
+        def on_runtime(sender, *, node_id: str, reports: list, complete: bool, **kwargs) -> bool:
+            return lifecycle.reconcile(node_id=node_id, reports=reports, complete=complete)
 
         def on_offline(sender, *, node_ids: list[str], **kwargs) -> None:
             lifecycle.nodes_went_offline(node_ids=node_ids)

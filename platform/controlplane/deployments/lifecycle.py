@@ -315,12 +315,17 @@ def role_device(inventory: dict, gpu: int | None = None) -> str:
 # --- following what agents report ----------------------------------------------------------
 
 
-def reconcile(*, node_id: str, reports: list[dict], complete: bool) -> None:
+def reconcile(*, node_id: str, reports: list[dict], complete: bool) -> bool:
     """Act on what node ``node_id`` runs: ``reports`` are RoleStates as JSON.
 
     ``complete``: they are everything the node runs (a heartbeat), so a role it should run and
     does not is sent again; otherwise (one RoleState event) only the roles reported are updated.
     A role nobody wants any more (another deployment, an earlier start) is told to stop.
+
+    Returns whether the node is settled: the reports are complete, every role it should run was
+    heard, and nothing changed but memory figures, nothing was sent and no deployment's status
+    moved. The agent link then need not act on the same report again for a while
+    (``nodes.consumers``).
     """
     members = list(
         DeploymentNode.objects.select_related("deployment", "node").filter(
@@ -329,6 +334,7 @@ def reconcile(*, node_id: str, reports: list[dict], complete: bool) -> None:
     )
     wanted = {(m.deployment.runtime_key, m.role_name): m for m in members}
     heard: set[int] = set()
+    settled = complete
     for report in reports:
         if not isinstance(report, dict):
             continue
@@ -340,12 +346,14 @@ def reconcile(*, node_id: str, reports: list[dict], complete: bool) -> None:
             if reported and state not in (MemberState.STOPPED, MemberState.FAILED):
                 stop = StopRole(deployment=reported, role_name=role_name)
                 send_command(node_id=node_id, command=stop.to_json())  # nobody wants it
+                settled = False
             continue
         if state in MemberState.values:
             heard.add(member.pk)
-            _record_state(member, report, state)
+            settled &= not _record_state(member, report, state)
     for member in members:
         missing = complete and member.pk not in heard and member.port is not None
+        settled &= not missing
         if missing and member.state != MemberState.FAILED and _start_due(member):
             # The box runs something else, or nothing (its agent restarted): start its role again.
             member.state, member.detail = MemberState.PENDING, "role sent again"
@@ -353,16 +361,20 @@ def reconcile(*, node_id: str, reports: list[dict], complete: bool) -> None:
             with transaction.atomic():
                 _send_start(member.deployment, member, list(member.deployment.members.select_related("node")))
     for deployment in {m.deployment_id: m.deployment for m in members}.values():
-        refresh_status(deployment)
+        settled &= not refresh_status(deployment)
+    return settled
 
 
-def _record_state(member: DeploymentNode, report: dict, state: str) -> None:
+def _record_state(member: DeploymentNode, report: dict, state: str) -> bool:
+    """The member's reported state saved; whether anything but its memory figures changed."""
     detail = storable_text(str(report.get("detail", ""))[:4000])
     metrics = storable_json(report["metrics"]) if isinstance(report.get("metrics"), dict) else member.metrics
     memory = role_memory(report.get("memory"))
-    if (member.state, member.detail, member.metrics, member.memory) != (state, detail, metrics, memory):
+    moved = (member.state, member.detail, member.metrics) != (state, detail, metrics)
+    if moved or member.memory != memory:
         member.state, member.detail, member.metrics, member.memory = state, detail, metrics, memory
         member.save(update_fields=["state", "detail", "metrics", "memory", "updated_at"])
+    return moved
 
 
 def role_memory(reported: object) -> dict[str, int]:
@@ -389,19 +401,22 @@ def _start_due(member: DeploymentNode) -> bool:
     return sent is None or timezone.now() - sent > timedelta(seconds=RESEND_AFTER_S) or member.state == "offline"
 
 
-def refresh_status(deployment: Deployment) -> None:
-    """The deployment's status from its members': ready only when every role is."""
+def refresh_status(deployment: Deployment) -> bool:
+    """The deployment's status from its members': ready only when every role is. Whether it moved
+    (or the deployment is no longer running)."""
     with transaction.atomic():
         locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
         if locked.status not in RUNNING:
-            return
+            return True
         members = list(locked.members.select_related("node"))
         status, reason = _status_from(locked, members)
-        if (status, reason) != (locked.status, locked.status_reason):
+        moved = (status, reason) != (locked.status, locked.status_reason)
+        if moved:
             _set_status(locked, status, reason)
         if status == DeploymentStatus.FAILED:
             key, nodes = locked.runtime_key, [m.node_id for m in members]
             transaction.on_commit(lambda: _broadcast_stop(nodes, key))
+        return moved
 
 
 def _status_from(deployment: Deployment, members: list[DeploymentNode]) -> tuple[str, str]:

@@ -20,10 +20,30 @@ from .models import JoinToken, Node, NodeTask
 from .tls import enroll_commands
 
 
+class NodeListOutput(serializers.ListSerializer):
+    """Nodes, with when each was last heard read for all of them at once."""
+
+    def to_representation(self, data):
+        nodes = list(data.all() if hasattr(data, "all") else data)
+        self.child.context["last_heard"] = selectors.last_heard(nodes)
+        return super().to_representation(nodes)
+
+
 class NodeOutput(serializers.ModelSerializer):
     rotation_pending = serializers.BooleanField(read_only=True, help_text="a new credential sent, not yet confirmed")
 
+    def to_representation(self, instance: Node) -> dict:
+        """``last_seen``: when its agent was last heard (``selectors.last_heard``), not only its row's."""
+        data = super().to_representation(instance)
+        heard = self.context.get("last_heard")
+        if heard is None:
+            heard = selectors.last_heard([instance])
+        moment = heard.get(str(instance.pk))
+        data["last_seen"] = serializers.DateTimeField().to_representation(moment) if moment else None
+        return data
+
     class Meta:
+        list_serializer_class = NodeListOutput
         model = Node
         fields = [
             "id",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from channels.db import database_sync_to_async
@@ -47,7 +48,8 @@ from inference.wire.link import (
     parse,
 )
 
-from . import frames, link_writes, services
+from . import frames, link_writes, liveness, services
+from .beats import Beats
 from .groups import node_group
 from .inventory import clean_inventory
 from .relay import relay
@@ -91,6 +93,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         self._liveness_writer: asyncio.Task | None = None
         self._writes = PendingWrites()
         self._writer: asyncio.Task | None = None
+        # Which heartbeats reach the database at all (``beats``): liveness goes to Redis every time,
+        # the node's row and its roles' report only on change or after a while.
+        self._beats = Beats(refresh_s=liveness.ROW_REFRESH_S, stall_s=settings.NODE_HEARTBEAT_TIMEOUT_S / 2)
 
     async def connect(self) -> None:
         node = await _db(self._authenticate)()
@@ -203,15 +208,11 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(event, GENERATION_EVENTS):
             await self._relay_generation(event)
         elif isinstance(event, Heartbeat):
-            # Known inventory entries only, each within its size, before it is held or stored.
-            self._liveness = clean_inventory(event.inventory)
-            if self._liveness_writer is None or self._liveness_writer.done():
-                self._liveness_writer = asyncio.create_task(self._write_liveness())
-            reports = clean_role_reports(event.roles)
-            self._record(("roles",), services.record_runtime, reports=reports, complete=True)
+            self._heartbeat(event)
         elif isinstance(event, RoleState):
             report = clean_role_report(event.to_json())
             key = ("role", report["deployment"], report["role_name"])
+            self._beats.unsettle()
             self._record(key, services.record_runtime, reports=[report], complete=False)
         elif isinstance(event, TaskProgress | TaskDone) and not services.is_task_id(event.task_id):
             pass  # names no task of any node's: nothing to record, nor to hold meanwhile
@@ -225,6 +226,29 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             )
         elif isinstance(event, CredentialSaved):
             self._record(("credential_saved",), services.confirm_rotation)
+
+    def _heartbeat(self, event: Heartbeat) -> None:
+        """The node is alive (``liveness``, in Redis); its row and its roles' report are written
+        when due (``beats``)."""
+        beats, now = self._beats, time.monotonic()
+        beats.beat(now)
+        liveness.heard(self.node_id)
+        if beats.row_due(now, writable=liveness.writable()):
+            # Known inventory entries only, each within its size, before it is held or stored.
+            self._liveness = clean_inventory(event.inventory)
+            if self._liveness_writer is None or self._liveness_writer.done():
+                self._liveness_writer = asyncio.create_task(self._write_liveness())
+        reports = clean_role_reports(event.roles)
+        epoch = beats.roles_due(reports, now)
+        if epoch is not None:
+            loop = asyncio.get_running_loop()
+            self._record(("roles",), self._reconcile, reports=reports, epoch=epoch, loop=loop)
+
+    def _reconcile(self, *, node_id: str, reports: list[dict], epoch: int, loop: asyncio.AbstractEventLoop) -> None:
+        """A heartbeat's complete report acted on (on a link-writes thread); whether it left the node
+        settled is noted on the link's own loop."""
+        settled = services.record_runtime(node_id=node_id, reports=reports, complete=True)
+        loop.call_soon_threadsafe(self._beats.acted, epoch, settled)
 
     def _record(self, key: tuple, write: Callable, **kwargs) -> None:
         """Queue ``write(node_id=…, **kwargs)``, replacing a queued write of the same ``key``."""
@@ -264,6 +288,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def agent_command(self, event: dict) -> None:
         """A command for this node from a service or task: forward it to the agent."""
         command = event["command"]
+        self._beats.unsettle()  # a role started, stopped or realigned: the next report is acted on
         if command.get("type") == Generate.TAG:
             self.generations[command["request_id"]] = command["deployment"]
         try:

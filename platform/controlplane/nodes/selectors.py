@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
 from django.db.models import QuerySet
 
+from . import liveness
 from .models import JoinToken, Node, NodeTask
 
 SHARD_TASKS = ("fetch_shard", "start_role")  # the tasks that make a node fetch a shard
@@ -11,6 +15,19 @@ SHARD_TASKS = ("fetch_shard", "start_role")  # the tasks that make a node fetch 
 
 def node_list() -> QuerySet[Node]:
     return Node.objects.all()
+
+
+def last_heard(nodes: Iterable[Node]) -> dict[str, datetime | None]:
+    """When each node's agent was last heard: the later of its row's ``last_seen`` (written at most
+    every ``liveness.ROW_REFRESH_S``) and its moment in ``liveness`` (every heartbeat), by node id."""
+    nodes = list(nodes)
+    heard = liveness.heard_at([str(node.pk) for node in nodes])
+    found = {}
+    for node in nodes:
+        at, row = heard.get(str(node.pk)), node.last_seen
+        moment = datetime.fromtimestamp(at, tz=UTC) if at is not None else None
+        found[str(node.pk)] = max((m for m in (row, moment) if m is not None), default=None)
+    return found
 
 
 def join_token_list() -> QuerySet[JoinToken]:

@@ -17,7 +17,7 @@ from agent.tls import join_token as clear_join_token
 from agent.tls import split_join_token
 from controlplane.storable import storable_text
 
-from . import signals
+from . import liveness, selectors, signals
 from .credentials import JOIN_TOKEN_PREFIX, NODE_SECRET_PREFIX, digest, matches, new_secret
 from .groups import node_group
 from .inventory import clean_inventory
@@ -192,16 +192,30 @@ def mark_offline(*, node_id: str, link_since: datetime | None = None) -> None:
     signals.nodes_went_offline.send(sender=Node, node_ids=[str(node_id)])
 
 
-def record_runtime(*, node_id: str, reports: list, complete: bool) -> None:
-    """What the node's runtime roles are doing (``complete``: all of them); the deployments app acts on it."""
-    signals.runtime_reported.send(sender=Node, node_id=str(node_id), reports=reports, complete=complete)
+def record_runtime(*, node_id: str, reports: list, complete: bool) -> bool:
+    """What the node's runtime roles are doing (``complete``: all of them); the deployments app acts
+    on it. Whether every receiver found the node settled (nothing to do on the same report)."""
+    answers = signals.runtime_reported.send(sender=Node, node_id=str(node_id), reports=reports, complete=complete)
+    return all(answer is True for _, answer in answers)
 
 
 def expire_silent_nodes(*, timeout_s: float) -> list[str]:
-    """Turn offline every online node not heard from for ``timeout_s``; returns their names."""
-    cutoff = timezone.now() - timedelta(seconds=timeout_s)
-    silent = Node.objects.filter(status=NodeStatus.ONLINE, last_seen__lt=cutoff)
-    found = list(silent.values_list("pk", "name"))
+    """Turn offline every online node not heard from for ``timeout_s``; returns their names.
+
+    When a node was last heard is the later of its entry in ``liveness`` (Redis) and its row's
+    ``last_seen``; a node without an entry is judged by its row alone, which may lag its agent by
+    ``liveness.ROW_REFRESH_S``, so that much longer is allowed."""
+    now = timezone.now()
+    cutoff = (now - timedelta(seconds=timeout_s)).timestamp()
+    online = list(Node.objects.filter(status=NodeStatus.ONLINE).values_list("pk", "name", "last_seen"))
+    heard = liveness.heard_at([str(pk) for pk, _, _ in online])
+    found = []
+    for pk, name, last_seen in online:
+        row = last_seen.timestamp() if last_seen is not None else 0.0
+        entry = heard.get(str(pk))
+        last = max(entry, row) if entry is not None else row + liveness.ROW_REFRESH_S
+        if last < cutoff:
+            found.append((pk, name))
     Node.objects.filter(pk__in=[pk for pk, _ in found]).update(status=NodeStatus.OFFLINE)
     if found:
         signals.nodes_went_offline.send(sender=Node, node_ids=[str(pk) for pk, _ in found])
@@ -229,7 +243,8 @@ def drain_node(*, node: Node) -> Node:
 
 def undrain_node(*, node: Node) -> Node:
     """Back into service: online if its agent was heard from within the timeout, else offline."""
-    recent = node.last_seen and (timezone.now() - node.last_seen).total_seconds() < settings.NODE_HEARTBEAT_TIMEOUT_S
+    seen = selectors.last_heard([node])[str(node.pk)]
+    recent = seen and (timezone.now() - seen).total_seconds() < settings.NODE_HEARTBEAT_TIMEOUT_S
     node.status = NodeStatus.ONLINE if recent else NodeStatus.OFFLINE
     node.save(update_fields=["status"])
     return node
@@ -247,6 +262,7 @@ def remove_node(*, node: Node) -> None:
     signals.node_removing.send(sender=Node, node_id=node_id, name=node.name)
     node.delete()
     transaction.on_commit(lambda: close_agent_link(node_id=node_id))
+    transaction.on_commit(lambda: liveness.forget(node_id))
 
 
 def close_agent_link(*, node_id: str) -> None:

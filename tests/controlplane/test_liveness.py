@@ -1,0 +1,146 @@
+"""Heartbeats at rack scale: liveness in Redis at every heartbeat, the node's row and its roles'
+report written only on change or after a while (``controlplane.nodes.beats``, ``liveness``), and a
+silent node still turned offline on time (``services.expire_silent_nodes``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.utils import timezone
+
+from controlplane.nodes import liveness, signals
+from controlplane.nodes.beats import Beats
+from controlplane.nodes.models import Node, NodeStatus
+from controlplane.nodes.services import expire_silent_nodes, send_command
+from inference.wire.link import Heartbeat
+from tests.controlplane.test_agent_link import communicator, enrolled, status_within
+
+READY = {"deployment": "dep1-1", "role": "worker", "role_name": "worker-0", "state": "ready", "detail": ""}
+
+
+def report(**changes) -> list[dict]:
+    """A worker's report, as a heartbeat carries it (``changes`` on top)."""
+    return [{**READY, "memory": {"host_bytes": 1_000}, **changes}]
+
+
+def test_a_link_writes_the_row_and_acts_on_the_roles_only_on_change_or_after_a_while() -> None:
+    beats = Beats(refresh_s=30.0, stall_s=7.5)
+
+    def heartbeat(at: float, roles: list[dict], *, writable: bool = True) -> tuple[bool, int | None]:
+        beats.beat(at)
+        return beats.row_due(at, writable=writable), beats.roles_due(roles, at)
+
+    row, epoch = heartbeat(0.0, report())
+    assert row and epoch is not None  # the link's first: both
+    row, epoch = heartbeat(5.0, report())
+    assert not row and epoch is not None  # not settled yet: the roles again
+    beats.acted(epoch, True)
+    assert heartbeat(10.0, report()) == (False, None)  # settled, the same report: nothing
+    assert heartbeat(15.0, report(memory={"host_bytes": 2_000})) == (False, None)  # memory alone: nothing
+    row, epoch = heartbeat(20.0, report(state="failed", detail="out of memory"))
+    assert not row and epoch is not None  # what the role does changed: acted on
+    beats.acted(epoch - 1, True)  # a late answer for an older report changes nothing
+    assert heartbeat(25.0, report(state="failed", detail="out of memory"))[1] is not None
+    beats.acted(beats.epoch, True)
+    beats.unsettle()  # a command went down the link
+    assert heartbeat(28.0, report(state="failed", detail="out of memory"))[1] is not None
+    beats.acted(beats.epoch, True)
+    failed = report(state="failed", detail="out of memory")
+    assert heartbeat(31.0, failed) == (True, None)  # the row's 30 s are up; the roles were acted on at 28
+    assert heartbeat(35.0, failed) == (False, None)
+    assert heartbeat(36.0, failed, writable=False) == (True, None)  # Redis cannot take liveness: the row
+    assert heartbeat(37.0, failed, writable=False) == (True, None)  # ... at every heartbeat
+    for at in (42.0, 47.0, 52.0, 57.0):
+        assert heartbeat(at, failed) == (False, None)
+    row, epoch = heartbeat(58.5, failed)
+    assert not row and epoch == beats.epoch  # the roles' 30 s since 28 are up
+    beats.acted(epoch, True)
+    row, epoch = heartbeat(70.0, failed)  # after a gap past stall_s: the node may have been taken offline
+    assert row and epoch is not None
+
+
+@pytest.mark.django_db
+def test_a_silent_node_turns_offline_on_time_whichever_clock_holds_it(channel_layer_on_test_redis) -> None:
+    """Redis's moment for a node outranks its coarse row; a node Redis does not hold is judged by its
+    row, allowed ``ROW_REFRESH_S`` more (its row may lag that much), and none is taken for silent early."""
+    now = timezone.now()
+    names = ["heard", "silent", "row-fresh", "row-stale", "never-seen"]
+    nodes = {name: enrolled(name)[0] for name in names}
+    ages = {"heard": 60, "silent": 40, "row-fresh": 20, "row-stale": 15 + liveness.ROW_REFRESH_S + 5}
+    for name, age in ages.items():
+        Node.objects.filter(pk=nodes[name].pk).update(status=NodeStatus.ONLINE, last_seen=now - timedelta(seconds=age))
+    Node.objects.filter(pk=nodes["never-seen"].pk).update(status=NodeStatus.ONLINE, last_seen=None)
+    liveness.client().zrem(liveness.HEARD_KEY, *[str(n.pk) for n in nodes.values()])
+    liveness.store(batch={str(nodes["heard"].pk): time.time() - 2, str(nodes["silent"].pk): time.time() - 20})
+    assert sorted(expire_silent_nodes(timeout_s=15)) == ["never-seen", "row-stale", "silent"]
+    assert Node.objects.get(pk=nodes["heard"].pk).status == NodeStatus.ONLINE
+    assert Node.objects.get(pk=nodes["row-fresh"].pk).status == NodeStatus.ONLINE
+    liveness.store(batch={str(nodes["heard"].pk): time.time() - 100})  # an older moment never goes back
+    assert liveness.heard_at([str(nodes["heard"].pk)])[str(nodes["heard"].pk)] > time.time() - 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_repeated_heartbeats_reach_redis_every_time_and_the_database_on_change(channel_layer_on_test_redis) -> None:
+    """A worker of a ready deployment heartbeats eight times: every moment reaches Redis; the row is
+    written by the first (its inventory kept, the later ones' not yet); its roles are acted on by the
+    first, again when its state changed and until that settled, and after a command went down the
+    link, never for a repeat or a memory figure that moved."""
+    from controlplane.artifacts.models import ModelArtifact
+    from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
+
+    node, secret = enrolled()
+    model = ModelArtifact.objects.create(name="m", path="/nowhere")
+    deployment = Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
+    DeploymentNode.objects.create(
+        deployment=deployment, node=node, role=Role.WORKER, worker_index=0, port=7000, state=MemberState.READY
+    )
+    mine = {**READY, "deployment": deployment.runtime_key}
+    acted: list[str] = []
+
+    def count(sender, *, reports, complete, **kwargs) -> bool:
+        if complete:
+            acted.append(reports[0]["state"])
+        return True
+
+    signals.runtime_reported.connect(count, weak=False, dispatch_uid="test.count")
+
+    async def beat(comm, cpus: int, **changes) -> None:
+        roles = [{**mine, "memory": {"host_bytes": 1_000}, **changes}]
+        await comm.send_json_to(Heartbeat(inventory={"cpu_count": cpus}, roles=roles).to_json())
+        await asyncio.sleep(0.4)
+
+    async def session() -> float:
+        comm = communicator(f"Node {node.pk}:{secret}")
+        assert (await comm.connect())[0]
+        await beat(comm, 1)
+        assert await status_within(node, NodeStatus.ONLINE, timeout_s=5) == NodeStatus.ONLINE
+        await beat(comm, 2)
+        await beat(comm, 3, memory={"host_bytes": 5_000})
+        await beat(comm, 4, state="starting")  # acted on; the deployment's status moves: not settled
+        await beat(comm, 5, state="starting")  # acted on again, and now settled
+        await beat(comm, 6, state="starting")
+        await sync_to_thread(lambda: send_command(node_id=str(node.pk), command={"type": "ping", "nonce": "n"}))
+        assert (await comm.receive_json_from(timeout=5))["type"] == "ping"
+        await beat(comm, 7, state="starting")
+        await beat(comm, 8, state="starting")
+        await asyncio.sleep(liveness.FLUSH_S + 0.5)
+        heard = await sync_to_thread(lambda: liveness.heard_at([str(node.pk)]))
+        await comm.disconnect()
+        return heard[str(node.pk)]
+
+    try:
+        heard = async_to_sync(session)()
+    finally:
+        signals.runtime_reported.disconnect(dispatch_uid="test.count")
+    assert heard > time.time() - 3  # the last heartbeat's moment, in Redis
+    node.refresh_from_db()
+    assert node.inventory["cpu_count"] == 1  # the row: the link's first heartbeat alone
+    assert acted == ["ready", "starting", "starting", "starting"]  # heartbeats 1, 4, 5 and 7
+
+
+async def sync_to_thread(fn):
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
