@@ -187,6 +187,7 @@ PAGES: tuple[Page, ...] = (
     Page("faults", "Faults", ("faults.json",)),
     Page("grammars", "Grammar libraries", ("grammars*.json", "grammar-compiles*.json")),
     Page("load", "The control plane under load", ("load-*.json",)),
+    Page("heartbeats", "Heartbeats at rack scale", ("heartbeats-*.json",)),
     Page("not-reached", "Not reached", ()),
     Page(
         "simulator",

@@ -79,6 +79,16 @@ TARGETS: tuple[Target, ...] = (
         "strategies.json,strategies-[!dcw1]*.json,strategies-16-workers.json:strategies.odmoe.decode_vs_lru_offload",
     ),
     Target(
+        "heartbeat-cpu",
+        "the web process's CPU per agent heartbeat at 1,000 agents, nothing else running",
+        "55",
+        "heartbeats",
+        2.0,
+        AT_MOST,
+        "heartbeats-*.json:rows.2.web_cpu_ms_per_heartbeat_kept_up",
+        unit="ms",
+    ),
+    Target(
         "simulator-within-25",
         "the simulator's prediction of each strategy's measured decode rate, within 25 %",
         "15",
