@@ -12,6 +12,7 @@ from controlplane.ops.processes import python_env
 
 
 def test_jobs_have_a_queue_of_their_own_and_liveness_never_waits_behind_them() -> None:
+    from controlplane.chat.tasks import settle_interrupted_answers_task
     from controlplane.config.celery_app import app
     from controlplane.nodes.tasks import expire_silent_nodes_task
     from controlplane.ops.processes import celery_argv
@@ -20,6 +21,9 @@ def test_jobs_have_a_queue_of_their_own_and_liveness_never_waits_behind_them() -
     router = app.amqp.router
     assert router.route({}, run_job_output_task.name)["queue"].name == "jobs"
     assert router.route({}, expire_silent_nodes_task.name)["queue"].name == "celery"
+    assert router.route({}, settle_interrupted_answers_task.name)["queue"].name == "celery"
+    scheduled = {entry["task"] for entry in app.conf.beat_schedule.values()}
+    assert {expire_silent_nodes_task.name, settle_interrupted_answers_task.name} <= scheduled
     argv = celery_argv(beat_schedule=None, queues=("jobs",), name="jobs")
     assert argv[argv.index("--queues") + 1] == "jobs" and "--beat" not in argv
 

@@ -33,7 +33,7 @@ from controlplane.serving.text import (
 )
 from controlplane.throttles import chat_message_wait
 
-from . import protocol, services
+from . import protocol, services, writing
 from .models import MessageStatus
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         super().__init__(*args, **kwargs)
         self.answering: asyncio.Task | None = None
         self.running: tuple[int, str] | None = None  # (deployment id, request id) of the generation in flight
+        self.partial = ""  # the answer being written, so far
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -108,6 +109,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             return
         await self.send_json(protocol.conversation(conversation.pk, conversation.title))
         text, status, metrics, error = "", MessageStatus.FAILED, {}, ""
+        self.partial = ""
+        keeping = asyncio.create_task(self._keep_writing(answer.pk))
         try:
             target, prompt_ids = await database_sync_to_async(_prepare, thread_sensitive=False)(
                 history, send.max_tokens
@@ -122,6 +125,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             async for item in stream:
                 if isinstance(item, TextDelta):
                     text += item.text
+                    self.partial = text
                     await self.send_json(protocol.token(item.text))
                 elif isinstance(item, CompletionResult):
                     text, metrics = item.text, item.metrics
@@ -135,6 +139,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             raise
         finally:
             self.running = None
+            keeping.cancel()
             await database_sync_to_async(services.finish_turn)(
                 answer_id=answer.pk, content=text, status=status, metrics=metrics, error=error
             )
@@ -142,6 +147,14 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json(protocol.error(error))
         shown = {k: metrics.get(k) for k in services.SHOWN_METRICS if metrics.get(k) is not None}
         await self.send_json(protocol.done(answer.pk, text, status, shown))
+
+    async def _keep_writing(self, answer_id: int) -> None:
+        """While the answer is being written, every ``writing.TOUCH_S``: what it has so far saved (it
+        outlives this process) and the answer noted as still being written, even while no token comes
+        (a queue, a long prefill), so that no other process takes it for one whose writer died."""
+        while True:
+            await asyncio.sleep(writing.TOUCH_S)
+            await database_sync_to_async(services.save_partial)(answer_id=answer_id, content=self.partial)
 
 
 def _prepare(history: list[dict], max_tokens: int):

@@ -13,6 +13,7 @@ from django.db import transaction
 
 from controlplane.storable import storable_json, storable_text
 
+from . import writing
 from .models import TITLE_CHARS, Conversation, Message, MessageStatus
 
 SHOWN_METRICS = ("ttft_ms", "decode_tok_s", "recall", "generated_tokens")
@@ -38,6 +39,7 @@ def start_turn(
     Message.objects.create(conversation=conversation, role="user", content=content)
     history = prompt_history(conversation.messages.all())
     answer = Message.objects.create(conversation=conversation, role="assistant", status=MessageStatus.STREAMING)
+    writing.touch(answer.pk)
     return conversation, answer, history
 
 
@@ -64,6 +66,13 @@ def finish_turn(*, answer_id: int, content: str, status: str, metrics: dict | No
     Message.objects.filter(pk=answer_id).update(
         content=storable_text(content), status=status, metrics=storable_json(shown), error=storable_text(error)
     )
+    writing.done(answer_id)
+
+
+def save_partial(*, answer_id: int, content: str) -> None:
+    """What an answer still being written has so far (it survives its writer), noted as being written."""
+    Message.objects.filter(pk=answer_id, status=MessageStatus.STREAMING).update(content=storable_text(content))
+    writing.touch(answer_id)
 
 
 def set_model(*, answer_id: int, model_name: str) -> None:

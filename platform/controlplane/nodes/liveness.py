@@ -21,10 +21,8 @@ import asyncio
 import logging
 import time
 
-import redis
-from django.conf import settings
-
 from controlplane.nodes import link_writes
+from controlplane.shared_redis import ERRORS, client
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +33,6 @@ ROW_REFRESH_S = 30.0  # the most a node's row (last_seen, inventory) lags its ag
 _pending: dict[str, float] = {}  # node id -> when it was last heard, not yet in Redis
 _flusher: asyncio.Task | None = None
 _failing = False
-_clients: dict[str, redis.Redis] = {}
-
-
-def client() -> redis.Redis:
-    """This process's connection to ``REDIS_URL`` for liveness (a stalled Redis costs a second, not a wait)."""
-    url = settings.REDIS_URL
-    if url not in _clients:
-        _clients[url] = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-    return _clients[url]
 
 
 def heard(node_id: str) -> None:
@@ -66,7 +55,7 @@ async def _flush_soon() -> None:
     _pending.clear()
     try:
         await link_writes.write(store, batch=batch)
-    except (redis.RedisError, OSError) as exc:
+    except ERRORS as exc:
         if not _failing:
             log.warning("liveness cannot reach Redis (%s): each heartbeat writes its node's row", exc)
         _failing = True
@@ -85,7 +74,7 @@ def heard_at(node_ids: list[str]) -> dict[str, float]:
         return {}
     try:
         scores = client().zmscore(HEARD_KEY, node_ids)
-    except (redis.RedisError, OSError) as exc:
+    except ERRORS as exc:
         log.warning("liveness cannot read Redis (%s): nodes are judged by their rows", exc)
         return {}
     return {node_id: score for node_id, score in zip(node_ids, scores, strict=True) if score is not None}
@@ -95,5 +84,5 @@ def forget(node_id: str) -> None:
     """A removed node leaves the sorted set (it would only take room there)."""
     try:
         client().zrem(HEARD_KEY, node_id)
-    except (redis.RedisError, OSError) as exc:
+    except ERRORS as exc:
         log.warning("liveness cannot reach Redis to forget node %s (%s)", node_id, exc)

@@ -302,6 +302,8 @@ CELERY_BEAT_SCHEDULE = {
     },
     # Redis restarted without its data (a crash, no persistence): unfinished job outputs are queued again.
     "recover-lost-jobs": {"task": "controlplane.serving.tasks.recover_lost_jobs_task", "schedule": 5.0},
+    # A web process killed mid-answer: its chat answers fail, saying why, instead of "being written" forever.
+    "settle-interrupted-answers": {"task": "controlplane.chat.tasks.settle_interrupted_answers_task", "schedule": 15.0},
 }
 
 # Everything to stderr, where a process supervisor (systemd, ``manage.py up``) keeps it.

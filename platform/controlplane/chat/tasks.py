@@ -1,0 +1,13 @@
+"""Celery tasks of the chat app."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from . import writing
+
+
+@shared_task
+def settle_interrupted_answers_task() -> list[int]:
+    """Periodic (Celery beat): answers whose writing web process stopped are failed, saying why."""
+    return writing.settle_interrupted()
