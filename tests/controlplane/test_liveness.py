@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from controlplane.nodes import liveness, signals
 from controlplane.nodes.beats import Beats
+from controlplane.nodes.inventory import lasting
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import expire_silent_nodes, send_command
 from inference.wire.link import Heartbeat
@@ -63,6 +64,17 @@ def test_a_link_writes_the_row_and_acts_on_the_roles_only_on_change_or_after_a_w
     assert row and epoch is not None
 
 
+def test_a_change_in_what_the_box_holds_reaches_the_row_at_once_and_passing_figures_wait() -> None:
+    beats = Beats(refresh_s=30.0, stall_s=7.5)
+    box = {"cpu_count": 8, "free_ports": [7001], "disk_free_bytes": 9, "gpus": [{"index": 0, "free_bytes": 5}]}
+    assert beats.row_due(0.0, writable=True, lasting=lasting(box))
+    moved = {**box, "free_ports": [7002], "disk_free_bytes": 8, "gpus": [{"index": 0, "free_bytes": 4}]}
+    assert not beats.row_due(5.0, writable=True, lasting=lasting(moved))  # what moves all the time waits
+    fetched = {**moved, "shard_bytes": {"3/worker-0": 100}, "shard_codecs": {"3/worker-0": "exponent-plane"}}
+    assert beats.row_due(10.0, writable=True, lasting=lasting(fetched))  # a shard it now holds: at once
+    assert not beats.row_due(15.0, writable=True, lasting=lasting(fetched))
+
+
 @pytest.mark.django_db
 def test_a_silent_node_turns_offline_on_time_whichever_clock_holds_it(channel_layer_on_test_redis) -> None:
     """Redis's moment for a node outranks its coarse row; a node Redis does not hold is judged by its
@@ -86,9 +98,9 @@ def test_a_silent_node_turns_offline_on_time_whichever_clock_holds_it(channel_la
 @pytest.mark.django_db(transaction=True)
 def test_repeated_heartbeats_reach_redis_every_time_and_the_database_on_change(channel_layer_on_test_redis) -> None:
     """A worker of a ready deployment heartbeats eight times: every moment reaches Redis; the row is
-    written by the first (its inventory kept, the later ones' not yet); its roles are acted on by the
+    written by the first (its inventory kept: the later ones differ in free ports alone); its roles are acted on by the
     first, again when its state changed and until that settled, and after a command went down the
-    link, never for a repeat or a memory figure that moved."""
+    link, never for a repeat, a memory figure or a free port that moved."""
     from controlplane.artifacts.models import ModelArtifact
     from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 
@@ -108,9 +120,10 @@ def test_repeated_heartbeats_reach_redis_every_time_and_the_database_on_change(c
 
     signals.runtime_reported.connect(count, weak=False, dispatch_uid="test.count")
 
-    async def beat(comm, cpus: int, **changes) -> None:
+    async def beat(comm, n: int, **changes) -> None:
         roles = [{**mine, "memory": {"host_bytes": 1_000}, **changes}]
-        await comm.send_json_to(Heartbeat(inventory={"cpu_count": cpus}, roles=roles).to_json())
+        box = {"cpu_count": 4, "free_ports": [7000 + n]}  # a fresh pick of free ports each time, as agents send
+        await comm.send_json_to(Heartbeat(inventory=box, roles=roles).to_json())
         await asyncio.sleep(0.4)
 
     async def session() -> float:
@@ -138,7 +151,7 @@ def test_repeated_heartbeats_reach_redis_every_time_and_the_database_on_change(c
         signals.runtime_reported.disconnect(dispatch_uid="test.count")
     assert heard > time.time() - 3  # the last heartbeat's moment, in Redis
     node.refresh_from_db()
-    assert node.inventory["cpu_count"] == 1  # the row: the link's first heartbeat alone
+    assert node.inventory["free_ports"] == [7001]  # the row: the link's first heartbeat alone
     assert acted == ["ready", "starting", "starting", "starting"]  # heartbeats 1, 4, 5 and 7
 
 

@@ -6,8 +6,10 @@ offers (its inventory) and what its roles do (a complete report, ``deployments.l
 Neither needs the database at every heartbeat:
 
 - the node's row (``last_seen``, the inventory, ``online``) is written on the link's first
-  heartbeat, then once ``liveness.ROW_REFRESH_S`` have passed, and at every heartbeat while Redis
-  cannot take liveness (``writable`` false);
+  heartbeat, when what the inventory says of the box changes (``inventory.lasting``: the shards
+  it holds, its GPUs, its address; not its free disk, ports or GPU memory, which move all the
+  time), once ``liveness.ROW_REFRESH_S`` have passed, and at every heartbeat while Redis cannot
+  take liveness (``writable`` false);
 - the roles' report is acted on when it differs from the last one acted on (memory figures aside:
   they move with every role's memory and are refreshed with the row), while the last one left the
   node unsettled (something was done, or is awaited), once ``ROW_REFRESH_S`` have passed, and after
@@ -35,6 +37,7 @@ class Beats:
     refresh_s: float
     stall_s: float
     row_at: float | None = None
+    row_seen: dict | None = None  # the lasting part of the inventory last written
     roles_at: float | None = None
     roles_seen: list[dict] | None = None
     settled: bool = False
@@ -47,11 +50,18 @@ class Beats:
         self.stalled = self.beat_at is not None and now - self.beat_at > self.stall_s
         self.beat_at = now
 
-    def row_due(self, now: float, *, writable: bool) -> bool:
-        """Whether this heartbeat writes the node's row (and if so, it is noted as written now)."""
-        due = not writable or self.stalled or self.row_at is None or now - self.row_at >= self.refresh_s
+    def row_due(self, now: float, *, writable: bool, lasting: dict | None = None) -> bool:
+        """Whether this heartbeat writes the node's row, given the lasting part of its inventory (if
+        so, it is noted as written now)."""
+        due = (
+            not writable
+            or self.stalled
+            or self.row_at is None
+            or now - self.row_at >= self.refresh_s
+            or lasting != self.row_seen
+        )
         if due:
-            self.row_at = now
+            self.row_at, self.row_seen = now, lasting
         return due
 
     def roles_due(self, reports: list[dict], now: float) -> int | None:

@@ -51,7 +51,7 @@ from inference.wire.link import (
 from . import frames, link_writes, liveness, services
 from .beats import Beats
 from .groups import node_group
-from .inventory import clean_inventory
+from .inventory import clean_inventory, lasting
 from .relay import relay
 from .reports import MAX_DETAIL_CHARS, PendingWrites, clean_role_report, clean_role_reports
 
@@ -233,9 +233,10 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         beats, now = self._beats, time.monotonic()
         beats.beat(now)
         liveness.heard(self.node_id)
-        if beats.row_due(now, writable=liveness.writable()):
-            # Known inventory entries only, each within its size, before it is held or stored.
-            self._liveness = clean_inventory(event.inventory)
+        # Known inventory entries only, each within its size, before it is held or stored.
+        inventory = clean_inventory(event.inventory)
+        if beats.row_due(now, writable=liveness.writable(), lasting=lasting(inventory)):
+            self._liveness = inventory
             if self._liveness_writer is None or self._liveness_writer.done():
                 self._liveness_writer = asyncio.create_task(self._write_liveness())
         reports = clean_role_reports(event.roles)

@@ -96,6 +96,21 @@ def clean_inventory(inventory: Any) -> dict:
     return cleaned
 
 
+# What moves from one heartbeat to the next on a box that did not change: its free disk, a fresh
+# pick of free ports, its GPUs' free memory. The rest (what it is, what it holds, where it is) is
+# what a change of must reach the node's row at once (``beats``).
+PASSING = ("disk_free_bytes", "free_ports")
+PASSING_GPU = ("free_bytes",)
+
+
+def lasting(inventory: dict) -> dict:
+    """A clean inventory less what moves on a box that did not change (``PASSING``)."""
+    kept = {key: value for key, value in inventory.items() if key not in PASSING}
+    if "gpus" in kept:
+        kept["gpus"] = [{k: v for k, v in gpu.items() if k not in PASSING_GPU} for gpu in kept["gpus"]]
+    return kept
+
+
 def _clean_gpu(gpu: dict) -> dict:
     return {key: gpu[key] for key, valid in GPU_ENTRIES.items() if key in gpu and valid(gpu[key])}
 
