@@ -41,14 +41,15 @@ For ``--duration`` seconds, after every simulated agent is online, it measures:
 
 - heartbeat latency. The agent link has no acknowledgement for a heartbeat (events go up,
   nothing answers them), so the honest figure is the time from the agent sending it to the
-  control plane writing it to the node's row (``last_seen``, ``inventory``): a trigger in
-  the benchmark's own SQLite database notes, for every heartbeat written, its number
-  and SQLite's clock (1 ms resolution; the same machine, so the same clock as the sender's).
-  The control plane writes a node's newest heartbeat (``nodes.consumers``: liveness is never
-  queued behind anything), so when its writes fall behind, a heartbeat that a later one of the
-  same agent overtook is never written: it is counted *superseded* (what it said is in the
-  newer one). A heartbeat sent and never written, with no later one of its agent written, is
-  *lost*.
+  control plane recording it: since issue 55, in its liveness record (``nodes.liveness``: the
+  arrival of each node's newest heartbeat, written to Redis in one batch a second; the node's
+  row is written only on change or every 30 s). This process reads that record every 0.1 s
+  (``watch_liveness``; the same machine, so the same clock as the sender's): a heartbeat is
+  *written* when it is first seen there. The record keeps a node's newest heartbeat, so one that
+  a later one of the same agent overtook within a batch is never seen: it is counted
+  *superseded* (what it said is in the newer one). A heartbeat sent and never written, with no
+  later one of its agent written, is *lost*. (Runs before issue 55 timed the write of the node's
+  row instead, by a trigger in the database.)
 - nodes wrongly marked offline: a second trigger notes every change of a node's status, by
   whichever process made it (the link closing in the ASGI server, the silence check in
   Celery beat). Any node that turned offline before the benchmark started closing the links
@@ -121,6 +122,7 @@ REAL_HEARTBEAT_S = 2.0  # as ``manage.py up`` starts its local agents
 DEPLOYMENT = "load-demo"
 CHAT_TIMEOUT_S = 300.0  # past the control plane's own 120 s wait for a first token, and then some
 STALL_S = 30.0  # heartbeats still missing with none written for this long are lost
+LIVENESS_POLL_S = 0.1  # how often the control plane's liveness record is read
 TIMELINE_S = 10.0  # the heartbeat latency is also reported per this many seconds of the run
 ANON_RATE = "100000/minute"
 # Its chat users ask again as soon as an answer ends (no pause unless --think-s), faster than the
@@ -328,16 +330,6 @@ def configure_django(work: Path, redis_url: str) -> None:
 
 SEQ_PREFIX = "bench-seq-"  # a simulated box's host name: the heartbeat's number follows
 TRIGGERS = """
-CREATE TABLE bench_heartbeat (name TEXT, seq INTEGER, at REAL);
-CREATE TRIGGER bench_heartbeat_written AFTER UPDATE OF inventory ON {nodes}
-WHEN json_extract(NEW.inventory, '$.hostname') LIKE '{seq_prefix}%'
-BEGIN
-  INSERT INTO bench_heartbeat VALUES (
-    NEW.name,
-    CAST(substr(json_extract(NEW.inventory, '$.hostname'), {seq_start}) AS INTEGER),
-    (julianday('now') - 2440587.5) * 86400.0
-  );
-END;
 CREATE TABLE bench_status (name TEXT, old TEXT, new TEXT, at REAL);
 CREATE TRIGGER bench_status_changed AFTER UPDATE OF status ON {nodes}
 WHEN OLD.status IS NOT NEW.status
@@ -383,20 +375,6 @@ def read_db(db: Path | str, query: str) -> list[tuple]:
 
 
 POSTGRES_TRIGGERS = """
-CREATE TABLE bench_heartbeat (name text, seq bigint, at double precision);
-CREATE FUNCTION bench_heartbeat_written() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  IF NEW.inventory ->> 'hostname' LIKE '{seq_prefix}%' THEN
-    INSERT INTO bench_heartbeat VALUES (
-      NEW.name,
-      substr(NEW.inventory ->> 'hostname', {seq_start})::bigint,
-      extract(epoch FROM clock_timestamp())
-    );
-  END IF;
-  RETURN NEW;
-END $$;
-CREATE TRIGGER bench_heartbeat_written AFTER UPDATE OF inventory ON {nodes}
-  FOR EACH ROW EXECUTE FUNCTION bench_heartbeat_written();
 CREATE TABLE bench_status (name text, old text, new text, at double precision);
 CREATE FUNCTION bench_status_changed() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -596,6 +574,32 @@ class Load:
     judged_until: float = 0.0  # heartbeats sent before this are judged written or lost
     backlog_cleared_s: float | None = None
     cpu: dict = field(default_factory=dict)  # CPU seconds per process family at the window's start and end
+    # (agent, heartbeat number) -> when the control plane's liveness was first seen holding it.
+    recorded: dict[tuple[str, int], float] = field(default_factory=dict)
+
+
+async def watch_liveness(load: Load) -> None:
+    """Every ``LIVENESS_POLL_S``, the moments the control plane holds for the simulated nodes
+    (``controlplane.nodes.liveness``: the arrival of each node's newest heartbeat, in Redis within a
+    second): a moment names the newest heartbeat its agent had sent by then, recorded now. Two that
+    arrive within one of the control plane's batches leave only the newer: the older is superseded."""
+    from controlplane.nodes import liveness
+
+    last: dict[str, float] = {}
+    while True:
+        names = {a.credential.node_id: a for a in load.agents if a.credential is not None}
+        entries = await asyncio.to_thread(liveness.client().zrange, liveness.HEARD_KEY, 0, -1, withscores=True)
+        now = time.time()
+        for member, moment in entries:
+            node_id = member.decode() if isinstance(member, bytes) else member
+            agent = names.get(node_id)
+            if agent is None or last.get(node_id) == moment:
+                continue
+            last[node_id] = moment
+            seqs = [seq for seq, at in agent.sent.items() if at <= moment]
+            if seqs:
+                load.recorded.setdefault((agent.name, max(seqs)), now)
+        await asyncio.sleep(LIVENESS_POLL_S)
 
 
 def enroll(agent: SimAgent, server: str, token: str) -> None:
@@ -868,6 +872,7 @@ async def run_load(load: Load, work: Path) -> dict:
     loop = asyncio.get_running_loop()
     links: list[asyncio.Task] = []
     lag = asyncio.create_task(watch_loop_lag(load))
+    watcher = asyncio.create_task(watch_liveness(load))  # before any heartbeat is sent
 
     # Every box enrolls, then opens its link at once, as ``python -m agent --token`` does.
     started = time.monotonic()
@@ -916,8 +921,7 @@ async def run_load(load: Load, work: Path) -> dict:
     print(f"· waiting for {len(judged)} heartbeats to be written", flush=True)
     missing, progress_at = len(judged), time.monotonic()
     while missing:
-        rows = await asyncio.to_thread(read_db, plane.db, "SELECT name, seq FROM bench_heartbeat")
-        now_missing = len(unwritten(judged, set(rows))[1])  # a superseded one will never be written
+        now_missing = len(unwritten(judged, set(load.recorded))[1])  # a superseded one will never be written
         if now_missing < missing:
             missing, progress_at = now_missing, time.monotonic()
         if missing and time.monotonic() - progress_at > STALL_S:
@@ -928,6 +932,7 @@ async def run_load(load: Load, work: Path) -> dict:
     load.stop_beats.set()
     load.close_links.set()
     await asyncio.wait_for(asyncio.gather(*links), timeout=60)
+    watcher.cancel()
     lag.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await lag
@@ -938,7 +943,7 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
     from controlplane.chat.models import Message
 
     args = load.args
-    written = {(name, seq): at for name, seq, at in read_db(plane.db, "SELECT name, seq, at FROM bench_heartbeat")}
+    written = dict(load.recorded)
     sent = {(a.name, seq): at for a in load.agents for seq, at in a.sent.items()}
     transitions = read_db(plane.db, "SELECT name, old, new, at FROM bench_status ORDER BY at")
     deployment_changes = read_db(plane.db, "SELECT name, old, new, reason, at FROM bench_deployment ORDER BY at")
