@@ -53,13 +53,11 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.policies.hybrid import CopyState, HostRates, expert_flops
-from inference.policies.loads import pick_victim, take_batch
+from inference.policies.loads import Key, pick_victim, take_batch
 from inference.runtime.cache import DeviceCache
 from inference.runtime.experts import ExpertWeights, expert_forward
 from inference.runtime.staging import StagingRing
 from inference.runtime.store import CodedExpert, ExpertStore
-
-Key = tuple[int, int, int]  # (step, layer, expert)
 
 
 @dataclass

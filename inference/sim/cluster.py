@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
 from inference.policies.hybrid import ShareController, planned_on_cpu, predicted_share, share_delay
-from inference.policies.loads import keep_on_prediction, keep_on_request, pick_victim, take_batch
+from inference.policies.loads import Key, keep_on_prediction, keep_on_request, pick_victim, take_batch
 from inference.policies.placement import Placement, placement
 from inference.policies.strategies import (
     STRATEGIES,
@@ -77,7 +77,6 @@ from inference.policies.strategies import (
 )
 from inference.settings import DeploymentSettings
 
-Key = tuple[int, int, int]  # (step, layer, expert)
 # A routing trace of one generation: per decode step, per layer, the routed experts.
 Trace = list[list[list[int]]]
 

@@ -14,8 +14,9 @@ from fractions import Fraction
 import torch
 
 from inference.policies.hybrid import HostRates, ShareController, cpu_seconds, expert_flops, predicted_share, split
+from inference.policies.loads import Key
 from inference.runtime.experts import expert_forward
-from inference.runtime.loader import Key, measure_host_rates
+from inference.runtime.loader import measure_host_rates
 from inference.runtime.roles.worker.session import Session
 from inference.runtime.spec import Settings
 from inference.wire.runtime import ExpertRequest

@@ -24,7 +24,7 @@ import torch
 
 from inference.modelio.shards import verify_shard
 from inference.policies.hybrid import expert_flops, planned_on_cpu, share_delay
-from inference.policies.loads import keep_on_prediction, keep_on_request
+from inference.policies.loads import Key, keep_on_prediction, keep_on_request
 from inference.policies.placement import placement_from_dict
 from inference.policies.strategies import (
     expert_store_for,
@@ -34,7 +34,7 @@ from inference.policies.strategies import (
     prefill_prefetch,
 )
 from inference.runtime.experts import activation, expert_forward
-from inference.runtime.loader import Key, Resident
+from inference.runtime.loader import Resident
 from inference.runtime.roles.common import answer_ping, handle_safely, open_endpoint, pick_device
 from inference.runtime.roles.worker import hybrid
 from inference.runtime.roles.worker.requests import last_use, malformed, received_ms, spans_of, units_of
