@@ -42,7 +42,10 @@ def stream_killing(cluster: LocalCluster, prompt: list[int], victim: str, after:
 
 
 def rejoin(cluster: LocalCluster, victim: str, needle: str) -> None:
-    """Start ``victim`` again (as its agent would) and generate until main says it took it back."""
+    """Start ``victim`` again once it has exited (as its agent would: a killed role is reaped by its
+    zygote a moment later, CI once found it still running) and generate until main says it took it
+    back."""
+    cluster.processes[victim].wait(timeout=30)
     cluster.restart_role(victim)
     log = cluster.work_dir / "main.log"
     deadline = time.monotonic() + 60
