@@ -37,18 +37,21 @@ def test_a_link_writes_the_row_and_acts_on_the_roles_only_on_change_or_after_a_w
 
     row, epoch = heartbeat(0.0, report())
     assert row and epoch is not None  # the link's first: both
-    row, epoch = heartbeat(5.0, report())
-    assert not row and epoch is not None  # not settled yet: the roles again
+    assert heartbeat(5.0, report()) == (False, None)  # acting on the same report is still under way
+    beats.acted(epoch, False)  # it did something: not settled
+    row, epoch = heartbeat(7.0, report())
+    assert not row and epoch is not None  # not settled: the roles again
     beats.acted(epoch, True)
     assert heartbeat(10.0, report()) == (False, None)  # settled, the same report: nothing
     assert heartbeat(15.0, report(memory={"host_bytes": 2_000})) == (False, None)  # memory alone: nothing
     row, epoch = heartbeat(20.0, report(state="failed", detail="out of memory"))
     assert not row and epoch is not None  # what the role does changed: acted on
     beats.acted(epoch - 1, True)  # a late answer for an older report changes nothing
-    assert heartbeat(25.0, report(state="failed", detail="out of memory"))[1] is not None
-    beats.acted(beats.epoch, True)
-    beats.unsettle()  # a command went down the link
+    assert heartbeat(25.0, report(state="failed", detail="out of memory"))[1] is None  # its own: under way
+    beats.unsettle()  # a command went down the link: acted on again, though the last is under way
     assert heartbeat(28.0, report(state="failed", detail="out of memory"))[1] is not None
+    beats.acted(epoch, True)  # the answer for the report of 20 comes late: changes nothing
+    assert not beats.settled
     beats.acted(beats.epoch, True)
     failed = report(state="failed", detail="out of memory")
     assert heartbeat(31.0, failed) == (True, None)  # the row's 30 s are up; the roles were acted on at 28

@@ -13,7 +13,9 @@ Neither needs the database at every heartbeat:
 - the roles' report is acted on when it differs from the last one acted on (memory figures aside:
   they move with every role's memory and are refreshed with the row), while the last one left the
   node unsettled (something was done, or is awaited), once ``ROW_REFRESH_S`` have passed, and after
-  anything else touched the node's roles: a command down the link, a role's own state event.
+  anything else touched the node's roles: a command down the link, a role's own state event. The
+  same report is not acted on again while acting on it is still under way (a slow database would
+  otherwise queue every heartbeat's).
 
 Both are written at once after a gap in the heartbeats longer than ``stall_s``: the node may have
 been taken offline meanwhile (``services.expire_silent_nodes``), and its row and its members must
@@ -44,6 +46,7 @@ class Beats:
     beat_at: float | None = None
     stalled: bool = False
     epoch: int = 0  # moves on with each report acted on and each unsettling: a late answer is ignored
+    awaiting: int | None = None  # the epoch whose acting is under way, not answered yet
 
     def beat(self, now: float) -> None:
         """A heartbeat arrived at ``now``: whether it follows a gap is noted for both decisions."""
@@ -68,10 +71,10 @@ class Beats:
         """Whether this heartbeat's roles are acted on: if so, the epoch to answer ``acted`` with
         (the report is noted as acted on now, not yet settled); None if not."""
         seen = without_memory(reports)
+        changed = self.stalled or seen != self.roles_seen
         due = (
-            self.stalled
-            or not self.settled
-            or seen != self.roles_seen
+            changed
+            or (not self.settled and self.awaiting != self.epoch)
             or self.roles_at is None
             or now - self.roles_at >= self.refresh_s
         )
@@ -79,11 +82,14 @@ class Beats:
             return None
         self.roles_seen, self.roles_at, self.settled = seen, now, False
         self.epoch += 1
+        self.awaiting = self.epoch
         return self.epoch
 
     def acted(self, epoch: int, settled: bool) -> None:
         """What acting on the report of ``epoch`` found: settled, or not (it acts again next time);
         nothing if the node's roles were touched or reported again since."""
+        if epoch == self.awaiting:
+            self.awaiting = None
         if epoch == self.epoch:
             self.settled = settled
 
