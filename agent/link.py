@@ -7,8 +7,10 @@ Over https the websocket goes through the agent's trust in the server (``agent.t
 pinned server's certificate alone; one renewed with the same key is taken, another key is
 refused and retried with backoff (saying what to do), never sent the credential. Plain http
 off the box (``--insecure``) is logged as a warning each time the link comes up.
-The runtime roles (``agent.roles.Roles``, one ``RoleRunner`` each) live across reconnections;
-what they send while the link is down is dropped, and the next heartbeat carries every role's
+The runtime roles (``agent.roles.Roles``, one ``RoleRunner`` each) live across reconnections. A
+generation's events are kept until the control plane acknowledges them (``agent.outbox``) and go
+up again, first, when the link is back: a dropped link costs an answer a pause, never a token.
+Anything else sent while the link is down is dropped, and the next heartbeat carries every role's
 state again.
 """
 
@@ -26,17 +28,18 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from agent import credentials, frames, inventory, tls
 from agent.backoff import reconnect_delay
 from agent.credentials import NodeCredential
+from agent.outbox import Outbox
 from agent.roles import Roles
 from agent.runtime import fetch_with_progress, shard_dir
 from agent.tls import ServerTrust, TrustError
 from inference import __version__
 from inference.wire.base import WireStruct
-from inference.wire.generation import Generate
+from inference.wire.generation import GENERATION_EVENTS, Generate
 from inference.wire.link import (
     AGENT_PROTOCOL,
     CLOSE_PROTOCOL_MISMATCH,
@@ -47,6 +50,7 @@ from inference.wire.link import (
     PROTOCOL_HEADER,
     SERVER_FRAME_LIMIT_HEADER,
     VERSION_HEADER,
+    Acknowledge,
     ApplyAlignment,
     CancelGeneration,
     CredentialSaved,
@@ -128,52 +132,91 @@ async def run_link(
     try:
         await _keep_up(link, on_connect)
     finally:
+        for task in link.generations:
+            task.cancel()
         await link.roles.close()
 
 
 class Uplink:
-    """Sends events on whichever websocket is up now; drops them while none is. Each frame fits the
-    control plane's frame limit (``limit``, which it announced on connect): an event that would not
-    is replaced by what fits (``agent.frames.fit``), or left out."""
+    """Sends events on whichever websocket is up now. A generation's events are kept until they are
+    acknowledged (``outbox``) and sent again, before anything else, on the next websocket; any other
+    event is dropped while none is up. Each frame fits the control plane's frame limit (``limit``,
+    which it announced on connect): an event that would not is replaced by what fits
+    (``agent.frames.fit``), or left out."""
 
-    def __init__(self) -> None:
+    def __init__(self, outbox: Outbox | None = None) -> None:
         self.ws: ClientConnection | None = None
         self.limit = LEGACY_FRAME_LIMIT
+        self.outbox = outbox or Outbox()
+        self._order = asyncio.Lock()  # what is kept goes up again before any newer frame
 
-    def use(self, ws: ClientConnection | None) -> None:
-        """Send on ``ws`` from now on (None: the link is down), within the frame limit it announced."""
-        self.ws = ws
-        if ws is None:
-            return
-        announced = ws.response.headers.get(SERVER_FRAME_LIMIT_HEADER) if ws.response is not None else None
-        try:
-            self.limit = frame_limit(announced)
-        except MessageError as exc:  # a server that says nothing usable: what every server takes
-            log.warning("the control plane announced no usable frame limit (%s): frames stay within 1 MiB", exc)
-            self.limit = LEGACY_FRAME_LIMIT
+    async def use(self, ws: ClientConnection | None) -> None:
+        """Send on ``ws`` from now on (None: the link is down), within the frame limit it announced,
+        starting with every generation event not yet acknowledged."""
+        async with self._order:
+            self.ws = ws
+            if ws is None:
+                return
+            announced = ws.response.headers.get(SERVER_FRAME_LIMIT_HEADER) if ws.response is not None else None
+            try:
+                self.limit = frame_limit(announced)
+            except MessageError as exc:  # a server that says nothing usable: what every server takes
+                log.warning("the control plane announced no usable frame limit (%s): frames stay within 1 MiB", exc)
+                self.limit = LEGACY_FRAME_LIMIT
+            kept = self.outbox.pending()
+            if kept:
+                log.info("sending %d generation events again, kept while the link was down", len(kept))
+            with contextlib.suppress(ConnectionClosed, OSError):  # kept: it goes again on the next link
+                for event, text in kept:
+                    fitted = self._fitted(event, text)
+                    if fitted is not None:
+                        await ws.send(fitted[1])
+
+    def acknowledged(self, command: Acknowledge) -> None:
+        for request_id, index in command.acks:
+            self.outbox.acknowledge(request_id, index)
 
     async def send(self, message: WireStruct) -> WireStruct | None:
-        """Send ``message``, or what fits in its place; returns what was sent (None: nothing)."""
-        ws = self.ws
-        if ws is None:
-            log.debug("link down: dropped %s", message.TYPE)
-            return None
-        text = frames.encode(message)
-        if frame_bytes(text) > self.limit:
-            fitted = frames.fit(message, self.limit)
-            log.warning(
-                "a %s event of %d bytes is past the control plane's %d: %s",
-                message.TAG,
-                frame_bytes(text),
-                self.limit,
-                f"sent as {fitted.TAG}" if fitted is not None else "left out",
-            )
+        """Send ``message``, or what fits in its place; returns what was sent (None: nothing). A
+        generation's event is kept (and so counts as sent) while the link is down."""
+        async with self._order:
+            generation = isinstance(message, GENERATION_EVENTS)
+            if generation:
+                message = self.outbox.number(message)
+            elif self.ws is None:
+                log.debug("link down: dropped %s", message.TYPE)
+                return None
+            fitted = self._fitted(message, frames.encode(message))
             if fitted is None:
                 return None
-            message, text = fitted, frames.encode(fitted)
-        with contextlib.suppress(ConnectionClosed):
-            await ws.send(text)
-        return message
+            message, text = fitted
+            if generation:
+                message = self.outbox.keep(message, text)
+                if message is None:  # its generation ended already
+                    return None
+                text = frames.encode(message)
+            if self.ws is not None:
+                with contextlib.suppress(ConnectionClosed, OSError):  # a generation's event goes again on the next link
+                    await self.ws.send(text)
+            return message
+
+    def _fitted(self, message: WireStruct, text: str) -> tuple[WireStruct, str] | None:
+        """``message`` and its frame, or what fits the limit in its place (None: nothing does)."""
+        if frame_bytes(text) <= self.limit:
+            return message, text
+        fitted = frames.fit(message, self.limit)
+        log.warning(
+            "a %s event of %d bytes is past the control plane's %d: %s",
+            message.TAG,
+            frame_bytes(text),
+            self.limit,
+            f"sent as {fitted.TAG}" if fitted is not None else "left out",
+        )
+        if fitted is None:
+            return None
+        if isinstance(fitted, GENERATION_EVENTS):
+            fitted = self.outbox.number(fitted)  # a token's Failed(too_large) takes its place
+        return fitted, frames.encode(fitted)
 
 
 @dataclass
@@ -190,6 +233,9 @@ class Link:
     trust: ServerTrust  # how the server is trusted (agent.tls), shared with every download
     facts: dict = dataclasses.field(default_factory=dict)  # sent with every inventory
     recheck: Callable[[], dict] | None = None  # the doctor's report, asked again
+    # Generations being carried to main: they outlive the link they came on (their events are kept
+    # for the next one), and end with the agent.
+    generations: set[asyncio.Task] = dataclasses.field(default_factory=set)
 
 
 async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
@@ -220,15 +266,17 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
                     log.warning("%s", tls.clear_text_warning(credential.server))
                 if on_connect is not None:
                     on_connect()
-                link.uplink.use(ws)
+                await link.uplink.use(ws)
                 try:
                     await _serve(ws, link)
                 finally:
-                    link.uplink.use(None)
+                    await link.uplink.use(None)
         except InvalidStatus as exc:
             if exc.response.status_code in (401, 403):
                 raise LinkRefused("the control plane refused this node's credential") from None
             log.warning("link refused with HTTP %s; retrying", exc.response.status_code)
+        except InvalidHandshake as exc:  # no websocket answer: a proxy between, a server still starting
+            log.warning("the link's handshake failed (%s); retrying", exc)
         except ConnectionClosed as exc:
             if exc.rcvd is not None and exc.rcvd.code == CLOSE_UNAUTHENTICATED:
                 raise LinkRefused("the control plane refused this node's credential; enroll again") from None
@@ -294,10 +342,14 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
                 await roles.stop(command.deployment, command.role_name)
             elif isinstance(command, ApplyAlignment):
                 spawn(roles.apply_alignment(command))
-            elif isinstance(command, Generate):
-                spawn(roles.generate(command))
+            elif isinstance(command, Generate):  # goes on if this link drops
+                task = asyncio.create_task(roles.generate(command))
+                link.generations.add(task)
+                task.add_done_callback(link.generations.discard)
             elif isinstance(command, CancelGeneration):
                 spawn(roles.cancel(command))
+            elif isinstance(command, Acknowledge):
+                link.uplink.acknowledged(command)
 
     async def rotate(command: RotateCredential) -> None:
         if not NODE_SECRET.fullmatch(command.node_secret):

@@ -84,7 +84,7 @@ def test_the_uplink_keeps_to_the_limit_the_control_plane_announced_and_the_link_
             port = server.sockets[0].getsockname()[1]
             uplink = Uplink()
             async with connect(f"ws://127.0.0.1:{port}") as ws:
-                uplink.use(ws)
+                await uplink.use(ws)
                 sent = [
                     await uplink.send(echo_with_logprobs(1000)),
                     await uplink.send(Token(request_id="r2", index=0, token_id=7)),
@@ -108,7 +108,7 @@ def test_a_control_plane_that_announces_no_limit_is_held_to_1_mib() -> None:
         async with serve(take, "127.0.0.1", 0) as server:
             uplink = Uplink()
             async with connect(f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}") as ws:
-                uplink.use(ws)
+                await uplink.use(ws)
                 return uplink.limit
 
     assert asyncio.run(session()) == LEGACY_FRAME_LIMIT

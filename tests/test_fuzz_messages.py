@@ -96,7 +96,7 @@ JSON_JUNK = st.recursive(
 
 def plausible(hint, *, ints, text, junk, tensors=None):
     """A strategy for values of type ``hint``, the way a sender that means well would fill it."""
-    if isinstance(hint, types.UnionType):
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:  # Annotated[...] | None: Optional
         return st.one_of([plausible(arm, ints=ints, text=text, junk=junk, tensors=tensors) for arm in hint.__args__])
     origin = typing.get_origin(hint)
     if hint is type(None):

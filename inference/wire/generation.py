@@ -138,14 +138,23 @@ class Token(Message, kw_only=True, tag="generation_token"):
     prompt_logprobs: list[TokenLogprob] | None = None
 
 
+# An event's place among its generation's events (``Token.index`` for a token; for ``Done`` and
+# ``Failed``, the tokens before it): what the agent link acknowledges and replays by.
+EventIndex = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class Done(Message, kw_only=True, tag="generation_done"):
-    """The generation ended: every token, why it ended (``stop``, ``length``, ``cancelled``), its figures."""
+    """The generation ended: every token, why it ended (``stop``, ``length``, ``cancelled``), its figures.
+
+    ``index``: how many tokens came before it (main leaves it None; main's agent numbers it).
+    """
 
     TYPE: ClassVar[str] = "done"
     request_id: str
     token_ids: list[int]
     finish_reason: str
     metrics: dict
+    index: EventIndex | None = None
 
 
 class Failed(Message, kw_only=True, tag="generation_failed"):
@@ -157,12 +166,13 @@ class Failed(Message, kw_only=True, tag="generation_failed"):
     most generations one user may have in main (``Settings.max_per_user``), so it never started
     (send it when one of theirs ends); ``too_large``: the request is larger than a frame a hop on
     its way takes (the agent link's, ``inference.wire.link.frame_limit``), so it never went out
-    and the same request fails again.
+    and the same request fails again. ``index``: how many tokens came before it (as ``Done``'s).
     """
 
     TYPE: ClassVar[str] = "error"
     request_id: str
     error: str
+    index: EventIndex | None = None
     retryable: bool = False
     busy: bool = False
     too_many_generations: bool = False

@@ -40,8 +40,11 @@ LINK_PATH = "/ws/agent"
 # (``SERVER_FRAME_LIMIT_HEADER``), and the agent keeps what it sends up within it; an agent that
 # announces nothing is held to websockets' default (``LEGACY_FRAME_LIMIT``). ``Generate`` carries
 # ``prefix_namespace`` (main's prefix cache is keyed per tenant), which an agent of 6 refuses.
-AGENT_PROTOCOL = 7
-OLDEST_AGENT_PROTOCOL = 7  # the oldest protocol whose agents the control plane still takes
+# 8: a dropped link loses no generation event. The agent keeps a generation's events until the
+# control plane acknowledges them (``Acknowledge``, a command an agent of 7 refuses) and sends them
+# again after reconnecting; ``Done`` and ``Failed`` carry their place (``index``) as tokens do.
+AGENT_PROTOCOL = 8
+OLDEST_AGENT_PROTOCOL = 8  # the oldest protocol whose agents the control plane still takes
 FIRST_AGENT_PROTOCOL = 1  # what an agent that sends no protocol header speaks
 PROTOCOL_HEADER = "X-Odmoe-Agent-Protocol"  # how the agent says it when it connects
 VERSION_HEADER = "X-Odmoe-Agent-Version"
@@ -213,6 +216,18 @@ class CancelGeneration(LinkMessage, kw_only=True, tag="cancel_generation"):
     request_id: str
 
 
+MAX_ACKS = 4096  # the most generations one ``Acknowledge`` names
+
+
+class Acknowledge(LinkMessage, kw_only=True, tag="acknowledge"):
+    """The control plane handed on each named generation's events up to and including
+    ``(request_id, index)`` (``Token.index``, ``Done.index``, ``Failed.index``): the agent forgets
+    them, and a generation whose end is acknowledged altogether. What is not acknowledged when the
+    link drops is sent again on the next one."""
+
+    acks: Annotated[list[tuple[str, Annotated[int, msgspec.Meta(ge=0)]]], msgspec.Meta(max_length=MAX_ACKS)]
+
+
 # The figures of a generation that main's agent reports with its role state (the rest,
 # per step and per layer, stays with the caller of that generation).
 RUNTIME_METRICS = (
@@ -244,7 +259,9 @@ RUNTIME_METRICS = (
 MEMORY_FIGURES = ("host_bytes", "peak_host_bytes", "device_bytes")
 ROLE_STATES = ("fetching", "starting", "ready", "failed", "stopped")
 EVENTS = declared(Heartbeat, Pong, CredentialSaved, TaskProgress, TaskDone, RoleState, *GENERATION_EVENTS)
-COMMANDS = declared(Ping, RotateCredential, FetchShard, StartRole, StopRole, ApplyAlignment, Generate, CancelGeneration)
+COMMANDS = declared(
+    Ping, RotateCredential, FetchShard, StartRole, StopRole, ApplyAlignment, Generate, CancelGeneration, Acknowledge
+)
 
 
 LINK_MESSAGES = (*EVENTS, *COMMANDS)

@@ -456,30 +456,74 @@ def test_a_caller_in_the_links_process_gets_its_events_straight_and_the_channel_
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_link_that_closes_mid_generation_fails_it_as_retryable_at_once(channel_layer_on_test_redis) -> None:
-    """A control-plane restart drops main's link: the caller hears so now, instead of timing out."""
+def test_a_link_that_closes_mid_generation_pauses_it_and_the_nodes_next_link_finishes_it(
+    channel_layer_on_test_redis,
+) -> None:
+    """A control-plane restart (or a blip) drops main's link: the caller hears that it closed, not
+    that the generation failed. The agent's next link sends again what was not acknowledged, and
+    it is relayed, though this link never sent the ``Generate``; another node cannot speak for it.
+    Every event is acknowledged, so the agent forgets it."""
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
 
+    from controlplane.nodes.consumers import ACK_EVERY_S
     from controlplane.nodes.groups import generation_group, node_group
-    from inference.wire.generation import Generate
+    from controlplane.nodes.relay import PAUSED
+    from inference.wire.generation import Done, Generate, Token
 
     node, secret = enrolled()
+    other, other_secret = enrolled("other")
 
-    async def session() -> list:
+    async def session() -> tuple[list, list, list]:
         layer = get_channel_layer()
         listener = await layer.new_channel()
         await layer.group_add(generation_group("r1"), listener)
         comm = communicator(f"Node {node.pk}:{secret}")
         assert (await comm.connect())[0]
-        command = Generate(request_id="r1", deployment="dep1-1", prompt_ids=[1, 2], max_new_tokens=2).to_json()
+        command = Generate(request_id="r1", deployment="dep1-1", prompt_ids=[1, 2], max_new_tokens=3).to_json()
         await layer.group_send(node_group(str(node.pk)), {"type": "agent.command", "command": command})
         assert await comm.receive_json_from(timeout=5) == command
-        await comm.disconnect()
-        return [(await asyncio.wait_for(layer.receive(listener), timeout=5))["event"]]
+        await comm.send_json_to(Token(request_id="r1", index=0, token_id=5).to_json())
+        first = [await comm.receive_json_from(timeout=5)]  # its acknowledgement
+        await comm.send_json_to(Token(request_id="r1", index=1, token_id=6).to_json())
+        await comm.disconnect()  # before token 1 was acknowledged
+        relayed = [(await asyncio.wait_for(layer.receive(listener), timeout=5)) for _ in range(3)]
 
-    [event] = async_to_sync(session)()
-    assert event["type"] == "generation_failed" and event["request_id"] == "r1" and event["retryable"] is True
+        intruder = communicator(f"Node {other.pk}:{other_secret}")
+        assert (await intruder.connect())[0]
+        await intruder.send_json_to(Token(request_id="r1", index=2, token_id=66).to_json())
+        refused = [await intruder.receive_json_from(timeout=5)]  # dropped, and forgotten by its agent too
+        await intruder.disconnect()
+
+        again = communicator(f"Node {node.pk}:{secret}")
+        assert (await again.connect())[0]
+        for event in (
+            Token(request_id="r1", index=1, token_id=6),
+            Token(request_id="r1", index=2, token_id=7),
+            Done(request_id="r1", token_ids=[5, 6, 7], finish_reason="length", metrics={}, index=3),
+        ):
+            await again.send_json_to(event.to_json())
+        await asyncio.sleep(ACK_EVERY_S)
+        acks = [await again.receive_json_from(timeout=5)]
+        with contextlib.suppress(TimeoutError):
+            while True:
+                relayed.append(await asyncio.wait_for(layer.receive(listener), timeout=1))
+        await again.disconnect()
+        return relayed, first + acks, refused
+
+    relayed, acks, refused = async_to_sync(session)()
+    shown = [(m["type"], m.get("event", {}).get("index")) for m in relayed]
+    assert shown == [
+        ("generation.event", 0),
+        ("generation.event", 1),
+        (PAUSED, None),
+        ("generation.event", 1),  # sent again: the caller drops it by its index
+        ("generation.event", 2),
+        ("generation.event", 3),
+    ]
+    assert relayed[-1]["event"]["type"] == "generation_done"
+    assert acks == [{"type": "acknowledge", "acks": [["r1", 0]]}, {"type": "acknowledge", "acks": [["r1", 3]]}]
+    assert refused == [{"type": "acknowledge", "acks": [["r1", 2]]}]
     assert Node.objects.get(pk=node.pk).status == NodeStatus.OFFLINE
 
 

@@ -24,6 +24,11 @@ requests going, 5 of 4,105 ``Generate`` commands in 150 s never reached the agen
 callers (another user's too) failed after ``FIRST_EVENT_TIMEOUT_S`` with "no answer from the
 cluster". So ``stop_listening`` sends the listener's own channel ``STOP`` and waits for it to
 return; a cancel is left for a layer that cannot take the message (Redis gone).
+
+**A dropped agent link is a pause.** Main's agent keeps what the control plane has not acknowledged
+and sends it again on its next link (``agent.outbox``), so a token may come twice: ``astream`` takes
+each token once, by its index. Meanwhile it waits as for any next event; a timeout after the link
+closed (``relay.LinkPaused``) is one the same request may retry.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from controlplane.accounts.services import record_usage
 from controlplane.accounts.usage import Caller
 from controlplane.nodes import step_watch
 from controlplane.nodes.groups import generation_group, node_group
-from controlplane.nodes.relay import listening
+from controlplane.nodes.relay import PAUSED, LinkPaused, listening
 from inference.wire.generation import GENERATION_EVENTS, Done, Failed, Generate, Token
 from inference.wire.link import CancelGeneration, parse
 
@@ -163,16 +168,30 @@ async def astream(
         from_layer = asyncio.create_task(_from_layer(layer, channel, inbox))
         try:
             await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
-            timeout = FIRST_EVENT_TIMEOUT_S
+            timeout, paused = FIRST_EVENT_TIMEOUT_S, False
             while True:
                 try:
                     async with asyncio.timeout(timeout):
                         event = await inbox.get()
                 except TimeoutError:
+                    if paused:
+                        raise ClusterGenerationError(
+                            f"the link to main's node closed mid-generation and no answer came within {timeout:.0f} s",
+                            retryable=True,
+                        ) from None
                     raise ClusterGenerationError(f"no answer from the cluster within {timeout:.0f} s") from None
-                timeout = NEXT_EVENT_TIMEOUT_S
+                if isinstance(event, LinkPaused):
+                    paused = True  # the same wait: its agent sends the rest on its next link
+                    continue
+                timeout, paused = NEXT_EVENT_TIMEOUT_S, False
                 if isinstance(event, Exception):
                     raise event
+                if isinstance(event, Token) and event.index != (generated or 0):
+                    if event.index < (generated or 0):
+                        continue  # sent again after the link came back: had it
+                    raise ClusterGenerationError(
+                        f"tokens {generated or 0} to {event.index - 1} of the generation never came", retryable=True
+                    )
                 if isinstance(event, Failed):
                     if event.too_many_generations:
                         raise TooManyGenerations(event.error)
@@ -207,6 +226,9 @@ async def _from_layer(layer: BaseChannelLayer, channel: str, inbox: asyncio.Queu
             message = await layer.receive(channel)
             if message.get("type") == STOP:
                 return
+            if message.get("type") == PAUSED:
+                inbox.put_nowait(LinkPaused(str(message.get("request_id", ""))))
+                continue
             inbox.put_nowait(parse(message["event"], allowed=GENERATION_EVENTS))
         except Exception as exc:  # a malformed event, or Redis gone: the stream ends with it
             inbox.put_nowait(exc)

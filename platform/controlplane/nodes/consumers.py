@@ -9,8 +9,11 @@ would not fit fails what it asked for, never the link.
 
 Generation events are relayed to the caller of the generation service (``relay``: in this
 process when it listens here, else through the group ``generation.<request_id>``) — and only
-for requests that went down this very socket, so a node cannot speak for a generation it was
-not given.
+for generations given to this node (``owners``), so a node cannot speak for a generation it was
+not given. Each is acknowledged (``Acknowledge``, a batch every ``ACK_EVERY_S``), so the agent
+forgets it; what it sends again after a reconnection (on this process or another) is relayed
+again, and the caller drops what it had already. A link that closes pauses its open generations'
+callers (``relay.pause``) instead of failing them: the rest comes on the agent's next link.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from inference.wire.generation import GENERATION_EVENTS, Failed, Generate, Token
+from inference.wire.generation import GENERATION_EVENTS, Failed, Generate, GenerationEvent, Token
 from inference.wire.link import (
     AGENT_PROTOCOL,
     CLOSE_PROTOCOL_MISMATCH,
@@ -32,9 +35,11 @@ from inference.wire.link import (
     FIRST_AGENT_PROTOCOL,
     FRAME_LIMIT_HEADER,
     LEGACY_FRAME_LIMIT,
+    MAX_ACKS,
     OLDEST_AGENT_PROTOCOL,
     PROTOCOL_HEADER,
     SERVER_FRAME_LIMIT_HEADER,
+    Acknowledge,
     CredentialSaved,
     Heartbeat,
     MessageError,
@@ -48,16 +53,18 @@ from inference.wire.link import (
     parse,
 )
 
-from . import frames, link_writes, liveness, services
+from . import frames, link_writes, liveness, owners, services
 from .beats import Beats
 from .groups import node_group
 from .inventory import clean_inventory, lasting
-from .relay import relay
+from .relay import pause, relay
 from .reports import MAX_DETAIL_CHARS, PendingWrites, clean_role_report, clean_role_reports
 
 log = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
+ACK_EVERY_S = 0.2  # how long a relayed event waits to be acknowledged with the others
+MAX_REQUEST_ID_CHARS = 128  # a request id past this names no generation (the control plane's are 32)
 
 
 # Every step of every generation, for live views of the pipeline (the console).
@@ -81,7 +88,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.generations: dict[str, str] = {}  # request id -> deployment, sent down this socket, not finished
+        self.generations: dict[str, str] = {}  # request id -> deployment, given to this node, not finished
+        self._acks: dict[str, int] = {}  # request id -> the last index relayed, not yet acknowledged
+        self._acker: asyncio.Task | None = None
         self.link_since = None  # when this link came up (Node.connected_at), to tell it from a newer one
         # What arrives to be recorded is written in the background, so the link keeps reading
         # (generation tokens go on at once) however slow the database is. Two lanes: the node's
@@ -139,20 +148,21 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         for writer in (self._liveness_writer, self._writer):
             if writer is not None:
                 await writer  # what the agent said before it went is recorded before it is offline
+        if self._acker is not None:
+            self._acker.cancel()  # what it would have acknowledged, the agent sends again
         # The database first: with Redis gone too (a restart of both), the node is still marked offline.
         await _db(services.mark_offline)(node_id=self.node_id, link_since=self.link_since)
         try:
-            await self._fail_open_generations()
+            await self._pause_open_generations()
             await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
         except Exception as exc:  # Redis may be down: its groups expire by themselves
             log.warning("node %s: could not tidy its link's channel groups (%s)", self.node_id, exc)
 
-    async def _fail_open_generations(self) -> None:
-        """Generations sent down this link and not finished will never be answered on it: their
-        callers hear at once that the same request can be tried again, instead of timing out."""
+    async def _pause_open_generations(self) -> None:
+        """Generations given to this node and not finished go on in main, whose agent keeps their
+        events for its next link: their callers hear that the link closed, and wait on."""
         for request_id in list(self.generations):
-            error = "the link to main's node closed mid-generation"
-            await relay(self.channel_layer, Failed(request_id=request_id, error=error, retryable=True))
+            await pause(self.channel_layer, request_id)
         self.generations.clear()
 
     async def send_json(self, content, close=False) -> None:
@@ -175,6 +185,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(answer, Failed):
             self.generations.pop(answer.request_id, None)
             await relay(self.channel_layer, answer)
+            await asyncio.to_thread(owners.ended, answer.request_id)
         elif isinstance(answer, TaskDone) and services.is_task_id(answer.task_id):
             key = ("done", answer.task_id)
             self._record(key, services.record_task_done, task_id=answer.task_id, ok=False, detail=answer.detail)
@@ -291,7 +302,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         command = event["command"]
         self._beats.unsettle()  # a role started, stopped or realigned: the next report is acted on
         if command.get("type") == Generate.TAG:
-            self.generations[command["request_id"]] = command["deployment"]
+            request_id, deployment = command["request_id"], command["deployment"]
+            await asyncio.to_thread(owners.given, request_id, self.node_id, deployment)
+            self.generations[request_id] = deployment
         try:
             await self.send_json(command)
         except OSError:  # the socket closed (uvicorn's ClientDisconnected): disconnect() still runs next
@@ -299,17 +312,51 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 "node %s: its link closed before a %s command could go down it", self.node_id, command.get("type")
             )
 
-    async def _relay_generation(self, event) -> None:
-        if event.request_id not in self.generations:
+    async def _relay_generation(self, event: GenerationEvent) -> None:
+        request_id = event.request_id
+        deployment = self.generations.get(request_id) or await self._resumed(request_id)
+        if deployment is None:
             log.warning("node %s sent an event for a generation it was not given", self.node_id)
+            self._acknowledge(event)  # nothing to relay: the agent need not keep it either
             return
-        deployment = self.generations[event.request_id]
         if not isinstance(event, Token):
-            del self.generations[event.request_id]
+            del self.generations[request_id]
         await relay(self.channel_layer, event)
+        self._acknowledge(event)
+        if not isinstance(event, Token):
+            await asyncio.to_thread(owners.ended, request_id)
         if isinstance(event, Token) and event.step is not None:
             step = {"deployment": deployment, "request_id": event.request_id, "index": event.index, "step": event.step}
             await self.channel_layer.group_send(STEPS_GROUP, {"type": "cluster.step", **step})
+
+    async def _resumed(self, request_id: str) -> str | None:
+        """The deployment of ``request_id`` if this node was given it on an earlier link (its agent
+        sends again what that link did not see acknowledged), now relayed on this one."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            return None
+        owner = await asyncio.to_thread(owners.owner, request_id)
+        if owner is None or owner[0] != self.node_id:
+            return None
+        self.generations[request_id] = owner[1]
+        return owner[1]
+
+    def _acknowledge(self, event: GenerationEvent) -> None:
+        """Acknowledge ``event`` with the others that come within ``ACK_EVERY_S``."""
+        request_id, index = event.request_id, event.index or 0
+        if request_id not in self._acks and len(self._acks) >= MAX_ACKS:
+            return  # past one message's worth: the agent sends it again on its next link
+        self._acks[request_id] = max(index, self._acks.get(request_id, 0))
+        if self._acker is None or self._acker.done():
+            self._acker = asyncio.create_task(self._send_acks())
+
+    async def _send_acks(self) -> None:
+        while self._acks:  # those noted while one batch went out go in the next
+            await asyncio.sleep(ACK_EVERY_S)
+            acks, self._acks = self._acks, {}
+            try:
+                await self.send_json(Acknowledge(acks=list(acks.items())).to_json())
+            except OSError:  # the link closed: the agent sends them again on its next one
+                return
 
     def _authenticate(self):
         headers = dict(self.scope.get("headers", []))

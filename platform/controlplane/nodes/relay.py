@@ -9,8 +9,12 @@ each event, as the struct it already parsed and checked, to the caller's queue, 
 through Redis and no encoding; elsewhere it sends it to the channel-layer group
 ``generation.<request_id>`` as before. A generation's events all go the same way: where its
 caller listens is fixed before its request goes out (``listening``), and a link relays only
-generations sent down that link (a link that closes fails its open ones). The channel-layer copy
-leaves out the step report, which only the console's live view reads (``cluster.step``).
+generations it was given (``owners``). The channel-layer copy leaves out the step report, which
+only the console's live view reads (``cluster.step``).
+
+A link that closes tells each of its open generations' callers so (``pause``): its agent keeps the
+events it could not send and sends them again on its next link, so the caller waits on, and a
+timeout meanwhile is one the same request may retry.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import msgspec
 from channels.layers import BaseChannelLayer
@@ -26,6 +31,15 @@ from controlplane.nodes.groups import generation_group
 from inference.wire.generation import Done, Failed, Token
 
 Event = Token | Done | Failed
+PAUSED = "generation.paused"  # the channel-layer message ``pause`` sends
+
+
+@dataclass(frozen=True)
+class LinkPaused:
+    """What a caller's queue gets when main's link closed mid-generation (``pause``)."""
+
+    request_id: str
+
 
 # request id -> (the listener's event loop, its queue): callers streaming in this process.
 _listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -49,15 +63,29 @@ def listening(request_id: str) -> Iterator[asyncio.Queue]:
 async def relay(layer: BaseChannelLayer, event: Event) -> None:
     """Hand ``event`` to its generation's caller: straight to its queue when it listens in this
     process, else to the generation's channel-layer group."""
-    listener = _listeners.get(event.request_id)
-    if listener is not None:
-        loop, inbox = listener
-        if loop is asyncio.get_running_loop():
-            inbox.put_nowait(event)
-        else:  # a synchronous caller streams on an event loop of its own (generation.stream)
-            with contextlib.suppress(RuntimeError):  # its loop closed: nobody listens any more
-                loop.call_soon_threadsafe(inbox.put_nowait, event)
+    if _hand(event.request_id, event):
         return
     if isinstance(event, Token) and event.step is not None:
         event = msgspec.structs.replace(event, step=None)
     await layer.group_send(generation_group(event.request_id), {"type": "generation.event", "event": event.to_json()})
+
+
+async def pause(layer: BaseChannelLayer, request_id: str) -> None:
+    """Tell ``request_id``'s caller that main's link closed before its end: the rest comes when the
+    agent is linked again."""
+    if not _hand(request_id, LinkPaused(request_id)):
+        await layer.group_send(generation_group(request_id), {"type": PAUSED, "request_id": request_id})
+
+
+def _hand(request_id: str, item: Event | LinkPaused) -> bool:
+    """Put ``item`` in the queue of ``request_id``'s caller if it listens in this process."""
+    listener = _listeners.get(request_id)
+    if listener is None:
+        return False
+    loop, inbox = listener
+    if loop is asyncio.get_running_loop():
+        inbox.put_nowait(item)
+    else:  # a synchronous caller streams on an event loop of its own (generation.stream)
+        with contextlib.suppress(RuntimeError):  # its loop closed: nobody listens any more
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+    return True

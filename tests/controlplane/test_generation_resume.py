@@ -1,0 +1,112 @@
+"""A generation's caller through a dropped agent link (``generation.astream``): each token once, in
+order, though main's agent sends some again on its next link; a gap or a link that never comes back
+is an error the same request may retry."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.testing import WebsocketCommunicator
+
+from controlplane.artifacts.services import register_model
+from controlplane.deployments import generation
+from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
+from controlplane.nodes.models import Node
+from inference.wire.generation import Done, Token
+from tests.controlplane.test_agent_link import communicator, enrolled
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def served(tiny_model: Path, channel_layer_on_test_redis) -> tuple[Deployment, Node, str]:
+    model = register_model(name="tiny", path=str(tiny_model))
+    deployment = Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
+    node, secret = enrolled("main")
+    DeploymentNode.objects.create(deployment=deployment, node=node, role=Role.MAIN, state=MemberState.READY)
+    return deployment, node, secret
+
+
+async def link(node: Node, secret: str) -> WebsocketCommunicator:
+    comm = communicator(f"Node {node.pk}:{secret}")
+    assert (await comm.connect())[0]
+    return comm
+
+
+async def caller(deployment: Deployment, request_id: str, into: list) -> None:
+    request = generation.new_request(request_id=request_id, prompt_ids=[1, 2], max_new_tokens=4)
+    try:
+        async for event in generation.astream(deployment.pk, request):
+            into.append(event)
+    except generation.ClusterGenerationError as exc:
+        into.append(exc)
+
+
+def token(index: int) -> dict:
+    return Token(request_id="r1", index=index, token_id=10 + index).to_json()
+
+
+def test_tokens_sent_again_on_the_next_link_reach_the_caller_once(served) -> None:
+    deployment, node, secret = served
+
+    async def session() -> list:
+        events: list = []
+        comm = await link(node, secret)
+        streaming = asyncio.create_task(caller(deployment, "r1", events))
+        assert (await comm.receive_json_from(timeout=5))["type"] == "generate"
+        for index in (0, 1):
+            await comm.send_json_to(token(index))
+        await comm.disconnect()
+        await asyncio.sleep(0.2)
+        again = await link(node, secret)
+        for index in (0, 1, 2, 3):  # what was not acknowledged, and the rest
+            await again.send_json_to(token(index))
+        done = Done(request_id="r1", token_ids=[10, 11, 12, 13], finish_reason="length", metrics={}, index=4)
+        await again.send_json_to(done.to_json())
+        await asyncio.wait_for(streaming, 10)
+        await again.disconnect()
+        return events
+
+    events = async_to_sync(session)()
+    assert [e.index for e in events[:-1]] == [0, 1, 2, 3] and isinstance(events[-1], Done)
+
+
+def test_a_gap_in_the_tokens_is_a_retryable_error(served) -> None:
+    deployment, node, secret = served
+
+    async def session() -> list:
+        events: list = []
+        comm = await link(node, secret)
+        streaming = asyncio.create_task(caller(deployment, "r1", events))
+        await comm.receive_json_from(timeout=5)
+        for index in (0, 2):
+            await comm.send_json_to(token(index))
+        await asyncio.wait_for(streaming, 10)
+        await comm.disconnect()
+        return events
+
+    first, error = async_to_sync(session)()
+    assert first.index == 0 and isinstance(error, generation.ClusterGenerationError) and error.retryable
+    assert "tokens 1 to 1 of the generation never came" in str(error)
+
+
+def test_a_link_that_does_not_come_back_in_time_is_a_retryable_error(served, monkeypatch) -> None:
+    deployment, node, secret = served
+    monkeypatch.setattr(generation, "NEXT_EVENT_TIMEOUT_S", 0.5)
+
+    async def session() -> list:
+        events: list = []
+        comm = await link(node, secret)
+        streaming = asyncio.create_task(caller(deployment, "r1", events))
+        await comm.receive_json_from(timeout=5)
+        await comm.send_json_to(token(0))
+        await comm.disconnect()
+        await asyncio.wait_for(streaming, 10)
+        return events
+
+    first, error = async_to_sync(session)()
+    assert first.index == 0 and isinstance(error, generation.ClusterGenerationError) and error.retryable
+    assert "the link to main's node closed mid-generation" in str(error)
