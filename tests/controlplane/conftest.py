@@ -22,6 +22,7 @@ from controlplane.ops.processes import Child, ProcessGroup, python_env, redis_up
 from inference.runtime.launcher import free_port
 from tests.conftest import xdist_worker
 from tests.controlplane.isolated import NOBODY
+from tests.controlplane.link_cut import LinkCut
 from tests.controlplane.live import (
     SERVED_MODEL,
     TASK_REDELIVERY_S,
@@ -268,10 +269,12 @@ def tiny_cluster(
     max_per_user: int | None = None,
     expert_codec: str = "none",
     draft_tokens: int = 0,
+    link_cut: bool = False,
 ) -> Iterator[tuple[Served, OwnRedis | None]]:
     """A real ASGI server, Celery worker and ``agents`` agents serving ``tiny_model`` as one ready deployment
     with ``predictor``, ``expert_codec``, ``draft_tokens`` (and ``max_per_user``, if given), on ``redis_url``; with
-    ``own_redis_port``, that Redis is started first, in the cluster's process group.
+    ``own_redis_port``, that Redis is started first, in the cluster's process group. With ``link_cut``, the
+    agents reach the server through a proxy the test can cut (``plane.link_cut``).
 
     The deployment is started through the live server's REST API, so nothing is enqueued from this
     process (whose Celery producer stays on the session's Redis: ``celery_on_test_redis``). With
@@ -303,13 +306,16 @@ def tiny_cluster(
             ODMOE_TASK_REDELIVERY_S=str(TASK_REDELIVERY_S),
         )
         port = free_port()
-        with ProcessGroup(tmp_path / "logs", env) as group:
+        with contextlib.ExitStack() as stack, ProcessGroup(tmp_path / "logs", env) as group:
             own = None
             if own_redis_port is not None:
                 own = OwnRedis(group, own_redis_port, tmp_path / "redis")
                 own.data_dir.mkdir()
                 own.start()
             plane = LiveControlPlane(group, port, Api(f"http://127.0.0.1:{port}", keys[0]), tmp_path / "agents")
+            if link_cut:
+                plane.link_cut = LinkCut(port)
+                stack.callback(plane.link_cut.close)
             # The server, Celery and the agents start together: the agents once the server answers,
             # the deployment once Celery is ready.
             celery = plane.start_celery(wait=False)
@@ -341,7 +347,9 @@ def tiny_cluster(
 
 @pytest.fixture
 def served_on_own_redis(transactional_db, tmp_path: Path, tiny_model: Path) -> Iterator[ServedOnOwnRedis]:
-    """``served``, but on a Redis of its own that the test may kill and restart (whatever ``REDIS_URL`` says)."""
+    """``served``, but on a Redis of its own that the test may kill and restart (whatever ``REDIS_URL`` says),
+    its agents linked through a proxy the test may cut (``plane.link_cut``)."""
     redis_port = free_port()
-    with tiny_cluster(tmp_path, tiny_model, f"redis://127.0.0.1:{redis_port}/0", redis_port) as (served, own):
+    cluster = tiny_cluster(tmp_path, tiny_model, f"redis://127.0.0.1:{redis_port}/0", redis_port, link_cut=True)
+    with cluster as (served, own):
         yield ServedOnOwnRedis(served, own)

@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from controlplane.ops.processes import Child, ProcessGroup, agent_argv, asgi_argv, celery_argv, http_up, wait_until
+from tests.controlplane.link_cut import LinkCut
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,10 +88,15 @@ class LiveControlPlane:
     port: int
     api: Api
     state_root: Path
+    link_cut: LinkCut | None = None  # where the agents reach the server through, if not straight
 
     @property
     def server(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def agents_server(self) -> str:
+        return self.link_cut.url if self.link_cut is not None else self.server
 
     def start_server(self) -> Child:
         child = self.group.start("asgi", asgi_argv(self.port))
@@ -125,10 +131,10 @@ class LiveControlPlane:
         """An agent on this machine; with ``python``, that interpreter's own installation of the agent
         (its package, not this checkout: run outside the repository, with no PYTHONPATH)."""
         if python is None:
-            argv = agent_argv(self.server, self.state_root / name, name=name, token=token, heartbeat_s=1.0)
+            argv = agent_argv(self.agents_server, self.state_root / name, name=name, token=token, heartbeat_s=1.0)
             return self.group.start(f"agent-{name}", argv)
         argv = agent_argv(
-            self.server, self.state_root / name, name=name, token=token, heartbeat_s=1.0, python=str(python)
+            self.agents_server, self.state_root / name, name=name, token=token, heartbeat_s=1.0, python=str(python)
         )
         return self.group.start(f"agent-{name}", argv, env={"PYTHONPATH": None}, cwd=self.state_root)
 

@@ -1,7 +1,10 @@
 """The control plane and Redis restart under a serving cluster, for real: nothing is lost.
 
 One small cluster (uvicorn, a Celery worker with beat, 3 agents serving the tiny model) on a
-Redis of its own. Mid-job, the ASGI server is stopped (SIGTERM) and Redis killed: it comes back
+Redis of its own, its agents linked through a proxy the test can cut. First, with 8 answers
+streaming (half greedy, half seeded), every agent's link is cut at the TCP level: each answer
+ends whole, and equal to the same request's undisturbed answer. Then, mid-job, the ASGI server
+is stopped (SIGTERM) and Redis killed: it comes back
 empty, as after a crash between snapshots, its queued tasks gone. Both start again on the same
 ports. The agents reconnect by themselves, with backoff; no role process restarts; the
 deployment serves the same greedy text as before; the job ends with every output done and
@@ -12,8 +15,10 @@ needed, without a cluster.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -22,6 +27,7 @@ import redis
 
 from inference.runtime.textstream import load_tokenizer
 from tests.controlplane.conftest import ServedOnOwnRedis
+from tests.controlplane.link_cut import LinkCut
 from tests.controlplane.live import SERVED_MODEL, Served
 from tests.controlplane.test_serving_e2e import MESSAGES, chat_prompt_ids, job_outputs, reference_text, wait_job
 
@@ -54,6 +60,47 @@ def greedy_chat(served: Served) -> str:
     return answer.choices[0].message.content
 
 
+STREAMS = 8
+STREAM_TOKENS = 48
+
+
+def streamed_answers(served: Served, link_cut: LinkCut | None = None) -> tuple[list[tuple[str, str]], list[int]]:
+    """``STREAMS`` chat answers streamed at once, even ones greedy, odd ones seeded: each one's text and
+    finish reason. With ``link_cut``, every agent's link is cut once each answer has shown two pieces
+    (or ended); with it, how many pieces each had shown then."""
+    client, shown = served.client(), [0] * STREAMS
+    ended = [threading.Event() for _ in range(STREAMS)]
+
+    def answer(i: int) -> tuple[str, str]:
+        sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": 1000 + i}
+        pieces, finish = [], ""
+        try:
+            chunks = client.chat.completions.create(
+                model=SERVED_MODEL, messages=MESSAGES, max_tokens=STREAM_TOKENS, stream=True, **sampling
+            )
+            for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces.append(chunk.choices[0].delta.content)
+                    shown[i] += 1
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+        finally:
+            ended[i].set()
+        return "".join(pieces), finish
+
+    at_cut: list[int] = []
+    with ThreadPoolExecutor(STREAMS) as pool:
+        answers = [pool.submit(answer, i) for i in range(STREAMS)]
+        if link_cut is not None:
+            deadline = time.monotonic() + 120
+            while not all(n >= 2 or e.is_set() for n, e in zip(shown, ended, strict=True)):
+                assert time.monotonic() < deadline, shown
+                time.sleep(0.005)
+            at_cut = list(shown)
+            assert link_cut.cut() >= 3  # main's, the shadow's and the worker's agent links
+        return [a.result() for a in answers], at_cut
+
+
 def console_nodes(served: Served) -> dict[str, dict]:
     """The nodes as the console shows them (``/console/state.json``, for a logged-in staff member)."""
     from django.contrib.auth import get_user_model
@@ -76,6 +123,17 @@ def test_agents_reconnect_and_nothing_is_lost_when_the_control_plane_and_redis_r
 
     served, broker = served_on_own_redis.served, served_on_own_redis.redis
     plane, staff, alice = served.plane, served.plane.api, served.api(served.user_key)
+    assert plane.link_cut is not None
+
+    # Every agent link cut mid-answer: each of 8 answers in flight ends whole, token for token.
+    undisturbed, _ = streamed_answers(served)
+    through_the_cut, at_cut = streamed_answers(served, plane.link_cut)
+    assert through_the_cut == undisturbed, at_cut
+    assert any(0 < n < STREAM_TOKENS for n in at_cut), at_cut  # the cut came mid-answer
+    greedy = reference_text(served, chat_prompt_ids(served, MESSAGES), STREAM_TOKENS)
+    assert {text for text, _ in undisturbed[::2]} == {greedy}
+    assert {finish for _, finish in undisturbed} == {"length"}
+
     before = greedy_chat(served)
     pids = role_pids(plane.state_root)
     assert len(pids) == 3, pids  # main, shadow, worker
