@@ -236,3 +236,35 @@ def test_a_command_for_a_link_that_just_closed_leaves_the_consumer_to_its_discon
 
     consumer.base_send = closed
     async_to_sync(consumer.agent_command)({"type": "agent.command", "command": {"type": "ping", "nonce": "x"}})
+
+
+def test_a_generation_for_a_link_that_just_closed_fails_at_once_as_retryable(channel_layer_on_test_redis) -> None:
+    """A ``Generate`` that could not go down the link never reached the agent, which will send
+    nothing for it after reconnecting: its caller hears so now, instead of waiting out a timeout."""
+    import asyncio
+
+    from asgiref.sync import async_to_sync
+    from uvicorn.protocols.utils import ClientDisconnected
+
+    from controlplane.nodes import owners
+    from controlplane.nodes.consumers import AgentConsumer
+    from controlplane.nodes.relay import listening
+    from inference.wire.generation import Failed, Generate
+
+    consumer = AgentConsumer()
+    consumer.node_id, consumer.channel_layer = "n1", None
+
+    async def closed(message: dict) -> None:
+        raise ClientDisconnected()
+
+    consumer.base_send = closed
+    command = Generate(request_id="r-closed", deployment="dep1-1", prompt_ids=[1], max_new_tokens=2).to_json()
+
+    async def session() -> object:
+        with listening("r-closed") as inbox:
+            await consumer.agent_command({"type": "agent.command", "command": command})
+            return await asyncio.wait_for(inbox.get(), 5)
+
+    failed = async_to_sync(session)()
+    assert isinstance(failed, Failed) and failed.retryable and "before the request went down it" in failed.error
+    assert consumer.generations == {} and owners.owner("r-closed") is None

@@ -311,6 +311,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             log.warning(
                 "node %s: its link closed before a %s command could go down it", self.node_id, command.get("type")
             )
+            if command.get("type") == Generate.TAG:  # never reached the agent: nothing will come of it
+                request_id = command["request_id"]
+                self.generations.pop(request_id, None)
+                error = "the link to main's node closed before the request went down it"
+                await relay(self.channel_layer, Failed(request_id=request_id, error=error, retryable=True))
+                await asyncio.to_thread(owners.ended, request_id)
 
     async def _relay_generation(self, event: GenerationEvent) -> None:
         request_id = event.request_id
