@@ -15,10 +15,12 @@ from controlplane.artifacts.services import register_model
 from controlplane.deployments import generation
 from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 from controlplane.nodes.models import Node
+from controlplane.serving import metrics
 from inference.wire.generation import Done, Token
 from tests.controlplane.test_agent_link import communicator, enrolled
 
 pytestmark = pytest.mark.django_db(transaction=True)
+NAMES = ("link_pauses", "resent_tokens")
 
 
 @pytest.fixture
@@ -72,6 +74,12 @@ def test_tokens_sent_again_on_the_next_link_reach_the_caller_once(served) -> Non
 
     events = async_to_sync(session)()
     assert [e.index for e in events[:-1]] == [0, 1, 2, 3] and isinstance(events[-1], Done)
+    assert events[-1].metrics["link"] == {"pauses": 1, "resent_tokens": 2}  # the answer says what it cost
+
+    before = [metrics.REGISTRY.get_sample_value(f"odmoe_{n}_total", {"api": "chat"}) or 0 for n in NAMES]
+    metrics.record("chat", ok=True, prompt_tokens=2, metrics=events[-1].metrics)
+    after = [metrics.REGISTRY.get_sample_value(f"odmoe_{n}_total", {"api": "chat"}) for n in NAMES]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 2]  # and Prometheus counts it
 
 
 def test_a_gap_in_the_tokens_is_a_retryable_error(served) -> None:

@@ -169,6 +169,7 @@ async def astream(
         try:
             await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
             timeout, paused = FIRST_EVENT_TIMEOUT_S, False
+            link = {"pauses": 0, "resent_tokens": 0}  # what main's link closing cost it (the answer's metrics)
             while True:
                 try:
                     async with asyncio.timeout(timeout):
@@ -182,12 +183,14 @@ async def astream(
                     raise ClusterGenerationError(f"no answer from the cluster within {timeout:.0f} s") from None
                 if isinstance(event, LinkPaused):
                     paused = True  # the same wait: its agent sends the rest on its next link
+                    link["pauses"] += 1
                     continue
                 timeout, paused = NEXT_EVENT_TIMEOUT_S, False
                 if isinstance(event, Exception):
                     raise event
                 if isinstance(event, Token) and event.index != (generated or 0):
                     if event.index < (generated or 0):
+                        link["resent_tokens"] += 1
                         continue  # sent again after the link came back: had it
                     raise ClusterGenerationError(
                         f"tokens {generated or 0} to {event.index - 1} of the generation never came", retryable=True
@@ -206,6 +209,8 @@ async def astream(
                 if isinstance(event, Done):
                     generated = None
                     await _count(caller, name, len(request.prompt_ids), len(event.token_ids))
+                    if link["pauses"]:
+                        event = msgspec.structs.replace(event, metrics={**event.metrics, "link": link})
                     yield event
                     return
                 generated = (generated or 0) + 1

@@ -85,6 +85,19 @@ DISTINCT_EXPERTS = Histogram(
     buckets=(1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64),
 )
 
+LINK_PAUSES = Counter(
+    "odmoe_link_pauses",
+    "Pauses of finished generations: main's agent link closed mid-generation, and its agent sent the rest on its next",
+    ["api"],
+    registry=REGISTRY,
+)
+RESENT_TOKENS = Counter(
+    "odmoe_resent_tokens",
+    "Tokens main's agent sent again after its link came back, dropped as had",
+    ["api"],
+    registry=REGISTRY,
+)
+
 
 def record(api: str, *, ok: bool, prompt_tokens: int = 0, metrics: dict | None = None) -> None:
     """Count one generation served through ``api`` (its runtime ``metrics`` when it finished)."""
@@ -103,6 +116,10 @@ def record(api: str, *, ok: bool, prompt_tokens: int = 0, metrics: dict | None =
         RECALL.observe(metrics["recall"])
     if metrics.get("decode_layer_load_wait_ms_median") is not None:
         LOAD_WAIT.observe(metrics["decode_layer_load_wait_ms_median"] / 1000)
+    link = metrics.get("link")
+    if isinstance(link, dict):
+        LINK_PAUSES.labels(api).inc(link.get("pauses", 0))
+        RESENT_TOKENS.labels(api).inc(link.get("resent_tokens", 0))
     drafts = metrics.get("drafts")
     if isinstance(drafts, dict):
         DRAFTED.labels(api).inc(drafts.get("drafted", 0))
