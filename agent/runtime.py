@@ -13,7 +13,9 @@ which travels in the role state. A change of memory gets a ``RoleState`` of its 
 it is worth one (``memory_changed``); smaller drifts ride with the next heartbeat.
 
 On the box that runs main, the runner also carries the control plane's generations to main
-(``RuntimeClient``), one at a time in arrival order, and applies new alignment periods.
+(``RuntimeClient``), all at once (main batches them), and applies new alignment periods. An answer
+whose main exits mid-way is carried to main once the runner has started it again
+(``agent.migration``), not failed.
 
 The runner talks to its role with the keys of the role seat's client (``StartRole.client_keys``,
 ``inference.runtime.curve``): the role admits them, and no other role does. The role's spec file
@@ -40,6 +42,7 @@ import msgspec
 from agent.credentials import NodeCredential
 from agent.download import fetch_shard
 from agent.http import ControlPlaneError
+from agent.migration import Carried, seeded
 from agent.tls import ServerTrust
 from inference.modelio.shards import ShardError, is_plain_file_name, is_role_dirname
 from inference.runtime.client import GenerationError, RuntimeClient
@@ -169,6 +172,10 @@ def bounded_metrics(metrics: dict, max_bytes: int = MAX_METRICS_BYTES) -> dict:
         budget -= size
         kept.append(step)
     return {**summary, "per_step": kept, "per_step_omitted": len(steps) - len(kept)}
+
+
+MAIN_EXITED = object()  # what ``_stream`` returns when main's process exited mid-answer
+MAIN_BACK_S = 120.0  # how long an answer waits for main to be started again and ready
 
 
 class MainExited(RuntimeError):
@@ -479,47 +486,94 @@ class RoleRunner:
             await asyncio.to_thread(client.close, HANDOVER_MS)
 
     async def generate(self, command: Generate) -> None:
-        """Run one generation on main, beside any others (main batches them); events go to the control plane."""
+        """Run one generation on main, beside any others (main batches them); events go to the control
+        plane. If main's process exits mid-answer, the answer is carried to main once it is back
+        (``agent.migration``): the caller sees a pause, then the rest."""
         if command.request_id in self._cancelled:
             self._cancelled.discard(command.request_id)
             done = Done(request_id=command.request_id, token_ids=[], finish_reason="cancelled", metrics={})
             await self.send(done)
             return
-        client = self._main_client(command.deployment)
-        if client is None:
-            error = f"this box does not run a ready main for deployment {command.deployment}"
-            await self.send(Failed(request_id=command.request_id, error=error))
-            return
-        self._running_generations.add(command.request_id)
-        loop = asyncio.get_running_loop()
-        try:
-            metrics = await loop.run_in_executor(self._streams, self._stream, client, command, loop)
-        finally:
-            self._running_generations.discard(command.request_id)
-            client.close()
+        carried = Carried(seeded(command))
+        request: Generate | str = carried.request
+        while True:
+            client = self._main_client(command.deployment)
+            if client is None:
+                error = f"this box does not run a ready main for deployment {command.deployment}"
+                await self.send(
+                    carried.failed(error) if carried.resumed_at else Failed(request_id=command.request_id, error=error)
+                )
+                return
+            self._running_generations.add(command.request_id)
+            loop = asyncio.get_running_loop()
+            try:
+                metrics = await loop.run_in_executor(self._streams, self._stream, client, request, carried, loop)
+            finally:
+                self._running_generations.discard(command.request_id)
+                client.close()
+            if metrics is not MAIN_EXITED:
+                break
+            if command.request_id in self._cancelled:  # cancelled while main was down
+                self._cancelled.discard(command.request_id)
+                done = msgspec.structs.replace(carried.finished(), finish_reason="cancelled")
+                await self.send(done)
+                return
+            if carried.spent:
+                await self.send(carried.finished())
+                return
+            request = carried.continuation()
+            if isinstance(request, str):
+                await self.send(carried.failed(request))
+                return
+            log.warning(
+                "main exited mid-answer %s after %d tokens: carried to main once it is back",
+                command.request_id,
+                len(carried.sent),
+            )
+            if not await self._main_back():
+                await self.send(
+                    carried.failed(f"main's process exited mid-answer and was not back within {MAIN_BACK_S:.0f} s")
+                )
+                return
         if metrics is not None and self.state is not None and self.state.state == "ready":
             await self._set("ready", metrics={k: metrics.get(k) for k in RUNTIME_METRICS})
 
-    def _stream(self, client: RuntimeClient, command: Generate, loop: asyncio.AbstractEventLoop) -> dict | None:
-        """Relay one generation's events; returns its metrics when it finished."""
+    async def _main_back(self) -> bool:
+        """Wait for main's agent to have started main again and heard it ready (False: it was not, in time)."""
+        deadline = asyncio.get_running_loop().time() + MAIN_BACK_S
+        while asyncio.get_running_loop().time() < deadline:
+            proc, state = self.process, self.state
+            if state is not None and state.state == "failed":
+                return False
+            if state is not None and state.state == "ready" and proc is not None and proc.returncode is None:
+                return True
+            await asyncio.sleep(WATCH_EVERY_S)
+        return False
+
+    def _stream(
+        self, client: RuntimeClient, request: Generate, carried: Carried, loop: asyncio.AbstractEventLoop
+    ) -> dict | object | None:
+        """Relay one request's events, as the whole answer's; returns its metrics when it finished,
+        ``MAIN_EXITED`` when main's process exited first."""
 
         def post(message: WireStruct) -> WireStruct | None:
             return asyncio.run_coroutine_threadsafe(self.send(message), loop).result(timeout=30)
 
         try:
             # The events go up as main sent them; only a result's figures are cut to what the link carries.
-            for event in client.stream_request(command, timeout_s=600.0, idle=self._check_main_alive):
+            for event in client.stream_request(request, timeout_s=600.0, idle=self._check_main_alive):
+                event = carried.renumbered(event)
                 if isinstance(event, Done):
                     post(msgspec.structs.replace(event, metrics=bounded_metrics(event.metrics)))
                     return event.metrics
                 if isinstance(post(event), Failed):  # a token too large for the link: its generation failed there
-                    client.cancel(command.request_id)
+                    client.cancel(request.request_id)
                     return None
-        except MainExited as exc:
-            post(Failed(request_id=command.request_id, error=str(exc), retryable=True))
+        except MainExited:
+            return MAIN_EXITED
         except GenerationError as exc:
             refused = {"busy": exc.busy, "too_many_generations": exc.too_many_generations}
-            post(Failed(request_id=command.request_id, error=str(exc), **refused))
+            post(Failed(request_id=request.request_id, error=str(exc), **refused))
         return None
 
     def _check_main_alive(self) -> None:

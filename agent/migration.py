@@ -1,0 +1,110 @@
+"""An answer carried across main's restart: what main's agent asks the restarted main for, so the
+answer goes on where it stopped (a pure decision; ``agent.runtime.RoleRunner.generate`` runs it).
+
+Main's agent outlives main: it starts main again when main's process exits (``RoleRunner._watch``),
+and it already holds each generation's request and sees every token main sends. So it keeps, per
+generation, the request and the tokens sent so far (``Carried``). When main exits mid-answer and
+comes back, the agent sends the restarted main a continuation (``continuation``): the same
+request, its prompt followed by the tokens already sent (re-prefilled, as Transformers continuing
+from those tokens would compute them), the rest of its budget, the same seed. The events main sends
+for it are renumbered after the tokens already sent (``Carried.renumbered``), and its result holds
+every token, so the caller sees a pause and then the rest of one answer.
+
+A request that samples without a seed is given one here, before main first sees it (``seeded``):
+a random seed is what main would have drawn, and the continuation needs to know it.
+
+What is not carried (today's retryable error instead, saying why):
+
+- past ``MAX_MIGRATIONS`` restarts for one answer, or ``MAX_REPLAY_TOKENS`` tokens to re-prefill;
+- an answer under a grammar (the restarted main would have to walk the grammar through the tokens
+  already sent first);
+- an answer with OpenAI's frequency or presence penalty: they count the tokens generated, which the
+  continuation would read as prompt.
+
+Exact replay (the prompt re-prefilled in its original pieces and each sent token replayed as a
+decode step, so the answer equals an undisturbed run bit for bit) is not built.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import msgspec
+
+from inference.wire.generation import Done, Failed, Generate, GenerationEvent, Token
+
+MAX_MIGRATIONS = 1  # main restarts one answer is carried across
+MAX_REPLAY_TOKENS = 4096  # the most tokens a continuation re-prefills after the prompt
+
+
+def seeded(request: Generate) -> Generate:
+    """``request`` with a seed of its own if it samples without one (what main would draw)."""
+    if request.do_sample and request.seed is None:
+        return msgspec.structs.replace(request, seed=secrets.randbits(63))
+    return request
+
+
+@dataclass
+class Carried:
+    """One generation as main's agent carries it: the request as main first got it, the tokens sent."""
+
+    request: Generate
+    sent: list[int] = field(default_factory=list)
+    resumed_at: list[int] = field(default_factory=list)  # len(sent) at each continuation
+
+    @property
+    def offset(self) -> int:
+        """Where the events of the request now in main start: the tokens sent before it."""
+        return self.resumed_at[-1] if self.resumed_at else 0
+
+    def renumbered(self, event: GenerationEvent) -> GenerationEvent:
+        """``event`` of the request now in main, as one of the whole answer (noting a token as sent)."""
+        offset = self.offset
+        if isinstance(event, Token):
+            self.sent.append(event.token_id)
+            return msgspec.structs.replace(event, index=event.index + offset) if offset else event
+        if isinstance(event, Done) and self.resumed_at:
+            restarts = {"count": len(self.resumed_at), "resumed_at": list(self.resumed_at)}
+            metrics = {**event.metrics, "main_restarts": restarts}
+            return msgspec.structs.replace(event, token_ids=self.sent[:offset] + event.token_ids, metrics=metrics)
+        return event
+
+    def continuation(self) -> Generate | str:
+        """The request that continues the answer on a restarted main, or why it is not carried."""
+        request, sent = self.request, self.sent
+        if len(self.resumed_at) >= MAX_MIGRATIONS:
+            return f"main's process exited mid-answer again, after {len(self.resumed_at)} restart(s) for this answer"
+        if request.grammar:
+            return "main's process exited mid-answer, and an answer under a grammar is not carried across a restart"
+        if request.frequency_penalty or request.presence_penalty:
+            return (
+                "main's process exited mid-answer, and an answer with a frequency or presence penalty is not "
+                "carried across a restart"
+            )
+        if len(sent) > MAX_REPLAY_TOKENS:
+            return (
+                f"main's process exited mid-answer after {len(sent)} tokens, past the {MAX_REPLAY_TOKENS} it re-reads"
+            )
+        self.resumed_at.append(len(sent))
+        return msgspec.structs.replace(
+            request,
+            prompt_ids=[*request.prompt_ids, *sent],
+            max_new_tokens=request.max_new_tokens - len(sent),
+            prompt_logprobs=False,  # the caller had them with the first token
+        )
+
+    @property
+    def spent(self) -> bool:
+        """Every token of the budget was sent: nothing is left to ask a restarted main for."""
+        return len(self.sent) >= self.request.max_new_tokens
+
+    def finished(self) -> Done:
+        """The result of an answer whose budget was spent when main exited before its own result."""
+        metrics = {"main_restarts": {"count": len(self.resumed_at), "resumed_at": list(self.resumed_at)}}
+        return Done(
+            request_id=self.request.request_id, token_ids=list(self.sent), finish_reason="length", metrics=metrics
+        )
+
+    def failed(self, why: str) -> Failed:
+        return Failed(request_id=self.request.request_id, error=f"{why}: ask again shortly", retryable=True)
