@@ -82,6 +82,14 @@ def test_tokens_sent_again_on_the_next_link_reach_the_caller_once(served) -> Non
     assert [a - b for a, b in zip(after, before, strict=True)] == [1, 2]  # and Prometheus counts it
 
 
+def test_prometheus_counts_the_restarts_of_main_an_answer_was_carried_across() -> None:
+    name = "odmoe_main_restarts_carried_total"
+    before = metrics.REGISTRY.get_sample_value(name, {"api": "jobs"}) or 0
+    carried = {"main_restarts": {"count": 1, "resumed_at": [5]}}
+    metrics.record("jobs", ok=True, prompt_tokens=2, metrics=carried)
+    assert metrics.REGISTRY.get_sample_value(name, {"api": "jobs"}) - before == 1
+
+
 def test_a_gap_in_the_tokens_is_a_retryable_error(served) -> None:
     deployment, node, secret = served
 

@@ -98,6 +98,13 @@ RESENT_TOKENS = Counter(
     registry=REGISTRY,
 )
 
+MAIN_RESTARTS_CARRIED = Counter(
+    "odmoe_main_restarts_carried",
+    "Restarts of main that finished answers were carried across (main's agent continued them)",
+    ["api"],
+    registry=REGISTRY,
+)
+
 
 def record(api: str, *, ok: bool, prompt_tokens: int = 0, metrics: dict | None = None) -> None:
     """Count one generation served through ``api`` (its runtime ``metrics`` when it finished)."""
@@ -116,6 +123,9 @@ def record(api: str, *, ok: bool, prompt_tokens: int = 0, metrics: dict | None =
         RECALL.observe(metrics["recall"])
     if metrics.get("decode_layer_load_wait_ms_median") is not None:
         LOAD_WAIT.observe(metrics["decode_layer_load_wait_ms_median"] / 1000)
+    restarts = metrics.get("main_restarts")
+    if isinstance(restarts, dict):
+        MAIN_RESTARTS_CARRIED.labels(api).inc(restarts.get("count", 0))
     link = metrics.get("link")
     if isinstance(link, dict):
         LINK_PAUSES.labels(api).inc(link.get("pauses", 0))
