@@ -4,25 +4,28 @@ answer goes on where it stopped (a pure decision; ``agent.runtime.RoleRunner.gen
 Main's agent outlives main: it starts main again when main's process exits (``RoleRunner._watch``),
 and it already holds each generation's request and sees every token main sends. So it keeps, per
 generation, the request and the tokens sent so far (``Carried``). When main exits mid-answer and
-comes back, the agent sends the restarted main a continuation (``continuation``): the same
-request, its prompt followed by the tokens already sent (re-prefilled, as Transformers continuing
-from those tokens would compute them), the rest of its budget, the same seed. The events main sends
-for it are renumbered after the tokens already sent (``Carried.renumbered``), and its result holds
-every token, so the caller sees a pause and then the rest of one answer.
+comes back, the agent asks the restarted main to go on, as the deployment's ``replay`` setting says:
 
-A request that samples without a seed is given one here, before main first sees it (``seeded``):
-a random seed is what main would have drawn, and the continuation needs to know it.
+- ``prefill`` (the default): the same request, its prompt followed by the tokens already sent
+  (re-read in one prefill, as Transformers continuing from those tokens computes them), the rest of
+  its budget, the same seed. Its events are renumbered after the tokens already sent and its result
+  holds every token.
+- ``exact``: the same request again, from its start. Main computes the same tokens (each sequence's
+  arithmetic is its own, whatever the batch: ``batch_arithmetic`` exact; the same prefill pieces, the
+  same seed), one decode step each; the agent checks each against the one it sent and drops it, and
+  sends on from the first new one. The answer is the undisturbed one, grammar and penalties too.
 
-What is not carried (today's retryable error instead, saying why):
+Either way the caller sees a pause and then the rest of one answer, and the result's metrics say
+where it resumed (``main_restarts``). A request that samples without a seed is given one here, before
+main first sees it (``seeded``): a random seed is what main would have drawn, and a continuation needs
+to know it.
 
-- past ``MAX_MIGRATIONS`` restarts for one answer, or ``MAX_REPLAY_TOKENS`` tokens to re-prefill;
-- an answer under a grammar (the restarted main would have to walk the grammar through the tokens
-  already sent first);
-- an answer with OpenAI's frequency or presence penalty: they count the tokens generated, which the
-  continuation would read as prompt.
-
-Exact replay (the prompt re-prefilled in its original pieces and each sent token replayed as a
-decode step, so the answer equals an undisturbed run bit for bit) is not built.
+What is not carried (today's retryable error instead, saying why): past ``MAX_MIGRATIONS`` restarts
+for one answer or ``MAX_REPLAY_TOKENS`` tokens to re-read; and, under ``prefill``, an answer under a
+grammar (the restarted main would first have to walk the grammar through the tokens sent) or with
+OpenAI's frequency or presence penalty (they count the tokens generated, which a continuation reads
+as prompt). An exact replay that computes another token than the one sent ends the answer with the
+same error (``ReplayDiverged``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ import msgspec
 from inference.wire.generation import Done, Failed, Generate, GenerationEvent, Token
 
 MAX_MIGRATIONS = 1  # main restarts one answer is carried across
-MAX_REPLAY_TOKENS = 4096  # the most tokens a continuation re-prefills after the prompt
+MAX_REPLAY_TOKENS = 4096  # the most tokens a continuation re-reads after the prompt
+PREFILL, EXACT = "prefill", "exact"  # the replay modes (inference.constants.REPLAY_MODES)
+
+
+class ReplayDiverged(RuntimeError):
+    """An exact replay computed another token than the one sent at that place."""
 
 
 def seeded(request: Generate) -> Generate:
@@ -50,23 +58,35 @@ class Carried:
     """One generation as main's agent carries it: the request as main first got it, the tokens sent."""
 
     request: Generate
+    mode: str = PREFILL  # the deployment's replay setting
     sent: list[int] = field(default_factory=list)
     resumed_at: list[int] = field(default_factory=list)  # len(sent) at each continuation
 
     @property
     def offset(self) -> int:
-        """Where the events of the request now in main start: the tokens sent before it."""
-        return self.resumed_at[-1] if self.resumed_at else 0
+        """Under prefill, where the events of the request now in main start: the tokens sent before it."""
+        return self.resumed_at[-1] if self.resumed_at and self.mode == PREFILL else 0
 
-    def renumbered(self, event: GenerationEvent) -> GenerationEvent:
-        """``event`` of the request now in main, as one of the whole answer (noting a token as sent)."""
+    @property
+    def restarts(self) -> dict:
+        return {"count": len(self.resumed_at), "resumed_at": list(self.resumed_at), "replay": self.mode}
+
+    def renumbered(self, event: GenerationEvent) -> GenerationEvent | None:
+        """``event`` of the request now in main, as one of the whole answer (noting a token as sent);
+        None for a token an exact replay computed again (checked: ``ReplayDiverged`` if it differs)."""
         offset = self.offset
         if isinstance(event, Token):
+            index = event.index + offset
+            if index < len(self.sent):  # replayed (exact): the caller has it
+                if event.token_id != self.sent[index]:
+                    raise ReplayDiverged(
+                        f"main's restart replayed token {index} as {event.token_id}, not the {self.sent[index]} sent"
+                    )
+                return None
             self.sent.append(event.token_id)
-            return msgspec.structs.replace(event, index=event.index + offset) if offset else event
+            return msgspec.structs.replace(event, index=index) if offset else event
         if isinstance(event, Done) and self.resumed_at:
-            restarts = {"count": len(self.resumed_at), "resumed_at": list(self.resumed_at)}
-            metrics = {**event.metrics, "main_restarts": restarts}
+            metrics = {**event.metrics, "main_restarts": self.restarts}
             return msgspec.structs.replace(event, token_ids=self.sent[:offset] + event.token_ids, metrics=metrics)
         return event
 
@@ -75,16 +95,19 @@ class Carried:
         request, sent = self.request, self.sent
         if len(self.resumed_at) >= MAX_MIGRATIONS:
             return f"main's process exited mid-answer again, after {len(self.resumed_at)} restart(s) for this answer"
+        if len(sent) > MAX_REPLAY_TOKENS:
+            return (
+                f"main's process exited mid-answer after {len(sent)} tokens, past the {MAX_REPLAY_TOKENS} it re-reads"
+            )
+        if self.mode == EXACT:
+            self.resumed_at.append(len(sent))
+            return request  # again from its start: the tokens sent are computed again, checked and dropped
         if request.grammar:
             return "main's process exited mid-answer, and an answer under a grammar is not carried across a restart"
         if request.frequency_penalty or request.presence_penalty:
             return (
                 "main's process exited mid-answer, and an answer with a frequency or presence penalty is not "
                 "carried across a restart"
-            )
-        if len(sent) > MAX_REPLAY_TOKENS:
-            return (
-                f"main's process exited mid-answer after {len(sent)} tokens, past the {MAX_REPLAY_TOKENS} it re-reads"
             )
         self.resumed_at.append(len(sent))
         return msgspec.structs.replace(
@@ -101,7 +124,7 @@ class Carried:
 
     def finished(self) -> Done:
         """The result of an answer whose budget was spent when main exited before its own result."""
-        metrics = {"main_restarts": {"count": len(self.resumed_at), "resumed_at": list(self.resumed_at)}}
+        metrics = {"main_restarts": self.restarts}
         return Done(
             request_id=self.request.request_id, token_ids=list(self.sent), finish_reason="length", metrics=metrics
         )

@@ -42,7 +42,7 @@ import msgspec
 from agent.credentials import NodeCredential
 from agent.download import fetch_shard
 from agent.http import ControlPlaneError
-from agent.migration import Carried, seeded
+from agent.migration import EXACT, PREFILL, Carried, ReplayDiverged, seeded
 from agent.tls import ServerTrust
 from inference.modelio.shards import ShardError, is_plain_file_name, is_role_dirname
 from inference.runtime.client import GenerationError, RuntimeClient
@@ -494,7 +494,7 @@ class RoleRunner:
             done = Done(request_id=command.request_id, token_ids=[], finish_reason="cancelled", metrics={})
             await self.send(done)
             return
-        carried = Carried(seeded(command))
+        carried = Carried(seeded(command), mode=self._replay_mode())
         request: Generate | str = carried.request
         while True:
             client = self._main_client(command.deployment)
@@ -538,6 +538,12 @@ class RoleRunner:
         if metrics is not None and self.state is not None and self.state.state == "ready":
             await self._set("ready", metrics={k: metrics.get(k) for k in RUNTIME_METRICS})
 
+    def _replay_mode(self) -> str:
+        """How an answer is carried across main's restart: the deployment's ``replay`` setting."""
+        settings = self.command.spec.get("settings", {}) if self.command is not None else {}
+        mode = settings.get("replay", PREFILL) if isinstance(settings, dict) else PREFILL
+        return mode if mode in (PREFILL, EXACT) else PREFILL
+
     async def _main_back(self) -> bool:
         """Wait for main's agent to have started main again and heard it ready (False: it was not, in time)."""
         deadline = asyncio.get_running_loop().time() + MAIN_BACK_S
@@ -561,8 +567,10 @@ class RoleRunner:
 
         try:
             # The events go up as main sent them; only a result's figures are cut to what the link carries.
-            for event in client.stream_request(request, timeout_s=600.0, idle=self._check_main_alive):
-                event = carried.renumbered(event)
+            for received in client.stream_request(request, timeout_s=600.0, idle=self._check_main_alive):
+                event = carried.renumbered(received)
+                if event is None:  # replayed: the caller had it
+                    continue
                 if isinstance(event, Done):
                     post(msgspec.structs.replace(event, metrics=bounded_metrics(event.metrics)))
                     return event.metrics
@@ -571,6 +579,9 @@ class RoleRunner:
                     return None
         except MainExited:
             return MAIN_EXITED
+        except ReplayDiverged as exc:
+            client.cancel(request.request_id)
+            post(carried.failed(str(exc)))
         except GenerationError as exc:
             refused = {"busy": exc.busy, "too_many_generations": exc.too_many_generations}
             post(Failed(request_id=request.request_id, error=str(exc), **refused))

@@ -39,6 +39,9 @@ MAX_DRAFT_TOKENS = 16
 # How many of them a pass drafts (``Settings.draft_policy``): always ``draft_tokens``, or per pass from
 # the measured agreement and costs, up to ``draft_tokens`` (``inference.policies.drafting``).
 DRAFT_POLICIES = ("fixed", "auto")
+# How main's agent carries an answer across main's restart (``Settings.replay``): the tokens already
+# sent re-read as prompt (one prefill), or the request run again from its start (``agent.migration``).
+REPLAY_MODES = ("prefill", "exact")
 # Requests main holds beyond its batch (``Settings.max_waiting``), and the generations one user may
 # have in main at once, running and waiting (``Settings.max_per_user``), by default.
 DEFAULT_MAX_WAITING = 64

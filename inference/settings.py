@@ -36,6 +36,7 @@ from inference.constants import (
     EXPERTS_ARITHMETICS,
     MAX_BATCH,
     MAX_DRAFT_TOKENS,
+    REPLAY_MODES,
     SHADOW_DTYPES,
 )
 from inference.policies.strategies import (
@@ -223,6 +224,14 @@ class DeploymentSettings:
         "generations one user may have in main at once, running and waiting (more are refused as too many "
         "generations, not full); below max_batch + max_waiting, so others still get in",
         minimum=1,
+    )
+    replay: str = setting(
+        "prefill",
+        "how main's agent carries an answer across main's restart: prefill (the tokens already sent re-read "
+        "as prompt in one prefill: what the model continues from them) or exact (the request run again from "
+        "its start, each sent token checked and not sent twice: the undisturbed answer, at one decode step "
+        "per token sent)",
+        choices=REPLAY_MODES,
     )
     batch_arithmetic: str = setting(
         "exact",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.migration import MAX_REPLAY_TOKENS, Carried, seeded
+from agent.migration import EXACT, MAX_REPLAY_TOKENS, Carried, ReplayDiverged, seeded
 from inference.wire.generation import Done, Failed, Generate, Token
 
 REQUEST = Generate(request_id="r1", deployment="d", prompt_ids=[1, 2, 3], max_new_tokens=6, prompt_logprobs=True)
@@ -34,7 +34,7 @@ def test_the_continuation_re_reads_the_sent_tokens_and_its_events_join_the_answe
     assert carried.renumbered(token(0, 12)) == token(2, 12)
     done = carried.renumbered(Done(request_id="r1", token_ids=[12, 13], finish_reason="stop", metrics={"ttft_ms": 1}))
     assert done.token_ids == [10, 11, 12, 13] and done.finish_reason == "stop"
-    assert done.metrics == {"ttft_ms": 1, "main_restarts": {"count": 1, "resumed_at": [2]}}
+    assert done.metrics == {"ttft_ms": 1, "main_restarts": {"count": 1, "resumed_at": [2], "replay": "prefill"}}
 
 
 def test_an_answer_is_carried_across_one_restart_and_fails_retryably_after_the_next() -> None:
@@ -81,3 +81,26 @@ def test_an_answer_whose_budget_was_spent_ends_without_asking_main_again() -> No
     assert carried.spent
     done = carried.finished()
     assert done.token_ids == [10, 11, 12, 13, 14, 15] and done.finish_reason == "length"
+
+
+def test_an_exact_replay_asks_for_the_request_again_and_drops_what_it_computes_again_after_checking() -> None:
+    import msgspec
+
+    grammared = msgspec.structs.replace(REQUEST, grammar="{}", frequency_penalty=0.5)  # carried too, exactly
+    carried = Carried(grammared, mode=EXACT)
+    for i in range(2):
+        carried.renumbered(token(i, 10 + i))
+    assert carried.continuation() is grammared  # from its start
+    assert [carried.renumbered(token(i, 10 + i)) for i in range(2)] == [None, None]  # checked, dropped
+    assert carried.renumbered(token(2, 12)) == token(2, 12)  # new: on as it is
+    done = carried.renumbered(Done(request_id="r1", token_ids=[10, 11, 12], finish_reason="stop", metrics={}))
+    assert done.token_ids == [10, 11, 12]
+    assert done.metrics["main_restarts"] == {"count": 1, "resumed_at": [2], "replay": "exact"}
+
+
+def test_an_exact_replay_that_computes_another_token_is_refused() -> None:
+    carried = Carried(REQUEST, mode=EXACT)
+    carried.renumbered(token(0, 10))
+    carried.continuation()
+    with pytest.raises(ReplayDiverged, match="token 0 as 99, not the 10 sent"):
+        carried.renumbered(token(0, 99))

@@ -270,11 +270,12 @@ def tiny_cluster(
     expert_codec: str = "none",
     draft_tokens: int = 0,
     link_cut: bool = False,
+    replay: str = "prefill",
 ) -> Iterator[tuple[Served, OwnRedis | None]]:
     """A real ASGI server, Celery worker and ``agents`` agents serving ``tiny_model`` as one ready deployment
-    with ``predictor``, ``expert_codec``, ``draft_tokens`` (and ``max_per_user``, if given), on ``redis_url``; with
-    ``own_redis_port``, that Redis is started first, in the cluster's process group. With ``link_cut``, the
-    agents reach the server through a proxy the test can cut (``plane.link_cut``).
+    with ``predictor``, ``expert_codec``, ``draft_tokens``, ``replay`` (and ``max_per_user``, if given), on
+    ``redis_url``; with ``own_redis_port``, that Redis is started first, in the cluster's process group. With
+    ``link_cut``, the agents reach the server through a proxy the test can cut (``plane.link_cut``).
 
     The deployment is started through the live server's REST API, so nothing is enqueued from this
     process (whose Celery producer stays on the session's Redis: ``celery_on_test_redis``). With
@@ -337,6 +338,7 @@ def tiny_cluster(
                 predictor=predictor,
                 expert_codec=expert_codec,
                 draft_tokens=draft_tokens,
+                replay=replay,
                 **bound,
             )
             plane.api.post(f"/api/deployments/{deployment.pk}/start", expect=202)
@@ -348,8 +350,10 @@ def tiny_cluster(
 @pytest.fixture
 def served_on_own_redis(transactional_db, tmp_path: Path, tiny_model: Path) -> Iterator[ServedOnOwnRedis]:
     """``served``, but on a Redis of its own that the test may kill and restart (whatever ``REDIS_URL`` says),
-    its agents linked through a proxy the test may cut (``plane.link_cut``)."""
+    its agents linked through a proxy the test may cut (``plane.link_cut``), answers carried across main's restart
+    exactly (``replay`` exact)."""
     redis_port = free_port()
-    cluster = tiny_cluster(tmp_path, tiny_model, f"redis://127.0.0.1:{redis_port}/0", redis_port, link_cut=True)
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    cluster = tiny_cluster(tmp_path, tiny_model, redis_url, redis_port, link_cut=True, replay="exact")
     with cluster as (served, own):
         yield ServedOnOwnRedis(served, own)

@@ -1,11 +1,12 @@
 """The control plane and Redis restart under a serving cluster, for real: nothing is lost.
 
 One small cluster (uvicorn, a Celery worker with beat, 3 agents serving the tiny model) on a
-Redis of its own, its agents linked through a proxy the test can cut. First, with 8 answers
-streaming (half greedy, half seeded), every agent's link is cut at the TCP level: each answer
-ends whole, and equal to the same request's undisturbed answer. Then, mid-job, the ASGI server
-is stopped (SIGTERM) and Redis killed: it comes back
-empty, as after a crash between snapshots, its queued tasks gone. Both start again on the same
+Redis of its own, its agents linked through a proxy the test can cut, answers carried across
+main's restart exactly. First, with 8 answers streaming (half greedy, half seeded), every agent's
+link is cut at the TCP level: each answer ends whole, and equal to the same request's undisturbed
+answer; then main's process is killed the same way, with the same outcome. Then, mid-job, the
+ASGI server is stopped (SIGTERM) and Redis killed: it comes back empty, as after a crash between
+snapshots, its queued tasks gone. Both start again on the same
 ports. The agents reconnect by themselves, with backoff; no role process restarts; the
 deployment serves the same greedy text as before; the job ends with every output done and
 right; and the console shows each node's new link. Then two quick checks of the fixes this
@@ -15,9 +16,12 @@ needed, without a cluster.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -64,10 +68,12 @@ STREAMS = 8
 STREAM_TOKENS = 48
 
 
-def streamed_answers(served: Served, link_cut: LinkCut | None = None) -> tuple[list[tuple[str, str]], list[int]]:
+def streamed_answers(
+    served: Served, fault: Callable[[], None] | None = None
+) -> tuple[list[tuple[str, str]], list[int]]:
     """``STREAMS`` chat answers streamed at once, even ones greedy, odd ones seeded: each one's text and
-    finish reason. With ``link_cut``, every agent's link is cut once each answer has shown two pieces
-    (or ended); with it, how many pieces each had shown then."""
+    finish reason. With ``fault``, it is injected once each answer has shown two pieces (or ended); with
+    it, how many pieces each had shown then."""
     client, shown = served.client(), [0] * STREAMS
     ended = [threading.Event() for _ in range(STREAMS)]
 
@@ -91,14 +97,29 @@ def streamed_answers(served: Served, link_cut: LinkCut | None = None) -> tuple[l
     at_cut: list[int] = []
     with ThreadPoolExecutor(STREAMS) as pool:
         answers = [pool.submit(answer, i) for i in range(STREAMS)]
-        if link_cut is not None:
+        if fault is not None:
             deadline = time.monotonic() + 120
             while not all(n >= 2 or e.is_set() for n, e in zip(shown, ended, strict=True)):
                 assert time.monotonic() < deadline, shown
                 time.sleep(0.005)
             at_cut = list(shown)
-            assert link_cut.cut() >= 3  # main's, the shadow's and the worker's agent links
+            fault()
         return [a.result() for a in answers], at_cut
+
+
+def cut_every_link(link_cut: LinkCut) -> Callable[[], None]:
+    def cut() -> None:
+        assert link_cut.cut() >= 3  # main's, the shadow's and the worker's agent links
+
+    return cut
+
+
+def kill_main(state_root: Path) -> Callable[[], None]:
+    def kill() -> None:
+        (pid,) = [pid for spec, pid in role_pids(state_root).items() if spec.endswith("/main.spec.json")]
+        os.kill(pid, signal.SIGKILL)
+
+    return kill
 
 
 def console_nodes(served: Served) -> dict[str, dict]:
@@ -127,12 +148,19 @@ def test_agents_reconnect_and_nothing_is_lost_when_the_control_plane_and_redis_r
 
     # Every agent link cut mid-answer: each of 8 answers in flight ends whole, token for token.
     undisturbed, _ = streamed_answers(served)
-    through_the_cut, at_cut = streamed_answers(served, plane.link_cut)
+    through_the_cut, at_cut = streamed_answers(served, cut_every_link(plane.link_cut))
     assert through_the_cut == undisturbed, at_cut
     assert any(0 < n < STREAM_TOKENS for n in at_cut), at_cut  # the cut came mid-answer
     greedy = reference_text(served, chat_prompt_ids(served, MESSAGES), STREAM_TOKENS)
     assert {text for text, _ in undisturbed[::2]} == {greedy}
     assert {finish for _, finish in undisturbed} == {"length"}
+
+    # Main's process killed mid-answer: its agent starts it again and replays each answer exactly
+    # (the deployment's replay is exact): each of 8 answers in flight ends equal to the undisturbed one.
+    through_the_restart, at_kill = streamed_answers(served, kill_main(plane.state_root))
+    assert through_the_restart == undisturbed, at_kill
+    assert any(0 < n < STREAM_TOKENS for n in at_kill), at_kill
+    plane.wait_for("main ready again", lambda: staff.get("/api/deployments")["results"][0]["status"] == "ready", 60)
 
     before = greedy_chat(served)
     pids = role_pids(plane.state_root)

@@ -266,6 +266,7 @@
       strategy: form.get("strategy"), predictor: form.get("predictor"), max_batch: Number(form.get("max_batch")),
       max_per_user: Number(form.get("max_per_user")), expert_codec: form.get("expert_codec"),
       draft_tokens: Number(form.get("draft_tokens")), draft_policy: form.get("draft_policy"),
+      replay: form.get("replay"),
     };
   }
   // A shadow seat only where the predictor is the shadow: the chosen one, else the strategy's own.

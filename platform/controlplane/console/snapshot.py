@@ -89,6 +89,7 @@ def _deployment(deployment: Deployment) -> dict:
         "expert_codec": deployment.expert_codec,
         "draft_tokens": deployment.draft_tokens,
         "draft_policy": deployment.draft_policy,
+        "replay": deployment.replay,
         "members": [
             {
                 "node": str(m.node_id),

@@ -11,7 +11,7 @@ from controlplane.accounts.selectors import usage_by_user_and_deployment
 from controlplane.accounts.usage import USAGE_WINDOW_DAYS
 from controlplane.deployments.fields import MAX_PER_USER
 from controlplane.nodes.tls import upgrade_command
-from inference.constants import DRAFT_POLICIES, MAX_BATCH, MAX_DRAFT_TOKENS, SHADOW_DTYPES
+from inference.constants import DRAFT_POLICIES, MAX_BATCH, MAX_DRAFT_TOKENS, REPLAY_MODES, SHADOW_DTYPES
 from inference.policies.strategies import PREDICTORS, RUNTIME_STRATEGIES, get_strategy
 from inference.settings import DEFAULTS, info
 
@@ -45,6 +45,7 @@ def console(request: HttpRequest) -> HttpResponse:
         "max_batch_limit": MAX_BATCH,
         "max_draft_tokens": MAX_DRAFT_TOKENS,
         "draft_policies": DRAFT_POLICIES,
+        "replay_modes": REPLAY_MODES,
         "default_max_per_user": DEFAULTS.max_per_user,
         "max_per_user_limit": MAX_PER_USER,
         "max_waiting": DEFAULTS.max_waiting,

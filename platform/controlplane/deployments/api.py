@@ -92,6 +92,7 @@ class DeploymentOutput(serializers.ModelSerializer):
             "expert_codec",
             "draft_tokens",
             "draft_policy",
+            "replay",
             "created_at",
             "updated_at",
             "members",
@@ -214,6 +215,7 @@ class DeploymentListApi(APIView):
         expert_codec = setting_field("expert_codec")
         draft_tokens = setting_field("draft_tokens")
         draft_policy = setting_field("draft_policy")
+        replay = setting_field("replay")
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:

@@ -36,6 +36,7 @@ SETTINGS_COLUMNS = (
     "expert_codec",
     "draft_tokens",
     "draft_policy",
+    "replay",
 )
 # One user's bound leaves others a place in main: below max_batch + main's queue (``max_waiting``).
 MAX_PER_USER = MAX_BATCH + DEFAULTS.max_waiting - 1
@@ -131,6 +132,14 @@ class Deployment(models.Model):
         default=DEFAULTS.draft_policy,
         help_text="how many tokens a pass drafts: fixed (always draft_tokens) or auto (per pass, up to "
         "draft_tokens, from the agreement and costs main measures); applied on the next start",
+    )
+    replay = models.CharField(
+        max_length=8,
+        choices=choices("replay"),
+        default=DEFAULTS.replay,
+        help_text="how main's agent carries an answer across main's restart: prefill (the tokens already "
+        "sent re-read as prompt) or exact (the request run again, each sent token checked: the undisturbed "
+        "answer); applied on the next start",
     )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)

@@ -238,6 +238,7 @@ def create_deployment(
     expert_codec: str = DEFAULTS.expert_codec,
     draft_tokens: int = DEFAULTS.draft_tokens,
     draft_policy: str = DEFAULTS.draft_policy,
+    replay: str = DEFAULTS.replay,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
@@ -260,6 +261,7 @@ def create_deployment(
         check_value(info("expert_codec"), expert_codec)
         check_value(info("draft_tokens"), draft_tokens)
         check_value(info("draft_policy"), draft_policy)
+        check_value(info("replay"), replay)
         check_drafts(draft_tokens, strategy, predictor)
         check_max_per_user(max_per_user, max_batch, DEFAULTS.max_waiting)
     except (ModelError, SpecError, ValueError) as exc:
@@ -304,6 +306,7 @@ def create_deployment(
                 expert_codec=expert_codec,
                 draft_tokens=draft_tokens,
                 draft_policy=draft_policy,
+                replay=replay,
                 created_by=created_by,
             )
     except IntegrityError:
