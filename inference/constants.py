@@ -42,6 +42,7 @@ DRAFT_POLICIES = ("fixed", "auto")
 # How main's agent carries an answer across main's restart (``Settings.replay``): the tokens already
 # sent re-read as prompt (one prefill), or the request run again from its start (``agent.migration``).
 REPLAY_MODES = ("prefill", "exact")
+MAX_MIGRATIONS_LIMIT = 8  # the most main restarts one answer may be carried across (``Settings.max_migrations``)
 # Requests main holds beyond its batch (``Settings.max_waiting``), and the generations one user may
 # have in main at once, running and waiting (``Settings.max_per_user``), by default.
 DEFAULT_MAX_WAITING = 64

@@ -36,6 +36,7 @@ from inference.constants import (
     EXPERTS_ARITHMETICS,
     MAX_BATCH,
     MAX_DRAFT_TOKENS,
+    MAX_MIGRATIONS_LIMIT,
     REPLAY_MODES,
     SHADOW_DTYPES,
 )
@@ -232,6 +233,19 @@ class DeploymentSettings:
         "its start, each sent token checked and not sent twice: the undisturbed answer, at one decode step "
         "per token sent)",
         choices=REPLAY_MODES,
+    )
+    max_migrations: int = setting(
+        1,
+        "main restarts one answer is carried across (0: none; the answer ends with a retryable error, as "
+        "it does past this many)",
+        minimum=0,
+        maximum=MAX_MIGRATIONS_LIMIT,
+    )
+    max_replay_tokens: int = setting(
+        4096,
+        "the most tokens already sent that carrying an answer across main's restart re-reads (past them, a "
+        "retryable error): a prefill of that many under prefill, a decode step each under exact",
+        minimum=0,
     )
     batch_arithmetic: str = setting(
         "exact",

@@ -90,6 +90,8 @@ def _deployment(deployment: Deployment) -> dict:
         "draft_tokens": deployment.draft_tokens,
         "draft_policy": deployment.draft_policy,
         "replay": deployment.replay,
+        "max_migrations": deployment.max_migrations,
+        "max_replay_tokens": deployment.max_replay_tokens,
         "members": [
             {
                 "node": str(m.node_id),

@@ -93,6 +93,8 @@ class DeploymentOutput(serializers.ModelSerializer):
             "draft_tokens",
             "draft_policy",
             "replay",
+            "max_migrations",
+            "max_replay_tokens",
             "created_at",
             "updated_at",
             "members",
@@ -216,6 +218,8 @@ class DeploymentListApi(APIView):
         draft_tokens = setting_field("draft_tokens")
         draft_policy = setting_field("draft_policy")
         replay = setting_field("replay")
+        max_migrations = setting_field("max_migrations")
+        max_replay_tokens = setting_field("max_replay_tokens")
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:

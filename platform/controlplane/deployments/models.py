@@ -13,7 +13,7 @@ from django.db import models
 
 from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
-from inference.constants import MAX_BATCH, MAX_DRAFT_TOKENS
+from inference.constants import MAX_BATCH, MAX_DRAFT_TOKENS, MAX_MIGRATIONS_LIMIT
 from inference.policies.strategies import predictor_for
 from inference.settings import DEFAULTS, SpecError, check_drafts, info
 
@@ -37,6 +37,8 @@ SETTINGS_COLUMNS = (
     "draft_tokens",
     "draft_policy",
     "replay",
+    "max_migrations",
+    "max_replay_tokens",
 )
 # One user's bound leaves others a place in main: below max_batch + main's queue (``max_waiting``).
 MAX_PER_USER = MAX_BATCH + DEFAULTS.max_waiting - 1
@@ -140,6 +142,16 @@ class Deployment(models.Model):
         help_text="how main's agent carries an answer across main's restart: prefill (the tokens already "
         "sent re-read as prompt) or exact (the request run again, each sent token checked: the undisturbed "
         "answer); applied on the next start",
+    )
+    max_migrations = models.PositiveSmallIntegerField(
+        default=DEFAULTS.max_migrations,
+        validators=[MaxValueValidator(MAX_MIGRATIONS_LIMIT)],
+        help_text="main restarts one answer is carried across (0: none); applied on the next start",
+    )
+    max_replay_tokens = models.PositiveIntegerField(
+        default=DEFAULTS.max_replay_tokens,
+        help_text="the most tokens already sent that carrying an answer across main's restart re-reads; "
+        "applied on the next start",
     )
     epoch = models.PositiveIntegerField(default=0, help_text="how many times it was started")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)

@@ -239,6 +239,8 @@ def create_deployment(
     draft_tokens: int = DEFAULTS.draft_tokens,
     draft_policy: str = DEFAULTS.draft_policy,
     replay: str = DEFAULTS.replay,
+    max_migrations: int = DEFAULTS.max_migrations,
+    max_replay_tokens: int = DEFAULTS.max_replay_tokens,
     created_by: AbstractBaseUser | None = None,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
@@ -262,6 +264,8 @@ def create_deployment(
         check_value(info("draft_tokens"), draft_tokens)
         check_value(info("draft_policy"), draft_policy)
         check_value(info("replay"), replay)
+        check_value(info("max_migrations"), max_migrations)
+        check_value(info("max_replay_tokens"), max_replay_tokens)
         check_drafts(draft_tokens, strategy, predictor)
         check_max_per_user(max_per_user, max_batch, DEFAULTS.max_waiting)
     except (ModelError, SpecError, ValueError) as exc:
@@ -307,6 +311,8 @@ def create_deployment(
                 draft_tokens=draft_tokens,
                 draft_policy=draft_policy,
                 replay=replay,
+                max_migrations=max_migrations,
+                max_replay_tokens=max_replay_tokens,
                 created_by=created_by,
             )
     except IntegrityError:
