@@ -20,12 +20,12 @@ where it resumed (``main_restarts``). A request that samples without a seed is g
 main first sees it (``seeded``): a random seed is what main would have drawn, and a continuation needs
 to know it.
 
-What is not carried (today's retryable error instead, saying why): past ``MAX_MIGRATIONS`` restarts
-for one answer or ``MAX_REPLAY_TOKENS`` tokens to re-read; and, under ``prefill``, an answer under a
-grammar (the restarted main would first have to walk the grammar through the tokens sent) or with
-OpenAI's frequency or presence penalty (they count the tokens generated, which a continuation reads
-as prompt). An exact replay that computes another token than the one sent ends the answer with the
-same error (``ReplayDiverged``).
+What is not carried (today's retryable error instead, saying why): past the deployment's
+``max_migrations`` restarts for one answer or its ``max_replay_tokens`` tokens to re-read; and,
+under ``prefill``, an answer under a grammar (the restarted main would first have to walk the
+grammar through the tokens sent) or with OpenAI's frequency or presence penalty (they count the
+tokens generated, which a continuation reads as prompt). An exact replay that computes another
+token than the one sent ends the answer with the same error (``ReplayDiverged``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ import msgspec
 
 from inference.wire.generation import Done, Failed, Generate, GenerationEvent, Token
 
-MAX_MIGRATIONS = 1  # main restarts one answer is carried across
-MAX_REPLAY_TOKENS = 4096  # the most tokens a continuation re-reads after the prompt
 PREFILL, EXACT = "prefill", "exact"  # the replay modes (inference.constants.REPLAY_MODES)
 
 
@@ -59,6 +57,8 @@ class Carried:
 
     request: Generate
     mode: str = PREFILL  # the deployment's replay setting
+    max_migrations: int = 1  # the deployment's: restarts one answer is carried across
+    max_replay_tokens: int = 4096  # the deployment's: the most tokens sent that a continuation re-reads
     sent: list[int] = field(default_factory=list)
     resumed_at: list[int] = field(default_factory=list)  # len(sent) at each continuation
 
@@ -93,11 +93,15 @@ class Carried:
     def continuation(self) -> Generate | str:
         """The request that continues the answer on a restarted main, or why it is not carried."""
         request, sent = self.request, self.sent
-        if len(self.resumed_at) >= MAX_MIGRATIONS:
-            return f"main's process exited mid-answer again, after {len(self.resumed_at)} restart(s) for this answer"
-        if len(sent) > MAX_REPLAY_TOKENS:
+        if len(self.resumed_at) >= self.max_migrations:
             return (
-                f"main's process exited mid-answer after {len(sent)} tokens, past the {MAX_REPLAY_TOKENS} it re-reads"
+                f"main's process exited mid-answer, past the {self.max_migrations} restart(s) an answer is "
+                "carried across"
+            )
+        if len(sent) > self.max_replay_tokens:
+            return (
+                f"main's process exited mid-answer after {len(sent)} tokens, past the {self.max_replay_tokens} "
+                "a continuation re-reads"
             )
         if self.mode == EXACT:
             self.resumed_at.append(len(sent))
@@ -114,7 +118,7 @@ class Carried:
             request,
             prompt_ids=[*request.prompt_ids, *sent],
             max_new_tokens=request.max_new_tokens - len(sent),
-            prompt_logprobs=False,  # the caller had them with the first token
+            prompt_logprobs=request.prompt_logprobs and not sent,  # the caller had them with the first token
         )
 
     @property

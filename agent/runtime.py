@@ -175,7 +175,7 @@ def bounded_metrics(metrics: dict, max_bytes: int = MAX_METRICS_BYTES) -> dict:
 
 
 MAIN_EXITED = object()  # what ``_stream`` returns when main's process exited mid-answer
-MAIN_BACK_S = 120.0  # how long an answer waits for main to be started again and ready
+MAIN_BACK_S = 45.0  # how long an answer waits for main to be started again and ready: within the caller's 60 s
 
 
 class MainExited(RuntimeError):
@@ -488,17 +488,27 @@ class RoleRunner:
     async def generate(self, command: Generate) -> None:
         """Run one generation on main, beside any others (main batches them); events go to the control
         plane. If main's process exits mid-answer, the answer is carried to main once it is back
-        (``agent.migration``): the caller sees a pause, then the rest."""
-        if command.request_id in self._cancelled:
+        (``agent.migration``): the caller sees a pause, then the rest. Whatever goes wrong here, the
+        caller hears so (a retryable ``Failed``), never silence."""
+        try:
+            await self._generate(command)
+        except Exception as exc:  # a bug must not leave the caller waiting out its timeout
+            log.exception("generation %s failed in the agent", command.request_id)
+            await self.send(Failed(request_id=command.request_id, error=f"agent error: {exc}", retryable=True))
+        finally:
             self._cancelled.discard(command.request_id)
+
+    async def _generate(self, command: Generate) -> None:
+        if command.request_id in self._cancelled:
             done = Done(request_id=command.request_id, token_ids=[], finish_reason="cancelled", metrics={})
             await self.send(done)
             return
-        carried = Carried(seeded(command), mode=self._replay_mode())
+        carried = Carried(seeded(command), **self._carrying())
         request: Generate | str = carried.request
+        role = self.command  # the role this answer runs on: a restart of it, not another start
         while True:
-            client = self._main_client(command.deployment)
-            if client is None:
+            client, proc = self._main_client(command.deployment), self.process
+            if client is None or proc is None:
                 error = f"this box does not run a ready main for deployment {command.deployment}"
                 await self.send(
                     carried.failed(error) if carried.resumed_at else Failed(request_id=command.request_id, error=error)
@@ -507,17 +517,12 @@ class RoleRunner:
             self._running_generations.add(command.request_id)
             loop = asyncio.get_running_loop()
             try:
-                metrics = await loop.run_in_executor(self._streams, self._stream, client, request, carried, loop)
+                metrics = await loop.run_in_executor(self._streams, self._stream, client, proc, request, carried, loop)
             finally:
                 self._running_generations.discard(command.request_id)
                 client.close()
             if metrics is not MAIN_EXITED:
                 break
-            if command.request_id in self._cancelled:  # cancelled while main was down
-                self._cancelled.discard(command.request_id)
-                done = msgspec.structs.replace(carried.finished(), finish_reason="cancelled")
-                await self.send(done)
-                return
             if carried.spent:
                 await self.send(carried.finished())
                 return
@@ -530,7 +535,11 @@ class RoleRunner:
                 command.request_id,
                 len(carried.sent),
             )
-            if not await self._main_back():
+            back = await self._main_back(role, command.request_id)
+            if command.request_id in self._cancelled:  # cancelled while main was down: it ends with what was sent
+                await self.send(msgspec.structs.replace(carried.finished(), finish_reason="cancelled"))
+                return
+            if not back:
                 await self.send(
                     carried.failed(f"main's process exited mid-answer and was not back within {MAIN_BACK_S:.0f} s")
                 )
@@ -538,36 +547,56 @@ class RoleRunner:
         if metrics is not None and self.state is not None and self.state.state == "ready":
             await self._set("ready", metrics={k: metrics.get(k) for k in RUNTIME_METRICS})
 
-    def _replay_mode(self) -> str:
-        """How an answer is carried across main's restart: the deployment's ``replay`` setting."""
+    def _carrying(self) -> dict:
+        """How an answer is carried across main's restart: the deployment's settings for it (``Carried``)."""
         settings = self.command.spec.get("settings", {}) if self.command is not None else {}
-        mode = settings.get("replay", PREFILL) if isinstance(settings, dict) else PREFILL
-        return mode if mode in (PREFILL, EXACT) else PREFILL
+        settings = settings if isinstance(settings, dict) else {}
+        mode = settings.get("replay", PREFILL)
+        limits = {name: settings.get(name) for name in ("max_migrations", "max_replay_tokens")}
+        return {
+            "mode": mode if mode in (PREFILL, EXACT) else PREFILL,
+            **{name: value for name, value in limits.items() if type(value) is int and value >= 0},
+        }
 
-    async def _main_back(self) -> bool:
-        """Wait for main's agent to have started main again and heard it ready (False: it was not, in time)."""
+    async def _main_back(self, role: StartRole | None, request_id: str) -> bool:
+        """Wait for this box's agent to have started main again for ``role`` and heard it ready (False:
+        it was not, in time; the role was stopped, failed or replaced meanwhile; or ``request_id`` was
+        cancelled)."""
         deadline = asyncio.get_running_loop().time() + MAIN_BACK_S
         while asyncio.get_running_loop().time() < deadline:
             proc, state = self.process, self.state
-            if state is not None and state.state == "failed":
+            if request_id in self._cancelled:
                 return False
-            if state is not None and state.state == "ready" and proc is not None and proc.returncode is None:
+            if self.command is not role or state is None or state.state not in ("starting", "ready"):
+                return False
+            if state.state == "ready" and proc is not None and proc.returncode is None:
                 return True
             await asyncio.sleep(WATCH_EVERY_S)
         return False
 
     def _stream(
-        self, client: RuntimeClient, request: Generate, carried: Carried, loop: asyncio.AbstractEventLoop
+        self,
+        client: RuntimeClient,
+        proc: asyncio.subprocess.Process,
+        request: Generate,
+        carried: Carried,
+        loop: asyncio.AbstractEventLoop,
     ) -> dict | object | None:
         """Relay one request's events, as the whole answer's; returns its metrics when it finished,
-        ``MAIN_EXITED`` when main's process exited first."""
+        ``MAIN_EXITED`` when main's process ``proc`` (the one the request went to) exited first."""
 
         def post(message: WireStruct) -> WireStruct | None:
-            return asyncio.run_coroutine_threadsafe(self.send(message), loop).result(timeout=30)
+            # No timeout: a generation's event is kept, not lost, however long the link takes to take it.
+            return asyncio.run_coroutine_threadsafe(self.send(message), loop).result()
+
+        def alive() -> None:
+            """Runs while the request waits on main: a main that exited (or was replaced) ends the wait."""
+            if proc.returncode is not None or self.process is not proc:
+                raise MainExited("main's process exited mid-answer")
 
         try:
             # The events go up as main sent them; only a result's figures are cut to what the link carries.
-            for received in client.stream_request(request, timeout_s=600.0, idle=self._check_main_alive):
+            for received in client.stream_request(request, timeout_s=600.0, idle=alive):
                 event = carried.renumbered(received)
                 if event is None:  # replayed: the caller had it
                     continue
@@ -587,17 +616,13 @@ class RoleRunner:
             post(Failed(request_id=request.request_id, error=str(exc), **refused))
         return None
 
-    def _check_main_alive(self) -> None:
-        """Runs while a generation waits on main: a main that died ends it at once (retryable)."""
-        proc = self.process
-        if proc is None or proc.returncode is not None:
-            raise MainExited("main's process exited mid-answer; it is being started again: ask again shortly")
-
     async def cancel(self, command: CancelGeneration) -> None:
+        if len(self._cancelled) > 1000:
+            self._cancelled.clear()
+        # Noted whether or not main runs it now: a queued one ends before it starts, one whose main is
+        # being started again ends with what was sent (the main this cancel reaches may be gone).
+        self._cancelled.add(command.request_id)
         if command.request_id not in self._running_generations:
-            if len(self._cancelled) > 1000:
-                self._cancelled.clear()
-            self._cancelled.add(command.request_id)  # still queued: it ends before it starts
             return
         if self.command is None or self.client_keys is None:
             return

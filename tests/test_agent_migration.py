@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.migration import EXACT, MAX_REPLAY_TOKENS, Carried, ReplayDiverged, seeded
+from agent.migration import EXACT, Carried, ReplayDiverged, seeded
 from inference.wire.generation import Done, Failed, Generate, Token
 
 REQUEST = Generate(request_id="r1", deployment="d", prompt_ids=[1, 2, 3], max_new_tokens=6, prompt_logprobs=True)
@@ -43,7 +43,7 @@ def test_an_answer_is_carried_across_one_restart_and_fails_retryably_after_the_n
     assert isinstance(carried.continuation(), Generate)
     carried.renumbered(token(0, 11))
     refused = carried.continuation()
-    assert isinstance(refused, str) and "after 1 restart(s)" in refused
+    assert isinstance(refused, str) and "past the 1 restart(s) an answer is carried across" in refused
     failed = carried.failed(refused)
     assert isinstance(failed, Failed) and failed.retryable and failed.error.endswith("ask again shortly")
 
@@ -65,13 +65,18 @@ def test_what_a_continuation_would_change_is_not_carried(changes: dict, why: str
     assert isinstance(refused, str) and why in refused
 
 
-def test_past_the_longest_replay_the_answer_is_not_carried() -> None:
-    import msgspec
-
-    carried = Carried(msgspec.structs.replace(REQUEST, max_new_tokens=MAX_REPLAY_TOKENS + 10))
-    carried.sent = list(range(MAX_REPLAY_TOKENS + 1))
+def test_past_the_deployments_longest_replay_or_with_no_migrations_the_answer_is_not_carried() -> None:
+    carried = Carried(REQUEST, max_replay_tokens=2)
+    for i in range(3):
+        carried.renumbered(token(i, 10 + i))
     refused = carried.continuation()
-    assert isinstance(refused, str) and f"past the {MAX_REPLAY_TOKENS}" in refused
+    assert isinstance(refused, str) and "after 3 tokens, past the 2 a continuation re-reads" in refused
+    carried = Carried(REQUEST, max_replay_tokens=3)
+    carried.sent = [10, 11, 12]
+    assert isinstance(carried.continuation(), Generate)  # at the bound: carried
+    none = Carried(REQUEST, max_migrations=0)
+    refused = none.continuation()
+    assert isinstance(refused, str) and "past the 0 restart(s)" in refused
 
 
 def test_an_answer_whose_budget_was_spent_ends_without_asking_main_again() -> None:
@@ -104,3 +109,98 @@ def test_an_exact_replay_that_computes_another_token_is_refused() -> None:
     carried.continuation()
     with pytest.raises(ReplayDiverged, match="token 0 as 99, not the 10 sent"):
         carried.renumbered(token(0, 99))
+
+
+def test_main_s_agent_carries_answers_as_its_deployment_s_settings_say() -> None:
+    from types import SimpleNamespace
+
+    from agent.runtime import RoleRunner
+
+    runner = RoleRunner(None, None, None)  # type: ignore[arg-type]
+    assert runner._carrying() == {"mode": "prefill"}  # no role yet: the defaults
+    settings = {"replay": "exact", "max_migrations": 0, "max_replay_tokens": 7}
+    runner.command = SimpleNamespace(spec={"role": "main", "settings": settings})  # type: ignore[assignment]
+    carried = Carried(REQUEST, **runner._carrying())
+    assert (carried.mode, carried.max_migrations, carried.max_replay_tokens) == ("exact", 0, 7)
+    runner.command = SimpleNamespace(spec={"settings": {"replay": "?", "max_migrations": -1}})  # type: ignore[assignment]
+    assert runner._carrying() == {"mode": "prefill"}  # what no deployment sends: the defaults
+
+
+class MainThatExits:
+    """Main's agent with a main that exits once ``sent`` tokens of the answer went up; what it sends."""
+
+    def __init__(self, sent: int, *, state: str = "starting") -> None:
+        import asyncio
+        from types import SimpleNamespace
+
+        from agent import runtime
+        from inference.wire.link import RoleState
+
+        self.sent: list = []
+
+        async def send(message):
+            self.sent.append(message)
+            return message
+
+        runner = self.runner = runtime.RoleRunner(None, None, send)  # type: ignore[arg-type]
+        runner.command = SimpleNamespace(deployment="d", spec={"role": "main", "settings": {}})  # type: ignore[assignment]
+        runner.state = RoleState(deployment="d", role="main", state=state)
+        runner.process = SimpleNamespace(returncode=None)  # type: ignore[assignment]
+        runner._main_client = lambda deployment: SimpleNamespace(close=lambda: None)  # type: ignore[method-assign]
+
+        def stream(client, proc, request, carried, loop):
+            for i in range(sent):
+                asyncio.run_coroutine_threadsafe(send(carried.renumbered(token(i, 10 + i))), loop).result()
+            return runtime.MAIN_EXITED
+
+        runner._stream = stream  # type: ignore[method-assign]
+
+
+def test_a_cancel_while_main_is_down_ends_the_answer_with_what_was_sent() -> None:
+    import asyncio
+
+    from inference.wire.link import CancelGeneration
+
+    main = MainThatExits(2)
+
+    async def session() -> None:
+        answering = asyncio.create_task(main.runner.generate(REQUEST))
+        await asyncio.sleep(0.3)  # main is being started again
+        await main.runner.cancel(CancelGeneration(request_id="r1"))
+        await asyncio.wait_for(answering, 5)
+
+    asyncio.run(session())
+    *tokens, done = main.sent
+    assert [t.token_id for t in tokens] == [10, 11]
+    assert isinstance(done, Done) and done.finish_reason == "cancelled" and done.token_ids == [10, 11]
+    assert main.runner._cancelled == set()
+
+
+def test_a_main_stopped_while_the_answer_waits_for_it_ends_the_answer_at_once_and_retryably() -> None:
+    import asyncio
+    import time
+
+    from inference.wire.link import RoleState
+
+    main = MainThatExits(1)
+
+    async def session() -> float:
+        started = time.monotonic()
+        answering = asyncio.create_task(main.runner.generate(REQUEST))
+        await asyncio.sleep(0.3)
+        main.runner.state = RoleState(deployment="d", role="main", state="stopped")  # StopRole
+        await asyncio.wait_for(answering, 5)
+        return time.monotonic() - started
+
+    assert asyncio.run(session()) < 3  # not the 45 s a restart may take
+    failed = main.sent[-1]
+    assert isinstance(failed, Failed) and failed.retryable and "was not back" in failed.error
+
+
+def test_an_answer_whose_budget_was_spent_when_main_exited_ends_whole() -> None:
+    import asyncio
+
+    main = MainThatExits(REQUEST.max_new_tokens)
+    asyncio.run(main.runner.generate(REQUEST))
+    done = main.sent[-1]
+    assert isinstance(done, Done) and done.finish_reason == "length" and done.token_ids == list(range(10, 16))

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 CLOSE_UNAUTHENTICATED = 4401
 ACK_EVERY_S = 0.2  # how long a relayed event waits to be acknowledged with the others
 MAX_REQUEST_ID_CHARS = 128  # a request id past this names no generation (the control plane's are 32)
+MAX_REFUSED = 1024  # request ids a link remembers refusing (not looked up again)
 
 
 # Every step of every generation, for live views of the pipeline (the console).
@@ -90,6 +91,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         super().__init__(*args, **kwargs)
         self.generations: dict[str, str] = {}  # request id -> deployment, given to this node, not finished
         self._acks: dict[str, int] = {}  # request id -> the last index relayed, not yet acknowledged
+        self._refused: set[str] = set()  # request ids this node was found not to have been given
         self._acker: asyncio.Task | None = None
         self.link_since = None  # when this link came up (Node.connected_at), to tell it from a newer one
         # What arrives to be recorded is written in the background, so the link keeps reading
@@ -254,22 +256,29 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         epoch = beats.roles_due(reports, now)
         if epoch is not None:
             loop = asyncio.get_running_loop()
-            self._record(("roles",), self._reconcile, reports=reports, epoch=epoch, loop=loop)
+            if not self._record(("roles",), self._reconcile, reports=reports, epoch=epoch, loop=loop):
+                self._beats.acted(epoch, False)  # dropped: acted on at the next heartbeat
 
     def _reconcile(self, *, node_id: str, reports: list[dict], epoch: int, loop: asyncio.AbstractEventLoop) -> None:
         """A heartbeat's complete report acted on (on a link-writes thread); whether it left the node
         settled is noted on the link's own loop."""
-        settled = services.record_runtime(node_id=node_id, reports=reports, complete=True)
-        loop.call_soon_threadsafe(self._beats.acted, epoch, settled)
+        settled = False  # a write that fails is acted on again at the next heartbeat
+        try:
+            settled = services.record_runtime(node_id=node_id, reports=reports, complete=True)
+        finally:
+            loop.call_soon_threadsafe(self._beats.acted, epoch, settled)
 
-    def _record(self, key: tuple, write: Callable, **kwargs) -> None:
-        """Queue ``write(node_id=…, **kwargs)``, replacing a queued write of the same ``key``."""
-        if not self._writes.put(key, write, kwargs) and self._writes.dropped == 1:
+    def _record(self, key: tuple, write: Callable, **kwargs) -> bool:
+        """Queue ``write(node_id=…, **kwargs)``, replacing a queued write of the same ``key``; whether it
+        was queued (False: dropped, too many wait already)."""
+        queued = self._writes.put(key, write, kwargs)
+        if not queued and self._writes.dropped == 1:
             log.warning(
                 "node %s: %d writes wait already; what else it reports is dropped", self.node_id, len(self._writes)
             )
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write())
+        return queued
 
     async def _write_liveness(self) -> None:
         while self._liveness is not None:
@@ -320,9 +329,17 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
 
     async def _relay_generation(self, event: GenerationEvent) -> None:
         request_id = event.request_id
-        deployment = self.generations.get(request_id) or await self._resumed(request_id)
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            log.warning("node %s sent an event for a request id of %d characters", self.node_id, len(request_id))
+            return  # names no generation of the control plane's: neither relayed nor acknowledged
+        try:
+            deployment = self.generations.get(request_id) or await self._resumed(request_id)
+        except owners.Unreachable as exc:  # not known now: kept by the agent, sent again on its next link
+            log.warning("node %s: %s", self.node_id, exc)
+            return
         if deployment is None:
-            log.warning("node %s sent an event for a generation it was not given", self.node_id)
+            if request_id not in self._refused:
+                log.warning("node %s sent an event for a generation it was not given", self.node_id)
             self._acknowledge(event)  # nothing to relay: the agent need not keep it either
             return
         if not isinstance(event, Token):
@@ -337,11 +354,15 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
 
     async def _resumed(self, request_id: str) -> str | None:
         """The deployment of ``request_id`` if this node was given it on an earlier link (its agent
-        sends again what that link did not see acknowledged), now relayed on this one."""
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
+        sends again what that link did not see acknowledged), now relayed on this one. A request id
+        refused once on this link is not looked up again (``_refused``, bounded)."""
+        if request_id in self._refused:
             return None
         owner = await asyncio.to_thread(owners.owner, request_id)
         if owner is None or owner[0] != self.node_id:
+            if len(self._refused) >= MAX_REFUSED:
+                self._refused.clear()
+            self._refused.add(request_id)
             return None
         self.generations[request_id] = owner[1]
         return owner[1]
@@ -349,8 +370,6 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     def _acknowledge(self, event: GenerationEvent) -> None:
         """Acknowledge ``event`` with the others that come within ``ACK_EVERY_S``."""
         request_id, index = event.request_id, event.index or 0
-        if request_id not in self._acks and len(self._acks) >= MAX_ACKS:
-            return  # past one message's worth: the agent sends it again on its next link
         self._acks[request_id] = max(index, self._acks.get(request_id, 0))
         if self._acker is None or self._acker.done():
             self._acker = asyncio.create_task(self._send_acks())
@@ -358,11 +377,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def _send_acks(self) -> None:
         while self._acks:  # those noted while one batch went out go in the next
             await asyncio.sleep(ACK_EVERY_S)
-            acks, self._acks = self._acks, {}
-            try:
-                await self.send_json(Acknowledge(acks=list(acks.items())).to_json())
-            except OSError:  # the link closed: the agent sends them again on its next one
-                return
+            acks, self._acks = list(self._acks.items()), {}
+            for start in range(0, len(acks), MAX_ACKS):  # one message holds MAX_ACKS at most
+                try:
+                    await self.send_json(Acknowledge(acks=acks[start : start + MAX_ACKS]).to_json())
+                except OSError:  # the link closed: the agent sends them again on its next one
+                    return
 
     def _authenticate(self):
         headers = dict(self.scope.get("headers", []))

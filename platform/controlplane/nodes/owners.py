@@ -33,14 +33,17 @@ def given(request_id: str, node_id: str, deployment: str) -> None:
         log.warning("generation %s: which node runs it could not be recorded (%s)", request_id, exc)
 
 
+class Unreachable(RuntimeError):
+    """Redis could not be read: whether a node was given a generation is not known now."""
+
+
 def owner(request_id: str) -> tuple[str, str] | None:
-    """(node id, deployment) of the node given ``request_id`` and not finished with it (None: none,
-    or Redis is unreachable)."""
+    """(node id, deployment) of the node given ``request_id`` and not finished with it (None: none);
+    ``Unreachable`` when Redis cannot say."""
     try:
         record = client().get(_KEY.format(request_id))
     except ERRORS as exc:
-        log.warning("generation %s: which node runs it could not be read (%s)", request_id, exc)
-        return None
+        raise Unreachable(f"generation {request_id}: which node runs it could not be read ({exc})") from None
     if record is None:
         return None
     node_id, _, deployment = record.decode().partition("\n")
