@@ -56,9 +56,9 @@ from inference.wire.link import (
     CredentialSaved,
     FetchShard,
     Heartbeat,
+    LinkPing,
+    LinkPong,
     MessageError,
-    Ping,
-    Pong,
     RotateCredential,
     StartRole,
     StopRole,
@@ -329,8 +329,8 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
             except (MessageError, ValueError) as exc:
                 log.warning("ignored a bad command: %s", exc)
                 continue
-            if isinstance(command, Ping):
-                await send(Pong(nonce=command.nonce))
+            if isinstance(command, LinkPing):
+                await send(LinkPong(nonce=command.nonce))
             elif isinstance(command, RotateCredential):
                 await rotate(command)
             elif isinstance(command, FetchShard) and command.task_id not in running:

@@ -137,7 +137,7 @@ async def _generate(server, agents, heartbeat_s, stop, sent, lags, drops) -> Non
     from websockets.asyncio.client import connect
 
     from agent.link import link_url
-    from inference.wire.link import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, Ping, Pong, parse
+    from inference.wire.link import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, LinkPing, LinkPong, parse
 
     done = asyncio.Event()
 
@@ -160,8 +160,8 @@ async def _generate(server, agents, heartbeat_s, stop, sent, lags, drops) -> Non
                 async def listen() -> None:
                     async for raw in ws:
                         command = parse(json.loads(raw), allowed=COMMANDS)
-                        if isinstance(command, Ping):
-                            await ws.send(json.dumps(Pong(nonce=command.nonce).to_json()))
+                        if isinstance(command, LinkPing):
+                            await ws.send(json.dumps(LinkPong(nonce=command.nonce).to_json()))
 
                 listener = asyncio.create_task(listen())
                 beat = json.dumps(Heartbeat(inventory=spec["inventory"], roles=[spec["report"]]).to_json())

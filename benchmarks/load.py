@@ -109,7 +109,16 @@ from agent.tls import ServerTrust
 from benchmarks import provenance, substance
 from benchmarks.overhead import percentile
 from benchmarks.provenance import commit
-from inference.wire.link import AGENT_PROTOCOL, COMMANDS, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, Pong, parse
+from inference.wire.link import (
+    AGENT_PROTOCOL,
+    COMMANDS,
+    PROTOCOL_HEADER,
+    Heartbeat,
+    LinkPing,
+    LinkPong,
+    MessageError,
+    parse,
+)
 
 # What its figures depend on beyond its own imports: the control plane, agents and roles it serves through
 # (benchmarks.substance).
@@ -690,8 +699,8 @@ async def serve_link(load: Load, agent: SimAgent, ws) -> bool:
                 agent.commands["bad"] += 1
                 continue
             agent.commands[command.TYPE] += 1
-            if isinstance(command, Ping):
-                await ws.send(json.dumps(Pong(nonce=command.nonce).to_json()))
+            if isinstance(command, LinkPing):
+                await ws.send(json.dumps(LinkPong(nonce=command.nonce).to_json()))
 
     tasks = [asyncio.create_task(beat()), asyncio.create_task(listen()), asyncio.create_task(load.close_links.wait())]
     try:

@@ -22,7 +22,7 @@ LINK_PATH = "/ws/agent"
 # The version of what travels here: an agent reports it in its inventory, and the control plane
 # turns away, with the command that upgrades it, an agent whose protocol it does not take (from
 # ``OLDEST_AGENT_PROTOCOL`` to ``AGENT_PROTOCOL``).
-# 2: GenerationFailed.too_many_generations, and main enforces Settings.max_per_user (the control
+# 2: GenerationFailed.too_many_generations, and main enforces DeploymentSettings.max_per_user (the control
 # plane no longer caps a user's generations itself, so it takes no agent whose main does not).
 # 3: a key pair per role seat (``StartRole.client_keys``, and the spec's keys per role).
 # 4: a generation's request and events are the runtime's messages (``inference.wire.generation``),
@@ -112,7 +112,10 @@ class Heartbeat(LinkMessage, kw_only=True, tag="heartbeat"):
     roles: list[dict] = msgspec.field(default_factory=list)
 
 
-class Pong(LinkMessage, kw_only=True, tag="pong"):
+class LinkPong(LinkMessage, kw_only=True, tag="pong"):
+    """The agent's answer to a ``LinkPing`` (the link's own; a role's health answer is
+    ``inference.wire.runtime.Pong``)."""
+
     nonce: str
 
 
@@ -155,7 +158,9 @@ class RoleState(LinkMessage, kw_only=True, tag="role_state"):
     )  # MEMORY_FIGURES when the role last answered; {} before
 
 
-class Ping(LinkMessage, kw_only=True, tag="ping"):
+class LinkPing(LinkMessage, kw_only=True, tag="ping"):
+    """Is the agent there? It answers ``LinkPong`` with the same nonce."""
+
     nonce: str
 
 
@@ -258,9 +263,9 @@ RUNTIME_METRICS = (
 # its process's resident set now and at its peak, and what it holds on its GPU (0 on a CPU).
 MEMORY_FIGURES = ("host_bytes", "peak_host_bytes", "device_bytes")
 ROLE_STATES = ("fetching", "starting", "ready", "failed", "stopped")
-EVENTS = declared(Heartbeat, Pong, CredentialSaved, TaskProgress, TaskDone, RoleState, *GENERATION_EVENTS)
+EVENTS = declared(Heartbeat, LinkPong, CredentialSaved, TaskProgress, TaskDone, RoleState, *GENERATION_EVENTS)
 COMMANDS = declared(
-    Ping, RotateCredential, FetchShard, StartRole, StopRole, ApplyAlignment, Generate, CancelGeneration, Acknowledge
+    LinkPing, RotateCredential, FetchShard, StartRole, StopRole, ApplyAlignment, Generate, CancelGeneration, Acknowledge
 )
 
 

@@ -26,7 +26,7 @@ from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes
 from controlplane.ops.processes import http_up
 from inference.runtime.launcher import free_port
-from inference.wire.link import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, Heartbeat, MessageError, Ping, parse
+from inference.wire.link import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, Heartbeat, LinkPing, MessageError, parse
 from tests.controlplane.conftest import redis_channel_layers
 from tests.controlplane.live import database_url
 
@@ -187,12 +187,12 @@ def test_silent_online_nodes_expire_and_others_stay() -> None:
 
 
 def test_link_messages_are_validated_on_arrival() -> None:
-    assert parse({"type": "ping", "nonce": "n1"}, allowed=(Ping,)) == Ping(nonce="n1")
+    assert parse({"type": "ping", "nonce": "n1"}, allowed=(LinkPing,)) == LinkPing(nonce="n1")
     for bad in [[], {"type": "ping"}, {"type": "ping", "nonce": 3}, {"type": "nope"}, {"type": "heartbeat"}]:
         with pytest.raises(MessageError):
-            parse(bad, allowed=(Ping,))
+            parse(bad, allowed=(LinkPing,))
     with pytest.raises(MessageError, match="unknown field"):
-        parse({"type": "ping", "nonce": "x", "extra": 1}, allowed=(Ping,))
+        parse({"type": "ping", "nonce": "x", "extra": 1}, allowed=(LinkPing,))
 
 
 def test_reconnect_delays_grow_are_capped_and_jittered() -> None:
