@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[WireStruct], Awaitable[WireStruct | None]]  # returns what it sent, if anything
 WATCH_EVERY_S = 0.5
-# Generations one main streams at once: main's batch and its queue (Settings.max_batch,
+# Generations one main streams at once: main's batch and its queue (DeploymentSettings.max_batch,
 # max_waiting) say how many it takes; beyond them it answers "full" at once.
 MAX_STREAMS = 128
 PING_TIMEOUT_S = 0.5  # a role busy with a step may answer late: the next ping asks again

@@ -4,7 +4,7 @@
         [--decoders 4] [--long-prompt 512] [--steps 0,64,128] [--new-tokens 48] [--repeats 3]
         [--json OUT]
 
-One odmoe cluster per prefill step (``Settings.prefill_step``; 0 = the whole prompt in one
+One odmoe cluster per prefill step (``DeploymentSettings.prefill_step``; 0 = the whole prompt in one
 batch step), deployed and emulated as in ``benchmarks.strategies``. Each run: ``--decoders``
 clients send short prompts (16 tokens) at once and stream ``--new-tokens`` tokens; when
 every one of them has 8 tokens, one more client sends a ``--long-prompt``-token prompt (8
@@ -33,7 +33,7 @@ from benchmarks.concurrency import Stream, median_with_spread
 from benchmarks.strategies import DEFAULT_PROFILE, bench_model, deployment_for, yield_cpu_to_the_pipeline
 from benchmarks.workload import prompt_of
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.sim.hardware import PROFILES
 from inference.tools.reference import reference_generate
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         deployment = deployment_for("odmoe", args.workers)
         for step in steps:
             expected_long = reference_generate(model_dir, long, LONG_NEW_TOKENS, prefill_step=step)
-            base = Settings(strategy="odmoe", max_batch=args.decoders + 1, prefill_step=step)
+            base = DeploymentSettings(strategy="odmoe", max_batch=args.decoders + 1, prefill_step=step)
             options = ClusterOptions(
                 workers=deployment.workers,
                 settings=emulation.settings(base, networked=True),

@@ -42,7 +42,7 @@ from inference.policies.depth import LINK_DEPTH
 from inference.policies.strategies import STRATEGIES
 from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.sim.hardware import PROFILES
 from inference.tools.reference import reference_generate
 from inference.wire.generation import Done
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         expected = [reference_generate(model_dir, prompt, args.new_tokens) for prompt in prompts]
         for strategy in strategies:
             deployment = deployment_for(strategy, args.workers)
-            base = Settings(
+            base = DeploymentSettings(
                 strategy=strategy,
                 cache_experts=args.cache_experts,
                 max_batch=max(counts),

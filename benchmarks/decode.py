@@ -25,7 +25,7 @@ import torch
 
 from benchmarks import provenance, substance
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 
@@ -70,7 +70,9 @@ def run_transformers(model_dir: Path, new_tokens: int) -> dict:
 
 
 def run_odmoe(model_dir: Path, new_tokens: int, workers: int, shadow_dtype: str, speculate: bool = True) -> dict:
-    options = ClusterOptions(workers=workers, settings=Settings(shadow_dtype=shadow_dtype, speculate=speculate))
+    options = ClusterOptions(
+        workers=workers, settings=DeploymentSettings(shadow_dtype=shadow_dtype, speculate=speculate)
+    )
     with LocalCluster(model_dir, options) as cluster:
         cluster.generate(PROMPTS[0], 4)  # warm-up: first-call allocations in every process
         results = [cluster.generate(prompt, new_tokens) for prompt in PROMPTS]

@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks import provenance, substance
 from benchmarks.workload import BENCH_MODEL, parse_pairs, prompt_of
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 
@@ -38,7 +38,7 @@ DTYPES = "fp32,bf16,int8,nf4"
 
 def measure(model: Path, dtype: str, drafts: int, prompts: list[tuple[list[int], int]], expected: list) -> dict:
     """One shadow dtype: every generation's drafts figures, summed over the answers."""
-    settings = Settings(shadow_dtype=dtype, draft_tokens=drafts)
+    settings = DeploymentSettings(shadow_dtype=dtype, draft_tokens=drafts)
     answers = []
     with LocalCluster(model, ClusterOptions(workers=2, settings=settings, in_process=True)) as cluster:
         for prompt, new_tokens in prompts:

@@ -25,7 +25,7 @@ from benchmarks.streams import run_streams
 from benchmarks.workload import prompt_of
 from inference.modelio.families import FAMILIES
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 from inference.wire.generation import Done
@@ -58,13 +58,13 @@ def run_model(model: Path, vocab: int, shadows: list[str], in_process: bool) -> 
     prompts = [prompt_of(n, vocab, seed=i) for i, (n, _) in enumerate(STREAMS)]
     expected = [reference_generate(model, p, new) for p, (_, new) in zip(prompts, STREAMS, strict=True)]
     options = {"workers": 3, "in_process": in_process}
-    with LocalCluster(model, ClusterOptions(settings=Settings(), **options)) as plain:
+    with LocalCluster(model, ClusterOptions(settings=DeploymentSettings(), **options)) as plain:
         greedy = serve(plain, prompts, sampled=False)
         sampled = serve(plain, prompts, sampled=True)
     plain_exact = [d.token_ids for d in greedy] == expected
     cells = {}
     for shadow in shadows:
-        settings = Settings(draft_tokens=DRAFTS, shadow_dtype=shadow)
+        settings = DeploymentSettings(draft_tokens=DRAFTS, shadow_dtype=shadow)
         with LocalCluster(model, ClusterOptions(settings=settings, **options)) as drafted:
             drafted_greedy = serve(drafted, prompts, sampled=False)
             drafted_sampled = serve(drafted, prompts, sampled=True)

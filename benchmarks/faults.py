@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks import provenance, substance
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.wire.generation import Done, Token
 
 # What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     begun = provenance.begin()
-    options = ClusterOptions(workers=args.workers, settings=Settings(device="cpu"))
+    options = ClusterOptions(workers=args.workers, settings=DeploymentSettings(device="cpu"))
     results: dict = {"model": str(args.model), "workers": args.workers, "tokens": args.tokens, "roles": {}}
     with LocalCluster(args.model, options, progress=print) as cluster:
         reference = cluster.generate(PROMPT, args.tokens).token_ids

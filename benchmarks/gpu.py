@@ -90,7 +90,7 @@ from inference.policies.strategies import STRATEGIES, get_strategy
 from inference.runtime.experts import activation, expert_forward, fuse_expert
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.loader import ExpertLoader
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.runtime.store import DiskStore, HostMemoryStore
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
@@ -486,7 +486,7 @@ def expert_compute(device: torch.device, model: dict, repeats: int) -> dict:
     act = activation("silu")
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(1)  # as a worker role computes (Settings.threads)
+        torch.set_num_threads(1)  # as a worker role computes (DeploymentSettings.threads)
     with torch.inference_mode():
         for _ in range(10):
             expert_forward(row, routing, expert, act)
@@ -834,7 +834,7 @@ def serve_once(
     """One cluster, one warm-up and one measured generation; the figures of that generation."""
     device = torch.device(args.device)
     strategy, shadow_dtype = planned.strategy, planned.shadow_dtype
-    settings = Settings(
+    settings = DeploymentSettings(
         device=args.device,
         strategy=strategy,
         shadow_dtype=shadow_dtype or "bf16",
@@ -1234,7 +1234,7 @@ def main(argv: list[str] | None = None) -> int:
                 report,
                 "staging",
                 scale.limits["staging"],
-                lambda: staged_copies(device, cluster_dir / "shards" / "worker-0", Settings.staging_buffers),
+                lambda: staged_copies(device, cluster_dir / "shards" / "worker-0", DeploymentSettings.staging_buffers),
             )
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             prompt = prompt_of(args.prompt_len, vocab, seed=0)

@@ -54,7 +54,7 @@ from inference.runtime.launcher import ClusterOptions, LocalCluster, free_port
 from inference.runtime.metrics import BREAKDOWN, HOPS_SPLIT
 from inference.runtime.protocol import decode, encode
 from inference.runtime.routing import Routing
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.runtime.transport import Endpoint
 from inference.tools.tiny import make_tiny
 from inference.wire.generation import Token
@@ -132,7 +132,7 @@ def summarize(samples: list[tuple[float, float]]) -> dict:
 def run_cluster(model_dir: Path, *, workers: int, shadow: bool, new_tokens: int, prompts: list[list[int]]) -> dict:
     """Generate greedily on a local cluster and summarize its decode layers."""
     # The link's two slots whatever the group's size, as every recorded run held (inference.policies.depth).
-    settings = Settings(threads=1, max_resident_experts=LINK_DEPTH)
+    settings = DeploymentSettings(threads=1, max_resident_experts=LINK_DEPTH)
     options = ClusterOptions(workers=workers, shadow=shadow, settings=settings)
     reports: list[dict] = []
     # Main's time per layer outside the round trips, per generation (from its token intervals).

@@ -4,7 +4,7 @@
         [--workers 8] [--predictors shadow:fp32,shadow:int8,shadow:nf4,next-gate,prerouter] [--prompts 4]
         [--new-tokens 32] [--json OUT]
 
-Each predictor names the experts odmoe's workers load ahead (``Settings.predictor``):
+Each predictor names the experts odmoe's workers load ahead (``DeploymentSettings.predictor``):
 
 - ``shadow:DTYPE``: the shadow model in that precision, on a node of its own, running ahead of
   main (aligned to main's token and KV cache every step, the defaults);
@@ -41,7 +41,7 @@ from inference.constants import SHADOW_DTYPES
 from inference.policies.strategies import PREDICTORS
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.prerouter import load_prerouter
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.sim.hardware import PROFILES
 from inference.tools.reference import reference_generate
 
@@ -76,7 +76,7 @@ def label(name: str, dtype: str | None) -> str:
 def measure(
     model_dir: Path, name: str, dtype: str | None, prompts: list[list[int]], args: argparse.Namespace, emulation, tmp
 ) -> tuple[dict, bool]:
-    base = Settings(strategy="odmoe", predictor=name, shadow_dtype=dtype or "fp32")
+    base = DeploymentSettings(strategy="odmoe", predictor=name, shadow_dtype=dtype or "fp32")
     options = ClusterOptions(
         workers=args.workers, settings=emulation.settings(base, networked=True), in_process=args.in_process
     )

@@ -31,7 +31,7 @@ from benchmarks.concurrency import median_with_spread
 from benchmarks.workload import prompt_of
 from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.reference import reference_continue, reference_generate
 from inference.wire.generation import Done
 
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         clusters = {}
         for name in names:
             options = ClusterOptions(
-                workers=args.workers, settings=Settings(prefix_cache=name == "reuse"), in_process=args.in_process
+                workers=args.workers,
+                settings=DeploymentSettings(prefix_cache=name == "reuse"),
+                in_process=args.in_process,
             )
             clusters[name] = LocalCluster(args.model, options, work_dir=Path(tmp) / name)
         try:

@@ -66,7 +66,7 @@ from inference.policies.strategies import (
 from inference.runtime.importance import ResidentExperts, load_similarity, substitute
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.prerouter import PreroutedModel, attach_lora, load_prerouter, prerouted_generate
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.sim.hardware import PROFILES
 from inference.tools.reference import reference_generate
 
@@ -186,7 +186,7 @@ def serve_once(model_dir: Path, strategy: str, threshold: float, prompts, emulat
     The warm-up is the same every time, so an approximate strategy's caches start alike and it
     gives the same tokens in every repeat.
     """
-    base = Settings(
+    base = DeploymentSettings(
         strategy=strategy,
         cache_experts=args.cache_experts,
         importance_threshold=threshold,
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--thresholds", default="0.3", help="importance thresholds, comma-separated")
     parser.add_argument("--cache-experts", type=int, default=2)
     parser.add_argument(
-        "--hot-experts", type=int, default=Settings.hot_experts, help="prerouter: experts in RAM per worker"
+        "--hot-experts", type=int, default=DeploymentSettings.hot_experts, help="prerouter: experts in RAM per worker"
     )
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)

@@ -54,7 +54,7 @@ from benchmarks import provenance, substance
 from benchmarks.plots import heatmaps, line_plot
 from inference.constants import SHADOW_DTYPES
 from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.runtime.textstream import load_tokenizer
 from inference.tools.tiny import make_tiny
 
@@ -244,7 +244,7 @@ def measured(metrics: Sequence[Mapping]) -> dict:
 def measure_dtype(model_dir: Path, dtype: str, plan: Plan, progress: Callable[[str], None]) -> dict:
     """The sweep and the by-position runs of one shadow precision, on one cluster."""
     grid = [(tp, kp) for tp in plan.token_periods for kp in plan.kv_periods]
-    settings = Settings(shadow_dtype=dtype)
+    settings = DeploymentSettings(shadow_dtype=dtype)
     started = time.monotonic()
     progress(f"[{dtype}] starting a cluster: main, {dtype} shadow, {plan.workers} workers")
     sweep = []

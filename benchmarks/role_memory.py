@@ -37,7 +37,7 @@ from benchmarks import provenance, substance
 from inference.modelio.checkpoint import Checkpoint, expert_key_name, is_expert_key
 from inference.policies.placement import placement
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.tiny import make_tiny, mixtral_dims
 
 # What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
@@ -122,7 +122,7 @@ def bounds(facts: dict, workers: int) -> dict[str, float]:
 
 
 def measure(model: Path, work: Path, args: argparse.Namespace) -> dict:
-    settings = Settings(shadow_dtype="nf4", expert_store=args.expert_store)
+    settings = DeploymentSettings(shadow_dtype="nf4", expert_store=args.expert_store)
     # Fresh processes: a role forked from a zygote would count the zygote's imported pages as its own.
     options = ClusterOptions(
         workers=args.workers, settings=settings, startup_timeout_s=args.startup_timeout, spawn="exec"

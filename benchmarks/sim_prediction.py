@@ -106,12 +106,12 @@ def measure_in_rhythm(model_dir: Path, config: dict) -> dict:
     wake-up, and the runtime's own code around each piece.
     """
     from inference.runtime.launcher import ClusterOptions, LocalCluster
-    from inference.runtime.spec import Settings
+    from inference.runtime.spec import DeploymentSettings
 
     generator = torch.Generator().manual_seed(7)
     vocab = config["vocab_size"]
     prompts = [[1, *torch.randint(3, vocab, (15,), generator=generator).tolist()] for _ in range(RHYTHM_PROMPTS)]
-    options = ClusterOptions(workers=1, shadow=False, settings=Settings(threads=1, strategy="full-cache"))
+    options = ClusterOptions(workers=1, shadow=False, settings=DeploymentSettings(threads=1, strategy="full-cache"))
     between, parts = [], []
     with LocalCluster(model_dir, options) as cluster:
         cluster.generate(prompts[0][:8], 4)  # warm-up: first-call allocations in both processes

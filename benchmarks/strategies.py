@@ -73,7 +73,7 @@ from inference.policies.strategies import RUNTIME_STRATEGIES, STRATEGIES, get_st
 from inference.runtime.importance import SIMILARITY_FILE, write_similarity
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.metrics import BREAKDOWN, HOPS_SPLIT
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.sim import hardware as sim_hardware
 from inference.sim.cluster import MachineCosts
 from inference.sim.hardware import PROFILES
@@ -337,7 +337,7 @@ def run_strategy(
     args: argparse.Namespace,
     work_dir: Path,
 ) -> tuple[dict, list[list[int]]]:
-    base = Settings(
+    base = DeploymentSettings(
         strategy=deployment.strategy,
         shadow_dtype=args.shadow_dtype,
         cache_experts=args.cache_experts,

@@ -365,7 +365,7 @@ def _generate(args: argparse.Namespace) -> int:
     from inference.modelio.checkpoint import Checkpoint
     from inference.policies.schedule import validate_periods
     from inference.runtime.launcher import ClusterOptions, LocalCluster
-    from inference.runtime.spec import Settings, validate_settings
+    from inference.runtime.spec import DeploymentSettings, validate_settings
     from inference.runtime.textstream import TextStream, load_tokenizer
 
     validate_periods(args.token_period, args.kv_period)
@@ -381,7 +381,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = _parse_ids(args.prompt_ids)
     values = {name: getattr(args, dest) for dest, name in GENERATE_SETTINGS.items()}
     values["strategy"] = "reactive" if args.no_shadow else args.strategy
-    settings = Settings(**values, speculate=not args.no_speculate)
+    settings = DeploymentSettings(**values, speculate=not args.no_speculate)
     validate_settings(settings)
     options = ClusterOptions(workers=args.workers, settings=settings)
     say = (lambda line: print(line, file=sys.stderr)) if not args.json else (lambda line: None)

@@ -31,20 +31,22 @@ EXPERT_CODEC_OF_CODE = {EXPONENT_PLANE_CODEC: EXPONENT_PLANE, EXPONENT_PALETTE_C
 # Bytes per word of the dtypes it codes, by their safetensors names.
 CODED_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 
-# The most sequences main may run at once (``Settings.max_batch``): each holds a thread and a KV cache.
+# The most sequences main may run at once (``DeploymentSettings.max_batch``): each holds a thread and a KV cache.
 MAX_BATCH = 64
-# The most tokens the shadow may draft for one decode pass of main (``Settings.draft_tokens``): each
+# The most tokens the shadow may draft for one decode pass of main (``DeploymentSettings.draft_tokens``): each
 # drafted position is one more row of every layer's exchange and one more shadow step.
 MAX_DRAFT_TOKENS = 16
-# How many of them a pass drafts (``Settings.draft_policy``): always ``draft_tokens``, or per pass from
+# How many of them a pass drafts (``DeploymentSettings.draft_policy``): always ``draft_tokens``, or per pass from
 # the measured agreement and costs, up to ``draft_tokens`` (``inference.policies.drafting``).
 DRAFT_POLICIES = ("fixed", "auto")
-# How main's agent carries an answer across main's restart (``Settings.replay``): the tokens already
+# How main's agent carries an answer across main's restart (``DeploymentSettings.replay``): the tokens already
 # sent re-read as prompt (one prefill), or the request run again from its start (``agent.migration``).
 REPLAY_MODES = ("prefill", "exact")
-MAX_MIGRATIONS_LIMIT = 8  # the most main restarts one answer may be carried across (``Settings.max_migrations``)
-# Requests main holds beyond its batch (``Settings.max_waiting``), and the generations one user may
-# have in main at once, running and waiting (``Settings.max_per_user``), by default.
+MAX_MIGRATIONS_LIMIT = (
+    8  # the most main restarts one answer may be carried across (``DeploymentSettings.max_migrations``)
+)
+# Requests main holds beyond its batch (``DeploymentSettings.max_waiting``), and the generations one user may
+# have in main at once, running and waiting (``DeploymentSettings.max_per_user``), by default.
 DEFAULT_MAX_WAITING = 64
 DEFAULT_MAX_PER_USER = 32
 # The shadow follows at most this many sequences per sequence main may run (``max_batch``), each
@@ -56,9 +58,9 @@ SHADOW_STATES_PER_SEQUENCE = 1
 # Tokens of KV cache each sequence of main and the shadow is sized for (inference/building/memory.py);
 # what the running sequences leave of it holds finished sequences' KV for reuse (inference/runtime/prefix_cache.py).
 DEFAULT_CONTEXT_TOKENS = 4096
-# How a worker computes an expert's rows of several batched sequences (``Settings.batch_arithmetic``).
+# How a worker computes an expert's rows of several batched sequences (``DeploymentSettings.batch_arithmetic``).
 BATCH_ARITHMETICS = ("exact", "fused")
-# How main sums expert outputs (``Settings.experts_arithmetic``, inference.runtime.routing).
+# How main sums expert outputs (``DeploymentSettings.experts_arithmetic``, inference.runtime.routing).
 EXPERTS_ARITHMETICS = ("auto", "grouped", "eager")
 
 # Files a strategy or predictor needs beside a checkpoint's weights (``shard`` carries them into

@@ -19,7 +19,7 @@ from inference.policies.strategies import STRATEGIES
 from inference.runtime.client import GenerationError, RuntimeClient
 from inference.runtime.engine.scheduler import prefill_pieces
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.wire.generation import Done
 from tests.reference import PROMPTS, reference_generate
 
@@ -51,7 +51,7 @@ def test_every_sequence_of_a_batch_is_token_identical_to_its_own_run(
 ) -> None:
     model: Path = request.getfixturevalue(model_name)
     expected = references(model)
-    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy), in_process=True)
+    options = ClusterOptions(workers=workers, settings=DeploymentSettings(strategy=strategy), in_process=True)
     with LocalCluster(model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS)
     for i, (want, got) in enumerate(zip(expected, results, strict=True)):
@@ -70,7 +70,7 @@ def test_a_full_batch_makes_requests_wait_and_a_cancel_frees_its_place(
     tiny_model: Path, expected: list[list[int]]
 ) -> None:
     # Two places: six streams queue and join as others leave.
-    options = ClusterOptions(workers=2, settings=Settings(max_batch=2), in_process=True)
+    options = ClusterOptions(workers=2, settings=DeploymentSettings(max_batch=2), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS[:6], NEW_TOKENS[:6], stagger_s=0.0)
         # A cancelled sequence leaves after its current step; the other one runs on unchanged.
@@ -123,7 +123,7 @@ def test_fused_batch_arithmetic_serves_a_whole_batch(tiny_model: Path) -> None:
     model gave one of eight streams other tokens, the fp32 one none; so the answers are checked
     to be complete and batched, and how many equal their own runs is printed, not asserted."""
     options = ClusterOptions(
-        workers=2, settings=Settings(strategy="full-cache", batch_arithmetic="fused"), in_process=True
+        workers=2, settings=DeploymentSettings(strategy="full-cache", batch_arithmetic="fused"), in_process=True
     )
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS, stagger_s=0.0)
@@ -161,7 +161,7 @@ def test_chunked_prefill_joins_a_long_prompt_in_pieces_between_decode_steps(tiny
     step = 4
     prompts = [PROMPTS[0], PROMPTS[2], [1, *range(300, 337)], [1, *range(400, 430)]]  # 38 and 31 tokens
     new_tokens = [60, 60, 12, 12]
-    options = ClusterOptions(workers=2, settings=Settings(prefill_step=step), in_process=True)
+    options = ClusterOptions(workers=2, settings=DeploymentSettings(prefill_step=step), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, prompts, new_tokens, stagger_s=0.05)
     for i, (prompt, n, got) in enumerate(zip(prompts, new_tokens, results, strict=True)):
@@ -187,7 +187,7 @@ def test_main_queues_a_users_requests_up_to_its_bound_and_says_which_limit_refus
     """One place in the batch, two in the queue, two per user: alice's second request waits (it is
     not refused), her third is too many for one user; bob still gets the last place in the queue,
     and carol, with nothing running, finds main full. Each refusal says which it is."""
-    settings = Settings(max_batch=1, max_waiting=2, max_per_user=2)
+    settings = DeploymentSettings(max_batch=1, max_waiting=2, max_per_user=2)
     with LocalCluster(tiny_model, ClusterOptions(workers=1, settings=settings, in_process=True)) as cluster:
         results: dict[str, Done | BaseException] = {}
         started = threading.Event()
@@ -236,7 +236,7 @@ def test_a_waiting_request_cancelled_while_a_leaver_ends_does_not_fail_the_batch
     the next one, or raised past the end of the queue and failed D with "main failed while
     serving the batch"). B's cancel is sent at several delays after A's to land in that window;
     D must get its own tokens every time."""
-    options = ClusterOptions(workers=2, settings=Settings(max_batch=2), in_process=True)
+    options = ClusterOptions(workers=2, settings=DeploymentSettings(max_batch=2), in_process=True)
     d_expected = reference_generate(tiny_model, PROMPTS[3], 120)
     with LocalCluster(tiny_model, options) as cluster:
         canceller = RuntimeClient(cluster.addresses.main, cluster.deployment, curve=cluster.client_keys())
@@ -268,7 +268,7 @@ def test_the_shadow_steps_a_batch_together_and_predicts_each_sequence_as_main_ro
     # An fp32 shadow given main's token and KV every step computes main's own routing for each
     # sequence: stepped together (each sequence's attention on its own, the experts of a layer in
     # one call for all), every prediction that came still names the experts main chose.
-    options = ClusterOptions(workers=2, settings=Settings(shadow_dtype="fp32"), in_process=True)
+    options = ClusterOptions(workers=2, settings=DeploymentSettings(shadow_dtype="fp32"), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS, stagger_s=0.0)
     for i, (want, got) in enumerate(zip(expected, results, strict=True)):

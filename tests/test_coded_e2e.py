@@ -10,7 +10,7 @@ import pytest
 
 from inference.modelio.shards import ShardSet
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.tiny import make_tiny
 from tests.reference import ODD_SHAPE, PROMPTS, reference_generate
 
@@ -27,7 +27,7 @@ def test_a_cluster_on_coded_experts_gives_transformers_tokens(
     model = make_tiny(tmp_path / "model", seed=11, dtype=dtype, **ODD_SHAPE)
     prompts = PROMPTS[:2]
     expected = [reference_generate(model, prompt, NEW_TOKENS, dtype="auto") for prompt in prompts]
-    settings = Settings(expert_codec="exponent-plane", expert_store=store, shadow_dtype="int8")
+    settings = DeploymentSettings(expert_codec="exponent-plane", expert_store=store, shadow_dtype="int8")
     options = ClusterOptions(workers=workers, settings=settings, in_process=True)
     with LocalCluster(model, options, work_dir=tmp_path / "run") as cluster:
         assert ShardSet.load(cluster.shard_dir).expert_codec == "exponent-plane"

@@ -11,7 +11,7 @@ import pytest
 from inference.modelio.checkpoint import Checkpoint
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.prerouter import load_prerouter, prerouted_generate
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.runtime.textstream import load_tokenizer
 from inference.tools.reference import reference_generate
 
@@ -51,7 +51,7 @@ def test_the_runtime_serves_the_demo_models_prerouter_as_its_own_rule() -> None:
     tokenizer = load_tokenizer(DEMO)
     prompt = tokenizer("In Python, a dictionary")["input_ids"]
     with LocalCluster(
-        DEMO, ClusterOptions(workers=2, settings=Settings(strategy="prerouter"), in_process=True)
+        DEMO, ClusterOptions(workers=2, settings=DeploymentSettings(strategy="prerouter"), in_process=True)
     ) as cluster:
         done = cluster.generate(prompt, 16)
     assert done.token_ids == prerouted_generate(DEMO, prompt, 16)

@@ -20,7 +20,7 @@ from benchmarks.streams import run_streams
 from inference.modelio.families import FAMILIES
 from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 from inference.wire.generation import Done, Generate, Token
@@ -38,7 +38,7 @@ def _drafts(done: Done) -> dict:
 def test_a_batch_of_drafted_streams_is_token_identical_to_generate(tiny_model: Path) -> None:
     """8 staggered streams, nf4 shadow (drafts kept and drafts rejected), k = 4."""
     expected = [reference_generate(tiny_model, p, n) for p, n in zip(STREAM_PROMPTS, NEW_TOKENS, strict=True)]
-    settings = Settings(draft_tokens=4, shadow_dtype="nf4")
+    settings = DeploymentSettings(draft_tokens=4, shadow_dtype="nf4")
     with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings, in_process=True)) as cluster:
         results = run_streams(cluster, STREAM_PROMPTS, NEW_TOKENS)
     for i, (want, got) in enumerate(zip(expected, results, strict=True)):
@@ -56,11 +56,13 @@ def clusters(tiny_model: Path):
     """The tiny model served with and without drafts (an int8 shadow), side by side."""
     with (
         LocalCluster(
-            tiny_model, ClusterOptions(workers=2, settings=Settings(shadow_dtype="int8"), in_process=True)
+            tiny_model, ClusterOptions(workers=2, settings=DeploymentSettings(shadow_dtype="int8"), in_process=True)
         ) as plain,
         LocalCluster(
             tiny_model,
-            ClusterOptions(workers=3, settings=Settings(shadow_dtype="int8", draft_tokens=3), in_process=True),
+            ClusterOptions(
+                workers=3, settings=DeploymentSettings(shadow_dtype="int8", draft_tokens=3), in_process=True
+            ),
         ) as drafted,
     ):
         yield plain, drafted
@@ -150,7 +152,7 @@ def test_the_shadow_drafts_under_the_request_s_grammar(tiny_model: Path, do_samp
     sampling = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "seed": 7} if do_sample else {}
     with LocalCluster(tiny_model, ClusterOptions(workers=2, in_process=True)) as plain:
         expected = plain.generate(PROMPTS[0], 24, grammar=grammar, **sampling)
-    settings = Settings(draft_tokens=4)
+    settings = DeploymentSettings(draft_tokens=4)
     with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings, in_process=True)) as cluster:
         # Twice: the first may be guessed in part before the shadow's compile ends, the second not.
         cluster.generate(PROMPTS[0], 24, grammar=grammar, **sampling)
@@ -180,7 +182,7 @@ def test_every_family_with_drafts_is_token_identical_to_generate(
     model = make_tiny(tmp_path / family, family=family, seed=seed, shards=3, dtype=dtype, **FAMILY_SHAPE)
     prompts = [PROMPTS[0], PROMPTS[3]]
     expected = [reference_generate(model, prompt, 16) for prompt in prompts]
-    settings = Settings(draft_tokens=k, shadow_dtype=shadow)
+    settings = DeploymentSettings(draft_tokens=k, shadow_dtype=shadow)
     with LocalCluster(model, ClusterOptions(workers=3, settings=settings, in_process=True)) as cluster:
         results = [cluster.generate(prompt, 16) for prompt in prompts]
     for prompt, want, got in zip(prompts, expected, results, strict=True):
@@ -199,7 +201,7 @@ def test_a_sliding_window_model_drops_rejected_drafts_past_its_window(tmp_path: 
     expected = [reference_generate(model, prompt, 20) for prompt in prompts]
     # kv_period 0: main's KV is not sent to the shadow, whose alignment of KV does not handle a
     # window yet (docs/concepts/drafts.md, not done yet); the drafts ride on main's tokens alone.
-    settings = Settings(draft_tokens=4, shadow_dtype="nf4", kv_period=0)
+    settings = DeploymentSettings(draft_tokens=4, shadow_dtype="nf4", kv_period=0)
     with LocalCluster(model, ClusterOptions(workers=2, settings=settings, in_process=True)) as cluster:
         results = [cluster.generate(prompt, 20) for prompt in prompts]
     assert [r.token_ids for r in results] == expected
@@ -212,7 +214,7 @@ def test_auto_drafts_keep_the_tokens_and_ask_for_what_the_shadow_earns(tiny_mode
     """draft_policy auto: k chosen pass by pass from what main measured (policies.drafting.DraftTuner)."""
     prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[0]]
     expected = [reference_generate(tiny_model, prompt, 24) for prompt in prompts]
-    settings = Settings(draft_tokens=6, draft_policy="auto", shadow_dtype="nf4")
+    settings = DeploymentSettings(draft_tokens=6, draft_policy="auto", shadow_dtype="nf4")
     with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings, in_process=True)) as cluster:
         results = [cluster.generate(prompt, 24) for prompt in prompts]
     assert [r.token_ids for r in results] == expected
@@ -252,7 +254,7 @@ def test_a_sampled_request_s_drafts_are_main_s_draws(tiny_model: Path) -> None:
     """The shadow guesses a sampled token with main's sampler and seed (ShadowBegin carries them; a
     request without a seed, the one main drew): with an fp32 shadow on main's device each draft is the
     token main draws (measured: every draft kept; guessing greedily kept 0-3 % of them on this model)."""
-    settings = Settings(draft_tokens=4)
+    settings = DeploymentSettings(draft_tokens=4)
     sampling = {"do_sample": True, "temperature": 0.8, "top_p": 0.95}
     with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings, in_process=True)) as cluster:
         seeded = cluster.generate(PROMPTS[3], 24, seed=3, **sampling)

@@ -11,7 +11,7 @@ import torch
 
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.routing import grouped_mm_works
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.tiny import make_tiny
 from tests.reference import ODD_SHAPE, PROMPTS, reference_generate
 
@@ -71,7 +71,7 @@ def test_every_shadow_dtype_gives_the_checkpoints_own_tokens(
     model_name: str, shadow_dtype: str, workers: int, request
 ) -> None:
     model: Path = request.getfixturevalue(model_name)
-    options = ClusterOptions(workers=workers, settings=Settings(shadow_dtype=shadow_dtype), in_process=True)
+    options = ClusterOptions(workers=workers, settings=DeploymentSettings(shadow_dtype=shadow_dtype), in_process=True)
     recalls = _check(model, options, PROMPTS[:2])
     print(f"{model_name} {shadow_dtype} shadow, {workers} workers: recall {recalls}")
     # A shadow in the checkpoint's own dtype is main's model itself: it predicts every expert.
@@ -82,13 +82,15 @@ def test_every_shadow_dtype_gives_the_checkpoints_own_tokens(
 
 @pytest.mark.parametrize("strategy", ["full-cache", "reactive", "lru-offload"])
 def test_every_strategy_is_exact_in_bf16(bf16_model: Path, strategy: str) -> None:
-    options = ClusterOptions(workers=3, settings=Settings(strategy=strategy), in_process=True)
+    options = ClusterOptions(workers=3, settings=DeploymentSettings(strategy=strategy), in_process=True)
     _check(bf16_model, options, PROMPTS[2:4])
 
 
 def test_dtype_overrides_what_main_and_workers_compute_in(bf16_model: Path) -> None:
     # --dtype float32 on a bf16 release: the same tokens as Transformers loading it in fp32.
-    options = ClusterOptions(workers=3, settings=Settings(dtype="float32", shadow_dtype="int8"), in_process=True)
+    options = ClusterOptions(
+        workers=3, settings=DeploymentSettings(dtype="float32", shadow_dtype="int8"), in_process=True
+    )
     prompts = PROMPTS[:2]
     expected = [reference_generate(bf16_model, prompt, NEW_TOKENS, dtype="float32") for prompt in prompts]
     with LocalCluster(bf16_model, options) as cluster:

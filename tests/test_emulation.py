@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.sim.hardware import get_profile
 from inference.tools.emulation import emulation_for, measure_expert_compute, real_times
 
@@ -34,10 +34,10 @@ def test_emulation_scales_every_time_by_the_compute_ratio() -> None:
 
 def test_settings_carry_the_emulation_and_one_box_has_no_network() -> None:
     emulation = emulation_for("3090-pcie4-10gbe", 0.001, 1_000_000, 1024)
-    networked = emulation.settings(Settings(strategy="full-cache"))
+    networked = emulation.settings(DeploymentSettings(strategy="full-cache"))
     assert networked.strategy == "full-cache" and networked.copy_bytes_per_s == emulation.copy_bytes_per_s
     assert networked.link_bytes_per_s == emulation.link_bytes_per_s and networked.link_latency_s > 0
-    local = emulation.settings(Settings(), networked=False)
+    local = emulation.settings(DeploymentSettings(), networked=False)
     assert local.link_bytes_per_s is None and local.link_latency_s == 0.0
 
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from inference.modelio.checkpoint import Checkpoint, CheckpointError, expert_key_name
 from inference.modelio.families import FAMILIES, FamilyError, family_for
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 from tests.matrix import covered
@@ -134,7 +134,7 @@ def test_every_family_is_token_identical_to_transformers(
     model = family_models[family]
     prompts = [PROMPTS[0], PROMPTS[3]]
     expected = [reference_generate(model, prompt, NEW_TOKENS) for prompt in prompts]
-    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy), in_process=True)
+    options = ClusterOptions(workers=workers, settings=DeploymentSettings(strategy=strategy), in_process=True)
     with LocalCluster(model, options) as cluster:
         results = [cluster.generate(prompt, NEW_TOKENS) for prompt in prompts]
     for prompt, want, got in zip(prompts, expected, results, strict=True):
@@ -152,7 +152,7 @@ def test_a_tied_lm_head_is_served_as_the_embedding(shadow: str, tmp_path: Path) 
     assert "lm_head.weight" not in Checkpoint(model)
     expected = reference_generate(model, PROMPTS[3], NEW_TOKENS)
     with LocalCluster(
-        model, ClusterOptions(workers=3, settings=Settings(shadow_dtype=shadow), in_process=True)
+        model, ClusterOptions(workers=3, settings=DeploymentSettings(shadow_dtype=shadow), in_process=True)
     ) as cluster:
         done = cluster.generate(PROMPTS[3], NEW_TOKENS)
     assert done.token_ids == expected
@@ -175,7 +175,7 @@ def test_every_family_in_half_precision_with_a_lossy_shadow(
 ) -> None:
     model = _family_model(tmp_path, family, dtype)
     expected = reference_generate(model, PROMPTS[3], NEW_TOKENS, dtype="auto")
-    options = ClusterOptions(workers=3, settings=Settings(shadow_dtype=shadow), in_process=True)
+    options = ClusterOptions(workers=3, settings=DeploymentSettings(shadow_dtype=shadow), in_process=True)
     with LocalCluster(model, options) as cluster:
         done = cluster.generate(PROMPTS[3], NEW_TOKENS)
     assert done.token_ids == expected

@@ -38,7 +38,7 @@ from controlplane.config.asgi import application  # imported first: it configure
 from inference.runtime import protocol
 from inference.runtime.curve import make_client
 from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.wire import link, runtime
 from inference.wire.base import Tensor
 from tests.reference import PROMPTS, reference_generate
@@ -402,7 +402,7 @@ def test_fuzzed_frames_from_a_keyed_peer_leave_main_and_a_worker_serving_exactly
 ) -> None:
     # A generation the fuzzing started and then disturbed (a peer holding the keys can say anything
     # about a request in flight) waits for its peers this long before main gives it up.
-    options = ClusterOptions(workers=1, settings=Settings(timeout_s=10.0), in_process=True)
+    options = ClusterOptions(workers=1, settings=DeploymentSettings(timeout_s=10.0), in_process=True)
     with LocalCluster(tiny_model, options, work_dir=tmp_path) as cluster:
         before = cluster.generate(PROMPTS[0], 8)
         # Who the fuzz speaks as at each role: main's own key at the worker (what reaches all of a

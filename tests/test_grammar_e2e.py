@@ -19,7 +19,7 @@ import pytest
 
 from inference.runtime.client import RuntimeClient
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.wire.generation import Done, Failed, Generate, Token
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ BROKEN = llguidance.grammar_from("lark", "start: missing_rule")  # does not comp
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path) -> Iterator[LocalCluster]:
-    settings = Settings(max_batch=1, max_waiting=2, max_per_user=2)
+    settings = DeploymentSettings(max_batch=1, max_waiting=2, max_per_user=2)
     with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings, in_process=True)) as running:
         yield running
 

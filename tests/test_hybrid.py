@@ -27,7 +27,7 @@ from inference.policies.hybrid import (
 from inference.runtime.experts import activation
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.loader import ExpertLoader, measure_host_rates
-from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.runtime.spec import DeploymentSettings, SpecError, validate_settings
 from inference.sim.hardware import get_profile
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.tools.emulation import emulation_for, real_times
@@ -211,32 +211,32 @@ def test_the_emulated_cpu_path_keeps_the_profiles_dram_to_compute_proportion() -
     assert expert_bytes / emulation.host_memory_bytes_per_s / here_s == pytest.approx(cpu_real / compute)
     row_real = 2 * mixtral_8x7b().expert_params / profile.host_cpu_flops
     assert flops_here / emulation.host_flops / here_s == pytest.approx(row_real / compute)
-    settings = emulation.settings(Settings(hybrid=True))
+    settings = emulation.settings(DeploymentSettings(hybrid=True))
     assert settings.host_memory_bytes_per_s == emulation.host_memory_bytes_per_s and settings.hybrid
     assert emulation_for("3090-pcie4-1gbe", here_s, expert_bytes, 2048).host_flops is None
 
 
 def test_hybrid_execution_needs_experts_in_host_memory() -> None:
-    validate_settings(Settings(hybrid=True))
+    validate_settings(DeploymentSettings(hybrid=True))
     with pytest.raises(SpecError, match="needs the ram expert store, not 'disk'"):
-        validate_settings(Settings(hybrid=True, expert_store="disk"))
+        validate_settings(DeploymentSettings(hybrid=True, expert_store="disk"))
     with pytest.raises(SpecError, match="needs the ram expert store, not 'hot'"):
-        validate_settings(Settings(hybrid=True, strategy="prerouter"))
+        validate_settings(DeploymentSettings(hybrid=True, strategy="prerouter"))
     with pytest.raises(SpecError, match="host_memory_bytes_per_s must be > 0"):
-        validate_settings(Settings(hybrid=True, host_memory_bytes_per_s=0.0))
+        validate_settings(DeploymentSettings(hybrid=True, host_memory_bytes_per_s=0.0))
 
 
 # The group's two workers log each change of the share, and the step it plans from.
 SHARE_CHANGE = re.compile(r"(\S+) of the group's decode layers planned on the CPUs from session step (\d+)")
 
 
-def fast_cpu_settings(model: Path, strategy: str) -> Settings:
+def fast_cpu_settings(model: Path, strategy: str) -> DeploymentSettings:
     """Copies of 20 ms against 2 ms on the CPU: every expert that is not on the device goes to the
     CPU, and under odmoe (one group of two) up to 14 of every 16 layers' predicted experts may be
     planned there."""
     checkpoint = Checkpoint(model)
     expert_bytes = sum(checkpoint.nbytes(expert_key_name(0, 0, p)) for p in ("w1", "w2", "w3"))
-    return Settings(
+    return DeploymentSettings(
         strategy=strategy,
         hybrid=True,
         copy_bytes_per_s=expert_bytes / 0.020,
@@ -281,7 +281,7 @@ def test_a_sequence_left_alone_in_its_session_is_planned_again_from_a_step_every
     assert results[1].metrics["max_batch"] == 2  # the short one ran beside the long one
     left = results[1].metrics["joined_step"] + len(results[1].token_ids) - 1  # the session step of its last token
     alone = [re.findall(r"one sequence again, planned from session step (\d+)", log) for log in logs]
-    assert alone[0] == alone[1] == [str(left + share_delay(Settings().lookahead))], alone
+    assert alone[0] == alone[1] == [str(left + share_delay(DeploymentSettings().lookahead))], alone
     changes = [SHARE_CHANGE.findall(log) for log in logs]
     # 8 decode periods after it, 1/16 is tried (the long stream has 20 steps left): certain.
     assert changes[0] == changes[1] and changes[0], changes

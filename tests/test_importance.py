@@ -19,7 +19,7 @@ from inference.runtime.importance import (
     write_similarity,
 )
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.runtime.spec import DeploymentSettings, SpecError, validate_settings
 from inference.tools.calibration import calibrate
 from tests.reference import PROMPTS, reference_generate
 
@@ -85,9 +85,9 @@ def test_approximate_strategies_are_marked_and_served_by_the_runtime_only() -> N
     assert "importance" in RUNTIME_STRATEGIES and "importance" not in STRATEGIES
     assert not get_strategy("importance").exact and all(get_strategy(s).exact for s in STRATEGIES)
     assert get_strategy("importance").cache == "lru" and get_strategy("importance").predictor is None
-    validate_settings(Settings(strategy="importance", importance_threshold=0.5))
+    validate_settings(DeploymentSettings(strategy="importance", importance_threshold=0.5))
     with pytest.raises(SpecError, match="importance_threshold"):
-        validate_settings(Settings(strategy="importance", importance_threshold=1.5))
+        validate_settings(DeploymentSettings(strategy="importance", importance_threshold=1.5))
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_a_table_calibrated_for_another_model_is_refused(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_importance_serves_substitutes_and_without_a_threshold_is_exact(calibrated: Path) -> None:
     prompts = PROMPTS[:3]
-    exact = Settings(strategy="importance", cache_experts=1, importance_threshold=0.0)
+    exact = DeploymentSettings(strategy="importance", cache_experts=1, importance_threshold=0.0)
     with LocalCluster(calibrated, ClusterOptions(workers=2, settings=exact, in_process=True)) as cluster:
         assert "shadow" not in cluster.roles
         plain = [cluster.generate(p, 16) for p in prompts]
@@ -133,7 +133,7 @@ def test_importance_serves_substitutes_and_without_a_threshold_is_exact(calibrat
         assert result.token_ids == reference_generate(calibrated, prompt, 16)
         assert result.metrics["substitutions"] == 0
 
-    lossy = Settings(strategy="importance", cache_experts=1, importance_threshold=1.0)
+    lossy = DeploymentSettings(strategy="importance", cache_experts=1, importance_threshold=1.0)
     runs = []
     for _ in range(2):  # a fresh cluster each time: the same requests give the same tokens
         with LocalCluster(calibrated, ClusterOptions(workers=2, settings=lossy, in_process=True)) as cluster:

@@ -27,7 +27,7 @@ from inference.modelio.checkpoint import Checkpoint, parse_expert_key
 from inference.modelio.shards import Role, load_role_tensors
 from inference.policies.placement import placement
 from inference.policies.strategies import home_experts
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.tools.tiny import make_tiny
 
@@ -35,7 +35,7 @@ from inference.tools.tiny import make_tiny
 SHAPE = dict(layers=3, hidden=75, head_dim=16, heads=4, kv_heads=2, intermediate=97, experts=6, top_k=3)
 WORKERS = 4
 CONTEXT = 100
-BATCH = Settings.max_batch  # what a plan is for unless told: main's sequences at once (8)
+BATCH = DeploymentSettings.max_batch  # what a plan is for unless told: main's sequences at once (8)
 # The shadow follows as many sequences as main runs (main ends each there before another
 # takes its place; inference/runtime/roles/shadow.py), each with its own KV cache.
 SHADOW_BATCH = SHADOW_STATES_PER_SEQUENCE * BATCH
@@ -164,7 +164,7 @@ def test_workers_hold_exactly_the_experts_of_their_shards(ckpt: Checkpoint) -> N
     one = plan_of(ckpt, expert_store="disk", staging_buffers=1).role("worker-0")
     assert one.host_bytes == one_expert + RUNTIME_OVERHEAD_BYTES
     deep = plan_of(ckpt, expert_store="disk", max_resident_experts=4).role("worker-0")
-    assert deep.host_bytes == Settings.staging_buffers * one_expert + RUNTIME_OVERHEAD_BYTES
+    assert deep.host_bytes == DeploymentSettings.staging_buffers * one_expert + RUNTIME_OVERHEAD_BYTES
     hot = plan_of(ckpt, expert_store="hot", hot_experts=1).role("worker-0")
     # its hot set and the reads in flight, each tensor a block of torch's pinned allocator (a power of two)
     names = [f"model.layers.0.block_sparse_moe.experts.0.{p}.weight" for p in ("w1", "w2", "w3")]

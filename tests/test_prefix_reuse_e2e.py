@@ -11,7 +11,7 @@ import pytest
 
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.prefix_cache import BLOCK_TOKENS
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.reference import reference_continue
 from inference.wire.runtime import Done, Generate
 from tests.reference import PROMPTS, reference_generate
@@ -75,7 +75,7 @@ def test_prompt_logprobs_and_a_cluster_without_the_cache_prefill_everything(tiny
         request = Generate(request_id="echo", prompt_ids=prompt, max_new_tokens=4, prompt_logprobs=True)
         (echoed,) = [e for e in cluster.client.stream_request(request, timeout_s=120) if isinstance(e, Done)]
     assert echoed.metrics["cached_prompt_tokens"] == 0  # every position's logits are asked for
-    options = ClusterOptions(workers=2, settings=Settings(prefix_cache=False), in_process=True)
+    options = ClusterOptions(workers=2, settings=DeploymentSettings(prefix_cache=False), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         cluster.generate(prompt, 4)
         again = cluster.generate(prompt, 4)

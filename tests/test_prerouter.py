@@ -30,7 +30,7 @@ from inference.runtime.prerouter import (
     previous_token_routes,
     save_prerouter,
 )
-from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.runtime.spec import DeploymentSettings, SpecError, validate_settings
 from inference.runtime.store import DiskStore, HotSetStore
 from inference.tools.tiny import make_tiny
 from inference.tools.train_prerouter import PrerouterRecipe, train_prerouter
@@ -175,9 +175,9 @@ def test_the_prerouter_routes_by_its_own_heads_and_takes_no_other_predictor() ->
     assert needed_files("odmoe", "prerouter") == needed_files("prerouter")
     assert needed_files("odmoe") == []
     with pytest.raises(SpecError, match="no other predictor"):
-        validate_settings(Settings(strategy="prerouter", predictor="next-gate"))
+        validate_settings(DeploymentSettings(strategy="prerouter", predictor="next-gate"))
     with pytest.raises(SpecError, match="hot_experts"):
-        validate_settings(Settings(expert_store="hot", hot_experts=0))
+        validate_settings(DeploymentSettings(expert_store="hot", hot_experts=0))
 
 
 # --- the hot set ---------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_training_writes_heads_and_an_adapter_that_the_runtime_loads(tiny_model:
 def test_the_prerouter_strategy_computes_what_it_staged_and_what_its_one_process_rule_gives(
     prerouted: Path,
 ) -> None:
-    settings = Settings(strategy="prerouter", expert_store="hot", hot_experts=3)
+    settings = DeploymentSettings(strategy="prerouter", expert_store="hot", hot_experts=3)
     options = ClusterOptions(workers=4, settings=settings, in_process=True)
     assert not options.runs_shadow
     with LocalCluster(prerouted, options) as cluster:
@@ -263,7 +263,9 @@ def test_the_prerouter_strategy_computes_what_it_staged_and_what_its_one_process
 
 @pytest.mark.slow
 def test_odmoe_with_the_prerouter_as_its_predictor_is_exact_without_a_shadow(prerouted: Path) -> None:
-    options = ClusterOptions(workers=4, settings=Settings(strategy="odmoe", predictor="prerouter"), in_process=True)
+    options = ClusterOptions(
+        workers=4, settings=DeploymentSettings(strategy="odmoe", predictor="prerouter"), in_process=True
+    )
     assert not options.runs_shadow
     with LocalCluster(prerouted, options) as cluster:
         result = cluster.generate(PROMPTS[0], 12)
@@ -274,7 +276,7 @@ def test_odmoe_with_the_prerouter_as_its_predictor_is_exact_without_a_shadow(pre
 
 @pytest.mark.slow
 def test_a_batch_under_the_prerouter_gives_each_sequence_its_own_runs_tokens(prerouted: Path) -> None:
-    options = ClusterOptions(workers=2, settings=Settings(strategy="prerouter"), in_process=True)
+    options = ClusterOptions(workers=2, settings=DeploymentSettings(strategy="prerouter"), in_process=True)
     prompts, lengths = PROMPTS[:4], [10, 6, 12, 8]
     with LocalCluster(prerouted, options) as cluster:
         results = run_streams(cluster, prompts, lengths)
@@ -287,7 +289,7 @@ def test_a_batch_under_the_prerouter_gives_each_sequence_its_own_runs_tokens(pre
 
 def test_a_fresh_tiny_checkpoint_without_a_prerouter_is_refused_by_main_with_the_command(tmp_path: Path) -> None:
     model_dir = make_tiny(tmp_path / "model", seed=3)
-    settings = Settings(strategy="prerouter")
+    settings = DeploymentSettings(strategy="prerouter")
     options = ClusterOptions(workers=1, settings=settings, startup_timeout_s=60, in_process=True)
     with pytest.raises(ClusterError, match="train-prerouter"), LocalCluster(model_dir, options):
         pass

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.wire.generation import Done, Token
 from tests.reference import PROMPTS, reference_generate
 
@@ -78,7 +78,7 @@ def test_a_worker_then_the_shadow_killed_mid_answer_are_served_around_and_rejoin
 
 def test_full_cache_serves_a_lost_workers_experts_from_the_survivors_store(tiny_model: Path) -> None:
     """full-cache keeps each expert on one worker's device: the survivor loads the lost one's from its RAM."""
-    options = ClusterOptions(workers=2, settings=Settings(strategy="full-cache", device="cpu"))
+    options = ClusterOptions(workers=2, settings=DeploymentSettings(strategy="full-cache", device="cpu"))
     with LocalCluster(tiny_model, options) as cluster:
         cluster.generate(PROMPTS[0], 4)
         tokens, _ = stream_killing(cluster, PROMPTS[1], "worker-1", after=6)
@@ -92,7 +92,7 @@ def test_the_drafting_shadow_killed_mid_answer_leaves_the_same_tokens_and_drafts
 ) -> None:
     """With drafts, main waits for the shadow's guesses before each pass: killed, the shadow's link
     closes and main decodes a token a pass at once (never waiting out the timeout), the same tokens."""
-    settings = Settings(draft_tokens=4, shadow_dtype="nf4")
+    settings = DeploymentSettings(draft_tokens=4, shadow_dtype="nf4")
     with LocalCluster(tiny_model, ClusterOptions(workers=2, settings=settings)) as cluster:
         cluster.generate(PROMPTS[0], 4)  # warm
         tokens, stall = stream_killing(cluster, PROMPTS[3], "shadow", after=6)
@@ -109,7 +109,7 @@ def test_the_drafting_shadow_killed_mid_answer_leaves_the_same_tokens_and_drafts
 def test_a_worker_killed_mid_drafted_answer_is_served_around_with_the_same_tokens(tiny_model: Path) -> None:
     """A drafted pass's lanes each have their own rows in a layer's requests: what the lost worker
     had not answered goes to its group's survivor, lane by lane."""
-    settings = Settings(draft_tokens=4, shadow_dtype="int8")
+    settings = DeploymentSettings(draft_tokens=4, shadow_dtype="int8")
     with LocalCluster(tiny_model, ClusterOptions(workers=4, settings=settings)) as cluster:
         cluster.generate(PROMPTS[0], 4)  # warm
         tokens, stall = stream_killing(cluster, PROMPTS[1], "worker-1", after=6)

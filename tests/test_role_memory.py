@@ -16,7 +16,7 @@ import pytest
 from inference.modelio.checkpoint import Checkpoint, expert_key_name, is_expert_key
 from inference.policies.placement import placement
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.tools.tiny import make_tiny
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def test_peak_memory_of_each_role_is_its_own_share(tmp_path: Path) -> None:
         )
 
     options = ClusterOptions(
-        workers=WORKERS, settings=Settings(shadow_dtype="nf4"), startup_timeout_s=600, spawn="exec"
+        workers=WORKERS, settings=DeploymentSettings(shadow_dtype="nf4"), startup_timeout_s=600, spawn="exec"
     )  # fresh processes: each role's own memory, not a zygote's imported pages
     with LocalCluster(model, options, work_dir=tmp_path / "cluster") as cluster:
         done = cluster.generate([1, 5, 6, 7, 8], 4)

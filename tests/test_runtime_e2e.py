@@ -15,7 +15,7 @@ import pytest
 from llguidance import LLMatcher, grammar_from
 
 from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.runtime.textstream import load_tokenizer
 from tests.matrix import covered
 from tests.reference import PROMPTS, reference_generate
@@ -75,7 +75,7 @@ def test_workers_never_hold_more_than_two_experts_during_decode(tiny_model: Path
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["int8", "nf4", "bf16"])
 def test_quantized_shadows_run_and_report_recall(tiny_model: Path, dtype: str) -> None:
-    options = ClusterOptions(workers=4, settings=Settings(shadow_dtype=dtype), in_process=True)
+    options = ClusterOptions(workers=4, settings=DeploymentSettings(shadow_dtype=dtype), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         done = cluster.generate(PROMPTS[0], 32)
     # Predictions never change the output, only where experts are loaded from.
@@ -125,7 +125,7 @@ def test_without_a_shadow_workers_load_on_demand_and_stay_exact(tiny_model: Path
 def test_long_prompts_prefilled_in_mini_batches_stay_exact(tiny_model: Path, workers: int) -> None:
     generator = random.Random(7)
     prompts = [[1] + [generator.randrange(3, 500) for _ in range(n)] for n in (180, 333)]
-    options = ClusterOptions(workers=workers, settings=Settings(prefill_chunk=16), in_process=True)
+    options = ClusterOptions(workers=workers, settings=DeploymentSettings(prefill_chunk=16), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         results = [cluster.generate(prompt, 16) for prompt in prompts]
     for prompt, result in zip(prompts, results, strict=True):
@@ -182,7 +182,7 @@ def test_sampling_with_a_seed_matches_transformers(tiny_model: Path) -> None:
 def test_shadow_with_and_without_speculation(tiny_model: Path, speculate: bool) -> None:
     # Slow expert copies (20 MB/s, ~5 ms an expert) keep main behind the shadow, as on real
     # hardware, so the shadow has steps to run ahead of main.
-    settings = Settings(shadow_dtype="int8", speculate=speculate, copy_bytes_per_s=2e7)
+    settings = DeploymentSettings(shadow_dtype="int8", speculate=speculate, copy_bytes_per_s=2e7)
     options = ClusterOptions(workers=2, settings=settings, in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         done = cluster.generate(PROMPTS[3], 32)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from inference.runtime.curve import new_keys, new_seat_keys, role_keys
-from inference.runtime.spec import RoleSpec, Settings, SpecError, load_spec
+from inference.runtime.spec import DeploymentSettings, RoleSpec, SpecError, load_spec
 
 SEATS = new_seat_keys(["main", "shadow", "worker-0", "worker-1"])
 
@@ -56,7 +56,7 @@ def test_valid_worker_spec(tmp_path: Path, shard: Path) -> None:
     assert spec.bind_address == "tcp://127.0.0.1:5003"
     assert spec.settings.token_period == 2 and spec.settings.kv_period == 0
     assert spec.settings.max_resident_experts == 3
-    assert spec.settings.shadow_dtype == Settings().shadow_dtype  # defaults fill the rest
+    assert spec.settings.shadow_dtype == DeploymentSettings().shadow_dtype  # defaults fill the rest
     # to_json writes what load_spec reads.
     again = load_spec(_write(tmp_path, spec.to_json(), name="again.json"))
     assert again == spec
@@ -72,7 +72,7 @@ def test_valid_main_and_shadow(tmp_path: Path, shard: Path, role: str) -> None:
     spec = load_spec(_write(tmp_path, data))
     assert spec.name == role
     assert spec.bind_address == data["addresses"][role]
-    assert spec.settings == Settings()
+    assert spec.settings == DeploymentSettings()
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from inference.building.sharding import build_shards
 from inference.modelio.shards import ShardSet
 from inference.runtime.experts import ExpertWeights
 from inference.runtime.loader import ExpertLoader
-from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.runtime.spec import DeploymentSettings, SpecError, validate_settings
 from inference.runtime.staging import StagingRing, expert_views
 from inference.runtime.store import DiskStore, HostMemoryStore, HotSetStore
 from inference.tools.tiny import make_tiny
@@ -82,7 +82,7 @@ def test_a_ring_needs_a_slot_and_bytes() -> None:
     with pytest.raises(ValueError, match="at least 1 byte"):
         StagingRing(1, 0, pin=False)
     with pytest.raises(SpecError, match="staging_buffers"):
-        validate_settings(Settings(staging_buffers=0))
+        validate_settings(DeploymentSettings(staging_buffers=0))
 
 
 def test_the_disk_store_reads_straight_into_a_buffer(shards: ShardSet) -> None:

@@ -17,7 +17,7 @@ from inference.modelio.shards import ShardError, ShardSet, role_experts, verify_
 from inference.runtime.experts import ExpertWeights, fuse_expert
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.loader import ExpertLoader
-from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.runtime.spec import DeploymentSettings, SpecError, validate_settings
 from inference.runtime.store import DiskStore, HostMemoryStore, open_store
 from inference.sim.hardware import get_profile, with_host_to_device
 from inference.sim.model_sizes import mixtral_8x7b
@@ -134,9 +134,9 @@ def test_emulated_disk_bandwidth_is_one_shared_token_bucket(shards: ShardSet) ->
 
 def test_bad_store_settings_are_refused(shards: ShardSet) -> None:
     with pytest.raises(SpecError, match="expert_store must be one of ram, disk, hot, got 'tape'"):
-        validate_settings(Settings(expert_store="tape"))
+        validate_settings(DeploymentSettings(expert_store="tape"))
     with pytest.raises(SpecError, match="disk_bytes_per_s must be > 0"):
-        validate_settings(Settings(expert_store="disk", disk_bytes_per_s=0.0))
+        validate_settings(DeploymentSettings(expert_store="disk", disk_bytes_per_s=0.0))
     with pytest.raises(ValueError, match="expert store must be one of ram, disk"):
         open_store("tape", shards.worker(0))
 
@@ -150,12 +150,12 @@ def test_emulation_scales_disk_reads_like_copies() -> None:
     compute, _, _ = real_times(profile)
     real_read = mixtral_8x7b().expert_bytes(16) / profile.disk_read  # ~0.1 s per Mixtral expert
     assert expert_bytes / emulation.disk_bytes_per_s / here_s == pytest.approx(real_read / compute)
-    assert emulation.settings(Settings()).disk_bytes_per_s == emulation.disk_bytes_per_s
+    assert emulation.settings(DeploymentSettings()).disk_bytes_per_s == emulation.disk_bytes_per_s
 
 
 @pytest.mark.slow
 def test_a_cluster_on_disk_stores_gives_the_reference_tokens(tiny_model: Path) -> None:
-    options = ClusterOptions(workers=3, settings=Settings(expert_store="disk"), in_process=True)
+    options = ClusterOptions(workers=3, settings=DeploymentSettings(expert_store="disk"), in_process=True)
     with LocalCluster(tiny_model, options) as cluster:
         results = [cluster.generate(prompt, 24) for prompt in PROMPTS[:2]]
     for prompt, result in zip(PROMPTS[:2], results, strict=True):
@@ -176,7 +176,7 @@ def test_a_disk_worker_does_not_hold_its_experts_in_ram(tmp_path: Path) -> None:
     peaks, tokens = {}, {}
     for kind in ("ram", "disk"):
         # Fresh processes: a worker's peak RSS is the point, not a zygote's imported pages.
-        options = ClusterOptions(workers=2, shadow=False, settings=Settings(expert_store=kind), spawn="exec")
+        options = ClusterOptions(workers=2, shadow=False, settings=DeploymentSettings(expert_store=kind), spawn="exec")
         with LocalCluster(model, options, work_dir=tmp_path / "work") as cluster:
             tokens[kind] = cluster.generate(PROMPTS[0], 4).token_ids
             peaks[kind] = _peak_rss_bytes(cluster.processes["worker-0"].pid)

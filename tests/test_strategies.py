@@ -22,7 +22,7 @@ from inference.policies.strategies import (
 )
 from inference.runtime.cache import DeviceCache
 from inference.runtime.launcher import ClusterOptions, LocalCluster
-from inference.runtime.spec import Settings, SpecError, validate_settings
+from inference.runtime.spec import DeploymentSettings, SpecError, validate_settings
 from tests.reference import PROMPTS, reference_generate
 
 PLAN = placement(n_layers=4, n_experts=8, top_k=2, n_workers=8)  # groups (0,1) (2,3) (4,5) (6,7)
@@ -48,7 +48,7 @@ def test_a_predictor_is_the_strategys_own_unless_one_is_chosen() -> None:
     with pytest.raises(ValueError, match="predictor must be one of shadow, next-gate"):
         predictor_for("odmoe", "oracle")
     with pytest.raises(SpecError, match="full-cache loads only what is routed"):
-        validate_settings(Settings(strategy="full-cache", predictor="next-gate"))
+        validate_settings(DeploymentSettings(strategy="full-cache", predictor="next-gate"))
     assert [get_strategy(n).fixed_homes for n in STRATEGIES] == [False, True, False, True]
 
 
@@ -110,12 +110,12 @@ def test_device_cache_keeps_recent_experts_per_layer_and_counts_bytes() -> None:
 
 def test_settings_name_what_is_wrong() -> None:
     with pytest.raises(SpecError, match="strategy must be one of"):
-        validate_settings(Settings(strategy="mru"))
+        validate_settings(DeploymentSettings(strategy="mru"))
     with pytest.raises(SpecError, match="link_bytes_per_s must be > 0"):
-        validate_settings(Settings(link_bytes_per_s=0.0))
+        validate_settings(DeploymentSettings(link_bytes_per_s=0.0))
     with pytest.raises(SpecError, match="cache_experts"):
-        validate_settings(Settings(cache_experts=-1))
-    validate_settings(Settings(strategy="lru-offload", link_bytes_per_s=1e8, link_latency_s=1e-4))
+        validate_settings(DeploymentSettings(cache_experts=-1))
+    validate_settings(DeploymentSettings(strategy="lru-offload", link_bytes_per_s=1e8, link_latency_s=1e-4))
 
 
 # --- end to end: exact, and each strategy holds what it says ---------------------------------
@@ -131,7 +131,9 @@ def test_every_strategy_is_token_identical_to_transformers(tiny_model: Path, str
     generator = random.Random(3)
     long_prompt = [1] + [generator.randrange(3, 500) for _ in range(90)]  # prefilled in mini-batches
     prompts = [PROMPTS[0], PROMPTS[2], long_prompt]
-    options = ClusterOptions(workers=workers, settings=Settings(strategy=strategy, prefill_chunk=16), in_process=True)
+    options = ClusterOptions(
+        workers=workers, settings=DeploymentSettings(strategy=strategy, prefill_chunk=16), in_process=True
+    )
     with LocalCluster(tiny_model, options) as cluster:
         assert ("shadow" in cluster.roles) == (strategy == "odmoe")
         results = [cluster.generate(prompt, 24) for prompt in prompts]
@@ -157,7 +159,9 @@ def test_every_strategy_is_token_identical_to_transformers(tiny_model: Path, str
 @pytest.mark.slow
 def test_odmoe_on_mains_next_gate_predictor_runs_no_shadow_and_stays_exact(tiny_model: Path) -> None:
     """``predictor="next-gate"``: main's next-layer router names what the workers load ahead."""
-    options = ClusterOptions(workers=4, settings=Settings(strategy="odmoe", predictor="next-gate"), in_process=True)
+    options = ClusterOptions(
+        workers=4, settings=DeploymentSettings(strategy="odmoe", predictor="next-gate"), in_process=True
+    )
     with LocalCluster(tiny_model, options) as cluster:
         assert "shadow" not in cluster.roles
         results = [cluster.generate(prompt, 24) for prompt in PROMPTS[:3]]

@@ -57,7 +57,7 @@ def worker_depth(top_k: int, members: int, link_depth: int = LINK_DEPTH) -> int:
 
 
 def resolve_depth(setting: int, top_k: int, members: int, link_depth: int = LINK_DEPTH) -> int:
-    """``Settings.max_resident_experts`` for one worker: the setting, or ``worker_depth`` for 0 (auto)."""
+    """``DeploymentSettings.max_resident_experts`` for one worker: the setting, or ``worker_depth`` for 0 (auto)."""
     if setting < 0:
         raise ValueError(f"max_resident_experts must be >= 0 (0: from the worker's group), got {setting}")
     return setting or worker_depth(top_k, members, link_depth)

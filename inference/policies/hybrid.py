@@ -47,7 +47,7 @@ Everything here is pure arithmetic on rates and a snapshot of the loader's queue
 Exactness: on a CPU-only worker both paths run the same kernel on the same weights, so the
 output is bit-identical whichever is taken. On a CUDA worker the CPU computes with another
 kernel than the GPU and may round differently, so hybrid execution is off by default
-(``Settings.hybrid``).
+(``DeploymentSettings.hybrid``).
 """
 
 from __future__ import annotations

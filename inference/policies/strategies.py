@@ -44,7 +44,7 @@ STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")  # exact: every 
 APPROXIMATE_STRATEGIES = ("importance", "prerouter")
 RUNTIME_STRATEGIES = STRATEGIES + APPROXIMATE_STRATEGIES
 DEFAULT_STRATEGY = "odmoe"
-# Who names the experts a worker loads ahead (``Settings.predictor``): the shadow, a whole
+# Who names the experts a worker loads ahead (``DeploymentSettings.predictor``): the shadow, a whole
 # model of its own on a node of its own that runs ahead of main; or ``next-gate``, main itself,
 # applying the next layer's router to the current layer's input (no node, one layer of lead);
 # or ``prerouter``, main's trained heads (``inference.runtime.prerouter``; no node, one layer of lead).

@@ -27,7 +27,7 @@ class GenerationError(RuntimeError):
 
     ``busy``: main's batch and queue were full, so the generation never started;
     ``too_many_generations``: its user already had the most generations one user may have in
-    main (``Settings.max_per_user``), so it never started either.
+    main (``DeploymentSettings.max_per_user``), so it never started either.
     """
 
     def __init__(self, message: str, *, busy: bool = False, too_many_generations: bool = False) -> None:

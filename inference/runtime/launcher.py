@@ -33,7 +33,7 @@ from inference.modelio.shards import ShardSet, shadow_dtypes_to_build
 from inference.policies.strategies import predictor_for
 from inference.runtime.client import GenerationError, RuntimeClient
 from inference.runtime.curve import EndpointKeys, SeatKeys, client_keys, new_seat_keys, role_keys
-from inference.runtime.spec import Addresses, RoleSpec, Settings, write_private
+from inference.runtime.spec import Addresses, DeploymentSettings, RoleSpec, write_private
 from inference.wire.generation import Done
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class ClusterError(RuntimeError):
 class ClusterOptions:
     workers: int = 8
     shadow: bool = True  # without a shadow, workers load reactively (no prediction)
-    settings: Settings = field(default_factory=Settings)
+    settings: DeploymentSettings = field(default_factory=DeploymentSettings)
     startup_timeout_s: float = 180.0
     # The roles as threads of this process (``inference.runtime.in_process``), for tests of what
     # a cluster computes; a role that must be killed, frozen or measured on its own needs a process.

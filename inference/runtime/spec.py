@@ -6,7 +6,7 @@ roles it talks with and of its own client) and the runtime settings. It is JSON 
 agent writes it readable by its own user only: it holds the role's secret key); ``load_spec``
 validates it and says what is wrong. A spec without keys is refused: no role serves an
 unauthenticated data plane. The settings are ``inference.settings.DeploymentSettings``, the
-one declaration the control plane shares (``Settings`` here).
+one declaration the control plane shares (re-exported here by that one name).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from inference.settings import DeploymentSettings, SpecError, check_max_per_user
 __all__ = [
     "ROLES",
     "Addresses",
+    "DeploymentSettings",
     "RoleSpec",
-    "Settings",
     "SpecError",
     "check_max_per_user",
     "load_spec",
@@ -36,10 +36,6 @@ __all__ = [
 ]
 
 ROLES = ("main", "shadow", "worker")
-
-
-# The runtime's name for the one declaration of a deployment's settings (inference.settings).
-Settings = DeploymentSettings
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,7 @@ class RoleSpec:
     shard_dir: str
     addresses: Addresses
     worker: int | None = None
-    settings: Settings = field(default_factory=Settings)
+    settings: DeploymentSettings = field(default_factory=DeploymentSettings)
     # The role's data-plane keys (inference.runtime.curve). Required: None is only how a spec that
     # lacks them reads before ``validate_spec`` refuses it.
     curve: EndpointKeys | None = None
@@ -86,7 +82,7 @@ class RoleSpec:
 
 
 def compute_dtype(setting: str, config: dict | None = None) -> torch.dtype | None:
-    """What main and the workers compute in, for a ``Settings.dtype``.
+    """What main and the workers compute in, for a ``DeploymentSettings.dtype``.
 
     "auto" is what Transformers' ``from_pretrained(dtype="auto")`` picks: the config's
     ``dtype`` (or older ``torch_dtype``) when it names one, else None (the tensors' own dtype).
@@ -164,7 +160,7 @@ def load_spec(path: str | Path) -> RoleSpec:
             shard_dir=str(data["shard_dir"]),
             addresses=Addresses(**data["addresses"]),
             worker=data.get("worker"),
-            settings=Settings(**data.get("settings", {})),
+            settings=DeploymentSettings(**data.get("settings", {})),
             curve=endpoint_keys_from_json(data["curve"]) if data.get("curve") is not None else None,
         )
     except KeyError as exc:

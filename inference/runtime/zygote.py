@@ -198,7 +198,7 @@ class Zygote:
             stderr=None,  # its own troubles go where this process's do
             # OpenBLAS (numpy's, which torch and Transformers import) starts a thread pool at import
             # unless told one thread: the zygote must have none when it forks. The roles compute
-            # with torch's own threads (``Settings.threads``), which this does not touch.
+            # with torch's own threads (``DeploymentSettings.threads``), which this does not touch.
             env={**os.environ, "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1"},
         )
         self.lock = threading.Lock()

@@ -3,8 +3,8 @@
 A small model on a CPU computes an expert in microseconds and copies it in microseconds
 too, so none of the trade-offs between the strategies shows. An ``Emulation`` takes a
 hardware profile (``inference.sim.hardware``: GPU memory bandwidth, PCIe, network) and
-sets the runtime's token buckets (``Settings.copy_bytes_per_s`` in the expert loader,
-``Settings.disk_bytes_per_s`` in the disk expert store, ``Settings.link_bytes_per_s`` /
+sets the runtime's token buckets (``DeploymentSettings.copy_bytes_per_s`` in the expert loader,
+``DeploymentSettings.disk_bytes_per_s`` in the disk expert store, ``DeploymentSettings.link_bytes_per_s`` /
 ``link_latency_s`` in the transport) so that, measured
 against one expert's decode compute *here*, loading an expert and sending a hidden state
 between nodes take as long as they do next to one Mixtral-8x7B expert's decode compute on
@@ -32,7 +32,7 @@ import torch
 
 from inference.policies.depth import prefetch_depth
 from inference.runtime.experts import ExpertWeights, activation, expert_forward
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.sim.hardware import Profile, get_profile
 from inference.sim.model_sizes import ModelSizes, mixtral_8x7b
 
@@ -66,7 +66,7 @@ class Emulation:
         expert's copy against its compute (the same at any time scale)."""
         return prefetch_depth(self.expert_load_real_s, self.expert_compute_real_s)
 
-    def settings(self, base: Settings, *, networked: bool = True) -> Settings:
+    def settings(self, base: DeploymentSettings, *, networked: bool = True) -> DeploymentSettings:
         """``base`` with the emulated copy bandwidth, and the emulated link if roles are on separate boxes."""
         link = (
             {"link_bytes_per_s": self.link_bytes_per_s, "link_latency_s": self.link_latency_s}

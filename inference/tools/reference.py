@@ -45,7 +45,7 @@ def reference_generate(
     ``dtype="auto"`` computes in the checkpoint's own dtype, as the roles do by default; the
     comparison is only exact on the ``device`` the roles ran on (kernels differ between devices).
     ``prefill_step`` prefills the prompt in pieces of that many tokens first, as main's
-    chunked prefill does (``Settings.prefill_step``); 0 prefills it whole.
+    chunked prefill does (``DeploymentSettings.prefill_step``); 0 prefills it whole.
     """
     prompt = torch.tensor([prompt_ids], device=device)
 

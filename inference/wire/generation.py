@@ -163,7 +163,7 @@ class Failed(Message, kw_only=True, tag="generation_failed"):
     ``retryable``: the same request can succeed shortly (main died and is being restarted),
     as opposed to one that cannot (a bad request); ``busy``: main's batch and queue were full,
     so it never started (ask again later); ``too_many_generations``: its user already had the
-    most generations one user may have in main (``Settings.max_per_user``), so it never started
+    most generations one user may have in main (``DeploymentSettings.max_per_user``), so it never started
     (send it when one of theirs ends); ``too_large``: the request is larger than a frame a hop on
     its way takes (the agent link's, ``inference.wire.link.frame_limit``), so it never went out
     and the same request fails again. ``index``: how many tokens came before it (as ``Done``'s).

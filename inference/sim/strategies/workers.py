@@ -6,7 +6,7 @@ loaded), so a load can start only once the expert ``D`` loads before it is freed
 layer's hidden state and expert ids to the layer's group; the workers answer; the layer ends when
 the last answer is in.
 
-With `Cluster.hybrid` (the runtime's `Settings.hybrid`, `inference.policies.hybrid`), when main's request
+With `Cluster.hybrid` (the runtime's `DeploymentSettings.hybrid`, `inference.policies.hybrid`), when main's request
 reaches a worker each requested expert runs where it finishes first: on the GPU once its copy is
 done, or on the worker's CPU straight from host memory (its bytes over `Profile.host_memory`'s rate,
 or its FLOPs over `Profile.host_cpu_flops` if that is longer); a copy that had not started by then

@@ -1,4 +1,4 @@
-"""Hybrid execution at a worker (``Settings.hybrid``, ``inference.policies.hybrid``): its rates,
+"""Hybrid execution at a worker (``DeploymentSettings.hybrid``, ``inference.policies.hybrid``): its rates,
 the planned share's controller, which of a request's experts run on the CPU, and the CPU path.
 
 The choices are functions of the rates and the loader's copy states; only ``compute_on_host``
@@ -18,7 +18,7 @@ from inference.policies.loads import Key
 from inference.runtime.experts import expert_forward
 from inference.runtime.loader import measure_host_rates
 from inference.runtime.roles.worker.session import Session
-from inference.runtime.spec import Settings
+from inference.runtime.spec import DeploymentSettings
 from inference.wire.runtime import ExpertRequest
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class CpuExperts(set[int]):
     predicted: int = 0
 
 
-def host_rates(settings: Settings, store, device: torch.device, act_fn, index: int) -> HostRates:
+def host_rates(settings: DeploymentSettings, store, device: torch.device, act_fn, index: int) -> HostRates:
     """The rates hybrid execution decides with: the emulated ones, else measured here at start."""
     given = (settings.host_memory_bytes_per_s, settings.host_flops, settings.copy_bytes_per_s)
     if all(given):  # emulated: nothing to measure
@@ -101,7 +101,15 @@ def choose_on_cpu(
 
 
 def compute_on_host(
-    msg: ExpertRequest, expert: int, span: slice, store, act_fn, rates: HostRates, settings: Settings, device, sizes
+    msg: ExpertRequest,
+    expert: int,
+    span: slice,
+    store,
+    act_fn,
+    rates: HostRates,
+    settings: DeploymentSettings,
+    device,
+    sizes,
 ) -> torch.Tensor:
     """One expert's rows computed on this host's CPU from its weights in host memory.
     ``sizes``: (hidden, intermediate), for an emulated host's floor."""

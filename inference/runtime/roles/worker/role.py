@@ -5,7 +5,7 @@ queue loads; main's requests name the experts really routed to this worker, whos
 are computed as soon as each expert is on the device, after which it is freed — or kept
 in the device cache under a caching strategy (``inference.policies.strategies``). Stale prefetches
 (a layer already served, a wrong prediction) are dropped when main's request for that
-layer shows what was really needed. With hybrid execution (``Settings.hybrid``,
+layer shows what was really needed. With hybrid execution (``DeploymentSettings.hybrid``,
 ``inference.policies.hybrid``) an expert whose copy would finish later than the worker's CPU could
 compute it from host memory runs on the CPU instead, beside the device's experts; under a
 cacheless strategy that loads ahead, a planned share of the group's (step, layer)s is not
