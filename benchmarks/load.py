@@ -364,8 +364,6 @@ def install_triggers(db: Path) -> None:
         script = TRIGGERS.format(
             nodes=Node._meta.db_table,
             deployments=Deployment._meta.db_table,
-            seq_prefix=SEQ_PREFIX,
-            seq_start=len(SEQ_PREFIX) + 1,  # SQLite counts from 1
         )
         conn.executescript(script)
         conn.commit()
@@ -415,8 +413,6 @@ def install_postgres_triggers(url: str) -> None:
     script = POSTGRES_TRIGGERS.format(
         nodes=Node._meta.db_table,
         deployments=Deployment._meta.db_table,
-        seq_prefix=SEQ_PREFIX,
-        seq_start=len(SEQ_PREFIX) + 1,  # PostgreSQL counts from 1 too
     )
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(script)
