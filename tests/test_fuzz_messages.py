@@ -96,6 +96,15 @@ JSON_JUNK = st.recursive(
 
 def plausible(hint, *, ints, text, junk, tensors=None):
     """A strategy for values of type ``hint``, the way a sender that means well would fill it."""
+    if typing.get_origin(hint) is typing.Annotated:  # kept within the field's bounds (msgspec.Meta)
+        base, *metas = typing.get_args(hint)
+        values = plausible(base, ints=ints, text=text, junk=junk, tensors=tensors)
+        for meta in (m for m in metas if isinstance(m, msgspec.Meta)):
+            if meta.ge is not None:
+                values = values.filter(lambda v, ge=meta.ge: v >= ge)
+            if meta.max_length is not None:
+                values = values.filter(lambda v, most=meta.max_length: len(v) <= most)
+        return values
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:  # Annotated[...] | None: Optional
         return st.one_of([plausible(arm, ints=ints, text=text, junk=junk, tensors=tensors) for arm in hint.__args__])
     origin = typing.get_origin(hint)
@@ -116,7 +125,7 @@ def plausible(hint, *, ints, text, junk, tensors=None):
         arms = typing.get_args(hint)
         return st.tuples(*(plausible(a, ints=ints, text=text, junk=junk, tensors=tensors) for a in arms))
     if isinstance(hint, type) and issubclass(hint, msgspec.Struct):  # a struct inside a message (TokenLogprob)
-        hints = typing.get_type_hints(hint)
+        hints = typing.get_type_hints(hint, include_extras=True)
         fields = {
             f.name: plausible(hints[f.name], ints=ints, text=text, junk=junk, tensors=tensors)
             for f in msgspec.structs.fields(hint)
@@ -135,7 +144,7 @@ def instances(classes, *, ints, text, junk, tensors=None):
     """Valid-looking instances of ``classes``, every field filled from its type hint."""
 
     def of(cls):
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         fields = {
             f.name: plausible(hints[f.name], ints=ints, text=text, junk=junk, tensors=tensors)
             for f in msgspec.structs.fields(cls)
