@@ -191,10 +191,11 @@ class Uplink:
                 return None
             message, text = fitted
             if generation:
-                message = self.outbox.keep(message, text)
-                if message is None:  # its generation ended already
+                kept = self.outbox.keep(message, text)
+                if kept is None:  # its generation ended already
                     return None
-                text = frames.encode(message)
+                if kept is not message:  # the generation was given up: its Failed goes instead
+                    message, text = kept, frames.encode(kept)
             if self.ws is not None:
                 with contextlib.suppress(ConnectionClosed, OSError):  # a generation's event goes again on the next link
                     await self.ws.send(text)

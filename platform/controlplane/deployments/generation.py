@@ -188,10 +188,10 @@ async def astream(
                 timeout, paused = NEXT_EVENT_TIMEOUT_S, False
                 if isinstance(event, Exception):
                     raise event
-                if isinstance(event, Token) and event.index != (generated or 0):
-                    if event.index < (generated or 0):
-                        link["resent_tokens"] += 1
-                        continue  # sent again after the link came back: had it
+                if isinstance(event, Token) and event.index < (generated or 0):
+                    link["resent_tokens"] += 1
+                    continue  # sent again after the link came back: had it
+                if isinstance(event, Token | Done) and (event.index or 0) > (generated or 0):
                     raise ClusterGenerationError(
                         f"tokens {generated or 0} to {event.index - 1} of the generation never came", retryable=True
                     )
@@ -206,10 +206,6 @@ async def astream(
                 if isinstance(event, Done) and event.finish_reason not in FINISH_REASONS:
                     reason = f"{event.finish_reason!r:.40}"
                     raise ClusterGenerationError(f"main ended the generation with an unknown finish reason {reason}")
-                if isinstance(event, Done) and event.index is not None and event.index > (generated or 0):
-                    raise ClusterGenerationError(
-                        f"tokens {generated or 0} to {event.index - 1} of the generation never came", retryable=True
-                    )
                 if isinstance(event, Done):
                     generated = None
                     await _count(caller, name, len(request.prompt_ids), len(event.token_ids))

@@ -185,9 +185,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         )
         answer = frames.refusal(content, size, self.frame_limit)
         if isinstance(answer, Failed):
-            self.generations.pop(answer.request_id, None)
-            await relay(self.channel_layer, answer)
-            await asyncio.to_thread(owners.ended, answer.request_id)
+            await self._fail_here(answer)
         elif isinstance(answer, TaskDone) and services.is_task_id(answer.task_id):
             key = ("done", answer.task_id)
             self._record(key, services.record_task_done, task_id=answer.task_id, ok=False, detail=answer.detail)
@@ -321,11 +319,14 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 "node %s: its link closed before a %s command could go down it", self.node_id, command.get("type")
             )
             if command.get("type") == Generate.TAG:  # never reached the agent: nothing will come of it
-                request_id = command["request_id"]
-                self.generations.pop(request_id, None)
                 error = "the link to main's node closed before the request went down it"
-                await relay(self.channel_layer, Failed(request_id=request_id, error=error, retryable=True))
-                await asyncio.to_thread(owners.ended, request_id)
+                await self._fail_here(Failed(request_id=command["request_id"], error=error, retryable=True))
+
+    async def _fail_here(self, failed: Failed) -> None:
+        """End a generation given to this node whose request never went down its link, with ``failed``."""
+        self.generations.pop(failed.request_id, None)
+        await relay(self.channel_layer, failed)
+        await asyncio.to_thread(owners.ended, failed.request_id)
 
     async def _relay_generation(self, event: GenerationEvent) -> None:
         request_id = event.request_id
