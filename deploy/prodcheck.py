@@ -23,8 +23,9 @@ Brings up, without systemd, what ``docs/production.md`` installs on a host:
 
 Then it checks the edge (plain HTTP redirected, HSTS, the body cap answered by the proxy),
 deploys a small model through the REST API, checks every role runs as the agents' user, and
-has a chat answer over wss, a batch job run on the jobs worker, and the official ``openai``
-client stream an answer through the proxy. Everything is torn down after, on failure too; on
+has a chat answer over wss (and one across a restart of every web worker: killed mid-answer, the
+socket connects again and gets the rest), a batch job run on the jobs worker, and the official
+``openai`` client stream an answer through the proxy. Everything is torn down after, on failure too; on
 failure the tail of every log is printed.
 
 What differs from a host, on purpose: the paths (``/opt/odmoe`` is this checkout, ``/var/lib/odmoe``
@@ -47,6 +48,7 @@ import pwd
 import re
 import secrets
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -685,6 +687,17 @@ def check_roles_run_as_the_agents_user(stack: Stack) -> None:
     step(f"{len(found)} agent and role processes all run as uid {expected}" + (f" ({AGENT_USER})" if expected else ""))
 
 
+def web_workers(supervisor: int) -> list[int]:
+    """The worker processes of uvicorn's supervisor (multiprocessing's spawned children, not its
+    resource tracker)."""
+    found = []
+    for pid in descendants(supervisor):
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -746,6 +759,65 @@ def check_chat_over_wss(stack: Stack) -> None:
     step(f"chat over wss: {len(text)} characters streamed, {text!r}")
 
 
+def check_chat_survives_its_web_workers_restart(stack: Stack) -> None:
+    """Every web worker killed mid-answer (uvicorn's supervisor starts them again): the chat socket
+    closes; connected again, as the page does, it asks for the rest from its last piece and gets the
+    whole answer (``controlplane.chat.writer``: a page takes over an answer whose writer died)."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    browser = login(stack)
+    url = stack.server.replace("https://", "wss://", 1) + "/ws/chat/"
+    context = ssl.create_default_context(cafile=str(stack.cert))
+    headers = {"Cookie": f"sessionid={browser.cookie('sessionid')}"}
+    web = next(child for child in stack.group.children if child.name == "odmoe-web")
+    workers = web_workers(web.process.pid)
+
+    async def receive(ws) -> dict:
+        return json.loads(await asyncio.wait_for(ws.recv(), timeout=180))
+
+    async def chat() -> tuple[str, list[dict], dict, float]:
+        async with connect(url, ssl=context, additional_headers=headers, origin=stack.server,
+                           open_timeout=20, proxy=None) as ws:  # fmt: skip
+            await ws.send(json.dumps({"type": "send", "conversation": None, "content": PROMPT, "max_tokens": 96}))
+            answer = (await receive(ws))["answer"]
+            first = await receive(ws)
+            while first.get("type") != "token":
+                first = await receive(ws)
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        killed, shown = time.monotonic(), [first]
+        while True:  # as the page does: connect again, ask for the rest
+            try:
+                async with connect(url, ssl=context, additional_headers=headers, origin=stack.server,
+                                   open_timeout=20, proxy=None) as ws:  # fmt: skip
+                    after = shown[-1]["index"] + 1
+                    await ws.send(json.dumps({"type": "resume", "answer": answer, "after": after}))
+                    while (event := await receive(ws)).get("type") != "done":
+                        if event.get("type") == "token":
+                            shown.append(event)
+                        elif event.get("type") == "error":
+                            raise CheckFailed(f"the resumed chat answered an error: {event}")
+                    return answer, shown, event, time.monotonic() - killed
+            except (TimeoutError, OSError) as exc:
+                if time.monotonic() - killed > 120:
+                    raise CheckFailed(f"the chat could not connect again after its web workers died: {exc}") from exc
+                await asyncio.sleep(1.0)
+
+    answer, shown, done, took = asyncio.run(chat())
+    text = "".join(event["text"] for event in shown)
+    indices = [event["index"] for event in shown]
+    if done.get("status") != "complete" or text != done.get("content") or indices != sorted(set(indices)):
+        raise CheckFailed(f"the chat across its web workers' restart ended {done} after {text!r}")
+    restarted = [pid for pid in web_workers(web.process.pid) if pid not in workers]
+    step(
+        f"chat across a restart of {len(workers)} web workers (now {restarted}): answer {answer} whole "
+        f"({len(text)} characters, pieces {indices[0]}..{indices[-1]}) {took:.1f} s after the kill"
+    )
+
+
 def check_job(stack: Stack, deployment: str) -> None:
     job = stack.api.json("POST", "/api/jobs", {"model": deployment, "prompts": [PROMPT], "max_tokens": 8}, 201)
     seen = {}
@@ -800,6 +872,7 @@ def run_checks(stack: Stack, agents: int, model: Path) -> None:
     step(f"deployment {deployment['name']} ready in {time.monotonic() - started:.1f} s")
     check_roles_run_as_the_agents_user(stack)
     check_chat_over_wss(stack)
+    check_chat_survives_its_web_workers_restart(stack)
     check_job(stack, deployment["name"])
     check_openai(stack, deployment["name"])
 

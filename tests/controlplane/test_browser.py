@@ -7,6 +7,7 @@ go to ``artifacts/screenshots/`` (``ODMOE_SCREENSHOTS`` overrides), kept by CI.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 from collections.abc import Iterator
@@ -73,11 +74,11 @@ def log_in(page, served: Served, username: str) -> None:
     page.wait_for_url("**/chat/")
 
 
-def test_the_console_and_the_chat_in_the_browser(served: Served, passwords, browser) -> None:
+def test_the_console_and_the_chat_in_the_browser(served: Served, redis_url: str, passwords, browser) -> None:
     """One cluster for both pages (a cluster takes 10 to 30 s to start and stop): the console's checks,
     which leave every node as they found it, then the chat's, as another user."""
     check_the_console_shows_the_cluster_live_and_makes_a_join_token(served, browser)
-    check_chat_in_the_browser_streams_keeps_history_and_stops(served, browser)
+    check_chat_in_the_browser_streams_keeps_history_and_stops(served, redis_url, browser)
 
 
 def check_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Served, browser) -> None:
@@ -135,7 +136,7 @@ def check_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Serv
     page.wait_for_selector("tr[data-node] .badge.draining", state="detached")
 
 
-def check_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, browser) -> None:
+def check_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, redis_url: str, browser) -> None:
     page = browser.new_page()
     page.set_default_timeout(60_000)
     log_in(page, served, "alice")
@@ -178,3 +179,46 @@ def check_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, br
         model=SERVED_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
     )
     assert quick.choices[0].finish_reason == "length"
+
+    # The web server killed mid-answer and started again: the page reconnects and shows the whole
+    # answer. The answer's writer died with the server; the page, following the answer again, takes
+    # the writing over and has main go on from the tokens already written (chat.writer).
+    page.fill("#prompt", "And then?")
+    page.wait_for_selector("#send:enabled")
+    page.evaluate("document.getElementById('send').click()")
+    page.wait_for_function("document.querySelectorAll('li.message.assistant')[2].innerText.length > 0", polling=20)
+    asgi = next(child for child in served.plane.group.children if child.name == "asgi")
+    served.plane.group.stop(asgi, kill=True)
+    before = page.inner_text("li.message.assistant >> nth=2")
+    answer = int(page.get_attribute("li.message.assistant >> nth=2", "data-id"))
+    served.plane.start_server()
+    page.wait_for_selector("li.message.assistant.complete >> nth=1", timeout=120_000)
+    page.screenshot(path=SHOTS / "chat-resumed.png")
+    shown = page.inner_text("li.message.assistant.complete >> nth=1 >> .content")
+    check_the_answer_went_on_from_where_it_was(served, redis_url, answer, before, shown)
+
+
+def check_the_answer_went_on_from_where_it_was(
+    served: Served, redis_url: str, answer: int, before: str, shown: str
+) -> None:
+    """The page shows the answer as saved, begun with what it showed before the restart; its tokens are
+    Transformers' up to where the writing was taken over, then Transformers' going on from them."""
+    from django.test import override_settings
+
+    from controlplane.chat import tape
+    from controlplane.chat.models import Message
+    from tests.reference import reference_generate
+
+    def saved() -> Message:  # off Playwright's thread, where the ORM is not allowed
+        return Message.objects.get(pk=answer)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        message = pool.submit(saved).result()
+    assert message.status == "complete" and shown == message.content and shown.startswith(before.strip())
+    with override_settings(REDIS_URL=redis_url):  # the cluster's, where its web server keeps the tape
+        meta, ids = tape.read_meta(answer), tape.token_ids(tape.pieces(answer))
+    (resumed_at,) = meta.resumed_at
+    assert 0 <= resumed_at < len(ids) <= meta.max_tokens, (resumed_at, len(ids))
+    assert ids[:resumed_at] == reference_generate(served.model_dir, meta.prompt_ids, resumed_at)
+    rest = reference_generate(served.model_dir, meta.prompt_ids + ids[:resumed_at], len(ids) - resumed_at)
+    assert ids[resumed_at:] == rest

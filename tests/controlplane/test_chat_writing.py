@@ -1,16 +1,23 @@
 """A chat answer whose web process stopped mid-answer (``controlplane.chat.writing``): its partial text
 was saved as it came, and it is failed, saying why, instead of staying "being written" forever; an
-answer whose writer is alive, however long it waits for a token, is left alone."""
+answer whose writer is alive, however long it waits for a token, is left alone. The answer's tape
+(``chat.tape``) takes each piece once and is read from where a page left off; one writer holds an
+answer at a time; a page follows only its own user's answers. (The whole answer across a closed page,
+a stopped writer and a restarted web server: ``test_serving_e2e``, ``test_browser``.)"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import timedelta
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from controlplane.chat import services, writing
+from controlplane.accounts.usage import Caller
+from controlplane.chat import services, tape, writing
 from controlplane.chat.models import Message, MessageStatus
 from controlplane.chat.tasks import settle_interrupted_answers_task
 from controlplane.shared_redis import client
@@ -52,5 +59,111 @@ def test_nothing_is_settled_while_redis_cannot_tell_which_answers_are_being_writ
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
     _, answer, _ = services.start_turn(user=user, conversation_id=None, content="hello")
     Message.objects.filter(pk=answer.pk).update(created_at=timezone.now() - timedelta(seconds=writing.STALE_S * 2))
-    assert writing.settle_interrupted() == []
+    assert services.settle_interrupted() == []
     assert Message.objects.get(pk=answer.pk).status == MessageStatus.STREAMING
+
+
+def test_a_settled_answer_keeps_the_text_its_tape_has_and_its_tokens_are_counted_once(
+    channel_layer_on_test_redis,
+) -> None:
+    """The writer died after putting pieces on the tape it had not saved yet: the settled answer has them,
+    and its tokens are counted to its user once however often the beat task runs."""
+    from controlplane.accounts.models import TokenUsage
+
+    user = get_user_model().objects.create_user("erin")
+    _, answer, _ = services.start_turn(user=user, conversation_id=None, content="question")
+    meta = tape.Meta(
+        deployment_id=999, deployment="gone", user_id=user.pk, prompt_ids=[1, 2, 3], max_tokens=8, request_id="r"
+    )
+    tape.start(answer.pk, meta)
+    for index, text in enumerate(["Hel", "lo", " the", "re"]):
+        async_to_sync(tape.append)(answer.pk, tape.Piece(index, 100 + index, text))
+    services.save_partial(answer_id=answer.pk, content="Hel")  # saved before the last pieces came
+    Message.objects.filter(pk=answer.pk).update(created_at=timezone.now() - timedelta(seconds=writing.STALE_S * 2))
+    client().zadd(writing.KEY, {str(answer.pk): 1.0})
+
+    assert services.settle_interrupted() == [answer.pk]  # its deployment is gone: nothing to cancel
+    settled = Message.objects.get(pk=answer.pk)
+    assert (settled.status, settled.content, settled.error) == (
+        MessageStatus.FAILED,
+        "Hello there",
+        writing.INTERRUPTED,
+    )
+    assert services.settle_interrupted() == []
+    (usage,) = TokenUsage.objects.filter(user=user)
+    assert (usage.deployment, usage.prompt_tokens, usage.completion_tokens, usage.generations) == ("gone", 3, 4, 1)
+    # A writer that comes late saves nothing over it, and counts nothing more.
+    late = services.Usage(Caller(user.pk), "gone", 3, 8)
+    assert not services.finish_answer(
+        answer_id=answer.pk, content="x", status=MessageStatus.COMPLETE, metrics={}, error="", usage=late
+    )
+    assert TokenUsage.objects.get(user=user).completion_tokens == 4
+
+
+def test_each_piece_goes_on_the_tape_once_and_a_reader_resumes_after_the_pieces_it_has(
+    channel_layer_on_test_redis,
+) -> None:
+    async def write_and_read() -> tuple[list, list]:
+        meta = tape.Meta(deployment_id=1, deployment="d", user_id=1, prompt_ids=[1], max_tokens=4, request_id="r")
+        await asyncio.to_thread(tape.start, 424242, meta)
+        for index, text in enumerate(["a", "b", "c"]):
+            await tape.append(424242, tape.Piece(index, index, text))
+        with pytest.raises(tape.Overtaken):  # a second writer's piece 1: refused, the first one's kept
+            await tape.append(424242, tape.Piece(1, 7, "B"))
+        await tape.append_end(424242, {"done": {"type": "done"}, "error": ""})
+        with pytest.raises(tape.Overtaken):
+            await tape.append(424242, tape.Piece(3, 3, "late"))  # nothing after the end
+        from_start = [item async for item in tape.follow(424242, 0)]
+        after_two = [item async for item in tape.follow(424242, 2)]
+        return from_start, after_two
+
+    from_start, after_two = async_to_sync(write_and_read)()
+    assert [p.text for p in from_start[:-1]] == ["a", "b", "c"] and isinstance(from_start[-1], tape.End)
+    assert [p.text for p in after_two[:-1]] == ["c"] and after_two[-1].message == {
+        "done": {"type": "done"},
+        "error": "",
+    }
+    assert tape.token_ids(tape.pieces(424242)) == [0, 1, 2]
+
+
+def test_one_writer_holds_an_answer_until_it_lets_go_or_its_lease_lapses(channel_layer_on_test_redis) -> None:
+    assert writing.claim(515151, "first")
+    assert not writing.claim(515151, "second")  # held
+    assert writing.renew(515151, "first") and not writing.renew(515151, "second")
+    writing.release(515151, "second")  # not its to release
+    assert not writing.claim(515151, "second")
+    writing.release(515151, "first")
+    assert writing.claim(515151, "second")
+    client().pexpire("odmoe:chat:answer:515151:writer", 1)  # as if its holder stopped renewing
+    time.sleep(0.01)
+    assert writing.claim(515151, "third") and not writing.renew(515151, "second")
+
+
+def test_a_page_follows_only_its_own_users_answers_and_an_ended_one_is_told_from_the_database(
+    transactional_db, channel_layer_on_test_redis
+) -> None:
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.chat.consumers import ChatConsumer
+
+    owner = get_user_model().objects.create_user("frank")
+    other = get_user_model().objects.create_user("grace")
+    _, answer, _ = services.start_turn(user=owner, conversation_id=None, content="mine")
+    services.finish_turn(answer_id=answer.pk, content="the whole answer", status=MessageStatus.COMPLETE)
+
+    async def resume(user, message: dict) -> list[dict]:
+        comm = WebsocketCommunicator(ChatConsumer.as_asgi(), "/ws/chat/")
+        comm.scope["user"] = user
+        assert (await comm.connect())[0]
+        await comm.send_json_to(message)
+        received = [await comm.receive_json_from(timeout=10)]
+        await comm.disconnect()
+        return received
+
+    (told,) = async_to_sync(resume)(owner, {"type": "resume", "answer": answer.pk, "after": 3})
+    assert (told["type"], told["content"], told["status"]) == ("done", "the whole answer", "complete")
+    (refused,) = async_to_sync(resume)(other, {"type": "resume", "answer": answer.pk, "after": 0})
+    assert refused == {"type": "error", "detail": f"no answer {answer.pk}"}  # another user's: not even its end
+    for bad in ({"answer": "1"}, {"answer": 0}, {"answer": answer.pk, "after": -1}, {"answer": True}):
+        (error,) = async_to_sync(resume)(owner, {"type": "resume", **bad})
+        assert error["type"] == "error" and "must be" in error["detail"]

@@ -442,6 +442,113 @@ def check_chat(served: Served) -> None:
     assert again.choices[0].finish_reason == "length"
 
 
+def check_chat_outlives_its_page_and_its_writer(served: Served, redis_url: str) -> None:
+    """A chat answer is written by its writer, not by the page's socket (``controlplane.chat.writer``):
+    a page whose socket closes mid-answer asks again from its last piece and gets the rest, each piece
+    once; a writer that stops mid-answer (its task cancelled, as when its web process shuts down) is
+    taken over by the page following the answer, which has main go on from the tokens already
+    written; a page that never comes back stops the answer after the grace window. Every answer's
+    tokens are counted once. The writers run in this process, on the cluster's Redis (where its web
+    server keeps when each agent was last heard)."""
+    from asgiref.sync import async_to_sync
+    from channels.testing import WebsocketCommunicator
+    from django.contrib.auth import get_user_model
+    from django.test import override_settings
+
+    from controlplane.accounts.models import TokenUsage
+    from controlplane.chat import tape, writer
+    from controlplane.chat.consumers import ChatConsumer
+    from controlplane.chat.models import Message
+
+    alice = get_user_model().objects.get(username="alice")
+    content, tokens = "Tell me about the experts", 40
+    prompt = chat_prompt_ids(served, [{"role": "user", "content": content}])
+    expected = reference_generate(served.model_dir, prompt, tokens)
+    send = {"type": "send", "conversation": None, "content": content, "max_tokens": tokens}
+
+    async def page() -> WebsocketCommunicator:
+        comm = WebsocketCommunicator(ChatConsumer.as_asgi(), "/ws/chat/")
+        comm.scope["user"] = alice
+        assert (await comm.connect())[0]
+        return comm
+
+    async def until_done(comm: WebsocketCommunicator, received: list[dict]) -> list[dict]:
+        while not received or received[-1]["type"] != "done":
+            received.append(await comm.receive_json_from(timeout=120))
+        return received
+
+    async def pieces_then(comm: WebsocketCommunicator, count: int) -> tuple[int, list[dict]]:
+        """The answer's id and the first ``count`` pieces shown."""
+        answer = (await comm.receive_json_from(timeout=30))["answer"]
+        shown = [await comm.receive_json_from(timeout=120) for _ in range(count)]
+        assert all(event["type"] == "token" for event in shown), shown
+        return answer, shown
+
+    async def page_comes_back() -> tuple[list[dict], list[dict]]:
+        first = await page()
+        await first.send_json_to(send)
+        answer, before = await pieces_then(first, 3)
+        await first.disconnect()  # the socket closes; the answer goes on
+        second = await page()
+        await second.send_json_to({"type": "resume", "answer": answer, "after": before[-1]["index"] + 1})
+        after = await until_done(second, [])
+        await second.disconnect()
+        return before, after
+
+    async def writer_stops() -> tuple[int, list[dict]]:
+        comm = await page()
+        await comm.send_json_to(send)
+        answer, before = await pieces_then(comm, 3)
+        (task,) = [t for t in writer._running if t.get_name() == f"chat-answer-{answer}"]
+        task.cancel()  # as at its web process's shutdown: the lease is given up, the answer not ended
+        received = await until_done(comm, before)
+        await comm.disconnect()
+        return answer, received
+
+    async def page_never_comes_back() -> int:
+        comm = await page()
+        await comm.send_json_to({**send, "max_tokens": 400})
+        answer, _ = await pieces_then(comm, 2)
+        await comm.disconnect()
+        for _ in range(200):  # the grace window, then the writer's next look (every writing.TOUCH_S)
+            if not await Message.objects.filter(pk=answer, status="streaming").aexists():
+                break
+            await asyncio.sleep(0.1)
+        return answer
+
+    usage = TokenUsage.objects.filter(user=alice, api_key=None)
+    counted = usage.first().completion_tokens if usage.exists() else 0
+    with override_settings(REDIS_URL=redis_url):
+        before, after = async_to_sync(page_comes_back)()
+        shown = before + [e for e in after if e["type"] == "token"]
+        assert [e["index"] for e in shown] == sorted({e["index"] for e in shown})  # each piece once, in order
+        assert "".join(e["text"] for e in shown) == after[-1]["content"] == reference_text(served, prompt, tokens)
+        assert after[-1]["status"] == "complete"
+
+        answer, received = async_to_sync(writer_stops)()
+        shown = [e for e in received if e["type"] == "token"]
+        assert [e["index"] for e in shown] == sorted({e["index"] for e in shown})
+        ids = tape.token_ids(tape.pieces(answer))
+        (resumed_at,) = tape.read_meta(answer).resumed_at
+        assert 3 <= resumed_at < tokens and len(ids) == tokens, (resumed_at, len(ids))
+        # Main's tokens up to the takeover, then main going on from them (re-read as prompt).
+        assert ids[:resumed_at] == expected[:resumed_at]
+        rest = reference_generate(served.model_dir, prompt + ids[:resumed_at], tokens - resumed_at)
+        assert ids[resumed_at:] == rest
+        assert "".join(e["text"] for e in shown) == received[-1]["content"] == Message.objects.get(pk=answer).content
+        assert received[-1]["status"] == "complete"
+
+        with override_settings(CHAT_RESUME_GRACE_S=1.0):
+            closed = async_to_sync(page_never_comes_back)()
+        left = Message.objects.get(pk=closed)
+        assert (left.status, left.error) == ("stopped", writer.PAGE_CLOSED)
+        stopped_tokens = len(tape.token_ids(tape.pieces(closed)))
+        assert 2 <= stopped_tokens < 400
+
+    # Three answers, each counted once: every token of each, whoever wrote it.
+    assert usage.first().completion_tokens - counted == tokens + tokens + stopped_tokens
+
+
 def reference_logprobs(served: Served, ids: list[int]) -> torch.Tensor:
     """``torch.log_softmax`` of Transformers' own forward over ``ids``: row ``p`` scores token ``p + 1``."""
     model = AutoModelForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32).eval()
@@ -992,7 +1099,7 @@ def check_tool_calls(served: Served) -> None:
         assert "".join(pieces) == message.content and len(pieces) > 1
 
 
-def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served) -> None:
+def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served, redis_url: str) -> None:
     """One cluster for the API's, the chat's and the jobs' checks (a cluster takes 10 to 30 s to start
     and stop); the jobs' come last, as they kill and restart its Celery worker."""
     check_structured_output(served)
@@ -1010,6 +1117,7 @@ def test_openai_api_chat_and_jobs_on_a_live_cluster(served: Served) -> None:
     check_many_at_once(served)
     check_usage_and_quota(served)
     check_chat(served)
+    check_chat_outlives_its_page_and_its_writer(served, redis_url)
     check_job_survives_its_worker_killed(served)
     check_job_stops_when_its_key_is_revoked(served)
     check_job_cancel(served)

@@ -1,5 +1,7 @@
 // The chat page: send a message over the chat websocket, show the answer's tokens as they arrive,
-// stop it on demand. The protocol is described in platform/controlplane/chat/protocol.py.
+// stop it on demand. A socket that closes mid-answer (a network blip, a web worker's restart) is
+// opened again and asks for the rest of the answer from its last piece; a page reloaded mid-answer
+// asks for all of it. The protocol is described in platform/controlplane/chat/protocol.py.
 (function () {
   "use strict";
   const list = document.getElementById("messages");
@@ -9,7 +11,7 @@
   const stopButton = document.getElementById("stop");
   const status = document.getElementById("status");
   let conversation = list.dataset.conversation ? Number(list.dataset.conversation) : null;
-  let answer = null; // the <li> being written
+  let answer = null; // the <li> being written: data-id is its id, data-after the pieces of it shown
   let sent = null; // the message on its way: { text, bubble } until the server takes or refuses it
   let socket = null;
 
@@ -18,11 +20,17 @@
     socket = new WebSocket(`${scheme}://${location.host}/ws/chat/`);
     socket.addEventListener("message", (event) => handle(JSON.parse(event.data)));
     socket.addEventListener("close", () => {
-      setBusy(false);
       status.textContent = "disconnected; reconnecting…";
+      setBusy(busy);
       setTimeout(connect, 1000);
     });
-    socket.addEventListener("open", () => { status.textContent = ""; setBusy(busy); });
+    socket.addEventListener("open", () => {
+      status.textContent = "";
+      setBusy(busy);
+      if (answer && answer.dataset.id) { // the answer goes on without the page: ask for the rest
+        socket.send(JSON.stringify({ type: "resume", answer: Number(answer.dataset.id), after: Number(answer.dataset.after || 0) }));
+      }
+    });
     setBusy(busy); // Send waits for the socket: a message sent before it opens would go nowhere
   }
 
@@ -62,6 +70,7 @@
   function handle(message) {
     if (message.type === "conversation") {
       sent = null; // taken: the server has stored it
+      if (answer) answer.dataset.id = message.answer;
       if (conversation !== message.id) {
         conversation = message.id;
         history.replaceState(null, "", `/chat/${conversation}/`);
@@ -69,6 +78,7 @@
     } else if (message.type === "token" && answer) {
       answer.querySelector(".content").textContent += message.text;
       answer.dataset.tokens = String(Number(answer.dataset.tokens || 0) + 1);
+      answer.dataset.after = String(message.index + 1);
       answer.scrollIntoView({ block: "end" });
     } else if (message.type === "done" && answer) {
       answer.querySelector(".content").textContent = message.content;
@@ -114,5 +124,12 @@
     }
   });
   stopButton.addEventListener("click", () => socket.send(JSON.stringify({ type: "stop" })));
+  // Reloaded while an answer is written: it is shown again from its start as it goes on.
+  const unfinished = list.querySelector("li.message.assistant.streaming[data-id]");
+  if (unfinished) {
+    answer = unfinished;
+    answer.querySelector(".content").textContent = "";
+    busy = true;
+  }
   connect();
 })();

@@ -2,52 +2,47 @@
 
 Only logged-in users connect (the session cookie); one answer at a time per socket, and at
 most ``DEFAULT_THROTTLE_RATES["chat"]`` messages a user (past it a message is refused before
-anything of it is stored); a ``stop`` message really stops the generation on the cluster, and
-so does closing the page.
+anything of it is stored). The answer is written by its writer (``chat.writer``), not by the
+socket: the socket follows the answer's tape (``chat.tape``), and a page that comes back
+(``resume``: a reconnection, a reload, another web worker after one restarted) follows it again
+from where it was. A ``stop`` message really stops the generation on the cluster; closing the page
+stops it when no page has come back within ``settings.CHAT_RESUME_GRACE_S``. A socket following an
+answer whose writer died takes the writing over.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
+import time
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from controlplane.accounts.usage import Caller
-from controlplane.deployments import generation
 from controlplane.serving import completions
 from controlplane.serving import metrics as served
 from controlplane.serving.bounds import CHAT_MESSAGE_CHARS, check_messages_size
-from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, TextDelta
-from controlplane.serving.text import (
-    InputError,
-    Sampling,
-    chat_text,
-    check_lengths,
-    check_text_fits,
-    encode_chat_text,
-)
+from controlplane.serving.completions import ClusterUnavailable
+from controlplane.serving.text import InputError, chat_text, check_lengths, check_text_fits, encode_chat_text
+from controlplane.shared_redis import ERRORS
 from controlplane.throttles import chat_message_wait
 
-from . import protocol, services, writing
+from . import protocol, services, tape, writer, writing
 from .models import MessageStatus
 
 log = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
-GREEDY = Sampling(temperature=0.0)
+RETRY_S = 1.0  # how long a page's follower waits before reading a tape Redis failed to give
 
 
 class ChatConsumer(AsyncJsonWebsocketConsumer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.answering: asyncio.Task | None = None
-        self.running: tuple[int, str] | None = None  # (deployment id, request id) of the generation in flight
-        self.partial = ""  # the answer being written, so far
+        self.answering: asyncio.Task | None = None  # starting an answer, then following it
+        self.following: int | None = None  # the answer this page shows, while it is written
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -57,7 +52,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
-        await self._stop_generation()
+        # The answer goes on (``writer``): the page may come back for it.
         if self.answering is not None:
             self.answering.cancel()
 
@@ -83,9 +78,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json(protocol.error(str(exc)))
             return
         if isinstance(message, protocol.Stop):
-            await self._stop_generation()
+            await self._stop()
         elif self.answering is not None and not self.answering.done():
             await self.send_json(protocol.refused("an answer is still being written: wait for it or stop it"))
+        elif isinstance(message, protocol.Resume):
+            self.answering = asyncio.create_task(self._resume(message))
         elif (wait := await sync_to_async(chat_message_wait)(self.scope["user"])) is not None:
             # Refused before anything is stored; the page keeps what was written.
             detail = f"you are sending messages faster than this server takes them; try again in {math.ceil(wait)} s"
@@ -93,10 +90,12 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         else:
             self.answering = asyncio.create_task(self._answer(message))
 
-    async def _stop_generation(self) -> None:
-        if self.running is not None:
-            with contextlib.suppress(ClusterUnavailable):
-                await generation.acancel(*self.running)
+    async def _stop(self) -> None:
+        if self.following is not None:
+            try:
+                await writer.stop(self.following)
+            except ERRORS as exc:
+                await self.send_json(protocol.error(f"the answer could not be stopped now ({exc}); try again"))
 
     async def _answer(self, send: protocol.Send) -> None:
         user = self.scope["user"]
@@ -107,54 +106,87 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         except services.ChatError as exc:
             await self.send_json(protocol.refused(str(exc)))
             return
-        await self.send_json(protocol.conversation(conversation.pk, conversation.title))
-        text, status, metrics, error = "", MessageStatus.FAILED, {}, ""
-        self.partial = ""
-        keeping = asyncio.create_task(self._keep_writing(answer.pk))
+        await self.send_json(protocol.conversation(conversation.pk, conversation.title, answer.pk))
         try:
             target, prompt_ids = await database_sync_to_async(_prepare, thread_sensitive=False)(
                 history, send.max_tokens
             )
             await database_sync_to_async(services.set_model)(answer_id=answer.pk, model_name=target.name)
-            request_id = completions.new_request_id()
-            self.running = (target.deployment_id, request_id)
-            # Main bounds the user's generations (the API's and jobs' too): past it, ClusterGenerationError.
-            stream = completions.astream(
-                target, prompt_ids, send.max_tokens, GREEDY, caller=Caller(user.pk), request_id=request_id
+            meta = tape.Meta(
+                deployment_id=target.deployment_id,
+                deployment=target.name,
+                user_id=user.pk,
+                prompt_ids=prompt_ids,
+                max_tokens=send.max_tokens,
+                request_id=completions.new_request_id(),
             )
-            async for item in stream:
-                if isinstance(item, TextDelta):
-                    text += item.text
-                    self.partial = text
-                    await self.send_json(protocol.token(item.text))
-                elif isinstance(item, CompletionResult):
-                    text, metrics = item.text, item.metrics
-                    status = MessageStatus.STOPPED if item.finish_reason == "cancelled" else MessageStatus.COMPLETE
-                    served.record("chat", ok=True, prompt_tokens=item.prompt_tokens, metrics=item.metrics)
-        except (ClusterUnavailable, ClusterGenerationError, InputError) as exc:
-            error = str(exc)
-            served.record("chat", ok=False)
-        except asyncio.CancelledError:
-            status, error = MessageStatus.STOPPED, "the page was closed"
-            raise
-        finally:
-            self.running = None
-            keeping.cancel()
-            await database_sync_to_async(services.finish_turn)(
-                answer_id=answer.pk, content=text, status=status, metrics=metrics, error=error
-            )
-        if error:
-            await self.send_json(protocol.error(error))
-        shown = {k: metrics.get(k) for k in services.SHOWN_METRICS if metrics.get(k) is not None}
-        await self.send_json(protocol.done(answer.pk, text, status, shown))
+            holder = await asyncio.to_thread(writer.start, answer.pk, meta)
+        except (ClusterUnavailable, InputError) as exc:
+            await self._failed(answer.pk, str(exc))
+            return
+        except ERRORS as exc:
+            await self._failed(answer.pk, f"the answer cannot be kept while Redis is away ({exc}); try again")
+            return
+        writer.begin(answer.pk, meta, target.model_path, holder)
+        await self._follow(answer.pk, 0)
 
-    async def _keep_writing(self, answer_id: int) -> None:
-        """While the answer is being written, every ``writing.TOUCH_S``: what it has so far saved (it
-        outlives this process) and the answer noted as still being written, even while no token comes
-        (a queue, a long prefill), so that no other process takes it for one whose writer died."""
-        while True:
-            await asyncio.sleep(writing.TOUCH_S)
-            await database_sync_to_async(services.save_partial)(answer_id=answer_id, content=self.partial)
+    async def _failed(self, answer_id: int, error: str) -> None:
+        """An answer that failed before its writer started: saved so, and the page told."""
+        served.record("chat", ok=False)
+        await database_sync_to_async(services.finish_turn)(
+            answer_id=answer_id, content="", status=MessageStatus.FAILED, error=error
+        )
+        await self._send_end(await database_sync_to_async(services.answer_end)(answer_id=answer_id))
+
+    async def _resume(self, resume: protocol.Resume) -> None:
+        """The page asks again for an answer it was shown in part: the rest, or its end."""
+        answer = await database_sync_to_async(services.followable)(user=self.scope["user"], answer_id=resume.answer)
+        if answer is None:
+            await self.send_json(protocol.error(f"no answer {resume.answer}"))
+            return
+        if answer.status != MessageStatus.STREAMING:
+            await self._send_end(await database_sync_to_async(services.answer_end)(answer_id=answer.pk))
+            return
+        await self._follow(answer.pk, resume.after)
+
+    async def _follow(self, answer_id: int, after: int) -> None:
+        """Show the answer from its piece ``after`` to its end, as its writer puts it on the tape.
+        Every ``writing.TOUCH_S`` the page says it watches, and takes the writing over if the writer
+        stopped (its web process died)."""
+        self.following, checked = answer_id, 0.0
+        try:
+            while True:
+                try:
+                    async for item in tape.follow(answer_id, after):
+                        if isinstance(item, tape.End):
+                            await self._send_end(item.message)
+                            return
+                        if isinstance(item, tape.Piece):
+                            after = item.index + 1
+                            if item.text:
+                                await self.send_json(protocol.token(item.text, item.index))
+                        if time.monotonic() - checked >= writing.TOUCH_S:
+                            checked = time.monotonic()
+                            await asyncio.to_thread(writing.watch, answer_id)
+                            await self._take_over_if_orphaned(answer_id)
+                except ERRORS as exc:  # Redis restarting: the answer is kept, read on when it is back
+                    log.warning("chat answer %s: its tape could not be read (%s); trying again", answer_id, exc)
+                    await asyncio.sleep(RETRY_S)
+        finally:
+            self.following = None
+
+    async def _take_over_if_orphaned(self, answer_id: int) -> None:
+        try:
+            await writer.take_over(answer_id)
+        except ERRORS:
+            raise
+        except Exception:  # the page goes on following; the next look tries again
+            log.exception("chat answer %s: its writing could not be taken over", answer_id)
+
+    async def _send_end(self, end: dict) -> None:
+        if end.get("error"):
+            await self.send_json(protocol.error(end["error"]))
+        await self.send_json(end["done"])
 
 
 def _prepare(history: list[dict], max_tokens: int):

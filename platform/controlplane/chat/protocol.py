@@ -1,8 +1,10 @@
 """What travels on the chat websocket (``/ws/chat``), both ways, as JSON objects with a ``type``.
 
-Browser → server: ``{"type": "send", "conversation": ID | null, "content": TEXT, "max_tokens": N?}``
-and ``{"type": "stop"}``. Server → browser: ``conversation`` (the conversation the answer
-belongs to), ``token`` (a piece of text), ``done`` (the saved answer with its figures) and
+Browser → server: ``{"type": "send", "conversation": ID | null, "content": TEXT, "max_tokens": N?}``,
+``{"type": "stop"}`` and ``{"type": "resume", "answer": ID, "after": N}`` (a page whose socket
+closed mid-answer, or that was reloaded, asks for the answer from its piece ``N`` on). Server →
+browser: ``conversation`` (the conversation the answer belongs to, and the answer's id), ``token``
+(a piece of text, with its ``index`` in the answer), ``done`` (the saved answer with its figures) and
 ``error`` (a reason to show; with ``"refused": true`` when the message was turned away and
 nothing of it stored, so the page gives the text back). ``parse_client`` validates what
 arrives and says what is wrong.
@@ -37,12 +39,25 @@ class Stop:
     pass
 
 
-def parse_client(obj: object) -> Send | Stop:
+@dataclass(frozen=True)
+class Resume:
+    answer: int
+    after: int  # the pieces of it the page has
+
+
+def parse_client(obj: object) -> Send | Stop | Resume:
     if not isinstance(obj, dict):
         raise ProtocolError("a message must be a JSON object")
     kind = obj.get("type")
     if kind == "stop":
         return Stop()
+    if kind == "resume":
+        answer, after = obj.get("answer"), obj.get("after", 0)
+        if not _whole(answer) or answer < 1:
+            raise ProtocolError("answer must be the id of an answer")
+        if not _whole(after) or not 0 <= after <= CHAT_MAX_TOKENS.limit:
+            raise ProtocolError(f"after must be between 0 and {CHAT_MAX_TOKENS.limit}")
+        return Resume(answer, after)
     if kind != "send":
         raise ProtocolError(f"unknown message type {kind!r:.40}")
     content, conversation = obj.get("content"), obj.get("conversation")
@@ -60,6 +75,10 @@ def parse_client(obj: object) -> Send | Stop:
     return Send(conversation, content, max_tokens)
 
 
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _storable(text: str) -> bool:
     """Whether a database keeps ``text`` as it is: no lone surrogate (not UTF-8), no NUL (PostgreSQL refuses it)."""
     try:
@@ -69,12 +88,12 @@ def _storable(text: str) -> bool:
     return "\x00" not in text
 
 
-def token(text: str) -> dict:
-    return {"type": "token", "text": text}
+def token(text: str, index: int) -> dict:
+    return {"type": "token", "text": text, "index": index}
 
 
-def conversation(conversation_id: int, title: str) -> dict:
-    return {"type": "conversation", "id": conversation_id, "title": title}
+def conversation(conversation_id: int, title: str, answer_id: int) -> dict:
+    return {"type": "conversation", "id": conversation_id, "title": title, "answer": answer_id}
 
 
 def done(message_id: int, content: str, status: str, metrics: dict) -> dict:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from . import writing
+from . import services
 
 
 @shared_task
 def settle_interrupted_answers_task() -> list[int]:
     """Periodic (Celery beat): answers whose writing web process stopped are failed, saying why."""
-    return writing.settle_interrupted()
+    return services.settle_interrupted()

@@ -1,24 +1,30 @@
-"""Which chat answers are being written now, so that one whose writer died is not left "being
-written" forever.
+"""Which chat answers are being written now, and by whom: one writer at a time (its lease), a
+writer that died replaced, and an answer whose writer died and that no page came back for not left
+"being written" forever.
+
+Each answer has one writer (``chat.writer``), which holds its lease (``claim``, renewed every
+``TOUCH_S``, lapsing ``LEASE_S`` after its holder stopped): a page that follows an answer whose
+lease lapsed claims it and writes the rest in its own process. Each page following an answer says so
+(``watch``, lapsing after ``settings.CHAT_RESUME_GRACE_S``): a writer whose answer nobody has watched
+that long stops the generation, as a closed page did at once before.
 
 An answer is stored as ``streaming`` when its question arrives, and the web process that streams
 it saves what it has every ``TOUCH_S`` (the partial answer survives that process) and notes the
 moment in Redis (``KEY``: answer id -> Unix time). A web process that crashes or is killed
-mid-answer stops touching it. ``settle_interrupted`` (Celery beat, every 15 s:
-``CELERY_BEAT_SCHEDULE``) turns each ``streaming`` answer untouched for ``STALE_S`` into a failed
-one that says why, its partial
-text kept, and the question before it kept as it was: the conversation reads as it was left and
-can go on. While Redis cannot be read nothing is settled (an answer still being written must not
-be taken for an orphan).
+mid-answer stops touching it. ``services.settle_interrupted`` (Celery beat, every 15 s:
+``CELERY_BEAT_SCHEDULE``) turns each ``streaming`` answer untouched for ``STALE_S`` (``orphans``:
+no page came back to take it over) into a failed one that says why, its text so far kept, and the
+question before it kept as it was: the conversation reads as it was left and can go on. While Redis
+cannot be read nothing is settled (an answer still being written must not be taken for an orphan).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from datetime import timedelta
 
+from django.conf import settings
 from django.utils import timezone
 
 from controlplane.shared_redis import ERRORS, client
@@ -30,6 +36,12 @@ log = logging.getLogger(__name__)
 KEY = "odmoe:chat:writing"
 TOUCH_S = 2.0  # how often a writer saves its partial answer and says it is still writing
 STALE_S = 30.0  # an answer untouched this long has lost its writer
+LEASE_S = 3 * TOUCH_S  # a writer that has not renewed its lease this long is taken for dead
+_LEASE = "odmoe:chat:answer:{}:writer"
+_WATCHED = "odmoe:chat:answer:{}:watched"
+# Compare-and-act on a lease: only its holder renews or releases it.
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 INTERRUPTED = "the server process writing this answer stopped before it was done; ask again to get a whole answer"
 
 
@@ -49,8 +61,33 @@ def done(answer_id: int) -> None:
         log.warning("cannot note chat answer %s as written (%s)", answer_id, exc)
 
 
-def settle_interrupted() -> list[int]:
-    """Every answer left ``streaming`` by a writer that stopped, failed with ``INTERRUPTED``; their ids."""
+def claim(answer_id: int, holder: str) -> bool:
+    """Whether ``holder`` now writes the answer (False: a writer holds it)."""
+    return bool(client().set(_LEASE.format(answer_id), holder, nx=True, px=int(LEASE_S * 1000)))
+
+
+def renew(answer_id: int, holder: str) -> bool:
+    """Whether ``holder`` still writes the answer, its lease renewed (False: it lapsed, another may write)."""
+    return bool(client().eval(_RENEW, 1, _LEASE.format(answer_id), holder, int(LEASE_S * 1000)))
+
+
+def release(answer_id: int, holder: str) -> None:
+    """``holder`` writes the answer no more: a follower may take it over at once."""
+    client().eval(_RELEASE, 1, _LEASE.format(answer_id), holder)
+
+
+def watch(answer_id: int) -> None:
+    """A page shows the answer now (from each page following it, every ``TOUCH_S``)."""
+    client().set(_WATCHED.format(answer_id), 1, px=int(settings.CHAT_RESUME_GRACE_S * 1000))
+
+
+def watched(answer_id: int) -> bool:
+    """Whether a page showed the answer within ``settings.CHAT_RESUME_GRACE_S``."""
+    return bool(client().exists(_WATCHED.format(answer_id)))
+
+
+def orphans() -> list[int]:
+    """The answers left ``streaming`` by a writer that stopped: untouched for ``STALE_S``."""
     cutoff = time.time() - STALE_S
     candidates = list(
         Message.objects.filter(
@@ -64,12 +101,4 @@ def settle_interrupted() -> list[int]:
     except ERRORS as exc:
         log.warning("cannot tell which chat answers are still being written (%s): none settled now", exc)
         return []
-    orphans = [pk for pk, at in zip(candidates, moments, strict=True) if at is None or at < cutoff]
-    Message.objects.filter(pk__in=orphans, status=MessageStatus.STREAMING).update(
-        status=MessageStatus.FAILED, error=INTERRUPTED
-    )
-    if orphans:
-        log.warning("chat answers whose writer stopped, now failed: %s", ", ".join(map(str, orphans)))
-        with contextlib.suppress(*ERRORS):  # they are no longer streaming: a stale entry is never read again
-            client().zrem(KEY, *[str(pk) for pk in orphans])
-    return orphans
+    return [pk for pk, at in zip(candidates, moments, strict=True) if at is None or at < cutoff]

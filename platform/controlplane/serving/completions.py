@@ -138,7 +138,7 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def _request(
+def build_request(
     prompt_ids: list[int],
     max_new_tokens: int,
     sampling: Sampling,
@@ -183,7 +183,9 @@ async def astream(
     """
     tokenizer = await database_sync_to_async(lambda: target.tokenizer, thread_sensitive=False)()
     assembler = Assembler(tokenizer, len(prompt_ids))
-    request = _request(prompt_ids, max_new_tokens, sampling, request_id, caller, logprobs, prompt_logprobs, grammar)
+    request = build_request(
+        prompt_ids, max_new_tokens, sampling, request_id, caller, logprobs, prompt_logprobs, grammar
+    )
     async for event in generation.astream(target.deployment_id, request, caller=caller):
         for item in assembler.feed(event):
             yield item
@@ -200,7 +202,7 @@ def complete(
 ) -> CompletionResult:
     """The whole completion (synchronous), counted to ``caller``."""
     assembler = Assembler(target.tokenizer, len(prompt_ids))
-    request = _request(prompt_ids, max_new_tokens, sampling, request_id, caller)
+    request = build_request(prompt_ids, max_new_tokens, sampling, request_id, caller)
     for event in generation.stream(target.deployment_id, request, caller=caller):
         for item in assembler.feed(event):
             if isinstance(item, CompletionResult):

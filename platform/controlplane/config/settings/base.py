@@ -15,6 +15,7 @@
 | ``ODMOE_TLS_CERT_FILE`` | the PEM certificate the TLS proxy presents, which boxes pin (docs/tls.md) | none: no pin |
 | ``REDIS_URL`` | Redis for Celery, the Channels layer and the shared cache | ``redis://127.0.0.1:6379/0`` |
 | ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
+| ``ODMOE_CHAT_RESUME_GRACE_S`` | how long a chat answer whose page went away waits for it to come back | 20 |
 | ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
 | ``ODMOE_LOG_LEVEL`` | log level of every process | INFO |
 | ``ODMOE_LOGIN_FAILURE_LIMIT`` | failed logins that lock one username out from one address | 5 |
@@ -286,6 +287,9 @@ CHANNEL_LAYERS = {
 }
 
 NODE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("ODMOE_NODE_HEARTBEAT_TIMEOUT_S", "15"))
+# A chat answer whose page went away (closed, reloaded, or its web worker restarted) goes on this long
+# for the page to come back and pick it up where it left off; then it is stopped (chat.writing).
+CHAT_RESUME_GRACE_S = float(os.environ.get("ODMOE_CHAT_RESUME_GRACE_S", "20"))
 # Jobs run for minutes: they get a queue (and, under ``manage.py up``, a worker) of their own, so
 # offline detection and deployment pushes never wait behind them on the default queue.
 CONTROL_QUEUE = "celery"

@@ -1,0 +1,222 @@
+"""A chat answer as it is written, kept in Redis so that it outlives the web process writing it and
+the socket showing it: the answer's tape.
+
+The writer (``chat.writer``) appends each token of the answer as a piece (its id and the text it
+adds; after main's end, the text of a last incomplete character as a piece of ``NO_TOKEN``) and, at
+the end, what the page is told then (``protocol.done``, with an error if any). Every
+page showing the answer reads the tape (``follow``), from wherever it left off: a page whose socket
+closed (a network blip, a reload, a web worker's restart) asks again from its last piece and misses
+nothing, and sees nothing twice. A writer that took over from one that died reads the pieces so
+far (``pieces``) and goes on from there.
+
+Entries have explicit stream ids: piece ``i`` is ``0-(i+1)``, the end ``1-0``, so that each is
+written once (Redis refuses an id not past the last: ``Overtaken``) and a reader resumes after a
+known piece. Beside the tape, a hash (``meta``) holds what a writer needs to go on: the deployment,
+the prompt's token ids, the token budget, the user, the generation running now and whether the
+user stopped it. Both expire ``KEEP_S`` after they were last written, and ``ENDED_KEEP_S`` after
+the end: a page that comes back later reads the answer from the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio
+from django.conf import settings
+
+from controlplane.shared_redis import client
+
+KEEP_S = 24 * 3600  # longer than any answer takes
+ENDED_KEEP_S = 600  # a page reconnecting after the end still gets it from the tape
+READ_BLOCK_MS = 2000  # a reader wakes at least this often (``follow`` yields ``Idle``)
+END_ID = "1-0"  # after every piece's id
+NO_TOKEN = -1  # the token id of the last piece when it is the tail of an incomplete character
+
+
+class Overtaken(RuntimeError):
+    """A piece with this index (or the end) is on the tape already: another writer has the answer."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class End:
+    message: dict  # what the page is told at the end (``protocol.done``, with ``error`` if it failed)
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing new within ``READ_BLOCK_MS``: the reader may look around (is the writer alive?)."""
+
+
+@dataclass(frozen=True)
+class Meta:
+    deployment_id: int
+    deployment: str  # its name, which usage is counted under
+    user_id: int
+    prompt_ids: list[int]
+    max_tokens: int
+    request_id: str  # the generation writing the answer now
+    stopped: bool = False
+    resumed_at: tuple[int, ...] = ()  # the piece at which each writer that took the answer over began
+
+
+def _tape(answer_id: int) -> str:
+    return f"odmoe:chat:answer:{answer_id}:tape"
+
+
+def _meta(answer_id: int) -> str:
+    return f"odmoe:chat:answer:{answer_id}:meta"
+
+
+_async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _aclient() -> redis.asyncio.Redis:
+    """This event loop's connection to ``REDIS_URL`` (an asyncio connection belongs to one loop)."""
+    loop = asyncio.get_running_loop()
+    held = _async_clients.get(loop)
+    if held is None or held[0] != settings.REDIS_URL:
+        timeout = READ_BLOCK_MS / 1000 + 3  # a blocked read returns before its socket times out
+        held = (settings.REDIS_URL, redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_timeout=timeout))
+        _async_clients[loop] = held
+    return held[1]
+
+
+def _piece_id(index: int) -> str:
+    return f"0-{index + 1}"
+
+
+# ---- the writer's side ----------------------------------------------------------------------
+
+
+def start(answer_id: int, meta: Meta) -> None:
+    """A new answer: its meta written, its tape empty."""
+    fields = {
+        "deployment_id": meta.deployment_id,
+        "deployment": meta.deployment,
+        "user_id": meta.user_id,
+        "prompt_ids": json.dumps(meta.prompt_ids),
+        "max_tokens": meta.max_tokens,
+        "request_id": meta.request_id,
+        "stopped": int(meta.stopped),
+    }
+    with client().pipeline() as pipe:
+        pipe.delete(_tape(answer_id), _meta(answer_id))  # an answer id used before (another database)
+        pipe.hset(_meta(answer_id), mapping=fields)
+        pipe.expire(_meta(answer_id), KEEP_S)
+        pipe.execute()
+
+
+def read_meta(answer_id: int) -> Meta | None:
+    """The answer's meta (None: it has none, or it expired)."""
+    raw = {k.decode(): v.decode() for k, v in client().hgetall(_meta(answer_id)).items()}
+    if not raw:
+        return None
+    return Meta(
+        deployment_id=int(raw["deployment_id"]),
+        deployment=raw["deployment"],
+        user_id=int(raw["user_id"]),
+        prompt_ids=[int(i) for i in json.loads(raw["prompt_ids"])],
+        max_tokens=int(raw["max_tokens"]),
+        request_id=raw["request_id"],
+        stopped=raw.get("stopped") == "1",
+        resumed_at=tuple(json.loads(raw.get("resumed_at", "[]"))),
+    )
+
+
+def set_request(answer_id: int, request_id: str) -> None:
+    """The generation that writes the answer from now on (a writer that took over started it)."""
+    client().hset(_meta(answer_id), "request_id", request_id)
+
+
+def note_resumed(answer_id: int, at: int) -> None:
+    """A writer took the answer over at piece ``at`` (``Meta.resumed_at``: where each one did)."""
+    before = client().hget(_meta(answer_id), "resumed_at")
+    client().hset(_meta(answer_id), "resumed_at", json.dumps([*json.loads(before or "[]"), at]))
+
+
+def mark_stopped(answer_id: int) -> str | None:
+    """The user stopped the answer: no writer goes on with it. The generation running now, if any."""
+    with client().pipeline() as pipe:
+        pipe.hset(_meta(answer_id), "stopped", 1)
+        pipe.hget(_meta(answer_id), "request_id")
+        _, request_id = pipe.execute()
+    return request_id.decode() if request_id else None
+
+
+def pieces(answer_id: int) -> list[Piece]:
+    """Every piece on the tape, in order (the end left out)."""
+    entries = client().xrange(_tape(answer_id), "-", f"0-{2**63 - 1}")
+    return [_piece(entry_id, fields) for entry_id, fields in entries]
+
+
+def token_ids(pieces: list[Piece]) -> list[int]:
+    """The answer's tokens, from its pieces."""
+    return [piece.token_id for piece in pieces if piece.token_id != NO_TOKEN]
+
+
+def ended(answer_id: int) -> dict | None:
+    """What the page is told at the answer's end, if the tape has it."""
+    entries = client().xrange(_tape(answer_id), END_ID, END_ID)
+    return json.loads(entries[0][1][b"end"]) if entries else None
+
+
+async def append(answer_id: int, piece: Piece) -> None:
+    """Piece ``piece.index`` on the tape; ``Overtaken`` if another writer put one there."""
+    fields = {"id": piece.token_id, "t": piece.text}
+    await _add(answer_id, _piece_id(piece.index), fields, KEEP_S)
+
+
+async def append_end(answer_id: int, message: dict) -> None:
+    """The end of the answer on the tape; it and the meta are kept ``ENDED_KEEP_S`` more."""
+    await _add(answer_id, END_ID, {"end": json.dumps(message)}, ENDED_KEEP_S)
+
+
+async def _add(answer_id: int, entry_id: str, fields: dict, keep_s: int) -> None:
+    redis_ = _aclient()
+    try:
+        await redis_.xadd(_tape(answer_id), fields, id=entry_id)
+    except redis.ResponseError as exc:
+        if "equal or smaller" in str(exc):
+            raise Overtaken(f"answer {answer_id}: entry {entry_id} is written already") from None
+        raise
+    pipe = redis_.pipeline(transaction=False)
+    pipe.expire(_tape(answer_id), keep_s)
+    pipe.expire(_meta(answer_id), keep_s)
+    await pipe.execute()
+
+
+# ---- a reader's side ------------------------------------------------------------------------
+
+
+async def follow(answer_id: int, after: int) -> AsyncIterator[Piece | End | Idle]:
+    """The pieces after the first ``after``, as they come, then the end; ``Idle`` whenever nothing
+    came for ``READ_BLOCK_MS``. Redis errors are raised (the caller tries again from where it was)."""
+    last = _piece_id(after - 1) if after > 0 else "0-0"
+    while True:
+        found = await _aclient().xread({_tape(answer_id): last}, block=READ_BLOCK_MS, count=256)
+        if not found:
+            yield Idle()
+            continue
+        for entry_id, fields in found[0][1]:
+            last = entry_id.decode()
+            if last == END_ID:
+                yield End(json.loads(fields[b"end"]))
+                return
+            yield _piece(entry_id, fields)
+
+
+def _piece(entry_id: bytes, fields: dict) -> Piece:
+    index = int(entry_id.decode().partition("-")[2]) - 1
+    return Piece(index, int(fields[b"id"]), fields[b"t"].decode())

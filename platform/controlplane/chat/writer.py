@@ -1,0 +1,291 @@
+"""The one writer of a chat answer: it runs the answer's generation, puts each token on the answer's
+tape (``chat.tape``) for the pages that show it, and saves the answer when it ends.
+
+A writer is not the page's socket: it lives in the web process, holds the answer's lease
+(``writing.claim``) and goes on when the page goes away, for ``settings.CHAT_RESUME_GRACE_S``, so a
+reload or a reconnection picks the answer up where it was; past that with no page watching, it stops
+the generation (a closed page stopped it at once before). A stop from the page stops it at once.
+
+When the web process writing an answer dies (a crash, a restart), its lease lapses after
+``writing.LEASE_S`` and the first page following the answer (``consumers``) claims it: a writer
+starts in that process from the tape. It stops the old generation, if main still runs it, and asks
+main to go on from the tokens already written: the prompt and those tokens re-prefilled, the rest of
+the token budget (the chat's answers are greedy, so this is the answer main would have gone on
+with, as ``replay: prefill`` holds a migration to: ``reference_continue``).
+
+Usage is counted here, once per answer, by whichever writer saves its end (``services.finish_answer``
+saves the end only of an answer still being written): the prompt once, and every token of the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
+
+from controlplane.accounts.usage import Caller
+from controlplane.deployments import generation
+from controlplane.serving import completions
+from controlplane.serving import metrics as served
+from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable
+from controlplane.serving.text import InputError, Sampling, tokenizer_for
+from controlplane.shared_redis import ERRORS
+from inference.runtime.textstream import IncrementalDecoder
+from inference.wire.generation import Done, Token
+
+from . import services, tape, writing
+from .models import MessageStatus
+
+log = logging.getLogger(__name__)
+
+GREEDY = Sampling(temperature=0.0)
+PAGE_CLOSED = "the page was closed"
+MAIN_LINK_WAIT_S = 30.0  # past it a writer that took over sends anyway (and fails as any request would)
+USER_STOPPED = "stopped"
+_running: set[asyncio.Task] = set()  # this process's writers (held: a bare task may be collected)
+
+
+@dataclass
+class Answer:
+    """What a writer has of its answer: the tokens so far and their text."""
+
+    answer_id: int
+    meta: tape.Meta
+    model_path: str
+    holder: str
+    taken_over: bool = False  # from a writer that stopped: main may still run that writer's generation
+    token_ids: list[int] = field(default_factory=list)
+    generated: bool = False  # main ended the generation (the last piece is its tail)
+    text: str = ""
+    stopped_why: str = ""  # USER_STOPPED or PAGE_CLOSED, once the writer stops the generation
+    overtaken: bool = False  # another writer has the answer: this one saves nothing
+
+
+def begin(answer_id: int, meta: tape.Meta, model_path: str, holder: str) -> asyncio.Task:
+    """Write a new answer in this process, as ``holder`` (``start`` made its tape and claimed it)."""
+    return _spawn(Answer(answer_id, meta, model_path, holder=holder))
+
+
+def start(answer_id: int, meta: tape.Meta) -> str:
+    """A new answer's tape and the writer's claim on it (sync): the writer's holder id."""
+    holder = _holder()
+    tape.start(answer_id, meta)
+    writing.watch(answer_id)  # the page that asked watches it
+    if not writing.claim(answer_id, holder):
+        raise RuntimeError(f"answer {answer_id} has a writer already")
+    return holder
+
+
+def _holder() -> str:
+    return uuid.uuid4().hex
+
+
+def _spawn(answer: Answer) -> asyncio.Task:
+    task = asyncio.create_task(_write(answer), name=f"chat-answer-{answer.answer_id}")
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+    return task
+
+
+async def take_over(answer_id: int) -> asyncio.Task | None:
+    """Become the writer of ``answer_id`` if its writer stopped (its lease lapsed); the writer's
+    task, or None when a writer still holds it. Redis errors are raised."""
+    holder = _holder()
+    if not await asyncio.to_thread(writing.claim, answer_id, holder):
+        return None
+    try:
+        meta = await asyncio.to_thread(tape.read_meta, answer_id)
+        deployment = await database_sync_to_async(services.deployment_model_path, thread_sensitive=False)(
+            deployment_id=meta.deployment_id if meta else None
+        )
+    except BaseException:
+        with contextlib.suppress(*ERRORS):
+            await asyncio.to_thread(writing.release, answer_id, holder)
+        raise
+    if meta is None or deployment is None:
+        # Nothing to go on from (Redis lost the meta, the deployment is gone): saved as interrupted.
+        await database_sync_to_async(services.settle_lost, thread_sensitive=False)(answer_id=answer_id)
+        await tape.append_end(answer_id, await _end_from_database(answer_id))
+        await asyncio.to_thread(writing.release, answer_id, holder)
+        return None
+    log.warning("chat answer %s: its writer stopped; this process writes the rest", answer_id)
+    return _spawn(Answer(answer_id, meta, deployment, holder=holder, taken_over=True))
+
+
+async def stop(answer_id: int) -> None:
+    """The user stopped the answer: its generation stops now, and no writer starts another."""
+    request_id = await asyncio.to_thread(tape.mark_stopped, answer_id)
+    meta = await asyncio.to_thread(tape.read_meta, answer_id)
+    if request_id and meta is not None:
+        with contextlib.suppress(ClusterUnavailable):
+            await generation.acancel(meta.deployment_id, request_id)
+
+
+async def _write(answer: Answer) -> None:
+    answer_id = answer.answer_id
+    try:
+        ended = await asyncio.to_thread(tape.ended, answer_id) is not None
+        if not ended and not await _still_streaming(answer_id):  # settled meanwhile (``settle_interrupted``)
+            with contextlib.suppress(tape.Overtaken):
+                await tape.append_end(answer_id, await _end_from_database(answer_id))
+            ended = True
+        prior = [] if ended else await asyncio.to_thread(tape.pieces, answer_id)
+    except ERRORS:
+        log.exception("chat answer %s: its tape could not be read", answer_id)
+        ended = True
+    if ended:  # nothing left to write: the pages following it have its end, or read it again
+        with contextlib.suppress(*ERRORS):
+            await asyncio.to_thread(writing.release, answer_id, answer.holder)
+        return
+    answer.token_ids = tape.token_ids(prior)
+    answer.generated = bool(prior) and prior[-1].token_id == tape.NO_TOKEN  # main's end came
+    answer.text = "".join(piece.text for piece in prior)
+    status, metrics, error = MessageStatus.FAILED, {}, ""
+    keeping = asyncio.create_task(_keep(answer))
+    try:
+        status, metrics = await _generate(answer)
+    except tape.Overtaken:
+        log.warning("chat answer %s: another writer has it; this one stops", answer_id)
+        await _cancel_current(answer)
+        return
+    except (ClusterUnavailable, ClusterGenerationError, InputError) as exc:
+        error = str(exc)
+    except asyncio.CancelledError:
+        # This process is going away: the answer is not over, the next writer goes on from the tape.
+        with contextlib.suppress(*ERRORS):
+            writing.release(answer_id, answer.holder)
+        raise
+    except Exception as exc:
+        log.exception("chat answer %s: its writer failed", answer_id)
+        error = f"the answer could not be written: {exc}"
+    finally:
+        keeping.cancel()
+    if answer.overtaken:
+        return
+    if answer.stopped_why == PAGE_CLOSED and status == MessageStatus.STOPPED:
+        error = PAGE_CLOSED
+    await _finish(answer, status, metrics, error)
+
+
+async def _generate(answer: Answer) -> tuple[str, dict]:
+    """Main writes the answer (the rest of it, when taken over); its status and metrics at the end."""
+    meta, answer_id = answer.meta, answer.answer_id
+    if meta.stopped:
+        return MessageStatus.STOPPED, {}
+    budget = meta.max_tokens - len(answer.token_ids)
+    if budget <= 0 or answer.generated:
+        return MessageStatus.COMPLETE, {}
+    request_id = meta.request_id
+    if answer.taken_over:  # main may still run the stopped writer's generation: it is stopped first
+        await _wait_for_main_link(meta.deployment_id)
+        with contextlib.suppress(ClusterUnavailable):
+            await generation.acancel(meta.deployment_id, meta.request_id)
+        request_id = completions.new_request_id()
+        await asyncio.to_thread(tape.set_request, answer_id, request_id)
+        await asyncio.to_thread(tape.note_resumed, answer_id, len(answer.token_ids))
+        answer.meta = meta = _with_request(meta, request_id)
+    tokenizer = await sync_to_async(tokenizer_for, thread_sensitive=False)(answer.model_path)
+    decoder = IncrementalDecoder(tokenizer)
+    decoder.ids, decoder.emitted = list(answer.token_ids), answer.text
+    request = completions.build_request(
+        meta.prompt_ids + answer.token_ids, budget, GREEDY, request_id, Caller(meta.user_id)
+    )
+    # Counted by the writer that saves the end (``_finish``), not per generation: once per answer.
+    async for event in generation.astream(meta.deployment_id, request, caller=None):
+        if isinstance(event, Token):
+            piece = tape.Piece(len(answer.token_ids), event.token_id, decoder.add(event.token_id))
+            await tape.append(answer_id, piece)
+            answer.token_ids.append(event.token_id)
+            answer.text = decoder.emitted
+        elif isinstance(event, Done):
+            if tail := decoder.flush():  # a last incomplete character: a piece of no token
+                await tape.append(answer_id, tape.Piece(len(answer.token_ids), tape.NO_TOKEN, tail))
+            answer.text = decoder.emitted
+            served.record("chat", ok=True, prompt_tokens=len(meta.prompt_ids), metrics=event.metrics)
+            status = MessageStatus.STOPPED if event.finish_reason == "cancelled" else MessageStatus.COMPLETE
+            return status, event.metrics
+    raise ClusterGenerationError("the cluster ended the generation without a result")
+
+
+async def _wait_for_main_link(deployment_id: int) -> None:
+    """Until main's agent is heard again (at most ``MAIN_LINK_WAIT_S``): the web process that died may
+    have held its link, and what is sent to main before its agent links again is lost."""
+    since, deadline = time.time(), time.monotonic() + MAIN_LINK_WAIT_S
+    heard = database_sync_to_async(services.main_heard_since, thread_sensitive=False)
+    while time.monotonic() < deadline and not await heard(deployment_id=deployment_id, since=since):
+        await asyncio.sleep(0.5)
+
+
+def _with_request(meta: tape.Meta, request_id: str) -> tape.Meta:
+    return tape.Meta(**{**meta.__dict__, "request_id": request_id})
+
+
+async def _keep(answer: Answer) -> None:
+    """Every ``writing.TOUCH_S`` while the answer is written: its lease renewed, what it has so far
+    saved (it outlives this process), and the generation stopped when the user stopped it, when no
+    page has watched it for ``settings.CHAT_RESUME_GRACE_S``, or when another writer took it."""
+    answer_id = answer.answer_id
+    while True:
+        await asyncio.sleep(writing.TOUCH_S)
+        try:
+            await database_sync_to_async(services.save_partial, thread_sensitive=False)(
+                answer_id=answer_id, content=answer.text
+            )
+            held = await asyncio.to_thread(writing.renew, answer_id, answer.holder)
+            if not held:  # lapsed (this loop stalled): still ours unless another writer claimed it
+                held = await asyncio.to_thread(writing.claim, answer_id, answer.holder)
+            meta = await asyncio.to_thread(tape.read_meta, answer_id)
+            watched = await asyncio.to_thread(writing.watched, answer_id)
+        except ERRORS as exc:  # Redis restarting: the answer goes on, and so does this loop
+            log.warning("chat answer %s: its lease could not be renewed (%s)", answer_id, exc)
+            continue
+        why = ""
+        if not held:
+            answer.overtaken = True
+            log.warning("chat answer %s: another writer took it; this one stops", answer_id)
+        elif meta is not None and meta.stopped:
+            why = USER_STOPPED
+        elif not watched:  # it lapses CHAT_RESUME_GRACE_S after a page last said so: none came back
+            why = PAGE_CLOSED
+        if (why or answer.overtaken) and not answer.stopped_why:
+            answer.stopped_why = why or USER_STOPPED
+            await _cancel_current(answer)
+
+
+async def _cancel_current(answer: Answer) -> None:
+    with contextlib.suppress(ClusterUnavailable, *ERRORS):
+        await generation.acancel(answer.meta.deployment_id, answer.meta.request_id)
+
+
+async def _finish(answer: Answer, status: str, metrics: dict, error: str) -> None:
+    """Save the end (and count the answer's tokens) if no one did; tell the pages; give up the lease."""
+    answer_id, meta = answer.answer_id, answer.meta
+    usage = services.Usage(Caller(meta.user_id), meta.deployment, len(meta.prompt_ids), len(answer.token_ids))
+    if error:
+        served.record("chat", ok=False)
+    await database_sync_to_async(services.finish_answer, thread_sensitive=False)(
+        answer_id=answer_id, content=answer.text, status=status, metrics=metrics, error=error, usage=usage
+    )
+    try:
+        await tape.append_end(answer_id, await _end_from_database(answer_id))
+    except tape.Overtaken:
+        pass  # the end is on the tape already
+    except ERRORS:
+        log.exception("chat answer %s: its end could not be put on its tape", answer_id)
+    with contextlib.suppress(*ERRORS):
+        await asyncio.to_thread(writing.release, answer_id, answer.holder)
+
+
+async def _end_from_database(answer_id: int) -> dict:
+    """What the pages are told at the end: the answer as it was saved."""
+    return await database_sync_to_async(services.answer_end, thread_sensitive=False)(answer_id=answer_id)
+
+
+async def _still_streaming(answer_id: int) -> bool:
+    return await database_sync_to_async(services.is_streaming, thread_sensitive=False)(answer_id=answer_id)
