@@ -195,6 +195,7 @@ def check_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, re
     page.wait_for_selector("li.message.assistant.complete >> nth=1", timeout=120_000)
     page.screenshot(path=SHOTS / "chat-resumed.png")
     shown = page.inner_text("li.message.assistant.complete >> nth=1 >> .content")
+    assert "carried across a server restart" in page.inner_text("li.message.assistant.complete >> nth=1 >> .figures")
     check_the_answer_went_on_from_where_it_was(served, redis_url, answer, before, shown)
 
 

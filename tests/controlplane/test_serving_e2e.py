@@ -461,9 +461,8 @@ def check_chat_outlives_its_page_and_its_writer(served: Served, redis_url: str) 
     from controlplane.chat.models import Message
 
     alice = get_user_model().objects.get(username="alice")
-    content, tokens = "Tell me about the experts", 40
+    content, tokens, long = "Tell me about the experts", 40, 240
     prompt = chat_prompt_ids(served, [{"role": "user", "content": content}])
-    expected = reference_generate(served.model_dir, prompt, tokens)
     send = {"type": "send", "conversation": None, "content": content, "max_tokens": tokens}
 
     async def page() -> WebsocketCommunicator:
@@ -497,7 +496,7 @@ def check_chat_outlives_its_page_and_its_writer(served: Served, redis_url: str) 
 
     async def writer_stops() -> tuple[int, list[dict]]:
         comm = await page()
-        await comm.send_json_to(send)
+        await comm.send_json_to({**send, "max_tokens": long})  # long enough to stop its writer mid-answer
         answer, before = await pieces_then(comm, 3)
         (task,) = [t for t in writer._running if t.get_name() == f"chat-answer-{answer}"]
         task.cancel()  # as at its web process's shutdown: the lease is given up, the answer not ended
@@ -530,13 +529,14 @@ def check_chat_outlives_its_page_and_its_writer(served: Served, redis_url: str) 
         assert [e["index"] for e in shown] == sorted({e["index"] for e in shown})
         ids = tape.token_ids(tape.pieces(answer))
         (resumed_at,) = tape.read_meta(answer).resumed_at
-        assert 3 <= resumed_at < tokens and len(ids) == tokens, (resumed_at, len(ids))
+        assert 3 <= resumed_at < long and len(ids) == long, (resumed_at, len(ids))
         # Main's tokens up to the takeover, then main going on from them (re-read as prompt).
-        assert ids[:resumed_at] == expected[:resumed_at]
-        rest = reference_generate(served.model_dir, prompt + ids[:resumed_at], tokens - resumed_at)
+        assert ids[:resumed_at] == reference_generate(served.model_dir, prompt, resumed_at)
+        rest = reference_generate(served.model_dir, prompt + ids[:resumed_at], long - resumed_at)
         assert ids[resumed_at:] == rest
         assert "".join(e["text"] for e in shown) == received[-1]["content"] == Message.objects.get(pk=answer).content
-        assert received[-1]["status"] == "complete"
+        assert received[-1]["status"] == "complete" and received[-1]["metrics"]["taken_over_at"] == [resumed_at]
+        assert received[-1]["metrics"]["generated_tokens"] == long  # the answer's, not the last writer's
 
         with override_settings(CHAT_RESUME_GRACE_S=1.0):
             closed = async_to_sync(page_never_comes_back)()
@@ -546,7 +546,7 @@ def check_chat_outlives_its_page_and_its_writer(served: Served, redis_url: str) 
         assert 2 <= stopped_tokens < 400
 
     # Three answers, each counted once: every token of each, whoever wrote it.
-    assert usage.first().completion_tokens - counted == tokens + tokens + stopped_tokens
+    assert usage.first().completion_tokens - counted == tokens + long + stopped_tokens
 
 
 def reference_logprobs(served: Served, ids: list[int]) -> torch.Tensor:

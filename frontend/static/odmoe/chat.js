@@ -63,6 +63,7 @@
     if (metrics.ttft_ms != null) parts.push(`TTFT ${Math.round(metrics.ttft_ms)} ms`);
     if (metrics.decode_tok_s != null) parts.push(`${metrics.decode_tok_s.toFixed(1)} tok/s`);
     if (metrics.recall != null) parts.push(`recall ${Math.round(metrics.recall * 100)}%`);
+    if (metrics.taken_over_at != null) parts.push("carried across a server restart");
     if (state === "stopped") parts.push("stopped");
     return parts.join(" · ");
   }

@@ -144,6 +144,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         if answer is None:
             await self.send_json(protocol.error(f"no answer {resume.answer}"))
             return
+        served.CHAT_RESUMES.inc()
         if answer.status != MessageStatus.STREAMING:
             await self._send_end(await database_sync_to_async(services.answer_end)(answer_id=answer.pk))
             return

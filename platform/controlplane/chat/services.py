@@ -28,7 +28,8 @@ from .models import TITLE_CHARS, Conversation, Message, MessageStatus
 
 log = logging.getLogger(__name__)
 
-SHOWN_METRICS = ("ttft_ms", "decode_tok_s", "recall", "generated_tokens")
+# ``taken_over_at``: where each writer that took the answer over began (``chat.writer``).
+SHOWN_METRICS = ("ttft_ms", "decode_tok_s", "recall", "generated_tokens", "taken_over_at")
 
 
 class ChatError(ValueError):

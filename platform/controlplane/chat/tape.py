@@ -22,14 +22,17 @@ from __future__ import annotations
 import asyncio
 import json
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 import redis.asyncio
 from django.conf import settings
 
 from controlplane.shared_redis import client
+
+T = TypeVar("T")
 
 KEEP_S = 24 * 3600  # longer than any answer takes
 ENDED_KEEP_S = 600  # a page reconnecting after the end still gets it from the tape
@@ -79,6 +82,13 @@ def _meta(answer_id: int) -> str:
     return f"odmoe:chat:answer:{answer_id}:meta"
 
 
+# XADD with the entry's own id (refused when not past the last), then both keys kept KEEP_S more.
+_ADD = """
+redis.call('XADD', KEYS[1], ARGV[1], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+"""
+
 _async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -91,6 +101,17 @@ def _aclient() -> redis.asyncio.Redis:
         held = (settings.REDIS_URL, redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_timeout=timeout))
         _async_clients[loop] = held
     return held[1]
+
+
+async def _cancellable(call: Awaitable[T]) -> T:
+    """``call``'s result, unless the task awaiting it was cancelled meanwhile: redis-py's asyncio client
+    (6.4.0) can swallow that cancellation and return the reply (a writer cancelled mid-answer went on
+    to its end), so it is raised here."""
+    result = await call
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    return result
 
 
 def _piece_id(index: int) -> str:
@@ -184,17 +205,13 @@ async def append_end(answer_id: int, message: dict) -> None:
 
 
 async def _add(answer_id: int, entry_id: str, fields: dict, keep_s: int) -> None:
-    redis_ = _aclient()
+    args = [entry_id, keep_s, *[item for pair in fields.items() for item in pair]]
     try:
-        await redis_.xadd(_tape(answer_id), fields, id=entry_id)
+        await _cancellable(_aclient().eval(_ADD, 2, _tape(answer_id), _meta(answer_id), *args))
     except redis.ResponseError as exc:
         if "equal or smaller" in str(exc):
             raise Overtaken(f"answer {answer_id}: entry {entry_id} is written already") from None
         raise
-    pipe = redis_.pipeline(transaction=False)
-    pipe.expire(_tape(answer_id), keep_s)
-    pipe.expire(_meta(answer_id), keep_s)
-    await pipe.execute()
 
 
 # ---- a reader's side ------------------------------------------------------------------------
@@ -205,7 +222,7 @@ async def follow(answer_id: int, after: int) -> AsyncIterator[Piece | End | Idle
     came for ``READ_BLOCK_MS``. Redis errors are raised (the caller tries again from where it was)."""
     last = _piece_id(after - 1) if after > 0 else "0-0"
     while True:
-        found = await _aclient().xread({_tape(answer_id): last}, block=READ_BLOCK_MS, count=256)
+        found = await _cancellable(_aclient().xread({_tape(answer_id): last}, block=READ_BLOCK_MS, count=256))
         if not found:
             yield Idle()
             continue

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
@@ -51,7 +51,7 @@ USER_STOPPED = "stopped"
 _running: set[asyncio.Task] = set()  # this process's writers (held: a bare task may be collected)
 
 
-@dataclass
+@dataclasses.dataclass
 class Answer:
     """What a writer has of its answer: the tokens so far and their text."""
 
@@ -60,7 +60,7 @@ class Answer:
     model_path: str
     holder: str
     taken_over: bool = False  # from a writer that stopped: main may still run that writer's generation
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     generated: bool = False  # main ended the generation (the last piece is its tail)
     text: str = ""
     stopped_why: str = ""  # USER_STOPPED or PAGE_CLOSED, once the writer stops the generation
@@ -115,6 +115,7 @@ async def take_over(answer_id: int) -> asyncio.Task | None:
         await asyncio.to_thread(writing.release, answer_id, holder)
         return None
     log.warning("chat answer %s: its writer stopped; this process writes the rest", answer_id)
+    served.CHAT_TAKEOVERS.inc()
     return _spawn(Answer(answer_id, meta, deployment, holder=holder, taken_over=True))
 
 
@@ -189,7 +190,8 @@ async def _generate(answer: Answer) -> tuple[str, dict]:
         request_id = completions.new_request_id()
         await asyncio.to_thread(tape.set_request, answer_id, request_id)
         await asyncio.to_thread(tape.note_resumed, answer_id, len(answer.token_ids))
-        answer.meta = meta = _with_request(meta, request_id)
+        resumed_at = (*meta.resumed_at, len(answer.token_ids))
+        answer.meta = meta = dataclasses.replace(meta, request_id=request_id, resumed_at=resumed_at)
     tokenizer = await sync_to_async(tokenizer_for, thread_sensitive=False)(answer.model_path)
     decoder = IncrementalDecoder(tokenizer)
     decoder.ids, decoder.emitted = list(answer.token_ids), answer.text
@@ -220,10 +222,6 @@ async def _wait_for_main_link(deployment_id: int) -> None:
     heard = database_sync_to_async(services.main_heard_since, thread_sensitive=False)
     while time.monotonic() < deadline and not await heard(deployment_id=deployment_id, since=since):
         await asyncio.sleep(0.5)
-
-
-def _with_request(meta: tape.Meta, request_id: str) -> tape.Meta:
-    return tape.Meta(**{**meta.__dict__, "request_id": request_id})
 
 
 async def _keep(answer: Answer) -> None:
@@ -266,6 +264,9 @@ async def _cancel_current(answer: Answer) -> None:
 async def _finish(answer: Answer, status: str, metrics: dict, error: str) -> None:
     """Save the end (and count the answer's tokens) if no one did; tell the pages; give up the lease."""
     answer_id, meta = answer.answer_id, answer.meta
+    metrics = {**metrics, "generated_tokens": len(answer.token_ids)}  # every writer's, not the last one's
+    if meta.resumed_at:
+        metrics["taken_over_at"] = list(meta.resumed_at)
     usage = services.Usage(Caller(meta.user_id), meta.deployment, len(meta.prompt_ids), len(answer.token_ids))
     if error:
         served.record("chat", ok=False)

@@ -104,6 +104,16 @@ MAIN_RESTARTS_CARRIED = Counter(
     ["api"],
     registry=REGISTRY,
 )
+CHAT_RESUMES = Counter(
+    "odmoe_chat_resumes",
+    "Chat pages that followed an answer again after their socket closed (a reconnection, a reload)",
+    registry=REGISTRY,
+)
+CHAT_TAKEOVERS = Counter(
+    "odmoe_chat_takeovers",
+    "Chat answers whose writer stopped (its web process died) and that a page's web process wrote on",
+    registry=REGISTRY,
+)
 
 
 def record(api: str, *, ok: bool, prompt_tokens: int = 0, metrics: dict | None = None) -> None:
