@@ -17,7 +17,9 @@ of ``--tokens`` tokens and, once a third of them came, injects one fault:
 Per trial: the stall (the longest gap between two pieces after the fault, the reconnection
 included), the median gap before it in the same answer, whether the answer ended complete, and
 whether its text equals the answer asked once with nothing killed. Between trials it waits until the
-deployment is ready again. Prints and records each fault's median and range, every trial kept.
+deployment is ready again; before a role would be killed more often than its agent restarts one
+(``agent.runtime.MAX_RESTARTS`` in 10 min), the deployment is stopped and started again. Prints
+and records each fault's median and range, every trial kept.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from agent.runtime import MAX_RESTARTS
 from benchmarks import provenance, substance
 from deploy import prodcheck
 
@@ -57,13 +60,14 @@ def role_pids(stack: prodcheck.Stack, role: str) -> list[int]:
     return found
 
 
-def inject(stack: prodcheck.Stack, fault: str) -> list[int]:
-    """SIGKILL what ``fault`` names; the processes killed."""
+def inject(stack: prodcheck.Stack, fault: str, trial: int) -> list[int]:
+    """SIGKILL what ``fault`` names (a worker: each in turn, one a trial); the processes killed."""
     if fault == "web":
         web = next(child for child in stack.group.children if child.name == "odmoe-web")
         pids = prodcheck.web_workers(web.process.pid)
     else:
-        pids = role_pids(stack, fault)[:1]  # one worker of several
+        found = role_pids(stack, fault)
+        pids = [found[trial % len(found)]] if found else []
     if not pids:
         raise RuntimeError(f"nothing to kill for the fault {fault!r}")
     for pid in pids:
@@ -72,7 +76,7 @@ def inject(stack: prodcheck.Stack, fault: str) -> list[int]:
     return pids
 
 
-async def chat(stack: prodcheck.Stack, session: str, tokens: int, fault: str | None) -> dict:
+async def chat(stack: prodcheck.Stack, session: str, tokens: int, fault: str | None, trial: int = 0) -> dict:
     """One greedy chat answer over wss, with ``fault`` injected a third of the way in; its pieces'
     arrival times, and the answer as the page ends with it."""
     from websockets.asyncio.client import connect
@@ -97,7 +101,7 @@ async def chat(stack: prodcheck.Stack, session: str, tokens: int, fault: str | N
                         pieces.append((event["index"], time.monotonic(), event["text"]))
                         if fault and fault_at is None and event["index"] >= tokens // 3:
                             fault_at = time.monotonic()
-                            await asyncio.to_thread(inject, stack, fault)
+                            await asyncio.to_thread(inject, stack, fault, trial)
                     elif event["type"] == "done":
                         done = event
                         break
@@ -133,6 +137,20 @@ def wait_ready(stack: prodcheck.Stack, deployment: int) -> None:
     prodcheck.wait_for("the deployment ready again", ready, 300, stack.check)
 
 
+def redeploy(stack: prodcheck.Stack, deployment: int) -> None:
+    """Stop the deployment and start it again: fresh role processes, each with its agent's whole
+    restart budget (``agent.runtime.MAX_RESTARTS`` in ``RESTART_WINDOW_S``, a guard against a crash
+    loop that this benchmark's kills would otherwise exhaust)."""
+    stack.api.json("POST", f"/api/deployments/{deployment}/stop", expect=202)
+
+    def stopped() -> bool:
+        return stack.api.json("GET", f"/api/deployments/{deployment}")["status"] == "stopped"
+
+    prodcheck.wait_for("the deployment stopped", stopped, 120, stack.check)
+    stack.api.json("POST", f"/api/deployments/{deployment}/start", expect=202)
+    wait_ready(stack, deployment)
+
+
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
 
@@ -157,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         deployment = stack.deploy(prodcheck.DEMO_MODEL, node_ids)["id"]
         session = prodcheck.login(stack).cookie("sessionid")
         undisturbed = asyncio.run(chat(stack, session, args.tokens, None))
+        workers = len(role_pids(stack, "worker"))
+        kills_per_role = {"main": MAX_RESTARTS, "worker": MAX_RESTARTS * workers}
         results["undisturbed"] = undisturbed["content"]
         for fault in faults:
             runs = []
             for i in range(args.trials):
-                run = asyncio.run(chat(stack, session, args.tokens, fault))
+                if fault != "web" and i and i % kills_per_role[fault] == 0:
+                    redeploy(stack, deployment)  # before a role would be killed past its restart budget
+                run = asyncio.run(chat(stack, session, args.tokens, fault, i))
                 run["same_as_undisturbed"] = run["content"] == undisturbed["content"]
                 runs.append(run)
                 print(
