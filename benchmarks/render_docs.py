@@ -184,7 +184,7 @@ PAGES: tuple[Page, ...] = (
     Page("memory", "Memory per role", ("main-memory-*.json", "role-memory-mixtral-dims-*.json")),
     Page("families", "Model families", ()),
     Page("gpu", "GPU check", ("gpu-*.json",)),
-    Page("faults", "Faults", ("faults.json",)),
+    Page("faults", "Faults", ("faults.json", "faults-production-*.json")),
     Page("grammars", "Grammar libraries", ("grammars*.json", "grammar-compiles*.json")),
     Page("load", "The control plane under load", ("load-*.json",)),
     Page("heartbeats", "Heartbeats at rack scale", ("heartbeats-*.json",)),
