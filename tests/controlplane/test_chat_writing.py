@@ -163,7 +163,28 @@ def test_a_page_follows_only_its_own_users_answers_and_an_ended_one_is_told_from
     (told,) = async_to_sync(resume)(owner, {"type": "resume", "answer": answer.pk, "after": 3})
     assert (told["type"], told["content"], told["status"]) == ("done", "the whole answer", "complete")
     (refused,) = async_to_sync(resume)(other, {"type": "resume", "answer": answer.pk, "after": 0})
-    assert refused == {"type": "error", "detail": f"no answer {answer.pk}"}  # another user's: not even its end
+    assert refused == {"type": "error", "detail": f"no answer {answer.pk}", "answer": answer.pk}  # not even its end
     for bad in ({"answer": "1"}, {"answer": 0}, {"answer": answer.pk, "after": -1}, {"answer": True}):
         (error,) = async_to_sync(resume)(owner, {"type": "resume", **bad})
         assert error["type"] == "error" and "must be" in error["detail"]
+
+
+def test_a_stop_before_the_answer_has_a_tape_writes_nothing_and_a_partial_meta_is_none(
+    channel_layer_on_test_redis,
+) -> None:
+    assert tape.mark_stopped(737373) is None
+    assert not client().exists("odmoe:chat:answer:737373:meta")  # no hash without a deployment or an expiry
+    client().hset("odmoe:chat:answer:737373:meta", "stopped", 1)  # as an older stop could leave one
+    assert tape.read_meta(737373) is None  # nothing a writer can go on from; no KeyError
+
+
+def test_an_answer_whose_writer_holds_its_lease_is_not_settled_however_late_its_last_touch(
+    channel_layer_on_test_redis,
+) -> None:
+    user = get_user_model().objects.create_user("heidi")
+    _, answer, _ = services.start_turn(user=user, conversation_id=None, content="question")
+    Message.objects.filter(pk=answer.pk).update(created_at=timezone.now() - timedelta(seconds=writing.STALE_S * 2))
+    client().zadd(writing.KEY, {str(answer.pk): 1.0})  # last touched long ago...
+    assert writing.claim(answer.pk, "a writer that just took it over")  # ...but a writer holds it now
+    assert services.settle_interrupted() == []
+    assert Message.objects.get(pk=answer.pk).status == MessageStatus.STREAMING

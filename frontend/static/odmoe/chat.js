@@ -26,10 +26,12 @@
     });
     socket.addEventListener("open", () => {
       status.textContent = "";
-      setBusy(busy);
       if (answer && answer.dataset.id) { // the answer goes on without the page: ask for the rest
         socket.send(JSON.stringify({ type: "resume", answer: Number(answer.dataset.id), after: Number(answer.dataset.after || 0) }));
+      } else if (answer) { // closed before the server said it took the message: it may not have
+        giveBack("the connection dropped before the server took your message; reload to see whether it did");
       }
+      setBusy(busy);
     });
     setBusy(busy); // Send waits for the socket: a message sent before it opens would go nowhere
   }
@@ -90,20 +92,33 @@
       answer = null;
       setBusy(false);
     } else if (message.type === "error" && message.refused && sent) {
-      // Turned away before anything was stored: the text goes back where it was written.
-      sent.bubble.remove();
-      if (answer) answer.remove();
-      if (!prompt.value) prompt.value = sent.text;
+      giveBack(message.detail); // turned away before anything was stored
+    } else if (message.type === "error" && message.answer != null && answer) {
+      // The answer it waited for cannot be followed: it stops waiting.
+      answer.classList.remove("streaming");
+      answer.classList.add("failed");
+      answer.querySelector(".figures").textContent = message.detail;
       answer = null;
-      sent = null;
       setBusy(false);
-      status.textContent = message.detail;
-      status.className = "error";
     } else if (message.type === "error") {
       status.textContent = message.detail;
       status.className = "error";
       if (answer) answer.querySelector(".figures").textContent = message.detail;
     }
+  }
+
+  // The message goes back where it was written, its bubbles removed, and the reason shown.
+  function giveBack(detail) {
+    if (sent) {
+      sent.bubble.remove();
+      if (!prompt.value) prompt.value = sent.text;
+    }
+    if (answer) answer.remove();
+    answer = null;
+    sent = null;
+    setBusy(false);
+    status.textContent = detail;
+    status.className = "error";
   }
 
   form.addEventListener("submit", (event) => {
@@ -124,7 +139,9 @@
       form.requestSubmit();
     }
   });
-  stopButton.addEventListener("click", () => socket.send(JSON.stringify({ type: "stop" })));
+  stopButton.addEventListener("click", () => {
+    if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "stop" }));
+  });
   // Reloaded while an answer is written: it is shown again from its start as it goes on.
   const unfinished = list.querySelector("li.message.assistant.streaming[data-id]");
   if (unfinished) {

@@ -142,7 +142,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         """The page asks again for an answer it was shown in part: the rest, or its end."""
         answer = await database_sync_to_async(services.followable)(user=self.scope["user"], answer_id=resume.answer)
         if answer is None:
-            await self.send_json(protocol.error(f"no answer {resume.answer}"))
+            await self.send_json(protocol.lost(resume.answer, f"no answer {resume.answer}"))
             return
         served.CHAT_RESUMES.inc()
         if answer.status != MessageStatus.STREAMING:

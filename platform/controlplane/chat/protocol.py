@@ -6,7 +6,8 @@ closed mid-answer, or that was reloaded, asks for the answer from its piece ``N`
 browser: ``conversation`` (the conversation the answer belongs to, and the answer's id), ``token``
 (a piece of text, with its ``index`` in the answer), ``done`` (the saved answer with its figures) and
 ``error`` (a reason to show; with ``"refused": true`` when the message was turned away and
-nothing of it stored, so the page gives the text back). ``parse_client`` validates what
+nothing of it stored, so the page gives the text back; with ``"answer": ID`` when that answer cannot
+be followed, so the page stops waiting for it). ``parse_client`` validates what
 arrives and says what is wrong.
 """
 
@@ -102,6 +103,12 @@ def done(message_id: int, content: str, status: str, metrics: dict) -> dict:
 
 def error(detail: str) -> dict:
     return {"type": "error", "detail": detail}
+
+
+def lost(answer_id: int, detail: str) -> dict:
+    """An error that ends the page's wait for answer ``answer_id``: it cannot be followed (none of the
+    user's has that id)."""
+    return {"type": "error", "detail": detail, "answer": answer_id}
 
 
 def refused(detail: str) -> dict:

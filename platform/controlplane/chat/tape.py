@@ -2,8 +2,8 @@
 the socket showing it: the answer's tape.
 
 The writer (``chat.writer``) appends each token of the answer as a piece (its id and the text it
-adds; after main's end, the text of a last incomplete character as a piece of ``NO_TOKEN``) and, at
-the end, what the page is told then (``protocol.done``, with an error if any). Every
+adds; main's end as a piece of ``NO_TOKEN``, with the text of a last incomplete character if any)
+and, at the end, what the page is told then (``protocol.done``, with an error if any). Every
 page showing the answer reads the tape (``follow``), from wherever it left off: a page whose socket
 closed (a network blip, a reload, a web worker's restart) asks again from its last piece and misses
 nothing, and sees nothing twice. A writer that took over from one that died reads the pieces so
@@ -38,7 +38,7 @@ KEEP_S = 24 * 3600  # longer than any answer takes
 ENDED_KEEP_S = 600  # a page reconnecting after the end still gets it from the tape
 READ_BLOCK_MS = 2000  # a reader wakes at least this often (``follow`` yields ``Idle``)
 END_ID = "1-0"  # after every piece's id
-NO_TOKEN = -1  # the token id of the last piece when it is the tail of an incomplete character
+NO_TOKEN = -1  # the token id of the piece that marks main's end (its text: an incomplete character's)
 
 
 class Overtaken(RuntimeError):
@@ -87,6 +87,13 @@ _ADD = """
 redis.call('XADD', KEYS[1], ARGV[1], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
+"""
+
+# Only an answer that has a meta is marked stopped: a stop before ``start`` leaves no partial hash.
+_STOP = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+redis.call('HSET', KEYS[1], 'stopped', 1)
+return redis.call('HGET', KEYS[1], 'request_id')
 """
 
 _async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -142,8 +149,8 @@ def start(answer_id: int, meta: Meta) -> None:
 def read_meta(answer_id: int) -> Meta | None:
     """The answer's meta (None: it has none, or it expired)."""
     raw = {k.decode(): v.decode() for k, v in client().hgetall(_meta(answer_id)).items()}
-    if not raw:
-        return None
+    if not raw.keys() >= {"deployment_id", "deployment", "user_id", "prompt_ids", "max_tokens", "request_id"}:
+        return None  # none, or not whole: nothing a writer can go on from
     return Meta(
         deployment_id=int(raw["deployment_id"]),
         deployment=raw["deployment"],
@@ -168,11 +175,9 @@ def note_resumed(answer_id: int, at: int) -> None:
 
 
 def mark_stopped(answer_id: int) -> str | None:
-    """The user stopped the answer: no writer goes on with it. The generation running now, if any."""
-    with client().pipeline() as pipe:
-        pipe.hset(_meta(answer_id), "stopped", 1)
-        pipe.hget(_meta(answer_id), "request_id")
-        _, request_id = pipe.execute()
+    """The user stopped the answer: no writer goes on with it. The generation running now (None: the
+    answer has no meta, and nothing is written)."""
+    request_id = client().eval(_STOP, 1, _meta(answer_id))
     return request_id.decode() if request_id else None
 
 

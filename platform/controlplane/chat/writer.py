@@ -65,6 +65,7 @@ class Answer:
     text: str = ""
     stopped_why: str = ""  # USER_STOPPED or PAGE_CLOSED, once the writer stops the generation
     overtaken: bool = False  # another writer has the answer: this one saves nothing
+    cancelled: str = ""  # the request id the writer last cancelled itself
 
 
 def begin(answer_id: int, meta: tape.Meta, model_path: str, holder: str) -> asyncio.Task:
@@ -100,6 +101,7 @@ async def take_over(answer_id: int) -> asyncio.Task | None:
     if not await asyncio.to_thread(writing.claim, answer_id, holder):
         return None
     try:
+        await asyncio.to_thread(writing.touch, answer_id)  # being written again: not an orphan to settle
         meta = await asyncio.to_thread(tape.read_meta, answer_id)
         deployment = await database_sync_to_async(services.deployment_model_path, thread_sensitive=False)(
             deployment_id=meta.deployment_id if meta else None
@@ -192,6 +194,9 @@ async def _generate(answer: Answer) -> tuple[str, dict]:
         await asyncio.to_thread(tape.note_resumed, answer_id, len(answer.token_ids))
         resumed_at = (*meta.resumed_at, len(answer.token_ids))
         answer.meta = meta = dataclasses.replace(meta, request_id=request_id, resumed_at=resumed_at)
+        now = await asyncio.to_thread(tape.read_meta, answer_id)
+        if now is None or now.stopped:  # stopped while main was down: a stop cancels the request it reads
+            return MessageStatus.STOPPED, {}
     tokenizer = await sync_to_async(tokenizer_for, thread_sensitive=False)(answer.model_path)
     decoder = IncrementalDecoder(tokenizer)
     decoder.ids, decoder.emitted = list(answer.token_ids), answer.text
@@ -206,8 +211,9 @@ async def _generate(answer: Answer) -> tuple[str, dict]:
             answer.token_ids.append(event.token_id)
             answer.text = decoder.emitted
         elif isinstance(event, Done):
-            if tail := decoder.flush():  # a last incomplete character: a piece of no token
-                await tape.append(answer_id, tape.Piece(len(answer.token_ids), tape.NO_TOKEN, tail))
+            # Main's end, on the tape (a writer taking over after it writes no more), with the text of
+            # a last incomplete character if any.
+            await tape.append(answer_id, tape.Piece(len(answer.token_ids), tape.NO_TOKEN, decoder.flush()))
             answer.text = decoder.emitted
             served.record("chat", ok=True, prompt_tokens=len(meta.prompt_ids), metrics=event.metrics)
             status = MessageStatus.STOPPED if event.finish_reason == "cancelled" else MessageStatus.COMPLETE
@@ -251,8 +257,9 @@ async def _keep(answer: Answer) -> None:
             why = USER_STOPPED
         elif not watched:  # it lapses CHAT_RESUME_GRACE_S after a page last said so: none came back
             why = PAGE_CLOSED
-        if (why or answer.overtaken) and not answer.stopped_why:
-            answer.stopped_why = why or USER_STOPPED
+        if (why or answer.overtaken) and answer.cancelled != answer.meta.request_id:
+            answer.stopped_why = answer.stopped_why or why or USER_STOPPED
+            answer.cancelled = answer.meta.request_id  # again if a takeover started another since
             await _cancel_current(answer)
 
 
@@ -262,8 +269,14 @@ async def _cancel_current(answer: Answer) -> None:
 
 
 async def _finish(answer: Answer, status: str, metrics: dict, error: str) -> None:
-    """Save the end (and count the answer's tokens) if no one did; tell the pages; give up the lease."""
+    """Save the end (and count the answer's tokens) if no one did; tell the pages; give up the lease.
+    A writer whose lease another claimed meanwhile saves nothing: the answer is that writer's now."""
     answer_id, meta = answer.answer_id, answer.meta
+    with contextlib.suppress(*ERRORS):  # Redis away: the guarded save still keeps it to one end
+        held = await asyncio.to_thread(writing.renew, answer_id, answer.holder)
+        if not held and not await asyncio.to_thread(writing.claim, answer_id, answer.holder):
+            log.warning("chat answer %s: another writer took it before its end was saved", answer_id)
+            return
     metrics = {**metrics, "generated_tokens": len(answer.token_ids)}  # every writer's, not the last one's
     if meta.resumed_at:
         metrics["taken_over_at"] = list(meta.resumed_at)

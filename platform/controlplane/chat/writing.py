@@ -101,4 +101,15 @@ def orphans() -> list[int]:
     except ERRORS as exc:
         log.warning("cannot tell which chat answers are still being written (%s): none settled now", exc)
         return []
-    return [pk for pk, at in zip(candidates, moments, strict=True) if at is None or at < cutoff]
+    stale = [pk for pk, at in zip(candidates, moments, strict=True) if at is None or at < cutoff]
+    if not stale:
+        return []
+    try:  # a writer that holds its lease is alive, whatever its last touch says
+        with client().pipeline() as pipe:
+            for pk in stale:
+                pipe.exists(_LEASE.format(pk))
+            held = pipe.execute()
+    except ERRORS as exc:
+        log.warning("cannot tell which chat answers have a writer (%s): none settled now", exc)
+        return []
+    return [pk for pk, leased in zip(stale, held, strict=True) if not leased]
