@@ -74,8 +74,9 @@ postgresql:
 
 # The production path of deploy/ on this machine, without systemd (deploy/prodcheck.py, about 2 minutes):
 # PostgreSQL at 127.0.0.1:5432 or a private one (ODMOE_PRODCHECK_POSTGRES), Redis with a password, nginx with TLS, 2 web
-# workers, Celery on both queues and beat, 3 agents by the one-liner, a chat, a job and an OpenAI call.
-prod-check: $(STAMP) nginx postgresql
+# workers, Celery on both queues and beat, 3 agents by the one-liner, a chat (in Chromium too, across a restart of
+# every web worker), a job and an OpenAI call.
+prod-check: $(STAMP) chromium nginx postgresql
 	$(PY) -m deploy.prodcheck
 
 # The hash-locked requirement files (deploy/requirements.lock, agent/requirements.lock) from constraints.txt.

@@ -24,8 +24,9 @@ Brings up, without systemd, what ``docs/production.md`` installs on a host:
 Then it checks the edge (plain HTTP redirected, HSTS, the body cap answered by the proxy),
 deploys a small model through the REST API, checks every role runs as the agents' user, and
 has a chat answer over wss (and one across a restart of every web worker: killed mid-answer, the
-socket connects again and gets the rest), a batch job run on the jobs worker, and the official
-``openai`` client stream an answer through the proxy. Everything is torn down after, on failure too; on
+socket connects again and gets the rest; then the same in Debian's Chromium, on the chat page, which
+trusts the proxy's certificate by its key alone), a batch job run on the jobs worker, and the
+official ``openai`` client stream an answer through the proxy. Everything is torn down after, on failure too; on
 failure the tail of every log is printed.
 
 What differs from a host, on purpose: the paths (``/opt/odmoe`` is this checkout, ``/var/lib/odmoe``
@@ -818,6 +819,67 @@ def check_chat_survives_its_web_workers_restart(stack: Stack) -> None:
     )
 
 
+def check_chat_in_chromium_across_its_web_workers_restart(stack: Stack) -> None:
+    """The chat page in Debian's Chromium, which trusts the proxy's certificate by its key alone (as the
+    agents do): a question asked, every web worker killed once the answer shows, and the whole answer
+    on the page once it has connected again, marked as carried across the restart."""
+    from playwright.sync_api import sync_playwright
+
+    executable = shutil.which("chromium") or shutil.which("chromium-browser")
+    if executable is None:
+        raise CheckFailed("the chat's browser check needs Chromium: make prod-check installs Debian's")
+    pin = stack.pin.removeprefix("sha256//")
+    args = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        f"--ignore-certificate-errors-spki-list={pin}",
+    ]
+    web = next(child for child in stack.group.children if child.name == "odmoe-web")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=args, headless=True)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(stack.server + "/accounts/login/")
+            page.fill("input[name=username]", ADMIN)
+            page.fill("input[name=password]", stack.admin_password)
+            page.click("button[type=submit]")
+            page.wait_for_url("**/chat/")
+            for asked in range(3):  # an answer that ends before the kill tests nothing: ask another
+                page.fill("#prompt", f"{PROMPT} ({asked + 1})")
+                page.wait_for_selector("#send:enabled")
+                page.click("#send")
+                showing = f"document.querySelectorAll('li.message.assistant')[{asked}].innerText.length > 0"
+                page.wait_for_function(showing, polling=20)
+                workers = web_workers(web.process.pid)
+                for pid in workers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                answer = page.locator("li.message.assistant").nth(asked)
+                page.wait_for_function(
+                    f"!document.querySelectorAll('li.message.assistant')[{asked}].classList.contains('streaming')",
+                    timeout=120_000,
+                )
+                took, classes = time.monotonic() - killed, answer.get_attribute("class") or ""
+                text, figures = answer.locator(".content").inner_text(), answer.locator(".figures").inner_text()
+                if "carried across a server restart" in figures:
+                    break
+                wait_for("the web workers answering again", lambda: stack.api.request("GET", "/api/schema/")[0] == 200,
+                         60, stack.check)  # fmt: skip
+            page.screenshot(path=str(stack.work / "logs" / "chat-restart.png"))
+        finally:
+            browser.close()
+    if "complete" not in classes or not text or "carried across a server restart" not in figures:
+        raise CheckFailed(f"the chat page across its web workers' restart ended {classes!r}: {figures!r}, {text!r}")
+    step(
+        f"chat in Chromium across a restart of {len(workers)} web workers: the whole answer on the page "
+        f"({len(text)} characters) {took:.1f} s after the kill ({figures})"
+    )
+
+
 def check_job(stack: Stack, deployment: str) -> None:
     job = stack.api.json("POST", "/api/jobs", {"model": deployment, "prompts": [PROMPT], "max_tokens": 8}, 201)
     seen = {}
@@ -873,6 +935,7 @@ def run_checks(stack: Stack, agents: int, model: Path) -> None:
     check_roles_run_as_the_agents_user(stack)
     check_chat_over_wss(stack)
     check_chat_survives_its_web_workers_restart(stack)
+    check_chat_in_chromium_across_its_web_workers_restart(stack)
     check_job(stack, deployment["name"])
     check_openai(stack, deployment["name"])
 
