@@ -34,7 +34,7 @@ def test_an_answer_whose_writer_stopped_fails_saying_why_and_keeps_its_partial_t
         _, answer, _ = services.start_turn(user=user, conversation_id=None, content=f"question {name}")
         answers[name] = answer.pk
     services.save_partial(answer_id=answers["orphan"], content="the first half of")
-    services.finish_turn(answer_id=answers["done"], content="whole", status=MessageStatus.COMPLETE)
+    services.finish_answer(answer_id=answers["done"], content="whole", status=MessageStatus.COMPLETE)
     old = timezone.now() - timedelta(seconds=writing.STALE_S * 2)
     Message.objects.filter(pk__in=[answers["orphan"], answers["alive"], answers["done"]]).update(created_at=old)
     client().zadd(writing.KEY, {str(answers["orphan"]): 1.0})  # its writer last touched it long ago (a crash)
@@ -149,7 +149,7 @@ def test_a_page_follows_only_its_own_users_answers_and_an_ended_one_is_told_from
     owner = get_user_model().objects.create_user("frank")
     other = get_user_model().objects.create_user("grace")
     _, answer, _ = services.start_turn(user=owner, conversation_id=None, content="mine")
-    services.finish_turn(answer_id=answer.pk, content="the whole answer", status=MessageStatus.COMPLETE)
+    services.finish_answer(answer_id=answer.pk, content="the whole answer", status=MessageStatus.COMPLETE)
 
     async def resume(user, message: dict) -> list[dict]:
         comm = WebsocketCommunicator(ChatConsumer.as_asgi(), "/ws/chat/")
@@ -172,7 +172,7 @@ def test_a_page_follows_only_its_own_users_answers_and_an_ended_one_is_told_from
 def test_a_stop_before_the_answer_has_a_tape_writes_nothing_and_a_partial_meta_is_none(
     channel_layer_on_test_redis,
 ) -> None:
-    assert tape.mark_stopped(737373) is None
+    assert tape.mark_stopped(737373) is False
     assert not client().exists("odmoe:chat:answer:737373:meta")  # no hash without a deployment or an expiry
     client().hset("odmoe:chat:answer:737373:meta", "stopped", 1)  # as an older stop could leave one
     assert tape.read_meta(737373) is None  # nothing a writer can go on from; no KeyError

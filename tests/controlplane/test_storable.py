@@ -88,7 +88,7 @@ def test_a_generated_nul_is_kept_in_a_chat_answer_and_a_job_output(tiny_model: P
 
     user = get_user_model().objects.create_user("alice")
     _, answer, _ = chat.start_turn(user=user, conversation_id=None, content="say a NUL")
-    chat.finish_turn(answer_id=answer.pk, content="a\x00b", status=MessageStatus.COMPLETE, error="late\x00")
+    chat.finish_answer(answer_id=answer.pk, content="a\x00b", status=MessageStatus.COMPLETE, error="late\x00")
     answer.refresh_from_db()
     assert (answer.content, answer.error) == (f"a{R}b", f"late{R}")
 

@@ -133,7 +133,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
     async def _failed(self, answer_id: int, error: str) -> None:
         """An answer that failed before its writer started: saved so, and the page told."""
         served.record("chat", ok=False)
-        await database_sync_to_async(services.finish_turn)(
+        await database_sync_to_async(services.finish_answer)(
             answer_id=answer_id, content="", status=MessageStatus.FAILED, error=error
         )
         await self._send_end(await database_sync_to_async(services.answer_end)(answer_id=answer_id))

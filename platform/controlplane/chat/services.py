@@ -18,7 +18,7 @@ from controlplane.accounts.services import record_usage
 from controlplane.accounts.usage import Caller
 from controlplane.deployments import generation
 from controlplane.deployments.generation import ClusterUnavailable
-from controlplane.deployments.models import Deployment, DeploymentNode, Role
+from controlplane.deployments.models import Deployment
 from controlplane.nodes import liveness
 from controlplane.shared_redis import ERRORS
 from controlplane.storable import storable_json, storable_text
@@ -73,15 +73,6 @@ def prompt_history(messages: Iterable[Message]) -> list[dict]:
     return history
 
 
-def finish_turn(*, answer_id: int, content: str, status: str, metrics: dict | None = None, error: str = "") -> None:
-    """Store the answer as it ended; generated text and the cluster's error text made storable."""
-    shown = {k: (metrics or {}).get(k) for k in SHOWN_METRICS if (metrics or {}).get(k) is not None}
-    Message.objects.filter(pk=answer_id).update(
-        content=storable_text(content), status=status, metrics=storable_json(shown), error=storable_text(error)
-    )
-    writing.done(answer_id)
-
-
 @dataclass(frozen=True)
 class Usage:
     """An answer's tokens, counted to its user under the deployment's name."""
@@ -92,10 +83,19 @@ class Usage:
     completion_tokens: int
 
 
-def finish_answer(*, answer_id: int, content: str, status: str, metrics: dict | None, error: str, usage: Usage) -> bool:
-    """Store the end of an answer still being written, and count its tokens, in one transaction;
-    False when it had ended already (another writer saved it): nothing is stored or counted twice.
-    ``content`` None keeps what was saved so far; ``usage`` None counts nothing."""
+def finish_answer(
+    *,
+    answer_id: int,
+    status: str,
+    content: str | None = None,
+    metrics: dict | None = None,
+    error: str = "",
+    usage: Usage | None = None,
+) -> bool:
+    """Store the end of an answer still being written (generated text and the cluster's error text
+    made storable), and count its tokens, in one transaction; False when it had ended already (another
+    writer saved it): nothing is stored or counted twice. ``content`` None keeps what was saved so
+    far; ``usage`` None counts nothing."""
     shown = {k: (metrics or {}).get(k) for k in SHOWN_METRICS if (metrics or {}).get(k) is not None}
     fields = {"status": status, "metrics": storable_json(shown), "error": storable_text(error)}
     if content is not None:
@@ -130,25 +130,14 @@ def is_streaming(*, answer_id: int) -> bool:
     return Message.objects.filter(pk=answer_id, status=MessageStatus.STREAMING).exists()
 
 
-def settle_lost(*, answer_id: int) -> None:
-    """An answer still being written that no writer can go on with: failed, its text so far kept."""
-    Message.objects.filter(pk=answer_id, status=MessageStatus.STREAMING).update(
-        status=MessageStatus.FAILED, error=writing.INTERRUPTED
-    )
-    writing.done(answer_id)
-
-
 def main_heard_since(*, deployment_id: int, since: float) -> bool:
     """Whether the agent of the deployment's main node was heard after ``since`` (Unix time): its link
     is up in some web process, so what is sent to it gets there."""
-    node_id = (
-        DeploymentNode.objects.filter(deployment_id=deployment_id, role=Role.MAIN)
-        .values_list("node_id", flat=True)
-        .first()
-    )
-    if node_id is None:
+    try:
+        node_id = generation.main_node(deployment_id)
+    except ClusterUnavailable:
         return False
-    return liveness.heard_at([str(node_id)]).get(str(node_id), 0.0) > since
+    return liveness.heard_at([node_id]).get(node_id, 0.0) > since
 
 
 def deployment_model_path(*, deployment_id: int | None) -> str | None:

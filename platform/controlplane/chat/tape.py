@@ -89,11 +89,14 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 """
 
-# Only an answer that has a meta is marked stopped: a stop before ``start`` leaves no partial hash.
+# Only an answer that has a meta is changed: a stop before ``start`` leaves no partial hash.
 _STOP = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-redis.call('HSET', KEYS[1], 'stopped', 1)
-return redis.call('HGET', KEYS[1], 'request_id')
+return redis.call('HSET', KEYS[1], 'stopped', 1) + 1
+"""
+_CONTINUE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+return redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'resumed_at', ARGV[2]) + 1
 """
 
 _async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -163,22 +166,18 @@ def read_meta(answer_id: int) -> Meta | None:
     )
 
 
-def set_request(answer_id: int, request_id: str) -> None:
-    """The generation that writes the answer from now on (a writer that took over started it)."""
-    client().hset(_meta(answer_id), "request_id", request_id)
+def continue_with(answer_id: int, request_id: str, resumed_at: tuple[int, ...]) -> Meta | None:
+    """A writer that took the answer over names the generation that writes it from now on, and where
+    each takeover began; the meta read after (a stop from then on cancels that generation, one from
+    before shows as ``stopped``). None: the answer has no meta, and nothing is written."""
+    if not client().eval(_CONTINUE, 1, _meta(answer_id), request_id, json.dumps(list(resumed_at))):
+        return None
+    return read_meta(answer_id)
 
 
-def note_resumed(answer_id: int, at: int) -> None:
-    """A writer took the answer over at piece ``at`` (``Meta.resumed_at``: where each one did)."""
-    before = client().hget(_meta(answer_id), "resumed_at")
-    client().hset(_meta(answer_id), "resumed_at", json.dumps([*json.loads(before or "[]"), at]))
-
-
-def mark_stopped(answer_id: int) -> str | None:
-    """The user stopped the answer: no writer goes on with it. The generation running now (None: the
-    answer has no meta, and nothing is written)."""
-    request_id = client().eval(_STOP, 1, _meta(answer_id))
-    return request_id.decode() if request_id else None
+def mark_stopped(answer_id: int) -> bool:
+    """The user stopped the answer: no writer goes on with it. False: it has no meta, nothing written."""
+    return bool(client().eval(_STOP, 1, _meta(answer_id)))
 
 
 def pieces(answer_id: int) -> list[Piece]:

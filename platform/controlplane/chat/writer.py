@@ -112,7 +112,9 @@ async def take_over(answer_id: int) -> asyncio.Task | None:
         raise
     if meta is None or deployment is None:
         # Nothing to go on from (Redis lost the meta, the deployment is gone): saved as interrupted.
-        await database_sync_to_async(services.settle_lost, thread_sensitive=False)(answer_id=answer_id)
+        await database_sync_to_async(services.finish_answer, thread_sensitive=False)(
+            answer_id=answer_id, status=MessageStatus.FAILED, error=writing.INTERRUPTED
+        )
         await tape.append_end(answer_id, await _end_from_database(answer_id))
         await asyncio.to_thread(writing.release, answer_id, holder)
         return None
@@ -123,11 +125,12 @@ async def take_over(answer_id: int) -> asyncio.Task | None:
 
 async def stop(answer_id: int) -> None:
     """The user stopped the answer: its generation stops now, and no writer starts another."""
-    request_id = await asyncio.to_thread(tape.mark_stopped, answer_id)
-    meta = await asyncio.to_thread(tape.read_meta, answer_id)
-    if request_id and meta is not None:
+    if not await asyncio.to_thread(tape.mark_stopped, answer_id):
+        return
+    meta = await asyncio.to_thread(tape.read_meta, answer_id)  # after the mark: the generation running now
+    if meta is not None:
         with contextlib.suppress(ClusterUnavailable):
-            await generation.acancel(meta.deployment_id, request_id)
+            await generation.acancel(meta.deployment_id, meta.request_id)
 
 
 async def _write(answer: Answer) -> None:
@@ -189,14 +192,11 @@ async def _generate(answer: Answer) -> tuple[str, dict]:
         await _wait_for_main_link(meta.deployment_id)
         with contextlib.suppress(ClusterUnavailable):
             await generation.acancel(meta.deployment_id, meta.request_id)
-        request_id = completions.new_request_id()
-        await asyncio.to_thread(tape.set_request, answer_id, request_id)
-        await asyncio.to_thread(tape.note_resumed, answer_id, len(answer.token_ids))
-        resumed_at = (*meta.resumed_at, len(answer.token_ids))
-        answer.meta = meta = dataclasses.replace(meta, request_id=request_id, resumed_at=resumed_at)
-        now = await asyncio.to_thread(tape.read_meta, answer_id)
+        request_id, resumed_at = completions.new_request_id(), (*meta.resumed_at, len(answer.token_ids))
+        now = await asyncio.to_thread(tape.continue_with, answer_id, request_id, resumed_at)
         if now is None or now.stopped:  # stopped while main was down: a stop cancels the request it reads
             return MessageStatus.STOPPED, {}
+        answer.meta = meta = now
     tokenizer = await sync_to_async(tokenizer_for, thread_sensitive=False)(answer.model_path)
     decoder = IncrementalDecoder(tokenizer)
     decoder.ids, decoder.emitted = list(answer.token_ids), answer.text

@@ -132,7 +132,7 @@ def _target(deployment_id: int) -> tuple[str, str, str]:
     return str(main.node_id), deployment.runtime_key, deployment.name
 
 
-def _main_node(deployment_id: int) -> str:
+def main_node(deployment_id: int) -> str:
     """Main's node of a running deployment (ready or not: a cancel must get through a degraded one)."""
     member = DeploymentNode.objects.filter(
         deployment_id=deployment_id, deployment__status__in=RUNNING, role=Role.MAIN
@@ -275,7 +275,7 @@ async def _count(caller: Caller | None, deployment: str, prompt_tokens: int, com
 
 async def acancel(deployment_id: int, request_id: str) -> None:
     """Stop a generation after its current step; it ends with finish_reason "cancelled"."""
-    node_id = await database_sync_to_async(_main_node, thread_sensitive=False)(deployment_id)
+    node_id = await database_sync_to_async(main_node, thread_sensitive=False)(deployment_id)
     command = CancelGeneration(request_id=request_id).to_json()
     await get_channel_layer().group_send(node_group(node_id), {"type": "agent.command", "command": command})
 
