@@ -16,7 +16,8 @@ comes back, the agent asks the restarted main to go on, as the deployment's ``re
   sends on from the first new one. The answer is the undisturbed one, grammar and penalties too.
 
 Either way the caller sees a pause and then the rest of one answer, and the result's metrics say
-where it resumed (``main_restarts``). A request that samples without a seed is given one here, before
+where it resumed and how long each pause was (``main_restarts``: from the last token sent, or the
+request, to the first new one). A request that samples without a seed is given one here, before
 main first sees it (``seeded``): a random seed is what main would have drawn, and a continuation needs
 to know it.
 
@@ -31,6 +32,8 @@ token than the one sent ends the answer with the same error (``ReplayDiverged``)
 from __future__ import annotations
 
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -61,6 +64,13 @@ class Carried:
     max_replay_tokens: int = 4096  # the deployment's: the most tokens sent that a continuation re-reads
     sent: list[int] = field(default_factory=list)
     resumed_at: list[int] = field(default_factory=list)  # len(sent) at each continuation
+    paused_ms: list[float] = field(default_factory=list)  # each continuation's pause, as the caller saw it
+    clock: Callable[[], float] = time.monotonic
+    last_sent_at: float = field(init=False)  # when the last token was sent (or the request came)
+    paused_since: float | None = field(init=False, default=None)  # a continuation's pause, until its first token
+
+    def __post_init__(self) -> None:
+        self.last_sent_at = self.clock()
 
     @property
     def offset(self) -> int:
@@ -69,7 +79,12 @@ class Carried:
 
     @property
     def restarts(self) -> dict:
-        return {"count": len(self.resumed_at), "resumed_at": list(self.resumed_at), "replay": self.mode}
+        return {
+            "count": len(self.resumed_at),
+            "resumed_at": list(self.resumed_at),
+            "paused_ms": list(self.paused_ms),
+            "replay": self.mode,
+        }
 
     def renumbered(self, event: GenerationEvent) -> GenerationEvent | None:
         """``event`` of the request now in main, as one of the whole answer (noting a token as sent);
@@ -84,11 +99,21 @@ class Carried:
                     )
                 return None
             self.sent.append(event.token_id)
+            self._resumed()
             return msgspec.structs.replace(event, index=index) if offset else event
         if isinstance(event, Done) and self.resumed_at:
+            self._resumed()
             metrics = {**event.metrics, "main_restarts": self.restarts}
             return msgspec.structs.replace(event, token_ids=self.sent[:offset] + event.token_ids, metrics=metrics)
         return event
+
+    def _resumed(self) -> None:
+        """A token sent (or the end): the pause of a continuation waiting for its first ends here."""
+        now = self.clock()
+        if self.paused_since is not None:
+            self.paused_ms.append(round((now - self.paused_since) * 1000, 1))
+            self.paused_since = None
+        self.last_sent_at = now
 
     def continuation(self) -> Generate | str:
         """The request that continues the answer on a restarted main, or why it is not carried."""
@@ -104,7 +129,7 @@ class Carried:
                 "a continuation re-reads"
             )
         if self.mode == EXACT:
-            self.resumed_at.append(len(sent))
+            self._pause()
             return request  # again from its start: the tokens sent are computed again, checked and dropped
         if request.grammar:
             return "main's process exited mid-answer, and an answer under a grammar is not carried across a restart"
@@ -113,13 +138,18 @@ class Carried:
                 "main's process exited mid-answer, and an answer with a frequency or presence penalty is not "
                 "carried across a restart"
             )
-        self.resumed_at.append(len(sent))
+        self._pause()
         return msgspec.structs.replace(
             request,
             prompt_ids=[*request.prompt_ids, *sent],
             max_new_tokens=request.max_new_tokens - len(sent),
             prompt_logprobs=request.prompt_logprobs and not sent,  # the caller had them with the first token
         )
+
+    def _pause(self) -> None:
+        """A continuation asked for: the answer resumes at the tokens sent, paused since the last."""
+        self.resumed_at.append(len(self.sent))
+        self.paused_since = self.last_sent_at
 
     @property
     def spent(self) -> bool:

@@ -23,18 +23,43 @@ def test_a_request_that_samples_without_a_seed_gets_one_and_no_other_changes() -
     assert seeded(chosen).seed == 7
 
 
+class Clock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_the_continuation_re_reads_the_sent_tokens_and_its_events_join_the_answer() -> None:
-    carried = Carried(REQUEST)
+    clock = Clock()
+    carried = Carried(REQUEST, clock=clock)
     assert [carried.renumbered(token(i, 10 + i)) for i in range(2)] == [token(0, 10), token(1, 11)]
+    clock.now += 1.5  # main exits 1.5 s after the last token it sent, and comes back
     following = carried.continuation()
     assert isinstance(following, Generate)
     assert following.prompt_ids == [1, 2, 3, 10, 11] and following.max_new_tokens == 4
     assert following.request_id == "r1" and not following.prompt_logprobs  # the caller had them
-    # The restarted main numbers from 0: the answer goes on at 2.
+    # The restarted main numbers from 0: the answer goes on at 2, its first token 2.25 s after the last.
+    clock.now += 0.75
     assert carried.renumbered(token(0, 12)) == token(2, 12)
+    clock.now += 9  # a later gap is no pause of the restart's
     done = carried.renumbered(Done(request_id="r1", token_ids=[12, 13], finish_reason="stop", metrics={"ttft_ms": 1}))
     assert done.token_ids == [10, 11, 12, 13] and done.finish_reason == "stop"
-    assert done.metrics == {"ttft_ms": 1, "main_restarts": {"count": 1, "resumed_at": [2], "replay": "prefill"}}
+    restarts = {"count": 1, "resumed_at": [2], "paused_ms": [2250.0], "replay": "prefill"}
+    assert done.metrics == {"ttft_ms": 1, "main_restarts": restarts}
+
+
+def test_a_restart_whose_continuation_ends_at_once_pauses_until_that_end() -> None:
+    clock = Clock()
+    carried = Carried(REQUEST, clock=clock)
+    clock.now += 0.5  # main exits before its first token: paused since the request came
+    carried.continuation()
+    clock.now += 1
+    done = carried.renumbered(Done(request_id="r1", token_ids=[], finish_reason="stop", metrics={}))
+    assert done.metrics["main_restarts"]["paused_ms"] == [1500.0]
 
 
 def test_an_answer_is_carried_across_one_restart_and_fails_retryably_after_the_next() -> None:
@@ -92,15 +117,18 @@ def test_an_exact_replay_asks_for_the_request_again_and_drops_what_it_computes_a
     import msgspec
 
     grammared = msgspec.structs.replace(REQUEST, grammar="{}", frequency_penalty=0.5)  # carried too, exactly
-    carried = Carried(grammared, mode=EXACT)
+    clock = Clock()
+    carried = Carried(grammared, mode=EXACT, clock=clock)
     for i in range(2):
         carried.renumbered(token(i, 10 + i))
     assert carried.continuation() is grammared  # from its start
+    clock.now += 2
     assert [carried.renumbered(token(i, 10 + i)) for i in range(2)] == [None, None]  # checked, dropped
+    clock.now += 0.5  # the replayed tokens are part of the pause: the caller sees none of them
     assert carried.renumbered(token(2, 12)) == token(2, 12)  # new: on as it is
     done = carried.renumbered(Done(request_id="r1", token_ids=[10, 11, 12], finish_reason="stop", metrics={}))
     assert done.token_ids == [10, 11, 12]
-    assert done.metrics["main_restarts"] == {"count": 1, "resumed_at": [2], "replay": "exact"}
+    assert done.metrics["main_restarts"] == {"count": 1, "resumed_at": [2], "paused_ms": [2500.0], "replay": "exact"}
 
 
 def test_an_exact_replay_that_computes_another_token_is_refused() -> None:

@@ -76,9 +76,11 @@ def log_in(page, served: Served, username: str) -> None:
 
 def test_the_console_and_the_chat_in_the_browser(served: Served, redis_url: str, passwords, browser) -> None:
     """One cluster for both pages (a cluster takes 10 to 30 s to start and stop): the console's checks,
-    which leave every node as they found it, then the chat's, as another user."""
+    which leave every node as they found it, then the chat's, as another user, then the pause the
+    chat's web server restart made, in the console."""
     check_the_console_shows_the_cluster_live_and_makes_a_join_token(served, browser)
     check_chat_in_the_browser_streams_keeps_history_and_stops(served, redis_url, browser)
+    check_the_console_lists_the_pause_the_restart_made(served, browser)
 
 
 def check_the_console_shows_the_cluster_live_and_makes_a_join_token(served: Served, browser) -> None:
@@ -197,6 +199,20 @@ def check_chat_in_the_browser_streams_keeps_history_and_stops(served: Served, re
     shown = page.inner_text("li.message.assistant.complete >> nth=1 >> .content")
     assert "carried across a server restart" in page.inner_text("li.message.assistant.complete >> nth=1 >> .figures")
     check_the_answer_went_on_from_where_it_was(served, redis_url, answer, before, shown)
+
+
+def check_the_console_lists_the_pause_the_restart_made(served: Served, browser) -> None:
+    """The chat answer taken over after the web server's restart is in the console's *Pauses*: its
+    cause, its deployment and how it went on, with a pause of some milliseconds."""
+    page = browser.new_page()
+    page.set_default_timeout(60_000)
+    log_in(page, served, "staff")
+    page.click("text=Console")
+    row = page.wait_for_selector("#pause-rows tr[data-cause='web_restart']")
+    cells = [cell.inner_text() for cell in row.query_selector_all("td")]
+    assert cells[1:3] == [SERVED_MODEL, "the chat's web process stopped"] and cells[5] == "prefill from the tape"
+    assert int(cells[3]) >= 0 and int(cells[4]) > 0, cells  # at token, pause (ms)
+    page.screenshot(path=SHOTS / "console-pauses.png", full_page=True)
 
 
 def check_the_answer_went_on_from_where_it_was(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.deployments.models import AnswerPause
 from controlplane.ops.processes import ProcessGroup, python_env
 from inference.runtime.launcher import free_port
 from tests.controlplane.live import Api, LiveControlPlane, database_url, purge_stale_tasks
@@ -192,6 +193,10 @@ def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPl
     tokens, restarts = carried["body"]["token_ids"], carried["body"]["metrics"]["main_restarts"]
     (resumed_at,) = restarts["resumed_at"]
     assert restarts["count"] == 1 and 0 < resumed_at < LONG, restarts  # killed mid-answer
+    (paused_ms,) = restarts["paused_ms"]  # from the last token before the kill to the first after
+    assert 0 < paused_ms < carried["seconds"] * 1000, restarts
+    (pause,) = AnswerPause.objects.filter(cause="main_restart")  # the console lists it
+    assert (pause.at_token, pause.paused_ms, pause.detail) == (resumed_at, paused_ms, "replay: prefill")
     assert len(tokens) == LONG
     assert tokens[:resumed_at] == reference_generate(tiny_model, PROMPTS[3], resumed_at)
     assert tokens[resumed_at:] == reference_generate(tiny_model, PROMPTS[3] + tokens[:resumed_at], LONG - resumed_at)

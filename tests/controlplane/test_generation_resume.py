@@ -12,8 +12,16 @@ from asgiref.sync import async_to_sync
 from channels.testing import WebsocketCommunicator
 
 from controlplane.artifacts.services import register_model
+from controlplane.console.snapshot import snapshot
 from controlplane.deployments import generation
-from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
+from controlplane.deployments.models import (
+    AnswerPause,
+    Deployment,
+    DeploymentNode,
+    DeploymentStatus,
+    MemberState,
+    Role,
+)
 from controlplane.nodes.models import Node
 from controlplane.serving import metrics
 from inference.wire.generation import Done, Token
@@ -74,7 +82,19 @@ def test_tokens_sent_again_on_the_next_link_reach_the_caller_once(served) -> Non
 
     events = async_to_sync(session)()
     assert [e.index for e in events[:-1]] == [0, 1, 2, 3] and isinstance(events[-1], Done)
-    assert events[-1].metrics["link"] == {"pauses": 1, "resent_tokens": 2}  # the answer says what it cost
+    cost = events[-1].metrics["link"]  # the answer says what it cost: one pause, after its 2 tokens
+    assert (cost["pauses"], cost["resent_tokens"], cost["paused_at"]) == (1, 2, [2])
+    (paused_ms,) = cost["paused_ms"]
+    assert paused_ms >= 200  # from the last token before the link closed to the first new one
+    (pause,) = AnswerPause.objects.filter(request_id="r1")  # and the console lists it
+    assert (pause.cause, pause.at_token, pause.paused_ms, pause.deployment_id) == (
+        "main_link",
+        2,
+        paused_ms,
+        deployment.pk,
+    )
+    assert pause.detail == "2 token(s) sent again"
+    assert snapshot()["pauses"][0]["cause_label"] == "main's agent link closed"
 
     before = [metrics.REGISTRY.get_sample_value(f"odmoe_{n}_total", {"api": "chat"}) or 0 for n in NAMES]
     metrics.record("chat", ok=True, prompt_tokens=2, metrics=events[-1].metrics)

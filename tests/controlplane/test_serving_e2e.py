@@ -459,6 +459,7 @@ def check_chat_outlives_its_page_and_its_writer(served: Served, redis_url: str) 
     from controlplane.chat import tape, writer
     from controlplane.chat.consumers import ChatConsumer
     from controlplane.chat.models import Message
+    from controlplane.deployments.models import AnswerPause
 
     alice = get_user_model().objects.get(username="alice")
     content, tokens, long = "Tell me about the experts", 40, 240
@@ -537,6 +538,9 @@ def check_chat_outlives_its_page_and_its_writer(served: Served, redis_url: str) 
         assert "".join(e["text"] for e in shown) == received[-1]["content"] == Message.objects.get(pk=answer).content
         assert received[-1]["status"] == "complete" and received[-1]["metrics"]["taken_over_at"] == [resumed_at]
         assert received[-1]["metrics"]["generated_tokens"] == long  # the answer's, not the last writer's
+        # The console lists the pause: the takeover, where it went on, and how long the page waited.
+        (pause,) = AnswerPause.objects.filter(cause="web_restart", request_id=tape.read_meta(answer).request_id)
+        assert pause.at_token == resumed_at and pause.paused_ms > 0 and pause.deployment_name == MODEL
 
         with override_settings(CHAT_RESUME_GRACE_S=1.0):
             closed = async_to_sync(page_never_comes_back)()

@@ -4,7 +4,7 @@
   "use strict";
   const $ = (id) => document.getElementById(id);
   const errorLine = $("console-error");
-  let state = { nodes: [], models: [], deployments: [], transfers: [] };
+  let state = { nodes: [], models: [], deployments: [], transfers: [], pauses: [] };
   const expertCodecs = JSON.parse($("expert-codecs").textContent);  // {choices, default}
   const buildChoices = {};  // model id -> {workers, codec}: each model's "Build shards" form
 
@@ -239,7 +239,17 @@
     ctx.fillText(`last ${values[values.length - 1].toFixed(2)} · max ${Math.max(...values).toFixed(2)}`, 10, 12);
   }
 
-  function render() { renderNodes(); renderModels(); renderDeployments(); renderCluster(); }
+  function renderPauses() {
+    const rows = state.pauses.map((p) => el("tr", { "data-cause": p.cause },
+      el("td", {}, new Date(p.at).toLocaleString()), el("td", {}, p.deployment || "(deleted)"),
+      el("td", {}, p.cause_label), el("td", {}, p.at_token == null ? "?" : String(p.at_token)),
+      el("td", {}, p.paused_ms == null ? "?" : String(Math.round(p.paused_ms))),
+      el("td", {}, p.detail), el("td", { class: "muted" }, p.request_id)));
+    $("pause-rows").replaceChildren(...(rows.length ? rows
+      : [el("tr", {}, el("td", { colspan: 7, class: "muted" }, "No answer has paused."))]));
+  }
+
+  function render() { renderNodes(); renderModels(); renderDeployments(); renderCluster(); renderPauses(); }
 
   $("token-form").addEventListener("submit", async (event) => {
     event.preventDefault();

@@ -83,10 +83,19 @@ def _meta(answer_id: int) -> str:
 
 
 # XADD with the entry's own id (refused when not past the last), then both keys kept KEEP_S more.
+# The meta keeps when the last entry was added (Redis' clock, one for every web process): the
+# seconds since then are returned, what a writer that took the answer over paused it for.
 _ADD = """
 redis.call('XADD', KEYS[1], ARGV[1], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
+if redis.call('EXISTS', KEYS[2]) == 0 then return false end
+local time = redis.call('TIME')
+local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
+local last = redis.call('HGET', KEYS[2], 'added_at')
+redis.call('HSET', KEYS[2], 'added_at', string.format('%.3f', now))
+if not last then return false end
+return string.format('%.3f', now - tonumber(last))
 """
 
 # Only an answer that has a meta is changed: a stop before ``start`` leaves no partial hash.
@@ -197,10 +206,11 @@ def ended(answer_id: int) -> dict | None:
     return json.loads(entries[0][1][b"end"]) if entries else None
 
 
-async def append(answer_id: int, piece: Piece) -> None:
-    """Piece ``piece.index`` on the tape; ``Overtaken`` if another writer put one there."""
+async def append(answer_id: int, piece: Piece) -> float | None:
+    """Piece ``piece.index`` on the tape; ``Overtaken`` if another writer put one there. The seconds
+    since the piece before it was added (None for the first)."""
     fields = {"id": piece.token_id, "t": piece.text}
-    await _add(answer_id, _piece_id(piece.index), fields, KEEP_S)
+    return await _add(answer_id, _piece_id(piece.index), fields, KEEP_S)
 
 
 async def append_end(answer_id: int, message: dict) -> None:
@@ -208,14 +218,15 @@ async def append_end(answer_id: int, message: dict) -> None:
     await _add(answer_id, END_ID, {"end": json.dumps(message)}, ENDED_KEEP_S)
 
 
-async def _add(answer_id: int, entry_id: str, fields: dict, keep_s: int) -> None:
+async def _add(answer_id: int, entry_id: str, fields: dict, keep_s: int) -> float | None:
     args = [entry_id, keep_s, *[item for pair in fields.items() for item in pair]]
     try:
-        await _cancellable(_aclient().eval(_ADD, 2, _tape(answer_id), _meta(answer_id), *args))
+        since = await _cancellable(_aclient().eval(_ADD, 2, _tape(answer_id), _meta(answer_id), *args))
     except redis.ResponseError as exc:
         if "equal or smaller" in str(exc):
             raise Overtaken(f"answer {answer_id}: entry {entry_id} is written already") from None
         raise
+    return float(since) if since is not None else None
 
 
 # ---- a reader's side ------------------------------------------------------------------------

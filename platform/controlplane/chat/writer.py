@@ -30,7 +30,8 @@ from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 
 from controlplane.accounts.usage import Caller
-from controlplane.deployments import generation
+from controlplane.deployments import generation, pauses
+from controlplane.deployments.models import PauseCause
 from controlplane.serving import completions
 from controlplane.serving import metrics as served
 from controlplane.serving.completions import ClusterGenerationError, ClusterUnavailable
@@ -203,22 +204,35 @@ async def _generate(answer: Answer) -> tuple[str, dict]:
     request = completions.build_request(
         meta.prompt_ids + answer.token_ids, budget, GREEDY, request_id, Caller(meta.user_id)
     )
+    pausing = answer.taken_over  # until its first piece: the page has waited since the stopped writer's last
     # Counted by the writer that saves the end (``_finish``), not per generation: once per answer.
     async for event in generation.astream(meta.deployment_id, request, caller=None):
         if isinstance(event, Token):
             piece = tape.Piece(len(answer.token_ids), event.token_id, decoder.add(event.token_id))
-            await tape.append(answer_id, piece)
+            since = await tape.append(answer_id, piece)
             answer.token_ids.append(event.token_id)
             answer.text = decoder.emitted
         elif isinstance(event, Done):
             # Main's end, on the tape (a writer taking over after it writes no more), with the text of
             # a last incomplete character if any.
-            await tape.append(answer_id, tape.Piece(len(answer.token_ids), tape.NO_TOKEN, decoder.flush()))
+            since = await tape.append(answer_id, tape.Piece(len(answer.token_ids), tape.NO_TOKEN, decoder.flush()))
             answer.text = decoder.emitted
+        if pausing:
+            pausing = False
+            await _note_takeover(meta, since)
+        if isinstance(event, Done):
             served.record("chat", ok=True, prompt_tokens=len(meta.prompt_ids), metrics=event.metrics)
             status = MessageStatus.STOPPED if event.finish_reason == "cancelled" else MessageStatus.COMPLETE
             return status, event.metrics
     raise ClusterGenerationError("the cluster ended the generation without a result")
+
+
+async def _note_takeover(meta: tape.Meta, since: float | None) -> None:
+    """The pause a takeover made, for the console: from the stopped writer's last piece (``since``
+    seconds before this writer's first; None when it had written none)."""
+    paused_ms = round(since * 1000, 1) if since is not None else None
+    pause = pauses.Pause(PauseCause.WEB_RESTART, meta.resumed_at[-1], paused_ms, "prefill from the tape")
+    await pauses.keep(meta.deployment_id, meta.request_id, [pause])
 
 
 async def _wait_for_main_link(deployment_id: int) -> None:

@@ -1,4 +1,5 @@
-"""What the console shows, read from the database in one go: nodes, models, deployments, transfers.
+"""What the console shows, read from the database in one go: nodes, models, deployments, transfers,
+and the latest pauses answers were carried across (``deployments.pauses``).
 
 The console's websocket sends this whenever it changes; ``GET /console/state.json`` gives
 the same for a first render or a script.
@@ -7,6 +8,7 @@ the same for a first render or a script.
 from __future__ import annotations
 
 from controlplane.artifacts.models import ModelArtifact
+from controlplane.deployments import pauses
 from controlplane.deployments.models import Deployment
 from controlplane.nodes.inventory import clean_inventory, doctor_problems
 from controlplane.nodes.models import Node, NodeTask, TaskState
@@ -26,6 +28,7 @@ def snapshot() -> dict:
         "models": [_model(m) for m in ModelArtifact.objects.all()],
         "deployments": [_deployment(d) for d in Deployment.objects.prefetch_related("members__node")[:50]],
         "transfers": [_task(t) for t in NodeTask.objects.select_related("node")[:RECENT_TASKS]],
+        "pauses": pauses.recent(),
     }
 
 

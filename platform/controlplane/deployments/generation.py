@@ -28,7 +28,8 @@ return; a cancel is left for a layer that cannot take the message (Redis gone).
 **A dropped agent link is a pause.** Main's agent keeps what the control plane has not acknowledged
 and sends it again on its next link (``agent.outbox``), so a token may come twice: ``astream`` takes
 each token once, by its index. Meanwhile it waits as for any next event; a timeout after the link
-closed (``relay.LinkPaused``) is one the same request may retry.
+closed (``relay.LinkPaused``) is one the same request may retry. The answer's metrics say what each
+pause cost (``link``), and the console lists it (``pauses``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -55,6 +57,7 @@ from controlplane.nodes.relay import PAUSED, LinkPaused, listening
 from inference.wire.generation import GENERATION_EVENTS, Done, Failed, Generate, Token
 from inference.wire.link import CancelGeneration, parse
 
+from . import pauses
 from .models import RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 
 FIRST_EVENT_TIMEOUT_S = 120.0  # prefill and a queue behind other generations
@@ -169,7 +172,10 @@ async def astream(
         try:
             await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
             timeout, paused = FIRST_EVENT_TIMEOUT_S, False
-            link = {"pauses": 0, "resent_tokens": 0}  # what main's link closing cost it (the answer's metrics)
+            # What main's link closing cost the answer (its metrics): each pause from the last event
+            # before the link closed to the first new one after, and the tokens sent again.
+            link = {"pauses": 0, "resent_tokens": 0, "paused_at": [], "paused_ms": []}
+            last_at, paused_since = time.monotonic(), None
             while True:
                 try:
                     async with asyncio.timeout(timeout):
@@ -183,7 +189,10 @@ async def astream(
                     raise ClusterGenerationError(f"no answer from the cluster within {timeout:.0f} s") from None
                 if isinstance(event, LinkPaused):
                     paused = True  # the same wait: its agent sends the rest on its next link
-                    link["pauses"] += 1
+                    if paused_since is None:  # the link may close again before anything new came: one pause
+                        link["pauses"] += 1
+                        paused_since = last_at
+                        link["paused_at"].append(generated or 0)
                     continue
                 timeout, paused = NEXT_EVENT_TIMEOUT_S, False
                 if isinstance(event, Exception):
@@ -206,11 +215,16 @@ async def astream(
                 if isinstance(event, Done) and event.finish_reason not in FINISH_REASONS:
                     reason = f"{event.finish_reason!r:.40}"
                     raise ClusterGenerationError(f"main ended the generation with an unknown finish reason {reason}")
+                last_at = time.monotonic()
+                if paused_since is not None:
+                    link["paused_ms"].append(round((last_at - paused_since) * 1000, 1))
+                    paused_since = None
                 if isinstance(event, Done):
                     generated = None
                     await _count(caller, name, len(request.prompt_ids), len(event.token_ids))
                     if link["pauses"]:
                         event = msgspec.structs.replace(event, metrics={**event.metrics, "link": link})
+                    await pauses.note(deployment_id, request.request_id, event.metrics)
                     yield event
                     return
                 generated = (generated or 0) + 1

@@ -234,3 +234,30 @@ class DeploymentNode(models.Model):
     def role_name(self) -> str:
         """main, shadow or worker-N: also the name of the role's shard."""
         return f"worker-{self.worker_index}" if self.role == Role.WORKER else self.role
+
+
+class PauseCause(models.TextChoices):
+    MAIN_RESTART = "main_restart", "main restarted"
+    MAIN_LINK = "main_link", "main's agent link closed"
+    WEB_RESTART = "web_restart", "the chat's web process stopped"
+
+
+class AnswerPause(models.Model):
+    """One pause an answer was carried across: its cause, where in the answer, how long the caller
+    waited (``deployments.pauses`` writes them from a finished answer's metrics; the console shows
+    the latest)."""
+
+    deployment = models.ForeignKey(Deployment, null=True, on_delete=models.SET_NULL, related_name="pauses")
+    deployment_name = models.CharField(max_length=100)
+    request_id = models.CharField(max_length=64)
+    cause = models.CharField(max_length=16, choices=PauseCause.choices)
+    at_token = models.PositiveIntegerField(null=True, help_text="the tokens the answer had when it paused")
+    paused_ms = models.FloatField(null=True, help_text="from the last token before the pause to the first after")
+    detail = models.CharField(max_length=100, blank=True, help_text="how it went on")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.cause} of {self.request_id} at token {self.at_token}"

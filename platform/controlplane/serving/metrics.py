@@ -104,6 +104,13 @@ MAIN_RESTARTS_CARRIED = Counter(
     ["api"],
     registry=REGISTRY,
 )
+PAUSES = Histogram(
+    "odmoe_answer_pause_seconds",
+    "How long answers paused and went on whole, by cause: main_restart, main_link, web_restart",
+    ["cause"],
+    registry=REGISTRY,
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120),
+)
 CHAT_RESUMES = Counter(
     "odmoe_chat_resumes",
     "Chat pages that followed an answer again after their socket closed (a reconnection, a reload)",
