@@ -1,7 +1,7 @@
 r"""The control plane under load on loopback: many agents heartbeating, chats answering, the API polled.
 
     python -m benchmarks.load [--agents 300] [--chats 20] [--streams 0] [--duration 60] [--heartbeat-s 5]
-                              [--production] [--json OUT]
+                              [--production [--restart redis:40] [--restart postgres:80]] [--json OUT]
 
 Sets up a control plane of its own in a temporary directory, as ``manage.py up`` does: a
 private Redis (``REDIS_URL`` if set), a fresh SQLite database, migrated, the ASGI server
@@ -36,6 +36,10 @@ beat, the 3 serving agents installed by the console's one-liner and running as t
 Every request, link and socket of the load then goes through the proxy over https and wss: the
 simulated agents pin its self-signed certificate's key from their join token, as agents do, and
 the other clients trust the certificate; the bookkeeping triggers are PostgreSQL's.
+
+With ``--restart WHAT:S`` (``--production`` only; repeatable) the stack's Redis or PostgreSQL is
+restarted S seconds into the measured window (``benchmarks.restarts``); each restart's moment and
+the seconds its server was down are recorded, and what the load lost is judged as always.
 
 For ``--duration`` seconds, after every simulated agent is online, it measures:
 
@@ -93,6 +97,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +114,7 @@ from agent.tls import ServerTrust
 from benchmarks import provenance, substance
 from benchmarks.overhead import percentile
 from benchmarks.provenance import commit
+from benchmarks.restarts import restart_at
 from inference.wire.link import (
     AGENT_PROTOCOL,
     COMMANDS,
@@ -306,6 +312,9 @@ def markdown(results: dict) -> str:
         "Heartbeat latency over the run (from the window's start; p50 / max ms): "
         + ", ".join(f"{t['from_s']:g} s: {_fmt(t['p50_ms'], 0)} / {_fmt(t['max_ms'], 0)}" for t in hb["timeline"]),
     ]
+    for restart in results.get("restarts", []):
+        how = f"failed: {restart['error']}" if restart["error"] else f"answering again {restart['down_s']:.1f} s later"
+        lines.append(f"{restart['what']} restarted {restart['at_s']:.1f} s into the window, {how}.")
     cpu = results.get("cpu")
     if cpu:
         shares = ", ".join(f"{name} {pct:.0f}" for name, pct in cpu["percent_of_one_core"].items())
@@ -581,6 +590,8 @@ class Load:
     cpu: dict = field(default_factory=dict)  # CPU seconds per process family at the window's start and end
     # (agent, heartbeat number) -> when the control plane's liveness was first seen holding it.
     recorded: dict[tuple[str, int], float] = field(default_factory=dict)
+    restart: Callable[[str], None] | None = None  # restarts "redis" or "postgres" (--restart)
+    restarts: list[dict] = field(default_factory=list)  # each done: what, at_s into the window, down_s, error
 
 
 async def watch_liveness(load: Load) -> None:
@@ -912,7 +923,9 @@ async def run_load(load: Load, work: Path) -> dict:
     traffic = [asyncio.create_task(run_chat(load, i, s)) for i, s in enumerate(plane.sessions)]
     traffic += [asyncio.create_task(run_stream(load, i, key)) for i, key in enumerate(plane.stream_keys)]
     traffic.append(asyncio.create_task(poll_api(load)))
+    restarting = asyncio.create_task(run_restarts(load, t0))
     await asyncio.sleep(args.duration)
+    await restarting
     load.window = (t0, time.time())
     load.cpu["end"] = cpu_seconds(load.families)
     load.stop_chats.set()
@@ -942,6 +955,23 @@ async def run_load(load: Load, work: Path) -> dict:
     with contextlib.suppress(asyncio.CancelledError):
         await lag
     return {"ramp_s": ramp_s, "cutoff": cutoff, "names": names}
+
+
+async def run_restarts(load: Load, t0: float) -> None:
+    """Each ``--restart``, at its moment in the window (``benchmarks.restarts``), recorded with the
+    seconds its server took to answer again (or why it did not)."""
+    for what, at_s in sorted(load.args.restart, key=lambda restart: restart[1]):
+        await asyncio.sleep(max(0.0, t0 + at_s - time.time()))
+        started = time.time()
+        print(f"· restarting {what} {started - t0:.1f} s into the window", flush=True)
+        error = ""
+        try:
+            await asyncio.to_thread(load.restart, what)
+        except Exception as exc:  # recorded: the run goes on, and says so
+            error = f"{type(exc).__name__}: {exc}"
+        down_s = time.time() - started
+        print(f"· {what} answering again after {down_s:.1f} s{f' ({error})' if error else ''}", flush=True)
+        load.restarts.append({"what": what, "at_s": round(started - t0, 2), "down_s": round(down_s, 2), "error": error})
 
 
 def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> dict:
@@ -993,6 +1023,7 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
             "commit": outcome.get("commit", ""),
             "python": sys.version.split()[0],
         },
+        "restarts": load.restarts,
         "enrollment": {
             "enrolled": sum(a.credential is not None for a in load.agents),
             "failed": sum(bool(a.enroll_error) for a in load.agents),
@@ -1157,6 +1188,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chats", type=int, default=20, help="concurrent chat users (default 20)")
     parser.add_argument("--streams", type=int, default=0, help="concurrent OpenAI API streams (default 0)")
     parser.add_argument("--production", action="store_true", help="against the production stack of deploy/")
+    parser.add_argument(
+        "--restart",
+        type=restart_at,
+        action="append",
+        default=[],
+        metavar="WHAT:S",
+        help="restart the stack's redis or postgres S seconds into the window (--production; repeatable)",
+    )
     parser.add_argument("--duration", type=float, default=60.0, help="seconds measured (default 60)")
     parser.add_argument("--heartbeat-s", type=float, default=5.0, help="seconds between heartbeats (agent default 5)")
     parser.add_argument("--chat-tokens", type=int, default=32, help="max_tokens of each chat message")
@@ -1172,6 +1211,10 @@ def main(argv: list[str] | None = None) -> int:
     begun = provenance.begin()
     if args.agents < 1 or args.chats < 0 or args.streams < 0 or args.duration <= 0:
         parser.error("--agents must be >= 1, --chats and --streams >= 0 and --duration > 0")
+    if args.restart and not args.production:
+        parser.error("--restart restarts the production stack's servers: add --production")
+    if any(at_s >= args.duration for _, at_s in args.restart):
+        parser.error(f"every --restart must come within the {args.duration:g} s window")
     args.model = args.model.resolve()
     raise_open_files(4 * (args.agents + args.chats + args.streams) + 1024)
     loadavg_before = os.getloadavg()
@@ -1223,6 +1266,7 @@ def run_on_production(args: argparse.Namespace, work: Path, loadavg_before) -> d
     """The load against the production stack (``deploy.prodcheck.production_stack``), through its proxy."""
     import django
 
+    from benchmarks.restarts import restarter
     from controlplane.ops.processes import ChildFailed
     from deploy.prodcheck import CheckFailed, production_stack
 
@@ -1247,7 +1291,7 @@ def run_on_production(args: argparse.Namespace, work: Path, loadavg_before) -> d
                 family = "agents + their roles" if child.name.startswith("agent-") else child.name
                 families.setdefault(family, []).append(child.process.pid)
             families["postgresql (the whole server)"] = postgres_server_pids()
-            load = Load(plane, args, families)
+            load = Load(plane, args, families, restart=restarter(stack))
             outcome = asyncio.run(run_load(load, work))
             stack.check()  # every process of the stack is still up
             outcome.update(loadavg_before=loadavg_before, timeout_s=settings.NODE_HEARTBEAT_TIMEOUT_S)

@@ -115,3 +115,44 @@ def test_small_load_loses_nothing(tmp_path: Path) -> None:
     assert chat["tokens"] > 0 and chat["ttft_ms"]["p50"] <= chat["answer_ms"]["p50"]
     assert figures["api"]["requests"] > 0 and figures["api"]["errors"] == 0 and figures["api"]["ms"]["p50"] > 0
     assert "| heartbeat: sent → written |" in run.stdout and "| nodes wrongly marked offline | 0 | 0 |" in run.stdout
+
+
+def test_a_restart_is_asked_for_as_what_and_when_and_refused_otherwise() -> None:
+    from benchmarks.restarts import restart_at
+
+    assert restart_at("redis:40") == ("redis", 40.0) and restart_at("postgres:0") == ("postgres", 0.0)
+    for wrong, why in [
+        ("mongo:4", "not one of redis, postgres"),
+        ("redis:soon", "not a number"),
+        ("redis:-1", "before"),
+    ]:
+        with pytest.raises(Exception, match=why):
+            restart_at(wrong)
+    for argv, why in [
+        (["--restart", "redis:4"], "add --production"),
+        (["--production", "--duration", "30", "--restart", "redis:30"], "within the 30 s window"),
+    ]:
+        refused = subprocess.run([sys.executable, "-m", "benchmarks.load", *argv], capture_output=True, text=True)
+        assert refused.returncode == 2 and why in refused.stderr, refused.stderr
+
+
+def test_the_stacks_redis_restarts_in_its_place_with_its_data(tmp_path: Path) -> None:
+    """A restart stops Redis cleanly and starts it again as it was: what was written before is there
+    after (appendonly, as deploy/redis/odmoe.conf has it), and it is still stopped after the web."""
+    from types import SimpleNamespace
+
+    import redis
+
+    from benchmarks.restarts import restarter
+    from controlplane.ops.processes import ProcessGroup, python_env
+    from deploy.prodcheck import start_redis
+
+    with ProcessGroup(tmp_path / "logs", python_env()) as group:
+        url = start_redis(group, tmp_path)
+        group.start("after", ["sleep", "60"])  # what the stack starts after Redis (its web servers)
+        redis.Redis.from_url(url).set("kept", "yes")
+        before = group.children[0].process.pid
+        stack = SimpleNamespace(group=group, work=tmp_path, env={"REDIS_URL": url})
+        restarter(stack)("redis")  # type: ignore[arg-type]
+        assert [c.name for c in group.children] == ["redis", "after"] and group.children[0].process.pid != before
+        assert redis.Redis.from_url(url).get("kept") == b"yes"
