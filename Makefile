@@ -88,17 +88,18 @@ lock: $(STAMP)
 # `make test` runs every test, the slow ones included, and the docs and the production check.
 # pytest runs on TEST_WORKERS pytest-xdist workers, a whole test file to one worker (module
 # fixtures built once; each worker has its own test database, Redis and ports, tests/conftest.py;
-# a test marked `alone`, one that times itself, runs while no other test does). Two by default:
+# a test marked `alone`, one that times itself, runs while no other test does), dealt out longest file
+# first (tests/durations.json, from a whole run: `python -m tests.durations JUNIT_XML`). Two by default:
 # on this 2-core machine they take about a quarter off a fresh clone's `make test`
 # (benchmarks/results/suite-test-*.json). TEST_WORKERS=0 runs them one at a time.
 TEST_WORKERS ?= 2
 
 check: lint
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 test: lint chromium nginx postgresql
 	$(MAKE) docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	$(PY) -m deploy.prodcheck
 
 # Train the shipped demo model again (about 13 minutes on 2 cores; needs Debian's python3.11-doc).

@@ -14,6 +14,7 @@ import torch
 
 from inference.runtime.launcher import PORT_RANGE_ENV, SPAWN_ENV, port_range
 from inference.tools.tiny import make_tiny
+from tests.durations import load, order
 from tests.reference import ODD_SHAPE
 
 
@@ -52,6 +53,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             return (yield)
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the test files longest first, by a whole run's seconds per file
+    (``tests/durations.py``): xdist deals files out in collection order (the Makefile turns off its
+    own reordering, by number of tests), so the run ends on short files rather than on a long one
+    dealt last. The tests of a file keep their order."""
+    if xdist_worker() is None:
+        return
+    rank = order([item.path for item in items], load())
+    items.sort(key=lambda item: rank[item.path])
 
 
 def worker_ports(index: int, count: int, ports: tuple[int, int]) -> tuple[int, int]:
