@@ -600,11 +600,16 @@ async def watch_liveness(load: Load) -> None:
     second): a moment names the newest heartbeat its agent had sent by then, recorded now. Two that
     arrive within one of the control plane's batches leave only the newer: the older is superseded."""
     from controlplane.nodes import liveness
+    from controlplane.shared_redis import ERRORS
 
     last: dict[str, float] = {}
     while True:
         names = {a.credential.node_id: a for a in load.agents if a.credential is not None}
-        entries = await asyncio.to_thread(liveness.client().zrange, liveness.HEARD_KEY, 0, -1, withscores=True)
+        try:
+            entries = await asyncio.to_thread(liveness.client().zrange, liveness.HEARD_KEY, 0, -1, withscores=True)
+        except ERRORS:  # Redis restarting (--restart): read again once it answers
+            await asyncio.sleep(LIVENESS_POLL_S)
+            continue
         now = time.time()
         for member, moment in entries:
             node_id = member.decode() if isinstance(member, bytes) else member
@@ -975,7 +980,11 @@ async def run_restarts(load: Load, t0: float) -> None:
 
 
 def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> dict:
+    from django.db import connections
+
     from controlplane.chat.models import Message
+
+    connections.close_all()  # one a PostgreSQL restart (--restart) ended: the next query opens another
 
     args = load.args
     written = dict(load.recorded)
