@@ -226,7 +226,6 @@ UNTRACED_BUDGET: dict[str, int] = {
     "memory": 148,
     "families": 177,
     "gpu": 3,
-    "load": 1,
     "not-reached": 29,
     "simulator": 140,
     "quality": 4,

@@ -260,6 +260,17 @@ TARGETS: tuple[Target, ...] = (
         readme=True,
     ),
     Target(
+        "restart-chats-failed",
+        "chat answers failed (the user told why) in a production load run across a Redis and a PostgreSQL restart",
+        "55",
+        "load",
+        0,
+        AT_MOST,
+        "load-production-run9.json,load-restarts-*.json:chat.failed",
+        spec="d",
+        every=True,
+    ),
+    Target(
         "api-p99",
         "the API's p99 under load (GET /api/nodes while agents heartbeat and chat)",
         "guide",
