@@ -188,3 +188,29 @@ def test_an_answer_whose_writer_holds_its_lease_is_not_settled_however_late_its_
     assert writing.claim(answer.pk, "a writer that just took it over")  # ...but a writer holds it now
     assert services.settle_interrupted() == []
     assert Message.objects.get(pk=answer.pk).status == MessageStatus.STREAMING
+
+
+def test_a_writer_waits_out_a_redis_restart_and_the_tape_keeps_every_piece(tmp_path, settings) -> None:
+    """Redis stopped between two pieces and started again half a second later (its append-only file,
+    as in production): the piece waits for it and goes on the tape once, after the one before."""
+    from controlplane.ops.processes import ProcessGroup, python_env
+    from deploy.prodcheck import start_redis
+
+    meta = tape.Meta(deployment_id=1, deployment="d", user_id=1, prompt_ids=[1], max_tokens=4, request_id="r")
+    with ProcessGroup(tmp_path / "logs", python_env()) as group:
+        settings.REDIS_URL = start_redis(group, tmp_path)
+        tape.start(636363, meta)
+        (server,) = group.children
+        argv = list(server.process.args)
+
+        async def across_a_restart() -> None:
+            await tape.append(636363, tape.Piece(0, 10, "a"))
+            group.stop(server)  # a clean stop: the append-only file has piece 0
+            appending = asyncio.create_task(tape.append(636363, tape.Piece(1, 11, "b")))
+            await asyncio.sleep(0.5)
+            assert not appending.done()  # waiting for Redis, not given up
+            group.start("redis", argv)
+            await asyncio.wait_for(appending, tape.REDIS_WAIT_S)
+
+        async_to_sync(across_a_restart)()
+        assert tape.token_ids(tape.pieces(636363)) == [10, 11]

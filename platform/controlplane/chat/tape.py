@@ -9,6 +9,9 @@ closed (a network blip, a reload, a web worker's restart) asks again from its la
 nothing, and sees nothing twice. A writer that took over from one that died reads the pieces so
 far (``pieces``) and goes on from there.
 
+A Redis restart does not end an answer: Redis keeps the tape (appendonly, ``deploy/redis``), and the
+writer waits for it to answer again, up to ``REDIS_WAIT_S``, before giving a piece up (``_add``).
+
 Entries have explicit stream ids: piece ``i`` is ``0-(i+1)``, the end ``1-0``, so that each is
 written once (Redis refuses an id not past the last: ``Overtaken``) and a reader resumes after a
 known piece. Beside the tape, a hash (``meta``) holds what a writer needs to go on: the deployment,
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -38,6 +42,12 @@ KEEP_S = 24 * 3600  # longer than any answer takes
 ENDED_KEEP_S = 600  # a page reconnecting after the end still gets it from the tape
 READ_BLOCK_MS = 2000  # a reader wakes at least this often (``follow`` yields ``Idle``)
 END_ID = "1-0"  # after every piece's id
+# A writer waits this long for Redis to answer again (a restart: connection refused, then loading its
+# append-only file) before it gives a piece up; under the lease's lapse (``writing.LEASE_S``), so no
+# other writer can have taken the answer meanwhile.
+REDIS_WAIT_S = 5.0
+# What a restarting Redis raises (``BusyLoadingError`` is a ``ConnectionError``); not its refusals.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 NO_TOKEN = -1  # the token id of the piece that marks main's end (its text: an incomplete character's)
 
 
@@ -219,14 +229,33 @@ async def append_end(answer_id: int, message: dict) -> None:
 
 
 async def _add(answer_id: int, entry_id: str, fields: dict, keep_s: int) -> float | None:
+    """Add one entry, waiting out a Redis restart (``REDIS_WAIT_S``). A try whose reply was lost may
+    have added it: an entry found in its place is this writer's when it holds the same fields."""
     args = [entry_id, keep_s, *[item for pair in fields.items() for item in pair]]
-    try:
-        since = await _cancellable(_aclient().eval(_ADD, 2, _tape(answer_id), _meta(answer_id), *args))
-    except redis.ResponseError as exc:
-        if "equal or smaller" in str(exc):
+    deadline, delay, tried = time.monotonic() + REDIS_WAIT_S, 0.1, False
+    while True:
+        try:
+            since = await _cancellable(_aclient().eval(_ADD, 2, _tape(answer_id), _meta(answer_id), *args))
+            return float(since) if since is not None else None
+        except redis.ResponseError as exc:
+            if "equal or smaller" not in str(exc):
+                raise
+            if tried and await _holds(answer_id, entry_id, fields):
+                return None  # added by the try whose reply the restart lost
             raise Overtaken(f"answer {answer_id}: entry {entry_id} is written already") from None
-        raise
-    return float(since) if since is not None else None
+        except UNREACHABLE:
+            if time.monotonic() + delay > deadline:
+                raise
+        tried = True
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+async def _holds(answer_id: int, entry_id: str, fields: dict) -> bool:
+    """Whether the tape's entry ``entry_id`` holds ``fields``."""
+    found = await _cancellable(_aclient().xrange(_tape(answer_id), entry_id, entry_id))
+    wanted = {str(key).encode(): str(value).encode() for key, value in fields.items()}
+    return bool(found) and found[0][1] == wanted
 
 
 # ---- a reader's side ------------------------------------------------------------------------

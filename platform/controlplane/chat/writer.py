@@ -25,9 +25,12 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
+from django.db import DatabaseError, InterfaceError, OperationalError
 
 from controlplane.accounts.usage import Caller
 from controlplane.deployments import generation, pauses
@@ -44,10 +47,12 @@ from . import services, tape, writing
 from .models import MessageStatus
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GREEDY = Sampling(temperature=0.0)
 PAGE_CLOSED = "the page was closed"
 MAIN_LINK_WAIT_S = 30.0  # past it a writer that took over sends anyway (and fails as any request would)
+DATABASE_WAIT_S = 30.0  # a PostgreSQL restart is waited out this long before an answer's end is given up
 USER_STOPPED = "stopped"
 _running: set[asyncio.Task] = set()  # this process's writers (held: a bare task may be collected)
 
@@ -260,8 +265,8 @@ async def _keep(answer: Answer) -> None:
                 held = await asyncio.to_thread(writing.claim, answer_id, answer.holder)
             meta = await asyncio.to_thread(tape.read_meta, answer_id)
             watched = await asyncio.to_thread(writing.watched, answer_id)
-        except ERRORS as exc:  # Redis restarting: the answer goes on, and so does this loop
-            log.warning("chat answer %s: its lease could not be renewed (%s)", answer_id, exc)
+        except (*ERRORS, DatabaseError) as exc:  # Redis or PostgreSQL restarting: the answer goes on, as this loop
+            log.warning("chat answer %s: its lease could not be renewed or its text saved (%s)", answer_id, exc)
             continue
         why = ""
         if not held:
@@ -297,8 +302,14 @@ async def _finish(answer: Answer, status: str, metrics: dict, error: str) -> Non
     usage = services.Usage(Caller(meta.user_id), meta.deployment, len(meta.prompt_ids), len(answer.token_ids))
     if error:
         served.record("chat", ok=False)
-    await database_sync_to_async(services.finish_answer, thread_sensitive=False)(
-        answer_id=answer_id, content=answer.text, status=status, metrics=metrics, error=error, usage=usage
+    await _waiting_for_the_database(
+        services.finish_answer,
+        answer_id=answer_id,
+        content=answer.text,
+        status=status,
+        metrics=metrics,
+        error=error,
+        usage=usage,
     )
     try:
         await tape.append_end(answer_id, await _end_from_database(answer_id))
@@ -312,7 +323,24 @@ async def _finish(answer: Answer, status: str, metrics: dict, error: str) -> Non
 
 async def _end_from_database(answer_id: int) -> dict:
     """What the pages are told at the end: the answer as it was saved."""
-    return await database_sync_to_async(services.answer_end, thread_sensitive=False)(answer_id=answer_id)
+    return await _waiting_for_the_database(services.answer_end, answer_id=answer_id)
+
+
+async def _waiting_for_the_database(call: Callable[..., T], **kwargs: Any) -> T:
+    """``call(**kwargs)`` on the database, tried again while it is away (PostgreSQL restarting), for up
+    to ``DATABASE_WAIT_S``: an answer's end is saved once it is back rather than lost with the writer.
+    (``services.finish_answer`` saves only an answer still being written: a try whose reply was lost
+    and its retry save and count it once.)"""
+    deadline, delay = time.monotonic() + DATABASE_WAIT_S, 0.2
+    while True:
+        try:
+            return await database_sync_to_async(call, thread_sensitive=False)(**kwargs)
+        except (OperationalError, InterfaceError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("chat answer %s: the database is away (%s); trying again", kwargs.get("answer_id"), exc)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
 
 
 async def _still_streaming(answer_id: int) -> bool:
