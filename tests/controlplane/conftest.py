@@ -114,7 +114,7 @@ def celery_on_test_redis(redis_url: str) -> None:
 
 def redis_channel_layers(redis_url: str) -> dict:
     """``CHANNEL_LAYERS`` on the test Redis."""
-    return {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}}
+    return {"default": {"BACKEND": "controlplane.channel_layer.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}}
 
 
 def shared_caches(caches: dict, redis_url: str) -> dict:

@@ -239,10 +239,12 @@ async def astream(
 async def _from_layer(layer: BaseChannelLayer, channel: str, inbox: asyncio.Queue) -> None:
     """Put the events that come through the channel layer (main's link is in another process)
     into ``inbox``, each parsed and checked; what cannot be read goes in as the error, and ends it.
-    Returns on ``STOP`` (``stop_listening``)."""
+    Returns on ``STOP`` (``stop_listening``). Redis unreachable ends it too: the outage may have lost
+    events (``channel_layer``), and the generation fails as one the caller may ask again."""
+    receive = getattr(layer, "receive_or_raise", layer.receive)
     while True:
         try:
-            message = await layer.receive(channel)
+            message = await receive(channel)
             if message.get("type") == STOP:
                 return
             if message.get("type") == PAUSED:

@@ -283,7 +283,10 @@ CACHES = {
 
 # Room for a whole answer's tokens in a channel whose reader is briefly busy (the default is 100).
 CHANNEL_LAYERS = {
-    "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000}}
+    "default": {
+        "BACKEND": "controlplane.channel_layer.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000},
+    }
 }
 
 NODE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("ODMOE_NODE_HEARTBEAT_TIMEOUT_S", "15"))
