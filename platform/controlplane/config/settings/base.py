@@ -89,7 +89,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "axes.middleware.AxesMiddleware",  # last: it turns a locked-out login into its 429 page
+    "axes.middleware.AxesMiddleware",  # it turns a locked-out login into its 429 page
+    "controlplane.database_away.DatabaseAwayMiddleware",  # last: a view's database error is a 503
 ]
 
 # Login lockout (django-axes): 5 failed logins for one username from one address lock that

@@ -1,0 +1,44 @@
+"""A request that meets the database away (``controlplane.database_away``): a 503 with Retry-After in
+the API's own error shape, never a 500; the next request, the database back, is served."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
+from django.test import Client
+
+from controlplane.accounts.services import create_api_key
+from inference.runtime.launcher import free_port
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@contextlib.contextmanager
+def database_away() -> Iterator[None]:
+    """The database unreachable, as while PostgreSQL restarts: a closed port (SQLite: no such file)."""
+    saved = dict(connection.settings_dict)
+    connection.close()
+    if connection.vendor == "sqlite":
+        connection.settings_dict["NAME"] = "/nonexistent/odmoe/db.sqlite3"
+    else:
+        connection.settings_dict["PORT"] = str(free_port())
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)
+
+
+def test_an_api_call_that_meets_the_database_away_is_told_to_try_again() -> None:
+    _, key = create_api_key(user=get_user_model().objects.create_user("staff", is_staff=True))
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {key}")
+    with database_away():
+        rest, openai = client.get("/api/nodes"), client.get("/v1/models")
+    assert (rest.status_code, rest["Retry-After"]) == (503, "2") and "try again shortly" in rest.json()["detail"]
+    assert openai.status_code == 503 and openai.json()["error"]["type"] == "database_unavailable"
+    assert client.get("/api/nodes").status_code == 200  # back: served
