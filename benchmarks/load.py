@@ -962,6 +962,10 @@ async def run_load(load: Load, work: Path) -> dict:
     return {"ramp_s": ramp_s, "cutoff": cutoff, "names": names}
 
 
+# The process family (``Load.families``) each restart replaces (a private PostgreSQL is the run's child).
+RESTARTED_FAMILIES = {"redis": ("redis",), "postgres": ("postgresql (the whole server)", "postgres")}
+
+
 async def run_restarts(load: Load, t0: float) -> None:
     """Each ``--restart``, at its moment in the window (``benchmarks.restarts``), recorded with the
     seconds its server took to answer again (or why it did not)."""
@@ -1093,7 +1097,12 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
             "answer_ms": summary([r["answer_ms"] for r in load.streams if r["answer_ms"] is not None]),
         },
         "client_loop_lag_ms": summary(load.lag_ms),
-        "cpu": cpu_figures(load.cpu.get("start", {}), load.cpu.get("end", {}), load.window[1] - load.window[0]),
+        "cpu": cpu_figures(
+            load.cpu.get("start", {}),
+            load.cpu.get("end", {}),
+            load.window[1] - load.window[0],
+            restarted=[family for r in load.restarts for family in RESTARTED_FAMILIES[r["what"]]],
+        ),
     }
 
 
@@ -1129,15 +1138,20 @@ def cpu_seconds(families: dict[str, list[int]]) -> dict[str, float]:
     return totals
 
 
-def cpu_figures(start: dict[str, float], end: dict[str, float], seconds: float) -> dict:
+def cpu_figures(start: dict[str, float], end: dict[str, float], seconds: float, *, restarted=()) -> dict:
     """Each family's share of one core over the window (%), the machine's busy share of all its cores,
-    and what the rest of the machine (not this benchmark) used, in cores."""
+        and what the rest of the machine (not this benchmark) used, in cores. A family ``restarted`` in the
+        window has none: its processes before the restart are gone, and their time with them (what the new
+    ones used counts with the rest of the machine)."""
     if not start or not end or seconds <= 0:
         return {}
-    ours = {name: 100 * (end[name] - start[name]) / seconds for name in start if name != "machine"}
+    ours = {
+        name: 100 * (end[name] - start[name]) / seconds for name in start if name != "machine" and name not in restarted
+    }
     machine = (end["machine"] - start["machine"]) / seconds
     return {
         "percent_of_one_core": ours,
+        "restarted_not_measured": sorted(set(restarted) & set(start)),
         "machine_busy_percent": 100 * machine / (os.cpu_count() or 1),
         "other_processes_cores": max(0.0, machine - sum(ours.values()) / 100),
     }

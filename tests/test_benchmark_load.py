@@ -156,3 +156,11 @@ def test_the_stacks_redis_restarts_in_its_place_with_its_data(tmp_path: Path) ->
         restarter(stack)("redis")  # type: ignore[arg-type]
         assert [c.name for c in group.children] == ["redis", "after"] and group.children[0].process.pid != before
         assert redis.Redis.from_url(url).get("kept") == b"yes"
+
+
+def test_a_family_restarted_in_the_window_has_no_cpu_figure() -> None:
+    """Its processes before the restart took their CPU time with them: a figure would read low or
+    below zero (load-production-run9 read -8 % for PostgreSQL)."""
+    start, end = {"redis": 3.0, "web": 2.0, "machine": 10.0}, {"redis": 0.5, "web": 4.0, "machine": 20.0}
+    figures = load.cpu_figures(start, end, 10.0, restarted=["redis", "postgres"])
+    assert figures["percent_of_one_core"] == {"web": 20.0} and figures["restarted_not_measured"] == ["redis"]
