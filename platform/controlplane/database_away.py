@@ -1,4 +1,5 @@
-"""A request that meets the database away is answered 503 with ``Retry-After``, not 500.
+"""The database away (PostgreSQL restarting): a request is answered 503 with ``Retry-After``, not 500;
+work in flight waits for it (``waiting_for_the_database``).
 
 While PostgreSQL restarts (connection refused, "the database system is shutting down", "... is
 starting up", a session ended by its fast shutdown), every query raises Django's
@@ -7,19 +8,31 @@ takes for a bug; under load with PostgreSQL restarted, one ``GET /api/nodes`` go
 (``benchmarks/results/load-production-run9.json``). It is a moment's unavailability, which HTTP says
 with 503 and when to ask again: the OpenAI client and the agent's HTTP calls retry it. Django
 closes the broken connection at the request's end, so the next request connects afresh.
+
+Work already under way (a chat answer's writer, a generation about to start) has no client to ask
+again: it tries its query again while the database is away, up to ``DATABASE_WAIT_S`` (a restart
+takes seconds: 4.5 s under load in that run), rather than failing the answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
+from channels.db import database_sync_to_async
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 RETRY_AFTER_S = 2
+DATABASE_WAIT_S = 30.0
+AWAY = (OperationalError, InterfaceError)  # what a query raises while the database is away
 MESSAGE = "the database cannot be reached right now (is it restarting?): try again shortly"
 API_PREFIXES = ("/api/", "/v1/")
 
@@ -32,7 +45,7 @@ class DatabaseAwayMiddleware:
         return self.get_response(request)
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
-        if not isinstance(exception, OperationalError | InterfaceError):
+        if not isinstance(exception, AWAY):
             return None
         log.warning("%s %s: the database is away (%s)", request.method, request.path, exception)
         if request.path.startswith("/v1/"):  # the OpenAI API's error shape
@@ -44,3 +57,19 @@ class DatabaseAwayMiddleware:
             response = HttpResponse(MESSAGE, status=503, content_type="text/plain; charset=utf-8")
         response["Retry-After"] = str(RETRY_AFTER_S)
         return response
+
+
+async def waiting_for_the_database(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call(*args, **kwargs)`` on the database (in a thread), tried again while the database is away,
+    for up to ``DATABASE_WAIT_S``; then its error is raised. ``call`` must be safe to try twice (a try
+    whose reply was lost may have been done)."""
+    deadline, delay = time.monotonic() + DATABASE_WAIT_S, 0.2
+    while True:
+        try:
+            return await database_sync_to_async(call, thread_sensitive=False)(*args, **kwargs)
+        except AWAY as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: the database is away (%s); trying again", getattr(call, "__name__", call), exc)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)

@@ -42,3 +42,28 @@ def test_an_api_call_that_meets_the_database_away_is_told_to_try_again() -> None
     assert (rest.status_code, rest["Retry-After"]) == (503, "2") and "try again shortly" in rest.json()["detail"]
     assert openai.status_code == 503 and openai.json()["error"]["type"] == "database_unavailable"
     assert client.get("/api/nodes").status_code == 200  # back: served
+
+
+def test_a_chat_message_sent_while_the_database_is_away_is_given_back_not_left_waiting() -> None:
+    """The page's send is refused, saying why, before anything is stored: the page keeps the text."""
+    from asgiref.sync import async_to_sync
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.chat.consumers import ChatConsumer
+    from controlplane.chat.models import Message
+
+    alice = get_user_model().objects.create_user("alice")
+
+    async def send_while_away() -> dict:
+        comm = WebsocketCommunicator(ChatConsumer.as_asgi(), "/ws/chat/")
+        comm.scope["user"] = alice
+        assert (await comm.connect())[0]
+        await comm.send_json_to({"type": "send", "conversation": None, "content": "hello", "max_tokens": 8})
+        answer = await comm.receive_json_from(timeout=10)
+        await comm.disconnect()
+        return answer
+
+    with database_away():
+        answer = async_to_sync(send_while_away)()
+    assert answer["type"] == "error" and answer["refused"] and "try again" in answer["detail"], answer
+    assert not Message.objects.exists()

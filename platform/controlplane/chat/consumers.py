@@ -13,14 +13,17 @@ answer whose writer died takes the writing over.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
+from collections.abc import Awaitable
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from controlplane.database_away import AWAY, waiting_for_the_database
 from controlplane.serving import completions
 from controlplane.serving import metrics as served
 from controlplane.serving.bounds import CHAT_MESSAGE_CHARS, check_messages_size
@@ -43,6 +46,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         super().__init__(*args, **kwargs)
         self.answering: asyncio.Task | None = None  # starting an answer, then following it
         self.following: int | None = None  # the answer this page shows, while it is written
+        self.answer_id: int | None = None  # the answer ``answering`` is for, once stored
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -82,13 +86,29 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         elif self.answering is not None and not self.answering.done():
             await self.send_json(protocol.refused("an answer is still being written: wait for it or stop it"))
         elif isinstance(message, protocol.Resume):
-            self.answering = asyncio.create_task(self._resume(message))
+            self.answer_id = message.answer
+            self.answering = asyncio.create_task(self._told_if_it_fails(self._resume(message)))
         elif (wait := await sync_to_async(chat_message_wait)(self.scope["user"])) is not None:
             # Refused before anything is stored; the page keeps what was written.
             detail = f"you are sending messages faster than this server takes them; try again in {math.ceil(wait)} s"
             await self.send_json(protocol.refused(detail))
         else:
-            self.answering = asyncio.create_task(self._answer(message))
+            self.answer_id = None  # none stored yet
+            self.answering = asyncio.create_task(self._told_if_it_fails(self._answer(message)))
+
+    async def _told_if_it_fails(self, work: Awaitable[None]) -> None:
+        """An answer's work, run beside the socket: if it fails past what it handles (a bug, the
+        database away longer than it waits), the page is told so rather than left waiting in silence."""
+        try:
+            await work
+        except Exception as exc:
+            log.exception("chat answer %s: its page's work failed", self.answer_id)
+            detail = f"the answer could not be written ({exc}); try again"
+            with contextlib.suppress(Exception):  # the socket may be gone too
+                if self.answer_id is None:  # nothing stored: the page keeps what was written
+                    await self.send_json(protocol.refused(detail))
+                else:  # the page stops waiting for it
+                    await self.send_json(protocol.lost(self.answer_id, detail))
 
     async def _stop(self) -> None:
         if self.following is not None:
@@ -99,19 +119,21 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
 
     async def _answer(self, send: protocol.Send) -> None:
         user = self.scope["user"]
-        try:
+        try:  # not tried again: a try whose reply was lost may have stored the question
             conversation, answer, history = await database_sync_to_async(services.start_turn)(
                 user=user, conversation_id=send.conversation, content=send.content
             )
         except services.ChatError as exc:
             await self.send_json(protocol.refused(str(exc)))
             return
+        except AWAY as exc:  # refused: the page keeps what was written
+            await self.send_json(protocol.refused(f"the database cannot be reached right now ({exc}); try again"))
+            return
+        self.answer_id = answer.pk
         await self.send_json(protocol.conversation(conversation.pk, conversation.title, answer.pk))
         try:
-            target, prompt_ids = await database_sync_to_async(_prepare, thread_sensitive=False)(
-                history, send.max_tokens
-            )
-            await database_sync_to_async(services.set_model)(answer_id=answer.pk, model_name=target.name)
+            target, prompt_ids = await waiting_for_the_database(_prepare, history, send.max_tokens)
+            await waiting_for_the_database(services.set_model, answer_id=answer.pk, model_name=target.name)
             meta = tape.Meta(
                 deployment_id=target.deployment_id,
                 deployment=target.name,
@@ -127,26 +149,29 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         except ERRORS as exc:
             await self._failed(answer.pk, f"the answer cannot be kept while Redis is away ({exc}); try again")
             return
+        except AWAY as exc:
+            await self._failed(answer.pk, f"the database cannot be reached right now ({exc}); try again")
+            return
         writer.begin(answer.pk, meta, target.model_path, holder)
         await self._follow(answer.pk, 0)
 
     async def _failed(self, answer_id: int, error: str) -> None:
         """An answer that failed before its writer started: saved so, and the page told."""
         served.record("chat", ok=False)
-        await database_sync_to_async(services.finish_answer)(
-            answer_id=answer_id, content="", status=MessageStatus.FAILED, error=error
+        await waiting_for_the_database(
+            services.finish_answer, answer_id=answer_id, content="", status=MessageStatus.FAILED, error=error
         )
-        await self._send_end(await database_sync_to_async(services.answer_end)(answer_id=answer_id))
+        await self._send_end(await waiting_for_the_database(services.answer_end, answer_id=answer_id))
 
     async def _resume(self, resume: protocol.Resume) -> None:
         """The page asks again for an answer it was shown in part: the rest, or its end."""
-        answer = await database_sync_to_async(services.followable)(user=self.scope["user"], answer_id=resume.answer)
+        answer = await waiting_for_the_database(services.followable, user=self.scope["user"], answer_id=resume.answer)
         if answer is None:
             await self.send_json(protocol.lost(resume.answer, f"no answer {resume.answer}"))
             return
         served.CHAT_RESUMES.inc()
         if answer.status != MessageStatus.STREAMING:
-            await self._send_end(await database_sync_to_async(services.answer_end)(answer_id=answer.pk))
+            await self._send_end(await waiting_for_the_database(services.answer_end, answer_id=answer.pk))
             return
         await self._follow(answer.pk, resume.after)
 

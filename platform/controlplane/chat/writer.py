@@ -25,14 +25,13 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError
 
 from controlplane.accounts.usage import Caller
+from controlplane.database_away import waiting_for_the_database
 from controlplane.deployments import generation, pauses
 from controlplane.deployments.models import PauseCause
 from controlplane.serving import completions
@@ -47,12 +46,10 @@ from . import services, tape, writing
 from .models import MessageStatus
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 GREEDY = Sampling(temperature=0.0)
 PAGE_CLOSED = "the page was closed"
 MAIN_LINK_WAIT_S = 30.0  # past it a writer that took over sends anyway (and fails as any request would)
-DATABASE_WAIT_S = 30.0  # a PostgreSQL restart is waited out this long before an answer's end is given up
 USER_STOPPED = "stopped"
 _running: set[asyncio.Task] = set()  # this process's writers (held: a bare task may be collected)
 
@@ -109,8 +106,8 @@ async def take_over(answer_id: int) -> asyncio.Task | None:
     try:
         await asyncio.to_thread(writing.touch, answer_id)  # being written again: not an orphan to settle
         meta = await asyncio.to_thread(tape.read_meta, answer_id)
-        deployment = await database_sync_to_async(services.deployment_model_path, thread_sensitive=False)(
-            deployment_id=meta.deployment_id if meta else None
+        deployment = await waiting_for_the_database(
+            services.deployment_model_path, deployment_id=meta.deployment_id if meta else None
         )
     except BaseException:
         with contextlib.suppress(*ERRORS):
@@ -148,8 +145,8 @@ async def _write(answer: Answer) -> None:
                 await tape.append_end(answer_id, await _end_from_database(answer_id))
             ended = True
         prior = [] if ended else await asyncio.to_thread(tape.pieces, answer_id)
-    except ERRORS:
-        log.exception("chat answer %s: its tape could not be read", answer_id)
+    except (*ERRORS, DatabaseError):  # away past its wait: the next writer (or beat) settles it
+        log.exception("chat answer %s: its tape or its row could not be read", answer_id)
         ended = True
     if ended:  # nothing left to write: the pages following it have its end, or read it again
         with contextlib.suppress(*ERRORS):
@@ -302,7 +299,7 @@ async def _finish(answer: Answer, status: str, metrics: dict, error: str) -> Non
     usage = services.Usage(Caller(meta.user_id), meta.deployment, len(meta.prompt_ids), len(answer.token_ids))
     if error:
         served.record("chat", ok=False)
-    await _waiting_for_the_database(
+    await waiting_for_the_database(
         services.finish_answer,
         answer_id=answer_id,
         content=answer.text,
@@ -323,25 +320,8 @@ async def _finish(answer: Answer, status: str, metrics: dict, error: str) -> Non
 
 async def _end_from_database(answer_id: int) -> dict:
     """What the pages are told at the end: the answer as it was saved."""
-    return await _waiting_for_the_database(services.answer_end, answer_id=answer_id)
-
-
-async def _waiting_for_the_database(call: Callable[..., T], **kwargs: Any) -> T:
-    """``call(**kwargs)`` on the database, tried again while it is away (PostgreSQL restarting), for up
-    to ``DATABASE_WAIT_S``: an answer's end is saved once it is back rather than lost with the writer.
-    (``services.finish_answer`` saves only an answer still being written: a try whose reply was lost
-    and its retry save and count it once.)"""
-    deadline, delay = time.monotonic() + DATABASE_WAIT_S, 0.2
-    while True:
-        try:
-            return await database_sync_to_async(call, thread_sensitive=False)(**kwargs)
-        except (OperationalError, InterfaceError) as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.warning("chat answer %s: the database is away (%s); trying again", kwargs.get("answer_id"), exc)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 2.0)
+    return await waiting_for_the_database(services.answer_end, answer_id=answer_id)
 
 
 async def _still_streaming(answer_id: int) -> bool:
-    return await database_sync_to_async(services.is_streaming, thread_sensitive=False)(answer_id=answer_id)
+    return await waiting_for_the_database(services.is_streaming, answer_id=answer_id)

@@ -51,6 +51,7 @@ from channels.layers import BaseChannelLayer, channel_layers, get_channel_layer
 
 from controlplane.accounts.services import record_usage
 from controlplane.accounts.usage import Caller
+from controlplane.database_away import waiting_for_the_database
 from controlplane.nodes import step_watch
 from controlplane.nodes.groups import generation_group, node_group
 from controlplane.nodes.relay import PAUSED, LinkPaused, listening
@@ -157,7 +158,7 @@ async def astream(
     The tokens are counted to ``caller`` before the result is handed on (None: to nobody, for
     the platform's own checks).
     """
-    node_id, key, name = await database_sync_to_async(_target, thread_sensitive=False)(deployment_id)
+    node_id, key, name = await waiting_for_the_database(_target, deployment_id)  # PostgreSQL restarting: waited
     # Step reports only while a console shows them: they are most of a token's bytes on every hop.
     # Read before the group is joined: nothing between the join and its ``finally`` may be left.
     step_reports = await step_watch.watched()
