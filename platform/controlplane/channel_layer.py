@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import redis
 from channels_redis.core import RedisChannelLayer as ChannelsRedisLayer
+
+from controlplane.shared_redis import UNREACHABLE
 
 log = logging.getLogger(__name__)
 
-# What a restarting Redis raises (``BusyLoadingError`` is a ``ConnectionError``); not its refusals.
-UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 FIRST_WAIT_S, LONGEST_WAIT_S = 0.1, 2.0
 
 

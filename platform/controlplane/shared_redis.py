@@ -11,6 +11,9 @@ from django.conf import settings
 _clients: dict[str, redis.Redis] = {}
 
 ERRORS = (redis.RedisError, OSError)  # what a call may raise when Redis is down or restarting
+# What a restarting Redis raises (``BusyLoadingError`` is a ``ConnectionError``): worth waiting out,
+# unlike its refusals (``ResponseError``).
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 def client() -> redis.Redis:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from controlplane.channel_layer import UNREACHABLE, RedisChannelLayer
+from controlplane.channel_layer import RedisChannelLayer
 from controlplane.ops.processes import ProcessGroup, python_env
+from controlplane.shared_redis import UNREACHABLE
 from deploy.prodcheck import start_redis
 
 

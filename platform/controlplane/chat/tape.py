@@ -34,7 +34,7 @@ import redis
 import redis.asyncio
 from django.conf import settings
 
-from controlplane.shared_redis import client
+from controlplane.shared_redis import UNREACHABLE, client
 
 T = TypeVar("T")
 
@@ -46,8 +46,6 @@ END_ID = "1-0"  # after every piece's id
 # append-only file) before it gives a piece up; under the lease's lapse (``writing.LEASE_S``), so no
 # other writer can have taken the answer meanwhile.
 REDIS_WAIT_S = 5.0
-# What a restarting Redis raises (``BusyLoadingError`` is a ``ConnectionError``); not its refusals.
-UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 NO_TOKEN = -1  # the token id of the piece that marks main's end (its text: an incomplete character's)
 
 
