@@ -56,7 +56,7 @@ async def _end_a_listener_as_it_pops_another_channels_message(redis_url: str, po
     layer = RedisChannelLayer(hosts=[redis_url])
     try:
         channel, consumer = await layer.new_channel(), await layer.new_channel()
-        listener = asyncio.ensure_future(_from_layer(layer, channel, asyncio.Queue()))
+        listener = asyncio.ensure_future(_from_layer(layer, channel, "generation.test", asyncio.Queue()))
         await asyncio.sleep(0.2)  # it holds the process's receive lock, blocked in the pop
         await layer.send(consumer, MESSAGE)
         await asyncio.wait_for(popped.wait(), DELIVERY_S)

@@ -51,10 +51,12 @@ from channels.layers import BaseChannelLayer, channel_layers, get_channel_layer
 
 from controlplane.accounts.services import record_usage
 from controlplane.accounts.usage import Caller
+from controlplane.channel_layer import waiting_for_redis
 from controlplane.database_away import waiting_for_the_database
 from controlplane.nodes import step_watch
 from controlplane.nodes.groups import generation_group, node_group
 from controlplane.nodes.relay import PAUSED, LinkPaused, listening
+from controlplane.shared_redis import UNREACHABLE
 from inference.wire.generation import GENERATION_EVENTS, Done, Failed, Generate, Token
 from inference.wire.link import CancelGeneration, parse
 
@@ -165,13 +167,15 @@ async def astream(
     layer = layer or get_channel_layer()
     channel = await layer.new_channel()
     group = generation_group(request.request_id)
-    await layer.group_add(group, channel)
+    await waiting_for_redis(layer.group_add, group, channel, repeatable=True)
     command = msgspec.structs.replace(request, deployment=key, step_reports=step_reports)
     generated: int | None = None  # tokens so far, once main started the generation
     with listening(request.request_id) as inbox:
-        from_layer = asyncio.create_task(_from_layer(layer, channel, inbox))
+        from_layer = asyncio.create_task(_from_layer(layer, channel, group, inbox))
         try:
-            await layer.group_send(node_group(node_id), {"type": "agent.command", "command": command.to_json()})
+            # Not tried again once Redis may have taken it: main would refuse a second as already running.
+            command_message = {"type": "agent.command", "command": command.to_json()}
+            await waiting_for_redis(layer.group_send, node_group(node_id), command_message)
             timeout, paused = FIRST_EVENT_TIMEOUT_S, False
             # What main's link closing cost the answer (its metrics): each pause from the last event
             # before the link closed to the first new one after, and the tokens sent again.
@@ -234,25 +238,39 @@ async def astream(
             await stop_listening(layer, channel, from_layer)
             if generated is not None:  # ended before main's result, after main started: what came
                 await _count(caller, name, len(request.prompt_ids), generated)
-            await layer.group_discard(group, channel)
+            with contextlib.suppress(*UNREACHABLE):  # Redis away: the group expires by itself
+                await layer.group_discard(group, channel)
 
 
-async def _from_layer(layer: BaseChannelLayer, channel: str, inbox: asyncio.Queue) -> None:
+async def _from_layer(layer: BaseChannelLayer, channel: str, group: str, inbox: asyncio.Queue) -> None:
     """Put the events that come through the channel layer (main's link is in another process)
     into ``inbox``, each parsed and checked; what cannot be read goes in as the error, and ends it.
-    Returns on ``STOP`` (``stop_listening``). Redis unreachable ends it too: the outage may have lost
-    events (``channel_layer``), and the generation fails as one the caller may ask again."""
+    Returns on ``STOP`` (``stop_listening``). A Redis restart is waited out when Redis kept its data
+    (``channel_layer``); one that lost it, or Redis away past ``SEND_WAIT_S``, ends the generation as
+    one the caller may ask again."""
     receive = getattr(layer, "receive_or_raise", layer.receive)
     while True:
         try:
             message = await receive(channel)
+        except UNREACHABLE as exc:
+            log.warning("a generation's listener lost Redis (%s): it waits for it", exc)
+            try:
+                kept = await waiting_for_redis(layer.in_group, group, channel, repeatable=True)
+            except UNREACHABLE as again:
+                kept, exc = False, again
+            if kept:
+                continue
+            error = f"the channel layer's Redis restarted and this generation's events may be lost ({exc})"
+            inbox.put_nowait(ClusterGenerationError(error, retryable=True))
+            return
+        try:
             if message.get("type") == STOP:
                 return
             if message.get("type") == PAUSED:
                 inbox.put_nowait(LinkPaused(str(message.get("request_id", ""))))
                 continue
             inbox.put_nowait(parse(message["event"], allowed=GENERATION_EVENTS))
-        except Exception as exc:  # a malformed event, or Redis gone: the stream ends with it
+        except Exception as exc:  # a malformed event: the stream ends with it
             inbox.put_nowait(exc)
             return
 

@@ -19,6 +19,7 @@ callers (``relay.pause``) instead of failing them: the rest comes on the agent's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
+from controlplane.channel_layer import waiting_for_redis
+from controlplane.shared_redis import UNREACHABLE
 from inference.wire.generation import GENERATION_EVENTS, Failed, Generate, GenerationEvent, Token
 from inference.wire.link import (
     AGENT_PROTOCOL,
@@ -129,7 +132,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             log.warning("node %s: its agent announced no usable frame limit (%s)", node.name, exc)
             return
         self.node_id = str(node.pk)
-        await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
+        await waiting_for_redis(
+            self.channel_layer.group_add, node_group(self.node_id), self.channel_name, repeatable=True
+        )
         # The most a frame up this link may hold (the edge closes the link on a bigger one): the
         # agent keeps what it sends within it.
         await self.accept(
@@ -351,7 +356,8 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await asyncio.to_thread(owners.ended, request_id)
         if isinstance(event, Token) and event.step is not None:
             step = {"deployment": deployment, "request_id": event.request_id, "index": event.index, "step": event.step}
-            await self.channel_layer.group_send(STEPS_GROUP, {"type": "cluster.step", **step})
+            with contextlib.suppress(*UNREACHABLE):  # a console's live view misses one step: nothing else
+                await self.channel_layer.group_send(STEPS_GROUP, {"type": "cluster.step", **step})
 
     async def _resumed(self, request_id: str) -> str | None:
         """The deployment of ``request_id`` if this node was given it on an earlier link (its agent

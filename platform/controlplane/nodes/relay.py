@@ -12,6 +12,11 @@ caller listens is fixed before its request goes out (``listening``), and a link 
 generations it was given (``owners``). The channel-layer copy leaves out the step report, which
 only the console's live view reads (``cluster.step``).
 
+A restarting Redis is waited for (``channel_layer.waiting_for_redis``): an event sent twice is taken
+once, by its index, so a send whose reply was lost is sent again. Meanwhile the link reads no more
+of its agent's frames; past the wait the error ends the link, and the agent sends again what was
+not acknowledged on its next one.
+
 A link that closes tells each of its open generations' callers so (``pause``): its agent keeps the
 events it could not send and sends them again on its next link, so the caller waits on, and a
 timeout meanwhile is one the same request may retry.
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import msgspec
 from channels.layers import BaseChannelLayer
 
+from controlplane.channel_layer import waiting_for_redis
 from controlplane.nodes.groups import generation_group
 from inference.wire.generation import Done, Failed, Token
 
@@ -67,14 +73,16 @@ async def relay(layer: BaseChannelLayer, event: Event) -> None:
         return
     if isinstance(event, Token) and event.step is not None:
         event = msgspec.structs.replace(event, step=None)
-    await layer.group_send(generation_group(event.request_id), {"type": "generation.event", "event": event.to_json()})
+    message = {"type": "generation.event", "event": event.to_json()}
+    await waiting_for_redis(layer.group_send, generation_group(event.request_id), message, repeatable=True)
 
 
 async def pause(layer: BaseChannelLayer, request_id: str) -> None:
     """Tell ``request_id``'s caller that main's link closed before its end: the rest comes when the
     agent is linked again."""
     if not _hand(request_id, LinkPaused(request_id)):
-        await layer.group_send(generation_group(request_id), {"type": PAUSED, "request_id": request_id})
+        message = {"type": PAUSED, "request_id": request_id}
+        await waiting_for_redis(layer.group_send, generation_group(request_id), message, repeatable=True)
 
 
 def _hand(request_id: str, item: Event | LinkPaused) -> bool:
