@@ -6,8 +6,11 @@ starting up", a session ended by its fast shutdown), every query raises Django's
 ``OperationalError`` or ``InterfaceError``. Unhandled, that is a server error, which an API client
 takes for a bug; under load with PostgreSQL restarted, one ``GET /api/nodes`` got a 500
 (``benchmarks/results/load-production-run9.json``). It is a moment's unavailability, which HTTP says
-with 503 and when to ask again: the OpenAI client and the agent's HTTP calls retry it. Django
-closes the broken connection at the request's end, so the next request connects afresh.
+with 503 and when to ask again: the OpenAI client and the agent's HTTP calls retry it. A view's
+error is answered by the middleware; one raised elsewhere in Django's handling (another middleware,
+a response rendered after the view) reaches the project's ``handler500``, ``server_error``, which
+answers the same (Django's debug page answers it instead when ``DEBUG`` is on). Django closes the
+broken connection at the request's end, so the next request connects afresh.
 
 Work already under way (a chat answer's writer, a generation about to start) has no client to ask
 again: it tries its query again while the database is away, up to ``DATABASE_WAIT_S`` (a restart
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -25,6 +29,7 @@ from typing import Any, TypeVar
 from channels.db import database_sync_to_async
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views import defaults
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +52,30 @@ class DatabaseAwayMiddleware:
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         if not isinstance(exception, AWAY):
             return None
-        log.warning("%s %s: the database is away (%s)", request.method, request.path, exception)
-        if request.path.startswith("/v1/"):  # the OpenAI API's error shape
-            body = {"error": {"message": MESSAGE, "type": "database_unavailable", "param": None, "code": None}}
-            response: HttpResponse = JsonResponse(body, status=503)
-        elif request.path.startswith(API_PREFIXES):
-            response = JsonResponse({"detail": MESSAGE}, status=503)
-        else:
-            response = HttpResponse(MESSAGE, status=503, content_type="text/plain; charset=utf-8")
-        response["Retry-After"] = str(RETRY_AFTER_S)
-        return response
+        return _away(request, exception)
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    """The project's ``handler500``: the database away, raised outside a view (a middleware, a
+    response's rendering), is the same 503; any other error is Django's own 500 page."""
+    exception = sys.exception()
+    if isinstance(exception, AWAY):
+        return _away(request, exception)
+    return defaults.server_error(request)
+
+
+def _away(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """The 503 that says the database is away, in the shape of the API the path belongs to."""
+    log.warning("%s %s: the database is away (%s)", request.method, request.path, exception)
+    if request.path.startswith("/v1/"):  # the OpenAI API's error shape
+        body = {"error": {"message": MESSAGE, "type": "database_unavailable", "param": None, "code": None}}
+        response: HttpResponse = JsonResponse(body, status=503)
+    elif request.path.startswith(API_PREFIXES):
+        response = JsonResponse({"detail": MESSAGE}, status=503)
+    else:
+        response = HttpResponse(MESSAGE, status=503, content_type="text/plain; charset=utf-8")
+    response["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 async def waiting_for_the_database(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -4,14 +4,17 @@ the API's own error shape, never a 500; the next request, the database back, is 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
-from django.test import Client
+from django.test import Client, RequestFactory
+from django.urls import get_resolver
 
 from controlplane.accounts.services import create_api_key
+from controlplane.database_away import AWAY
 from inference.runtime.launcher import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -67,3 +70,23 @@ def test_a_chat_message_sent_while_the_database_is_away_is_given_back_not_left_w
         answer = async_to_sync(send_while_away)()
     assert answer["type"] == "error" and answer["refused"] and "try again" in answer["detail"], answer
     assert not Message.objects.exists()
+
+
+def test_the_database_away_outside_a_view_is_the_same_503() -> None:
+    """Raised past the views' middleware (another middleware, a response rendered late), the error
+    reaches the project's ``handler500``: the database away is the 503, anything else Django's 500."""
+    handler = get_resolver().resolve_error_handler(500)
+    request = RequestFactory().get("/v1/models")
+    with database_away():
+        try:
+            connection.ensure_connection()
+        except AWAY:
+            away = handler(request)
+        else:
+            raise AssertionError("the database answered with its port closed")
+    assert (away.status_code, away["Retry-After"]) == (503, "2")
+    assert json.loads(away.content)["error"]["type"] == "database_unavailable"
+    try:
+        raise ValueError("a bug")
+    except ValueError:
+        assert handler(request).status_code == 500

@@ -7,6 +7,9 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from controlplane.nodes import install
 
+# The database away (PostgreSQL restarting) outside a view is a 503 as inside one.
+handler500 = "controlplane.database_away.server_error"
+
 urlpatterns = [
     # The front page is the chat; staff reach the admin (nodes, models, deployments) from its bar.
     path("", RedirectView.as_view(url="/chat/", permanent=False)),
