@@ -390,6 +390,17 @@ def test_the_openai_api_counts_against_the_rest_apis_throttle_and_answers_in_ope
     assert Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {other}").status_code == 200  # per user
 
 
+def test_anonymous_calls_are_held_to_the_anonymous_rate_alone(monkeypatch) -> None:
+    """The user rate counts users: an address's anonymous calls (boxes enrolling behind one address)
+    go on past it, up to the anonymous rate."""
+    rates = {"user": "2/minute", "anon": "4/minute"}
+    monkeypatch.setattr(throttles.UserThrottle, "THROTTLE_RATES", rates)
+    monkeypatch.setattr(throttles.AnonThrottle, "THROTTLE_RATES", rates)
+    guess = {"token": "odmoe_join_not-a-token", "name": "box"}
+    anonymous = [APIClient().post("/api/agents/enroll", guess, format="json").status_code for _ in range(5)]
+    assert anonymous == [400, 400, 400, 400, 429]
+
+
 def test_calls_without_a_valid_key_are_throttled_by_their_address_as_anonymous_ones(monkeypatch) -> None:
     """Before, a call with no key or a wrong one was answered 401 before any throttle: guessing keys
     (each guess a database lookup) had no rate at all."""
