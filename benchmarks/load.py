@@ -1,6 +1,6 @@
 r"""The control plane under load on loopback: many agents heartbeating, chats answering, the API polled.
 
-    python -m benchmarks.load [--agents 300] [--chats 20] [--streams 0] [--duration 60] [--heartbeat-s 5]
+    python -m benchmarks.load [--agents 300] [--chats 20] [--streams 0] [--jobs 0] [--duration 60] [--heartbeat-s 5]
                               [--production [--restart redis:40] [--restart postgres:80]] [--json OUT]
 
 Sets up a control plane of its own in a temporary directory, as ``manage.py up`` does: a
@@ -28,6 +28,11 @@ Then, from this one asyncio process:
   OpenAI-compatible API with the official ``openai`` client (``/v1/chat/completions``, SSE), one
   after another (``--chat-tokens`` tokens at most). A stream is *lost* when it ends without a
   finish reason; one refused or failed with an error status is counted apart, as failed.
+- ``--jobs`` developers, each with an API key of their own, submit batch jobs through the jobs
+  API (``POST /api/jobs``, ``JOB_PROMPTS`` prompts of ``--chat-tokens`` tokens each) and poll each
+  to its end before the next. After the window every job submitted is waited for, up to
+  ``JOB_WAIT_S``: a prompt is *done*, *failed* (its output says why), or *lost* (its job never
+  ended, or was refused).
 
 ``--production`` runs all of it against the production stack of ``deploy/`` instead, brought up
 as ``make prod-check`` brings it up (``deploy.prodcheck.production_stack``): PostgreSQL, Redis
@@ -137,6 +142,9 @@ REAL_HEARTBEAT_S = 2.0  # as ``manage.py up`` starts its local agents
 DEPLOYMENT = "load-demo"
 CHAT_TIMEOUT_S = 300.0  # past the control plane's own 120 s wait for a first token, and then some
 STALL_S = 30.0  # heartbeats still missing with none written for this long are lost
+JOB_PROMPTS = 3  # prompts per job (``--jobs``)
+JOB_WAIT_S = 300.0  # a job not ended this long after it was submitted is lost
+JOB_ENDED = ("succeeded", "failed", "cancelled")
 LIVENESS_POLL_S = 0.1  # how often the control plane's liveness record is read
 TIMELINE_S = 10.0  # the heartbeat latency is also reported per this many seconds of the run
 ANON_RATE = "100000/minute"
@@ -266,7 +274,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"{setup['agents']} simulated agents (heartbeat every {setup['heartbeat_s']:g} s) + "
         f"{setup['real_agents']} real ones serving {Path(setup['model']).name}, {setup['chats']} chats, "
-        f"{setup.get('streams', 0)} API streams, {setup['duration_s']:g} s on loopback against {setup['server']}; "
+        f"{setup.get('streams', 0)} API streams, {setup.get('jobs', 0)} developers submitting jobs, "
+        f"{setup['duration_s']:g} s on loopback against {setup['server']}; "
         f"{setup['cores']} cores "
         f"(load average {setup['loadavg_before'][0]:.2f} before, {setup['loadavg_after'][0]:.2f} after)",
         "",
@@ -300,6 +309,7 @@ def markdown(results: dict) -> str:
         f"| chat answers failed (user told why) | {chat['failed']} | 0 |",
         f"| API streams lost | {results['streams']['lost']} of {results['streams']['sent']} | 0 |",
         f"| API streams failed or refused (client told why) | {results['streams']['failed']} | 0 |",
+        *_job_rows(results.get("jobs")),
         f"| agent links dropped (simulated + serving) | {results['links']['drops']} + "
         f"{results['nodes']['real_agent_link_drops']} | 0 |",
         f"| API errors | {results['api']['errors']} of {results['api']['requests']} | 0 |",
@@ -323,6 +333,17 @@ def markdown(results: dict) -> str:
             f"{cpu['other_processes_cores']:.2f} cores of it other processes than this benchmark's."
         )
     return "\n".join(lines)
+
+
+def _job_rows(jobs: dict | None) -> list[str]:
+    """The jobs' rows of the counts table (none for a run without jobs)."""
+    if not jobs or not jobs["sent"]:
+        return []
+    prompts = jobs["prompts"]
+    return [
+        f"| job prompts lost | {prompts['lost']} of {prompts['sent']} | 0 |",
+        f"| job prompts failed (the output says why) | {prompts['failed']} | 0 |",
+    ]
 
 
 # --- the control plane ------------------------------------------------------------------------
@@ -436,6 +457,7 @@ class Plane:
     agent_token: str  # a join token for the simulated agents
     deployment_id: int
     stream_keys: list[str] = field(default_factory=list)  # one API key per streaming developer
+    job_keys: list[str] = field(default_factory=list)  # one API key per developer submitting jobs
     tls: ssl.SSLContext | None = None  # trusting the production stack's certificate
 
     def ws(self, path: str) -> str:
@@ -446,8 +468,9 @@ class Plane:
 
 
 def make_users(args: argparse.Namespace) -> tuple[str, list[str], list[str], str]:
-    """The staff API key, the chat users' session cookies, the streaming developers' API keys and a
-    join token for the simulated agents, made in the database as ``start_plane`` does."""
+    """The staff API key, the chat users' session cookies, the developers' API keys (streaming, then
+    submitting jobs) and a join token for the simulated agents, made in the database as
+    ``start_plane`` does."""
     from django.contrib.auth import get_user_model
     from django.test import Client
 
@@ -461,18 +484,19 @@ def make_users(args: argparse.Namespace) -> tuple[str, list[str], list[str], str
         browser = Client()
         browser.force_login(users.create_user(f"chat-{i:03d}"))
         sessions.append(browser.cookies["sessionid"].value)
-    stream_keys = [create_api_key(user=users.create_user(f"dev-{i:03d}"))[1] for i in range(args.streams)]
+    developers = args.streams + args.jobs
+    developer_keys = [create_api_key(user=users.create_user(f"dev-{i:03d}"))[1] for i in range(developers)]
     if args.agents > 1000:
         raise SystemExit("--agents above 1000 needs more than one join token; not supported")
     token = create_join_token(created_by=None, name="load", ttl_s=3600, max_uses=args.agents)[1]
-    return staff_key, sessions, stream_keys, token
+    return staff_key, sessions, developer_keys, token
 
 
 def start_production_plane(stack, args: argparse.Namespace) -> Plane:
     """On the production stack: its database's triggers, the users, 3 serving agents by the
     one-liner and the deployment they serve, through its REST API."""
     install_postgres_triggers(stack.env["DATABASE_URL"])
-    staff_key, sessions, stream_keys, token = make_users(args)
+    staff_key, sessions, developer_keys, token = make_users(args)
     names = [f"serve-{i}" for i in range(REAL_AGENTS)]
     node_ids = stack.join(names)
     print(f"· {REAL_AGENTS} serving agents installed by the one-liner, online", flush=True)
@@ -485,7 +509,8 @@ def start_production_plane(stack, args: argparse.Namespace) -> Plane:
     print(f"· {DEPLOYMENT} ready on {REAL_AGENTS} agents", flush=True)
     tls = ssl.create_default_context(cafile=str(stack.cert))
     url = stack.env["DATABASE_URL"]
-    return Plane(stack.server, url, staff_key, sessions, token, deployment["id"], stream_keys, tls)
+    stream_keys, job_keys = developer_keys[: args.streams], developer_keys[args.streams :]
+    return Plane(stack.server, url, staff_key, sessions, token, deployment["id"], stream_keys, job_keys, tls)
 
 
 def start_plane(group, work: Path, args: argparse.Namespace) -> Plane:
@@ -504,7 +529,7 @@ def start_plane(group, work: Path, args: argparse.Namespace) -> Plane:
     db = work / "db.sqlite3"
     call_command("migrate", interactive=False, verbosity=0)
     install_triggers(db)
-    staff_key, sessions, stream_keys, agent_token = make_users(args)
+    staff_key, sessions, developer_keys, agent_token = make_users(args)
     _, serve_token = create_join_token(created_by=None, name="serving", ttl_s=3600, max_uses=REAL_AGENTS)
 
     port = free_port()
@@ -542,7 +567,8 @@ def start_plane(group, work: Path, args: argparse.Namespace) -> Plane:
         return status == DeploymentStatus.READY
 
     wait_until("the deployment ready", ready, timeout_s=300, check=group.check)
-    return Plane(server, db, staff_key, sessions, agent_token, deployment.pk, stream_keys)
+    stream_keys, job_keys = developer_keys[: args.streams], developer_keys[args.streams :]
+    return Plane(server, db, staff_key, sessions, agent_token, deployment.pk, stream_keys, job_keys)
 
 
 # --- the load -----------------------------------------------------------------------------------
@@ -581,6 +607,7 @@ class Load:
     chats: list[dict] = field(default_factory=list)
     chat_errors: list[str] = field(default_factory=list)
     streams: list[dict] = field(default_factory=list)
+    jobs: list[dict] = field(default_factory=list)
     api_ms: list[float] = field(default_factory=list)
     api_errors: list[str] = field(default_factory=list)
     lag_ms: list[float] = field(default_factory=list)
@@ -852,6 +879,67 @@ async def stream_once(client, developer: int, prompt: str, max_tokens: int) -> d
     return record
 
 
+async def run_jobs(load: Load, developer: int, key: str) -> None:
+    """One developer's batch work: a job of ``JOB_PROMPTS`` prompts through the jobs API, polled to
+    its end (``JOB_WAIT_S`` at most), the next as soon as it ends, until stopped."""
+    url, authorization = load.plane.server + "/api/jobs", f"Bearer {key}"
+    asked = 0
+    while not load.stop_chats.is_set():
+        prompts = [PROMPTS[(developer + asked + i) % len(PROMPTS)] for i in range(JOB_PROMPTS)]
+        asked += 1
+        record: dict = {"developer": developer, "sent_at": time.time(), "id": None, "status": None, "outputs": {}}
+        record["error"] = ""
+        load.jobs.append(record)
+        body = {"model": DEPLOYMENT, "prompts": prompts, "max_tokens": load.args.chat_tokens, "temperature": 0}
+        try:
+            job = await asyncio.to_thread(request_json, "POST", url, body, authorization=authorization, timeout_s=60)
+        except ControlPlaneError as exc:  # refused: nothing was queued
+            record["error"] = f"refused: {exc}"[:300]
+            await asyncio.sleep(1)
+            continue
+        record["id"] = job["id"]
+        deadline = time.monotonic() + JOB_WAIT_S
+        while time.monotonic() < deadline:  # polled on after the window: every job is waited for
+            await asyncio.sleep(1)
+            try:
+                job = await asyncio.to_thread(
+                    request_json, "GET", f"{url}/{record['id']}", authorization=authorization, timeout_s=60
+                )
+            except ControlPlaneError as exc:  # a 503 while PostgreSQL restarts: asked again
+                record["poll_errors"] = record.get("poll_errors", 0) + 1
+                record["error"] = f"poll: {exc}"[:300]
+                continue
+            record["status"], record["outputs"] = job["status"], job["outputs_by_status"]
+            if job["status"] in JOB_ENDED:
+                record["ended_s"] = time.time() - record["sent_at"]
+                break
+
+
+def judge_jobs(records: list[dict]) -> dict:
+    """Every job's fate and its prompts': done, failed (the output says why), or lost (refused, or the
+    job never ended within ``JOB_WAIT_S``)."""
+    statuses: Counter = Counter()
+    prompts = {"sent": 0, "done": 0, "failed": 0, "lost": 0}
+    for record in records:
+        statuses[record["status"] or ("refused" if record["id"] is None else "never ended")] += 1
+        prompts["sent"] += JOB_PROMPTS
+        if record["status"] not in JOB_ENDED:
+            prompts["lost"] += JOB_PROMPTS
+            continue
+        prompts["done"] += record["outputs"].get("done", 0)
+        prompts["failed"] += JOB_PROMPTS - record["outputs"].get("done", 0)
+    ended = [r["ended_s"] for r in records if "ended_s" in r]
+    reasons = Counter(r["error"][:120] for r in records if r["error"])
+    return {
+        "sent": len(records),
+        "statuses": dict(statuses),
+        "prompts": prompts,
+        "poll_errors": sum(r.get("poll_errors", 0) for r in records),
+        "reasons": dict(reasons),
+        "job_s": summary(ended),
+    }
+
+
 def judge_streams(records: list[dict]) -> dict:
     """Every API stream's fate: complete (a finish reason came), failed (an error status, or an
     error event in the stream: the client was told why), or lost (the connection broke, or the
@@ -927,6 +1015,7 @@ async def run_load(load: Load, work: Path) -> dict:
     load.cpu["start"] = cpu_seconds(load.families)
     traffic = [asyncio.create_task(run_chat(load, i, s)) for i, s in enumerate(plane.sessions)]
     traffic += [asyncio.create_task(run_stream(load, i, key)) for i, key in enumerate(plane.stream_keys)]
+    traffic += [asyncio.create_task(run_jobs(load, i, key)) for i, key in enumerate(plane.job_keys)]
     traffic.append(asyncio.create_task(poll_api(load)))
     restarting = asyncio.create_task(run_restarts(load, t0))
     await asyncio.sleep(args.duration)
@@ -1016,6 +1105,8 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
             "real_agents": REAL_AGENTS,
             "chats": args.chats,
             "streams": args.streams,
+            "jobs": args.jobs,
+            "job_prompts": JOB_PROMPTS,
             "duration_s": args.duration,
             "heartbeat_s": args.heartbeat_s,
             "real_heartbeat_s": REAL_HEARTBEAT_S,
@@ -1096,6 +1187,7 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
             "ttft_ms": summary([r["ttft_ms"] for r in load.streams if r["ttft_ms"] is not None]),
             "answer_ms": summary([r["answer_ms"] for r in load.streams if r["answer_ms"] is not None]),
         },
+        "jobs": judge_jobs(load.jobs),
         "client_loop_lag_ms": summary(load.lag_ms),
         "cpu": cpu_figures(
             load.cpu.get("start", {}),
@@ -1210,6 +1302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=300, help="simulated agents (default 300)")
     parser.add_argument("--chats", type=int, default=20, help="concurrent chat users (default 20)")
     parser.add_argument("--streams", type=int, default=0, help="concurrent OpenAI API streams (default 0)")
+    parser.add_argument("--jobs", type=int, default=0, help="developers submitting jobs, one at a time (default 0)")
     parser.add_argument("--production", action="store_true", help="against the production stack of deploy/")
     parser.add_argument(
         "--restart",
@@ -1232,14 +1325,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="write the tables here, with the command, commit and date")
     args = parser.parse_args(argv)
     begun = provenance.begin()
-    if args.agents < 1 or args.chats < 0 or args.streams < 0 or args.duration <= 0:
-        parser.error("--agents must be >= 1, --chats and --streams >= 0 and --duration > 0")
+    if args.agents < 1 or min(args.chats, args.streams, args.jobs) < 0 or args.duration <= 0:
+        parser.error("--agents must be >= 1, --chats, --streams and --jobs >= 0 and --duration > 0")
     if args.restart and not args.production:
         parser.error("--restart restarts the production stack's servers: add --production")
     if any(at_s >= args.duration for _, at_s in args.restart):
         parser.error(f"every --restart must come within the {args.duration:g} s window")
     args.model = args.model.resolve()
-    raise_open_files(4 * (args.agents + args.chats + args.streams) + 1024)
+    raise_open_files(4 * (args.agents + args.chats + args.streams + args.jobs) + 1024)
     loadavg_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="odmoe-load-"))
     sys.path.append(str(REPO / "platform"))

@@ -87,14 +87,33 @@ def test_api_streams_are_complete_failed_or_lost() -> None:
     assert judged["reasons"]["no finish reason"] == 1
 
 
+def test_job_prompts_are_done_failed_or_lost() -> None:
+    def record(status: str | None, done: int = 0, job_id: str | None = "j", error: str = "") -> dict:
+        ended = {"ended_s": 2.0} if status in load.JOB_ENDED else {}
+        return {"id": job_id, "status": status, "outputs": {"done": done}, "error": error, **ended}
+
+    every = load.JOB_PROMPTS
+    records = [
+        record("succeeded", every),
+        record("failed", every - 1),  # one output failed, saying why
+        record("running", 1, error="poll: 503"),  # never ended within the wait: all its prompts lost
+        record(None, job_id=None, error="refused: 429"),  # refused: nothing queued
+    ]
+    judged = load.judge_jobs(records)
+    assert judged["prompts"] == {"sent": 4 * every, "done": 2 * every - 1, "failed": 1, "lost": 2 * every}
+    assert judged["statuses"] == {"succeeded": 1, "failed": 1, "running": 1, "refused": 1}
+    assert judged["job_s"]["n"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_small_load_loses_nothing(tmp_path: Path) -> None:
-    """10 agents, 2 chats, 5 s against a whole control plane: every figure there, nothing lost."""
+    """10 agents, 2 chats, a developer's jobs, 5 s against a whole control plane: every figure there,
+    nothing lost."""
     out = tmp_path / "load.json"
     argv = [sys.executable, "-m", "benchmarks.load", "--agents", "10", "--chats", "2", "--duration", "5"]
     run = subprocess.run(
-        [*argv, "--chat-tokens", "8", "--json", str(out)],
+        [*argv, "--jobs", "1", "--chat-tokens", "8", "--json", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -114,6 +133,9 @@ def test_small_load_loses_nothing(tmp_path: Path) -> None:
     assert chat["sent"] >= 2 and chat["lost"] == 0 and chat["failed"] == 0 and chat["complete"] == chat["sent"]
     assert chat["tokens"] > 0 and chat["ttft_ms"]["p50"] <= chat["answer_ms"]["p50"]
     assert figures["api"]["requests"] > 0 and figures["api"]["errors"] == 0 and figures["api"]["ms"]["p50"] > 0
+    jobs = figures["jobs"]
+    assert jobs["sent"] >= 1 and jobs["statuses"] == {"succeeded": jobs["sent"]}, jobs
+    assert jobs["prompts"]["done"] == jobs["prompts"]["sent"] == jobs["sent"] * load.JOB_PROMPTS
     assert "| heartbeat: sent → written |" in run.stdout and "| nodes wrongly marked offline | 0 | 0 |" in run.stdout
 
 
