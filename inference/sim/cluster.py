@@ -468,7 +468,8 @@ class ClusterSim:
         return worker.share_control.share_at(step) if worker.share_control else Fraction(0)
 
     def mark_token(self, worker: WorkerSim, step: int) -> None:
-        """`inference.runtime.roles.worker.hybrid.mark_token`: the previous decode token's period, as main timed it."""
+        """`inference.runtime.roles.worker.cpu_path.mark_token`: the previous decode token's period, as main
+        timed it."""
         mark, worker.token_mark = worker.token_mark, step
         if worker.share_control and mark == step - 1:  # (the trace holds decode steps only)
             worker.share_control.observe(mark, self.step_starts[step - 1] - self.step_starts[step - 2])

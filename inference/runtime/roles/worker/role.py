@@ -36,7 +36,7 @@ from inference.policies.strategies import (
 from inference.runtime.experts import activation, expert_forward
 from inference.runtime.loader import Resident
 from inference.runtime.roles.common import answer_ping, handle_safely, open_endpoint, pick_device
-from inference.runtime.roles.worker import hybrid
+from inference.runtime.roles.worker import cpu_path
 from inference.runtime.roles.worker.requests import last_use, malformed, received_ms, spans_of, units_of
 from inference.runtime.roles.worker.session import MAX_PREDICTED, Session
 from inference.runtime.roles.worker.stats import HotPins, session_stats
@@ -108,7 +108,7 @@ class WorkerRole:
         """Hybrid execution's rates, the host CPU's queue of experts and the planned share's controller."""
         settings = self.spec.settings
         self.rates = (
-            hybrid.host_rates(settings, self.store, self.device, self.act_fn, self.index) if settings.hybrid else None
+            cpu_path.host_rates(settings, self.store, self.device, self.act_fn, self.index) if settings.hybrid else None
         )
         # The host CPU's own queue of experts: one thread, beside the device's work on this one.
         self.host = ThreadPoolExecutor(1, thread_name_prefix="host-experts") if self.rates else None
@@ -116,7 +116,7 @@ class WorkerRole:
         # Of the group's (step, layer)s, the share whose predicted experts are left uncopied and
         # computed on the CPUs (hybrid execution under a cacheless strategy that loads ahead),
         # found from the decode tokens' periods main stamps on its requests.
-        self.share_control = hybrid.share_control_for(
+        self.share_control = cpu_path.share_control_for(
             self.rates,
             self.strategy,
             self.expert_bytes,
@@ -234,7 +234,7 @@ class WorkerRole:
         self.loader.discard(keep_on_request(here, wanted))
         if msg.layer == self.group_layers[0]:
             longest = self.spec.settings.timeout_s * self.placement.n_layers
-            hybrid.mark_token(self.session, self.share_control, msg.step, msg.previous_step_s, longest, self.index)
+            cpu_path.mark_token(self.session, self.share_control, msg.step, msg.previous_step_s, longest, self.index)
         if msg.experts:
             self._compute(msg, identity, planned, started, waited_here_ms)
 
@@ -295,22 +295,22 @@ class WorkerRole:
         self.endpoint.reply(identity, result)
         self.answered_at = time.monotonic()
 
-    def _on_cpu(self, msg: ExpertRequest, units: list[tuple[int, int]], planned: set[int]) -> hybrid.CpuExperts:
+    def _on_cpu(self, msg: ExpertRequest, units: list[tuple[int, int]], planned: set[int]) -> cpu_path.CpuExperts:
         """The request's experts to compute on the CPU (hybrid execution), their copies dropped."""
         if self.rates is None:
-            return hybrid.CpuExperts()
+            return cpu_path.CpuExperts()
         keys_of: dict[int, Key] = {}
         for expert, _ in units:
             key = (msg.step, msg.layer, expert)
             if key not in self.held:
                 keys_of.setdefault(expert, key)
         if not keys_of:
-            return hybrid.CpuExperts()
+            return cpu_path.CpuExperts()
         keys = list(keys_of.values())
         states = self.loader.copy_states(keys)
         nbytes = {k: self.store.nbytes(k[1], k[2]) for k in keys}
         per_row = expert_flops(self.hidden, self.intermediate, 1)
-        chosen = hybrid.choose_on_cpu(units, keys_of, states, nbytes, per_row, self.rates, planned)
+        chosen = cpu_path.choose_on_cpu(units, keys_of, states, nbytes, per_row, self.rates, planned)
         if chosen:
             here = (msg.step, msg.layer)
             self.loader.discard(lambda key: key[:2] != here or key[2] not in chosen)
@@ -321,7 +321,7 @@ class WorkerRole:
         """One expert's rows, queued on this host's CPU (hybrid execution only)."""
         assert self.host is not None and self.rates is not None  # only hybrid execution puts experts on the CPU
         return self.host.submit(
-            hybrid.compute_on_host,
+            cpu_path.compute_on_host,
             msg,
             expert,
             span,
@@ -335,7 +335,7 @@ class WorkerRole:
 
     def cpu_share(self, step: int) -> Fraction:
         """The share of the group's (step, layer)s planned on the CPUs at session step ``step``."""
-        return hybrid.cpu_share(self.share_control, step)
+        return cpu_path.cpu_share(self.share_control, step)
 
     def _release_held(self, keys: set[Key] | None = None) -> None:
         for key in list(self.held):

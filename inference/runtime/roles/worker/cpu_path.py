@@ -1,5 +1,6 @@
-"""Hybrid execution at a worker (``DeploymentSettings.hybrid``, ``inference.policies.hybrid``): its rates,
-the planned share's controller, which of a request's experts run on the CPU, and the CPU path.
+"""Hybrid execution at a worker, its CPU path (``DeploymentSettings.hybrid``; the decisions are
+``inference.policies.hybrid``'s): its rates, the planned share's controller, which of a request's experts
+run on the CPU, and computing them there.
 
 The choices are functions of the rates and the loader's copy states; only ``compute_on_host``
 touches tensors.
