@@ -363,7 +363,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def _generate(args: argparse.Namespace) -> int:
     from inference.modelio.checkpoint import Checkpoint
-    from inference.policies.schedule import validate_periods
+    from inference.policies.alignment import validate_periods
     from inference.runtime.launcher import ClusterOptions, LocalCluster
     from inference.runtime.spec import DeploymentSettings, validate_settings
     from inference.runtime.textstream import TextStream, load_tokenizer

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from inference.policies import schedule
+from inference.policies import alignment, assignment
 from inference.policies.placement import placement
 
 
@@ -31,15 +31,15 @@ def _flatten(plan: dict[int, list[int]]) -> list[int]:
 
 
 def test_prefetch_assignment_deals_sorted_round_robin() -> None:
-    assert schedule.prefetch_assignment([5, 1, 3], [4, 7]) == {4: [1, 5], 7: [3]}
-    assert schedule.prefetch_assignment([6, 2, 2, 0, 6], [9, 8, 7]) == {9: [0], 8: [2], 7: [6]}
-    assert schedule.prefetch_assignment([], [0, 1]) == {0: [], 1: []}
-    assert schedule.prefetch_assignment([3, 2, 1, 0], [5]) == {5: [0, 1, 2, 3]}
+    assert assignment.prefetch_assignment([5, 1, 3], [4, 7]) == {4: [1, 5], 7: [3]}
+    assert assignment.prefetch_assignment([6, 2, 2, 0, 6], [9, 8, 7]) == {9: [0], 8: [2], 7: [6]}
+    assert assignment.prefetch_assignment([], [0, 1]) == {0: [], 1: []}
+    assert assignment.prefetch_assignment([3, 2, 1, 0], [5]) == {5: [0, 1, 2, 3]}
 
 
 def test_prefetch_assignment_properties() -> None:
     for _, _, members, predicted in _random_cases(0):
-        plan = schedule.prefetch_assignment(predicted, members)
+        plan = assignment.prefetch_assignment(predicted, members)
         assert list(plan) == list(members)
         assert sorted(_flatten(plan)) == sorted(set(predicted))
         ordered = sorted(set(predicted))
@@ -51,8 +51,8 @@ def test_prefetch_assignment_properties() -> None:
 
 def test_perfect_prediction_goes_to_the_prefetching_worker() -> None:
     for _, _, members, real in _random_cases(1):
-        plan = schedule.prefetch_assignment(real, members)
-        result = schedule.assign_experts(real, real, members)
+        plan = assignment.prefetch_assignment(real, members)
+        result = assignment.assign_experts(real, real, members)
         assert result == plan
 
 
@@ -62,11 +62,11 @@ def test_wrong_or_missing_prediction_still_assigns_every_expert_once() -> None:
         # A prediction that shares nothing with the real routing.
         options.append([e + n_experts for e in real])
         for predicted in options:
-            result = schedule.assign_experts(real, predicted, members)
+            result = assignment.assign_experts(real, predicted, members)
             assert list(result) == list(members)
             assert sorted(_flatten(result)) == sorted(real)
             loads = [len(v) for v in result.values()]
-            plan = schedule.prefetch_assignment(predicted or (), members)
+            plan = assignment.prefetch_assignment(predicted or (), members)
             owner = {e: m for m, es in plan.items() for e in es}
             hits = {m: [e for e in real if owner.get(e) == m] for m in members}
             for m in members:
@@ -80,14 +80,14 @@ def test_wrong_or_missing_prediction_still_assigns_every_expert_once() -> None:
 
 def test_leftovers_prefer_least_loaded_then_group_order() -> None:
     # Experts 1 and 3 are predicted for worker 10; 5 and 6 were not predicted.
-    assert schedule.assign_experts([1, 3, 5, 6], [1, 2, 3, 4], [10, 11]) == {10: [1, 3], 11: [5, 6]}
-    assert schedule.assign_experts([0, 1, 2], None, [3, 1, 2]) == {3: [0], 1: [1], 2: [2]}
-    assert schedule.assign_experts([0, 1, 2, 4], None, [3, 1]) == {3: [0, 2], 1: [1, 4]}
+    assert assignment.assign_experts([1, 3, 5, 6], [1, 2, 3, 4], [10, 11]) == {10: [1, 3], 11: [5, 6]}
+    assert assignment.assign_experts([0, 1, 2], None, [3, 1, 2]) == {3: [0], 1: [1], 2: [2]}
+    assert assignment.assign_experts([0, 1, 2, 4], None, [3, 1]) == {3: [0, 2], 1: [1, 4]}
 
 
 def test_one_worker_gets_everything() -> None:
     for predicted in (None, [], [0, 1], [5, 6]):
-        assert schedule.assign_experts([3, 0, 1], predicted, [4]) == {4: sorted([3, 0, 1])}
+        assert assignment.assign_experts([3, 0, 1], predicted, [4]) == {4: sorted([3, 0, 1])}
 
 
 @pytest.mark.parametrize(
@@ -99,16 +99,16 @@ def test_prefill_helpers_follow_the_placement(shape: tuple[int, int, int, int]) 
     n_layers, n_experts, _, n_workers = shape
     for k in range(1, n_experts + 1):
         for real in itertools.islice(itertools.combinations(range(n_experts), k), 20):
-            result = schedule.assign_prefill(real, p)
+            result = assignment.assign_prefill(real, p)
             assert sorted(_flatten(result)) == sorted(real)
             for worker, experts in result.items():
                 assert experts == sorted(experts)
                 assert all(p.prefill_worker(e) == worker for e in experts)
-    candidates = schedule.prefill_candidates(p)
+    candidates = assignment.prefill_candidates(p)
     assert candidates == list(range(min(n_workers, n_experts)))
     seen: list[tuple[int, int]] = []
     for worker in range(n_workers):
-        order = schedule.prefill_prefetch_order(p, worker)
+        order = assignment.prefill_prefetch_order(p, worker)
         assert order == sorted(order)  # in (layer, expert) order: the order prefill needs them
         assert all(p.prefill_worker(e) == worker for _, e in order)
         assert set(order) <= p.owned(worker)
@@ -131,17 +131,17 @@ def test_prefill_helpers_follow_the_placement(shape: tuple[int, int, int, int]) 
 def test_alignment_due(
     token_period: int, kv_period: int, expected_token_steps: list[int], expected_kv_steps: list[int]
 ) -> None:
-    due = {step: schedule.alignment_due(step, token_period, kv_period) for step in range(1, 9)}
+    due = {step: alignment.alignment_due(step, token_period, kv_period) for step in range(1, 9)}
     assert [s for s, (tok, _) in due.items() if tok] == expected_token_steps
     assert [s for s, (_, kv) in due.items() if kv] == expected_kv_steps
     # Step 0 is prefill: never aligned.
-    assert schedule.alignment_due(0, token_period, kv_period) == (False, False)
-    assert schedule.alignment_due(-1, token_period, kv_period) == (False, False)
+    assert alignment.alignment_due(0, token_period, kv_period) == (False, False)
+    assert alignment.alignment_due(-1, token_period, kv_period) == (False, False)
 
 
 @pytest.mark.parametrize("good", [(0, 0), (1, 1), (3, 0), (0, 7)])
 def test_validate_periods_accepts_non_negative_ints(good: tuple[int, int]) -> None:
-    schedule.validate_periods(*good)
+    alignment.validate_periods(*good)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +159,7 @@ def test_validate_periods_accepts_non_negative_ints(good: tuple[int, int]) -> No
 )
 def test_validate_periods_rejects(bad: tuple, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        schedule.validate_periods(*bad)
+        alignment.validate_periods(*bad)
 
 
 @pytest.mark.parametrize(
@@ -178,17 +178,17 @@ def test_validate_periods_rejects(bad: tuple, match: str) -> None:
     ],
 )
 def test_recall(predicted: list[int] | None, real: list[int], expected: float) -> None:
-    assert schedule.recall(predicted, real) == expected
+    assert assignment.recall(predicted, real) == expected
 
 
 @pytest.mark.parametrize("rows", [0, 1, 15, 16, 31, 32, 33, 64, 70, 200, 1000])
 @pytest.mark.parametrize("chunk", [0, 8, 16, 32, 64])
 def test_prefill_chunks_cover_the_rows_and_are_never_tiny(rows: int, chunk: int) -> None:
-    sizes = schedule.chunk_sizes(rows, chunk)
+    sizes = assignment.chunk_sizes(rows, chunk)
     assert sum(sizes) == rows
     assert all(size > 0 for size in sizes)
     if len(sizes) > 1:
-        assert min(sizes) >= schedule.MIN_CHUNK_ROWS
+        assert min(sizes) >= assignment.MIN_CHUNK_ROWS
         assert max(sizes) - min(sizes) <= 1
     if chunk <= 0:
         assert len(sizes) <= 1

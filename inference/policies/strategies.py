@@ -26,7 +26,7 @@ A strategy whose routing is its prediction takes no other predictor.
 
 With a cache, an expert must always go to the same worker, so the strategies that cache
 give each expert a fixed *home* in its layer's group (``home_worker``), in prefill too;
-the cacheless ones deal experts to whoever loaded them (``schedule.assign_experts``).
+the cacheless ones deal experts to whoever loaded them (``assignment.assign_experts``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from inference.constants import PREROUTER_FILE, SIMILARITY_FILE
-from inference.policies import schedule
+from inference.policies import assignment
 from inference.policies.placement import Placement
 
 STRATEGIES = ("odmoe", "full-cache", "reactive", "lru-offload")  # exact: every token Transformers' own
@@ -172,9 +172,9 @@ def dispatch_plan(
             plan[home_worker(expert, members)].append(expert)
         return plan, list(members)
     if step == 0:
-        return schedule.assign_prefill(real, placement), schedule.prefill_candidates(placement)
+        return assignment.assign_prefill(real, placement), assignment.prefill_candidates(placement)
     members = list(placement.workers_for_layer(layer))
-    return schedule.assign_experts(real, predicted, members), members
+    return assignment.assign_experts(real, predicted, members), members
 
 
 def prefetch_on_prediction(
@@ -183,14 +183,14 @@ def prefetch_on_prediction(
     """Which of a layer's predicted experts ``worker`` should load ahead."""
     if strategy.fixed_homes:
         return sorted({e for e in predicted if home_worker(e, members) == worker})
-    return sorted(schedule.prefetch_assignment(predicted, members).get(worker, []))
+    return sorted(assignment.prefetch_assignment(predicted, members).get(worker, []))
 
 
 def prefill_prefetch(strategy: Strategy, placement: Placement, worker: int) -> list[LayerExpert]:
     """(layer, expert) pairs ``worker`` computes during prefill, in the order needed."""
     if strategy.fixed_homes:
         return home_experts(placement, worker)
-    return schedule.prefill_prefetch_order(placement, worker)
+    return assignment.prefill_prefetch_order(placement, worker)
 
 
 def lru_evictions(order: Sequence[LayerExpert], layer: int, capacity: int) -> list[LayerExpert]:

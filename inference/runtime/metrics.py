@@ -12,8 +12,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from inference.policies.assignment import recall
 from inference.policies.placement import Placement
-from inference.policies.schedule import recall
 from inference.runtime.records import LayerRecord, RequestState, StepRecord
 from inference.wire.runtime import ShadowStats, WorkerStats
 

@@ -31,15 +31,14 @@ import torch
 from transformers import DynamicCache
 
 from inference.constants import DEFAULT_CONTEXT_TOKENS
-from inference.policies import schedule
+from inference.policies import alignment
 from inference.policies.drafting import DraftTuner
 from inference.runtime.engine.drafts import draft_length, trim_cache, verify
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.grammar import Constraint
 from inference.runtime.engine.runner import ModelRunner
 from inference.runtime.engine.sampling import end_ids, sampler_for, token_logprobs
-from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces
-from inference.runtime.engine.scheduler import schedule as plan_step
+from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces, schedule
 from inference.runtime.engine.sequence import Sequence
 from inference.runtime.metrics import build_metrics, step_report
 from inference.runtime.prefix_cache import Block, PrefixCache, cache_from, namespace_root
@@ -175,7 +174,7 @@ class Engine:
             for q in self.waiting
         ]
         self._held = {w.request_id: self._held[w.request_id] for w in waiting if w.request_id in self._held}
-        plan = plan_step(
+        plan = schedule(
             waiting,
             [s.view() for s in self.batch.values()],
             max_batch=settings.max_batch,
@@ -517,7 +516,7 @@ def align_message(
 ) -> Align:
     """What the shadow is told after main's token at ``step``: the token where due (always while
     it drafts), and main's cache for the positions it was not given yet, where due."""
-    token_due, kv_due = schedule.alignment_due(step, token_period, kv_period)
+    token_due, kv_due = alignment.alignment_due(step, token_period, kv_period)
     token_due = token_due or bool(drafts)  # the shadow drafts on main's every token
     keys = values = None
     kv_from = kv_to = 0

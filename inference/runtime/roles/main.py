@@ -30,7 +30,7 @@ import torch
 
 from inference.modelio.model import build_main_model, expert_dims, family_of
 from inference.modelio.shards import verify_shard
-from inference.policies import schedule
+from inference.policies import alignment
 from inference.policies.placement import Placement, placement_from_dict
 from inference.policies.strategies import get_strategy, predictor_for
 from inference.runtime.engine.compiles import Compiles
@@ -279,7 +279,7 @@ class MainRole:
 
     def set_alignment(self, msg: SetAlignment) -> None:
         try:
-            schedule.validate_periods(msg.token_period, msg.kv_period)
+            alignment.validate_periods(msg.token_period, msg.kv_period)
         except ValueError as exc:
             log.warning("ignored alignment change: %s", exc)
             return

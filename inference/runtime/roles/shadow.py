@@ -37,7 +37,7 @@ from transformers import DynamicCache, PreTrainedModel
 from inference.constants import DEFAULT_CONTEXT_TOKENS, SHADOW_STATES_PER_SEQUENCE
 from inference.modelio.model import expert_dims, family_of, load_config
 from inference.modelio.shards import verify_shard
-from inference.policies import schedule
+from inference.policies import alignment
 from inference.policies.placement import placement_from_dict
 from inference.runtime.batching import LayerCall
 from inference.runtime.engine.compiles import Compiles
@@ -375,7 +375,7 @@ class ShadowRole:
             return not state.ending and state.own_next not in self.eos
         if s > state.main_step + self.spec.settings.lookahead and not state.ending:
             return False
-        token_due, kv_due = schedule.alignment_due(s, state.token_period, state.kv_period)
+        token_due, kv_due = alignment.alignment_due(s, state.token_period, state.kv_period)
         waiting_for_main = (token_due or kv_due) and s not in state.aligns
         # Main's data for this step is not here yet: we may guess it and run one step ahead.
         may_guess = self.spec.settings.speculate and s == state.main_step + 1 and not state.ending
@@ -399,7 +399,7 @@ class ShadowRole:
         if align is not None and align.token is not None:
             token = align.token
             state.token_aligns += 1
-        if align is None and (self.drafting or any(schedule.alignment_due(s, state.token_period, state.kv_period))):
+        if align is None and (self.drafting or any(alignment.alignment_due(s, state.token_period, state.kv_period))):
             state.speculated.add(s)
             state.speculations += 1
         state.inputs[s] = token

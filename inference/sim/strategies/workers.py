@@ -88,7 +88,7 @@ class WorkerPool:
         ready: dict[int, tuple[int, float]] = {}  # expert -> (worker, loaded at)
         answers = []
         # Not the runtime's dealing, on purpose (figures recorded with it): the runtime deals the
-        # *sorted* predicted experts round-robin (`inference.policies.schedule.prefetch_assignment`)
+        # *sorted* predicted experts round-robin (`inference.policies.assignment.prefetch_assignment`)
         # and main sends a missed expert to the group's least-loaded worker (`assign_experts`);
         # this pool deals the guesses in the shadow's order and a miss to a worker with no right
         # guess. The count of loads per worker is alike; which worker's queue they join is not,

@@ -51,7 +51,7 @@ from inference.building.memory import (
 )
 from inference.modelio.checkpoint import Checkpoint, CheckpointError
 from inference.modelio.shards import shadow_dtypes_to_build
-from inference.policies.schedule import validate_periods
+from inference.policies.alignment import validate_periods
 from inference.policies.strategies import needed_files, predictor_for
 from inference.settings import DEFAULTS, SpecError, check_drafts, check_max_per_user, check_value, info
 from inference.sim.hardware import DEFAULT_PROFILE

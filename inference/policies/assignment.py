@@ -1,8 +1,9 @@
-"""Pure scheduling decisions of the OD-MoE runtime, free of sockets and threads.
+"""Who computes which expert: pure decisions of the OD-MoE runtime, free of sockets and threads.
 
-Who computes which expert, what a worker prefetches from a prediction, when the shadow is
-re-aligned to main, and how prediction quality is scored. The role loops call these and
-only move bytes.
+What each worker of a layer's group prefetches from a prediction, which worker computes each
+really-routed expert (in decode and in prefill), how one expert's prefill rows are split, and how
+well a prediction named the routed experts (``recall``). The role loops call these and only move
+bytes; the shadow's alignment to main is ``alignment``'s.
 """
 
 from __future__ import annotations
@@ -86,24 +87,6 @@ def chunk_sizes(rows: int, chunk: int) -> list[int]:
     n = rows // max(chunk, MIN_CHUNK_ROWS)
     base, extra = divmod(rows, n)
     return [base + 1] * extra + [base] * (n - extra)
-
-
-def alignment_due(step: int, token_period: int, kv_period: int) -> tuple[bool, bool]:
-    """Whether decode ``step`` (>= 1) aligns the shadow's token and its KV cache to main.
-
-    A period of ``p`` aligns at steps p, 2p, ...; 0 never aligns.
-    """
-    if step < 1:
-        return False, False
-    token = token_period > 0 and step % token_period == 0
-    kv = kv_period > 0 and step % kv_period == 0
-    return token, kv
-
-
-def validate_periods(token_period: int, kv_period: int) -> None:
-    for name, value in (("token period", token_period), ("KV period", kv_period)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0 (0 = never align), got {value!r}")
 
 
 def recall(predicted: Iterable[int] | None, real: Iterable[int]) -> float:
