@@ -13,8 +13,9 @@ Why this way: the control plane's web and Celery processes must not import torch
 role spec (``inference.runtime.spec``) does; this module imports only the torch-free policy modules
 (strategies, constants), so the web process can share the declaration with the runtime.
 A frozen dataclass rather than a msgspec Struct: the runtime builds, copies
-(``dataclasses.replace``) and serializes (``asdict``) it in many places, and a spec file is
-read with the field checks of ``inference.typecheck``; its field metadata carries the rest.
+(``dataclasses.replace``) and serializes (``asdict``) it in many places; a spec file's fields are
+checked against their hints by msgspec's validation (``check_types``), and the field metadata
+carries the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import types
 import typing
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from inference.constants import (
     BATCH_ARITHMETICS,
@@ -48,7 +51,6 @@ from inference.policies.strategies import (
     get_strategy,
     predictor_for,
 )
-from inference.typecheck import checker
 
 
 class SpecError(ValueError):
@@ -306,9 +308,14 @@ def check_types(obj: object, where: str) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
-        nested = dataclasses.is_dataclass(hints[f.name]) or dataclasses.is_dataclass(value)
-        if not nested and not checker(hints[f.name])(value):
-            raise SpecError(f"{where}{f.name} has the wrong type: {value!r:.60} (expected {hints[f.name]})")
+        if dataclasses.is_dataclass(hints[f.name]) or dataclasses.is_dataclass(value):
+            continue  # a nested dataclass is checked on its own
+        try:  # strict: a bool is no int, a str no number; an int is a float
+            msgspec.convert(value, type=hints[f.name], strict=True)
+        except msgspec.ValidationError as exc:
+            raise SpecError(
+                f"{where}{f.name} has the wrong type: {value!r:.60} (expected {hints[f.name]}: {exc})"
+            ) from None
 
 
 def check_max_per_user(max_per_user: int, max_batch: int, max_waiting: int) -> None:
