@@ -11,7 +11,14 @@ against the registry.
 
 from __future__ import annotations
 
+import threading
+
 from celery import current_app
+
+# One thread discovers the tasks modules at a time: Celery's autodiscovery, called while another
+# thread's is under way, returns at once having imported nothing (``_RACE_PROTECTION`` in
+# ``celery.loaders.base``), and that thread's lookup failed (a job's POST answered 500 under load).
+_discovering = threading.Lock()
 
 
 def queue_task(name: str, *args: object) -> None:
@@ -19,7 +26,9 @@ def queue_task(name: str, *args: object) -> None:
     if name not in current_app.tasks:
         # Outside a worker nothing has imported the apps' tasks modules yet: Celery's
         # autodiscovery runs when its loader imports the default modules, as a worker does at start.
-        current_app.loader.import_default_modules()
+        with _discovering:
+            if name not in current_app.tasks:
+                current_app.loader.import_default_modules()
     try:
         task = current_app.tasks[name]
     except KeyError:

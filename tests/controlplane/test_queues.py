@@ -70,3 +70,35 @@ def test_a_process_that_never_imported_a_tasks_module_queues_by_name() -> None:
     env = python_env(DJANGO_SETTINGS_MODULE="controlplane.config.settings.test")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_threads_queueing_at_once_in_a_fresh_process_each_find_their_task() -> None:
+    """Celery's autodiscovery returns at once, having found nothing, in a thread that calls it while
+    another thread's discovery is under way (``celery.loaders.base._RACE_PROTECTION``): under the
+    restart load run, a web process's first job and a heartbeat's write queued at once, and the
+    job's POST got a 500 with "no Celery task is named ..." (``load-restarts-jobs-1``)."""
+    code = (
+        "import django\n"
+        "django.setup()\n"
+        "import threading\n"
+        "from celery.app.task import Task\n"
+        "sent = []\n"
+        "Task.delay = lambda self, *args: sent.append(self.name)  # no broker: record the send\n"
+        "from controlplane.queueing import queue_task\n"
+        "names = ['controlplane.serving.tasks.run_job_output_task',\n"
+        "         'controlplane.deployments.tasks.push_deployment_task']\n"
+        "start, errors = threading.Barrier(8), []\n"
+        "def queue(i):\n"
+        "    start.wait()\n"
+        "    try:\n"
+        "        queue_task(names[i % 2], i)\n"
+        "    except LookupError as exc:\n"
+        "        errors.append(str(exc))\n"
+        "threads = [threading.Thread(target=queue, args=(i,)) for i in range(8)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "assert not errors and len(sent) == 8, errors\n"
+    )
+    env = python_env(DJANGO_SETTINGS_MODULE="controlplane.config.settings.test")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
