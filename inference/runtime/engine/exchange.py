@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from inference.policies.assignment import chunk_sizes
 from inference.policies.failover import NoSurvivor, reroute, taker
 from inference.policies.strategies import dispatch_plan
 from inference.runtime.batching import Segment, pack_segments
@@ -104,7 +105,7 @@ def plan_layer(
             for expert in assignment.get(worker, [])
             for i, r in enumerate(routed)
             if expert in r.rows
-            for offset, size in _pieces(assignment.chunk_sizes(r.count(expert), chunk if prefill[i] else 0))
+            for offset, size in _pieces(chunk_sizes(r.count(expert), chunk if prefill[i] else 0))
         ]
         plan.requests[worker] = pack_segments(segments, chunk if prefilling else 0)
     return plan
