@@ -23,11 +23,11 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from channels.db import database_sync_to_async
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError, close_old_connections
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
 
@@ -82,13 +82,34 @@ async def waiting_for_the_database(call: Callable[..., T], *args: Any, **kwargs:
     """``call(*args, **kwargs)`` on the database (in a thread), tried again while the database is away,
     for up to ``DATABASE_WAIT_S``; then its error is raised. ``call`` must be safe to try twice (a try
     whose reply was lost may have been done)."""
-    deadline, delay = time.monotonic() + DATABASE_WAIT_S, 0.2
-    while True:
+    in_thread = database_sync_to_async(call, thread_sensitive=False)  # closes a broken connection first
+    for pause in _pauses():
         try:
-            return await database_sync_to_async(call, thread_sensitive=False)(*args, **kwargs)
+            return await in_thread(*args, **kwargs)
         except AWAY as exc:
-            if time.monotonic() + delay > deadline:
-                raise
             log.warning("%s: the database is away (%s); trying again", getattr(call, "__name__", call), exc)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 2.0)
+        await asyncio.sleep(pause)
+    return await in_thread(*args, **kwargs)  # the last try: its error is raised
+
+
+def waited_for_the_database(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``waiting_for_the_database`` for synchronous work (a Celery task): the thread's broken connection
+    is closed between tries (Django's ``close_old_connections``), so the next try opens another."""
+    for pause in _pauses():
+        try:
+            return call(*args, **kwargs)
+        except AWAY as exc:
+            log.warning("%s: the database is away (%s); trying again", getattr(call, "__name__", call), exc)
+        close_old_connections()
+        time.sleep(pause)
+    close_old_connections()
+    return call(*args, **kwargs)  # the last try: its error is raised
+
+
+def _pauses() -> Iterator[float]:
+    """The pauses between tries while the database is away: 0.2 s, doubling up to 2 s, as long as the
+    next try comes within ``DATABASE_WAIT_S`` of the first."""
+    deadline, pause = time.monotonic() + DATABASE_WAIT_S, 0.2
+    while time.monotonic() + pause <= deadline:
+        yield pause
+        pause = min(pause * 2, 2.0)

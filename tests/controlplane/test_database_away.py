@@ -3,8 +3,10 @@ the API's own error shape, never a 500; the next request, the database back, is 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +16,7 @@ from django.test import Client, RequestFactory
 from django.urls import get_resolver
 
 from controlplane.accounts.services import create_api_key
-from controlplane.database_away import AWAY
+from controlplane.database_away import AWAY, waited_for_the_database
 from inference.runtime.launcher import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -90,3 +92,36 @@ def test_the_database_away_outside_a_view_is_the_same_503() -> None:
         raise ValueError("a bug")
     except ValueError:
         assert handler(request).status_code == 500
+
+
+def test_synchronous_work_waits_for_the_database_to_come_back() -> None:
+    """A job's write after its generation (``serving.jobs.run_output``) waits out a restart: under
+    load, two prompts' answers were lost to PostgreSQL's restart, their task failed and their job
+    never ended (``load-restarts-jobs-1``)."""
+    get_user_model().objects.create_user("alice")
+    tries: list[float] = []
+
+    def count_users() -> int:
+        tries.append(time.monotonic())
+        return get_user_model().objects.count()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with database_away():
+            waiting = pool.submit(waited_for_the_database, count_users)
+            time.sleep(1.0)
+            assert not waiting.done() and len(tries) >= 2  # tried, and tried again
+        assert waiting.result(timeout=30) == 1  # back: the next try went through
+    with database_away(), database_wait(0.5), pytest.raises(AWAY):  # away past its wait: raised
+        waited_for_the_database(count_users)
+
+
+@contextlib.contextmanager
+def database_wait(seconds: float) -> Iterator[None]:
+    """``DATABASE_WAIT_S`` shortened for the test."""
+    from controlplane import database_away as module
+
+    saved, module.DATABASE_WAIT_S = module.DATABASE_WAIT_S, seconds
+    try:
+        yield
+    finally:
+        module.DATABASE_WAIT_S = saved

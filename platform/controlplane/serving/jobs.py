@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.selectors import caller_of
 from controlplane.accounts.services import QuotaExceeded, check_quota
+from controlplane.database_away import waited_for_the_database
 from controlplane.deployments import generation
 from controlplane.queueing import queue_task
 from controlplane.storable import storable_json, storable_text
@@ -180,6 +181,8 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
     A cluster that is restarting a role (a retryable failure, or a deployment not serving for
     now) gets the prompt again later: ``RetryLater``, up to ``JOB_RETRIES`` times; nothing is lost.
     A prompt that starts after its key's daily token quota is spent fails, saying when it resets.
+    Its writes after the generation wait out a PostgreSQL restart (``waited_for_the_database``); the
+    database away before it started is the task's to try again.
     """
     with transaction.atomic():
         # The job's lock first, then the output's: the order cancel_job takes them in. Locking both
@@ -214,23 +217,30 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
         # Redis unreachable (it restarts) is retryable too: the generation's events travel through it.
         retryable = not isinstance(exc, ClusterGenerationError) or exc.retryable
         if retryable and attempt < JOB_RETRIES:
-            JobOutput.objects.filter(pk=output.pk, status=OutputStatus.RUNNING).update(
-                status=OutputStatus.QUEUED, error=storable_text(f"will try again: {exc}")
-            )
+            waited_for_the_database(_queue_again, output.pk, f"will try again: {exc}")
             raise RetryLater(RETRY_AFTER_S * 2**attempt) from None
         metrics.record("jobs", ok=False)
-        JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
-            status=OutputStatus.FAILED, error=storable_text(str(exc)), finished_at=timezone.now()
-        )
+        waited_for_the_database(_fail, output.pk, str(exc))
     except (InputError, LookupError, QuotaExceeded) as exc:
         metrics.record("jobs", ok=False)
-        JobOutput.objects.filter(pk=output.pk).exclude(status=OutputStatus.CANCELLED).update(
-            status=OutputStatus.FAILED, error=storable_text(str(exc)), finished_at=timezone.now()
-        )
+        waited_for_the_database(_fail, output.pk, str(exc))
     else:
         metrics.record("jobs", ok=True, prompt_tokens=result.prompt_tokens, metrics=result.metrics)
-        record_result(output_id=output.pk, result=result)
-    _finish_if_done(job.pk)
+        # PostgreSQL restarting now would lose the answer the cluster just gave: its write waits.
+        waited_for_the_database(record_result, output_id=output.pk, result=result)
+    waited_for_the_database(_finish_if_done, job.pk)
+
+
+def _queue_again(output_id: int, why: str) -> None:
+    JobOutput.objects.filter(pk=output_id, status=OutputStatus.RUNNING).update(
+        status=OutputStatus.QUEUED, error=storable_text(why)
+    )
+
+
+def _fail(output_id: int, error: str) -> None:
+    JobOutput.objects.filter(pk=output_id).exclude(status=OutputStatus.CANCELLED).update(
+        status=OutputStatus.FAILED, error=storable_text(error), finished_at=timezone.now()
+    )
 
 
 def record_result(*, output_id: int, result: CompletionResult) -> None:

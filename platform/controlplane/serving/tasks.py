@@ -8,6 +8,8 @@ import redis
 from celery import shared_task
 from django.conf import settings
 
+from controlplane.database_away import AWAY
+
 from . import jobs
 
 log = logging.getLogger(__name__)
@@ -19,11 +21,15 @@ BROKER_MARK = "odmoe:broker-mark"
 @shared_task(bind=True, acks_late=True, max_retries=jobs.JOB_RETRIES)
 def run_job_output_task(self, output_id: int) -> None:
     """One prompt of a job; acknowledged only when done, harmless to run twice, and run again
-    later when the cluster is restarting a role."""
+    later when the cluster is restarting a role, or the database is away past its writes' wait (a
+    task that raised is acknowledged all the same, and its prompt would never end)."""
     try:
         jobs.run_output(output_id=output_id, attempt=self.request.retries)
     except jobs.RetryLater as later:
         raise self.retry(countdown=later.after_s) from None
+    except AWAY as exc:
+        log.warning("job output %s: the database is away (%s); it runs again", output_id, exc)
+        raise self.retry(countdown=jobs.RETRY_AFTER_S * 2**self.request.retries) from None
 
 
 @shared_task
