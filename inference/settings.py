@@ -70,6 +70,7 @@ class SettingInfo:
     minimum: float | None = None
     maximum: float | None = None
     exclusive: bool = False  # the minimum itself is refused (> rather than >=)
+    code: str = ""  # the module that acts on it: the reference table shows it, help texts do not
 
     @property
     def nullable(self) -> bool:
@@ -85,8 +86,11 @@ def setting(
     minimum: float | None = None,
     maximum: float | None = None,
     exclusive: bool = False,
+    code: str = "",
 ) -> Any:
-    """A field of ``DeploymentSettings``: its default and, in its metadata, what it accepts and means."""
+    """A field of ``DeploymentSettings``: its default and, in its metadata, what it accepts and means.
+    ``doc`` names no file (it becomes the API's and the admin's help text, which a move must not
+    change); ``code`` is the module that acts on the setting, for the reference table."""
     metadata = {
         "doc": doc,
         "choices": choices,
@@ -94,6 +98,7 @@ def setting(
         "minimum": minimum,
         "maximum": maximum,
         "exclusive": exclusive,
+        "code": code,
     }
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -115,16 +120,18 @@ class DeploymentSettings:
     max_resident_experts: int = setting(
         0,
         "experts a worker holds on its device at once (computing, copying, copied ahead); 0: its prefetch "
-        "depth, from its group and the model's top-k (inference.policies.depth: 2 for Mixtral on groups of 2 or more), "
+        "depth, from its group and the model's top-k (2 for Mixtral on groups of 2 or more), "
         "which the memory plans and the fit check reserve too",
         minimum=0,
+        code="inference.policies.depth",
     )
     staging_buffers: int = setting(
         3,
         'pinned host buffers a GPU worker with the "disk" store reads each expert into on its way to the '
-        "device, used in turn (inference.runtime.staging); a copy pass holds at most the worker's resolved depth, "
+        "device, used in turn; a copy pass holds at most the worker's resolved depth, "
         "so no more than that many are made",
         minimum=1,
+        code="inference.runtime.staging",
     )
     timeout_s: float = setting(
         60.0, "the longest any role waits for a peer before failing (seconds)", minimum=0, exclusive=True
@@ -147,8 +154,9 @@ class DeploymentSettings:
         "fixed",
         "how many tokens a pass drafts: fixed (always draft_tokens) or auto (per pass, up to draft_tokens, the "
         "number with the most tokens per second from the measured agreement, expert overlap and costs of "
-        "main's recent passes: inference.policies.drafting)",
+        "main's recent passes)",
         choices=DRAFT_POLICIES,
+        code="inference.policies.drafting",
     )
     threads: int = setting(1, "torch intra-op threads per role process", minimum=1)
     copy_bytes_per_s: float | None = setting(
@@ -165,24 +173,26 @@ class DeploymentSettings:
     )
     strategy: str = setting(
         DEFAULT_STRATEGY,
-        "what workers keep on the device and who predicts (inference/policies/strategies.py; importance and prerouter "
-        "are approximate)",
+        "what workers keep on the device and who predicts (importance and prerouter are approximate)",
         choices=RUNTIME_STRATEGIES,
+        code="inference.policies.strategies",
     )
     predictor: str = setting(
         "",
-        "who names the experts to load ahead (inference.policies.strategies.PREDICTORS): the shadow, main's next-layer "
+        "who names the experts to load ahead: the shadow, main's next-layer "
         "router (next-gate) or main's trained heads (prerouter); \"\" = the strategy's own",
         choices=PREDICTORS,
         blank=True,
+        code="inference.policies.strategies",
     )
     importance_threshold: float = setting(
         0.3,
         "importance (approximate): a routed expert whose routing weight is below this and that no worker "
-        "holds is replaced by the most similar one that is held (inference.runtime.importance); 0 substitutes "
-        "nothing. 0.3 was chosen before anything was measured; benchmarks.quality reports other values",
+        "holds is replaced by the most similar one that is held; 0 substitutes "
+        "nothing. 0.3 was chosen before anything was measured; the quality benchmark reports other values",
         minimum=0,
         maximum=1,
+        code="inference.runtime.importance",
     )
     cache_experts: int = setting(2, "lru-offload, importance: experts each worker keeps per layer", minimum=0)
     link_bytes_per_s: float | None = setting(
@@ -202,11 +212,12 @@ class DeploymentSettings:
         "none",
         'how the shard build writes the workers\' experts: "none" as the checkpoint holds them, or '
         '"exponent-plane": lossless, each weight\'s exponent bits coded in a few bits each and the rest raw '
-        "(inference/modelio/expert_codec.py; the bytes it saves per dtype: benchmarks' expert codecs page). Workers "
+        "(the bytes it saves per dtype: the benchmarks' expert codecs page). Workers "
         "keep and read the coded bytes and decode each expert as it is loaded, a GPU worker on its GPU after the "
         "copy carried the coded bytes. Taken by the runtime's generate and "
         "shard commands and by a deployment, whose shard build keeps a set per codec; applied on its next start",
         choices=EXPERT_CODECS,
+        code="inference.modelio.expert_codec",
     )
     disk_bytes_per_s: float | None = setting(
         None,
@@ -215,7 +226,11 @@ class DeploymentSettings:
         exclusive=True,
     )
     max_batch: int = setting(
-        8, "sequences main runs at once (continuous batching, inference.runtime.batching)", minimum=1, maximum=MAX_BATCH
+        8,
+        "sequences main runs at once (continuous batching)",
+        minimum=1,
+        maximum=MAX_BATCH,
+        code="inference.runtime.batching",
     )
     max_waiting: int = setting(
         DEFAULT_MAX_WAITING, "requests main holds beyond its batch before it refuses new ones", minimum=0
@@ -266,15 +281,17 @@ class DeploymentSettings:
     prefix_cache: bool = setting(
         True,
         "main and the shadow keep finished sequences' KV (blocks of 16 tokens, least recently used out, within "
-        "the KV the fit check reserves) and a prompt that begins the same way prefills only the rest "
-        "(inference.runtime.prefix_cache). Its tokens are those of Transformers continuing from that cache; a "
+        "the KV the fit check reserves) and a prompt that begins the same way prefills only the rest. "
+        "Its tokens are those of Transformers continuing from that cache; a "
         "prefix computed during decode may round otherwise than the same prefix prefilled whole",
+        code="inference.runtime.prefix_cache",
     )
     hybrid: bool = setting(
         False,
-        "hybrid CPU/GPU execution (inference.policies.hybrid): a worker computes a requested expert on its CPU from "
+        "hybrid CPU/GPU execution: a worker computes a requested expert on its CPU from "
         "host memory when that finishes before its copy to the device would; exact on CPU workers, on CUDA "
         'the CPU\'s kernels may round otherwise, hence off by default. Needs the "ram" expert store',
+        code="inference.policies.hybrid",
     )
     host_memory_bytes_per_s: float | None = setting(
         None, "emulated rate a worker's CPU streams weights at (bytes/s); null = measured", minimum=0, exclusive=True
@@ -401,10 +418,11 @@ def _accepts(item: SettingInfo) -> str:
 
 def markdown_table() -> str:
     """Every setting with its default, what it accepts and what it means, as a Markdown table."""
-    rows = ["| setting | default | accepts | meaning |", "|---|---|---|---|"]
+    rows = ["| setting | default | accepts | meaning | in the code |", "|---|---|---|---|---|"]
     for item in INFO.values():
         doc = item.doc.replace("|", "\\|")
-        rows.append(f"| `{item.name}` | `{_shown(item.default)}` | {_accepts(item)} | {doc} |")
+        code = f"`{item.code}`" if item.code else ""
+        rows.append(f"| `{item.name}` | `{_shown(item.default)}` | {_accepts(item)} | {doc} | {code} |")
     return "\n".join(rows) + "\n"
 
 

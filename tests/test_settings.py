@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,13 @@ def test_drafts_are_refused_where_no_shadow_drafts_or_the_strategy_is_not_exact(
 
 def test_drafts_are_taken_under_odmoe_with_its_shadow() -> None:
     assert validate_settings(dataclasses.replace(DEFAULTS, draft_tokens=4)).draft_tokens == 4
+
+
+def test_a_settings_help_names_no_file_and_the_module_it_names_exists() -> None:
+    """A setting's doc is the API's and the admin's help text (a model column's help text is in its
+    migrations): it names no module, so moving one changes no help text; ``code`` names it instead."""
+    for item in INFO.values():
+        assert not re.search(r"\.py\b|\b(inference|controlplane|benchmarks)\.\w", item.doc), item.name
+        if item.code:
+            module = REPO / item.code.replace(".", "/")
+            assert module.with_suffix(".py").is_file() or (module / "__init__.py").is_file(), (item.name, item.code)

@@ -91,15 +91,15 @@ class Deployment(models.Model):
         max_length=16,
         choices=choices("strategy"),
         default=DEFAULTS.strategy,
-        help_text="what workers keep on their GPUs (inference/policies/strategies.py; importance and prerouter are "
-        "approximate); applied on the next start",
+        help_text="what workers keep on their GPUs (importance and prerouter are approximate); applied on the "
+        "next start",
     )
     predictor = models.CharField(
         max_length=16,
         choices=[("", "the strategy's own"), *choices("predictor")],
         default=DEFAULTS.predictor,
         blank=True,
-        help_text="who names the experts workers load ahead (inference/policies/strategies.py): the shadow, main's "
+        help_text="who names the experts workers load ahead: the shadow, main's "
         "next-layer router (next-gate) or main's trained heads (prerouter; both without a shadow seat); "
         "blank: the strategy's own",
     )
@@ -118,7 +118,7 @@ class Deployment(models.Model):
         max_length=16,
         choices=choices("expert_codec"),
         default=DEFAULTS.expert_codec,
-        help_text="how its workers' shards store the experts (inference/modelio/expert_codec.py): none, or "
+        help_text="how its workers' shards store the experts: none, or "
         "exponent-plane (lossless, fewer bytes in a worker's RAM and disk); the shard build keeps a set per codec; "
         "applied on the next start",
     )
