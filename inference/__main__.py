@@ -7,36 +7,37 @@ import json
 import sys
 from pathlib import Path
 
-from inference.constants import COMPUTE_DTYPES, EXPERT_CODECS, EXPERT_STORES, SHADOW_DTYPES
+from inference.constants import EXPERT_CODECS, SHADOW_DTYPES
 from inference.modelio.families import FAMILIES
-from inference.policies.strategies import PREDICTORS, RUNTIME_STRATEGIES
+from inference.setting_flags import add_setting_flags, settings_of
 from inference.settings import DEFAULTS
 
 # Each command imports what it runs inside its own function: torch, Transformers and a role's
 # whole stack load only for the command that needs them, so `--help` and each role start light.
 
 EXIT_ERROR = 1
-# ``generate``'s flags that set a runtime setting (inference.settings), by argparse dest; their
-# defaults are the declaration's (tests/test_settings_defaults.py holds them to it).
-GENERATE_SETTINGS = {
-    "shadow_dtype": "shadow_dtype",
-    "strategy": "strategy",
-    "predictor": "predictor",
-    "cache_experts": "cache_experts",
-    "max_resident_experts": "max_resident_experts",
-    "hybrid": "hybrid",
-    "importance_threshold": "importance_threshold",
-    "token_period": "token_period",
-    "kv_period": "kv_period",
-    "prefill_chunk": "prefill_chunk",
-    "prefill_step": "prefill_step",
-    "expert_store": "expert_store",
-    "hot_experts": "hot_experts",
-    "expert_codec": "expert_codec",
-    "device": "device",
-    "dtype": "dtype",
-    "timeout": "timeout_s",
-}
+# The runtime settings ``generate`` takes, each an option derived from its declaration
+# (``inference.setting_flags``: ``--max-batch`` for ``max_batch``).
+GENERATE_SETTINGS = (
+    "shadow_dtype",
+    "strategy",
+    "predictor",
+    "cache_experts",
+    "max_resident_experts",
+    "hybrid",
+    "importance_threshold",
+    "token_period",
+    "kv_period",
+    "speculate",
+    "prefill_chunk",
+    "prefill_step",
+    "expert_store",
+    "hot_experts",
+    "expert_codec",
+    "device",
+    "dtype",
+    "timeout_s",
+)
 EXIT_INTERRUPTED = 130
 
 
@@ -134,95 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--max-new-tokens", type=int, required=True)
     gen.add_argument("--workers", type=int, default=8)
-    gen.add_argument("--shadow-dtype", choices=SHADOW_DTYPES, default=DEFAULTS.shadow_dtype)
-    gen.add_argument(
-        "--strategy",
-        choices=RUNTIME_STRATEGIES,
-        default=DEFAULTS.strategy,
-        help="what workers keep on the device: odmoe (shadow-predicted, cacheless), full-cache, reactive, lru-offload; "
-        "importance (approximate: substitutes held experts for unimportant ones; needs `calibrate`); "
-        "prerouter (approximate: trained heads' prediction is the routing; needs `train-prerouter`)",
-    )
-    gen.add_argument(
-        "--predictor",
-        choices=PREDICTORS,
-        default=DEFAULTS.predictor,
-        help="who names the experts to load ahead (default: the strategy's own; odmoe: shadow, lru-offload: "
-        "next-gate, main's next-layer router, no shadow node; prerouter: main's trained heads, no shadow node)",
-    )
-    gen.add_argument(
-        "--cache-experts",
-        type=int,
-        default=DEFAULTS.cache_experts,
-        help="lru-offload, importance: experts cached per layer per worker",
-    )
-    gen.add_argument(
-        "--max-resident-experts",
-        type=int,
-        default=DEFAULTS.max_resident_experts,
-        help="experts a worker holds in flight on its device (default 0: its layer's experts + 1, at least 2, "
-        "from its group and the model's top-k; inference.policies.depth)",
-    )
-    gen.add_argument(
-        "--hybrid",
-        action="store_true",
-        help="hybrid CPU/GPU execution: a worker computes an expert on its CPU from host memory when that "
-        "finishes before its copy to the device would (exact on CPU workers; on CUDA the CPU may round otherwise)",
-    )
-    gen.add_argument(
-        "--importance-threshold",
-        type=float,
-        default=DEFAULTS.importance_threshold,
-        help="importance: a routing weight below which a routed expert no worker holds is substituted",
-    )
     gen.add_argument("--no-shadow", action="store_true", help="same as --strategy reactive")
-    gen.add_argument(
-        "--token-period",
-        type=int,
-        default=DEFAULTS.token_period,
-        help="align the shadow's token every P steps (0 never)",
-    )
-    gen.add_argument(
-        "--kv-period", type=int, default=DEFAULTS.kv_period, help="align the shadow's KV cache every P steps (0 never)"
-    )
-    gen.add_argument("--no-speculate", action="store_true", help="the shadow waits for main's token every step")
-    gen.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=DEFAULTS.prefill_chunk,
-        help="prefill rows per expert per message (0 = whole)",
-    )
-    gen.add_argument(
-        "--prefill-step",
-        type=int,
-        default=DEFAULTS.prefill_step,
-        help="prompt tokens prefilled per batch step (chunked prefill; not bit-exact); 0 = the whole prompt",
-    )
-    gen.add_argument(
-        "--expert-store",
-        choices=EXPERT_STORES,
-        default=DEFAULTS.expert_store,
-        help="where workers keep their experts: ram (read at start), disk (read from the shard at each load) or "
-        "hot (read from disk, the last --hot-experts kept in RAM, predicted ones pinned until used); "
-        "default: the strategy's own (prerouter: hot, the others: ram)",
-    )
-    gen.add_argument(
-        "--hot-experts", type=int, default=DEFAULTS.hot_experts, help="hot store: experts each worker keeps in RAM"
-    )
-    gen.add_argument(
-        "--expert-codec",
-        choices=EXPERT_CODECS,
-        default=DEFAULTS.expert_codec,
-        help="how the shard build stores the workers' experts: none, or exponent-plane (lossless, fewer bytes)",
-    )
-    gen.add_argument("--device", default=DEFAULTS.device, help="auto, cpu or cuda[:N]")
-    gen.add_argument(
-        "--dtype",
-        choices=COMPUTE_DTYPES,
-        default=DEFAULTS.dtype,
-        help="what main and the workers compute in: auto = the checkpoint's own dtype (as Transformers' dtype='auto')",
-    )
-    gen.add_argument("--timeout", type=float, default=DEFAULTS.timeout_s, help="seconds any role waits for a peer")
+    add_setting_flags(gen, GENERATE_SETTINGS)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -379,9 +293,9 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     else:
         prompt_ids = _parse_ids(args.prompt_ids)
-    values = {name: getattr(args, dest) for dest, name in GENERATE_SETTINGS.items()}
+    values = settings_of(args, GENERATE_SETTINGS)
     values["strategy"] = "reactive" if args.no_shadow else args.strategy
-    settings = DeploymentSettings(**values, speculate=not args.no_speculate)
+    settings = DeploymentSettings(**values)
     validate_settings(settings)
     options = ClusterOptions(workers=args.workers, settings=settings)
     say = (lambda line: print(line, file=sys.stderr)) if not args.json else (lambda line: None)

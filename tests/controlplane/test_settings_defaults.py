@@ -21,6 +21,7 @@ from controlplane.deployments.models import SETTINGS_COLUMNS, Deployment
 from inference.__main__ import GENERATE_SETTINGS, _parser
 from inference.building import memory
 from inference.runtime.spec import Addresses, RoleSpec
+from inference.setting_flags import flag_of
 from inference.settings import DEFAULTS, INFO, DeploymentSettings, markdown_table
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 
@@ -104,14 +105,23 @@ def test_every_keyword_default_of_a_setting_is_the_declared_one(function) -> Non
         assert default == EXCEPTIONS.get((where, name), getattr(DEFAULTS, name)), (function.__name__, name)
 
 
-def test_the_cli_flags_of_generate_default_to_the_declaration() -> None:
+def test_the_cli_flags_of_generate_are_the_declarations() -> None:
+    """Derived (``inference.setting_flags``): each setting's option, default, choices and help."""
     generate = _parser()._subparsers._group_actions[0].choices["generate"]
     actions = {a.dest: a for a in generate._actions}
     # Every flag named like a setting is one of those listed as setting it.
-    assert {dest for dest in actions if dest in INFO} <= set(GENERATE_SETTINGS)
-    for dest, name in GENERATE_SETTINGS.items():
-        assert actions[dest].default == getattr(DEFAULTS, name), dest
-    assert actions["no_speculate"].default is (not DEFAULTS.speculate)
+    assert {dest for dest in actions if dest in INFO} == set(GENERATE_SETTINGS)
+    for name in GENERATE_SETTINGS:
+        action, item = actions[name], INFO[name]
+        assert action.default == getattr(DEFAULTS, name), name
+        assert flag_of(name) in action.option_strings and item.doc.replace("%", "%%") in action.help, name
+        if item.choices:
+            assert set(action.choices) == set(item.choices) | ({""} if item.blank else set()), name
+    assert flag_of("speculate") == "--no-speculate" and flag_of("hybrid") == "--hybrid"
+    args = generate.parse_args(
+        ["--model", "m", "--prompt", "p", "--max-new-tokens", "1", "--no-speculate", "--timeout", "9"]
+    )
+    assert (args.speculate, args.timeout_s, args.max_resident_experts) == (False, 9.0, DEFAULTS.max_resident_experts)
 
 
 def test_the_docs_table_is_the_declarations() -> None:
