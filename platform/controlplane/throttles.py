@@ -9,11 +9,17 @@ key, no credential, a permission the user lacks) was never counted: ``exception_
 credential as an anonymous call by address, and answers 429 past the rate. ``throttle_wait`` runs
 the same throttles for the OpenAI API's views, which are not DRF's, so a user's calls to both
 share one count; ``ChatMessageThrottle`` counts a user's chat messages. Counts live in
-Django's cache: per process by default, in Redis in production. How many generations a user
-has at once is no rate: main bounds it where they run (``inference.runtime.batching.admission``).
+Django's cache: per process by default, in Redis in production. A count that cannot be read
+because Redis is restarting lets the call through (logged once per outage): a second without a rate
+costs less than failing every call and chat message meanwhile, which is what the unread count did
+(under load, a Redis restart closed 4 chat sockets mid-message: ``load-restarts-3``). How many
+generations a user has at once is no rate: main bounds it where they run
+(``inference.runtime.batching.admission``).
 """
 
 from __future__ import annotations
+
+import logging
 
 from django.http import HttpRequest
 from rest_framework import exceptions
@@ -21,6 +27,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.settings import api_settings
 from rest_framework.throttling import AnonRateThrottle, SimpleRateThrottle, UserRateThrottle
+
+from controlplane.shared_redis import UNREACHABLE
+
+log = logging.getLogger(__name__)
 
 # Set on a request once the throttles counted it, so a refusal after that is not counted again.
 COUNTED = "odmoe_throttles_counted"
@@ -34,7 +44,24 @@ def _is_node(request) -> bool:
     return isinstance(getattr(request, "auth", None), Node)
 
 
-class UserThrottle(UserRateThrottle):
+class CountedUnlessRedisIsAway:
+    """A throttle whose count Redis cannot give now lets the call through (see the module)."""
+
+    _away = False  # this process could not read a count (one log line per outage)
+
+    def allow_request(self, request, view) -> bool:
+        try:
+            allowed = super().allow_request(request, view)  # type: ignore[misc]
+        except UNREACHABLE as exc:
+            if not CountedUnlessRedisIsAway._away:
+                log.warning("request rates cannot be counted (%s): calls go through uncounted", exc)
+                CountedUnlessRedisIsAway._away = True
+            return True
+        CountedUnlessRedisIsAway._away = False
+        return allowed
+
+
+class UserThrottle(CountedUnlessRedisIsAway, UserRateThrottle):
     """DRF's, for authenticated users only: DRF's would count an anonymous call by its address
     at the user rate too, so an address's anonymous calls were held to the lower of the two rates
     (1,000 simulated boxes enrolling from one address were refused at 600 a minute with the anonymous
@@ -47,7 +74,7 @@ class UserThrottle(UserRateThrottle):
         return _is_node(request) or anonymous or super().allow_request(request, view)
 
 
-class AnonThrottle(AnonRateThrottle):
+class AnonThrottle(CountedUnlessRedisIsAway, AnonRateThrottle):
     def allow_request(self, request, view) -> bool:
         setattr(request, COUNTED, True)
         return _is_node(request) or super().allow_request(request, view)
@@ -70,7 +97,7 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
     return views.exception_handler(exc, context)
 
 
-class ChatMessageThrottle(SimpleRateThrottle):
+class ChatMessageThrottle(CountedUnlessRedisIsAway, SimpleRateThrottle):
     """Messages one user sends the chat (``DEFAULT_THROTTLE_RATES["chat"]``): DRF's counting,
     keyed by the user, for a websocket message that has no HTTP request (``allow_request(user, None)``)."""
 

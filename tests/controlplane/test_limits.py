@@ -390,6 +390,28 @@ def test_the_openai_api_counts_against_the_rest_apis_throttle_and_answers_in_ope
     assert Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {other}").status_code == 200  # per user
 
 
+def test_calls_go_through_uncounted_while_redis_cannot_count_them(settings, monkeypatch) -> None:
+    """The counts in a Redis that refuses connections (a restart): the API answers and a chat message
+    is taken, as if under the rate, rather than a 500 or a chat socket closed mid-message."""
+    from controlplane.throttles import chat_message_wait
+    from inference.runtime.launcher import free_port
+
+    rates = {"user": "1/minute", "anon": "1/minute", "chat": "1/minute"}
+    for throttle in (throttles.UserThrottle, throttles.AnonThrottle, throttles.ChatMessageThrottle):
+        monkeypatch.setattr(throttle, "THROTTLE_RATES", rates)
+    alice = get_user_model().objects.create_user("alice", is_staff=True)
+    _, key = create_api_key(user=alice)
+    nowhere = {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": f"redis://127.0.0.1:{free_port()}/0",
+    }
+    settings.CACHES = {**settings.CACHES, "default": nowhere}
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert [client.get("/api/nodes").status_code for _ in range(2)] == [200, 200]  # past 1/minute: not counted
+    assert [chat_message_wait(alice) for _ in range(2)] == [None, None]
+
+
 def test_anonymous_calls_are_held_to_the_anonymous_rate_alone(monkeypatch) -> None:
     """The user rate counts users: an address's anonymous calls (boxes enrolling behind one address)
     go on past it, up to the anonymous rate."""
