@@ -271,6 +271,18 @@ TARGETS: tuple[Target, ...] = (
         every=True,
     ),
     Target(
+        "restart-job-prompts-lost",
+        "job prompts lost (refused, or their job never ended) in a production load run with jobs across a Redis "
+        "and a PostgreSQL restart",
+        "55",
+        "load",
+        0,
+        AT_MOST,
+        "load-restarts-jobs-*.json:jobs.prompts.lost",
+        spec="d",
+        every=True,
+    ),
+    Target(
         "api-p99",
         "the API's p99 under load (GET /api/nodes while agents heartbeat and chat)",
         "guide",
