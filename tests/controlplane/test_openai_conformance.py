@@ -2,7 +2,7 @@
 
 The live check (``check_answers_keep_to_openais_schema`` and ``check_responses_api`` in
 ``test_serving_e2e.py``, marked slow) sends every kind of answer through a served cluster. This
-one runs the same renderers (``openai_api._Answer``, ``responses_api``) on answers made of a real
+one runs the same renderers (``openai_answers.Answer``, ``responses_api``) on answers made of a real
 tiny checkpoint's tokenizer and tokens, one text piece after another as a generation brings them,
 so that a field a strict client needs cannot go missing between two runs of the full suite.
 """
@@ -17,7 +17,9 @@ import pytest
 
 from controlplane.serving.completions import CompletionResult, Target
 from controlplane.serving.logprobs import Scored
-from controlplane.serving.openai_api import Ask, _Answer, error
+from controlplane.serving.openai_answers import Answer
+from controlplane.serving.openai_errors import error
+from controlplane.serving.openai_protocol import Ask
 from controlplane.serving.responses_api import _Stream, output_items, response_object
 from controlplane.serving.structured import CALL_CLOSE, CALL_OPEN, Structure, read_structure
 from controlplane.serving.text import Sampling, tokenizer_for
@@ -68,10 +70,10 @@ def _data(events: list[str]) -> list[dict]:
 def test_chat_and_completions_whole_and_streamed(target: Target, chat: bool, logprobs: int | None) -> None:
     ask = Ask(target, [[1, 2, 3]], 1, 8, Sampling(), [], True, True, logprobs=logprobs)
     pieces, result = _pieces(target, "Hello there, experts.")
-    answer = _Answer(ask, chat)
+    answer = Answer(ask, chat)
     whole = answer._object([result], {0: [s for _, (_, scored, _) in pieces for s in scored]})
     openai_schema.conforms("CreateChatCompletionResponse" if chat else "CreateCompletionResponse", whole)
-    streaming = _Answer(ask, chat)
+    streaming = Answer(ask, chat)
     chunks = _data(_streamed(streaming, pieces, streaming.events))
     assert chunks[-1]["usage"]["completion_tokens"] == len(result.token_ids)
     for chunk in chunks:
@@ -87,10 +89,10 @@ def test_a_tool_call_whole_and_streamed(target: Target) -> None:
     body = {"tools": [PICK], "tool_choice": "required"}
     ask = Ask(target, [[1, 2, 3]], 1, 40, Sampling(), [], True, False, structure=read_structure(body))
     pieces, result = _pieces(target, f'{CALL_OPEN}{{"name": "pick", "arguments": {{}}}}{CALL_CLOSE}')
-    whole = _Answer(ask, True)._object([result], {0: []})
+    whole = Answer(ask, True)._object([result], {0: []})
     assert whole["choices"][0]["message"]["tool_calls"]
     openai_schema.conforms("CreateChatCompletionResponse", whole)
-    answer = _Answer(ask, True)
+    answer = Answer(ask, True)
     for chunk in _data(_streamed(answer, pieces, answer.events)):
         openai_schema.conforms("CreateChatCompletionStreamResponse", chunk)
 
@@ -106,7 +108,7 @@ def test_responses_whole_and_streamed(target: Target, kind: str) -> None:
     whole = response_object(ask, body, "resp_1", 0, result, output_items(ask, result, "1"))
     assert whole["status"] == ("incomplete" if kind == "cut" else "completed")
     openai_schema.conforms("Response", whole)
-    stream = _Stream(ask, body, _Answer(ask, True), 1, None)
+    stream = _Stream(ask, body, Answer(ask, True), 1, None)
     events = _data(_streamed(stream.answer, pieces, stream.events))
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[-1]["type"] == f"response.{whole['status']}"

@@ -16,7 +16,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from controlplane.accounts.services import create_api_key
-from controlplane.serving.openai_api import _parse
+from controlplane.serving.openai_protocol import parse_ask
 from controlplane.serving.text import InputError, check_token_ids, decode_with_starts, prompt_list
 from controlplane.serving.tokenizer import TextTokenizer
 
@@ -94,12 +94,12 @@ def test_token_ids_reach_main_as_they_are_even_where_encoding_their_text_would_d
     word = tokenizer.encode("the", add_special_tokens=False)
     letters = [t for c in "the" for t in tokenizer.encode(c, add_special_tokens=False)]
     assert len(word) < len(letters)  # the tokenizer merges them: encoding the text again would too
-    parsed = _parse({"model": "d", "prompt": [letters, word], "max_tokens": 0, "echo": True, "logprobs": 1}, False)
+    parsed = parse_ask({"model": "d", "prompt": [letters, word], "max_tokens": 0, "echo": True, "logprobs": 1}, False)
     assert parsed.prompts == [letters, word]
     assert parsed.texts == ["the", "the"]
     assert parsed.starts == [[0, 1, 2], tokenizer.encode_with_offsets("the", add_special_tokens=False)[1]]
     assert parsed.prompt_only and parsed.logprobs == 1
-    one = _parse({"model": "d", "prompt": letters, "max_tokens": 1}, False)
+    one = parse_ask({"model": "d", "prompt": letters, "max_tokens": 1}, False)
     assert one.prompts == [letters]
 
 

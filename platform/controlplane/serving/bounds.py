@@ -4,7 +4,7 @@ Each field a client sends that reaches main (as a grammar, a prompt, a sampling 
 that the web process works through before it does (a chat template, stop sequences) has a
 size or count ``Bound`` here, with why that many. The bounds are checked in the web process
 before anything is sent on: for ``/v1`` by ``check_openai_request``, the first thing
-``openai_api._parse`` does after the parameters' names (before a grammar is built or
+``openai_protocol.parse_ask`` does after the parameters' names (before a grammar is built or
 validated, a model's tokenizer loaded, a prompt rendered or tokenized, a ``Generate``
 built); for the chat websocket by ``chat.protocol.parse_client`` and the chat's history by
 ``check_messages_size``; for ``POST /api/jobs`` by its serializer's fields, derived from these.
@@ -277,7 +277,7 @@ def check_openai_request(body: Mapping[str, object], *, chat: bool) -> None:
     """Refuse the first field of an OpenAI request past its bound.
 
     Only sizes are checked here, of fields that have the form they should; a field of another
-    form is left to the check that reads it (``openai_api._parse``), which refuses it.
+    form is left to the check that reads it (``openai_protocol.parse_ask``), which refuses it.
     """
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop

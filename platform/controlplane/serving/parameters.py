@@ -4,7 +4,7 @@ Every parameter of OpenAI's chat completions and (legacy) completions requests i
 with what this API does with it:
 
 - ``HONOURED``: it does what OpenAI documents (its value is checked where the request is read,
-  ``openai_api._parse``);
+  ``openai_protocol.parse_ask``);
 - ``NEUTRAL_ONLY``: the feature is not offered, so only the value that asks for nothing (and
   null) is accepted, e.g. ``frequency_penalty: 0``; any other value is a 400 naming it;
 - ``EXTENSIONS``: not OpenAI's, but what vLLM and llama.cpp's server take, honoured too;

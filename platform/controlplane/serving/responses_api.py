@@ -36,7 +36,10 @@ from django.views.decorators.csrf import csrf_exempt
 from . import responses_store
 from .completions import ClusterGenerationError, ClusterUnavailable, CompletionResult
 from .models import RESPONSE_ID_CHARS
-from .openai_api import Ask, _Answer, _failure, _usage, error, event_stream, read_ask, read_request
+from .openai_answers import Answer, event_stream, usage_of
+from .openai_api import read_ask, read_request
+from .openai_errors import error, failure
+from .openai_protocol import Ask
 from .parameters import RESPONSES, check_parameters
 from .structured import tool_calls
 from .text import InputError
@@ -196,7 +199,7 @@ def response_object(
     status = "in_progress" if result is None else "incomplete" if result.finish_reason == "length" else "completed"
     usage = None
     if result is not None:
-        counted = _usage({0: result}, 1)
+        counted = usage_of({0: result}, 1)
         # Main's prefix cache: the prompt's tokens it reused, and those whose KV it kept from this one.
         cached = counted["prompt_tokens_details"]["cached_tokens"]
         written = result.metrics.get("written_prompt_tokens", 0)
@@ -288,7 +291,7 @@ async def responses(request: HttpRequest) -> HttpResponse:
     ask = await read_ask(chat, caller, chat=True)
     if isinstance(ask, HttpResponse):
         return _renamed(ask)
-    answer = _Answer(ask, chat=True)
+    answer = Answer(ask, chat=True)
     answer.api = API
     kept = [*earlier, *normalized(input_items(body["input"]))] if store is not False else None
     stream = _Stream(ask, body, answer, caller.user_id, kept)
@@ -297,7 +300,7 @@ async def responses(request: HttpRequest) -> HttpResponse:
             return JsonResponse(await stream.whole())
         first = await answer.start()  # before the headers: a refused generation is a 429, not a broken stream
     except (ClusterUnavailable, ClusterGenerationError) as exc:
-        return _failure(exc)
+        return failure(exc)
     return event_stream(stream.events(first))
 
 
@@ -316,7 +319,7 @@ def _renamed(response: HttpResponse) -> HttpResponse:
 class _Stream:
     """One Response, whole or as its event stream."""
 
-    def __init__(self, ask: Ask, body: dict, answer: _Answer, user_id: int, kept: list[dict] | None) -> None:
+    def __init__(self, ask: Ask, body: dict, answer: Answer, user_id: int, kept: list[dict] | None) -> None:
         """``kept``: the conversation to store with the output once it ends (None: not stored)."""
         self.ask, self.body, self.answer = ask, body, answer
         self.user_id, self.kept = user_id, kept
@@ -369,7 +372,7 @@ class _Stream:
             yield self._event("error", code=failure["code"], message=failure["message"], param=None)
             return
         except (ClusterUnavailable, ClusterGenerationError) as exc:
-            failure = json.loads(_failure(exc).content)["error"]
+            failure = json.loads(failure(exc).content)["error"]
             yield self._event("error", code=failure["code"], message=failure["message"], param=None)
             return
         finally:
