@@ -291,7 +291,7 @@ def test_before_the_set_is_built_the_memory_plan_counts_the_most_the_code_can_st
     """A coded deployment's first start is checked before its set exists: each expert the build codes is
     counted at ``stored_bound`` (never less than what the build then writes), and a worker's RAM holds its
     decoded experts in flight besides, which the raw count left out."""
-    from inference.building.memory import TensorSize, checkpoint_tensors, with_coded_bound
+    from inference.building.tensor_sizes import TensorSize, checkpoint_tensors, with_coded_bound
     from inference.modelio.checkpoint import Checkpoint
     from inference.modelio.expert_codec import stored_bound
 

@@ -7,16 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from inference.building.fit import Placed, check_fit, check_plan_fit, gpu_index
 from inference.building.memory import (
     CUDA_CONTEXT_BYTES,
     GB,
     RUNTIME_OVERHEAD_BYTES,
     MemoryPlan,
-    Placed,
     RoleMemory,
-    check_fit,
-    check_plan_fit,
-    gpu_index,
     memory_from_checkpoint,
     memory_from_config,
     table,

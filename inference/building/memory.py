@@ -35,36 +35,42 @@ config alone, so a plan for Mixtral-8x22B needs no 280 GB download):
 
 Every process also pays ``RUNTIME_OVERHEAD_BYTES`` of RAM (Python, torch, transformers) and,
 on a GPU, ``CUDA_CONTEXT_BYTES`` of device memory.
-``check_fit`` compares a role's needs with a node's inventory (``agent.inventory``) and
-returns the shortfalls as sentences that name the node, the role, the resource and by how
-much it falls short. Run ``python -m inference.building.memory --model mixtral-8x7b --workers 8
+The tensors and their bytes per dtype are ``tensor_sizes``'; whether a node can hold a role is
+``fit``'s (``check_fit``: the shortfalls as sentences that name the node, the role, the resource
+and by how much it falls short). Run ``python -m inference.building.memory --model mixtral-8x7b --workers 8
 [--max-batch 8] [--context 4096]`` for the table of a known model.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from inference.building.tensor_sizes import (
+    CAST_BYTES,
+    CHECKPOINT_DTYPE_BYTES,
+    TensorSize,
+    checkpoint_tensors,
+    config_tensors,
+    family_tensors,
+    shadow_weight_bytes,
+    with_coded_bound,
+    with_stored_experts,
+)
 from inference.constants import (
     DEFAULT_CONTEXT_TOKENS,
-    EXPERT_CODECS,
     EXPERT_STORES,
     MAX_BATCH,
-    NF4_BLOCKSIZE,
     SHADOW_DTYPES,
     SHADOW_STATES_PER_SEQUENCE,
 )
 from inference.modelio.checkpoint import Checkpoint, CheckpointError, parse_expert_key
-from inference.modelio.families import FAMILIES, family_for, is_router_name
 from inference.modelio.families.releases import RELEASES
 from inference.modelio.prerouter_shape import PrerouterShape
-from inference.modelio.shards import ShardSet, read_manifest, stored_tensors
 from inference.policies.depth import resolve_depth
 from inference.policies.placement import Placement, placement
 from inference.policies.strategies import expert_store_for, get_strategy, home_worker
@@ -80,35 +86,6 @@ RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + trans
 # drivers and torch versions differ by some tens of MB.
 CUDA_CONTEXT_BYTES = 820 * 10**6
 DEFAULT_MAX_BATCH = DEFAULTS.max_batch  # sequences main runs at once, each with its own KV cache
-QUANT_SCALE_BYTES = 4  # int8: one fp32 scale per output row; nf4: one fp32 absmax per block
-
-# Bytes per element of the dtypes a checkpoint is released in (config ``dtype`` names).
-CHECKPOINT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_CAST_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-# The nn.Linear weights a quantized shadow quantizes besides the experts and the LM head.
-_ATTENTION_LINEARS = tuple(f".self_attn.{p}_proj.weight" for p in "qkvo")
-_SHARED_LINEARS = (*(f".shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")), ".shared_expert_gate.weight")
-_LM_HEAD = "lm_head.weight"
-
-
-@dataclass(frozen=True)
-class TensorSize:
-    """One tensor of a checkpoint: its name, shape and bytes on disk; ``stored``: its bytes in a worker
-    shard that stores it coded (``expert_codec``), None as it is (``stored_nbytes`` is then ``nbytes``)."""
-
-    name: str
-    shape: tuple[int, ...]
-    nbytes: int
-    stored: int | None = None
-
-    @property
-    def stored_nbytes(self) -> int:
-        return self.nbytes if self.stored is None else self.stored
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -195,126 +172,7 @@ class MemoryPlan:
         }
 
 
-# --- tensors ---------------------------------------------------------------------------------
-
-
-def checkpoint_tensors(ckpt: Checkpoint) -> list[TensorSize]:
-    """Every tensor of ``ckpt`` with its real bytes (from the safetensors headers)."""
-    return [TensorSize(key, ckpt.shape(key), ckpt.nbytes(key)) for key in ckpt]
-
-
-def with_stored_experts(
-    tensors: Sequence[TensorSize], shard_root: str | os.PathLike[str], expert_codec: str = "none"
-) -> list[TensorSize]:
-    """``tensors`` with each expert's bytes as the worker shards built at ``shard_root`` store it: a set
-    built with an ``expert_codec`` holds fewer, and a worker's RAM, disk and fit check count those
-    (its manifests' ``stored``; a tensor they do not list is stored as it is). An ``expert_codec``
-    other than "none" that is not the set's is refused."""
-    shard_set = ShardSet.load(shard_root)
-    if expert_codec != "none" and expert_codec != shard_set.expert_codec:
-        raise ValueError(
-            f"the shard set at {shard_root} stores its experts with {shard_set.expert_codec!r}, not {expert_codec!r}"
-        )
-    stored: dict[str, int] = {}
-    for worker in range(shard_set.placement.n_workers):
-        entries = stored_tensors(read_manifest(shard_set.worker(worker)), f"shard {shard_set.worker(worker)}")
-        stored |= {name: entry.stored_bytes for name, entry in entries.items()}
-    return [replace(t, stored=stored[t.name]) if t.name in stored else t for t in tensors]
-
-
-def with_coded_bound(ckpt: Checkpoint, tensors: Sequence[TensorSize], expert_codec: str) -> list[TensorSize]:
-    """``tensors`` with each expert tensor ``expert_codec`` would code at the most its coded form can take,
-    whatever the weights (``inference.modelio.expert_codec.stored_bound``): what a worker's RAM, disk and
-    fit check count before a set with that code is built. The shard build codes every expert tensor of a
-    dtype the code takes (``inference.building.sharding``); "none" leaves ``tensors`` as they are.
-
-    Not the raw size: a code that saves nothing still costs its frame, so a coded tensor can be up to a
-    byte per 256 of its exponent plane and a frame header larger than its raw one; and a coded worker
-    holds its decoded experts in flight besides (``plan_memory``), which the raw count leaves out.
-    """
-    if expert_codec not in EXPERT_CODECS:
-        raise ValueError(f"expert_codec must be one of {', '.join(EXPERT_CODECS)}, got {expert_codec!r}")
-    if expert_codec == "none":
-        return list(tensors)
-    from inference.modelio.expert_codec import stored_bound, supports
-
-    bounded = []
-    for tensor in tensors:
-        dtype = ckpt.dtype(tensor.name) if parse_expert_key(tensor.name) is not None else ""
-        bounded.append(replace(tensor, stored=stored_bound(tensor.nbytes, dtype)) if supports(dtype) else tensor)
-    return bounded
-
-
-def config_tensors(sizes: ModelSizes, dtype: str, *, tied_embeddings: bool = False) -> list[TensorSize]:
-    """The tensors a Mixtral checkpoint of bare ``sizes`` holds, in ``dtype`` (a config ``dtype`` name).
-
-    A config of any family gives its own tensors: ``family_tensors``.
-    """
-    shape = {"layers": sizes.layers, "hidden": sizes.hidden, "intermediate": sizes.intermediate}
-    shape |= {"experts": sizes.experts, "top_k": sizes.top_k, "heads": sizes.query_heads, "kv_heads": sizes.kv_heads}
-    shape |= {"head_dim": sizes.head_dim, "vocab": sizes.vocab, "shared_intermediate": 0}
-    config = FAMILIES["mixtral"].release_config(shape) | {"tie_word_embeddings": tied_embeddings}
-    return family_tensors(config, dtype)
-
-
-def family_tensors(config: Mapping[str, Any], dtype: str) -> list[TensorSize]:
-    """The tensors a checkpoint of ``config`` shows (its family's, experts in the shard layout), in ``dtype``."""
-    per = _dtype_bytes(dtype)
-    shapes = family_for(config).shard_shapes(config)
-    return [TensorSize(name, shape, math.prod(shape) * per) for name, shape in shapes]
-
-
-def _dtype_bytes(dtype: str) -> int:
-    try:
-        return CHECKPOINT_DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {', '.join(CHECKPOINT_DTYPE_BYTES)}, got {dtype!r}") from None
-
-
-def shadow_tensor_bytes(tensor: TensorSize, shadow_dtype: str) -> int:
-    """What ``tensor`` costs in the shadow's copy of the model (an expert's w1/w3 as half of their fused pair)."""
-    is_router = is_router_name(tensor.name)
-    if shadow_dtype in _CAST_BYTES:
-        if is_router and shadow_dtype != "fp32":
-            return tensor.nbytes  # routers keep the checkpoint dtype, so routing matches main's
-        return tensor.numel * _CAST_BYTES[shadow_dtype]
-    if not _is_linear(tensor):
-        return tensor.nbytes  # embeddings, norms, routers stay in the checkpoint dtype
-    out = tensor.shape[0]
-    if shadow_dtype == "int8":
-        return tensor.numel + out * QUANT_SCALE_BYTES
-    if shadow_dtype == "nf4":
-        return _nf4_bytes(tensor.numel)
-    raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
-
-
-def _is_linear(tensor: TensorSize) -> bool:
-    name = tensor.name
-    return len(tensor.shape) == 2 and (
-        name == _LM_HEAD
-        or name.endswith(_ATTENTION_LINEARS)
-        or name.endswith(_SHARED_LINEARS)
-        or parse_expert_key(name) is not None
-    )
-
-
-def _nf4_bytes(numel: int) -> int:
-    return math.ceil(numel / 2) + math.ceil(numel / NF4_BLOCKSIZE) * QUANT_SCALE_BYTES
-
-
-def shadow_weight_bytes(tensors: Iterable[TensorSize], shadow_dtype: str) -> int:
-    """The shadow's whole model in ``shadow_dtype``, in bytes."""
-    if shadow_dtype not in SHADOW_DTYPES:
-        raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
-    total = 0
-    fused: dict[tuple[int, int], int] = {}  # nf4: (layer, expert) -> elements of w1 + w3
-    for tensor in tensors:
-        key = parse_expert_key(tensor.name)
-        if shadow_dtype == "nf4" and key is not None and key.proj in ("w1", "w3"):
-            fused[(key.layer, key.expert)] = fused.get((key.layer, key.expert), 0) + tensor.numel
-        else:
-            total += shadow_tensor_bytes(tensor, shadow_dtype)
-    return total + sum(_nf4_bytes(n) for n in fused.values())
+# --- KV caches ------------------------------------------------------------------------------
 
 
 def kv_cache_bytes(sizes: ModelSizes, element_bytes: int, context_tokens: int, sequences: int = 1) -> int:
@@ -514,7 +372,7 @@ def plan_memory(
     )
     shadow_weights = shadow_weight_bytes(tensors, shadow_dtype)
     shadow_states = shadow_max_states(max_batch)
-    shadow_kv = kv_cache_bytes(sizes, _CAST_BYTES.get(shadow_dtype, element), context_tokens, shadow_states)
+    shadow_kv = kv_cache_bytes(sizes, CAST_BYTES.get(shadow_dtype, element), context_tokens, shadow_states)
     # The shadow moves each tensor to its device as it reads it: on a GPU box its RAM holds a
     # tensor or two in flight (an expert's w1 waits for its w3), on a CPU the whole model too.
     in_flight = 2 * max(t.nbytes for t in tensors)
@@ -523,7 +381,7 @@ def plan_memory(
         host_bytes=in_flight + RUNTIME_OVERHEAD_BYTES,
         gpu_bytes=shadow_weights + shadow_kv + CUDA_CONTEXT_BYTES,
         # The shard build converts the shadow's shard once unless it is the checkpoint's own dtype.
-        disk_bytes=total if _CAST_BYTES.get(shadow_dtype) == element else shadow_weights,
+        disk_bytes=total if CAST_BYTES.get(shadow_dtype) == element else shadow_weights,
         cpu_bytes=shadow_weights + in_flight + RUNTIME_OVERHEAD_BYTES + shadow_kv,
         kv_sequences=shadow_states,
         kv_tokens=context_tokens,
@@ -617,199 +475,6 @@ def _worker_device_bytes(
         return sum(experts.get((layer, e), 0) for layer, mine in homes.items() for e in mine)
     # lru: a layer's cache only ever holds experts this worker computes (its homes there)
     return sum(min(cache_experts, len(mine)) for mine in homes.values()) * expert_bytes + in_flight
-
-
-# --- the fit check ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Shortfall:
-    """One resource a node lacks for its role."""
-
-    node: str
-    role: str  # main, shadow or worker-N
-    resource: str  # "RAM", "GPU memory" or "disk"
-    purpose: str  # what the bytes are for, e.g. "for its experts"
-    needed_bytes: int
-    available_bytes: int
-
-    @property
-    def short_bytes(self) -> int:
-        return self.needed_bytes - self.available_bytes
-
-    @property
-    def message(self) -> str:
-        role = self.role.replace("-", " ")
-        return (
-            f"node {self.node} ({role}) needs {_gb(self.needed_bytes)} of {self.resource} {self.purpose}, "
-            f"has {_gb(self.available_bytes)}: {_gb(self.short_bytes)} short"
-        )
-
-    def __str__(self) -> str:
-        return self.message
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"short_bytes": self.short_bytes, "message": self.message}
-
-
-def _gb(n: int) -> str:
-    return f"{n / GB:.1f} GB"
-
-
-def best_gpu(inventory: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The GPU with the most memory in an agent inventory (the one a role runs on), or None."""
-    gpus = [g for g in inventory.get("gpus") or [] if isinstance(g, Mapping)]
-    if not gpus:
-        return None
-    return max(enumerate(gpus), key=lambda pair: (_int(pair[1].get("memory_bytes")) or 0, -pair[0]))[1]
-
-
-def gpu_index(inventory: Mapping[str, Any]) -> int | None:
-    """The CUDA index of ``best_gpu`` (its position when the agent did not report one)."""
-    gpu = best_gpu(inventory)
-    return None if gpu is None else _index_of(inventory, gpu)
-
-
-def gpu_indices(inventory: Mapping[str, Any]) -> list[int]:
-    """The CUDA index of every GPU an agent inventory lists, in its order."""
-    gpus = [g for g in inventory.get("gpus") or [] if isinstance(g, Mapping)]
-    return [_index_of(inventory, gpu) for gpu in gpus]
-
-
-def gpu_by_index(inventory: Mapping[str, Any], index: int | None) -> Mapping[str, Any] | None:
-    """The GPU ``cuda:index`` of an inventory (``best_gpu`` for None), or None where there is none such."""
-    if index is None:
-        return best_gpu(inventory)
-    for gpu in (g for g in inventory.get("gpus") or [] if isinstance(g, Mapping)):
-        if _index_of(inventory, gpu) == index:
-            return gpu
-    return None
-
-
-def _index_of(inventory: Mapping[str, Any], gpu: Mapping[str, Any]) -> int:
-    index = _int(gpu.get("index"))
-    return index if index is not None else list(inventory["gpus"]).index(gpu)
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-# What a role's RAM and its device memory hold, as a shortfall says it; "KV cache" becomes
-# ``RoleMemory.kv_text`` (``KV cache for 8 sequences of 4096 tokens``) when the role has one.
-_PURPOSE = {
-    "main": ("for its weights", "for its weights and KV cache"),
-    "shadow": ("to load its model", "for its model and KV cache"),
-    "worker": ("for its experts", "for its resident experts"),
-}
-
-
-def check_fit(
-    need: RoleMemory, inventory: Mapping[str, Any], *, node: str, disk_present_bytes: int = 0
-) -> list[Shortfall]:
-    """What ``node`` (described by its agent ``inventory``) lacks to run the role ``need`` describes.
-
-    A node without a GPU runs its role on the CPU, so the role's ``cpu_bytes`` count against
-    RAM. ``disk_present_bytes`` of the shard already on the node need no new space. A
-    resource the inventory does not report is not checked (an agent reports them all).
-    Where the role has KV caches, the purpose says how many and of how many tokens.
-    """
-    host_purpose, gpu_purpose = _PURPOSE[need.role.split("-")[0]]
-    if need.kv_text:
-        gpu_purpose = gpu_purpose.replace("KV cache", need.kv_text)
-    found: list[Shortfall] = []
-    ram = _int(inventory.get("ram_bytes"))
-    gpu = best_gpu(inventory)
-    if gpu is None:
-        if ram is not None and need.cpu_bytes > ram:
-            # On the CPU the role's RAM holds what its GPU would have: its KV caches too.
-            cpu_purpose = gpu_purpose if need.kv_text else host_purpose
-            found.append(
-                Shortfall(
-                    node, need.role, "RAM", f"{cpu_purpose} (no GPU: it computes on the CPU)", need.cpu_bytes, ram
-                )
-            )
-    else:
-        if ram is not None and need.host_bytes > ram:
-            found.append(Shortfall(node, need.role, "RAM", host_purpose, need.host_bytes, ram))
-        memory = _int(gpu.get("memory_bytes"))
-        if memory is not None and need.gpu_bytes > memory:
-            found.append(Shortfall(node, need.role, "GPU memory", gpu_purpose, need.gpu_bytes, memory))
-    free = _int(inventory.get("disk_free_bytes"))
-    disk = max(0, need.disk_bytes - max(0, disk_present_bytes))
-    if free is not None and disk > free:
-        found.append(Shortfall(node, need.role, "disk", "for its shard", disk, free))
-    return found
-
-
-@dataclass(frozen=True)
-class Placed:
-    """Where a role of a role map runs: a node (its name and agent inventory) and, on a node with
-    several GPUs, the index of its GPU (None: the node's largest GPU, or its CPU)."""
-
-    node: str
-    inventory: Mapping[str, Any]
-    gpu: int | None = None
-
-    @property
-    def view(self) -> Mapping[str, Any]:
-        """The inventory as this seat sees it (what ``check_fit`` reads): only the GPU the role runs on."""
-        if self.gpu is None:
-            return self.inventory
-        gpu = gpu_by_index(self.inventory, self.gpu)
-        return {**self.inventory, "gpus": [gpu] if gpu is not None else []}
-
-
-def check_plan_fit(
-    plan: MemoryPlan, seats: Mapping[str, Placed], *, present: Mapping[str, int] | None = None
-) -> list[Shortfall]:
-    """Every shortfall of a role map: ``seats`` maps each role (main, shadow, worker-N) to where it runs.
-
-    Roles that share a node share its RAM and disk, and roles that share a GPU its memory: the
-    needs of every role on a node (on a GPU) are added up, and a shortfall names them all.
-    ``present`` maps a role to the bytes of its shard already on its node.
-    """
-    present = present or {}
-    by_node: dict[str, list[str]] = {}
-    for role, placed in seats.items():
-        by_node.setdefault(placed.node, []).append(role)
-    found: list[Shortfall] = []
-    for node, roles in by_node.items():
-        if len(roles) == 1:
-            (role,) = roles
-            placed = seats[role]
-            found += check_fit(plan.role(role), placed.view, node=node, disk_present_bytes=present.get(role, 0))
-            continue
-        found += _shared_node_fit(plan, node, {role: seats[role] for role in roles}, present)
-    return found
-
-
-def _shared_node_fit(
-    plan: MemoryPlan, node: str, seats: Mapping[str, Placed], present: Mapping[str, int]
-) -> list[Shortfall]:
-    """Shortfalls of several roles on one node: RAM and disk summed, GPU memory summed per GPU."""
-    inventory = next(iter(seats.values())).inventory
-    label = " + ".join(seats)
-    found: list[Shortfall] = []
-    ram, free = _int(inventory.get("ram_bytes")), _int(inventory.get("disk_free_bytes"))
-    host = 0
-    per_gpu: dict[int | None, list[str]] = {}
-    for role, placed in seats.items():
-        gpu = gpu_by_index(inventory, placed.gpu)
-        host += plan.role(role).host_bytes if gpu is not None else plan.role(role).cpu_bytes
-        if gpu is not None:
-            per_gpu.setdefault(_index_of(inventory, gpu), []).append(role)
-    if ram is not None and host > ram:
-        found.append(Shortfall(node, label, "RAM", "for the roles it runs", host, ram))
-    for index, roles in per_gpu.items():
-        memory = _int(gpu_by_index(inventory, index).get("memory_bytes"))  # type: ignore[union-attr]
-        need = sum(plan.role(role).gpu_bytes for role in roles)
-        if memory is not None and need > memory:
-            found.append(Shortfall(node, " + ".join(roles), "GPU memory", f"on cuda:{index}", need, memory))
-    disk = sum(max(0, plan.role(role).disk_bytes - max(0, present.get(role, 0))) for role in seats)
-    if free is not None and disk > free:
-        found.append(Shortfall(node, label, "disk", "for their shards", disk, free))
-    return found
 
 
 # --- the table -------------------------------------------------------------------------------

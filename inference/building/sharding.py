@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inference.building.memory import checkpoint_tensors, shadow_weight_bytes
+from inference.building.tensor_sizes import checkpoint_tensors, shadow_weight_bytes
 from inference.constants import EXPERT_CODECS, MAIN_EXTRAS, SHADOW_DTYPES
 from inference.modelio.checkpoint import (
     CONFIG_FILE,

@@ -30,7 +30,7 @@ from controlplane.nodes.models import Node, NodeStatus, NodeTask
 from controlplane.nodes.services import send_command
 from controlplane.queueing import queue_task
 from controlplane.storable import storable_json, storable_text
-from inference.building.memory import gpu_index
+from inference.building.fit import gpu_index
 from inference.policies.alignment import validate_periods
 from inference.runtime.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
 from inference.settings import DeploymentSettings

@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from inference.building.memory import MemoryPlan, Placed, Shortfall, check_fit, check_plan_fit, gpu_indices
+from inference.building.fit import Placed, Shortfall, check_fit, check_plan_fit, gpu_indices
+from inference.building.memory import MemoryPlan
 from inference.policies.placement import placement
 from inference.policies.strategies import predictor_for
 
@@ -97,7 +98,7 @@ def seat_inventory(inventories: Mapping[str, Mapping], text: str) -> Mapping:
 
 
 def placed(inventories: Mapping[str, Mapping], roles: RoleMap, names: Mapping[str, str] | None = None) -> dict:
-    """Role name -> ``inference.building.memory.Placed`` for the fit check of a whole map."""
+    """Role name -> ``inference.building.fit.Placed`` for the fit check of a whole map."""
     out = {}
     for role, text in roles.seats().items():
         node, gpu = parse_seat(text)

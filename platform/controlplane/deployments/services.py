@@ -18,10 +18,10 @@ queues a user's requests past its batch up to it, ``inference.runtime.batching.a
 below ``max_batch`` + main's queue (``max_waiting``), so one user leaves others room.
 
 A deployment's ``expert_codec`` is how its workers' shards store the experts. Its fit check
-counts a worker's experts as that shard set stores them (``inference.building.memory.with_stored_experts``)
+counts a worker's experts as that shard set stores them (``inference.building.tensor_sizes.with_stored_experts``)
 once the set is built (by an earlier start, or another deployment of the model with the same
 workers and codec); before then at the most the code can make of them whatever the weights
-(``inference.building.memory.with_coded_bound``: each tensor's raw rest plus its exponent plane's
+(``inference.building.tensor_sizes.with_coded_bound``: each tensor's raw rest plus its exponent plane's
 zstandard frame at zstd's compress bound, a little over the raw size), with the decoded experts a
 coded worker holds in flight in its RAM either way.
 
@@ -41,14 +41,8 @@ from controlplane.artifacts.services import ModelError, built_set, check_registe
 from controlplane.nodes.inventory import doctor_problems
 from controlplane.nodes.models import Node, NodeStatus
 from inference import sim
-from inference.building.memory import (
-    MemoryPlan,
-    Placed,
-    check_plan_fit,
-    kv_text,
-    memory_from_checkpoint,
-    memory_from_config,
-)
+from inference.building.fit import Placed, check_plan_fit
+from inference.building.memory import MemoryPlan, kv_text, memory_from_checkpoint, memory_from_config
 from inference.modelio.checkpoint import Checkpoint, CheckpointError
 from inference.modelio.shards import shadow_dtypes_to_build
 from inference.policies.alignment import validate_periods
