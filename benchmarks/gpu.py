@@ -87,11 +87,12 @@ from benchmarks.workload import prompt_of
 from inference.building.sharding import build_shards
 from inference.constants import MAX_DRAFT_TOKENS, SHADOW_DTYPES
 from inference.policies.strategies import STRATEGIES, get_strategy
+from inference.runtime.disk_store import DiskStore
 from inference.runtime.experts import activation, expert_forward, fuse_expert
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.loader import ExpertLoader
 from inference.runtime.spec import DeploymentSettings
-from inference.runtime.store import DiskStore, HostMemoryStore
+from inference.runtime.store import HostMemoryStore
 from inference.tools.reference import reference_generate
 from inference.tools.tiny import make_tiny
 

@@ -374,7 +374,7 @@ def measure_decode(model_dir: Path, *, repeats: int = 20) -> dict:
     from inference.modelio.checkpoint import Checkpoint, expert_key_name
     from inference.modelio.expert_codec import PALETTE_CODE, encode
     from inference.modelio.shards import StoredTensor
-    from inference.runtime.store import CodedExpert
+    from inference.runtime.coded_expert import CodedExpert
 
     checkpoint = Checkpoint(model_dir)
     tensors = [checkpoint.tensor(expert_key_name(0, 0, proj)) for proj in ("w1", "w3", "w2")]

@@ -11,7 +11,7 @@ OWN_SHADOW_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # Where a worker keeps the experts it owns: "ram" reads its shard into host memory at start,
-# "disk" reads each expert from the shard files when it is loaded (inference/runtime/store.py), "hot"
+# "disk" reads each expert from the shard files when it is loaded (inference/runtime/disk_store.py), "hot"
 # reads them from disk too but keeps the last ``hot_experts`` in RAM, predicted ones pinned
 # until used (inference/policies/hotset.py).
 EXPERT_STORES = ("ram", "disk", "hot")

@@ -29,9 +29,10 @@ from inference.modelio.shards import (
     read_manifest,
     stored_tensors,
 )
+from inference.runtime.disk_store import DiskStore
 from inference.runtime.loader import ExpertLoader
 from inference.runtime.staging import StagingRing
-from inference.runtime.store import DiskStore, HostMemoryStore, open_store
+from inference.runtime.store import HostMemoryStore, open_store
 from inference.settings import DEFAULTS, SpecError, validate_settings
 from inference.tools.tiny import make_tiny
 

@@ -17,6 +17,7 @@ from inference.building.sharding import build_shards
 from inference.constants import PREROUTER_FILE
 from inference.policies.hotset import hot_set_victims
 from inference.policies.strategies import get_strategy, needed_files, predictor_for
+from inference.runtime.disk_store import DiskStore, HotSetStore
 from inference.runtime.launcher import ClusterError, ClusterOptions, LocalCluster
 from inference.runtime.prerouter import (
     LoraLinear,
@@ -31,7 +32,6 @@ from inference.runtime.prerouter import (
     save_prerouter,
 )
 from inference.runtime.spec import DeploymentSettings, SpecError, validate_settings
-from inference.runtime.store import DiskStore, HotSetStore
 from inference.tools.tiny import make_tiny
 from inference.tools.train_prerouter import PrerouterRecipe, train_prerouter
 from inference.wire.generation import Done

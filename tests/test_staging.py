@@ -11,11 +11,12 @@ import torch
 
 from inference.building.sharding import build_shards
 from inference.modelio.shards import ShardSet
+from inference.runtime.disk_store import DiskStore, HotSetStore
 from inference.runtime.experts import ExpertWeights
 from inference.runtime.loader import ExpertLoader
 from inference.runtime.spec import DeploymentSettings, SpecError, validate_settings
 from inference.runtime.staging import StagingRing, expert_views
-from inference.runtime.store import DiskStore, HostMemoryStore, HotSetStore
+from inference.runtime.store import HostMemoryStore
 from inference.tools.tiny import make_tiny
 from tests.test_store import reference_experts, same_bits
 

@@ -14,11 +14,12 @@ from safetensors.torch import load_file
 from inference.building.sharding import build_shards
 from inference.modelio.checkpoint import expert_key_name, parse_expert_key
 from inference.modelio.shards import ShardError, ShardSet, role_experts, verify_shard
+from inference.runtime.disk_store import DiskStore
 from inference.runtime.experts import ExpertWeights, fuse_expert
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.loader import ExpertLoader
 from inference.runtime.spec import DeploymentSettings, SpecError, validate_settings
-from inference.runtime.store import DiskStore, HostMemoryStore, open_store
+from inference.runtime.store import HostMemoryStore, open_store
 from inference.sim.hardware import get_profile, with_host_to_device
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.tools.emulation import emulation_for, real_times

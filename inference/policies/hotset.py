@@ -1,6 +1,6 @@
 """The eviction rule of a hot set of experts in host memory over a worker's disk store (Edge0's SSD streaming).
 
-``inference.runtime.store.HotSetStore`` keeps at most ``capacity`` experts read from a ``DiskStore`` in RAM, least
+``inference.runtime.disk_store.HotSetStore`` keeps at most ``capacity`` experts read from a ``DiskStore`` in RAM, least
 recently used out first, and gives predicted experts a *pin bonus*: an expert named by a
 prediction (``pin``) stays until it has been used (``unpin``), and is pushed out only when
 every expert held is pinned. An expert in the hot set is served without a disk read; any

@@ -55,9 +55,10 @@ import torch
 from inference.policies.hybrid import CopyState, HostRates, expert_flops
 from inference.policies.loads import Key, pick_victim, take_batch
 from inference.runtime.cache import DeviceCache
+from inference.runtime.coded_expert import CodedExpert
 from inference.runtime.experts import ExpertWeights, expert_forward
 from inference.runtime.staging import StagingRing
-from inference.runtime.store import CodedExpert, ExpertStore
+from inference.runtime.store import ExpertStore
 
 
 @dataclass

@@ -28,8 +28,8 @@ from typing import Protocol
 
 import torch
 
+from inference.runtime.coded_expert import page_lock
 from inference.runtime.experts import ExpertWeights
-from inference.runtime.store import page_lock
 
 
 class _Event(Protocol):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from inference.runtime.disk_store import HotSetStore
 from inference.runtime.loader import LoaderStats
-from inference.runtime.store import HotSetStore
 from inference.wire.runtime import WorkerStats
 
 
