@@ -67,9 +67,7 @@ def test_a_process_that_never_imported_a_tasks_module_queues_by_name() -> None:
         "queue_task('controlplane.deployments.tasks.push_deployment_task', 7, 2)\n"
         "assert sent == [('controlplane.deployments.tasks.push_deployment_task', (7, 2))], sent\n"
     )
-    env = python_env(DJANGO_SETTINGS_MODULE="controlplane.config.settings.test")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    in_a_fresh_process(code)
 
 
 def test_threads_queueing_at_once_in_a_fresh_process_each_find_their_task() -> None:
@@ -99,6 +97,12 @@ def test_threads_queueing_at_once_in_a_fresh_process_each_find_their_task() -> N
         "[t.join() for t in threads]\n"
         "assert not errors and len(sent) == 8, errors\n"
     )
+    in_a_fresh_process(code)
+
+
+def in_a_fresh_process(code: str) -> None:
+    """Run ``code`` in a new Python process under the test settings (no tasks module imported yet):
+    it passes when it exits 0."""
     env = python_env(DJANGO_SETTINGS_MODULE="controlplane.config.settings.test")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
