@@ -42,7 +42,8 @@ def test_greedy_output_is_token_identical_to_transformers(model_name: str, worke
         # Where each decode layer's round trip went: parts that add up to it, none negative, and a
         # worker that had the request for part of main's wait (every layer has experts to compute).
         # (In one layer the hops can read 0: main, preempted between its send and its clock, finds
-        # the answer waiting; over the run they cannot.)
+        # the answer waiting; over the run they cannot, so their mean is above 0. On a busy machine
+        # most layers can read 0, and their median with them: CI's run at 00abf5f did.)
         for layer in (layer for s in decode_steps for layer in s["layers"]):
             parts = layer["breakdown_ms"]
             assert sum(parts.values()) == pytest.approx(layer["dispatch_ms"], abs=0.01)
@@ -52,7 +53,7 @@ def test_greedy_output_is_token_identical_to_transformers(model_name: str, worke
             hops = layer["hops_split_ms"]
             assert sum(hops.values()) == pytest.approx(parts["hops"], abs=0.002)
             assert min(hops.values()) >= 0
-        assert metrics["decode_layer_breakdown_ms_median"]["hops"] > 0
+        assert metrics["decode_layer_breakdown_ms_mean"]["hops"] > 0
         assert metrics["decode_hops_split_ms_median"]["receiving"] > 0
         assert metrics["decode_main_between_layers_ms_median"] > 0
 
