@@ -58,3 +58,11 @@ def test_what_a_response_keeps_is_what_its_conversation_was_read_from() -> None:
     with pytest.raises(InputError) as refused:
         normalized([{"type": "function_call", "call_id": "c1", "name": {"deep": 1}, "arguments": "{}"}])
     assert refused.value.param == "input[0].name"
+
+
+def test_a_generated_nul_is_kept_as_the_replacement_character() -> None:
+    """PostgreSQL's jsonb refuses ``\\u0000``: a sampled answer holding byte 0 failed its response
+    with a 500 in CI (``/v1/responses``, temperature 1). It is kept as U+FFFD, as job outputs are."""
+    alice = get_user_model().objects.create_user("alice")
+    responses_store.keep(alice.pk, "resp_nul", [{"role": "assistant", "content": "a\x00b"}])
+    assert responses_store.earlier_items(alice.pk, "resp_nul") == [{"role": "assistant", "content": "a\ufffdb"}]

@@ -15,6 +15,8 @@ from datetime import timedelta
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.storable import storable_json
+
 from .models import StoredResponse
 
 MAX_PER_USER = 100
@@ -34,6 +36,9 @@ def keep(user_id: int, response_id: str, items: list[dict]) -> None:
     """Store a response's conversation for its user, dropping what expired and what is past the bound."""
     now = timezone.now()
     with transaction.atomic():
+        # A sampled answer may hold a NUL (a byte-level tokenizer has a token for byte 0), which
+        # PostgreSQL's jsonb refuses: kept as U+FFFD, as every generated text is (``storable``).
+        items = storable_json(items)
         StoredResponse.objects.create(response_id=response_id, owner_id=user_id, items=items, expires_at=now + KEEP_FOR)
         StoredResponse.objects.filter(expires_at__lte=now).delete()  # anyone's: expired is gone
         mine = StoredResponse.objects.filter(owner_id=user_id)
