@@ -10,6 +10,7 @@ together by ``validate_settings`` once parsed, as a spec file's are.
 from __future__ import annotations
 
 import argparse
+import typing
 from collections.abc import Iterable
 
 from inference.settings import info
@@ -40,8 +41,9 @@ def add_setting_flags(parser: argparse.ArgumentParser, names: Iterable[str]) -> 
             options["choices"] = (*item.choices, "") if item.blank else item.choices
         elif item.type in (int, float):
             options["type"] = item.type
-        elif item.nullable:
-            options["type"] = float
+        elif item.nullable:  # ``float | None``: the option parses as the arm that is not None
+            (arm,) = (t for t in typing.get_args(item.type) if t is not type(None))
+            options["type"] = arm
         parser.add_argument(*flags, **options)
 
 
