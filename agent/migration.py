@@ -8,7 +8,10 @@ comes back, the agent asks the restarted main to go on, as the deployment's ``re
 
 - ``prefill`` (the default): the same request, its prompt followed by the tokens already sent
   (re-read in one prefill, as Transformers continuing from those tokens computes them), the rest of
-  its budget, the same seed. Its events are renumbered after the tokens already sent and its result
+  its budget, the same seed. It says how many of its prompt's tokens are the answer's own
+  (``Generate.answered``): main walks the request's grammar through them before the first new
+  token, and OpenAI's frequency and presence penalties count them as generated, as they would have
+  in the undisturbed answer. Its events are renumbered after the tokens already sent and its result
   holds every token.
 - ``exact``: the same request again, from its start. Main computes the same tokens (each sequence's
   arithmetic is its own, whatever the batch: ``batch_arithmetic`` exact; the same prefill pieces, the
@@ -22,11 +25,9 @@ main first sees it (``seeded``): a random seed is what main would have drawn, an
 to know it.
 
 What is not carried (today's retryable error instead, saying why): past the deployment's
-``max_migrations`` restarts for one answer or its ``max_replay_tokens`` tokens to re-read; and,
-under ``prefill``, an answer under a grammar (the restarted main would first have to walk the
-grammar through the tokens sent) or with OpenAI's frequency or presence penalty (they count the
-tokens generated, which a continuation reads as prompt). An exact replay that computes another
-token than the one sent ends the answer with the same error (``ReplayDiverged``).
+``max_migrations`` restarts for one answer or its ``max_replay_tokens`` tokens to re-read. An exact
+replay that computes another token than the one sent ends the answer with the same error
+(``ReplayDiverged``).
 """
 
 from __future__ import annotations
@@ -131,17 +132,11 @@ class Carried:
         if self.mode == EXACT:
             self._pause()
             return request  # again from its start: the tokens sent are computed again, checked and dropped
-        if request.grammar:
-            return "main's process exited mid-answer, and an answer under a grammar is not carried across a restart"
-        if request.frequency_penalty or request.presence_penalty:
-            return (
-                "main's process exited mid-answer, and an answer with a frequency or presence penalty is not "
-                "carried across a restart"
-            )
         self._pause()
         return msgspec.structs.replace(
             request,
             prompt_ids=[*request.prompt_ids, *sent],
+            answered=len(sent),  # the grammar walks them, the penalties count them
             max_new_tokens=request.max_new_tokens - len(sent),
             prompt_logprobs=request.prompt_logprobs and not sent,  # the caller had them with the first token
         )

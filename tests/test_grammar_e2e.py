@@ -51,10 +51,17 @@ class _Requests:
         self.answers: list[Done | Failed] = []
         self.tokens: dict[str, int] = {}
 
-    def send(self, user: str, *, grammar: str = "", max_new_tokens: int = 8) -> str:
+    def send(
+        self, user: str, *, grammar: str = "", max_new_tokens: int = 8, prompt: list[int] = PROMPT, answered: int = 0
+    ) -> str:
         request_id = f"{user}-{uuid.uuid4().hex[:6]}"
         generate = Generate(
-            request_id=request_id, prompt_ids=PROMPT, max_new_tokens=max_new_tokens, user=user, grammar=grammar
+            request_id=request_id,
+            prompt_ids=prompt,
+            max_new_tokens=max_new_tokens,
+            user=user,
+            grammar=grammar,
+            answered=answered,
         )
         self.client.endpoint.send("main", generate)
         return request_id
@@ -133,3 +140,33 @@ def test_a_request_cancelled_while_its_grammar_compiles_is_answered_at_once(requ
     first, second = requests.send("bob"), requests.send("bob")
     requests.wait(requests.answered(first, second))
     assert all(isinstance(requests.answer(r), Done) for r in (first, second))
+
+
+def test_a_continuation_walks_its_grammar_through_the_answer_it_re_reads(requests: _Requests) -> None:
+    """Main's restart cut an answer under a grammar after ``cut`` tokens; its continuation
+    (``agent.migration``) re-reads them as prompt and says so (``Generate.answered``): main's
+    grammar walks them first, so the rest is the undisturbed answer's. A request that did not say
+    so would begin a new document there."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+    new, cut = 12, 5
+    undisturbed = requests.send("alice", grammar=grammar, max_new_tokens=new)
+    requests.wait(requests.answered(undisturbed))
+    whole = requests.answer(undisturbed)
+    assert isinstance(whole, Done) and len(whole.token_ids) == new, whole
+    continued = {
+        answered: requests.send(
+            "alice", grammar=grammar, max_new_tokens=new - cut, prompt=PROMPT + whole.token_ids[:cut], answered=answered
+        )
+        for answered in (cut, 0)
+    }
+    requests.wait(requests.answered(*continued.values()))
+    walked, fresh = (requests.answer(continued[answered]) for answered in (cut, 0))
+    assert isinstance(walked, Done) and walked.token_ids == whole.token_ids[cut:], (walked, whole)
+    assert isinstance(fresh, Done) and fresh.token_ids != whole.token_ids[cut:]
+    # Tokens the grammar refuses (the answer's last, where its document began): refused, saying so.
+    refused = requests.send("alice", grammar=grammar, prompt=PROMPT + whole.token_ids[cut:], answered=new - cut)
+    requests.wait(requests.answered(refused))
+    failed = requests.answer(refused)
+    assert isinstance(failed, Failed)
+    assert "the grammar refuses the answer's tokens from before its restart" in failed.error

@@ -143,6 +143,27 @@ def test_knobs_with_drafts_keep_every_token(model) -> None:
     assert drafted == plain
 
 
+def test_a_continuation_counts_the_answer_it_re_reads_in_openai_s_penalties(model) -> None:
+    """Main's restart cut each answer after ``CUT`` tokens; its continuation (``agent.migration``)
+    re-reads them as prompt and says so (``Generate.answered``): the penalties count them as
+    generated, so the rest is the undisturbed answer's. Without ``answered`` they would count
+    none of them, and this model would answer otherwise."""
+    knobs, cut = {"frequency_penalty": 1.5, "presence_penalty": 0.5}, 4
+    whole = _served(model, knobs, seeded=False)
+
+    def continued(answered: bool) -> dict[str, list[int]]:
+        requests = [
+            {"id": f"r{i}", "prompt": prompt + whole[f"r{i}"][:cut], "max_new_tokens": NEW - cut, **knobs}
+            | ({"answered": cut} if answered else {})
+            for i, prompt in enumerate(PROMPTS)
+        ]
+        ends, _ = run_engine(model, requests, max_batch=3, prefix_cache=False)
+        return {request_id: end.token_ids for request_id, end in ends.items()}
+
+    assert continued(answered=True) == {request_id: tokens[cut:] for request_id, tokens in whole.items()}
+    assert continued(answered=False) != {request_id: tokens[cut:] for request_id, tokens in whole.items()}
+
+
 @pytest.mark.parametrize(
     ("knobs", "named"),
     [
@@ -160,6 +181,8 @@ def test_knobs_with_drafts_keep_every_token(model) -> None:
         ({"logit_bias": [(3, float("nan"))]}, "logit_bias"),
         ({"logit_bias": [(3, 1.0), (3, 2.0)]}, "logit_bias names a token more than once"),
         ({"logit_bias": [(i, 1.0) for i in range(301)]}, "at most 300"),
+        ({"answered": 2}, "answered must be from 0 to 1"),  # a continuation re-reads its answer after a prompt
+        ({"answered": -1}, "answered must be from 0 to 1"),
     ],
 )
 def test_a_knob_out_of_bounds_is_refused_naming_it(knobs: dict, named: str) -> None:

@@ -87,6 +87,12 @@ class Generate(Message, kw_only=True, tag="generate"):
     allows the end of the sequence only where it is complete. One that does not compile for
     the model's tokenizer is refused (``Failed``).
 
+    ``answered``: a continuation of an answer main's restart cut (``agent.migration``, under
+    ``replay: prefill``): the last ``answered`` of ``prompt_ids`` are the answer's own tokens, sent
+    before main's process exited and re-read now as prompt. The grammar walks them before the first
+    new token, and OpenAI's frequency and presence penalties count them as generated, as the
+    undisturbed answer would have; 0 (any other request) for none.
+
     ``step_reports``: each ``Token`` carries its step's report (``Token.step``). Only the
     console's live view reads them past the agent, so the control plane asks for them only
     while a console watches: a report is most of a token's bytes on every hop.
@@ -117,6 +123,7 @@ class Generate(Message, kw_only=True, tag="generate"):
     top_logprobs: int = 0
     prompt_logprobs: bool = False
     grammar: str = ""
+    answered: int = 0
     step_reports: bool = True
 
 

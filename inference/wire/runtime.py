@@ -103,11 +103,12 @@ class SequenceLeave(Message, kw_only=True, tag="sequence_leave"):
 
 class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
     """The shadow starts emulating a request: it prefills the prompt on its own, reusing only its
-    tenant's prefix-cache blocks (``user`` and ``prefix_namespace``: the ``Generate``'s). The
-    request's sampling (its parameters and knobs, the ``Generate``'s) and the seed main's generator
-    drew from (the request's, or the one main drew for a request without one) let the shadow guess
-    each token with the draw main makes there; ``grammar`` (the ``Generate``'s, "" for none) lets it
-    guess only tokens the grammar allows."""
+        tenant's prefix-cache blocks (``user`` and ``prefix_namespace``: the ``Generate``'s). The
+        request's sampling (its parameters and knobs, the ``Generate``'s) and the seed main's generator
+        drew from (the request's, or the one main drew for a request without one) let the shadow guess
+        each token with the draw main makes there; ``grammar`` (the ``Generate``'s, "" for none) lets it
+        guess only tokens the grammar allows; ``answered`` (the ``Generate``'s) says how many of the prompt's
+    last tokens are the answer's own, sent before main's restart."""
 
     TENSORS: ClassVar[tuple[str, ...]] = ("prompt_ids",)
     request_id: str
@@ -128,6 +129,7 @@ class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
     presence_penalty: float = 0.0
     logit_bias: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = []
     grammar: str = ""
+    answered: int = 0
 
 
 class Align(Message, kw_only=True, tag="align"):

@@ -360,7 +360,9 @@ class Engine:
             seed=msg.seed,
             device=device,
             **knobs_of(msg),
-            # Its own copy of its compiled grammar (compiled off main's loop before it queued).
+            answered=msg.answered,
+            # Its own copy of its compiled grammar (compiled off main's loop before it queued), past
+            # the tokens a continuation re-reads (``main.take_matcher``).
             constraint=Constraint(queued.matcher, model.config.vocab_size) if queued.matcher is not None else None,
         )
         tokens = torch.tensor([msg.prompt_ids], dtype=torch.long, device=device)
@@ -502,6 +504,7 @@ def shadow_begin(msg: Generate, generator: torch.Generator | None, token_period:
         top_p=msg.top_p,
         seed=generator.initial_seed() if generator is not None else None,
         grammar=msg.grammar,
+        answered=msg.answered,
         **knobs_of(msg),
     )
 

@@ -49,6 +49,15 @@ def grammar_tokenizer(model_dir: str, vocab: int, eos: tuple[int, ...]) -> llgui
     return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab, eos_token=list(eos) or None)
 
 
+def walked(matcher: llguidance.LLMatcher, tokens: list[int]) -> llguidance.LLMatcher:
+    """``matcher`` past ``tokens``: an answer's tokens sent before main's restart, which its
+    continuation re-reads as prompt (``Generate.answered``), so the grammar stands where the
+    undisturbed answer's did at its next token. ``GrammarError`` if the grammar refuses them."""
+    if tokens and not matcher.consume_tokens(tokens):
+        raise GrammarError(f"the grammar refuses the answer's tokens from before its restart: {_why(matcher)}")
+    return matcher
+
+
 class Constraint:
     """One sequence's grammar: which tokens may come next, and the matcher that follows its tokens."""
 
@@ -62,23 +71,19 @@ class Constraint:
         where the grammar is complete)."""
         bias = self.matcher.compute_logit_bias()  # [V] bytes: nonzero where allowed
         if self.matcher.is_error():  # a step limit met computing this mask, or an earlier error
-            raise GrammarError(f"the grammar stopped the generation: {self._why()}")
+            raise GrammarError(f"the grammar stopped the generation: {_why(self.matcher)}")
         mask = torch.frombuffer(bytearray(bias), dtype=torch.uint8)[: self.vocab] != 0  # [V]
         return mask.to(device)
 
     def advance(self, token: int) -> None:
         """The sequence took ``token``: the matcher follows (it must be one ``allowed`` allowed)."""
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"the grammar refused token {token}: {self._why()}")
+            raise GrammarError(f"the grammar refused token {token}: {_why(self.matcher)}")
 
     @property
     def complete(self) -> bool:
         """Whether the tokens so far make a whole document."""
         return self.matcher.is_accepting()
-
-    def _why(self) -> str:
-        error = self.matcher.get_error()
-        return over_limit(error) or error
 
 
 class Guessing:
@@ -112,3 +117,9 @@ class Guessing:
         except GrammarError:
             self.constraint, self.taken = Constraint(self.start.deep_copy(), self.vocab), []
             return None
+
+
+def _why(matcher: llguidance.LLMatcher) -> str:
+    """Why ``matcher`` stopped: the grammar limit it met, in the limits' words, or llguidance's own."""
+    error = matcher.get_error()
+    return over_limit(error) or error

@@ -167,9 +167,12 @@ def sampler_for(
     frequency_penalty: float = 0.0,
     presence_penalty: float = 0.0,
     logit_bias: Sequence[tuple[int, float]] = (),
+    answered: int = 0,
 ) -> Sampler:
     """The sampler ``generate`` would use for a request with these parameters and knobs (under
-    ``constraint``'s grammar, if given)."""
+    ``constraint``'s grammar, if given). ``answered``: the last of the prompt's ``prompt_len`` tokens
+    that are the answer's own (a continuation after main's restart, ``Generate.answered``), which
+    OpenAI's penalties count as generated."""
     parameters: dict[str, object] = {"do_sample": do_sample, "max_new_tokens": max_new_tokens}
     if do_sample:
         parameters.update(temperature=temperature, top_p=top_p)
@@ -180,7 +183,7 @@ def sampler_for(
     model._prepare_special_tokens(config, True, device=device)
     own = LogitsProcessorList()
     if frequency_penalty or presence_penalty or logit_bias:
-        own.append(OpenAIPenalties(prompt_len, frequency_penalty, presence_penalty, logit_bias))
+        own.append(OpenAIPenalties(prompt_len - answered, frequency_penalty, presence_penalty, logit_bias))
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=prompt_len,

@@ -71,6 +71,7 @@ class RequestFields(Knobbed, Protocol):
     temperature: float
     top_p: float
     top_logprobs: int
+    answered: int
 
 
 def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:
@@ -82,6 +83,8 @@ def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:
         return f"prompt token ids must be in [0, {vocab})"
     if msg.max_new_tokens < 1:
         return "max_new_tokens must be >= 1"
+    if not 0 <= msg.answered < len(msg.prompt_ids):  # a continuation re-reads its answer after a prompt
+        return f"answered must be from 0 to {len(msg.prompt_ids) - 1} (the prompt's tokens but one), got {msg.answered}"
     if msg.do_sample and not msg.temperature > 0:
         return f"temperature must be > 0 when sampling, got {msg.temperature}"
     if msg.do_sample and not 0 < msg.top_p <= 1:

@@ -36,7 +36,7 @@ from inference.policies.strategies import get_strategy, predictor_for
 from inference.runtime.engine.compiles import Compiles
 from inference.runtime.engine.engine import Engine, cancelled
 from inference.runtime.engine.exchange import Exchange, worker_index
-from inference.runtime.engine.grammar import grammar_tokenizer
+from inference.runtime.engine.grammar import GrammarError, grammar_tokenizer, walked
 from inference.runtime.engine.guesses import Guesses
 from inference.runtime.engine.host import Served
 from inference.runtime.engine.sampling import check_generation_config
@@ -338,7 +338,7 @@ class MainRole:
     def _queue(self, msg: Generate, client: bytes, problem: str) -> None:
         matcher = None
         if not problem and msg.grammar:  # a grammar's matcher is its own copy, taken now
-            matcher, problem = take_matcher(self.compiles, msg.request_id)
+            matcher, problem = take_matcher(self.compiles, msg)
         if problem:
             self.endpoint.reply(client, Failed(request_id=msg.request_id, error=problem))
         else:
@@ -495,10 +495,14 @@ def serve(spec: RoleSpec) -> None:
     MainRole(spec).run()
 
 
-def take_matcher(compiles: Compiles[Generate], request_id: str) -> tuple[object, str]:
-    """A queued request's own matcher of its compiled grammar (``Compiles.take``), or why not."""
+def take_matcher(compiles: Compiles[Generate], msg: Generate) -> tuple[object, str]:
+    """A queued request's own matcher of its compiled grammar (``Compiles.take``), past the answer's
+    tokens a continuation re-reads (``Generate.answered``), or why not."""
     try:
-        return compiles.take(request_id), ""
+        answered = msg.prompt_ids[len(msg.prompt_ids) - msg.answered :]
+        return walked(compiles.take(msg.request_id), answered), ""
+    except GrammarError as exc:
+        return None, str(exc)
     except Exception as exc:
         return None, f"its grammar could not be prepared: {type(exc).__name__}: {exc}"
 

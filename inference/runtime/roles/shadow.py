@@ -41,7 +41,7 @@ from inference.policies import alignment
 from inference.policies.placement import placement_from_dict
 from inference.runtime.batching import LayerCall
 from inference.runtime.engine.compiles import Compiles
-from inference.runtime.engine.grammar import Guessing, grammar_tokenizer
+from inference.runtime.engine.grammar import GrammarError, Guessing, grammar_tokenizer, walked
 from inference.runtime.engine.runner import ModelRunner
 from inference.runtime.engine.sampling import Sampler, end_ids, sampler_for, shapes_greedy
 from inference.runtime.engine.scheduler import Work
@@ -121,6 +121,7 @@ class Emulation:
     sampler: Sampler | None = None
     draws: dict[int, torch.Tensor] = field(default_factory=dict)
     grammar: Guessing | None = None  # its grammar, once compiled here (None: none, or not yet)
+    answered: int = 0  # a continuation's: the prompt's last tokens that are the answer's own (ShadowBegin)
 
 
 class ShadowRole:
@@ -256,6 +257,7 @@ class ShadowRole:
             tokens,
             prefix_root=root,
             sampler=shadow_sampler(self.model, msg, prompt_len, self.device),
+            answered=msg.answered,
         )
         self.states[msg.request_id] = state
         if msg.grammar:
@@ -280,7 +282,13 @@ class ShadowRole:
         if problem:  # main ended it for the same reason: its guesses go without
             log.info("guessing %s without its grammar: %s", state.request_id, problem)
         elif problem == "":
-            state.grammar = Guessing(self.compiles.take(state.request_id), self.model.config.vocab_size)
+            answered = state.tokens[0, state.prompt_len - state.answered : state.prompt_len].tolist()
+            try:
+                matcher = walked(self.compiles.take(state.request_id), answered)
+            except GrammarError as exc:  # main refuses it for the same reason
+                log.info("guessing %s without its grammar: %s", state.request_id, exc)
+                return
+            state.grammar = Guessing(matcher, self.model.config.vocab_size)
 
     def on_align(self, state: Emulation, msg: Align) -> None:
         state.aligns[msg.step] = msg
@@ -538,6 +546,7 @@ def shadow_sampler(model: PreTrainedModel, msg: ShadowBegin, prompt_len: int, de
         seed=msg.seed,
         device=device,
         **knobs_of(msg),
+        answered=msg.answered,
     )
 
 
