@@ -4,7 +4,7 @@ Enroll the agents with a join token through the API, deploy the tiny model on th
 1 shadow, 8 workers), wait until every role reports ready, generate through the control
 plane and get Transformers' tokens; change the alignment periods on the running deployment;
 kill a worker's role process mid-answer and get the same tokens while its agent restarts it;
-kill main's role process mid-answer and get the whole answer once its agent has started it again;
+kill main's role process while 8 answers run and get each whole once its agent has started it again;
 kill a worker's agent and see the node offline and the deployment degraded, then back.
 """
 
@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,7 @@ def live(transactional_db, redis_url: str, channel_layer_on_test_redis, tmp_path
 
 # An answer long enough (about 3 s at the tiny model's 60 tok/s here) that a kill 1 s in lands mid-answer.
 LONG = 200
+STREAMS = 8  # answers in flight when main is killed (main's batch holds 8)
 
 
 def kill_role(runtime_dir: Path, shard: str) -> bool:
@@ -171,35 +173,49 @@ def test_ten_agents_enroll_deploy_generate_align_and_recover(live: LiveControlPl
     again = api.post(f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[4], "max_new_tokens": 8})
     assert again["token_ids"] == reference_generate(tiny_model, PROMPTS[4], 8)
 
-    # Main killed mid-answer: its agent starts it again and carries the answer to it (agent.migration).
-    # The caller sees a pause, then the rest: Transformers' tokens up to the restart, then Transformers'
-    # continuing from them (they are re-read as prompt); and the deployment serves on.
+    # Main killed while 8 answers run, even ones greedy and odd ones seeded: its agent starts it again
+    # and carries each answer to it (agent.migration, replay prefill). Each caller sees a pause, then
+    # the rest of its answer: the tokens before the restart re-read as prompt, the rest of its budget,
+    # the same seed. So a greedy answer is Transformers' tokens up to the restart, then Transformers'
+    # continuing from them; a seeded one goes on as the same request asked afresh with those tokens.
     main_member = next(m for m in ready["members"] if m["role"] == "main")
-    carried: dict = {}
+    path = f"/api/deployments/{deployment}/generate"
 
-    def ask_main() -> None:
+    def asked(i: int, prompt_ids: list[int], max_new_tokens: int) -> dict:
+        seeded = {"do_sample": True, "temperature": 1.0, "seed": 1000 + i} if i % 2 else {}
+        return {"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens, **seeded}
+
+    def ask_main(i: int) -> tuple[int, dict, float]:
         started = time.monotonic()
-        code, body = api.call(
-            "POST", f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[3], "max_new_tokens": LONG}
-        )
-        carried.update(code=code, body=body, seconds=time.monotonic() - started)
+        code, body = api.call("POST", path, asked(i, PROMPTS[i % len(PROMPTS)], LONG))
+        return code, body, time.monotonic() - started
 
-    asking = threading.Thread(target=ask_main)
-    asking.start()
-    time.sleep(1.0)
-    assert kill_role(live.state_root / main_member["node_name"] / "runtime", "main")
-    asking.join(timeout=180)
-    assert carried["code"] == 200, carried
-    tokens, restarts = carried["body"]["token_ids"], carried["body"]["metrics"]["main_restarts"]
-    (resumed_at,) = restarts["resumed_at"]
-    assert restarts["count"] == 1 and 0 < resumed_at < LONG, restarts  # killed mid-answer
-    (paused_ms,) = restarts["paused_ms"]  # from the last token before the kill to the first after
-    assert 0 < paused_ms < carried["seconds"] * 1000, restarts
-    (pause,) = AnswerPause.objects.filter(cause="main_restart")  # the console lists it
-    assert (pause.at_token, pause.paused_ms, pause.detail) == (resumed_at, paused_ms, "replay: prefill")
-    assert len(tokens) == LONG
-    assert tokens[:resumed_at] == reference_generate(tiny_model, PROMPTS[3], resumed_at)
-    assert tokens[resumed_at:] == reference_generate(tiny_model, PROMPTS[3] + tokens[:resumed_at], LONG - resumed_at)
+    with ThreadPoolExecutor(STREAMS) as pool:
+        asking = [pool.submit(ask_main, i) for i in range(STREAMS)]
+        time.sleep(1.0)  # every answer's prefill done, decoding
+        assert kill_role(live.state_root / main_member["node_name"] / "runtime", "main")
+        carried = [answer.result(timeout=180) for answer in asking]
+    pauses = {pause.request_id: pause for pause in AnswerPause.objects.filter(cause="main_restart")}
+    assert len(pauses) == STREAMS  # the console lists each answer's pause
+    wait_status(live, deployment, "ready", timeout_s=120)
+    for i, (code, body, seconds) in enumerate(carried):
+        assert code == 200, (i, body)
+        prompt, tokens, restarts = PROMPTS[i % len(PROMPTS)], body["token_ids"], body["metrics"]["main_restarts"]
+        (resumed_at,) = restarts["resumed_at"]
+        assert restarts["count"] == 1 and 0 < resumed_at < len(tokens), (i, restarts)  # killed mid-answer
+        (paused_ms,) = restarts["paused_ms"]  # from the last token before the kill to the first after
+        assert 0 < paused_ms < seconds * 1000, (i, restarts)
+        pause = pauses[body["request_id"]]
+        assert (pause.at_token, pause.paused_ms, pause.detail) == (resumed_at, paused_ms, "replay: prefill")
+        # Whole: to its budget, or (sampled) to the end of sequence it drew.
+        assert (len(tokens), body["finish_reason"]) in ((LONG, "length"), (len(tokens), "stop")), (i, len(tokens))
+        assert i % 2 or len(tokens) == LONG  # greedy, this model never ends these by itself
+        before, rest = tokens[:resumed_at], tokens[resumed_at:]
+        if i % 2 == 0:
+            assert before == reference_generate(tiny_model, prompt, resumed_at)
+            assert rest == reference_generate(tiny_model, prompt + before, LONG - resumed_at)
+        else:
+            assert rest == api.post(path, asked(i, prompt + before, LONG - resumed_at))["token_ids"], i
     wait_status(live, deployment, "ready", timeout_s=120)
     after = api.post(f"/api/deployments/{deployment}/generate", {"prompt_ids": PROMPTS[0], "max_new_tokens": 8})
     assert after["token_ids"] == reference_generate(tiny_model, PROMPTS[0], 8)
