@@ -42,6 +42,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -177,10 +178,7 @@ async def astream(
             command_message = {"type": "agent.command", "command": command.to_json()}
             await waiting_for_redis(layer.group_send, node_group(node_id), command_message)
             timeout, paused = FIRST_EVENT_TIMEOUT_S, False
-            # What main's link closing cost the answer (its metrics): each pause from the last event
-            # before the link closed to the first new one after, and the tokens sent again.
-            link = {"pauses": 0, "resent_tokens": 0, "paused_at": [], "paused_ms": []}
-            last_at, paused_since = time.monotonic(), None
+            link = _LinkPauses()
             while True:
                 try:
                     async with asyncio.timeout(timeout):
@@ -194,41 +192,21 @@ async def astream(
                     raise ClusterGenerationError(f"no answer from the cluster within {timeout:.0f} s") from None
                 if isinstance(event, LinkPaused):
                     paused = True  # the same wait: its agent sends the rest on its next link
-                    if paused_since is None:  # the link may close again before anything new came: one pause
-                        link["pauses"] += 1
-                        paused_since = last_at
-                        link["paused_at"].append(generated or 0)
+                    link.closed(generated or 0)
                     continue
                 timeout, paused = NEXT_EVENT_TIMEOUT_S, False
                 if isinstance(event, Exception):
                     raise event
                 if isinstance(event, Token) and event.index < (generated or 0):
-                    link["resent_tokens"] += 1
+                    link.resent_tokens += 1
                     continue  # sent again after the link came back: had it
-                if isinstance(event, Token | Done) and (event.index or 0) > (generated or 0):
-                    raise ClusterGenerationError(
-                        f"tokens {generated or 0} to {event.index - 1} of the generation never came", retryable=True
-                    )
-                if isinstance(event, Failed):
-                    if event.too_many_generations:
-                        raise TooManyGenerations(event.error)
-                    if event.busy:
-                        raise ClusterBusy(event.error)
-                    if event.too_large:
-                        raise RequestTooLarge(event.error)
-                    raise ClusterGenerationError(event.error, retryable=event.retryable)
-                if isinstance(event, Done) and event.finish_reason not in FINISH_REASONS:
-                    reason = f"{event.finish_reason!r:.40}"
-                    raise ClusterGenerationError(f"main ended the generation with an unknown finish reason {reason}")
-                last_at = time.monotonic()
-                if paused_since is not None:
-                    link["paused_ms"].append(round((last_at - paused_since) * 1000, 1))
-                    paused_since = None
+                _check_event(event, generated or 0)
+                link.came()
                 if isinstance(event, Done):
                     generated = None
                     await _count(caller, name, len(request.prompt_ids), len(event.token_ids))
-                    if link["pauses"]:
-                        event = msgspec.structs.replace(event, metrics={**event.metrics, "link": link})
+                    if link.pauses:
+                        event = msgspec.structs.replace(event, metrics={**event.metrics, "link": link.metrics()})
                     await pauses.note(deployment_id, request.request_id, event.metrics)
                     yield event
                     return
@@ -240,6 +218,61 @@ async def astream(
                 await _count(caller, name, len(request.prompt_ids), generated)
             with contextlib.suppress(*UNREACHABLE):  # Redis away: the group expires by itself
                 await layer.group_discard(group, channel)
+
+
+@dataclass
+class _LinkPauses:
+    """What main's link closing cost the answer (its ``link`` metrics): its pauses, the tokens sent again."""
+
+    pauses: int = 0
+    resent_tokens: int = 0
+    paused_at: list[int] = field(default_factory=list)  # the tokens generated when each pause began
+    # Each pause in ms, from the last event before the link closed to the first new one after.
+    paused_ms: list[float] = field(default_factory=list)
+    last_at: float = field(default_factory=time.monotonic)  # when the last new event came
+    paused_since: float | None = None  # when the pause under way began (its last event); None: no pause
+
+    def closed(self, generated: int) -> None:
+        """Note the link closing after ``generated`` tokens."""
+        if self.paused_since is None:  # the link may close again before anything new came: one pause
+            self.pauses += 1
+            self.paused_since = self.last_at
+            self.paused_at.append(generated)
+
+    def came(self) -> None:
+        """Note a new event: it ends the pause under way, if any."""
+        self.last_at = time.monotonic()
+        if self.paused_since is not None:
+            self.paused_ms.append(round((self.last_at - self.paused_since) * 1000, 1))
+            self.paused_since = None
+
+    def metrics(self) -> dict[str, Any]:
+        """The answer's ``link`` metrics."""
+        return {
+            "pauses": self.pauses,
+            "resent_tokens": self.resent_tokens,
+            "paused_at": self.paused_at,
+            "paused_ms": self.paused_ms,
+        }
+
+
+def _check_event(event: Token | Done | Failed, generated: int) -> None:
+    """Raise what ``event`` shows went wrong: tokens missed before it, main's failure, an unknown finish reason."""
+    if isinstance(event, Token | Done) and (event.index or 0) > generated:
+        raise ClusterGenerationError(
+            f"tokens {generated} to {event.index - 1} of the generation never came", retryable=True
+        )
+    if isinstance(event, Failed):
+        if event.too_many_generations:
+            raise TooManyGenerations(event.error)
+        if event.busy:
+            raise ClusterBusy(event.error)
+        if event.too_large:
+            raise RequestTooLarge(event.error)
+        raise ClusterGenerationError(event.error, retryable=event.retryable)
+    if isinstance(event, Done) and event.finish_reason not in FINISH_REASONS:
+        reason = f"{event.finish_reason!r:.40}"
+        raise ClusterGenerationError(f"main ended the generation with an unknown finish reason {reason}")
 
 
 async def _from_layer(layer: BaseChannelLayer, channel: str, group: str, inbox: asyncio.Queue) -> None:
