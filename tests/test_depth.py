@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.sim_prediction import predict_from_inputs
-from inference.building.memory import CUDA_CONTEXT_BYTES, memory_from_config
+from inference.building.memory import memory_from_config
+from inference.building.role_memory import CUDA_CONTEXT_BYTES
 from inference.policies.depth import LINK_DEPTH, prefetch_depth, resolve_depth, worker_depth
 from inference.sim.hardware import PROFILES
 from inference.sim.model_sizes import mixtral_8x7b

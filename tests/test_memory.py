@@ -8,16 +8,8 @@ import pytest
 import torch
 
 from inference.building.fit import Placed, check_fit, check_plan_fit, gpu_index
-from inference.building.memory import (
-    CUDA_CONTEXT_BYTES,
-    GB,
-    RUNTIME_OVERHEAD_BYTES,
-    MemoryPlan,
-    RoleMemory,
-    memory_from_checkpoint,
-    memory_from_config,
-    table,
-)
+from inference.building.memory import GB, MemoryPlan, memory_from_checkpoint, memory_from_config, table
+from inference.building.role_memory import CUDA_CONTEXT_BYTES, RUNTIME_OVERHEAD_BYTES, RoleMemory
 from inference.building.sharding import build_shards, keys_for_role
 from inference.constants import SHADOW_STATES_PER_SEQUENCE
 from inference.modelio.checkpoint import Checkpoint, parse_expert_key

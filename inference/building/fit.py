@@ -1,4 +1,4 @@
-"""Whether the nodes can hold a deployment: each role's needs (``memory.RoleMemory``) against its node's
+"""Whether the nodes can hold a deployment: each role's needs (``role_memory.RoleMemory``) against its node's
 agent inventory (``agent.inventory``), as shortfalls that name the node, the role, the resource and
 by how much it falls short. Roles that share a node share its RAM and disk, and roles that share a
 GPU its memory (``check_plan_fit``).
@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from inference.building.memory import GB, MemoryPlan, RoleMemory
+from inference.building.memory import GB, MemoryPlan
+from inference.building.role_memory import RoleMemory
 
 
 @dataclass(frozen=True)
