@@ -66,7 +66,21 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m inference", description=__doc__)
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    for add in (
+        _add_make_tiny,
+        _add_shard,
+        _add_calibrate,
+        _add_generate,
+        _add_train_demo,
+        _add_train_prerouter,
+        _add_serve_role,
+    ):
+        add(sub)
+    return parser
 
+
+def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
+    """``make-tiny``: a small random MoE checkpoint."""
     tiny = sub.add_parser("make-tiny", help="write a small random MoE checkpoint (with a tokenizer)")
     tiny.add_argument("out_dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -95,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     tiny.set_defaults(run=_make_tiny)
 
+
+def _add_shard(sub: argparse._SubParsersAction) -> None:
+    """``shard``: a checkpoint split into role shards."""
     shard = sub.add_parser("shard", help="split a checkpoint into main, shadow and worker shards")
     shard.add_argument("model_dir", type=Path)
     shard.add_argument("out_dir", type=Path)
@@ -114,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     shard.set_defaults(run=_shard)
 
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    """``calibrate``: the importance strategy's similarity table."""
     cal = sub.add_parser(
         "calibrate", help="compute the experts' similarity table the importance strategy needs (beside the weights)"
     )
@@ -123,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--tokens", type=int, default=2048, help="calibration tokens (the first of the text)")
     cal.set_defaults(run=_calibrate)
 
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    """``generate``: a local cluster on 127.0.0.1, one generation."""
     gen = sub.add_parser("generate", help="run main, shadow and N workers on 127.0.0.1 and generate")
     gen.add_argument(
         "--model",
@@ -144,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and metrics")
     gen.set_defaults(run=_generate)
 
+
+def _add_train_demo(sub: argparse._SubParsersAction) -> None:
+    """``train-demo``: the demo model trained again."""
     train = sub.add_parser("train-demo", help="train the demo model on Python's HTML documentation")
     train.add_argument("out_dir", type=Path)
     train.add_argument(
@@ -156,6 +182,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(run=_train_demo)
 
+
+def _add_train_prerouter(sub: argparse._SubParsersAction) -> None:
+    """``train-prerouter``: the prerouter strategy's heads and LoRA."""
     pre = sub.add_parser(
         "train-prerouter",
         help="train the prerouter strategy's heads and recovery LoRA (written beside the weights)",
@@ -169,11 +198,13 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--seed", type=int, default=0)
     pre.set_defaults(run=_train_prerouter)
 
+
+def _add_serve_role(sub: argparse._SubParsersAction) -> None:
+    """``serve-role``: one role from its spec file."""
     role = sub.add_parser("serve-role", help="run one role from a spec file (what an agent launches)")
     role.add_argument("--role", choices=("main", "shadow", "worker"), required=True)
     role.add_argument("--spec", type=Path, required=True)
     role.set_defaults(run=_serve_role)
-    return parser
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
