@@ -38,6 +38,7 @@ from .text import (
     encode_prompt,
     prompt_list,
 )
+from .tokenizer import TextTokenizer
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -90,23 +91,13 @@ def parse_ask(body: dict, chat: bool) -> Ask:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InputError("n must be an integer of at least 1", param="n")
     CHOICES.check(n, "n")
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-        raise InputError("max_tokens must be an integer", param="max_tokens")
+    max_tokens = _max_tokens(body)
     sampling = check_sampling(body.get("temperature", 1.0), body.get("top_p", 1.0), body.get("seed"))
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise InputError(f"stop must be a string or a list of at most {STOPS.limit} strings", param="stop")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise InputError("stream must be true or false", param="stream")
+    stream = _stream(body)
     include_usage = _include_usage(body.get("stream_options"), stream)
     if chat:
         logprobs, echo = chat_top_logprobs(body.get("logprobs"), body.get("top_logprobs")), False
@@ -139,32 +130,9 @@ def parse_ask(body: dict, chat: bool) -> Ask:
     # conversation's as the chat template writes it, with its tools and past calls.
     structure = Structure()
     if chat:
-        structure = read_structure(body)
-        messages, tools = conversation(body.get("messages"), structure.tools, tokenizer.template_reads_tools)
-        text = chat_text(tokenizer, messages, tools)
-        check_text_fits(tokenizer, [text], max_tokens, target.context, param="messages")
-        prompts = [encode_chat_text(tokenizer, text)]
+        structure, prompts = _chat_prompt(body, target, tokenizer, max_tokens)
     else:
-        given = prompt_list(body.get("prompt"))
-        if len(given) * n > limit:
-            raise InputError(
-                f"{len(given)} prompts × n={n} are more than the {limit} generations one user may have "
-                "on this deployment at once",
-                param="prompt",
-            )
-        if isinstance(given[0], list):  # token ids: main gets them as they are
-            check_token_ids(given, vocab)
-            prompts = [list(ids) for ids in given]
-            for prompt_ids in prompts:  # a prompt that cannot fit is refused before it is decoded
-                check_lengths(len(prompt_ids), max_tokens, target.context)
-            decoded = [decode_with_starts(tokenizer, ids) for ids in prompts]
-            texts, starts = [text for text, _ in decoded], [where for _, where in decoded]
-        else:
-            texts, prompts = given, []
-            for text in texts:
-                check_prompt(text)
-                check_text_fits(tokenizer, [text], max_tokens, target.context, param="prompt")
-                prompts.append(encode_prompt(tokenizer, text))
+        prompts, texts, starts = _completion_prompts(body, target, tokenizer, vocab, n, max_tokens)
     for prompt_ids in prompts:
         check_lengths(len(prompt_ids), max_tokens, target.context)
     return Ask(
@@ -184,6 +152,68 @@ def parse_ask(body: dict, chat: bool) -> Ask:
         structure,
         starts,
     )
+
+
+def _max_tokens(body: dict) -> int:
+    """``max_completion_tokens``, else ``max_tokens``, else the default: an integer, its range checked later."""
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        raise InputError("max_tokens must be an integer", param="max_tokens")
+    return max_tokens
+
+
+def _stream(body: dict) -> bool:
+    """``stream``: true or false, null or absent for false."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InputError("stream must be true or false", param="stream")
+    return stream
+
+
+def _chat_prompt(
+    body: dict, target: Target, tokenizer: TextTokenizer, max_tokens: int
+) -> tuple[Structure, list[list[int]]]:
+    """The structure a chat asks for and its conversation's token ids, refused if its text cannot fit."""
+    structure = read_structure(body)
+    messages, tools = conversation(body.get("messages"), structure.tools, tokenizer.template_reads_tools)
+    text = chat_text(tokenizer, messages, tools)
+    check_text_fits(tokenizer, [text], max_tokens, target.context, param="messages")
+    return structure, [encode_chat_text(tokenizer, text)]
+
+
+def _completion_prompts(
+    body: dict, target: Target, tokenizer: TextTokenizer, vocab: int, n: int, max_tokens: int
+) -> tuple[list[list[int]], list[str], list[list[int]]]:
+    """A completion's prompts: (token ids, texts, token-id prompts' starts), each checked before it is converted."""
+    limit = target.max_per_user
+    given = prompt_list(body.get("prompt"))
+    if len(given) * n > limit:
+        raise InputError(
+            f"{len(given)} prompts × n={n} are more than the {limit} generations one user may have "
+            "on this deployment at once",
+            param="prompt",
+        )
+    starts: list[list[int]] = []
+    if isinstance(given[0], list):  # token ids: main gets them as they are
+        check_token_ids(given, vocab)
+        prompts = [list(ids) for ids in given]
+        for prompt_ids in prompts:  # a prompt that cannot fit is refused before it is decoded
+            check_lengths(len(prompt_ids), max_tokens, target.context)
+        decoded = [decode_with_starts(tokenizer, ids) for ids in prompts]
+        texts, starts = [text for text, _ in decoded], [where for _, where in decoded]
+    else:
+        texts, prompts = given, []
+        for text in texts:
+            check_prompt(text)
+            check_text_fits(tokenizer, [text], max_tokens, target.context, param="prompt")
+            prompts.append(encode_prompt(tokenizer, text))
+    return prompts, texts, starts
 
 
 def _include_usage(options: object, stream: bool) -> bool:
