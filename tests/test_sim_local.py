@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from inference.policies.placement import placement
-from inference.sim.cluster import EmulatedRates, LoaderSim, MachineCosts, Options, Shape
+from inference.sim.cluster import EmulatedRates, MachineCosts, Options, Shape
 from inference.sim.costs import Costs
 from inference.sim.efficiency import transformers_eager
 from inference.sim.hardware import get_profile
+from inference.sim.loader_sim import LoaderSim
 from inference.sim.local import draft_passes, simulate_generation
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.sim.simulate import run_pair

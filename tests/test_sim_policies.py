@@ -11,7 +11,7 @@ import pytest
 from inference.policies import loads, strategies
 from inference.policies.placement import placement
 from inference.runtime.cache import DeviceCache
-from inference.sim import cluster
+from inference.sim import cluster, loader_sim
 from inference.sim.costs import Costs
 from inference.sim.efficiency import mixtral_offloading
 from inference.sim.hardware import get_profile
@@ -31,7 +31,7 @@ def test_the_simulators_lru_caches_evict_what_the_runtimes_does(capacity: int, s
     Mixtral-Offloading's per-layer cache in the paper model: the same experts held after every use."""
     layers, experts = 4, 8
     runtime: DeviceCache[tuple[int, int]] = DeviceCache(capacity)
-    loader = cluster.LoaderSim(copy_s=1.0, max_resident=2, cache=capacity)
+    loader = loader_sim.LoaderSim(copy_s=1.0, max_resident=2, cache=capacity)
     paper = LruOffload(Setup(Costs(mixtral_8x7b(), get_profile("3090-pcie4-1gbe"), mixtral_offloading()), Cluster()))
     paper.capacity = capacity
     paper.cache = [OrderedDict() for _ in range(layers)]
@@ -72,8 +72,9 @@ def test_the_cluster_model_and_the_runtime_call_the_same_decisions() -> None:
     from inference.runtime import loader
     from inference.runtime.roles.worker import role
 
-    assert cluster.take_batch is loader.take_batch is loads.take_batch
-    assert cluster.pick_victim is loader.pick_victim is loads.pick_victim
+    assert loader_sim.take_batch is loader.take_batch is loads.take_batch
+    assert loader_sim.pick_victim is loader.pick_victim is loads.pick_victim
+    assert loader_sim.lru_evictions is strategies.lru_evictions
     assert cluster.keep_on_request is role.keep_on_request
     assert cluster.keep_on_prediction is role.keep_on_prediction
     assert cluster.prefetch_on_prediction is role.prefetch_on_prediction

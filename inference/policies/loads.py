@@ -2,7 +2,7 @@
 
 Keys are (step, layer, expert), ordered as a generation needs them. The runtime's loader
 (``inference.runtime.loader.ExpertLoader``) and worker (``inference.runtime.roles.worker``) call
-these under their lock; the simulator's model of them (``inference.sim.cluster.LoaderSim``) calls
+these under their lock; the simulator's model of them (``inference.sim.loader_sim.LoaderSim``) calls
 the same ones on its clock.
 """
 
