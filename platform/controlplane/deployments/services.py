@@ -243,27 +243,22 @@ def create_deployment(
     Only a ``predictor`` the strategy takes ("" = its own); the role map has a shadow seat
     exactly when that predictor is the shadow.
     """
-    try:
-        check_registered(model)
-        validate_periods(token_period, kv_period)
-        for needed, command in needed_files(strategy, predictor):
-            if not (Path(model.path) / needed).is_file():
-                what = strategy if not predictor else f"{strategy} with the {predictor} predictor"
-                raise ValueError(
-                    f"{what} needs the model's {needed}: run `{command} {model.path}` on the control plane, then deploy"
-                )
-        shadow = needs_shadow(strategy, predictor)
-        check_value(info("max_batch"), max_batch)
-        check_value(info("expert_codec"), expert_codec)
-        check_value(info("draft_tokens"), draft_tokens)
-        check_value(info("draft_policy"), draft_policy)
-        check_value(info("replay"), replay)
-        check_value(info("max_migrations"), max_migrations)
-        check_value(info("max_replay_tokens"), max_replay_tokens)
-        check_drafts(draft_tokens, strategy, predictor)
-        check_max_per_user(max_per_user, max_batch, DEFAULTS.max_waiting)
-    except (ModelError, SpecError, ValueError) as exc:
-        raise DeploymentError(str(exc)) from None
+    # Checked against the model, their declarations and each other, then stored as they are.
+    settings = {
+        "token_period": token_period,
+        "kv_period": kv_period,
+        "strategy": strategy,
+        "predictor": predictor,
+        "max_batch": max_batch,
+        "max_per_user": max_per_user,
+        "expert_codec": expert_codec,
+        "draft_tokens": draft_tokens,
+        "draft_policy": draft_policy,
+        "replay": replay,
+        "max_migrations": max_migrations,
+        "max_replay_tokens": max_replay_tokens,
+    }
+    shadow = _check_settings(model, **settings)
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
     _check_nodes(nodes, node_ids)
     roles = roles or suggest_for(
@@ -292,34 +287,65 @@ def create_deployment(
     try:
         with transaction.atomic():
             deployment = Deployment.objects.create(
-                name=name,
-                model=model,
-                shadow_dtype=shadow_dtype,
-                token_period=token_period,
-                kv_period=kv_period,
-                strategy=strategy,
-                predictor=predictor,
-                max_batch=max_batch,
-                max_per_user=max_per_user,
-                expert_codec=expert_codec,
-                draft_tokens=draft_tokens,
-                draft_policy=draft_policy,
-                replay=replay,
-                max_migrations=max_migrations,
-                max_replay_tokens=max_replay_tokens,
-                created_by=created_by,
+                name=name, model=model, shadow_dtype=shadow_dtype, **settings, created_by=created_by
             )
     except IntegrityError:
         raise DeploymentError(f"a deployment named {name!r} already exists") from None
+    _add_members(deployment, seats)
+    return deployment
+
+
+def _check_settings(
+    model: ModelArtifact,
+    *,
+    token_period: int,
+    kv_period: int,
+    strategy: str,
+    predictor: str,
+    max_batch: int,
+    max_per_user: int,
+    expert_codec: str,
+    draft_tokens: int,
+    draft_policy: str,
+    replay: str,
+    max_migrations: int,
+    max_replay_tokens: int,
+) -> bool:
+    """Refuse a model or settings a deployment of it cannot have; whether it has a shadow seat."""
+    try:
+        check_registered(model)
+        validate_periods(token_period, kv_period)
+        for needed, command in needed_files(strategy, predictor):
+            if not (Path(model.path) / needed).is_file():
+                what = strategy if not predictor else f"{strategy} with the {predictor} predictor"
+                raise ValueError(
+                    f"{what} needs the model's {needed}: run `{command} {model.path}` on the control plane, then deploy"
+                )
+        shadow = needs_shadow(strategy, predictor)
+        check_value(info("max_batch"), max_batch)
+        check_value(info("expert_codec"), expert_codec)
+        check_value(info("draft_tokens"), draft_tokens)
+        check_value(info("draft_policy"), draft_policy)
+        check_value(info("replay"), replay)
+        check_value(info("max_migrations"), max_migrations)
+        check_value(info("max_replay_tokens"), max_replay_tokens)
+        check_drafts(draft_tokens, strategy, predictor)
+        check_max_per_user(max_per_user, max_batch, DEFAULTS.max_waiting)
+    except (ModelError, SpecError, ValueError) as exc:
+        raise DeploymentError(str(exc)) from None
+    return shadow
+
+
+def _add_members(deployment: Deployment, seats: dict[str, tuple[str, int | None]]) -> None:
+    """Store ``deployment``'s members: each role (a worker with its index) on its seat's node and GPU."""
     members = []
-    for name, (node, gpu) in seats.items():
-        role, _, index = name.partition("-")
+    for role_name, (node, gpu) in seats.items():
+        role, _, index = role_name.partition("-")
         worker_index = int(index) if index else None
         members.append(
             DeploymentNode(deployment=deployment, node_id=node, role=role, worker_index=worker_index, gpu=gpu)
         )
     DeploymentNode.objects.bulk_create(members)
-    return deployment
 
 
 def _nodes(node_ids: list[str]) -> list[Node]:
