@@ -37,7 +37,7 @@ from inference.runtime.engine.drafts import draft_length, trim_cache, verify
 from inference.runtime.engine.exchange import GenerationAborted
 from inference.runtime.engine.grammar import Constraint
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import end_ids, sampler_for, token_logprobs
+from inference.runtime.engine.sampling import end_ids, request_sampler, token_logprobs
 from inference.runtime.engine.scheduler import Waiting, Work, done, prefill_pieces, schedule
 from inference.runtime.engine.sequence import Sequence
 from inference.runtime.metrics import build_metrics, step_report
@@ -350,17 +350,11 @@ class Engine:
         if self.draft_tokens:
             state.cache.activate_past_recording()  # a sliding window can drop rejected drafts (drafts.trim_cache)
         cached = state.cached_prompt_tokens = state.cache.get_seq_length()
-        sampler = sampler_for(
+        sampler = request_sampler(
             model,
+            msg,
             prompt_len=len(msg.prompt_ids),
-            max_new_tokens=msg.max_new_tokens,
-            do_sample=msg.do_sample,
-            temperature=msg.temperature,
-            top_p=msg.top_p,
-            seed=msg.seed,
             device=device,
-            **knobs_of(msg),
-            answered=msg.answered,
             # Its own copy of its compiled grammar (compiled off main's loop before it queued), past
             # the tokens a continuation re-reads (``main.take_matcher``).
             constraint=Constraint(queued.matcher, model.config.vocab_size) if queued.matcher is not None else None,

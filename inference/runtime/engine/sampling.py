@@ -38,12 +38,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from inference.runtime.engine.grammar import Constraint
-from inference.wire.generation import LOGPROB_FLOOR, Knobbed, TokenLogprob
+from inference.wire.generation import LOGPROB_FLOOR, Knobbed, TokenLogprob, knobs_of
 
 # Resolved generation-config fields this engine does not implement, and the value that means "off".
 UNSUPPORTED: dict[str, object] = {
@@ -203,6 +204,42 @@ def sampler_for(
     eos = config._eos_token_tensor
     ids = frozenset() if eos is None else frozenset(int(t) for t in eos.reshape(-1).tolist())
     return Sampler(processors, bool(config.do_sample), generator, ids, constraint)
+
+
+class SampledRequest(Knobbed, Protocol):
+    """What ``request_sampler`` reads of a request: main's ``Generate``, or the ``ShadowBegin`` the
+    shadow follows it by (main's seed where the request named none)."""
+
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_p: float
+    seed: int | None
+    answered: int
+
+
+def request_sampler(
+    model: PreTrainedModel,
+    msg: SampledRequest,
+    *,
+    prompt_len: int,
+    device: torch.device,
+    constraint: Constraint | None = None,
+) -> Sampler:
+    """``sampler_for`` with a request's own parameters, knobs and ``answered``."""
+    return sampler_for(
+        model,
+        prompt_len=prompt_len,
+        max_new_tokens=msg.max_new_tokens,
+        do_sample=msg.do_sample,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        seed=msg.seed,
+        device=device,
+        constraint=constraint,
+        **knobs_of(msg),
+        answered=msg.answered,
+    )
 
 
 def end_ids(model: PreTrainedModel, device: torch.device) -> frozenset[int]:

@@ -43,7 +43,7 @@ from inference.runtime.batching import LayerCall
 from inference.runtime.engine.compiles import Compiles
 from inference.runtime.engine.grammar import GrammarError, Guessing, grammar_tokenizer, walked
 from inference.runtime.engine.runner import ModelRunner
-from inference.runtime.engine.sampling import Sampler, end_ids, sampler_for, shapes_greedy
+from inference.runtime.engine.sampling import Sampler, end_ids, request_sampler, shapes_greedy
 from inference.runtime.engine.scheduler import Work
 from inference.runtime.prefix_cache import PrefixCache, cache_from, namespace_root
 from inference.runtime.roles.common import (
@@ -58,7 +58,6 @@ from inference.runtime.routing import resolve_arithmetic
 from inference.runtime.spec import RoleSpec
 from inference.runtime.transport import Received
 from inference.shadow.shadow_model import CAST_DTYPES, build_shadow_model
-from inference.wire.generation import knobs_of
 from inference.wire.runtime import (
     Align,
     DraftAsk,
@@ -531,23 +530,12 @@ def truncate_cache(cache: DynamicCache, length: int) -> None:
 
 
 def shadow_sampler(model: PreTrainedModel, msg: ShadowBegin, prompt_len: int, device: torch.device) -> Sampler | None:
-    """The request's sampler as main built it (``sampler_for``, main's seed and knobs): the shadow's
+    """The request's sampler as main built it (``request_sampler``, main's seed and knobs): the shadow's
     guess of each token is then the draw (or the greedy choice) main makes there, from the shadow's
     own logits. None for a greedy request whose knobs change nothing: its guess is the argmax."""
     if not msg.do_sample and not shapes_greedy(msg):
         return None
-    return sampler_for(
-        model,
-        prompt_len=prompt_len,
-        max_new_tokens=msg.max_new_tokens,
-        do_sample=msg.do_sample,
-        temperature=msg.temperature,
-        top_p=msg.top_p,
-        seed=msg.seed,
-        device=device,
-        **knobs_of(msg),
-        answered=msg.answered,
-    )
+    return request_sampler(model, msg, prompt_len=prompt_len, device=device)
 
 
 def apply_kv(cache: DynamicCache, align: Align, device: torch.device, dtype: torch.dtype) -> None:
