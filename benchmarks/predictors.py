@@ -92,7 +92,8 @@ def measure(
     leads = [m["prediction_lead_layers"] for m in metrics if m["prediction_lead_layers"] is not None]
     memory = 0
     if name == "shadow":
-        plan = memory_from_checkpoint(model_dir, workers=args.workers, shadow_dtype=dtype or "fp32", max_batch=1)
+        settings = DeploymentSettings(shadow_dtype=dtype or "fp32", max_batch=1)
+        plan = memory_from_checkpoint(model_dir, workers=args.workers, settings=settings)
         memory = plan.shadow.gpu_bytes
     elif name == "prerouter":
         heads = load_prerouter(model_dir).prerouter

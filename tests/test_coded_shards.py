@@ -33,10 +33,11 @@ from inference.runtime.disk_store import DiskStore
 from inference.runtime.loader import ExpertLoader
 from inference.runtime.staging import StagingRing
 from inference.runtime.store import HostMemoryStore, open_store
-from inference.settings import DEFAULTS, SpecError, validate_settings
+from inference.settings import DEFAULTS, DeploymentSettings, SpecError, validate_settings
 from inference.tools.tiny import make_tiny
 
 WORKERS = 2
+CODED = DeploymentSettings(expert_codec="exponent-plane")
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float16", "float32"])
@@ -270,7 +271,7 @@ def test_the_memory_plan_counts_the_workers_coded_bytes(both: tuple[ShardSet, Sh
     plan = memory_from_checkpoint(model, workers=WORKERS, shards=coded.root)
     assert raw == memory_from_checkpoint(model, workers=WORKERS)  # a plain set changes nothing
     with pytest.raises(ValueError, match="stores its experts with 'none'"):  # a codec the set does not hold
-        memory_from_checkpoint(model, workers=WORKERS, shards=plain.root, expert_codec="exponent-plane")
+        memory_from_checkpoint(model, workers=WORKERS, shards=plain.root, settings=CODED)
     stored = [stored_tensors(read_manifest(coded.worker(worker))) for worker in range(WORKERS)]
     # Decoded on the device: the experts take what they took there, plus the coded bytes of the worker's
     # depth (2) of experts copied ahead of their decodes, and the largest tensor's decode scratch.
@@ -301,10 +302,10 @@ def test_before_the_set_is_built_the_memory_plan_counts_the_most_the_code_can_st
     ckpt = Checkpoint(model)
     raw = memory_from_checkpoint(model, workers=WORKERS)
     built = memory_from_checkpoint(model, workers=WORKERS, shards=coded.root)
-    bound = memory_from_checkpoint(model, workers=WORKERS, expert_codec="exponent-plane")
-    assert memory_from_checkpoint(model, workers=WORKERS, expert_codec="none") == raw
+    bound = memory_from_checkpoint(model, workers=WORKERS, settings=CODED)
+    assert memory_from_checkpoint(model, workers=WORKERS, settings=DeploymentSettings(expert_codec="none")) == raw
     # With the set built, its bytes; the codec then changes nothing.
-    assert memory_from_checkpoint(model, workers=WORKERS, shards=coded.root, expert_codec="exponent-plane") == built
+    assert memory_from_checkpoint(model, workers=WORKERS, shards=coded.root, settings=CODED) == built
     bounded = {t.name: t for t in with_coded_bound(ckpt, checkpoint_tensors(ckpt), "exponent-plane")}
     for worker in range(WORKERS):
         stored = stored_tensors(read_manifest(coded.worker(worker)))

@@ -12,6 +12,7 @@ from benchmarks.sim_prediction import predict_from_inputs
 from inference.building.memory import memory_from_config
 from inference.building.role_memory import CUDA_CONTEXT_BYTES
 from inference.policies.depth import LINK_DEPTH, prefetch_depth, resolve_depth, worker_depth
+from inference.settings import DeploymentSettings
 from inference.sim.hardware import PROFILES
 from inference.sim.model_sizes import mixtral_8x7b
 from inference.sim.report import compare
@@ -105,7 +106,9 @@ def test_the_memory_plan_reserves_each_workers_own_depth() -> None:
     expert = 3 * 4096 * 14336 * 2  # a bf16 Mixtral-8x7B expert
 
     def device(workers: int, setting: int) -> int:
-        plan = memory_from_config("mixtral-8x7b", workers=workers, max_resident_experts=setting)
+        plan = memory_from_config(
+            "mixtral-8x7b", workers=workers, settings=DeploymentSettings(max_resident_experts=setting)
+        )
         return plan.role("worker-0").gpu_bytes - CUDA_CONTEXT_BYTES
 
     assert device(8, 0) == 2 * expert

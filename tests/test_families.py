@@ -188,7 +188,7 @@ def test_the_memory_plan_of_a_config_is_its_checkpoints(family: str, family_mode
 
     ckpt = Checkpoint(family_models[family])
     for shadow_dtype in ("fp32", "nf4"):
-        options = dict(workers=3, context_tokens=256, shadow_dtype=shadow_dtype)
+        options = dict(workers=3, context_tokens=256, settings=DeploymentSettings(shadow_dtype=shadow_dtype))
         real, computed = memory_from_checkpoint(ckpt, **options), memory_from_config(ckpt.config, **options)
         assert computed.roles == real.roles
         assert (computed.total_bytes, computed.expert_bytes) == (real.total_bytes, real.expert_bytes)

@@ -37,8 +37,10 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     return Checkpoint(path)
 
 
-def plan_of(ckpt: Checkpoint, **options) -> MemoryPlan:
-    return memory_from_checkpoint(ckpt, workers=WORKERS, context_tokens=CONTEXT, **options)
+def plan_of(ckpt: Checkpoint, **settings) -> MemoryPlan:
+    return memory_from_checkpoint(
+        ckpt, workers=WORKERS, context_tokens=CONTEXT, settings=DeploymentSettings(**settings)
+    )
 
 
 def real_bytes(ckpt: Checkpoint, keys) -> int:
@@ -87,7 +89,9 @@ def test_the_kv_caches_scale_with_the_sequences_main_runs_at_once(ckpt: Checkpoi
         # the shadow follows up to as many sequences as main runs (inference/runtime/roles/shadow.py),
         # in the dtype it computes in
         followed = SHADOW_STATES_PER_SEQUENCE * max_batch
-        no_cache = memory_from_checkpoint(ckpt, workers=WORKERS, shadow_dtype=dtype, context_tokens=0)
+        no_cache = memory_from_checkpoint(
+            ckpt, workers=WORKERS, settings=DeploymentSettings(shadow_dtype=dtype), context_tokens=0
+        )
         weights = no_cache.shadow.gpu_bytes - CUDA_CONTEXT_BYTES
         assert plan.shadow.gpu_bytes - CUDA_CONTEXT_BYTES - weights == followed * one_sequence(element)
         assert (plan.main.kv_sequences, plan.shadow.kv_sequences) == (max_batch, followed)
@@ -213,7 +217,8 @@ def test_the_shadow_disk_figure_is_what_the_shard_build_writes(ckpt: Checkpoint,
 def test_the_config_alone_gives_the_checkpoints_plan(ckpt: Checkpoint) -> None:
     for dtype in ("fp32", "nf4"):
         for strategy in ("odmoe", "lru-offload"):
-            options = dict(workers=WORKERS, context_tokens=CONTEXT, shadow_dtype=dtype, strategy=strategy)
+            settings = DeploymentSettings(shadow_dtype=dtype, strategy=strategy)
+            options = dict(workers=WORKERS, context_tokens=CONTEXT, settings=settings)
             real = memory_from_checkpoint(ckpt, **options)
             computed = memory_from_config(ckpt.config, **options)
             assert computed.roles == real.roles
@@ -221,7 +226,7 @@ def test_the_config_alone_gives_the_checkpoints_plan(ckpt: Checkpoint) -> None:
 
 
 def test_mixtral_8x7b_sizes_match_the_release() -> None:
-    plan = memory_from_config("mixtral-8x7b", workers=8, shadow_dtype="nf4")
+    plan = memory_from_config("mixtral-8x7b", workers=8, settings=DeploymentSettings(shadow_dtype="nf4"))
     assert plan.total_bytes == 2 * mixtral_8x7b().total_params  # 46.7 B parameters in bf16
     # What the release's own files add up to: 93.4 GB, 3.2 GB of it non-expert ("~3 GB" in DESIGN).
     assert (round(plan.total_bytes / 1e9, 1), round(plan.main.disk_bytes / 1e9, 1)) == (93.4, 3.2)
@@ -244,10 +249,11 @@ def test_bad_options_are_refused() -> None:
         ({"expert_store": "tape"}, "expert_store"),
         ({"max_batch": 0}, "max_batch must be from 1 to 64"),
         ({"max_batch": 65}, "max_batch must be from 1 to 64"),
-        ({"workers": 0}, "at least one worker"),
     ]:
         with pytest.raises(ValueError, match=reason):
-            memory_from_config("mixtral-8x7b", **({"workers": 8} | bad))
+            memory_from_config("mixtral-8x7b", workers=8, settings=DeploymentSettings(**bad))
+    with pytest.raises(ValueError, match="at least one worker"):
+        memory_from_config("mixtral-8x7b", workers=0)
 
 
 # --- the fit check -------------------------------------------------------------------------------

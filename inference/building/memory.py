@@ -45,6 +45,7 @@ and by how much it falls short). Run ``python -m inference.building.memory --mod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -82,7 +83,7 @@ from inference.modelio.checkpoint import Checkpoint, CheckpointError
 from inference.modelio.families.releases import RELEASES
 from inference.policies.placement import placement
 from inference.policies.strategies import expert_store_for, get_strategy
-from inference.settings import DEFAULTS
+from inference.settings import DEFAULTS, DeploymentSettings
 from inference.sim.model_sizes import KNOWN_MODELS, ModelSizes, from_hf_config
 
 GB = 10**9  # what the console and the messages print (decimal, as disks are sold)
@@ -148,50 +149,32 @@ def memory_from_checkpoint(
     ckpt: Checkpoint | str | os.PathLike[str],
     *,
     workers: int,
-    shadow_dtype: str = DEFAULTS.shadow_dtype,
-    strategy: str = DEFAULTS.strategy,
-    max_resident_experts: int = DEFAULTS.max_resident_experts,
-    cache_experts: int = DEFAULTS.cache_experts,
+    settings: DeploymentSettings = DEFAULTS,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-    expert_store: str = DEFAULTS.expert_store,
-    max_batch: int = DEFAULT_MAX_BATCH,
-    hot_experts: int = DEFAULTS.hot_experts,
-    staging_buffers: int = DEFAULTS.staging_buffers,
     shards: str | os.PathLike[str] | None = None,
-    expert_codec: str = DEFAULTS.expert_codec,
 ) -> MemoryPlan:
-    """Memory per role for ``ckpt`` served by ``workers`` workers, from its real tensor sizes.
+    """Memory per role for ``ckpt`` served by ``workers`` workers under ``settings``, from its real
+    tensor sizes.
 
     With ``shards``, a shard set built from it: the workers' experts as it stores them
-    (``with_stored_experts``; fewer bytes where it was built with an ``expert_codec``), and an
-    ``expert_codec`` other than "none" that is not the set's is refused. Without, an
+    (``with_stored_experts``; fewer bytes where it was built with an ``expert_codec``), and a
+    ``settings.expert_codec`` other than "none" that is not the set's is refused. Without, an
     ``expert_codec`` other than "none" counts each expert it would code at its bound
     (``with_coded_bound``), before the set is built.
 
-    Main's KV caches are for ``max_batch`` sequences, the shadow's for ``shadow_max_states(max_batch)``
-    (``SHADOW_STATES_PER_SEQUENCE * max_batch``: as many as main runs), of ``context_tokens`` tokens each.
+    Main's KV caches are for ``settings.max_batch`` sequences, the shadow's for
+    ``shadow_max_states(max_batch)`` (``SHADOW_STATES_PER_SEQUENCE * max_batch``: as many as main
+    runs), of ``context_tokens`` tokens each.
     """
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
     tensors = checkpoint_tensors(ckpt)
     if shards is not None:
-        tensors = with_stored_experts(tensors, shards, expert_codec)
+        tensors = with_stored_experts(tensors, shards, settings.expert_codec)
     else:
-        tensors = with_coded_bound(ckpt, tensors, expert_codec)
+        tensors = with_coded_bound(ckpt, tensors, settings.expert_codec)
     sizes = from_hf_config(ckpt.config)
     return plan_memory(
-        tensors,
-        sizes,
-        name=ckpt.path.name,
-        workers=workers,
-        shadow_dtype=shadow_dtype,
-        strategy=strategy,
-        max_resident_experts=max_resident_experts,
-        cache_experts=cache_experts,
-        context_tokens=context_tokens,
-        expert_store=expert_store,
-        max_batch=max_batch,
-        hot_experts=hot_experts,
-        staging_buffers=staging_buffers,
+        tensors, sizes, name=ckpt.path.name, workers=workers, settings=settings, context_tokens=context_tokens
     )
 
 
@@ -200,20 +183,14 @@ def memory_from_config(
     *,
     workers: int,
     dtype: str | None = None,
-    shadow_dtype: str = DEFAULTS.shadow_dtype,
-    strategy: str = DEFAULTS.strategy,
-    max_resident_experts: int = DEFAULTS.max_resident_experts,
-    cache_experts: int = DEFAULTS.cache_experts,
+    settings: DeploymentSettings = DEFAULTS,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-    expert_store: str = DEFAULTS.expert_store,
-    max_batch: int = DEFAULT_MAX_BATCH,
-    hot_experts: int = DEFAULTS.hot_experts,
-    staging_buffers: int = DEFAULTS.staging_buffers,
 ) -> MemoryPlan:
     """The same plan from a config alone (a ``config.json`` dict, sizes, or a known model's name).
 
     ``dtype`` is the checkpoint's (``float32``, ``bfloat16``, ``float16``); by default the
-    config's ``dtype`` (or ``torch_dtype``) field, else ``bfloat16`` as the releases are.
+    config's ``dtype`` (or ``torch_dtype``) field, else ``bfloat16`` as the releases are. No shard
+    set exists yet: a ``settings.expert_codec`` is not counted.
     """
     if isinstance(config, str):
         if config not in KNOWN_MODELS:
@@ -227,19 +204,7 @@ def memory_from_config(
         dtype = dtype or config.get("dtype") or config.get("torch_dtype") or "bfloat16"
         tensors = family_tensors(config, dtype)
     return plan_memory(
-        tensors,
-        sizes,
-        name=sizes.name,
-        workers=workers,
-        shadow_dtype=shadow_dtype,
-        strategy=strategy,
-        max_resident_experts=max_resident_experts,
-        cache_experts=cache_experts,
-        context_tokens=context_tokens,
-        expert_store=expert_store,
-        max_batch=max_batch,
-        hot_experts=hot_experts,
-        staging_buffers=staging_buffers,
+        tensors, sizes, name=sizes.name, workers=workers, settings=settings, context_tokens=context_tokens
     )
 
 
@@ -249,99 +214,60 @@ def plan_memory(
     *,
     name: str,
     workers: int,
-    shadow_dtype: str,
-    strategy: str,
-    max_resident_experts: int,
-    cache_experts: int,
-    context_tokens: int,
-    expert_store: str,
-    max_batch: int,
-    hot_experts: int = DEFAULTS.hot_experts,
-    staging_buffers: int = DEFAULTS.staging_buffers,
+    settings: DeploymentSettings = DEFAULTS,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
 ) -> MemoryPlan:
-    """Memory per role from a model's tensors and shape (what both entry points share).
-
-    ``expert_store`` "" is the strategy's own (``inference.policies.strategies.expert_store_for``).
+    """Memory per role from a model's tensors and shape under a deployment's ``settings`` (what both
+    entry points share). What it reads of them: the shadow's dtype, the strategy, the expert store
+    (``expert_store`` "" is the strategy's own, ``inference.policies.strategies.expert_store_for``)
+    and its ``hot_experts`` and ``staging_buffers``, ``max_resident_experts``, ``cache_experts`` and
+    ``max_batch``.
 
     Every sequence main runs holds its own KV cache, as does every sequence the shadow follows:
     main's is ``max_batch * kv_cache_bytes(context_tokens)`` (every running sequence at its full
     context, the worst case), the shadow's ``shadow_max_states(max_batch)`` times one sequence's.
     """
-    expert_store = _checked_options(
-        tensors,
-        shadow_dtype=shadow_dtype,
-        strategy=strategy,
-        max_resident_experts=max_resident_experts,
-        cache_experts=cache_experts,
-        context_tokens=context_tokens,
-        expert_store=expert_store,
-        max_batch=max_batch,
-        hot_experts=hot_experts,
-        staging_buffers=staging_buffers,
-    )
+    expert_store = _checked_options(tensors, settings, context_tokens)
     plan = placement(sizes.layers, sizes.experts, sizes.top_k, workers)
     held = ExpertBytes.of(tensors)
     element = checkpoint_element_bytes(tensors)
-    main = main_memory(sizes, strategy, element, held.dense, context_tokens, max_batch)
+    max_batch, shadow_dtype = settings.max_batch, settings.shadow_dtype
+    main = main_memory(sizes, settings.strategy, element, held.dense, context_tokens, max_batch)
     shadow = shadow_memory(tensors, sizes, shadow_dtype, element, context_tokens, max_batch)
-    roles = [main, shadow]
-    for worker in range(workers):
-        roles.append(
-            worker_memory(
-                plan,
-                worker,
-                held,
-                strategy=strategy,
-                expert_store=expert_store,
-                max_resident_experts=max_resident_experts,
-                cache_experts=cache_experts,
-                hot_experts=hot_experts,
-                staging_buffers=staging_buffers,
-            )
-        )
+    workers_memory = [worker_memory(plan, worker, held, settings, expert_store) for worker in range(workers)]
     return MemoryPlan(
         model=name,
         checkpoint_dtype_bytes=element,
         shadow_dtype=shadow_dtype,
-        strategy=strategy,
+        strategy=settings.strategy,
         n_workers=workers,
         context_tokens=context_tokens,
         max_batch=max_batch,
         expert_store=expert_store,
         expert_bytes=held.expert_bytes,
         total_bytes=sum(t.nbytes for t in tensors),
-        roles=tuple(roles),
+        roles=(main, shadow, *workers_memory),
     )
 
 
-def _checked_options(
-    tensors: Sequence[TensorSize],
-    *,
-    shadow_dtype: str,
-    strategy: str,
-    max_resident_experts: int,
-    cache_experts: int,
-    context_tokens: int,
-    expert_store: str,
-    max_batch: int,
-    hot_experts: int,
-    staging_buffers: int,
-) -> str:
-    """The expert store a plan counts (``expert_store``, or the strategy's own for ""); a ValueError
-    naming the choices or the bounds for an option out of them."""
+def _checked_options(tensors: Sequence[TensorSize], settings: DeploymentSettings, context_tokens: int) -> str:
+    """The expert store a plan counts (``settings.expert_store``, or the strategy's own for ""); a
+    ValueError naming the choices or the bounds for a setting out of them."""
+    strategy = settings.strategy
     get_strategy(strategy)  # a ValueError naming the choices
-    expert_store = expert_store_for(strategy, expert_store)
-    if shadow_dtype not in SHADOW_DTYPES:
-        raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {shadow_dtype!r}")
+    expert_store = expert_store_for(strategy, settings.expert_store)
+    if settings.shadow_dtype not in SHADOW_DTYPES:
+        raise ValueError(f"shadow dtype must be one of {', '.join(SHADOW_DTYPES)}, got {settings.shadow_dtype!r}")
     if expert_store not in EXPERT_STORES:
         raise ValueError(f"expert_store must be one of {', '.join(EXPERT_STORES)}, got {expert_store!r}")
-    if max_resident_experts < 0 or cache_experts < 0 or context_tokens < 0 or hot_experts < 1 or staging_buffers < 1:
+    counts = (settings.max_resident_experts, settings.cache_experts, context_tokens)
+    if min(counts) < 0 or settings.hot_experts < 1 or settings.staging_buffers < 1:
         raise ValueError(
             "max_resident_experts >= 0 (0: from each worker's group), cache_experts >= 0, context_tokens >= 0, "
             "hot_experts >= 1 and staging_buffers >= 1 are required"
         )
-    if not 1 <= max_batch <= MAX_BATCH:
-        raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
+    if not 1 <= settings.max_batch <= MAX_BATCH:
+        raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {settings.max_batch}")
     if not tensors:
         raise ValueError("the model has no tensors")
     return expert_store
@@ -350,17 +276,28 @@ def _checked_options(
 # --- the table -------------------------------------------------------------------------------
 
 
-def table(config: Mapping[str, Any] | ModelSizes | str, *, workers: Sequence[int], **options: Any) -> str:
-    """A Markdown table of memory per role (GB), one row per worker count and shadow dtype."""
+def table(
+    config: Mapping[str, Any] | ModelSizes | str,
+    *,
+    workers: Sequence[int],
+    settings: DeploymentSettings = DEFAULTS,
+    dtype: str | None = None,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+) -> str:
+    """A Markdown table of memory per role (GB), one row per worker count and shadow dtype (the rest
+    of ``settings`` as given)."""
     head = (
         "| workers | shadow | main host | main GPU | main disk | shadow host | shadow GPU | shadow disk "
         "| worker host | worker GPU | worker disk |"
     )
     lines = [head, "|" + "---:|" * 11]
     for count in workers:
-        for dtype in SHADOW_DTYPES:
-            plan = memory_from_config(config, workers=count, shadow_dtype=dtype, **options)
-            cells = [str(count), dtype]
+        for shadow_dtype in SHADOW_DTYPES:
+            shadow = dataclasses.replace(settings, shadow_dtype=shadow_dtype)
+            plan = memory_from_config(
+                config, workers=count, dtype=dtype, settings=shadow, context_tokens=context_tokens
+            )
+            cells = [str(count), shadow_dtype]
             for role in (plan.main, plan.shadow):
                 cells += [_num(role.host_bytes), _num(role.gpu_bytes), _num(role.disk_bytes)]
             for field in ("host_bytes", "gpu_bytes", "disk_bytes"):
@@ -400,13 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.max_batch <= MAX_BATCH:
         parser.error(f"--max-batch must be from 1 to {MAX_BATCH}")
-    options = {
-        "strategy": args.strategy,
-        "context_tokens": args.context,
-        "expert_store": args.expert_store,
-        "max_batch": args.max_batch,
-        "hot_experts": args.hot_experts,
-    }
+    settings = dataclasses.replace(
+        DEFAULTS,
+        strategy=args.strategy,
+        expert_store=args.expert_store,
+        max_batch=args.max_batch,
+        hot_experts=args.hot_experts,
+    )
     kv = kv_sizing(args.max_batch, args.context)
     if args.checkpoint:
         try:
@@ -417,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ckpt.path.name}, {args.strategy}, {kv}; host/GPU/disk GB, GB = 10^9 bytes\n")
         for count in args.workers:
             for dtype in SHADOW_DTYPES:
-                plan = memory_from_checkpoint(ckpt, workers=count, shadow_dtype=dtype, **options)
+                shadow = dataclasses.replace(settings, shadow_dtype=dtype)
+                plan = memory_from_checkpoint(ckpt, workers=count, settings=shadow, context_tokens=args.context)
                 print(
                     f"{count} workers, {dtype} shadow: "
                     + ", ".join(
@@ -426,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         return 0
     print(f"{args.model} ({args.dtype}), {args.strategy}, {kv}; GB = 10^9 bytes\n")
-    print(table(args.model, workers=args.workers, dtype=args.dtype, **options))
+    print(table(args.model, workers=args.workers, settings=settings, dtype=args.dtype, context_tokens=args.context))
     return 0
 
 

@@ -20,6 +20,7 @@ from inference.modelio.prerouter_shape import PrerouterShape
 from inference.policies.depth import resolve_depth
 from inference.policies.placement import Placement
 from inference.policies.strategies import get_strategy, home_worker
+from inference.settings import DeploymentSettings
 from inference.sim.model_sizes import ModelSizes
 
 RUNTIME_OVERHEAD_BYTES = 600 * 10**6  # one role process: Python + torch + transformers, before weights
@@ -174,24 +175,18 @@ def shadow_memory(
 
 
 def worker_memory(
-    plan: Placement,
-    worker: int,
-    held: ExpertBytes,
-    *,
-    strategy: str,
-    expert_store: str,
-    max_resident_experts: int,
-    cache_experts: int,
-    hot_experts: int,
-    staging_buffers: int,
+    plan: Placement, worker: int, held: ExpertBytes, settings: DeploymentSettings, expert_store: str
 ) -> RoleMemory:
     """Worker ``worker``'s share: the experts it owns on disk and, as its store keeps them, in RAM;
-    on its device the experts its loader and cache hold at most."""
+    on its device the experts its loader and cache hold at most, under ``settings`` and the
+    ``expert_store`` the plan counts (``settings.expert_store`` resolved for its strategy)."""
     owned = sum(held.stored.get(pair, 0) for pair in plan.owned(worker))
     members = len(plan.groups[plan.group_of_worker(worker)])
-    depth = resolve_depth(max_resident_experts, plan.top_k, members)  # what its loader will hold
+    depth = resolve_depth(settings.max_resident_experts, plan.top_k, members)  # what its loader will hold
     expert_bytes, coded = held.expert_bytes, bool(held.coded)
-    on_gpu = _worker_device_bytes(plan, worker, strategy, held.experts, expert_bytes, depth, cache_experts)
+    on_gpu = _worker_device_bytes(
+        plan, worker, settings.strategy, held.experts, expert_bytes, depth, settings.cache_experts
+    )
     # A GPU worker copies coded experts ahead of their decodes (up to its depth of them) and decodes one
     # tensor at a time: the most coded bytes an expert takes, and the largest tensor's decode scratch.
     on_gpu += depth * held.largest_coded + held.decode_scratch if coded else 0
@@ -201,10 +196,10 @@ def worker_memory(
     if expert_store == "disk":
         # A coded expert's bytes are read into buffers of their own (a GPU copies them as they are), up
         # to depth at once, beside the staging buffers.
-        host = (min(staging_buffers, depth) + (depth if coded else 0)) * expert_bytes + RUNTIME_OVERHEAD_BYTES
+        host = (min(settings.staging_buffers, depth) + (depth if coded else 0)) * expert_bytes + RUNTIME_OVERHEAD_BYTES
     elif expert_store == "hot":
         owned_pinned = sum(held.pinned.get(pair, 0) for pair in plan.owned(worker))
-        most = (hot_experts + depth) * max(held.pinned.values(), default=0)
+        most = (settings.hot_experts + depth) * max(held.pinned.values(), default=0)
         host = min(owned_pinned, most) + RUNTIME_OVERHEAD_BYTES
     else:
         # Coded experts stay coded in RAM; each load decodes one into a fresh buffer, up to depth at once.

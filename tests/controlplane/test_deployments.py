@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from controlplane.deployments import services
 from controlplane.deployments.models import Deployment, DeploymentStatus
 from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node
+from inference.settings import DeploymentSettings
 
 pytestmark = pytest.mark.django_db
 GIB = 2**30
@@ -271,7 +273,8 @@ def test_the_estimate_has_memory_per_role(staff: APIClient, model) -> None:
     tiny = staff.post(
         "/api/deployments/estimate", {"workers": 2, "model": model.pk, "shadow_dtype": "int8"}, format="json"
     )
-    assert tiny.json()["memory"] == memory_from_checkpoint(model.path, workers=2, shadow_dtype="int8").to_dict()
+    expected = memory_from_checkpoint(model.path, workers=2, settings=DeploymentSettings(shadow_dtype="int8"))
+    assert tiny.json()["memory"] == expected.to_dict()
 
 
 def test_a_model_still_downloading_or_failed_cannot_be_deployed(staff: APIClient, model) -> None:
@@ -409,9 +412,10 @@ def test_a_coded_deployments_first_fit_check_counts_the_most_its_code_can_store(
     count: a node with the raw bytes' room is refused for a coded deployment, not sent shards it lacks room for."""
     from controlplane.deployments.services import coded_set, memory_plan
 
-    sizes = {"model": model, "workers": 1, "shadow_dtype": "fp32", "strategy": "odmoe", "max_batch": 8}
-    raw = memory_plan(**sizes, shadow=False).role("worker-0")
-    bound = memory_plan(**sizes, shadow=False, expert_codec="exponent-plane").role("worker-0")
+    settings = DeploymentSettings(shadow_dtype="fp32", strategy="odmoe", max_batch=8)
+    raw = memory_plan(model=model, workers=1, settings=settings, shadow=False).role("worker-0")
+    coded = dataclasses.replace(settings, expert_codec="exponent-plane")
+    bound = memory_plan(model=model, workers=1, settings=coded, shadow=False).role("worker-0")
     assert coded_set(model, 1, "exponent-plane") is None  # not built
     assert raw.disk_bytes < bound.disk_bytes and raw.cpu_bytes < bound.cpu_bytes
     main, worker = sized_box("m", ram_gb=8), sized_box("w", ram_gb=8)

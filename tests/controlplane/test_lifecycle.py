@@ -34,7 +34,7 @@ from controlplane.nodes.models import Node, NodeStatus
 from controlplane.nodes.services import create_join_token, enroll_node, expire_silent_nodes, record_heartbeat
 from inference.modelio.shards import verify_shard
 from inference.runtime.curve import CurveKeys, check_keys, endpoint_keys_from_json
-from inference.runtime.spec import RoleSpec, validate_spec
+from inference.runtime.spec import DeploymentSettings, RoleSpec, validate_spec
 from inference.wire.link import (
     AGENT_PROTOCOL,
     COMMANDS,
@@ -188,8 +188,6 @@ def _addresses(spec: dict):
 
 
 def _settings(spec: dict):
-    from inference.runtime.spec import DeploymentSettings
-
     return DeploymentSettings(**spec["settings"])
 
 
@@ -401,7 +399,9 @@ def test_a_coded_deployment_gets_its_own_shard_set_which_an_uncoded_one_of_the_m
     # The fit check counts the coded set's bytes once it is built: a worker's RAM and disk hold fewer.
     plans = {
         codec: memory_plan(
-            model=artifact, workers=2, shadow_dtype="fp32", strategy="lru-offload", max_batch=8, expert_codec=codec
+            model=artifact,
+            workers=2,
+            settings=DeploymentSettings(shadow_dtype="fp32", strategy="lru-offload", max_batch=8, expert_codec=codec),
         )
         for codec in ("none", "exponent-plane")
     }

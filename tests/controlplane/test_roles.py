@@ -136,7 +136,9 @@ def nf4_plan(workers: int):
 
     # main runs 8 sequences at once (the default max_batch): shadow 31.6 GB with the KV caches of
     # the 8 it follows, workers 31.6 GB
-    return memory_from_config("mixtral-8x7b", workers=workers, shadow_dtype="nf4")
+    from inference.settings import DeploymentSettings
+
+    return memory_from_config("mixtral-8x7b", workers=workers, settings=DeploymentSettings(shadow_dtype="nf4"))
 
 
 def test_the_shadow_goes_to_the_largest_gpu_that_holds_it() -> None:

@@ -84,11 +84,17 @@ def test_every_serializer_takes_a_setting_with_the_declared_default(where: str) 
 
 
 SERVICES = [
-    services.suggest_for,
     services.create_deployment,
     services.estimate,
+    memory.memory_from_config,
+]
+# What takes a deployment's settings whole: their defaults are the declaration's by construction.
+PLANNERS = [
+    services.suggest_for,
     memory.memory_from_checkpoint,
     memory.memory_from_config,
+    memory.plan_memory,
+    memory.table,
 ]
 
 
@@ -103,6 +109,13 @@ def test_every_keyword_default_of_a_setting_is_the_declared_one(function) -> Non
     where = "estimate" if function is services.estimate else function.__name__
     for name, default in defaults.items():
         assert default == EXCEPTIONS.get((where, name), getattr(DEFAULTS, name)), (function.__name__, name)
+
+
+@pytest.mark.parametrize("function", PLANNERS, ids=lambda f: f"{f.__module__}.{f.__name__}")
+def test_the_memory_planners_take_the_declared_settings_whole(function) -> None:
+    parameters = inspect.signature(function).parameters
+    assert parameters["settings"].default is DEFAULTS
+    assert not set(parameters) & set(INFO) - {"dtype"}, "a setting spelled out beside the settings"
 
 
 def test_the_cli_flags_of_generate_are_the_declarations() -> None:

@@ -22,6 +22,7 @@ from controlplane.artifacts.services import ModelError, check_registered
 from controlplane.names import name_field
 from controlplane.pagination import paginated
 from inference.policies.strategies import STRATEGIES, get_strategy
+from inference.settings import DeploymentSettings
 from inference.sim import hardware as sim_profiles
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 
@@ -182,14 +183,14 @@ class SuggestApi(APIView):
         data.is_valid(raise_exception=True)
         values = data.validated_data
         try:
+            settings = DeploymentSettings(
+                **{
+                    name: values[name]
+                    for name in ("shadow_dtype", "strategy", "predictor", "max_batch", "expert_codec")
+                }
+            )
             roles = services.suggest_for(
-                model=values["model"],
-                node_ids=[str(n) for n in values["nodes"]],
-                shadow_dtype=values["shadow_dtype"],
-                strategy=values["strategy"],
-                predictor=values["predictor"],
-                max_batch=values["max_batch"],
-                expert_codec=values["expert_codec"],
+                model=values["model"], node_ids=[str(n) for n in values["nodes"]], settings=settings
             )
         except services.DeploymentError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)

@@ -10,6 +10,7 @@ is idempotent.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import asdict
 from datetime import timedelta
@@ -33,10 +34,9 @@ from controlplane.storable import storable_json, storable_text
 from inference.building.fit import gpu_index
 from inference.policies.alignment import validate_periods
 from inference.runtime.curve import CurveKeys, SeatKeys, new_seat_keys, role_keys
-from inference.settings import DeploymentSettings
 from inference.wire.link import MEMORY_FIGURES, ApplyAlignment, StartRole, StopRole
 
-from .models import ACTIVE, RUNNING, SETTINGS_COLUMNS, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
+from .models import ACTIVE, RUNNING, Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 from .peers import PeerError, Seat, peer_table, pick_ports
 from .services import DeploymentError, check_fits, check_nodes_free, check_predictor
 
@@ -70,14 +70,7 @@ def start_deployment(*, deployment: Deployment) -> Deployment:
         if down:
             raise DeploymentError(f"these nodes' agents are not connected: {', '.join(down)}")
         # Checked again on every start: inventories (free disk above all) change after creation.
-        check_fits(
-            model=locked.model,
-            shadow_dtype=locked.shadow_dtype,
-            strategy=locked.strategy,
-            max_batch=locked.max_batch,
-            seats={m.role_name: (m.node, m.gpu) for m in members},
-            expert_codec=locked.expert_codec,
-        )
+        check_fits(model=locked.model, settings=locked.settings, seats={m.role_name: (m.node, m.gpu) for m in members})
         locked.epoch += 1
         locked.status = DeploymentStatus.DEPLOYING
         locked.status_reason = "queued"
@@ -281,10 +274,7 @@ def role_spec(deployment: Deployment, member: DeploymentNode, members: list[Depl
     """``inference.runtime.spec.RoleSpec`` as JSON, less ``shard_dir`` (the agent knows where its shard is)."""
     workers = sum(1 for m in members if m.role == Role.WORKER)
     table = peer_table({m.role_name: m.node.address for m in members}, {m.role_name: m.port for m in members}, workers)
-    settings = DeploymentSettings(
-        **{name: getattr(deployment, name) for name in SETTINGS_COLUMNS},
-        device=role_device(member.node.inventory, member.gpu),
-    )
+    settings = dataclasses.replace(deployment.settings, device=role_device(member.node.inventory, member.gpu))
     return {
         "deployment": deployment.runtime_key,
         "role": member.role,

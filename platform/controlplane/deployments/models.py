@@ -15,7 +15,7 @@ from controlplane.artifacts.models import ModelArtifact
 from controlplane.nodes.models import Node
 from inference.constants import MAX_BATCH, MAX_DRAFT_TOKENS, MAX_MIGRATIONS_LIMIT
 from inference.policies.strategies import predictor_for
-from inference.settings import DEFAULTS, SpecError, check_drafts, info
+from inference.settings import DEFAULTS, DeploymentSettings, SpecError, check_drafts, info
 
 
 def choices(name: str) -> list[tuple[str, str]]:
@@ -177,6 +177,12 @@ class Deployment(models.Model):
             raise ValidationError(
                 {"max_per_user": f"must be from 1 to below max_batch + {DEFAULTS.max_waiting} (the queue)"}
             )
+
+    @property
+    def settings(self) -> DeploymentSettings:
+        """Its runtime settings: its own columns (``SETTINGS_COLUMNS``), the declaration's defaults for
+        the rest."""
+        return DeploymentSettings(**{name: getattr(self, name) for name in SETTINGS_COLUMNS})
 
     @property
     def runtime_key(self) -> str:

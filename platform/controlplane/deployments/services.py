@@ -47,7 +47,15 @@ from inference.modelio.checkpoint import Checkpoint, CheckpointError
 from inference.modelio.shards import shadow_dtypes_to_build
 from inference.policies.alignment import validate_periods
 from inference.policies.strategies import needed_files, predictor_for
-from inference.settings import DEFAULTS, SpecError, check_drafts, check_max_per_user, check_value, info
+from inference.settings import (
+    DEFAULTS,
+    DeploymentSettings,
+    SpecError,
+    check_drafts,
+    check_max_per_user,
+    check_value,
+    info,
+)
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 
@@ -78,31 +86,20 @@ def suggest_for(
     *,
     model: ModelArtifact,
     node_ids: list[str],
-    shadow_dtype: str = DEFAULTS.shadow_dtype,
-    strategy: str = DEFAULTS.strategy,
-    predictor: str = DEFAULTS.predictor,
-    max_batch: int = DEFAULTS.max_batch,
-    expert_codec: str = DEFAULTS.expert_codec,
+    settings: DeploymentSettings = DEFAULTS,
     memory: MemoryPlan | None = None,
 ) -> RoleMap:
-    """The suggested role map: only one whose nodes hold their roles' memory (main's KV caches for ``max_batch``).
+    """The suggested role map: only one whose nodes hold their roles' memory under the deployment's
+    ``settings`` (main's KV caches for its ``max_batch``).
 
     A shadow seat only where the predictor is the shadow (``check_predictor``).
     """
-    shadow = check_predictor(strategy, predictor)
+    shadow = check_predictor(settings.strategy, settings.predictor)
     nodes = _nodes(node_ids)
     top_k = int(model.summary.get("top_k", 2))
     workers = len(seats_of({str(n.pk): n.inventory for n in nodes})) - fixed_seats(shadow)
     if memory is None and workers > 0:
-        memory = memory_plan(
-            model=model,
-            workers=workers,
-            shadow_dtype=shadow_dtype,
-            strategy=strategy,
-            max_batch=max_batch,
-            shadow=shadow,
-            expert_codec=expert_codec,
-        )
+        memory = memory_plan(model=model, workers=workers, settings=settings, shadow=shadow)
     try:
         return suggest_roles(
             {str(n.pk): n.inventory for n in nodes},
@@ -120,34 +117,19 @@ def without_shadow(plan: MemoryPlan) -> MemoryPlan:
     return dataclasses.replace(plan, roles=tuple(r for r in plan.roles if r.role != "shadow"))
 
 
-def memory_plan(
-    *,
-    model: ModelArtifact,
-    workers: int,
-    shadow_dtype: str,
-    strategy: str,
-    max_batch: int,
-    shadow: bool = True,
-    expert_codec: str = DEFAULTS.expert_codec,
-) -> MemoryPlan:
-    """Memory per role of ``model`` with ``workers`` workers, from its checkpoint's tensor sizes.
+def memory_plan(*, model: ModelArtifact, workers: int, settings: DeploymentSettings, shadow: bool = True) -> MemoryPlan:
+    """Memory per role of ``model`` with ``workers`` workers under the deployment's ``settings``, from
+    its checkpoint's tensor sizes.
 
     Main's KV caches are for ``max_batch`` sequences at once, the shadow's for as many
-    (``inference.building.memory.shadow_max_states(max_batch)``); without a shadow seat (``shadow``
-    false) the plan has no shadow role. With an ``expert_codec`` whose set for these workers is
-    built, the workers' experts are counted as it stores them (``coded_set``); before it is built,
-    at the bound of what the code stores (``with_coded_bound``).
+    (``inference.building.role_memory.shadow_max_states(max_batch)``); without a shadow seat
+    (``shadow`` false) the plan has no shadow role. With an ``expert_codec`` whose set for these
+    workers is built, the workers' experts are counted as it stores them (``coded_set``); before it
+    is built, at the bound of what the code stores (``with_coded_bound``).
     """
     try:
-        plan = memory_from_checkpoint(
-            model.path,
-            workers=workers,
-            shadow_dtype=shadow_dtype,
-            strategy=strategy,
-            max_batch=max_batch,
-            shards=coded_set(model, workers, expert_codec),
-            expert_codec=expert_codec,
-        )
+        shards = coded_set(model, workers, settings.expert_codec)
+        plan = memory_from_checkpoint(model.path, workers=workers, settings=settings, shards=shards)
     except (CheckpointError, ValueError) as exc:
         raise DeploymentError(f"cannot size the roles of {model.name}: {exc}") from None
     return plan if shadow else without_shadow(plan)
@@ -163,15 +145,10 @@ def coded_set(model: ModelArtifact, workers: int, expert_codec: str) -> Path | N
 
 
 def check_fits(
-    *,
-    model: ModelArtifact,
-    shadow_dtype: str,
-    strategy: str,
-    max_batch: int,
-    seats: dict[str, tuple[Node, int | None]],
-    expert_codec: str = DEFAULTS.expert_codec,
+    *, model: ModelArtifact, settings: DeploymentSettings, seats: dict[str, tuple[Node, int | None]]
 ) -> MemoryPlan:
-    """Refuse a role map (role name -> (node, GPU index or None)) where a node cannot hold its roles.
+    """Refuse a role map (role name -> (node, GPU index or None)) where a node cannot hold its roles
+    under the deployment's ``settings``.
 
     Roles on one node share its RAM and disk. A shard already on a node (its agent reports
     ``shard_bytes``) needs no new disk space; a worker's only where its agent reports it stored with
@@ -182,15 +159,8 @@ def check_fits(
     and at the most it can store them before.
     """
     workers = sum(1 for role in seats if role.startswith("worker-"))
-    plan = memory_plan(
-        model=model,
-        workers=workers,
-        shadow_dtype=shadow_dtype,
-        strategy=strategy,
-        max_batch=max_batch,
-        shadow="shadow" in seats,
-        expert_codec=expert_codec,
-    )
+    plan = memory_plan(model=model, workers=workers, settings=settings, shadow="shadow" in seats)
+    shadow_dtype, expert_codec = settings.shadow_dtype, settings.expert_codec
     present = {}
     # The shadow fetches its shard converted to its dtype (shadow-nf4...) unless that is the checkpoint's own.
     converted = "shadow" in seats and shadow_dtypes_to_build(Checkpoint(model.path).config, shadow_dtype)
@@ -261,29 +231,15 @@ def create_deployment(
     shadow = _check_settings(model, **settings)
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
     _check_nodes(nodes, node_ids)
-    roles = roles or suggest_for(
-        model=model,
-        node_ids=node_ids,
-        shadow_dtype=shadow_dtype,
-        strategy=strategy,
-        predictor=predictor,
-        max_batch=max_batch,
-        expert_codec=expert_codec,
-    )
+    runtime = DeploymentSettings(shadow_dtype=shadow_dtype, **settings)
+    roles = roles or suggest_for(model=model, node_ids=node_ids, settings=runtime)
     try:
         check_roles(roles, {str(n.pk): n.inventory for n in nodes}, shadow=shadow)
         by_id = {str(n.pk): n for n in nodes}
         seats = {role: parse_seat(text) for role, text in roles.seats().items()}
     except RoleError as exc:
         raise DeploymentError(str(exc)) from None
-    check_fits(
-        model=model,
-        shadow_dtype=shadow_dtype,
-        strategy=strategy,
-        max_batch=max_batch,
-        seats={role: (by_id[node], gpu) for role, (node, gpu) in seats.items()},
-        expert_codec=expert_codec,
-    )
+    check_fits(model=model, settings=runtime, seats={role: (by_id[node], gpu) for role, (node, gpu) in seats.items()})
     try:
         with transaction.atomic():
             deployment = Deployment.objects.create(
@@ -459,11 +415,11 @@ def estimate(
             draft_policy=draft_policy,
             draft_agreement=draft_agreement,
         )
-        options = {"workers": workers, "shadow_dtype": shadow_dtype, "strategy": strategy, "max_batch": max_batch}
+        runtime = DeploymentSettings(shadow_dtype=shadow_dtype, strategy=strategy, max_batch=max_batch)
         if checkpoint is not None:
-            memory = memory_from_checkpoint(checkpoint, **options)
+            memory = memory_from_checkpoint(checkpoint, workers=workers, settings=runtime)
         else:
-            memory = memory_from_config(sizes, dtype="bfloat16", **options)
+            memory = memory_from_config(sizes, workers=workers, dtype="bfloat16", settings=runtime)
     except (CheckpointError, ValueError) as exc:
         raise DeploymentError(f"no estimate: {exc}") from None
     shown = memory.to_dict()
