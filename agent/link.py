@@ -43,6 +43,7 @@ from inference.wire.generation import GENERATION_EVENTS, Generate
 from inference.wire.link import (
     AGENT_PROTOCOL,
     CLOSE_PROTOCOL_MISMATCH,
+    CLOSE_UNAUTHENTICATED,
     COMMANDS,
     FRAME_LIMIT_HEADER,
     LEGACY_FRAME_LIMIT,
@@ -71,7 +72,6 @@ from inference.wire.link import (
 
 log = logging.getLogger(__name__)
 
-CLOSE_UNAUTHENTICATED = 4401
 RECHECK_EVERY_S = 600.0  # how often the doctor runs again while the link stays up
 # The most bytes one command frame may hold (websockets' ``max_size``), announced to the control
 # plane, which sends nothing bigger: a command that would not fit fails alone there. Without it

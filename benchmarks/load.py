@@ -114,7 +114,7 @@ from agent import inventory
 from agent.__main__ import enroll_or_resume
 from agent.backoff import reconnect_delay
 from agent.http import ControlPlaneError, request_json
-from agent.link import CLOSE_UNAUTHENTICATED, link_url
+from agent.link import link_url
 from agent.tls import ServerTrust
 from benchmarks import provenance, substance
 from benchmarks.overhead import percentile
@@ -122,6 +122,7 @@ from benchmarks.provenance import commit
 from benchmarks.restarts import restart_at
 from inference.wire.link import (
     AGENT_PROTOCOL,
+    CLOSE_UNAUTHENTICATED,
     COMMANDS,
     PROTOCOL_HEADER,
     Heartbeat,

@@ -52,6 +52,7 @@ FRAME_LIMIT_HEADER = "X-Odmoe-Agent-Max-Frame"  # the most bytes one frame to th
 SERVER_FRAME_LIMIT_HEADER = "X-Odmoe-Server-Max-Frame"  # the same for the control plane, in its answer (from 7)
 LEGACY_FRAME_LIMIT = 2**20  # what an agent that announces no limit takes: websockets' default max_size
 CLOSE_PROTOCOL_MISMATCH = 4426  # the websocket close code for "upgrade the agent"
+CLOSE_UNAUTHENTICATED = 4401  # the websocket close code for "this node's credential is not (or no longer) valid"
 
 # A figure a role reports (its memory, in bytes): a count, never negative.
 Figure = Annotated[int, msgspec.Meta(ge=0)]

@@ -28,7 +28,7 @@ from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 
 from . import generation, lifecycle, services
 from .fields import setting_field
-from .models import Deployment, DeploymentNode
+from .models import SETTINGS_COLUMNS, Deployment, DeploymentNode
 from .roles import RoleMap
 
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait: a restarting role is back in seconds
@@ -82,20 +82,8 @@ class DeploymentOutput(serializers.ModelSerializer):
             "model",
             "status",
             "status_reason",
-            "shadow_dtype",
-            "token_period",
-            "kv_period",
-            "strategy",
+            *SETTINGS_COLUMNS,
             "approximate",
-            "predictor",
-            "max_batch",
-            "max_per_user",
-            "expert_codec",
-            "draft_tokens",
-            "draft_policy",
-            "replay",
-            "max_migrations",
-            "max_replay_tokens",
             "created_at",
             "updated_at",
             "members",

@@ -34,6 +34,7 @@ from inference.wire.generation import GENERATION_EVENTS, Failed, Generate, Gener
 from inference.wire.link import (
     AGENT_PROTOCOL,
     CLOSE_PROTOCOL_MISMATCH,
+    CLOSE_UNAUTHENTICATED,
     EVENTS,
     FIRST_AGENT_PROTOCOL,
     FRAME_LIMIT_HEADER,
@@ -65,7 +66,6 @@ from .reports import MAX_DETAIL_CHARS, PendingWrites, clean_role_report, clean_r
 
 log = logging.getLogger(__name__)
 
-CLOSE_UNAUTHENTICATED = 4401
 ACK_EVERY_S = 0.2  # how long a relayed event waits to be acknowledged with the others
 MAX_REQUEST_ID_CHARS = 128  # a request id past this names no generation (the control plane's are 32)
 MAX_REFUSED = 1024  # request ids a link remembers refusing (not looked up again)
