@@ -176,3 +176,14 @@ def test_every_api_view_for_users_checks_key_scopes() -> None:
         assert KeyScopes in permissions, f"{route} ({view.__name__}) does not check the API key's scopes"
         checked.append(route)
     assert len(checked) >= 15
+
+
+def test_the_openai_api_authenticates_by_the_rest_apis_own_classes() -> None:
+    """/v1 runs the REST API's authentication classes itself (``openai_api._identify``: an API key,
+    else a session held to its CSRF token): the ones DRF is configured with, in its order."""
+    from rest_framework.authentication import SessionAuthentication
+    from rest_framework.settings import api_settings
+
+    from controlplane.accounts.authentication import ApiKeyAuthentication
+
+    assert [ApiKeyAuthentication, SessionAuthentication] == api_settings.DEFAULT_AUTHENTICATION_CLASSES

@@ -41,11 +41,13 @@ from channels.db import database_sync_to_async
 from django.contrib.auth.models import AnonymousUser
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
-from rest_framework.authentication import CSRFCheck
+from rest_framework.authentication import SessionAuthentication
+from rest_framework.exceptions import AuthenticationFailed, PermissionDenied
 
+from controlplane.accounts.authentication import ApiKeyAuthentication
 from controlplane.accounts.scopes import Scope
 from controlplane.accounts.selectors import caller_of
-from controlplane.accounts.services import QuotaExceeded, authenticate_api_key, bearer_key, check_quota
+from controlplane.accounts.services import QuotaExceeded, check_quota
 from controlplane.accounts.usage import Caller
 from controlplane.deployments.models import Deployment, DeploymentStatus
 from controlplane.throttles import throttle_wait
@@ -70,9 +72,9 @@ class _Refused(Exception):
 
 async def _user(request: HttpRequest):
     """(The caller, their API key or None): an API key's user (the key holding the ``inference``
-    scope), or a logged-in browser session with a valid CSRF token (as DRF's SessionAuthentication
-    asks: another site's page must not spend a logged-in user's generations); raises _Refused with the 401, 403 or
-    429 to answer otherwise. Every call counts against the REST API's throttles (the same rates),
+    scope), or a logged-in browser session with a valid CSRF token (DRF's SessionAuthentication
+    checks it: another site's page must not spend a logged-in user's generations); raises _Refused
+    with the 401, 403 or 429 to answer otherwise. Every call counts against the REST API's throttles (the same rates),
     refused ones too: a caller without a valid key counts by its address, as an anonymous one, so
     guessing keys is throttled like any other anonymous call."""
     user, auth, refusal = await _identify(request)
@@ -87,24 +89,27 @@ async def _user(request: HttpRequest):
 
 
 async def _identify(request: HttpRequest) -> tuple[object, object, JsonResponse | None]:
-    """(who calls, their API key or None, the refusal to answer or None)."""
-    key = bearer_key(request.headers.get("Authorization", ""))
-    if key:
-        found = await database_sync_to_async(authenticate_api_key)(key=key)
-        if found is None:
-            return AnonymousUser(), None, _unauthenticated()
-        if not found.allows(Scope.INFERENCE):
-            message = f"this API key lacks the '{Scope.INFERENCE}' scope (it has: {', '.join(found.scopes)})"
-            return found.user, found, error(403, message, kind="permission_error", code="insufficient_scope")
-        return found.user, found, None
+    """(who calls, their API key or None, the refusal to answer or None), by the REST API's own
+    authentication classes (``DEFAULT_AUTHENTICATION_CLASSES``): an API key, else a logged-in
+    session held to its CSRF token. On the plain request: DRF's ``Request`` would parse the body to
+    look for a form's CSRF token."""
+    try:
+        found = await database_sync_to_async(ApiKeyAuthentication().authenticate)(request)
+    except AuthenticationFailed:
+        return AnonymousUser(), None, _unauthenticated()
+    if found is not None:
+        user, key = found
+        if not key.allows(Scope.INFERENCE):
+            message = f"this API key lacks the '{Scope.INFERENCE}' scope (it has: {', '.join(key.scopes)})"
+            return user, key, error(403, message, kind="permission_error", code="insufficient_scope")
+        return user, key, None
     user = await request.auser()
     if not user.is_authenticated:
         return user, None, _unauthenticated()
-    check = CSRFCheck(lambda _: None)
-    check.process_request(request)  # reads the CSRF cookie, as DRF's SessionAuthentication does
-    reason = check.process_view(request, None, (), {})
-    if reason:
-        return user, None, error(403, f"CSRF Failed: {reason}", kind="permission_error", code="csrf_failed")
+    try:
+        SessionAuthentication().enforce_csrf(request)
+    except PermissionDenied as exc:
+        return user, None, error(403, str(exc.detail), kind="permission_error", code="csrf_failed")
     return user, None, None
 
 
