@@ -96,6 +96,9 @@ class ExpertBytes:
     coded: set[tuple[int, int]]
     dense: int
     decode_scratch: int  # the largest coded tensor's decode scratch on a GPU (0: none coded)
+    expert_bytes: int  # the largest expert as the checkpoint holds it
+    largest_coded: int  # the most bytes a coded expert takes as stored (0: none coded)
+    largest_pinned: int  # the largest expert as the pinned allocator holds it
 
     @classmethod
     def of(cls, tensors: Sequence[TensorSize]) -> ExpertBytes:
@@ -116,17 +119,17 @@ class ExpertBytes:
                 coded.add(pair)
             pinned[pair] = pinned.get(pair, 0) + pinned_block_bytes(tensor.nbytes)
         scratch = max((_device_decode_scratch(t) for t in tensors if t.stored is not None), default=0)
-        return cls(experts, stored, pinned, coded, dense, scratch)
-
-    @property
-    def expert_bytes(self) -> int:
-        """The largest expert as the checkpoint holds it."""
-        return max(self.experts.values(), default=0)
-
-    @property
-    def largest_coded(self) -> int:
-        """The most bytes a coded expert takes as stored (0: none coded)."""
-        return max((self.stored[pair] for pair in self.coded), default=0)
+        return cls(
+            experts,
+            stored,
+            pinned,
+            coded,
+            dense,
+            scratch,
+            expert_bytes=max(experts.values(), default=0),
+            largest_coded=max((stored[pair] for pair in coded), default=0),
+            largest_pinned=max(pinned.values(), default=0),
+        )
 
 
 def main_memory(
@@ -199,7 +202,7 @@ def worker_memory(
         host = (min(settings.staging_buffers, depth) + (depth if coded else 0)) * expert_bytes + RUNTIME_OVERHEAD_BYTES
     elif expert_store == "hot":
         owned_pinned = sum(held.pinned.get(pair, 0) for pair in plan.owned(worker))
-        most = (settings.hot_experts + depth) * max(held.pinned.values(), default=0)
+        most = (settings.hot_experts + depth) * held.largest_pinned
         host = min(owned_pinned, most) + RUNTIME_OVERHEAD_BYTES
     else:
         # Coded experts stay coded in RAM; each load decodes one into a fresh buffer, up to depth at once.
