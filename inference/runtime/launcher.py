@@ -106,23 +106,35 @@ def port_range() -> tuple[int, int]:
     return max(1024, top - 12000), top
 
 
+# Ports ``free_port`` has handed out in this process: a caller often picks several before binding any
+# (a cluster's roles, a server and its Redis), and a probe that was free a moment ago is free again.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port free to listen on, chosen below the kernel's ephemeral range (or in ``port_range``'s).
+    """A port free to listen on, chosen below the kernel's ephemeral range (or in ``port_range``'s),
+    and not one this process has handed out before (until half the range has been).
 
     A port picked from the ephemeral range (what binding port 0 gives) can be taken by any
     outgoing connection between the pick and the role's own bind; below that range only
     another listener can take it.
     """
     low, high = port_range()
+    handed_here = {port for port in _HANDED_OUT if low <= port <= high}
+    if len(handed_here) > (high - low + 1) // 2:
+        _HANDED_OUT.difference_update(handed_here)
     rng = random.Random()
     for _ in range(200):
         port = rng.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
