@@ -57,6 +57,11 @@ class Message(WireStruct, kw_only=True):
     deliver_at: float = 0.0
 
 
+def own_fields(cls: type[Message]) -> tuple[str, ...]:
+    """The fields ``cls`` declares beyond ``Message``'s envelope, in declaration order."""
+    return tuple(name for name in cls.__struct_fields__ if name not in Message.__struct_fields__)
+
+
 M = TypeVar("M", bound=type[WireStruct])
 
 

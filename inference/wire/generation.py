@@ -19,11 +19,11 @@ does: JSON has no infinity, and the agent link refuses one.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Protocol
+from typing import Annotated, ClassVar
 
 import msgspec
 
-from inference.wire.base import Message, declared
+from inference.wire.base import Message, declared, own_fields
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's chat bound)
 # OpenAI's bounds on its sampling knobs: a penalty in [-2, 2], a logit bias in [-100, 100]; at most
@@ -44,27 +44,53 @@ class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, arra
     top: list[tuple[int, float]] = []
 
 
-# A request's sampling knobs besides temperature and top-p, as ``Generate`` and ``ShadowBegin`` name them.
+# A request's sampling knobs besides temperature and top-p, as ``Sampled`` names them.
 KNOBS = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
 
 
-class Knobbed(Protocol):
-    """A message that carries the sampling knobs (``Generate``, ``ShadowBegin``)."""
+class Sampled(Message, kw_only=True):
+    """What a request asks of the sampler: ``Generate``, and the ``ShadowBegin`` by which the shadow
+    follows it, carry these fields alike (``inference.runtime.engine.sampling.request_sampler``).
 
-    top_k: int | None
-    min_p: float | None
-    repetition_penalty: float | None
-    frequency_penalty: float
-    presence_penalty: float
-    logit_bias: list[tuple[int, float]]
+    Greedy unless ``do_sample``; ``temperature``, ``top_p`` and ``seed`` as Transformers' ``generate``
+    takes them. The knobs (``KNOBS``): ``top_k``, ``min_p`` and ``repetition_penalty`` as Transformers'
+    ``generate`` takes them (None: the model's generation config's; top-k and min-p shape sampling
+    only); ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` ((token id, bias) pairs:
+    msgpack maps take no integer keys) as OpenAI documents them, greedy or sampled.
+
+    ``grammar``: the answer must keep to it (constrained decoding; "" for none), in llguidance's
+    serialized form. ``answered``: how many of the prompt's last tokens are the answer's own, sent
+    before main's restart (0 for none); ``Generate`` says more of both.
+    """
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = []
+    grammar: str = ""
+    answered: int = 0
+
+    def sampling(self) -> dict[str, object]:
+        """These fields, by name: what another ``Sampled`` carries on of this one."""
+        return {name: getattr(self, name) for name in SAMPLED_FIELDS}
 
 
-def knobs_of(msg: Knobbed) -> dict[str, object]:
+SAMPLED_FIELDS = own_fields(Sampled)
+
+
+def knobs_of(msg: Sampled) -> dict[str, object]:
     """A message's sampling knobs, by name (``sampler_for``'s keywords)."""
     return {name: getattr(msg, name) for name in KNOBS}
 
 
-class Generate(Message, kw_only=True, tag="generate"):
+class Generate(Sampled, kw_only=True, tag="generate"):
     """A generation for main to run; ``deployment`` is the deployment's runtime key.
 
     Greedy unless ``do_sample``. ``user`` says who asked (an opaque id, e.g. the control
@@ -97,33 +123,16 @@ class Generate(Message, kw_only=True, tag="generate"):
     console's live view reads them past the agent, so the control plane asks for them only
     while a console watches: a report is most of a token's bytes on every hop.
 
-    The sampling knobs (``inference.runtime.engine.sampling``): ``top_k``, ``min_p`` and
-    ``repetition_penalty`` as Transformers' ``generate`` takes them (None: the model's generation
-    config's; top-k and min-p shape sampling only); ``frequency_penalty``, ``presence_penalty`` and
-    ``logit_bias`` ((token id, bias) pairs: msgpack maps take no integer keys) as OpenAI documents
-    them, greedy or sampled.
+    Its sampling (``do_sample``, ``temperature``, ``top_p``, ``seed`` and the knobs) is ``Sampled``'s.
     """
 
     request_id: str
     prompt_ids: list[int]
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = []
     user: str = ""
     prefix_namespace: str = ""
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
-    grammar: str = ""
-    answered: int = 0
     step_reports: bool = True
 
 

@@ -18,7 +18,7 @@ import msgspec
 
 from inference.constants import MAX_DRAFT_TOKENS
 from inference.wire.base import Message, Tensor, declared
-from inference.wire.generation import MAX_LOGIT_BIAS, Done, Failed, Generate, Token
+from inference.wire.generation import Done, Failed, Generate, Sampled, Token
 
 # --- lifecycle and health -------------------------------------------------------------
 
@@ -101,7 +101,7 @@ class SequenceLeave(Message, kw_only=True, tag="sequence_leave"):
     last_step: int
 
 
-class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
+class ShadowBegin(Sampled, kw_only=True, tag="shadow_begin"):
     """The shadow starts emulating a request: it prefills the prompt on its own, reusing only its
         tenant's prefix-cache blocks (``user`` and ``prefix_namespace``: the ``Generate``'s). The
         request's sampling (its parameters and knobs, the ``Generate``'s) and the seed main's generator
@@ -112,24 +112,11 @@ class ShadowBegin(Message, kw_only=True, tag="shadow_begin"):
 
     TENSORS: ClassVar[tuple[str, ...]] = ("prompt_ids",)
     request_id: str
-    max_new_tokens: int
     token_period: int
     kv_period: int
     prompt_ids: Tensor
     user: str = ""
     prefix_namespace: str = ""
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = []
-    grammar: str = ""
-    answered: int = 0
 
 
 class Align(Message, kw_only=True, tag="align"):

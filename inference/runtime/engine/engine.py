@@ -44,7 +44,6 @@ from inference.runtime.metrics import build_metrics, step_report
 from inference.runtime.prefix_cache import Block, PrefixCache, cache_from, namespace_root
 from inference.runtime.prerouter import SequenceRoutes
 from inference.runtime.records import RequestState, StepRecord
-from inference.wire.generation import knobs_of
 from inference.wire.runtime import Align, Done, DraftAsk, Drafts, Failed, Generate, Prediction, ShadowBegin, Token
 
 if TYPE_CHECKING:
@@ -485,21 +484,15 @@ def distinct_experts(steps: list) -> float:
 def shadow_begin(msg: Generate, generator: torch.Generator | None, token_period: int, kv_period: int) -> ShadowBegin:
     """What the shadow follows a joining sequence with: its prompt, tenant, grammar and sampling,
     with the seed its generator drew from (main's own draw where the request named none)."""
+    seed = generator.initial_seed() if generator is not None else None
     return ShadowBegin(
         request_id=msg.request_id,
-        max_new_tokens=msg.max_new_tokens,
         token_period=token_period,
         kv_period=kv_period,
         prompt_ids=torch.tensor(msg.prompt_ids, dtype=torch.long),
         user=msg.user,
         prefix_namespace=msg.prefix_namespace,
-        do_sample=msg.do_sample,
-        temperature=msg.temperature,
-        top_p=msg.top_p,
-        seed=generator.initial_seed() if generator is not None else None,
-        grammar=msg.grammar,
-        answered=msg.answered,
-        **knobs_of(msg),
+        **msg.sampling() | {"seed": seed},
     )
 
 

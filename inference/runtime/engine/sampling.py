@@ -38,13 +38,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from inference.runtime.engine.grammar import Constraint
-from inference.wire.generation import LOGPROB_FLOOR, Knobbed, TokenLogprob, knobs_of
+from inference.wire.generation import LOGPROB_FLOOR, Sampled, TokenLogprob, knobs_of
 
 # Resolved generation-config fields this engine does not implement, and the value that means "off".
 UNSUPPORTED: dict[str, object] = {
@@ -65,7 +64,7 @@ UNSUPPORTED: dict[str, object] = {
 }
 
 
-def shapes_greedy(msg: Knobbed) -> bool:
+def shapes_greedy(msg: Sampled) -> bool:
     """Whether the knobs change a greedy answer (top-k and min-p shape only sampling)."""
     return bool(
         msg.repetition_penalty not in (None, 1.0) or msg.frequency_penalty or msg.presence_penalty or msg.logit_bias
@@ -206,21 +205,9 @@ def sampler_for(
     return Sampler(processors, bool(config.do_sample), generator, ids, constraint)
 
 
-class SampledRequest(Knobbed, Protocol):
-    """What ``request_sampler`` reads of a request: main's ``Generate``, or the ``ShadowBegin`` the
-    shadow follows it by (main's seed where the request named none)."""
-
-    max_new_tokens: int
-    do_sample: bool
-    temperature: float
-    top_p: float
-    seed: int | None
-    answered: int
-
-
 def request_sampler(
     model: PreTrainedModel,
-    msg: SampledRequest,
+    msg: Sampled,
     *,
     prompt_len: int,
     device: torch.device,

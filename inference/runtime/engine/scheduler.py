@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from inference.wire.generation import (
     LOGIT_BIAS_LIMIT,
@@ -19,7 +18,8 @@ from inference.wire.generation import (
     MAX_TOP_K,
     MAX_TOP_LOGPROBS,
     PENALTY_LIMIT,
-    Knobbed,
+    Generate,
+    Sampled,
 )
 
 
@@ -62,19 +62,7 @@ def refusal(decision: Admission, *, max_per_user: int, running: int, waiting: in
     return f"main is full: {running} sequences running and {waiting} waiting; try again when one ends"
 
 
-class RequestFields(Knobbed, Protocol):
-    """What ``request_problem`` reads of a generation request."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    do_sample: bool
-    temperature: float
-    top_p: float
-    top_logprobs: int
-    answered: int
-
-
-def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:
+def request_problem(msg: Generate, *, vocab: int, context: int) -> str:
     """Why a generation request cannot be served by a model of ``vocab`` tokens and ``context``
     positions ("" when it can)."""
     if not msg.prompt_ids:
@@ -102,7 +90,7 @@ def request_problem(msg: RequestFields, *, vocab: int, context: int) -> str:
     return ""
 
 
-def knobs_problem(msg: RequestFields, *, vocab: int) -> str:
+def knobs_problem(msg: Sampled, *, vocab: int) -> str:
     """Why a request's sampling knobs cannot be honoured ("" when they can): each within the
     bounds Transformers or OpenAI give it, and a logit bias only for tokens of the model."""
     if msg.top_k is not None and not 0 <= msg.top_k <= MAX_TOP_K:
