@@ -188,12 +188,7 @@ def sample_messages(shape: Shape) -> tuple[ExpertRequest, ExpertResult]:
         weights=torch.rand(shape.top_k),
     )
     result = ExpertResult(
-        request_id="r" * 12,
-        step=7,
-        layer=3,
-        experts=experts,
-        counts=[1] * shape.top_k,
-        offsets=[0] * shape.top_k,
+        **request.segments(),
         output=torch.randn(shape.top_k, shape.hidden),
         wait_ms=0.01,
         compute_ms=0.05,
@@ -296,12 +291,7 @@ def _endpoint_echo(address: str, hidden: int, top_k: int, count: int, keys: Endp
         msg = received.msg
         assert isinstance(msg, ExpertRequest) and msg.rows is not None
         answer = ExpertResult(
-            request_id=msg.request_id,
-            step=msg.step,
-            layer=msg.layer,
-            experts=msg.experts,
-            counts=msg.counts,
-            offsets=msg.offsets,
+            **msg.segments(),
             output=msg.rows,
             wait_ms=result.wait_ms,
             compute_ms=result.compute_ms,

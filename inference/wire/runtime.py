@@ -17,7 +17,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from inference.constants import MAX_DRAFT_TOKENS
-from inference.wire.base import Message, Tensor, declared
+from inference.wire.base import Message, Tensor, declared, own_fields
 from inference.wire.generation import Done, Failed, Generate, Sampled, Token
 
 # --- lifecycle and health -------------------------------------------------------------
@@ -160,7 +160,27 @@ class Drafts(Message, kw_only=True, tag="drafts"):
     tokens: Annotated[list[int], msgspec.Meta(max_length=MAX_DRAFT_TOKENS)]
 
 
-class ExpertRequest(Message, kw_only=True, tag="expert_request"):
+class ExpertSegments(Message, kw_only=True):
+    """Which rows of (step, layer) go to which expert: ``ExpertRequest`` and the ``ExpertResult``
+    that answers it name them alike. ``experts[i]``'s segment is ``counts[i]`` rows starting at row
+    ``offsets[i]`` of that expert's rows."""
+
+    request_id: str
+    step: int
+    layer: int
+    experts: list[int]
+    counts: list[int]
+    offsets: list[int]
+
+    def segments(self) -> dict[str, object]:
+        """These fields, by name: what an answer repeats of its request."""
+        return {name: getattr(self, name) for name in SEGMENT_FIELDS}
+
+
+SEGMENT_FIELDS = own_fields(ExpertSegments)
+
+
+class ExpertRequest(ExpertSegments, kw_only=True, tag="expert_request"):
     """Compute these experts for (step, layer); an empty list releases any prefetch.
 
     ``rows`` holds, segment after segment, hidden-state rows routed to ``experts[i]``:
@@ -173,12 +193,6 @@ class ExpertRequest(Message, kw_only=True, tag="expert_request"):
     """
 
     TENSORS: ClassVar[tuple[str, ...]] = ("rows", "weights")
-    request_id: str
-    step: int
-    layer: int
-    experts: list[int]
-    counts: list[int]
-    offsets: list[int]
     final: bool = True
     previous_step_s: float = 0.0
     rows: Tensor | None = None
@@ -194,16 +208,10 @@ class End(Message, kw_only=True, tag="end"):
 # --- workers / shadow -> main -------------------------------------------------------------
 
 
-class ExpertResult(Message, kw_only=True, tag="expert_result"):
+class ExpertResult(ExpertSegments, kw_only=True, tag="expert_result"):
     """Weighted expert outputs for the request's segments, in the order of its rows."""
 
     TENSORS: ClassVar[tuple[str, ...]] = ("output",)
-    request_id: str
-    step: int
-    layer: int
-    experts: list[int]
-    counts: list[int]
-    offsets: list[int]
     output: Tensor
     wait_ms: float  # time spent waiting for experts to reach the device
     compute_ms: float  # time spent computing the experts

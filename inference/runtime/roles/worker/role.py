@@ -278,12 +278,7 @@ class WorkerRole:
         output = (torch.cat(done) if len(done) > 1 else done[0]).cpu()
         compute_ms += (time.perf_counter() - waiting) * 1000  # the CPU's experts not done beside the device's
         result = ExpertResult(
-            request_id=msg.request_id,
-            step=msg.step,
-            layer=msg.layer,
-            experts=msg.experts,
-            counts=msg.counts,
-            offsets=msg.offsets,
+            **msg.segments(),
             output=output,
             wait_ms=wait_ms,
             compute_ms=compute_ms,
