@@ -26,9 +26,9 @@ def test_knobs_within_bounds_become_generate_s_fields() -> None:
         "repetition_penalty": 1.1,
         "frequency_penalty": -2.0,
         "presence_penalty": 2.0,
-        "logit_bias": ((0, 0.5), (3, 100.0), (17, -100.0)),
+        "logit_bias": [(0, 0.5), (3, 100.0), (17, -100.0)],
     }
-    msg = Generate(request_id="r", prompt_ids=[1], max_new_tokens=1, **Sampling(**knobs).request_fields())
+    msg = Generate(request_id="r", prompt_ids=[1], max_new_tokens=1, **Sampling(knobs=knobs).request_fields())
     assert (msg.top_k, msg.logit_bias) == (40, [(0, 0.5), (3, 100.0), (17, -100.0)])
     # vLLM's "no top-k" is Transformers' 0; nulls and an empty bias ask for nothing.
     assert check_knobs({"top_k": -1}, vocab=64) == {"top_k": 0}

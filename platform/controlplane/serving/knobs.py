@@ -33,7 +33,7 @@ def _number(value: object) -> bool:
 
 
 def check_knobs(body: Mapping[str, object], vocab: int) -> dict[str, object]:
-    """The knobs ``body`` sets, as ``Generate``'s fields (``Sampling``'s), for a model of ``vocab``
+    """The knobs ``body`` sets, as ``Generate``'s fields (``Sampling.knobs``), for a model of ``vocab``
     tokens; what it leaves out or sends as null is left at its neutral value."""
     knobs: dict[str, object] = {}
     top_k = body.get("top_k")
@@ -66,7 +66,7 @@ def check_knobs(body: Mapping[str, object], vocab: int) -> dict[str, object]:
     return knobs
 
 
-def _logit_bias(bias: object, vocab: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(bias: object, vocab: int) -> list[tuple[int, float]]:
     """``logit_bias`` as (token id, bias) pairs in id order."""
     if not isinstance(bias, dict):
         message = 'logit_bias must be an object from token ids to biases, e.g. {"50256": -100}'
@@ -87,4 +87,4 @@ def _logit_bias(bias: object, vocab: int) -> tuple[tuple[int, float], ...]:
                 param="logit_bias",
             )
         pairs[token] = float(value)
-    return tuple(sorted(pairs.items()))
+    return sorted(pairs.items())

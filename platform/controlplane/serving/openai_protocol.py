@@ -123,7 +123,7 @@ def parse_ask(body: dict, chat: bool) -> Ask:
         )
     tokenizer = target.tokenizer
     vocab = tokenizer.vocab_size if target.vocab is None else min(target.vocab, tokenizer.vocab_size)
-    sampling = dataclasses.replace(sampling, **check_knobs(body, vocab))
+    sampling = dataclasses.replace(sampling, knobs=check_knobs(body, vocab))
     texts: list[str] = []
     starts: list[list[int]] = []
     # Text that cannot fit the context is refused from its length before it is tokenized: a

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
@@ -30,18 +31,13 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 means greedy; a seed makes sampling repeatable; the knobs (``knobs.check_knobs``)
-    are ``Generate``'s, None or 0 where they ask for nothing."""
+    """temperature 0 means greedy; a seed makes sampling repeatable; ``knobs``, the request's other
+    sampling knobs by ``Generate``'s names (``knobs.check_knobs``), each left out asking for nothing."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    knobs: Mapping[str, object] = field(default_factory=dict)
 
     def request_fields(self) -> dict:
         greedy = self.temperature == 0
@@ -50,12 +46,7 @@ class Sampling:
             "temperature": 1.0 if greedy else self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-            "logit_bias": list(self.logit_bias),
+            **self.knobs,
         }
 
 
