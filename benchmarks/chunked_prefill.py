@@ -157,10 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         provenance.write(
             args.json,
             {
-                "roles": roles.kind(args),
-                "profile": args.profile,
-                "emulation": emulation.as_dict(),
-                "workers": args.workers,
+                **roles.emulated_cluster(args, emulation),
                 "decoders": args.decoders,
                 "long_prompt": args.long_prompt,
                 "new_tokens": args.new_tokens,

@@ -290,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         provenance.write(
             args.json,
             {
-                "roles": roles.kind(args),
-                "profile": args.profile,
-                "emulation": emulation.as_dict(),
-                "workers": args.workers,
+                **roles.emulated_cluster(args, emulation),
                 "prompt_len": args.prompt_len,
                 "new_tokens": args.new_tokens,
                 "repeats": args.repeats,

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NotRequired, TypedDict, Unpack
 
 import matplotlib
 
 matplotlib.use("Agg")  # before pyplot: no display, also headless
 
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 DPI = 120
@@ -28,39 +30,41 @@ def _save(fig: Figure, path: str | Path) -> Path:
     return path
 
 
+class Labels(TypedDict):
+    """What a plot's axes say: its title, each axis's label, and optionally the y range and the
+    legend's title."""
+
+    title: str
+    xlabel: str
+    ylabel: str
+    ylim: NotRequired[tuple[float, float] | None]
+    legend_title: NotRequired[str | None]
+
+
+def _label(ax: Axes, labels: Labels, *, legend: bool, grid_axis: str = "both") -> None:
+    ax.set_title(labels["title"])
+    ax.set_xlabel(labels["xlabel"])
+    ax.set_ylabel(labels["ylabel"])
+    if labels.get("ylim") is not None:
+        ax.set_ylim(*labels["ylim"])
+    ax.grid(True, axis=grid_axis, alpha=0.3)
+    if legend:
+        ax.legend(title=labels.get("legend_title"), loc="best", fontsize="small")
+
+
 def line_plot(
-    path: str | Path,
-    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
-    *,
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    ylim: tuple[float, float] | None = None,
-    legend_title: str | None = None,
+    path: str | Path, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], **labels: Unpack[Labels]
 ) -> Path:
     """One line per entry of ``series`` (label -> (xs, ys)) on shared axes."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, (xs, ys) in series.items():
         ax.plot(list(xs), list(ys), label=label, linewidth=1.6)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    if ylim is not None:
-        ax.set_ylim(*ylim)
-    ax.grid(True, alpha=0.3)
-    if series:
-        ax.legend(title=legend_title, loc="best", fontsize="small")
+    _label(ax, labels, legend=bool(series))
     return _save(fig, path)
 
 
 def scatter_plot(
-    path: str | Path,
-    points: Mapping[str, tuple[float, float]],
-    *,
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    log_y: bool = False,
+    path: str | Path, points: Mapping[str, tuple[float, float]], *, log_y: bool = False, **labels: Unpack[Labels]
 ) -> Path:
     """One point per entry of ``points`` (label -> (x, y)), named in the legend."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -68,25 +72,12 @@ def scatter_plot(
         ax.scatter([x], [y], s=40, label=label)
     if log_y:
         ax.set_yscale("log")
-    if points:
-        ax.legend(loc="best", fontsize="small")
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
+    _label(ax, labels, legend=bool(points))
     return _save(fig, path)
 
 
 def bar_plot(
-    path: str | Path,
-    groups: Sequence[str],
-    series: Mapping[str, Sequence[float]],
-    *,
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    ylim: tuple[float, float] | None = None,
-    legend_title: str | None = None,
+    path: str | Path, groups: Sequence[str], series: Mapping[str, Sequence[float]], **labels: Unpack[Labels]
 ) -> Path:
     """Grouped bars: one group per entry of ``groups``, one bar per series (label -> a value per group)."""
     fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(groups) * max(1, len(series))), 4.5))
@@ -95,14 +86,7 @@ def bar_plot(
         offsets = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(offsets, list(values), width=width, label=label)
     ax.set_xticks(range(len(groups)), list(groups))
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    if ylim is not None:
-        ax.set_ylim(*ylim)
-    ax.grid(True, axis="y", alpha=0.3)
-    if series:
-        ax.legend(title=legend_title, loc="best", fontsize="small")
+    _label(ax, labels, legend=bool(series), grid_axis="y")
     return _save(fig, path)
 
 

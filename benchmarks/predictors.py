@@ -156,11 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         provenance.write(
             args.json,
             {
-                "roles": roles.kind(args),
+                **roles.emulated_cluster(args, emulation),
                 "model": str(args.model),
-                "profile": args.profile,
-                "emulation": emulation.as_dict(),
-                "workers": args.workers,
                 "prompts": args.prompts,
                 "new_tokens": args.new_tokens,
                 "exact": exact,

@@ -7,6 +7,10 @@ docs' renderer refuses it as a source of figures."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from inference.tools.emulation import Emulation
 
 PROCESSES = "processes"
 THREADS = "threads"
@@ -23,3 +27,14 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
 def kind(args: argparse.Namespace) -> str:
     """What the run's JSON records under ``roles``."""
     return THREADS if args.in_process else PROCESSES
+
+
+def emulated_cluster(args: argparse.Namespace, emulation: Emulation) -> dict[str, object]:
+    """What a run on an emulated cluster records first: how its roles ran, the hardware profile it
+    emulated (``emulation``: the figures it took from it) and its workers."""
+    return {
+        "roles": kind(args),
+        "profile": args.profile,
+        "emulation": emulation.as_dict(),
+        "workers": args.workers,
+    }
