@@ -265,7 +265,8 @@ STATUS: tuple[Figure, ...] = (
     Figure(
         "`make test` on a fresh clone, two pytest-xdist workers (the default since 6fcda84)",
         "suite",
-        "suite-test-2026-12-05-9-xdist.json,suite-test-2026-12-05-1?.json,suite-test-2026-12-06-*.json:wall_s",
+        # Every run since the switch: all but the serial runs before it.
+        "suite-test-*.json,!suite-test-2026-12-05-[1-8].json:wall_s",
         "x0.0166667 .1f",
         "min",
         judged_by="make-test",
@@ -296,9 +297,18 @@ def load(name: str) -> dict:
 
 
 def results_matching(glob: str) -> list[str]:
-    """The result files a glob names; several globs may be joined by commas."""
+    """The result files a glob names; several globs may be joined by commas, and one that begins
+    with ``!`` leaves out what it matches (``suite-test-*.json,!suite-test-2026-12-05-[1-8].json``)."""
     globs = [g.strip() for g in glob.split(",")]
-    names = sorted(p.name for p in RESULTS.glob("*.json") if any(fnmatch.fnmatchcase(p.name, g) for g in globs))
+    kept = [g for g in globs if not g.startswith("!")]
+    left_out = [g[1:] for g in globs if g.startswith("!")]
+
+    def named(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, g) for g in kept) and not any(
+            fnmatch.fnmatchcase(name, g) for g in left_out
+        )
+
+    names = sorted(p.name for p in RESULTS.glob("*.json") if named(p.name))
     if not names:
         raise RenderError(f"{glob}: no result matches")
     return names

@@ -154,3 +154,15 @@ def test_every_target_is_judged_on_the_not_reached_page_and_readme_takes_its_goa
     none_lost = Target("y", "y", "guide", "load", 0, AT_MOST, "load-*.json:chat.lost", every=True)
     assert not none_lost.reached([0, 0, 1]) and none_lost.reached([0, 0])
     assert Target("z", "z", "52", "drafts", 1.3, AT_LEAST, None).goal == "≥ 1.3"
+
+
+def test_a_glob_that_begins_with_a_bang_leaves_its_matches_out() -> None:
+    """The two-worker row of the suite counts every run but the serial ones before the switch,
+    those of days not yet written included."""
+    every = render_docs.results_matching("suite-test-*.json")
+    two_workers = render_docs.results_matching("suite-test-*.json,!suite-test-2026-12-05-[1-8].json")
+    serial = [f"suite-test-2026-12-05-{n}.json" for n in range(1, 9)]
+    assert set(serial) <= set(every) and sorted(set(every) - set(serial)) == two_workers
+    assert "suite-test-2026-12-05-9-xdist.json" in two_workers and "suite-test-2026-12-07-50.json" in two_workers
+    with pytest.raises(render_docs.RenderError, match="no result matches"):
+        render_docs.results_matching("suite-test-*.json,!suite-test-*.json")
