@@ -183,9 +183,8 @@ SEGMENT_FIELDS = own_fields(ExpertSegments)
 class ExpertRequest(ExpertSegments, kw_only=True, tag="expert_request"):
     """Compute these experts for (step, layer); an empty list releases any prefetch.
 
-    ``rows`` holds, segment after segment, hidden-state rows routed to ``experts[i]``:
-    ``counts[i]`` rows starting at row ``offsets[i]`` of that expert's rows, and
-    ``weights`` their routing weights. A long prefill arrives as several such requests
+    ``rows`` holds the segments' hidden-state rows (``ExpertSegments``), one segment after
+    another, and ``weights`` their routing weights. A long prefill arrives as several such requests
     (mini-batches); the worker keeps an expert on the device until a ``final`` request
     for it, the one carrying its last rows. ``previous_step_s`` is how long the session's
     previous step took as main timed it (0 for its first): every worker of a layer group hears
