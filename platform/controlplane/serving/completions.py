@@ -148,6 +148,10 @@ def build_request(
     prompt_logprobs: bool = False,
     grammar: str = "",
 ) -> Generate:
+    """The request main is sent for ``caller`` (main shares its batch fairly between users and
+    keeps each user's prefix cache apart); ``logprobs``: each token's logprob and this many
+    alternatives (None: none); ``prompt_logprobs``: the prompt's too; ``grammar``: the answer
+    keeps to it (``Generate.grammar``)."""
     return Generate(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -162,47 +166,19 @@ def build_request(
     )
 
 
-async def astream(
-    target: Target,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    sampling: Sampling,
-    *,
-    caller: Caller,
-    request_id: str | None = None,
-    logprobs: int | None = None,
-    prompt_logprobs: bool = False,
-    grammar: str = "",
-) -> AsyncIterator[TextDelta | CompletionResult]:
-    """Text deltas as the cluster produces tokens, then the result (its text is the whole answer).
-
-    ``caller``: who asks (main shares its batch fairly between users; the tokens are counted to
-    them and their key); ``logprobs``: each token's logprob and this many alternatives (None:
-    none); ``prompt_logprobs``: the prompt's too; ``grammar``: the answer keeps to it
-    (``Generate.grammar``).
-    """
+async def astream(target: Target, request: Generate, *, caller: Caller) -> AsyncIterator[TextDelta | CompletionResult]:
+    """Text deltas as the cluster produces ``request``'s tokens (``build_request``), then the
+    result (its text is the whole answer); the tokens are counted to ``caller`` and their key."""
     tokenizer = await database_sync_to_async(lambda: target.tokenizer, thread_sensitive=False)()
-    assembler = Assembler(tokenizer, len(prompt_ids))
-    request = build_request(
-        prompt_ids, max_new_tokens, sampling, request_id, caller, logprobs, prompt_logprobs, grammar
-    )
+    assembler = Assembler(tokenizer, len(request.prompt_ids))
     async for event in generation.astream(target.deployment_id, request, caller=caller):
         for item in assembler.feed(event):
             yield item
 
 
-def complete(
-    target: Target,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    sampling: Sampling,
-    *,
-    caller: Caller,
-    request_id: str | None = None,
-) -> CompletionResult:
-    """The whole completion (synchronous), counted to ``caller``."""
-    assembler = Assembler(target.tokenizer, len(prompt_ids))
-    request = build_request(prompt_ids, max_new_tokens, sampling, request_id, caller)
+def complete(target: Target, request: Generate, *, caller: Caller) -> CompletionResult:
+    """The whole completion of ``request`` (synchronous), counted to ``caller``."""
+    assembler = Assembler(target.tokenizer, len(request.prompt_ids))
     for event in generation.stream(target.deployment_id, request, caller=caller):
         for item in assembler.feed(event):
             if isinstance(item, CompletionResult):

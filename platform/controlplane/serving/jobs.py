@@ -40,7 +40,14 @@ from controlplane.storable import storable_json, storable_text
 
 from . import metrics
 from .bounds import JOB_PROMPTS, PROMPT_CHARS, check_max_tokens
-from .completions import ClusterGenerationError, ClusterUnavailable, CompletionResult, complete, find_target
+from .completions import (
+    ClusterGenerationError,
+    ClusterUnavailable,
+    CompletionResult,
+    build_request,
+    complete,
+    find_target,
+)
 from .models import ENDED, Job, JobOutput, JobStatus, OutputStatus
 from .results import metrics_summary, stored_bytes
 from .selectors import stored_job_bytes
@@ -212,7 +219,8 @@ def run_output(*, output_id: int, attempt: int = 0) -> None:
         target = find_target(job.model_name)
         ids = encode_prompt(target.tokenizer, output.prompt)
         caller = caller_of(job.owner_id, job.api_key)
-        result = complete(target, ids, job.max_tokens, sampling, caller=caller, request_id=output.request_id)
+        request = build_request(ids, job.max_tokens, sampling, output.request_id, caller)
+        result = complete(target, request, caller=caller)
     except (ClusterUnavailable, ClusterGenerationError, RedisError, OSError) as exc:
         # Redis unreachable (it restarts) is retryable too: the generation's events travel through it.
         retryable = not isinstance(exc, ClusterGenerationError) or exc.retryable

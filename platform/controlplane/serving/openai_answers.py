@@ -30,6 +30,7 @@ from .completions import (
     CompletionResult,
     TextDelta,
     astream,
+    build_request,
     new_request_id,
 )
 from .logprobs import Scored, chat_logprobs, legacy_logprobs, prompt_tokens
@@ -76,17 +77,17 @@ class Choice:
         echoed = ""
         scored: list[Scored] = []  # logprobs not yet handed out
         try:
-            async for item in astream(
-                ask.target,
+            request = build_request(
                 self.prompt_ids,
                 ask.max_tokens,
                 self.sampling,
-                request_id=self.request_id,
-                caller=ask.caller,
+                self.request_id,
+                ask.caller,
                 logprobs=ask.logprobs,
                 prompt_logprobs=ask.echo and ask.logprobs is not None,
                 grammar=ask.structure.grammar,
-            ):
+            )
+            async for item in astream(ask.target, request, caller=ask.caller):
                 if ask.echo and not echoed:  # the prompt first, with its logprobs (they come with the first token)
                     echoed = self.prompt_text
                     yield echoed, self._echoed(ask, item), None
