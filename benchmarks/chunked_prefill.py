@@ -153,24 +153,21 @@ def main(argv: list[str] | None = None) -> int:
             f"| {ttft['median']:.0f} ({ttft['min']:.0f}–{ttft['max']:.0f}) | {whole_equal[step]} |"
         )
     print(f"\nevery answer token-identical to Transformers' run with the same prefill pieces: {exact}")
-    if args.json:
-        provenance.write(
-            args.json,
-            {
-                **roles.emulated_cluster(args, emulation),
-                "decoders": args.decoders,
-                "long_prompt": args.long_prompt,
-                "new_tokens": args.new_tokens,
-                "repeats": args.repeats,
-                "exact": exact,
-                "long_answer_equals_whole_prompt_run": {str(s): v for s, v in whole_equal.items()},
-                "prefill_steps": {str(s): f for s, f in results.items()},
-            },
-            begun,
-            "torch",
-            "transformers",
-            depends_on=DEPENDS_ON,
-        )
+    roles.write_emulated(
+        args,
+        emulation,
+        {
+            "decoders": args.decoders,
+            "long_prompt": args.long_prompt,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "exact": exact,
+            "long_answer_equals_whole_prompt_run": {str(s): v for s, v in whole_equal.items()},
+            "prefill_steps": {str(s): f for s, f in results.items()},
+        },
+        begun,
+        DEPENDS_ON,
+    )
     return 0 if exact else 1
 
 

@@ -286,24 +286,21 @@ def main(argv: list[str] | None = None) -> int:
             add_scaling(per_count)
             results[strategy] = per_count
     print_table(results, args, exact)
-    if args.json:
-        provenance.write(
-            args.json,
-            {
-                **roles.emulated_cluster(args, emulation),
-                "prompt_len": args.prompt_len,
-                "new_tokens": args.new_tokens,
-                "repeats": args.repeats,
-                "batch_arithmetic": args.batch_arithmetic,
-                "max_resident_experts": args.max_resident_experts,  # 0: each worker's group's depth
-                "exact": exact,
-                "strategies": {name: {str(c): f for c, f in pc.items()} for name, pc in results.items()},
-            },
-            begun,
-            "torch",
-            "transformers",
-            depends_on=DEPENDS_ON,
-        )
+    roles.write_emulated(
+        args,
+        emulation,
+        {
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "batch_arithmetic": args.batch_arithmetic,
+            "max_resident_experts": args.max_resident_experts,  # 0: each worker's group's depth
+            "exact": exact,
+            "strategies": {name: {str(c): f for c, f in pc.items()} for name, pc in results.items()},
+        },
+        begun,
+        DEPENDS_ON,
+    )
     if args.plots:
         line_plot(
             args.plots / "concurrency.png",

@@ -152,22 +152,19 @@ def main(argv: list[str] | None = None) -> int:
             f"| {f['predictor_gpu_bytes'] / 1e9:.2f} GB | {f['nodes']} |"
         )
     print(f"\nevery output token-identical to Transformers: {exact}")
-    if args.json:
-        provenance.write(
-            args.json,
-            {
-                **roles.emulated_cluster(args, emulation),
-                "model": str(args.model),
-                "prompts": args.prompts,
-                "new_tokens": args.new_tokens,
-                "exact": exact,
-                "predictors": results,
-            },
-            begun,
-            "torch",
-            "transformers",
-            depends_on=DEPENDS_ON,
-        )
+    roles.write_emulated(
+        args,
+        emulation,
+        {
+            "model": str(args.model),
+            "prompts": args.prompts,
+            "new_tokens": args.new_tokens,
+            "exact": exact,
+            "predictors": results,
+        },
+        begun,
+        DEPENDS_ON,
+    )
     return 0 if exact else 1
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from benchmarks import provenance
+
 if TYPE_CHECKING:
     from inference.tools.emulation import Emulation
 
@@ -29,12 +31,19 @@ def kind(args: argparse.Namespace) -> str:
     return THREADS if args.in_process else PROCESSES
 
 
-def emulated_cluster(args: argparse.Namespace, emulation: Emulation) -> dict[str, object]:
-    """What a run on an emulated cluster records first: how its roles ran, the hardware profile it
-    emulated (``emulation``: the figures it took from it) and its workers."""
-    return {
+def write_emulated(
+    args: argparse.Namespace, emulation: Emulation, figures: dict, begun: dict, depends_on: tuple[str, ...]
+) -> None:
+    """A run on an emulated cluster, written at ``args.json`` when it was given: how its roles ran,
+    the hardware profile it emulated (``emulation``: the figures it took from it) and its workers,
+    then the benchmark's ``figures``, with the provenance of the run ``begun`` and the versions of
+    Torch and Transformers, whose arithmetic the cluster runs (``provenance.write``)."""
+    if not args.json:
+        return
+    cluster = {
         "roles": kind(args),
         "profile": args.profile,
         "emulation": emulation.as_dict(),
         "workers": args.workers,
     }
+    provenance.write(args.json, cluster | figures, begun, "torch", "transformers", depends_on=depends_on)
