@@ -24,17 +24,7 @@ if TYPE_CHECKING:
     from inference.policies.placement import Placement
     from inference.runtime.engine.sequence import Sequence
     from inference.settings import DeploymentSettings
-    from inference.wire.runtime import (
-        Align,
-        Done,
-        DraftAsk,
-        Failed,
-        Generate,
-        ShadowBegin,
-        ShadowStats,
-        Token,
-        WorkerStats,
-    )
+    from inference.wire import runtime as wire
 
 
 @dataclass(frozen=True)
@@ -71,10 +61,10 @@ class Host(Protocol):
         """Whether a shadow follows the sequences now (there is one, and it is not lost)."""
         ...
 
-    def answer(self, client: bytes, event: Token | Done | Failed) -> None:
+    def answer(self, client: bytes, event: wire.Token | wire.Done | wire.Failed) -> None:
         """A request's event to the client that sent it."""
 
-    def tell_shadow(self, msg: Align | DraftAsk) -> None:
+    def tell_shadow(self, msg: wire.Align | wire.DraftAsk) -> None:
         """Main's token (and KV where due), or an ask for drafts, to the shadow."""
 
     def note_links(self) -> None:
@@ -86,15 +76,15 @@ class Host(Protocol):
     def begin_step(self) -> None:
         """A pass over the batch begins: the session's step moves on."""
 
-    def announce_join(self, msg: Generate, pieces: int, shadow_begin: ShadowBegin) -> int:
+    def announce_join(self, msg: wire.Generate, pieces: int, shadow_begin: wire.ShadowBegin) -> int:
         """A request joins the batch and prefills in ``pieces`` steps: a session is begun if none
         runs, the workers and the shadow told; the session step of its first token."""
         ...
 
-    def announce_leave(self, request_id: str, joined_step: int, *, last: bool) -> dict[int, WorkerStats]:
+    def announce_leave(self, request_id: str, joined_step: int, *, last: bool) -> dict[int, wire.WorkerStats]:
         """A sequence left; the last one ends the session: its workers' statistics ({} otherwise)."""
         ...
 
-    def end_shadow(self, request_id: str) -> ShadowStats | None:
+    def end_shadow(self, request_id: str) -> wire.ShadowStats | None:
         """The shadow told a sequence ended: its statistics for it, if they come in time."""
         ...

@@ -46,14 +46,7 @@ from inference.runtime.engine.runner import ModelRunner
 from inference.runtime.engine.sampling import Sampler, end_ids, request_sampler, shapes_greedy
 from inference.runtime.engine.scheduler import Work
 from inference.runtime.prefix_cache import PrefixCache, cache_from, namespace_root
-from inference.runtime.roles.common import (
-    answer_ping,
-    connect_peers,
-    handle_safely,
-    open_endpoint,
-    pick_device,
-    release_free_heap,
-)
+from inference.runtime.roles import common
 from inference.runtime.routing import resolve_arithmetic
 from inference.runtime.spec import RoleSpec
 from inference.runtime.transport import Received
@@ -126,7 +119,7 @@ class Emulation:
 class ShadowRole:
     def __init__(self, spec: RoleSpec) -> None:
         self.spec = spec
-        self.device = pick_device(spec.settings.device)
+        self.device = common.pick_device(spec.settings.device)
         manifest = verify_shard(spec.shard_dir, expect_role="shadow")
         self.placement = placement_from_dict(manifest["placement"])
         config = load_config(spec.shard_dir)
@@ -142,13 +135,13 @@ class ShadowRole:
         self.model, self.report = build_shadow_model(
             spec.shard_dir, shadow_dtype, self.device, eager_experts=arithmetic == "eager", verify=False
         )
-        release_free_heap()
+        common.release_free_heap()
         # Main runs at most max_batch sequences and ends each here before another takes its
         # place; beyond that the oldest state is stale (the memory estimate counts this many).
         self.max_states = SHADOW_STATES_PER_SEQUENCE * spec.settings.max_batch
         self.kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed_tokens" in n)
-        self.endpoint = open_endpoint(spec)
-        connect_peers(self.endpoint, spec, workers=True, shadow=False, main=True)
+        self.endpoint = common.open_endpoint(spec)
+        common.connect_peers(self.endpoint, spec, workers=True, shadow=False, main=True)
         self.states: dict[str, Emulation] = {}  # the sequences it follows, by request id
         self.family = family_of(self.model.config)
         self.runner = ModelRunner(self.model, self.family, self._serve_layer, lambda *_: None)
@@ -179,7 +172,7 @@ class ShadowRole:
                 if received is not None:
                     if isinstance(received.msg, Shutdown):
                         return
-                    handle_safely(self.handle, received)
+                    common.handle_safely(self.handle, received)
                     continue
                 if ready:
                     self._guarded(ready, partial(self.step, ready))
@@ -189,7 +182,7 @@ class ShadowRole:
 
     def handle(self, received: Received) -> None:
         msg = received.msg
-        if answer_ping(self.endpoint, received, self.spec.name, ready=True):
+        if common.answer_ping(self.endpoint, received, self.spec.name, ready=True):
             return
         state = self.states.get(getattr(msg, "request_id", None) or "")
         if isinstance(msg, ShadowBegin):
