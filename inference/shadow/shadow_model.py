@@ -26,6 +26,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -44,6 +45,9 @@ from inference.modelio.model import (
 )
 from inference.modelio.shards import RECORDS_FORMAT, load_role_tensors, read_manifest, verify_shard
 from inference.shadow import quant
+
+if TYPE_CHECKING:
+    from inference.modelio.families.base import Family
 
 CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 assert (*CAST_DTYPES, *quant.QUANT_SCHEMES) == SHADOW_DTYPES  # one list of names: inference.constants
@@ -65,6 +69,12 @@ def quantizable_linears(model: PreTrainedModel) -> set[str]:
     return {name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name not in tied}
 
 
+# What a checkpoint tensor is to the conversion (``_weights``).
+_KEPT, _ROUTER, _LINEAR, _EXPERT = "kept", "router", "linear", "expert"
+# The records of a quantized weight, by what it is: its data, then its state.
+_QUANTIZED_RECORDS = {_LINEAR: (".weight_data", ".weight_state"), _EXPERT: (".qdata", ".qstate")}
+
+
 def convert_tensors(
     tensors: Iterable[tuple[str, torch.Tensor]], config: PretrainedConfig, dtype: str, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,6 +86,24 @@ def convert_tensors(
     check_dtype(dtype)
     family = family_of(config)
     quantized = quantizable_linears(skeleton(config)) if dtype in quant.QUANT_SCHEMES else set()
+    for name, weight, kind in _weights(tensors, family, quantized, device):
+        kept = _kept_dtype(dtype, kind, weight)
+        if kept is not None:
+            yield name, weight.to(device, kept)
+            continue
+        q = quant.quantize_weight(weight.to(device), dtype)
+        data, state = _QUANTIZED_RECORDS[kind]
+        yield f"{name}{data}", q.data
+        yield f"{name}{state}", q.state
+
+
+def _weights(
+    tensors: Iterable[tuple[str, torch.Tensor]], family: Family, quantized: set[str], device: torch.device
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Each weight the shadow holds, in the order the tensors come, with what it is to the conversion:
+    a tensor kept (``_KEPT``, ``_ROUTER``) under its Transformers name; a quantized linear's weight
+    (``_LINEAR``) under its module's path; an expert's fused ``gate_up`` ([2I, H], ``w1`` over ``w3``,
+    on ``device`` once both came) or ``down`` ([H, I]) under its record's name (``_EXPERT``)."""
     pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         key = parse_expert_key(name)
@@ -83,19 +111,18 @@ def convert_tensors(
             hf = family.hf_name(name)
             path = hf.removesuffix(".weight")
             if hf.endswith(".weight") and path in quantized:
-                q = quant.quantize_weight(tensor.to(device), dtype)
-                yield f"{path}.weight_data", q.data
-                yield f"{path}.weight_state", q.state
+                yield path, tensor, _LINEAR
             else:
-                yield hf, tensor.to(device, _kept_dtype(dtype, family.is_router(name), tensor))
+                yield hf, tensor, _ROUTER if family.is_router(name) else _KEPT
             continue
         parts = pending.setdefault((key.layer, key.expert), {})
         parts[key.proj] = tensor
+        base = f"model.layers.{key.layer}.mlp.experts"
         if "w1" in parts and "w3" in parts:
             gate_up = torch.cat([parts.pop("w1").to(device), parts.pop("w3").to(device)])  # [2I, H]
-            yield from _expert_records(dtype, key.layer, key.expert, "gate_up", gate_up)
+            yield f"{base}.gate_up.{key.expert}", gate_up, _EXPERT
         if "w2" in parts:
-            yield from _expert_records(dtype, key.layer, key.expert, "down", parts.pop("w2").to(device))  # [H, I]
+            yield f"{base}.down.{key.expert}", parts.pop("w2"), _EXPERT  # [H, I]
         if not parts:
             del pending[(key.layer, key.expert)]
     if pending:
@@ -103,24 +130,15 @@ def convert_tensors(
         raise ValueError(f"expert {expert} of layer {layer} lacks {'w3' if 'w1' in parts else 'w1'}")
 
 
-def _kept_dtype(dtype: str, is_router: bool, tensor: torch.Tensor) -> torch.dtype:
-    if not tensor.is_floating_point() or dtype in quant.QUANT_SCHEMES:
-        return tensor.dtype  # quantized shadows keep what they don't quantize as it is
-    if is_router and dtype != "fp32":
-        return tensor.dtype  # routers keep the checkpoint's precision: they decide the routing
+def _kept_dtype(dtype: str, kind: str, weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype a ``dtype`` shadow keeps ``weight`` in, or None where it quantizes it."""
+    if kind in _QUANTIZED_RECORDS and dtype in quant.QUANT_SCHEMES:
+        return None
+    if not weight.is_floating_point() or dtype in quant.QUANT_SCHEMES:
+        return weight.dtype  # quantized shadows keep what they don't quantize as it is
+    if kind == _ROUTER and dtype != "fp32":
+        return weight.dtype  # routers keep the checkpoint's precision: they decide the routing
     return CAST_DTYPES[dtype]
-
-
-def _expert_records(
-    dtype: str, layer: int, expert: int, which: str, weight: torch.Tensor
-) -> Iterator[tuple[str, torch.Tensor]]:
-    base = f"model.layers.{layer}.mlp.experts.{which}.{expert}"
-    if dtype in quant.QUANT_SCHEMES:
-        q = quant.quantize_weight(weight, dtype)
-        yield f"{base}.qdata", q.data
-        yield f"{base}.qstate", q.state
-    else:
-        yield base, weight.to(CAST_DTYPES[dtype])
 
 
 @dataclass
