@@ -10,10 +10,10 @@ import torch
 from inference.building.fit import Placed, check_fit, check_plan_fit, gpu_index
 from inference.building.memory import GB, MemoryPlan, memory_from_checkpoint, memory_from_config, table
 from inference.building.role_memory import CUDA_CONTEXT_BYTES, RUNTIME_OVERHEAD_BYTES, RoleMemory
-from inference.building.sharding import build_shards, keys_for_role
+from inference.building.sharding import build_shards
 from inference.constants import SHADOW_STATES_PER_SEQUENCE
-from inference.modelio.checkpoint import Checkpoint, parse_expert_key
-from inference.modelio.shards import Role, load_role_tensors
+from inference.modelio.checkpoint import Checkpoint, expert_keys, parse_expert_key
+from inference.modelio.shards import load_role_tensors
 from inference.policies.placement import placement
 from inference.policies.strategies import home_experts
 from inference.runtime.spec import DeploymentSettings
@@ -55,7 +55,7 @@ def kv_bytes(ckpt: Checkpoint, element: int, sequences: int) -> int:
 
 def test_main_holds_every_non_expert_tensor_and_its_kv_cache(ckpt: Checkpoint) -> None:
     plan = plan_of(ckpt)
-    dense = real_bytes(ckpt, keys_for_role(ckpt, placement(3, 6, 3, WORKERS), Role("main")))
+    dense = real_bytes(ckpt, ckpt.dense_keys())
     assert dense == real_bytes(ckpt, [k for k in ckpt if parse_expert_key(k) is None])
     assert plan.checkpoint_dtype_bytes == 2
     assert plan.main == RoleMemory(
@@ -134,7 +134,7 @@ def test_workers_hold_exactly_the_experts_of_their_shards(ckpt: Checkpoint) -> N
         plan = plan_of(ckpt, strategy=strategy)
         assert plan.expert_bytes == one_expert
         for worker in range(WORKERS):
-            shard = real_bytes(ckpt, keys_for_role(ckpt, layout, Role("worker", worker)))
+            shard = real_bytes(ckpt, expert_keys(sorted(layout.owned(worker))))
             need = plan.role(f"worker-{worker}")
             assert (need.host_bytes, need.disk_bytes) == (shard + RUNTIME_OVERHEAD_BYTES, shard)
             homes = home_experts(layout, worker)
@@ -153,7 +153,7 @@ def test_workers_hold_exactly_the_experts_of_their_shards(ckpt: Checkpoint) -> N
     # A GPU box holds the loader's pinned staging buffers: as many as a copy pass holds (2), of the 3 allowed.
     assert on_disk.host_bytes == 2 * one_expert + RUNTIME_OVERHEAD_BYTES
     assert on_disk.cpu_bytes == on_disk.host_bytes + 2 * one_expert
-    assert on_disk.disk_bytes == real_bytes(ckpt, keys_for_role(ckpt, layout, Role("worker", 0)))
+    assert on_disk.disk_bytes == real_bytes(ckpt, expert_keys(sorted(layout.owned(0))))
     one = plan_of(ckpt, expert_store="disk", staging_buffers=1).role("worker-0")
     assert one.host_bytes == one_expert + RUNTIME_OVERHEAD_BYTES
     deep = plan_of(ckpt, expert_store="disk", max_resident_experts=4).role("worker-0")

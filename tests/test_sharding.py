@@ -273,3 +273,42 @@ def test_rebuild_replaces_previous_set(model: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["main", "shadow", "shards.json", "worker-0"]
     verify_shard(shard_set.worker(0), expect_worker=0)
     assert len(_names(shard_set.worker(0))) == 4 * 8 * 3  # a lone worker owns every expert
+
+
+def _disk_with_free(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+    """The disk under every build reports ``free`` bytes free (a full disk cannot be made here)."""
+    real = shutil.disk_usage
+
+    def usage(path: object) -> object:
+        return real(path)._replace(free=free)
+
+    monkeypatch.setattr("inference.building.sharding.shutil.disk_usage", usage)
+
+
+def test_a_build_the_disk_cannot_hold_is_refused_before_anything_is_deleted(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    old = build_shards(model, out, workers=1)
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    _disk_with_free(monkeypatch, 0)
+    # Four workers' shards hold the same experts as one worker's, and a second shadow converted to
+    # bf16 more: more than the set it replaces.
+    with pytest.raises(ShardError, match=r"not enough disk space.*counting the .* GB the build replaces.*Nothing"):
+        build_shards(model, out, workers=4, shadow_dtypes=("bf16",))
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+    verify_shard(old.worker(0), expect_worker=0)
+    with pytest.raises(ShardError, match="not enough disk space"):
+        build_shards(model, tmp_path / "new", workers=1)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_rebuild_counts_the_set_it_replaces_as_free(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    build_shards(model, out, workers=2)
+    _disk_with_free(monkeypatch, 0)
+    shard_set = build_shards(model, out, workers=2)  # the same shards again: the old set's room is enough
+    verify_shard(shard_set.worker(1), expect_worker=1)
+

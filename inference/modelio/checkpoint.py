@@ -89,6 +89,12 @@ def expert_key_name(layer: int, expert: int, proj: str) -> str:
     return shard_expert_name(layer, expert, proj)
 
 
+def expert_keys(experts: Iterable[tuple[int, int]]) -> list[str]:
+    """The shard-layout tensor names of ``experts`` ((layer, expert) pairs, in that order), each
+    expert's projections in ``EXPERT_PROJS`` order: what a worker's shard holds of them."""
+    return [expert_key_name(layer, expert, proj) for layer, expert in experts for proj in EXPERT_PROJS]
+
+
 def parse_expert_key(name: str) -> ExpertKey | None:
     """The expert a tensor name belongs to, or ``None`` for every non-expert tensor."""
     match = _EXPERT_RE.fullmatch(name)
@@ -203,6 +209,10 @@ class Checkpoint:
             else:
                 keys.append(name)
         return keys
+
+    def dense_keys(self) -> list[str]:
+        """Every tensor name but the routed experts' (what main holds: routers included)."""
+        return [key for key in self.keys() if not is_expert_key(key)]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
