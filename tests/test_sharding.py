@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from inference.building.sharding import build_shards
+from inference.constants import SIMILARITY_FILE
 from inference.modelio.checkpoint import Checkpoint, is_expert_key, parse_expert_key
 from inference.modelio.shards import ShardError, ShardSet, load_role_tensors, verify_shard
 from inference.policies.placement import placement
@@ -312,3 +313,13 @@ def test_a_rebuild_counts_the_set_it_replaces_as_free(
     shard_set = build_shards(model, out, workers=2)  # the same shards again: the old set's room is enough
     verify_shard(shard_set.worker(1), expect_worker=1)
 
+
+def test_a_set_with_main_s_tables_is_rebuilt_in_place(model: Path, tmp_path: Path) -> None:
+    source = tmp_path / "model"
+    shutil.copytree(model, source)
+    (source / SIMILARITY_FILE).write_bytes(b"tables")  # copied to main as it is: what the build writes
+    out = tmp_path / "out"
+    build_shards(source, out, workers=1)
+    assert (out / "main" / SIMILARITY_FILE).read_bytes() == b"tables"
+    shard_set = build_shards(source, out, workers=2)
+    verify_shard(shard_set.main, expect_role="main")

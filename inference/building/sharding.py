@@ -40,7 +40,7 @@ from pathlib import Path
 from inference.building.shard_pass import ProgressFn, write_plan
 from inference.building.shard_plan import ShardPlan, plan_shadow_shards, plan_shards
 from inference.building.shard_writer import DEFAULT_MAX_FILE_BYTES, PART_RE, TOKENIZER_FILES
-from inference.constants import EXPERT_CODECS, SHADOW_DTYPES
+from inference.constants import EXPERT_CODECS, MAIN_EXTRAS, SHADOW_DTYPES
 from inference.modelio.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 from inference.modelio.shards import MANIFEST_FILE, SET_FILE, ShardError, ShardSet, is_role_dirname
 
@@ -169,7 +169,7 @@ def _is_ours(entry: Path) -> bool:
         return entry.name in (SET_FILE, SET_FILE + ".tmp")
     if not (entry.is_dir() and is_role_dirname(entry.name)):
         return False
-    ours = {MANIFEST_FILE, MANIFEST_FILE + ".tmp", CONFIG_FILE, *TOKENIZER_FILES}
+    ours = {MANIFEST_FILE, MANIFEST_FILE + ".tmp", CONFIG_FILE, *TOKENIZER_FILES, *MAIN_EXTRAS}
     return all(
         child.is_file() and not child.is_symlink() and (child.name in ours or PART_RE.fullmatch(child.name))
         for child in entry.iterdir()
