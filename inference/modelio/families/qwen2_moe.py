@@ -30,14 +30,34 @@ def check_all_layers_sparse(config: Mapping[str, Any]) -> None:
 
 
 @dataclass(frozen=True)
-class Qwen2Moe(PerExpertFamily):
-    model_type: str = "qwen2_moe"
-    causal_lm: str = "Qwen2MoeForCausalLM"
+class QwenMoeFamily(PerExpertFamily):
+    """What the Qwen MoE releases share: experts of ``moe_intermediate_size``, every layer sparse
+    (``check_all_layers_sparse``), and the release config's layer, norm and rope fields."""
+
     intermediate_field: str = "moe_intermediate_size"
 
     def check(self, config: Mapping[str, Any]) -> None:
         super().check(config)
         check_all_layers_sparse(config)
+
+    def release_config(self, shape: Mapping[str, int]) -> dict[str, Any]:
+        return super().release_config(shape) | {
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
+
+
+@dataclass(frozen=True)
+class Qwen2Moe(QwenMoeFamily):
+    model_type: str = "qwen2_moe"
+    causal_lm: str = "Qwen2MoeForCausalLM"
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        super().check(config)
         self.shared_intermediate(config)
 
     def release_config(self, shape: Mapping[str, int]) -> dict[str, Any]:
@@ -45,12 +65,6 @@ class Qwen2Moe(PerExpertFamily):
             "intermediate_size": shape["shared_intermediate"],  # the dense MLP's width, unused here
             "shared_expert_intermediate_size": shape["shared_intermediate"],
             "norm_topk_prob": False,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1e6,
-            "use_sliding_window": False,
-            "sliding_window": None,
         }
 
     def shared_intermediate(self, config: Mapping[str, Any]) -> int:

@@ -10,31 +10,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from inference.modelio.families.base import PerExpertFamily, Shapes, _attention_dims
-from inference.modelio.families.qwen2_moe import check_all_layers_sparse
+from inference.modelio.families.base import Shapes, _attention_dims
+from inference.modelio.families.qwen2_moe import QwenMoeFamily
 
 
 @dataclass(frozen=True)
-class Qwen3Moe(PerExpertFamily):
+class Qwen3Moe(QwenMoeFamily):
     model_type: str = "qwen3_moe"
     causal_lm: str = "Qwen3MoeForCausalLM"
-    intermediate_field: str = "moe_intermediate_size"
-
-    def check(self, config: Mapping[str, Any]) -> None:
-        super().check(config)
-        check_all_layers_sparse(config)
 
     def release_config(self, shape: Mapping[str, int]) -> dict[str, Any]:
         return super().release_config(shape) | {
             "intermediate_size": 3 * shape["intermediate"],  # the dense MLP's width, unused here
             "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
             "attention_bias": False,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1e6,
-            "use_sliding_window": False,
-            "sliding_window": None,
         }
 
     def attention_shapes(self, config: Mapping[str, Any], prefix: str) -> Shapes:
