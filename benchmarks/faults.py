@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks import provenance, substance
+from benchmarks.spread import spread
 from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import DeploymentSettings
 from inference.wire.generation import Done, Token
@@ -69,10 +70,6 @@ def wait_back(cluster: LocalCluster, victim: str, timeout_s: float = 120) -> Non
         time.sleep(0.3)
 
 
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEMO_MODEL)
@@ -98,16 +95,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 wait_back(cluster, victim)
             results["roles"][victim] = {
-                "stall_ms": summary([r["stall_ms"] for r in runs]),
-                "normal_step_ms": summary([r["normal_step_ms"] for r in runs]),
+                "stall_ms": spread([r["stall_ms"] for r in runs]),
+                "normal_step_ms": spread([r["normal_step_ms"] for r in runs]),
                 "all_exact": all(r["exact"] for r in runs),
                 "runs": runs,
             }
     for victim, found in results["roles"].items():
         stall, step = found["stall_ms"], found["normal_step_ms"]
-        spread = f"{stall['min']:.0f}-{stall['max']:.0f}"
+        span = f"{stall['min']:.0f}-{stall['max']:.0f}"
         print(
-            f"{victim} killed mid-answer: stall {stall['median']:.0f} ms median ({spread}) "
+            f"{victim} killed mid-answer: stall {stall['median']:.0f} ms median ({span}) "
             f"vs a normal step of {step['median']:.0f} ms; every answer exact: {found['all_exact']}"
         )
     if args.json:

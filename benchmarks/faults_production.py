@@ -39,6 +39,7 @@ from pathlib import Path
 
 from agent.runtime import MAX_RESTARTS
 from benchmarks import provenance, substance
+from benchmarks.spread import spread
 from deploy import prodcheck
 
 # What its figures depend on beyond its own imports: the roles the agents run (benchmarks.substance).
@@ -146,10 +147,6 @@ def redeploy(stack: prodcheck.Stack, deployment: int) -> None:
     wait_ready(stack, deployment)
 
 
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=5)
@@ -188,17 +185,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 wait_ready(stack, deployment)
             results["faults"][fault] = {
-                "stall_ms": summary([r["stall_ms"] for r in runs]),
-                "normal_step_ms": summary([r["normal_step_ms"] for r in runs]),
+                "stall_ms": spread([r["stall_ms"] for r in runs]),
+                "normal_step_ms": spread([r["normal_step_ms"] for r in runs]),
                 "complete": sum(r["status"] == "complete" for r in runs),
                 "same_as_undisturbed": sum(r["same_as_undisturbed"] for r in runs),
                 "runs": runs,
             }
     for fault, found in results["faults"].items():
         stall = found["stall_ms"]
-        spread = f"{stall['min']:.0f}-{stall['max']:.0f}"
+        span = f"{stall['min']:.0f}-{stall['max']:.0f}"
         print(
-            f"{fault} killed mid-answer: stall {stall['median']:.0f} ms median ({spread}), "
+            f"{fault} killed mid-answer: stall {stall['median']:.0f} ms median ({span}), "
             f"{found['complete']} of {args.trials} complete, {found['same_as_undisturbed']} the same as undisturbed"
         )
     if args.json:
