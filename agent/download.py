@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent.credentials import NodeCredential
-from agent.http import ControlPlaneError, unreachable_message
-from agent.tls import ServerTrust, TrustError
+from agent.http import ControlPlaneError, control_plane_errors
+from agent.tls import ServerTrust
 from inference.modelio.shards import (
     MANIFEST_FILE,
     ShardError,
@@ -129,35 +129,29 @@ def _download(
     if have == size:
         return
     request = _request(credential, url, offset=have)
-    try:
-        with trust.open(request, timeout_s=60) as response, part.open("ab" if have else "wb") as out:
-            if have and response.status != 206:  # the server ignored the range: start over
-                out.truncate(0)
-                have = 0
-            while have < size and (chunk := response.read(min(CHUNK, size - have))):
-                out.write(chunk)
-                have += len(chunk)
-                progress(have)
-            if have == size and response.read(1):
-                raise ControlPlaneError(f"GET {url} sent more than the manifest's {size} bytes")
-    except urllib.error.HTTPError as exc:
-        raise ControlPlaneError(f"GET {url}: {exc.code} {exc.reason}", status=exc.code) from None
-    except TrustError as exc:
-        raise ControlPlaneError(str(exc)) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ControlPlaneError(f"download of {url} stopped: {getattr(exc, 'reason', exc)}") from None
+    with (
+        control_plane_errors("GET", url, _stopped),
+        trust.open(request, timeout_s=60) as response,
+        part.open("ab" if have else "wb") as out,
+    ):
+        if have and response.status != 206:  # the server ignored the range: start over
+            out.truncate(0)
+            have = 0
+        while have < size and (chunk := response.read(min(CHUNK, size - have))):
+            out.write(chunk)
+            have += len(chunk)
+            progress(have)
+        if have == size and response.read(1):
+            raise ControlPlaneError(f"GET {url} sent more than the manifest's {size} bytes")
+
+
+def _stopped(url: str, exc: BaseException) -> str:
+    return f"download of {url} stopped: {getattr(exc, 'reason', exc)}"
 
 
 def _get(credential: NodeCredential, trust: ServerTrust, url: str) -> bytes:
-    try:
-        with trust.open(_request(credential, url, offset=0), timeout_s=60) as response:
-            return response.read()
-    except urllib.error.HTTPError as exc:
-        raise ControlPlaneError(f"GET {url}: {exc.code} {exc.reason}", status=exc.code) from None
-    except TrustError as exc:
-        raise ControlPlaneError(str(exc)) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ControlPlaneError(unreachable_message(url, exc)) from None
+    with control_plane_errors("GET", url), trust.open(_request(credential, url, offset=0), timeout_s=60) as response:
+        return response.read()
 
 
 def _request(credential: NodeCredential, url: str, *, offset: int) -> urllib.request.Request:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 
 from agent.tls import ServerTrust, TrustError
 
@@ -39,15 +41,25 @@ def request_json(
     if authorization:
         headers["Authorization"] = authorization
     req = urllib.request.Request(url, data=data, headers=headers, method=method)
+    with control_plane_errors(method, url), (trust or ServerTrust(url)).open(req, timeout_s=timeout_s) as response:
+        return json.loads(response.read() or b"{}")
+
+
+@contextlib.contextmanager
+def control_plane_errors(
+    method: str, url: str, unreachable: Callable[[str, BaseException], str] | None = None
+) -> Iterator[None]:
+    """A request's failures as ``ControlPlaneError``: a refusal with its status and the server's
+    reason, a certificate the box does not trust, or the server out of reach (``unreachable``
+    says so for a person; ``unreachable_message`` unless given)."""
     try:
-        with (trust or ServerTrust(url)).open(req, timeout_s=timeout_s) as response:
-            return json.loads(response.read() or b"{}")
+        yield
     except urllib.error.HTTPError as exc:
         raise ControlPlaneError(f"{method} {url}: {exc.code} {_reason(exc)}", status=exc.code) from None
     except TrustError as exc:
         raise ControlPlaneError(str(exc)) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise ControlPlaneError(unreachable_message(url, exc)) from None
+        raise ControlPlaneError((unreachable or unreachable_message)(url, exc)) from None
 
 
 def unreachable_message(url: str, exc: BaseException) -> str:
