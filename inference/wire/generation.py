@@ -44,16 +44,12 @@ class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, arra
     top: list[tuple[int, float]] = []
 
 
-# A request's sampling knobs besides temperature and top-p, as ``Sampled`` names them.
-KNOBS = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
-
-
 class Sampled(Message, kw_only=True):
     """What a request asks of the sampler: ``Generate``, and the ``ShadowBegin`` by which the shadow
     follows it, carry these fields alike (``inference.runtime.engine.sampling.request_sampler``).
 
     Greedy unless ``do_sample``; ``temperature``, ``top_p`` and ``seed`` as Transformers' ``generate``
-    takes them. The knobs (``KNOBS``): ``top_k``, ``min_p`` and ``repetition_penalty`` as Transformers'
+    takes them. The knobs: ``top_k``, ``min_p`` and ``repetition_penalty`` as Transformers'
     ``generate`` takes them (None: the model's generation config's; top-k and min-p shape sampling
     only); ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` ((token id, bias) pairs:
     msgpack maps take no integer keys) as OpenAI documents them, greedy or sampled.
@@ -83,11 +79,6 @@ class Sampled(Message, kw_only=True):
 
 
 SAMPLED_FIELDS = own_fields(Sampled)
-
-
-def knobs_of(msg: Sampled) -> dict[str, object]:
-    """A message's sampling knobs, by name (``sampler_for``'s keywords)."""
-    return {name: getattr(msg, name) for name in KNOBS}
 
 
 class Generate(Sampled, kw_only=True, tag="generate"):

@@ -10,7 +10,7 @@ seeded run draws what ``generate`` drew after ``torch.manual_seed(seed)``, whate
 the batch samples meanwhile. The end-of-sequence ids are the resolved config's, as
 ``generate``'s stopping criteria use them.
 
-The request's knobs (``inference.wire.generation.KNOBS``): ``top_k``, ``min_p`` and
+The request's knobs (``inference.wire.generation.Sampled``'s): ``top_k``, ``min_p`` and
 ``repetition_penalty`` are handed to ``generate``'s own resolution, so they act exactly as there
 (top-k and min-p only when sampling, as in ``generate``); ``frequency_penalty``,
 ``presence_penalty`` and ``logit_bias`` are OpenAI's (``OpenAIPenalties``): from each token's logit,
@@ -43,7 +43,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from inference.runtime.engine.grammar import Constraint
-from inference.wire.generation import LOGPROB_FLOOR, Sampled, TokenLogprob, knobs_of
+from inference.wire.generation import LOGPROB_FLOOR, Sampled, TokenLogprob
 
 # Resolved generation-config fields this engine does not implement, and the value that means "off".
 UNSUPPORTED: dict[str, object] = {
@@ -213,20 +213,11 @@ def request_sampler(
     device: torch.device,
     constraint: Constraint | None = None,
 ) -> Sampler:
-    """``sampler_for`` with a request's own parameters, knobs and ``answered``."""
-    return sampler_for(
-        model,
-        prompt_len=prompt_len,
-        max_new_tokens=msg.max_new_tokens,
-        do_sample=msg.do_sample,
-        temperature=msg.temperature,
-        top_p=msg.top_p,
-        seed=msg.seed,
-        device=device,
-        constraint=constraint,
-        **knobs_of(msg),
-        answered=msg.answered,
-    )
+    """``sampler_for`` with a request's own parameters, knobs and ``answered``: every field of
+    ``Sampled`` but its grammar, which reaches the sampler compiled (``constraint``)."""
+    fields = msg.sampling()
+    del fields["grammar"]
+    return sampler_for(model, prompt_len=prompt_len, device=device, constraint=constraint, **fields)
 
 
 def end_ids(model: PreTrainedModel, device: torch.device) -> frozenset[int]:
