@@ -40,13 +40,12 @@ class RoleShare:
 @dataclass(frozen=True)
 class ShardPlan:
     """A shard set's build: the shares to write (``shares``), reading ``read_bytes`` of the
-    checkpoint, and what the set's index and every manifest record: the placement (as
-    ``Placement.to_dict`` gives it), the model's summary, the set's roles once built (``roles``,
-    the shares' and any already there) and its pre-converted shadows."""
+    checkpoint, and what the set's index and every manifest record: the placement, the model's
+    summary, the set's roles once built (``roles``, the shares' and any already there) and its
+    pre-converted shadows."""
 
     root: Path
     placement: Placement
-    placement_record: dict[str, Any]
     model: dict[str, Any]
     shares: tuple[RoleShare, ...]
     roles: tuple[Role, ...]
@@ -75,7 +74,6 @@ def plan_shards(
     check_experts_present(ckpt)
     layout = placement(ckpt.n_layers, ckpt.n_experts, ckpt.top_k, workers)
     owned = {worker: tuple(sorted(layout.owned(worker))) for worker in range(workers)}
-    record = layout.to_dict()
     roles = shard_roles(workers, shadow_dtypes)
     tensors = checkpoint_tensors(ckpt)  # sizing reads every header, so a damaged source file fails here
     shares, read = [], 0
@@ -90,7 +88,7 @@ def plan_shards(
         codec = expert_codec if experts is not None else "none"
         shares.append(RoleShare(role, root / role.dirname, tuple(keys), nbytes, experts, codec))
         read += source
-    return ShardPlan(root, layout, record, model_summary(ckpt), tuple(shares), roles, shadow_dtypes, expert_codec, read)
+    return ShardPlan(root, layout, model_summary(ckpt), tuple(shares), roles, shadow_dtypes, expert_codec, read)
 
 
 def plan_shadow_shards(ckpt: Checkpoint, shard_set: ShardSet, shadow_dtypes: Sequence[str]) -> ShardPlan:
@@ -98,20 +96,15 @@ def plan_shadow_shards(ckpt: Checkpoint, shard_set: ShardSet, shadow_dtypes: Seq
     (each reads the whole checkpoint once)."""
     keys = tuple(ckpt.keys())
     tensors = checkpoint_tensors(ckpt)
+    roles = [Role("shadow", shadow_dtype=dtype) for dtype in shadow_dtypes]
     shares = tuple(
-        RoleShare(
-            Role("shadow", shadow_dtype=dtype),
-            shard_set.root / Role("shadow", shadow_dtype=dtype).dirname,
-            keys,
-            shadow_weight_bytes(tensors, dtype),
-        )
-        for dtype in shadow_dtypes
+        RoleShare(role, shard_set.root / role.dirname, keys, shadow_weight_bytes(tensors, role.shadow_dtype))
+        for role in roles
     )
     dtypes = (*shard_set.shadow_dtypes, *shadow_dtypes)
     return ShardPlan(
         shard_set.root,
         shard_set.placement,
-        shard_set.placement.to_dict(),
         shard_set.model,
         shares,
         tuple(shard_roles(shard_set.placement.n_workers, dtypes)),

@@ -87,7 +87,7 @@ def write_set_index(plan: ShardPlan) -> None:
     index = {
         "format": SET_FORMAT,
         "model": plan.model,
-        "placement": plan.placement_record,
+        "placement": plan.placement.to_dict(),
         "shadow_dtypes": list(plan.shadow_dtypes),
         "expert_codec": plan.expert_codec,
         "roles": [{"role": role.role, "worker": role.worker, "dir": role.dirname} for role in plan.roles],
@@ -145,7 +145,7 @@ def _manifest(plan: ShardPlan, share: RoleShare, stored: dict[str, StoredTensor]
         "role": role.role,
         "worker": role.worker,
         "shadow_dtype": role.shadow_dtype,
-        "placement": plan.placement_record,
+        "placement": plan.placement.to_dict(),
         "experts": [list(pair) for pair in share.experts] if share.experts is not None else None,
         "files": files,
     }
