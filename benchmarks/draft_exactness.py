@@ -7,9 +7,10 @@ layout), 8 staggered streams in one batch are served greedily and with seeded sa
 cluster without drafts, and by one drafting 4 tokens a pass for each shadow dtype (fp16, int8,
 nf4). Every greedy answer must equal Transformers' ``generate``, and every answer, greedy or
 sampled, the cluster's without drafts (sampling has no Transformers reference here beyond main's
-sampler, which ``tests/test_engine.py`` checks against seeded ``generate``). Lossy shadows make drafts
-that main rejects, so rejection is exercised in every cell; each cell records its drafts kept.
-``tests/test_drafts_e2e.py`` runs a pairwise subset of this matrix in ``make test``.
+sampler, which ``tests/inference/runtime/engine/test_engine.py`` checks against seeded
+``generate``). Lossy shadows make drafts that main rejects, so rejection is exercised in every
+cell; each cell records its drafts kept.
+``tests/inference/runtime/test_drafts_e2e.py`` runs a pairwise subset of this matrix in ``make test``.
 """
 
 from __future__ import annotations

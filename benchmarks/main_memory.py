@@ -13,7 +13,7 @@ least-squares slope of the peak over N; the KV cache a sequence fills is printed
 A fresh cluster per N, because a process's peak never comes down.
 
 The checkpoint (6 layers, hidden 1024, 8 experts of width 3584, 8 query and 4 key-value
-heads, bf16) is the one ``tests/test_role_memory.py`` checks each role's bound on; it is made
+heads, bf16) is the one ``tests/inference/runtime/test_role_memory.py`` checks each role's bound on; it is made
 in a temporary directory unless ``--model`` names one.
 """
 

@@ -5,7 +5,7 @@ before and after, versions: ``record``). Every benchmark writes its result throu
 
 ``write`` records the substance of the code the result depends on (``code``, see
 ``benchmarks.substance``) and seals what it writes (``sealed``: a SHA-256 of the record's canonical JSON, ``seal``), so
-a field added or a figure changed by hand afterwards shows: ``tests/test_result_provenance.py``
+a field added or a figure changed by hand afterwards shows: ``tests/benchmarks/test_result_provenance.py``
 recomputes every seal."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     python -m benchmarks.render_docs --pages-only   # the pages alone: README is left as committed
 
 The rendered pages are committed, so README's links to them resolve where people read the
-repository; ``--check`` (``make docs``, ``make check`` through ``tests/test_render_docs.py``) fails
+repository; ``--check`` (``make docs``, ``make check`` through ``tests/benchmarks/test_render_docs.py``) fails
 when a committed page differs from what the results render (in a shallow clone, whose git history
 cannot name the commits of results without provenance, it compares README only).
 
@@ -57,7 +57,7 @@ figure equal to any number of the results it is traced against passes.
 of each result) that change with every commit that records a run; generating them in ``make
 docs`` (before ``mkdocs build --strict``) means they cannot drift, and there is no generated
 file to forget. README's status table is the exception: README must read well on the forge, so
-it is committed, between markers, and ``--check`` (run by ``tests/test_render_docs.py``) fails
+it is committed, between markers, and ``--check`` (run by ``tests/benchmarks/test_render_docs.py``) fails
 while it differs from what the results say.
 """
 

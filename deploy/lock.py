@@ -21,7 +21,7 @@ pip resolved. No source distribution is listed: ``--only-binary :all:`` keeps pi
 a build, whose own dependencies no hash would check.
 
 Run it again after changing ``constraints.txt`` or a requirements file;
-``tests/test_deploy.py`` fails while a lock disagrees with ``constraints.txt``.
+``tests/deploy/test_deploy.py`` fails while a lock disagrees with ``constraints.txt``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import REPO
+
+ROOT = REPO
 DURATIONS = Path(__file__).with_name("durations.json")
 UNKNOWN_S = 10.0
 

@@ -4,9 +4,10 @@ function over 80 lines in ``inference/runtime/``, checked on the source's syntax
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-RUNTIME = Path(__file__).resolve().parents[1] / "inference" / "runtime"
+from tests.paths import REPO
+
+RUNTIME = REPO / "inference" / "runtime"
 MAX_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 80
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from tests.durations import ROOT, UNKNOWN_S, from_junit, load, order
 
 JUNIT = """<testsuites><testsuite>
-<testcase classname="tests.test_store" name="a" time="30.5"/>
-<testcase classname="tests.test_store" name="b" time="4.5"/>
+<testcase classname="tests.inference.runtime.test_store" name="a" time="30.5"/>
+<testcase classname="tests.inference.runtime.test_store" name="b" time="4.5"/>
 <testcase classname="tests.controlplane.test_up" name="c" time="12"/>
-<testcase classname="tests.test_engine.TestEngine" name="d" time="2"/>
+<testcase classname="tests.inference.runtime.engine.test_engine.TestEngine" name="d" time="2"/>
 </testsuite></testsuites>"""
 
 
@@ -20,14 +20,22 @@ def test_a_runs_seconds_are_summed_per_file(tmp_path: Path) -> None:
     report.write_text(JUNIT)
     assert from_junit(report) == {
         "tests/controlplane/test_up.py": 12.0,
-        "tests/test_engine.py": 2.0,
-        "tests/test_store.py": 35.0,
+        "tests/inference/runtime/engine/test_engine.py": 2.0,
+        "tests/inference/runtime/test_store.py": 35.0,
     }
 
 
 def test_files_go_longest_first_and_one_not_measured_yet_counts_as_unknown(tmp_path: Path) -> None:
-    durations = {"tests/test_store.py": 35.0, "tests/test_engine.py": 2.0, "tests/controlplane/test_up.py": UNKNOWN_S}
-    paths = [ROOT / "tests/test_engine.py", ROOT / "tests/test_new.py", ROOT / "tests/test_store.py"]
+    durations = {
+        "tests/inference/runtime/test_store.py": 35.0,
+        "tests/inference/runtime/engine/test_engine.py": 2.0,
+        "tests/controlplane/test_up.py": UNKNOWN_S,
+    }
+    paths = [
+        ROOT / "tests/inference/runtime/engine/test_engine.py",
+        ROOT / "tests/test_new.py",
+        ROOT / "tests/inference/runtime/test_store.py",
+    ]
     paths.append(ROOT / "tests/controlplane/test_up.py")
     ranked = sorted(paths, key=order(paths, durations).get)
     # test_new (not measured) ties with test_up at UNKNOWN_S: by path, so every worker ranks alike.

@@ -10,12 +10,12 @@ held apart by an import inside a function, fails here too.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import grimp
 import networkx as nx
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.paths import REPO
+
 PACKAGES = ("inference", "agent", "controlplane", "benchmarks", "deploy")
 
 

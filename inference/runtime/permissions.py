@@ -26,7 +26,7 @@ that may send on it (``admitted_kinds``); everything else fails the CURVE handsh
 Why a table of wire names: this module imports neither torch nor zmq (the control plane
 derives who gets whose public keys from it, ``correspondents``), and a message type that is
 added to ``inference.wire.runtime`` is refused everywhere until a rule says who may send it;
-tests/test_permissions.py checks that every name here is a real message type.
+tests/inference/runtime/test_permissions.py checks that every name here is a real message type.
 """
 
 from __future__ import annotations

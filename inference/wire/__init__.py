@@ -16,6 +16,6 @@ link writes it as ``"type"``, the ZeroMQ header as ``"t"`` (``TYPE``). Both tags
 were before the vocabulary was merged, so a frame keeps its meaning. Arriving messages are
 validated by msgspec's strict typed decoding, never by hand.
 
-Importing this package never imports torch (``tests/test_wire.py`` checks it), so the
+Importing this package never imports torch (``tests/inference/wire/test_wire.py`` checks it), so the
 control plane's web and Celery processes can import any message.
 """

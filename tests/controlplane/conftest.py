@@ -32,8 +32,7 @@ from tests.controlplane.live import (
     database_url,
     purge_stale_tasks,
 )
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
 
 
 @pytest.fixture

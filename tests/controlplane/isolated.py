@@ -20,7 +20,6 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-REPO = Path(__file__).resolve().parents[2]
 # Who installs an agent as an ordinary user when the tests run as root: as root, the install
 # script makes a system user of its own, which is another path (tests/controlplane/test_install.py).
 NOBODY = pwd.getpwnam("nobody")

@@ -23,8 +23,7 @@ import pytest
 
 from controlplane.ops.processes import Child, ProcessGroup, agent_argv, asgi_argv, celery_argv, http_up, wait_until
 from tests.controlplane.link_cut import LinkCut
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
 
 
 def database_url() -> str:

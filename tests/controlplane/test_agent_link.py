@@ -29,8 +29,7 @@ from inference.runtime.launcher import free_port
 from inference.wire.link import AGENT_PROTOCOL, LINK_PATH, PROTOCOL_HEADER, Heartbeat, LinkPing, MessageError, parse
 from tests.controlplane.conftest import redis_channel_layers
 from tests.controlplane.live import database_url
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
 
 
 def enrolled(name: str = "box") -> tuple[Node, str]:

@@ -18,9 +18,9 @@ import pytest
 import inference
 from tests.controlplane.conftest import tiny_cluster
 from tests.controlplane.live import SERVED_MODEL, Served, purge_stale_tasks
+from tests.paths import REPO
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 SHOTS = Path(os.environ.get("ODMOE_SCREENSHOTS", REPO / "artifacts" / "screenshots"))
 CHROMIUM_ARGS = [
     "--headless",

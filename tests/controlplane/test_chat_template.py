@@ -29,6 +29,7 @@ from controlplane.serving.tokenizer import TextTokenizer
 from inference.modelio.families import FAMILIES
 from inference.runtime.textstream import load_tokenizer
 from inference.tools.tiny import BOS_ID, EOS_ID, make_tiny
+from tests.paths import REPO
 
 # Mixtral-Instruct's layout: one BOS, [INST] ... [/INST] around user turns, EOS after answers.
 INSTRUCT_TEMPLATE = (
@@ -138,7 +139,7 @@ def models_to_compare() -> list[tuple[str, str]]:
 def compared_model(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
     name, variant = request.param
     if name == "demo":
-        source = Path(__file__).resolve().parents[2] / "platform" / "demo-model"
+        source = REPO / "platform" / "demo-model"
         copy = tmp_path_factory.mktemp("demo") / "model"
         copy.mkdir()
         for file in ("tokenizer.json", "tokenizer_config.json", "config.json"):

@@ -36,6 +36,7 @@ from controlplane.ops.processes import ProcessGroup, python_env
 from inference.runtime.launcher import free_port
 from tests.controlplane.conftest import redis_channel_layers
 from tests.controlplane.live import Api, LiveControlPlane, database_url, purge_stale_tasks
+from tests.paths import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -53,7 +54,7 @@ class Live:
 # Hypothesis keeps its caches under var/ (which git ignores), not in a .hypothesis/ of the checkout;
 # set on import, since its pytest plugin gathers constants while collecting.
 if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:
-    set_hypothesis_home_dir(Path(__file__).resolve().parents[2] / "var" / "hypothesis")
+    set_hypothesis_home_dir(REPO / "var" / "hypothesis")
 
 
 @pytest.fixture

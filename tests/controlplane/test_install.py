@@ -28,12 +28,12 @@ from inference.runtime.launcher import free_port
 from tests.controlplane.isolated import (
     CONTROL_PLANE,
     NOBODY,
-    REPO,
     as_ordinary_user,
     install_isolated,
     link_dependencies,
 )
 from tests.controlplane.live import database_url
+from tests.paths import REPO
 
 
 def test_the_install_script_is_served_with_this_server_filled_in(db, settings) -> None:

@@ -28,7 +28,8 @@ import pytest
 
 from controlplane.serving.tokenizer import TextTokenizer
 from inference.runtime.launcher import free_port
-from tests.controlplane.live import REPO, manage_py_up, up_env
+from tests.controlplane.live import manage_py_up, up_env
+from tests.paths import REPO
 
 pytestmark = pytest.mark.slow
 DEMO = REPO / "platform" / "demo-model"

@@ -1,13 +1,11 @@
 """Logprobs in OpenAI's two shapes, from main's entries, with the demo model's tokenizer (a
 byte-level BPE, whose tokens may hold part of a character); and main's bound on alternatives.
 
-Their values against Transformers are ``tests/test_engine.py``'s and, through a live cluster
+Their values against Transformers are ``tests/inference/runtime/engine/test_engine.py``'s and, through a live cluster
 and the official client, ``test_serving_e2e.py``'s.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -24,8 +22,9 @@ from controlplane.serving.text import InputError
 from controlplane.serving.tokenizer import TextTokenizer
 from inference.runtime.engine.scheduler import request_problem
 from inference.wire.generation import Generate, TokenLogprob
+from tests.paths import REPO
 
-DEMO = Path(__file__).resolve().parents[2] / "platform" / "demo-model"
+DEMO = REPO / "platform" / "demo-model"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ in ``test_serving_e2e.py``.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from openai.types import completion_create_params
@@ -26,8 +25,9 @@ from controlplane.serving.parameters import (
     markdown_table,
 )
 from controlplane.serving.text import InputError
+from tests.paths import REPO
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "using" / "openai-api.md"
+PAGE = REPO / "docs" / "using" / "openai-api.md"
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
 
 
 def settings_probe(module: str, code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:

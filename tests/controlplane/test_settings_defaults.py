@@ -10,7 +10,6 @@ has no model of a deployment's default fp32 shadow.
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 import pytest
 from rest_framework import serializers
@@ -24,6 +23,7 @@ from inference.runtime.spec import Addresses, RoleSpec
 from inference.setting_flags import flag_of
 from inference.settings import DEFAULTS, INFO, DeploymentSettings, markdown_table
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
+from tests.paths import REPO
 
 SERIALIZERS = {
     "suggest": api.SuggestApi.InputSerializer,
@@ -138,6 +138,6 @@ def test_the_cli_flags_of_generate_are_the_declarations() -> None:
 
 
 def test_the_docs_table_is_the_declarations() -> None:
-    page = (Path(__file__).resolve().parents[2] / "docs" / "deployment-settings.md").read_text()
+    page = (REPO / "docs" / "deployment-settings.md").read_text()
     table = page.split("<!-- settings-table:start -->\n")[1].split("<!-- settings-table:end -->")[0]
     assert table == markdown_table(), "run python -m inference.settings and paste its table into the page"

@@ -24,8 +24,9 @@ from inference.modelio.shards import verify_shard
 from inference.runtime.launcher import free_port
 from inference.wire.link import LINK_PATH
 from tests.certificates import ServerIdentity, server_identity
-from tests.controlplane.isolated import REPO, as_ordinary_user, link_dependencies
+from tests.controlplane.isolated import as_ordinary_user, link_dependencies
 from tests.controlplane.live import database_url
+from tests.paths import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

@@ -19,8 +19,9 @@ from controlplane.accounts.services import create_api_key
 from controlplane.serving.openai_protocol import parse_ask
 from controlplane.serving.text import InputError, check_token_ids, decode_with_starts, prompt_list
 from controlplane.serving.tokenizer import TextTokenizer
+from tests.paths import REPO
 
-DEMO = Path(__file__).resolve().parents[2] / "platform" / "demo-model"
+DEMO = REPO / "platform" / "demo-model"
 
 
 @pytest.fixture(scope="module")

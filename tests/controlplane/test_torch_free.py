@@ -24,8 +24,8 @@ import pytest
 from controlplane.ops.processes import asgi_argv, http_up, python_env, wait_until
 from inference.runtime.launcher import free_port
 from tests.controlplane.live import SERVED_MODEL, Served
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers")
 
 
