@@ -567,3 +567,16 @@ def test_the_estimate_models_drafts_at_the_agreement_it_is_given(staff: APIClien
     hybrid = plan | {"draft_tokens": 4, "draft_agreement": 0.9, "strategy": "reactive"}
     refused = staff.post("/api/deployments/estimate", hybrid, format="json")
     assert refused.status_code == 400 and "draft_tokens needs the shadow predictor" in refused.json()["detail"]
+
+
+def test_create_deployment_defaults_each_setting_column_and_refuses_a_name_it_does_not_keep(model) -> None:
+    from controlplane.deployments.services import DeploymentError, create_deployment
+
+    a, b, c = box("a", 8), box("b", 8), box("c", 8)
+    with pytest.raises(TypeError, match="not device, max_waiting"):  # not columns: never stored, so refused
+        create_deployment(name="x", model=model, node_ids=ids(a, b, c), max_waiting=3, device="cpu")
+    with pytest.raises(DeploymentError, match="shadow_dtype must be one of"):  # checked whoever calls
+        create_deployment(name="x", model=model, node_ids=ids(a, b, c), shadow_dtype="fp8")
+    assert Deployment.objects.count() == 0
+    made = create_deployment(name="x", model=model, node_ids=ids(a, b, c), max_batch=3)
+    assert made.settings == DeploymentSettings(max_batch=3)  # the rest: the declaration's defaults

@@ -84,7 +84,6 @@ def test_every_serializer_takes_a_setting_with_the_declared_default(where: str) 
 
 
 SERVICES = [
-    services.create_deployment,
     services.estimate,
     memory.memory_from_config,
 ]
@@ -109,6 +108,15 @@ def test_every_keyword_default_of_a_setting_is_the_declared_one(function) -> Non
     where = "estimate" if function is services.estimate else function.__name__
     for name, default in defaults.items():
         assert default == EXCEPTIONS.get((where, name), getattr(DEFAULTS, name)), (function.__name__, name)
+
+
+def test_create_deployment_takes_the_setting_columns_by_name_and_spells_none_out() -> None:
+    """Its settings are ``**settings``, each column's default the declaration's (``services``); the
+    create API's serializer takes every column from ``fields.ColumnSettingsInput``."""
+    parameters = inspect.signature(services.create_deployment).parameters
+    assert parameters["settings"].kind is inspect.Parameter.VAR_KEYWORD
+    assert not set(parameters) & set(INFO), "a setting spelled out beside **settings"
+    assert set(SETTINGS_COLUMNS) <= set(SERIALIZERS["create"]().fields)
 
 
 @pytest.mark.parametrize("function", PLANNERS, ids=lambda f: f"{f.__module__}.{f.__name__}")

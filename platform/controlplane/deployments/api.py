@@ -27,7 +27,7 @@ from inference.sim import hardware as sim_profiles
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 
 from . import generation, lifecycle, services
-from .fields import setting_field
+from .fields import ColumnSettingsInput, setting_field
 from .models import SETTINGS_COLUMNS, Deployment, DeploymentNode
 from .roles import RoleMap
 
@@ -191,24 +191,11 @@ class DeploymentListApi(APIView):
     permission_classes = [IsAdminUser, KeyScopes]
 
     @extend_schema_serializer(component_name="DeploymentListInput")
-    class InputSerializer(serializers.Serializer):
+    class InputSerializer(ColumnSettingsInput):
         name = name_field()
         model = ReadyModelField()
         nodes = serializers.ListField(child=serializers.UUIDField(), min_length=1)
         roles = RolesInput(required=False)
-        shadow_dtype = setting_field("shadow_dtype")
-        token_period = setting_field("token_period")
-        kv_period = setting_field("kv_period")
-        strategy = setting_field("strategy")
-        predictor = setting_field("predictor")
-        max_batch = setting_field("max_batch")
-        max_per_user = setting_field("max_per_user")
-        expert_codec = setting_field("expert_codec")
-        draft_tokens = setting_field("draft_tokens")
-        draft_policy = setting_field("draft_policy")
-        replay = setting_field("replay")
-        max_migrations = setting_field("max_migrations")
-        max_replay_tokens = setting_field("max_replay_tokens")
 
     @extend_schema(responses=DeploymentOutput(many=True))
     def get(self, request: Request) -> Response:

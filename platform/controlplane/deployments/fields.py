@@ -1,7 +1,8 @@
 """A deployment's settings as DRF fields, derived from their one declaration (``inference.settings``).
 
 Each serializer that takes a setting (create, suggest, estimate, change alignment) asks
-``setting_field`` for it, so its default, its allowed values or range and its help text are
+``setting_field`` for it (creating a deployment takes every column of ``SETTINGS_COLUMNS``,
+``ColumnSettingsInput``), so its default, its allowed values or range and its help text are
 the declaration's and are never spelled again here. What only the control plane adds is
 said where it is passed: a column's upper bound (``MAX_PERIOD``), or one user's bound below
 main's queue (``max_per_user``).
@@ -15,7 +16,7 @@ from rest_framework import serializers
 
 from inference.settings import info
 
-from .models import MAX_PER_USER
+from .models import MAX_PER_USER, SETTINGS_COLUMNS
 
 MAX_PERIOD = 2**31 - 1  # the most the alignment periods' columns (PositiveIntegerField) hold on every database
 
@@ -60,3 +61,11 @@ def _bounds(minimum: float | None, maximum: float | None) -> dict[str, float]:
     if maximum is not None:
         bounds["max_value"] = maximum
     return bounds
+
+
+# The base of an input that takes every setting a deployment keeps as a column, in the columns'
+# order (DRF lists a base's fields before a subclass's own): a column added to
+# ``SETTINGS_COLUMNS`` is taken here with no line more.
+ColumnSettingsInput: type[serializers.Serializer] = type(
+    "ColumnSettingsInput", (serializers.Serializer,), {name: setting_field(name) for name in SETTINGS_COLUMNS}
+)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
@@ -59,7 +60,7 @@ from inference.settings import (
 from inference.sim.hardware import DEFAULT_PROFILE
 from inference.sim.strategies.base import SIMULATED_SHADOW_DTYPE
 
-from .models import ACTIVE, Deployment, DeploymentNode
+from .models import ACTIVE, SETTINGS_COLUMNS, Deployment, DeploymentNode
 from .roles import RoleError, RoleMap, check_roles, fixed_seats, needs_shadow, parse_seat, seats_of, suggest_roles
 
 DEFAULT_MAX_BATCH = DEFAULTS.max_batch
@@ -192,46 +193,26 @@ def create_deployment(
     model: ModelArtifact,
     node_ids: list[str],
     roles: RoleMap | None = None,
-    shadow_dtype: str = DEFAULTS.shadow_dtype,
-    token_period: int = DEFAULTS.token_period,
-    kv_period: int = DEFAULTS.kv_period,
-    strategy: str = DEFAULTS.strategy,
-    predictor: str = DEFAULTS.predictor,
-    max_batch: int = DEFAULTS.max_batch,
-    max_per_user: int = DEFAULTS.max_per_user,
-    expert_codec: str = DEFAULTS.expert_codec,
-    draft_tokens: int = DEFAULTS.draft_tokens,
-    draft_policy: str = DEFAULTS.draft_policy,
-    replay: str = DEFAULTS.replay,
-    max_migrations: int = DEFAULTS.max_migrations,
-    max_replay_tokens: int = DEFAULTS.max_replay_tokens,
     created_by: AbstractBaseUser | None = None,
+    **settings: Any,
 ) -> Deployment:
     """A draft deployment of ``model`` on ``node_ids``; roles suggested unless given.
 
+    ``settings`` are its setting columns by name (``SETTINGS_COLUMNS``), the declaration's default
+    for each one not given; a name that is not a column is a ``TypeError``.
     Only a model whose registration finished: not one still downloading, nor one that failed.
     Only a ``predictor`` the strategy takes ("" = its own); the role map has a shadow seat
     exactly when that predictor is the shadow.
     """
     # Checked against the model, their declarations and each other, then stored as they are.
-    settings = {
-        "token_period": token_period,
-        "kv_period": kv_period,
-        "strategy": strategy,
-        "predictor": predictor,
-        "max_batch": max_batch,
-        "max_per_user": max_per_user,
-        "expert_codec": expert_codec,
-        "draft_tokens": draft_tokens,
-        "draft_policy": draft_policy,
-        "replay": replay,
-        "max_migrations": max_migrations,
-        "max_replay_tokens": max_replay_tokens,
-    }
-    shadow = _check_settings(model, **settings)
+    unknown = sorted(set(settings) - set(SETTINGS_COLUMNS))
+    if unknown:
+        raise TypeError(f"create_deployment() takes the settings of SETTINGS_COLUMNS, not {', '.join(unknown)}")
+    settings = {column: settings.get(column, getattr(DEFAULTS, column)) for column in SETTINGS_COLUMNS}
+    shadow = _check_settings(model, settings)
     nodes = list(Node.objects.select_for_update().filter(pk__in=node_ids))
     _check_nodes(nodes, node_ids)
-    runtime = DeploymentSettings(shadow_dtype=shadow_dtype, **settings)
+    runtime = DeploymentSettings(**settings)
     roles = roles or suggest_for(model=model, node_ids=node_ids, settings=runtime)
     try:
         check_roles(roles, {str(n.pk): n.inventory for n in nodes}, shadow=shadow)
@@ -242,35 +223,20 @@ def create_deployment(
     check_fits(model=model, settings=runtime, seats={role: (by_id[node], gpu) for role, (node, gpu) in seats.items()})
     try:
         with transaction.atomic():
-            deployment = Deployment.objects.create(
-                name=name, model=model, shadow_dtype=shadow_dtype, **settings, created_by=created_by
-            )
+            deployment = Deployment.objects.create(name=name, model=model, **settings, created_by=created_by)
     except IntegrityError:
         raise DeploymentError(f"a deployment named {name!r} already exists") from None
     _add_members(deployment, seats)
     return deployment
 
 
-def _check_settings(
-    model: ModelArtifact,
-    *,
-    token_period: int,
-    kv_period: int,
-    strategy: str,
-    predictor: str,
-    max_batch: int,
-    max_per_user: int,
-    expert_codec: str,
-    draft_tokens: int,
-    draft_policy: str,
-    replay: str,
-    max_migrations: int,
-    max_replay_tokens: int,
-) -> bool:
-    """Refuse a model or settings a deployment of it cannot have; whether it has a shadow seat."""
+def _check_settings(model: ModelArtifact, settings: dict[str, Any]) -> bool:
+    """Refuse a model or settings (by column name) a deployment of it cannot have; whether it has a
+    shadow seat."""
+    strategy, predictor = settings["strategy"], settings["predictor"]
     try:
         check_registered(model)
-        validate_periods(token_period, kv_period)
+        validate_periods(settings["token_period"], settings["kv_period"])
         for needed, command in needed_files(strategy, predictor):
             if not (Path(model.path) / needed).is_file():
                 what = strategy if not predictor else f"{strategy} with the {predictor} predictor"
@@ -278,15 +244,10 @@ def _check_settings(
                     f"{what} needs the model's {needed}: run `{command} {model.path}` on the control plane, then deploy"
                 )
         shadow = needs_shadow(strategy, predictor)
-        check_value(info("max_batch"), max_batch)
-        check_value(info("expert_codec"), expert_codec)
-        check_value(info("draft_tokens"), draft_tokens)
-        check_value(info("draft_policy"), draft_policy)
-        check_value(info("replay"), replay)
-        check_value(info("max_migrations"), max_migrations)
-        check_value(info("max_replay_tokens"), max_replay_tokens)
-        check_drafts(draft_tokens, strategy, predictor)
-        check_max_per_user(max_per_user, max_batch, DEFAULTS.max_waiting)
+        for name, value in settings.items():
+            check_value(info(name), value)
+        check_drafts(settings["draft_tokens"], strategy, predictor)
+        check_max_per_user(settings["max_per_user"], settings["max_batch"], DEFAULTS.max_waiting)
     except (ModelError, SpecError, ValueError) as exc:
         raise DeploymentError(str(exc)) from None
     return shadow
