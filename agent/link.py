@@ -306,74 +306,105 @@ async def _keep_up(link: Link, on_connect: Callable[[], None] | None) -> None:
 
 
 async def _serve(ws: ClientConnection, link: Link) -> None:
-    running: set[str] = set()  # task ids in progress: a repeated command is not run twice
-    roles, send = link.roles, link.uplink.send
+    await _Session(ws, link).run()
 
-    async def check_again() -> None:
-        while link.recheck is not None:
+
+class _Session:
+    """One connection of the link: heartbeats up, commands down, until either side ends it.
+
+    A shard fetch, an alignment change and a cancel run in the background and end with the
+    connection; a generation goes on if the link drops (its answer waits in the outbox).
+    """
+
+    def __init__(self, ws: ClientConnection, link: Link) -> None:
+        self.ws, self.link = ws, link
+        self.roles, self.send = link.roles, link.uplink.send
+        self.running: set[str] = set()  # task ids in progress: a repeated command is not run twice
+        self.background: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        self.spawn(self.check_again())
+        tasks = [asyncio.create_task(self.beat()), asyncio.create_task(self.listen())]
+        tasks.append(asyncio.create_task(self.link.stop.wait()))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # re-raise ConnectionClosed and friends
+        finally:
+            for task in [*tasks, *self.background]:
+                task.cancel()
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def check_again(self) -> None:
+        while self.link.recheck is not None:
             try:
-                link.facts["doctor"] = await asyncio.to_thread(link.recheck)
+                self.link.facts["doctor"] = await asyncio.to_thread(self.link.recheck)
             except Exception:
                 log.exception("the doctor could not run; its last report stands")
             await asyncio.sleep(RECHECK_EVERY_S)
 
-    async def beat() -> None:
+    async def beat(self) -> None:
         while True:
-            found = {**inventory.collect(link.state_dir, link.host), **link.facts}
-            await send(Heartbeat(inventory=found, roles=roles.snapshot()))
-            await asyncio.sleep(link.heartbeat_s)
+            found = {**inventory.collect(self.link.state_dir, self.link.host), **self.link.facts}
+            await self.send(Heartbeat(inventory=found, roles=self.roles.snapshot()))
+            await asyncio.sleep(self.link.heartbeat_s)
 
-    async def listen() -> None:
-        async for raw in ws:
+    async def listen(self) -> None:
+        async for raw in self.ws:
             try:
                 command = parse(loads(raw), allowed=COMMANDS)
             except (MessageError, ValueError) as exc:
                 log.warning("ignored a bad command: %s", exc)
                 continue
-            if isinstance(command, LinkPing):
-                await send(LinkPong(nonce=command.nonce))
-            elif isinstance(command, RotateCredential):
-                await rotate(command)
-            elif isinstance(command, FetchShard) and command.task_id not in running:
-                running.add(command.task_id)
-                spawn(fetch(command))
-            elif isinstance(command, StartRole):
-                await roles.start(command)
-            elif isinstance(command, StopRole):
-                await roles.stop(command.deployment, command.role_name)
-            elif isinstance(command, ApplyAlignment):
-                spawn(roles.apply_alignment(command))
-            elif isinstance(command, Generate):  # goes on if this link drops
-                task = asyncio.create_task(roles.generate(command))
-                link.generations.add(task)
-                task.add_done_callback(link.generations.discard)
-            elif isinstance(command, CancelGeneration):
-                spawn(roles.cancel(command))
-            elif isinstance(command, Acknowledge):
-                link.uplink.acknowledged(command)
+            await self.obey(command)
 
-    async def rotate(command: RotateCredential) -> None:
+    async def obey(self, command: WireStruct) -> None:
+        roles = self.roles
+        if isinstance(command, LinkPing):
+            await self.send(LinkPong(nonce=command.nonce))
+        elif isinstance(command, RotateCredential):
+            await self.rotate(command)
+        elif isinstance(command, FetchShard) and command.task_id not in self.running:
+            self.running.add(command.task_id)
+            self.spawn(self.fetch(command))
+        elif isinstance(command, StartRole):
+            await roles.start(command)
+        elif isinstance(command, StopRole):
+            await roles.stop(command.deployment, command.role_name)
+        elif isinstance(command, ApplyAlignment):
+            self.spawn(roles.apply_alignment(command))
+        elif isinstance(command, Generate):  # goes on if this link drops
+            task = asyncio.create_task(roles.generate(command))
+            self.link.generations.add(task)
+            task.add_done_callback(self.link.generations.discard)
+        elif isinstance(command, CancelGeneration):
+            self.spawn(roles.cancel(command))
+        elif isinstance(command, Acknowledge):
+            self.link.uplink.acknowledged(command)
+
+    async def rotate(self, command: RotateCredential) -> None:
+        link = self.link
         if not NODE_SECRET.fullmatch(command.node_secret):
             log.warning("ignored a credential rotation with a malformed secret")
             return
         rotated = dataclasses.replace(link.credential, node_secret=command.node_secret)
         await asyncio.to_thread(credentials.save, link.state_dir, rotated)  # on disk (0600) before it is used
         link.credential = rotated
-        roles.use_credential(rotated)
+        self.roles.use_credential(rotated)
         log.info("node credential rotated")
-        await send(CredentialSaved())
+        await self.send(CredentialSaved())
 
-    def spawn(coro) -> None:
-        task = asyncio.create_task(coro)
-        background.add(task)
-        task.add_done_callback(background.discard)
-
-    async def fetch(command: FetchShard) -> None:
+    async def fetch(self, command: FetchShard) -> None:
+        link = self.link
         try:
             try:
                 dest = shard_dir(link.state_dir, command.model_id, command.role)
             except ValueError as exc:
-                await send(TaskDone(task_id=command.task_id, ok=False, detail=str(exc)))
+                await self.send(TaskDone(task_id=command.task_id, ok=False, detail=str(exc)))
                 return
             reason = await fetch_with_progress(
                 link.credential,
@@ -381,22 +412,10 @@ async def _serve(ws: ClientConnection, link: Link) -> None:
                 command.role,
                 dest,
                 task_id=command.task_id,
-                send=send,
+                send=self.send,
                 trust=link.trust,
             )
             if reason:
                 log.warning("fetching %s of model %s failed: %s", command.role, command.model_id, reason)
         finally:
-            running.discard(command.task_id)
-
-    background: set[asyncio.Task] = set()
-
-    spawn(check_again())
-    tasks = [asyncio.create_task(beat()), asyncio.create_task(listen()), asyncio.create_task(link.stop.wait())]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            task.result()  # re-raise ConnectionClosed and friends
-    finally:
-        for task in [*tasks, *background]:
-            task.cancel()
+            self.running.discard(command.task_id)
