@@ -12,7 +12,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.utils import timezone
 
-from controlplane.nodes import liveness, signals
+from controlplane.nodes import liveness, services, signals
 from controlplane.nodes.beats import Beats
 from controlplane.nodes.inventory import lasting
 from controlplane.nodes.models import Node, NodeStatus
@@ -96,6 +96,59 @@ def test_a_silent_node_turns_offline_on_time_whichever_clock_holds_it(channel_la
     assert Node.objects.get(pk=nodes["row-fresh"].pk).status == NodeStatus.ONLINE
     liveness.store(batch={str(nodes["heard"].pk): time.time() - 100})  # an older moment never goes back
     assert liveness.heard_at([str(nodes["heard"].pk)])[str(nodes["heard"].pk)] > time.time() - 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeats_roles_are_acted_on_once_its_row_says_the_node_is_online(
+    channel_layer_on_test_redis, monkeypatch, caplog
+) -> None:
+    """However long the row's write takes, the roles the same heartbeat reports are acted on after
+    it: a ready deployment never sees the node it is hearing from as offline, and one report of an
+    unchanged role is acted on once. (Under load the two writes raced, and the deployment went
+    degraded, then ready, acting on the report three times.)"""
+    from controlplane.artifacts.models import ModelArtifact
+    from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
+
+    node, secret = enrolled()  # offline until its first heartbeat's row is written
+    model = ModelArtifact.objects.create(name="m", path="/nowhere")
+    deployment = Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
+    DeploymentNode.objects.create(
+        deployment=deployment, node=node, role=Role.WORKER, worker_index=0, port=7000, state=MemberState.READY
+    )
+    row_written = services.record_liveness
+
+    def slow_row(**kwargs) -> None:
+        time.sleep(0.5)  # a busy database: the roles' write, queued right after, starts first
+        row_written(**kwargs)
+
+    monkeypatch.setattr(services, "record_liveness", slow_row)
+    acted: list[str] = []
+
+    def count(sender, *, reports, complete, **kwargs) -> bool:
+        if complete:
+            acted.append(reports[0]["state"])
+        return True
+
+    signals.runtime_reported.connect(count, weak=False, dispatch_uid="test.count")
+    roles = [{**READY, "deployment": deployment.runtime_key, "memory": {"host_bytes": 1_000}}]
+
+    async def session() -> str:
+        comm = communicator(f"Node {node.pk}:{secret}")
+        assert (await comm.connect())[0]
+        for _ in range(3):
+            await comm.send_json_to(Heartbeat(inventory={"cpu_count": 4}, roles=roles).to_json())
+            await asyncio.sleep(0.7)
+        said = caplog.text  # before the link closes (that turns the node offline)
+        await comm.disconnect()
+        return said
+
+    try:
+        with caplog.at_level("INFO", logger="controlplane.deployments.lifecycle"):
+            said = async_to_sync(session)()
+    finally:
+        signals.runtime_reported.disconnect(dispatch_uid="test.count")
+    assert acted == ["ready"]  # the first heartbeat's report, with the node online; settled since
+    assert "degraded" not in said, said
 
 
 @pytest.mark.django_db(transaction=True)

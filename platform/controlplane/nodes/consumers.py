@@ -293,6 +293,11 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
 
     async def _write(self) -> None:
         while self._writes:
+            row = self._liveness_writer
+            if row is not None and not row.done():
+                # The node's row first: what a heartbeat reports of its roles is acted on with the node
+                # online, as that heartbeat made it, or its deployments see it offline for a moment.
+                await asyncio.shield(row)
             write, kwargs = self._writes.take()
             try:
                 await link_writes.write(write, node_id=self.node_id, **kwargs)
