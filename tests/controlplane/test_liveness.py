@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -98,23 +99,47 @@ def test_a_silent_node_turns_offline_on_time_whichever_clock_holds_it(channel_la
     assert liveness.heard_at([str(nodes["heard"].pk)])[str(nodes["heard"].pk)] > time.time() - 3
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_heartbeats_roles_are_acted_on_once_its_row_says_the_node_is_online(
-    channel_layer_on_test_redis, monkeypatch, caplog
-) -> None:
-    """However long the row's write takes, the roles the same heartbeat reports are acted on after
-    it: a ready deployment never sees the node it is hearing from as offline, and one report of an
-    unchanged role is acted on once. (Under load the two writes raced, and the deployment went
-    degraded, then ready, acting on the report three times.)"""
+def ready_worker():
+    """An enrolled node (offline until it is heard), the one worker of a ready deployment: the node,
+    its secret and the deployment."""
     from controlplane.artifacts.models import ModelArtifact
     from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
 
-    node, secret = enrolled()  # offline until its first heartbeat's row is written
+    node, secret = enrolled()
     model = ModelArtifact.objects.create(name="m", path="/nowhere")
     deployment = Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
     DeploymentNode.objects.create(
         deployment=deployment, node=node, role=Role.WORKER, worker_index=0, port=7000, state=MemberState.READY
     )
+    return node, secret, deployment
+
+
+@pytest.fixture
+def acted() -> Iterator[list[str]]:
+    """The state of each complete roles' report the deployments app is asked to act on, in order."""
+    states: list[str] = []
+
+    def count(sender, *, reports, complete, **kwargs) -> bool:
+        if complete:
+            states.append(reports[0]["state"])
+        return True
+
+    signals.runtime_reported.connect(count, weak=False, dispatch_uid="test.count")
+    try:
+        yield states
+    finally:
+        signals.runtime_reported.disconnect(dispatch_uid="test.count")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeats_roles_are_acted_on_once_its_row_says_the_node_is_online(
+    channel_layer_on_test_redis, acted: list[str], monkeypatch, caplog
+) -> None:
+    """However long the row's write takes, the roles the same heartbeat reports are acted on after
+    it: a ready deployment never sees the node it is hearing from as offline, and one report of an
+    unchanged role is acted on once. (Under load the two writes raced, and the deployment went
+    degraded, then ready, acting on the report three times.)"""
+    node, secret, deployment = ready_worker()  # the node offline until its first heartbeat's row is written
     row_written = services.record_liveness
 
     def slow_row(**kwargs) -> None:
@@ -122,14 +147,6 @@ def test_a_heartbeats_roles_are_acted_on_once_its_row_says_the_node_is_online(
         row_written(**kwargs)
 
     monkeypatch.setattr(services, "record_liveness", slow_row)
-    acted: list[str] = []
-
-    def count(sender, *, reports, complete, **kwargs) -> bool:
-        if complete:
-            acted.append(reports[0]["state"])
-        return True
-
-    signals.runtime_reported.connect(count, weak=False, dispatch_uid="test.count")
     roles = [{**READY, "deployment": deployment.runtime_key, "memory": {"host_bytes": 1_000}}]
 
     async def session() -> str:
@@ -142,39 +159,22 @@ def test_a_heartbeats_roles_are_acted_on_once_its_row_says_the_node_is_online(
         await comm.disconnect()
         return said
 
-    try:
-        with caplog.at_level("INFO", logger="controlplane.deployments.lifecycle"):
-            said = async_to_sync(session)()
-    finally:
-        signals.runtime_reported.disconnect(dispatch_uid="test.count")
+    with caplog.at_level("INFO", logger="controlplane.deployments.lifecycle"):
+        said = async_to_sync(session)()
     assert acted == ["ready"]  # the first heartbeat's report, with the node online; settled since
     assert "degraded" not in said, said
 
 
 @pytest.mark.django_db(transaction=True)
-def test_repeated_heartbeats_reach_redis_every_time_and_the_database_on_change(channel_layer_on_test_redis) -> None:
+def test_repeated_heartbeats_reach_redis_every_time_and_the_database_on_change(
+    channel_layer_on_test_redis, acted: list[str]
+) -> None:
     """A worker of a ready deployment heartbeats eight times: every moment reaches Redis; the row is
     written by the first (its inventory kept: the later ones differ in free ports alone); its roles are acted on by the
     first, again when its state changed and until that settled, and after a command went down the
     link, never for a repeat, a memory figure or a free port that moved."""
-    from controlplane.artifacts.models import ModelArtifact
-    from controlplane.deployments.models import Deployment, DeploymentNode, DeploymentStatus, MemberState, Role
-
-    node, secret = enrolled()
-    model = ModelArtifact.objects.create(name="m", path="/nowhere")
-    deployment = Deployment.objects.create(name="d", model=model, status=DeploymentStatus.READY)
-    DeploymentNode.objects.create(
-        deployment=deployment, node=node, role=Role.WORKER, worker_index=0, port=7000, state=MemberState.READY
-    )
+    node, secret, deployment = ready_worker()
     mine = {**READY, "deployment": deployment.runtime_key}
-    acted: list[str] = []
-
-    def count(sender, *, reports, complete, **kwargs) -> bool:
-        if complete:
-            acted.append(reports[0]["state"])
-        return True
-
-    signals.runtime_reported.connect(count, weak=False, dispatch_uid="test.count")
 
     async def beat(comm, n: int, **changes) -> None:
         roles = [{**mine, "memory": {"host_bytes": 1_000}, **changes}]
@@ -201,10 +201,7 @@ def test_repeated_heartbeats_reach_redis_every_time_and_the_database_on_change(c
         await comm.disconnect()
         return heard[str(node.pk)]
 
-    try:
-        heard = async_to_sync(session)()
-    finally:
-        signals.runtime_reported.disconnect(dispatch_uid="test.count")
+    heard = async_to_sync(session)()
     assert heard > time.time() - 3  # the last heartbeat's moment, in Redis
     node.refresh_from_db()
     assert node.inventory["free_ports"] == [7001]  # the row: the link's first heartbeat alone
