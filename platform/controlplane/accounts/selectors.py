@@ -20,6 +20,7 @@ def caller_of(user_id: int, key: ApiKey | None) -> Caller:
     return Caller(user_id, key.pk if key else None, key.prefix_namespace if key else "")
 
 
+# Dataclass fields, declarations one per line: alike tools/train_demo.py's Shape by shape only.
 @dataclass(frozen=True)
 class Spent:
     """Tokens spent today (UTC) and over the last ``USAGE_WINDOW_DAYS`` days, today included."""

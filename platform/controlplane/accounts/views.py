@@ -24,6 +24,7 @@ from .scopes import Scope, ScopeError, allowed_scopes
 class KeyForm(forms.Form):
     name = forms.CharField(max_length=100, required=False, help_text="what the key is for")
     scopes = forms.MultipleChoiceField(widget=forms.CheckboxSelectMultiple)
+    # Declarations, one per line: alike api.py's KeyListApi.InputSerializer (the API's side).
     expires_in_days = forms.IntegerField(
         min_value=1, max_value=MAX_EXPIRY_DAYS, required=False, help_text="empty: never expires"
     )

@@ -7,6 +7,8 @@ from django.db import models
 from inference.constants import EXPERT_CODECS
 
 
+# Declarations, one per line: choices and fields alike nodes', chat's and deployments' models
+# by shape, on purpose.
 class ShardStatus(models.TextChoices):
     NONE = "none", "no shards yet"
     BUILDING = "building", "building"

@@ -11,6 +11,7 @@ TITLE_CHARS = 60
 class Conversation(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="conversations")
     title = models.CharField(max_length=TITLE_CHARS + 1)
+    # Declarations, one per line: alike deployments/models.py's Deployment by shape, on purpose.
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -21,6 +22,7 @@ class Conversation(models.Model):
         return self.title
 
 
+# Declarations, one per line: choices alike artifacts', nodes' and serving's models, on purpose.
 class MessageStatus(models.TextChoices):
     COMPLETE = "complete", "complete"
     STREAMING = "streaming", "being written"

@@ -299,6 +299,7 @@ async def _finish(answer: Answer, status: str, metrics: dict, error: str) -> Non
     usage = services.Usage(Caller(meta.user_id), meta.deployment, len(meta.prompt_ids), len(answer.token_ids))
     if error:
         served.record("chat", ok=False)
+    # Keyword-argument call whose names line up with building/memory.py's MemoryPlan(...).
     await waiting_for_the_database(
         services.finish_answer,
         answer_id=answer_id,

@@ -73,6 +73,7 @@ def _model(model: ModelArtifact) -> dict:
     }
 
 
+# One key per line, alike _model's above by shape, on purpose: each entity's own snapshot.
 def _deployment(deployment: Deployment) -> dict:
     return {
         "id": deployment.pk,

@@ -220,6 +220,7 @@ class DeploymentListApi(APIView):
         return Response(DeploymentOutput(deployment).data, status=status.HTTP_201_CREATED)
 
 
+# A DRF handler alike artifacts/api.py's ModelDetailApi by shape, in the control plane's style.
 class DeploymentDetailApi(APIView):
     permission_classes = [IsAdminUser, KeyScopes]
 

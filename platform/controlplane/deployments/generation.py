@@ -246,6 +246,7 @@ class _LinkPauses:
             self.paused_ms.append(round((self.last_at - self.paused_since) * 1000, 1))
             self.paused_since = None
 
+    # One key per line, alike building/memory.py's MemoryPlan.to_dict by shape only.
     def metrics(self) -> dict[str, Any]:
         """The answer's ``link`` metrics."""
         return {

@@ -80,6 +80,7 @@ class Deployment(models.Model):
     model = models.ForeignKey(ModelArtifact, on_delete=models.PROTECT, related_name="deployments")
     status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.DRAFT)
     status_reason = models.TextField(blank=True)
+    # The setting columns, declarations one per line: alike each other by shape, on purpose.
     shadow_dtype = models.CharField(max_length=8, choices=choices("shadow_dtype"), default=DEFAULTS.shadow_dtype)
     token_period = models.PositiveIntegerField(
         default=DEFAULTS.token_period, help_text="align the shadow's token every N steps (0 never)"

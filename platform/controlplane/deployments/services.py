@@ -363,6 +363,7 @@ def estimate(
             raise DeploymentError(f"cannot read {model.name}'s config: {exc}") from None
     top_k = int(sizes.get("num_experts_per_tok", 2)) if isinstance(sizes, dict) else 2
     try:
+        # Keyword-argument call whose names line up with client.py's Generate(...), by shape only.
         result = sim.estimate(
             model=sizes,
             profile=profile,

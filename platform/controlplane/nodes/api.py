@@ -159,6 +159,8 @@ class NodeDetailApi(APIView):
         node = _node(node_id)
         return Response(NodeOutput(node).data)
 
+    # A DRF handler that validates, calls a service and maps its error, as deployments/api.py's;
+    # each maps its own service and error to its own status.
     @extend_schema(request=InputSerializer, responses=NodeOutput)
     def patch(self, request: Request, node_id: str) -> Response:
         node = _node(node_id)

@@ -43,6 +43,7 @@ class JoinToken(models.Model):
         return ""
 
 
+# Declarations, one per line: choices alike TaskState's below and other apps' by shape, on purpose.
 class NodeStatus(models.TextChoices):
     ENROLLED = "enrolled", "enrolled (agent not connected yet)"
     ONLINE = "online", "online"

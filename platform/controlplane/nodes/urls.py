@@ -2,6 +2,7 @@ from django.urls import path
 
 from . import api
 
+# URL patterns, one per line: alike deployments/urls.py's by shape, on purpose.
 urlpatterns = [
     path("agents/enroll", api.EnrollApi.as_view(), name="agent-enroll"),
     path("agents/me", api.AgentMeApi.as_view(), name="agent-me"),

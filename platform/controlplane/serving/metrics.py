@@ -42,6 +42,7 @@ REGISTRY = CollectorRegistry()
 REQUESTS = Counter("odmoe_requests", "Generations served, by API and outcome", ["api", "outcome"], registry=REGISTRY)
 PROMPT_TOKENS = Counter("odmoe_prompt_tokens", "Prompt tokens of served generations", ["api"], registry=REGISTRY)
 GENERATED_TOKENS = Counter("odmoe_generated_tokens", "Tokens generated", ["api"], registry=REGISTRY)
+# Prometheus histograms, declarations one per line: alike by shape, each its own buckets.
 TTFT = Histogram(
     "odmoe_time_to_first_token_seconds",
     "Time to the first token",

@@ -49,6 +49,7 @@ class Job(models.Model):
         return f"job {self.pk} ({self.status})"
 
 
+# Declarations, one per line: choices alike JobStatus's above and other apps' by shape, on purpose.
 class OutputStatus(models.TextChoices):
     QUEUED = "queued", "queued"
     RUNNING = "running", "running"

@@ -234,6 +234,7 @@ RESPONSES: dict[str, Parameter] = {
         "`format`: `text`, `json_object` or `json_schema`, through the chat's grammar path and bounds",
         example={"text": {"format": _FORMAT}},
     ),
+    # Declarations, one per line: alike CHAT's tools and tool_choice by shape, on purpose.
     "tools": Parameter(
         H,
         "function tools, as the chat's; a built-in tool (web search, file search, computer use, code "

@@ -50,6 +50,8 @@ class Command(BaseCommand):
             raise CommandError("--expires-days must be 1 or more")
         expires_at = timezone.now() + timedelta(days=expires_days) if expires_days else None
         try:
+            # Keyword-argument call whose names line up with client.py's Generate(...)
+            # and deployments/services.py's sim.estimate(...): different calls, alike by shape only.
             _, clear = create_api_key(
                 user=user,
                 name=name,
