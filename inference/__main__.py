@@ -333,6 +333,7 @@ def _generate(args: argparse.Namespace) -> int:
     stream = TextStream(tokenizer, sys.stdout if not args.json else None)
     with LocalCluster(args.model, options, progress=say) as cluster:
         say("cluster ready; generating")
+        # Keyword-argument call whose names line up with make_tiny(...)'s above: a different call.
         done = cluster.generate(
             prompt_ids,
             args.max_new_tokens,

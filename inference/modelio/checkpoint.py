@@ -168,6 +168,7 @@ class Checkpoint:
     def n_experts(self) -> int:
         return self.family.n_experts(self.config)
 
+    # Properties, one declaration each: alike building/memory.py's MemoryPlan.main/shadow by shape.
     @property
     def top_k(self) -> int:
         return self._config_int("num_experts_per_tok")

@@ -406,6 +406,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Alike checkpoint.py's _read_json by domain, on purpose: each module reads with its own error.
 def _read_json(path: Path, what: str) -> Any:
     try:
         text = path.read_text(encoding="utf-8")

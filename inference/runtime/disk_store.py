@@ -51,6 +51,7 @@ class _ExpertIndex:
     def spans(self) -> tuple[Span, Span, Span]:
         return (*self.gate_up, self.down)
 
+    # Alike coded_expert.py's nbytes and stored_nbytes by domain: each expert form sizes itself.
     @property
     def nbytes(self) -> int:
         """Decoded bytes: what the expert takes in memory."""

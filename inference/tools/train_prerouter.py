@@ -73,6 +73,7 @@ def split_stream(stream: np.ndarray, recipe: PrerouterRecipe) -> tuple[np.ndarra
     return stream[:split], stream[split:]
 
 
+# Opens like train_demo.py's train_demo on purpose: each tool seeds, times and reports its run.
 def train_prerouter(
     model_dir: str | os.PathLike[str],
     stream: np.ndarray,

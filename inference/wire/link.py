@@ -210,6 +210,7 @@ class StopRole(LinkMessage, kw_only=True, tag="stop_role"):
     role_name: str = ""
 
 
+# msgspec messages, declarations one per line: alike TaskProgress's and TaskDone's by shape.
 class ApplyAlignment(LinkMessage, kw_only=True, tag="apply_alignment"):
     """New alignment periods for the running main of ``deployment``: no restart."""
 

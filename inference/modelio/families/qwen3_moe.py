@@ -14,6 +14,7 @@ from inference.modelio.families.base import Shapes, _attention_dims
 from inference.modelio.families.qwen2_moe import QwenMoeFamily
 
 
+# Alike olmoe.py's adapter by domain, on purpose: each family declares its own adapter.
 @dataclass(frozen=True)
 class Qwen3Moe(QwenMoeFamily):
     model_type: str = "qwen3_moe"

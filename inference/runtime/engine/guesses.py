@@ -57,6 +57,7 @@ class Guesses:
         similarity: torch.Tensor | None,
         importance_threshold: float,
     ) -> None:
+        # Shaped like exchange.py's __init__ on purpose: each keeps its own collaborators by name.
         self.role = role  # main's role: its endpoint, session and session step
         self.model = model
         self.family = family

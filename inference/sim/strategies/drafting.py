@@ -31,6 +31,7 @@ from inference.sim.strategies.workers import WorkerPool
 from inference.sim.traces import Trace
 
 
+# Dataclass fields, declarations one per line: alike runtime/loader.py's LoaderStats by shape.
 @dataclass
 class DraftTally:
     """What the drafted passes did: passes, tokens, drafts verified and kept, distinct experts per layer."""
@@ -41,6 +42,7 @@ class DraftTally:
     accepted: int = 0
     distinct: list[float] = field(default_factory=list)  # per pass: mean distinct experts per layer
 
+    # One key per line, alike placement.py's to_dict and engine/drafts.py's metrics by shape only.
     def as_dict(self) -> dict:
         return {
             "passes": self.passes,

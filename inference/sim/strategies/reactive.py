@@ -12,6 +12,7 @@ from inference.sim.strategies.workers import WorkerPool, prefill_on_workers, wor
 from inference.sim.traces import Trace
 
 
+# Alike full_cache.py's FullCache by domain, on purpose: each strategy simulates its own workers.
 class Reactive:
     name = "reactive"
 
