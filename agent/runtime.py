@@ -208,6 +208,7 @@ def role_name_of(spec: dict) -> str:
     return f"worker-{spec.get('worker')}" if role == "worker" else role
 
 
+# Shaped like roles.py's Roles.__init__ on purpose: each keeps its own collaborators by name.
 class RoleRunner:
     """One role process of one deployment on this box (``agent.roles.Roles`` holds them all)."""
 
@@ -352,6 +353,7 @@ class RoleRunner:
         except ValueError as exc:
             await self._set("failed", str(exc))
             return None
+        # Alike link.py's fetch command by domain, on purpose: a role start reports its own way.
         reason = await fetch_with_progress(
             self.credential,
             command.model_id,
