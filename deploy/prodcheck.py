@@ -403,6 +403,16 @@ def wait_for(what: str, ready: Callable[[], bool], timeout_s: float, check: Call
 # --- the stack ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What the operator's setup made: the environment (and its file), the admin's password, an API key."""
+
+    env_file: Path
+    env: dict[str, str]
+    password: str
+    api_key: str
+
+
 @dataclass
 class Stack:
     """A running production stack: where it answers, and what drives it."""
@@ -542,6 +552,72 @@ def manage(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
     return run.stdout
 
 
+def operator_setup(work: Path, database: Database, redis_url: str, cert: Path, settings: dict[str, str]) -> Setup:
+    """The environment file an operator writes, then migrate, the admin and an API key by manage.py."""
+    env_file, env = write_environment(
+        work,
+        {
+            "DJANGO_SECRET_KEY": secrets.token_urlsafe(48),
+            "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
+            "DATABASE_URL": database.url,
+            "REDIS_URL": redis_url,
+            "ODMOE_VAR_DIR": str(work / "var"),
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
+            "ODMOE_TLS_CERT_FILE": str(cert),
+            **settings,
+        },
+    )
+    step("migrating, creating the admin and an API key (manage.py, as an operator does)")
+    manage(env, "migrate", "--noinput")
+    password = secrets.token_urlsafe(18)
+    manage({**env, "DJANGO_SUPERUSER_PASSWORD": password}, "createsuperuser", "--noinput",
+           "--username", ADMIN, "--email", "admin@example.org")  # fmt: skip
+    key_clear = manage(env, "create_api_key", ADMIN, "--name", "prodcheck").strip().splitlines()[-1]
+    return Setup(env_file, env, password, key_clear)
+
+
+def start_control_plane(group: ProcessGroup, paths: HostPaths) -> None:
+    """Each systemd unit of the control plane, started as its unit says (its paths moved under work)."""
+    units = control_plane_units()
+    for unit in units:
+        argv = paths.argv(unit)
+        name = unit.name.removesuffix(".service")
+        cwd = Path(paths.move(unit.get("WorkingDirectory") or str(REPO)))
+        # The control plane runs as this user here (User= names the host's odmoe).
+        group.start(name, argv, env={**unit_environment(unit, paths), "PYTHONUNBUFFERED": "1"}, cwd=cwd)
+    step("started " + ", ".join(u.name for u in units))
+
+
+def start_nginx(group: ProcessGroup, work: Path, tls: tuple[Path, Path], ports: tuple[int, int, int]) -> None:
+    """Debian's nginx with the shipped site, TLS with ``tls`` (certificate, key), on ``ports`` (web, https, http)."""
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        raise CheckFailed("nginx is needed: make prod-check installs Debian's nginx (apt-get install nginx)")
+    root = render_nginx(work, *tls, *ports)
+    test = subprocess.run([nginx, "-t", "-q", "-p", str(root), "-e", "stderr", "-c", str(root / "nginx.conf")],
+                          capture_output=True, text=True)  # fmt: skip
+    if test.returncode != 0:
+        raise CheckFailed(f"nginx refuses the configuration: {test.stderr}")
+    group.start("nginx", [nginx, "-p", str(root), "-e", "stderr", "-c", str(root / "nginx.conf")])
+
+
+def tear_down(group: ProcessGroup, stack: Stack | None, database: Database | None) -> None:
+    """The deployments stopped, then the agents, then the rest in the reverse of their start; the
+    database dropped before a private PostgreSQL stops; the agents' system user removed if made."""
+    if stack is not None:
+        stack.stop_deployments()
+    for child in [c for c in group.children if c.name.startswith("agent-")]:
+        group.stop(child)
+    for child in reversed([c for c in group.children if c.name != "postgres"]):
+        group.stop(child)
+    if database is not None:
+        with contextlib.suppress(Exception):
+            database.drop()
+    group.stop_all()  # a private PostgreSQL last, once its database is dropped
+    if stack is not None and stack.made_user:
+        subprocess.run(["userdel", AGENT_USER], capture_output=True)
+
+
 @contextlib.contextmanager
 def production_stack(work: Path, *, keep: bool = False, settings: dict[str, str] | None = None) -> Iterator[Stack]:
     """The whole stack up (see the module's docstring), with ``settings`` in its environment file;
@@ -563,44 +639,11 @@ def production_stack(work: Path, *, keep: bool = False, settings: dict[str, str]
         web_port, https_port, http_port = free_port(), free_port(), free_port()
         paths = HostPaths(work, web_port)
         (work / "var").mkdir()
-        env_file, env = write_environment(
-            work,
-            {
-                "DJANGO_SECRET_KEY": secrets.token_urlsafe(48),
-                "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
-                "DATABASE_URL": database.url,
-                "REDIS_URL": redis_url,
-                "ODMOE_VAR_DIR": str(work / "var"),
-                "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
-                "ODMOE_TLS_CERT_FILE": str(cert),
-                **(settings or {}),
-            },
-        )
-        step("migrating, creating the admin and an API key (manage.py, as an operator does)")
-        manage(env, "migrate", "--noinput")
-        password = secrets.token_urlsafe(18)
-        manage({**env, "DJANGO_SUPERUSER_PASSWORD": password}, "createsuperuser", "--noinput",
-               "--username", ADMIN, "--email", "admin@example.org")  # fmt: skip
-        key_clear = manage(env, "create_api_key", ADMIN, "--name", "prodcheck").strip().splitlines()[-1]
-        units = control_plane_units()
-        for unit in units:
-            argv = paths.argv(unit)
-            name = unit.name.removesuffix(".service")
-            cwd = Path(paths.move(unit.get("WorkingDirectory") or str(REPO)))
-            # The control plane runs as this user here (User= names the host's odmoe).
-            group.start(name, argv, env={**unit_environment(unit, paths), "PYTHONUNBUFFERED": "1"}, cwd=cwd)
-        step("started " + ", ".join(u.name for u in units))
-        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-        if not Path(nginx).exists():
-            raise CheckFailed("nginx is needed: make prod-check installs Debian's nginx (apt-get install nginx)")
-        root = render_nginx(work, cert, key, web_port, https_port, http_port)
-        test = subprocess.run([nginx, "-t", "-q", "-p", str(root), "-e", "stderr", "-c", str(root / "nginx.conf")],
-                              capture_output=True, text=True)  # fmt: skip
-        if test.returncode != 0:
-            raise CheckFailed(f"nginx refuses the configuration: {test.stderr}")
-        group.start("nginx", [nginx, "-p", str(root), "-e", "stderr", "-c", str(root / "nginx.conf")])
+        setup = operator_setup(work, database, redis_url, cert, settings or {})
+        start_control_plane(group, paths)
+        start_nginx(group, work, (cert, key), (web_port, https_port, http_port))
         server = f"https://127.0.0.1:{https_port}"
-        api = Client(server, cert, key_clear)
+        api = Client(server, cert, setup.api_key)
         took = wait_for(
             "the control plane answering through the proxy",
             lambda: api.request("GET", "/api/schema/")[0] == 200,
@@ -608,7 +651,9 @@ def production_stack(work: Path, *, keep: bool = False, settings: dict[str, str]
             group.check,
         )
         step(f"answering over https through nginx after {took:.1f} s")
-        stack = Stack(work, group, server, f"http://127.0.0.1:{http_port}", cert, env, env_file, password, api)
+        stack = Stack(
+            work, group, server, f"http://127.0.0.1:{http_port}", cert, setup.env, setup.env_file, setup.password, api
+        )
         yield stack
         failed = False
     except BaseException:
@@ -616,18 +661,7 @@ def production_stack(work: Path, *, keep: bool = False, settings: dict[str, str]
         raise
     finally:
         step("tearing down")
-        if stack is not None:
-            stack.stop_deployments()
-        for child in [c for c in group.children if c.name.startswith("agent-")]:
-            group.stop(child)
-        for child in reversed([c for c in group.children if c.name != "postgres"]):
-            group.stop(child)
-        if database is not None:
-            with contextlib.suppress(Exception):
-                database.drop()
-        group.stop_all()  # a private PostgreSQL last, once its database is dropped
-        if stack is not None and stack.made_user:
-            subprocess.run(["userdel", AGENT_USER], capture_output=True)
+        tear_down(group, stack, database)
         if keep or failed:
             step(f"kept {work}")
         else:
