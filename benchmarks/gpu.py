@@ -1010,95 +1010,137 @@ def fmt_bytes(value: int | None) -> str:
     return "–" if value is None else f"{value / GIB:.2f} GiB"
 
 
-def markdown(data: dict) -> str:
-    sections = data.get("sections", {})
+def section_result(sections: dict, name: str) -> dict:
+    """A section's result, or an empty dict when it has none (skipped, failed or not run)."""
+    return (sections.get(name) or {}).get("result") or {}
+
+
+def markdown_heading(data: dict) -> list[str]:
+    """The page's title and the versions it ran with."""
     v = data.get("versions") or {}
-    lines = [
+    return [
         f"# odmoe GPU check ({data.get('scale')} scale, {data.get('device')})",
         "",
         f"{data.get('started')}; torch {v.get('torch')}, transformers {v.get('transformers')}, "
         f"CUDA {v.get('cuda')}, driver {v.get('driver')}, pyzmq {v.get('pyzmq')}, "
         f"bitsandbytes {v.get('bitsandbytes')}; GPU {data.get('gpu_name') or '–'}",
         "",
+    ]
+
+
+def section_table(sections: dict, cluster: dict) -> list[str]:
+    """The sections' table: each one's status, seconds and error or reason (the cluster's: its failed runs)."""
+    lines = [
         "| section | status | seconds | note |",
         "|---|---|---:|---|",
     ]
-    cluster = (sections.get("cluster") or {}).get("result") or {}
     for name, entry in sections.items():
         note = entry.get("error") or entry.get("reason") or ""
         if name == "cluster" and cluster.get("failed"):
             note = f"failed: {', '.join(cluster['failed'])}"
         lines.append(f"| {name} | {entry.get('status')} | {fmt(entry.get('seconds'), '.1f')} | {cell(note)} |")
-    copy = (sections.get("copy") or {}).get("result") or {}
-    expert = (sections.get("expert") or {}).get("result") or {}
-    lines.append("")
+    return lines
+
+
+def copy_line(copy: dict) -> str:
+    """The host-to-device copy bandwidth, or why there is none."""
     if copy.get("reason"):
-        lines.append(f"Host→device copy: {copy['reason']}")
-    elif copy:
-        lines.append(
-            f"Host→device copy of {fmt(copy.get('bytes'), ',')} B on a side stream: pinned "
-            f"{fmt(copy.get('pinned_gb_s'))} GB/s, pageable {fmt(copy.get('pageable_gb_s'))} GB/s "
-            f"(median of {copy.get('repeats')}, CUDA events)"
-        )
-    staging = (sections.get("staging") or {}).get("result") or {}
+        return f"Host→device copy: {copy['reason']}"
+    return (
+        f"Host→device copy of {fmt(copy.get('bytes'), ',')} B on a side stream: pinned "
+        f"{fmt(copy.get('pinned_gb_s'))} GB/s, pageable {fmt(copy.get('pageable_gb_s'))} GB/s "
+        f"(median of {copy.get('repeats')}, CUDA events)"
+    )
+
+
+def staging_line(staging: dict) -> str:
+    """The loader's copies of worker 0's experts from its RAM store and through its staging buffers."""
+    ram, staged, one = staging["ram"], staging["disk_staged"], staging["disk_one_buffer"]
+    return (
+        f"The loader's copies of {staging['experts']} experts of {staging['expert_bytes']:,} B: from the "
+        f"{'page-locked ' if staging['pinned'] else ''}RAM store {ram['ms_per_expert']:.2f} ms each "
+        f"({ram['gb_s']:.2f} GB/s), from the disk store through {staging['slots']} staging buffers "
+        f"{staged['ms_per_expert']:.2f} ms each ({staged['gb_s']:.2f} GB/s, {staged['staging_waits']} waits "
+        f"for a buffer), through one buffer {one['ms_per_expert']:.2f} ms each ({one['staging_waits']} waits); "
+        f"staged copies that differ from the store: {staged['mismatched_experts'] + one['mismatched_experts']}"
+    )
+
+
+def expert_line(expert: dict) -> str:
+    """One expert's compute time at batch 1."""
+    pipelined = expert.get("us_pipelined")
+    return (
+        f"One expert at batch 1 ({expert.get('dtype')}, hidden {expert.get('hidden')}, intermediate "
+        f"{expert.get('intermediate')}): {fmt(expert.get('us_median'), '.1f')} µs median"
+        + (f", {pipelined:.1f} µs back to back" if pipelined is not None else "")
+        + f" ({fmt(expert.get('weights_gb_s'), '.3g')} GB/s of weights; {expert.get('timer')})"
+    )
+
+
+def nf4_line(nf4: dict) -> str:
+    """How the CPU's nf4 data reads on the GPU, and whether the GPU quantizes to the same bytes."""
+    return (
+        f"nf4 quantized on the CPU, read on the GPU: dequantization equal {nf4['dequantize_equal']} "
+        f"(max diff {nf4['dequantize_max_abs_diff']:.3g}), 4-bit matmul max diff "
+        f"{nf4['matmul_4bit_max_abs_diff']:.3g} (outputs up to {nf4['matmul_output_max_abs']:.3g}), "
+        f"batch-1 kernel max diff {nf4['matmul_4bit_kernel_max_abs_diff']:.3g} "
+        f"(outputs up to {nf4['matmul_4bit_kernel_output_max_abs']:.3g}); "
+        f"quantized on the GPU: same bytes {nf4['quantize_data_equal']}"
+    )
+
+
+def figure_lines(sections: dict, cluster: dict) -> list[str]:
+    """A line for each device figure measured: the copies, the loader's, one expert, nf4 and odmoe's ceiling."""
+    copy, staging = section_result(sections, "copy"), section_result(sections, "staging")
+    expert, nf4 = section_result(sections, "expert"), section_result(sections, "nf4")
+    lines = [copy_line(copy)] if copy else []
     if staging:
-        ram, staged, one = staging["ram"], staging["disk_staged"], staging["disk_one_buffer"]
-        lines.append(
-            f"The loader's copies of {staging['experts']} experts of {staging['expert_bytes']:,} B: from the "
-            f"{'page-locked ' if staging['pinned'] else ''}RAM store {ram['ms_per_expert']:.2f} ms each "
-            f"({ram['gb_s']:.2f} GB/s), from the disk store through {staging['slots']} staging buffers "
-            f"{staged['ms_per_expert']:.2f} ms each ({staged['gb_s']:.2f} GB/s, {staged['staging_waits']} waits "
-            f"for a buffer), through one buffer {one['ms_per_expert']:.2f} ms each ({one['staging_waits']} waits); "
-            f"staged copies that differ from the store: {staged['mismatched_experts'] + one['mismatched_experts']}"
-        )
+        lines.append(staging_line(staging))
     if expert:
-        pipelined = expert.get("us_pipelined")
-        lines.append(
-            f"One expert at batch 1 ({expert.get('dtype')}, hidden {expert.get('hidden')}, intermediate "
-            f"{expert.get('intermediate')}): {fmt(expert.get('us_median'), '.1f')} µs median"
-            + (f", {pipelined:.1f} µs back to back" if pipelined is not None else "")
-            + f" ({fmt(expert.get('weights_gb_s'), '.3g')} GB/s of weights; {expert.get('timer')})"
-        )
-    nf4 = (sections.get("nf4") or {}).get("result") or {}
+        lines.append(expert_line(expert))
     if nf4:
-        lines.append(
-            f"nf4 quantized on the CPU, read on the GPU: dequantization equal {nf4['dequantize_equal']} "
-            f"(max diff {nf4['dequantize_max_abs_diff']:.3g}), 4-bit matmul max diff "
-            f"{nf4['matmul_4bit_max_abs_diff']:.3g} (outputs up to {nf4['matmul_output_max_abs']:.3g}), "
-            f"batch-1 kernel max diff {nf4['matmul_4bit_kernel_max_abs_diff']:.3g} "
-            f"(outputs up to {nf4['matmul_4bit_kernel_output_max_abs']:.3g}); "
-            f"quantized on the GPU: same bytes {nf4['quantize_data_equal']}"
-        )
+        lines.append(nf4_line(nf4))
     if cluster.get("ceiling"):
         c = cluster["ceiling"]
         lines.append(
             f"odmoe's copy-bound ceiling at the measured pinned bandwidth: {c['tok_s']:.1f} tok/s "
             f"({c['loads_per_worker_per_token']:g} loads per worker per token at {c['load_ms']:.2f} ms)"
         )
-    if cluster.get("runs"):
-        lines += [
-            "",
-            f"Served on one device, {cluster.get('workers')} workers, {cluster.get('tokens')} new tokens:",
-            "",
-            "| run | decode tok/s | ÷ full cache | e2e tok/s | TTFT ms | recall | agreement "
-            "| peak expert bytes / worker | peak device memory per role |",
-            "|---|---:|---:|---:|---:|---:|---|---:|---|",
-        ]
-        for r in cluster["runs"]:
-            if r.get("status") != "ok":
-                lines.append(f"| {r['run']} | error: {cell(r.get('error', ''))} | | | | | | | |")
-                continue
-            memory = r["device_memory"].get("per_role_peak_bytes")
-            per_role = (
-                ", ".join(f"{k} {fmt_bytes(b)}" for k, b in memory.items())
-                if memory
-                else r["device_memory"].get("reason", "")
-            )
-            lines.append(
-                f"| {r['run']} | {fmt(r['decode_tok_s'])} | {fmt(r.get('decode_vs_full_cache'))} | "
-                f"{fmt(r['e2e_tok_s'])} | {fmt(r['ttft_ms'], '.0f')} | {fmt(r['recall'], '.1%')} | "
-                f"{fmt_agreement(r['agreement'])} | {fmt(r['peak_expert_bytes_per_worker'], ',')} | {per_role} |"
-            )
+    return lines
+
+
+def run_row(r: dict) -> str:
+    """One cluster run's row of the runs' table; a failed run's names its error."""
+    if r.get("status") != "ok":
+        return f"| {r['run']} | error: {cell(r.get('error', ''))} | | | | | | | |"
+    memory = r["device_memory"].get("per_role_peak_bytes")
+    per_role = (
+        ", ".join(f"{k} {fmt_bytes(b)}" for k, b in memory.items()) if memory else r["device_memory"].get("reason", "")
+    )
+    return (
+        f"| {r['run']} | {fmt(r['decode_tok_s'])} | {fmt(r.get('decode_vs_full_cache'))} | "
+        f"{fmt(r['e2e_tok_s'])} | {fmt(r['ttft_ms'], '.0f')} | {fmt(r['recall'], '.1%')} | "
+        f"{fmt_agreement(r['agreement'])} | {fmt(r['peak_expert_bytes_per_worker'], ',')} | {per_role} |"
+    )
+
+
+def run_table(cluster: dict) -> list[str]:
+    """The cluster runs' table, one row a run; nothing when there were none."""
+    if not cluster.get("runs"):
+        return []
+    return [
+        "",
+        f"Served on one device, {cluster.get('workers')} workers, {cluster.get('tokens')} new tokens:",
+        "",
+        "| run | decode tok/s | ÷ full cache | e2e tok/s | TTFT ms | recall | agreement "
+        "| peak expert bytes / worker | peak device memory per role |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---|",
+    ] + [run_row(r) for r in cluster["runs"]]
+
+
+def run_notes(cluster: dict) -> list[str]:
+    """A note on each drafted run's drafts and on each skipped run's reason."""
+    lines: list[str] = []
     for r in cluster.get("runs", []):
         d = r.get("drafts") if r.get("status") == "ok" else None
         if d:
@@ -1110,6 +1152,19 @@ def markdown(data: dict) -> str:
             )
     for s in cluster.get("skipped", []):
         lines.append(f"\nskipped {s['run']}: {s['reason']}")
+    return lines
+
+
+def markdown(data: dict) -> str:
+    """The report as Markdown: the sections' table, the device's figures, the cluster runs and the total time."""
+    sections = data.get("sections", {})
+    lines = markdown_heading(data)
+    cluster = section_result(sections, "cluster")
+    lines += section_table(sections, cluster)
+    lines.append("")
+    lines += figure_lines(sections, cluster)
+    lines += run_table(cluster)
+    lines += run_notes(cluster)
     lines.append(f"\ntotal {fmt(data.get('total_seconds'), '.1f')} s")
     return "\n".join(lines) + "\n"
 
@@ -1166,12 +1221,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    scale = SCALES[args.scale]
-    model = dict(scale.model) | ({"layers": args.layers} if args.layers else {})
-    device = torch.device(args.device)
-    started = time.monotonic()
+def start_report(args: argparse.Namespace, model: dict, started: float) -> Report:
+    """The run's report before any section: what was asked for, and where and from what code it runs."""
     report = Report(args.json, args.markdown, deadline=started + args.budget_s)
     report.data = {
         "format": FORMAT,
@@ -1190,10 +1241,11 @@ def main(argv: list[str] | None = None) -> int:
     begun = report.data["started"]
     report.data |= provenance.record(begun, "torch", "transformers")  # command, commit, dirty, machine...
     report.data["code"] = substance.code_record(DEPENDS_ON)  # what a later change stales it by
-    say(f"{args.scale} scale on {args.device}, budget {args.budget_s:.0f} s, output {args.json}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        say(f"{args.device} was asked for but CUDA is not available here")
+    return report
 
+
+def device_sections(report: Report, device: torch.device, model: dict, scale: Scale) -> None:
+    """Sections 1 to 3: the device's facts, its copy bandwidth, one expert's compute and nf4 across devices."""
     facts = run_section(report, "facts", scale.limits["facts"], lambda: device_facts(device))
     if facts:
         report.data["versions"] = facts["versions"]
@@ -1209,63 +1261,99 @@ def main(argv: list[str] | None = None) -> int:
     run_section(report, "expert", scale.limits["expert"], lambda: expert_compute(device, model, scale.expert_repeats))
     run_section(report, "nf4", scale.limits["nf4"], lambda: nf4_across_devices(device))
 
+
+def checkpoint_sections(
+    report: Report, args: argparse.Namespace, scale: Scale, device: torch.device, model_dir: Path, cluster_dir: Path
+) -> tuple[list[int], dict | None]:
+    """Sections on a checkpoint: its role shards, worker 0's staged copies and the reference; (prompt, reference)."""
+    run_section(
+        report,
+        "shards",
+        scale.limits["shards"],
+        lambda: build_role_shards(model_dir, cluster_dir / "shards", args.workers),
+    )
+    run_section(
+        report,
+        "staging",
+        scale.limits["staging"],
+        lambda: staged_copies(device, cluster_dir / "shards" / "worker-0", DeploymentSettings.staging_buffers),
+    )
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompt = prompt_of(args.prompt_len, vocab, seed=0)
+    reference = run_section(
+        report,
+        "reference",
+        scale.limits["reference"],
+        lambda: reference_tokens(model_dir, prompt, args.tokens, device),
+    )
+    return prompt, reference
+
+
+def served_sections(
+    report: Report, args: argparse.Namespace, scale: Scale, model: dict, device: torch.device, work_dir: Path
+) -> None:
+    """Sections 4 to 6 in ``work_dir``: the checkpoint, what is made of it, and the cluster serving it."""
+    model_dir = args.model or work_dir / "model"
+    if args.model:
+        checkpoint = run_section(
+            report, "checkpoint", scale.limits["checkpoint"], lambda: existing_checkpoint(model_dir)
+        )
+    else:
+        checkpoint = run_section(
+            report, "checkpoint", scale.limits["checkpoint"], lambda: build_checkpoint(model_dir, model)
+        )
+    cluster_dir = work_dir / "cluster"
+    reference = None
+    if checkpoint:
+        prompt, reference = checkpoint_sections(report, args, scale, device, model_dir, cluster_dir)
+    else:
+        for name in ("shards", "staging", "reference"):
+            report.data["sections"][name] = {"status": "skipped", "reason": "no checkpoint"}
+
+    def cluster() -> dict:
+        if not checkpoint:
+            raise Skipped("no checkpoint (the checkpoint section failed)")
+        result = serve_all(
+            report,
+            model_dir,
+            cluster_dir,
+            args,
+            scale,
+            prompt,
+            reference["token_ids"] if reference else None,
+        )
+        result["ceiling"] = odmoe_ceiling(report.data, model, args.workers) if not args.model else None
+        return result
+
+    # Each run carries its own time limit; the section's is only the rest of the budget.
+    run_section(report, "cluster", report.left() + 1, cluster)
+
+
+def exit_status(data: dict) -> int:
+    """1 when a section or a cluster run failed, else 0."""
+    statuses = [entry.get("status") for entry in data["sections"].values()]
+    failed_runs = section_result(data["sections"], "cluster").get("failed")
+    return 1 if "error" in statuses or failed_runs else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    scale = SCALES[args.scale]
+    model = dict(scale.model) | ({"layers": args.layers} if args.layers else {})
+    device = torch.device(args.device)
+    started = time.monotonic()
+    report = start_report(args, model, started)
+    say(f"{args.scale} scale on {args.device}, budget {args.budget_s:.0f} s, output {args.json}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        say(f"{args.device} was asked for but CUDA is not available here")
+
+    device_sections(report, device, model, scale)
+
     own_work_dir = args.work_dir is None
     work_dir = Path(tempfile.mkdtemp(prefix="odmoe-gpu-check-")) if own_work_dir else args.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
     try:
-        model_dir = args.model or work_dir / "model"
-        if args.model:
-            checkpoint = run_section(
-                report, "checkpoint", scale.limits["checkpoint"], lambda: existing_checkpoint(model_dir)
-            )
-        else:
-            checkpoint = run_section(
-                report, "checkpoint", scale.limits["checkpoint"], lambda: build_checkpoint(model_dir, model)
-            )
-        cluster_dir = work_dir / "cluster"
-        reference = None
-        if checkpoint:
-            run_section(
-                report,
-                "shards",
-                scale.limits["shards"],
-                lambda: build_role_shards(model_dir, cluster_dir / "shards", args.workers),
-            )
-            run_section(
-                report,
-                "staging",
-                scale.limits["staging"],
-                lambda: staged_copies(device, cluster_dir / "shards" / "worker-0", DeploymentSettings.staging_buffers),
-            )
-            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-            prompt = prompt_of(args.prompt_len, vocab, seed=0)
-            reference = run_section(
-                report,
-                "reference",
-                scale.limits["reference"],
-                lambda: reference_tokens(model_dir, prompt, args.tokens, device),
-            )
-        else:
-            for name in ("shards", "staging", "reference"):
-                report.data["sections"][name] = {"status": "skipped", "reason": "no checkpoint"}
-
-        def cluster() -> dict:
-            if not checkpoint:
-                raise Skipped("no checkpoint (the checkpoint section failed)")
-            result = serve_all(
-                report,
-                model_dir,
-                cluster_dir,
-                args,
-                scale,
-                prompt,
-                reference["token_ids"] if reference else None,
-            )
-            result["ceiling"] = odmoe_ceiling(report.data, model, args.workers) if not args.model else None
-            return result
-
-        # Each run carries its own time limit; the section's is only the rest of the budget.
-        run_section(report, "cluster", report.left() + 1, cluster)
+        served_sections(report, args, scale, model, device, work_dir)
     finally:
         if own_work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -1274,9 +1362,7 @@ def main(argv: list[str] | None = None) -> int:
         report.write()
     say(f"done in {report.data['total_seconds']} s")
     print(markdown(report.data), flush=True)
-    statuses = [entry.get("status") for entry in report.data["sections"].values()]
-    failed_runs = ((report.data["sections"].get("cluster") or {}).get("result") or {}).get("failed")
-    return 1 if "error" in statuses or failed_runs else 0
+    return exit_status(report.data)
 
 
 if __name__ == "__main__":
