@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks import provenance, roles, substance
 from benchmarks.concurrency import Stream, median_with_spread
@@ -36,6 +37,9 @@ from inference.runtime.launcher import ClusterOptions, LocalCluster
 from inference.runtime.spec import DeploymentSettings
 from inference.sim.hardware import PROFILES
 from inference.tools.reference import reference_generate
+
+if TYPE_CHECKING:
+    from inference.tools.emulation import Emulation
 
 # What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
 DEPENDS_ON = substance.RUNTIME
@@ -78,7 +82,8 @@ def measure(cluster: LocalCluster, short: list[list[int]], long: list[int], new_
     return figures, [list(s.done.token_ids) for s in [*decoders, joiner]]  # type: ignore[union-attr]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the profile and the model, the decoders and the long prompt, the prefill steps, the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
     parser.add_argument("--model", type=Path, help="a Mixtral checkpoint directory (default: make one)")
@@ -90,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     roles.add_argument(parser)
-    args = parser.parse_args(argv)
-    begun = provenance.begin()
+    return parser
+
+
+def checked_steps(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """The prefill steps ``args`` name; a bad value is the parser's error."""
     try:
         steps = [int(part) for part in args.steps.split(",") if part]
     except ValueError:
@@ -100,6 +108,50 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps needs at least one count, each >= 0")
     if args.decoders < 1 or args.long_prompt < 2 or args.new_tokens <= JOIN_AFTER_TOKENS or args.repeats < 1:
         parser.error(f"--decoders >= 1, --long-prompt >= 2, --new-tokens > {JOIN_AFTER_TOKENS}, --repeats >= 1")
+    return steps
+
+
+def step_options(step: int, workers: int, emulation: Emulation, args: argparse.Namespace) -> ClusterOptions:
+    """An odmoe cluster of ``workers`` workers whose main prefills ``step`` tokens a batch step (0:
+    the whole prompt), with room for every stream in one batch."""
+    base = DeploymentSettings(strategy="odmoe", max_batch=args.decoders + 1, prefill_step=step)
+    return ClusterOptions(
+        workers=workers,
+        settings=emulation.settings(base, networked=True),
+        in_process=args.in_process,
+    )
+
+
+def repeated(
+    cluster: LocalCluster,
+    short: list[list[int]],
+    long: list[int],
+    expected: list[list[int]],
+    whole: list[int],
+    args: argparse.Namespace,
+) -> tuple[dict, bool, bool]:
+    """``--repeats`` runs (``measure``) on ``cluster``, warmed up first: the figures' medians with
+    their spread, whether every run's answers were ``expected``, and whether the last run's long
+    answer equalled ``whole``, the whole-prompt run's."""
+    if "shadow" in cluster.processes:  # a process of its own, not a thread of this one
+        yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
+    cluster.generate(short[0][:8], 4)  # warm-up: first-call allocations in every process
+    repeats = []
+    exact, whole_equal = True, False
+    for _ in range(args.repeats):
+        figures, outputs = measure(cluster, short, long, args.new_tokens)
+        exact &= outputs == expected
+        whole_equal = outputs[-1] == whole
+        repeats.append(figures)
+    return {key: median_with_spread([r[key] for r in repeats]) for key in repeats[0]}, exact, whole_equal
+
+
+def measure_all(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, steps: list[int]
+) -> tuple[dict[int, dict], bool, dict[int, bool], Emulation]:
+    """Each prefill step's figures (``repeated``), whether every answer was Transformers' with the
+    same pieces, whether each step's long answer equalled the whole-prompt run's, and the emulation
+    the clusters ran; a long prompt the model's context cannot hold is the parser's error."""
     results: dict[int, dict] = {}
     exact, whole_equal = True, {}
     with tempfile.TemporaryDirectory(prefix="odmoe-chunked-prefill-") as tmp:
@@ -115,25 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         deployment = deployment_for("odmoe", args.workers)
         for step in steps:
             expected_long = reference_generate(model_dir, long, LONG_NEW_TOKENS, prefill_step=step)
-            base = DeploymentSettings(strategy="odmoe", max_batch=args.decoders + 1, prefill_step=step)
-            options = ClusterOptions(
-                workers=deployment.workers,
-                settings=emulation.settings(base, networked=True),
-                in_process=args.in_process,
-            )
-            repeats = []
+            expected = [*expected_short, expected_long]
+            options = step_options(step, deployment.workers, emulation, args)
             with LocalCluster(model_dir, options, work_dir=Path(tmp) / f"step-{step}") as cluster:
-                if "shadow" in cluster.processes:  # a process of its own, not a thread of this one
-                    yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
-                cluster.generate(short[0][:8], 4)  # warm-up: first-call allocations in every process
-                for _ in range(args.repeats):
-                    figures, outputs = measure(cluster, short, long, args.new_tokens)
-                    exact &= outputs == [*expected_short, expected_long]
-                    whole_equal[step] = outputs[-1] == whole
-                    repeats.append(figures)
-            results[step] = {key: median_with_spread([r[key] for r in repeats]) for key in repeats[0]}
+                results[step], matched, whole_equal[step] = repeated(cluster, short, long, expected, whole, args)
+            exact &= matched
             stall = results[step]["decoder_longest_gap_ms"]["median"]
             print(f"  prefill_step {step}: longest decoder gap {stall:.0f} ms", file=sys.stderr)
+    return results, exact, whole_equal, emulation
+
+
+def print_table(results: dict[int, dict], whole_equal: dict[int, bool], exact: bool, args: argparse.Namespace) -> None:
+    """The run's shape, then a Markdown row per prefill step, and whether every answer was exact."""
     print(
         f"profile {args.profile}; odmoe, {args.workers} workers; {args.decoders} decoding streams "
         f"({SHORT_PROMPT}-token prompts, {args.new_tokens} new tokens); a {args.long_prompt}-token prompt joins "
@@ -153,6 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             f"| {ttft['median']:.0f} ({ttft['min']:.0f}–{ttft['max']:.0f}) | {whole_equal[step]} |"
         )
     print(f"\nevery answer token-identical to Transformers' run with the same prefill pieces: {exact}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    begun = provenance.begin()
+    steps = checked_steps(parser, args)
+    results, exact, whole_equal, emulation = measure_all(parser, args, steps)
+    print_table(results, whole_equal, exact, args)
     roles.write_emulated(
         args,
         emulation,

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks import provenance, roles, substance
 from benchmarks.overhead import percentile
@@ -46,6 +47,9 @@ from inference.runtime.spec import DeploymentSettings
 from inference.sim.hardware import PROFILES
 from inference.tools.reference import reference_generate
 from inference.wire.generation import Done
+
+if TYPE_CHECKING:
+    from inference.tools.emulation import Emulation
 
 # What its figures depend on beyond its own imports: the roles its local clusters run (benchmarks.substance).
 DEPENDS_ON = substance.RUNTIME
@@ -213,7 +217,8 @@ def print_table(results: dict[str, dict[int, dict]], args: argparse.Namespace, e
     print(f"\nevery stream's output token-identical to Transformers: {exact}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the profile and the model, the strategies and stream counts, the load, the outputs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
     parser.add_argument("--model", type=Path, help="a Mixtral checkpoint directory (default: make one)")
@@ -235,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     roles.add_argument(parser)
     parser.add_argument("--plots", type=Path, help="write concurrency.png here")
-    args = parser.parse_args(argv)
-    begun = provenance.begin()
+    return parser
+
+
+def checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """The stream counts and the strategies ``args`` name; a bad value is the parser's error."""
     try:
         counts = parse_counts(args.streams)
     except ValueError as exc:
@@ -249,6 +257,72 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--prompt-len >= 1, --new-tokens >= 2, --repeats >= 1 and --max-resident-experts >= 0 are required"
         )
+    return counts, strategies
+
+
+def cluster_options(strategy: str, counts: list[int], emulation: Emulation, args: argparse.Namespace) -> ClusterOptions:
+    """``strategy``'s cluster, deployed as in ``benchmarks.strategies``, with room for the most streams in a batch."""
+    deployment = deployment_for(strategy, args.workers)
+    base = DeploymentSettings(
+        strategy=strategy,
+        cache_experts=args.cache_experts,
+        max_batch=max(counts),
+        batch_arithmetic=args.batch_arithmetic,
+        max_resident_experts=args.max_resident_experts,
+    )
+    return ClusterOptions(
+        workers=deployment.workers,
+        settings=emulation.settings(base, networked=deployment.networked),
+        in_process=args.in_process,
+    )
+
+
+def measure_count(
+    cluster: LocalCluster, prompts: list[list[int]], expected: list[list[int]], args: argparse.Namespace
+) -> tuple[dict, bool]:
+    """All ``prompts`` at once, ``--repeats`` times: the figures' medians with their spread
+    (``summarize``), and whether every output equalled ``expected``."""
+    exact = True
+    repeats = []
+    for _ in range(args.repeats):
+        figures, outputs = measure(cluster, prompts, args.new_tokens)
+        exact &= outputs == expected
+        repeats.append(figures)
+    return summarize(repeats), exact
+
+
+def measure_strategy(
+    strategy: str,
+    model_dir: Path,
+    emulation: Emulation,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    counts: list[int],
+    args: argparse.Namespace,
+    work_dir: Path,
+) -> tuple[dict[int, dict], bool]:
+    """One cluster of ``strategy``, warmed up: each stream count's figures (``measure_count``),
+    scaled against one stream's (``add_scaling``), and whether every output equalled ``expected``."""
+    exact = True
+    per_count: dict[int, dict] = {}
+    with LocalCluster(model_dir, cluster_options(strategy, counts, emulation, args), work_dir=work_dir) as cluster:
+        if "shadow" in cluster.processes:
+            yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
+        cluster.generate(prompts[0][:8], 4)  # warm-up: first-call allocations in every process
+        for count in counts:
+            per_count[count], matched = measure_count(cluster, prompts[:count], expected[:count], args)
+            exact &= matched
+            agg = per_count[count]["aggregate_decode_tok_s"]["median"]
+            print(f"  {strategy} × {count}: {agg:.2f} tok/s aggregate", file=sys.stderr)
+    add_scaling(per_count)
+    return per_count, exact
+
+
+def measure_all(
+    args: argparse.Namespace, counts: list[int], strategies: list[str]
+) -> tuple[dict[str, dict[int, dict]], bool, Emulation]:
+    """Every strategy's figures by stream count (``measure_strategy``), whether every output was
+    Transformers' own, and the emulation the clusters ran."""
     results: dict[str, dict[int, dict]] = {}
     exact = True
     with tempfile.TemporaryDirectory(prefix="odmoe-concurrency-") as tmp:
@@ -256,36 +330,17 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [prompt_of(args.prompt_len, config["vocab_size"], seed=i) for i in range(max(counts))]
         expected = [reference_generate(model_dir, prompt, args.new_tokens) for prompt in prompts]
         for strategy in strategies:
-            deployment = deployment_for(strategy, args.workers)
-            base = DeploymentSettings(
-                strategy=strategy,
-                cache_experts=args.cache_experts,
-                max_batch=max(counts),
-                batch_arithmetic=args.batch_arithmetic,
-                max_resident_experts=args.max_resident_experts,
+            results[strategy], matched = measure_strategy(
+                strategy, model_dir, emulation, prompts, expected, counts, args, Path(tmp) / strategy
             )
-            options = ClusterOptions(
-                workers=deployment.workers,
-                settings=emulation.settings(base, networked=deployment.networked),
-                in_process=args.in_process,
-            )
-            per_count: dict[int, dict] = {}
-            with LocalCluster(model_dir, options, work_dir=Path(tmp) / strategy) as cluster:
-                if "shadow" in cluster.processes:
-                    yield_cpu_to_the_pipeline(cluster.processes["shadow"].pid)
-                cluster.generate(prompts[0][:8], 4)  # warm-up: first-call allocations in every process
-                for count in counts:
-                    repeats = []
-                    for _ in range(args.repeats):
-                        figures, outputs = measure(cluster, prompts[:count], args.new_tokens)
-                        exact &= outputs == expected[:count]
-                        repeats.append(figures)
-                    per_count[count] = summarize(repeats)
-                    agg = per_count[count]["aggregate_decode_tok_s"]["median"]
-                    print(f"  {strategy} × {count}: {agg:.2f} tok/s aggregate", file=sys.stderr)
-            add_scaling(per_count)
-            results[strategy] = per_count
-    print_table(results, args, exact)
+            exact &= matched
+    return results, exact, emulation
+
+
+def write(
+    args: argparse.Namespace, emulation: Emulation, results: dict[str, dict[int, dict]], exact: bool, begun: dict
+) -> None:
+    """The run's settings and every strategy's figures at ``--json``, when it was given (``roles.write_emulated``)."""
     roles.write_emulated(
         args,
         emulation,
@@ -301,17 +356,30 @@ def main(argv: list[str] | None = None) -> int:
         begun,
         DEPENDS_ON,
     )
-    if args.plots:
-        line_plot(
-            args.plots / "concurrency.png",
-            {
-                name: (counts, [pc[c]["aggregate_decode_tok_s"]["median"] for c in counts])
-                for name, pc in results.items()
-            },
-            title=f"Aggregate decode rate by concurrent streams, emulated {args.profile}",
-            xlabel="concurrent streams",
-            ylabel="aggregate decode tok/s",
-        )
+
+
+def plot(args: argparse.Namespace, counts: list[int], results: dict[str, dict[int, dict]]) -> None:
+    """``concurrency.png`` in ``--plots``, when it was given: each strategy's aggregate decode rate by stream count."""
+    if not args.plots:
+        return
+    line_plot(
+        args.plots / "concurrency.png",
+        {name: (counts, [pc[c]["aggregate_decode_tok_s"]["median"] for c in counts]) for name, pc in results.items()},
+        title=f"Aggregate decode rate by concurrent streams, emulated {args.profile}",
+        xlabel="concurrent streams",
+        ylabel="aggregate decode tok/s",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    begun = provenance.begin()
+    counts, strategies = checked(parser, args)
+    results, exact, emulation = measure_all(args, counts, strategies)
+    print_table(results, args, exact)
+    write(args, emulation, results, exact, begun)
+    plot(args, counts, results)
     return 0 if exact or args.batch_arithmetic == "fused" else 1
 
 

@@ -130,7 +130,8 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the model and its workers, alice's load, bob's grammar, the rounds, the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=DEMO_MODEL)
     parser.add_argument("--workers", type=int, default=2)
@@ -142,9 +143,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path)
     roles.add_argument(parser)
-    args = parser.parse_args(argv)
-    begun = provenance.begin()
-    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    return parser
+
+
+def one_round(
+    cluster: LocalCluster, round_: int, vocab: int, args: argparse.Namespace
+) -> tuple[dict, list[float], list[float]]:
+    """Round ``round_``: the heavy run and the quiet one, taking turns at going first; the round's
+    figures, and the step times (``intervals_ms``) of the heavy run within bob's window and of the
+    quiet run at the same tokens."""
+    prompts = [prompt_of(args.prompt_len, vocab, seed=100 * round_ + s) for s in range(args.streams)]
+    grammar = heavy_grammar(args.properties + round_)
+    order = ["heavy", "quiet"] if round_ % 2 == 0 else ["quiet", "heavy"]
+    runs = {
+        name: run(cluster, prompts, args.tokens, (grammar, args.choices) if name == "heavy" else None) for name in order
+    }
+    sent, last, answers = runs["heavy"]["bob"]
+    tokens = window(runs["heavy"]["arrivals"], sent, last)
+    heavy = intervals_ms(runs["heavy"]["arrivals"], tokens)
+    quiet = intervals_ms(runs["quiet"]["arrivals"], tokens)
+    figures = {
+        "first": order[0],
+        "refused_after_s": round(last - sent, 3),
+        "steps_in_window": len(tokens),
+        "median_ratio": statistics.median(heavy) / statistics.median(quiet),
+        "max_ms": {"heavy": max(heavy), "quiet": max(quiet)},
+        "answers": sorted(set(answers)),
+    }
+    print(
+        f"round {round_ + 1}: bob's grammar refused after {last - sent:.2f} s; {len(tokens)} intervals; "
+        f"median step {statistics.median(heavy):.1f} ms heavy, {statistics.median(quiet):.1f} ms quiet",
+        file=sys.stderr,
+    )
+    return figures, heavy, quiet
+
+
+def measure(args: argparse.Namespace, vocab: int) -> tuple[list[dict], list[float], list[float], bool]:
+    """``--rounds`` rounds (``one_round``) on one cluster without a shadow: each round's figures, the
+    heavy and the quiet step times pooled over the rounds, and whether every one of bob's answers
+    named the limit."""
     options = ClusterOptions(workers=args.workers, shadow=False, in_process=args.in_process)
     quiet_ms: list[float] = []
     heavy_ms: list[float] = []
@@ -152,36 +189,36 @@ def main(argv: list[str] | None = None) -> int:
     refused_all = True
     with LocalCluster(args.model, options) as cluster:
         for round_ in range(args.rounds):
-            prompts = [prompt_of(args.prompt_len, vocab, seed=100 * round_ + s) for s in range(args.streams)]
-            grammar = heavy_grammar(args.properties + round_)
-            order = ["heavy", "quiet"] if round_ % 2 == 0 else ["quiet", "heavy"]
-            runs = {
-                name: run(cluster, prompts, args.tokens, (grammar, args.choices) if name == "heavy" else None)
-                for name in order
-            }
-            sent, last, answers = runs["heavy"]["bob"]
-            refused_all &= all(LIMIT_NAMED in answer for answer in answers)
-            tokens = window(runs["heavy"]["arrivals"], sent, last)
-            heavy = intervals_ms(runs["heavy"]["arrivals"], tokens)
-            quiet = intervals_ms(runs["quiet"]["arrivals"], tokens)
+            figures, heavy, quiet = one_round(cluster, round_, vocab, args)
+            refused_all &= all(LIMIT_NAMED in answer for answer in figures["answers"])
             heavy_ms += heavy
             quiet_ms += quiet
-            rounds.append(
-                {
-                    "first": order[0],
-                    "refused_after_s": round(last - sent, 3),
-                    "steps_in_window": len(tokens),
-                    "median_ratio": statistics.median(heavy) / statistics.median(quiet),
-                    "max_ms": {"heavy": max(heavy), "quiet": max(quiet)},
-                    "answers": sorted(set(answers)),
-                }
-            )
-            print(
-                f"round {round_ + 1}: bob's grammar refused after {last - sent:.2f} s; {len(tokens)} intervals; "
-                f"median step {statistics.median(heavy):.1f} ms heavy, {statistics.median(quiet):.1f} ms quiet",
-                file=sys.stderr,
-            )
-    result = {
+            rounds.append(figures)
+    return rounds, heavy_ms, quiet_ms, refused_all
+
+
+def print_table(result: dict) -> None:
+    """The run's shape, then the pooled step times of each run and their ratio, and bob's refusals, from ``result``."""
+    steps, ratio = result["step_ms"], result["ratio"]
+    print(
+        f"{result['streams']} streams of alice, bob's {result['properties']}-property schema as "
+        f"{result['choices']} choices; {len(result['rounds'])} rounds, intervals pooled\n"
+    )
+    print("| | median ms | p99 ms | intervals |\n|---|---:|---:|---:|")
+    for name in ("quiet", "heavy"):
+        print(f"| {name} | {steps[name]['median']:.1f} | {steps[name]['p99']:.1f} | {steps[name]['n']} |")
+    print(f"| heavy / quiet | {ratio['median']:.3f} | {ratio['p99']:.3f} | |")
+    spread = result["refused_after_s"]
+    print(f"\nbob's grammar refused after {spread['median']:.2f} s ({spread['min']:.2f}–{spread['max']:.2f})")
+    print(f"every one of bob's answers names the limit: {result['every_answer_names_the_limit']}")
+
+
+def summary(
+    args: argparse.Namespace, rounds: list[dict], heavy_ms: list[float], quiet_ms: list[float], refused_all: bool
+) -> dict:
+    """What the run records: its settings, each round's figures, the pooled step times and their
+    ratios (heavy over quiet), how long bob's grammar took to be refused."""
+    return {
         "benchmark": "grammar-compiles",
         "roles": roles.kind(args),
         "model": str(args.model.relative_to(REPO)) if args.model.is_relative_to(REPO) else str(args.model),
@@ -204,18 +241,16 @@ def main(argv: list[str] | None = None) -> int:
         "refused_after_s": median_with_spread([r["refused_after_s"] for r in rounds]),
         "every_answer_names_the_limit": refused_all,
     }
-    steps, ratio = result["step_ms"], result["ratio"]
-    print(
-        f"{args.streams} streams of alice, bob's {args.properties}-property schema as {args.choices} choices; "
-        f"{args.rounds} rounds, intervals pooled\n"
-    )
-    print("| | median ms | p99 ms | intervals |\n|---|---:|---:|---:|")
-    for name in ("quiet", "heavy"):
-        print(f"| {name} | {steps[name]['median']:.1f} | {steps[name]['p99']:.1f} | {steps[name]['n']} |")
-    print(f"| heavy / quiet | {ratio['median']:.3f} | {ratio['p99']:.3f} | |")
-    spread = result["refused_after_s"]
-    print(f"\nbob's grammar refused after {spread['median']:.2f} s ({spread['min']:.2f}–{spread['max']:.2f})")
-    print(f"every one of bob's answers names the limit: {refused_all}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    begun = provenance.begin()
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    rounds, heavy_ms, quiet_ms, refused_all = measure(args, vocab)
+    result = summary(args, rounds, heavy_ms, quiet_ms, refused_all)
+    print_table(result)
     if args.json:
         provenance.write(args.json, result, begun, "llguidance", depends_on=DEPENDS_ON)
     return 0 if refused_all else 1

@@ -256,7 +256,8 @@ def _ratio(figures: dict, baseline: str) -> str:
     return f"{figures[key]:.2f} ({figures[key + '_min']:.2f}–{figures[key + '_max']:.2f})"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the strategies and the deployment, what is scored and served, where it is written."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=REPO / "platform" / "demo-model")
     parser.add_argument("--strategies", default="odmoe,lru-offload,importance")
@@ -276,8 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     roles.add_argument(parser)
     parser.add_argument("--plots", type=Path, help="write quality_vs_speed.png here")
-    args = parser.parse_args(argv)
-    begun = provenance.begin()
+    return parser
+
+
+def checked(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[tuple[str, str, float]], list[int]]:
+    """The runs ``args`` name (``parse_strategies``) and the held-out ids to score; a bad value, a
+    file a strategy needs and the model lacks, or a held-out text too short is the parser's error."""
     try:
         thresholds = [float(t) for t in args.thresholds.split(",") if t]
         runs = parse_strategies(args.strategies, thresholds)
@@ -294,30 +301,55 @@ def main(argv: list[str] | None = None) -> int:
         ids = held_out_ids(args.model, args.ppl_tokens, args.held_out)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    return runs, ids
+
+
+def scored(
+    model_dir: Path, ids: list[int], runs: list[tuple[str, str, float]], args: argparse.Namespace
+) -> dict[str, dict]:
+    """Each run's kind and its perplexity on ``ids``, by label, each reported as it is scored."""
     results: dict[str, dict] = {}
+    for label, strategy, threshold in runs:
+        results[label] = {
+            "strategy": strategy,
+            "approximate": not get_strategy(strategy).exact,
+            "importance_threshold": threshold if strategy == "importance" else None,
+            "ppl": perplexity(model_dir, ids, strategy, threshold, args),
+        }
+        print(f"  {label}: ppl {results[label]['ppl']:.3f}", file=sys.stderr)
+    return results
+
+
+def interleaved_rounds(
+    model_dir: Path, runs: list[tuple[str, str, float]], prompts, emulation, args: argparse.Namespace, tmp: Path
+) -> dict[str, list[list]]:
+    """Each run's answers, one list per repeat (``serve_once``), by label."""
+    # Repeats are interleaved: each round serves every strategy once, so a drift in this
+    # machine's speed over the minutes of a run falls on all of them alike.
+    rounds: dict[str, list[list]] = {label: [] for label, _, _ in runs}
+    for repeat in range(args.repeats):
+        for label, strategy, threshold in runs:
+            work_dir = tmp / label / f"run-{repeat}"
+            rounds[label].append(serve_once(model_dir, strategy, threshold, prompts, emulation, args, work_dir))
+        print(f"  round {repeat + 1} of {args.repeats} served", file=sys.stderr)
+    return rounds
+
+
+def measure(args: argparse.Namespace, runs: list[tuple[str, str, float]], ids: list[int]) -> dict[str, dict]:
+    """Every run's figures, by label: its perplexity (``scored``), then what it served (``served``)."""
     with tempfile.TemporaryDirectory(prefix="odmoe-quality-") as tmp:
         model_dir, _, _, emulation = bench_model(args.model, Path(tmp), args.profile)
         prompts, _ = choose_prompts(model_dir, args.prompts)
         expected = [reference_generate(model_dir, p, args.new_tokens) for p in prompts]
-        for label, strategy, threshold in runs:
-            results[label] = {
-                "strategy": strategy,
-                "approximate": not get_strategy(strategy).exact,
-                "importance_threshold": threshold if strategy == "importance" else None,
-                "ppl": perplexity(model_dir, ids, strategy, threshold, args),
-            }
-            print(f"  {label}: ppl {results[label]['ppl']:.3f}", file=sys.stderr)
-        # Repeats are interleaved: each round serves every strategy once, so a drift in this
-        # machine's speed over the minutes of a run falls on all of them alike.
-        rounds: dict[str, list[list]] = {label: [] for label, _, _ in runs}
-        for repeat in range(args.repeats):
-            for label, strategy, threshold in runs:
-                work_dir = Path(tmp) / label / f"run-{repeat}"
-                rounds[label].append(serve_once(model_dir, strategy, threshold, prompts, emulation, args, work_dir))
-            print(f"  round {repeat + 1} of {args.repeats} served", file=sys.stderr)
+        results = scored(model_dir, ids, runs, args)
+        rounds = interleaved_rounds(model_dir, runs, prompts, emulation, args, Path(tmp))
         for label, strategy, _ in runs:
             results[label] |= served(model_dir, strategy, rounds[label], prompts, expected, args)
-    add_ratios(results, args.baseline)
+    return results
+
+
+def print_table(results: dict[str, dict], args: argparse.Namespace) -> None:
+    """The run's settings, then a Markdown row per run, perplexity against the first exact run's."""
     exact_ppl = next((f["ppl"] for f in results.values() if not f["approximate"]), None)
     print(
         f"{args.model.name}: {args.workers} workers, {args.cache_experts} cached experts per layer per worker, "
@@ -338,34 +370,56 @@ def main(argv: list[str] | None = None) -> int:
             f"| {f['late_experts_per_token']:.2f} | {f['decode_tok_s']:.2f} "
             f"({f['decode_tok_s_min']:.2f}–{f['decode_tok_s_max']:.2f}) | {_ratio(f, args.baseline)} |"
         )
-    if args.json:
-        provenance.write(
-            args.json,
-            {
-                "roles": roles.kind(args),
-                "model": str(args.model),
-                "profile": args.profile,
-                "workers": args.workers,
-                "cache_experts": args.cache_experts,
-                "ppl_tokens": args.ppl_tokens,
-                "prompts": args.prompts,
-                "new_tokens": args.new_tokens,
-                "strategies": results,
-            },
-            begun,
-            "torch",
-            "transformers",
-            depends_on=DEPENDS_ON,
-        )
-    if args.plots:
-        scatter_plot(
-            args.plots / "quality_vs_speed.png",
-            {label: (f["decode_tok_s"], f["ppl"]) for label, f in results.items()},
-            title=f"Perplexity against decode rate, emulated {args.profile}",
-            xlabel="decode tok/s",
-            ylabel="held-out perplexity (log scale)",
-            log_y=True,
-        )
+
+
+def write(args: argparse.Namespace, results: dict[str, dict], begun: dict) -> None:
+    """The run's settings and every run's figures at ``--json``, when it was given, with their provenance."""
+    if not args.json:
+        return
+    provenance.write(
+        args.json,
+        {
+            "roles": roles.kind(args),
+            "model": str(args.model),
+            "profile": args.profile,
+            "workers": args.workers,
+            "cache_experts": args.cache_experts,
+            "ppl_tokens": args.ppl_tokens,
+            "prompts": args.prompts,
+            "new_tokens": args.new_tokens,
+            "strategies": results,
+        },
+        begun,
+        "torch",
+        "transformers",
+        depends_on=DEPENDS_ON,
+    )
+
+
+def plot(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    """``quality_vs_speed.png`` in ``--plots``, when it was given: each run's perplexity against its decode rate."""
+    if not args.plots:
+        return
+    scatter_plot(
+        args.plots / "quality_vs_speed.png",
+        {label: (f["decode_tok_s"], f["ppl"]) for label, f in results.items()},
+        title=f"Perplexity against decode rate, emulated {args.profile}",
+        xlabel="decode tok/s",
+        ylabel="held-out perplexity (log scale)",
+        log_y=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    begun = provenance.begin()
+    runs, ids = checked(parser, args)
+    results = measure(args, runs, ids)
+    add_ratios(results, args.baseline)
+    print_table(results, args)
+    write(args, results, begun)
+    plot(args, results)
     return 0
 
 
