@@ -189,6 +189,7 @@ def print_table(results: dict[int, dict], whole_equal: dict[int, bool], exact: b
         "| long answer = whole-prompt run |"
     )
     print("|---:|---:|---:|---:|---:|---|")
+    # Alike concurrency.py's table by shape, on purpose: each benchmark's table has its own columns.
     for step, f in results.items():
         longest, ttft = f["decoder_longest_gap_ms"], f["long_prompt_ttft_ms"]
         print(

@@ -197,6 +197,7 @@ def print_table(results: dict[str, dict[int, dict]], args: argparse.Namespace, e
                 f"| {f['ttft_p50_ms']['median']:.0f} | {f['ttft_p95_ms']['median']:.0f} "
                 f"| {f['loads_per_token']['median']:.2f} | {f['bytes_copied_per_token']['median'] / 1e6:.2f} |"
             )
+    # Three tables alike by shape, on purpose: each has its own columns.
     print("\nwhere a decode step goes (medians): main's expert rounds and main's own work for every sequence\n")
     print("| strategy | streams | decode step ms | expert rounds ms | of which busiest worker ms | main's own ms |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 "same_as_undisturbed": sum(r["same_as_undisturbed"] for r in runs),
                 "runs": runs,
             }
+    # Alike faults.py's report by shape, on purpose: each benchmark prints and writes its own figures.
     for fault, found in results["faults"].items():
         stall = found["stall_ms"]
         span = f"{stall['min']:.0f}-{stall['max']:.0f}"

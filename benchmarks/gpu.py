@@ -144,6 +144,7 @@ SCALES = {
         ),
         min_run_s=40.0,
     ),
+    # The two scales are declarations, one per line: alike by shape on purpose.
     # The same flow in seconds on a CPU; fp32 so that the runtime matches Transformers exactly.
     "tiny": Scale(
         model=dict(
@@ -762,6 +763,7 @@ class DeviceMemorySampler:
     def __exit__(self, *exc: object) -> None:
         for proc in self.procs.values():
             proc.send_signal(signal.SIGINT)  # what it loops until, exiting cleanly with its output flushed
+        # Alike LocalCluster.close's wait-then-kill by domain: each stops its own processes its own way.
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=5)

@@ -93,6 +93,7 @@ def one_round(client: openai.OpenAI, model: str, prompts: list[str], max_tokens:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A benchmark's command line, alike faults.py's by shape: each script declares its own options.
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--api-key", required=True, help="an API key with the inference scope")

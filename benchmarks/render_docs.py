@@ -100,6 +100,7 @@ class MovedBy:
     reason: str
 
 
+# One declaration per rule, on purpose: the rules are alike by shape (duplicates lists them).
 MOVED_BY: tuple[MovedBy, ...] = (
     MovedBy(
         patterns=("strategies*.json", "overhead*.json", "recall*.json"),

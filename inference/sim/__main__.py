@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         model = resolve_model("mixtral-8x7b")
+        # Keyword-argument call whose names line up with overhead.py's ExpertResult(...): a different call.
         cluster = Cluster(
             workers=args.workers,
             group_size=args.group_size,
