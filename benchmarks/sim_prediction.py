@@ -516,27 +516,19 @@ def predict_for_run(
     rhythm, the prediction with the tight-loop costs is made too (the model before it used them).
     """
     if machine is None:
-        machine, measurement = measure_machine(
-            config,
-            emulation["expert_compute_here_s"],
-            model_dir=model_dir,
-            link_latency_s=emulation["link_latency_s"],
-            link_bytes_per_s=emulation.get("link_bytes_per_s"),
-        )
+        machine, measurement = measure_for_run(emulation, config, model_dir)
     costs, measured = machine, measurement or {}
     generations = routing_traces(model_dir, prompts, outputs)
     rates = rates_for(emulation, config, expert_bytes, codec)
-    shape = Shape(
-        layers=config["num_hidden_layers"],
-        experts=family_for(config).n_experts(config),
-        top_k=config["num_experts_per_tok"],
-        workers=workers,
-        max_resident=max_resident,
-        cache_experts=cache_experts,
-    )
-    predicted = predict_strategies(
-        strategies, shape, costs, rates, generations, hybrid=hybrid, drafts=drafts, draft_auto=draft_auto
-    )
+    shape = run_shape(config, workers=workers, max_resident=max_resident, cache_experts=cache_experts)
+
+    def strategies_at(at: MachineCosts) -> dict[str, float | None]:
+        """The run's prediction at the per-layer costs ``at``."""
+        return predict_strategies(
+            strategies, shape, at, rates, generations, hybrid=hybrid, drafts=drafts, draft_auto=draft_auto
+        )
+
+    predicted = strategies_at(costs)
     tight = measured.get("tight_loop") if "in_rhythm" in measured else None
     driven = None
     if drafts is not None and not draft_auto and shadow_dtype is not None:
@@ -552,18 +544,7 @@ def predict_for_run(
         )
     return {
         "predicted_decode_tok_s": predicted,
-        "predicted_decode_tok_s_tight_loop_costs": None
-        if tight is None
-        else predict_strategies(
-            strategies,
-            shape,
-            MachineCosts(**tight),
-            rates,
-            generations,
-            hybrid=hybrid,
-            drafts=drafts,
-            draft_auto=draft_auto,
-        ),
+        "predicted_decode_tok_s_tight_loop_costs": None if tight is None else strategies_at(MachineCosts(**tight)),
         "inputs": {
             "shape": dataclasses.asdict(shape),
             "rates": dataclasses.asdict(rates),
@@ -574,28 +555,61 @@ def predict_for_run(
         "machine": costs.as_dict(),
         "measurement": measured,
         "next_gate_recall": next_gate_recall(generations),
-        "assumptions": [
-            "odmoe's shadow has the model's own precision (recall 1); one token ahead",
-            "each role computes on a core of its own: CPU contention between roles is not modelled",
-            "per-layer costs measured at prediction time; the run may see the machine in another state",
-            "per-layer costs measured in a main + one worker of the runtime (its rhythm), not in the run's cluster"
-            if tight is not None
-            else measured.get("in_rhythm_skipped") or "per-layer costs timed piece by piece in tight loops",
-            *(
-                []
-                if codec is None
-                else ["coded experts: each load is its decode on this CPU (measured alone, one thread) then its copy"]
-            ),
-            *(
-                []
-                if drafts is None
-                else [
-                    f"drafts: {drafts[0]} a pass, {drafts[1]:.2f} tokens a pass as measured before the run "
-                    "(benchmarks.draft_agreement, roles in-process); a rejected draft routes as the next token"
-                ]
-            ),
-        ],
+        "assumptions": prediction_assumptions(measured, tight, codec=codec, drafts=drafts),
     }
+
+
+def measure_for_run(emulation: dict, config: dict, model_dir: Path) -> tuple[MachineCosts, dict]:
+    """`measure_machine` for a run on ``emulation`` (`Emulation.as_dict()`): at its expert compute
+    time here, in the runtime's rhythm on ``model_dir``, a held message woken on its emulated link."""
+    return measure_machine(
+        config,
+        emulation["expert_compute_here_s"],
+        model_dir=model_dir,
+        link_latency_s=emulation["link_latency_s"],
+        link_bytes_per_s=emulation.get("link_bytes_per_s"),
+    )
+
+
+def run_shape(config: dict, *, workers: int, max_resident: int, cache_experts: int) -> Shape:
+    """The simulated cluster of a run: the checkpoint's layers, experts and top-k on ``workers``
+    workers, each holding ``max_resident`` experts at once (``cache_experts`` per layer cached)."""
+    return Shape(
+        layers=config["num_hidden_layers"],
+        experts=family_for(config).n_experts(config),
+        top_k=config["num_experts_per_tok"],
+        workers=workers,
+        max_resident=max_resident,
+        cache_experts=cache_experts,
+    )
+
+
+def prediction_assumptions(
+    measured: dict, tight: dict | None, *, codec: dict | None, drafts: tuple[int, float] | None
+) -> list[str]:
+    """What a `predict_for_run` prediction assumes, in words: where its per-layer costs come from
+    (``tight``: the tight-loop costs kept beside the in-rhythm ones), coded experts, drafts."""
+    return [
+        "odmoe's shadow has the model's own precision (recall 1); one token ahead",
+        "each role computes on a core of its own: CPU contention between roles is not modelled",
+        "per-layer costs measured at prediction time; the run may see the machine in another state",
+        "per-layer costs measured in a main + one worker of the runtime (its rhythm), not in the run's cluster"
+        if tight is not None
+        else measured.get("in_rhythm_skipped") or "per-layer costs timed piece by piece in tight loops",
+        *(
+            []
+            if codec is None
+            else ["coded experts: each load is its decode on this CPU (measured alone, one thread) then its copy"]
+        ),
+        *(
+            []
+            if drafts is None
+            else [
+                f"drafts: {drafts[0]} a pass, {drafts[1]:.2f} tokens a pass as measured before the run "
+                "(benchmarks.draft_agreement, roles in-process); a rejected draft routes as the next token"
+            ]
+        ),
+    ]
 
 
 def validate(recorded: Path, *, strategies: list[str] | None = None) -> dict:
