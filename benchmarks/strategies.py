@@ -52,12 +52,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -709,6 +711,69 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     begun = provenance.begin()
+    given, pairs = checked_settings(args, parser)
+    strategies, hybrid, codec = checked_rows(args, parser)
+    check_needed_files(args, parser, strategies)
+    with tempfile.TemporaryDirectory(prefix="odmoe-strategies-") as tmp:
+        model_dir, config, expert_bytes, emulation, calibration = calibrated_bench_model(
+            args.model, Path(tmp), args.profile, given
+        )
+        prompts, expected = bench_prompts(model_dir, config, pairs, strategies, args.model)
+        # The simulator's prediction of this run, made before it starts (nothing of the run goes in).
+        # The workers compute their experts at this machine's own speed (only copies, links and the
+        # host path are emulated), so the model gets the time measured now, whatever the scale.
+        machine, measurement = measure_machine(
+            config,
+            calibration.measured_here_s,
+            model_dir=model_dir,
+            link_latency_s=emulation.link_latency_s,
+            link_bytes_per_s=emulation.link_bytes_per_s,
+        )
+        decode = measure_decode(model_dir) if codec else None
+        predict = functools.partial(
+            predict_for_run,
+            emulation.as_dict(),
+            config,
+            expert_bytes,
+            workers=args.workers,
+            model_dir=model_dir,
+            prompts=[p for p, _ in prompts],
+            outputs=expected,
+            max_resident=prefetch_depth_of(args, emulation),
+            machine=machine,
+            measurement=measurement,
+        )
+        kinds = (("plain", strategies), ("hybrid", hybrid), ("codec", codec))
+        predictions = predict_rows(predict, kinds, cache_experts=args.cache_experts, decode=decode)
+        predictions.update(predict_drafted_rows(predict, args, model_dir, prompts, expected))
+        predicted, predicted_tight = (
+            predicted_by_row(predictions, key)
+            for key in ("predicted_decode_tok_s", "predicted_decode_tok_s_tight_loop_costs")
+        )
+        print(f"the simulator's prediction (decode tok/s): {predicted}", file=sys.stderr)
+        deployments = deployments_of(args, strategies, hybrid, codec)
+        rounds, exact = run_rounds(model_dir, deployments, emulation, prompts, expected, args, Path(tmp))
+    results = aggregate_rounds(rounds)
+    add_predictions(results, predictions, predicted, predicted_tight)
+    print_table(results, emulation, calibration, args, exact)
+    print_layer_parts(results, machine, measurement, config["num_hidden_layers"])
+    if "odmoe" in results:
+        report_bounds(results, config, expert_bytes, emulation, args.workers)
+    if args.json:
+        record = run_record(args, emulation, calibration, pairs, hybrid, exact, results, predictions, codec, decode)
+        provenance.write(
+            args.json, record, begun, "torch", "transformers", depends_on=DEPENDS_ON
+        )  # command, commit, start and end, machine
+    if args.plots:
+        plot_rates(args.plots, results, args.profile, len(pairs), args.repeats)
+    return 0 if exact else 1
+
+
+def checked_settings(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[tuple[str, float] | None, list[tuple[int, int]]]:
+    """The run's settings checked: ``--repeats``, ``--max-resident-experts``, where the time scale
+    comes from (`calibration_given`) and the length pairs. A bad value is the parser's error."""
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.max_resident_experts is not None and args.max_resident_experts < 1:
@@ -718,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
         pairs = parse_pairs(args.pairs)
     except ValueError as exc:
         parser.error(str(exc))
+    return given, pairs
+
+
+def checked_rows(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[str], list[str], list[str]]:
+    """The strategies to run, and those to run again with hybrid execution and on coded experts;
+    ``--drafts`` parsed into ``args.draft_values`` ((k, auto) each). A bad one is the parser's error."""
     strategies = [s for s in args.strategies.split(",") if s]
     unknown = set(strategies) - set(RUNTIME_STRATEGIES)
     if unknown:
@@ -736,6 +807,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--drafts needs odmoe among the strategies (its row is the one without drafts) and k >= 1")
     if set(codec) - set(strategies):
         parser.error(f"--codec names strategies that are not run: {sorted(set(codec) - set(strategies))}")
+    return strategies, hybrid, codec
+
+
+def check_needed_files(args: argparse.Namespace, parser: argparse.ArgumentParser, strategies: list[str]) -> None:
+    """Refuse, before anything runs, an approximate strategy whose files the checkpoint lacks (on
+    the random model only a similarity table can be made here)."""
     approximate = [s for s in strategies if not get_strategy(s).exact]
     for strategy in approximate:
         for needed, command in needed_files(strategy):
@@ -743,100 +820,121 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"{strategy} needs {args.model / needed}: run {command} {args.model}")
             if args.model is None and needed != SIMILARITY_FILE:  # only a similarity table is made here
                 parser.error(f"{strategy} needs a trained {needed}: pass --model with one (platform/demo-model has it)")
-    with tempfile.TemporaryDirectory(prefix="odmoe-strategies-") as tmp:
-        model_dir, config, expert_bytes, emulation, calibration = calibrated_bench_model(
-            args.model, Path(tmp), args.profile, given
-        )
-        prompts = [(prompt_of(n_in, config["vocab_size"], seed=i), n_out) for i, (n_in, n_out) in enumerate(pairs)]
-        if any(get_strategy(s).substitutes for s in strategies) and args.model is None:
-            # the random benchmark model: calibrated on random ids
-            ids = prompt_of(1024, config["vocab_size"], seed=99)
-            write_similarity(model_dir, calibrate(model_dir, ids), len(ids))
-        expected = [reference_generate(model_dir, prompt, n) for prompt, n in prompts]
-        # The simulator's prediction of this run, made before it starts (nothing of the run goes in).
-        # The workers compute their experts at this machine's own speed (only copies, links and the
-        # host path are emulated), so the model gets the time measured now, whatever the scale.
-        machine, measurement = measure_machine(
-            config,
-            calibration.measured_here_s,
-            model_dir=model_dir,
-            link_latency_s=emulation.link_latency_s,
-            link_bytes_per_s=emulation.link_bytes_per_s,
-        )
-        predictions: dict[str, dict] = {}
-        decode = measure_decode(model_dir) if codec else None
-        for kind, names in (("plain", strategies), ("hybrid", hybrid), ("codec", codec)):
-            if names:
-                predictions[kind] = predict_for_run(
-                    emulation.as_dict(),
-                    config,
-                    expert_bytes,
-                    workers=args.workers,
-                    strategies=names,
-                    model_dir=model_dir,
-                    prompts=[p for p, _ in prompts],
-                    outputs=expected,
-                    cache_experts=args.cache_experts,
-                    max_resident=prefetch_depth_of(args, emulation),
-                    hybrid=kind == "hybrid",
-                    machine=machine,
-                    measurement=measurement,
-                    codec=decode if kind == "codec" else None,
-                )
-        for k, auto in args.draft_values:
-            # The shadow's drafts measured first at k (roles in-process, nothing emulated), then predicted;
-            # under auto at the agreement that measurement gives, up to k as main's tuner picks.
-            before = measure_drafts(model_dir, args.shadow_dtype, k, prompts, expected)
-            kind = f"drafts{'-auto' if auto else ''}{k}"
-            predictions[kind] = predict_for_run(
-                emulation.as_dict(),
-                config,
-                expert_bytes,
-                workers=args.workers,
-                strategies=["odmoe"],
-                model_dir=model_dir,
-                prompts=[p for p, _ in prompts],
-                outputs=expected,
-                max_resident=prefetch_depth_of(args, emulation),
-                machine=machine,
-                measurement=measurement,
-                drafts=(k, before["tokens_per_pass"]),
-                draft_auto=auto,
-                shadow_dtype=args.shadow_dtype,
+
+
+def bench_prompts(
+    model_dir: Path, config: dict, pairs: list[tuple[int, int]], strategies: list[str], model: Path | None
+) -> tuple[list[tuple[list[int], int]], list[list[int]]]:
+    """Each pair's prompt with its number of new tokens, and Transformers' greedy tokens for each
+    (``expected``); on the random model (no ``model`` given) a similarity table first where a
+    strategy substitutes experts."""
+    prompts = [(prompt_of(n_in, config["vocab_size"], seed=i), n_out) for i, (n_in, n_out) in enumerate(pairs)]
+    if any(get_strategy(s).substitutes for s in strategies) and model is None:
+        # the random benchmark model: calibrated on random ids
+        ids = prompt_of(1024, config["vocab_size"], seed=99)
+        write_similarity(model_dir, calibrate(model_dir, ids), len(ids))
+    expected = [reference_generate(model_dir, prompt, n) for prompt, n in prompts]
+    return prompts, expected
+
+
+def predict_rows(
+    predict: Callable[..., dict], kinds: tuple[tuple[str, list[str]], ...], *, cache_experts: int, decode: dict | None
+) -> dict[str, dict]:
+    """The simulator's prediction of each kind of row that has strategies (``predict``: `predict_for_run`
+    for this run): plain, with hybrid execution, on coded experts (``decode``: `measure_decode`)."""
+    predictions: dict[str, dict] = {}
+    for kind, names in kinds:
+        if names:
+            predictions[kind] = predict(
+                strategies=names,
+                cache_experts=cache_experts,
+                hybrid=kind == "hybrid",
+                codec=decode if kind == "codec" else None,
             )
-            predictions[kind]["drafts_before_run"] = {key: value for key, value in before.items() if key != "answers"}
-        predicted, predicted_tight = (
-            {
-                name
-                + (
-                    {"hybrid": HYBRID, "codec": CODEC}.get(kind) or (f"+{kind}" if kind.startswith("drafts") else "")
-                ): tok_s
-                for kind, prediction in predictions.items()
-                for name, tok_s in (prediction[key] or {}).items()
-            }
-            for key in ("predicted_decode_tok_s", "predicted_decode_tok_s_tight_loop_costs")
+    return predictions
+
+
+def predict_drafted_rows(
+    predict: Callable[..., dict],
+    args: argparse.Namespace,
+    model_dir: Path,
+    prompts: list[tuple[list[int], int]],
+    expected: list[list[int]],
+) -> dict[str, dict]:
+    """The simulator's prediction of each drafted odmoe row (``predict``: `predict_for_run` for this
+    run), at the tokens per pass its shadow's drafts gave when measured first."""
+    predictions: dict[str, dict] = {}
+    for k, auto in args.draft_values:
+        # The shadow's drafts measured first at k (roles in-process, nothing emulated), then predicted;
+        # under auto at the agreement that measurement gives, up to k as main's tuner picks.
+        before = measure_drafts(model_dir, args.shadow_dtype, k, prompts, expected)
+        kind = f"drafts{'-auto' if auto else ''}{k}"
+        predictions[kind] = predict(
+            strategies=["odmoe"],
+            drafts=(k, before["tokens_per_pass"]),
+            draft_auto=auto,
+            shadow_dtype=args.shadow_dtype,
         )
-        print(f"the simulator's prediction (decode tok/s): {predicted}", file=sys.stderr)
-        rounds: list[dict[str, dict]] = []
-        exact = True
-        deployments = [deployment_for(s, args.workers) for s in strategies]
-        deployments += [deployment_for(s, args.workers, hybrid=True) for s in hybrid]
-        deployments += [deployment_for(s, args.workers, codec=True) for s in codec]
-        deployments += [
-            deployment_for("odmoe", args.workers, drafts=k, draft_auto=auto) for k, auto in args.draft_values
-        ]
-        for round_number in range(1, args.repeats + 1):  # interleaved: drift of the machine falls on every strategy
-            figures: dict[str, dict] = {}
-            for deployment in deployments:
-                name, strategy = deployment.label, deployment.strategy
-                print(f"round {round_number}/{args.repeats}: {name}: {deployment.workers} worker(s)", file=sys.stderr)
-                figures[name], outputs = run_strategy(model_dir, deployment, emulation, prompts, args, Path(tmp))
-                figures[name]["approximate"] = not get_strategy(strategy).exact
-                figures[name]["token_agreement"] = agreement(outputs, expected)
-                if get_strategy(strategy).exact:  # an approximate strategy's tokens are its own: measured, not required
-                    exact &= outputs == expected
-            rounds.append(figures)
-    results = aggregate_rounds(rounds)
+        predictions[kind]["drafts_before_run"] = {key: value for key, value in before.items() if key != "answers"}
+    return predictions
+
+
+def predicted_by_row(predictions: dict[str, dict], key: str) -> dict[str, float | None]:
+    """Each row's figure ``key`` of the predictions of every kind, under the row's own name."""
+    suffixes = {"hybrid": HYBRID, "codec": CODEC}
+    return {
+        name + (suffixes.get(kind) or (f"+{kind}" if kind.startswith("drafts") else "")): tok_s
+        for kind, prediction in predictions.items()
+        for name, tok_s in (prediction[key] or {}).items()
+    }
+
+
+def deployments_of(
+    args: argparse.Namespace, strategies: list[str], hybrid: list[str], codec: list[str]
+) -> list[Deployment]:
+    """Every row's deployment, in the order each round runs them: the strategies, then hybrid, coded, drafted."""
+    deployments = [deployment_for(s, args.workers) for s in strategies]
+    deployments += [deployment_for(s, args.workers, hybrid=True) for s in hybrid]
+    deployments += [deployment_for(s, args.workers, codec=True) for s in codec]
+    deployments += [deployment_for("odmoe", args.workers, drafts=k, draft_auto=auto) for k, auto in args.draft_values]
+    return deployments
+
+
+def run_rounds(
+    model_dir: Path,
+    deployments: list[Deployment],
+    emulation: Emulation,
+    prompts: list[tuple[list[int], int]],
+    expected: list[list[int]],
+    args: argparse.Namespace,
+    work_dir: Path,
+) -> tuple[list[dict[str, dict]], bool]:
+    """``--repeats`` interleaved rounds of every deployment: each round's ``{row: figures}``, and
+    whether every exact strategy's tokens were Transformers' (an approximate one's are measured)."""
+    rounds: list[dict[str, dict]] = []
+    exact = True
+    for round_number in range(1, args.repeats + 1):  # interleaved: drift of the machine falls on every strategy
+        figures: dict[str, dict] = {}
+        for deployment in deployments:
+            name, strategy = deployment.label, deployment.strategy
+            print(f"round {round_number}/{args.repeats}: {name}: {deployment.workers} worker(s)", file=sys.stderr)
+            figures[name], outputs = run_strategy(model_dir, deployment, emulation, prompts, args, work_dir)
+            figures[name]["approximate"] = not get_strategy(strategy).exact
+            figures[name]["token_agreement"] = agreement(outputs, expected)
+            if get_strategy(strategy).exact:  # an approximate strategy's tokens are its own: measured, not required
+                exact &= outputs == expected
+        rounds.append(figures)
+    return rounds, exact
+
+
+def add_predictions(
+    results: dict[str, dict],
+    predictions: dict[str, dict],
+    predicted: dict[str, float | None],
+    predicted_tight: dict[str, float | None],
+) -> None:
+    """Each row's figures get the simulator's predictions of it (``predicted_by_row``), with the
+    tight-loop costs, and main's engine's where it predicted the row (``engine_driven``)."""
     driven = {
         f"odmoe+{kind}": prediction["engine_driven"]["predicted_decode_tok_s"]["odmoe"]
         for kind, prediction in predictions.items()
@@ -846,68 +944,57 @@ def main(argv: list[str] | None = None) -> int:
         figures["sim_predicted_decode_tok_s"] = predicted.get(name)
         figures["sim_predicted_decode_tok_s_tight_loop_costs"] = predicted_tight.get(name)
         figures["sim_engine_predicted_decode_tok_s"] = driven.get(name)
-    bound = copy_bound(
-        config["num_hidden_layers"],
-        config["num_experts_per_tok"],
-        args.workers,
-        expert_bytes,
-        emulation.copy_bytes_per_s,
-    )
+
+
+def report_bounds(
+    results: dict[str, dict], config: dict, expert_bytes: int, emulation: Emulation, workers: int
+) -> None:
+    """odmoe's ceilings (``copy_bound``, ``split_bound`` with the share hybrid execution plans),
+    printed with how near odmoe's rows came and added to odmoe's figures."""
+    layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    bound = copy_bound(layers, top_k, workers, expert_bytes, emulation.copy_bytes_per_s)
     split = split_bound(
-        config["num_hidden_layers"],
-        config["num_experts_per_tok"],
-        args.workers,
-        expert_bytes,
-        emulation.copy_bytes_per_s,
-        emulation.host_memory_bytes_per_s,
+        layers, top_k, workers, expert_bytes, emulation.copy_bytes_per_s, emulation.host_memory_bytes_per_s
     )
-    print_table(results, emulation, calibration, args, exact)
-    print_layer_parts(results, machine, measurement, config["num_hidden_layers"])
-    if "odmoe" in results:
-        results["odmoe"]["copy_bound"] = bound
-        results["odmoe"]["split_bound"] = split
-        print(
-            f"odmoe's copy-bound ceiling: {bound['tok_s']:.2f} tok/s (each worker copies "
-            f"{bound['loads_per_worker_per_token']:g} experts per token at {bound['load_ms']:.1f} ms each); "
-            f"odmoe reached {results['odmoe']['decode_tok_s'] / bound['tok_s']:.0%} of it"
-        )
-        reached = [
-            f"{name} reached {results[name]['decode_tok_s'] / split['tok_s']:.0%} of it"
-            for name in ("odmoe", "odmoe" + HYBRID)
-            if name in results
-        ]
-        groups = placement(
-            config["num_hidden_layers"], config["num_local_experts"], config["num_experts_per_tok"], args.workers
-        ).n_groups
-        cpu_ms = split["cpu_ms"]  # the workers' CPU time also counts their arithmetic (hybrid.cpu_seconds)
-        if emulation.host_flops:
-            flops = expert_flops(config["hidden_size"], config["intermediate_size"], 1)
-            cpu_ms = max(cpu_ms, flops / emulation.host_flops * 1000)
-        share = predicted_share(split["copy_ms"], cpu_ms, groups)
-        split["planned_share_ceiling"] = float(share)
-        print(
-            f"the copy + host-memory ceiling: {split['tok_s']:.2f} tok/s ({split['cpu_experts_per_token']:.1f} "
-            f"of each token's experts on the workers' CPUs at {split['cpu_ms']:.1f} ms each, the rest copied at "
-            f"{split['copy_ms']:.1f} ms; odmoe{HYBRID} plans up to {share} of each of its {groups} groups' decode "
-            f"layers on the CPUs, as far as the tokens' periods shorten); {', '.join(reached)}"
-        )
-    if args.json:
-        record = run_record(args, emulation, calibration, pairs, hybrid, exact, results, predictions, codec, decode)
-        provenance.write(
-            args.json, record, begun, "torch", "transformers", depends_on=DEPENDS_ON
-        )  # command, commit, start and end, machine
-    if args.plots:
-        names = list(results)
-        over_rounds = f", median of {args.repeats} rounds" if args.repeats > 1 else ""
-        bar_plot(
-            args.plots / "strategies.png",
-            ["decode tok/s", "end-to-end tok/s"],
-            {n: [results[n]["decode_tok_s"], results[n]["e2e_tok_s"]] for n in names},
-            title=f"Strategies on the emulated {args.profile} profile (mean of {len(pairs)} length pairs{over_rounds})",
-            xlabel="",
-            ylabel="tokens per second",
-        )
-    return 0 if exact else 1
+    results["odmoe"]["copy_bound"] = bound
+    results["odmoe"]["split_bound"] = split
+    print(
+        f"odmoe's copy-bound ceiling: {bound['tok_s']:.2f} tok/s (each worker copies "
+        f"{bound['loads_per_worker_per_token']:g} experts per token at {bound['load_ms']:.1f} ms each); "
+        f"odmoe reached {results['odmoe']['decode_tok_s'] / bound['tok_s']:.0%} of it"
+    )
+    reached = [
+        f"{name} reached {results[name]['decode_tok_s'] / split['tok_s']:.0%} of it"
+        for name in ("odmoe", "odmoe" + HYBRID)
+        if name in results
+    ]
+    groups = placement(layers, config["num_local_experts"], top_k, workers).n_groups
+    cpu_ms = split["cpu_ms"]  # the workers' CPU time also counts their arithmetic (hybrid.cpu_seconds)
+    if emulation.host_flops:
+        flops = expert_flops(config["hidden_size"], config["intermediate_size"], 1)
+        cpu_ms = max(cpu_ms, flops / emulation.host_flops * 1000)
+    share = predicted_share(split["copy_ms"], cpu_ms, groups)
+    split["planned_share_ceiling"] = float(share)
+    print(
+        f"the copy + host-memory ceiling: {split['tok_s']:.2f} tok/s ({split['cpu_experts_per_token']:.1f} "
+        f"of each token's experts on the workers' CPUs at {split['cpu_ms']:.1f} ms each, the rest copied at "
+        f"{split['copy_ms']:.1f} ms; odmoe{HYBRID} plans up to {share} of each of its {groups} groups' decode "
+        f"layers on the CPUs, as far as the tokens' periods shorten); {', '.join(reached)}"
+    )
+
+
+def plot_rates(plots: Path, results: dict[str, dict], profile: str, pairs: int, repeats: int) -> None:
+    """strategies.png in ``plots``: each row's decode and end-to-end tok/s, bars side by side."""
+    names = list(results)
+    over_rounds = f", median of {repeats} rounds" if repeats > 1 else ""
+    bar_plot(
+        plots / "strategies.png",
+        ["decode tok/s", "end-to-end tok/s"],
+        {n: [results[n]["decode_tok_s"], results[n]["e2e_tok_s"]] for n in names},
+        title=f"Strategies on the emulated {profile} profile (mean of {pairs} length pairs{over_rounds})",
+        xlabel="",
+        ylabel="tokens per second",
+    )
 
 
 if __name__ == "__main__":
