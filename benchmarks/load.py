@@ -1074,60 +1074,18 @@ async def run_restarts(load: Load, t0: float) -> None:
 
 
 def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> dict:
+    """Every figure of the run, section by section: what the benchmark's JSON holds."""
     from django.db import connections
-
-    from controlplane.chat.models import Message
 
     connections.close_all()  # one a PostgreSQL restart (--restart) ended: the next query opens another
 
-    args = load.args
-    written = dict(load.recorded)
-    sent = {(a.name, seq): at for a in load.agents for seq, at in a.sent.items()}
-    transitions = read_db(plane.db, "SELECT name, old, new, at FROM bench_status ORDER BY at")
-    deployment_changes = read_db(plane.db, "SELECT name, old, new, reason, at FROM bench_deployment ORDER BY at")
-    watched = {*outcome["names"], *(f"serve-{i}" for i in range(REAL_AGENTS))}
-    offline = wrongly_offline(transitions, watched, outcome["cutoff"])
     t0 = load.window[0]
-    ids = [r["done"]["message_id"] for r in load.chats if r["done"] is not None]
-    saved = {
-        pk: (content, status)
-        for pk, content, status in Message.objects.filter(pk__in=ids).values_list("pk", "content", "status")
-    }
-    judged = judge_chats(load.chats, saved)
-    ttft = [r["ttft_ms"] for r in load.chats if r["ttft_ms"] is not None]
-    answer = [r["answer_ms"] for r in load.chats if r["answer_ms"] is not None]
-    server_ttft = [r["done"]["metrics"].get("ttft_ms") for r in load.chats if r["done"] and r["done"]["metrics"]]
     drops = [(a.name, at - t0, why) for a in load.agents for at, why in a.drops]
-    real_drops = real_link_drops(log_dir)
-    commands = sum((a.commands for a in load.agents), Counter())
+    nodes = node_figures(plane, outcome, t0, drops, log_dir)
+    chat = chat_figures(load)
+    sent = {(a.name, seq): at for a in load.agents for seq, at in a.sent.items()}
     return {
-        "setup": {
-            "agents": args.agents,
-            "real_agents": REAL_AGENTS,
-            "chats": args.chats,
-            "streams": args.streams,
-            "jobs": args.jobs,
-            "job_prompts": JOB_PROMPTS,
-            "duration_s": args.duration,
-            "heartbeat_s": args.heartbeat_s,
-            "real_heartbeat_s": REAL_HEARTBEAT_S,
-            "chat_tokens": args.chat_tokens,
-            "think_s": args.think_s,
-            "api_path": args.api_path,
-            "api_interval_s": args.api_interval_s,
-            "model": str(args.model),
-            "cores": os.cpu_count(),
-            "loadavg_before": list(outcome["loadavg_before"]),
-            "loadavg_after": list(os.getloadavg()),
-            "server": outcome["server"],
-            "stack": "production" if args.production else "local",
-            "redis": outcome["redis"],
-            "node_heartbeat_timeout_s": outcome["timeout_s"],
-            "open_files_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-            "anon_throttle": ANON_RATE,
-            "commit": outcome.get("commit", ""),
-            "python": sys.version.split()[0],
-        },
+        "setup": setup_figures(load.args, outcome),
         "restarts": load.restarts,
         "enrollment": {
             "enrolled": sum(a.credential is not None for a in load.agents),
@@ -1141,10 +1099,10 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
             "drops": len(drops),
             "drop_examples": [f"{name} at {at:+.1f} s: {why}" for name, at, why in drops[:10]],
             "refused": sum(bool(a.refused) for a in load.agents),
-            "commands_received": dict(commands),
+            "commands_received": dict(sum((a.commands for a in load.agents), Counter())),
         },
         "heartbeat": {
-            **heartbeat_figures(sent, written, load.window, load.judged_until),
+            **heartbeat_figures(sent, dict(load.recorded), load.window, load.judged_until),
             "backlog_cleared_s": load.backlog_cleared_s,
             "send_failed": sum(a.send_failed for a in load.agents),
         },
@@ -1154,39 +1112,12 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
             "error_examples": load.api_errors[:5],
             "ms": summary(load.api_ms),
         },
-        "chat": {
-            **judged,
-            "tokens": sum(r["tokens"] for r in load.chats),
-            "sent_in_window": sum(r["sent_at"] < load.window[1] for r in load.chats),
-            "ttft_ms": summary(ttft),
-            "answer_ms": summary(answer),
-            "server_ttft_ms": summary([v for v in server_ttft if isinstance(v, int | float)]),
-            "socket_errors": load.chat_errors[:10],
-        },
-        "nodes": {
-            "wrongly_offline": len(offline) + len({name for name, _at, _why in drops} - set(offline)),
-            "marked_offline": offline,
-            "links_dropped": sorted({name for name, _at, _why in drops}),
-            "real_agent_link_drops": len(real_drops),
-            "real_agent_link_drop_lines": real_drops[:10],
-            "status_changes": len(transitions),
-            "offline_changes_before_cutoff": [
-                {"name": n, "from": o, "at_s": round(at - t0, 3)}
-                for n, o, new, at in transitions
-                if new == "offline" and at < outcome["cutoff"]
-            ][:20],
-            "deployment_changes": [
-                {"from": o, "to": new, "reason": reason, "at_s": round(at - t0, 3)}
-                for _name, o, new, reason, at in deployment_changes
-                if t0 <= at < outcome["cutoff"]
-            ],
-        },
+        "chat": chat,
+        "nodes": nodes,
         "streams": {
             **judge_streams(load.streams),
             "chunks": sum(r["chunks"] for r in load.streams),
-            "sent_in_window": sum(r["sent_at"] < load.window[1] for r in load.streams),
-            "ttft_ms": summary([r["ttft_ms"] for r in load.streams if r["ttft_ms"] is not None]),
-            "answer_ms": summary([r["answer_ms"] for r in load.streams if r["answer_ms"] is not None]),
+            **answer_times(load.streams, load.window[1]),
         },
         "jobs": judge_jobs(load.jobs),
         "client_loop_lag_ms": summary(load.lag_ms),
@@ -1196,6 +1127,95 @@ def collect_results(load: Load, plane: Plane, outcome: dict, log_dir: Path) -> d
             load.window[1] - load.window[0],
             restarted=[family for r in load.restarts for family in RESTARTED_FAMILIES[r["what"]]],
         ),
+    }
+
+
+def setup_figures(args: argparse.Namespace, outcome: dict) -> dict:
+    """What the run was asked for and what it ran on (the machine's load before and after included)."""
+    return {
+        "agents": args.agents,
+        "real_agents": REAL_AGENTS,
+        "chats": args.chats,
+        "streams": args.streams,
+        "jobs": args.jobs,
+        "job_prompts": JOB_PROMPTS,
+        "duration_s": args.duration,
+        "heartbeat_s": args.heartbeat_s,
+        "real_heartbeat_s": REAL_HEARTBEAT_S,
+        "chat_tokens": args.chat_tokens,
+        "think_s": args.think_s,
+        "api_path": args.api_path,
+        "api_interval_s": args.api_interval_s,
+        "model": str(args.model),
+        "cores": os.cpu_count(),
+        "loadavg_before": list(outcome["loadavg_before"]),
+        "loadavg_after": list(os.getloadavg()),
+        "server": outcome["server"],
+        "stack": "production" if args.production else "local",
+        "redis": outcome["redis"],
+        "node_heartbeat_timeout_s": outcome["timeout_s"],
+        "open_files_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "anon_throttle": ANON_RATE,
+        "commit": outcome.get("commit", ""),
+        "python": sys.version.split()[0],
+    }
+
+
+def chat_figures(load: Load) -> dict:
+    """The chat messages' fates (each answer checked against the one saved in the database) and times."""
+    from controlplane.chat.models import Message
+
+    ids = [r["done"]["message_id"] for r in load.chats if r["done"] is not None]
+    saved = {
+        pk: (content, status)
+        for pk, content, status in Message.objects.filter(pk__in=ids).values_list("pk", "content", "status")
+    }
+    server_ttft = [r["done"]["metrics"].get("ttft_ms") for r in load.chats if r["done"] and r["done"]["metrics"]]
+    return {
+        **judge_chats(load.chats, saved),
+        "tokens": sum(r["tokens"] for r in load.chats),
+        **answer_times(load.chats, load.window[1]),
+        "server_ttft_ms": summary([v for v in server_ttft if isinstance(v, int | float)]),
+        "socket_errors": load.chat_errors[:10],
+    }
+
+
+def answer_times(records: list[dict], window_end: float) -> dict:
+    """Of chats or API streams: how many were sent before ``window_end``, and their times to the
+    first token and to the whole answer (ms), as each client saw them."""
+    return {
+        "sent_in_window": sum(r["sent_at"] < window_end for r in records),
+        "ttft_ms": summary([r["ttft_ms"] for r in records if r["ttft_ms"] is not None]),
+        "answer_ms": summary([r["answer_ms"] for r in records if r["answer_ms"] is not None]),
+    }
+
+
+def node_figures(plane: Plane, outcome: dict, t0: float, drops: list[tuple[str, float, str]], log_dir: Path) -> dict:
+    """The nodes wrongly taken offline before the cutoff (by the control plane, or by a simulated
+    link's ``drops``), the serving agents' own link drops, and the nodes' and the deployment's
+    status changes, at seconds from the window's start ``t0``."""
+    transitions = read_db(plane.db, "SELECT name, old, new, at FROM bench_status ORDER BY at")
+    deployment_changes = read_db(plane.db, "SELECT name, old, new, reason, at FROM bench_deployment ORDER BY at")
+    watched = {*outcome["names"], *(f"serve-{i}" for i in range(REAL_AGENTS))}
+    offline = wrongly_offline(transitions, watched, outcome["cutoff"])
+    real_drops = real_link_drops(log_dir)
+    return {
+        "wrongly_offline": len(offline) + len({name for name, _at, _why in drops} - set(offline)),
+        "marked_offline": offline,
+        "links_dropped": sorted({name for name, _at, _why in drops}),
+        "real_agent_link_drops": len(real_drops),
+        "real_agent_link_drop_lines": real_drops[:10],
+        "status_changes": len(transitions),
+        "offline_changes_before_cutoff": [
+            {"name": n, "from": o, "at_s": round(at - t0, 3)}
+            for n, o, new, at in transitions
+            if new == "offline" and at < outcome["cutoff"]
+        ][:20],
+        "deployment_changes": [
+            {"from": o, "to": new, "reason": reason, "at_s": round(at - t0, 3)}
+            for _name, o, new, reason, at in deployment_changes
+            if t0 <= at < outcome["cutoff"]
+        ],
     }
 
 
