@@ -203,59 +203,102 @@ def count_writes(db: Path, table: str, start: float, end: float) -> int:
 
 def run_row(count: int, args: argparse.Namespace) -> dict:
     """One agent count on a control plane of its own: the row's figures."""
-    from controlplane.ops.processes import ProcessGroup, asgi_argv, http_up, python_env, wait_until
-    from inference.runtime.launcher import free_port
+    from controlplane.ops.processes import ProcessGroup
 
     work = Path(tempfile.mkdtemp(prefix=f"odmoe-heartbeats-{count}-"))
+    db = work / "db.sqlite3"
     with ProcessGroup(work / "logs", {}) as group:
-        redis_url = os.environ.get("REDIS_URL") or start_redis(group, work)
-        configure_django(work, redis_url)
-        group.env = python_env()  # now with this row's settings, database and Redis
-        from django.core.management import call_command
-
-        from agent import inventory as agent_inventory
-        from controlplane.deployments.models import DeploymentNode
-        from controlplane.nodes.models import Node, NodeStatus
-
-        call_command("migrate", interactive=False, verbosity=0)
-        db = work / "db.sqlite3"
-        with contextlib.closing(sqlite3.connect(db)) as connection:
-            connection.executescript(TRIGGERS.format(nodes=Node._meta.db_table, members=DeploymentNode._meta.db_table))
-        (work / "box").mkdir()
-        found = agent_inventory.collect(work / "box", "127.0.0.1")
-        agents = make_nodes(count, args.deployment_size, found)
-        port = free_port()
-        server = f"http://127.0.0.1:{port}"
-        asgi = group.start("asgi", asgi_argv(port))
-        wait_until("the ASGI server", lambda: http_up(server + "/api/schema/"), timeout_s=90, check=group.check)
+        agents = prepare_plane(group, work, db, count, args.deployment_size)
+        server, asgi = start_web(group)
         print(f"· {count} agents: control plane on {server} ({work})", flush=True)
-        context = multiprocessing.get_context("spawn")
-        stop, out = context.Event(), context.Queue()
-        shares = [agents[i :: args.generators] for i in range(args.generators)]
-        generators = [
-            context.Process(target=generate, args=(server, share, args.heartbeat_s, stop, out))
-            for share in shares
-            if share
-        ]
-        for process in generators:
-            process.start()
-        online = lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == count  # noqa: E731
-        wait_until(f"{count} nodes online", online, timeout_s=300, check=group.check)
-        time.sleep(args.heartbeat_s)  # one more interval: every link is beating
-        web = {"web": [asgi.process.pid]}
-        start, cpu_start, load_start = time.time(), cpu_seconds(web), os.getloadavg()
-        time.sleep(args.duration)
-        end, cpu_end, load_end = time.time(), cpu_seconds(web), os.getloadavg()
-        still_online = Node.objects.filter(status=NodeStatus.ONLINE).count()
-        stalest = stalest_s(list(Node.objects.all()), end)
+        stop, out, generators = start_generators(server, agents, args)
+        window = measure_window(group, asgi.process.pid, count, args)
         stop.set()
         reports = [out.get(timeout=120) for _ in generators]
         for process in generators:
             process.join(timeout=60)
+    return row_figures(count, args, db, window, reports)
+
+
+def prepare_plane(group, work: Path, db: Path, count: int, deployment_size: int) -> list[dict]:
+    """The row's Redis and migrated database ``db`` (with the write-counting triggers), and its
+    ``count`` nodes made in it (``make_nodes``): what each simulated agent needs."""
+    from controlplane.ops.processes import python_env
+
+    redis_url = os.environ.get("REDIS_URL") or start_redis(group, work)
+    configure_django(work, redis_url)
+    group.env = python_env()  # now with this row's settings, database and Redis
+    from django.core.management import call_command
+
+    from agent import inventory as agent_inventory
+    from controlplane.deployments.models import DeploymentNode
+    from controlplane.nodes.models import Node
+
+    call_command("migrate", interactive=False, verbosity=0)
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        connection.executescript(TRIGGERS.format(nodes=Node._meta.db_table, members=DeploymentNode._meta.db_table))
+    (work / "box").mkdir()
+    found = agent_inventory.collect(work / "box", "127.0.0.1")
+    return make_nodes(count, deployment_size, found)
+
+
+def start_web(group) -> tuple[str, object]:
+    """The ASGI server (the web process measured) on a free port, once it answers: its URL and process."""
+    from controlplane.ops.processes import asgi_argv, http_up, wait_until
+    from inference.runtime.launcher import free_port
+
+    port = free_port()
+    server = f"http://127.0.0.1:{port}"
+    asgi = group.start("asgi", asgi_argv(port))
+    wait_until("the ASGI server", lambda: http_up(server + "/api/schema/"), timeout_s=90, check=group.check)
+    return server, asgi
+
+
+def start_generators(server: str, agents: list[dict], args: argparse.Namespace) -> tuple[object, object, list]:
+    """``--generators`` processes, each holding the links of its share of ``agents`` (`generate`),
+    started: the event that stops them, the queue they report on, and the processes."""
+    context = multiprocessing.get_context("spawn")
+    stop, out = context.Event(), context.Queue()
+    shares = [agents[i :: args.generators] for i in range(args.generators)]
+    generators = [
+        context.Process(target=generate, args=(server, share, args.heartbeat_s, stop, out)) for share in shares if share
+    ]
+    for process in generators:
+        process.start()
+    return stop, out, generators
+
+
+def measure_window(group, web_pid: int, count: int, args: argparse.Namespace) -> dict:
+    """Once all ``count`` nodes are online and one more interval has passed, ``--duration`` seconds
+    of the web process (pid ``web_pid``): the window's ends, the web CPU-seconds and the load
+    average at each, and at its end the nodes still online and the stalest node's seconds."""
+    from controlplane.nodes.models import Node, NodeStatus
+    from controlplane.ops.processes import wait_until
+
+    online = lambda: Node.objects.filter(status=NodeStatus.ONLINE).count() == count  # noqa: E731
+    wait_until(f"{count} nodes online", online, timeout_s=300, check=group.check)
+    time.sleep(args.heartbeat_s)  # one more interval: every link is beating
+    web = {"web": [web_pid]}
+    start, cpu_start, load_start = time.time(), cpu_seconds(web), os.getloadavg()
+    time.sleep(args.duration)
+    end, cpu_end, load_end = time.time(), cpu_seconds(web), os.getloadavg()
+    return {
+        "start": start,
+        "end": end,
+        "web_cpu": cpu_end["web"] - cpu_start["web"],
+        "loadavg": {"start": load_start, "end": load_end},
+        "still_online": Node.objects.filter(status=NodeStatus.ONLINE).count(),
+        "stalest": stalest_s(list(Node.objects.all()), end),
+    }
+
+
+def row_figures(count: int, args: argparse.Namespace, db: Path, window: dict, reports: list[dict]) -> dict:
+    """A row's figures from its measured ``window`` (`measure_window`), the generators' ``reports``
+    and the writes the triggers counted in ``db``."""
+    start, end, web_cpu, stalest = window["start"], window["end"], window["web_cpu"], window["stalest"]
     sent = [t for r in reports for t in r["sent"] if start <= t < end]
     lags = [lag for r in reports for lag in r["lags"]]
     p99_each = [percentile(r["lags"], 0.99) * 1000 for r in reports if r["lags"]]
-    web_cpu = cpu_end["web"] - cpu_start["web"]
     void = max(p99_each, default=0.0) > args.max_lag_ms
     per_heartbeat = 1000 * web_cpu / len(sent) if sent else None
     kept_up = stalest < args.timeout_s
@@ -283,8 +326,8 @@ def run_row(count: int, args: argparse.Namespace) -> dict:
         "void_because": f"a generator's p99 lag past {args.max_lag_ms:g} ms" if void else "",
         "links_dropped": sum(len(r["drops"]) for r in reports),
         "drops": [d for r in reports for d in r["drops"]][:10],
-        "nodes_online_at_end": still_online,
-        "loadavg": {"start": load_start, "end": load_end},
+        "nodes_online_at_end": window["still_online"],
+        "loadavg": window["loadavg"],
     }
 
 
