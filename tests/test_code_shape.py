@@ -1,27 +1,47 @@
-"""The runtime's code keeps a readable shape (issue 38): no class over 400 lines and no
-function over 80 lines in ``inference/runtime/``, checked on the source's syntax tree."""
+"""The code keeps a readable shape, checked on the source's syntax tree:
+
+- no function over 80 lines in the project's code (``inference/``, ``platform/``, ``agent/``,
+  ``benchmarks/``, ``deploy/``; issues 38 and 57), but the training tools (``TRAINING_TOOLS``);
+- no class over 400 lines in ``inference/runtime/`` (issue 38);
+- no module over 600 lines in ``inference/`` or ``platform/`` (issue 57).
+
+Migrations are generated, and left out.
+"""
 
 from __future__ import annotations
 
 import ast
+import functools
+from pathlib import Path
 
 from tests.paths import REPO
 
+CODE = ("inference", "platform", "agent", "benchmarks", "deploy")
 RUNTIME = REPO / "inference" / "runtime"
+MODULE_ROOMS = ("inference", "platform")
 MAX_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+# A training tool is one recipe, read top to bottom as a paper's training section is: its loop
+# stays whole (issue 57 leaves these out).
+TRAINING_TOOLS = frozenset({"inference/tools/train_demo.py", "inference/tools/train_prerouter.py"})
 
-# Exceptions, as "path/relative/to/runtime.py:QualifiedName": each with a comment saying why it
-# could not be split. Empty: every class and function of the runtime is within the limits.
+# Exceptions, as "path/relative/to/the/repo.py:QualifiedName": each with a comment saying why it
+# could not be split. Empty: every class and function is within the limits.
 ALLOWED: set[str] = set()
 
 
-def _sizes() -> list[tuple[str, str, int]]:
-    """(kind, "path:Qualified.name", lines) for every class and function under the runtime."""
+def _modules(*rooms: str) -> list[Path]:
+    return sorted(p for room in rooms for p in (REPO / room).rglob("*.py") if "migrations" not in p.parts)
+
+
+@functools.cache
+def _sizes(*rooms: str) -> list[tuple[str, str, int]]:
+    """(kind, "path:Qualified.name", lines) for every class and function in ``rooms``."""
     found = []
-    for path in sorted(RUNTIME.rglob("*.py")):
+    for path in _modules(*rooms):
         tree = ast.parse(path.read_text(), filename=str(path))
-        relative = path.relative_to(RUNTIME).as_posix()
+        relative = path.relative_to(REPO).as_posix()
 
         def visit(node: ast.AST, prefix: str, relative: str = relative) -> None:
             for child in ast.iter_child_nodes(node):
@@ -39,23 +59,46 @@ def _sizes() -> list[tuple[str, str, int]]:
     return found
 
 
-def test_the_walk_finds_the_runtime() -> None:
-    names = {name for _, name, _ in _sizes()}
-    assert "roles/worker/role.py:WorkerRole" in names
-    assert "metrics.py:build_metrics" in names
+def _over() -> list[tuple[str, str, int, int]]:
+    """(kind, name, lines, limit) of every definition over its limit, allowed or not."""
+    functions = [
+        ("function", name, lines, MAX_FUNCTION_LINES)
+        for kind, name, lines in _sizes(*CODE)
+        if kind == "function" and name.partition(":")[0] not in TRAINING_TOOLS and lines > MAX_FUNCTION_LINES
+    ]
+    classes = [
+        ("class", name, lines, MAX_CLASS_LINES)
+        for kind, name, lines in _sizes("inference/runtime")
+        if kind == "class" and lines > MAX_CLASS_LINES
+    ]
+    return functions + classes
 
 
-def test_no_class_over_400_lines_and_no_function_over_80() -> None:
-    limits = {"class": MAX_CLASS_LINES, "function": MAX_FUNCTION_LINES}
+def test_the_walk_finds_the_code() -> None:
+    names = {name for _, name, _ in _sizes(*CODE)}
+    assert "inference/runtime/roles/worker/role.py:WorkerRole" in names
+    assert "inference/runtime/metrics.py:build_metrics" in names
+    assert "benchmarks/gpu.py:main" in names and "deploy/prodcheck.py:production_stack" in names
+    assert "platform/controlplane/deployments/services.py:create_deployment" in names
+    assert not any("/migrations/" in name for name in names)
+
+
+def test_no_function_over_80_lines_and_no_runtime_class_over_400() -> None:
     too_long = [
-        f"{kind} {name}: {lines} lines (limit {limits[kind]})"
-        for kind, name, lines in _sizes()
-        if lines > limits[kind] and name not in ALLOWED
+        f"{kind} {name}: {lines} lines (limit {limit})" for kind, name, lines, limit in _over() if name not in ALLOWED
+    ]
+    assert not too_long, "\n".join(too_long)
+
+
+def test_no_module_over_600_lines_in_inference_or_platform() -> None:
+    too_long = [
+        f"{path.relative_to(REPO)}: {lines} lines (limit {MAX_MODULE_LINES})"
+        for path in _modules(*MODULE_ROOMS)
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]
     assert not too_long, "\n".join(too_long)
 
 
 def test_the_allow_list_names_only_real_exceptions() -> None:
-    limits = {"class": MAX_CLASS_LINES, "function": MAX_FUNCTION_LINES}
-    over = {name for kind, name, lines in _sizes() if lines > limits[kind]}
+    over = {name for _, name, _, _ in _over()}
     assert over >= ALLOWED, f"no longer over the limit, drop from ALLOWED: {sorted(ALLOWED - over)}"
