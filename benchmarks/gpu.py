@@ -975,7 +975,7 @@ def log_tail(path: Path, lines: int = 20) -> str:
 
 def odmoe_ceiling(data: dict, model: dict, workers: int) -> dict | None:
     """odmoe's copy-bound tok/s from the measured pinned bandwidth (``benchmarks.strategies.copy_bound``)."""
-    copy = (data["sections"].get("copy") or {}).get("result") or {}
+    copy = section_result(data["sections"], "copy")
     if not copy.get("pinned_gb_s"):
         return None
     nbytes = expert_nbytes(model, getattr(torch, model["dtype"]).itemsize)
