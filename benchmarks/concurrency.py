@@ -218,6 +218,7 @@ def print_table(results: dict[str, dict[int, dict]], args: argparse.Namespace, e
     print(f"\nevery stream's output token-identical to Transformers: {exact}")
 
 
+# A benchmark's command line, alike strategies.py's build_parser by shape: each declares its own options.
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the profile and the model, the strategies and stream counts, the load, the outputs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
