@@ -746,15 +746,12 @@ def main(argv: list[str] | None = None) -> int:
         kinds = (("plain", strategies), ("hybrid", hybrid), ("codec", codec))
         predictions = predict_rows(predict, kinds, cache_experts=args.cache_experts, decode=decode)
         predictions.update(predict_drafted_rows(predict, args, model_dir, prompts, expected))
-        predicted, predicted_tight = (
-            predicted_by_row(predictions, key)
-            for key in ("predicted_decode_tok_s", "predicted_decode_tok_s_tight_loop_costs")
-        )
+        predicted = predicted_by_row(predictions, "predicted_decode_tok_s")
         print(f"the simulator's prediction (decode tok/s): {predicted}", file=sys.stderr)
         deployments = deployments_of(args, strategies, hybrid, codec)
         rounds, exact = run_rounds(model_dir, deployments, emulation, prompts, expected, args, Path(tmp))
     results = aggregate_rounds(rounds)
-    add_predictions(results, predictions, predicted, predicted_tight)
+    add_predictions(results, predictions)
     print_table(results, emulation, calibration, args, exact)
     print_layer_parts(results, machine, measurement, config["num_hidden_layers"])
     if "odmoe" in results:
@@ -927,14 +924,11 @@ def run_rounds(
     return rounds, exact
 
 
-def add_predictions(
-    results: dict[str, dict],
-    predictions: dict[str, dict],
-    predicted: dict[str, float | None],
-    predicted_tight: dict[str, float | None],
-) -> None:
+def add_predictions(results: dict[str, dict], predictions: dict[str, dict]) -> None:
     """Each row's figures get the simulator's predictions of it (``predicted_by_row``), with the
     tight-loop costs, and main's engine's where it predicted the row (``engine_driven``)."""
+    predicted = predicted_by_row(predictions, "predicted_decode_tok_s")
+    predicted_tight = predicted_by_row(predictions, "predicted_decode_tok_s_tight_loop_costs")
     driven = {
         f"odmoe+{kind}": prediction["engine_driven"]["predicted_decode_tok_s"]["odmoe"]
         for kind, prediction in predictions.items()
