@@ -12,7 +12,7 @@ WORKERS ?= 8
 PORT ?= 8000
 AGENTS ?= 10
 
-.PHONY: run runtime test check lint docs install bench clean chromium nginx postgresql prod-check lock demo-model gpu-check gpu-wheels
+.PHONY: run runtime test check lint docs install bench clean chromium nginx postgresql prod-check lock demo-model gpu-check gpu-wheels loadavg
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -94,10 +94,15 @@ lock: $(STAMP)
 # (benchmarks/results/suite-test-*.json). TEST_WORKERS=0 runs them one at a time.
 TEST_WORKERS ?= 2
 
-check: lint
+# The machine's load average as a run of the suite begins, its first line: a run beside other work is
+# slower, and benchmarks/suite.py records this line from the log of a run made by hand.
+loadavg:
+	@echo "load average before: $$(cut -d' ' -f1-3 /proc/loadavg)"
+
+check: loadavg lint
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
-test: lint chromium nginx postgresql
+test: loadavg lint chromium nginx postgresql
 	$(MAKE) docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	$(PY) -m deploy.prodcheck

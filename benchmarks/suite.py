@@ -11,7 +11,9 @@ record says so). A failed run is recorded too, with
 its return code and the tail of its output: every run counts.
 
 ``--from-log LOG`` records a run made by hand instead (``time CI=true .ci/run > LOG 2>&1`` on a
-fresh clone, ``--commit`` naming what it ran): its wall time from ``time``'s ``real`` line.
+fresh clone, ``--commit`` naming what it ran): its wall time from ``time``'s ``real`` line, and the
+load average before it from the line ``make test`` and ``make check`` print first (``make
+loadavg``); a log without that line records ``"not in its log"``, never the load at recording time.
 
 The targets (``benchmarks/targets.py``) judge ``make test`` on every ``suite-test-*.json`` and
 ``make check`` on the fresh-clone runs only: name those ``suite-check-fresh-N.json``.
@@ -38,6 +40,7 @@ DEPENDS_ON: tuple[str, ...] = ()
 SUMMARY = re.compile(r"^=*\s*(?P<counts>\d+ (?:passed|failed).*?) in (?P<seconds>[\d.]+)s", re.M)
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 REAL = re.compile(r"^real\s+(?:(\d+)m)?([\d.]+)s", re.M)
+LOAD_BEFORE = re.compile(r"^load average before: (?P<loads>[\d.]+ [\d.]+ [\d.]+)$", re.M)
 
 
 def pytest_figures(output: str) -> dict:
@@ -59,6 +62,13 @@ def real_seconds(output: str) -> float | None:
         return None
     minutes, seconds = found[-1].groups()
     return int(minutes or 0) * 60 + float(seconds)
+
+
+def load_before(output: str) -> str:
+    """The load average that ``make loadavg`` printed first in ``output``, as ``provenance.begin``
+    writes one (``"0.26 0.10 0.03"``), or ``"not in its log"``."""
+    found = LOAD_BEFORE.search(output)
+    return found["loads"] if found else "not in its log"
 
 
 def run_fresh(target: str, log: Path) -> dict:
@@ -123,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--from-log needs --commit and --date: what ran, and when")
     if args.from_log:
         record = from_log(args.from_log, args.target, args.commit, args.date)
+        # The run began before its log was written, not now: its load then is the log's own line.
+        begun["loadavg_before"] = load_before(args.from_log.read_text(errors="replace"))
     else:
         record = run_fresh(args.target, args.json.with_suffix(".log"))
     args.json.parent.mkdir(parents=True, exist_ok=True)
