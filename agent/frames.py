@@ -18,7 +18,7 @@ import json
 
 import msgspec
 
-from agent.runtime import bounded_metrics
+from agent.generations import bounded_metrics
 from inference.wire.base import WireStruct
 from inference.wire.generation import Done, Failed, Token
 from inference.wire.link import frame_bytes

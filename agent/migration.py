@@ -1,5 +1,5 @@
 """An answer carried across main's restart: what main's agent asks the restarted main for, so the
-answer goes on where it stopped (a pure decision; ``agent.runtime.RoleRunner.generate`` runs it).
+answer goes on where it stopped (a pure decision; ``agent.generations.MainWork.generate`` runs it).
 
 Main's agent outlives main: it starts main again when main's process exits (``RoleRunner._watch``),
 and it already holds each generation's request and sees every token main sends. So it keeps, per

@@ -70,7 +70,7 @@ class Roles:
     async def apply_alignment(self, command: ApplyAlignment) -> None:
         runner = self.main(command.deployment)
         if runner is not None:
-            await runner.apply_alignment(command)
+            await runner.main_work.apply_alignment(command)
 
     async def generate(self, command: Generate) -> None:
         runner = self.main(command.deployment)
@@ -78,9 +78,9 @@ class Roles:
             error = f"this box does not run a ready main for deployment {command.deployment}"
             await self.send(Failed(request_id=command.request_id, error=error))
             return
-        await runner.generate(command)
+        await runner.main_work.generate(command)
 
     async def cancel(self, command: CancelGeneration) -> None:
         runner = self.main()
         if runner is not None:
-            await runner.cancel(command)
+            await runner.main_work.cancel(command)

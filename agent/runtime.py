@@ -12,10 +12,9 @@ then every ``MEMORY_EVERY_S`` for its memory (resident host bytes now and at pea
 which travels in the role state. A change of memory gets a ``RoleState`` of its own only when
 it is worth one (``memory_changed``); smaller drifts ride with the next heartbeat.
 
-On the box that runs main, the runner also carries the control plane's generations to main
-(``RuntimeClient``), all at once (main batches them), and applies new alignment periods. An answer
-whose main exits mid-way is carried to main once the runner has started it again
-(``agent.migration``), not failed.
+On the box that runs main, the runner's ``main_work`` (``agent.generations.MainWork``) carries the
+control plane's generations to main and applies new alignment periods; an answer whose main exits
+mid-way is carried to main once the runner has started it again (``agent.migration``), not failed.
 
 The runner talks to its role with the keys of the role seat's client (``StartRole.client_keys``,
 ``inference.runtime.curve``): the role admits them, and no other role does. The role's spec file
@@ -34,28 +33,23 @@ import logging
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
 
 from agent.credentials import NodeCredential
 from agent.download import fetch_shard
+from agent.generations import MainWork
 from agent.http import ControlPlaneError
-from agent.migration import EXACT, PREFILL, Carried, ReplayDiverged, seeded
 from agent.tls import ServerTrust
 from inference.modelio.shards import ShardError, is_plain_file_name, is_role_dirname
-from inference.runtime.client import GenerationError, RuntimeClient
+from inference.runtime.client import RuntimeClient
 from inference.runtime.curve import CurveError, CurveKeys, EndpointKeys, check_endpoint_keys
 from inference.runtime.launcher import die_with_parent
 from inference.runtime.spec import RoleSpec, SpecError, load_spec, write_private
 from inference.wire.base import WireStruct
-from inference.wire.generation import Done, Failed, Generate
 from inference.wire.link import (
     MEMORY_FIGURES,
-    RUNTIME_METRICS,
-    ApplyAlignment,
-    CancelGeneration,
     RoleState,
     StartRole,
     TaskDone,
@@ -67,9 +61,6 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[WireStruct], Awaitable[WireStruct | None]]  # returns what it sent, if anything
 WATCH_EVERY_S = 0.5
-# Generations one main streams at once: main's batch and its queue (DeploymentSettings.max_batch,
-# max_waiting) say how many it takes; beyond them it answers "full" at once.
-MAX_STREAMS = 128
 PING_TIMEOUT_S = 0.5  # a role busy with a step may answer late: the next ping asks again
 # A ready role is asked for its memory this often: the heartbeat's pace. Not faster: a role
 # that waits for a quiet second on its inbox (the shadow ending a request) must get one.
@@ -84,12 +75,6 @@ RESTART_WINDOW_S = 600.0
 RESTART_BACKOFF_S = 1.0
 LOG_TAIL_LINES = 12
 PROGRESS_EVERY_S = 0.5  # how often a download reports its progress
-HANDOVER_MS = 2000  # how long a one-message client may take to hand its message to main
-# The most a generation's metrics may take as JSON on the link. The control plane closes a frame
-# past its cap (ODMOE_MAX_REQUEST_BYTES, 16 MiB by default) with 1009, and the per-step record
-# grows with layers x tokens: about 450 bytes a layer, so a 2,048-token answer of a 32-layer
-# model is about 29 MB. Steps past this budget are left out of it, and counted.
-MAX_METRICS_BYTES = 4 * 2**20
 
 
 def shard_dir(state_dir: Path, model_id: int, shard: str) -> Path:
@@ -154,34 +139,6 @@ def memory_changed(before: dict[str, int], after: dict[str, int]) -> bool:
     return False
 
 
-def bounded_metrics(metrics: dict, max_bytes: int = MAX_METRICS_BYTES) -> dict:
-    """``metrics`` as a generation's result carries them up the link: whole when they fit in
-    ``max_bytes`` as JSON, else with the per-step record (``per_step``, the only part that grows
-    with the answer) cut to the first steps that fit, and ``per_step_omitted`` saying how many
-    steps were left out. The summary figures are never cut."""
-    steps = metrics.get("per_step")
-    if not isinstance(steps, list) or len(json.dumps(metrics)) <= max_bytes:
-        return metrics
-    summary = {key: value for key, value in metrics.items() if key != "per_step"}
-    budget = max_bytes - len(json.dumps({**summary, "per_step": [], "per_step_omitted": len(steps)}))
-    kept: list = []
-    for step in steps:
-        size = len(json.dumps(step)) + 2  # the step and the separator before the next one
-        if size > budget:
-            break
-        budget -= size
-        kept.append(step)
-    return {**summary, "per_step": kept, "per_step_omitted": len(steps) - len(kept)}
-
-
-MAIN_EXITED = object()  # what ``_stream`` returns when main's process exited mid-answer
-MAIN_BACK_S = 45.0  # how long an answer waits for main to be started again and ready: within the caller's 60 s
-
-
-class MainExited(RuntimeError):
-    """Main's process died while a generation waited on it."""
-
-
 def client_keys_of(command: StartRole, spec: RoleSpec) -> EndpointKeys:
     """The keys this box's client of the role uses: the seat's client pair (``command``) and the
     role's public key (its checked ``spec``); ``CurveError`` if the pair is not a usable one."""
@@ -223,12 +180,11 @@ class RoleRunner:
         self.command: StartRole | None = None
         self.process: asyncio.subprocess.Process | None = None
         self._work: asyncio.Task | None = None
-        # Generations run at once (main batches them); each streams in a thread of its own.
-        self._streams = ThreadPoolExecutor(max_workers=MAX_STREAMS, thread_name_prefix="generation")
-        self._cancelled: set[str] = set()
-        self._running_generations: set[str] = set()
         self._reported_memory: dict[str, int] = {}  # what the control plane last got
         self.client_keys: EndpointKeys | None = None  # the seat's client keys, once the role's spec was checked
+        # Generations, cancels and alignment, when this role is main; it looks at this runner's state
+        # as often as the runner looks at its role.
+        self.main_work = MainWork(self, poll_s=WATCH_EVERY_S)
 
     # --- what the heartbeat reports ------------------------------------------------------------
 
@@ -238,7 +194,7 @@ class RoleRunner:
         self._reported_memory = self.state.memory
         return self.state.to_json()
 
-    async def _set(
+    async def set_state(
         self, state: str, detail: str = "", metrics: dict | None = None, memory: dict[str, int] | None = None
     ) -> None:
         assert self.command is not None
@@ -293,7 +249,7 @@ class RoleRunner:
                 await self._work
             self._work = None
         await self._terminate()
-        await self._set("stopped")
+        await self.set_state("stopped")
 
     async def close(self) -> None:
         """The agent is stopping: so does its role (and the role process with it)."""
@@ -326,19 +282,19 @@ class RoleRunner:
                 spec = load_spec(spec_path)  # the runtime checks it again; a bad spec is reported here, clearly
                 self.client_keys = client_keys_of(command, spec)
             except SpecError as exc:
-                await self._set("failed", f"bad role spec: {exc}")
+                await self.set_state("failed", f"bad role spec: {exc}")
                 return
             except CurveError as exc:
-                await self._set("failed", f"bad client keys: {exc}")
+                await self.set_state("failed", f"bad client keys: {exc}")
                 return
-            await self._set("starting", "waiting for the role to answer")
+            await self.set_state("starting", "waiting for the role to answer")
             await self._spawn(command, spec_path)
             await self._watch(command, spec, spec_path)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must show up as a failed role, not a silent agent
             log.exception("role of %s failed", command.deployment)
-            await self._set("failed", f"agent error: {exc}")
+            await self.set_state("failed", f"agent error: {exc}")
         finally:
             # Stopped, failed to start or failed for good, or the agent is stopping: the role's
             # secret key leaves the disk (the process read it when it started).
@@ -347,11 +303,11 @@ class RoleRunner:
                     spec_path.unlink(missing_ok=True)
 
     async def _fetch(self, command: StartRole) -> Path | None:
-        await self._set("fetching", f"shard {command.shard}")
+        await self.set_state("fetching", f"shard {command.shard}")
         try:
             dest = shard_dir(self.state_dir, command.model_id, command.shard)
         except ValueError as exc:
-            await self._set("failed", str(exc))
+            await self.set_state("failed", str(exc))
             return None
         # Alike link.py's fetch command by domain, on purpose: a role start reports its own way.
         reason = await fetch_with_progress(
@@ -364,7 +320,7 @@ class RoleRunner:
             trust=self.trust,
         )
         if reason:
-            await self._set("failed", f"shard {command.shard}: {reason}")
+            await self.set_state("failed", f"shard {command.shard}: {reason}")
             return None
         return dest
 
@@ -416,13 +372,13 @@ class RoleRunner:
                     exited = f"the role process exited with code {code}"
                     restarts = [t for t in restarts if loop.time() - t < RESTART_WINDOW_S]
                     if not was_ready or len(restarts) >= MAX_RESTARTS:
-                        await self._set("failed", f"{exited}:\n{self._log_tail(command)}")
+                        await self.set_state("failed", f"{exited}:\n{self._log_tail(command)}")
                         return
                     delay = RESTART_BACKOFF_S * 2 ** len(restarts)
                     window = f"{RESTART_WINDOW_S / 60:.0f} min"
                     attempt = f"restart {len(restarts) + 1} of at most {MAX_RESTARTS} in {window}"
                     log.warning("%s of %s: %s; again in %.0f s", command.shard, command.deployment, exited, delay)
-                    await self._set("starting", f"{exited}; starting it again ({attempt})", memory={})
+                    await self.set_state("starting", f"{exited}; starting it again ({attempt})", memory={})
                     await asyncio.sleep(delay)
                     restarts.append(loop.time())
                     was_ready = False
@@ -453,11 +409,11 @@ class RoleRunner:
             return
         memory = memory_of(pong)
         if current.state == "starting" and pong.ready:
-            await self._set("ready", memory=memory)
+            await self.set_state("ready", memory=memory)
         elif current.state == "starting" and pong.detail and pong.detail != current.detail:
-            await self._set("starting", pong.detail, memory=memory)
+            await self.set_state("starting", pong.detail, memory=memory)
         elif memory_changed(self._reported_memory, memory):
-            await self._set(current.state, current.detail, memory=memory)
+            await self.set_state(current.state, current.detail, memory=memory)
         else:  # kept for the next heartbeat
             self.state = msgspec.structs.replace(current, memory=memory)
 
@@ -466,170 +422,3 @@ class RoleRunner:
         with contextlib.suppress(OSError):
             return "\n".join(path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
         return "(no log)"
-
-    # --- main's work: alignment and generations ------------------------------------------------
-
-    def _main_client(self, deployment: str) -> RuntimeClient | None:
-        command = self.command
-        if command is None or command.deployment != deployment or command.spec.get("role") != "main":
-            return None
-        if self.state is None or self.state.state != "ready" or self.client_keys is None:
-            return None
-        return RuntimeClient(command.spec["addresses"]["main"], deployment, curve=self.client_keys)
-
-    async def apply_alignment(self, command: ApplyAlignment) -> None:
-        client = self._main_client(command.deployment)
-        if client is None:
-            log.warning("alignment for %s ignored: this box does not run its main", command.deployment)
-            return
-        try:
-            client.set_alignment(command.token_period, command.kv_period)
-        finally:
-            await asyncio.to_thread(client.close, HANDOVER_MS)
-
-    async def generate(self, command: Generate) -> None:
-        """Run one generation on main, beside any others (main batches them); events go to the control
-        plane. If main's process exits mid-answer, the answer is carried to main once it is back
-        (``agent.migration``): the caller sees a pause, then the rest. Whatever goes wrong here, the
-        caller hears so (a retryable ``Failed``), never silence."""
-        try:
-            await self._generate(command)
-        except Exception as exc:  # a bug must not leave the caller waiting out its timeout
-            log.exception("generation %s failed in the agent", command.request_id)
-            await self.send(Failed(request_id=command.request_id, error=f"agent error: {exc}", retryable=True))
-        finally:
-            self._cancelled.discard(command.request_id)
-
-    async def _generate(self, command: Generate) -> None:
-        if command.request_id in self._cancelled:
-            done = Done(request_id=command.request_id, token_ids=[], finish_reason="cancelled", metrics={})
-            await self.send(done)
-            return
-        carried = Carried(seeded(command), **self._carrying())
-        request: Generate | str = carried.request
-        role = self.command  # the role this answer runs on: a restart of it, not another start
-        while True:
-            client, proc = self._main_client(command.deployment), self.process
-            if client is None or proc is None:
-                error = f"this box does not run a ready main for deployment {command.deployment}"
-                await self.send(
-                    carried.failed(error) if carried.resumed_at else Failed(request_id=command.request_id, error=error)
-                )
-                return
-            self._running_generations.add(command.request_id)
-            loop = asyncio.get_running_loop()
-            try:
-                metrics = await loop.run_in_executor(self._streams, self._stream, client, proc, request, carried, loop)
-            finally:
-                self._running_generations.discard(command.request_id)
-                client.close()
-            if metrics is not MAIN_EXITED:
-                break
-            if carried.spent:
-                await self.send(carried.finished())
-                return
-            request = carried.continuation()
-            if isinstance(request, str):
-                await self.send(carried.failed(request))
-                return
-            log.warning(
-                "main exited mid-answer %s after %d tokens: carried to main once it is back",
-                command.request_id,
-                len(carried.sent),
-            )
-            back = await self._main_back(role, command.request_id)
-            if command.request_id in self._cancelled:  # cancelled while main was down: it ends with what was sent
-                await self.send(msgspec.structs.replace(carried.finished(), finish_reason="cancelled"))
-                return
-            if not back:
-                await self.send(
-                    carried.failed(f"main's process exited mid-answer and was not back within {MAIN_BACK_S:.0f} s")
-                )
-                return
-        if metrics is not None and self.state is not None and self.state.state == "ready":
-            await self._set("ready", metrics={k: metrics.get(k) for k in RUNTIME_METRICS})
-
-    def _carrying(self) -> dict:
-        """How an answer is carried across main's restart: the deployment's settings for it (``Carried``)."""
-        settings = self.command.spec.get("settings", {}) if self.command is not None else {}
-        settings = settings if isinstance(settings, dict) else {}
-        mode = settings.get("replay", PREFILL)
-        limits = {name: settings.get(name) for name in ("max_migrations", "max_replay_tokens")}
-        return {
-            "mode": mode if mode in (PREFILL, EXACT) else PREFILL,
-            **{name: value for name, value in limits.items() if type(value) is int and value >= 0},
-        }
-
-    async def _main_back(self, role: StartRole | None, request_id: str) -> bool:
-        """Wait for this box's agent to have started main again for ``role`` and heard it ready (False:
-        it was not, in time; the role was stopped, failed or replaced meanwhile; or ``request_id`` was
-        cancelled)."""
-        deadline = asyncio.get_running_loop().time() + MAIN_BACK_S
-        while asyncio.get_running_loop().time() < deadline:
-            proc, state = self.process, self.state
-            if request_id in self._cancelled:
-                return False
-            if self.command is not role or state is None or state.state not in ("starting", "ready"):
-                return False
-            if state.state == "ready" and proc is not None and proc.returncode is None:
-                return True
-            await asyncio.sleep(WATCH_EVERY_S)
-        return False
-
-    def _stream(
-        self,
-        client: RuntimeClient,
-        proc: asyncio.subprocess.Process,
-        request: Generate,
-        carried: Carried,
-        loop: asyncio.AbstractEventLoop,
-    ) -> dict | object | None:
-        """Relay one request's events, as the whole answer's; returns its metrics when it finished,
-        ``MAIN_EXITED`` when main's process ``proc`` (the one the request went to) exited first."""
-
-        def post(message: WireStruct) -> WireStruct | None:
-            # No timeout: a generation's event is kept, not lost, however long the link takes to take it.
-            return asyncio.run_coroutine_threadsafe(self.send(message), loop).result()
-
-        def alive() -> None:
-            """Runs while the request waits on main: a main that exited (or was replaced) ends the wait."""
-            if proc.returncode is not None or self.process is not proc:
-                raise MainExited("main's process exited mid-answer")
-
-        try:
-            # The events go up as main sent them; only a result's figures are cut to what the link carries.
-            for received in client.stream_request(request, timeout_s=600.0, idle=alive):
-                event = carried.renumbered(received)
-                if event is None:  # replayed: the caller had it
-                    continue
-                if isinstance(event, Done):
-                    post(msgspec.structs.replace(event, metrics=bounded_metrics(event.metrics)))
-                    return event.metrics
-                if isinstance(post(event), Failed):  # a token too large for the link: its generation failed there
-                    client.cancel(request.request_id)
-                    return None
-        except MainExited:
-            return MAIN_EXITED
-        except ReplayDiverged as exc:
-            client.cancel(request.request_id)
-            post(carried.failed(str(exc)))
-        except GenerationError as exc:
-            refused = {"busy": exc.busy, "too_many_generations": exc.too_many_generations}
-            post(Failed(request_id=request.request_id, error=str(exc), **refused))
-        return None
-
-    async def cancel(self, command: CancelGeneration) -> None:
-        if len(self._cancelled) > 1000:
-            self._cancelled.clear()
-        # Noted whether or not main runs it now: a queued one ends before it starts, one whose main is
-        # being started again ends with what was sent (the main this cancel reaches may be gone).
-        self._cancelled.add(command.request_id)
-        if command.request_id not in self._running_generations:
-            return
-        if self.command is None or self.client_keys is None:
-            return
-        client = RuntimeClient(self.command.spec["addresses"]["main"], self.command.deployment, curve=self.client_keys)
-        try:
-            client.cancel(command.request_id)
-        finally:
-            await asyncio.to_thread(client.close, HANDOVER_MS)

@@ -3,7 +3,8 @@
 - no function over 80 lines in the project's code (``inference/``, ``platform/``, ``agent/``,
   ``benchmarks/``, ``deploy/``; issues 38 and 57), but the training tools (``TRAINING_TOOLS``);
 - no class over 400 lines in ``inference/runtime/`` (issue 38);
-- no module over 600 lines in ``inference/`` or ``platform/`` (issue 57).
+- no module over 600 lines in ``inference/`` or ``platform/`` (issue 57);
+- the agent (``agent/``) held to both: no class over 400 lines, no module over 600.
 
 Migrations are generated, and left out.
 """
@@ -97,6 +98,21 @@ def test_no_module_over_600_lines_in_inference_or_platform() -> None:
         if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]
     assert not too_long, "\n".join(too_long)
+
+
+def test_no_agent_class_over_400_lines_and_no_agent_module_over_600() -> None:
+    """The agent, the one program every GPU box runs, keeps the runtime's and the platform's limits."""
+    too_long = [
+        f"class {name}: {lines} lines (limit {MAX_CLASS_LINES})"
+        for kind, name, lines in _sizes("agent")
+        if kind == "class" and lines > MAX_CLASS_LINES
+    ] + [
+        f"{path.relative_to(REPO)}: {lines} lines (limit {MAX_MODULE_LINES})"
+        for path in _modules("agent")
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not too_long, "\n".join(too_long)
+    assert "agent/runtime.py:RoleRunner" in {name for _, name, _ in _sizes("agent")}
 
 
 def test_the_allow_list_names_only_real_exceptions() -> None:

@@ -143,13 +143,13 @@ def test_main_s_agent_carries_answers_as_its_deployment_s_settings_say() -> None
     from agent.runtime import RoleRunner
 
     runner = RoleRunner(None, None, None)  # type: ignore[arg-type]
-    assert runner._carrying() == {"mode": "prefill"}  # no role yet: the defaults
+    assert runner.main_work._carrying() == {"mode": "prefill"}  # no role yet: the defaults
     settings = {"replay": "exact", "max_migrations": 0, "max_replay_tokens": 7}
     runner.command = SimpleNamespace(spec={"role": "main", "settings": settings})  # type: ignore[assignment]
-    carried = Carried(REQUEST, **runner._carrying())
+    carried = Carried(REQUEST, **runner.main_work._carrying())
     assert (carried.mode, carried.max_migrations, carried.max_replay_tokens) == ("exact", 0, 7)
     runner.command = SimpleNamespace(spec={"settings": {"replay": "?", "max_migrations": -1}})  # type: ignore[assignment]
-    assert runner._carrying() == {"mode": "prefill"}  # what no deployment sends: the defaults
+    assert runner.main_work._carrying() == {"mode": "prefill"}  # what no deployment sends: the defaults
 
 
 class MainThatExits:
@@ -159,7 +159,7 @@ class MainThatExits:
         import asyncio
         from types import SimpleNamespace
 
-        from agent import runtime
+        from agent import generations, runtime
         from inference.wire.link import RoleState
 
         self.sent: list = []
@@ -172,14 +172,15 @@ class MainThatExits:
         runner.command = SimpleNamespace(deployment="d", spec={"role": "main", "settings": {}})  # type: ignore[assignment]
         runner.state = RoleState(deployment="d", role="main", state=state)
         runner.process = SimpleNamespace(returncode=None)  # type: ignore[assignment]
-        runner._main_client = lambda deployment: SimpleNamespace(close=lambda: None)  # type: ignore[method-assign]
+        work = self.work = runner.main_work
+        work._main_client = lambda deployment: SimpleNamespace(close=lambda: None)  # type: ignore[method-assign]
 
         def stream(client, proc, request, carried, loop):
             for i in range(sent):
                 asyncio.run_coroutine_threadsafe(send(carried.renumbered(token(i, 10 + i))), loop).result()
-            return runtime.MAIN_EXITED
+            return generations.MAIN_EXITED
 
-        runner._stream = stream  # type: ignore[method-assign]
+        work._stream = stream  # type: ignore[method-assign]
 
 
 def test_a_cancel_while_main_is_down_ends_the_answer_with_what_was_sent() -> None:
@@ -190,16 +191,16 @@ def test_a_cancel_while_main_is_down_ends_the_answer_with_what_was_sent() -> Non
     main = MainThatExits(2)
 
     async def session() -> None:
-        answering = asyncio.create_task(main.runner.generate(REQUEST))
+        answering = asyncio.create_task(main.work.generate(REQUEST))
         await asyncio.sleep(0.3)  # main is being started again
-        await main.runner.cancel(CancelGeneration(request_id="r1"))
+        await main.work.cancel(CancelGeneration(request_id="r1"))
         await asyncio.wait_for(answering, 5)
 
     asyncio.run(session())
     *tokens, done = main.sent
     assert [t.token_id for t in tokens] == [10, 11]
     assert isinstance(done, Done) and done.finish_reason == "cancelled" and done.token_ids == [10, 11]
-    assert main.runner._cancelled == set()
+    assert main.work._cancelled == set()
 
 
 def test_a_main_stopped_while_the_answer_waits_for_it_ends_the_answer_at_once_and_retryably() -> None:
@@ -212,7 +213,7 @@ def test_a_main_stopped_while_the_answer_waits_for_it_ends_the_answer_at_once_an
 
     async def session() -> float:
         started = time.monotonic()
-        answering = asyncio.create_task(main.runner.generate(REQUEST))
+        answering = asyncio.create_task(main.work.generate(REQUEST))
         await asyncio.sleep(0.3)
         main.runner.state = RoleState(deployment="d", role="main", state="stopped")  # StopRole
         await asyncio.wait_for(answering, 5)
@@ -227,6 +228,6 @@ def test_an_answer_whose_budget_was_spent_when_main_exited_ends_whole() -> None:
     import asyncio
 
     main = MainThatExits(REQUEST.max_new_tokens)
-    asyncio.run(main.runner.generate(REQUEST))
+    asyncio.run(main.work.generate(REQUEST))
     done = main.sent[-1]
     assert isinstance(done, Done) and done.finish_reason == "length" and done.token_ids == list(range(10, 16))

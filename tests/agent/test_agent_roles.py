@@ -7,8 +7,8 @@ import asyncio
 import json
 from pathlib import Path
 
+from agent.generations import MAX_METRICS_BYTES, bounded_metrics
 from agent.roles import Roles
-from agent.runtime import MAX_METRICS_BYTES, bounded_metrics
 from inference.wire.generation import Failed, Generate
 from inference.wire.link import CancelGeneration, RoleState, StartRole
 

@@ -48,7 +48,7 @@ def test_a_running_role_reports_its_memory_when_it_moves_and_with_every_heartbea
     )
 
     async def scenario() -> None:
-        await runner._set("starting", "waiting for the role to answer")
+        await runner.set_state("starting", "waiting for the role to answer")
         assert runner.state.memory == {}  # no answer yet
         await runner._heard(pong(ready=False, detail="loading main's tensors", host=300 * MB))
         await runner._heard(pong(host=1 * GB, peak=1200 * MB, device=2 * GB))
@@ -57,8 +57,8 @@ def test_a_running_role_reports_its_memory_when_it_moves_and_with_every_heartbea
         assert len(sent) == 3
         assert runner.snapshot()["memory"]["host_bytes"] == 1 * GB + 4 * MB  # ...but the heartbeat carries it
         await runner._heard(pong(host=1 * GB + 4 * MB, peak=1200 * MB, device=3 * GB))  # a real move is sent
-        await runner._set("ready", metrics={"decode_tok_s": 5.0})  # a generation's figures keep the memory
-        await runner._set("failed", "the role process exited with code -9")
+        await runner.set_state("ready", metrics={"decode_tok_s": 5.0})  # a generation's figures keep the memory
+        await runner.set_state("failed", "the role process exited with code -9")
 
     asyncio.run(scenario())
     states = [(m.state, m.detail, m.memory) for m in sent]

@@ -3,7 +3,7 @@
 A generation's metrics hold the runtime's summary figures (TTFT, token rates, recall, expert
 loads, medians of a decode layer's parts, one entry per worker or layer at most) and the
 per-step record (``per_step``: every step's layers, experts and times), which grows with the
-answer: about 450 bytes a layer a token, up to the agent's 4 MiB (``agent.runtime``). Kept for
+answer: about 450 bytes a layer a token, up to the agent's 4 MiB (``agent.generations``). Kept for
 every output, a Mixtral-size job of 100 prompts stored some 400 MB and its detail answered as
 much JSON. An output keeps the summary only, held to ``MAX_OUTPUT_METRICS_BYTES``; the
 per-step record is for benchmarks and the runtime's own client (``python -m inference``).
