@@ -19,10 +19,12 @@
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     socket = new WebSocket(`${scheme}://${location.host}/ws/chat/`);
     socket.addEventListener("message", (event) => handle(JSON.parse(event.data)));
-    socket.addEventListener("close", () => {
-      status.textContent = "disconnected; reconnecting…";
+    socket.addEventListener("close", (event) => {
+      // 4429: this user has as many chat pages open as one may; this one tries again now and then.
+      const tooMany = event.code === 4429;
+      status.textContent = tooMany ? `${event.reason}; trying again…` : "disconnected; reconnecting…";
       setBusy(busy);
-      setTimeout(connect, 1000);
+      setTimeout(connect, tooMany ? 5000 : 1000);
     });
     socket.addEventListener("open", () => {
       status.textContent = "";

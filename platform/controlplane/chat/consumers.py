@@ -1,9 +1,10 @@
 """The chat websocket: a user's message in, the answer's tokens out as the cluster makes them.
 
-Only logged-in users connect (the session cookie); one answer at a time per socket, and at
-most ``DEFAULT_THROTTLE_RATES["chat"]`` messages a user (past it a message is refused before
-anything of it is stored). The answer is written by its writer (``chat.writer``), not by the
-socket: the socket follows the answer's tape (``chat.tape``), and a page that comes back
+Only logged-in users connect (the session cookie), each with at most
+``settings.CHAT_PAGES_PER_USER`` sockets open in one web process (``chat.pages``); one answer at a
+time per socket, and at most ``DEFAULT_THROTTLE_RATES["chat"]`` messages a user (past it a message
+is refused before anything of it is stored). The answer is written by its writer (``chat.writer``),
+not by the socket: the socket follows the answer's tape (``chat.tape``), and a page that comes back
 (``resume``: a reconnection, a reload, another web worker after one restarted) follows it again
 from where it was. A ``stop`` message really stops the generation on the cluster; closing the page
 stops it when no page has come back within ``settings.CHAT_RESUME_GRACE_S``. A socket following an
@@ -32,7 +33,7 @@ from controlplane.serving.text import InputError, chat_text, check_lengths, chec
 from controlplane.shared_redis import ERRORS
 from controlplane.throttles import chat_message_wait
 
-from . import protocol, services, tape, writer, writing
+from . import pages, protocol, services, tape, writer, writing
 from .models import MessageStatus
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         self.answering: asyncio.Task | None = None  # starting an answer, then following it
         self.following: int | None = None  # the answer this page shows, while it is written
         self.answer_id: int | None = None  # the answer ``answering`` is for, once stored
+        self.counted: int | None = None  # the user this page counts to (``pages``), while it is open
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -54,8 +56,15 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
         await self.accept()
+        if not pages.enter(user.pk):  # the user's other pages go on
+            await self.close(code=pages.CLOSE_TOO_MANY_PAGES, reason=pages.too_many())
+            return
+        self.counted = user.pk
 
     async def disconnect(self, code: int) -> None:
+        if self.counted is not None:
+            pages.leave(self.counted)
+            self.counted = None
         # The answer goes on (``writer``): the page may come back for it.
         if self.answering is not None:
             self.answering.cancel()
@@ -64,6 +73,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         """A frame that is not JSON text gets an error like a malformed message: Channels' own JSON
         consumer raises on it (a binary or empty frame, text that is not JSON, nests too deep or
         holds an integer past Python's digit limit), which closed the socket as a server error."""
+        if self.counted is None:  # a page refused past the bound, already closed: nothing it sends is read
+            return
         try:
             if not text_data:
                 raise ValueError("a message must be a JSON text frame")

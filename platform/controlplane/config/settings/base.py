@@ -16,6 +16,7 @@
 | ``REDIS_URL`` | Redis for Celery, the Channels layer and the shared cache | ``redis://127.0.0.1:6379/0`` |
 | ``ODMOE_NODE_HEARTBEAT_TIMEOUT_S`` | silence after which a node turns offline | 15 |
 | ``ODMOE_CHAT_RESUME_GRACE_S`` | how long a chat answer whose page went away waits for it to come back | 20 |
+| ``ODMOE_CHAT_PAGES_PER_USER`` | chat pages (sockets) one user may hold open in one web process | 32 |
 | ``ODMOE_TASK_REDELIVERY_S`` | a task whose worker died unacknowledged runs again after | 3600 |
 | ``ODMOE_LOG_LEVEL`` | log level of every process | INFO |
 | ``ODMOE_LOGIN_FAILURE_LIMIT`` | failed logins that lock one username out from one address | 5 |
@@ -294,6 +295,9 @@ NODE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("ODMOE_NODE_HEARTBEAT_TIMEOUT_S"
 # A chat answer whose page went away (closed, reloaded, or its web worker restarted) goes on this long
 # for the page to come back and pick it up where it left off; then it is stopped (chat.writing).
 CHAT_RESUME_GRACE_S = float(os.environ.get("ODMOE_CHAT_RESUME_GRACE_S", "20"))
+# Chat sockets one user may hold open in one web process (``chat.pages``): each holds a file
+# descriptor and, while it follows an answer, a Redis connection; past it a page is closed with 4429.
+CHAT_PAGES_PER_USER = int(os.environ.get("ODMOE_CHAT_PAGES_PER_USER", "32"))
 # Jobs run for minutes: they get a queue (and, under ``manage.py up``, a worker) of their own, so
 # offline detection and deployment pushes never wait behind them on the default queue.
 CONTROL_QUEUE = "celery"
