@@ -1,9 +1,10 @@
 """A chat answer whose web process stopped mid-answer (``controlplane.chat.writing``): its partial text
 was saved as it came, and it is failed, saying why, instead of staying "being written" forever; an
 answer whose writer is alive, however long it waits for a token, is left alone. The answer's tape
-(``chat.tape``) takes each piece once and is read from where a page left off; one writer holds an
-answer at a time; a page follows only its own user's answers. (The whole answer across a closed page,
-a stopped writer and a restarted web server: ``test_serving_e2e``, ``test_browser``.)"""
+(``chat.tape``) takes each piece once and is read from where a page left off, after the answer's end
+too; one writer holds an answer at a time; a page follows only its own user's answers. (The whole
+answer across a closed page, a stopped writer and a restarted web server: ``test_serving_e2e``,
+``test_browser``.)"""
 
 from __future__ import annotations
 
@@ -167,6 +168,43 @@ def test_a_page_follows_only_its_own_users_answers_and_an_ended_one_is_told_from
     for bad in ({"answer": "1"}, {"answer": 0}, {"answer": answer.pk, "after": -1}, {"answer": True}):
         (error,) = async_to_sync(resume)(owner, {"type": "resume", **bad})
         assert error["type"] == "error" and "must be" in error["detail"]
+
+
+def test_a_page_that_comes_back_after_the_end_is_shown_the_pieces_it_missed_then_the_end(
+    transactional_db, channel_layer_on_test_redis
+) -> None:
+    """The page's socket closed after piece 0 and the answer ended before it asked again (a short
+    answer on a fast cluster): it is shown the pieces from 1 on, each once, then the end, and what it
+    was shown reads as the saved answer. It was told the end alone, its text short of the answer's."""
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.chat.consumers import ChatConsumer
+
+    owner = get_user_model().objects.create_user("ivan")
+    _, answer, _ = services.start_turn(user=owner, conversation_id=None, content="question")
+    meta = tape.Meta(deployment_id=1, deployment="d", user_id=owner.pk, prompt_ids=[1], max_tokens=8, request_id="r")
+    tape.start(answer.pk, meta)
+    # Piece 1 ends inside a character (no text of its own); main's end is the last piece.
+    for index, (token_id, text) in enumerate([(10, "Hel"), (11, ""), (12, "lo"), (13, " there"), (tape.NO_TOKEN, "")]):
+        async_to_sync(tape.append)(answer.pk, tape.Piece(index, token_id, text))
+    services.finish_answer(answer_id=answer.pk, content="Hello there", status=MessageStatus.COMPLETE)
+    async_to_sync(tape.append_end)(answer.pk, services.answer_end(answer_id=answer.pk))
+
+    async def comes_back() -> list[dict]:
+        comm = WebsocketCommunicator(ChatConsumer.as_asgi(), "/ws/chat/")
+        comm.scope["user"] = owner
+        assert (await comm.connect())[0]
+        await comm.send_json_to({"type": "resume", "answer": answer.pk, "after": 1})
+        received = [await comm.receive_json_from(timeout=10)]
+        while received[-1]["type"] != "done":
+            received.append(await comm.receive_json_from(timeout=10))
+        await comm.disconnect()
+        return received
+
+    *shown, done = async_to_sync(comes_back)()
+    assert [(event["type"], event["index"]) for event in shown] == [("token", 2), ("token", 3)]
+    assert "Hel" + "".join(event["text"] for event in shown) == done["content"] == "Hello there"
+    assert done["status"] == "complete"
 
 
 def test_a_stop_before_the_answer_has_a_tape_writes_nothing_and_a_partial_meta_is_none(

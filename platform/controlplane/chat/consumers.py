@@ -6,9 +6,10 @@ time per socket, and at most ``DEFAULT_THROTTLE_RATES["chat"]`` messages a user 
 is refused before anything of it is stored). The answer is written by its writer (``chat.writer``),
 not by the socket: the socket follows the answer's tape (``chat.tape``), and a page that comes back
 (``resume``: a reconnection, a reload, another web worker after one restarted) follows it again
-from where it was. A ``stop`` message really stops the generation on the cluster; closing the page
-stops it when no page has come back within ``settings.CHAT_RESUME_GRACE_S``. A socket following an
-answer whose writer died takes the writing over.
+from where it was (one that ended meanwhile: the pieces the page missed, then its end). A ``stop``
+message really stops the generation on the cluster; closing the page stops it when no page has come
+back within ``settings.CHAT_RESUME_GRACE_S``. A socket following an answer whose writer died takes
+the writing over.
 """
 
 from __future__ import annotations
@@ -182,9 +183,24 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             return
         served.CHAT_RESUMES.inc()
         if answer.status != MessageStatus.STREAMING:
-            await self._send_end(await waiting_for_the_database(services.answer_end, answer_id=answer.pk))
+            await self._show_ended(answer.pk, resume.after)
             return
         await self._follow(answer.pk, resume.after)
+
+    async def _show_ended(self, answer_id: int, after: int) -> None:
+        """An answer that ended while the page was away: the pieces from ``after`` on that its tape still
+        has, then its end. Its writer puts every piece on the tape before it saves the end, so none the
+        page missed is left out; a tape gone (expired, or Redis away) leaves the end alone, which holds
+        the whole answer."""
+        try:
+            missed = await asyncio.to_thread(tape.pieces, answer_id, after)
+        except ERRORS as exc:
+            log.warning("chat answer %s: its tape could not be read (%s); its end alone is shown", answer_id, exc)
+            missed = []
+        for piece in missed:
+            if piece.text:
+                await self.send_json(protocol.token(piece.text, piece.index))
+        await self._send_end(await waiting_for_the_database(services.answer_end, answer_id=answer_id))
 
     async def _follow(self, answer_id: int, after: int) -> None:
         """Show the answer from its piece ``after`` to its end, as its writer puts it on the tape.

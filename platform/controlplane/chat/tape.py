@@ -6,8 +6,9 @@ adds; main's end as a piece of ``NO_TOKEN``, with the text of a last incomplete 
 and, at the end, what the page is told then (``protocol.done``, with an error if any). Every
 page showing the answer reads the tape (``follow``), from wherever it left off: a page whose socket
 closed (a network blip, a reload, a web worker's restart) asks again from its last piece and misses
-nothing, and sees nothing twice. A writer that took over from one that died reads the pieces so
-far (``pieces``) and goes on from there.
+nothing, and sees nothing twice; one that asks again after the end reads the pieces it missed
+(``pieces``). A writer that took over from one that died reads the pieces so far and goes on from
+there.
 
 A Redis restart does not end an answer: Redis keeps the tape (appendonly, ``deploy/redis``), and the
 writer waits for it to answer again, up to ``REDIS_WAIT_S``, before giving a piece up (``_add``).
@@ -197,9 +198,9 @@ def mark_stopped(answer_id: int) -> bool:
     return bool(client().eval(_STOP, 1, _meta(answer_id)))
 
 
-def pieces(answer_id: int) -> list[Piece]:
-    """Every piece on the tape, in order (the end left out)."""
-    entries = client().xrange(_tape(answer_id), "-", f"0-{2**63 - 1}")
+def pieces(answer_id: int, after: int = 0) -> list[Piece]:
+    """Every piece on the tape after the first ``after``, in order (the end left out)."""
+    entries = client().xrange(_tape(answer_id), _piece_id(after), f"0-{2**63 - 1}")
     return [_piece(entry_id, fields) for entry_id, fields in entries]
 
 
