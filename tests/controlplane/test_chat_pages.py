@@ -1,7 +1,9 @@
-"""One user's chat pages are bounded in each web process (``controlplane.chat.pages``): past
-``CHAT_PAGES_PER_USER`` a page is accepted and closed at once with 4429 and the reason the page
-shows, and nothing it sends is read; the user's other pages go on, another user's page still
-connects, and a page that closes frees its place."""
+"""What one chat page holds in its web process. One user's pages are bounded
+(``controlplane.chat.pages``): past ``CHAT_PAGES_PER_USER`` a page is accepted and closed at once
+with 4429 and the reason the page shows, and nothing it sends is read; the user's other pages go
+on, another user's page still connects, and a page that closes frees its place. And a page takes no
+channel of the channel layer, whose receive, cancelled as the socket closes, could lose another
+answer's token."""
 
 from __future__ import annotations
 
@@ -53,3 +55,30 @@ def test_a_user_past_the_bound_is_refused_a_page_while_their_others_and_other_us
         assert (pages.open_pages(alice.pk), pages.open_pages(bob.pk)) == (0, 0)
 
     async_to_sync(scenario)()
+
+
+def test_a_chat_page_takes_no_channel_of_the_channel_layer(channel_layer_on_test_redis) -> None:
+    """The layer is configured (agent links and generations use it), and the chat's consumer gets
+    none: no channel of its own, so no receive of its own to cancel when it closes."""
+    from channels.layers import get_channel_layer
+
+    user = get_user_model().objects.create_user("carol")
+    opened: list[ChatConsumer] = []
+
+    class Seen(ChatConsumer):
+        async def connect(self) -> None:
+            opened.append(self)
+            await super().connect()
+
+    async def scenario() -> None:
+        comm = WebsocketCommunicator(Seen.as_asgi(), "/ws/chat/")
+        comm.scope["user"] = user
+        assert (await comm.connect())[0]
+        await comm.send_to(text_data="not json")
+        assert (await comm.receive_json_from(timeout=5))["type"] == "error"  # served as before
+        await comm.disconnect()
+
+    assert get_channel_layer() is not None
+    async_to_sync(scenario)()
+    (consumer,) = opened
+    assert consumer.channel_layer is None and not hasattr(consumer, "channel_name")

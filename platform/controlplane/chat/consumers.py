@@ -41,9 +41,18 @@ log = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
 RETRY_S = 1.0  # how long a page's follower waits before reading a tape Redis failed to give
+NO_CHANNEL_LAYER = "none: a chat socket takes no channel"  # an alias CHANNEL_LAYERS never names
 
 
 class ChatConsumer(AsyncJsonWebsocketConsumer):
+    # A chat socket takes no channel of the channel layer: the answer's writer, not the socket, talks
+    # to the cluster. A consumer with one cancels its channel's receive when its socket closes, and a
+    # receive cancelled while it pops loses what it took from Redis, whichever of the process's
+    # channels it was for (channels_redis#366, ``deployments.generation``): closing a chat page failed
+    # another answer written in the same process, its next token never coming. No layer is configured
+    # under this alias, so Channels gives the consumer none.
+    channel_layer_alias = NO_CHANNEL_LAYER
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.answering: asyncio.Task | None = None  # starting an answer, then following it
