@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -109,6 +110,10 @@ def port_range() -> tuple[int, int]:
 # Ports ``free_port`` has handed out in this process: a caller often picks several before binding any
 # (a cluster's roles, a server and its Redis), and a probe that was free a moment ago is free again.
 _HANDED_OUT: set[int] = set()
+# Held while a port is picked: callers on several threads at once (the load benchmark enrolls its
+# agents from a pool, each collecting an inventory of free ports) neither read the set while another
+# changes it nor both take the same port.
+_PICKING = threading.Lock()
 
 
 def free_port() -> int:
@@ -117,9 +122,14 @@ def free_port() -> int:
 
     A port picked from the ephemeral range (what binding port 0 gives) can be taken by any
     outgoing connection between the pick and the role's own bind; below that range only
-    another listener can take it.
+    another listener can take it. Safe to call from several threads at once.
     """
-    low, high = port_range()
+    with _PICKING:
+        return _pick_port(*port_range())
+
+
+def _pick_port(low: int, high: int) -> int:
+    """``free_port``'s pick in ``low``..``high``, under ``_PICKING``."""
     handed_here = {port for port in _HANDED_OUT if low <= port <= high}
     if len(handed_here) > (high - low + 1) // 2:
         _HANDED_OUT.difference_update(handed_here)

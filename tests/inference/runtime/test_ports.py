@@ -3,6 +3,9 @@ parallel workers each set a slice of their own (``tests/conftest.py``)."""
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import pytest
 
 from inference.runtime import launcher
@@ -33,6 +36,37 @@ def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound(monkeypatc
     monkeypatch.setenv(PORT_RANGE_ENV, "21100-21119")
     picked = [free_port() for _ in range(10)]
     assert len(set(picked)) == 10 and set(picked) <= set(range(21100, 21120))
+
+
+def test_threads_picking_at_once_each_get_a_port_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load benchmark enrolls its simulated agents from a thread pool, each collecting an
+    inventory of free ports: 16 threads picking 20 ports each at once, with the interpreter
+    switching threads as often as it can and many ports handed out before (outside the range, so
+    reading them takes a while), all get ports, and no two the same. Without a lock, a read of the
+    handed-out set while another thread added to it raised "Set changed size during iteration"."""
+    monkeypatch.setattr(launcher, "_HANDED_OUT", set(range(40000, 65000)))
+    monkeypatch.setenv(PORT_RANGE_ENV, "21200-21999")
+    start, picked, failed = threading.Barrier(16), [], []
+
+    def pick() -> None:
+        start.wait()
+        try:
+            picked.extend(free_port() for _ in range(20))
+        except Exception as exc:  # what the thread met, for the assertion below
+            failed.append(exc)
+
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=pick) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(was)
+    assert not failed, failed
+    assert len(picked) == 320 and len(set(picked)) == 320 and set(picked) <= set(range(21200, 22000))
 
 
 @pytest.mark.parametrize("given", ["21000", "a-b", "21050-21000", "80-2000", "60000-70000"])
