@@ -66,8 +66,9 @@ For ``--duration`` seconds, after every simulated agent is online, it measures:
   of a simulated agent's link, seen from its side.
 - chats: time to the first token and to ``done`` as the user sees them. A message is *lost*
   when no ``done`` came, or the tokens shown do not add up to ``done``'s content, or that is
-  not what the database saved as the answer. A ``done`` with status ``failed`` (the user was
-  told why) is counted apart, as failed.
+  not what the database saved as the answer. A ``done`` with status ``failed``, or an error that
+  ends the page's wait as the browser's (``chat.js``: the message refused before anything of it
+  was stored, or its answer given up), the user told why, is counted apart, as failed.
 - API latency of each poll, and this process's own event-loop lag (if the load generator
   lags, its figures say so).
 
@@ -241,11 +242,16 @@ def wrongly_offline(transitions: list[tuple[str, str, str, float]], names: set[s
 
 
 def judge_chats(records: list[dict], saved: dict[int, tuple[str, str]]) -> dict:
-    """Every chat message's fate: complete, failed (the user was told), or lost; ``saved``: id -> (content, status)."""
+    """Every chat message's fate: complete, failed or refused (the user was told), or lost; ``saved``: id ->
+    (content, status)."""
     complete, failed, lost, reasons = 0, 0, 0, Counter()
     for record in records:
         done = record.get("done")
         reason = ""
+        if done is None and record.get("told"):  # refused or given up: the user was told why
+            failed += 1
+            reasons[record["told"][:200]] += 1
+            continue
         if done is None:
             reason = record.get("problem") or "no done event"
         elif record["text"] != done["content"]:
@@ -307,7 +313,7 @@ def markdown(results: dict) -> str:
         f"| heartbeats lost (neither it nor a later one of its agent written) | {hb['lost']} of {hb['sent']} | 0 |",
         f"| heartbeats superseded (a later one of its agent written instead) | {hb.get('superseded', 0)} | |",
         f"| chat messages lost | {chat['lost']} of {chat['sent']} | 0 |",
-        f"| chat answers failed (user told why) | {chat['failed']} | 0 |",
+        f"| chat answers failed or refused (user told why) | {chat['failed']} | 0 |",
         f"| API streams lost | {results['streams']['lost']} of {results['streams']['sent']} | 0 |",
         f"| API streams failed or refused (client told why) | {results['streams']['failed']} | 0 |",
         *_job_rows(results.get("jobs")),
@@ -773,8 +779,10 @@ async def run_chat(load: Load, user: int, session: str) -> None:
                     asked += 1
                     record = await chat_once(ws, user, prompt, load.args.chat_tokens)
                     load.chats.append(record)
-                    if record["done"] is None:
+                    if record["problem"]:
                         break  # a socket that lost an answer is not trusted with the next one
+                    if record["told"]:  # refused or given up, saying why: the user waits a moment
+                        await asyncio.sleep(1)
                     if load.args.think_s:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(load.stop_chats.wait(), timeout=load.args.think_s)
@@ -785,7 +793,7 @@ async def run_chat(load: Load, user: int, session: str) -> None:
 
 async def chat_once(ws, user: int, prompt: str, max_tokens: int) -> dict:
     record: dict = {"user": user, "sent_at": time.time(), "ttft_ms": None, "answer_ms": None, "tokens": 0}
-    record.update(text="", done=None, errors=[], problem="")
+    record.update(text="", done=None, errors=[], problem="", told="")
     started = time.perf_counter()
     await ws.send(json.dumps({"type": "send", "conversation": None, "content": prompt, "max_tokens": max_tokens}))
     deadline = started + CHAT_TIMEOUT_S
@@ -801,6 +809,12 @@ async def chat_once(ws, user: int, prompt: str, max_tokens: int) -> dict:
                 record["text"] += event["text"]
             elif kind == "error":
                 record["errors"].append(event.get("detail", ""))
+                if event.get("refused") or event.get("answer") is not None:
+                    # Turned away before anything was stored, or the answer cannot be followed: the
+                    # page stops waiting, as the browser's does (``chat.js``), the user told why.
+                    why = "refused" if event.get("refused") else "failed"
+                    record["told"] = f"{why}: {event.get('detail', '')}"
+                    return record
             elif kind == "done":
                 record["answer_ms"] = (time.perf_counter() - started) * 1000
                 record["done"] = {k: event.get(k) for k in ("message_id", "content", "status", "metrics")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
@@ -67,6 +68,33 @@ def test_chat_messages_are_complete_failed_or_lost() -> None:
     saved = {1: ("hi", "complete"), 2: ("", "failed"), 3: ("abc", "complete"), 4: ("y", "complete")}
     judged = load.judge_chats(records, saved)
     assert (judged["sent"], judged["complete"], judged["failed"], judged["lost"]) == (5, 1, 1, 3)
+
+
+def test_a_chat_message_refused_ends_the_wait_told_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send turned away before anything of it was stored (the database away: PostgreSQL restarting)
+    gets an error with ``refused`` and never a ``done``: the browser's page gives the text back, and
+    so does the benchmark's user. It waited for a ``done`` instead, and counted the message lost after
+    ``CHAT_TIMEOUT_S`` (``load-restarts-jobs-5``: 4 sends at PostgreSQL's restart, "no done within 300 s")."""
+    refusal = {"type": "error", "detail": "the database cannot be reached right now (x); try again", "refused": True}
+    monkeypatch.setattr(load, "CHAT_TIMEOUT_S", 2.0)
+
+    class Socket:
+        def __init__(self, events: list[dict]) -> None:
+            self.events = [json.dumps(event) for event in events]
+
+        async def send(self, raw: str) -> None:
+            pass
+
+        async def recv(self) -> str:
+            if self.events:
+                return self.events.pop(0)
+            await asyncio.Event().wait()  # the server says nothing more
+            raise AssertionError("unreachable")
+
+    record = asyncio.run(load.chat_once(Socket([refusal]), 0, "hello", 8))
+    assert (record["problem"], record.get("told")) == ("", f"refused: {refusal['detail']}"), record
+    judged = load.judge_chats([record], {})
+    assert (judged["failed"], judged["lost"]) == (1, 0) and judged["reasons"] == {record["told"]: 1}
 
 
 def test_api_streams_are_complete_failed_or_lost() -> None:
