@@ -7,7 +7,7 @@ import concurrent.futures
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -15,6 +15,7 @@ from django.db import connection
 from django.test import Client, RequestFactory
 from django.urls import get_resolver
 
+from controlplane import database_away as database_away_module
 from controlplane.accounts.services import create_api_key
 from controlplane.database_away import AWAY, waited_for_the_database
 from inference.runtime.launcher import free_port
@@ -49,8 +50,11 @@ def test_an_api_call_that_meets_the_database_away_is_told_to_try_again() -> None
     assert client.get("/api/nodes").status_code == 200  # back: served
 
 
-def test_a_chat_message_sent_while_the_database_is_away_is_given_back_not_left_waiting() -> None:
-    """The page's send is refused, saying why, before anything is stored: the page keeps the text."""
+def test_a_chat_message_sent_while_the_database_is_away_is_given_back_not_left_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Away past the wait (``DATABASE_WAIT_S``, 1 s here), the page's send is refused, saying why,
+    before anything is stored: the page keeps the text."""
     from asgiref.sync import async_to_sync
     from channels.testing import WebsocketCommunicator
 
@@ -68,10 +72,49 @@ def test_a_chat_message_sent_while_the_database_is_away_is_given_back_not_left_w
         await comm.disconnect()
         return answer
 
+    monkeypatch.setattr(database_away_module, "DATABASE_WAIT_S", 1.0)
     with database_away():
         answer = async_to_sync(send_while_away)()
     assert answer["type"] == "error" and answer["refused"] and "try again" in answer["detail"], answer
     assert not Message.objects.exists()
+
+
+def test_a_chat_message_sent_while_the_database_restarts_waits_for_it_and_is_taken() -> None:
+    """Away for a moment, as while PostgreSQL restarts (under load, 4 s): the send waits for the
+    database before anything of it is stored, then is taken (stored once, its conversation told), not
+    refused."""
+    from asgiref.sync import async_to_sync
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.chat.consumers import ChatConsumer
+    from controlplane.chat.models import Message
+
+    alice = get_user_model().objects.create_user("alice")
+
+    async def send_while_restarting(back: Callable[[], None]) -> dict:
+        comm = WebsocketCommunicator(ChatConsumer.as_asgi(), "/ws/chat/")
+        comm.scope["user"] = alice
+        assert (await comm.connect())[0]
+        await comm.send_json_to({"type": "send", "conversation": None, "content": "hello", "max_tokens": 8})
+        assert await comm.receive_nothing(timeout=1.5)  # waiting for the database, not refused
+        back()
+        answer = await comm.receive_json_from(timeout=20)
+        await comm.disconnect()
+        return answer
+
+    restored = dict(connection.settings_dict)
+    with database_away():
+        settings, away = connection.settings_dict, dict(connection.settings_dict)
+        saved = {key: value for key, value in restored.items() if settings.get(key) != value}
+
+        def back() -> None:  # the database answers again (the dict every thread's connection reads)
+            settings.update(saved)
+
+        answer = async_to_sync(send_while_restarting)(back)
+        settings.update(away)  # as the context left it, for its own restore
+    assert answer["type"] == "conversation", answer
+    question, reply = Message.objects.order_by("pk")
+    assert (question.role, question.content, reply.role) == ("user", "hello", "assistant")
 
 
 def test_the_database_away_outside_a_view_is_the_same_503() -> None:
