@@ -15,18 +15,16 @@ import asyncio
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
 from agent.migration import EXACT, PREFILL, Carried, ReplayDiverged, seeded
 from inference.runtime.client import GenerationError, RuntimeClient
+from inference.runtime.curve import EndpointKeys
 from inference.wire.base import WireStruct
 from inference.wire.generation import Done, Failed, Generate
-from inference.wire.link import RUNTIME_METRICS, ApplyAlignment, CancelGeneration, StartRole
-
-if TYPE_CHECKING:
-    from agent.runtime import RoleRunner
+from inference.wire.link import RUNTIME_METRICS, ApplyAlignment, CancelGeneration, RoleState, StartRole
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +67,26 @@ class MainExited(RuntimeError):
     """Main's process died while a generation waited on it."""
 
 
+class Runner(Protocol):
+    """What ``MainWork`` reads of the role runner it belongs to (``agent.runtime.RoleRunner``), named
+    here so the runner's module imports this one and not the other way round."""
+
+    command: StartRole | None
+    state: RoleState | None
+    process: asyncio.subprocess.Process | None
+    client_keys: EndpointKeys | None
+
+    async def send(self, message: WireStruct) -> WireStruct | None: ...
+
+    async def set_state(
+        self, state: str, detail: str = "", metrics: dict | None = None, memory: dict[str, int] | None = None
+    ) -> None: ...
+
+
 class MainWork:
     """What the control plane asks of main, carried out on ``runner``'s role while it is a ready main."""
 
-    def __init__(self, runner: RoleRunner, *, poll_s: float) -> None:
+    def __init__(self, runner: Runner, *, poll_s: float) -> None:
         self.runner = runner  # its command, state, process and client keys are main's, when it runs main
         self.poll_s = poll_s  # how often an answer waiting for main looks at the runner's state again
         # Generations run at once (main batches them); each streams in a thread of its own.
