@@ -15,7 +15,7 @@ broken connection at the request's end, so the next request connects afresh.
 Work already under way (a chat answer's writer, a generation about to start) has no client to ask
 again: it tries its query again while the database is away, up to ``DATABASE_WAIT_S`` (a restart
 takes seconds: 4.5 s under load in that run), rather than failing the answer. A chat message, which
-must not be stored twice, waits before anything of it is stored (``until_the_database_answers``):
+must not be stored twice, waits until the database takes a connection (``once_connected``):
 under load with PostgreSQL restarted, 4 messages sent in its second away were refused
 (``benchmarks/results/load-restarts-jobs-5.json``, counted lost then) where a wait answers them.
 """
@@ -95,17 +95,35 @@ async def waiting_for_the_database(call: Callable[..., T], *args: Any, **kwargs:
     return await in_thread(*args, **kwargs)  # the last try: its error is raised
 
 
-async def until_the_database_answers() -> None:
-    """Wait while the database is away (each try opens a connection and asks it ``SELECT 1``), for up
-    to ``DATABASE_WAIT_S``; then its error is raised. Asked first by work that must not be tried twice
-    (a chat message, stored once: a try whose reply was lost may have stored it), it leaves only the
-    moment between its answer and the work's own queries for the database to go away in."""
-    await waiting_for_the_database(_select_one)
+async def once_connected(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call(*args, **kwargs)`` on the database (on the thread Django's synchronous work shares), run
+    once the database takes a connection: while connecting fails, nothing of ``call`` has run, and it
+    is tried again for up to ``DATABASE_WAIT_S``; an error of ``call``'s own queries is raised, never
+    tried again. For work that must not run twice (a chat message, stored once: a try whose reply was
+    lost may have stored it). No query is added: ``call`` connects first either way."""
+    in_thread = database_sync_to_async(_connected_then)  # closes a broken connection first
+    for pause in _pauses():
+        try:
+            return await in_thread(call, args, kwargs)
+        except _NotConnected as exc:
+            log.warning("%s: the database is away (%s); trying again", getattr(call, "__name__", call), exc.__cause__)
+        await asyncio.sleep(pause)
+    try:
+        return await in_thread(call, args, kwargs)  # the last try
+    except _NotConnected as exc:
+        raise exc.__cause__ from None  # the database's own error
 
 
-def _select_one() -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT 1")
+class _NotConnected(Exception):
+    """The database took no connection: nothing of the work ran (its error is the ``__cause__``)."""
+
+
+def _connected_then(call: Callable[..., T], args: tuple, kwargs: dict) -> T:
+    try:
+        connection.ensure_connection()
+    except AWAY as exc:
+        raise _NotConnected from exc
+    return call(*args, **kwargs)
 
 
 def waited_for_the_database(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -22,10 +22,9 @@ import time
 from collections.abc import Awaitable
 
 from asgiref.sync import sync_to_async
-from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from controlplane.database_away import AWAY, until_the_database_answers, waiting_for_the_database
+from controlplane.database_away import AWAY, once_connected, waiting_for_the_database
 from controlplane.serving import completions
 from controlplane.serving import metrics as served
 from controlplane.serving.bounds import CHAT_MESSAGE_CHARS, check_messages_size
@@ -141,9 +140,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
     async def _answer(self, send: protocol.Send) -> None:
         user = self.scope["user"]
         try:  # not tried again: a try whose reply was lost may have stored the question
-            await until_the_database_answers()  # away (restarting): waited for, before anything is stored
-            conversation, answer, history = await database_sync_to_async(services.start_turn)(
-                user=user, conversation_id=send.conversation, content=send.content
+            conversation, answer, history = await once_connected(  # away (restarting): waited for
+                services.start_turn, user=user, conversation_id=send.conversation, content=send.content
             )
         except services.ChatError as exc:
             await self.send_json(protocol.refused(str(exc)))
