@@ -28,6 +28,7 @@ from agent import credentials, doctor, inventory, tls
 from agent.defaults import DEFAULT_STATE_DIR, EXIT_REFUSED, EXIT_USAGE
 from agent.http import ControlPlaneError, request_json
 from agent.link import LinkRefused, run_link
+from agent.spawn import RoleSpawner
 from agent.tls import ServerTrust
 from inference import __version__
 from inference.wire.link import AGENT_PROTOCOL
@@ -119,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"allow a plain http server off this box (a lab network): {tls.CLEAR_TEXT} travel in clear",
     )
+    parser.add_argument(
+        "--role-zygotes",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="fork the role processes from the zygotes in FOLDER, which the agents of one machine share "
+        "(manage.py up starts them; inference.runtime.shared_zygote), not each as a fresh process",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:  # before anything goes on the network
@@ -143,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     facts = {"agent_version": __version__, "protocol": AGENT_PROTOCOL, "doctor": checked(credential, trust, args)}
     try:
         recheck = lambda: checked(credential, trust, args)  # noqa: E731
-        asyncio.run(_run_until_signalled(credential, args.state_dir, args.heartbeat, facts, recheck, trust))
+        spawner = RoleSpawner(args.role_zygotes)
+        asyncio.run(_run_until_signalled(credential, args.state_dir, args.heartbeat, facts, recheck, trust, spawner))
     except LinkRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -160,13 +170,22 @@ def checked(credential: credentials.NodeCredential, trust: ServerTrust, args: ar
 
 
 async def _run_until_signalled(
-    credential, state_dir: Path, heartbeat_s: float, facts: dict, recheck, trust: ServerTrust
+    credential, state_dir: Path, heartbeat_s: float, facts: dict, recheck, trust: ServerTrust, spawner: RoleSpawner
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await run_link(credential, state_dir, heartbeat_s=heartbeat_s, stop=stop, facts=facts, recheck=recheck, trust=trust)
+    await run_link(
+        credential,
+        state_dir,
+        heartbeat_s=heartbeat_s,
+        stop=stop,
+        facts=facts,
+        recheck=recheck,
+        trust=trust,
+        spawner=spawner,
+    )
 
 
 if __name__ == "__main__":

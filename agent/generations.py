@@ -20,6 +20,7 @@ from typing import Protocol
 import msgspec
 
 from agent.migration import EXACT, PREFILL, Carried, ReplayDiverged, seeded
+from agent.spawn import RoleProcess
 from inference.runtime.client import GenerationError, RuntimeClient
 from inference.runtime.curve import EndpointKeys
 from inference.wire.base import WireStruct
@@ -73,7 +74,7 @@ class Runner(Protocol):
 
     command: StartRole | None
     state: RoleState | None
-    process: asyncio.subprocess.Process | None
+    process: RoleProcess | None
     client_keys: EndpointKeys | None
 
     async def send(self, message: WireStruct) -> WireStruct | None: ...
@@ -204,7 +205,7 @@ class MainWork:
     def _stream(
         self,
         client: RuntimeClient,
-        proc: asyncio.subprocess.Process,
+        proc: RoleProcess,
         request: Generate,
         carried: Carried,
         loop: asyncio.AbstractEventLoop,

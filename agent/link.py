@@ -36,6 +36,7 @@ from agent.credentials import NodeCredential
 from agent.outbox import Outbox
 from agent.roles import Roles
 from agent.runtime import fetch_with_progress, shard_dir
+from agent.spawn import RoleSpawner
 from agent.tls import ServerTrust, TrustError
 from inference import __version__
 from inference.wire.base import WireStruct
@@ -106,6 +107,7 @@ async def run_link(
     facts: dict | None = None,
     recheck: Callable[[], dict] | None = None,
     trust: ServerTrust | None = None,
+    spawner: RoleSpawner | None = None,
 ) -> None:
     """Keep the link up until ``stop`` is set; raises LinkRefused if the credential is refused.
 
@@ -114,6 +116,7 @@ async def run_link(
     ``RECHECK_EVERY_S`` while it stays up (a box whose server, clock or disk was not ready
     when the agent started is not held to that first report). ``trust``: the agent's trust in the
     server, shared with every download (default: one from the credential's pin and ``state_dir``).
+    ``spawner``: how the roles' processes start (``agent.spawn``; default: each a fresh process).
     """
     trust = trust or ServerTrust(credential.server, credential.pin, state_dir)
     uplink = Uplink()
@@ -124,7 +127,7 @@ async def run_link(
         heartbeat_s=heartbeat_s,
         stop=stop or asyncio.Event(),
         uplink=uplink,
-        roles=Roles(credential, state_dir, uplink.send, trust),
+        roles=Roles(credential, state_dir, uplink.send, trust, spawner),
         trust=trust,
         facts=facts or {},
         recheck=recheck,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from agent.credentials import NodeCredential
 from agent.runtime import RoleRunner, Send, remove_stale_specs, role_name_of
+from agent.spawn import RoleSpawner
 from agent.tls import ServerTrust
 from inference.wire.generation import Failed, Generate
 from inference.wire.link import ApplyAlignment, CancelGeneration, StartRole
@@ -21,12 +22,18 @@ from inference.wire.link import ApplyAlignment, CancelGeneration, StartRole
 
 class Roles:
     def __init__(
-        self, credential: NodeCredential, state_dir: Path, send: Send, trust: ServerTrust | None = None
+        self,
+        credential: NodeCredential,
+        state_dir: Path,
+        send: Send,
+        trust: ServerTrust | None = None,
+        spawner: RoleSpawner | None = None,
     ) -> None:
         self.credential = credential
         self.state_dir = state_dir
         self.send = send
         self.trust = trust  # the agent's trust in the server, shared by every runner's downloads
+        self.spawner = spawner or RoleSpawner()  # how every runner starts its role process
         self.runners: dict[tuple[str, str], RoleRunner] = {}  # (deployment, role name) -> its runner
         remove_stale_specs(state_dir)  # no role runs before this agent starts one
 
@@ -48,7 +55,9 @@ class Roles:
         key = (command.deployment, role_name_of(command.spec))
         runner = self.runners.get(key)
         if runner is None:
-            runner = self.runners[key] = RoleRunner(self.credential, self.state_dir, self.send, self.trust)
+            runner = self.runners[key] = RoleRunner(
+                self.credential, self.state_dir, self.send, self.trust, self.spawner
+            )
         await runner.start(command)
 
     async def stop(self, deployment: str, role_name: str = "") -> None:

@@ -1,6 +1,7 @@
 """One runtime role this box runs for a deployment: fetch its shard, start it, watch it, stop it.
 
-``RoleRunner`` holds at most one role process (``python -m inference serve-role``); a box
+``RoleRunner`` holds at most one role process (``python -m inference serve-role``, started by
+``agent.spawn``: fresh, or forked from the zygote the agents of one machine share); a box
 with several GPUs runs one per GPU (``agent.roles.Roles`` keeps them). It
 outlives the websocket: a link that drops and comes back finds the role still running and
 reports it in the next heartbeat. Every change of state is sent up as a ``RoleState``
@@ -30,8 +31,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -41,11 +40,11 @@ from agent.credentials import NodeCredential
 from agent.download import fetch_shard
 from agent.generations import MainWork
 from agent.http import ControlPlaneError
+from agent.spawn import RoleProcess, RoleSpawner
 from agent.tls import ServerTrust
 from inference.modelio.shards import ShardError, is_plain_file_name, is_role_dirname
 from inference.runtime.client import RuntimeClient
 from inference.runtime.curve import CurveError, CurveKeys, EndpointKeys, check_endpoint_keys
-from inference.runtime.launcher import die_with_parent
 from inference.runtime.spec import RoleSpec, SpecError, load_spec, write_private
 from inference.wire.base import WireStruct
 from inference.wire.link import (
@@ -153,7 +152,7 @@ def client_keys_of(command: StartRole, spec: RoleSpec) -> EndpointKeys:
 
 def remove_stale_specs(state_dir: Path) -> None:
     """Remove the role spec files (each holds a role's secret key) that an agent killed before it
-    could clean up left behind; its role processes died with it (``die_with_parent``)."""
+    could clean up left behind; its role processes died with it (``agent.spawn``)."""
     for path in (state_dir / "runtime").glob("*/*.spec.json"):
         with contextlib.suppress(OSError):
             path.unlink()
@@ -170,15 +169,21 @@ class RoleRunner:
     """One role process of one deployment on this box (``agent.roles.Roles`` holds them all)."""
 
     def __init__(
-        self, credential: NodeCredential, state_dir: Path, send: Send, trust: ServerTrust | None = None
+        self,
+        credential: NodeCredential,
+        state_dir: Path,
+        send: Send,
+        trust: ServerTrust | None = None,
+        spawner: RoleSpawner | None = None,
     ) -> None:
         self.credential = credential
         self.state_dir = state_dir
         self.send = send  # to the control plane; drops messages while the link is down
         self.trust = trust  # how shard downloads trust the server (None: from the credential's pin)
+        self.spawner = spawner or RoleSpawner()  # how its role process starts (default: fresh)
         self.state: RoleState | None = None
         self.command: StartRole | None = None
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: RoleProcess | None = None
         self._work: asyncio.Task | None = None
         self._reported_memory: dict[str, int] = {}  # what the control plane last got
         self.client_keys: EndpointKeys | None = None  # the seat's client keys, once the role's spec was checked
@@ -333,21 +338,7 @@ class RoleRunner:
 
     async def _spawn(self, command: StartRole, spec_path: Path) -> None:
         log_path = self._run_dir(command) / f"{command.shard}.log"
-        with log_path.open("ab") as log_file:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "inference",
-                "serve-role",
-                "--role",
-                str(command.spec["role"]),
-                "--spec",
-                str(spec_path),
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-            )
+        self.process = await self.spawner.start(str(command.spec["role"]), spec_path, log_path)
 
     async def _watch(self, command: StartRole, spec: RoleSpec, spec_path: Path) -> None:
         """Ping the role while its process lives: for its readiness, then (less often) for its memory."""

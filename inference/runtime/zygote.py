@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # What each kind of role imports before it can serve: the zygote of that kind imports it once.
@@ -68,10 +69,12 @@ def _reply(message: dict) -> None:
     sys.stdout.flush()
 
 
-def _run_child(request: dict) -> None:
+def run_child(request: dict) -> None:
     """In the forked child: become the role process the request asks for, then exit with its code.
-    Its stdin, stdout and stderr (the zygote's pipes) become /dev/null and the role's log."""
+    Its stdin, stdout and stderr (the zygote's) become /dev/null and the role's log, and its title
+    (``ps``, ``/proc/PID/cmdline``) the command it runs, as a fresh role process's would be."""
     _die_with_parent(signal.SIGTERM)
+    _set_title([sys.executable, "-m", "inference", *request["argv"]])
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -97,11 +100,20 @@ def _run_child(request: dict) -> None:
     sys.exit(0)
 
 
-def _exit_code(status: int) -> int:
+def _set_title(argv: list[str]) -> None:
+    with contextlib.suppress(ImportError):  # without setproctitle, the zygote's command line stays
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join(argv))
+
+
+def exit_code(status: int) -> int:
+    """A ``waitpid`` status as ``Popen.returncode`` gives it: negative for a signal."""
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _reap() -> None:
+def reaped() -> Iterator[tuple[int, int]]:
+    """(pid, exit code) of each child of this process that has ended since the last call."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -109,7 +121,12 @@ def _reap() -> None:
             return
         if pid == 0:
             return
-        _reply({"exited": pid, "code": _exit_code(status)})
+        yield pid, exit_code(status)
+
+
+def _reap() -> None:
+    for pid, code in reaped():
+        _reply({"exited": pid, "code": code})
 
 
 def serve(kind: str) -> None:
@@ -134,23 +151,50 @@ def serve(kind: str) -> None:
             _fork(json.loads(line))
 
 
-def _fork(request: dict) -> None:
+def fork_refusal() -> str | None:
+    """Why this process may not fork a role now, or None when it may."""
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:  # native threads too
-        _reply({"error": "the zygote runs threads now, which a fork would not carry: start the role afresh"})
-        return
+        return "the zygote runs threads now, which a fork would not carry: start the role afresh"
     if "torch" in sys.modules and getattr(sys.modules["torch"].cuda, "is_initialized", lambda: False)():
-        _reply({"error": "the zygote touched a GPU, which a fork would not carry: start the role afresh"})
+        return "the zygote touched a GPU, which a fork would not carry: start the role afresh"
+    return None
+
+
+def _fork(request: dict) -> None:
+    refusal = fork_refusal()
+    if refusal:
+        _reply({"error": refusal})
         return
     pid = os.fork()
     if pid == 0:
-        _run_child(request)
+        run_child(request)
     _reply({"pid": pid})
 
 
 # --- the launcher's side -------------------------------------------------------------------------
 
 
-class ForkedRole:
+class SignalledByPid:
+    """``send_signal``, ``terminate`` and ``kill`` of a forked role, by its pid while it has not ended."""
+
+    pid: int
+
+    def ended(self) -> bool:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if not self.ended():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedRole(SignalledByPid):
     """A role process the zygote forked, seen as ``subprocess.Popen`` shows a child: ``pid``,
     ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill`` and ``returncode``."""
 
@@ -174,16 +218,8 @@ class ForkedRole:
             time.sleep(0.02)
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+    def ended(self) -> bool:
+        return self.poll() is not None
 
 
 class Zygote:

@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from controlplane.ops.processes import Child, ProcessGroup, agent_argv, asgi_argv, celery_argv, http_up, wait_until
+from inference.runtime.launcher import SPAWN_ENV
 from tests.controlplane.link_cut import LinkCut
 from tests.paths import REPO
 
@@ -130,7 +131,11 @@ class LiveControlPlane:
         """An agent on this machine; with ``python``, that interpreter's own installation of the agent
         (its package, not this checkout: run outside the repository, with no PYTHONPATH)."""
         if python is None:
-            argv = agent_argv(self.agents_server, self.state_root / name, name=name, token=token, heartbeat_s=1.0)
+            # Forked from the zygotes the group's agents share where the run forks roles (tests/conftest.py).
+            zygotes = self.group.share_zygotes() if os.environ.get(SPAWN_ENV) == "fork" else None
+            argv = agent_argv(
+                self.agents_server, self.state_root / name, name=name, token=token, heartbeat_s=1.0, zygotes=zygotes
+            )
             return self.group.start(f"agent-{name}", argv)
         argv = agent_argv(
             self.agents_server, self.state_root / name, name=name, token=token, heartbeat_s=1.0, python=str(python)
@@ -139,6 +144,25 @@ class LiveControlPlane:
 
     def wait_for(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
         wait_until(what, ready, timeout_s=timeout_s, check=self.group.check)
+
+
+def role_pids(state_root: Path) -> dict[str, int]:
+    """{spec file: pid} of every role process run by the agents whose state lies under ``state_root``,
+    found by its command line: a fresh role's arguments, or a forked role's title, which holds them
+    in one string (``inference.runtime.zygote``)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").split()
+        except OSError:
+            continue
+        if b"serve-role" in argv and b"--spec" in argv[:-1]:
+            spec = argv[argv.index(b"--spec") + 1].decode()
+            if spec.startswith(str(state_root)):
+                found[spec] = int(proc.name)
+    return found
 
 
 SERVED_MODEL = "tiny-cluster"

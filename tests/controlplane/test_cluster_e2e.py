@@ -23,7 +23,7 @@ import pytest
 from controlplane.deployments.models import AnswerPause
 from controlplane.ops.processes import ProcessGroup, python_env
 from inference.runtime.launcher import free_port
-from tests.controlplane.live import Api, LiveControlPlane, database_url, purge_stale_tasks
+from tests.controlplane.live import Api, LiveControlPlane, database_url, purge_stale_tasks, role_pids
 from tests.reference import PROMPTS, reference_generate
 
 AGENTS = 10
@@ -63,16 +63,9 @@ STREAMS = 8  # answers in flight when main is killed (main's batch holds 8)
 
 def kill_role(runtime_dir: Path, shard: str) -> bool:
     """SIGKILL the role process serving ``shard`` whose spec lies under ``runtime_dir`` (an agent's state)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        wanted = (str(runtime_dir).encode(), f"{shard}.spec".encode())
-        if b"serve-role" in argv and any(wanted[0] in a and wanted[1] in a for a in argv):
-            os.kill(int(proc.name), signal.SIGKILL)
+    for spec, pid in role_pids(runtime_dir).items():
+        if Path(spec).name == f"{shard}.spec.json":
+            os.kill(pid, signal.SIGKILL)
             return True
     return False
 

@@ -32,29 +32,12 @@ import redis
 from inference.runtime.textstream import load_tokenizer
 from tests.controlplane.conftest import ServedOnOwnRedis
 from tests.controlplane.link_cut import LinkCut
-from tests.controlplane.live import SERVED_MODEL, Served
+from tests.controlplane.live import SERVED_MODEL, Served, role_pids
 from tests.controlplane.test_serving_e2e import MESSAGES, chat_prompt_ids, job_outputs, reference_text, wait_job
 
 PROMPTS = ["Mixture of experts", "Route every token", "to a few experts", "on demand", "and evict them", "again"]
 TOKENS = 12
 DOWN_S = 2.0
-
-
-def role_pids(state_root: Path) -> dict[str, int]:
-    """{spec file: pid} of every role process run by the agents whose state lies under ``state_root``."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve-role" in argv and b"--spec" in argv:
-            spec = argv[argv.index(b"--spec") + 1].decode()
-            if spec.startswith(str(state_root)):
-                found[spec] = int(proc.name)
-    return found
 
 
 def greedy_chat(served: Served) -> str:

@@ -2,8 +2,9 @@
 
 ``ProcessGroup`` starts each child with its output in its own log file, tells which one
 died (with the tail of its log), and stops them all — last started first, a run of agents
-at once — on close, also when the parent is interrupted. The ``*_argv`` helpers say how each
-part is run, in one place.
+at once — on close, also when the parent is interrupted. Its agents may share a zygote of each
+role kind (``share_zygotes``), which forks their roles with the runtime's imports done once.
+The ``*_argv`` helpers say how each part is run, in one place.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +29,7 @@ from pathlib import Path
 import redis
 
 from inference.runtime.launcher import die_with_parent
+from inference.runtime.zygote import KINDS as ZYGOTE_KINDS
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 STOP_GRACE_S = 10.0
@@ -57,6 +60,7 @@ class ProcessGroup:
         self.log_dir = log_dir
         self.env = env
         self.children: list[Child] = []
+        self.zygotes: Path | None = None  # the folder of the zygotes its agents share, once started
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def __enter__(self) -> ProcessGroup:
@@ -100,6 +104,16 @@ class ProcessGroup:
         self.children.append(child)
         return child
 
+    def share_zygotes(self) -> Path:
+        """The folder of the zygotes this group's agents share (``agent_argv(zygotes=)``), one of each
+        kind (``inference.runtime.shared_zygote``), started on the first call; stopped with the group."""
+        if self.zygotes is None:
+            # A folder of its own (0700), short: a Unix socket's path holds at most 107 bytes.
+            self.zygotes = Path(tempfile.mkdtemp(prefix="odmoe-zygotes-"))
+            for kind in ZYGOTE_KINDS:
+                self.start(f"zygote-{kind}", zygote_argv(kind, self.zygotes))
+        return self.zygotes
+
     def check(self) -> None:
         """Raise ChildFailed if any child has exited."""
         for child in self.children:
@@ -136,6 +150,9 @@ class ProcessGroup:
             while wave[0].name.startswith(AGENT_PREFIX) and pending and pending[0].name.startswith(AGENT_PREFIX):
                 wave.append(pending.pop(0))
             self.stop_together(wave)
+        if self.zygotes is not None:
+            shutil.rmtree(self.zygotes, ignore_errors=True)
+            self.zygotes = None
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
@@ -246,10 +263,19 @@ def agent_argv(
     token: str | None = None,
     heartbeat_s: float = 2.0,
     python: str = sys.executable,
+    zygotes: Path | None = None,
 ) -> list[str]:
+    """An agent; with ``zygotes`` (``ProcessGroup.share_zygotes``), one whose roles fork from them."""
     argv = [python, "-m", "agent", "--server", server, "--state-dir", str(state_dir), "--name", name]
     argv += ["--heartbeat", str(heartbeat_s)]
+    if zygotes is not None:
+        argv += ["--role-zygotes", str(zygotes)]
     return [*argv, "--token", token] if token else argv
+
+
+def zygote_argv(kind: str, folder: Path) -> list[str]:
+    """The zygote of role kind ``kind`` that the agents of a group share, listening in ``folder``."""
+    return [sys.executable, "-m", "inference.runtime.shared_zygote", kind, str(folder)]
 
 
 def http_up(url: str) -> bool:

@@ -34,7 +34,7 @@ from controlplane.ops.processes import (
     redis_up,
     wait_until,
 )
-from inference.runtime.launcher import free_port
+from inference.runtime.launcher import SPAWNS, free_port
 
 # The demo model: a small Mixtral trained on Python's documentation (python -m inference train-demo).
 SHIPPED_DEMO_MODEL = Path(settings.REPO_DIR) / "platform" / "demo-model"
@@ -53,6 +53,13 @@ class Command(BaseCommand):
             "--model", type=Path, default=None, help="the demo checkpoint (default: platform/demo-model)"
         )
         parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for the demo deployment")
+        parser.add_argument(
+            "--role-spawn",
+            choices=SPAWNS,
+            default="fork",
+            help="fork: the local agents' roles fork from a zygote of each kind they share, which imported the "
+            "runtime once (default); exec: each role a fresh process, as on a box with an agent of its own",
+        )
 
     def handle(self, *args, **options) -> None:
         if not options["no_demo"] and options["agents"] < 3:
@@ -154,8 +161,9 @@ class Command(BaseCommand):
         moved = [name for name in names if demo.prepare_local_credential(states[name], url) == demo.FOLLOW]
         if moved:
             self.step(f"{len(moved)} local agents enrolled with this database follow it to {url}")
+        zygotes = group.share_zygotes() if options["role_spawn"] == "fork" else None
         for name in names:
-            argv = agent_argv(url, states[name], name=name, token=token, heartbeat_s=2.0)
+            argv = agent_argv(url, states[name], name=name, token=token, heartbeat_s=2.0, zygotes=zygotes)
             group.start(f"agent-{name}", argv, env={"REDIS_URL": None})  # an agent needs no Redis, nor its password
 
         def online() -> bool:
