@@ -100,13 +100,17 @@ class SharedZygote:
 
     def serve_forever(self) -> None:
         while True:
-            readable, _, _ = select.select([self.listener, *self.peers], [], [], 0.2)
-            self.reap()
-            for ready in readable:
-                if ready is self.listener:
-                    self.accept()
-                else:
-                    self.read(self.peers[ready])
+            self.serve_once()
+
+    def serve_once(self, wait_s: float = 0.2) -> None:
+        """Reap the roles that ended, then take what the listener and the connections have."""
+        readable, _, _ = select.select([self.listener, *self.peers], [], [], wait_s)
+        self.reap()
+        for ready in readable:
+            if ready is self.listener:
+                self.accept()
+            elif ready in self.peers:  # not one ``reap`` just closed: its role ended as its agent left
+                self.read(self.peers[ready])
 
     def accept(self) -> None:
         with contextlib.suppress(BlockingIOError, ConnectionAbortedError):

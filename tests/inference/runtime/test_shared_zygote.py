@@ -184,3 +184,33 @@ def test_the_agent_forks_its_role_where_a_zygote_answers_and_starts_it_fresh_whe
     assert "did not fork the role" in caplog.text and "starting the worker as a fresh process" in caplog.text
     for log in ("forked.log", "fresh.log"):
         assert "missing.spec.json does not exist" in (tmp_path / log).read_text()
+
+
+def test_a_role_that_ends_as_its_agent_leaves_does_not_end_the_zygote(tmp_path: Path) -> None:
+    """Both in one round: ``reap`` closes the connection that ``select`` found readable. In a process of
+    its own, whose only child is that role (``reap`` waits for any child)."""
+    script = textwrap.dedent(
+        f"""
+        import os, socket, time
+        from inference.runtime.shared_zygote import SharedZygote, _Peer
+
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind({str(tmp_path / "z.sock")!r})
+        listener.listen(1)
+        zygote = SharedZygote(listener)
+        held, agent = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(3)
+        time.sleep(0.5)  # the role has ended, not yet reaped
+        zygote.peers[held] = _Peer(held, pid=pid)
+        zygote.roles[pid] = zygote.peers[held]
+        agent.close()  # and its agent left
+        zygote.serve_once(wait_s=1)
+        assert zygote.peers == {{}} and zygote.roles == {{}}
+        print("served on")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "served on"
