@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import os
 import select
@@ -39,6 +38,7 @@ from inference.runtime.zygote import (
     SignalledByPid,
     ZygoteError,
     fork_refusal,
+    import_kind,
     reaped,
     run_child,
 )
@@ -187,8 +187,7 @@ def serve(kind: str, folder: Path) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(64)  # an agent asking while the imports below run waits in the backlog
-    for module in KINDS[kind]:
-        importlib.import_module(module)
+    import_kind(kind)
     listener.setblocking(False)
     print(f"the {kind} zygote is ready at {path}", flush=True)
     SharedZygote(listener).serve_forever()
@@ -257,7 +256,4 @@ async def start_forked(
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in KINDS:
         sys.exit(f"usage: python -m inference.runtime.shared_zygote {{{','.join(KINDS)}}} FOLDER")
-    # OpenBLAS (numpy's, which torch imports) starts a thread pool at import unless told one thread:
-    # the zygote must have none when it forks. Roles compute with torch's own threads.
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     serve(sys.argv[1], Path(sys.argv[2]))

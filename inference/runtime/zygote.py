@@ -129,11 +129,22 @@ def _reap() -> None:
         _reply({"exited": pid, "code": code})
 
 
+def import_kind(kind: str) -> None:
+    """Import what a role of ``kind`` runs, as a zygote does once, leaving it one thread to fork from.
+
+    OpenBLAS (numpy's, which torch and Transformers import) starts a thread pool when it loads
+    unless told one thread: set here, before it loads, so the zygote has none when it forks. The
+    roles compute with torch's own threads (``DeploymentSettings.threads``), which this does not touch.
+    """
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    for module in KINDS[kind]:
+        importlib.import_module(module)
+
+
 def serve(kind: str) -> None:
     """The zygote's loop: import ``kind``'s modules, then fork a role per request until stdin closes
     (its launcher gone, killed or not: the pipe closes with it), and exit, its children with it."""
-    for module in KINDS[kind]:
-        importlib.import_module(module)
+    import_kind(kind)
     _reply({"ready": kind})
     requests = sys.stdin.buffer
     buffered = b""
@@ -232,10 +243,7 @@ class Zygote:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=None,  # its own troubles go where this process's do
-            # OpenBLAS (numpy's, which torch and Transformers import) starts a thread pool at import
-            # unless told one thread: the zygote must have none when it forks. The roles compute
-            # with torch's own threads (``DeploymentSettings.threads``), which this does not touch.
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.lock = threading.Lock()
         self.exits: dict[int, int] = {}
